@@ -1,0 +1,25 @@
+"""Train a Gemma-family model: python run_training.py [hydra overrides...]
+
+    python run_training.py model=gemma3_1b model.mesh_shape=[[4,1],["fsdp","tp"]] training.micro_batch_size=4
+"""
+
+import sys
+from pathlib import Path
+
+from tunix_train.config import ConfigError, load_config
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg, run = load_config(argv)
+        from tunix_train.train.loop import train  # imports jax: after the cheap config checks
+
+        train(cfg, Path(run["run_dir"]), run["overrides"])
+    except ConfigError as err:
+        print(f"tunix_train: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

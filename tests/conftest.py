@@ -1,0 +1,31 @@
+"""Every test sees 8 fake CPU devices: XLA_FLAGS must be set before jax is first imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from tunix_train.config import load_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _eight_devices():
+    assert jax.device_count() == 8, "tests need XLA_FLAGS=--xla_force_host_platform_device_count=8"
+
+
+def config(*overrides: str):
+    """The composed, validated Config for the test-sized model plus `overrides`."""
+    cfg, _ = load_config(["model=gemma3_tiny", "data.seq_len=32", *overrides])
+    return cfg
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,101 @@
+"""The Gemma model: causality, sliding windows, documents, and the published sizes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import config
+from tunix_train.config import load_config
+from tunix_train.model import Gemma, layer_windows
+from tunix_train.sharding import make_mesh, state_shardings
+from tunix_train.train.optimizer import make_optimizer
+from tunix_train.train.state import TrainState, count_params
+
+GEMMA2_STYLE = ("model.attn_logit_softcap=50.0", "model.final_logit_softcap=30.0", "model.use_qk_norm=false")
+LAYOUTS = {
+    "global": ("model.local_layers_per_global=0",),
+    "sliding_window": ("model.local_layers_per_global=4",),  # 2 layers, both local
+    "gemma2_mixed": ("model.local_layers_per_global=1", *GEMMA2_STYLE),
+}
+
+
+def _logits(cfg, tokens, **kwargs):
+    return np.asarray(Gemma(cfg.model, nnx.Rngs(0))(jnp.asarray(tokens), **kwargs))
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_logits_at_t_ignore_tokens_after_t(layout):
+    cfg = config("model.sliding_window=4", *LAYOUTS[layout])
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.model.vocab_size, (2, 24))
+    changed = tokens.copy()
+    t = 10
+    changed[:, t + 1:] = rng.integers(0, cfg.model.vocab_size, (2, 24 - t - 1))
+    before, after = _logits(cfg, tokens), _logits(cfg, changed)
+    np.testing.assert_array_equal(before[:, : t + 1], after[:, : t + 1])
+    assert np.abs(before[:, t + 1:] - after[:, t + 1:]).max() > 1e-3  # later positions do see them
+
+
+def test_sliding_window_hides_tokens_outside_the_window():
+    window = 4
+    cfg = config("model.num_layers=1", "model.local_layers_per_global=1", f"model.sliding_window={window}")
+    assert list(layer_windows(cfg.model)) == [window]
+    tokens = np.random.default_rng(1).integers(0, cfg.model.vocab_size, (1, 16))
+    changed = tokens.copy()
+    changed[0, 3] = (tokens[0, 3] + 1) % cfg.model.vocab_size
+    before, after = _logits(cfg, tokens), _logits(cfg, changed)
+    # One local layer: position t attends to t-3..t, so a change at 3 reaches positions 3..6 only.
+    assert np.abs(before[0, 3:7] - after[0, 3:7]).max() > 1e-4
+    np.testing.assert_array_equal(before[0, 7:], after[0, 7:])
+
+
+def test_layer_pattern_of_gemma3_and_gemma2():
+    gemma3, _ = load_config(["model=gemma3_1b"])
+    windows = layer_windows(gemma3.model)
+    assert [i for i, w in enumerate(windows) if w != 512] == [5, 11, 17, 23]
+    gemma2, _ = load_config(["model=gemma2_2b"])
+    assert list(layer_windows(gemma2.model)[:4] == 4096) == [True, False, True, False]
+
+
+def test_documents_in_one_row_do_not_see_each_other():
+    cfg = config()
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, cfg.model.vocab_size, (1, 20))
+    segments = np.array([[1] * 8 + [2] * 12])
+    positions = np.array([list(range(8)) + list(range(12))])
+    changed = tokens.copy()
+    changed[0, :8] = rng.integers(0, cfg.model.vocab_size, 8)  # rewrite document 1
+    kwargs = dict(positions_BT=jnp.asarray(positions), segment_ids_BT=jnp.asarray(segments))
+    before, after = _logits(cfg, tokens, **kwargs), _logits(cfg, changed, **kwargs)
+    np.testing.assert_array_equal(before[0, 8:], after[0, 8:])
+    # Document 2 alone in its own row gives the same logits: positions restart per document.
+    alone = _logits(cfg, tokens[:, 8:])
+    np.testing.assert_allclose(before[0, 8:], alone[0], rtol=1e-5, atol=1e-5)
+
+
+SHIPPED = ["gemma_2b", "gemma_7b", "gemma2_2b", "gemma2_9b", "gemma3_270m", "gemma3_1b",
+           "gemma3_4b", "gemma3_12b", "gemma3_small", "gemma3_tiny"]
+# Published parameter counts of the text decoders: Hugging Face model cards / safetensors metadata
+# (gemma-2b: 2,506,172,416; gemma-2-2b: 2,614,341,888; gemma-3-1b-pt: 999,885,952) and the Gemma 3
+# technical report, Table 1 (4B: 675M embedding + 3,209M non-embedding parameters).
+PUBLISHED = {"gemma_2b": 2_506_172_416, "gemma2_2b": 2_614_341_888, "gemma3_1b": 999_885_952,
+             "gemma3_4b": 3_884_000_000}
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_configs_build_abstract_sharded_state(name):
+    cfg, _ = load_config([f"model={name}"])
+    optimizer, _ = make_optimizer(cfg.training)
+
+    def init(key):
+        params = nnx.state(Gemma(cfg.model, nnx.Rngs(key)), nnx.Param)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+    abstract = jax.eval_shape(init, jax.random.key(0))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
+    state_shardings(abstract, make_mesh([[8], ["fsdp"]]))  # every parameter divides over fsdp=8
+    if name in PUBLISHED:
+        n = count_params(abstract.params)
+        assert abs(n - PUBLISHED[name]) / PUBLISHED[name] < 0.01, f"{name}: {n:,} parameters"

@@ -1,0 +1,90 @@
+"""Mesh construction, the rules table, and that parameters and optimizer state are really sharded."""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from conftest import config
+from tunix_train.config import ConfigError
+from tunix_train.sharding import batch_sharding, logical_to_spec, make_mesh
+from tunix_train.train.optimizer import make_optimizer
+from tunix_train.train.state import create_train_state
+
+GOLDEN = Path(__file__).parent / "golden" / "gemma3_tiny_fsdp2_tp4.json"
+
+
+def _specs(tree) -> dict[str, str]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value"):
+            str(array.sharding.spec) for path, array in flat}
+
+
+def _state(mesh, *overrides):
+    cfg = config(*overrides)
+    optimizer, _ = make_optimizer(cfg.training)
+    with jax.set_mesh(mesh):
+        return create_train_state(cfg.model, optimizer, mesh, seed=0)[0]
+
+
+def test_parameter_specs_match_the_golden_table():
+    # tp=4 divides the 4 query heads but not the 2 key/value heads, which are replicated.
+    state = _state(make_mesh([[2, 4], ["fsdp", "tp"]]))
+    params = _specs(state.params)
+    assert params == json.loads(GOLDEN.read_text())
+    adam = state.opt_state[1][0]  # chain(clip, adamw) -> adamw's ScaleByAdamState
+    assert _specs(adam.mu) == params and _specs(adam.nu) == params
+
+
+def test_fsdp8_keeps_an_eighth_of_params_and_optimizer_state_per_device():
+    state = _state(make_mesh([[8], ["fsdp"]]))
+    arrays = jax.tree.leaves((state.params, state.opt_state))
+    total = sum(a.nbytes for a in arrays)
+    replicated = sum(a.nbytes for a in arrays if a.sharding.is_fully_replicated)
+    for device in jax.devices():
+        held = sum(s.data.nbytes for a in arrays for s in a.addressable_shards if s.device == device)
+        assert held <= total / 8 + replicated, (device, held, total)
+    assert replicated < 0.02 * total  # only QK-norm scales and counters
+
+
+def test_tp_is_innermost_whatever_the_axis_order():
+    devices = jax.devices()
+    for mesh_shape in ([[4, 2], ["fsdp", "tp"]], [[2, 4], ["tp", "fsdp"]]):
+        mesh = make_mesh(mesh_shape)
+        tp_axis = mesh.axis_names.index("tp")
+        groups = np.moveaxis(mesh.devices, tp_axis, -1).reshape(-1, mesh.shape["tp"])
+        ids = [[devices.index(d) for d in group] for group in groups]
+        assert all(g == list(range(g[0], g[0] + len(g))) for g in ids), ids  # neighbours share tp
+
+
+def test_minus_one_fills_the_remaining_devices():
+    assert dict(make_mesh([[-1, 2], ["dp", "tp"]]).shape) == {"dp": 4, "tp": 2}
+
+
+@pytest.mark.parametrize("mesh_shape, message", [
+    ([[4, 4], ["fsdp", "tp"]], "has 16 devices but 8 are available"),
+    ([[8], ["pp"]], "unknown mesh axis 'pp'"),
+    ([[2, 4], ["fsdp", "fsdp"]], "duplicate mesh axis"),
+    ([[-1, -1], ["fsdp", "tp"]], "at most one -1"),
+    ([[8]], "must be [[sizes...], [axis names...]]"),
+])
+def test_bad_mesh_shapes_name_the_problem(mesh_shape, message):
+    with pytest.raises(ConfigError, match="model.mesh_shape") as err:
+        make_mesh(mesh_shape)
+    assert message in str(err.value)
+
+
+def test_indivisible_parameter_dimension_names_the_parameter():
+    mesh = make_mesh([[8], ["fsdp"]])
+    with pytest.raises(ConfigError, match="layers.mlp.up_DF: dimension 'embed' of size 12"):
+        logical_to_spec(("layers", "embed", "mlp"), (2, 12, 64), mesh, "layers.mlp.up_DF")
+    assert logical_to_spec(("kv_heads",), (1,), make_mesh([[8], ["tp"]]), "k") == P(None)
+
+
+def test_batch_is_split_over_dp_and_fsdp_only():
+    mesh = make_mesh([[2, 2, 2], ["dp", "fsdp", "tp"]])
+    assert batch_sharding(mesh).spec == P(None, ("dp", "fsdp"), None)

@@ -1,0 +1,112 @@
+"""The compiled train step: equal losses on every mesh, accumulation == full batch, bf16."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from conftest import config, read_metrics
+from tunix_train.data.synthetic import SyntheticData
+from tunix_train.sharding import make_mesh, to_global_batch
+from tunix_train.train.loop import train
+from tunix_train.train.state import create_train_state, model_graphdef
+from tunix_train.train.step import compile_train_step
+
+GLOBAL_BATCH = 8
+MESHES = {  # name: (mesh_shape, devices used)
+    "1x1": ([[1, 1], ["fsdp", "tp"]], 1),
+    "fsdp8": ([[8, 1], ["fsdp", "tp"]], 8),
+    "fsdp4_tp2": ([[4, 2], ["fsdp", "tp"]], 8),
+    "fsdp2_tp4": ([[2, 4], ["fsdp", "tp"]], 8),
+    "tp8": ([[1, 8], ["fsdp", "tp"]], 8),
+    "dp2_fsdp2_tp2": ([[2, 2, 2], ["dp", "fsdp", "tp"]], 8),
+    "dp4_tp2": ([[4, 2], ["dp", "tp"]], 8),
+}
+# tp=8 needs 8 query heads and an MLP width divisible by 8; the same model runs on every mesh.
+MODEL = ("model.num_heads=8", "model.num_kv_heads=2", "model.head_dim=8", "training.log_every=1",
+         "training.max_steps=3", "training.warmup_steps=1")
+
+
+def _losses(tmp_path, name, *overrides):
+    mesh_shape, n_devices = MESHES[name]
+    dp = 1
+    for size, axis in zip(*mesh_shape):
+        dp *= size if axis in ("dp", "fsdp") else 1
+    cfg = config(*MODEL, f"training.micro_batch_size={GLOBAL_BATCH // dp}", *overrides)
+    cfg.model.mesh_shape = mesh_shape
+    train(cfg, tmp_path / name, devices=jax.devices()[:n_devices])
+    return np.array([m["loss"] for m in read_metrics(tmp_path / name)])
+
+
+def test_every_mesh_gives_the_same_losses(tmp_path):
+    reference = _losses(tmp_path, "1x1")
+    assert len(reference) == 3
+    for name in MESHES:
+        if name != "1x1":
+            np.testing.assert_allclose(_losses(tmp_path, name), reference, rtol=1e-5, err_msg=name)
+
+
+def _one_sgd_step(cfg, mesh_shape, n_devices, micro_batch, accumulation):
+    """Parameters after one plain-SGD step (lr 1): params - grads, so the update is the gradient."""
+    mesh = make_mesh(mesh_shape, jax.devices()[:n_devices])
+    optimizer, schedule = optax.sgd(1.0), optax.constant_schedule(1.0)
+    data = SyntheticData(seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size,
+                         accumulation_steps=accumulation, global_micro_batch=micro_batch, seed=0)
+    with jax.set_mesh(mesh):
+        state, shardings = create_train_state(cfg.model, optimizer, mesh, seed=0)
+        before = jax.tree.map(np.asarray, state.params)
+        step = compile_train_step(shardings, mesh, graphdef=model_graphdef(cfg.model, cfg.training.remat),
+                                  optimizer=optimizer, schedule=schedule,
+                                  mixed_precision=cfg.training.mixed_precision)
+        state, metrics = step(state, to_global_batch(data.batch(0), mesh))
+    update = jax.tree.map(lambda new, old: np.asarray(new) - old, state.params, before)
+    return update, float(metrics["loss"])
+
+
+@pytest.mark.parametrize("mesh_shape, n_devices", [([[1], ["fsdp"]], 1), ([[2, 4], ["fsdp", "tp"]], 8)])
+def test_accumulated_gradients_equal_full_batch(mesh_shape, n_devices):
+    cfg = config()
+    dp = mesh_shape[0][0]
+    full, full_loss = _one_sgd_step(cfg, mesh_shape, n_devices, micro_batch=8, accumulation=1)
+    accumulated, acc_loss = _one_sgd_step(cfg, mesh_shape, n_devices, micro_batch=8 // 4, accumulation=4)
+    assert acc_loss == pytest.approx(full_loss, rel=1e-6)
+    for a, b in zip(jax.tree.leaves(accumulated), jax.tree.leaves(full)):
+        assert np.abs(b).max() > 0
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+    del dp
+
+
+def test_accumulation_in_the_cli_config_matches_full_batch(tmp_path):
+    """micro_batch_size 2 x 4 accumulation steps vs 8 x 1, end to end with AdamW."""
+    losses = {}
+    for micro, accumulation in ((8, 1), (2, 4)):
+        cfg = config("training.max_steps=3", "training.log_every=1", f"training.micro_batch_size={micro}",
+                     f"training.gradient_accumulation_steps={accumulation}")
+        cfg.model.mesh_shape = [[1], ["fsdp"]]
+        train(cfg, tmp_path / f"{micro}x{accumulation}", devices=jax.devices()[:1])
+        losses[micro] = [m["loss"] for m in read_metrics(tmp_path / f"{micro}x{accumulation}")]
+    np.testing.assert_allclose(losses[2], losses[8], rtol=1e-5)
+
+
+def test_bf16_computes_in_bfloat16_and_keeps_float32_master_weights(tmp_path):
+    cfg = config("training.mixed_precision=bf16", "training.max_steps=3", "training.log_every=1")
+    state = train(cfg, tmp_path / "bf16")
+    assert {x.dtype for x in jax.tree.leaves((state.params, state.opt_state[1][0].mu))} == {jnp.dtype("float32")}
+    bf16 = [m["loss"] for m in read_metrics(tmp_path / "bf16")]
+    fp32_cfg = config("training.max_steps=3", "training.log_every=1")
+    train(fp32_cfg, tmp_path / "fp32")
+    fp32 = [m["loss"] for m in read_metrics(tmp_path / "fp32")]
+    # Same model and data: bf16 differs from fp32 by rounding, not by a different computation.
+    np.testing.assert_allclose(bf16, fp32, rtol=2e-2)
+    assert bf16 != fp32
+
+
+@pytest.mark.parametrize("remat", ["full", "save_matmul_outputs"])
+def test_remat_changes_memory_not_results(tmp_path, remat):
+    losses = {}
+    for policy in ("none", remat):
+        cfg = config(f"training.remat={policy}", "training.max_steps=2", "training.log_every=1")
+        train(cfg, tmp_path / policy)
+        losses[policy] = [m["loss"] for m in read_metrics(tmp_path / policy)]
+    np.testing.assert_allclose(losses[remat], losses["none"], rtol=1e-5)

@@ -1,0 +1,1 @@
+"""tunix_train: a mesh-sharded JAX/Flax trainer for Gemma-family decoder models."""

@@ -1,0 +1,184 @@
+"""The typed configuration: one schema, registered with hydra, validated once at start-up.
+
+`load_config(overrides)` composes `configs/config.yaml` with command-line overrides into these
+dataclasses. OmegaConf rejects unknown keys and wrongly typed values against the schema; the
+semantic checks that need no devices live in `validate`. Every failure is a `ConfigError` whose
+message is one line naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message is one line that names the offending key."""
+
+
+class MixedPrecision(enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Remat(enum.Enum):
+    none = "none"  # keep every activation for the backward pass
+    full = "full"  # recompute each layer in the backward pass
+    save_matmul_outputs = "save_matmul_outputs"  # recompute all but matmul outputs
+
+
+class LrSchedule(enum.Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class DataSource(enum.Enum):
+    synthetic = "synthetic"
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    name: str = MISSING
+    # [[sizes...], [axis names...]]; axis names from tunix_train.sharding.MESH_AXES, one size may be -1.
+    mesh_shape: Any = dataclasses.field(default_factory=lambda: [[-1], ["fsdp"]])
+    num_layers: int = MISSING
+    embed_dim: int = MISSING
+    hidden_dim: int = MISSING  # MLP width
+    num_heads: int = MISSING
+    num_kv_heads: int = MISSING
+    head_dim: int = MISSING
+    vocab_size: int = MISSING
+    # Queries are scaled by query_pre_attn_scalar ** -0.5; null means head_dim.
+    query_pre_attn_scalar: Optional[float] = None
+    attn_logit_softcap: Optional[float] = None  # Gemma 2
+    final_logit_softcap: Optional[float] = None  # Gemma 2
+    use_post_attn_norm: bool = False  # Gemma 2 and 3
+    use_post_ffw_norm: bool = False  # Gemma 2 and 3
+    use_qk_norm: bool = False  # Gemma 3
+    # Layers repeat the pattern: this many sliding-window (local) layers, then one global layer.
+    # Gemma 1: 0 (all global), Gemma 2: 1, Gemma 3: 5.
+    local_layers_per_global: int = 0
+    sliding_window: Optional[int] = None  # window of local layers, in tokens
+    rope_base_global: float = 10_000.0
+    rope_base_local: float = 10_000.0
+    rope_scale_global: float = 1.0  # linear position scaling of global layers (Gemma 3 4b+)
+    rms_norm_eps: float = 1e-6
+
+
+@dataclasses.dataclass
+class DataConfig:
+    source: DataSource = DataSource.synthetic
+    seq_len: int = 256
+
+
+@dataclasses.dataclass
+class TrainingConfig:
+    micro_batch_size: int = 4  # examples per data-parallel shard per micro-step
+    gradient_accumulation_steps: int = 1
+    mixed_precision: MixedPrecision = MixedPrecision.fp32
+    max_steps: int = 300
+    seed: int = 0
+    learning_rate: float = 3e-3  # peak
+    warmup_steps: int = 30
+    lr_schedule: LrSchedule = LrSchedule.cosine
+    min_learning_rate_ratio: float = 0.1  # final lr of the decay, as a fraction of the peak
+    weight_decay: float = 0.1
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip_norm: float = 1.0  # 0 disables clipping
+    remat: Remat = Remat.none
+    log_every: int = 10
+
+
+@dataclasses.dataclass
+class Config:
+    experiment: str = "default"
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+
+
+def _register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no devices; mesh checks live in tunix_train.sharding."""
+    m, t, d = cfg.model, cfg.training, cfg.data
+    positive = {
+        "model.num_layers": m.num_layers, "model.embed_dim": m.embed_dim,
+        "model.hidden_dim": m.hidden_dim, "model.num_heads": m.num_heads,
+        "model.num_kv_heads": m.num_kv_heads, "model.head_dim": m.head_dim,
+        "model.vocab_size": m.vocab_size, "data.seq_len": d.seq_len,
+        "training.micro_batch_size": t.micro_batch_size,
+        "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "training.max_steps": t.max_steps, "training.log_every": t.log_every,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}={value} must be positive")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
+    if m.local_layers_per_global < 0:
+        raise ConfigError(f"model.local_layers_per_global={m.local_layers_per_global} must be >= 0")
+    if m.local_layers_per_global and not (m.sliding_window and m.sliding_window > 0):
+        raise ConfigError("model.sliding_window must be positive when model.local_layers_per_global > 0")
+    if t.learning_rate < 0 or t.weight_decay < 0 or t.grad_clip_norm < 0:
+        raise ConfigError("training.learning_rate, weight_decay and grad_clip_norm must be >= 0")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"training.warmup_steps={t.warmup_steps} must be >= 0")
+
+
+def _describe_omegaconf_error(exc: BaseException) -> str:
+    """One line from hydra/OmegaConf's multi-line composition errors."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    causes = [exc]
+    while causes[-1].__cause__ is not None:
+        causes.append(causes[-1].__cause__)
+    for err in reversed(causes):
+        if isinstance(err, OmegaConfBaseException):
+            key = getattr(err, "full_key", None)
+            msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
+            if "not in struct" in msg or "Key '" in msg and "not" in msg:
+                return f"unknown config key '{key}': check its spelling against configs/"
+            return f"config key '{key}': {msg}" if key else msg
+    return str(exc).strip().splitlines()[0]
+
+
+def load_config(overrides: list[str]) -> tuple[Config, dict[str, Any]]:
+    """Composes configs/config.yaml with hydra overrides.
+
+    Returns the validated Config and the run's hydra facts: `run_dir` and `overrides`.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    _register_schema()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            raw = compose("config", overrides=overrides, return_hydra_config=True)
+        run_info = {
+            "run_dir": str(raw.hydra.run.dir),
+            "overrides": list(raw.hydra.overrides.task),
+        }
+        OmegaConf.set_struct(raw, False)
+        del raw["hydra"]
+        cfg = OmegaConf.to_object(raw)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(_describe_omegaconf_error(exc)) from None
+    validate(cfg)
+    return cfg, run_info

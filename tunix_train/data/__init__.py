@@ -1,0 +1,1 @@
+"""Training data: host-local batches of [accumulation step, example, position] arrays."""

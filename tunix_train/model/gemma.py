@@ -1,0 +1,195 @@
+"""The Gemma decoder family (Gemma 1, 2 and 3) in Flax NNX, one implementation behind config fields.
+
+Axis letters: B batch, T query positions, S key positions, D embed, N query heads, K key/value
+heads, G query heads per key/value head (N = K * G), H head dim, F MLP width, V vocab, L layers.
+Every parameter carries logical axis names (metadata `axes`); tunix_train.sharding maps them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tunix_train.config import ModelConfig, Remat
+from tunix_train.sharding import constrain
+
+_GLOBAL_WINDOW = np.iinfo(np.int32).max  # a global layer's "window" covers every position
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], fan_in: int) -> nnx.Param:
+    init = jax.nn.initializers.normal(stddev=fan_in**-0.5)
+    return nnx.Param(init(rngs.params(), shape, jnp.float32), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * (1 + scale), computed in float32; scale starts at zero."""
+
+    def __init__(self, dim: int, axis: str, eps: float):
+        self.scale = nnx.Param(jnp.zeros((dim,), jnp.float32), axes=(axis,))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def apply_rope(x_BTNH, positions_BT, base, scale):
+    """Rotary embedding over halves of the head dimension; positions divided by `scale`."""
+    half = x_BTNH.shape[-1] // 2
+    timescale = base ** (2.0 * jnp.arange(half, dtype=jnp.float32) / x_BTNH.shape[-1])
+    angle_BTH = positions_BT[..., None].astype(jnp.float32) / scale / timescale
+    sin, cos = jnp.sin(angle_BTH)[:, :, None, :], jnp.cos(angle_BTH)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with optional QK-norm (Gemma 3) and logit soft-capping (Gemma 2)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_DNH = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), D)
+        self.k_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D)
+        self.v_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D)
+        self.o_NHD = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), N * H)
+        self.q_norm = RMSNorm(H, "head_dim", cfg.rms_norm_eps) if cfg.use_qk_norm else None
+        self.k_norm = RMSNorm(H, "head_dim", cfg.rms_norm_eps) if cfg.use_qk_norm else None
+        self.query_scale = (cfg.query_pre_attn_scalar or H) ** -0.5
+        self.softcap = cfg.attn_logit_softcap
+
+    def __call__(self, x_BTD, positions_BT, mask_BTS, rope_base, rope_scale):
+        q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_DNH[...])
+        k_BSKH = jnp.einsum("bsd,dkh->bskh", x_BTD, self.k_DKH[...])
+        v_BSKH = jnp.einsum("bsd,dkh->bskh", x_BTD, self.v_DKH[...])
+        if self.q_norm is not None:
+            q_BTNH, k_BSKH = self.q_norm(q_BTNH), self.k_norm(k_BSKH)
+        q_BTNH = apply_rope(q_BTNH, positions_BT, rope_base, rope_scale) * self.query_scale
+        k_BSKH = apply_rope(k_BSKH, positions_BT, rope_base, rope_scale)
+        q_BTNH = constrain(q_BTNH, ("batch", "seq", "act_heads", None))
+
+        B, T, N, H = q_BTNH.shape
+        K = k_BSKH.shape[2]
+        q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+        logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH).astype(jnp.float32)
+        if self.softcap is not None:
+            logits_BKGTS = jnp.tanh(logits_BKGTS / self.softcap) * self.softcap
+        logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, -1e30)
+        probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BSKH.dtype)
+        out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
+        return jnp.einsum("btnh,nhd->btd", out_BTKGH.reshape(B, T, N, H), self.o_NHD[...])
+
+
+class MLP(nnx.Module):
+    """GeGLU: down(gelu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, F = cfg.embed_dim, cfg.hidden_dim
+        self.gate_DF = _param(rngs, (D, F), ("embed", "mlp"), D)
+        self.up_DF = _param(rngs, (D, F), ("embed", "mlp"), D)
+        self.down_FD = _param(rngs, (F, D), ("mlp", "embed"), F)
+
+    def __call__(self, x_BTD):
+        gate_BTF = jax.nn.gelu(jnp.einsum("btd,df->btf", x_BTD, self.gate_DF[...]), approximate=True)
+        h_BTF = constrain(gate_BTF * jnp.einsum("btd,df->btf", x_BTD, self.up_DF[...]),
+                          ("batch", "seq", "act_mlp"))
+        return jnp.einsum("btf,fd->btd", h_BTF, self.down_FD[...])
+
+
+class Block(nnx.Module):
+    """Pre-norm attention and MLP, each optionally followed by a post-norm (Gemma 2 and 3)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, eps = cfg.embed_dim, cfg.rms_norm_eps
+        self.pre_attn_norm = RMSNorm(D, "embed", eps)
+        self.attn = Attention(cfg, rngs)
+        self.post_attn_norm = RMSNorm(D, "embed", eps) if cfg.use_post_attn_norm else None
+        self.pre_ffw_norm = RMSNorm(D, "embed", eps)
+        self.mlp = MLP(cfg, rngs)
+        self.post_ffw_norm = RMSNorm(D, "embed", eps) if cfg.use_post_ffw_norm else None
+
+    def __call__(self, x_BTD, positions_BT, mask_BTS, rope_base, rope_scale):
+        h_BTD = self.attn(self.pre_attn_norm(x_BTD), positions_BT, mask_BTS, rope_base, rope_scale)
+        if self.post_attn_norm is not None:
+            h_BTD = self.post_attn_norm(h_BTD)
+        x_BTD = x_BTD + h_BTD
+        h_BTD = self.mlp(self.pre_ffw_norm(x_BTD))
+        if self.post_ffw_norm is not None:
+            h_BTD = self.post_ffw_norm(h_BTD)
+        return constrain(x_BTD + h_BTD, ("batch", "seq", "act_embed"))
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+    """One Block whose parameters have a leading `layers` axis, for jax.lax.scan."""
+    keys = jax.random.split(rngs.params(), cfg.num_layers)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0))))
+    state = jax.vmap(lambda key: nnx.state(Block(cfg, nnx.Rngs(key))))(keys)
+    for variable in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        variable.set_metadata(axes=("layers", *variable.get_metadata()["axes"]))
+    return nnx.merge(graphdef, state)
+
+
+def layer_windows(cfg: ModelConfig) -> np.ndarray:
+    """Attention window of each layer: `local_layers_per_global` local layers, then a global one."""
+    period = cfg.local_layers_per_global + 1
+    is_global = (np.arange(cfg.num_layers) + 1) % period == 0
+    return np.where(is_global, _GLOBAL_WINDOW, cfg.sliding_window or _GLOBAL_WINDOW).astype(np.int32)
+
+
+_REMAT_POLICIES = {
+    Remat.full: jax.checkpoint_policies.nothing_saveable,
+    Remat.save_matmul_outputs: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Gemma(nnx.Module):
+    """Token ids [B, T] -> float32 next-token logits [B, T, V]; embeddings tied to the output."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: Remat = Remat.none):
+        self.cfg, self.remat = cfg, remat
+        D, V = cfg.embed_dim, cfg.vocab_size
+        self.embedding_VD = _param(rngs, (V, D), ("vocab", "embed"), D)
+        self.layers = _stacked_blocks(cfg, rngs)
+        self.final_norm = RMSNorm(D, "embed", cfg.rms_norm_eps)
+
+    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
+        """positions restart at 0 and segment ids change at each packed document; by default one
+        document per row. Attention never crosses documents or looks ahead."""
+        cfg = self.cfg
+        B, T = tokens_BT.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        if segment_ids_BT is None:
+            segment_ids_BT = jnp.ones((B, T), jnp.int32)
+        table_VD = self.embedding_VD[...]
+        x_BTD = table_VD[tokens_BT] * jnp.sqrt(jnp.float32(cfg.embed_dim)).astype(table_VD.dtype)
+        x_BTD = constrain(x_BTD, ("batch", "seq", "act_embed"))
+
+        index = jnp.arange(T)
+        distance_TS = index[:, None] - index[None, :]
+        mask_BTS = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]) & (distance_TS >= 0)
+
+        windows_L = jnp.asarray(layer_windows(cfg))
+        is_global_L = windows_L == _GLOBAL_WINDOW
+        rope_base_L = jnp.where(is_global_L, cfg.rope_base_global, cfg.rope_base_local)
+        rope_scale_L = jnp.where(is_global_L, cfg.rope_scale_global, 1.0)
+
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def layer(x_BTD, per_layer):
+            state, window, rope_base, rope_scale = per_layer
+            layer_mask_BTS = mask_BTS & (distance_TS < window)
+            block = nnx.merge(graphdef, state)
+            return block(x_BTD, positions_BT, layer_mask_BTS, rope_base, rope_scale), None
+
+        if self.remat in _REMAT_POLICIES:
+            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.remat], prevent_cse=False)
+        x_BTD, _ = jax.lax.scan(layer, x_BTD, (layer_state, windows_L, rope_base_L, rope_scale_L))
+
+        x_BTD = self.final_norm(x_BTD)
+        logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, table_VD).astype(jnp.float32)
+        if cfg.final_logit_softcap is not None:
+            logits_BTV = jnp.tanh(logits_BTV / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        return constrain(logits_BTV, ("batch", "seq", "act_vocab"))

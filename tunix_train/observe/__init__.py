@@ -1,0 +1,1 @@
+"""Run output: train.log, metrics.jsonl and TensorBoard events."""

@@ -1,0 +1,46 @@
+"""metrics.jsonl (one JSON object per logged step) and tensorboardX scalars, side by side."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from tensorboardX import SummaryWriter
+
+LOGGER_NAME = "tunix_train"
+
+
+def setup_logging(run_dir: Path) -> logging.Logger:
+    """The tunix_train logger writes to stdout and to run_dir/train.log."""
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    formatter = logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "train.log")):
+        handler.setFormatter(formatter)
+        logger.addHandler(handler)
+    return logger
+
+
+class MetricsWriter:
+    """Appends to run_dir/metrics.jsonl and writes the same scalars as TensorBoard events."""
+
+    def __init__(self, run_dir: Path):
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._tensorboard = SummaryWriter(logdir=str(run_dir))
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+        self._jsonl.flush()
+        for name, value in scalars.items():
+            self._tensorboard.add_scalar(name, value, step)
+        self._tensorboard.flush()
+
+    def close(self) -> None:
+        self._jsonl.close()
+        self._tensorboard.close()

@@ -1,0 +1,189 @@
+"""The one owner of the Mesh and of every PartitionSpec.
+
+Modules name the logical axes of their parameters and activations; `LOGICAL_RULES` maps those names
+to mesh axes. Changing a parallelism strategy is an edit to that table, never to the model.
+
+Mesh axes:
+  dp    data parallel: parameters replicated, batch sharded
+  fsdp  fully sharded data parallel: parameters, gradients, optimizer state and batch sharded
+  tp    tensor parallel: attention heads and MLP width split Megatron-style
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from tunix_train.config import ConfigError, ModelConfig
+
+MESH_AXES = ("dp", "fsdp", "tp")
+BATCH_AXES = ("dp", "fsdp")  # the data-parallel axes: the batch is split over them
+
+# Logical axis -> mesh axes, in order. Mesh axes absent from the mesh are dropped.
+LOGICAL_RULES: dict[str, tuple[str, ...]] = {
+    # parameters
+    "vocab": ("tp",),
+    "embed": ("fsdp",),
+    "mlp": ("tp",),
+    "heads": ("tp",),
+    "kv_heads": ("tp",),
+    "head_dim": (),
+    "layers": (),
+    # activations
+    "batch": BATCH_AXES,
+    "seq": (),
+    "act_embed": (),
+    "act_heads": ("tp",),
+    "act_mlp": ("tp",),
+    "act_vocab": ("tp",),
+}
+# Logical axes that are replicated, not rejected, when their size is not divisible by the mesh
+# axes (fewer key/value heads than tp, as in multi-query attention).
+REPLICATE_IF_INDIVISIBLE = frozenset({"kv_heads"})
+
+
+def _parse_mesh_shape(mesh_shape: Any, num_devices: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    key = "model.mesh_shape"
+    if not (isinstance(mesh_shape, Sequence) and len(mesh_shape) == 2
+            and all(isinstance(part, Sequence) and not isinstance(part, str) for part in mesh_shape)):
+        raise ConfigError(f"{key}={mesh_shape} must be [[sizes...], [axis names...]], "
+                          f'e.g. [[4,2],["fsdp","tp"]]')
+    sizes, names = list(mesh_shape[0]), [str(n) for n in mesh_shape[1]]
+    if len(sizes) != len(names) or not names:
+        raise ConfigError(f"{key}: {len(sizes)} sizes for {len(names)} axis names")
+    unknown = [n for n in names if n not in MESH_AXES]
+    if unknown:
+        raise ConfigError(f"{key}: unknown mesh axis {unknown[0]!r}; choose from {list(MESH_AXES)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{key}: duplicate mesh axis names in {names}")
+    if not all(isinstance(s, int) and (s > 0 or s == -1) for s in sizes) or sizes.count(-1) > 1:
+        raise ConfigError(f"{key}: sizes {sizes} must be positive integers, with at most one -1")
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        if num_devices % known:
+            raise ConfigError(f"{key}: cannot fill -1, {num_devices} devices are not divisible by {known}")
+        sizes[sizes.index(-1)] = num_devices // known
+    if math.prod(sizes) != num_devices:
+        raise ConfigError(f"{key}: mesh {dict(zip(names, sizes))} has {math.prod(sizes)} devices "
+                          f"but {num_devices} are available; make the sizes multiply to {num_devices}")
+    return tuple(sizes), tuple(names)
+
+
+def make_mesh(mesh_shape: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """mesh_shape [[sizes], [names]] -> Mesh over `devices` (default: all), `tp` innermost."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes, names = _parse_mesh_shape(mesh_shape, len(devices))
+    # Lay devices out with tp as the fastest-varying axis so it stays on the closest links,
+    # then transpose back to the user's axis order.
+    order = sorted(range(len(names)), key=lambda i: names[i] == "tp")
+    ordered = mesh_utils.create_device_mesh([sizes[i] for i in order], devices,
+                                            allow_split_physical_axes=True)
+    device_array = np.transpose(ordered, np.argsort(order))
+    return Mesh(device_array, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def axis_size(mesh: Mesh, names: Sequence[str]) -> int:
+    return math.prod(mesh.shape.get(n, 1) for n in names)
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    return axis_size(mesh, BATCH_AXES)
+
+
+def validate_model_for_mesh(model: ModelConfig, mesh: Mesh) -> None:
+    """Divisibility that the Megatron split needs, as config errors."""
+    tp = mesh.shape.get("tp", 1)
+    for key, value in (("model.num_heads", model.num_heads), ("model.hidden_dim", model.hidden_dim),
+                       ("model.vocab_size", model.vocab_size)):
+        if value % tp:
+            raise ConfigError(f"{key}={value} is not divisible by the tp mesh axis ({tp}); "
+                              f"choose a tp size that divides it")
+
+
+def _mesh_axes_for(logical: str, mesh: Mesh) -> tuple[str, ...]:
+    if logical not in LOGICAL_RULES:
+        raise KeyError(logical)
+    return tuple(a for a in LOGICAL_RULES[logical] if a in mesh.shape)
+
+
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, what: str) -> P:
+    """PartitionSpec for an array of `shape` whose dimensions carry logical `axes`."""
+    if len(axes) != len(shape):
+        raise ValueError(f"{what}: {len(axes)} logical axes {tuple(axes)} for shape {tuple(shape)}")
+    spec, used = [], set()
+    for logical, size in zip(axes, shape):
+        if logical is None:
+            spec.append(None)
+            continue
+        try:
+            mesh_axes = _mesh_axes_for(logical, mesh)
+        except KeyError:
+            raise ValueError(f"{what}: logical axis {logical!r} has no rule in LOGICAL_RULES") from None
+        if used & set(mesh_axes):
+            raise ValueError(f"{what}: mesh axes {mesh_axes} used twice in {tuple(axes)}")
+        if size % axis_size(mesh, mesh_axes):
+            if logical in REPLICATE_IF_INDIVISIBLE:
+                mesh_axes = ()
+            else:
+                raise ConfigError(f"{what}: dimension {logical!r} of size {size} is not divisible by "
+                                  f"mesh axes {mesh_axes} of size {axis_size(mesh, mesh_axes)}")
+        used |= set(mesh_axes)
+        spec.append(_spec_entry(mesh_axes))
+    return P(*spec)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
+    """Shardings for a pytree whose nnx.Variable leaves carry `axes` metadata (parameters and the
+    optimizer moments that mirror them); every other leaf (counters, scalars) is replicated."""
+
+    def leaf_sharding(path, leaf):
+        if _is_variable(leaf):
+            spec = logical_to_spec(leaf.get_metadata()["axes"], leaf.get_value().shape, mesh,
+                                   jax.tree_util.keystr(path, simple=True, separator="."))
+            return NamedSharding(mesh, spec)
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_state, is_leaf=_is_variable)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batches are [accumulation step, example, position]: examples split over dp and fsdp."""
+    return NamedSharding(mesh, P(None, _spec_entry(_mesh_axes_for("batch", mesh)), None))
+
+
+def _spec_entry(mesh_axes: tuple[str, ...]):
+    return None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
+
+
+def to_global_batch(host_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """The one place host-local rows become global jax.Arrays: each process passes only the rows
+    its devices hold (axis 1), and together they form the global batch."""
+    sharding = batch_sharding(mesh)
+    return {name: jax.make_array_from_process_local_data(sharding, rows)
+            for name, rows in host_batch.items()}
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint on an activation, against the mesh set with `jax.set_mesh`.
+
+    A no-op outside a mesh context, so modules also run unsharded (unit tests, notebooks)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    spec = P(*(None if a is None else _spec_entry(_mesh_axes_for(a, mesh)) for a in logical_axes))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def describe_mesh(mesh: Mesh) -> str:
+    axes = ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
+    return f"Mesh({axes}) over {mesh.devices.size} {mesh.devices.flat[0].platform} devices"

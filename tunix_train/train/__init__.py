@@ -1,0 +1,1 @@
+"""Train state, step and loop."""

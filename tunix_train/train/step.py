@@ -1,0 +1,82 @@
+"""The train step: a pure function (state, batch) -> (state, metrics), compiled once.
+
+A batch is a dict of [A, B, T] arrays (A accumulation steps of B examples of T tokens):
+`inputs`, `targets`, `loss_mask`, `positions`, `segment_ids`. Gradients accumulate inside the
+compiled step, over a scan of the A micro-batches, in float32 and sharded like the parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tunix_train.config import MixedPrecision
+from tunix_train.sharding import batch_sharding
+from tunix_train.train.state import TrainState
+
+COMPUTE_DTYPES = {MixedPrecision.fp32: jnp.float32, MixedPrecision.bf16: jnp.bfloat16}
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Per-token next-token cross-entropy, in float32."""
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit_BT
+
+
+def forward(graphdef: nnx.GraphDef, params: nnx.State, micro: dict[str, jax.Array],
+            compute_dtype=jnp.float32) -> jax.Array:
+    """Logits for one micro-batch; parameters are cast to the compute dtype (master copy untouched)."""
+    params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+    model = nnx.merge(graphdef, params)
+    return model(micro["inputs"], micro["positions"], micro["segment_ids"])
+
+
+def _weighted_loss_sum(params, micro, graphdef, compute_dtype, total_weight):
+    """This micro-batch's share of the token-weighted mean loss over the whole batch."""
+    token_loss_BT = cross_entropy(forward(graphdef, params, micro, compute_dtype), micro["targets"])
+    return jnp.sum(token_loss_BT * micro["loss_mask"]) / total_weight
+
+
+def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
+               optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+               compute_dtype: Any, param_shardings: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    # Dividing every micro-batch by the whole batch's weight makes the accumulated loss and
+    # gradient exactly those of the token-weighted mean over the full batch.
+    total_weight = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+    loss_and_grad = jax.value_and_grad(_weighted_loss_sum)
+
+    def accumulate(grads, micro):
+        loss, micro_grads = loss_and_grad(state.params, micro, graphdef, compute_dtype, total_weight)
+        grads = jax.tree.map(jnp.add, grads, micro_grads)
+        return jax.lax.with_sharding_constraint(grads, param_shardings), loss
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    grads, losses = jax.lax.scan(accumulate, zeros, batch)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                           opt_state=opt_state)
+    metrics = {
+        "loss": jnp.sum(losses),
+        "grad_norm": optax.tree.norm(grads),
+        "learning_rate": schedule(state.step),
+        "tokens": jnp.sum(batch["loss_mask"]),
+    }
+    return new_state, metrics
+
+
+def compile_train_step(state_shardings: Any, mesh: Mesh, *, graphdef: nnx.GraphDef,
+                       optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+                       mixed_precision: MixedPrecision):
+    """jit with explicit in/out shardings; the input state is donated. Call under jax.set_mesh(mesh)."""
+    step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
+                             compute_dtype=COMPUTE_DTYPES[mixed_precision],
+                             param_shardings=state_shardings.params)
+    return jax.jit(step, in_shardings=(state_shardings, batch_sharding(mesh)),
+                   out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
