@@ -1,0 +1,85 @@
+"""run_training.py as users run it: the docs' command line, run output, and bad input."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+from tensorboardX.proto import event_pb2
+
+from conftest import REPO
+
+SMALL_MODEL = ["model.num_layers=2", "model.embed_dim=64", "model.hidden_dim=128", "model.num_heads=4",
+               "model.head_dim=16", "model.vocab_size=512", "data.seq_len=32"]
+
+
+def run_cli(*args, devices=4, cwd=REPO):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, str(REPO / "run_training.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def read_tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Scalars from the TFRecord event files: [length u64][crc u32][event proto][crc u32]..."""
+    scalars = {}
+    for path in run_dir.glob("events.out.tfevents.*"):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_the_docs_command_line_trains_and_writes_its_run_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli("model=gemma3_1b", 'model.mesh_shape=[[4,1],["fsdp","tp"]]', "training.micro_batch_size=4",
+                     *SMALL_MODEL, "training.max_steps=4", "training.log_every=2", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr
+    log = (run_dir / "train.log").read_text()
+    assert "mesh: Mesh(fsdp=4, tp=1) over 4 cpu devices" in log
+    assert "global batch: 16 sequences" in log and "= 512 tokens" in log
+    assert "model: gemma3_1b" in log and " parameters" in log
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [2, 4]
+    for m in metrics:
+        assert {"loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_sec"} <= m.keys()
+        assert m["tokens_per_sec"] > 0 and m["step_time_s"] > 0
+    scalars = read_tensorboard_scalars(run_dir)
+    for name in ("loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_sec"):
+        assert scalars[name] == [(m["step"], pytest.approx(m[name], rel=1e-6)) for m in metrics]
+    saved = (run_dir / ".hydra" / "config.yaml").read_text()
+    assert "name: gemma3_1b" in saved and "num_layers: 2" in saved
+
+
+def test_default_run_directory_is_outputs_experiment_date_time(tmp_path):
+    result = run_cli("model=gemma3_tiny", "data.seq_len=16", "training.max_steps=1", devices=1, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = tmp_path.glob("outputs/default/*-*-*/*-*-*")
+    assert (run_dir / "metrics.jsonl").exists() and (run_dir / "train.log").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (['model.mesh_shape=[[4,4],["fsdp","tp"]]'], "model.mesh_shape: mesh {'fsdp': 4, 'tp': 4} has 16 devices but 4"),
+    (['model.mesh_shape=[[4],["pp"]]'], "unknown mesh axis 'pp'"),
+    (['model.mesh_shape=[[1,4],["fsdp","tp"]]', "model.num_heads=6"], "model.num_heads=6 is not divisible by the tp"),
+    (["model.foo=1"], "unknown config key 'model.foo'"),
+    (["training.max_steps=abc"], "config key 'training.max_steps'"),
+    (["training.mixed_precision=fp16"], "config key 'training.mixed_precision'"),
+    (["model=gemma9"], "model/gemma9"),
+])
+def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, overrides, message):
+    run_dir = tmp_path / "run"
+    result = run_cli("model=gemma3_tiny", *overrides, f"hydra.run.dir={run_dir}")
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tunix_train: error:"), result.stderr
+    assert message in lines[0]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not run_dir.exists()
