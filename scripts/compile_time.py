@@ -9,20 +9,20 @@ import time
 import jax
 
 from tunix_train.config import load_config
-from tunix_train.data.synthetic import SyntheticData
+from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.sharding import to_global_batch
 from tunix_train.train.loop import setup
 
 
 def compile_seconds(overrides: list[str]) -> float:
-    cfg, _ = load_config(overrides)
+    cfg, _ = load_config(["data=synthetic", *overrides])
     run = setup(cfg)
-    data = SyntheticData(seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size,
-                         accumulation_steps=cfg.training.gradient_accumulation_steps,
-                         global_micro_batch=run.micro_batch, seed=0)
+    data = SyntheticBatches(seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size,
+                            accumulation_steps=cfg.training.gradient_accumulation_steps,
+                            global_micro_batch=run.micro_batch, seed=0)
     with jax.set_mesh(run.mesh):
         start = time.perf_counter()
-        run.step_fn.lower(run.state, to_global_batch(data.batch(0), run.mesh)).compile()
+        run.step_fn.lower(run.state, to_global_batch(next(data), run.mesh)).compile()
         return time.perf_counter() - start
 
 

@@ -23,9 +23,13 @@ def _eight_devices():
 
 def config(*overrides: str):
     """The composed, validated Config for the test-sized model plus `overrides`."""
-    cfg, _ = load_config(["model=gemma3_tiny", "data.seq_len=32", *overrides])
+    cfg, _ = load_config(["model=gemma3_tiny", "data=synthetic", "data.seq_len=32", *overrides])
     return cfg
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]

@@ -12,7 +12,7 @@ from tensorboardX.proto import event_pb2
 from conftest import REPO
 
 SMALL_MODEL = ["model.num_layers=2", "model.embed_dim=64", "model.hidden_dim=128", "model.num_heads=4",
-               "model.head_dim=16", "model.vocab_size=512", "data.seq_len=32"]
+               "model.head_dim=16", "model.vocab_size=4096", "data.seq_len=32"]
 
 
 def run_cli(*args, devices=4, cwd=REPO):
@@ -40,32 +40,37 @@ def read_tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
 def test_the_docs_command_line_trains_and_writes_its_run_directory(tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli("model=gemma3_1b", 'model.mesh_shape=[[4,1],["fsdp","tp"]]', "training.micro_batch_size=4",
-                     *SMALL_MODEL, "training.max_steps=4", "training.log_every=2", f"hydra.run.dir={run_dir}")
+                     *SMALL_MODEL, "training.max_steps=4", "training.log_every=2", "training.eval_every=4",
+                     "training.eval_batches=1", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr
     log = (run_dir / "train.log").read_text()
     assert "mesh: Mesh(fsdp=4, tp=1) over 4 cpu devices" in log
     assert "global batch: 16 sequences" in log and "= 512 tokens" in log
+    assert "tokenizer shakespeare_4k.model" in log
     assert "model: gemma3_1b" in log and " parameters" in log
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [2, 4]
-    for m in metrics:
-        assert {"loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_sec"} <= m.keys()
-        assert m["tokens_per_sec"] > 0 and m["step_time_s"] > 0
+    assert [(m["step"], sorted(m)) for m in metrics] == [
+        (0, ["eval_loss", "eval_perplexity", "step"]),
+        (2, ["grad_norm", "learning_rate", "loss", "step", "step_time_s", "tokens_per_sec"]),
+        (4, ["eval_loss", "eval_perplexity", "grad_norm", "learning_rate", "loss", "step", "step_time_s",
+             "tokens_per_sec"])]
+    assert all(m["tokens_per_sec"] > 0 and m["step_time_s"] > 0 for m in metrics[1:])
     scalars = read_tensorboard_scalars(run_dir)
-    for name in ("loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_sec"):
-        assert scalars[name] == [(m["step"], pytest.approx(m[name], rel=1e-6)) for m in metrics]
+    for name in ("loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_sec", "eval_loss", "eval_perplexity"):
+        assert scalars[name] == [(m["step"], pytest.approx(m[name], rel=1e-6)) for m in metrics if name in m]
     saved = (run_dir / ".hydra" / "config.yaml").read_text()
     assert "name: gemma3_1b" in saved and "num_layers: 2" in saved
 
 
 def test_default_run_directory_is_outputs_experiment_date_time(tmp_path):
-    result = run_cli("model=gemma3_tiny", "data.seq_len=16", "training.max_steps=1", devices=1, cwd=tmp_path)
+    result = run_cli("model=gemma3_tiny", "data=synthetic", "data.seq_len=16", "training.max_steps=1", devices=1,
+                     cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     (run_dir,) = tmp_path.glob("outputs/default/*-*-*/*-*-*")
     assert (run_dir / "metrics.jsonl").exists() and (run_dir / "train.log").exists()
 
 
-@pytest.mark.parametrize("overrides, message", [
+BAD_CONFIG = [
     (['model.mesh_shape=[[4,4],["fsdp","tp"]]'], "model.mesh_shape: mesh {'fsdp': 4, 'tp': 4} has 16 devices but 4"),
     (['model.mesh_shape=[[4],["pp"]]'], "unknown mesh axis 'pp'"),
     (['model.mesh_shape=[[1,4],["fsdp","tp"]]', "model.num_heads=6"], "model.num_heads=6 is not divisible by the tp"),
@@ -73,13 +78,32 @@ def test_default_run_directory_is_outputs_experiment_date_time(tmp_path):
     (["training.max_steps=abc"], "config key 'training.max_steps'"),
     (["training.mixed_precision=fp16"], "config key 'training.mixed_precision'"),
     (["model=gemma9"], "model/gemma9"),
-])
+]
+VOCAB = "model.vocab_size=4096"  # holds the bundled tokenizer
+BAD_DATA = [  # {tmp} is the test's directory, holding the files written below
+    (["data=text", "data.train_files=[{tmp}/missing.txt]", VOCAB], "data.train_files: no file matches '{tmp}/missing.txt'"),
+    (["data=text", "data.train_files=[{tmp}/empty.txt]", VOCAB], "data.train_files: {tmp}/empty.txt is empty"),
+    (["data=jsonl", "data.train_files=[{tmp}/docs.jsonl]", "data.text_field=body", VOCAB],
+     "{tmp}/docs.jsonl:2: no string field 'body' (data.text_field)"),
+    (["data=jsonl", "data.train_files=[{tmp}/docs.jsonl]", "data.prompt_field=question",
+      "data.completion_field=answer", VOCAB], "{tmp}/docs.jsonl:1: no string field 'question' (data.prompt_field)"),
+    (["data=shakespeare", "model.vocab_size=256"], "data.tokenizer: "),  # a 4096-token tokenizer
+    (["data=shakespeare", VOCAB, "data.tokenizer={tmp}/missing.model"],
+     "data.tokenizer: no such file {tmp}/missing.model"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_CONFIG + BAD_DATA)
 def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, overrides, message):
+    (tmp_path / "empty.txt").write_text("\n\n")
+    (tmp_path / "docs.jsonl").write_text('{"body": "one"}\n{"text": "two"}\n')
     run_dir = tmp_path / "run"
-    result = run_cli("model=gemma3_tiny", *overrides, f"hydra.run.dir={run_dir}")
+    overrides = [o.replace("{tmp}", str(tmp_path)) for o in overrides]
+    data = [] if any(o.startswith("data=") for o in overrides) else ["data=synthetic"]
+    result = run_cli("model=gemma3_tiny", *data, *overrides, f"hydra.run.dir={run_dir}")
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tunix_train: error:"), result.stderr
-    assert message in lines[0]
+    assert message.replace("{tmp}", str(tmp_path)) in lines[0]
     assert "Traceback" not in result.stdout + result.stderr
     assert not run_dir.exists()

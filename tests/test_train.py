@@ -6,9 +6,9 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import config, read_metrics
+from conftest import config, read_metrics, train_losses
 from tunix_train.config import load_config
-from tunix_train.data.synthetic import SyntheticData
+from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.sharding import make_mesh, to_global_batch
 from tunix_train.train.loop import train
 from tunix_train.train.state import create_train_state, model_graphdef
@@ -37,7 +37,7 @@ def _losses(tmp_path, name, *overrides):
     cfg = config(*MODEL, f"training.micro_batch_size={GLOBAL_BATCH // dp}", *overrides)
     cfg.model.mesh_shape = mesh_shape
     train(cfg, tmp_path / name, devices=jax.devices()[:n_devices])
-    return np.array([m["loss"] for m in read_metrics(tmp_path / name)])
+    return np.array(train_losses(tmp_path / name))
 
 
 def test_every_mesh_gives_the_same_losses(tmp_path):
@@ -52,15 +52,15 @@ def _one_sgd_step(cfg, mesh_shape, n_devices, micro_batch, accumulation):
     """Parameters after one plain-SGD step (lr 1): params - grads, so the update is the gradient."""
     mesh = make_mesh(mesh_shape, jax.devices()[:n_devices])
     optimizer, schedule = optax.sgd(1.0), optax.constant_schedule(1.0)
-    data = SyntheticData(seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size,
-                         accumulation_steps=accumulation, global_micro_batch=micro_batch, seed=0)
+    data = SyntheticBatches(seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size,
+                            accumulation_steps=accumulation, global_micro_batch=micro_batch, seed=0)
     with jax.set_mesh(mesh):
         state, shardings = create_train_state(cfg.model, optimizer, mesh, seed=0)
         before = jax.tree.map(np.asarray, state.params)
         step = compile_train_step(shardings, mesh, graphdef=model_graphdef(cfg.model, cfg.training.remat),
                                   optimizer=optimizer, schedule=schedule,
                                   mixed_precision=cfg.training.mixed_precision)
-        state, metrics = step(state, to_global_batch(data.batch(0), mesh))
+        state, metrics = step(state, to_global_batch(next(data), mesh))
     update = jax.tree.map(lambda new, old: np.asarray(new) - old, state.params, before)
     return update, float(metrics["loss"])
 
@@ -84,7 +84,7 @@ def test_accumulation_in_the_cli_config_matches_full_batch(tmp_path):
                      f"training.gradient_accumulation_steps={accumulation}")
         cfg.model.mesh_shape = [[1], ["fsdp"]]
         train(cfg, tmp_path / f"{micro}x{accumulation}", devices=jax.devices()[:1])
-        losses[micro] = [m["loss"] for m in read_metrics(tmp_path / f"{micro}x{accumulation}")]
+        losses[micro] = train_losses(tmp_path / f"{micro}x{accumulation}")
     np.testing.assert_allclose(losses[2], losses[8], rtol=1e-5)
 
 
@@ -92,10 +92,10 @@ def test_bf16_computes_in_bfloat16_and_keeps_float32_master_weights(tmp_path):
     cfg = config("training.mixed_precision=bf16", "training.max_steps=3", "training.log_every=1")
     state = train(cfg, tmp_path / "bf16")
     assert {x.dtype for x in jax.tree.leaves((state.params, state.opt_state[1][0].mu))} == {jnp.dtype("float32")}
-    bf16 = [m["loss"] for m in read_metrics(tmp_path / "bf16")]
+    bf16 = train_losses(tmp_path / "bf16")
     fp32_cfg = config("training.max_steps=3", "training.log_every=1")
     train(fp32_cfg, tmp_path / "fp32")
-    fp32 = [m["loss"] for m in read_metrics(tmp_path / "fp32")]
+    fp32 = train_losses(tmp_path / "fp32")
     # Same model and data: bf16 differs from fp32 by rounding, not by a different computation.
     np.testing.assert_allclose(bf16, fp32, rtol=2e-2)
     assert bf16 != fp32
@@ -107,14 +107,18 @@ def test_remat_changes_memory_not_results(tmp_path, remat):
     for policy in ("none", remat):
         cfg = config(f"training.remat={policy}", "training.max_steps=2", "training.log_every=1")
         train(cfg, tmp_path / policy)
-        losses[policy] = [m["loss"] for m in read_metrics(tmp_path / policy)]
+        losses[policy] = train_losses(tmp_path / policy)
     np.testing.assert_allclose(losses[remat], losses["none"], rtol=1e-5)
 
 
 def test_the_default_job_learns(tmp_path):
-    """`python run_training.py` as shipped (gemma3_small, synthetic data), cut to 60 steps."""
-    cfg, _ = load_config(["training.max_steps=60", "training.log_every=10"])
-    assert cfg.model.name == "gemma3_small"
+    """`python run_training.py` as shipped (gemma3_small on the bundled corpus), cut to 60 steps."""
+    cfg, _ = load_config(["training.max_steps=60", "training.log_every=10", "training.eval_every=30"])
+    assert cfg.model.name == "gemma3_small" and cfg.data.source.value == "shakespeare"
     train(cfg, tmp_path / "default", devices=jax.devices()[:1])
-    losses = [m["loss"] for m in read_metrics(tmp_path / "default")]
-    assert losses[-1] < losses[0] - 1.5, losses  # about 8.9 -> 6.8; the full 300 steps reach about 1.2
+    metrics = read_metrics(tmp_path / "default")
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    evals = {m["step"]: m["eval_loss"] for m in metrics if "eval_loss" in m}
+    assert losses[-1] < losses[0] - 1.5, losses
+    assert list(evals) == [0, 30, 60] and evals[60] < evals[30] < evals[0] - 2.0, evals
+    assert all(np.exp(m["eval_loss"]) == pytest.approx(m["eval_perplexity"]) for m in metrics if "eval_loss" in m)

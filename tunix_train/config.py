@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
@@ -40,7 +40,19 @@ class LrSchedule(enum.Enum):
 
 
 class DataSource(enum.Enum):
-    synthetic = "synthetic"
+    shakespeare = "shakespeare"  # the bundled corpus and tokenizer
+    text = "text"  # plain-text files
+    jsonl = "jsonl"  # one JSON object per line: a text field, or prompt and completion fields
+    array_record = "array_record"  # pre-tokenized documents (scripts/pretokenize.py writes them)
+    synthetic = "synthetic"  # learnable random sequences, no tokenizer
+
+
+class TextUnit(enum.Enum):
+    """What one document is in a plain-text file."""
+
+    line = "line"
+    paragraph = "paragraph"  # separated by blank lines
+    file = "file"
 
 
 @dataclasses.dataclass
@@ -74,8 +86,19 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    source: DataSource = DataSource.synthetic
-    seq_len: int = 256
+    source: DataSource = DataSource.shakespeare
+    seq_len: int = 256  # tokens per packed row
+    train_files: List[str] = dataclasses.field(default_factory=list)  # paths or globs
+    # Held-out files; when empty, a fixed eval_fraction of the training documents is held out.
+    eval_files: List[str] = dataclasses.field(default_factory=list)
+    eval_fraction: float = 0.02
+    tokenizer: Optional[str] = None  # a SentencePiece model; null: the bundled Shakespeare tokenizer
+    text_unit: TextUnit = TextUnit.paragraph
+    text_field: str = "text"
+    # Supervised fine-tuning on JSONL: the loss is on completion tokens only.
+    prompt_field: Optional[str] = None
+    completion_field: Optional[str] = None
+    prefetch_batches: int = 4  # batches prepared ahead of the train step by a background thread
 
 
 @dataclasses.dataclass
@@ -96,6 +119,8 @@ class TrainingConfig:
     grad_clip_norm: float = 1.0  # 0 disables clipping
     remat: Remat = Remat.none
     log_every: int = 10
+    eval_every: int = 50  # steps between evaluations on the held-out split; 0 disables
+    eval_batches: int = 4  # a fixed set of held-out batches per evaluation
 
 
 @dataclasses.dataclass
@@ -138,6 +163,19 @@ def validate(cfg: Config) -> None:
         raise ConfigError("training.learning_rate, weight_decay and grad_clip_norm must be >= 0")
     if t.warmup_steps < 0:
         raise ConfigError(f"training.warmup_steps={t.warmup_steps} must be >= 0")
+    if t.eval_every < 0 or t.eval_batches <= 0:
+        raise ConfigError("training.eval_every must be >= 0 and training.eval_batches positive")
+    if not 0.0 <= d.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
+    file_sources = (DataSource.text, DataSource.jsonl, DataSource.array_record)
+    if d.source in file_sources and not d.train_files:
+        raise ConfigError(f"data.train_files is empty: data.source={d.source.value} reads the files it lists")
+    if (d.prompt_field is None) != (d.completion_field is None):
+        raise ConfigError("data.prompt_field and data.completion_field must be set together")
+    if d.prompt_field is not None and d.source is not DataSource.jsonl:
+        raise ConfigError("data.prompt_field is for data.source=jsonl")
+    if d.prefetch_batches < 0:
+        raise ConfigError(f"data.prefetch_batches={d.prefetch_batches} must be >= 0")
 
 
 def _describe_omegaconf_error(exc: BaseException) -> str:

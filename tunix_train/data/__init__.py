@@ -1,1 +1,62 @@
-"""Training data: host-local batches of [accumulation step, example, position] arrays."""
+"""Training and evaluation data: host-local batches of [accumulation step, row, position] arrays.
+
+`make_train_batches` and `make_eval_batches` are the entry points; both read only this process's rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from tunix_train.config import Config, DataSource
+from tunix_train.data.pipeline import DocumentFeatures, PackedBatches
+from tunix_train.data.sources import train_and_eval_documents
+from tunix_train.data.synthetic import SyntheticBatches
+from tunix_train.data.tokenizer import load_tokenizer
+
+_EVAL_SEED_OFFSET = 1_000_003  # synthetic evaluation data: a stream disjoint from training's
+
+
+class Data:
+    """The documents and tokenizer of a run, read and checked once."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.synthetic = cfg.data.source is DataSource.synthetic
+        if not self.synthetic:
+            self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
+            self.train_docs, self.eval_docs = train_and_eval_documents(cfg.data)
+            self.features = DocumentFeatures(self.tokenizer, cfg.model.vocab_size)
+
+    def _batches(self, docs, *, accumulation_steps, global_micro_batch, seed, shuffle,
+                 process_index, process_count):
+        d = self.cfg.data
+        if self.synthetic:
+            return SyntheticBatches(seq_len=d.seq_len, vocab_size=self.cfg.model.vocab_size,
+                                    accumulation_steps=accumulation_steps, global_micro_batch=global_micro_batch,
+                                    seed=seed, process_index=process_index, process_count=process_count)
+        return PackedBatches(docs, self.features, seq_len=d.seq_len, accumulation_steps=accumulation_steps,
+                             global_micro_batch=global_micro_batch, seed=seed if shuffle else None,
+                             process_index=process_index, process_count=process_count,
+                             prefetch=d.prefetch_batches)
+
+    def train_batches(self, global_micro_batch: int, process_index: int = 0, process_count: int = 1):
+        """Endless, seeded, checkpointable training batches of [A, rows of this process, T]."""
+        t = self.cfg.training
+        return self._batches(None if self.synthetic else self.train_docs,
+                             accumulation_steps=t.gradient_accumulation_steps,
+                             global_micro_batch=global_micro_batch, seed=t.seed, shuffle=True,
+                             process_index=process_index, process_count=process_count)
+
+    def eval_batches(self, global_micro_batch: int, process_index: int = 0,
+                     process_count: int = 1) -> list[dict[str, np.ndarray]]:
+        """The fixed held-out batches of every evaluation, [1, rows of this process, T] each."""
+        batches = self._batches(None if self.synthetic else self.eval_docs, accumulation_steps=1,
+                                global_micro_batch=global_micro_batch,
+                                seed=self.cfg.training.seed + _EVAL_SEED_OFFSET, shuffle=False,
+                                process_index=process_index, process_count=process_count)
+        try:
+            return list(itertools.islice(batches, self.cfg.training.eval_batches))
+        finally:
+            batches.close()

@@ -6,25 +6,32 @@ model that has learned to continue it drives the loss well below log(vocab_size)
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+
+from tunix_train.data.pipeline import process_rows
 
 MAX_STRIDE = 16
 
 
-class SyntheticData:
-    """Deterministic in (seed, step); each process gets its contiguous block of the global rows."""
+class SyntheticBatches:
+    """Batch k is a function of (seed, k) alone; each process gets its block of the rows."""
 
     def __init__(self, *, seq_len: int, vocab_size: int, accumulation_steps: int, global_micro_batch: int,
                  seed: int, process_index: int = 0, process_count: int = 1):
-        if global_micro_batch % process_count:
-            raise ValueError(f"global micro-batch {global_micro_batch} not divisible by {process_count} processes")
         self.seq_len, self.vocab_size, self.seed = seq_len, vocab_size, seed
         self.shape = (accumulation_steps, global_micro_batch)
-        rows = global_micro_batch // process_count
-        self.rows = slice(process_index * rows, (process_index + 1) * rows)
+        rows = process_rows(global_micro_batch, process_index, process_count)
+        self.rows = slice(rows.start, rows.stop)
+        self.next_batch = 0
 
-    def batch(self, step: int) -> dict[str, np.ndarray]:
-        rng = np.random.default_rng([self.seed, step])
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([self.seed, self.next_batch])
+        self.next_batch += 1
         start = rng.integers(0, self.vocab_size, self.shape + (1,))
         stride = rng.integers(1, MAX_STRIDE + 1, self.shape + (1,))
         tokens = (start + stride * np.arange(self.seq_len + 1)) % self.vocab_size
@@ -37,3 +44,12 @@ class SyntheticData:
             "positions": np.broadcast_to(np.arange(self.seq_len, dtype=np.int32), inputs.shape).copy(),
             "segment_ids": np.ones(inputs.shape, np.int32),
         }
+
+    def get_state(self) -> dict[str, Any]:
+        return {"next_batch": self.next_batch}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.next_batch = int(state["next_batch"])
+
+    def close(self) -> None:
+        pass

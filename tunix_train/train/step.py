@@ -80,3 +80,18 @@ def compile_train_step(state_shardings: Any, mesh: Mesh, *, graphdef: nnx.GraphD
                              param_shardings=state_shardings.params)
     return jax.jit(step, in_shardings=(state_shardings, batch_sharding(mesh)),
                    out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
+
+
+def eval_step(params: nnx.State, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
+              compute_dtype: Any) -> dict[str, jax.Array]:
+    """Summed token loss and token weight of a [1, B, T] held-out batch."""
+    micro = jax.tree.map(lambda x: x[0], batch)
+    token_loss_BT = cross_entropy(forward(graphdef, params, micro, compute_dtype), micro["targets"])
+    return {"loss_sum": jnp.sum(token_loss_BT * micro["loss_mask"]), "weight": jnp.sum(micro["loss_mask"])}
+
+
+def compile_eval_step(state_shardings: Any, mesh: Mesh, *, graphdef: nnx.GraphDef,
+                      mixed_precision: MixedPrecision):
+    step = functools.partial(eval_step, graphdef=graphdef, compute_dtype=COMPUTE_DTYPES[mixed_precision])
+    return jax.jit(step, in_shardings=(state_shardings.params, batch_sharding(mesh)),
+                   out_shardings=NamedSharding(mesh, P()))

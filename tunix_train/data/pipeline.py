@@ -1,0 +1,110 @@
+"""The grain pipeline: shuffle, tokenize, pack, batch, read ahead; per-process, checkpointable.
+
+Row slots make the global batch independent of the number of processes. A micro-batch has B rows
+(the global micro-batch); row j of every micro-batch comes from slot j, a stream of its own: the
+documents at positions j, j+B, j+2B, ... of the seeded, per-epoch reshuffled document order, tokenized
+and packed into rows of seq_len tokens. A process builds only the slots of the rows its devices hold,
+so it reads only its share of the documents, and the rows are the same whatever the process count.
+
+Host batches are dicts of [A, B_local, T] arrays: inputs, targets, loss_mask, positions, segment_ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import grain
+import numpy as np
+from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchIterDataset, ZipIterDataset
+
+from tunix_train.data.tokenizer import Tokenizer
+
+PACKED = ("inputs", "targets", "loss_mask")
+
+
+class DocumentFeatures:
+    """A document -> next-token pairs within it: inputs, targets and the loss mask on targets.
+
+    Text becomes [BOS] text [EOS]. With a prompt and a completion, [BOS] prompt completion [EOS]
+    with the loss on the completion and EOS only. Pre-tokenized documents are used as stored.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+
+    def __call__(self, doc: dict[str, Any]) -> dict[str, np.ndarray]:
+        first_loss_target = 0
+        if "tokens" in doc:
+            ids = np.asarray(doc["tokens"], np.int32)
+            if ids.size and (ids.max() >= self.vocab_size or ids.min() < 0):
+                raise ValueError(f"a pre-tokenized document has token id {ids.max()} outside "
+                                 f"model.vocab_size={self.vocab_size}")
+        else:
+            tok = self.tokenizer
+            if "prompt" in doc:
+                prompt = tok.encode(doc["prompt"])
+                ids = [tok.bos_id, *prompt, *tok.encode(doc["completion"]), tok.eos_id]
+                first_loss_target = len(prompt)  # targets[i] is ids[i + 1]: the first completion token
+            else:
+                ids = [tok.bos_id, *tok.encode(doc["text"]), tok.eos_id]
+            ids = np.asarray(ids, np.int32)
+        loss_mask = (np.arange(len(ids) - 1) >= first_loss_target).astype(np.float32)
+        return {"inputs": ids[:-1], "targets": ids[1:], "loss_mask": loss_mask}
+
+
+def _as_row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """grain's packed element -> one row of the model's batch format."""
+    return {"inputs": packed["inputs"], "targets": packed["targets"],
+            "loss_mask": packed["loss_mask"].astype(np.float32),
+            "positions": packed["inputs_positions"].astype(np.int32),
+            "segment_ids": packed["inputs_segment_ids"].astype(np.int32)}
+
+
+def _stack_rows(rows: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:
+    return {name: np.stack([row[name] for row in rows]) for name in rows[0]}
+
+
+def process_rows(global_rows: int, process_index: int, process_count: int) -> range:
+    """The rows of each micro-batch held by this process's devices: a contiguous block."""
+    if global_rows % process_count:
+        raise ValueError(f"a micro-batch of {global_rows} rows does not split over {process_count} processes")
+    per_process = global_rows // process_count
+    return range(process_index * per_process, (process_index + 1) * per_process)
+
+
+class PackedBatches:
+    """Iterator of host batches with get_state/set_state for exact resumption."""
+
+    def __init__(self, documents: Sequence[dict[str, Any]], features: DocumentFeatures, *, seq_len: int,
+                 accumulation_steps: int, global_micro_batch: int, seed: int | None,
+                 process_index: int = 0, process_count: int = 1, prefetch: int = 4):
+        """seed None keeps the document order (evaluation); otherwise it is reshuffled every epoch."""
+        ordered = grain.MapDataset.source(documents)
+        if seed is not None:
+            ordered = ordered.shuffle(seed=seed)
+        ordered = ordered.repeat()
+        slots = []
+        for slot in process_rows(global_micro_batch, process_index, process_count):
+            docs = ordered[slot::global_micro_batch].map(features)
+            tokens = docs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+            slots.append(ConcatThenSplitIterDataset(tokens, length_struct={f: seq_len for f in PACKED}))
+        batches = ZipIterDataset(slots).map(_stack_rows).map(_as_row).batch(accumulation_steps)
+        self._dataset = ThreadPrefetchIterDataset(batches, prefetch_buffer_size=prefetch)
+        self._iterator = iter(self._dataset)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self._iterator)
+
+    def get_state(self) -> dict[str, Any]:
+        return self._iterator.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._iterator.set_state(state)
+
+    def close(self) -> None:
+        """Stops the read-ahead thread (grain's iterators complain if left to interpreter exit)."""
+        self._iterator.close()
+        self._iterator = self._dataset = None

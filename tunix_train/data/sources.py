@@ -1,0 +1,152 @@
+"""Documents from files: plain text, JSON lines (text or prompt/completion), pre-tokenized array_record.
+
+Every reader returns a random-access sequence of records: {"text": str}, {"prompt": str,
+"completion": str} or {"tokens": int32 array}. Bad input is a ConfigError naming the file or key.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import lzma
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from tunix_train.config import ConfigError, DataConfig, DataSource, TextUnit
+
+BUNDLED_CORPUS = Path(__file__).parent / "corpus" / "shakespeare.jsonl.xz"
+EVAL_SPLIT_SEED = 0  # the held-out documents do not change with training.seed
+
+
+def expand(patterns: Sequence[str], key: str) -> list[Path]:
+    files = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(str(Path(pattern).expanduser()), recursive=True))
+        if not matches:
+            raise ConfigError(f"{key}: no file matches {pattern!r}")
+        files += [Path(m) for m in matches if Path(m).is_file()]
+    return files
+
+
+def _read_text(path: Path) -> str:
+    opener = {".gz": gzip.open, ".xz": lzma.open}.get(path.suffix, open)
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError, EOFError, lzma.LZMAError) as err:
+        raise ConfigError(f"{path}: cannot read it as UTF-8 text ({err})") from None
+
+
+def _text_documents(path: Path, unit: TextUnit) -> list[dict[str, str]]:
+    text = _read_text(path)
+    pieces = {TextUnit.file: [text], TextUnit.line: text.splitlines(),
+              TextUnit.paragraph: re.split(r"\n\s*\n", text)}[unit]
+    return [{"text": p.strip("\n")} for p in pieces if p.strip()]
+
+
+def _jsonl_documents(path: Path, data: DataConfig) -> list[dict[str, str]]:
+    fields = ({"prompt": data.prompt_field, "completion": data.completion_field}
+              if data.prompt_field else {"text": data.text_field})
+    docs = []
+    for number, line in enumerate(_read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+        doc = {}
+        for name, field in fields.items():
+            value = record.get(field) if isinstance(record, dict) else None
+            if not isinstance(value, str):
+                key = {"text": "data.text_field", "prompt": "data.prompt_field",
+                       "completion": "data.completion_field"}[name]
+                raise ConfigError(f"{path}:{number}: no string field {field!r} ({key})")
+            doc[name] = value
+        docs.append(doc)
+    return docs
+
+
+class _ArrayRecordDocuments(Sequence):
+    """Pre-tokenized documents: each record is the little-endian int32 token ids of one document."""
+
+    def __init__(self, paths: list[Path]):
+        from grain.sources import ArrayRecordDataSource
+
+        self._source = ArrayRecordDataSource([str(p) for p in paths])
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return {"tokens": np.frombuffer(self._source[index], dtype="<i4")}
+
+
+def write_pretokenized(path: Path, documents: Sequence[np.ndarray]) -> None:
+    """Writes token-id documents in the array_record format that data.source=array_record reads."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    writer = ArrayRecordWriter(str(path), "group_size:1")  # one record per chunk: fast random access
+    try:
+        for tokens in documents:
+            writer.write(np.asarray(tokens, dtype="<i4").tobytes())
+    finally:
+        writer.close()
+
+
+def read_documents(patterns: Sequence[str], data: DataConfig, key: str) -> Sequence[dict[str, Any]]:
+    """All documents of the files matching `patterns`; `key` names the config key in errors."""
+    if data.source is DataSource.shakespeare:
+        files, source = [BUNDLED_CORPUS], DataSource.jsonl
+    else:
+        files, source = expand(patterns, key), data.source
+    if not files:
+        raise ConfigError(f"{key}: {list(patterns)} matches only directories")
+    if source is DataSource.array_record:
+        for path in files:
+            if path.stat().st_size == 0:
+                raise ConfigError(f"{key}: {path} is empty")
+        try:
+            docs = _ArrayRecordDocuments(files)
+        except Exception as err:  # array_record raises plain RuntimeErrors for bad files
+            raise ConfigError(f"{key}: cannot read {[str(f) for f in files]} as array_record ({err})") from None
+        if len(docs) == 0:
+            raise ConfigError(f"{key}: {[str(f) for f in files]} hold no documents")
+        return docs
+    docs = []
+    for path in files:
+        found = _text_documents(path, data.text_unit) if source is DataSource.text else _jsonl_documents(path, data)
+        if not found:
+            raise ConfigError(f"{key}: {path} is empty (no documents)")
+        docs += found
+    return docs
+
+
+class _Subset(Sequence):
+    def __init__(self, docs: Sequence, indices: np.ndarray):
+        self._docs, self._indices = docs, indices
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __getitem__(self, index: int):
+        return self._docs[int(self._indices[index])]
+
+
+def train_and_eval_documents(data: DataConfig) -> tuple[Sequence, Sequence]:
+    """The training documents and the held-out ones (eval_files, or a fixed eval_fraction)."""
+    docs = read_documents(data.train_files, data, "data.train_files")
+    if data.eval_files:
+        return docs, read_documents(data.eval_files, data, "data.eval_files")
+    held_out = int(round(len(docs) * data.eval_fraction))
+    if data.eval_fraction > 0 and held_out == 0 or held_out == len(docs):
+        raise ConfigError(f"data.eval_fraction={data.eval_fraction} of {len(docs)} documents leaves "
+                          f"an empty split; set data.eval_files or change the fraction")
+    order = np.random.default_rng(EVAL_SPLIT_SEED).permutation(len(docs))
+    return _Subset(docs, np.sort(order[held_out:])), _Subset(docs, np.sort(order[:held_out]))
