@@ -13,8 +13,13 @@ def main(argv: list[str]) -> int:
     try:
         cfg, run = load_config(argv)
         from tunix_train.train.loop import train  # imports jax: after the cheap config checks
+        from tunix_train.train.signals import RunStopped
 
-        train(cfg, Path(run["run_dir"]), run["overrides"])
+        try:
+            train(cfg, Path(run["run_dir"]), run["overrides"])
+        except RunStopped as stopped:
+            print(f"tunix_train: {stopped}", file=sys.stderr if stopped.exit_code else sys.stdout)
+            return stopped.exit_code
     except ConfigError as err:
         print(f"tunix_train: error: {err}", file=sys.stderr)
         return 2

@@ -22,7 +22,7 @@ def compile_seconds(overrides: list[str]) -> float:
                             global_micro_batch=run.micro_batch, seed=0)
     with jax.set_mesh(run.mesh):
         start = time.perf_counter()
-        run.step_fn.lower(run.state, to_global_batch(next(data), run.mesh)).compile()
+        run.step_fn.lower(run.plan.abstract, to_global_batch(next(data), run.mesh)).compile()
         return time.perf_counter() - start
 
 

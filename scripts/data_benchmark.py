@@ -35,8 +35,9 @@ def train_tokens_per_sec(cfg, data: Data, steps: int) -> float:
         with jax.set_mesh(run.mesh):
             host = [next(batches) for _ in range(steps + 1)]  # data is ready: time the step alone
             device = [to_global_batch(b, run.mesh) for b in host]
-            step = run.step_fn.lower(run.state, device[0]).compile()
-            state, metrics = step(run.state, device[0])
+            state = run.plan.create()
+            step = run.step_fn.lower(state, device[0]).compile()
+            state, metrics = step(state, device[0])
             jax.block_until_ready(metrics)
             start = time.perf_counter()
             for batch in device[1:]:

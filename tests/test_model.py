@@ -11,7 +11,7 @@ from tunix_train.config import load_config
 from tunix_train.model import Gemma, layer_windows
 from tunix_train.sharding import make_mesh, state_shardings
 from tunix_train.train.optimizer import make_optimizer
-from tunix_train.train.state import TrainState, count_params
+from tunix_train.train.state import count_params, train_state_initializer
 
 GEMMA2_STYLE = ("model.attn_logit_softcap=50.0", "model.final_logit_softcap=30.0", "model.use_qk_norm=false")
 LAYOUTS = {
@@ -89,11 +89,7 @@ def test_shipped_configs_build_abstract_sharded_state(name):
     cfg, _ = load_config([f"model={name}"])
     optimizer, _ = make_optimizer(cfg.training)
 
-    def init(key):
-        params = nnx.state(Gemma(cfg.model, nnx.Rngs(key)), nnx.Param)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
-
-    abstract = jax.eval_shape(init, jax.random.key(0))
+    abstract = jax.eval_shape(train_state_initializer(cfg.model, optimizer), jax.random.key(0))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
     state_shardings(abstract, make_mesh([[8], ["fsdp"]]))  # every parameter divides over fsdp=8
     if name in PUBLISHED:

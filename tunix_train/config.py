@@ -39,6 +39,11 @@ class LrSchedule(enum.Enum):
     constant = "constant"
 
 
+class NanPolicy(enum.Enum):
+    skip = "skip"  # drop the update of a step with a non-finite loss or gradient, count it, go on
+    stop = "stop"  # save the last good state and exit non-zero
+
+
 class DataSource(enum.Enum):
     shakespeare = "shakespeare"  # the bundled corpus and tokenizer
     text = "text"  # plain-text files
@@ -121,6 +126,17 @@ class TrainingConfig:
     log_every: int = 10
     eval_every: int = 50  # steps between evaluations on the held-out split; 0 disables
     eval_batches: int = 4  # a fixed set of held-out batches per evaluation
+    nan_policy: NanPolicy = NanPolicy.skip
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every_steps: int = 100  # 0: only at the end and on preemption
+    every_seconds: float = 0.0  # also save when this much time has passed since the last save; 0: off
+    keep: int = 3  # the most recent checkpoints kept
+    # Start from this checkpoint (a run directory, its checkpoints/ folder, or one step's folder)
+    # instead of the run directory's own latest one.
+    resume_from: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -129,6 +145,7 @@ class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
 
 def _register_schema() -> None:
@@ -139,7 +156,7 @@ def _register_schema() -> None:
 
 def validate(cfg: Config) -> None:
     """Checks that need no devices; mesh checks live in tunix_train.sharding."""
-    m, t, d = cfg.model, cfg.training, cfg.data
+    m, t, d, c = cfg.model, cfg.training, cfg.data, cfg.checkpoint
     positive = {
         "model.num_layers": m.num_layers, "model.embed_dim": m.embed_dim,
         "model.hidden_dim": m.hidden_dim, "model.num_heads": m.num_heads,
@@ -174,6 +191,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.prompt_field and data.completion_field must be set together")
     if d.prompt_field is not None and d.source is not DataSource.jsonl:
         raise ConfigError("data.prompt_field is for data.source=jsonl")
+    if c.every_steps < 0 or c.every_seconds < 0 or c.keep < 1:
+        raise ConfigError("checkpoint.every_steps and every_seconds must be >= 0 and checkpoint.keep >= 1")
     if d.prefetch_batches < 0:
         raise ConfigError(f"data.prefetch_batches={d.prefetch_batches} must be >= 0")
 

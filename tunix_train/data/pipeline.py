@@ -17,6 +17,7 @@ import grain
 import numpy as np
 from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchIterDataset, ZipIterDataset
 
+from tunix_train.config import ConfigError
 from tunix_train.data.tokenizer import Tokenizer
 
 PACKED = ("inputs", "targets", "loss_mask")
@@ -67,7 +68,8 @@ def _stack_rows(rows: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray
 def process_rows(global_rows: int, process_index: int, process_count: int) -> range:
     """The rows of each micro-batch held by this process's devices: a contiguous block."""
     if global_rows % process_count:
-        raise ValueError(f"a micro-batch of {global_rows} rows does not split over {process_count} processes")
+        raise ConfigError(f"the global micro-batch of {global_rows} rows (training.micro_batch_size x dp x fsdp) "
+                          f"does not split over {process_count} processes; change training.micro_batch_size")
     per_process = global_rows // process_count
     return range(process_index * per_process, (process_index + 1) * per_process)
 

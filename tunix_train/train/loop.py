@@ -12,13 +12,15 @@ import jax
 from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
-from tunix_train.config import Config
+from tunix_train.checkpoint import Checkpointer, restore_from, restore_latest
+from tunix_train.config import Config, ConfigError, NanPolicy
 from tunix_train.data import Data
 from tunix_train.observe.metrics import MetricsWriter, setup_logging
 from tunix_train.sharding import (data_parallel_size, describe_mesh, make_mesh, to_global_batch,
                                   validate_model_for_mesh)
 from tunix_train.train.optimizer import make_optimizer
-from tunix_train.train.state import TrainState, count_params, create_train_state, model_graphdef
+from tunix_train.train.signals import RunStopped, StopRequest
+from tunix_train.train.state import StatePlan, TrainState, count_params, model_graphdef, plan_train_state
 from tunix_train.train.step import compile_eval_step, compile_train_step
 
 
@@ -32,31 +34,77 @@ def _save_config(cfg: Config, overrides: list[str], run_dir: Path) -> None:
 
 @dataclasses.dataclass
 class Setup:
-    """What a run is built from: the mesh, the sharded state, and the jitted (uncompiled) steps."""
+    """What a run is built from: the mesh, the planned state, and the jitted (uncompiled) steps."""
 
     mesh: Mesh
-    state: TrainState
-    shardings: Any
+    plan: StatePlan
     step_fn: Any
     eval_fn: Any
     micro_batch: int  # rows per micro-step, over all data-parallel shards
 
 
 def setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
-    """Mesh, validated model, sharded train state and steps on `devices` (default: all).
+    """Mesh, validated model, state plan and steps on `devices` (default: all); allocates nothing.
 
     Raises ConfigError when the config does not fit the devices."""
     t = cfg.training
     mesh = make_mesh(cfg.model.mesh_shape, devices)
     validate_model_for_mesh(cfg.model, mesh)
     optimizer, schedule = make_optimizer(t)
-    state, shardings = create_train_state(cfg.model, optimizer, mesh, t.seed)
+    plan = plan_train_state(cfg.model, optimizer, mesh, t.seed)
     graphdef = model_graphdef(cfg.model, t.remat)
-    step_fn = compile_train_step(shardings, mesh, graphdef=graphdef, optimizer=optimizer,
+    step_fn = compile_train_step(plan.shardings, mesh, graphdef=graphdef, optimizer=optimizer,
                                  schedule=schedule, mixed_precision=t.mixed_precision)
-    eval_fn = compile_eval_step(shardings, mesh, graphdef=model_graphdef(cfg.model, t.remat),
-                                mixed_precision=t.mixed_precision)
-    return Setup(mesh, state, shardings, step_fn, eval_fn, t.micro_batch_size * data_parallel_size(mesh))
+    eval_fn = compile_eval_step(plan.shardings, mesh, graphdef=graphdef, mixed_precision=t.mixed_precision)
+    return Setup(mesh, plan, step_fn, eval_fn, t.micro_batch_size * data_parallel_size(mesh))
+
+
+# Keys that may change when a run directory is resumed; any other difference means another run.
+_RESUMABLE_CHANGES = ("model.mesh_shape", "training.micro_batch_size", "training.max_steps", "training.log_every", "training.eval_every",
+                      "training.eval_batches", "training.nan_policy", "checkpoint.", "data.prefetch_batches")
+
+
+def _check_same_run(run_dir: Path, cfg: Config) -> None:
+    """A run directory holding another run's config is never reused (its checkpoints are safe)."""
+    saved_file = run_dir / ".hydra" / "config.yaml"
+    if not saved_file.is_file():
+        return
+    saved = _flatten(OmegaConf.to_container(OmegaConf.load(saved_file)))
+    current = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+    for key in sorted(saved.keys() | current.keys()):
+        if saved.get(key) != current.get(key) and not key.startswith(_RESUMABLE_CHANGES):
+            raise ConfigError(f"hydra.run.dir={run_dir} holds a run with {key}={saved.get(key)!r}, not "
+                              f"{current.get(key)!r}; resume it with the same settings or choose a new hydra.run.dir")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
+
+
+def _initial_state(cfg: Config, run: Setup, checkpoints: Path, train_batches):
+    """The run directory's latest checkpoint, else checkpoint.resume_from, else a fresh state.
+
+    Returns the state, where it came from, and warnings about damaged checkpoints skipped."""
+    restored, skipped = restore_latest(checkpoints, run.plan.abstract)
+    origin = f"resumed from {checkpoints}"
+    if restored is None and cfg.checkpoint.resume_from:
+        restored = restore_from(cfg.checkpoint.resume_from, run.plan.abstract)
+        origin = f"started from checkpoint.resume_from={cfg.checkpoint.resume_from}"
+    if restored is None:
+        return run.plan.create(), "initialized from training.seed", skipped
+    state, data_state = restored
+    if data_state["global_micro_batch"] != run.micro_batch:
+        raise ConfigError(f"the checkpoint was written with {data_state['global_micro_batch']} rows per "
+                          f"micro-step (training.micro_batch_size x dp x fsdp), this run has {run.micro_batch}; "
+                          f"set training.micro_batch_size so that the global batch is the same")
+    train_batches.set_state(data_state["iterator"])
+    return state, f"{origin} at step {int(state.step)}", skipped
+
+
+def _data_state(train_batches, run: Setup) -> dict[str, Any]:
+    return {"iterator": train_batches.get_state(), "global_micro_batch": run.micro_batch}
 
 
 def _evaluate(eval_fn, params, eval_batches) -> dict[str, float]:
@@ -68,16 +116,25 @@ def _evaluate(eval_fn, params, eval_batches) -> dict[str, float]:
 
 def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
           devices: list[jax.Device] | None = None) -> TrainState:
-    """Trains for cfg.training.max_steps steps on `devices` (default: all); returns the final state.
+    """Trains until cfg.training.max_steps on `devices` (default: all), resuming from the run
+    directory's latest checkpoint when there is one; returns the final state.
 
-    Raises ConfigError before anything is written when the config or its data is bad.
+    Raises ConfigError before anything is written when the config or its data is bad, and RunStopped
+    when a signal or a non-finite step (nan_policy=stop) ends the run after saving a checkpoint.
     """
     t = cfg.training
+    _check_same_run(run_dir, cfg)
     data = Data(cfg)
     run = setup(cfg, devices)
-    mesh, state = run.mesh, run.state
+    mesh = run.mesh
     process = dict(process_index=jax.process_index(), process_count=jax.process_count())
     train_batches = data.train_batches(run.micro_batch, **process)
+    checkpoints = run_dir / "checkpoints"
+    try:
+        state, origin, skipped = _initial_state(cfg, run, checkpoints, train_batches)
+    except BaseException:
+        train_batches.close()
+        raise
     eval_batches = ([to_global_batch(b, mesh) for b in data.eval_batches(run.micro_batch, **process)]
                     if t.eval_every else [])
 
@@ -89,9 +146,12 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
         _save_config(cfg, list(overrides), run_dir)
     tokens_per_step = t.gradient_accumulation_steps * run.micro_batch * cfg.data.seq_len
     say = log.info if log else (lambda *_: None)
+    if log:
+        for warning in skipped:
+            log.warning(f"warning: {warning}")
     say(f"run directory: {run_dir}")
     say(f"mesh: {describe_mesh(mesh)}")
-    say(f"model: {cfg.model.name}, {count_params(state.params):,} parameters")
+    say(f"model: {cfg.model.name}, {count_params(state.params):,} parameters; {origin}")
     say(f"global batch: {t.gradient_accumulation_steps * run.micro_batch} sequences "
         f"({t.micro_batch_size} per data-parallel shard x {data_parallel_size(mesh)} shards x "
         f"{t.gradient_accumulation_steps} accumulation steps) = {tokens_per_step:,} tokens")
@@ -99,8 +159,9 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
         say(f"data: {len(data.train_docs):,} training and {len(data.eval_docs):,} held-out documents, "
             f"tokenizer {data.tokenizer.path.name} ({data.tokenizer.vocab_size} tokens)")
 
+    checkpointer = Checkpointer(checkpoints, cfg.checkpoint)
     try:
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), StopRequest() as stop:
             start = time.perf_counter()
             batch = to_global_batch(next(train_batches), mesh)
             step_fn = run.step_fn.lower(state, batch).compile()
@@ -119,25 +180,41 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
                 batch = None
                 interval_steps += 1
                 done = step + 1
+                if t.nan_policy is NanPolicy.stop and not bool(metrics["finite"]):
+                    checkpointer.save(state, _data_state(train_batches, run))
+                    raise RunStopped(f"non-finite loss or gradient at step {done} (training.nan_policy=stop); "
+                                     f"its update was dropped and the last good state saved to "
+                                     f"{checkpoints / str(done)}", exit_code=3)
                 scalars = {}
                 if done % t.log_every == 0 or done == t.max_steps:
                     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
                     elapsed = time.perf_counter() - interval_start
                     scalars.update(loss=metrics["loss"], learning_rate=metrics["learning_rate"],
                                    grad_norm=metrics["grad_norm"], step_time_s=elapsed / interval_steps,
-                                   tokens_per_sec=tokens_per_step * interval_steps / elapsed)
+                                   tokens_per_sec=tokens_per_step * interval_steps / elapsed,
+                                   nonfinite_steps=float(state.nonfinite_steps))
                 if eval_batches and (done % t.eval_every == 0 or done == t.max_steps):
                     scalars.update(_evaluate(run.eval_fn, state.params, eval_batches))
-                if not scalars:
-                    continue
-                if writer:
-                    writer.write(done, scalars)
-                say(f"step {done}/{t.max_steps}  " + _format(scalars))
-                interval_start, interval_steps = time.perf_counter(), 0
+                if scalars:
+                    if writer:
+                        writer.write(done, scalars)
+                    say(f"step {done}/{t.max_steps}  " + _format(scalars))
+                    interval_start, interval_steps = time.perf_counter(), 0
+                if stop.requested:
+                    checkpointer.save(state, _data_state(train_batches, run))
+                    checkpointer.wait()
+                    raise RunStopped(f"{stop.requested}: stopped after step {done}; checkpoint saved to "
+                                     f"{checkpoints / str(done)}", exit_code=0)
+                if checkpointer.due(done):
+                    checkpointer.save(state, _data_state(train_batches, run))
+            checkpointer.save(state, _data_state(train_batches, run))
     finally:
+        checkpointer.wait()
+        checkpointer.close()
         train_batches.close()
         if writer:
             writer.close()
+    say(f"done: step {int(state.step)}, final checkpoint in {checkpoints / str(int(state.step))}")
     return state
 
 
@@ -148,6 +225,9 @@ def _format(scalars: dict[str, float]) -> str:
             parts.append(f"{value * 1000:.0f} ms/step")
         elif name == "tokens_per_sec":
             parts.append(f"{value:,.0f} tokens/s")
+        elif name == "nonfinite_steps":
+            if value:
+                parts.append(f"{value:.0f} non-finite steps skipped")
         elif name == "learning_rate":
             parts.append(f"lr {value:.2e}")
         else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import flax.struct
@@ -18,9 +20,10 @@ from tunix_train.sharding import state_shardings
 
 @flax.struct.dataclass
 class TrainState:
-    step: jax.Array  # int32 scalar: optimizer updates applied so far
+    step: jax.Array  # int32 scalar: train steps taken (batches consumed)
     params: nnx.State  # float32 master weights, Variables carrying logical `axes`
     opt_state: optax.OptState
+    nonfinite_steps: jax.Array  # int32 scalar: steps whose update was dropped (non-finite loss/grads)
 
 
 def model_graphdef(model_cfg: ModelConfig, remat: Remat) -> nnx.GraphDef:
@@ -28,22 +31,51 @@ def model_graphdef(model_cfg: ModelConfig, remat: Remat) -> nnx.GraphDef:
     return nnx.graphdef(nnx.eval_shape(lambda: Gemma(model_cfg, nnx.Rngs(0), remat)))
 
 
-def create_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation,
-                       mesh: Mesh, seed: int) -> tuple[TrainState, Any]:
-    """Returns the initialized state and its shardings.
-
-    Shapes come from jax.eval_shape, shardings from the parameters' logical axes, and the state is
-    created by a jit whose out_shardings are those shardings: each device computes only its shards
-    and the whole model never sits on one device.
-    """
+def train_state_initializer(model_cfg: ModelConfig, optimizer: optax.GradientTransformation):
+    """key -> a fresh TrainState; for jax.eval_shape (shapes only) or a sharded jit."""
 
     def init(key):
         params = nnx.state(Gemma(model_cfg, nnx.Rngs(key)), nnx.Param)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(step=zero, params=params, opt_state=optimizer.init(params), nonfinite_steps=zero)
 
+    return init
+
+
+@dataclasses.dataclass
+class StatePlan:
+    """A train state's shardings and shapes, before (or instead of) allocating it."""
+
+    shardings: Any
+    abstract: TrainState  # ShapeDtypeStructs carrying the shardings: what a checkpoint restores into
+    _init: Any
+    _key: jax.Array
+
+    def create(self) -> TrainState:
+        """The initial state, each device computing only its own shards."""
+        return self._init(self._key)
+
+
+def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
+                     seed: int) -> StatePlan:
+    """Shapes from jax.eval_shape, shardings from the parameters' logical axes, and an init jitted
+    with those out_shardings, so the whole model never sits on one device."""
+    init = train_state_initializer(model_cfg, optimizer)
     key = jax.random.key(seed)
-    shardings = state_shardings(jax.eval_shape(init, key), mesh)
-    return jax.jit(init, out_shardings=shardings)(key), shardings
+    shapes = jax.eval_shape(init, key)
+    shardings = state_shardings(shapes, mesh)
+    abstract = jax.tree.map(
+        lambda sharding, subtree: jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree),
+        shardings, shapes)
+    return StatePlan(shardings, abstract, jax.jit(init, out_shardings=shardings), key)
+
+
+def create_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation,
+                       mesh: Mesh, seed: int) -> tuple[TrainState, Any]:
+    """The initialized state and its shardings."""
+    plan = plan_train_state(model_cfg, optimizer, mesh, seed)
+    return plan.create(), plan.shardings
 
 
 def count_params(params: nnx.State) -> int:

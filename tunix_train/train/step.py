@@ -59,14 +59,21 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     grads, losses = jax.lax.scan(accumulate, zeros, batch)
+    loss, grad_norm = jnp.sum(losses), optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                           opt_state=opt_state)
+    params = optax.apply_updates(state.params, updates)
+    # A non-finite loss or gradient drops the whole update: parameters and optimizer state stay.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep_if_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = TrainState(step=state.step + 1, params=keep_if_finite(params, state.params),
+                           opt_state=keep_if_finite(opt_state, state.opt_state),
+                           nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32))
     metrics = {
-        "loss": jnp.sum(losses),
-        "grad_norm": optax.tree.norm(grads),
+        "loss": loss,
+        "grad_norm": grad_norm,
         "learning_rate": schedule(state.step),
         "tokens": jnp.sum(batch["loss_mask"]),
+        "finite": finite,
     }
     return new_state, metrics
 

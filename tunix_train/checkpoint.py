@@ -1,0 +1,135 @@
+"""Checkpoints with orbax: asynchronous, sharded, resumable on any mesh.
+
+A checkpoint is one step's folder under <run_dir>/checkpoints/ holding `state` (the TrainState:
+parameters, optimizer state, step and counters, written by every process for its own shards) and
+`data` (the data iterator's position, JSON). orbax writes into a temporary folder and renames it
+when complete, so an interrupted save never looks like a checkpoint; a damaged one is skipped with a
+warning when restoring. The train step uses no random numbers, so there is no RNG state to keep:
+initialization comes from training.seed and data order from the iterator state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from tunix_train.config import CheckpointConfig, ConfigError
+from tunix_train.train.state import TrainState
+
+log = logging.getLogger("tunix_train")
+
+
+def _all_finite(params) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
+
+
+_all_finite_jit = jax.jit(_all_finite)
+
+
+class Checkpointer:
+    """Saves every `every_steps` steps or `every_seconds` seconds; keeps the last `keep`."""
+
+    def __init__(self, directory: Path, cfg: CheckpointConfig):
+        self.directory, self.cfg = directory.resolve(), cfg
+        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=True,
+                                               cleanup_tmp_directories=True, create=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._last_save_time = time.monotonic()
+        self._last_saved_step = None
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def due(self, step: int) -> bool:
+        c = self.cfg
+        return bool((c.every_steps and step % c.every_steps == 0)
+                    or (c.every_seconds and time.monotonic() - self._last_save_time >= c.every_seconds))
+
+    def save(self, state: TrainState, data_state: dict[str, Any]) -> int:
+        """Starts an asynchronous save of `state` at its step; returns the step. Returns once the
+        arrays are copied off the devices, so the caller may donate them to the next step."""
+        step = int(state.step)
+        if step == self._last_saved_step:
+            return step  # e.g. the final save right after a periodic one
+        if not bool(_all_finite_jit(state.params)):
+            raise FloatingPointError(f"refusing to write non-finite parameters at step {step}")
+        if step in self._manager.all_steps():  # only a damaged one, skipped when this run resumed
+            log.warning(f"warning: replacing the damaged checkpoint {self.directory / str(step)}")
+            self._manager.delete(step)
+        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                         data=ocp.args.JsonSave(data_state)))
+        self._last_save_time, self._last_saved_step = time.monotonic(), step
+        return step
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def _restore_step(manager: ocp.CheckpointManager, step: int, target: TrainState):
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                             data=ocp.args.JsonRestore()))
+    return restored.state, restored.data
+
+
+def _reader(directory: Path) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
+
+
+def restore_latest(directory: Path, target: TrainState
+                   ) -> tuple[tuple[TrainState, dict[str, Any]] | None, list[str]]:
+    """The newest complete checkpoint in `directory` restored into `target`'s shapes and shardings
+    (any mesh), or None; and a warning for each damaged checkpoint skipped on the way."""
+    directory, skipped = directory.resolve(), []
+    if not directory.is_dir():
+        return None, skipped
+    manager = _reader(directory)
+    try:
+        for step in sorted(manager.all_steps(), reverse=True):
+            try:
+                return _restore_step(manager, step, target), skipped
+            except Exception as err:  # orbax/tensorstore raise many types for missing or cut files
+                skipped.append(f"checkpoint {directory / str(step)} is damaged, skipping it "
+                               f"({type(err).__name__}: {str(err).splitlines()[0][:200]})")
+        return None, skipped
+    finally:
+        manager.close()
+
+
+def resolve_resume_path(path: str) -> tuple[Path, int | None]:
+    """checkpoint.resume_from -> (checkpoints folder, a specific step or None for the latest)."""
+    p = Path(path).expanduser().resolve()
+    if (p / "checkpoints").is_dir():
+        return p / "checkpoints", None
+    if p.is_dir() and p.name.isdigit() and (p / "state").is_dir():
+        return p.parent, int(p.name)
+    if p.is_dir():
+        return p, None
+    raise ConfigError(f"checkpoint.resume_from: no checkpoint at {p}")
+
+
+def restore_from(path: str, target: TrainState) -> tuple[TrainState, dict[str, Any]]:
+    directory, step = resolve_resume_path(path)
+    if step is None:
+        restored, skipped = restore_latest(directory, target)
+        for warning in skipped:
+            log.warning(f"warning: {warning}")
+        if restored is None:
+            raise ConfigError(f"checkpoint.resume_from: no complete checkpoint under {directory}")
+        return restored
+    manager = _reader(directory)
+    try:
+        return _restore_step(manager, step, target)
+    except Exception as err:
+        raise ConfigError(f"checkpoint.resume_from: cannot restore {directory / str(step)} "
+                          f"({type(err).__name__})") from None
+    finally:
+        manager.close()
