@@ -1,0 +1,216 @@
+"""Fault tolerance: kill -9 and rerun, SIGTERM, damaged checkpoints, another mesh, nan_policy."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from conftest import REPO, config, read_metrics, train_losses
+from tunix_train.checkpoint import restore_from
+from tunix_train.config import ConfigError, load_config
+from tunix_train.data import Data
+from tunix_train.train.loop import setup, train
+from tunix_train.train.signals import RunStopped
+
+# A tiny model on the bundled corpus, so the data iterator's state is exercised too.
+RUN = ["model=gemma3_tiny", "model.vocab_size=4096", "data.seq_len=64", "training.max_steps=12",
+       "training.log_every=1", "training.eval_every=6", "checkpoint.every_steps=3", "checkpoint.keep=10"]
+
+
+def _start(run_dir, *extra):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen([sys.executable, str(REPO / "run_training.py"), *RUN, *extra,
+                             'model.mesh_shape=[[2],["fsdp"]]', f"hydra.run.dir={run_dir}"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _run(run_dir, *extra):
+    proc = _start(run_dir, *extra)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    return out
+
+
+def _wait_for_line(proc, text):
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if text in line:
+            return lines
+    raise AssertionError(f"{text!r} never printed:\n{''.join(lines)}")
+
+
+def _saved_arrays(run_dir, step):
+    restored = ocp.StandardCheckpointer().restore((run_dir / "checkpoints" / str(step) / "state").resolve())
+    return jax.tree.leaves(restored)
+
+
+def _assert_bit_identical(run_dir, reference_dir, step=12):
+    got, want = _saved_arrays(run_dir, step), _saved_arrays(reference_dir, step)
+    assert len(got) == len(want) > 10
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    _run(run_dir)
+    return run_dir
+
+
+@pytest.mark.parametrize("kill_after", ["step 2/", "step 7/", "step 10/"])
+def test_kill_9_then_rerun_gives_bit_identical_parameters(tmp_path, reference, kill_after):
+    proc = _start(tmp_path)
+    _wait_for_line(proc, kill_after)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    out = _run(tmp_path)
+    assert "resumed from" in out or kill_after == "step 2/"  # before the first checkpoint: starts over
+    _assert_bit_identical(tmp_path, reference)
+    # Losses after the restart equal the uninterrupted run's, bit for bit.
+    ref = {m["step"]: m["loss"] for m in read_metrics(reference) if "loss" in m}
+    assert all(m["loss"] == ref[m["step"]] for m in read_metrics(tmp_path) if "loss" in m)
+
+
+def test_sigterm_saves_the_current_step_and_the_rerun_continues(tmp_path, reference):
+    proc = _start(tmp_path)
+    _wait_for_line(proc, "step 4/")
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, rest
+    last = rest.strip().splitlines()[-1]
+    assert last.startswith("tunix_train: SIGTERM: stopped after step") and "checkpoint saved to" in last
+    stopped_at = int(last.split("stopped after step ")[1].split(";")[0])
+    assert (tmp_path / "checkpoints" / str(stopped_at)).is_dir() and stopped_at % 3  # not a periodic save
+    out = _run(tmp_path)
+    assert f"at step {stopped_at}" in out
+    _assert_bit_identical(tmp_path, reference)
+
+
+def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, reference):
+    shutil.copytree(reference, tmp_path / "run")
+    run_dir = tmp_path / "run"
+    for path in (run_dir / "checkpoints" / "12" / "state").rglob("*"):
+        if path.is_file() and path.stat().st_size > 0 and "ocdbt" in str(path):
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a save cut midway
+    out = _run(run_dir)
+    assert "warning: checkpoint" in out and "12 is damaged, skipping it" in out
+    assert "resumed from" in out and "at step 9" in out
+    _assert_bit_identical(run_dir, reference)
+
+
+def test_another_runs_directory_is_refused(tmp_path, reference):
+    before = sorted(p.name for p in (reference / "checkpoints").iterdir())
+    proc = _start(reference, "training.seed=1")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "holds a run with training.seed=0, not 1" in out
+    assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == before
+
+
+MESHES = {"fsdp4": ([[4, 1], ["fsdp", "tp"]], 4, 2), "fsdp2_tp2": ([[2, 2], ["fsdp", "tp"]], 4, 4),
+          "tp4": ([[1, 4], ["fsdp", "tp"]], 4, 8), "fsdp8": ([[8, 1], ["fsdp", "tp"]], 8, 1)}
+
+
+def _mesh_run(tmp_path, name, max_steps, *extra):
+    mesh_shape, n_devices, micro = MESHES[name]
+    cfg = config("training.max_steps=%d" % max_steps, "training.log_every=1", "checkpoint.every_steps=3",
+                 f"training.micro_batch_size={micro}", "model.num_heads=4", "model.num_kv_heads=2", *extra)
+    cfg.model.mesh_shape = mesh_shape
+    run_dir = tmp_path / f"{name}_{max_steps}"
+    return train(cfg, run_dir, devices=jax.devices()[:n_devices]), run_dir
+
+
+def test_restore_on_another_mesh_and_device_count(tmp_path):
+    final, first = _mesh_run(tmp_path, "fsdp4", 3)
+    _, continued = _mesh_run(tmp_path, "fsdp4", 6)  # the uninterrupted run
+    reference = train_losses(continued)[3:]
+    saved = jax.tree.leaves(final)  # the state in memory when the checkpoint was written
+    for name in ("fsdp2_tp2", "tp4", "fsdp8"):
+        mesh_shape, n_devices, micro = MESHES[name]
+        cfg = config(f"training.micro_batch_size={micro}", "model.num_heads=4", "model.num_kv_heads=2")
+        cfg.model.mesh_shape = mesh_shape
+        run = setup(cfg, jax.devices()[:n_devices])
+        state, _ = restore_from(str(first), run.plan.abstract)
+        for a, b in zip(jax.tree.leaves(state), saved):  # identical parameters and optimizer state
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert state.params["embedding_VD"][...].sharding.mesh.shape == dict(zip(*reversed(mesh_shape)))
+        _, resumed = _mesh_run(tmp_path, name, 6, f"checkpoint.resume_from={first}")
+        np.testing.assert_allclose(train_losses(resumed), reference, rtol=1e-5, err_msg=name)
+
+
+def test_a_checkpoint_needs_the_same_global_batch(tmp_path):
+    _, first = _mesh_run(tmp_path, "fsdp4", 3)
+    cfg = config("training.micro_batch_size=1", "model.num_heads=4", "model.num_kv_heads=2",
+                 f"checkpoint.resume_from={first}")
+    cfg.model.mesh_shape = MESHES["fsdp4"][0]
+    with pytest.raises(ConfigError, match="the global batch is the same"):
+        train(cfg, tmp_path / "other", devices=jax.devices()[:4])
+
+
+class _PoisonedBatches:
+    """The training batches with a NaN loss weight in batch `bad` (counted from 1)."""
+
+    def __init__(self, batches, bad):
+        self._batches, self._bad, self._seen = batches, bad, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self._batches)
+        self._seen += 1
+        if self._seen == self._bad:
+            batch = dict(batch, loss_mask=np.full_like(batch["loss_mask"], np.nan))
+        return batch
+
+    def __getattr__(self, name):  # get_state, set_state, close
+        return getattr(self._batches, name)
+
+
+@pytest.fixture
+def poison_batch(monkeypatch):
+    def poison(bad):
+        original = Data.train_batches
+        monkeypatch.setattr(Data, "train_batches", lambda self, *a, **k: _PoisonedBatches(original(self, *a, **k), bad))
+    return poison
+
+
+def test_nan_policy_skip_drops_the_update_and_counts_it(tmp_path, poison_batch):
+    poison_batch(3)
+    cfg = config("training.max_steps=5", "training.log_every=1", "checkpoint.every_steps=1",
+                 "checkpoint.keep=10", "training.nan_policy=skip")
+    state = train(cfg, tmp_path)
+    assert int(state.nonfinite_steps) == 1 and int(state.step) == 5
+    step = {s: _saved_arrays(tmp_path, s) for s in (2, 3, 4)}
+    params = lambda arrays: arrays  # noqa: E731
+    for a, b in zip(params(step[2]), params(step[3])):
+        if a.ndim:  # parameters and moments unchanged; only counters moved
+            np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in zip(step[3], step[4]) if a.ndim)  # training goes on
+    metrics = read_metrics(tmp_path)
+    assert [m["nonfinite_steps"] for m in metrics if "loss" in m] == [0, 0, 1, 1, 1]
+    assert np.isnan([m["loss"] for m in metrics if m["step"] == 3][0])
+
+
+def test_nan_policy_stop_saves_the_last_good_state_and_fails(tmp_path, poison_batch):
+    poison_batch(3)
+    cfg = config("training.max_steps=5", "training.log_every=1", "checkpoint.every_steps=1",
+                 "checkpoint.keep=10", "training.nan_policy=stop")
+    with pytest.raises(RunStopped, match="non-finite loss or gradient at step 3") as stopped:
+        train(cfg, tmp_path)
+    assert stopped.value.exit_code != 0
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [1, 2, 3]
+    for a, b in zip(_saved_arrays(tmp_path, 2), _saved_arrays(tmp_path, 3)):
+        assert np.all(np.isfinite(b))
+        if a.ndim:
+            np.testing.assert_array_equal(a, b)
