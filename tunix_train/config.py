@@ -87,6 +87,9 @@ class ModelConfig:
     rope_base_local: float = 10_000.0
     rope_scale_global: float = 1.0  # linear position scaling of global layers (Gemma 3 4b+)
     rms_norm_eps: float = 1e-6
+    # A Hugging Face Gemma checkpoint directory (config.json + safetensors) to start from; its sizes
+    # must match this config's.
+    init_from: Optional[str] = None
 
 
 @dataclasses.dataclass

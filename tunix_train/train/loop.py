@@ -12,6 +12,7 @@ import jax
 from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
+from tunix_train import hf
 from tunix_train.checkpoint import Checkpointer, restore_from, restore_latest
 from tunix_train.config import Config, ConfigError, NanPolicy
 from tunix_train.data import Data
@@ -84,7 +85,8 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _initial_state(cfg: Config, run: Setup, checkpoints: Path, train_batches):
-    """The run directory's latest checkpoint, else checkpoint.resume_from, else a fresh state.
+    """The run directory's latest checkpoint, else checkpoint.resume_from, else the Hugging Face
+    checkpoint model.init_from, else a fresh state.
 
     Returns the state, where it came from, and warnings about damaged checkpoints skipped."""
     restored, skipped = restore_latest(checkpoints, run.plan.abstract)
@@ -92,6 +94,9 @@ def _initial_state(cfg: Config, run: Setup, checkpoints: Path, train_batches):
     if restored is None and cfg.checkpoint.resume_from:
         restored = restore_from(cfg.checkpoint.resume_from, run.plan.abstract)
         origin = f"started from checkpoint.resume_from={cfg.checkpoint.resume_from}"
+    if restored is None and cfg.model.init_from:
+        params = hf.load_params(Path(cfg.model.init_from), cfg.model, run.plan.abstract.params)
+        return run.plan.from_params(params), f"initialized from model.init_from={cfg.model.init_from}", skipped
     if restored is None:
         return run.plan.create(), "initialized from training.seed", skipped
     state, data_state = restored

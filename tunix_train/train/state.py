@@ -50,10 +50,15 @@ class StatePlan:
     abstract: TrainState  # ShapeDtypeStructs carrying the shardings: what a checkpoint restores into
     _init: Any
     _key: jax.Array
+    _from_params: Any
 
     def create(self) -> TrainState:
         """The initial state, each device computing only its own shards."""
         return self._init(self._key)
+
+    def from_params(self, params: nnx.State) -> TrainState:
+        """A fresh state (step 0, new optimizer state) around given, already sharded parameters."""
+        return self._from_params(params)
 
 
 def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
@@ -68,7 +73,13 @@ def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransforma
         lambda sharding, subtree: jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree),
         shardings, shapes)
-    return StatePlan(shardings, abstract, jax.jit(init, out_shardings=shardings), key)
+
+    def from_params(params):
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(step=zero, params=params, opt_state=optimizer.init(params), nonfinite_steps=zero)
+
+    return StatePlan(shardings, abstract, jax.jit(init, out_shardings=shardings), key,
+                     jax.jit(from_params, out_shardings=shardings))
 
 
 def create_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation,

@@ -1,0 +1,121 @@
+"""Hugging Face interop: parity with transformers' Gemma 1/2/3, export/import round trips, init_from."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the parity tests need torch: pip install -e '.[reference]'")
+transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[reference]'")
+
+from conftest import config  # noqa: E402
+from tunix_train import api, export, hf  # noqa: E402
+from tunix_train.config import ConfigError  # noqa: E402
+from tunix_train.train.loop import train  # noqa: E402
+
+SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16)
+WINDOW, SEQ = 5, 16  # sequences longer than the sliding window
+FAMILIES = {
+    "gemma": lambda: (transformers.GemmaConfig(**SIZES), transformers.GemmaForCausalLM),
+    "gemma2": lambda: (transformers.Gemma2Config(**SIZES, sliding_window=WINDOW, query_pre_attn_scalar=24),
+                       transformers.Gemma2ForCausalLM),
+    "gemma3": lambda: (transformers.Gemma3TextConfig(
+        **SIZES, sliding_window=WINDOW, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        transformers.Gemma3ForCausalLM),
+}
+MESH = [[2, 2], ["fsdp", "tp"]]
+
+
+def _transformers_model(family, directory: Path):
+    torch.manual_seed(0)
+    hf_config, model_class = FAMILIES[family]()
+    model = model_class(hf_config).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # norms start at zero: make every tensor matter
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory)
+    return model
+
+
+def _reference_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_match_transformers(tmp_path, family):
+    reference_model = _transformers_model(family, tmp_path)
+    tokens = np.random.default_rng(0).integers(0, SIZES["vocab_size"], (2, SEQ))
+    model = api.load(tmp_path, mesh_shape=MESH, devices=jax.devices()[:4])
+    if family != "gemma":
+        assert model.config.sliding_window == WINDOW and model.config.local_layers_per_global > 0
+    np.testing.assert_allclose(model.logits(tokens), _reference_logits(reference_model, tokens), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_export_then_import_is_identical_and_transformers_loads_it(tmp_path, family):
+    reference_model = _transformers_model(family, tmp_path / "source")
+    model = api.load(tmp_path / "source", mesh_shape=MESH, devices=jax.devices()[:4])
+    hf.export(model.params, model.config, tmp_path / "exported")
+    again = api.load(tmp_path / "exported", mesh_shape=[[4, 1], ["fsdp", "tp"]], devices=jax.devices()[:4])
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(again.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    loaded = type(reference_model).from_pretrained(tmp_path / "exported").eval()
+    tokens = np.random.default_rng(1).integers(0, SIZES["vocab_size"], (1, SEQ))
+    np.testing.assert_array_equal(_reference_logits(loaded, tokens), _reference_logits(reference_model, tokens))
+
+
+def test_each_device_reads_only_its_slice(tmp_path, monkeypatch):
+    _transformers_model("gemma3", tmp_path)
+    shapes = {}
+    original = hf._SafetensorsFiles.read
+
+    def recording_read(self, name, slices):
+        block = original(self, name, slices)
+        shapes.setdefault(name, set()).add(block.shape)
+        return block
+
+    monkeypatch.setattr(hf._SafetensorsFiles, "read", recording_read)
+    api.load(tmp_path, mesh_shape=MESH, devices=jax.devices()[:4])
+    q_rows = SIZES["num_attention_heads"] * SIZES["head_dim"]
+    # q_proj is [heads x head_dim, embed]; tp=2 splits the heads, fsdp=2 the embed dimension.
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == {(q_rows // 2, SIZES["hidden_size"] // 2)}
+
+
+def test_init_from_starts_training_from_the_checkpoint(tmp_path):
+    _transformers_model("gemma3", tmp_path / "hf")
+    fields = hf.model_fields_from_hf(hf.read_hf_config(tmp_path / "hf"))
+    overrides = [f"model.{k}={v}" for k, v in fields.items() if v is not None]
+    # learning rate 0: the step leaves the parameters as they were loaded
+    cfg = config(*overrides, f"model.init_from={tmp_path / 'hf'}", "training.max_steps=1",
+                 "training.learning_rate=0")
+    state = train(cfg, tmp_path / "run", devices=jax.devices()[:1])
+    loaded = api.load(tmp_path / "hf", devices=jax.devices()[:1])
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(loaded.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert "initialized from model.init_from" in (tmp_path / "run" / "train.log").read_text()
+
+    wrong = config(*[o for o in overrides if "embed_dim" not in o], "model.embed_dim=32",
+                   f"model.init_from={tmp_path / 'hf'}")
+    with pytest.raises(ConfigError, match="has embed_dim=64 but model.embed_dim=32"):
+        train(wrong, tmp_path / "wrong", devices=jax.devices()[:1])
+    assert not (tmp_path / "wrong").exists()
+
+
+def test_native_checkpoint_loads_for_notebooks(tmp_path):
+    cfg = config("training.max_steps=2")
+    state = train(cfg, tmp_path / "run", devices=jax.devices()[:1])
+    model = api.load(tmp_path / "run", mesh_shape=[[2, 2], ["fsdp", "tp"]], devices=jax.devices()[:4])
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(model.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    logits = model.logits([[1, 2, 3, 4]])
+    assert logits.shape == (1, 4, cfg.model.vocab_size) and np.all(np.isfinite(logits))
+    # ... and exports with the command line tool, for transformers
+    assert export.main([str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    np.testing.assert_allclose(_reference_logits(reference, np.array([[1, 2, 3, 4]])), logits, atol=1e-4, rtol=0)
+    assert export.main([str(tmp_path / "run"), str(tmp_path / "hf")]) == 2  # never over an existing export

@@ -1,0 +1,36 @@
+"""Export a run's checkpoint as a Hugging Face checkpoint that transformers loads.
+
+    python -m tunix_train.export RUN_DIR_OR_CHECKPOINT OUTPUT_DIR
+
+Writes OUTPUT_DIR/config.json and OUTPUT_DIR/model.safetensors (float32); the latest checkpoint
+of a run or checkpoints/ folder, or the given step's folder.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from tunix_train.config import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a run directory, its checkpoints/ folder, or a step folder")
+    parser.add_argument("output", type=Path, help="a new or empty directory")
+    args = parser.parse_args(argv)
+    try:
+        if args.output.exists() and any(args.output.iterdir()):
+            raise ConfigError(f"{args.output} is not empty; choose a new output directory")
+        from tunix_train import api, hf
+
+        model = api.load(args.checkpoint)
+        hf.export(model.params, model.config, args.output)
+    except ConfigError as err:
+        print(f"tunix_train.export: error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {model.config.name} to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
