@@ -4,6 +4,12 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Many tests compile the same small programs, in this process and in the CLI subprocesses they start
+# (which inherit the variable): a compilation cache shared by the session saves most of that time.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tunix_train_jax_cache_")
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -101,14 +101,14 @@ def test_bf16_computes_in_bfloat16_and_keeps_float32_master_weights(tmp_path):
     assert bf16 != fp32
 
 
-@pytest.mark.parametrize("remat", ["full", "save_matmul_outputs"])
-def test_remat_changes_memory_not_results(tmp_path, remat):
+def test_remat_changes_memory_not_results(tmp_path):
     losses = {}
-    for policy in ("none", remat):
+    for policy in ("none", "full", "save_matmul_outputs"):
         cfg = config(f"training.remat={policy}", "training.max_steps=2", "training.log_every=1")
         train(cfg, tmp_path / policy)
         losses[policy] = train_losses(tmp_path / policy)
-    np.testing.assert_allclose(losses[remat], losses["none"], rtol=1e-5)
+    np.testing.assert_allclose(losses["full"], losses["none"], rtol=1e-5)
+    np.testing.assert_allclose(losses["save_matmul_outputs"], losses["none"], rtol=1e-5)
 
 
 def test_the_default_job_learns(tmp_path):
