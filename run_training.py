@@ -12,11 +12,15 @@ from tunix_train.config import ConfigError, load_config
 def main(argv: list[str]) -> int:
     try:
         cfg, run = load_config(argv)
-        from tunix_train.train.loop import train  # imports jax: after the cheap config checks
+        from tunix_train import distributed  # imports jax: after the cheap config checks
+
+        how = distributed.initialize(cfg.distributed)  # before anything asks JAX for devices
+        distributed.check_devices()
+        from tunix_train.train.loop import train
         from tunix_train.train.signals import RunStopped
 
         try:
-            train(cfg, Path(run["run_dir"]), run["overrides"])
+            train(cfg, Path(run["run_dir"]), run["overrides"], processes=how)
         except RunStopped as stopped:
             print(f"tunix_train: {stopped}", file=sys.stderr if stopped.exit_code else sys.stdout)
             return stopped.exit_code

@@ -106,7 +106,8 @@ def test_epochs_reshuffle_and_repeat():
 @pytest.mark.parametrize("processes", [2, 4])
 def test_process_shards_union_to_the_single_process_batch(shakespeare, processes):
     single = _batches(shakespeare, 5, global_micro_batch=8)
-    shards = [_batches(shakespeare, 5, global_micro_batch=8, process_index=p, process_count=processes)
+    per_process = 8 // processes  # process p holds rows [p * per_process, (p + 1) * per_process)
+    shards = [_batches(shakespeare, 5, global_micro_batch=8, rows=range(p * per_process, (p + 1) * per_process))
               for p in range(processes)]
     for step, batch in enumerate(single):
         for name in batch:

@@ -143,12 +143,24 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass
+class DistributedConfig:
+    """Multi-process runs; see tunix_train/distributed.py for how each source is tried."""
+
+    coordinator_address: Optional[str] = None  # host:port of process 0
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+    initialization_timeout_s: int = 300  # give up reaching the coordinator after this long
+    heartbeat_timeout_s: int = 100  # a process silent this long is declared dead by the coordinator
+
+
+@dataclasses.dataclass
 class Config:
     experiment: str = "default"
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
 
 def _register_schema() -> None:

@@ -82,8 +82,20 @@ def make_mesh(mesh_shape: Any, devices: Sequence[jax.Device] | None = None) -> M
     # Lay devices out with tp as the fastest-varying axis so it stays on the closest links,
     # then transpose back to the user's axis order.
     order = sorted(range(len(names)), key=lambda i: names[i] == "tp")
-    ordered = mesh_utils.create_device_mesh([sizes[i] for i in order], devices,
-                                            allow_split_physical_axes=True)
+    ordered_sizes = [sizes[i] for i in order]
+    hosts = sorted({d.process_index for d in devices})
+    if len(hosts) == 1:
+        ordered = mesh_utils.create_device_mesh(ordered_sizes, devices, allow_split_physical_axes=True)
+    else:
+        # Hosts outermost, each host's devices innermost: tp stays within a host, while dp and
+        # fsdp span hosts (a hybrid host x local-device mesh).
+        local = len(devices) // len(hosts)
+        tp = sizes[names.index("tp")] if "tp" in names else 1
+        if local % tp:
+            raise ConfigError(f"model.mesh_shape: tp={tp} must divide the {local} devices of each host; "
+                              f"tensor parallelism stays within a host")
+        by_host = sorted(devices, key=lambda d: (d.process_index, d.id))
+        ordered = np.array(by_host, dtype=object).reshape(ordered_sizes)
     device_array = np.transpose(ordered, np.argsort(order))
     return Mesh(device_array, names, axis_types=(AxisType.Auto,) * len(names))
 
@@ -163,6 +175,19 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def _spec_entry(mesh_axes: tuple[str, ...]):
     return None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
+
+
+def process_rows(mesh: Mesh, global_rows: int) -> range:
+    """The rows of a [.., global_rows, ..] batch held by this process's devices: the rows its data
+    loader must produce, in order. A contiguous block whenever hosts are outermost in the mesh."""
+    sharding = NamedSharding(mesh, P(_spec_entry(_mesh_axes_for("batch", mesh))))
+    blocks = sorted({(sl.indices(global_rows)[:2]) for (sl,) in
+                     sharding.addressable_devices_indices_map((global_rows,)).values()})
+    lo, hi = blocks[0][0], blocks[-1][1]
+    if sum(stop - start for start, stop in blocks) != hi - lo:
+        raise ConfigError(f"model.mesh_shape: this process's devices hold rows {blocks} of the batch, not one "
+                          f"block; put dp and fsdp outside tp")
+    return range(lo, hi)
 
 
 def to_global_batch(host_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:

@@ -29,33 +29,30 @@ class Data:
             self.train_docs, self.eval_docs = train_and_eval_documents(cfg.data)
             self.features = DocumentFeatures(self.tokenizer, cfg.model.vocab_size)
 
-    def _batches(self, docs, *, accumulation_steps, global_micro_batch, seed, shuffle,
-                 process_index, process_count):
+    def _batches(self, docs, *, accumulation_steps, global_micro_batch, seed, shuffle, rows):
         d = self.cfg.data
         if self.synthetic:
             return SyntheticBatches(seq_len=d.seq_len, vocab_size=self.cfg.model.vocab_size,
                                     accumulation_steps=accumulation_steps, global_micro_batch=global_micro_batch,
-                                    seed=seed, process_index=process_index, process_count=process_count)
+                                    seed=seed, rows=rows)
         return PackedBatches(docs, self.features, seq_len=d.seq_len, accumulation_steps=accumulation_steps,
                              global_micro_batch=global_micro_batch, seed=seed if shuffle else None,
-                             process_index=process_index, process_count=process_count,
-                             prefetch=d.prefetch_batches)
+                             rows=rows, prefetch=d.prefetch_batches)
 
-    def train_batches(self, global_micro_batch: int, process_index: int = 0, process_count: int = 1):
+    def train_batches(self, global_micro_batch: int, rows: range | None = None):
         """Endless, seeded, checkpointable training batches of [A, rows of this process, T]."""
         t = self.cfg.training
         return self._batches(None if self.synthetic else self.train_docs,
                              accumulation_steps=t.gradient_accumulation_steps,
                              global_micro_batch=global_micro_batch, seed=t.seed, shuffle=True,
-                             process_index=process_index, process_count=process_count)
+                             rows=rows)
 
-    def eval_batches(self, global_micro_batch: int, process_index: int = 0,
-                     process_count: int = 1) -> list[dict[str, np.ndarray]]:
+    def eval_batches(self, global_micro_batch: int, rows: range | None = None) -> list[dict[str, np.ndarray]]:
         """The fixed held-out batches of every evaluation, [1, rows of this process, T] each."""
         batches = self._batches(None if self.synthetic else self.eval_docs, accumulation_steps=1,
                                 global_micro_batch=global_micro_batch,
                                 seed=self.cfg.training.seed + _EVAL_SEED_OFFSET, shuffle=False,
-                                process_index=process_index, process_count=process_count)
+                                rows=rows)
         try:
             return list(itertools.islice(batches, self.cfg.training.eval_batches))
         finally:

@@ -17,7 +17,6 @@ import grain
 import numpy as np
 from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchIterDataset, ZipIterDataset
 
-from tunix_train.config import ConfigError
 from tunix_train.data.tokenizer import Tokenizer
 
 PACKED = ("inputs", "targets", "loss_mask")
@@ -65,28 +64,20 @@ def _stack_rows(rows: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray
     return {name: np.stack([row[name] for row in rows]) for name in rows[0]}
 
 
-def process_rows(global_rows: int, process_index: int, process_count: int) -> range:
-    """The rows of each micro-batch held by this process's devices: a contiguous block."""
-    if global_rows % process_count:
-        raise ConfigError(f"the global micro-batch of {global_rows} rows (training.micro_batch_size x dp x fsdp) "
-                          f"does not split over {process_count} processes; change training.micro_batch_size")
-    per_process = global_rows // process_count
-    return range(process_index * per_process, (process_index + 1) * per_process)
-
-
 class PackedBatches:
     """Iterator of host batches with get_state/set_state for exact resumption."""
 
     def __init__(self, documents: Sequence[dict[str, Any]], features: DocumentFeatures, *, seq_len: int,
                  accumulation_steps: int, global_micro_batch: int, seed: int | None,
-                 process_index: int = 0, process_count: int = 1, prefetch: int = 4):
-        """seed None keeps the document order (evaluation); otherwise it is reshuffled every epoch."""
+                 rows: range | None = None, prefetch: int = 4):
+        """rows: the micro-batch rows this process holds (default all); seed None keeps the document
+        order (evaluation), otherwise it is reshuffled every epoch."""
         ordered = grain.MapDataset.source(documents)
         if seed is not None:
             ordered = ordered.shuffle(seed=seed)
         ordered = ordered.repeat()
         slots = []
-        for slot in process_rows(global_micro_batch, process_index, process_count):
+        for slot in range(global_micro_batch) if rows is None else rows:
             docs = ordered[slot::global_micro_batch].map(features)
             tokens = docs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
             slots.append(ConcatThenSplitIterDataset(tokens, length_struct={f: seq_len for f in PACKED}))

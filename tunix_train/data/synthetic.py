@@ -10,19 +10,18 @@ from typing import Any
 
 import numpy as np
 
-from tunix_train.data.pipeline import process_rows
 
 MAX_STRIDE = 16
 
 
 class SyntheticBatches:
-    """Batch k is a function of (seed, k) alone; each process gets its block of the rows."""
+    """Batch k is a function of (seed, k) alone; a process makes only its `rows` of each micro-batch."""
 
     def __init__(self, *, seq_len: int, vocab_size: int, accumulation_steps: int, global_micro_batch: int,
-                 seed: int, process_index: int = 0, process_count: int = 1):
+                 seed: int, rows: range | None = None):
         self.seq_len, self.vocab_size, self.seed = seq_len, vocab_size, seed
         self.shape = (accumulation_steps, global_micro_batch)
-        rows = process_rows(global_micro_batch, process_index, process_count)
+        rows = range(global_micro_batch) if rows is None else rows
         self.rows = slice(rows.start, rows.stop)
         self.next_batch = 0
 

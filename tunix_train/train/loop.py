@@ -17,7 +17,7 @@ from tunix_train.checkpoint import Checkpointer, restore_from, restore_latest
 from tunix_train.config import Config, ConfigError, NanPolicy
 from tunix_train.data import Data
 from tunix_train.observe.metrics import MetricsWriter, setup_logging
-from tunix_train.sharding import (data_parallel_size, describe_mesh, make_mesh, to_global_batch,
+from tunix_train.sharding import (data_parallel_size, describe_mesh, make_mesh, process_rows, to_global_batch,
                                   validate_model_for_mesh)
 from tunix_train.train.optimizer import make_optimizer
 from tunix_train.train.signals import RunStopped, StopRequest
@@ -120,7 +120,7 @@ def _evaluate(eval_fn, params, eval_batches) -> dict[str, float]:
 
 
 def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
-          devices: list[jax.Device] | None = None) -> TrainState:
+          devices: list[jax.Device] | None = None, processes: str = "single process") -> TrainState:
     """Trains until cfg.training.max_steps on `devices` (default: all), resuming from the run
     directory's latest checkpoint when there is one; returns the final state.
 
@@ -132,15 +132,15 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
     data = Data(cfg)
     run = setup(cfg, devices)
     mesh = run.mesh
-    process = dict(process_index=jax.process_index(), process_count=jax.process_count())
-    train_batches = data.train_batches(run.micro_batch, **process)
+    rows = process_rows(mesh, run.micro_batch)
+    train_batches = data.train_batches(run.micro_batch, rows)
     checkpoints = run_dir / "checkpoints"
     try:
         state, origin, skipped = _initial_state(cfg, run, checkpoints, train_batches)
     except BaseException:
         train_batches.close()
         raise
-    eval_batches = ([to_global_batch(b, mesh) for b in data.eval_batches(run.micro_batch, **process)]
+    eval_batches = ([to_global_batch(b, mesh) for b in data.eval_batches(run.micro_batch, rows)]
                     if t.eval_every else [])
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -155,7 +155,7 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
         for warning in skipped:
             log.warning(f"warning: {warning}")
     say(f"run directory: {run_dir}")
-    say(f"mesh: {describe_mesh(mesh)}")
+    say(f"mesh: {describe_mesh(mesh)}; {processes}")
     say(f"model: {cfg.model.name}, {count_params(state.params):,} parameters; {origin}")
     say(f"global batch: {t.gradient_accumulation_steps * run.micro_batch} sequences "
         f"({t.micro_batch_size} per data-parallel shard x {data_parallel_size(mesh)} shards x "
