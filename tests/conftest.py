@@ -39,3 +39,17 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def train_losses(run_dir: Path) -> list[float]:
     return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
+
+
+def checkpoint_arrays(step_dir: Path) -> dict[str, "np.ndarray"]:
+    """A saved TrainState as host arrays by path, whatever topology wrote it."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    path = (step_dir / "state").resolve()
+    checkpointer = ocp.StandardCheckpointer()
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    metadata = checkpointer.metadata(path).item_metadata
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata)
+    restored = checkpointer.restore(path, target)
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(restored)[0]}

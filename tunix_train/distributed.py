@@ -12,6 +12,8 @@ On CPU, collectives go through gloo so multi-process CPU runs work.
 from __future__ import annotations
 
 import os
+import socket
+import time
 
 from tunix_train.config import ConfigError, DistributedConfig
 
@@ -46,6 +48,24 @@ def _wants_gpu() -> bool:
     return "cuda" in platforms or "gpu" in platforms or (not platforms and os.path.exists("/dev/nvidia0"))
 
 
+def _wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """A process other than 0 first checks that the coordinator accepts connections: JAX's client
+    aborts the whole process, with no Python exception, when it cannot register."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(2.0, timeout_s)):
+                return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"could not reach the coordinator at {address} within {timeout_s} s "
+                                  f"(distributed.initialization_timeout_s): {err.strerror or err}; check "
+                                  f"MASTER_ADDR/MASTER_PORT (or distributed.coordinator_address) and that "
+                                  f"process 0 is running") from None
+            time.sleep(0.5)
+
+
 def initialize(cfg: DistributedConfig) -> str:
     """Initializes jax.distributed when this is one of several processes; says how, in words.
 
@@ -66,6 +86,8 @@ def initialize(cfg: DistributedConfig) -> str:
         return "single process"
     if args.get("num_processes") == 1:
         return "single process"
+    if args.get("process_id", 0) != 0:
+        _wait_for_coordinator(args["coordinator_address"], cfg.initialization_timeout_s)
     if not (_wants_gpu() or os.environ.get("JAX_PLATFORMS", "").startswith("tpu")):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:

@@ -1,6 +1,7 @@
 """Start a multi-process run on this machine (and, with --nnodes, on each of several machines).
 
     python -m tunix_train.launch --nprocs=4 run_training.py <overrides>
+    python -m tunix_train.launch --nprocs=2 --cpu_devices_per_process=4 -m tunix_train.devices
     python -m tunix_train.launch --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 \\
         --nprocs=8 run_training.py <overrides>            # the same on node 1 with --node_rank=1
 
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master_port", type=int, default=None, help="default: a free port (single node only)")
     parser.add_argument("--cpu_devices_per_process", type=int, default=None)
     parser.add_argument("--grace_period_s", type=float, default=10.0)
-    parser.add_argument("script", help="a Python script, e.g. run_training.py")
+    parser.add_argument("-m", "--module", action="store_true", help="run `script` as a module (python -m)")
+    parser.add_argument("script", help="a Python script, e.g. run_training.py, or a module with -m")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.nnodes > 1 and args.master_port is None:
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             env["JAX_PLATFORMS"] = "cpu"
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                                 f" --xla_force_host_platform_device_count={args.cpu_devices_per_process}").strip()
-        proc = subprocess.Popen([sys.executable, args.script, *args.args], env=env, stdout=subprocess.PIPE,
+        command = [sys.executable, *(["-m"] if args.module else []), args.script, *args.args]
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         procs.append(proc)
         pumps.append(threading.Thread(target=_pump, args=(proc.stdout, f"[{rank}] ", lock), daemon=True))

@@ -1,0 +1,106 @@
+"""Multi-process runs on one machine: the launcher, 2 processes x 2 fake CPU devices, gloo collectives."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO, checkpoint_arrays, train_losses
+
+RUN = ["model=gemma3_tiny", "data=synthetic", "data.seq_len=32", "training.max_steps=5", "training.log_every=1",
+       "training.eval_every=5", "checkpoint.every_steps=5", "distributed.initialization_timeout_s=60"]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def _launch(run_dir, *overrides, nprocs=2, timeout=300):
+    return subprocess.run([sys.executable, "-m", "tunix_train.launch", f"--nprocs={nprocs}",
+                           "--cpu_devices_per_process=2", str(REPO / "run_training.py"), *RUN, *overrides,
+                           f"hydra.run.dir={run_dir}"], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _single(run_dir, *overrides, devices=4):
+    env = {**ENV, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return subprocess.run([sys.executable, str(REPO / "run_training.py"), *RUN, *overrides,
+                           f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("one_process")
+    result = _single(run_dir, 'model.mesh_shape=[[4,1],["fsdp","tp"]]', "training.micro_batch_size=2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return run_dir
+
+
+@pytest.mark.parametrize("mesh, micro", [('[[4,1],["fsdp","tp"]]', 2), ('[[2,2],["fsdp","tp"]]', 4)])
+def test_two_processes_give_the_losses_of_one(tmp_path, one_process, mesh, micro):
+    result = _launch(tmp_path, f"model.mesh_shape={mesh}", f"training.micro_batch_size={micro}")
+    assert result.returncode == 0, result.stdout
+    assert "[0] " in result.stdout and "process 0 of 2" in result.stdout
+    np.testing.assert_allclose(train_losses(tmp_path), train_losses(one_process), rtol=1e-5)
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1  # only process 0 logs
+    assert len(list(tmp_path.glob("train.log"))) == 1
+
+
+def test_checkpoints_move_between_one_and_two_processes(tmp_path, one_process):
+    # two processes continue the one-process run, then one process continues the two-process run
+    two = tmp_path / "two"
+    result = _launch(two, 'model.mesh_shape=[[4,1],["fsdp","tp"]]', "training.micro_batch_size=2",
+                     f"checkpoint.resume_from={one_process}", "training.max_steps=7", "checkpoint.every_steps=7")
+    assert result.returncode == 0, result.stdout
+    assert "started from checkpoint.resume_from" in result.stdout and "at step 5" in result.stdout
+    one = tmp_path / "one"
+    result = _single(one, 'model.mesh_shape=[[4,1],["fsdp","tp"]]', "training.micro_batch_size=2",
+                     f"checkpoint.resume_from={two / 'checkpoints' / '7'}", "training.max_steps=8",
+                     "training.learning_rate=0", "training.weight_decay=0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    # learning rate 0: step 8 holds the parameters the two processes saved at step 7, bit for bit
+    saved, reloaded = checkpoint_arrays(two / "checkpoints" / "7"), checkpoint_arrays(one / "checkpoints" / "8")
+    params = [k for k in saved if "params" in k]
+    assert len(params) > 10 and saved.keys() == reloaded.keys()
+    for key in params:
+        np.testing.assert_array_equal(saved[key], reloaded[key], err_msg=key)
+
+
+def test_killing_one_process_stops_the_launcher(tmp_path):
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "tunix_train.launch", "--nprocs=2", "--cpu_devices_per_process=2",
+                             "--grace_period_s=5", str(REPO / "run_training.py"), *RUN, "training.max_steps=100000",
+                             "training.eval_every=0", "checkpoint.every_steps=0",
+                             'model.mesh_shape=[[4,1],["fsdp","tp"]]', f"hydra.run.dir={tmp_path}"],
+                            cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if "step 3/" in line:
+            break
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(children) == 2
+    os.kill(int(children[1]), signal.SIGKILL)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode != 0
+    assert "rank 1 exited with code -9; stopping the others" in out
+    assert time.monotonic() - start < 120
+    time.sleep(0.5)
+    alive = [pid for pid in children if subprocess.run(["kill", "-0", pid], capture_output=True).returncode == 0]
+    assert not alive
+
+
+def test_unreachable_coordinator_is_a_clear_error_not_a_hang(tmp_path):
+    env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9", "RANK": "1", "WORLD_SIZE": "2"}
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, str(REPO / "run_training.py"), *RUN,
+                             "distributed.initialization_timeout_s=5", f"hydra.run.dir={tmp_path / 'run'}"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("tunix_train: error: could not reach the coordinator at 127.0.0.1:9 within 5 s")
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - start < 60
+    assert not (tmp_path / "run").exists()
