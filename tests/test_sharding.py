@@ -88,3 +88,15 @@ def test_indivisible_parameter_dimension_names_the_parameter():
 def test_batch_is_split_over_dp_and_fsdp_only():
     mesh = make_mesh([[2, 2, 2], ["dp", "fsdp", "tp"]])
     assert batch_sharding(mesh).spec == P(None, ("dp", "fsdp"), None)
+
+
+def test_devices_of_different_kinds_are_refused(monkeypatch):
+    from tunix_train import distributed
+
+    class FakeDevice:
+        def __init__(self, kind):
+            self.device_kind = kind
+
+    monkeypatch.setattr(jax, "devices", lambda: [FakeDevice("NVIDIA H100"), FakeDevice("NVIDIA A100")])
+    with pytest.raises(ConfigError, match="devices are not homogeneous"):
+        distributed.check_devices()
