@@ -51,12 +51,15 @@ def test_the_docs_command_line_trains_and_writes_its_run_directory(tmp_path):
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(m["step"], sorted(m)) for m in metrics] == [
         (0, ["eval_loss", "eval_perplexity", "step"]),
-        (2, ["grad_norm", "learning_rate", "loss", "nonfinite_steps", "step", "step_time_s", "tokens_per_sec"]),
-        (4, ["eval_loss", "eval_perplexity", "grad_norm", "learning_rate", "loss", "nonfinite_steps", "step",
+        (2, ["grad_norm", "learning_rate", "loss", "mfu", "nonfinite_steps", "step", "step_time_s",
+             "tokens_per_sec"]),
+        (4, ["eval_loss", "eval_perplexity", "grad_norm", "learning_rate", "loss", "mfu", "nonfinite_steps", "step",
              "step_time_s", "tokens_per_sec"])]
-    assert all(m["tokens_per_sec"] > 0 and m["step_time_s"] > 0 for m in metrics[1:])
+    assert all(m["tokens_per_sec"] > 0 and m["step_time_s"] > 0 and 0 < m["mfu"] < 1 for m in metrics[1:])
+    assert "MFU basis:" in log and "(measured fp32 matmul on cpu)" in log
     scalars = read_tensorboard_scalars(run_dir)
-    for name in ("loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_sec", "eval_loss", "eval_perplexity"):
+    for name in ("loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_sec", "mfu", "eval_loss",
+                 "eval_perplexity"):
         assert scalars[name] == [(m["step"], pytest.approx(m[name], rel=1e-6)) for m in metrics if name in m]
     saved = (run_dir / ".hydra" / "config.yaml").read_text()
     assert "name: gemma3_1b" in saved and "num_layers: 2" in saved

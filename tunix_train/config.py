@@ -130,6 +130,8 @@ class TrainingConfig:
     eval_every: int = 50  # steps between evaluations on the held-out split; 0 disables
     eval_batches: int = 4  # a fixed set of held-out batches per evaluation
     nan_policy: NanPolicy = NanPolicy.skip
+    # Peak FLOP/s of one device for MFU; null: the table in observe/mfu.py, or measured on CPU.
+    peak_flops_per_device: Optional[float] = None
 
 
 @dataclasses.dataclass

@@ -17,6 +17,7 @@ from tunix_train.checkpoint import Checkpointer, restore_from, restore_latest
 from tunix_train.config import Config, ConfigError, NanPolicy
 from tunix_train.data import Data
 from tunix_train.observe.metrics import MetricsWriter, setup_logging
+from tunix_train.observe.mfu import device_memory_in_use, peak_for_run, train_flops_per_token
 from tunix_train.sharding import (data_parallel_size, describe_mesh, make_mesh, process_rows, to_global_batch,
                                   validate_model_for_mesh)
 from tunix_train.train.optimizer import make_optimizer
@@ -160,6 +161,10 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
     say(f"global batch: {t.gradient_accumulation_steps * run.micro_batch} sequences "
         f"({t.micro_batch_size} per data-parallel shard x {data_parallel_size(mesh)} shards x "
         f"{t.gradient_accumulation_steps} accumulation steps) = {tokens_per_step:,} tokens")
+    flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
+    peak, peak_source = peak_for_run(t.peak_flops_per_device, t.mixed_precision.value)
+    say(f"MFU basis: {flops_per_token / 1e9:.3f} GFLOP per token, peak {peak / 1e12:.3f} TFLOP/s "
+        f"per device ({peak_source}) x {mesh.devices.size} devices")
     if not data.synthetic:
         say(f"data: {len(data.train_docs):,} training and {len(data.eval_docs):,} held-out documents, "
             f"tokenizer {data.tokenizer.path.name} ({data.tokenizer.vocab_size} tokens)")
@@ -194,10 +199,14 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
                 if done % t.log_every == 0 or done == t.max_steps:
                     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
                     elapsed = time.perf_counter() - interval_start
+                    tokens_per_sec = tokens_per_step * interval_steps / elapsed
                     scalars.update(loss=metrics["loss"], learning_rate=metrics["learning_rate"],
                                    grad_norm=metrics["grad_norm"], step_time_s=elapsed / interval_steps,
-                                   tokens_per_sec=tokens_per_step * interval_steps / elapsed,
+                                   tokens_per_sec=tokens_per_sec,
+                                   mfu=tokens_per_sec * flops_per_token / (peak * mesh.devices.size),
                                    nonfinite_steps=float(state.nonfinite_steps))
+                    if (memory := device_memory_in_use()) is not None:
+                        scalars["device_memory_gb"] = memory / 1e9
                 if eval_batches and (done % t.eval_every == 0 or done == t.max_steps):
                     scalars.update(_evaluate(run.eval_fn, state.params, eval_batches))
                 if scalars:
@@ -233,6 +242,8 @@ def _format(scalars: dict[str, float]) -> str:
         elif name == "nonfinite_steps":
             if value:
                 parts.append(f"{value:.0f} non-finite steps skipped")
+        elif name == "mfu":
+            parts.append(f"MFU {value:.1%}")
         elif name == "learning_rate":
             parts.append(f"lr {value:.2e}")
         else:

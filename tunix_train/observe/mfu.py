@@ -1,0 +1,88 @@
+"""Model FLOPs utilization: the architecture's training FLOPs per token over the devices' peak.
+
+Per token, one training step (forward + backward = 3 x forward) costs
+  6 x (matmul parameters of all layers)          projections and MLP
+  6 x embed_dim x vocab_size                     the logits (tied embedding used as output)
+  12 x heads x head_dim x (keys attended)        per layer: scores and the weighted sum
+where "keys attended" is the mean number of positions a query sees: (S + 1) / 2 for a causal
+global layer, and for a sliding-window layer the mean of min(t + 1, window).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from tunix_train.config import ModelConfig
+from tunix_train.model import layer_windows
+
+# Dense peak FLOP/s per device from vendors' data sheets, by compute dtype. On NVIDIA GPUs XLA runs
+# float32 matmuls as TF32 by default, so float32 uses the TF32 tensor-core figure.
+PEAK_FLOPS = {
+    "H100": {"bf16": 989e12, "fp32": 494e12},  # SXM
+    "H200": {"bf16": 989e12, "fp32": 494e12},
+    "A100": {"bf16": 312e12, "fp32": 156e12},
+    "TPU v4": {"bf16": 275e12, "fp32": 275e12},
+    "TPU v5 lite": {"bf16": 197e12, "fp32": 197e12},  # v5e
+    "TPU v5p": {"bf16": 459e12, "fp32": 459e12},
+    "TPU v6 lite": {"bf16": 918e12, "fp32": 918e12},  # v6e (Trillium)
+}
+
+
+def mean_keys_attended(seq_len: int, window: int) -> float:
+    t = np.arange(seq_len)
+    return float(np.minimum(t + 1, window).mean())
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    D, F, N, K, H = cfg.embed_dim, cfg.hidden_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    matmul_params_per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F
+    attention = sum(12 * N * H * mean_keys_attended(seq_len, int(w)) for w in layer_windows(cfg))
+    return 6 * matmul_params_per_layer * cfg.num_layers + 6 * D * cfg.vocab_size + attention
+
+
+def peak_flops_per_device(device_kind: str, dtype: str) -> float | None:
+    """The table's figure for a device kind as JAX names it (e.g. 'NVIDIA H100 80GB HBM3'), or None."""
+    for name, peaks in PEAK_FLOPS.items():
+        if name.lower() in device_kind.lower():
+            return peaks[dtype]
+    return None
+
+
+def measure_peak_flops(dtype: str = "fp32", size: int = 1024, repeats: int = 10) -> float:
+    """FLOP/s of a large matmul on the first device, in the compute dtype: the 'peak' of a machine
+    with no table entry (a CPU), labelled as measured wherever it is reported."""
+    import jax
+    import jax.numpy as jnp
+
+    jnp_dtype = jnp.bfloat16 if dtype == "bf16" else jnp.float32
+    a = jax.device_put(jnp.ones((size, size), jnp_dtype), jax.devices()[0])
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = matmul(a)
+    out.block_until_ready()
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def peak_for_run(configured: float | None, dtype: str) -> tuple[float, str]:
+    """Peak FLOP/s per device and where the figure comes from."""
+    import jax
+
+    if configured:
+        return configured, "training.peak_flops_per_device"
+    kind = jax.devices()[0].device_kind
+    table = peak_flops_per_device(kind, dtype)
+    if table:
+        return table, f"data sheet, {kind}"
+    return measure_peak_flops(dtype), f"measured {dtype} matmul on {kind}"
+
+
+def device_memory_in_use() -> float | None:
+    """Bytes in use on the first local device, where the backend reports it (not on CPU)."""
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats()
+    return float(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None
