@@ -43,3 +43,35 @@ def test_peak_table_matches_jax_device_kinds():
     assert peak_flops_per_device("NVIDIA H200", "fp32") == 494e12
     assert peak_flops_per_device("TPU v5 lite", "bf16") == 197e12
     assert peak_flops_per_device("cpu", "fp32") is None
+
+
+def _plan(*args):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run([sys.executable, "-m", "tunix_train.plan", *args], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    figures = {}
+    for line in result.stdout.splitlines():
+        if line.endswith(" GiB") and line.startswith("  "):
+            name, value = line.strip().rsplit(maxsplit=2)[0], float(line.split()[-2])
+            figures[name] = value * 2**30
+    return result.stdout, figures
+
+
+def test_planner_counts_an_eighth_of_gemma3_1b_per_device_on_fsdp8():
+    out, figures = _plan("model=gemma3_1b", 'model.mesh_shape=[[8],["fsdp"]]', "training.micro_batch_size=1",
+                         "data=synthetic", "data.seq_len=128", "--device-memory=80GB")
+    analytic = 999_885_952 * 4 * 3 / 8  # float32 parameters, Adam's two moments, over 8 devices
+    assert figures["parameters"] + figures["optimizer state"] == pytest.approx(analytic, rel=0.05)
+    assert figures["temporaries (compiler)"] > 0 and "fits in 74.5 GiB per device" in out
+
+
+def test_planner_says_what_to_change_when_it_does_not_fit():
+    out, figures = _plan("model=gemma3_1b", 'model.mesh_shape=[[2,4],["fsdp","tp"]]', "training.micro_batch_size=2",
+                         "data=synthetic", "data.seq_len=128", "--device-memory=1GB")
+    assert "does NOT fit" in out and "shard more over fsdp" in out and "training.remat=full" in out

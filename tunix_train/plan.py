@@ -1,0 +1,134 @@
+"""Ahead-of-time memory plan: will this model, mesh and batch fit? No accelerator needed.
+
+    python -m tunix_train.plan model=gemma3_4b 'model.mesh_shape=[[8,2],["fsdp","tp"]]' \\
+        training.micro_batch_size=8 --device-memory=80GB
+
+Compiles the real train step for the mesh on fake CPU devices and prints, per device: parameters,
+optimizer state and the gradient accumulator (from the arrays' shard shapes), the compiler's
+temporaries, and whether the total fits; when it does not, which knobs would help. XLA's CPU
+compiler stands in for the accelerator's, so temporaries are an estimate (fusion differs by backend).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+
+
+_UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def _parse_bytes(text: str) -> float:
+    match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]I?)?B?\s*", text, re.I)
+    if not match:
+        raise ValueError(f"--device-memory={text!r}: use a size such as 80GB or 24GiB")
+    return float(match.group(1)) * _UNITS[(match.group(2) or "").upper()]
+
+
+def _device_count(overrides: list[str]) -> int:
+    from tunix_train.config import ConfigError, load_config
+
+    cfg, _ = load_config(overrides)
+    sizes = cfg.model.mesh_shape[0] if isinstance(cfg.model.mesh_shape, (list, tuple)) else []
+    if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
+        raise ConfigError("model.mesh_shape: the planner needs explicit positive sizes (no -1)")
+    return math.prod(sizes)
+
+
+def _shard_bytes(tree, shardings) -> int:
+    """Bytes one device holds of `tree` (ShapeDtypeStructs) under `shardings` (a prefix tree)."""
+    import jax
+
+    per_sharding = jax.tree.map(
+        lambda sharding, sub: sum(math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                                  for x in jax.tree.leaves(sub)), shardings, tree)
+    return sum(jax.tree.leaves(per_sharding))
+
+
+def plan(overrides: list[str]):
+    import jax
+
+    from tunix_train.config import load_config
+    from tunix_train.sharding import batch_sharding
+    from tunix_train.train.loop import setup
+
+    cfg, _ = load_config(overrides)
+    run = setup(cfg)
+    t = cfg.training
+    shape = (t.gradient_accumulation_steps, run.micro_batch, cfg.data.seq_len)
+    batch = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(run.mesh))
+             for name, dtype in (("inputs", "int32"), ("targets", "int32"), ("loss_mask", "float32"),
+                                 ("positions", "int32"), ("segment_ids", "int32"))}
+    with jax.set_mesh(run.mesh):
+        compiled = run.step_fn.lower(run.plan.abstract, batch).compile()
+    memory = compiled.memory_analysis()
+    params = _shard_bytes(run.plan.abstract.params, run.plan.shardings.params)
+    optimizer = _shard_bytes(run.plan.abstract.opt_state, run.plan.shardings.opt_state)
+    figures = {
+        "parameters": params,
+        "optimizer state": optimizer,
+        "gradient accumulator (in temporaries)": params,  # float32, sharded like the parameters
+        "temporaries (compiler)": memory.temp_size_in_bytes,
+        "batch": sum(math.prod(batch_sharding(run.mesh).shard_shape(b.shape)) * b.dtype.itemsize
+                     for b in batch.values()),
+    }
+    # The accumulator lives inside the step's temporaries; the total counts it once.
+    figures["total"] = params + optimizer + figures["batch"] + memory.temp_size_in_bytes
+    return figures, cfg, run
+
+
+def _advice(cfg, run) -> list[str]:
+    t, mesh = cfg.training, run.mesh
+    tips = []
+    if mesh.shape.get("fsdp", 1) < mesh.devices.size:
+        tips.append("shard more over fsdp (parameters, gradients and optimizer state divide by it)")
+    if t.micro_batch_size > 1:
+        tips.append(f"training.micro_batch_size={max(t.micro_batch_size // 2, 1)} with "
+                    f"training.gradient_accumulation_steps={t.gradient_accumulation_steps * 2} (same global batch)")
+    if t.remat.value != "full":
+        tips.append("training.remat=full (recompute activations in the backward pass)")
+    if t.mixed_precision.value != "bf16":
+        tips.append("training.mixed_precision=bf16 (activations in bfloat16)")
+    return tips
+
+
+def main(argv: list[str]) -> int:
+    device_memory = None
+    overrides = []
+    for arg in argv:
+        if arg.startswith("--device-memory="):
+            device_memory = _parse_bytes(arg.split("=", 1)[1])
+        else:
+            overrides.append(arg)
+    from tunix_train.config import ConfigError
+
+    try:
+        devices = _device_count(overrides)
+        if "jax" not in sys.modules:
+            os.environ["JAX_PLATFORMS"] = "cpu"
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                       f" --xla_force_host_platform_device_count={devices}").strip()
+        figures, cfg, run = plan(overrides)
+    except (ConfigError, ValueError) as err:
+        print(f"tunix_train.plan: error: {err}", file=sys.stderr)
+        return 2
+    print(f"{cfg.model.name} on {dict(run.mesh.shape)}, {run.micro_batch} rows x {cfg.data.seq_len} tokens "
+          f"per micro-step, {cfg.training.gradient_accumulation_steps} accumulation steps, "
+          f"{cfg.training.mixed_precision.value}, remat={cfg.training.remat.value}")
+    print("per device:")
+    for name, value in figures.items():
+        print(f"  {name:<24} {value / 2**30:10.3f} GiB")
+    if device_memory:
+        fits = figures["total"] <= device_memory
+        print(f"{'fits' if fits else 'does NOT fit'} in {device_memory / 2**30:.1f} GiB per device")
+        if not fits:
+            print("to make it fit, try:")
+            for tip in _advice(cfg, run):
+                print(f"  - {tip}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
