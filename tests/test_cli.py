@@ -110,3 +110,39 @@ def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, overrides, m
     assert message.replace("{tmp}", str(tmp_path)) in lines[0]
     assert "Traceback" not in result.stdout + result.stderr
     assert not run_dir.exists()
+
+
+def _run_on_a_terminal(*args) -> str:
+    """The CLI's output when stdout is a terminal (a pseudo-terminal here)."""
+    import pty
+
+    leader, follower = pty.openpty()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "run_training.py"), *args], env=env, stdout=follower,
+                            stderr=subprocess.DEVNULL)
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    assert proc.wait(timeout=300) == 0
+    return out.decode()
+
+
+def test_progress_is_plain_lines_in_logs_and_a_live_line_on_a_terminal(tmp_path):
+    args = ["model=gemma3_tiny", "data=synthetic", "data.seq_len=16", "training.max_steps=6",
+            "training.log_every=2", "training.eval_every=0"]
+    result = run_cli(*args, f"hydra.run.dir={tmp_path / 'plain'}", devices=1)
+    assert result.returncode == 0, result.stderr
+    steps = [line for line in result.stdout.splitlines() if "/6  loss" in line]
+    assert len(steps) == 3 and "\r" not in result.stdout  # one readable line per logging interval
+    for line in steps:
+        assert all(part in line for part in ("loss ", "tokens/s", "MFU ", "ETA "))
+    live = _run_on_a_terminal(*args, f"hydra.run.dir={tmp_path / 'live'}")
+    assert live.count("\r\x1b[K") == 3 and "step 6/6" in live  # rewritten in place
+    assert (tmp_path / "live" / "train.log").read_text().count("/6  loss") == 3  # the file keeps every line

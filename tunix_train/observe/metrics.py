@@ -12,8 +12,31 @@ from tensorboardX import SummaryWriter
 LOGGER_NAME = "tunix_train"
 
 
+class _ConsoleHandler(logging.StreamHandler):
+    """On a terminal, records logged with extra={"progress": True} rewrite one live line in place;
+    anything else (and everything when the output is not a terminal) is a plain line."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._live = stream.isatty()
+        self._pending = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self._live:
+            return super().emit(record)
+        text = self.format(record)
+        if getattr(record, "progress", False):
+            self.stream.write("\r\x1b[K" + text)
+            self._pending = True
+        else:
+            self.stream.write(("\n" if self._pending else "") + text + "\n")
+            self._pending = False
+        self.flush()
+
+
 def setup_logging(run_dir: Path) -> logging.Logger:
-    """The tunix_train logger writes to stdout and to run_dir/train.log."""
+    """The tunix_train logger writes to stdout (a live progress line on a terminal) and to
+    run_dir/train.log (plain lines)."""
     logger = logging.getLogger(LOGGER_NAME)
     logger.setLevel(logging.INFO)
     logger.propagate = False
@@ -21,7 +44,7 @@ def setup_logging(run_dir: Path) -> logging.Logger:
         logger.removeHandler(handler)
         handler.close()
     formatter = logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "train.log")):
+    for handler in (_ConsoleHandler(sys.stdout), logging.FileHandler(run_dir / "train.log")):
         handler.setFormatter(formatter)
         logger.addHandler(handler)
     return logger

@@ -212,7 +212,13 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
                 if scalars:
                     if writer:
                         writer.write(done, scalars)
-                    say(f"step {done}/{t.max_steps}  " + _format(scalars))
+                    eta = ""
+                    if "step_time_s" in scalars:
+                        eta = f"  ETA {_duration(scalars['step_time_s'] * (t.max_steps - done))}"
+                    progress = not any(name.startswith("eval") for name in scalars)  # evals stay on screen
+                    if log:
+                        log.info(f"step {done}/{t.max_steps}  " + _format(scalars) + eta,
+                                 extra={"progress": progress})
                     interval_start, interval_steps = time.perf_counter(), 0
                 if stop.requested:
                     checkpointer.save(state, _data_state(train_batches, run))
@@ -230,6 +236,12 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
             writer.close()
     say(f"done: step {int(state.step)}, final checkpoint in {checkpoints / str(int(state.step))}")
     return state
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
 def _format(scalars: dict[str, float]) -> str:
