@@ -41,7 +41,7 @@ def train_losses(run_dir: Path) -> list[float]:
     return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
 
 
-def checkpoint_arrays(step_dir: Path) -> dict[str, "np.ndarray"]:
+def checkpoint_arrays(step_dir: Path) -> dict:
     """A saved TrainState as host arrays by path, whatever topology wrote it."""
     import numpy as np
     import orbax.checkpoint as ocp

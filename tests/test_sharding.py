@@ -6,7 +6,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from conftest import config
