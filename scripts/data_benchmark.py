@@ -28,8 +28,9 @@ def pipeline_tokens_per_sec(data: Data, micro_batch: int, seconds: float) -> flo
         batches.close()
 
 
-def train_tokens_per_sec(cfg, data: Data, steps: int) -> float:
-    run = setup(cfg)
+def train_tokens_per_sec(cfg, data: Data, steps: int, devices=None) -> float:
+    """Steady-state tokens/s of the compiled train step, with every batch already on the devices."""
+    run = setup(cfg, devices)
     batches = data.train_batches(run.micro_batch)
     try:
         with jax.set_mesh(run.mesh):
