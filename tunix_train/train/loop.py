@@ -62,8 +62,9 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
 
 
 # Keys that may change when a run directory is resumed; any other difference means another run.
-_RESUMABLE_CHANGES = ("model.mesh_shape", "training.micro_batch_size", "training.max_steps", "training.log_every", "training.eval_every",
-                      "training.eval_batches", "training.nan_policy", "checkpoint.", "data.prefetch_batches")
+_RESUMABLE_CHANGES = ("model.mesh_shape", "training.micro_batch_size", "training.max_steps", "training.log_every",
+                      "training.eval_every", "training.eval_batches", "training.nan_policy", "checkpoint.",
+                      "data.prefetch_batches")
 
 
 def _check_same_run(run_dir: Path, cfg: Config) -> None:
@@ -204,7 +205,7 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
                                    grad_norm=metrics["grad_norm"], step_time_s=elapsed / interval_steps,
                                    tokens_per_sec=tokens_per_sec,
                                    mfu=tokens_per_sec * flops_per_token / (peak * mesh.devices.size),
-                                   nonfinite_steps=float(state.nonfinite_steps))
+                                   nonfinite_steps=metrics["nonfinite_steps"])
                     if (memory := device_memory_in_use()) is not None:
                         scalars["device_memory_gb"] = memory / 1e9
                 if eval_batches and (done % t.eval_every == 0 or done == t.max_steps):

@@ -21,6 +21,8 @@ from tunix_train.sharding import batch_sharding
 from tunix_train.train.state import TrainState
 
 COMPUTE_DTYPES = {MixedPrecision.fp32: jnp.float32, MixedPrecision.bf16: jnp.bfloat16}
+BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32,
+                "positions": jnp.int32, "segment_ids": jnp.int32}  # the step's input: [A, B, T] each
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -74,6 +76,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         "learning_rate": schedule(state.step),
         "tokens": jnp.sum(batch["loss_mask"]),
         "finite": finite,
+        "nonfinite_steps": new_state.nonfinite_steps,
     }
     return new_state, metrics
 
