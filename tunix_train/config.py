@@ -132,6 +132,10 @@ class TrainingConfig:
     nan_policy: NanPolicy = NanPolicy.skip
     # Peak FLOP/s of one device for MFU; null: the table in observe/mfu.py, or measured on CPU.
     peak_flops_per_device: Optional[float] = None
+    # Trace profile_steps steps after two warm-up steps into the run directory and print the time
+    # and bytes of each collective kind (tunix_train/observe/comms.py).
+    profile_communication: bool = False
+    profile_steps: int = 3
 
 
 @dataclasses.dataclass
@@ -182,6 +186,7 @@ def validate(cfg: Config) -> None:
         "training.micro_batch_size": t.micro_batch_size,
         "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
         "training.max_steps": t.max_steps, "training.log_every": t.log_every,
+        "training.profile_steps": t.profile_steps,
     }
     for key, value in positive.items():
         if value <= 0:

@@ -61,9 +61,14 @@ class Attention(nnx.Module):
         self.softcap = cfg.attn_logit_softcap
 
     def __call__(self, x_BTD, positions_BT, mask_BTS, rope_base, rope_scale):
-        q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_DNH[...])
-        k_BSKH = jnp.einsum("bsd,dkh->bskh", x_BTD, self.k_DKH[...])
-        v_BSKH = jnp.einsum("bsd,dkh->bskh", x_BTD, self.v_DKH[...])
+        # One matmul per input where shapes allow (q, k, v stacked when K = N; k, v otherwise): with
+        # tensor parallelism the backward pass then all-reduces one partial input gradient, not three.
+        q, k, v = self.q_DNH[...], self.k_DKH[...], self.v_DKH[...]
+        if q.shape == k.shape:
+            q_BTNH, k_BSKH, v_BSKH = jnp.einsum("btd,cdnh->cbtnh", x_BTD, jnp.stack([q, k, v]))
+        else:
+            q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, q)
+            k_BSKH, v_BSKH = jnp.einsum("bsd,cdkh->cbskh", x_BTD, jnp.stack([k, v]))
         if self.q_norm is not None:
             q_BTNH, k_BSKH = self.q_norm(q_BTNH), self.k_norm(k_BSKH)
         q_BTNH = apply_rope(q_BTNH, positions_BT, rope_base, rope_scale) * self.query_scale
@@ -92,9 +97,8 @@ class MLP(nnx.Module):
         self.down_FD = _param(rngs, (F, D), ("mlp", "embed"), F)
 
     def __call__(self, x_BTD):
-        gate_BTF = jax.nn.gelu(jnp.einsum("btd,df->btf", x_BTD, self.gate_DF[...]), approximate=True)
-        h_BTF = constrain(gate_BTF * jnp.einsum("btd,df->btf", x_BTD, self.up_DF[...]),
-                          ("batch", "seq", "act_mlp"))
+        gate_BTF, up_BTF = jnp.einsum("btd,cdf->cbtf", x_BTD, jnp.stack([self.gate_DF[...], self.up_DF[...]]))
+        h_BTF = constrain(jax.nn.gelu(gate_BTF, approximate=True) * up_BTF, ("batch", "seq", "act_mlp"))
         return jnp.einsum("btf,fd->btd", h_BTF, self.down_FD[...])
 
 
@@ -163,7 +167,8 @@ class Gemma(nnx.Module):
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
-        table_VD = self.embedding_VD[...]
+        # Gathered over fsdp once, for both the lookup and the logits.
+        table_VD = constrain(self.embedding_VD[...], ("vocab", None))
         x_BTD = table_VD[tokens_BT] * jnp.sqrt(jnp.float32(cfg.embed_dim)).astype(table_VD.dtype)
         x_BTD = constrain(x_BTD, ("batch", "seq", "act_embed"))
 

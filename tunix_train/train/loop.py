@@ -16,6 +16,7 @@ from tunix_train import hf
 from tunix_train.checkpoint import Checkpointer, restore_from, restore_latest
 from tunix_train.config import Config, ConfigError, NanPolicy
 from tunix_train.data import Data
+from tunix_train.observe.comms import CommunicationProfile
 from tunix_train.observe.metrics import MetricsWriter, setup_logging
 from tunix_train.observe.mfu import device_memory_in_use, peak_for_run, train_flops_per_token
 from tunix_train.sharding import (data_parallel_size, describe_mesh, make_mesh, process_rows, to_global_batch,
@@ -183,11 +184,19 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
                     writer.write(int(state.step), scalars)
                 say(f"step {int(state.step)}  " + _format(scalars))
 
+            profile = None
+            if t.profile_communication and is_chief:  # after two warm-up steps
+                first = max(min(int(state.step) + 2, t.max_steps - t.profile_steps), int(state.step))
+                profile = CommunicationProfile(run_dir, first, t.profile_steps, step_fn)
             interval_start, interval_steps = time.perf_counter(), 0
             for step in range(int(state.step), t.max_steps):
                 if batch is None:
                     batch = to_global_batch(next(train_batches), mesh)
+                if profile:
+                    profile.before_step(step)
                 state, metrics = step_fn(state, batch)
+                if profile and (report := profile.after_step(step, state, final=step + 1 == t.max_steps)):
+                    say(report)
                 batch = None
                 interval_steps += 1
                 done = step + 1
