@@ -9,10 +9,9 @@ import pytest
 
 from conftest import config
 from tunix_train.observe.comms import collective_volume
-from tunix_train.sharding import batch_sharding
 from tunix_train.train.loop import setup, train
 from tunix_train.train.state import count_params
-from tunix_train.train.step import BATCH_DTYPES
+from tunix_train.train.step import abstract_batch
 
 ACCUMULATION = 2
 
@@ -21,9 +20,7 @@ def _compiled_volume(mesh_shape, *overrides):
     cfg = config(f"training.gradient_accumulation_steps={ACCUMULATION}", *overrides)
     cfg.model.mesh_shape = mesh_shape
     run = setup(cfg, jax.devices()[:math.prod(mesh_shape[0])])
-    shape = (ACCUMULATION, run.micro_batch, cfg.data.seq_len)
-    batch = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(run.mesh))
-             for name, dtype in BATCH_DTYPES.items()}
+    batch = abstract_batch(run.mesh, ACCUMULATION, run.micro_batch, cfg.data.seq_len)
     with jax.set_mesh(run.mesh):
         compiled = run.step_fn.lower(run.plan.abstract, batch).compile()
     return collective_volume(compiled.as_text()), cfg, run

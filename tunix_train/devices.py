@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
         how = distributed.initialize(cfg.distributed)
         import jax
 
-        from tunix_train.sharding import describe_mesh, make_mesh, process_rows
+        from tunix_train.sharding import data_parallel_size, describe_mesh, make_mesh, process_rows
 
         print(how if jax.process_count() > 1 else "process 0 of 1 (single process)")
         kinds = Counter(d.device_kind for d in jax.devices())
@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
             groups = mesh.devices.swapaxes(mesh.axis_names.index(name), -1).reshape(-1, mesh.shape[name])
             print(f"  {name}: {len(groups)} groups of {mesh.shape[name]}, e.g. devices "
                   f"{[d.id for d in groups[0]]} (processes {sorted({d.process_index for d in groups[0]})})")
-        micro = cfg.training.micro_batch_size * mesh.shape.get("dp", 1) * mesh.shape.get("fsdp", 1)
+        micro = cfg.training.micro_batch_size * data_parallel_size(mesh)
         rows = process_rows(mesh, micro)
         print(f"this process loads rows {rows.start}..{rows.stop - 1} of each {micro}-row micro-batch")
     except ConfigError as err:

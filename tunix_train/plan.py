@@ -53,14 +53,12 @@ def plan(overrides: list[str]):
     from tunix_train.config import load_config
     from tunix_train.sharding import batch_sharding
     from tunix_train.train.loop import setup
-    from tunix_train.train.step import BATCH_DTYPES
+    from tunix_train.train.step import abstract_batch
 
     cfg, _ = load_config(overrides)
     run = setup(cfg)
     t = cfg.training
-    shape = (t.gradient_accumulation_steps, run.micro_batch, cfg.data.seq_len)
-    batch = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(run.mesh))
-             for name, dtype in BATCH_DTYPES.items()}
+    batch = abstract_batch(run.mesh, t.gradient_accumulation_steps, run.micro_batch, cfg.data.seq_len)
     with jax.set_mesh(run.mesh):
         compiled = run.step_fn.lower(run.plan.abstract, batch).compile()
     memory = compiled.memory_analysis()

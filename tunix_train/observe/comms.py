@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import math
 import re
+import time
 from pathlib import Path
+
+import jax
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -137,8 +141,6 @@ def collective_time(trace_file: Path, module: str) -> tuple[dict[str, float], in
 
     Reads XLA's op events: on CPU each carries `hlo_op`, `hlo_module` and `device_ordinal` stats;
     on GPU they sit on each device plane's "XLA Ops" line."""
-    import jax
-
     profile = jax.profiler.ProfileData.from_file(str(trace_file))
     per_device: dict[str, dict[str, list]] = collections.defaultdict(lambda: collections.defaultdict(list))
     for plane in profile.planes:
@@ -190,21 +192,12 @@ class CommunicationProfile:
 
     def before_step(self, step: int) -> None:
         """`step` is about to run (0-based)."""
-        import time
-
-        import jax
-
         if step == self.first:
             jax.profiler.start_trace(str(self.run_dir), create_perfetto_trace=True)
             self.started = time.perf_counter()
 
     def after_step(self, step: int, state, final: bool) -> str | None:
         """`step` has been dispatched; returns the summary once the traced steps are done."""
-        import json
-        import time
-
-        import jax
-
         if self.started is None or not (step == self.last or final):
             return None
         jax.block_until_ready(state)

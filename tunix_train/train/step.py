@@ -25,6 +25,12 @@ BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.floa
                 "positions": jnp.int32, "segment_ids": jnp.int32}  # the step's input: [A, B, T] each
 
 
+def abstract_batch(mesh: Mesh, accumulation: int, rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """The step's input as sharded shapes, for ahead-of-time compilation."""
+    return {name: jax.ShapeDtypeStruct((accumulation, rows, seq_len), dtype, sharding=batch_sharding(mesh))
+            for name, dtype in BATCH_DTYPES.items()}
+
+
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     """Per-token next-token cross-entropy, in float32."""
     logits_BTV = logits_BTV.astype(jnp.float32)
