@@ -1,6 +1,7 @@
 """The communication profile: collective bytes from the compiled HLO against the theoretical volume
 of each parallelism, and a profiled run's trace and summary."""
 
+import collections
 import json
 import math
 
@@ -36,6 +37,49 @@ def test_fsdp_gathers_parameters_twice_and_reduces_gradients_once_per_micro_batc
     reduced = volume.bytes["reduce-scatter"] + volume.bytes["all-reduce"]
     assert reduced == pytest.approx(ACCUMULATION * param_bytes, rel=0.10)
     assert volume.unknown_trip_counts == 0
+
+
+@pytest.mark.parametrize("strategy, gathered", [("shard_grad_op", 1), ("no_shard", 0)])
+def test_zero2_gathers_parameters_once_per_step_and_ddp_never(strategy, gathered):
+    volume, _, run = _compiled_volume([[4], ["fsdp"]], "model.num_layers=4", "model.hidden_dim=512",
+                                      f"training.sharding_strategy={strategy}")
+    param_bytes = 4 * count_params(run.plan.abstract.params)
+    # shard_grad_op: the updated parameters, computed on their shards, are gathered after the update.
+    assert volume.bytes["all-gather"] == pytest.approx(gathered * param_bytes, rel=0.10, abs=0.01 * param_bytes)
+    reduced = volume.bytes["reduce-scatter"] + volume.bytes["all-reduce"]
+    assert reduced == pytest.approx(ACCUMULATION * param_bytes, rel=0.10)
+
+
+@pytest.mark.parametrize("in_bf16", [True, False])
+def test_bf16_gradients_reach_their_reduction_in_bf16_unless_opted_out(in_bf16):
+    # XLA's CPU backend runs bf16 collectives in float32, so the HLO bytes cannot show this on fake
+    # devices: the program handed to XLA can. Each micro-batch's gradients pass one sharding
+    # constraint (where the reduce-scatter goes), in bf16 unless the run opted out.
+    cfg = config("training.mixed_precision=bf16", f"training.reduce_gradients_in_compute_dtype={in_bf16}")
+    cfg.model.mesh_shape = [[4], ["fsdp"]]
+    run = setup(cfg, jax.devices()[:4])
+    shape = (1, run.micro_batch, cfg.data.seq_len)
+    batch = {name: jax.ShapeDtypeStruct(shape, dtype) for name, dtype in BATCH_DTYPES.items()}
+    with jax.set_mesh(run.mesh):
+        jaxpr = jax.make_jaxpr(run.step_fn)(run.plan.abstract, batch)
+    param_shapes = {leaf.shape for leaf in jax.tree.leaves(run.plan.abstract.params)}
+    constrained = collections.Counter()
+    for eqn in _all_eqns(jaxpr.jaxpr):
+        if eqn.primitive.name == "sharding_constraint":
+            for var in eqn.invars:
+                if var.aval.shape in param_shapes:
+                    constrained[str(var.aval.dtype)] += 1
+    n_params = len(jax.tree.leaves(run.plan.abstract.params))
+    # float32 constraints: the accumulator, plus the gradients' reduction point when opted out.
+    assert constrained["float32"] == (1 if in_bf16 else 2) * n_params
+    assert constrained["bfloat16"] > n_params
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            yield from _all_eqns(sub)
 
 
 def test_tp_all_reduces_activations_twice_per_layer_each_way():

@@ -10,8 +10,8 @@ from conftest import config, read_metrics, train_losses
 from tunix_train.config import load_config
 from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.sharding import make_mesh, to_global_batch
-from tunix_train.train.loop import train
-from tunix_train.train.state import create_train_state, model_graphdef
+from tunix_train.train.loop import setup, train
+from tunix_train.train.state import model_graphdef, plan_train_state
 from tunix_train.train.step import compile_train_step
 
 GLOBAL_BATCH = 8
@@ -54,11 +54,11 @@ def _one_sgd_step(cfg, mesh_shape, n_devices, micro_batch, accumulation):
     data = SyntheticBatches(seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size,
                             accumulation_steps=accumulation, global_micro_batch=micro_batch, seed=0)
     with jax.set_mesh(mesh):
-        state, shardings = create_train_state(cfg.model, optimizer, mesh, seed=0)
+        plan = plan_train_state(cfg.model, optimizer, mesh, 0, cfg.training.sharding_strategy)
+        state = plan.create()
         before = jax.tree.map(np.asarray, state.params)
-        step = compile_train_step(shardings, mesh, graphdef=model_graphdef(cfg.model, cfg.training.remat),
-                                  optimizer=optimizer, schedule=schedule,
-                                  mixed_precision=cfg.training.mixed_precision)
+        step = compile_train_step(plan, mesh, graphdef=model_graphdef(cfg.model, cfg.training.remat),
+                                  optimizer=optimizer, schedule=schedule, training=cfg.training)
         state, metrics = step(state, to_global_batch(next(data), mesh))
     update = jax.tree.map(lambda new, old: np.asarray(new) - old, state.params, before)
     return update, float(metrics["loss"])
@@ -121,3 +121,31 @@ def test_the_default_job_learns(tmp_path):
     assert losses[-1] < losses[0] - 1.0, losses  # 7.28 at step 10, 5.96 at step 40
     assert list(evals) == [0, 20, 40] and evals[40] < evals[20] < evals[0] - 2.0, evals
     assert all(np.exp(m["eval_loss"]) == pytest.approx(m["eval_perplexity"]) for m in metrics if "eval_loss" in m)
+
+
+def test_chunked_loss_gives_the_loss_and_gradients_of_the_whole_one():
+    cfg = config("model.final_logit_softcap=30.0", "training.loss_chunk_size=0")
+    whole, whole_loss = _one_sgd_step(cfg, [[2, 4], ["fsdp", "tp"]], 8, micro_batch=8, accumulation=1)
+    cfg.training.loss_chunk_size = 8  # 4 chunks of a 32-token row
+    chunked, chunked_loss = _one_sgd_step(cfg, [[2, 4], ["fsdp", "tp"]], 8, micro_batch=8, accumulation=1)
+    assert chunked_loss == pytest.approx(whole_loss, rel=1e-6)
+    for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(whole)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+@pytest.mark.parametrize("strategy", ["shard_grad_op", "no_shard"])
+def test_sharding_strategies_give_the_same_losses_and_shard_what_they_say(tmp_path, strategy):
+    reference = _losses(tmp_path / "full_shard", "fsdp4_tp2")
+    losses = _losses(tmp_path / strategy, "fsdp4_tp2", f"training.sharding_strategy={strategy}")
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+
+    cfg = config(*MODEL, f"training.sharding_strategy={strategy}")
+    cfg.model.mesh_shape = MESHES["fsdp4_tp2"][0]
+    with jax.set_mesh((run := setup(cfg)).mesh):
+        state = run.plan.create()
+    mlp_up = state.params["layers"]["mlp"]["up_DF"].get_value()  # [layers, embed, mlp]
+    adam_mu = state.opt_state[1][0].mu["layers"]["mlp"]["up_DF"].get_value()
+    assert mlp_up.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp")  # not over fsdp
+    assert adam_mu.sharding.spec == (jax.sharding.PartitionSpec(None, "fsdp", "tp") if strategy == "shard_grad_op"
+                                     else jax.sharding.PartitionSpec(None, None, "tp"))
+    assert mlp_up.addressable_shards[0].data.shape == (2, 64, 128 // 2)

@@ -28,7 +28,6 @@ from tunix_train.config import Config, ConfigError, ModelConfig, Remat
 from tunix_train.sharding import make_mesh, validate_model_for_mesh
 from tunix_train.train.optimizer import make_optimizer
 from tunix_train.train.state import model_graphdef, plan_train_state
-from tunix_train.train.step import forward
 
 
 @dataclasses.dataclass
@@ -39,7 +38,8 @@ class LoadedModel:
 
     def __post_init__(self):
         graphdef = model_graphdef(self.config, Remat.none)
-        self._forward = jax.jit(lambda params, micro: forward(graphdef, params, micro))
+        self._forward = jax.jit(lambda params, micro: nnx.merge(graphdef, params)(
+            micro["inputs"], micro["positions"], micro["segment_ids"]))
 
     def logits(self, tokens: Any, positions: Any = None, segment_ids: Any = None) -> np.ndarray:
         """float32 next-token logits [B, T, V] for token ids [B, T] (one document per row by default)."""

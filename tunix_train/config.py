@@ -33,6 +33,14 @@ class Remat(enum.Enum):
     save_matmul_outputs = "save_matmul_outputs"  # recompute all but matmul outputs
 
 
+class ShardingStrategy(enum.Enum):
+    """What the fsdp mesh axis shards (the batch is always split over it)."""
+
+    full_shard = "full_shard"  # parameters, gradients and optimizer state (FSDP, ZeRO-3)
+    shard_grad_op = "shard_grad_op"  # gradients and optimizer state; parameters replicated (ZeRO-2)
+    no_shard = "no_shard"  # nothing: plain data parallelism (DDP)
+
+
 class LrSchedule(enum.Enum):
     cosine = "cosine"
     linear = "linear"
@@ -126,6 +134,13 @@ class TrainingConfig:
     adam_eps: float = 1e-8
     grad_clip_norm: float = 1.0  # 0 disables clipping
     remat: Remat = Remat.none
+    sharding_strategy: ShardingStrategy = ShardingStrategy.full_shard
+    # The loss computes the logits this many positions at a time (recomputed in the backward pass)
+    # so that [batch, seq, vocab] never exists whole; 0 or >= seq_len: all at once.
+    loss_chunk_size: int = 512
+    # Under bf16, gradients are produced and reduced across devices in bf16 (then accumulated in
+    # float32); false reduces them in float32.
+    reduce_gradients_in_compute_dtype: bool = True
     log_every: int = 10
     eval_every: int = 50  # steps between evaluations on the held-out split; 0 disables
     eval_batches: int = 4  # a fixed set of held-out batches per evaluation
@@ -215,6 +230,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.prompt_field is for data.source=jsonl")
     if c.every_steps < 0 or c.every_seconds < 0 or c.keep < 1:
         raise ConfigError("checkpoint.every_steps and every_seconds must be >= 0 and checkpoint.keep >= 1")
+    if t.loss_chunk_size < 0 or (0 < t.loss_chunk_size < d.seq_len and d.seq_len % t.loss_chunk_size):
+        raise ConfigError(f"training.loss_chunk_size={t.loss_chunk_size} must divide data.seq_len={d.seq_len} "
+                          f"(or be 0 or at least data.seq_len)")
     if d.prefetch_batches < 0:
         raise ConfigError(f"data.prefetch_batches={d.prefetch_batches} must be >= 0")
 

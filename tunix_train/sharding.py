@@ -154,15 +154,20 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
+def state_shardings(abstract_state: Any, mesh: Mesh, replicated_over: Sequence[str] = ()) -> Any:
     """Shardings for a pytree whose nnx.Variable leaves carry `axes` metadata (parameters and the
-    optimizer moments that mirror them); every other leaf (counters, scalars) is replicated."""
+    optimizer moments that mirror them), replicated over the mesh axes `replicated_over`; every
+    other leaf (counters, scalars) is replicated."""
+
+    def drop(entry):
+        axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in replicated_over)
+        return _spec_entry(tuple(a for a in axes if a is not None))
 
     def leaf_sharding(path, leaf):
         if _is_variable(leaf):
             spec = logical_to_spec(leaf.get_metadata()["axes"], leaf.get_value().shape, mesh,
                                    jax.tree_util.keystr(path, simple=True, separator="."))
-            return NamedSharding(mesh, spec)
+            return NamedSharding(mesh, P(*(drop(entry) for entry in spec)))
         return NamedSharding(mesh, P())
 
     return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_state, is_leaf=_is_variable)

@@ -161,14 +161,22 @@ class Gemma(nnx.Module):
     def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
         """positions restart at 0 and segment ids change at each packed document; by default one
         document per row. Attention never crosses documents or looks ahead."""
+        x_BTD = self.hidden(tokens_BT, positions_BT, segment_ids_BT)
+        return output_logits(x_BTD, self.output_table(), self.cfg.final_logit_softcap)
+
+    def output_table(self):
+        """The tied embedding, gathered over fsdp: used by the lookup and the logits."""
+        return constrain(self.embedding_VD[...], ("vocab", None))
+
+    def hidden(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
+        """The final normed hidden states [B, T, D], from which output_logits computes the logits."""
         cfg = self.cfg
         B, T = tokens_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
-        # Gathered over fsdp once, for both the lookup and the logits.
-        table_VD = constrain(self.embedding_VD[...], ("vocab", None))
+        table_VD = self.output_table()
         x_BTD = table_VD[tokens_BT] * jnp.sqrt(jnp.float32(cfg.embed_dim)).astype(table_VD.dtype)
         x_BTD = constrain(x_BTD, ("batch", "seq", "act_embed"))
 
@@ -193,8 +201,12 @@ class Gemma(nnx.Module):
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.remat], prevent_cse=False)
         x_BTD, _ = jax.lax.scan(layer, x_BTD, (layer_state, windows_L, rope_base_L, rope_scale_L))
 
-        x_BTD = self.final_norm(x_BTD)
-        logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, table_VD).astype(jnp.float32)
-        if cfg.final_logit_softcap is not None:
-            logits_BTV = jnp.tanh(logits_BTV / cfg.final_logit_softcap) * cfg.final_logit_softcap
-        return constrain(logits_BTV, ("batch", "seq", "act_vocab"))
+        return self.final_norm(x_BTD)
+
+
+def output_logits(x_BTD, table_VD, softcap: float | None):
+    """float32 next-token logits [B, T, V] from final hidden states and the tied embedding."""
+    logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, table_VD.astype(x_BTD.dtype)).astype(jnp.float32)
+    if softcap is not None:
+        logits_BTV = jnp.tanh(logits_BTV / softcap) * softcap
+    return constrain(logits_BTV, ("batch", "seq", "act_vocab"))

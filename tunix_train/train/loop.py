@@ -54,17 +54,17 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
     mesh = make_mesh(cfg.model.mesh_shape, devices)
     validate_model_for_mesh(cfg.model, mesh)
     optimizer, schedule = make_optimizer(t)
-    plan = plan_train_state(cfg.model, optimizer, mesh, t.seed)
+    plan = plan_train_state(cfg.model, optimizer, mesh, t.seed, t.sharding_strategy)
     graphdef = model_graphdef(cfg.model, t.remat)
-    step_fn = compile_train_step(plan.shardings, mesh, graphdef=graphdef, optimizer=optimizer,
-                                 schedule=schedule, mixed_precision=t.mixed_precision)
-    eval_fn = compile_eval_step(plan.shardings, mesh, graphdef=graphdef, mixed_precision=t.mixed_precision)
+    step_fn = compile_train_step(plan, mesh, graphdef=graphdef, optimizer=optimizer, schedule=schedule, training=t)
+    eval_fn = compile_eval_step(plan, mesh, graphdef=graphdef, training=t)
     return Setup(mesh, plan, step_fn, eval_fn, t.micro_batch_size * data_parallel_size(mesh))
 
 
 # Keys that may change when a run directory is resumed; any other difference means another run.
 _RESUMABLE_CHANGES = ("model.mesh_shape", "training.micro_batch_size", "training.max_steps", "training.log_every",
                       "training.eval_every", "training.eval_batches", "training.nan_policy", "checkpoint.",
+                      "training.sharding_strategy", "training.loss_chunk_size", "training.profile_",
                       "data.prefetch_batches")
 
 

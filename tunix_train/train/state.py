@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from tunix_train.config import ModelConfig, Remat
+from tunix_train.config import ModelConfig, Remat, ShardingStrategy
 from tunix_train.model import Gemma
 from tunix_train.sharding import state_shardings
 
@@ -47,6 +47,7 @@ class StatePlan:
     """A train state's shardings and shapes, before (or instead of) allocating it."""
 
     shardings: Any
+    grad_shardings: Any  # of the gradient accumulator, like the parameters
     abstract: TrainState  # ShapeDtypeStructs carrying the shardings: what a checkpoint restores into
     _init: Any
     _key: jax.Array
@@ -62,13 +63,19 @@ class StatePlan:
 
 
 def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
-                     seed: int) -> StatePlan:
-    """Shapes from jax.eval_shape, shardings from the parameters' logical axes, and an init jitted
-    with those out_shardings, so the whole model never sits on one device."""
+                     seed: int, strategy: ShardingStrategy = ShardingStrategy.full_shard) -> StatePlan:
+    """Shapes from jax.eval_shape, shardings from the parameters' logical axes and the sharding
+    strategy, and an init jitted with those out_shardings, so the whole model never sits on one
+    device."""
     init = train_state_initializer(model_cfg, optimizer)
     key = jax.random.key(seed)
     shapes = jax.eval_shape(init, key)
-    shardings = state_shardings(shapes, mesh)
+    sharded, replicated = state_shardings(shapes, mesh), state_shardings(shapes, mesh, replicated_over=("fsdp",))
+    full = strategy is ShardingStrategy.full_shard
+    no_shard = strategy is ShardingStrategy.no_shard
+    shardings = sharded.replace(params=sharded.params if full else replicated.params,
+                                opt_state=replicated.opt_state if no_shard else sharded.opt_state)
+    grad_shardings = replicated.params if no_shard else sharded.params
     abstract = jax.tree.map(
         lambda sharding, subtree: jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree),
@@ -78,7 +85,7 @@ def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransforma
         zero = jnp.zeros((), jnp.int32)
         return TrainState(step=zero, params=params, opt_state=optimizer.init(params), nonfinite_steps=zero)
 
-    return StatePlan(shardings, abstract, jax.jit(init, out_shardings=shardings), key,
+    return StatePlan(shardings, grad_shardings, abstract, jax.jit(init, out_shardings=shardings), key,
                      jax.jit(from_params, out_shardings=shardings))
 
 

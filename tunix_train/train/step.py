@@ -16,9 +16,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tunix_train.config import MixedPrecision
+from tunix_train.config import MixedPrecision, TrainingConfig
+from tunix_train.model.gemma import output_logits
 from tunix_train.sharding import batch_sharding
-from tunix_train.train.state import TrainState
+from tunix_train.train.state import StatePlan, TrainState
 
 COMPUTE_DTYPES = {MixedPrecision.fp32: jnp.float32, MixedPrecision.bf16: jnp.bfloat16}
 BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32,
@@ -38,32 +39,58 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit_BT
 
 
-def forward(graphdef: nnx.GraphDef, params: nnx.State, micro: dict[str, jax.Array],
-            compute_dtype=jnp.float32) -> jax.Array:
-    """Logits for one micro-batch; parameters are cast to the compute dtype (master copy untouched)."""
+def token_losses(graphdef: nnx.GraphDef, params: nnx.State, micro: dict[str, jax.Array],
+                 compute_dtype=jnp.float32, chunk: int = 0, param_shardings: Any = None) -> jax.Array:
+    """Per-token loss [B, T] of one micro-batch.
+
+    Parameters are cast to the compute dtype where they are stored (the master copy is untouched),
+    so fsdp gathers them already in that dtype. With 0 < chunk < T the logits are computed
+    `chunk` positions at a time and recomputed in the backward pass, so the [B, T, V] logits
+    (4 GiB in float32 for one 4096-token row of a 262k vocabulary) never exist whole."""
     params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+    if param_shardings is not None:
+        params = jax.lax.with_sharding_constraint(params, param_shardings)
     model = nnx.merge(graphdef, params)
-    return model(micro["inputs"], micro["positions"], micro["segment_ids"])
+    x_BTD = model.hidden(micro["inputs"], micro["positions"], micro["segment_ids"])
+    table_VD, softcap = model.output_table(), model.cfg.final_logit_softcap
+    B, T, D = x_BTD.shape
+    if not chunk or chunk >= T:
+        return cross_entropy(output_logits(x_BTD, table_VD, softcap), micro["targets"])
 
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+    def chunk_losses(x_BCD, targets_BC):
+        return cross_entropy(output_logits(x_BCD, table_VD, softcap), targets_BC)
 
-def _weighted_loss_sum(params, micro, graphdef, compute_dtype, total_weight):
-    """This micro-batch's share of the token-weighted mean loss over the whole batch."""
-    token_loss_BT = cross_entropy(forward(graphdef, params, micro, compute_dtype), micro["targets"])
-    return jnp.sum(token_loss_BT * micro["loss_mask"]) / total_weight
+    x_NBCD = x_BTD.reshape(B, T // chunk, chunk, D).swapaxes(0, 1)
+    targets_NBC = micro["targets"].reshape(B, T // chunk, chunk).swapaxes(0, 1)
+    _, losses_NBC = jax.lax.scan(lambda _, xs: (None, chunk_losses(*xs)), None, (x_NBCD, targets_NBC))
+    return losses_NBC.swapaxes(0, 1).reshape(B, T)
 
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
-               optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-               compute_dtype: Any, param_shardings: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+               optimizer: optax.GradientTransformation, schedule: optax.Schedule, compute_dtype: Any,
+               param_shardings: Any, grad_shardings: Any, loss_chunk_size: int = 0,
+               reduce_gradients_in_compute_dtype: bool = True) -> tuple[TrainState, dict[str, jax.Array]]:
     # Dividing every micro-batch by the whole batch's weight makes the accumulated loss and
     # gradient exactly those of the token-weighted mean over the full batch.
     total_weight = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
-    loss_and_grad = jax.value_and_grad(_weighted_loss_sum)
+
+    def weighted_loss_sum(params, micro):
+        token_loss_BT = token_losses(graphdef, params, micro, compute_dtype, loss_chunk_size, param_shardings)
+        return jnp.sum(token_loss_BT * micro["loss_mask"]) / total_weight
+
+    # Differentiating with respect to a compute-dtype copy makes the gradients, and so their
+    # reduction across devices, bf16 under mixed precision; they accumulate in float32.
+    wrt = state.params
+    if compute_dtype != jnp.float32 and reduce_gradients_in_compute_dtype:
+        wrt = jax.lax.with_sharding_constraint(jax.tree.map(lambda p: p.astype(compute_dtype), wrt),
+                                               param_shardings)
 
     def accumulate(grads, micro):
-        loss, micro_grads = loss_and_grad(state.params, micro, graphdef, compute_dtype, total_weight)
-        grads = jax.tree.map(jnp.add, grads, micro_grads)
-        return jax.lax.with_sharding_constraint(grads, param_shardings), loss
+        loss, micro_grads = jax.value_and_grad(weighted_loss_sum)(wrt, micro)
+        micro_grads = jax.lax.with_sharding_constraint(micro_grads, grad_shardings)  # the reduction
+        grads = jax.tree.map(lambda g, m: g + m.astype(jnp.float32), grads, micro_grads)
+        return jax.lax.with_sharding_constraint(grads, grad_shardings), loss
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     grads, losses = jax.lax.scan(accumulate, zeros, batch)
@@ -87,27 +114,29 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     return new_state, metrics
 
 
-def compile_train_step(state_shardings: Any, mesh: Mesh, *, graphdef: nnx.GraphDef,
+def compile_train_step(plan: StatePlan, mesh: Mesh, *, graphdef: nnx.GraphDef,
                        optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                       mixed_precision: MixedPrecision):
+                       training: TrainingConfig):
     """jit with explicit in/out shardings; the input state is donated. Call under jax.set_mesh(mesh)."""
     step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
-                             compute_dtype=COMPUTE_DTYPES[mixed_precision],
-                             param_shardings=state_shardings.params)
-    return jax.jit(step, in_shardings=(state_shardings, batch_sharding(mesh)),
-                   out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
+                             compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
+                             param_shardings=plan.shardings.params, grad_shardings=plan.grad_shardings,
+                             loss_chunk_size=training.loss_chunk_size,
+                             reduce_gradients_in_compute_dtype=training.reduce_gradients_in_compute_dtype)
+    return jax.jit(step, in_shardings=(plan.shardings, batch_sharding(mesh)),
+                   out_shardings=(plan.shardings, NamedSharding(mesh, P())), donate_argnums=0)
 
 
 def eval_step(params: nnx.State, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
-              compute_dtype: Any) -> dict[str, jax.Array]:
+              compute_dtype: Any, chunk: int = 0, param_shardings: Any = None) -> dict[str, jax.Array]:
     """Summed token loss and token weight of a [1, B, T] held-out batch."""
     micro = jax.tree.map(lambda x: x[0], batch)
-    token_loss_BT = cross_entropy(forward(graphdef, params, micro, compute_dtype), micro["targets"])
+    token_loss_BT = token_losses(graphdef, params, micro, compute_dtype, chunk, param_shardings)
     return {"loss_sum": jnp.sum(token_loss_BT * micro["loss_mask"]), "weight": jnp.sum(micro["loss_mask"])}
 
 
-def compile_eval_step(state_shardings: Any, mesh: Mesh, *, graphdef: nnx.GraphDef,
-                      mixed_precision: MixedPrecision):
-    step = functools.partial(eval_step, graphdef=graphdef, compute_dtype=COMPUTE_DTYPES[mixed_precision])
-    return jax.jit(step, in_shardings=(state_shardings.params, batch_sharding(mesh)),
+def compile_eval_step(plan: StatePlan, mesh: Mesh, *, graphdef: nnx.GraphDef, training: TrainingConfig):
+    step = functools.partial(eval_step, graphdef=graphdef, compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
+                             chunk=training.loss_chunk_size, param_shardings=plan.shardings.params)
+    return jax.jit(step, in_shardings=(plan.shardings.params, batch_sharding(mesh)),
                    out_shardings=NamedSharding(mesh, P()))
