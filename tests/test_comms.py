@@ -6,6 +6,7 @@ import json
 import math
 
 import jax
+import jax.extend
 import pytest
 
 from conftest import config
@@ -78,7 +79,7 @@ def test_bf16_gradients_reach_their_reduction_in_bf16_unless_opted_out(in_bf16):
 def _all_eqns(jaxpr):
     for eqn in jaxpr.eqns:
         yield eqn
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             yield from _all_eqns(sub)
 
 

@@ -134,6 +134,9 @@ class TrainingConfig:
     adam_eps: float = 1e-8
     grad_clip_norm: float = 1.0  # 0 disables clipping
     remat: Remat = Remat.none
+    # Layers per iteration of the scan over layers: more is faster on some backends (no stacking
+    # of saved activations) and compiles in time proportional to it.
+    scan_unroll: int = 1
     sharding_strategy: ShardingStrategy = ShardingStrategy.full_shard
     # The loss computes the logits this many positions at a time (recomputed in the backward pass)
     # so that [batch, seq, vocab] never exists whole; 0 or >= seq_len: all at once.
@@ -201,7 +204,7 @@ def validate(cfg: Config) -> None:
         "training.micro_batch_size": t.micro_batch_size,
         "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
         "training.max_steps": t.max_steps, "training.log_every": t.log_every,
-        "training.profile_steps": t.profile_steps,
+        "training.profile_steps": t.profile_steps, "training.scan_unroll": t.scan_unroll,
     }
     for key, value in positive.items():
         if value <= 0:

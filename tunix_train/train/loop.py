@@ -55,7 +55,7 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
     validate_model_for_mesh(cfg.model, mesh)
     optimizer, schedule = make_optimizer(t)
     plan = plan_train_state(cfg.model, optimizer, mesh, t.seed, t.sharding_strategy)
-    graphdef = model_graphdef(cfg.model, t.remat)
+    graphdef = model_graphdef(cfg.model, t.remat, t.scan_unroll)
     step_fn = compile_train_step(plan, mesh, graphdef=graphdef, optimizer=optimizer, schedule=schedule, training=t)
     eval_fn = compile_eval_step(plan, mesh, graphdef=graphdef, training=t)
     return Setup(mesh, plan, step_fn, eval_fn, t.micro_batch_size * data_parallel_size(mesh))
@@ -65,6 +65,7 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
 _RESUMABLE_CHANGES = ("model.mesh_shape", "training.micro_batch_size", "training.max_steps", "training.log_every",
                       "training.eval_every", "training.eval_batches", "training.nan_policy", "checkpoint.",
                       "training.sharding_strategy", "training.loss_chunk_size", "training.profile_",
+                      "training.scan_unroll", "training.remat", "training.reduce_gradients_in_compute_dtype",
                       "data.prefetch_batches")
 
 

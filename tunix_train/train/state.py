@@ -26,9 +26,9 @@ class TrainState:
     nonfinite_steps: jax.Array  # int32 scalar: steps whose update was dropped (non-finite loss/grads)
 
 
-def model_graphdef(model_cfg: ModelConfig, remat: Remat) -> nnx.GraphDef:
+def model_graphdef(model_cfg: ModelConfig, remat: Remat, scan_unroll: int = 1) -> nnx.GraphDef:
     """The model's static structure, without allocating any parameter."""
-    return nnx.graphdef(nnx.eval_shape(lambda: Gemma(model_cfg, nnx.Rngs(0), remat)))
+    return nnx.graphdef(nnx.eval_shape(lambda: Gemma(model_cfg, nnx.Rngs(0), remat, scan_unroll)))
 
 
 def train_state_initializer(model_cfg: ModelConfig, optimizer: optax.GradientTransformation):
