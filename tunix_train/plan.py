@@ -67,7 +67,7 @@ def plan(overrides: list[str]):
     figures = {
         "parameters": params,
         "optimizer state": optimizer,
-        "gradient accumulator (in temporaries)": params,  # float32, sharded like the parameters
+        "gradient accumulator (in temporaries)": _shard_bytes(run.plan.abstract.params, run.plan.grad_shardings),
         "temporaries (compiler)": memory.temp_size_in_bytes,
         "batch": sum(math.prod(batch_sharding(run.mesh).shard_shape(b.shape)) * b.dtype.itemsize
                      for b in batch.values()),
