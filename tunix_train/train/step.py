@@ -47,9 +47,10 @@ def token_losses(graphdef: nnx.GraphDef, params: nnx.State, micro: dict[str, jax
     so fsdp gathers them already in that dtype. With 0 < chunk < T the logits are computed
     `chunk` positions at a time and recomputed in the backward pass, so the [B, T, V] logits
     (4 GiB in float32 for one 4096-token row of a 262k vocabulary) never exist whole."""
-    params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-    if param_shardings is not None:
-        params = jax.lax.with_sharding_constraint(params, param_shardings)
+    if compute_dtype != jnp.float32:
+        params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+        if param_shardings is not None:
+            params = jax.lax.with_sharding_constraint(params, param_shardings)
     model = nnx.merge(graphdef, params)
     x_BTD = model.hidden(micro["inputs"], micro["positions"], micro["segment_ids"])
     table_VD, softcap = model.output_table(), model.cfg.final_logit_softcap
