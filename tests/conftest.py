@@ -4,8 +4,14 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Many tests compile the same small programs, in this process and in the CLI subprocesses they start
-# (which inherit the variable): a compilation cache shared by the session saves most of that time.
+import jax  # noqa: E402
+
+# The CLI subprocesses that tests start compile the same small programs again and again: a
+# compilation cache shared by the session (inherited through the environment) saves most of that
+# time. This process does not use it: jaxlib 0.10.2's CPU runtime loses the ordering of collectives
+# in an executable loaded from the cache, and on a 2-core machine the 4-device fsdp step of
+# test_checkpoint then deadlocks (its devices wait in different all-gathers).
+jax.config.update("jax_enable_compilation_cache", False)
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
 
@@ -14,7 +20,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from tunix_train.config import load_config  # noqa: E402
