@@ -40,6 +40,15 @@ def test_fsdp_gathers_parameters_twice_and_reduces_gradients_once_per_micro_batc
     assert volume.unknown_trip_counts == 0
 
 
+def test_sync_gradients_every_k_reduces_once_per_k_micro_batches():
+    volume, _, run = _compiled_volume([[4], ["fsdp"]], "model.num_layers=4", "model.hidden_dim=512",
+                                      f"training.sync_gradients_every={ACCUMULATION}")
+    param_bytes = 4 * count_params(run.plan.abstract.params)
+    reduced = volume.bytes["reduce-scatter"] + volume.bytes["all-reduce"]
+    assert reduced == pytest.approx(param_bytes, rel=0.10)  # once per step, not once per micro-batch
+    assert volume.bytes["all-gather"] == pytest.approx(2 * ACCUMULATION * param_bytes, rel=0.10)
+
+
 @pytest.mark.parametrize("strategy, gathered", [("shard_grad_op", 1), ("no_shard", 0)])
 def test_zero2_gathers_parameters_once_per_step_and_ddp_never(strategy, gathered):
     volume, _, run = _compiled_volume([[4], ["fsdp"]], "model.num_layers=4", "model.hidden_dim=512",
@@ -59,8 +68,7 @@ def test_bf16_gradients_reach_their_reduction_in_bf16_unless_opted_out(in_bf16):
     cfg = config("training.mixed_precision=bf16", f"training.reduce_gradients_in_compute_dtype={in_bf16}")
     cfg.model.mesh_shape = [[4], ["fsdp"]]
     run = setup(cfg, jax.devices()[:4])
-    shape = (1, run.micro_batch, cfg.data.seq_len)
-    batch = {name: jax.ShapeDtypeStruct(shape, dtype) for name, dtype in BATCH_DTYPES.items()}
+    batch = abstract_batch(run.mesh, 1, run.micro_batch, cfg.data.seq_len)
     with jax.set_mesh(run.mesh):
         jaxpr = jax.make_jaxpr(run.step_fn)(run.plan.abstract, batch)
     param_shapes = {leaf.shape for leaf in jax.tree.leaves(run.plan.abstract.params)}

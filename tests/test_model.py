@@ -9,6 +9,7 @@ from flax import nnx
 from conftest import config
 from tunix_train.config import load_config
 from tunix_train.model import Gemma, layer_windows
+from tunix_train.model.gemma import attend
 from tunix_train.sharding import make_mesh, state_shardings
 from tunix_train.train.optimizer import make_optimizer
 from tunix_train.train.state import count_params, train_state_initializer
@@ -95,3 +96,15 @@ def test_shipped_configs_build_abstract_sharded_state(name):
     if name in PUBLISHED:
         n = count_params(abstract.params)
         assert abs(n - PUBLISHED[name]) / PUBLISHED[name] < 0.01, f"{name}: {n:,} parameters"
+
+
+def test_fused_attention_gets_the_layout_heads_and_mask_of_the_einsum_attention():
+    """What the cuDNN path hands jax.nn.dot_product_attention (BTNH layout, grouped key/value heads,
+    a document-and-window mask, queries already scaled), run with its XLA kernel: no GPU here."""
+    rng = np.random.default_rng(0)
+    B, T, N, K, H = 2, 16, 4, 2, 8
+    q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in [(B, T, N, H), (B, T, K, H), (B, T, K, H)])
+    segments = np.array([[1] * 10 + [2] * 6, [1] * 16])
+    distance = np.arange(T)[:, None] - np.arange(T)[None, :]
+    mask = jnp.asarray((segments[:, :, None] == segments[:, None, :]) & (distance >= 0) & (distance < 4))
+    np.testing.assert_allclose(attend(q, k, v, mask, fused="xla"), attend(q, k, v, mask), rtol=1e-5, atol=1e-6)

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import config
 from tunix_train.config import ConfigError
-from tunix_train.sharding import batch_sharding, logical_to_spec, make_mesh
+from tunix_train.sharding import batch_sharding, logical_to_spec, make_mesh, validate_training_for_mesh
 from tunix_train.train.optimizer import make_optimizer
 from tunix_train.train.state import create_train_state
 
@@ -99,3 +99,17 @@ def test_devices_of_different_kinds_are_refused(monkeypatch):
     monkeypatch.setattr(jax, "devices", lambda: [FakeDevice("NVIDIA H100"), FakeDevice("NVIDIA A100")])
     with pytest.raises(ConfigError, match="devices are not homogeneous"):
         distributed.check_devices()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["training.attention=cudnn", "training.mixed_precision=bf16"],
+     "training.attention=cudnn needs NVIDIA GPUs, and this mesh is on cpu"),
+    (["training.attention=cudnn"], "training.attention=cudnn needs training.mixed_precision=bf16"),
+    (["training.attention=cudnn", "training.mixed_precision=bf16", "model.attn_logit_softcap=50"],
+     "training.attention=cudnn cannot soft-cap"),
+    (["training.gradient_accumulation_steps=4", "training.sync_gradients_every=3"],
+     "training.sync_gradients_every=3 must divide training.gradient_accumulation_steps=4"),
+])
+def test_training_options_the_devices_or_config_cannot_honour_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_training_for_mesh(config(*overrides).training, make_mesh([[1], ["fsdp"]], jax.devices()[:1]))

@@ -64,10 +64,14 @@ def _one_sgd_step(cfg, mesh_shape, n_devices, micro_batch, accumulation):
     return update, float(metrics["loss"])
 
 
-@pytest.mark.parametrize("mesh_shape, n_devices", [([[1], ["fsdp"]], 1), ([[2, 4], ["fsdp", "tp"]], 8)])
-def test_accumulated_gradients_equal_full_batch(mesh_shape, n_devices):
-    cfg = config()
-    full, full_loss = _one_sgd_step(cfg, mesh_shape, n_devices, micro_batch=8, accumulation=1)
+@pytest.mark.parametrize("mesh_shape, n_devices, sync_every", [
+    ([[1], ["fsdp"]], 1, 1), ([[2, 4], ["fsdp", "tp"]], 8, 1),
+    ([[2, 4], ["fsdp", "tp"]], 8, 2), ([[2, 4], ["fsdp", "tp"]], 8, 4)])
+def test_accumulated_gradients_equal_full_batch(mesh_shape, n_devices, sync_every):
+    # sync_every > 1: each fsdp shard keeps its own gradient sums and they are reduced every
+    # sync_every micro-batches; the result is the same gradient.
+    full, full_loss = _one_sgd_step(config(), mesh_shape, n_devices, micro_batch=8, accumulation=1)
+    cfg = config("training.gradient_accumulation_steps=4", f"training.sync_gradients_every={sync_every}")
     accumulated, acc_loss = _one_sgd_step(cfg, mesh_shape, n_devices, micro_batch=8 // 4, accumulation=4)
     assert acc_loss == pytest.approx(full_loss, rel=1e-6)
     for a, b in zip(jax.tree.leaves(accumulated), jax.tree.leaves(full)):
@@ -102,12 +106,13 @@ def test_bf16_computes_in_bfloat16_and_keeps_float32_master_weights(tmp_path):
 
 def test_remat_changes_memory_not_results(tmp_path):
     losses = {}
-    for policy in ("none", "full", "save_matmul_outputs"):
+    for policy in ("none", "full", "save_matmul_outputs", "offload_matmul_outputs"):
         cfg = config(f"training.remat={policy}", "training.max_steps=2", "training.log_every=1")
         train(cfg, tmp_path / policy)
         losses[policy] = train_losses(tmp_path / policy)
     np.testing.assert_allclose(losses["full"], losses["none"], rtol=1e-5)
     np.testing.assert_allclose(losses["save_matmul_outputs"], losses["none"], rtol=1e-5)
+    np.testing.assert_allclose(losses["offload_matmul_outputs"], losses["none"], rtol=1e-5)
 
 
 def test_the_default_job_learns(tmp_path):

@@ -31,6 +31,12 @@ class Remat(enum.Enum):
     none = "none"  # keep every activation for the backward pass
     full = "full"  # recompute each layer in the backward pass
     save_matmul_outputs = "save_matmul_outputs"  # recompute all but matmul outputs
+    offload_matmul_outputs = "offload_matmul_outputs"  # matmul outputs wait in host memory
+
+
+class AttentionImpl(enum.Enum):
+    xla = "xla"  # einsums and a softmax, any backend
+    cudnn = "cudnn"  # cuDNN's fused flash attention: NVIDIA GPUs, bf16
 
 
 class ShardingStrategy(enum.Enum):
@@ -144,6 +150,11 @@ class TrainingConfig:
     # Under bf16, gradients are produced and reduced across devices in bf16 (then accumulated in
     # float32); false reduces them in float32.
     reduce_gradients_in_compute_dtype: bool = True
+    # Reduce gradients across the data-parallel devices once every k micro-batches (each device
+    # keeps an unreduced float32 gradient of the whole parameter set meanwhile): fewer, larger
+    # reductions for that memory. Must divide gradient_accumulation_steps.
+    sync_gradients_every: int = 1
+    attention: AttentionImpl = AttentionImpl.xla
     log_every: int = 10
     eval_every: int = 50  # steps between evaluations on the held-out split; 0 disables
     eval_batches: int = 4  # a fixed set of held-out batches per evaluation
@@ -205,6 +216,7 @@ def validate(cfg: Config) -> None:
         "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
         "training.max_steps": t.max_steps, "training.log_every": t.log_every,
         "training.profile_steps": t.profile_steps, "training.scan_unroll": t.scan_unroll,
+        "training.sync_gradients_every": t.sync_gradients_every,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -236,6 +248,16 @@ def validate(cfg: Config) -> None:
     if t.loss_chunk_size < 0 or (0 < t.loss_chunk_size < d.seq_len and d.seq_len % t.loss_chunk_size):
         raise ConfigError(f"training.loss_chunk_size={t.loss_chunk_size} must divide data.seq_len={d.seq_len} "
                           f"(or be 0 or at least data.seq_len)")
+    if t.gradient_accumulation_steps % t.sync_gradients_every:
+        raise ConfigError(f"training.sync_gradients_every={t.sync_gradients_every} must divide "
+                          f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}")
+    if t.attention is AttentionImpl.cudnn:
+        if t.mixed_precision is not MixedPrecision.bf16:
+            raise ConfigError("training.attention=cudnn needs training.mixed_precision=bf16 (cuDNN's flash "
+                              "attention has no float32 kernel)")
+        if m.attn_logit_softcap is not None:
+            raise ConfigError("training.attention=cudnn cannot soft-cap attention logits: set "
+                              "model.attn_logit_softcap=null or training.attention=xla")
     if d.prefetch_batches < 0:
         raise ConfigError(f"data.prefetch_batches={d.prefetch_batches} must be >= 0")
 

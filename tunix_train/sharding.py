@@ -11,8 +11,9 @@ Mesh axes:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -20,7 +21,7 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.config import AttentionImpl, ConfigError, ModelConfig, Remat, TrainingConfig
 
 MESH_AXES = ("dp", "fsdp", "tp")
 BATCH_AXES = ("dp", "fsdp")  # the data-parallel axes: the batch is split over them
@@ -118,6 +119,18 @@ def validate_model_for_mesh(model: ModelConfig, mesh: Mesh) -> None:
                               f"choose a tp size that divides it")
 
 
+def validate_training_for_mesh(training: TrainingConfig, mesh: Mesh) -> None:
+    """Training options that need a kind of device."""
+    device = mesh.devices.flat[0]
+    if training.attention is AttentionImpl.cudnn and device.platform != "gpu":
+        raise ConfigError(f"training.attention=cudnn needs NVIDIA GPUs, and this mesh is on {device.platform}: "
+                          f"use training.attention=xla")
+    if training.remat is Remat.offload_matmul_outputs and "pinned_host" not in {
+            m.kind for m in device.addressable_memories()}:
+        raise ConfigError(f"training.remat=offload_matmul_outputs needs pinned host memory, which "
+                          f"{device.platform} devices do not offer: choose another training.remat")
+
+
 def _mesh_axes_for(logical: str, mesh: Mesh) -> tuple[str, ...]:
     if logical not in LOGICAL_RULES:
         raise KeyError(logical)
@@ -173,6 +186,24 @@ def state_shardings(abstract_state: Any, mesh: Mesh, replicated_over: Sequence[s
     return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_state, is_leaf=_is_variable)
 
 
+def data_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes that split the batch."""
+    return _mesh_axes_for("batch", mesh)
+
+
+def per_shard_shardings(shardings: Any, mesh: Mesh) -> Any:
+    """For [S, ...] stacks holding one copy per data shard of arrays sharded like `shardings`:
+    the leading dimension split over the data axes, the others as before minus those axes."""
+    data = data_axes(mesh)
+
+    def stacked(sharding: NamedSharding) -> NamedSharding:
+        rest = [_spec_entry(tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a and a not in data))
+                for e in sharding.spec]
+        return NamedSharding(mesh, P(_spec_entry(data), *rest))
+
+    return jax.tree.map(stacked, shardings)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batches are [accumulation step, example, position]: examples split over dp and fsdp."""
     return NamedSharding(mesh, P(None, _spec_entry(_mesh_axes_for("batch", mesh)), None))
@@ -212,6 +243,18 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         return x
     spec = P(*(None if a is None else _spec_entry(_mesh_axes_for(a, mesh)) for a in logical_axes))
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+@contextlib.contextmanager
+def batch_split_outside() -> Iterator[None]:
+    """Activation constraints leave the `batch` dimension unsplit: for code traced under
+    jax.vmap(..., spmd_axis_name=data axes), where the vmapped dimension carries the data split."""
+    saved = LOGICAL_RULES["batch"]
+    LOGICAL_RULES["batch"] = ()
+    try:
+        yield
+    finally:
+        LOGICAL_RULES["batch"] = saved
 
 
 def describe_mesh(mesh: Mesh) -> str:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_train.config import ModelConfig, Remat
+from tunix_train.config import AttentionImpl, ModelConfig, Remat
 from tunix_train.sharding import constrain
 
 _GLOBAL_WINDOW = np.iinfo(np.int32).max  # a global layer's "window" covers every position
@@ -67,7 +67,7 @@ class Attention(nnx.Module):
         self.query_scale = (cfg.query_pre_attn_scalar or H) ** -0.5
         self.softcap = cfg.attn_logit_softcap
 
-    def __call__(self, x_BTD, positions_BT, mask_BTS, rope_base, rope_scale):
+    def __call__(self, x_BTD, positions_BT, mask_BTS, rope_base, rope_scale, fused=None):
         # One matmul per input where shapes allow (q, k, v stacked when K = N; k, v otherwise): with
         # tensor parallelism the backward pass then all-reduces one partial input gradient, not three.
         q, k, v = self.q_DNH[...], self.k_DKH[...], self.v_DKH[...]
@@ -82,16 +82,25 @@ class Attention(nnx.Module):
         k_BSKH = apply_rope(k_BSKH, positions_BT, rope_base, rope_scale)
         q_BTNH = constrain(q_BTNH, ("batch", "seq", "act_heads", None))
 
-        B, T, N, H = q_BTNH.shape
-        K = k_BSKH.shape[2]
-        q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-        logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH).astype(jnp.float32)
-        if self.softcap is not None:
-            logits_BKGTS = jnp.tanh(logits_BKGTS / self.softcap) * self.softcap
-        logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, -1e30)
-        probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BSKH.dtype)
-        out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
-        return jnp.einsum("btnh,nhd->btd", out_BTKGH.reshape(B, T, N, H), self.o_NHD[...])
+        out_BTNH = attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, self.softcap, fused)
+        return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_NHD[...])
+
+
+def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, softcap: float | None = None, fused: str | None = None):
+    """softmax(q k) v over the keys that mask_BTS allows; q comes scaled. `fused` names a kernel of
+    jax.nn.dot_product_attention ("cudnn": cuDNN flash attention, which takes no soft-cap)."""
+    if fused is not None:
+        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None], scale=1.0,
+                                            implementation=fused)
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+    logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH).astype(jnp.float32)
+    if softcap is not None:
+        logits_BKGTS = jnp.tanh(logits_BKGTS / softcap) * softcap
+    logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, -1e30)
+    probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BSKH.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH).reshape(B, T, N, H)
 
 
 class MLP(nnx.Module):
@@ -121,8 +130,8 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
         self.post_ffw_norm = RMSNorm(D, "embed", eps) if cfg.use_post_ffw_norm else None
 
-    def __call__(self, x_BTD, positions_BT, mask_BTS, rope_base, rope_scale):
-        h_BTD = self.attn(self.pre_attn_norm(x_BTD), positions_BT, mask_BTS, rope_base, rope_scale)
+    def __call__(self, x_BTD, positions_BT, mask_BTS, rope_base, rope_scale, fused_attention=None):
+        h_BTD = self.attn(self.pre_attn_norm(x_BTD), positions_BT, mask_BTS, rope_base, rope_scale, fused_attention)
         if self.post_attn_norm is not None:
             h_BTD = self.post_attn_norm(h_BTD)
         x_BTD = x_BTD + h_BTD
@@ -152,14 +161,16 @@ def layer_windows(cfg: ModelConfig) -> np.ndarray:
 _REMAT_POLICIES = {
     Remat.full: jax.checkpoint_policies.nothing_saveable,
     Remat.save_matmul_outputs: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    Remat.offload_matmul_outputs: jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 
 
 class Gemma(nnx.Module):
     """Token ids [B, T] -> float32 next-token logits [B, T, V]; embeddings tied to the output."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: Remat = Remat.none, scan_unroll: int = 1):
-        self.cfg, self.remat, self.scan_unroll = cfg, remat, scan_unroll
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: Remat = Remat.none, scan_unroll: int = 1,
+                 attention: AttentionImpl = AttentionImpl.xla):
+        self.cfg, self.remat, self.scan_unroll, self.attention = cfg, remat, scan_unroll, attention
         D, V = cfg.embed_dim, cfg.vocab_size
         self.embedding_VD = _param(rngs, (V, D), ("vocab", "embed"), D)
         self.layers = _stacked_blocks(cfg, rngs)
@@ -197,12 +208,13 @@ class Gemma(nnx.Module):
         rope_scale_L = jnp.where(is_global_L, cfg.rope_scale_global, 1.0)
 
         graphdef, layer_state = nnx.split(self.layers)
+        fused = None if self.attention is AttentionImpl.xla else self.attention.value
 
         def layer(x_BTD, per_layer):
             state, window, rope_base, rope_scale = per_layer
             layer_mask_BTS = mask_BTS & (distance_TS < window)
             block = nnx.merge(graphdef, state)
-            return block(x_BTD, positions_BT, layer_mask_BTS, rope_base, rope_scale), None
+            return block(x_BTD, positions_BT, layer_mask_BTS, rope_base, rope_scale, fused), None
 
         if self.remat in _REMAT_POLICIES:
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.remat], prevent_cse=False)

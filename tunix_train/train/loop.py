@@ -20,7 +20,7 @@ from tunix_train.observe.comms import CommunicationProfile
 from tunix_train.observe.metrics import MetricsWriter, setup_logging
 from tunix_train.observe.mfu import device_memory_in_use, peak_for_run, train_flops_per_token
 from tunix_train.sharding import (data_parallel_size, describe_mesh, make_mesh, process_rows, to_global_batch,
-                                  validate_model_for_mesh)
+                                  validate_model_for_mesh, validate_training_for_mesh)
 from tunix_train.train.optimizer import make_optimizer
 from tunix_train.train.signals import RunStopped, StopRequest
 from tunix_train.train.state import StatePlan, TrainState, count_params, model_graphdef, plan_train_state
@@ -53,9 +53,10 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
     t = cfg.training
     mesh = make_mesh(cfg.model.mesh_shape, devices)
     validate_model_for_mesh(cfg.model, mesh)
+    validate_training_for_mesh(t, mesh)
     optimizer, schedule = make_optimizer(t)
     plan = plan_train_state(cfg.model, optimizer, mesh, t.seed, t.sharding_strategy)
-    graphdef = model_graphdef(cfg.model, t.remat, t.scan_unroll)
+    graphdef = model_graphdef(cfg.model, t.remat, t.scan_unroll, t.attention)
     step_fn = compile_train_step(plan, mesh, graphdef=graphdef, optimizer=optimizer, schedule=schedule, training=t)
     eval_fn = compile_eval_step(plan, mesh, graphdef=graphdef, training=t)
     return Setup(mesh, plan, step_fn, eval_fn, t.micro_batch_size * data_parallel_size(mesh))
@@ -66,6 +67,7 @@ _RESUMABLE_CHANGES = ("model.mesh_shape", "training.micro_batch_size", "training
                       "training.eval_every", "training.eval_batches", "training.nan_policy", "checkpoint.",
                       "training.sharding_strategy", "training.loss_chunk_size", "training.profile_",
                       "training.scan_unroll", "training.remat", "training.reduce_gradients_in_compute_dtype",
+                      "training.sync_gradients_every", "training.attention",
                       "data.prefetch_batches")
 
 

@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from tunix_train.config import ModelConfig, Remat, ShardingStrategy
+from tunix_train.config import AttentionImpl, ModelConfig, Remat, ShardingStrategy
 from tunix_train.model import Gemma
 from tunix_train.sharding import state_shardings
 
@@ -26,9 +26,10 @@ class TrainState:
     nonfinite_steps: jax.Array  # int32 scalar: steps whose update was dropped (non-finite loss/grads)
 
 
-def model_graphdef(model_cfg: ModelConfig, remat: Remat, scan_unroll: int = 1) -> nnx.GraphDef:
+def model_graphdef(model_cfg: ModelConfig, remat: Remat, scan_unroll: int = 1,
+                   attention: AttentionImpl = AttentionImpl.xla) -> nnx.GraphDef:
     """The model's static structure, without allocating any parameter."""
-    return nnx.graphdef(nnx.eval_shape(lambda: Gemma(model_cfg, nnx.Rngs(0), remat, scan_unroll)))
+    return nnx.graphdef(nnx.eval_shape(lambda: Gemma(model_cfg, nnx.Rngs(0), remat, scan_unroll, attention)))
 
 
 def train_state_initializer(model_cfg: ModelConfig, optimizer: optax.GradientTransformation):

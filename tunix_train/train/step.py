@@ -8,6 +8,7 @@ compiled step, over a scan of the A micro-batches, in float32 and sharded like t
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -18,7 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.config import MixedPrecision, TrainingConfig
 from tunix_train.model.gemma import output_logits
-from tunix_train.sharding import batch_sharding
+from tunix_train.sharding import (batch_sharding, batch_split_outside, data_axes, data_parallel_size,
+                                  per_shard_shardings)
 from tunix_train.train.state import StatePlan, TrainState
 
 COMPUTE_DTYPES = {MixedPrecision.fp32: jnp.float32, MixedPrecision.bf16: jnp.bfloat16}
@@ -71,30 +73,41 @@ def token_losses(graphdef: nnx.GraphDef, params: nnx.State, micro: dict[str, jax
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
                optimizer: optax.GradientTransformation, schedule: optax.Schedule, compute_dtype: Any,
                param_shardings: Any, grad_shardings: Any, loss_chunk_size: int = 0,
-               reduce_gradients_in_compute_dtype: bool = True) -> tuple[TrainState, dict[str, jax.Array]]:
+               reduce_gradients_in_compute_dtype: bool = True, sync_every: int = 1,
+               data_axes: tuple[str, ...] = (), local_grad_shardings: Any = None
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
     # Dividing every micro-batch by the whole batch's weight makes the accumulated loss and
     # gradient exactly those of the token-weighted mean over the full batch.
     total_weight = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
 
-    def weighted_loss_sum(params, micro):
-        token_loss_BT = token_losses(graphdef, params, micro, compute_dtype, loss_chunk_size, param_shardings)
-        return jnp.sum(token_loss_BT * micro["loss_mask"]) / total_weight
-
     # Differentiating with respect to a compute-dtype copy makes the gradients, and so their
-    # reduction across devices, bf16 under mixed precision; they accumulate in float32.
+    # reduction across devices, bf16 under mixed precision; they accumulate in float32. With delayed
+    # syncs the copy is always made here, outside the per-shard vmap, and what is reduced is the
+    # float32 sums.
+    delayed_sync = sync_every > 1
     wrt = state.params
-    if compute_dtype != jnp.float32 and reduce_gradients_in_compute_dtype:
+    if compute_dtype != jnp.float32 and (reduce_gradients_in_compute_dtype or delayed_sync):
         wrt = jax.lax.with_sharding_constraint(jax.tree.map(lambda p: p.astype(compute_dtype), wrt),
                                                param_shardings)
+    inner_param_shardings = None if delayed_sync else param_shardings
 
-    def accumulate(grads, micro):
-        loss, micro_grads = jax.value_and_grad(weighted_loss_sum)(wrt, micro)
-        micro_grads = jax.lax.with_sharding_constraint(micro_grads, grad_shardings)  # the reduction
-        grads = jax.tree.map(lambda g, m: g + m.astype(jnp.float32), grads, micro_grads)
-        return jax.lax.with_sharding_constraint(grads, grad_shardings), loss
+    def weighted_loss_sum(params, micro):
+        token_loss_BT = token_losses(graphdef, params, micro, compute_dtype, loss_chunk_size, inner_param_shardings)
+        return jnp.sum(token_loss_BT * micro["loss_mask"]) / total_weight
 
+    add = lambda grads, new: jax.tree.map(lambda g, n: g + n.astype(jnp.float32), grads, new)
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, losses = jax.lax.scan(accumulate, zeros, batch)
+
+    if not delayed_sync:
+        def accumulate(grads, micro):
+            loss, micro_grads = jax.value_and_grad(weighted_loss_sum)(wrt, micro)
+            micro_grads = jax.lax.with_sharding_constraint(micro_grads, grad_shardings)  # the reduction
+            return jax.lax.with_sharding_constraint(add(grads, micro_grads), grad_shardings), loss
+
+        grads, losses = jax.lax.scan(accumulate, zeros, batch)
+    else:
+        grads, losses = _accumulate_with_delayed_sync(
+            weighted_loss_sum, wrt, batch, zeros, add, sync_every, data_axes, grad_shardings, local_grad_shardings)
     loss, grad_norm = jnp.sum(losses), optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -115,6 +128,35 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     return new_state, metrics
 
 
+def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, sync_every, data_axes,
+                                  grad_shardings, local_grad_shardings):
+    """Gradients summed over the A micro-batches, reduced across data shards once per `sync_every`.
+
+    Each micro-batch's rows [B, ...] are viewed as [S, B/S, ...], one slice per data shard, and a
+    vmap over S gives each shard's own gradient, so nothing is reduced while a group of
+    `sync_every` micro-batches accumulates into the [S, ...] per-shard sums."""
+    A, B = batch["inputs"].shape[:2]
+    mesh = jax.tree.leaves(local_grad_shardings)[0].mesh
+    S = math.prod(mesh.shape[a] for a in data_axes)
+    groups = jax.tree.map(lambda x: x.reshape(A // sync_every, sync_every, S, B // S, *x.shape[2:]), batch)
+    per_shard = jax.vmap(jax.value_and_grad(weighted_loss_sum), in_axes=(None, 0), spmd_axis_name=data_axes)
+    local_zeros = jax.tree.map(lambda z: jnp.zeros((S, *z.shape), jnp.float32), zeros)
+
+    def accumulate_locally(local, micro):
+        with batch_split_outside():
+            losses_S, grads_S = per_shard(wrt, micro)
+        return jax.lax.with_sharding_constraint(add(local, grads_S), local_grad_shardings), jnp.sum(losses_S)
+
+    def sync(grads, group):
+        local, losses = jax.lax.scan(accumulate_locally, local_zeros, group)
+        reduced = jax.lax.with_sharding_constraint(jax.tree.map(lambda l: jnp.sum(l, axis=0), local),
+                                                   grad_shardings)  # the reduction
+        return jax.lax.with_sharding_constraint(add(grads, reduced), grad_shardings), losses
+
+    grads, losses = jax.lax.scan(sync, zeros, groups)
+    return grads, losses.reshape(A)
+
+
 def compile_train_step(plan: StatePlan, mesh: Mesh, *, graphdef: nnx.GraphDef,
                        optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                        training: TrainingConfig):
@@ -123,7 +165,10 @@ def compile_train_step(plan: StatePlan, mesh: Mesh, *, graphdef: nnx.GraphDef,
                              compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
                              param_shardings=plan.shardings.params, grad_shardings=plan.grad_shardings,
                              loss_chunk_size=training.loss_chunk_size,
-                             reduce_gradients_in_compute_dtype=training.reduce_gradients_in_compute_dtype)
+                             reduce_gradients_in_compute_dtype=training.reduce_gradients_in_compute_dtype,
+                             sync_every=training.sync_gradients_every if data_parallel_size(mesh) > 1 else 1,
+                             data_axes=data_axes(mesh),
+                             local_grad_shardings=per_shard_shardings(plan.grad_shardings, mesh))
     return jax.jit(step, in_shardings=(plan.shardings, batch_sharding(mesh)),
                    out_shardings=(plan.shardings, NamedSharding(mesh, P())), donate_argnums=0)
 
