@@ -108,3 +108,14 @@ def test_unreachable_coordinator_is_a_clear_error_not_a_hang(tmp_path):
     assert "Traceback" not in result.stderr
     assert time.monotonic() - start < 60
     assert not (tmp_path / "run").exists()
+
+
+def test_gpu_overlap_flags_are_added_and_a_users_own_value_wins(monkeypatch):
+    from tunix_train.xla_flags import GPU_OVERLAP, add_gpu_overlap_flags
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 "
+                                    "--xla_gpu_enable_pipelined_all_gather=false")
+    add_gpu_overlap_flags()
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags[:2] == ["--xla_force_host_platform_device_count=2", "--xla_gpu_enable_pipelined_all_gather=false"]
+    assert sorted(flags[2:]) == sorted(f for f in GPU_OVERLAP if "pipelined_all_gather" not in f)

@@ -25,18 +25,25 @@ MESHES = {  # name: (mesh_shape, devices used)
 }
 # tp=8 needs 8 query heads and an MLP width divisible by 8; the same model runs on every mesh.
 MODEL = ("model.num_heads=8", "model.num_kv_heads=2", "model.head_dim=8", "training.log_every=1",
-         "training.max_steps=3", "training.warmup_steps=1")
+         "training.max_steps=3", "training.warmup_steps=1", "training.eval_every=0")
+_LOSSES: dict = {}  # (mesh name, overrides) -> train losses, shared by the tests of this module
 
 
 def _losses(tmp_path, name, *overrides):
+    if (name, overrides) not in _LOSSES:
+        _LOSSES[name, overrides] = _train_losses(tmp_path / "_".join((name, *overrides)), name, *overrides)
+    return _LOSSES[name, overrides]
+
+
+def _train_losses(run_dir, name, *overrides):
     mesh_shape, n_devices = MESHES[name]
     dp = 1
     for size, axis in zip(*mesh_shape):
         dp *= size if axis in ("dp", "fsdp") else 1
     cfg = config(*MODEL, f"training.micro_batch_size={GLOBAL_BATCH // dp}", *overrides)
     cfg.model.mesh_shape = mesh_shape
-    train(cfg, tmp_path / name, devices=jax.devices()[:n_devices])
-    return np.array(train_losses(tmp_path / name))
+    train(cfg, run_dir, devices=jax.devices()[:n_devices])
+    return np.array(train_losses(run_dir))
 
 
 def test_every_mesh_gives_the_same_losses(tmp_path):
@@ -65,8 +72,7 @@ def _one_sgd_step(cfg, mesh_shape, n_devices, micro_batch, accumulation):
 
 
 @pytest.mark.parametrize("mesh_shape, n_devices, sync_every", [
-    ([[1], ["fsdp"]], 1, 1), ([[2, 4], ["fsdp", "tp"]], 8, 1),
-    ([[2, 4], ["fsdp", "tp"]], 8, 2), ([[2, 4], ["fsdp", "tp"]], 8, 4)])
+    ([[1], ["fsdp"]], 1, 1), ([[2, 4], ["fsdp", "tp"]], 8, 1), ([[2, 4], ["fsdp", "tp"]], 8, 2)])
 def test_accumulated_gradients_equal_full_batch(mesh_shape, n_devices, sync_every):
     # sync_every > 1: each fsdp shard keeps its own gradient sums and they are reduced every
     # sync_every micro-batches; the result is the same gradient.
@@ -83,8 +89,8 @@ def test_accumulation_in_the_cli_config_matches_full_batch(tmp_path):
     """micro_batch_size 2 x 4 accumulation steps vs 8 x 1, end to end with AdamW."""
     losses = {}
     for micro, accumulation in ((8, 1), (2, 4)):
-        cfg = config("training.max_steps=3", "training.log_every=1", f"training.micro_batch_size={micro}",
-                     f"training.gradient_accumulation_steps={accumulation}")
+        cfg = config("training.max_steps=3", "training.log_every=1", "training.eval_every=0",
+                     f"training.micro_batch_size={micro}", f"training.gradient_accumulation_steps={accumulation}")
         cfg.model.mesh_shape = [[1], ["fsdp"]]
         train(cfg, tmp_path / f"{micro}x{accumulation}", devices=jax.devices()[:1])
         losses[micro] = train_losses(tmp_path / f"{micro}x{accumulation}")
@@ -92,11 +98,12 @@ def test_accumulation_in_the_cli_config_matches_full_batch(tmp_path):
 
 
 def test_bf16_computes_in_bfloat16_and_keeps_float32_master_weights(tmp_path):
-    cfg = config("training.mixed_precision=bf16", "training.max_steps=3", "training.log_every=1")
+    cfg = config("training.mixed_precision=bf16", "training.max_steps=3", "training.log_every=1",
+                 "training.eval_every=0")
     state = train(cfg, tmp_path / "bf16")
     assert {x.dtype for x in jax.tree.leaves((state.params, state.opt_state[1][0].mu))} == {jnp.dtype("float32")}
     bf16 = train_losses(tmp_path / "bf16")
-    fp32_cfg = config("training.max_steps=3", "training.log_every=1")
+    fp32_cfg = config("training.max_steps=3", "training.log_every=1", "training.eval_every=0")
     train(fp32_cfg, tmp_path / "fp32")
     fp32 = train_losses(tmp_path / "fp32")
     # Same model and data: bf16 differs from fp32 by rounding, not by a different computation.
@@ -107,7 +114,8 @@ def test_bf16_computes_in_bfloat16_and_keeps_float32_master_weights(tmp_path):
 def test_remat_changes_memory_not_results(tmp_path):
     losses = {}
     for policy in ("none", "full", "save_matmul_outputs", "offload_matmul_outputs"):
-        cfg = config(f"training.remat={policy}", "training.max_steps=2", "training.log_every=1")
+        cfg = config(f"training.remat={policy}", "training.max_steps=2", "training.log_every=1",
+                     "training.eval_every=0")
         train(cfg, tmp_path / policy)
         losses[policy] = train_losses(tmp_path / policy)
     np.testing.assert_allclose(losses["full"], losses["none"], rtol=1e-5)
@@ -140,8 +148,8 @@ def test_chunked_loss_gives_the_loss_and_gradients_of_the_whole_one():
 
 @pytest.mark.parametrize("strategy", ["shard_grad_op", "no_shard"])
 def test_sharding_strategies_give_the_same_losses_and_shard_what_they_say(tmp_path, strategy):
-    reference = _losses(tmp_path / "full_shard", "fsdp4_tp2")
-    losses = _losses(tmp_path / strategy, "fsdp4_tp2", f"training.sharding_strategy={strategy}")
+    reference = _losses(tmp_path, "fsdp4_tp2")
+    losses = _losses(tmp_path, "fsdp4_tp2", f"training.sharding_strategy={strategy}")
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
 
     cfg = config(*MODEL, f"training.sharding_strategy={strategy}")

@@ -155,6 +155,8 @@ class TrainingConfig:
     # reductions for that memory. Must divide gradient_accumulation_steps.
     sync_gradients_every: int = 1
     attention: AttentionImpl = AttentionImpl.xla
+    # XLA flags that overlap collectives with computation on NVIDIA GPUs (tunix_train/xla_flags.py).
+    xla_gpu_overlap: bool = True
     log_every: int = 10
     eval_every: int = 50  # steps between evaluations on the held-out split; 0 disables
     eval_batches: int = 4  # a fixed set of held-out batches per evaluation

@@ -67,7 +67,7 @@ _RESUMABLE_CHANGES = ("model.mesh_shape", "training.micro_batch_size", "training
                       "training.eval_every", "training.eval_batches", "training.nan_policy", "checkpoint.",
                       "training.sharding_strategy", "training.loss_chunk_size", "training.profile_",
                       "training.scan_unroll", "training.remat", "training.reduce_gradients_in_compute_dtype",
-                      "training.sync_gradients_every", "training.attention",
+                      "training.sync_gradients_every", "training.attention", "training.xla_gpu_overlap",
                       "data.prefetch_batches")
 
 
