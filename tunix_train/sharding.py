@@ -172,15 +172,11 @@ def state_shardings(abstract_state: Any, mesh: Mesh, replicated_over: Sequence[s
     optimizer moments that mirror them), replicated over the mesh axes `replicated_over`; every
     other leaf (counters, scalars) is replicated."""
 
-    def drop(entry):
-        axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in replicated_over)
-        return _spec_entry(tuple(a for a in axes if a is not None))
-
     def leaf_sharding(path, leaf):
         if _is_variable(leaf):
             spec = logical_to_spec(leaf.get_metadata()["axes"], leaf.get_value().shape, mesh,
                                    jax.tree_util.keystr(path, simple=True, separator="."))
-            return NamedSharding(mesh, P(*(drop(entry) for entry in spec)))
+            return NamedSharding(mesh, P(*(_without(entry, replicated_over) for entry in spec)))
         return NamedSharding(mesh, P())
 
     return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_state, is_leaf=_is_variable)
@@ -197,9 +193,7 @@ def per_shard_shardings(shardings: Any, mesh: Mesh) -> Any:
     data = data_axes(mesh)
 
     def stacked(sharding: NamedSharding) -> NamedSharding:
-        rest = [_spec_entry(tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a and a not in data))
-                for e in sharding.spec]
-        return NamedSharding(mesh, P(_spec_entry(data), *rest))
+        return NamedSharding(mesh, P(_spec_entry(data), *(_without(entry, data) for entry in sharding.spec)))
 
     return jax.tree.map(stacked, shardings)
 
@@ -211,6 +205,12 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def _spec_entry(mesh_axes: tuple[str, ...]):
     return None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
+
+
+def _without(entry, mesh_axes: Sequence[str]):
+    """A PartitionSpec entry with `mesh_axes` removed."""
+    axes = entry if isinstance(entry, tuple) else (entry,)
+    return _spec_entry(tuple(a for a in axes if a is not None and a not in mesh_axes))
 
 
 def process_rows(mesh: Mesh, global_rows: int) -> range:
