@@ -19,25 +19,6 @@ import sys
 import time
 
 
-def measured_peak(devices, dtype: str, size: int = 2048, seconds: float = 2.0) -> float:
-    """FLOP/s of one size x size matmul per device, all devices at once: the machine's peak."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    mesh = Mesh(np.array(devices), ("d",))
-    dtype = jnp.bfloat16 if dtype == "bf16" else jnp.float32
-    x = jax.device_put(jnp.ones((len(devices), size, size), dtype), NamedSharding(mesh, P("d")))
-    matmul = jax.jit(lambda a: jnp.einsum("dij,djk->dik", a, a))
-    matmul(x).block_until_ready()
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        matmul(x).block_until_ready()
-        calls += 1
-    return 2 * size**3 * len(devices) * calls / (time.perf_counter() - start)
-
-
 def peak_memory(devices) -> float | None:
     stats = [d.memory_stats() or {} for d in devices]
     peaks = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
@@ -50,7 +31,7 @@ def benchmark(overrides: list[str], steps: int, warmup: int) -> dict:
     from tunix_train.config import load_config
     from tunix_train.data import Data
     from tunix_train.observe.comms import collective_volume
-    from tunix_train.observe.mfu import peak_flops_per_device, train_flops_per_token
+    from tunix_train.observe.mfu import measure_peak_flops, peak_flops_per_device, train_flops_per_token
     from tunix_train.sharding import to_global_batch
     from tunix_train.train.loop import setup
     from tunix_train.xla_flags import add_gpu_overlap_flags
@@ -84,7 +65,7 @@ def benchmark(overrides: list[str], steps: int, warmup: int) -> dict:
     quantiles = statistics.quantiles(times, n=10) if len(times) > 1 else [median] * 9
     tokens_per_sec = tokens_per_step / median
     model_flops = tokens_per_sec * train_flops_per_token(cfg.model, cfg.data.seq_len)
-    peak = measured_peak(devices, t.mixed_precision.value)
+    peak = measure_peak_flops(t.mixed_precision.value, devices, size=2048, seconds=2.0)  # all devices at once
     sheet = peak_flops_per_device(devices[0].device_kind, t.mixed_precision.value)
     memory = step.memory_analysis()
     return {

@@ -200,7 +200,7 @@ def per_shard_shardings(shardings: Any, mesh: Mesh) -> Any:
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batches are [accumulation step, example, position]: examples split over dp and fsdp."""
-    return NamedSharding(mesh, P(None, _spec_entry(_mesh_axes_for("batch", mesh)), None))
+    return NamedSharding(mesh, P(None, _spec_entry(data_axes(mesh)), None))
 
 
 def _spec_entry(mesh_axes: tuple[str, ...]):
@@ -216,7 +216,7 @@ def _without(entry, mesh_axes: Sequence[str]):
 def process_rows(mesh: Mesh, global_rows: int) -> range:
     """The rows of a [.., global_rows, ..] batch held by this process's devices: the rows its data
     loader must produce, in order. A contiguous block whenever hosts are outermost in the mesh."""
-    sharding = NamedSharding(mesh, P(_spec_entry(_mesh_axes_for("batch", mesh))))
+    sharding = NamedSharding(mesh, P(_spec_entry(data_axes(mesh))))
     blocks = sorted({(sl.indices(global_rows)[:2]) for (sl,) in
                      sharding.addressable_devices_indices_map((global_rows,)).values()})
     lo, hi = blocks[0][0], blocks[-1][1]

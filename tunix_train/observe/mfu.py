@@ -50,21 +50,25 @@ def peak_flops_per_device(device_kind: str, dtype: str) -> float | None:
     return None
 
 
-def measure_peak_flops(dtype: str = "fp32", size: int = 1024, repeats: int = 10) -> float:
-    """FLOP/s of a large matmul on the first device, in the compute dtype: the 'peak' of a machine
-    with no table entry (a CPU), labelled as measured wherever it is reported."""
+def measure_peak_flops(dtype: str = "fp32", devices=None, size: int = 1024, seconds: float = 0.25) -> float:
+    """FLOP/s of a size x size matmul in the compute dtype, run on each of `devices` (default:
+    this process's first) at once and summed: the 'peak' of a machine with no table entry (a
+    CPU), labelled as measured wherever it is reported."""
     import jax
     import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    devices = list(devices or jax.local_devices()[:1])
     jnp_dtype = jnp.bfloat16 if dtype == "bf16" else jnp.float32
-    a = jax.device_put(jnp.ones((size, size), jnp_dtype), jax.devices()[0])
-    matmul = jax.jit(lambda x: x @ x)
-    matmul(a).block_until_ready()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = matmul(a)
-    out.block_until_ready()
-    return 2 * size**3 * repeats / (time.perf_counter() - start)
+    mesh = Mesh(np.array(devices), ("d",))
+    x = jax.device_put(jnp.ones((len(devices), size, size), jnp_dtype), NamedSharding(mesh, P("d")))
+    matmul = jax.jit(lambda a: jnp.einsum("dij,djk->dik", a, a))
+    matmul(x).block_until_ready()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        matmul(x).block_until_ready()
+        calls += 1
+    return 2 * size**3 * len(devices) * calls / (time.perf_counter() - start)
 
 
 def peak_for_run(configured: float | None, dtype: str) -> tuple[float, str]:

@@ -8,7 +8,6 @@ compiled step, over a scan of the A micro-batches, in float32 and sharded like t
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
@@ -74,8 +73,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
                optimizer: optax.GradientTransformation, schedule: optax.Schedule, compute_dtype: Any,
                param_shardings: Any, grad_shardings: Any, loss_chunk_size: int = 0,
                reduce_gradients_in_compute_dtype: bool = True, sync_every: int = 1,
-               data_axes: tuple[str, ...] = (), local_grad_shardings: Any = None
-               ) -> tuple[TrainState, dict[str, jax.Array]]:
+               local_grad_shardings: Any = None) -> tuple[TrainState, dict[str, jax.Array]]:
     # Dividing every micro-batch by the whole batch's weight makes the accumulated loss and
     # gradient exactly those of the token-weighted mean over the full batch.
     total_weight = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
@@ -107,7 +105,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         grads, losses = jax.lax.scan(accumulate, zeros, batch)
     else:
         grads, losses = _accumulate_with_delayed_sync(
-            weighted_loss_sum, wrt, batch, zeros, add, sync_every, data_axes, grad_shardings, local_grad_shardings)
+            weighted_loss_sum, wrt, batch, zeros, add, sync_every, grad_shardings, local_grad_shardings)
     loss, grad_norm = jnp.sum(losses), optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -128,8 +126,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     return new_state, metrics
 
 
-def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, sync_every, data_axes,
-                                  grad_shardings, local_grad_shardings):
+def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, sync_every, grad_shardings,
+                                  local_grad_shardings):
     """Gradients summed over the A micro-batches, reduced across data shards once per `sync_every`.
 
     Each micro-batch's rows [B, ...] are viewed as [S, B/S, ...], one slice per data shard, and a
@@ -137,9 +135,9 @@ def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, syn
     `sync_every` micro-batches accumulates into the [S, ...] per-shard sums."""
     A, B = batch["inputs"].shape[:2]
     mesh = jax.tree.leaves(local_grad_shardings)[0].mesh
-    S = math.prod(mesh.shape[a] for a in data_axes)
+    S = data_parallel_size(mesh)
     groups = jax.tree.map(lambda x: x.reshape(A // sync_every, sync_every, S, B // S, *x.shape[2:]), batch)
-    per_shard = jax.vmap(jax.value_and_grad(weighted_loss_sum), in_axes=(None, 0), spmd_axis_name=data_axes)
+    per_shard = jax.vmap(jax.value_and_grad(weighted_loss_sum), in_axes=(None, 0), spmd_axis_name=data_axes(mesh))
     local_zeros = jax.tree.map(lambda z: jnp.zeros((S, *z.shape), jnp.float32), zeros)
 
     def accumulate_locally(local, micro):
@@ -161,14 +159,15 @@ def compile_train_step(plan: StatePlan, mesh: Mesh, *, graphdef: nnx.GraphDef,
                        optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                        training: TrainingConfig):
     """jit with explicit in/out shardings; the input state is donated. Call under jax.set_mesh(mesh)."""
+    sync_every = training.sync_gradients_every if data_parallel_size(mesh) > 1 else 1
     step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
                              compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
                              param_shardings=plan.shardings.params, grad_shardings=plan.grad_shardings,
                              loss_chunk_size=training.loss_chunk_size,
                              reduce_gradients_in_compute_dtype=training.reduce_gradients_in_compute_dtype,
-                             sync_every=training.sync_gradients_every if data_parallel_size(mesh) > 1 else 1,
-                             data_axes=data_axes(mesh),
-                             local_grad_shardings=per_shard_shardings(plan.grad_shardings, mesh))
+                             sync_every=sync_every,
+                             local_grad_shardings=per_shard_shardings(plan.grad_shardings, mesh) if sync_every > 1
+                             else None)
     return jax.jit(step, in_shardings=(plan.shardings, batch_sharding(mesh)),
                    out_shardings=(plan.shardings, NamedSharding(mesh, P())), donate_argnums=0)
 
