@@ -36,6 +36,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "kv_heads": ("tp",),
     "head_dim": (),
     "layers": (),
+    "norm": (),  # norm scales: sharding a vector costs a collective per use and saves next to nothing
     # activations
     "batch": BATCH_AXES,
     "seq": (),

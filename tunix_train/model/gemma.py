@@ -26,8 +26,8 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], fan_in
 class RMSNorm(nnx.Module):
     """x / rms(x) * (1 + scale), computed in float32; scale starts at zero."""
 
-    def __init__(self, dim: int, axis: str, eps: float):
-        self.scale = nnx.Param(jnp.zeros((dim,), jnp.float32), axes=(axis,))
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.zeros((dim,), jnp.float32), axes=("norm",))
         self.eps = eps
 
     def __call__(self, x):
@@ -36,19 +36,24 @@ class RMSNorm(nnx.Module):
         return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
 
 
-def apply_rope(x_BTNH, positions_BT, base, scale):
-    """Rotary embedding over halves of the head dimension; positions divided by `scale`.
+def rope_table(positions_BT, base: float, scale: float, head_dim: int):
+    """(sin, cos) [B, T, 1, 1, H/2] of the rotary angles at positions divided by `scale`. Computed
+    once per forward pass: inside the layers, XLA would recompute them for every head and layer."""
+    half = head_dim // 2
+    timescale = base ** (2.0 * jnp.arange(half, dtype=jnp.float32) / head_dim)
+    angle_BTh = positions_BT[..., None].astype(jnp.float32) / scale / timescale
+    return jnp.sin(angle_BTh)[:, :, None, None, :], jnp.cos(angle_BTh)[:, :, None, None, :]
+
+
+def apply_rope(x_BTNH, sin, cos):
+    """Rotary embedding over halves of the head dimension, with rope_table's (sin, cos).
 
     The halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin). Written with a flip of a size-2
     axis instead of split and concatenate, whose gradients (pads and slices) cost more than the
     rotation itself on CPU."""
     B, T, N, H = x_BTNH.shape
-    half = H // 2
-    timescale = base ** (2.0 * jnp.arange(half, dtype=jnp.float32) / H)
-    angle_BTh = positions_BT[..., None].astype(jnp.float32) / scale / timescale
-    sin, cos = jnp.sin(angle_BTh)[:, :, None, None, :], jnp.cos(angle_BTh)[:, :, None, None, :]
     signs_2 = jnp.array([-1.0, 1.0])[:, None]
-    x_BTN2h = x_BTNH.astype(jnp.float32).reshape(B, T, N, 2, half)
+    x_BTN2h = x_BTNH.astype(jnp.float32).reshape(B, T, N, 2, H // 2)
     rotated = x_BTN2h * cos + jnp.flip(x_BTN2h, axis=-2) * (signs_2 * sin)
     return rotated.reshape(B, T, N, H).astype(x_BTNH.dtype)
 
@@ -62,24 +67,28 @@ class Attention(nnx.Module):
         self.k_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D)
         self.v_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D)
         self.o_NHD = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), N * H)
-        self.q_norm = RMSNorm(H, "head_dim", cfg.rms_norm_eps) if cfg.use_qk_norm else None
-        self.k_norm = RMSNorm(H, "head_dim", cfg.rms_norm_eps) if cfg.use_qk_norm else None
+        self.q_norm = RMSNorm(H, cfg.rms_norm_eps) if cfg.use_qk_norm else None
+        self.k_norm = RMSNorm(H, cfg.rms_norm_eps) if cfg.use_qk_norm else None
         self.query_scale = (cfg.query_pre_attn_scalar or H) ** -0.5
         self.softcap = cfg.attn_logit_softcap
 
-    def __call__(self, x_BTD, positions_BT, mask_BTS, rope_base, rope_scale, fused=None):
+    def __call__(self, x_BTD, rope, mask_BTS, fused=None):
         # One matmul per input where shapes allow (q, k, v stacked when K = N; k, v otherwise): with
         # tensor parallelism the backward pass then all-reduces one partial input gradient, not three.
+        # The stack axis sits after the embed axis, so the matmul's output and its gradient are
+        # [tokens, stack * features] as the matmul makes them: no transposes (11% faster on CPU).
         q, k, v = self.q_DNH[...], self.k_DKH[...], self.v_DKH[...]
         if q.shape == k.shape:
-            q_BTNH, k_BSKH, v_BSKH = jnp.einsum("btd,cdnh->cbtnh", x_BTD, jnp.stack([q, k, v]))
+            qkv_BTCNH = jnp.einsum("btd,dcnh->btcnh", x_BTD, jnp.stack([q, k, v], axis=1))
+            q_BTNH, k_BSKH, v_BSKH = qkv_BTCNH[:, :, 0], qkv_BTCNH[:, :, 1], qkv_BTCNH[:, :, 2]
         else:
             q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, q)
-            k_BSKH, v_BSKH = jnp.einsum("bsd,cdkh->cbskh", x_BTD, jnp.stack([k, v]))
+            kv_BSCKH = jnp.einsum("bsd,dckh->bsckh", x_BTD, jnp.stack([k, v], axis=1))
+            k_BSKH, v_BSKH = kv_BSCKH[:, :, 0], kv_BSCKH[:, :, 1]
         if self.q_norm is not None:
             q_BTNH, k_BSKH = self.q_norm(q_BTNH), self.k_norm(k_BSKH)
-        q_BTNH = apply_rope(q_BTNH, positions_BT, rope_base, rope_scale) * self.query_scale
-        k_BSKH = apply_rope(k_BSKH, positions_BT, rope_base, rope_scale)
+        q_BTNH = apply_rope(q_BTNH, *rope) * self.query_scale
+        k_BSKH = apply_rope(k_BSKH, *rope)
         q_BTNH = constrain(q_BTNH, ("batch", "seq", "act_heads", None))
 
         out_BTNH = attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, self.softcap, fused)
@@ -113,7 +122,9 @@ class MLP(nnx.Module):
         self.down_FD = _param(rngs, (F, D), ("mlp", "embed"), F)
 
     def __call__(self, x_BTD):
-        gate_BTF, up_BTF = jnp.einsum("btd,cdf->cbtf", x_BTD, jnp.stack([self.gate_DF[...], self.up_DF[...]]))
+        # gate and up in one matmul, stacked after the embed axis as in Attention
+        gate_up_BTCF = jnp.einsum("btd,dcf->btcf", x_BTD, jnp.stack([self.gate_DF[...], self.up_DF[...]], axis=1))
+        gate_BTF, up_BTF = gate_up_BTCF[:, :, 0], gate_up_BTCF[:, :, 1]
         h_BTF = constrain(jax.nn.gelu(gate_BTF, approximate=True) * up_BTF, ("batch", "seq", "act_mlp"))
         return jnp.einsum("btf,fd->btd", h_BTF, self.down_FD[...])
 
@@ -123,15 +134,15 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         D, eps = cfg.embed_dim, cfg.rms_norm_eps
-        self.pre_attn_norm = RMSNorm(D, "embed", eps)
+        self.pre_attn_norm = RMSNorm(D, eps)
         self.attn = Attention(cfg, rngs)
-        self.post_attn_norm = RMSNorm(D, "embed", eps) if cfg.use_post_attn_norm else None
-        self.pre_ffw_norm = RMSNorm(D, "embed", eps)
+        self.post_attn_norm = RMSNorm(D, eps) if cfg.use_post_attn_norm else None
+        self.pre_ffw_norm = RMSNorm(D, eps)
         self.mlp = MLP(cfg, rngs)
-        self.post_ffw_norm = RMSNorm(D, "embed", eps) if cfg.use_post_ffw_norm else None
+        self.post_ffw_norm = RMSNorm(D, eps) if cfg.use_post_ffw_norm else None
 
-    def __call__(self, x_BTD, positions_BT, mask_BTS, rope_base, rope_scale, fused_attention=None):
-        h_BTD = self.attn(self.pre_attn_norm(x_BTD), positions_BT, mask_BTS, rope_base, rope_scale, fused_attention)
+    def __call__(self, x_BTD, rope, mask_BTS, fused_attention=None):
+        h_BTD = self.attn(self.pre_attn_norm(x_BTD), rope, mask_BTS, fused_attention)
         if self.post_attn_norm is not None:
             h_BTD = self.post_attn_norm(h_BTD)
         x_BTD = x_BTD + h_BTD
@@ -174,7 +185,7 @@ class Gemma(nnx.Module):
         D, V = cfg.embed_dim, cfg.vocab_size
         self.embedding_VD = _param(rngs, (V, D), ("vocab", "embed"), D)
         self.layers = _stacked_blocks(cfg, rngs)
-        self.final_norm = RMSNorm(D, "embed", cfg.rms_norm_eps)
+        self.final_norm = RMSNorm(D, cfg.rms_norm_eps)
 
     def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
         """positions restart at 0 and segment ids change at each packed document; by default one
@@ -204,21 +215,22 @@ class Gemma(nnx.Module):
 
         windows_L = jnp.asarray(layer_windows(cfg))
         is_global_L = windows_L == _GLOBAL_WINDOW
-        rope_base_L = jnp.where(is_global_L, cfg.rope_base_global, cfg.rope_base_local)
-        rope_scale_L = jnp.where(is_global_L, cfg.rope_scale_global, 1.0)
+        rope_global = rope_table(positions_BT, cfg.rope_base_global, cfg.rope_scale_global, cfg.head_dim)
+        rope_local = rope_table(positions_BT, cfg.rope_base_local, 1.0, cfg.head_dim)
 
         graphdef, layer_state = nnx.split(self.layers)
         fused = None if self.attention is AttentionImpl.xla else self.attention.value
 
         def layer(x_BTD, per_layer):
-            state, window, rope_base, rope_scale = per_layer
+            state, window, is_global = per_layer
             layer_mask_BTS = mask_BTS & (distance_TS < window)
+            rope = [jnp.where(is_global, g, l) for g, l in zip(rope_global, rope_local)]
             block = nnx.merge(graphdef, state)
-            return block(x_BTD, positions_BT, layer_mask_BTS, rope_base, rope_scale, fused), None
+            return block(x_BTD, rope, layer_mask_BTS, fused), None
 
         if self.remat in _REMAT_POLICIES:
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.remat], prevent_cse=False)
-        x_BTD, _ = jax.lax.scan(layer, x_BTD, (layer_state, windows_L, rope_base_L, rope_scale_L),
+        x_BTD, _ = jax.lax.scan(layer, x_BTD, (layer_state, windows_L, is_global_L),
                                 unroll=self.scan_unroll)
 
         return self.final_norm(x_BTD)
