@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -119,3 +120,19 @@ def test_gpu_overlap_flags_are_added_and_a_users_own_value_wins(monkeypatch):
     flags = os.environ["XLA_FLAGS"].split()
     assert flags[:2] == ["--xla_force_host_platform_device_count=2", "--xla_gpu_enable_pipelined_all_gather=false"]
     assert sorted(flags[2:]) == sorted(f for f in GPU_OVERLAP if "pipelined_all_gather" not in f)
+
+
+def test_the_compilation_cache_is_turned_off_for_collectives_between_cpu_devices():
+    # A cached multi-device CPU step deadlocks (docs/performance.md); test_checkpoint's reruns of
+    # one 2-device config through the CLI would hang without this.
+    from tunix_train.sharding import make_mesh
+    from tunix_train.xla_flags import avoid_cache_for_cpu_collectives
+
+    try:
+        jax.config.update("jax_enable_compilation_cache", True)
+        avoid_cache_for_cpu_collectives(make_mesh([[1], ["fsdp"]], jax.devices()[:1]))
+        assert jax.config.jax_enable_compilation_cache  # one device: no collectives, cache kept
+        avoid_cache_for_cpu_collectives(make_mesh([[2], ["fsdp"]], jax.devices()[:2]))
+        assert not jax.config.jax_enable_compilation_cache
+    finally:
+        jax.config.update("jax_enable_compilation_cache", False)  # as conftest.py leaves it

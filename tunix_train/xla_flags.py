@@ -1,8 +1,13 @@
-"""XLA flags set before JAX starts its backend (XLA reads XLA_FLAGS once, at that moment)."""
+"""Compiler settings decided before compiling: XLA flags set before JAX starts its backend (XLA
+reads XLA_FLAGS once, at that moment), and whether JAX's persistent compilation cache may be used."""
 
 from __future__ import annotations
 
+import logging
 import os
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 # NVIDIA GPUs: schedule collectives to overlap computation, and pipeline the scanned layers'
 # collectives (the next layer's fsdp all-gather runs during this layer's compute). Other
@@ -22,3 +27,18 @@ def add_gpu_overlap_flags() -> None:
     given = {flag.split("=")[0] for flag in current.split()}
     extra = [flag for flag in GPU_OVERLAP if flag.split("=")[0] not in given]
     os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
+
+
+def avoid_cache_for_cpu_collectives(mesh: jax.sharding.Mesh) -> None:
+    """Turns off JAX's persistent compilation cache when this process runs collectives between CPU
+    devices: jaxlib 0.10.2's CPU runtime loses the order of collectives in an executable loaded
+    from the cache, and its devices then wait in different collectives until XLA aborts the
+    process (docs/performance.md). Executables already loaded stay; later compiles are fresh."""
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    if len(local) < 2 or local[0].platform != "cpu" or not jax.config.jax_enable_compilation_cache:
+        return
+    if jax.config.jax_compilation_cache_dir:
+        logging.getLogger(__name__).warning(
+            "persistent compilation cache off: collectives between CPU devices deadlock when loaded from it")
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides at its first compile whether to use the cache

@@ -25,6 +25,7 @@ from tunix_train.train.optimizer import make_optimizer
 from tunix_train.train.signals import RunStopped, StopRequest
 from tunix_train.train.state import StatePlan, TrainState, count_params, model_graphdef, plan_train_state
 from tunix_train.train.step import compile_eval_step, compile_train_step
+from tunix_train.xla_flags import avoid_cache_for_cpu_collectives
 
 
 def _save_config(cfg: Config, overrides: list[str], run_dir: Path) -> None:
@@ -52,6 +53,7 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
     Raises ConfigError when the config does not fit the devices."""
     t = cfg.training
     mesh = make_mesh(cfg.model.mesh_shape, devices)
+    avoid_cache_for_cpu_collectives(mesh)
     validate_model_for_mesh(cfg.model, mesh)
     validate_training_for_mesh(t, mesh)
     optimizer, schedule = make_optimizer(t)
