@@ -53,9 +53,9 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
     Raises ConfigError when the config does not fit the devices."""
     t = cfg.training
     mesh = make_mesh(cfg.model.mesh_shape, devices)
-    avoid_cache_for_cpu_collectives(mesh)
     validate_model_for_mesh(cfg.model, mesh)
     validate_training_for_mesh(t, mesh)
+    avoid_cache_for_cpu_collectives(mesh)
     optimizer, schedule = make_optimizer(t)
     plan = plan_train_state(cfg.model, optimizer, mesh, t.seed, t.sharding_strategy)
     graphdef = model_graphdef(cfg.model, t.remat, t.scan_unroll, t.attention)
