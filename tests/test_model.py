@@ -9,7 +9,7 @@ from flax import nnx
 from conftest import config
 from tunix_train.config import load_config
 from tunix_train.model import Gemma, layer_windows
-from tunix_train.model.gemma import attend
+from tunix_train.model.gemma import attend, project
 from tunix_train.sharding import make_mesh, state_shardings
 from tunix_train.train.optimizer import make_optimizer
 from tunix_train.train.state import count_params, train_state_initializer
@@ -108,3 +108,16 @@ def test_fused_attention_gets_the_layout_heads_and_mask_of_the_einsum_attention(
     distance = np.arange(T)[:, None] - np.arange(T)[None, :]
     mask = jnp.asarray((segments[:, :, None] == segments[:, None, :]) & (distance >= 0) & (distance < 4))
     np.testing.assert_allclose(attend(q, k, v, mask, fused="xla"), attend(q, k, v, mask), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec, x_shape, w_shape", [("btd,dcf->btcf", (2, 5, 8), (8, 2, 6)),
+                                                    ("btd,dnh->btnh", (2, 5, 8), (8, 3, 4))])
+def test_project_has_the_gradients_of_einsum(spec, x_shape, w_shape):
+    x, w = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate((x_shape, w_shape)))
+    out, vjp = jax.vjp(lambda a, b: project(spec, a, b), x, w)
+    want_out, want_vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), x, w)
+    g = jax.random.normal(jax.random.key(2), out.shape)
+    np.testing.assert_array_equal(out, want_out)
+    for got, want in zip(vjp(g), want_vjp(g)):
+        assert np.abs(want).max() > 0
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
