@@ -72,8 +72,8 @@ def token_losses(graphdef: nnx.GraphDef, params: nnx.State, micro: dict[str, jax
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
                optimizer: optax.GradientTransformation, schedule: optax.Schedule, compute_dtype: Any,
                param_shardings: Any, grad_shardings: Any, loss_chunk_size: int = 0,
-               reduce_gradients_in_compute_dtype: bool = True, sync_every: int = 1,
-               local_grad_shardings: Any = None) -> tuple[TrainState, dict[str, jax.Array]]:
+               reduce_gradients_in_compute_dtype: bool = True,
+               sync_every: int = 1) -> tuple[TrainState, dict[str, jax.Array]]:
     # Dividing every micro-batch by the whole batch's weight makes the accumulated loss and
     # gradient exactly those of the token-weighted mean over the full batch.
     total_weight = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
@@ -105,7 +105,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         grads, losses = jax.lax.scan(accumulate, zeros, batch)
     else:
         grads, losses = _accumulate_with_delayed_sync(
-            weighted_loss_sum, wrt, batch, zeros, add, sync_every, grad_shardings, local_grad_shardings)
+            weighted_loss_sum, wrt, batch, zeros, add, sync_every, grad_shardings)
     loss, grad_norm = jnp.sum(losses), optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -126,16 +126,16 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     return new_state, metrics
 
 
-def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, sync_every, grad_shardings,
-                                  local_grad_shardings):
+def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, sync_every, grad_shardings):
     """Gradients summed over the A micro-batches, reduced across data shards once per `sync_every`.
 
     Each micro-batch's rows [B, ...] are viewed as [S, B/S, ...], one slice per data shard, and a
     vmap over S gives each shard's own gradient, so nothing is reduced while a group of
     `sync_every` micro-batches accumulates into the [S, ...] per-shard sums."""
     A, B = batch["inputs"].shape[:2]
-    mesh = jax.tree.leaves(local_grad_shardings)[0].mesh
+    mesh = jax.tree.leaves(grad_shardings)[0].mesh
     S = data_parallel_size(mesh)
+    local_grad_shardings = per_shard_shardings(grad_shardings, mesh)
     groups = jax.tree.map(lambda x: x.reshape(A // sync_every, sync_every, S, B // S, *x.shape[2:]), batch)
     per_shard = jax.vmap(jax.value_and_grad(weighted_loss_sum), in_axes=(None, 0), spmd_axis_name=data_axes(mesh))
     local_zeros = jax.tree.map(lambda z: jnp.zeros((S, *z.shape), jnp.float32), zeros)
@@ -165,9 +165,7 @@ def compile_train_step(plan: StatePlan, mesh: Mesh, *, graphdef: nnx.GraphDef,
                              param_shardings=plan.shardings.params, grad_shardings=plan.grad_shardings,
                              loss_chunk_size=training.loss_chunk_size,
                              reduce_gradients_in_compute_dtype=training.reduce_gradients_in_compute_dtype,
-                             sync_every=sync_every,
-                             local_grad_shardings=per_shard_shardings(plan.grad_shardings, mesh) if sync_every > 1
-                             else None)
+                             sync_every=sync_every)
     return jax.jit(step, in_shardings=(plan.shardings, batch_sharding(mesh)),
                    out_shardings=(plan.shardings, NamedSharding(mesh, P())), donate_argnums=0)
 
