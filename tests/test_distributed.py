@@ -136,3 +136,31 @@ def test_the_compilation_cache_is_turned_off_for_collectives_between_cpu_devices
         assert not jax.config.jax_enable_compilation_cache
     finally:
         jax.config.update("jax_enable_compilation_cache", False)  # as conftest.py leaves it
+
+
+def test_freed_cpu_memory_is_reused_without_page_faults(monkeypatch):
+    # XLA's CPU temporaries above 32 MiB were mmapped and page-faulted anew every step.
+    import ctypes
+    import resource
+
+    from tunix_train.host_malloc import keep_freed_memory_on_cpu
+    from tunix_train.sharding import make_mesh
+
+    mesh = make_mesh([[1], ["fsdp"]], jax.devices()[:1])
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")
+    assert not keep_freed_memory_on_cpu(mesh)  # the user's own malloc settings win
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    assert keep_freed_memory_on_cpu(mesh)
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+
+    def faults_of_a_48_mib_buffer() -> int:  # malloc as XLA's runtime does; numpy asks for huge pages
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        buffer = libc.malloc(48 << 20)
+        ctypes.memset(buffer, 1, 48 << 20)
+        libc.free(buffer)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    faults_of_a_48_mib_buffer()  # the heap grows once
+    assert faults_of_a_48_mib_buffer() < 1000  # a fresh mapping faults 12,288 pages each time

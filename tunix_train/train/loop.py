@@ -25,6 +25,7 @@ from tunix_train.train.optimizer import make_optimizer
 from tunix_train.train.signals import RunStopped, StopRequest
 from tunix_train.train.state import StatePlan, TrainState, count_params, model_graphdef, plan_train_state
 from tunix_train.train.step import compile_eval_step, compile_train_step
+from tunix_train.host_malloc import keep_freed_memory_on_cpu
 from tunix_train.xla_flags import avoid_cache_for_cpu_collectives
 
 
@@ -56,6 +57,7 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
     validate_model_for_mesh(cfg.model, mesh)
     validate_training_for_mesh(t, mesh)
     avoid_cache_for_cpu_collectives(mesh)
+    keep_freed_memory_on_cpu(mesh)
     optimizer, schedule = make_optimizer(t)
     plan = plan_train_state(cfg.model, optimizer, mesh, t.seed, t.sharding_strategy)
     graphdef = model_graphdef(cfg.model, t.remat, t.scan_unroll, t.attention)
