@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import platform
 
 import jax
 
@@ -24,10 +23,17 @@ _SETTINGS = (
 )
 
 
+def _is_glibc() -> bool:
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (ValueError, OSError, AttributeError):  # macOS, musl, Windows
+        return False
+
+
 def keep_freed_memory_on_cpu(mesh: jax.sharding.Mesh) -> bool:
     """Applies _SETTINGS when this process's devices are CPUs and libc is glibc; True if it did.
     GLIBC_TUNABLES naming any glibc.malloc setting leaves malloc as the user set it."""
-    if mesh.devices.flat[0].platform != "cpu" or platform.libc_ver()[0] != "glibc":
+    if mesh.devices.flat[0].platform != "cpu" or not _is_glibc():
         return False
     if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
