@@ -16,6 +16,7 @@ from tunix_train import hf
 from tunix_train.checkpoint import Checkpointer, restore_from, restore_latest
 from tunix_train.config import Config, ConfigError, NanPolicy
 from tunix_train.data import Data
+from tunix_train.host_malloc import keep_freed_memory_on_cpu
 from tunix_train.observe.comms import CommunicationProfile
 from tunix_train.observe.metrics import MetricsWriter, setup_logging
 from tunix_train.observe.mfu import device_memory_in_use, peak_for_run, train_flops_per_token
@@ -25,7 +26,6 @@ from tunix_train.train.optimizer import make_optimizer
 from tunix_train.train.signals import RunStopped, StopRequest
 from tunix_train.train.state import StatePlan, TrainState, count_params, model_graphdef, plan_train_state
 from tunix_train.train.step import compile_eval_step, compile_train_step
-from tunix_train.host_malloc import keep_freed_memory_on_cpu
 from tunix_train.xla_flags import avoid_cache_for_cpu_collectives
 
 
