@@ -107,13 +107,18 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         grads, losses = _accumulate_with_delayed_sync(
             weighted_loss_sum, wrt, batch, zeros, add, sync_every, grad_shardings)
     loss, grad_norm = jnp.sum(losses), optax.tree.norm(grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
     # A non-finite loss or gradient drops the whole update: parameters and optimizer state stay.
+    # A cond, not a select per array: selects read both states again (3% of the step on CPU).
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep_if_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-    new_state = TrainState(step=state.step + 1, params=keep_if_finite(params, state.params),
-                           opt_state=keep_if_finite(opt_state, state.opt_state),
+
+    def apply_update(params_and_opt_state):
+        params, opt_state = params_and_opt_state
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = jax.lax.cond(finite, apply_update, lambda unchanged: unchanged,
+                                     (state.params, state.opt_state))
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                            nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32))
     metrics = {
         "loss": loss,
