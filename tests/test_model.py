@@ -110,6 +110,35 @@ def test_fused_attention_gets_the_layout_heads_and_mask_of_the_einsum_attention(
     np.testing.assert_allclose(attend(q, k, v, mask, fused="xla"), attend(q, k, v, mask), rtol=1e-5, atol=1e-6)
 
 
+def _plain_attention(q, k, v, mask, softcap):
+    """Grouped-query attention as the textbook writes it, differentiated by JAX."""
+    G = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k)
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
+    probs = jax.nn.softmax(jnp.where(mask[:, None], scores, -1e30), axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_attention_has_the_output_and_gradients_of_plain_softmax_attention(softcap):
+    """attend's own backward pass (probabilities from the saved log-sum-exp) against autodiff."""
+    rng = np.random.default_rng(1)
+    B, T, N, K, H = 2, 16, 4, 2, 8
+    q, k, v, d_out = (jnp.asarray(rng.normal(size=shape), jnp.float32)
+                      for shape in [(B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)])
+    segments = np.array([[1] * 10 + [2] * 6, [1] * 16])
+    distance = np.arange(T)[:, None] - np.arange(T)[None, :]
+    mask = jnp.asarray((segments[:, :, None] == segments[:, None, :]) & (distance >= 0) & (distance < 5))
+    out, vjp = jax.vjp(lambda *qkv: attend(*qkv, mask, softcap), q, k, v)
+    want_out, want_vjp = jax.vjp(lambda *qkv: _plain_attention(*qkv, mask, softcap), q, k, v)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
+    for got, want in zip(vjp(d_out), want_vjp(d_out)):
+        assert np.abs(want).max() > 0.1
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("spec, x_shape, w_shape", [("btd,dcf->btcf", (2, 5, 8), (8, 2, 6)),
                                                     ("btd,dnh->btnh", (2, 5, 8), (8, 3, 4))])
 def test_project_has_the_gradients_of_einsum(spec, x_shape, w_shape):
