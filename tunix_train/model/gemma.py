@@ -171,7 +171,7 @@ def _attention_fwd(q_BKXH, k_BKSH, v_BKSH, mask_BTS, softcap):
     """The output and, for the backward pass, the log-sum-exp of each query's scores: both carry the
     checkpoint name `attention`, so the default remat policy saves them instead of recomputing
     softmax(q k) v."""
-    B, K, X, H = q_BKXH.shape
+    B, K, X, _ = q_BKXH.shape
     scores_BKGTS, _ = _scores(q_BKXH, k_BKSH, mask_BTS, softcap)
     top_BKGT1 = jnp.max(scores_BKGTS, axis=-1, keepdims=True)
     exp_BKGTS = jnp.exp(scores_BKGTS - top_BKGT1)
@@ -189,7 +189,7 @@ def _attention_bwd(softcap, residuals, d_out_BKXH):
     log-sum-exp, and the softmax gradient needs only rowsum(d_out * out), not the forward's reductions
     (1.5 to 3% faster on CPU than differentiating the forward pass)."""
     q_BKXH, k_BKSH, v_BKSH, mask_BTS, out_BKXH, lse_BKGT1 = residuals
-    B, K, X, H = q_BKXH.shape
+    B, K, X, _ = q_BKXH.shape
     scores_BKGTS, capped_BKGTS = _scores(q_BKXH, k_BKSH, mask_BTS, softcap)
     probs_BKGTS = jnp.exp(scores_BKGTS - lse_BKGT1)
     d_probs_BKGTS = jnp.einsum("bkxh,bksh->bkxs", d_out_BKXH, v_BKSH).reshape(scores_BKGTS.shape)
