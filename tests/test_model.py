@@ -98,15 +98,20 @@ def test_shipped_configs_build_abstract_sharded_state(name):
         assert abs(n - PUBLISHED[name]) / PUBLISHED[name] < 0.01, f"{name}: {n:,} parameters"
 
 
+def _documents_and_window_mask(window: int):
+    """[2, 16, 16]: the first row holds two documents (10 and 6 tokens), the second one; causal."""
+    segments = np.array([[1] * 10 + [2] * 6, [1] * 16])
+    distance = np.arange(16)[:, None] - np.arange(16)[None, :]
+    return jnp.asarray((segments[:, :, None] == segments[:, None, :]) & (distance >= 0) & (distance < window))
+
+
 def test_fused_attention_gets_the_layout_heads_and_mask_of_the_einsum_attention():
     """What the cuDNN path hands jax.nn.dot_product_attention (BTNH layout, grouped key/value heads,
     a document-and-window mask, queries already scaled), run with its XLA kernel: no GPU here."""
     rng = np.random.default_rng(0)
     B, T, N, K, H = 2, 16, 4, 2, 8
     q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in [(B, T, N, H), (B, T, K, H), (B, T, K, H)])
-    segments = np.array([[1] * 10 + [2] * 6, [1] * 16])
-    distance = np.arange(T)[:, None] - np.arange(T)[None, :]
-    mask = jnp.asarray((segments[:, :, None] == segments[:, None, :]) & (distance >= 0) & (distance < 4))
+    mask = _documents_and_window_mask(window=4)
     np.testing.assert_allclose(attend(q, k, v, mask, fused="xla"), attend(q, k, v, mask), rtol=1e-5, atol=1e-6)
 
 
@@ -128,9 +133,7 @@ def test_attention_has_the_output_and_gradients_of_plain_softmax_attention(softc
     B, T, N, K, H = 2, 16, 4, 2, 8
     q, k, v, d_out = (jnp.asarray(rng.normal(size=shape), jnp.float32)
                       for shape in [(B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)])
-    segments = np.array([[1] * 10 + [2] * 6, [1] * 16])
-    distance = np.arange(T)[:, None] - np.arange(T)[None, :]
-    mask = jnp.asarray((segments[:, :, None] == segments[:, None, :]) & (distance >= 0) & (distance < 5))
+    mask = _documents_and_window_mask(window=5)
     out, vjp = jax.vjp(lambda *qkv: attend(*qkv, mask, softcap), q, k, v)
     want_out, want_vjp = jax.vjp(lambda *qkv: _plain_attention(*qkv, mask, softcap), q, k, v)
     np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
