@@ -11,7 +11,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from conftest import REPO, config, read_metrics, train_losses
+from conftest import REPO, config, cpu_env, read_metrics, train_losses
 from tunix_train.checkpoint import restore_from
 from tunix_train.config import ConfigError
 from tunix_train.data import Data
@@ -24,7 +24,7 @@ RUN = ["model=gemma3_tiny", "model.vocab_size=4096", "data.seq_len=64", "trainin
 
 
 def _start(run_dir, *extra):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = cpu_env(2)
     return subprocess.Popen([sys.executable, str(REPO / "run_training.py"), *RUN, *extra,
                              'model.mesh_shape=[[2],["fsdp"]]', f"hydra.run.dir={run_dir}"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -9,16 +9,14 @@ import sys
 import pytest
 from tensorboardX.proto import event_pb2
 
-from conftest import REPO
+from conftest import REPO, cpu_env
 
 SMALL_MODEL = ["model.num_layers=2", "model.embed_dim=64", "model.hidden_dim=128", "model.num_heads=4",
                "model.head_dim=16", "model.vocab_size=4096", "data.seq_len=32"]
 
 
 def run_cli(*args, devices=4, cwd=REPO):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, str(REPO / "run_training.py"), *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, str(REPO / "run_training.py"), *args], cwd=cwd, env=cpu_env(devices),
                           capture_output=True, text=True, timeout=300)
 
 
@@ -117,8 +115,7 @@ def _run_on_a_terminal(*args) -> str:
     import pty
 
     leader, follower = pty.openpty()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen([sys.executable, str(REPO / "run_training.py"), *args], env=env, stdout=follower,
+    proc = subprocess.Popen([sys.executable, str(REPO / "run_training.py"), *args], env=cpu_env(1), stdout=follower,
                             stderr=subprocess.DEVNULL)
     os.close(follower)
     out = b""

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, checkpoint_arrays, train_losses
+from conftest import REPO, checkpoint_arrays, cpu_env, train_losses
 
 RUN = ["model=gemma3_tiny", "data=synthetic", "data.seq_len=32", "training.max_steps=5", "training.log_every=1",
        "training.eval_every=5", "checkpoint.every_steps=5", "distributed.initialization_timeout_s=60"]
@@ -25,9 +25,8 @@ def _launch(run_dir, *overrides, nprocs=2, timeout=300):
 
 
 def _single(run_dir, *overrides, devices=4):
-    env = {**ENV, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     return subprocess.run([sys.executable, str(REPO / "run_training.py"), *RUN, *overrides,
-                           f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True,
+                           f"hydra.run.dir={run_dir}"], cwd=REPO, env=cpu_env(devices), capture_output=True, text=True,
                           timeout=300)
 
 
