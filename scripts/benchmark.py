@@ -3,9 +3,10 @@
     python scripts/benchmark.py [--steps 20] [--warmup 3] [--cpu-devices 4] [--json out.json] overrides...
 
 Runs the config (hydra overrides, as for run_training.py) for --warmup then --steps steps with every
-batch already on the devices, timing each step, and reports in the same run the FLOP/s of a large
-matmul on every device at once in the compute dtype: the machine's measured peak, against which the
-model's FLOP/s is a fraction. On a machine without accelerators, --cpu-devices N runs on N fake CPU
+batch already on the devices, timing each step. Between every PEAK_EVERY steps it times a large
+matmul on every device at once in the compute dtype for PEAK_SECONDS: the median of those samples
+is the machine's measured peak, against which the model's FLOP/s is a fraction. Sampled side by
+side with the steps, the ratio does not move when a shared machine speeds up or slows down. On a machine without accelerators, --cpu-devices N runs on N fake CPU
 devices (they share the machine's cores, and so does the peak matmul).
 """
 
@@ -17,6 +18,10 @@ import os
 import statistics
 import sys
 import time
+
+
+PEAK_EVERY = 5  # steps between samples of the peak matmul
+PEAK_SECONDS = 0.4  # length of each sample
 
 
 def peak_memory(devices) -> float | None:
@@ -31,7 +36,7 @@ def benchmark(overrides: list[str], steps: int, warmup: int) -> dict:
     from tunix_train.config import load_config
     from tunix_train.data import Data
     from tunix_train.observe.comms import collective_volume
-    from tunix_train.observe.mfu import measure_peak_flops, peak_flops_per_device, train_flops_per_token
+    from tunix_train.observe.mfu import matmul_sampler, peak_flops_per_device, train_flops_per_token
     from tunix_train.sharding import to_global_batch
     from tunix_train.train.loop import setup
     from tunix_train.xla_flags import add_gpu_overlap_flags
@@ -51,12 +56,16 @@ def benchmark(overrides: list[str], steps: int, warmup: int) -> dict:
             start = time.perf_counter()
             step = run.step_fn.lower(state, device_batches[0]).compile()
             compile_s = time.perf_counter() - start
-            times = []
+            peak_matmul = matmul_sampler(t.mixed_precision.value, devices, size=2048)  # all devices at once
+            times, peaks = [], []
             for i in range(warmup + steps):
+                if i >= warmup and (i - warmup) % PEAK_EVERY == 0:
+                    peaks.append(peak_matmul(PEAK_SECONDS))
                 start = time.perf_counter()
                 state, metrics = step(state, device_batches[i % len(device_batches)])
                 jax.block_until_ready(metrics)
                 times.append(time.perf_counter() - start)
+            peaks.append(peak_matmul(PEAK_SECONDS))
     finally:
         batches.close()
     times = times[warmup:]
@@ -65,7 +74,7 @@ def benchmark(overrides: list[str], steps: int, warmup: int) -> dict:
     quantiles = statistics.quantiles(times, n=10) if len(times) > 1 else [median] * 9
     tokens_per_sec = tokens_per_step / median
     model_flops = tokens_per_sec * train_flops_per_token(cfg.model, cfg.data.seq_len)
-    peak = measure_peak_flops(t.mixed_precision.value, devices, size=2048, seconds=2.0)  # all devices at once
+    peak = statistics.median(peaks)
     sheet = peak_flops_per_device(devices[0].device_kind, t.mixed_precision.value)
     memory = step.memory_analysis()
     return {
@@ -76,6 +85,7 @@ def benchmark(overrides: list[str], steps: int, warmup: int) -> dict:
         "compile_time_s": compile_s,
         "model_flops_per_sec": model_flops,
         "measured_peak_flops_per_sec": peak,
+        "measured_peak_samples": peaks,
         "fraction_of_measured_peak": model_flops / peak,
         "mfu_data_sheet": model_flops / (sheet * len(devices)) if sheet else None,
         "peak_device_memory_bytes": peak_memory(devices),
@@ -93,7 +103,10 @@ def table(result: dict) -> str:
         ("step time", f"median {s['median'] * 1e3:.1f} ms, p10 {s['p10'] * 1e3:.1f}, p90 {s['p90'] * 1e3:.1f}"),
         ("compile", f"{result['compile_time_s']:.1f} s"),
         ("model FLOP/s", f"{result['model_flops_per_sec'] / 1e9:,.1f} GFLOP/s"),
-        ("measured peak", f"{result['measured_peak_flops_per_sec'] / 1e9:,.1f} GFLOP/s (matmul, all devices)"),
+        ("measured peak", f"{result['measured_peak_flops_per_sec'] / 1e9:,.1f} GFLOP/s (matmul, all devices; median "
+                          f"of {len(result['measured_peak_samples'])} samples between steps, "
+                          f"{min(result['measured_peak_samples']) / 1e9:,.0f} to "
+                          f"{max(result['measured_peak_samples']) / 1e9:,.0f})"),
         ("of measured peak", f"{result['fraction_of_measured_peak']:.1%}"),
         ("MFU (data sheet)", "n/a (no table entry)" if result["mfu_data_sheet"] is None
          else f"{result['mfu_data_sheet']:.1%}"),

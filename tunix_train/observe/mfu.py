@@ -50,10 +50,10 @@ def peak_flops_per_device(device_kind: str, dtype: str) -> float | None:
     return None
 
 
-def measure_peak_flops(dtype: str = "fp32", devices=None, size: int = 1024, seconds: float = 0.25) -> float:
-    """FLOP/s of a size x size matmul in the compute dtype, run on each of `devices` (default:
-    this process's first) at once and summed: the 'peak' of a machine with no table entry (a
-    CPU), labelled as measured wherever it is reported."""
+def matmul_sampler(dtype: str = "fp32", devices=None, size: int = 1024):
+    """A function of seconds -> FLOP/s of a size x size matmul in the compute dtype, run on each of
+    `devices` (default: this process's first) at once and summed, over that many seconds. Compiled
+    once, so that it can sample the peak again and again between other work."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -64,11 +64,21 @@ def measure_peak_flops(dtype: str = "fp32", devices=None, size: int = 1024, seco
     x = jax.device_put(jnp.ones((len(devices), size, size), jnp_dtype), NamedSharding(mesh, P("d")))
     matmul = jax.jit(lambda a: jnp.einsum("dij,djk->dik", a, a))
     matmul(x).block_until_ready()
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        matmul(x).block_until_ready()
-        calls += 1
-    return 2 * size**3 * len(devices) * calls / (time.perf_counter() - start)
+
+    def sample(seconds: float) -> float:
+        calls, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            matmul(x).block_until_ready()
+            calls += 1
+        return 2 * size**3 * len(devices) * calls / (time.perf_counter() - start)
+
+    return sample
+
+
+def measure_peak_flops(dtype: str = "fp32", devices=None, size: int = 1024, seconds: float = 0.25) -> float:
+    """matmul_sampler's FLOP/s over `seconds`: the 'peak' of a machine with no table entry (a CPU),
+    labelled as measured wherever it is reported."""
+    return matmul_sampler(dtype, devices, size)(seconds)
 
 
 def peak_for_run(configured: float | None, dtype: str) -> tuple[float, str]:
