@@ -3,11 +3,12 @@
     python scripts/benchmark.py [--steps 20] [--warmup 3] [--cpu-devices 4] [--json out.json] overrides...
 
 Runs the config (hydra overrides, as for run_training.py) for --warmup then --steps steps with every
-batch already on the devices, timing each step. Between every PEAK_EVERY steps it times a large
-matmul on every device at once in the compute dtype for PEAK_SECONDS: the median of those samples
-is the machine's measured peak, against which the model's FLOP/s is a fraction. Sampled side by
-side with the steps, the ratio does not move when a shared machine speeds up or slows down. On a machine without accelerators, --cpu-devices N runs on N fake CPU
-devices (they share the machine's cores, and so does the peak matmul).
+batch already on the devices, timing each step. Before every PEAK_EVERY-th timed step, and after
+the last, it times a large matmul on every device at once in the compute dtype for PEAK_SECONDS:
+the median of those samples is the machine's measured peak, against which the model's FLOP/s is a
+fraction. Sampled side by side with the steps, the ratio does not move when a shared machine speeds
+up or slows down. On a machine without accelerators, --cpu-devices N runs on N fake CPU devices
+(they share the machine's cores, and so does the peak matmul).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """Fault tolerance: kill -9 and rerun, SIGTERM, damaged checkpoints, another mesh, nan_policy."""
 
-import os
 import shutil
 import signal
 import subprocess
@@ -24,10 +23,9 @@ RUN = ["model=gemma3_tiny", "model.vocab_size=4096", "data.seq_len=64", "trainin
 
 
 def _start(run_dir, *extra):
-    env = cpu_env(2)
     return subprocess.Popen([sys.executable, str(REPO / "run_training.py"), *RUN, *extra,
                              'model.mesh_shape=[[2],["fsdp"]]', f"hydra.run.dir={run_dir}"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=cpu_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _run(run_dir, *extra):
