@@ -1,4 +1,5 @@
-"""MFU accounting: the architecture's FLOPs per token against XLA's count and by hand."""
+"""MFU accounting (the architecture's FLOPs per token against XLA's count and by hand), the planner and
+scripts/benchmark.py."""
 
 import jax
 import pytest
@@ -75,3 +76,33 @@ def test_planner_says_what_to_change_when_it_does_not_fit():
     out, figures = _plan("model=gemma3_1b", 'model.mesh_shape=[[2,4],["fsdp","tp"]]', "training.micro_batch_size=2",
                          "data=synthetic", "data.seq_len=128", "--device-memory=1GB")
     assert "does NOT fit" in out and "shard more over fsdp" in out and "training.remat=full" in out
+
+
+def test_benchmark_reports_throughput_against_a_peak_sampled_between_steps(tmp_path):
+    import json
+    import statistics
+    import subprocess
+    import sys
+
+    from conftest import REPO, cpu_env
+
+    overrides = ["model=gemma3_tiny", "data=synthetic", "data.seq_len=32", 'model.mesh_shape=[[2],["fsdp"]]',
+                 "training.micro_batch_size=2"]
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--cpu-devices", "2",
+                             "--steps", "6", "--warmup", "1", "--json", str(tmp_path / "b.json"), *overrides],
+                            cwd=REPO, env=cpu_env(2), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "of measured peak" in result.stdout
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert b["devices"] == 2 and b["mesh"] == {"fsdp": 2} and b["tokens_per_step"] == 2 * 2 * 32
+    # samples before timed steps 1 and 6 and after the last; the peak is their median
+    assert len(b["measured_peak_samples"]) == 3 and min(b["measured_peak_samples"]) > 0
+    assert b["measured_peak_flops_per_sec"] == statistics.median(b["measured_peak_samples"])
+    step = b["step_time_s"]
+    assert 0 < step["p10"] <= step["median"] <= step["p90"]
+    assert b["tokens_per_sec"] == pytest.approx(b["tokens_per_step"] / step["median"])
+    cfg = config(*overrides).model
+    assert b["model_flops_per_sec"] == pytest.approx(b["tokens_per_sec"] * train_flops_per_token(cfg, 32))
+    assert b["fraction_of_measured_peak"] == pytest.approx(b["model_flops_per_sec"] / b["measured_peak_flops_per_sec"])
+    assert b["collective_bytes_per_step"]["all-gather"] > 0  # fsdp gathers the parameters
+    assert b["compile_time_s"] > 0 and b["loss_after"] > 0
