@@ -1,10 +1,16 @@
 """MFU accounting (the architecture's FLOPs per token against XLA's count and by hand), the planner and
 scripts/benchmark.py."""
 
+import json
+import os
+import statistics
+import subprocess
+import sys
+
 import jax
 import pytest
 
-from conftest import config
+from conftest import FAST_COMPILE, REPO, config, cpu_env
 from tunix_train.observe.mfu import mean_keys_attended, peak_flops_per_device, train_flops_per_token
 from tunix_train.sharding import to_global_batch
 from tunix_train.data.synthetic import SyntheticBatches
@@ -47,12 +53,7 @@ def test_peak_table_matches_jax_device_kinds():
 
 
 def _plan(*args):
-    import subprocess
-    import sys
-
-    from conftest import FAST_COMPILE, REPO
-
-    env = {**__import__("os").environ, "XLA_FLAGS": FAST_COMPILE}  # the planner picks its device count
+    env = {**os.environ, "XLA_FLAGS": FAST_COMPILE}  # the planner picks its device count
     result = subprocess.run([sys.executable, "-m", "tunix_train.plan", *args], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -79,13 +80,6 @@ def test_planner_says_what_to_change_when_it_does_not_fit():
 
 
 def test_benchmark_reports_throughput_against_a_peak_sampled_between_steps(tmp_path):
-    import json
-    import statistics
-    import subprocess
-    import sys
-
-    from conftest import REPO, cpu_env
-
     overrides = ["model=gemma3_tiny", "data=synthetic", "data.seq_len=32", 'model.mesh_shape=[[2],["fsdp"]]',
                  "training.micro_batch_size=2"]
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--cpu-devices", "2",
