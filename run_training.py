@@ -12,10 +12,9 @@ from tunix_train.config import ConfigError, load_config
 def main(argv: list[str]) -> int:
     try:
         cfg, run = load_config(argv)
-        if cfg.training.xla_gpu_overlap:
-            from tunix_train.xla_flags import add_gpu_overlap_flags
+        from tunix_train.xla_flags import add_flags
 
-            add_gpu_overlap_flags()
+        add_flags(cfg.training)  # before the backend starts
         from tunix_train import distributed  # imports jax: after the cheap config checks
 
         how = distributed.initialize(cfg.distributed)  # before anything asks JAX for devices

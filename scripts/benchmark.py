@@ -40,12 +40,11 @@ def benchmark(overrides: list[str], steps: int, warmup: int) -> dict:
     from tunix_train.observe.mfu import matmul_sampler, peak_flops_per_device, train_flops_per_token
     from tunix_train.sharding import to_global_batch
     from tunix_train.train.loop import setup
-    from tunix_train.xla_flags import add_gpu_overlap_flags
+    from tunix_train.xla_flags import add_flags
 
     cfg, _ = load_config(overrides)
     t = cfg.training
-    if t.xla_gpu_overlap:
-        add_gpu_overlap_flags()  # before setup() starts the backend
+    add_flags(t)  # before setup() starts the backend
     run = setup(cfg)
     devices = list(run.mesh.devices.flat)
     data = Data(cfg)

@@ -12,10 +12,12 @@ from tunix_train.config import load_config
 from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.sharding import to_global_batch
 from tunix_train.train.loop import setup
+from tunix_train.xla_flags import add_flags
 
 
 def compile_seconds(overrides: list[str]) -> float:
     cfg, _ = load_config(["data=synthetic", *overrides])
+    add_flags(cfg.training)  # as run_training.py does, before the backend starts (a second call adds nothing)
     run = setup(cfg)
     data = SyntheticBatches(seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size,
                             accumulation_steps=cfg.training.gradient_accumulation_steps,

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, checkpoint_arrays, cpu_env, train_losses
+from conftest import REPO, checkpoint_arrays, config, cpu_env, train_losses
 
 RUN = ["model=gemma3_tiny", "data=synthetic", "data.seq_len=32", "training.max_steps=5", "training.log_every=1",
        "training.eval_every=5", "checkpoint.every_steps=5", "distributed.initialization_timeout_s=60"]
@@ -110,15 +110,42 @@ def test_unreachable_coordinator_is_a_clear_error_not_a_hang(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_gpu_overlap_flags_are_added_and_a_users_own_value_wins(monkeypatch):
-    from tunix_train.xla_flags import GPU_OVERLAP, add_gpu_overlap_flags
+def test_xla_flags_are_added_and_a_users_own_value_wins(monkeypatch):
+    from tunix_train.xla_flags import CPU_MULTI_OUTPUT_FUSION, GPU_OVERLAP, add_flags
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 "
                                     "--xla_gpu_enable_pipelined_all_gather=false")
-    add_gpu_overlap_flags()
+    add_flags(config().training)
     flags = os.environ["XLA_FLAGS"].split()
     assert flags[:2] == ["--xla_force_host_platform_device_count=2", "--xla_gpu_enable_pipelined_all_gather=false"]
-    assert sorted(flags[2:]) == sorted(f for f in GPU_OVERLAP if "pipelined_all_gather" not in f)
+    assert sorted(flags[2:]) == sorted([*(f for f in GPU_OVERLAP if "pipelined_all_gather" not in f),
+                                        CPU_MULTI_OUTPUT_FUSION])
+    add_flags(config().training)  # nothing twice
+    assert os.environ["XLA_FLAGS"].split() == flags
+
+    monkeypatch.setenv("XLA_FLAGS", "")
+    add_flags(config("training.xla_gpu_overlap=false", "training.xla_cpu_multi_output_fusion=false").training)
+    assert os.environ["XLA_FLAGS"] == ""
+
+
+def test_the_cpu_fusion_flag_reaches_xla():
+    # Adam's two moment updates read the same gradient: one loop with two outputs when XLA reads the
+    # option, two loops otherwise. An option XLA no longer knows would leave two.
+    from tunix_train.xla_flags import CPU_MULTI_OUTPUT_FUSION
+
+    program = ("import jax, jax.numpy as jnp; x = jnp.ones((64, 64)); "
+               "print(jax.jit(lambda g, m, v: (0.9 * m + 0.1 * g, 0.99 * v + 0.01 * g * g))"
+               ".lower(x, x, x).compile().as_text())")
+
+    def fusion_outputs(flags: str) -> list[int]:
+        env = {**cpu_env(1), "XLA_FLAGS": f"{cpu_env(1)['XLA_FLAGS']} {flags}"}
+        hlo = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True,
+                             check=True).stdout
+        return [line.split("=")[1].count("f32[64,64]") for line in hlo.splitlines()
+                if " fusion(" in line and "ENTRY" not in line]
+
+    assert fusion_outputs("") == [1, 1]
+    assert fusion_outputs(CPU_MULTI_OUTPUT_FUSION) == [2]
 
 
 def test_the_compilation_cache_is_turned_off_for_collectives_between_cpu_devices():

@@ -157,6 +157,8 @@ class TrainingConfig:
     attention: AttentionImpl = AttentionImpl.xla
     # XLA flags that overlap collectives with computation on NVIDIA GPUs (tunix_train/xla_flags.py).
     xla_gpu_overlap: bool = True
+    # XLA:CPU's multi-output fusion (tunix_train/xla_flags.py): fewer passes over memory on CPUs.
+    xla_cpu_multi_output_fusion: bool = True
     log_every: int = 10
     eval_every: int = 50  # steps between evaluations on the held-out split; 0 disables
     eval_batches: int = 4  # a fixed set of held-out batches per evaluation

@@ -9,6 +9,8 @@ import os
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+from tunix_train.config import TrainingConfig
+
 # NVIDIA GPUs: schedule collectives to overlap computation, and pipeline the scanned layers'
 # collectives (the next layer's fsdp all-gather runs during this layer's compute). Other
 # backends ignore them.
@@ -19,13 +21,20 @@ GPU_OVERLAP = (
     "--xla_gpu_enable_pipelined_all_reduce=true",
     "--xla_gpu_enable_while_loop_double_buffering=true",
 )
+# XLA:CPU: fuse loops that share inputs (Adam's moments and parameter, say) into one loop with
+# several outputs, instead of duplicating shared producers into each consumer. A backend option,
+# off by default, that XLA reads by its presence; other backends skip options named xla_*.
+CPU_MULTI_OUTPUT_FUSION = "--xla_backend_extra_options=xla_cpu_use_multi_output_fusion"
 
 
-def add_gpu_overlap_flags() -> None:
-    """Appends GPU_OVERLAP to XLA_FLAGS; a flag already there keeps the user's value."""
+def add_flags(training: TrainingConfig) -> None:
+    """Appends the flags `training` asks for (xla_gpu_overlap, xla_cpu_multi_output_fusion) to
+    XLA_FLAGS, before the backend starts; a flag already there keeps the user's value."""
     current = os.environ.get("XLA_FLAGS", "")
     given = {flag.split("=")[0] for flag in current.split()}
-    extra = [flag for flag in GPU_OVERLAP if flag.split("=")[0] not in given]
+    extra = [flag for flag in GPU_OVERLAP if flag.split("=")[0] not in given] if training.xla_gpu_overlap else []
+    if training.xla_cpu_multi_output_fusion and CPU_MULTI_OUTPUT_FUSION.split("=")[1] not in current:
+        extra.append(CPU_MULTI_OUTPUT_FUSION)  # backend options from several flags are merged
     os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
 
 
