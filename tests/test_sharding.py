@@ -84,6 +84,13 @@ def test_indivisible_parameter_dimension_names_the_parameter():
     assert logical_to_spec(("kv_heads",), (1,), make_mesh([[8], ["tp"]]), "k") == P(None)
 
 
+def test_the_embedding_splits_rows_over_tp_and_fsdp_or_else_columns_over_fsdp():
+    mesh = make_mesh([[2, 4], ["fsdp", "tp"]])
+    assert logical_to_spec(("vocab", "embed"), (64, 16), mesh, "e") == P(("tp", "fsdp"), None)
+    assert logical_to_spec(("vocab", "embed"), (36, 16), mesh, "e") == P("tp", "fsdp")  # 8 does not divide 36
+    assert logical_to_spec(("vocab", "embed"), (36, 16), make_mesh([[8], ["fsdp"]]), "e") == P(None, "fsdp")
+
+
 def test_batch_is_split_over_dp_and_fsdp_only():
     mesh = make_mesh([[2, 2, 2], ["dp", "fsdp", "tp"]])
     assert batch_sharding(mesh).spec == P(None, ("dp", "fsdp"), None)

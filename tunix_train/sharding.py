@@ -29,7 +29,7 @@ BATCH_AXES = ("dp", "fsdp")  # the data-parallel axes: the batch is split over t
 # Logical axis -> mesh axes, in order. Mesh axes absent from the mesh are dropped.
 LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     # parameters
-    "vocab": ("tp",),
+    "vocab": ("tp", "fsdp"),  # the embedding's rows: gathering fsdp joins whole rows, no transposes
     "embed": ("fsdp",),
     "mlp": ("tp",),
     "heads": ("tp",),
@@ -45,9 +45,10 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "act_mlp": ("tp",),
     "act_vocab": ("tp",),
 }
-# Logical axes that are replicated, not rejected, when their size is not divisible by the mesh
-# axes (fewer key/value heads than tp, as in multi-query attention).
-REPLICATE_IF_INDIVISIBLE = frozenset({"kv_heads"})
+# Mesh axes for logical axes whose size their rule's mesh axes do not divide, instead of an error:
+# key/value heads fewer than tp (multi-query attention) are replicated; a vocabulary that tp
+# divides but tp x fsdp does not is split over tp, and the embedding's embed axis then takes fsdp.
+IF_INDIVISIBLE: dict[str, tuple[str, ...]] = {"kv_heads": (), "vocab": ("tp",)}
 
 
 def _parse_mesh_shape(mesh_shape: Any, num_devices: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -139,7 +140,9 @@ def _mesh_axes_for(logical: str, mesh: Mesh) -> tuple[str, ...]:
 
 
 def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, what: str) -> P:
-    """PartitionSpec for an array of `shape` whose dimensions carry logical `axes`."""
+    """PartitionSpec for an array of `shape` whose dimensions carry logical `axes`. A mesh axis
+    splits at most one dimension: the first whose rule names it (the embedding's vocab takes fsdp
+    before its embed axis can)."""
     if len(axes) != len(shape):
         raise ValueError(f"{what}: {len(axes)} logical axes {tuple(axes)} for shape {tuple(shape)}")
     spec, used = [], set()
@@ -148,17 +151,14 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
             spec.append(None)
             continue
         try:
-            mesh_axes = _mesh_axes_for(logical, mesh)
+            mesh_axes = tuple(a for a in _mesh_axes_for(logical, mesh) if a not in used)
         except KeyError:
             raise ValueError(f"{what}: logical axis {logical!r} has no rule in LOGICAL_RULES") from None
-        if used & set(mesh_axes):
-            raise ValueError(f"{what}: mesh axes {mesh_axes} used twice in {tuple(axes)}")
         if size % axis_size(mesh, mesh_axes):
-            if logical in REPLICATE_IF_INDIVISIBLE:
-                mesh_axes = ()
-            else:
+            if logical not in IF_INDIVISIBLE:
                 raise ConfigError(f"{what}: dimension {logical!r} of size {size} is not divisible by "
                                   f"mesh axes {mesh_axes} of size {axis_size(mesh, mesh_axes)}")
+            mesh_axes = tuple(a for a in IF_INDIVISIBLE[logical] if a in mesh_axes)
         used |= set(mesh_axes)
         spec.append(_spec_entry(mesh_axes))
     return P(*spec)

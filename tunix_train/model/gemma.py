@@ -308,7 +308,7 @@ class Gemma(nnx.Module):
 
     def output_table(self):
         """The tied embedding, gathered over fsdp: used by the lookup and the logits."""
-        return constrain(self.embedding_VD[...], ("vocab", None))
+        return constrain(self.embedding_VD[...], ("act_vocab", None))
 
     def hidden(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
         """The final normed hidden states [B, T, D], from which output_logits computes the logits."""
