@@ -1,6 +1,6 @@
 """tunix_train against Tunix's PeftTrainer on the same Gemma 3 architecture, batch, sequence and mesh.
 
-    python scripts/compare_tunix.py [--rounds 3] [--steps 10] [--dtype fp32] [--gpu]
+    python scripts/compare_tunix.py [--rounds 3] [--steps 10] [--dtype fp32] [--gpu] [--same-xla-flags]
 
 Installs google-tunix from PyPI into its own virtual environment (--venv, never this one), with
 the jax and flax versions installed here, then runs the two trainers alternately, each in a fresh
@@ -20,6 +20,9 @@ import sys
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
+
+from tunix_train.config import TrainingConfig
+from tunix_train.xla_flags import flags_for
 
 SCRIPTS = Path(__file__).resolve().parent
 TUNIX_VERSION = "0.1.7"
@@ -74,10 +77,13 @@ def main() -> int:
     parser.add_argument("--gpu", action="store_true", help="run both on the GPUs instead of fake CPU devices")
     parser.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "tunix_train" / "tunix-venv")
     parser.add_argument("--json", help="also write the rounds and the ratio here")
+    parser.add_argument("--same-xla-flags", action="store_true",
+                        help="give Tunix the XLA flags tunix_train adds by default (tunix_train/xla_flags.py)")
     parser.add_argument("ours", nargs="*", help="extra hydra overrides for tunix_train (e.g. training.scan_unroll=4)")
     args = parser.parse_args()
     spec = {**ARCH, "seq_len": args.seq_len, "global_batch": args.global_batch, "fsdp": args.fsdp, "tp": args.tp,
-            "dtype": args.dtype, "steps": args.steps, "warmup": args.warmup}
+            "dtype": args.dtype, "steps": args.steps, "warmup": args.warmup,
+            "xla_flags": " ".join(flags_for(TrainingConfig())) if args.same_xla_flags else ""}
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["JAX_PLATFORMS"] = "cuda" if args.gpu else "cpu"
     python = ensure_tunix_venv(args.venv, args.gpu)

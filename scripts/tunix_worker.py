@@ -15,8 +15,9 @@ import time
 spec = json.loads(sys.argv[1])
 devices = spec["fsdp"] * spec["tp"]
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = spec.get("xla_flags", "")  # compare_tunix.py --same-xla-flags
 if os.environ["JAX_PLATFORMS"] == "cpu":
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices}"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -27,15 +27,20 @@ GPU_OVERLAP = (
 CPU_MULTI_OUTPUT_FUSION = "--xla_backend_extra_options=xla_cpu_use_multi_output_fusion"
 
 
-def add_flags(training: TrainingConfig) -> None:
-    """Appends the flags `training` asks for (xla_gpu_overlap, xla_cpu_multi_output_fusion) to
-    XLA_FLAGS, before the backend starts; a flag already there keeps the user's value."""
-    current = os.environ.get("XLA_FLAGS", "")
+def flags_for(training: TrainingConfig, current: str = "") -> list[str]:
+    """The flags `training` asks for (xla_gpu_overlap, xla_cpu_multi_output_fusion) that XLA_FLAGS
+    `current` does not already set: a flag already there keeps the user's value."""
     given = {flag.split("=")[0] for flag in current.split()}
     extra = [flag for flag in GPU_OVERLAP if flag.split("=")[0] not in given] if training.xla_gpu_overlap else []
     if training.xla_cpu_multi_output_fusion and CPU_MULTI_OUTPUT_FUSION.split("=")[1] not in current:
         extra.append(CPU_MULTI_OUTPUT_FUSION)  # backend options from several flags are merged
-    os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
+    return extra
+
+
+def add_flags(training: TrainingConfig) -> None:
+    """Appends flags_for(training) to XLA_FLAGS; call it before the backend starts."""
+    current = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = " ".join([current, *flags_for(training, current)]).strip()
 
 
 def avoid_cache_for_cpu_collectives(mesh: jax.sharding.Mesh) -> None:
