@@ -138,7 +138,8 @@ def test_the_cpu_fusion_flag_reaches_xla():
                ".lower(x, x, x).compile().as_text())")
 
     def fusion_outputs(flags: str) -> list[int]:
-        env = {**cpu_env(1), "XLA_FLAGS": f"{cpu_env(1)['XLA_FLAGS']} {flags}"}
+        env = cpu_env(1)
+        env["XLA_FLAGS"] += f" {flags}"
         hlo = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True,
                              check=True).stdout
         return [line.split("=")[1].count("f32[64,64]") for line in hlo.splitlines()

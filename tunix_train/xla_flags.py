@@ -24,7 +24,8 @@ GPU_OVERLAP = (
 # XLA:CPU: fuse loops that share inputs (Adam's moments and parameter, say) into one loop with
 # several outputs, instead of duplicating shared producers into each consumer. A backend option,
 # off by default, that XLA reads by its presence; other backends skip options named xla_*.
-CPU_MULTI_OUTPUT_FUSION = "--xla_backend_extra_options=xla_cpu_use_multi_output_fusion"
+_CPU_FUSION_OPTION = "xla_cpu_use_multi_output_fusion"
+CPU_MULTI_OUTPUT_FUSION = f"--xla_backend_extra_options={_CPU_FUSION_OPTION}"
 
 
 def flags_for(training: TrainingConfig, current: str = "") -> list[str]:
@@ -32,7 +33,7 @@ def flags_for(training: TrainingConfig, current: str = "") -> list[str]:
     `current` does not already set: a flag already there keeps the user's value."""
     given = {flag.split("=")[0] for flag in current.split()}
     extra = [flag for flag in GPU_OVERLAP if flag.split("=")[0] not in given] if training.xla_gpu_overlap else []
-    if training.xla_cpu_multi_output_fusion and CPU_MULTI_OUTPUT_FUSION.split("=")[1] not in current:
+    if training.xla_cpu_multi_output_fusion and _CPU_FUSION_OPTION not in current:
         extra.append(CPU_MULTI_OUTPUT_FUSION)  # backend options from several flags are merged
     return extra
 
