@@ -12,10 +12,10 @@ from tunix_train.config import ConfigError, load_config
 def main(argv: list[str]) -> int:
     try:
         cfg, run = load_config(argv)
-        from tunix_train.xla_flags import add_flags
+        from tunix_train.platform import add_flags  # imports jax: after the cheap config checks
 
         add_flags(cfg.training)  # before the backend starts
-        from tunix_train import distributed  # imports jax: after the cheap config checks
+        from tunix_train.launch import distributed
 
         how = distributed.initialize(cfg.distributed)  # before anything asks JAX for devices
         distributed.check_devices()

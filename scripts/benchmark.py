@@ -39,8 +39,8 @@ def benchmark(overrides: list[str], steps: int, warmup: int) -> dict:
     from tunix_train.observe.comms import collective_volume
     from tunix_train.observe.mfu import matmul_sampler, peak_flops_per_device, train_flops_per_token
     from tunix_train.sharding import to_global_batch
-    from tunix_train.train.loop import setup
-    from tunix_train.xla_flags import add_flags
+    from tunix_train.train.setup import setup
+    from tunix_train.platform import add_flags
 
     cfg, _ = load_config(overrides)
     t = cfg.training

@@ -22,7 +22,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from tunix_train.config import TrainingConfig
-from tunix_train.xla_flags import flags_for
+from tunix_train.platform import flags_for
 
 SCRIPTS = Path(__file__).resolve().parent
 TUNIX_VERSION = "0.1.7"
@@ -78,7 +78,7 @@ def main() -> int:
     parser.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "tunix_train" / "tunix-venv")
     parser.add_argument("--json", help="also write the rounds and the ratio here")
     parser.add_argument("--same-xla-flags", action="store_true",
-                        help="give Tunix the XLA flags tunix_train adds by default (tunix_train/xla_flags.py)")
+                        help="give Tunix the XLA flags tunix_train adds by default (tunix_train/platform.py)")
     parser.add_argument("ours", nargs="*", help="extra hydra overrides for tunix_train (e.g. training.scan_unroll=4)")
     args = parser.parse_args()
     spec = {**ARCH, "seq_len": args.seq_len, "global_batch": args.global_batch, "fsdp": args.fsdp, "tp": args.tp,

@@ -11,8 +11,8 @@ import jax
 from tunix_train.config import load_config
 from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.sharding import to_global_batch
-from tunix_train.train.loop import setup
-from tunix_train.xla_flags import add_flags
+from tunix_train.train.setup import setup
+from tunix_train.platform import add_flags
 
 
 def compile_seconds(overrides: list[str]) -> float:

@@ -13,7 +13,7 @@ import jax
 from tunix_train.config import load_config
 from tunix_train.data import Data
 from tunix_train.sharding import to_global_batch
-from tunix_train.train.loop import setup
+from tunix_train.train.setup import setup
 
 
 def pipeline_tokens_per_sec(data: Data, micro_batch: int, seconds: float) -> float:

@@ -15,7 +15,7 @@ import jax  # noqa: E402
 # The CLI subprocesses that tests start compile the same small programs again and again: a
 # compilation cache shared by the session (inherited through the environment) saves that time
 # for single-device runs. The trainer turns the cache off for collectives between CPU devices
-# (tunix_train/xla_flags.py: jaxlib 0.10.2 loses their order in a cached executable, and the
+# (tunix_train/platform.py: jaxlib 0.10.2 loses their order in a cached executable, and the
 # devices deadlock), and so does this process, whose tests compile multi-device programs directly.
 jax.config.update("jax_enable_compilation_cache", False)
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:

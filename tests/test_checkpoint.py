@@ -14,7 +14,8 @@ from conftest import REPO, config, cpu_env, read_metrics, train_losses
 from tunix_train.checkpoint import restore_from
 from tunix_train.config import ConfigError
 from tunix_train.data import Data
-from tunix_train.train.loop import setup, train
+from tunix_train.train.loop import train
+from tunix_train.train.setup import setup
 from tunix_train.train.signals import RunStopped
 
 # A tiny model on the bundled corpus, so the data iterator's state is exercised too.

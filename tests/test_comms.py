@@ -11,8 +11,9 @@ import pytest
 
 from conftest import config
 from tunix_train.observe.comms import collective_volume
-from tunix_train.train.loop import setup, train
-from tunix_train.train.state import count_params
+from tunix_train.train.init import count_params
+from tunix_train.train.loop import train
+from tunix_train.train.setup import setup
 from tunix_train.train.step import abstract_batch
 
 ACCUMULATION = 2

@@ -111,7 +111,7 @@ def test_unreachable_coordinator_is_a_clear_error_not_a_hang(tmp_path):
 
 
 def test_xla_flags_are_added_and_a_users_own_value_wins(monkeypatch):
-    from tunix_train.xla_flags import CPU_MULTI_OUTPUT_FUSION, GPU_OVERLAP, add_flags
+    from tunix_train.platform import CPU_MULTI_OUTPUT_FUSION, GPU_OVERLAP, add_flags
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 "
                                     "--xla_gpu_enable_pipelined_all_gather=false")
@@ -131,7 +131,7 @@ def test_xla_flags_are_added_and_a_users_own_value_wins(monkeypatch):
 def test_the_cpu_fusion_flag_reaches_xla():
     # Adam's two moment updates read the same gradient: one loop with two outputs when XLA reads the
     # option, two loops otherwise. An option XLA no longer knows would leave two.
-    from tunix_train.xla_flags import CPU_MULTI_OUTPUT_FUSION
+    from tunix_train.platform import CPU_MULTI_OUTPUT_FUSION
 
     program = ("import jax, jax.numpy as jnp; x = jnp.ones((64, 64)); "
                "print(jax.jit(lambda g, m, v: (0.9 * m + 0.1 * g, 0.99 * v + 0.01 * g * g))"
@@ -153,7 +153,7 @@ def test_the_compilation_cache_is_turned_off_for_collectives_between_cpu_devices
     # A cached multi-device CPU step deadlocks (docs/performance.md); test_checkpoint's reruns of
     # one 2-device config through the CLI would hang without this.
     from tunix_train.sharding import make_mesh
-    from tunix_train.xla_flags import avoid_cache_for_cpu_collectives
+    from tunix_train.platform import avoid_cache_for_cpu_collectives
 
     try:
         jax.config.update("jax_enable_compilation_cache", True)
@@ -170,7 +170,7 @@ def test_freed_cpu_memory_is_reused_without_page_faults(monkeypatch):
     import ctypes
     import resource
 
-    from tunix_train.host_malloc import keep_freed_memory_on_cpu
+    from tunix_train.platform import keep_freed_memory_on_cpu
     from tunix_train.sharding import make_mesh
 
     mesh = make_mesh([[1], ["fsdp"]], jax.devices()[:1])

@@ -10,7 +10,8 @@ torch = pytest.importorskip("torch", reason="the parity tests need torch: pip in
 transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[reference]'")
 
 from conftest import config  # noqa: E402
-from tunix_train import api, export, hf  # noqa: E402
+from tunix_train import api, export  # noqa: E402
+from tunix_train.interop import hf  # noqa: E402
 from tunix_train.config import ConfigError  # noqa: E402
 from tunix_train.train.loop import train  # noqa: E402
 

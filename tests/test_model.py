@@ -1,4 +1,5 @@
-"""The Gemma model: causality, sliding windows, documents, and the published sizes."""
+"""The Gemma model: causality, sliding windows, documents, and the published sizes (its kernels:
+test_kernels.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,10 +10,9 @@ from flax import nnx
 from conftest import config
 from tunix_train.config import load_config
 from tunix_train.model import Gemma, layer_windows
-from tunix_train.model.gemma import attend, project
 from tunix_train.sharding import make_mesh, state_shardings
 from tunix_train.train.optimizer import make_optimizer
-from tunix_train.train.state import count_params, train_state_initializer
+from tunix_train.train.init import count_params, train_state_initializer
 
 GEMMA2_STYLE = ("model.attn_logit_softcap=50.0", "model.final_logit_softcap=30.0", "model.use_qk_norm=false")
 LAYOUTS = {
@@ -96,60 +96,3 @@ def test_shipped_configs_build_abstract_sharded_state(name):
     if name in PUBLISHED:
         n = count_params(abstract.params)
         assert abs(n - PUBLISHED[name]) / PUBLISHED[name] < 0.01, f"{name}: {n:,} parameters"
-
-
-def _documents_and_window_mask(window: int):
-    """[2, 16, 16]: the first row holds two documents (10 and 6 tokens), the second one; causal."""
-    segments = np.array([[1] * 10 + [2] * 6, [1] * 16])
-    distance = np.arange(16)[:, None] - np.arange(16)[None, :]
-    return jnp.asarray((segments[:, :, None] == segments[:, None, :]) & (distance >= 0) & (distance < window))
-
-
-def test_fused_attention_gets_the_layout_heads_and_mask_of_the_einsum_attention():
-    """What the cuDNN path hands jax.nn.dot_product_attention (BTNH layout, grouped key/value heads,
-    a document-and-window mask, queries already scaled), run with its XLA kernel: no GPU here."""
-    rng = np.random.default_rng(0)
-    B, T, N, K, H = 2, 16, 4, 2, 8
-    q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in [(B, T, N, H), (B, T, K, H), (B, T, K, H)])
-    mask = _documents_and_window_mask(window=4)
-    np.testing.assert_allclose(attend(q, k, v, mask, fused="xla"), attend(q, k, v, mask), rtol=1e-5, atol=1e-6)
-
-
-def _plain_attention(q, k, v, mask, softcap):
-    """Grouped-query attention as the textbook writes it, differentiated by JAX."""
-    G = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
-    scores = jnp.einsum("btnh,bsnh->bnts", q, k)
-    if softcap is not None:
-        scores = jnp.tanh(scores / softcap) * softcap
-    probs = jax.nn.softmax(jnp.where(mask[:, None], scores, -1e30), axis=-1)
-    return jnp.einsum("bnts,bsnh->btnh", probs, v)
-
-
-@pytest.mark.parametrize("softcap", [None, 2.0])
-def test_attention_has_the_output_and_gradients_of_plain_softmax_attention(softcap):
-    """attend's own backward pass (probabilities from the saved log-sum-exp) against autodiff."""
-    rng = np.random.default_rng(1)
-    B, T, N, K, H = 2, 16, 4, 2, 8
-    q, k, v, d_out = (jnp.asarray(rng.normal(size=shape), jnp.float32)
-                      for shape in [(B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)])
-    mask = _documents_and_window_mask(window=5)
-    out, vjp = jax.vjp(lambda *qkv: attend(*qkv, mask, softcap), q, k, v)
-    want_out, want_vjp = jax.vjp(lambda *qkv: _plain_attention(*qkv, mask, softcap), q, k, v)
-    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
-    for got, want in zip(vjp(d_out), want_vjp(d_out)):
-        assert np.abs(want).max() > 0.1
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("spec, x_shape, w_shape", [("btd,dcf->btcf", (2, 5, 8), (8, 2, 6)),
-                                                    ("btd,dnh->btnh", (2, 5, 8), (8, 3, 4))])
-def test_project_has_the_gradients_of_einsum(spec, x_shape, w_shape):
-    x, w = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate((x_shape, w_shape)))
-    out, vjp = jax.vjp(lambda a, b: project(spec, a, b), x, w)
-    want_out, want_vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), x, w)
-    g = jax.random.normal(jax.random.key(2), out.shape)
-    np.testing.assert_array_equal(out, want_out)
-    for got, want in zip(vjp(g), want_vjp(g)):
-        assert np.abs(want).max() > 0
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -14,7 +14,7 @@ from conftest import FAST_COMPILE, REPO, config, cpu_env
 from tunix_train.observe.mfu import mean_keys_attended, peak_flops_per_device, train_flops_per_token
 from tunix_train.sharding import to_global_batch
 from tunix_train.data.synthetic import SyntheticBatches
-from tunix_train.train.loop import setup
+from tunix_train.train.setup import setup
 
 
 def test_flops_per_token_agree_with_xla_cost_analysis():

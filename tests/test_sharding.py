@@ -10,9 +10,11 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import config
 from tunix_train.config import ConfigError
-from tunix_train.sharding import batch_sharding, logical_to_spec, make_mesh, validate_training_for_mesh
+from tunix_train.platform import validate_training_for_mesh
+from tunix_train.sharding import (LOGICAL_RULES, Rules, batch_sharding, constrain, logical_to_spec, make_mesh,
+                                  per_shard_rules)
+from tunix_train.train.init import create_train_state
 from tunix_train.train.optimizer import make_optimizer
-from tunix_train.train.state import create_train_state
 
 GOLDEN = Path(__file__).parent / "golden" / "gemma3_tiny_fsdp2_tp4.json"
 
@@ -91,13 +93,30 @@ def test_the_embedding_splits_rows_over_tp_and_fsdp_or_else_columns_over_fsdp():
     assert logical_to_spec(("vocab", "embed"), (36, 16), make_mesh([[8], ["fsdp"]]), "e") == P(None, "fsdp")
 
 
+def test_rules_are_values_a_variant_table_leaves_alone():
+    """The delayed-sync step's table (batch unsplit inside its vmap) is a new value: the shared table
+    cannot be changed, and each constraint follows the table it is given, in one process."""
+    per_shard = per_shard_rules(LOGICAL_RULES)
+    assert per_shard["batch"] == () and LOGICAL_RULES["batch"] == ("dp", "fsdp")
+    assert {k: v for k, v in per_shard.items() if k != "batch"} == {k: v for k, v in LOGICAL_RULES.items()
+                                                                   if k != "batch"}
+    with pytest.raises(TypeError):
+        LOGICAL_RULES["batch"] = ()
+    assert isinstance(per_shard, Rules) and hash(per_shard) != hash(LOGICAL_RULES)
+    x = np.zeros((8, 4, 16), np.float32)
+    with jax.set_mesh(make_mesh([[4, 2], ["fsdp", "tp"]])):
+        specs = [jax.jit(lambda x: constrain(x, ("batch", "seq", "act_mlp"), rules))(x).sharding.spec
+                 for rules in (LOGICAL_RULES, per_shard, LOGICAL_RULES)]
+    assert specs == [P("fsdp", None, "tp"), P(None, None, "tp"), P("fsdp", None, "tp")]
+
+
 def test_batch_is_split_over_dp_and_fsdp_only():
     mesh = make_mesh([[2, 2, 2], ["dp", "fsdp", "tp"]])
     assert batch_sharding(mesh).spec == P(None, ("dp", "fsdp"), None)
 
 
 def test_devices_of_different_kinds_are_refused(monkeypatch):
-    from tunix_train import distributed
+    from tunix_train.launch import distributed
 
     class FakeDevice:
         def __init__(self, kind):

@@ -22,12 +22,12 @@ from flax import nnx
 from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
-from tunix_train import hf
 from tunix_train.checkpoint import resolve_resume_path, restore_from
 from tunix_train.config import Config, ConfigError, ModelConfig, Remat
+from tunix_train.interop import hf
 from tunix_train.sharding import make_mesh, validate_model_for_mesh
+from tunix_train.train.init import model_graphdef, plan_train_state
 from tunix_train.train.optimizer import make_optimizer
-from tunix_train.train.state import model_graphdef, plan_train_state
 
 
 @dataclasses.dataclass

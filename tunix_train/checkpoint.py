@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from tunix_train.config import CheckpointConfig, ConfigError
-from tunix_train.train.state import TrainState
+from tunix_train.state import TrainState
 
 log = logging.getLogger("tunix_train")
 

@@ -4,12 +4,16 @@
 dataclasses. OmegaConf rejects unknown keys and wrongly typed values against the schema; the
 semantic checks that need no devices live in `validate`. Every failure is a `ConfigError` whose
 message is one line naming the key.
+
+Every field says whether a resumed run may change it: `_changeable` (how the run executes, logs
+or saves) or `_fixed` (what it computes); `changeable_on_resume` reads the marks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import typing
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -74,132 +78,164 @@ class TextUnit(enum.Enum):
     file = "file"
 
 
+_RESUME = "changeable_on_resume"  # the field metadata that marks a field
+
+
+def _changeable(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING) -> Any:
+    """A field whose value a resumed run may change (the mesh, logging, checkpointing, ...)."""
+    return dataclasses.field(default=default, default_factory=factory, metadata={_RESUME: True})
+
+
+def _fixed(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING) -> Any:
+    """A field that a resumed run must keep: another value makes another run."""
+    return dataclasses.field(default=default, default_factory=factory, metadata={_RESUME: False})
+
+
 @dataclasses.dataclass
 class ModelConfig:
-    name: str = MISSING
+    name: str = _fixed(MISSING)
     # [[sizes...], [axis names...]]; axis names from tunix_train.sharding.MESH_AXES, one size may be -1.
-    mesh_shape: Any = dataclasses.field(default_factory=lambda: [[-1], ["fsdp"]])
-    num_layers: int = MISSING
-    embed_dim: int = MISSING
-    hidden_dim: int = MISSING  # MLP width
-    num_heads: int = MISSING
-    num_kv_heads: int = MISSING
-    head_dim: int = MISSING
-    vocab_size: int = MISSING
+    mesh_shape: Any = _changeable(factory=lambda: [[-1], ["fsdp"]])
+    num_layers: int = _fixed(MISSING)
+    embed_dim: int = _fixed(MISSING)
+    hidden_dim: int = _fixed(MISSING)  # MLP width
+    num_heads: int = _fixed(MISSING)
+    num_kv_heads: int = _fixed(MISSING)
+    head_dim: int = _fixed(MISSING)
+    vocab_size: int = _fixed(MISSING)
     # Queries are scaled by query_pre_attn_scalar ** -0.5; null means head_dim.
-    query_pre_attn_scalar: Optional[float] = None
-    attn_logit_softcap: Optional[float] = None  # Gemma 2
-    final_logit_softcap: Optional[float] = None  # Gemma 2
-    use_post_attn_norm: bool = False  # Gemma 2 and 3
-    use_post_ffw_norm: bool = False  # Gemma 2 and 3
-    use_qk_norm: bool = False  # Gemma 3
+    query_pre_attn_scalar: Optional[float] = _fixed(None)
+    attn_logit_softcap: Optional[float] = _fixed(None)  # Gemma 2
+    final_logit_softcap: Optional[float] = _fixed(None)  # Gemma 2
+    use_post_attn_norm: bool = _fixed(False)  # Gemma 2 and 3
+    use_post_ffw_norm: bool = _fixed(False)  # Gemma 2 and 3
+    use_qk_norm: bool = _fixed(False)  # Gemma 3
     # Layers repeat the pattern: this many sliding-window (local) layers, then one global layer.
     # Gemma 1: 0 (all global), Gemma 2: 1, Gemma 3: 5.
-    local_layers_per_global: int = 0
-    sliding_window: Optional[int] = None  # window of local layers, in tokens
-    rope_base_global: float = 10_000.0
-    rope_base_local: float = 10_000.0
-    rope_scale_global: float = 1.0  # linear position scaling of global layers (Gemma 3 4b+)
-    rms_norm_eps: float = 1e-6
+    local_layers_per_global: int = _fixed(0)
+    sliding_window: Optional[int] = _fixed(None)  # window of local layers, in tokens
+    rope_base_global: float = _fixed(10_000.0)
+    rope_base_local: float = _fixed(10_000.0)
+    rope_scale_global: float = _fixed(1.0)  # linear position scaling of global layers (Gemma 3 4b+)
+    rms_norm_eps: float = _fixed(1e-6)
     # A Hugging Face Gemma checkpoint directory (config.json + safetensors) to start from; its sizes
     # must match this config's.
-    init_from: Optional[str] = None
+    init_from: Optional[str] = _fixed(None)
 
 
 @dataclasses.dataclass
 class DataConfig:
-    source: DataSource = DataSource.shakespeare
-    seq_len: int = 256  # tokens per packed row
-    train_files: List[str] = dataclasses.field(default_factory=list)  # paths or globs
+    source: DataSource = _fixed(DataSource.shakespeare)
+    seq_len: int = _fixed(256)  # tokens per packed row
+    train_files: List[str] = _fixed(factory=list)  # paths or globs
     # Held-out files; when empty, a fixed eval_fraction of the training documents is held out.
-    eval_files: List[str] = dataclasses.field(default_factory=list)
-    eval_fraction: float = 0.02
-    tokenizer: Optional[str] = None  # a SentencePiece model; null: the bundled Shakespeare tokenizer
-    text_unit: TextUnit = TextUnit.paragraph
-    text_field: str = "text"
+    eval_files: List[str] = _fixed(factory=list)
+    eval_fraction: float = _fixed(0.02)
+    tokenizer: Optional[str] = _fixed(None)  # a SentencePiece model; null: the bundled Shakespeare tokenizer
+    text_unit: TextUnit = _fixed(TextUnit.paragraph)
+    text_field: str = _fixed("text")
     # Supervised fine-tuning on JSONL: the loss is on completion tokens only.
-    prompt_field: Optional[str] = None
-    completion_field: Optional[str] = None
-    prefetch_batches: int = 4  # batches prepared ahead of the train step by a background thread
+    prompt_field: Optional[str] = _fixed(None)
+    completion_field: Optional[str] = _fixed(None)
+    prefetch_batches: int = _changeable(4)  # batches prepared ahead of the train step by a background thread
 
 
 @dataclasses.dataclass
 class TrainingConfig:
-    micro_batch_size: int = 4  # examples per data-parallel shard per micro-step
-    gradient_accumulation_steps: int = 1
-    mixed_precision: MixedPrecision = MixedPrecision.fp32
-    max_steps: int = 300
-    seed: int = 0
-    learning_rate: float = 3e-3  # peak
-    warmup_steps: int = 30
-    lr_schedule: LrSchedule = LrSchedule.cosine
-    min_learning_rate_ratio: float = 0.1  # final lr of the decay, as a fraction of the peak
-    weight_decay: float = 0.1
-    adam_b1: float = 0.9
-    adam_b2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip_norm: float = 1.0  # 0 disables clipping
-    remat: Remat = Remat.save_matmul_outputs  # less memory than none, and faster on CPU (performance.md)
+    micro_batch_size: int = _changeable(4)  # examples per data-parallel shard per micro-step
+    gradient_accumulation_steps: int = _fixed(1)
+    mixed_precision: MixedPrecision = _fixed(MixedPrecision.fp32)
+    max_steps: int = _changeable(300)
+    seed: int = _fixed(0)
+    learning_rate: float = _fixed(3e-3)  # peak
+    warmup_steps: int = _fixed(30)
+    lr_schedule: LrSchedule = _fixed(LrSchedule.cosine)
+    min_learning_rate_ratio: float = _fixed(0.1)  # final lr of the decay, as a fraction of the peak
+    weight_decay: float = _fixed(0.1)
+    adam_b1: float = _fixed(0.9)
+    adam_b2: float = _fixed(0.95)
+    adam_eps: float = _fixed(1e-8)
+    grad_clip_norm: float = _fixed(1.0)  # 0 disables clipping
+    remat: Remat = _changeable(Remat.save_matmul_outputs)  # less memory than none (docs/performance.md)
     # Layers per iteration of the scan over layers: more is faster on some backends (no stacking
     # of saved activations) and compiles in time proportional to it.
-    scan_unroll: int = 1
-    sharding_strategy: ShardingStrategy = ShardingStrategy.full_shard
+    scan_unroll: int = _changeable(1)
+    sharding_strategy: ShardingStrategy = _changeable(ShardingStrategy.full_shard)
     # The loss computes the logits this many positions at a time (recomputed in the backward pass)
     # so that [batch, seq, vocab] never exists whole; 0 or >= seq_len: all at once.
-    loss_chunk_size: int = 512
+    loss_chunk_size: int = _changeable(512)
     # Under bf16, gradients are produced and reduced across devices in bf16 (then accumulated in
     # float32); false reduces them in float32.
-    reduce_gradients_in_compute_dtype: bool = True
+    reduce_gradients_in_compute_dtype: bool = _changeable(True)
     # Reduce gradients across the data-parallel devices once every k micro-batches (each device
     # keeps an unreduced float32 gradient of the whole parameter set meanwhile): fewer, larger
     # reductions for that memory. Must divide gradient_accumulation_steps.
-    sync_gradients_every: int = 1
-    attention: AttentionImpl = AttentionImpl.xla
-    # XLA flags that overlap collectives with computation on NVIDIA GPUs (tunix_train/xla_flags.py).
-    xla_gpu_overlap: bool = True
-    # XLA:CPU's multi-output fusion (tunix_train/xla_flags.py): fewer passes over memory on CPUs.
-    xla_cpu_multi_output_fusion: bool = True
-    log_every: int = 10
-    eval_every: int = 50  # steps between evaluations on the held-out split; 0 disables
-    eval_batches: int = 4  # a fixed set of held-out batches per evaluation
-    nan_policy: NanPolicy = NanPolicy.skip
+    sync_gradients_every: int = _changeable(1)
+    attention: AttentionImpl = _changeable(AttentionImpl.xla)
+    # XLA flags that overlap collectives with computation on NVIDIA GPUs (tunix_train/platform.py).
+    xla_gpu_overlap: bool = _changeable(True)
+    # XLA:CPU's multi-output fusion (tunix_train/platform.py): fewer passes over memory on CPUs.
+    xla_cpu_multi_output_fusion: bool = _changeable(True)
+    log_every: int = _changeable(10)
+    eval_every: int = _changeable(50)  # steps between evaluations on the held-out split; 0 disables
+    eval_batches: int = _changeable(4)  # a fixed set of held-out batches per evaluation
+    nan_policy: NanPolicy = _changeable(NanPolicy.skip)
     # Peak FLOP/s of one device for MFU; null: the table in observe/mfu.py, or measured on CPU.
-    peak_flops_per_device: Optional[float] = None
+    peak_flops_per_device: Optional[float] = _changeable(None)
     # Trace profile_steps steps after two warm-up steps into the run directory and print the time
     # and bytes of each collective kind (tunix_train/observe/comms.py).
-    profile_communication: bool = False
-    profile_steps: int = 3
+    profile_communication: bool = _changeable(False)
+    profile_steps: int = _changeable(3)
 
 
 @dataclasses.dataclass
 class CheckpointConfig:
-    every_steps: int = 100  # 0: only at the end and on preemption
-    every_seconds: float = 0.0  # also save when this much time has passed since the last save; 0: off
-    keep: int = 3  # the most recent checkpoints kept
+    every_steps: int = _changeable(100)  # 0: only at the end and on preemption
+    # Also save when this much time has passed since the last save; 0: off.
+    every_seconds: float = _changeable(0.0)
+    keep: int = _changeable(3)  # the most recent checkpoints kept
     # Start from this checkpoint (a run directory, its checkpoints/ folder, or one step's folder)
     # instead of the run directory's own latest one.
-    resume_from: Optional[str] = None
+    resume_from: Optional[str] = _changeable(None)
 
 
 @dataclasses.dataclass
 class DistributedConfig:
-    """Multi-process runs; see tunix_train/distributed.py for how each source is tried."""
+    """Multi-process runs; see tunix_train/launch/distributed.py for how each source is tried."""
 
-    coordinator_address: Optional[str] = None  # host:port of process 0
-    num_processes: Optional[int] = None
-    process_id: Optional[int] = None
-    initialization_timeout_s: int = 300  # give up reaching the coordinator after this long
-    heartbeat_timeout_s: int = 100  # a process silent this long is declared dead by the coordinator
+    coordinator_address: Optional[str] = _changeable(None)  # host:port of process 0
+    num_processes: Optional[int] = _changeable(None)
+    process_id: Optional[int] = _changeable(None)
+    initialization_timeout_s: int = _changeable(300)  # give up reaching the coordinator after this long
+    # A process silent this long is declared dead by the coordinator.
+    heartbeat_timeout_s: int = _changeable(100)
 
 
 @dataclasses.dataclass
 class Config:
-    experiment: str = "default"
+    experiment: str = _fixed("default")
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+
+
+def changeable_on_resume(schema: type | None = None, prefix: str = "") -> dict[str, bool]:
+    """Every dotted key of `schema` (default: Config) -> whether a resumed run may change it, from
+    the fields' marks. Raises TypeError naming a field that has no mark."""
+    schema = schema or Config
+    marks, types = {}, typing.get_type_hints(schema)
+    for field in dataclasses.fields(schema):
+        key = f"{prefix}{field.name}"
+        if dataclasses.is_dataclass(types[field.name]):
+            marks.update(changeable_on_resume(types[field.name], f"{key}."))
+        elif _RESUME in field.metadata:
+            marks[key] = field.metadata[_RESUME]
+        else:
+            raise TypeError(f"config field {key} says neither _changeable nor _fixed: mark whether a resumed "
+                            f"run may change it")
+    return marks
 
 
 def _register_schema() -> None:

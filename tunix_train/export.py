@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.output.exists() and any(args.output.iterdir()):
             raise ConfigError(f"{args.output} is not empty; choose a new output directory")
-        from tunix_train import api, hf
+        from tunix_train import api
+        from tunix_train.interop import hf
 
         model = api.load(args.checkpoint)
         hf.export(model.params, model.config, args.output)

@@ -52,7 +52,7 @@ def plan(overrides: list[str]):
 
     from tunix_train.config import load_config
     from tunix_train.sharding import batch_sharding
-    from tunix_train.train.loop import setup
+    from tunix_train.train.setup import setup
     from tunix_train.train.step import abstract_batch
 
     cfg, _ = load_config(overrides)

@@ -1,7 +1,9 @@
 """The one owner of the Mesh and of every PartitionSpec.
 
 Modules name the logical axes of their parameters and activations; `LOGICAL_RULES` maps those names
-to mesh axes. Changing a parallelism strategy is an edit to that table, never to the model.
+to mesh axes. Changing a parallelism strategy is an edit to that table, never to the model. The
+table is a value (`Rules`, immutable): code that needs a variant derives a new one
+(`per_shard_rules`) and passes it to where it is used.
 
 Mesh axes:
   dp    data parallel: parameters replicated, batch sharded
@@ -11,9 +13,8 @@ Mesh axes:
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -21,13 +22,43 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from tunix_train.config import AttentionImpl, ConfigError, ModelConfig, Remat, TrainingConfig
+from tunix_train.config import ConfigError, ModelConfig
 
 MESH_AXES = ("dp", "fsdp", "tp")
 BATCH_AXES = ("dp", "fsdp")  # the data-parallel axes: the batch is split over them
 
+
+class Rules(Mapping[str, tuple[str, ...]]):
+    """Logical axis -> mesh axes, in order: an immutable, hashable table (models hold it as static
+    structure). `replace` returns a new table."""
+
+    def __init__(self, table: Mapping[str, tuple[str, ...]]):
+        self._table = {name: tuple(axes) for name, axes in table.items()}
+
+    def __getitem__(self, logical: str) -> tuple[str, ...]:
+        return self._table[logical]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._table.items()))
+
+    def __repr__(self) -> str:
+        return f"Rules({self._table})"
+
+    def replace(self, **changes: tuple[str, ...]) -> Rules:
+        unknown = set(changes) - set(self._table)
+        if unknown:
+            raise KeyError(f"no rule for {sorted(unknown)}")
+        return Rules({**self._table, **changes})
+
+
 # Logical axis -> mesh axes, in order. Mesh axes absent from the mesh are dropped.
-LOGICAL_RULES: dict[str, tuple[str, ...]] = {
+LOGICAL_RULES = Rules({
     # parameters
     "vocab": ("tp", "fsdp"),  # the embedding's rows: gathering fsdp joins whole rows, no transposes
     "embed": ("fsdp",),
@@ -44,11 +75,18 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "act_heads": ("tp",),
     "act_mlp": ("tp",),
     "act_vocab": ("tp",),
-}
+})
+
 # Mesh axes for logical axes whose size their rule's mesh axes do not divide, instead of an error:
 # key/value heads fewer than tp (multi-query attention) are replicated; a vocabulary that tp
 # divides but tp x fsdp does not is split over tp, and the embedding's embed axis then takes fsdp.
-IF_INDIVISIBLE: dict[str, tuple[str, ...]] = {"kv_heads": (), "vocab": ("tp",)}
+IF_INDIVISIBLE = Rules({"kv_heads": (), "vocab": ("tp",)})
+
+
+def per_shard_rules(rules: Rules) -> Rules:
+    """`rules` for code traced under jax.vmap(..., spmd_axis_name=data axes), where the vmapped
+    dimension carries the data split: activations leave their `batch` dimension unsplit."""
+    return rules.replace(batch=())
 
 
 def _parse_mesh_shape(mesh_shape: Any, num_devices: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -121,25 +159,12 @@ def validate_model_for_mesh(model: ModelConfig, mesh: Mesh) -> None:
                               f"choose a tp size that divides it")
 
 
-def validate_training_for_mesh(training: TrainingConfig, mesh: Mesh) -> None:
-    """Training options that need a kind of device."""
-    device = mesh.devices.flat[0]
-    if training.attention is AttentionImpl.cudnn and device.platform != "gpu":
-        raise ConfigError(f"training.attention=cudnn needs NVIDIA GPUs, and this mesh is on {device.platform}: "
-                          f"use training.attention=xla")
-    if training.remat is Remat.offload_matmul_outputs and "pinned_host" not in {
-            m.kind for m in device.addressable_memories()}:
-        raise ConfigError(f"training.remat=offload_matmul_outputs needs pinned host memory, which "
-                          f"{device.platform} devices do not offer: choose another training.remat")
+def _mesh_axes_for(logical: str, mesh: Mesh, rules: Rules) -> tuple[str, ...]:
+    return tuple(a for a in rules[logical] if a in mesh.shape)
 
 
-def _mesh_axes_for(logical: str, mesh: Mesh) -> tuple[str, ...]:
-    if logical not in LOGICAL_RULES:
-        raise KeyError(logical)
-    return tuple(a for a in LOGICAL_RULES[logical] if a in mesh.shape)
-
-
-def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, what: str) -> P:
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, what: str,
+                    rules: Rules = LOGICAL_RULES) -> P:
     """PartitionSpec for an array of `shape` whose dimensions carry logical `axes`. A mesh axis
     splits at most one dimension: the first whose rule names it (the embedding's vocab takes fsdp
     before its embed axis can)."""
@@ -151,9 +176,9 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
             spec.append(None)
             continue
         try:
-            mesh_axes = tuple(a for a in _mesh_axes_for(logical, mesh) if a not in used)
+            mesh_axes = tuple(a for a in _mesh_axes_for(logical, mesh, rules) if a not in used)
         except KeyError:
-            raise ValueError(f"{what}: logical axis {logical!r} has no rule in LOGICAL_RULES") from None
+            raise ValueError(f"{what}: logical axis {logical!r} has no rule in the rules table") from None
         if size % axis_size(mesh, mesh_axes):
             if logical not in IF_INDIVISIBLE:
                 raise ConfigError(f"{what}: dimension {logical!r} of size {size} is not divisible by "
@@ -168,7 +193,8 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def state_shardings(abstract_state: Any, mesh: Mesh, replicated_over: Sequence[str] = ()) -> Any:
+def state_shardings(abstract_state: Any, mesh: Mesh, replicated_over: Sequence[str] = (),
+                    rules: Rules = LOGICAL_RULES) -> Any:
     """Shardings for a pytree whose nnx.Variable leaves carry `axes` metadata (parameters and the
     optimizer moments that mirror them), replicated over the mesh axes `replicated_over`; every
     other leaf (counters, scalars) is replicated."""
@@ -176,7 +202,7 @@ def state_shardings(abstract_state: Any, mesh: Mesh, replicated_over: Sequence[s
     def leaf_sharding(path, leaf):
         if _is_variable(leaf):
             spec = logical_to_spec(leaf.get_metadata()["axes"], leaf.get_value().shape, mesh,
-                                   jax.tree_util.keystr(path, simple=True, separator="."))
+                                   jax.tree_util.keystr(path, simple=True, separator="."), rules)
             return NamedSharding(mesh, P(*(_without(entry, replicated_over) for entry in spec)))
         return NamedSharding(mesh, P())
 
@@ -185,7 +211,7 @@ def state_shardings(abstract_state: Any, mesh: Mesh, replicated_over: Sequence[s
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
     """The mesh axes that split the batch."""
-    return _mesh_axes_for("batch", mesh)
+    return tuple(a for a in BATCH_AXES if a in mesh.shape)
 
 
 def per_shard_shardings(shardings: Any, mesh: Mesh) -> Any:
@@ -235,27 +261,15 @@ def to_global_batch(host_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, 
             for name, rows in host_batch.items()}
 
 
-def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
-    """Sharding constraint on an activation, against the mesh set with `jax.set_mesh`.
+def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: Rules) -> jax.Array:
+    """Sharding constraint on an activation under `rules`, against the mesh set with `jax.set_mesh`.
 
     A no-op outside a mesh context, so modules also run unsharded (unit tests, notebooks)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    spec = P(*(None if a is None else _spec_entry(_mesh_axes_for(a, mesh)) for a in logical_axes))
+    spec = P(*(None if a is None else _spec_entry(_mesh_axes_for(a, mesh, rules)) for a in logical_axes))
     return jax.lax.with_sharding_constraint(x, spec)
-
-
-@contextlib.contextmanager
-def batch_split_outside() -> Iterator[None]:
-    """Activation constraints leave the `batch` dimension unsplit: for code traced under
-    jax.vmap(..., spmd_axis_name=data axes), where the vmapped dimension carries the data split."""
-    saved = LOGICAL_RULES["batch"]
-    LOGICAL_RULES["batch"] = ()
-    try:
-        yield
-    finally:
-        LOGICAL_RULES["batch"] = saved
 
 
 def describe_mesh(mesh: Mesh) -> str:

@@ -16,11 +16,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tunix_train.config import MixedPrecision, TrainingConfig
+from tunix_train.config import MixedPrecision, ModelConfig, TrainingConfig
 from tunix_train.model.gemma import output_logits
-from tunix_train.sharding import (batch_sharding, batch_split_outside, data_axes, data_parallel_size,
+from tunix_train.sharding import (Rules, batch_sharding, data_axes, data_parallel_size, per_shard_rules,
                                   per_shard_shardings)
-from tunix_train.train.state import StatePlan, TrainState
+from tunix_train.state import TrainState
+from tunix_train.train.init import StatePlan, model_graphdef
 
 COMPUTE_DTYPES = {MixedPrecision.fp32: jnp.float32, MixedPrecision.bf16: jnp.bfloat16}
 BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32,
@@ -54,14 +55,14 @@ def token_losses(graphdef: nnx.GraphDef, params: nnx.State, micro: dict[str, jax
             params = jax.lax.with_sharding_constraint(params, param_shardings)
     model = nnx.merge(graphdef, params)
     x_BTD = model.hidden(micro["inputs"], micro["positions"], micro["segment_ids"])
-    table_VD, softcap = model.output_table(), model.cfg.final_logit_softcap
+    table_VD, softcap, rules = model.output_table(), model.cfg.final_logit_softcap, model.rules
     B, T, D = x_BTD.shape
     if not chunk or chunk >= T:
-        return cross_entropy(output_logits(x_BTD, table_VD, softcap), micro["targets"])
+        return cross_entropy(output_logits(x_BTD, table_VD, softcap, rules), micro["targets"])
 
     @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
     def chunk_losses(x_BCD, targets_BC):
-        return cross_entropy(output_logits(x_BCD, table_VD, softcap), targets_BC)
+        return cross_entropy(output_logits(x_BCD, table_VD, softcap, rules), targets_BC)
 
     x_NBCD = x_BTD.reshape(B, T // chunk, chunk, D).swapaxes(0, 1)
     targets_NBC = micro["targets"].reshape(B, T // chunk, chunk).swapaxes(0, 1)
@@ -108,7 +109,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
             weighted_loss_sum, wrt, batch, zeros, add, sync_every, grad_shardings)
     loss, grad_norm = jnp.sum(losses), optax.tree.norm(grads)
     # A non-finite loss or gradient drops the whole update: parameters and optimizer state stay.
-    # A cond, not a select per array: selects read both states again (2% of the step on CPU).
+    # A cond, not a select per array: selects would read both states again.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
     def apply_update(params_and_opt_state):
@@ -136,7 +137,8 @@ def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, syn
 
     Each micro-batch's rows [B, ...] are viewed as [S, B/S, ...], one slice per data shard, and a
     vmap over S gives each shard's own gradient, so nothing is reduced while a group of
-    `sync_every` micro-batches accumulates into the [S, ...] per-shard sums."""
+    `sync_every` micro-batches accumulates into the [S, ...] per-shard sums. The model traced
+    inside the vmap constrains its activations with per_shard_rules (compile_train_step)."""
     A, B = batch["inputs"].shape[:2]
     mesh = jax.tree.leaves(grad_shardings)[0].mesh
     S = data_parallel_size(mesh)
@@ -146,8 +148,7 @@ def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, syn
     local_zeros = jax.tree.map(lambda z: jnp.zeros((S, *z.shape), jnp.float32), zeros)
 
     def accumulate_locally(local, micro):
-        with batch_split_outside():
-            losses_S, grads_S = per_shard(wrt, micro)
+        losses_S, grads_S = per_shard(wrt, micro)
         return jax.lax.with_sharding_constraint(add(local, grads_S), local_grad_shardings), jnp.sum(losses_S)
 
     def sync(grads, group):
@@ -160,13 +161,19 @@ def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, syn
     return grads, losses.reshape(A)
 
 
-def compile_train_step(plan: StatePlan, mesh: Mesh, *, graphdef: nnx.GraphDef,
+def _graphdef(model_cfg: ModelConfig, training: TrainingConfig, rules: Rules) -> nnx.GraphDef:
+    return model_graphdef(model_cfg, training.remat, training.scan_unroll, training.attention, rules)
+
+
+def compile_train_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig,
                        optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                        training: TrainingConfig):
-    """jit with explicit in/out shardings; the input state is donated. Call under jax.set_mesh(mesh)."""
+    """jit with explicit in/out shardings; the input state is donated. Call under jax.set_mesh(mesh).
+    The model's activation constraints follow plan.rules (per shard when gradient syncs are delayed)."""
     sync_every = training.sync_gradients_every if data_parallel_size(mesh) > 1 else 1
-    step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, schedule=schedule,
-                             compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
+    rules = per_shard_rules(plan.rules) if sync_every > 1 else plan.rules
+    step = functools.partial(train_step, graphdef=_graphdef(model_cfg, training, rules), optimizer=optimizer,
+                             schedule=schedule, compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
                              param_shardings=plan.shardings.params, grad_shardings=plan.grad_shardings,
                              loss_chunk_size=training.loss_chunk_size,
                              reduce_gradients_in_compute_dtype=training.reduce_gradients_in_compute_dtype,
@@ -183,8 +190,9 @@ def eval_step(params: nnx.State, batch: dict[str, jax.Array], *, graphdef: nnx.G
     return {"loss_sum": jnp.sum(token_loss_BT * micro["loss_mask"]), "weight": jnp.sum(micro["loss_mask"])}
 
 
-def compile_eval_step(plan: StatePlan, mesh: Mesh, *, graphdef: nnx.GraphDef, training: TrainingConfig):
-    step = functools.partial(eval_step, graphdef=graphdef, compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
+def compile_eval_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig, training: TrainingConfig):
+    step = functools.partial(eval_step, graphdef=_graphdef(model_cfg, training, plan.rules),
+                             compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
                              chunk=training.loss_chunk_size, param_shardings=plan.shardings.params)
     return jax.jit(step, in_shardings=(plan.shardings.params, batch_sharding(mesh)),
                    out_shardings=NamedSharding(mesh, P()))

@@ -3,7 +3,7 @@
 Sources, in order:
   1. config: distributed.coordinator_address, distributed.num_processes, distributed.process_id;
   2. the environment variables MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (and LOCAL_RANK, which
-     picks this process's GPU), as torchrun and our launcher (tunix_train.launch) set them;
+     picks this process's GPU), as torchrun and our launcher (python -m tunix_train.launch) set them;
   3. JAX's own cluster detection: SLURM, Open MPI, Kubernetes and TPU pods;
   4. otherwise a single process.
 On CPU, collectives go through gloo so multi-process CPU runs work.

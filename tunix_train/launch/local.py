@@ -1,11 +1,11 @@
 """Start a multi-process run on this machine (and, with --nnodes, on each of several machines).
 
     python -m tunix_train.launch --nprocs=4 run_training.py <overrides>
-    python -m tunix_train.launch --nprocs=2 --cpu_devices_per_process=4 -m tunix_train.devices
+    python -m tunix_train.launch --nprocs=2 --cpu_devices_per_process=4 -m tunix_train.launch.devices
     python -m tunix_train.launch --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 \\
         --nprocs=8 run_training.py <overrides>            # the same on node 1 with --node_rank=1
 
-Each process gets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK (tunix_train.distributed
+Each process gets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK (launch/distributed.py
 reads them). Output lines are prefixed with the rank; SIGTERM and SIGINT are forwarded; when one
 process fails, the others are stopped (SIGTERM, then SIGKILL after --grace_period_s) and the launcher
 exits with the failed process's code. --cpu_devices_per_process=K gives each process K fake CPU devices.
@@ -111,6 +111,3 @@ def main(argv: list[str] | None = None) -> int:
         exit_code = next((p.returncode for p in procs if p.returncode), 0)
     return 1 if exit_code < 0 else exit_code  # killed by a signal: report a plain failure
 
-
-if __name__ == "__main__":
-    sys.exit(main())

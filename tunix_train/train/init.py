@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
@@ -15,21 +13,14 @@ from jax.sharding import Mesh
 
 from tunix_train.config import AttentionImpl, ModelConfig, Remat, ShardingStrategy
 from tunix_train.model import Gemma
-from tunix_train.sharding import state_shardings
-
-
-@flax.struct.dataclass
-class TrainState:
-    step: jax.Array  # int32 scalar: train steps taken (batches consumed)
-    params: nnx.State  # float32 master weights, Variables carrying logical `axes`
-    opt_state: optax.OptState
-    nonfinite_steps: jax.Array  # int32 scalar: steps whose update was dropped (non-finite loss/grads)
+from tunix_train.sharding import LOGICAL_RULES, Rules, state_shardings
+from tunix_train.state import TrainState
 
 
 def model_graphdef(model_cfg: ModelConfig, remat: Remat, scan_unroll: int = 1,
-                   attention: AttentionImpl = AttentionImpl.xla) -> nnx.GraphDef:
+                   attention: AttentionImpl = AttentionImpl.xla, rules: Rules = LOGICAL_RULES) -> nnx.GraphDef:
     """The model's static structure, without allocating any parameter."""
-    return nnx.graphdef(nnx.eval_shape(lambda: Gemma(model_cfg, nnx.Rngs(0), remat, scan_unroll, attention)))
+    return nnx.graphdef(nnx.eval_shape(lambda: Gemma(model_cfg, nnx.Rngs(0), remat, scan_unroll, attention, rules)))
 
 
 def train_state_initializer(model_cfg: ModelConfig, optimizer: optax.GradientTransformation):
@@ -50,6 +41,7 @@ class StatePlan:
     shardings: Any
     grad_shardings: Any  # of the gradient accumulator, like the parameters
     abstract: TrainState  # ShapeDtypeStructs carrying the shardings: what a checkpoint restores into
+    rules: Rules  # the logical-axis rules the shardings came from; the model's constraints use them too
     _init: Any
     _key: jax.Array
     _from_params: Any
@@ -64,14 +56,16 @@ class StatePlan:
 
 
 def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
-                     seed: int, strategy: ShardingStrategy = ShardingStrategy.full_shard) -> StatePlan:
+                     seed: int, strategy: ShardingStrategy = ShardingStrategy.full_shard,
+                     rules: Rules = LOGICAL_RULES) -> StatePlan:
     """Shapes from jax.eval_shape, shardings from the parameters' logical axes and the sharding
     strategy, and an init jitted with those out_shardings, so the whole model never sits on one
     device."""
     init = train_state_initializer(model_cfg, optimizer)
     key = jax.random.key(seed)
     shapes = jax.eval_shape(init, key)
-    sharded, replicated = state_shardings(shapes, mesh), state_shardings(shapes, mesh, replicated_over=("fsdp",))
+    sharded = state_shardings(shapes, mesh, rules=rules)
+    replicated = state_shardings(shapes, mesh, replicated_over=("fsdp",), rules=rules)
     full = strategy is ShardingStrategy.full_shard
     no_shard = strategy is ShardingStrategy.no_shard
     shardings = sharded.replace(params=sharded.params if full else replicated.params,
@@ -86,7 +80,7 @@ def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransforma
         zero = jnp.zeros((), jnp.int32)
         return TrainState(step=zero, params=params, opt_state=optimizer.init(params), nonfinite_steps=zero)
 
-    return StatePlan(shardings, grad_shardings, abstract, jax.jit(init, out_shardings=shardings), key,
+    return StatePlan(shardings, grad_shardings, abstract, rules, jax.jit(init, out_shardings=shardings), key,
                      jax.jit(from_params, out_shardings=shardings))
 
 

@@ -1,6 +1,6 @@
 """Print what JAX sees and the mesh a mesh_shape would build.
 
-    python -m tunix_train.devices [model.mesh_shape=[[2,4],["fsdp","tp"]]] [other overrides]
+    python -m tunix_train.launch.devices [model.mesh_shape=[[2,4],["fsdp","tp"]]] [other overrides]
 
 Run it under the launcher or SLURM as the training run would be, to see every process's view.
 """
@@ -14,7 +14,7 @@ from tunix_train.config import ConfigError, load_config
 def main(argv: list[str]) -> int:
     try:
         cfg, _ = load_config(argv)
-        from tunix_train import distributed
+        from tunix_train.launch import distributed
 
         how = distributed.initialize(cfg.distributed)
         import jax
@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
         rows = process_rows(mesh, micro)
         print(f"this process loads rows {rows.start}..{rows.stop - 1} of each {micro}-row micro-batch")
     except ConfigError as err:
-        print(f"tunix_train.devices: error: {err}", file=sys.stderr)
+        print(f"tunix_train.launch.devices: error: {err}", file=sys.stderr)
         return 2
     return 0
 

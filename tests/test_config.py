@@ -1,0 +1,47 @@
+"""The config schema's resume marks: every field says whether a resumed run may change it, and the
+run directory check reads those marks."""
+
+import dataclasses
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import config
+from tunix_train.config import Config, ConfigError, _changeable, _fixed, changeable_on_resume
+from tunix_train.train.setup import _flatten, check_same_run, save_config
+
+
+def test_every_config_field_is_marked_for_resume():
+    keys = _flatten(OmegaConf.to_container(OmegaConf.structured(Config)))
+    marks = changeable_on_resume()
+    assert set(marks) == set(keys)
+    assert marks["model.mesh_shape"] and marks["checkpoint.keep"] and marks["training.max_steps"]
+    assert not marks["training.seed"] and not marks["model.num_layers"] and not marks["data.seq_len"]
+
+
+def test_a_field_without_a_mark_is_refused():
+    @dataclasses.dataclass
+    class Section:
+        marked: int = _fixed(1)
+        unmarked: int = 2
+
+    @dataclasses.dataclass
+    class Schema:
+        top: bool = _changeable(True)
+        section: Section = dataclasses.field(default_factory=Section)
+
+    with pytest.raises(TypeError, match="config field section.unmarked says neither _changeable nor _fixed"):
+        changeable_on_resume(Schema)
+
+
+def test_resuming_may_change_only_the_fields_marked_changeable(tmp_path):
+    save_config(config(), [], tmp_path)
+    check_same_run(tmp_path, config())
+    changeable = ["training.max_steps=7", 'model.mesh_shape=[[2],["fsdp"]]', "checkpoint.keep=5",
+                  "training.xla_cpu_multi_output_fusion=false", "distributed.initialization_timeout_s=30"]
+    check_same_run(tmp_path, config(*changeable))
+    for fixed, message in (("training.seed=1", "training.seed=0, not 1"),
+                           ("training.learning_rate=0.1", "training.learning_rate=0.003, not 0.1"),
+                           ("model.num_layers=3", "model.num_layers=2, not 3")):
+        with pytest.raises(ConfigError, match=f"holds a run with {message}"):
+            check_same_run(tmp_path, config(*changeable, fixed))

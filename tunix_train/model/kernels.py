@@ -1,0 +1,173 @@
+"""Kernels: pieces of the Gemma layers written for the compilers' layouts rather than as the math
+reads. Each computes what its plain form computes (tests/test_kernels.py checks values and
+gradients against plain jnp.einsum and autodiff); each says in one line why it exists, and
+docs/performance.md gives what it gains. gemma.py calls them and otherwise reads as the papers.
+
+Axis letters as in gemma.py; X is a kv group's queries stacked with their positions (G * T), C a
+stack of projections.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from tunix_train.config import Remat
+
+PROJECTION = "projection"  # checkpoint name of projections' outputs: saved like matmul outputs
+ATTENTION = "attention"  # checkpoint name of attention's output and log-sum-exp: saved likewise
+
+
+def projection_output(x):
+    """Names a projection's output, or one slice of a stacked projection's, for the remat policies.
+    Why: naming the slices, not the stack, lets the backward pass read each saved array whole."""
+    return checkpoint_name(x, PROJECTION)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def project(spec: str, x, w):
+    """jnp.einsum(spec, x, w) for activations x and weights w, with the weight gradient computed as
+    einsum(x, g). Why: autodiff's einsum(g, x) makes XLA:CPU copy g, the larger operand, transposed."""
+    return jnp.einsum(spec, x, w)
+
+
+def _project_fwd(spec, x, w):
+    return jnp.einsum(spec, x, w), (x, w)
+
+
+def _project_bwd(spec, residuals, g):
+    x, w = residuals
+    inputs, out = spec.split("->")
+    x_axes, w_axes = inputs.split(",")
+    return jnp.einsum(f"{out},{w_axes}->{x_axes}", g, w), jnp.einsum(f"{x_axes},{out}->{w_axes}", x, g)
+
+
+project.defvjp(_project_fwd, _project_bwd)
+
+
+def dense(spec: str, x, w):
+    """A projection whose output the remat policies save: project, named."""
+    return projection_output(project(spec, x, w))
+
+
+def qkv_projection(x_BTD, q_DNH, k_DKH, v_DKH):
+    """(x q, x k, x v) as one matmul when the shapes allow (q, k, v stacked when K = N; k and v
+    otherwise). Why: with tp, the backward pass all-reduces one partial input gradient, not three;
+    the stack axis after the embed axis makes the output [tokens, stack * features], no transposes."""
+    if q_DNH.shape == k_DKH.shape:
+        qkv_BTCNH = project("btd,dcnh->btcnh", x_BTD, jnp.stack([q_DNH, k_DKH, v_DKH], axis=1))
+        q_BTNH, k_BSKH, v_BSKH = qkv_BTCNH[:, :, 0], qkv_BTCNH[:, :, 1], qkv_BTCNH[:, :, 2]
+    else:
+        q_BTNH = project("btd,dnh->btnh", x_BTD, q_DNH)
+        kv_BSCKH = project("bsd,dckh->bsckh", x_BTD, jnp.stack([k_DKH, v_DKH], axis=1))
+        k_BSKH, v_BSKH = kv_BSCKH[:, :, 0], kv_BSCKH[:, :, 1]
+    return tuple(map(projection_output, (q_BTNH, k_BSKH, v_BSKH)))
+
+
+def apply_rope(x_BTNH, sin, cos):
+    """Rotary embedding: the halves (x1, x2) of each head become (x1 cos - x2 sin, x2 cos + x1 sin),
+    with gemma.rope_table's (sin, cos) [B, T, 1, 1, H/2]. Why a flip of a size-2 axis instead of
+    split and concatenate: their gradients (pads and slices) cost more than the rotation on CPU."""
+    B, T, N, H = x_BTNH.shape
+    signs_2 = jnp.array([-1.0, 1.0])[:, None]
+    x_BTN2h = x_BTNH.astype(jnp.float32).reshape(B, T, N, 2, H // 2)
+    rotated = x_BTN2h * cos + jnp.flip(x_BTN2h, axis=-2) * (signs_2 * sin)
+    return rotated.reshape(B, T, N, H).astype(x_BTNH.dtype)
+
+
+def attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, softcap: float | None = None, fused: str | None = None):
+    """softmax(q k) v over the keys that mask_BTS allows, grouped-query; q comes scaled. `fused`
+    names a kernel of jax.nn.dot_product_attention ("cudnn": cuDNN flash attention on NVIDIA GPUs,
+    which takes no soft-cap). Why the layout: heads in front of positions and a group's queries
+    stacked make each (batch, kv head) one [G*T, H] x [H, S] matmul, with no transposes per dot."""
+    if fused is not None:
+        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None], scale=1.0,
+                                            implementation=fused)
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    G = N // K
+    q_BKXH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
+    out_BKXH = _attention(q_BKXH, k_BKSH, v_BKSH, mask_BTS, softcap)
+    return out_BKXH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+
+
+def _scores(q_BKXH, k_BKSH, mask_BTS, softcap):
+    """float32 scores [B, K, G, T, S], masked (-1e30 where not allowed), and before masking."""
+    B, K, X, _ = q_BKXH.shape
+    T = mask_BTS.shape[1]
+    logits_BKGTS = jnp.einsum("bkxh,bksh->bkxs", q_BKXH, k_BKSH).reshape(B, K, X // T, T, -1).astype(jnp.float32)
+    if softcap is not None:
+        logits_BKGTS = jnp.tanh(logits_BKGTS / softcap) * softcap
+    return jnp.where(mask_BTS[:, None, None], logits_BKGTS, -1e30), logits_BKGTS
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q_BKXH, k_BKSH, v_BKSH, mask_BTS, softcap):
+    """Why its own backward pass: flash attention's, from the saved output and log-sum-exp, instead
+    of differentiating through the forward pass's max, sum and division."""
+    return _attention_fwd(q_BKXH, k_BKSH, v_BKSH, mask_BTS, softcap)[0]
+
+
+def _attention_fwd(q_BKXH, k_BKSH, v_BKSH, mask_BTS, softcap):
+    """The output and each query's log-sum-exp, both named ATTENTION for the remat policies."""
+    B, K, X, _ = q_BKXH.shape
+    scores_BKGTS, _ = _scores(q_BKXH, k_BKSH, mask_BTS, softcap)
+    top_BKGT1 = jnp.max(scores_BKGTS, axis=-1, keepdims=True)
+    exp_BKGTS = jnp.exp(scores_BKGTS - top_BKGT1)
+    total_BKGT1 = jnp.sum(exp_BKGTS, axis=-1, keepdims=True)
+    # normalized after the weighted sum: a division over [X, H], not over [X, S]
+    weighted_BKXH = jnp.einsum("bkxs,bksh->bkxh", exp_BKGTS.astype(v_BKSH.dtype).reshape(B, K, X, -1), v_BKSH)
+    out_BKXH = (weighted_BKXH / total_BKGT1.reshape(B, K, X, 1)).astype(v_BKSH.dtype)
+    out_BKXH = checkpoint_name(out_BKXH, ATTENTION)
+    lse_BKGT1 = checkpoint_name(top_BKGT1 + jnp.log(total_BKGT1), ATTENTION)
+    return out_BKXH, (q_BKXH, k_BKSH, v_BKSH, mask_BTS, out_BKXH, lse_BKGT1)
+
+
+def _attention_bwd(softcap, residuals, d_out_BKXH):
+    """The probabilities come back from the scores and the saved log-sum-exp, and the softmax
+    gradient needs only rowsum(d_out * out)."""
+    q_BKXH, k_BKSH, v_BKSH, mask_BTS, out_BKXH, lse_BKGT1 = residuals
+    B, K, X, _ = q_BKXH.shape
+    scores_BKGTS, capped_BKGTS = _scores(q_BKXH, k_BKSH, mask_BTS, softcap)
+    probs_BKGTS = jnp.exp(scores_BKGTS - lse_BKGT1)
+    d_probs_BKGTS = jnp.einsum("bkxh,bksh->bkxs", d_out_BKXH, v_BKSH).reshape(scores_BKGTS.shape)
+    rowsum_BKGT1 = jnp.sum(d_out_BKXH.astype(jnp.float32) * out_BKXH.astype(jnp.float32),
+                           axis=-1).reshape(lse_BKGT1.shape)
+    d_scores_BKGTS = probs_BKGTS * (d_probs_BKGTS - rowsum_BKGT1)
+    if softcap is not None:
+        d_scores_BKGTS = d_scores_BKGTS * (1.0 - (capped_BKGTS / softcap) ** 2)
+    probs_BKXS = probs_BKGTS.astype(v_BKSH.dtype).reshape(B, K, X, -1)
+    d_scores_BKXS = d_scores_BKGTS.astype(q_BKXH.dtype).reshape(B, K, X, -1)
+    return (jnp.einsum("bkxs,bksh->bkxh", d_scores_BKXS, k_BKSH),
+            jnp.einsum("bkxs,bkxh->bksh", d_scores_BKXS, q_BKXH),
+            jnp.einsum("bkxs,bkxh->bksh", probs_BKXS, d_out_BKXH),
+            None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+_offload_dots = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+_offload_projections = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=(), names_which_can_be_offloaded=(PROJECTION, ATTENTION), offload_src="device",
+    offload_dst="pinned_host")
+
+
+def _offload_matmul_outputs(prim, *args, **params):
+    """Offloads matmul outputs: dot_generals and the outputs named above."""
+    policy = _offload_projections if prim.name == "name" else _offload_dots
+    return policy(prim, *args, **params)
+
+
+# What a layer keeps for its backward pass (training.remat); Remat.none: everything, no policy.
+REMAT_POLICIES = {
+    Remat.full: jax.checkpoint_policies.nothing_saveable,
+    Remat.save_matmul_outputs: jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(PROJECTION, ATTENTION)),
+    Remat.offload_matmul_outputs: _offload_matmul_outputs,
+}

@@ -1,0 +1,108 @@
+"""What a run is built from before its first step: the mesh, the planned state and the jitted
+steps (`setup`), the run directory's identity (`check_same_run`, `save_config`), and the state
+it starts from (`initial_state`: resumed, started from a checkpoint, imported or fresh)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+from omegaconf import OmegaConf
+
+from tunix_train import platform
+from tunix_train.checkpoint import restore_from, restore_latest
+from tunix_train.config import Config, ConfigError, changeable_on_resume
+from tunix_train.interop import hf
+from tunix_train.sharding import LOGICAL_RULES, data_parallel_size, make_mesh, validate_model_for_mesh
+from tunix_train.state import TrainState
+from tunix_train.train.init import StatePlan, plan_train_state
+from tunix_train.train.optimizer import make_optimizer
+from tunix_train.train.step import compile_eval_step, compile_train_step
+
+
+@dataclasses.dataclass
+class Setup:
+    """What a run is built from: the mesh, the planned state, and the jitted (uncompiled) steps."""
+
+    mesh: Mesh
+    plan: StatePlan
+    step_fn: Any
+    eval_fn: Any
+    micro_batch: int  # rows per micro-step, over all data-parallel shards
+
+
+def setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
+    """Mesh, validated model, state plan and steps on `devices` (default: all); allocates nothing.
+
+    Raises ConfigError when the config does not fit the devices."""
+    t = cfg.training
+    mesh = make_mesh(cfg.model.mesh_shape, devices)
+    validate_model_for_mesh(cfg.model, mesh)
+    platform.prepare(t, mesh)
+    optimizer, schedule = make_optimizer(t)
+    plan = plan_train_state(cfg.model, optimizer, mesh, t.seed, t.sharding_strategy, LOGICAL_RULES)
+    step_fn = compile_train_step(plan, mesh, model_cfg=cfg.model, optimizer=optimizer, schedule=schedule, training=t)
+    eval_fn = compile_eval_step(plan, mesh, model_cfg=cfg.model, training=t)
+    return Setup(mesh, plan, step_fn, eval_fn, t.micro_batch_size * data_parallel_size(mesh))
+
+
+def save_config(cfg: Config, overrides: list[str], run_dir: Path) -> None:
+    """The resolved config and the overrides, where hydra keeps them (.hydra/)."""
+    hydra_dir = run_dir / ".hydra"
+    hydra_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.structured(cfg), hydra_dir / "config.yaml")
+    OmegaConf.save(OmegaConf.create(overrides), hydra_dir / "overrides.yaml")
+
+
+def check_same_run(run_dir: Path, cfg: Config) -> None:
+    """A run directory holding another run's config is never reused (its checkpoints are safe): a
+    key that differs from the saved config must be marked changeable on resume (config.py)."""
+    saved_file = run_dir / ".hydra" / "config.yaml"
+    if not saved_file.is_file():
+        return
+    saved = _flatten(OmegaConf.to_container(OmegaConf.load(saved_file)))
+    current = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+    changeable = changeable_on_resume()
+    for key in sorted(saved.keys() | current.keys()):
+        if saved.get(key) != current.get(key) and not changeable.get(key, False):
+            raise ConfigError(f"hydra.run.dir={run_dir} holds a run with {key}={saved.get(key)!r}, not "
+                              f"{current.get(key)!r}; resume it with the same settings or choose a new hydra.run.dir")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
+
+
+def initial_state(cfg: Config, run: Setup, checkpoints: Path, train_batches) -> tuple[TrainState, str, list[str]]:
+    """The run directory's latest checkpoint, else checkpoint.resume_from, else the Hugging Face
+    checkpoint model.init_from, else a fresh state. A restored checkpoint also restores the data
+    iterator's position into `train_batches`.
+
+    Returns the state, where it came from, and warnings about damaged checkpoints skipped."""
+    restored, skipped = restore_latest(checkpoints, run.plan.abstract)
+    origin = f"resumed from {checkpoints}"
+    if restored is None and cfg.checkpoint.resume_from:
+        restored = restore_from(cfg.checkpoint.resume_from, run.plan.abstract)
+        origin = f"started from checkpoint.resume_from={cfg.checkpoint.resume_from}"
+    if restored is None and cfg.model.init_from:
+        params = hf.load_params(Path(cfg.model.init_from), cfg.model, run.plan.abstract.params)
+        return run.plan.from_params(params), f"initialized from model.init_from={cfg.model.init_from}", skipped
+    if restored is None:
+        return run.plan.create(), "initialized from training.seed", skipped
+    state, data_state = restored
+    if data_state["global_micro_batch"] != run.micro_batch:
+        raise ConfigError(f"the checkpoint was written with {data_state['global_micro_batch']} rows per "
+                          f"micro-step (training.micro_batch_size x dp x fsdp), this run has {run.micro_batch}; "
+                          f"set training.micro_batch_size so that the global batch is the same")
+    train_batches.set_state(data_state["iterator"])
+    return state, f"{origin} at step {int(state.step)}", skipped
+
+
+def data_state(train_batches, run: Setup) -> dict[str, Any]:
+    """What a checkpoint keeps of the data beside the train state."""
+    return {"iterator": train_batches.get_state(), "global_micro_batch": run.micro_batch}
