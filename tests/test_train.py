@@ -10,6 +10,7 @@ from conftest import config, read_metrics, train_losses
 from tunix_train.config import load_config
 from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.sharding import make_mesh, to_global_batch
+from tunix_train.train.hooks import Hook
 from tunix_train.train.init import plan_train_state
 from tunix_train.train.loop import train
 from tunix_train.train.setup import setup
@@ -158,3 +159,41 @@ def test_sharding_strategies_give_the_same_losses_and_shard_what_they_say(tmp_pa
     assert adam_mu.sharding.spec == (jax.sharding.PartitionSpec(None, "fsdp", "tp") if strategy == "shard_grad_op"
                                      else jax.sharding.PartitionSpec(None, None, "tp"))
     assert mlp_up.addressable_shards[0].data.shape == (2, 64, 128 // 2)
+
+
+class _Recorder(Hook):
+    """Records the loop's calls; adds the state's step counter to the logged scalars of even steps."""
+
+    def __init__(self):
+        self.calls = []
+
+    def at_start(self, start):
+        self.calls.append(("start", start.step))
+
+    def before_step(self, step):
+        self.calls.append(("before", step))
+
+    def after_step(self, end):
+        self.calls.append(("after", end.step))
+        if end.step % 2 == 0:
+            end.scalars["state_step"] = int(end.state.step)
+
+    def at_end(self, state):
+        self.calls.append(("end", int(state.step)))
+
+
+def test_a_hook_plugged_into_the_loop_sees_every_step_and_its_scalars_are_logged(tmp_path):
+    cfg = config("training.max_steps=3", "training.log_every=3", "training.eval_every=0")
+    cfg.model.mesh_shape = [[1], ["fsdp"]]
+    first = _Recorder()
+    train(cfg, tmp_path, devices=jax.devices()[:1], extra_hooks=[first])
+    assert first.calls == [("start", 0), ("before", 0), ("after", 1), ("before", 1), ("after", 2),
+                           ("before", 2), ("after", 3), ("end", 3)]
+    cfg.training.max_steps = 4  # resumed: the hook starts where the checkpoint left off
+    resumed = _Recorder()
+    train(cfg, tmp_path, devices=jax.devices()[:1], extra_hooks=[resumed])
+    assert resumed.calls == [("start", 3), ("before", 3), ("after", 4), ("end", 4)]
+    records = {m["step"]: m for m in read_metrics(tmp_path)}
+    assert sorted(records) == [2, 3, 4]
+    assert records[2] == {"step": 2, "state_step": 2}  # written on a step that logs nothing else
+    assert records[4]["state_step"] == 4 and "loss" in records[4] and "state_step" not in records[3]

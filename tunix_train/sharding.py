@@ -45,7 +45,7 @@ class Rules(Mapping[str, tuple[str, ...]]):
         return len(self._table)
 
     def __hash__(self) -> int:
-        return hash(tuple(self._table.items()))
+        return hash(frozenset(self._table.items()))  # equal tables (any order) hash alike
 
     def __repr__(self) -> str:
         return f"Rules({self._table})"

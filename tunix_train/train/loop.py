@@ -46,9 +46,11 @@ def run_steps(state: TrainState, step_fn, first_batch, next_batch: Callable[[], 
 
 
 def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
-          devices: list[jax.Device] | None = None, processes: str = "single process") -> TrainState:
+          devices: list[jax.Device] | None = None, processes: str = "single process",
+          extra_hooks: Sequence[h.Hook] = ()) -> TrainState:
     """Trains until cfg.training.max_steps on `devices` (default: all), resuming from the run
-    directory's latest checkpoint when there is one; returns the final state.
+    directory's latest checkpoint when there is one; returns the final state. `extra_hooks` run
+    after the built-in ones that measure and evaluate, before the report: their scalars are logged.
 
     Raises ConfigError before anything is written when the config or its data is bad, and RunStopped
     when a signal or a non-finite step (nan_policy=stop) ends the run after saving a checkpoint.
@@ -112,6 +114,7 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
                 h.TrainMetrics(interval, t.log_every, t.max_steps, tokens_per_step, flops_per_token,
                                peak * mesh.devices.size),
                 *([h.Evaluate(run.eval_fn, eval_batches, t.eval_every, t.max_steps)] if eval_batches else []),
+                *extra_hooks,
                 h.Report(writer, log, interval, t.max_steps),
                 h.StopOnSignal(stop, save, checkpointer.wait, checkpoints),
                 h.SaveCheckpoints(checkpointer.due, save),
