@@ -110,6 +110,32 @@ def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, overrides, m
     assert not run_dir.exists()
 
 
+def test_out_of_memory_is_one_line_that_says_what_to_lower_and_damages_no_checkpoint(tmp_path):
+    """A 65,536-token row makes attention's scores about 150 GiB: XLA's CPU client fails the allocation
+    (RESOURCE_EXHAUSTED). The run resumes another run's checkpoint, which stays byte for byte."""
+    tiny = ["model=gemma3_tiny", "data=synthetic", "training.micro_batch_size=1", 'model.mesh_shape=[[1],["fsdp"]]']
+    source = tmp_path / "source"
+    assert run_cli(*tiny, "data.seq_len=32", "training.max_steps=2", f"hydra.run.dir={source}", devices=1).returncode == 0
+    files = {path: path.read_bytes() for path in (source / "checkpoints").rglob("*") if path.is_file()}
+    assert any("/2/" in str(path) for path in files)
+
+    run_dir = tmp_path / "huge"
+    result = run_cli(*tiny, "data.seq_len=65536", "training.max_steps=4", f"checkpoint.resume_from={source}",
+                     f"hydra.run.dir={run_dir}", devices=1)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stdout + result.stderr, result.stderr[-2000:]
+    assert lines[0].startswith("tunix_train: error: out of host RAM; an allocation of ")
+    assert "GiB of host RAM available; the compiled train step needs " in lines[0]
+    assert lines[0].endswith("to lower it, in this order: data.seq_len=32768 (shorter sequences); training.remat=full "
+                             "(recompute activations in the backward pass); more devices on the fsdp axis (parameters, "
+                             "gradients and optimizer state divide by it); training.mixed_precision=bf16 (activations "
+                             "in bfloat16)")
+    assert "started from checkpoint.resume_from" in (run_dir / "train.log").read_text()
+    assert not any((run_dir / "checkpoints").iterdir())
+    assert {path: path.read_bytes() for path in (source / "checkpoints").rglob("*") if path.is_file()} == files
+
+
 def _run_on_a_terminal(*args) -> str:
     """The CLI's output when stdout is a terminal (a pseudo-terminal here)."""
     import pty

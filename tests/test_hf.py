@@ -1,63 +1,25 @@
-"""Hugging Face interop: parity with transformers' Gemma 1/2/3, export/import round trips, init_from."""
-
-from pathlib import Path
+"""Hugging Face interop: export/import round trips that transformers loads, sliced reads, init_from
+(logits parity with transformers: test_hf_parity.py)."""
 
 import jax
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the parity tests need torch: pip install -e '.[reference]'")
+torch = pytest.importorskip("torch", reason="these tests need torch: pip install -e '.[reference]'")
 transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[reference]'")
 
 from conftest import config  # noqa: E402
+from hf_reference import FAMILIES, SEQ, SIZES, build, logits  # noqa: E402
 from tunix_train import api, export  # noqa: E402
 from tunix_train.interop import hf  # noqa: E402
 from tunix_train.config import ConfigError  # noqa: E402
 from tunix_train.train.loop import train  # noqa: E402
 
-SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16)
-WINDOW, SEQ = 5, 16  # sequences longer than the sliding window
-FAMILIES = {
-    "gemma": lambda: (transformers.GemmaConfig(**SIZES), transformers.GemmaForCausalLM),
-    "gemma2": lambda: (transformers.Gemma2Config(**SIZES, sliding_window=WINDOW, query_pre_attn_scalar=24),
-                       transformers.Gemma2ForCausalLM),
-    "gemma3": lambda: (transformers.Gemma3TextConfig(
-        **SIZES, sliding_window=WINDOW, layer_types=["sliding_attention"] * 3 + ["full_attention"],
-        rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
-        transformers.Gemma3ForCausalLM),
-}
 MESH = [[2, 2], ["fsdp", "tp"]]
+_transformers_model, _reference_logits = build, logits
 
 
-def _transformers_model(family, directory: Path):
-    torch.manual_seed(0)
-    hf_config, model_class = FAMILIES[family]()
-    model = model_class(hf_config).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # norms start at zero: make every tensor matter
-            p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(directory)
-    return model
-
-
-def _reference_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor(tokens)).logits.numpy()
-
-
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_logits_match_transformers(tmp_path, family):
-    reference_model = _transformers_model(family, tmp_path)
-    tokens = np.random.default_rng(0).integers(0, SIZES["vocab_size"], (2, SEQ))
-    model = api.load(tmp_path, mesh_shape=MESH, devices=jax.devices()[:4])
-    if family != "gemma":
-        assert model.config.sliding_window == WINDOW and model.config.local_layers_per_global > 0
-    np.testing.assert_allclose(model.logits(tokens), _reference_logits(reference_model, tokens), atol=1e-4, rtol=0)
-
-
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_export_then_import_is_identical_and_transformers_loads_it(tmp_path, family):
     reference_model = _transformers_model(family, tmp_path / "source")
     model = api.load(tmp_path / "source", mesh_shape=MESH, devices=jax.devices()[:4])

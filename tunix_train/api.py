@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from tunix_train.checkpoint import resolve_resume_path, restore_from
 from tunix_train.config import Config, ConfigError, ModelConfig, Remat
 from tunix_train.interop import hf
+from tunix_train.plan import MemoryErrors
 from tunix_train.sharding import make_mesh, validate_model_for_mesh
 from tunix_train.train.init import model_graphdef, plan_train_state
 from tunix_train.train.optimizer import make_optimizer
@@ -75,8 +76,9 @@ def load(path: str | Path, mesh_shape: Any = None, devices: list[jax.Device] | N
     validate_model_for_mesh(cfg.model, mesh)
     optimizer, _ = make_optimizer(cfg.training)
     plan = plan_train_state(cfg.model, optimizer, mesh, cfg.training.seed)
-    if (path / "config.json").is_file():
-        params = hf.load_params(path, cfg.model, plan.abstract.params)
-    else:
-        params = restore_from(str(path), plan.abstract)[0].params
+    with MemoryErrors(cfg, mesh, training=False):
+        if (path / "config.json").is_file():
+            params = hf.load_params(path, cfg.model, plan.abstract.params)
+        else:
+            params = restore_from(str(path), plan.abstract)[0].params
     return LoadedModel(cfg.model, mesh, params)

@@ -16,6 +16,8 @@ import os
 import re
 import sys
 
+from tunix_train.config import ConfigError
+
 
 _UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
 
@@ -28,7 +30,7 @@ def _parse_bytes(text: str) -> float:
 
 
 def _device_count(overrides: list[str]) -> int:
-    from tunix_train.config import ConfigError, load_config
+    from tunix_train.config import load_config
 
     cfg, _ = load_config(overrides)
     sizes = cfg.model.mesh_shape[0] if isinstance(cfg.model.mesh_shape, (list, tuple)) else []
@@ -77,19 +79,80 @@ def plan(overrides: list[str]):
     return figures, cfg, run
 
 
-def _advice(cfg, run) -> list[str]:
-    t, mesh = cfg.training, run.mesh
-    tips = []
-    if mesh.shape.get("fsdp", 1) < mesh.devices.size:
-        tips.append("shard more over fsdp (parameters, gradients and optimizer state divide by it)")
-    if t.micro_batch_size > 1:
+def advice(cfg, mesh, training: bool = True) -> list[str]:
+    """What lowers per-device memory, the most effective first; `training=False` for loading a model
+    (only the mesh then matters)."""
+    t, tips = cfg.training, []
+    if training and t.micro_batch_size > 1:
         tips.append(f"training.micro_batch_size={max(t.micro_batch_size // 2, 1)} with "
                     f"training.gradient_accumulation_steps={t.gradient_accumulation_steps * 2} (same global batch)")
-    if t.remat.value != "full":
+    if training and cfg.data.seq_len > 1:
+        tips.append(f"data.seq_len={cfg.data.seq_len // 2} (shorter sequences)")
+    if training and t.remat.value != "full":
         tips.append("training.remat=full (recompute activations in the backward pass)")
-    if t.mixed_precision.value != "bf16":
+    if mesh.shape.get("fsdp", 1) < mesh.devices.size:
+        tips.append("shard more over fsdp (parameters, gradients and optimizer state divide by it)")
+    else:
+        tips.append("more devices on the fsdp axis (parameters, gradients and optimizer state divide by it)")
+    if training and t.mixed_precision.value != "bf16":
         tips.append("training.mixed_precision=bf16 (activations in bfloat16)")
     return tips
+
+
+class OutOfMemory(ConfigError):
+    """A run or a model that does not fit its devices' or its host's memory; the message is one line
+    saying what ran out, by how much, and what to lower."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _host_memory_available() -> int | None:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _explain(err: BaseException, cfg, mesh, compiled, training: bool) -> str:
+    device = mesh.devices.flat[0]
+    text = str(err)
+    on_host = isinstance(err, MemoryError) or device.platform == "cpu" or "host" in text.split("\n")[0].lower()
+    parts = [f"out of {'host RAM' if on_host else f'device memory ({device.device_kind})'}"]
+    if asked := re.search(r"(\d+) bytes", text):
+        parts.append(f"an allocation of {_gib(int(asked.group(1)))} failed")
+    stats = {} if on_host else (device.memory_stats() or {})
+    available = (stats["bytes_limit"] - stats.get("bytes_in_use", 0) if "bytes_limit" in stats
+                 else _host_memory_available() if on_host else None)
+    if available is not None:
+        parts.append(f"{_gib(available)} {'of host RAM' if on_host else 'per device'} available")
+    if compiled is not None:
+        memory = compiled.memory_analysis()
+        parts.append(f"the compiled train step needs {_gib(memory.argument_size_in_bytes + memory.temp_size_in_bytes)} "
+                     f"per device ({_gib(memory.argument_size_in_bytes)} of arguments, "
+                     f"{_gib(memory.temp_size_in_bytes)} of temporaries)")
+    return "; ".join(parts) + "; to lower it, in this order: " + "; ".join(advice(cfg, mesh, training))
+
+
+class MemoryErrors:
+    """A context in which an allocation failure (XLA's RESOURCE_EXHAUSTED at compile or run time,
+    or a host MemoryError) becomes OutOfMemory with _explain's one line. Set `compiled` to the
+    compiled train step once there is one: its memory analysis joins the message."""
+
+    def __init__(self, cfg, mesh, training: bool = True):
+        self.cfg, self.mesh, self.training, self.compiled = cfg, mesh, training, None
+
+    def __enter__(self) -> MemoryErrors:
+        return self
+
+    def __exit__(self, kind, err, traceback) -> bool:
+        if isinstance(err, MemoryError) or (err is not None and "RESOURCE_EXHAUSTED" in str(err)):
+            raise OutOfMemory(_explain(err, self.cfg, self.mesh, self.compiled, self.training)) from None
+        return False
 
 
 def main(argv: list[str]) -> int:
@@ -100,8 +163,6 @@ def main(argv: list[str]) -> int:
             device_memory = _parse_bytes(arg.split("=", 1)[1])
         else:
             overrides.append(arg)
-    from tunix_train.config import ConfigError
-
     try:
         devices = _device_count(overrides)
         if "jax" not in sys.modules:
@@ -123,7 +184,7 @@ def main(argv: list[str]) -> int:
         print(f"{'fits' if fits else 'does NOT fit'} in {device_memory / 2**30:.1f} GiB per device")
         if not fits:
             print("to make it fit, try:")
-            for tip in _advice(cfg, run):
+            for tip in advice(cfg, run.mesh):
                 print(f"  - {tip}")
     return 0
 

@@ -15,6 +15,7 @@ from tunix_train.data import Data
 from tunix_train.observe.comms import CommunicationProfile
 from tunix_train.observe.metrics import MetricsWriter, setup_logging
 from tunix_train.observe.mfu import peak_for_run, train_flops_per_token
+from tunix_train.plan import MemoryErrors
 from tunix_train.sharding import data_parallel_size, describe_mesh, process_rows, to_global_batch
 from tunix_train.state import TrainState
 from tunix_train.train import hooks as h
@@ -52,8 +53,9 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
     directory's latest checkpoint when there is one; returns the final state. `extra_hooks` run
     after the built-in ones that measure and evaluate, before the report: their scalars are logged.
 
-    Raises ConfigError before anything is written when the config or its data is bad, and RunStopped
-    when a signal or a non-finite step (nan_policy=stop) ends the run after saving a checkpoint.
+    Raises ConfigError before anything is written when the config or its data is bad (OutOfMemory,
+    a ConfigError, when the state, the compiled step or a step does not fit), and RunStopped when a
+    signal or a non-finite step (nan_policy=stop) ends the run after saving a checkpoint.
     """
     t = cfg.training
     check_same_run(run_dir, cfg)
@@ -63,13 +65,15 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
     rows = process_rows(mesh, run.micro_batch)
     train_batches = data.train_batches(run.micro_batch, rows)
     checkpoints = run_dir / "checkpoints"
+    memory = MemoryErrors(cfg, mesh)
     try:
-        state, origin, skipped = initial_state(cfg, run, checkpoints, train_batches)
+        with memory:
+            state, origin, skipped = initial_state(cfg, run, checkpoints, train_batches)
+            eval_batches = ([to_global_batch(b, mesh) for b in data.eval_batches(run.micro_batch, rows)]
+                            if t.eval_every else [])
     except BaseException:
         train_batches.close()
         raise
-    eval_batches = ([to_global_batch(b, mesh) for b in data.eval_batches(run.micro_batch, rows)]
-                    if t.eval_every else [])
 
     run_dir.mkdir(parents=True, exist_ok=True)
     is_chief = jax.process_index() == 0
@@ -102,10 +106,10 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
         checkpointer.save(state, data_state(train_batches, run))
 
     try:
-        with jax.set_mesh(mesh), StopRequest() as stop:
+        with memory, jax.set_mesh(mesh), StopRequest() as stop:
             start = time.perf_counter()
             batch = to_global_batch(next(train_batches), mesh)
-            step_fn = run.step_fn.lower(state, batch).compile()
+            step_fn = memory.compiled = run.step_fn.lower(state, batch).compile()
             say(f"compiled the train step in {time.perf_counter() - start:.1f} s")
             interval = h.Interval()
             hooks = [

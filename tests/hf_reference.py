@@ -1,0 +1,85 @@
+"""Tiny random transformers Gemma checkpoints and their logits: the reference of the parity tests.
+
+`checkpoint_and_logits` computes them in this process when torch and transformers are installed.
+Otherwise, when TUNIX_TRAIN_REFERENCE_PYTHON names a Python that has them (CI's Python 3.12 leg
+names the first leg's), it runs this file there:
+
+    python tests/hf_reference.py FAMILY CHECKPOINT_DIR TOKENS.npy LOGITS.npy
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16)
+WINDOW, SEQ = 5, 16  # sequences longer than the sliding window
+FAMILIES = ("gemma", "gemma2", "gemma3")
+REFERENCE_PYTHON = "TUNIX_TRAIN_REFERENCE_PYTHON"
+
+
+def _config_and_class(family: str):
+    import transformers
+
+    if family == "gemma":
+        return transformers.GemmaConfig(**SIZES), transformers.GemmaForCausalLM
+    if family == "gemma2":
+        return (transformers.Gemma2Config(**SIZES, sliding_window=WINDOW, query_pre_attn_scalar=24),
+                transformers.Gemma2ForCausalLM)
+    return (transformers.Gemma3TextConfig(
+        **SIZES, sliding_window=WINDOW, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        transformers.Gemma3ForCausalLM)
+
+
+def build(family: str, directory: Path):
+    """A seeded random transformers model of `family`, saved into `directory` (safetensors)."""
+    import torch
+
+    torch.manual_seed(0)
+    hf_config, model_class = _config_and_class(family)
+    model = model_class(hf_config).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # norms start at zero: make every tensor matter
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory)
+    return model
+
+
+def logits(model, tokens: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+def _in_process() -> bool:
+    return all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers"))
+
+
+def checkpoint_and_logits(family: str, directory: Path, tokens: np.ndarray) -> np.ndarray:
+    """Writes `family`'s checkpoint into `directory` and returns transformers' logits for `tokens`:
+    in this process, or in TUNIX_TRAIN_REFERENCE_PYTHON's; skips the test when neither has torch."""
+    if _in_process():
+        return logits(build(family, directory), tokens)
+    python = os.environ.get(REFERENCE_PYTHON)
+    if not python:
+        import pytest
+
+        pytest.skip(f"needs torch and transformers (pip install -e '.[reference]'), or {REFERENCE_PYTHON} "
+                    f"naming a Python that has them")
+    directory.mkdir(parents=True, exist_ok=True)
+    tokens_file, logits_file = directory.parent / f"{family}_tokens.npy", directory.parent / f"{family}_logits.npy"
+    np.save(tokens_file, tokens)
+    subprocess.run([python, __file__, family, str(directory), str(tokens_file), str(logits_file)], check=True)
+    return np.load(logits_file)
+
+
+if __name__ == "__main__":
+    family, directory, tokens_file, logits_file = sys.argv[1:]
+    np.save(logits_file, logits(build(family, Path(directory)), np.load(tokens_file)))
