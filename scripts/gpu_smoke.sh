@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On a prepared GPU image without a package registry: installs the wheels of scripts/device_wheels.sh
+# (DIR, default .whl/) and tunix_train offline, then runs the GPU checks whose figures go into
+# docs/performance.md. Each check prints its own result; OUT (default ./gpu_smoke) keeps the JSON.
+#
+#     bash scripts/gpu_smoke.sh [DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+wheels=${1:-.whl}
+out=${OUT:-gpu_smoke}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --find-links "$wheels" "$wheels"/*.whl
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
+python3 -c 'import jax, flax; print(f"jax {jax.__version__}, flax {flax.__version__}, devices {jax.devices()}")'
+
+gemma=(model=gemma3_1b 'model.mesh_shape=[[1],["fsdp"]]' data=synthetic data.seq_len=4096
+       training.mixed_precision=bf16)
+# The model's kernels and mesh equivalence on the GPU's own compiler (no fake devices there).
+python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py
+# Throughput and MFU against the data-sheet bf16 peak: cuDNN attention against XLA's, two batch sizes.
+for attention in cudnn xla; do
+  for micro in 1 2; do
+    python3 scripts/benchmark.py --steps 20 --warmup 3 --json "$out/gemma3_1b_${attention}_mb${micro}.json" \
+      "${gemma[@]}" "training.attention=$attention" "training.micro_batch_size=$micro" || true
+  done
+done
+# The planner's prediction for the same step, to compare with the benchmark's measured peak memory.
+JAX_PLATFORMS=cpu python3 -m tunix_train.plan "${gemma[@]}" training.micro_batch_size=1 --device-memory=80GB
