@@ -73,6 +73,15 @@ def test_planner_counts_an_eighth_of_gemma3_1b_per_device_on_fsdp8():
     assert figures["temporaries (compiler)"] > 0 and "fits in 74.5 GiB per device" in out
 
 
+def test_planner_counts_an_offloaded_optimizer_state_on_the_host():
+    out, figures = _plan("model=gemma3_1b", 'model.mesh_shape=[[8],["fsdp"]]', "training.micro_batch_size=1",
+                         "data=synthetic", "data.seq_len=128", "training.offload_optimizer_state=true")
+    assert "optimizer state" not in figures  # only as (host)
+    assert figures["optimizer state (host)"] == pytest.approx(999_885_952 * 4 * 2 / 8, rel=0.05)
+    device = figures["parameters"] + figures["batch"] + figures["temporaries (compiler)"]
+    assert figures["total"] == pytest.approx(device, abs=0.002 * 2**30)  # to the printed precision
+
+
 def test_planner_says_what_to_change_when_it_does_not_fit():
     out, figures = _plan("model=gemma3_1b", 'model.mesh_shape=[[2,4],["fsdp","tp"]]', "training.micro_batch_size=2",
                          "data=synthetic", "data.seq_len=128", "--device-memory=1GB")

@@ -1,6 +1,7 @@
 """Mesh construction, the rules table, and that parameters and optimizer state are really sharded."""
 
 import json
+import types
 from pathlib import Path
 
 import jax
@@ -139,3 +140,20 @@ def test_devices_of_different_kinds_are_refused(monkeypatch):
 def test_training_options_the_devices_or_config_cannot_honour_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate_training_for_mesh(config(*overrides).training, make_mesh([[1], ["fsdp"]], jax.devices()[:1]))
+
+
+def test_offload_without_pinned_host_memory_is_one_line_naming_the_key_and_the_backend():
+    class Memory:
+        kind = "device"
+
+    class Device:
+        platform = "accel"
+
+        def addressable_memories(self):
+            return [Memory()]
+
+    mesh = types.SimpleNamespace(devices=np.array([Device()], dtype=object))
+    with pytest.raises(ConfigError) as err:
+        validate_training_for_mesh(config("training.offload_optimizer_state=true").training, mesh)
+    assert str(err.value) == ("training.offload_optimizer_state=true needs pinned host memory, which accel devices "
+                              "do not offer (they have ['device']): set it to false")

@@ -161,6 +161,37 @@ def test_sharding_strategies_give_the_same_losses_and_shard_what_they_say(tmp_pa
     assert mlp_up.addressable_shards[0].data.shape == (2, 64, 128 // 2)
 
 
+def _run(run_dir, max_steps, *overrides):
+    """MODEL on fsdp4_tp2 for max_steps steps (resuming run_dir's checkpoint if it has one)."""
+    cfg = config(*MODEL, "training.micro_batch_size=2", *overrides)
+    cfg.model.mesh_shape, cfg.training.max_steps = MESHES["fsdp4_tp2"][0], max_steps
+    return train(cfg, run_dir, devices=jax.devices()[:8])
+
+
+def test_an_offloaded_optimizer_state_lives_in_pinned_host_memory_and_changes_no_loss(tmp_path):
+    reference = _losses(tmp_path, "fsdp4_tp2")
+    state = _run(tmp_path / "offload", 3, "training.offload_optimizer_state=true")
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)} == {"pinned_host"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(state.params)} == {"device"}
+    np.testing.assert_allclose(train_losses(tmp_path / "offload"), reference, rtol=0, atol=1e-6)
+
+
+def test_a_checkpoint_resumes_with_or_without_offload(tmp_path):
+    """3 steps with the optimizer state offloaded then 2 without, and the reverse, give the losses of
+    5 steps in one run: checkpoints are the same either way. (A constant learning rate: the
+    schedule does not depend on max_steps, which the resumed runs change.)"""
+    constant = "training.lr_schedule=constant"
+    _run(tmp_path / "straight", 5, constant)
+    straight = train_losses(tmp_path / "straight")
+    for first, then in (("true", "false"), ("false", "true")):
+        run_dir = tmp_path / f"{first}_then_{then}"
+        _run(run_dir, 3, constant, f"training.offload_optimizer_state={first}")
+        state = _run(run_dir, 5, constant, f"training.offload_optimizer_state={then}")
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)} == {
+            "pinned_host" if then == "true" else "device"}
+        np.testing.assert_allclose(train_losses(run_dir), straight, rtol=0, atol=1e-6)
+
+
 class _Recorder(Hook):
     """Records the loop's calls; adds the state's step counter to the logged scalars of even steps."""
 

@@ -171,6 +171,9 @@ class TrainingConfig:
     # keeps an unreduced float32 gradient of the whole parameter set meanwhile): fewer, larger
     # reductions for that memory. Must divide gradient_accumulation_steps.
     sync_gradients_every: int = _changeable(1)
+    # Keep the optimizer state (AdamW's moments) in pinned host memory; the step moves it to the
+    # devices for the update and back. Checkpoints are the same either way.
+    offload_optimizer_state: bool = _changeable(False)
     attention: AttentionImpl = _changeable(AttentionImpl.xla)
     # XLA flags that overlap collectives with computation on NVIDIA GPUs (tunix_train/platform.py).
     xla_gpu_overlap: bool = _changeable(True)

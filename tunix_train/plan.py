@@ -66,16 +66,19 @@ def plan(overrides: list[str]):
     memory = compiled.memory_analysis()
     params = _shard_bytes(run.plan.abstract.params, run.plan.shardings.params)
     optimizer = _shard_bytes(run.plan.abstract.opt_state, run.plan.shardings.opt_state)
+    offloaded = run.plan.opt_state_on_device is not None  # in pinned host memory between updates
     figures = {
         "parameters": params,
-        "optimizer state": optimizer,
+        "optimizer state (host)" if offloaded else "optimizer state": optimizer,
         "gradient accumulator (in temporaries)": _shard_bytes(run.plan.abstract.params, run.plan.grad_shardings),
         "temporaries (compiler)": memory.temp_size_in_bytes,
         "batch": sum(math.prod(batch_sharding(run.mesh).shard_shape(b.shape)) * b.dtype.itemsize
                      for b in batch.values()),
     }
-    # The accumulator lives inside the step's temporaries; the total counts it once.
-    figures["total"] = params + optimizer + figures["batch"] + memory.temp_size_in_bytes
+    # The accumulator lives inside the step's temporaries; the total counts it once. An offloaded
+    # optimizer state is on the host, outside the devices' total; its copy for the update is among
+    # the temporaries where the compiler keeps it on the device.
+    figures["total"] = params + (0 if offloaded else optimizer) + figures["batch"] + memory.temp_size_in_bytes
     return figures, cfg, run
 
 

@@ -113,7 +113,10 @@ def validate_training_for_mesh(training: TrainingConfig, mesh: jax.sharding.Mesh
     if training.attention is AttentionImpl.cudnn and device.platform != "gpu":
         raise ConfigError(f"training.attention=cudnn needs NVIDIA GPUs, and this mesh is on {device.platform}: "
                           f"use training.attention=xla")
-    if training.remat is Remat.offload_matmul_outputs and "pinned_host" not in {
-            m.kind for m in device.addressable_memories()}:
+    kinds = {m.kind for m in device.addressable_memories()}
+    if training.remat is Remat.offload_matmul_outputs and "pinned_host" not in kinds:
         raise ConfigError(f"training.remat=offload_matmul_outputs needs pinned host memory, which "
                           f"{device.platform} devices do not offer: choose another training.remat")
+    if training.offload_optimizer_state and "pinned_host" not in kinds:
+        raise ConfigError(f"training.offload_optimizer_state=true needs pinned host memory, which "
+                          f"{device.platform} devices do not offer (they have {sorted(kinds)}): set it to false")

@@ -42,6 +42,9 @@ class StatePlan:
     grad_shardings: Any  # of the gradient accumulator, like the parameters
     abstract: TrainState  # ShapeDtypeStructs carrying the shardings: what a checkpoint restores into
     rules: Rules  # the logical-axis rules the shardings came from; the model's constraints use them too
+    # With the optimizer state offloaded (shardings.opt_state in pinned host memory): where the step
+    # puts it on the devices for the update. None when it lives on the devices.
+    opt_state_on_device: Any
     _init: Any
     _key: jax.Array
     _from_params: Any
@@ -57,10 +60,10 @@ class StatePlan:
 
 def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
                      seed: int, strategy: ShardingStrategy = ShardingStrategy.full_shard,
-                     rules: Rules = LOGICAL_RULES) -> StatePlan:
+                     rules: Rules = LOGICAL_RULES, offload_optimizer_state: bool = False) -> StatePlan:
     """Shapes from jax.eval_shape, shardings from the parameters' logical axes and the sharding
     strategy, and an init jitted with those out_shardings, so the whole model never sits on one
-    device."""
+    device. With offload_optimizer_state the optimizer state is sharded alike, in pinned host memory."""
     init = train_state_initializer(model_cfg, optimizer)
     key = jax.random.key(seed)
     shapes = jax.eval_shape(init, key)
@@ -71,6 +74,11 @@ def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransforma
     shardings = sharded.replace(params=sharded.params if full else replicated.params,
                                 opt_state=replicated.opt_state if no_shard else sharded.opt_state)
     grad_shardings = replicated.params if no_shard else sharded.params
+    opt_state_on_device = None
+    if offload_optimizer_state:
+        opt_state_on_device = shardings.opt_state
+        shardings = shardings.replace(opt_state=jax.tree.map(lambda s: s.with_memory_kind("pinned_host"),
+                                                             shardings.opt_state))
     abstract = jax.tree.map(
         lambda sharding, subtree: jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree),
@@ -80,8 +88,8 @@ def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransforma
         zero = jnp.zeros((), jnp.int32)
         return TrainState(step=zero, params=params, opt_state=optimizer.init(params), nonfinite_steps=zero)
 
-    return StatePlan(shardings, grad_shardings, abstract, rules, jax.jit(init, out_shardings=shardings), key,
-                     jax.jit(from_params, out_shardings=shardings))
+    return StatePlan(shardings, grad_shardings, abstract, rules, opt_state_on_device,
+                     jax.jit(init, out_shardings=shardings), key, jax.jit(from_params, out_shardings=shardings))
 
 
 def create_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation,

@@ -73,8 +73,8 @@ def token_losses(graphdef: nnx.GraphDef, params: nnx.State, micro: dict[str, jax
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
                optimizer: optax.GradientTransformation, schedule: optax.Schedule, compute_dtype: Any,
                param_shardings: Any, grad_shardings: Any, loss_chunk_size: int = 0,
-               reduce_gradients_in_compute_dtype: bool = True,
-               sync_every: int = 1) -> tuple[TrainState, dict[str, jax.Array]]:
+               reduce_gradients_in_compute_dtype: bool = True, sync_every: int = 1, opt_state_on_device: Any = None,
+               opt_state_shardings: Any = None) -> tuple[TrainState, dict[str, jax.Array]]:
     # Dividing every micro-batch by the whole batch's weight makes the accumulated loss and
     # gradient exactly those of the token-weighted mean over the full batch.
     total_weight = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
@@ -117,8 +117,12 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    params, opt_state = jax.lax.cond(finite, apply_update, lambda unchanged: unchanged,
-                                     (state.params, state.opt_state))
+    opt_state = state.opt_state
+    if opt_state_on_device is not None:  # offloaded: to the devices for the update, and back after it
+        opt_state = jax.device_put(opt_state, opt_state_on_device)
+    params, opt_state = jax.lax.cond(finite, apply_update, lambda unchanged: unchanged, (state.params, opt_state))
+    if opt_state_on_device is not None:
+        opt_state = jax.device_put(opt_state, opt_state_shardings)
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                            nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32))
     metrics = {
@@ -177,7 +181,8 @@ def compile_train_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig,
                              param_shardings=plan.shardings.params, grad_shardings=plan.grad_shardings,
                              loss_chunk_size=training.loss_chunk_size,
                              reduce_gradients_in_compute_dtype=training.reduce_gradients_in_compute_dtype,
-                             sync_every=sync_every)
+                             sync_every=sync_every, opt_state_on_device=plan.opt_state_on_device,
+                             opt_state_shardings=plan.shardings.opt_state)
     return jax.jit(step, in_shardings=(plan.shardings, batch_sharding(mesh)),
                    out_shardings=(plan.shardings, NamedSharding(mesh, P())), donate_argnums=0)
 
