@@ -9,19 +9,19 @@ torch = pytest.importorskip("torch", reason="these tests need torch: pip install
 transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[reference]'")
 
 from conftest import config  # noqa: E402
-from hf_reference import FAMILIES, SEQ, SIZES, build, logits  # noqa: E402
+import hf_reference  # noqa: E402
+from hf_reference import FAMILIES, SEQ, SIZES  # noqa: E402
 from tunix_train import api, export  # noqa: E402
 from tunix_train.interop import hf  # noqa: E402
 from tunix_train.config import ConfigError  # noqa: E402
 from tunix_train.train.loop import train  # noqa: E402
 
 MESH = [[2, 2], ["fsdp", "tp"]]
-_transformers_model, _reference_logits = build, logits
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_then_import_is_identical_and_transformers_loads_it(tmp_path, family):
-    reference_model = _transformers_model(family, tmp_path / "source")
+    reference_model = hf_reference.build(family, tmp_path / "source")
     model = api.load(tmp_path / "source", mesh_shape=MESH, devices=jax.devices()[:4])
     hf.export(model.params, model.config, tmp_path / "exported")
     again = api.load(tmp_path / "exported", mesh_shape=[[4, 1], ["fsdp", "tp"]], devices=jax.devices()[:4])
@@ -29,11 +29,11 @@ def test_export_then_import_is_identical_and_transformers_loads_it(tmp_path, fam
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     loaded = type(reference_model).from_pretrained(tmp_path / "exported").eval()
     tokens = np.random.default_rng(1).integers(0, SIZES["vocab_size"], (1, SEQ))
-    np.testing.assert_array_equal(_reference_logits(loaded, tokens), _reference_logits(reference_model, tokens))
+    np.testing.assert_array_equal(hf_reference.logits(loaded, tokens), hf_reference.logits(reference_model, tokens))
 
 
 def test_each_device_reads_only_its_slice(tmp_path, monkeypatch):
-    _transformers_model("gemma3", tmp_path)
+    hf_reference.build("gemma3", tmp_path)
     shapes = {}
     original = hf._SafetensorsFiles.read
 
@@ -50,7 +50,7 @@ def test_each_device_reads_only_its_slice(tmp_path, monkeypatch):
 
 
 def test_init_from_starts_training_from_the_checkpoint(tmp_path):
-    _transformers_model("gemma3", tmp_path / "hf")
+    hf_reference.build("gemma3", tmp_path / "hf")
     fields = hf.model_fields_from_hf(hf.read_hf_config(tmp_path / "hf"))
     overrides = [f"model.{k}={v}" for k, v in fields.items() if v is not None]
     # learning rate 0: the step leaves the parameters as they were loaded
@@ -80,5 +80,5 @@ def test_native_checkpoint_loads_for_notebooks(tmp_path):
     # ... and exports with the command line tool, for transformers
     assert export.main([str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    np.testing.assert_allclose(_reference_logits(reference, np.array([[1, 2, 3, 4]])), logits, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(hf_reference.logits(reference, np.array([[1, 2, 3, 4]])), logits, atol=1e-4, rtol=0)
     assert export.main([str(tmp_path / "run"), str(tmp_path / "hf")]) == 2  # never over an existing export

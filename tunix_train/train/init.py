@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -23,15 +24,15 @@ def model_graphdef(model_cfg: ModelConfig, remat: Remat, scan_unroll: int = 1,
     return nnx.graphdef(nnx.eval_shape(lambda: Gemma(model_cfg, nnx.Rngs(0), remat, scan_unroll, attention, rules)))
 
 
+def _fresh_state(params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:
+    """Step 0 and a new optimizer state around `params`."""
+    zero = jnp.zeros((), jnp.int32)
+    return TrainState(step=zero, params=params, opt_state=optimizer.init(params), nonfinite_steps=zero)
+
+
 def train_state_initializer(model_cfg: ModelConfig, optimizer: optax.GradientTransformation):
     """key -> a fresh TrainState; for jax.eval_shape (shapes only) or a sharded jit."""
-
-    def init(key):
-        params = nnx.state(Gemma(model_cfg, nnx.Rngs(key)), nnx.Param)
-        zero = jnp.zeros((), jnp.int32)
-        return TrainState(step=zero, params=params, opt_state=optimizer.init(params), nonfinite_steps=zero)
-
-    return init
+    return lambda key: _fresh_state(nnx.state(Gemma(model_cfg, nnx.Rngs(key)), nnx.Param), optimizer)
 
 
 @dataclasses.dataclass
@@ -83,11 +84,7 @@ def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransforma
         lambda sharding, subtree: jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree),
         shardings, shapes)
-
-    def from_params(params):
-        zero = jnp.zeros((), jnp.int32)
-        return TrainState(step=zero, params=params, opt_state=optimizer.init(params), nonfinite_steps=zero)
-
+    from_params = functools.partial(_fresh_state, optimizer=optimizer)
     return StatePlan(shardings, grad_shardings, abstract, rules, opt_state_on_device,
                      jax.jit(init, out_shardings=shardings), key, jax.jit(from_params, out_shardings=shardings))
 
