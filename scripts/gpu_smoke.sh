@@ -26,3 +26,11 @@ for attention in cudnn xla; do
 done
 # The planner's prediction for the same step, to compare with the benchmark's measured peak memory.
 JAX_PLATFORMS=cpu python3 -m tunix_train.plan "${gemma[@]}" training.micro_batch_size=1 --device-memory=80GB
+# Host offload: the moments, then the moments and the float32 master weights, against neither above
+# (peak device memory and tokens/s in the JSON).
+for offload in "training.offload_optimizer_state=true" \
+               "training.offload_optimizer_state=true training.offload_master_weights=true"; do
+  name=$(echo "$offload" | grep -q master && echo both || echo moments)
+  python3 scripts/benchmark.py --steps 20 --warmup 3 --json "$out/gemma3_1b_offload_${name}.json" \
+    "${gemma[@]}" training.attention=cudnn training.micro_batch_size=2 $offload || true
+done

@@ -6,11 +6,14 @@ import os
 import statistics
 import subprocess
 import sys
+import types
 
 import jax
+import numpy as np
 import pytest
 
 from conftest import FAST_COMPILE, REPO, config, cpu_env
+from tunix_train.plan import advice
 from tunix_train.observe.mfu import mean_keys_attended, peak_flops_per_device, train_flops_per_token
 from tunix_train.sharding import to_global_batch
 from tunix_train.data.synthetic import SyntheticBatches
@@ -80,6 +83,32 @@ def test_planner_counts_an_offloaded_optimizer_state_on_the_host():
     assert figures["optimizer state (host)"] == pytest.approx(999_885_952 * 4 * 2 / 8, rel=0.05)
     device = figures["parameters"] + figures["batch"] + figures["temporaries (compiler)"]
     assert figures["total"] == pytest.approx(device, abs=0.002 * 2**30)  # to the printed precision
+
+
+def test_planner_counts_offloaded_master_weights_on_the_host():
+    out, figures = _plan("model=gemma3_1b", 'model.mesh_shape=[[8],["fsdp"]]', "training.micro_batch_size=1",
+                         "data=synthetic", "data.seq_len=128", "training.mixed_precision=bf16",
+                         "training.offload_optimizer_state=true", "training.offload_master_weights=true")
+    assert "parameters" not in figures and "optimizer state" not in figures  # only as (host)
+    assert figures["parameters (host)"] == pytest.approx(999_885_952 * 4 / 8, rel=0.05)
+    assert figures["optimizer state (host)"] == pytest.approx(999_885_952 * 4 * 2 / 8, rel=0.05)
+    device = figures["batch"] + figures["temporaries (compiler)"]
+    assert figures["total"] == pytest.approx(device, abs=0.002 * 2**30)  # to the printed precision
+
+
+def test_on_an_accelerator_with_pinned_host_memory_the_advice_ends_with_offloading():
+    memories = [types.SimpleNamespace(kind=kind) for kind in ("device", "pinned_host")]
+    gpu = types.SimpleNamespace(platform="gpu", addressable_memories=lambda: memories)
+    mesh = types.SimpleNamespace(shape={"fsdp": 1}, devices=np.array([gpu], dtype=object))
+    tips = advice(config("training.mixed_precision=bf16"), mesh)
+    assert tips[-2:] == ["training.offload_optimizer_state=true (AdamW's moments in host memory)",
+                         "training.offload_master_weights=true (the float32 parameters in host memory)"]
+    assert not any("offload" in tip for tip in advice(config(
+        "training.mixed_precision=bf16", "training.offload_optimizer_state=true",
+        "training.offload_master_weights=true"), mesh))
+    assert not any("offload" in tip for tip in advice(config("training.mixed_precision=bf16"),
+                                                      types.SimpleNamespace(shape={"fsdp": 1},
+                                                                            devices=np.array(jax.devices()[:1]))))
 
 
 def test_planner_says_what_to_change_when_it_does_not_fit():

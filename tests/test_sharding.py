@@ -142,7 +142,8 @@ def test_training_options_the_devices_or_config_cannot_honour_name_the_key(overr
         validate_training_for_mesh(config(*overrides).training, make_mesh([[1], ["fsdp"]], jax.devices()[:1]))
 
 
-def test_offload_without_pinned_host_memory_is_one_line_naming_the_key_and_the_backend():
+@pytest.mark.parametrize("key", ["offload_optimizer_state", "offload_master_weights"])
+def test_offload_without_pinned_host_memory_is_one_line_naming_the_key_and_the_backend(key):
     class Memory:
         kind = "device"
 
@@ -154,6 +155,6 @@ def test_offload_without_pinned_host_memory_is_one_line_naming_the_key_and_the_b
 
     mesh = types.SimpleNamespace(devices=np.array([Device()], dtype=object))
     with pytest.raises(ConfigError) as err:
-        validate_training_for_mesh(config("training.offload_optimizer_state=true").training, mesh)
-    assert str(err.value) == ("training.offload_optimizer_state=true needs pinned host memory, which accel devices "
+        validate_training_for_mesh(config(f"training.{key}=true", "training.mixed_precision=bf16").training, mesh)
+    assert str(err.value) == (f"training.{key}=true needs pinned host memory, which accel devices "
                               "do not offer (they have ['device']): set it to false")

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from conftest import config, read_metrics, train_losses
-from tunix_train.config import load_config
+from tunix_train.config import ConfigError, load_config
 from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.sharding import make_mesh, to_global_batch
 from tunix_train.train.hooks import Hook
@@ -168,28 +168,51 @@ def _run(run_dir, max_steps, *overrides):
     return train(cfg, run_dir, devices=jax.devices()[:8])
 
 
-def test_an_offloaded_optimizer_state_lives_in_pinned_host_memory_and_changes_no_loss(tmp_path):
-    reference = _losses(tmp_path, "fsdp4_tp2")
-    state = _run(tmp_path / "offload", 3, "training.offload_optimizer_state=true")
-    assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)} == {"pinned_host"}
-    assert {x.sharding.memory_kind for x in jax.tree.leaves(state.params)} == {"device"}
+BF16 = "training.mixed_precision=bf16"
+OFFLOADS = {  # what goes to the host: (overrides, offloaded parts of the state)
+    "optimizer state": (("training.offload_optimizer_state=true",), {"opt_state"}),
+    "master weights": ((BF16, "training.offload_master_weights=true"), {"params"}),
+    "both": ((BF16, "training.offload_optimizer_state=true", "training.offload_master_weights=true"),
+             {"params", "opt_state"}),
+}
+
+
+def _memory_kinds(state):
+    return {part: {x.sharding.memory_kind for x in jax.tree.leaves(getattr(state, part))}
+            for part in ("params", "opt_state")}
+
+
+@pytest.mark.parametrize("offload", OFFLOADS)
+def test_an_offloaded_state_lives_in_pinned_host_memory_and_changes_no_loss(tmp_path, offload):
+    overrides, on_host = OFFLOADS[offload]
+    reference = _losses(tmp_path, "fsdp4_tp2", *[o for o in overrides if o == BF16])
+    state = _run(tmp_path / "offload", 3, *overrides)
+    assert _memory_kinds(state) == {part: {"pinned_host" if part in on_host else "device"}
+                                    for part in ("params", "opt_state")}
     np.testing.assert_allclose(train_losses(tmp_path / "offload"), reference, rtol=0, atol=1e-6)
 
 
-def test_a_checkpoint_resumes_with_or_without_offload(tmp_path):
-    """3 steps with the optimizer state offloaded then 2 without, and the reverse, give the losses of
-    5 steps in one run: checkpoints are the same either way. (A constant learning rate: the
-    schedule does not depend on max_steps, which the resumed runs change.)"""
-    constant = "training.lr_schedule=constant"
-    _run(tmp_path / "straight", 5, constant)
+def test_a_checkpoint_resumes_with_or_without_offload(tmp_path, offload="both"):
+    """3 steps with the state offloaded then 2 without, and the reverse, give the losses of 5 steps in
+    one run: checkpoints are the same either way. (A constant learning rate: the schedule does not
+    depend on max_steps, which the resumed runs change.)"""
+    overrides, on_host = OFFLOADS[offload]
+    same = ("training.lr_schedule=constant", *[o for o in overrides if o == BF16])
+    offloaded = [o for o in overrides if o != BF16]
+    _run(tmp_path / "straight", 5, *same)
     straight = train_losses(tmp_path / "straight")
     for first, then in (("true", "false"), ("false", "true")):
         run_dir = tmp_path / f"{first}_then_{then}"
-        _run(run_dir, 3, constant, f"training.offload_optimizer_state={first}")
-        state = _run(run_dir, 5, constant, f"training.offload_optimizer_state={then}")
-        assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)} == {
-            "pinned_host" if then == "true" else "device"}
+        _run(run_dir, 3, *same, *[o.replace("true", first) for o in offloaded])
+        state = _run(run_dir, 5, *same, *[o.replace("true", then) for o in offloaded])
+        assert _memory_kinds(state) == {part: {"pinned_host" if then == "true" and part in on_host else "device"}
+                                        for part in ("params", "opt_state")}
         np.testing.assert_allclose(train_losses(run_dir), straight, rtol=0, atol=1e-6)
+
+
+def test_offloaded_master_weights_need_bf16():
+    with pytest.raises(ConfigError, match="training.offload_master_weights=true keeps the float32 master copy"):
+        config("training.offload_master_weights=true")
 
 
 class _Recorder(Hook):

@@ -10,6 +10,7 @@ initialization comes from training.seed and data order from the iterator state.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -25,11 +26,19 @@ from tunix_train.state import TrainState
 log = logging.getLogger("tunix_train")
 
 
-def _all_finite(params) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
+@functools.partial(jax.jit, static_argnums=1)
+def _all_finite_leaves(leaves, on_device) -> jax.Array:
+    leaves = [x if s is None else jax.device_put(x, s) for x, s in zip(leaves, on_device)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
-_all_finite_jit = jax.jit(_all_finite)
+def _all_finite(params) -> bool:
+    """Whether every parameter is finite; offloaded ones (in pinned host memory) are read on the
+    devices, where computations run."""
+    leaves = jax.tree.leaves(params)
+    on_device = tuple(None if x.sharding.memory_kind in (None, "device") else x.sharding.with_memory_kind("device")
+                      for x in leaves)
+    return bool(_all_finite_leaves(leaves, on_device))
 
 
 class Checkpointer:
@@ -57,7 +66,7 @@ class Checkpointer:
         step = int(state.step)
         if step == self._last_saved_step:
             return step  # e.g. the final save right after a periodic one
-        if not bool(_all_finite_jit(state.params)):
+        if not _all_finite(state.params):
             raise FloatingPointError(f"refusing to write non-finite parameters at step {step}")
         if step in self._manager.all_steps():  # only a damaged one, skipped when this run resumed
             log.warning(f"warning: replacing the damaged checkpoint {self.directory / str(step)}")

@@ -174,6 +174,9 @@ class TrainingConfig:
     # Keep the optimizer state (AdamW's moments) in pinned host memory; the step moves it to the
     # devices for the update and back. Checkpoints are the same either way.
     offload_optimizer_state: bool = _changeable(False)
+    # Under bf16, keep the float32 master copy of the parameters in pinned host memory too: the step
+    # moves it to the devices for the bf16 cast and for the update, and back.
+    offload_master_weights: bool = _changeable(False)
     attention: AttentionImpl = _changeable(AttentionImpl.xla)
     # XLA flags that overlap collectives with computation on NVIDIA GPUs (tunix_train/platform.py).
     xla_gpu_overlap: bool = _changeable(True)
@@ -301,6 +304,10 @@ def validate(cfg: Config) -> None:
         if m.attn_logit_softcap is not None:
             raise ConfigError("training.attention=cudnn cannot soft-cap attention logits: set "
                               "model.attn_logit_softcap=null or training.attention=xla")
+    if t.offload_master_weights and t.mixed_precision is not MixedPrecision.bf16:
+        raise ConfigError("training.offload_master_weights=true keeps the float32 master copy on the host while "
+                          "the step computes in bf16: set training.mixed_precision=bf16 (under fp32 the "
+                          "parameters have no second copy)")
     if d.prefetch_batches < 0:
         raise ConfigError(f"data.prefetch_batches={d.prefetch_batches} must be >= 0")
 

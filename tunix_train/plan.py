@@ -64,21 +64,25 @@ def plan(overrides: list[str]):
     with jax.set_mesh(run.mesh):
         compiled = run.step_fn.lower(run.plan.abstract, batch).compile()
     memory = compiled.memory_analysis()
-    params = _shard_bytes(run.plan.abstract.params, run.plan.shardings.params)
-    optimizer = _shard_bytes(run.plan.abstract.opt_state, run.plan.shardings.opt_state)
-    offloaded = run.plan.opt_state_on_device is not None  # in pinned host memory between updates
+    # An offloaded part of the state is in pinned host memory between steps: counted on the host,
+    # outside the devices' total. Its copy for the step is among the temporaries where the
+    # compiler keeps it on the device.
+    on_host = lambda part: (jax.tree.leaves(getattr(run.plan.shardings, part))
+                            != jax.tree.leaves(getattr(run.plan.on_device, part)))
+    state = {}
+    for part, name in (("params", "parameters"), ("opt_state", "optimizer state")):
+        state[name + (" (host)" if on_host(part) else "")] = _shard_bytes(
+            getattr(run.plan.abstract, part), getattr(run.plan.shardings, part))
     figures = {
-        "parameters": params,
-        "optimizer state (host)" if offloaded else "optimizer state": optimizer,
+        **state,
         "gradient accumulator (in temporaries)": _shard_bytes(run.plan.abstract.params, run.plan.grad_shardings),
         "temporaries (compiler)": memory.temp_size_in_bytes,
         "batch": sum(math.prod(batch_sharding(run.mesh).shard_shape(b.shape)) * b.dtype.itemsize
                      for b in batch.values()),
     }
-    # The accumulator lives inside the step's temporaries; the total counts it once. An offloaded
-    # optimizer state is on the host, outside the devices' total; its copy for the update is among
-    # the temporaries where the compiler keeps it on the device.
-    figures["total"] = params + (0 if offloaded else optimizer) + figures["batch"] + memory.temp_size_in_bytes
+    # The accumulator lives inside the step's temporaries; the total counts it once.
+    on_device = sum(v for k, v in state.items() if not k.endswith("(host)"))
+    figures["total"] = on_device + figures["batch"] + memory.temp_size_in_bytes
     return figures, cfg, run
 
 
@@ -97,6 +101,13 @@ def advice(cfg, mesh, training: bool = True) -> list[str]:
         tips.append("shard more over fsdp (parameters, gradients and optimizer state divide by it)")
     else:
         tips.append("more devices on the fsdp axis (parameters, gradients and optimizer state divide by it)")
+    device = mesh.devices.flat[0]
+    if (training and device.platform != "cpu"  # a CPU's "device" memory is the host's
+            and "pinned_host" in {m.kind for m in device.addressable_memories()}):
+        if not t.offload_optimizer_state:
+            tips.append("training.offload_optimizer_state=true (AdamW's moments in host memory)")
+        if t.mixed_precision.value == "bf16" and not t.offload_master_weights:
+            tips.append("training.offload_master_weights=true (the float32 parameters in host memory)")
     if training and t.mixed_precision.value != "bf16":
         tips.append("training.mixed_precision=bf16 (activations in bfloat16)")
     return tips

@@ -117,6 +117,7 @@ def validate_training_for_mesh(training: TrainingConfig, mesh: jax.sharding.Mesh
     if training.remat is Remat.offload_matmul_outputs and "pinned_host" not in kinds:
         raise ConfigError(f"training.remat=offload_matmul_outputs needs pinned host memory, which "
                           f"{device.platform} devices do not offer: choose another training.remat")
-    if training.offload_optimizer_state and "pinned_host" not in kinds:
-        raise ConfigError(f"training.offload_optimizer_state=true needs pinned host memory, which "
-                          f"{device.platform} devices do not offer (they have {sorted(kinds)}): set it to false")
+    for key in ("offload_optimizer_state", "offload_master_weights"):
+        if getattr(training, key) and "pinned_host" not in kinds:
+            raise ConfigError(f"training.{key}=true needs pinned host memory, which {device.platform} "
+                              f"devices do not offer (they have {sorted(kinds)}): set it to false")

@@ -43,9 +43,9 @@ class StatePlan:
     grad_shardings: Any  # of the gradient accumulator, like the parameters
     abstract: TrainState  # ShapeDtypeStructs carrying the shardings: what a checkpoint restores into
     rules: Rules  # the logical-axis rules the shardings came from; the model's constraints use them too
-    # With the optimizer state offloaded (shardings.opt_state in pinned host memory): where the step
-    # puts it on the devices for the update. None when it lives on the devices.
-    opt_state_on_device: Any
+    # The same shardings with everything in device memory: where the steps compute. It differs from
+    # `shardings` where a part of the state is offloaded (kept in pinned host memory between steps).
+    on_device: Any
     _init: Any
     _key: jax.Array
     _from_params: Any
@@ -61,10 +61,12 @@ class StatePlan:
 
 def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
                      seed: int, strategy: ShardingStrategy = ShardingStrategy.full_shard,
-                     rules: Rules = LOGICAL_RULES, offload_optimizer_state: bool = False) -> StatePlan:
+                     rules: Rules = LOGICAL_RULES, offload_optimizer_state: bool = False,
+                     offload_master_weights: bool = False) -> StatePlan:
     """Shapes from jax.eval_shape, shardings from the parameters' logical axes and the sharding
     strategy, and an init jitted with those out_shardings, so the whole model never sits on one
-    device. With offload_optimizer_state the optimizer state is sharded alike, in pinned host memory."""
+    device. An offloaded optimizer state or float32 master copy of the parameters is sharded
+    alike, in pinned host memory."""
     init = train_state_initializer(model_cfg, optimizer)
     key = jax.random.key(seed)
     shapes = jax.eval_shape(init, key)
@@ -75,17 +77,18 @@ def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransforma
     shardings = sharded.replace(params=sharded.params if full else replicated.params,
                                 opt_state=replicated.opt_state if no_shard else sharded.opt_state)
     grad_shardings = replicated.params if no_shard else sharded.params
-    opt_state_on_device = None
+    on_device = shardings
+    on_host = lambda tree: jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree)
     if offload_optimizer_state:
-        opt_state_on_device = shardings.opt_state
-        shardings = shardings.replace(opt_state=jax.tree.map(lambda s: s.with_memory_kind("pinned_host"),
-                                                             shardings.opt_state))
+        shardings = shardings.replace(opt_state=on_host(shardings.opt_state))
+    if offload_master_weights:
+        shardings = shardings.replace(params=on_host(shardings.params))
     abstract = jax.tree.map(
         lambda sharding, subtree: jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree),
         shardings, shapes)
     from_params = functools.partial(_fresh_state, optimizer=optimizer)
-    return StatePlan(shardings, grad_shardings, abstract, rules, opt_state_on_device,
+    return StatePlan(shardings, grad_shardings, abstract, rules, on_device,
                      jax.jit(init, out_shardings=shardings), key, jax.jit(from_params, out_shardings=shardings))
 
 

@@ -44,7 +44,7 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
     platform.prepare(t, mesh)
     optimizer, schedule = make_optimizer(t)
     plan = plan_train_state(cfg.model, optimizer, mesh, t.seed, t.sharding_strategy, LOGICAL_RULES,
-                            t.offload_optimizer_state)
+                            t.offload_optimizer_state, t.offload_master_weights)
     step_fn = compile_train_step(plan, mesh, model_cfg=cfg.model, optimizer=optimizer, schedule=schedule, training=t)
     eval_fn = compile_eval_step(plan, mesh, model_cfg=cfg.model, training=t)
     return Setup(mesh, plan, step_fn, eval_fn, t.micro_batch_size * data_parallel_size(mesh))

@@ -73,8 +73,10 @@ def token_losses(graphdef: nnx.GraphDef, params: nnx.State, micro: dict[str, jax
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
                optimizer: optax.GradientTransformation, schedule: optax.Schedule, compute_dtype: Any,
                param_shardings: Any, grad_shardings: Any, loss_chunk_size: int = 0,
-               reduce_gradients_in_compute_dtype: bool = True, sync_every: int = 1, opt_state_on_device: Any = None,
-               opt_state_shardings: Any = None) -> tuple[TrainState, dict[str, jax.Array]]:
+               reduce_gradients_in_compute_dtype: bool = True, sync_every: int = 1, home: Any,
+               on_device: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    """`home` and `on_device`: the state's shardings between steps and where it is computed with
+    (they differ in memory kind for an offloaded part, which is moved to the devices and back)."""
     # Dividing every micro-batch by the whole batch's weight makes the accumulated loss and
     # gradient exactly those of the token-weighted mean over the full batch.
     total_weight = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
@@ -84,7 +86,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     # syncs the copy is always made here, outside the per-shard vmap, and what is reduced is the
     # float32 sums.
     delayed_sync = sync_every > 1
-    wrt = state.params
+    to_device = lambda part: _moved(getattr(state, part), getattr(home, part), getattr(on_device, part))
+    wrt = to_device("params")
     if compute_dtype != jnp.float32 and (reduce_gradients_in_compute_dtype or delayed_sync):
         wrt = jax.lax.with_sharding_constraint(jax.tree.map(lambda p: p.astype(compute_dtype), wrt),
                                                param_shardings)
@@ -95,7 +98,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         return jnp.sum(token_loss_BT * micro["loss_mask"]) / total_weight
 
     add = lambda grads, new: jax.tree.map(lambda g, n: g + n.astype(jnp.float32), grads, new)
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    zeros = jax.tree.map(jnp.zeros_like, to_device("params"))  # in device memory, like the gradients
 
     if not delayed_sync:
         def accumulate(grads, micro):
@@ -117,12 +120,10 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    opt_state = state.opt_state
-    if opt_state_on_device is not None:  # offloaded: to the devices for the update, and back after it
-        opt_state = jax.device_put(opt_state, opt_state_on_device)
-    params, opt_state = jax.lax.cond(finite, apply_update, lambda unchanged: unchanged, (state.params, opt_state))
-    if opt_state_on_device is not None:
-        opt_state = jax.device_put(opt_state, opt_state_shardings)
+    params, opt_state = jax.lax.cond(finite, apply_update, lambda unchanged: unchanged,
+                                     (to_device("params"), to_device("opt_state")))
+    params = _moved(params, on_device.params, home.params)
+    opt_state = _moved(opt_state, on_device.opt_state, home.opt_state)
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                            nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32))
     metrics = {
@@ -134,6 +135,12 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         "nonfinite_steps": new_state.nonfinite_steps,
     }
     return new_state, metrics
+
+
+def _moved(tree: Any, source: Any, target: Any) -> Any:
+    """`tree`, laid out by the shardings `source`, put where `target` says (an offloaded part of the
+    state between host and device memory); itself where they are the same."""
+    return tree if jax.tree.leaves(source) == jax.tree.leaves(target) else jax.device_put(tree, target)
 
 
 def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, sync_every, grad_shardings):
@@ -178,11 +185,10 @@ def compile_train_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig,
     rules = per_shard_rules(plan.rules) if sync_every > 1 else plan.rules
     step = functools.partial(train_step, graphdef=_graphdef(model_cfg, training, rules), optimizer=optimizer,
                              schedule=schedule, compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
-                             param_shardings=plan.shardings.params, grad_shardings=plan.grad_shardings,
+                             param_shardings=plan.on_device.params, grad_shardings=plan.grad_shardings,
                              loss_chunk_size=training.loss_chunk_size,
                              reduce_gradients_in_compute_dtype=training.reduce_gradients_in_compute_dtype,
-                             sync_every=sync_every, opt_state_on_device=plan.opt_state_on_device,
-                             opt_state_shardings=plan.shardings.opt_state)
+                             sync_every=sync_every, home=plan.shardings, on_device=plan.on_device)
     return jax.jit(step, in_shardings=(plan.shardings, batch_sharding(mesh)),
                    out_shardings=(plan.shardings, NamedSharding(mesh, P())), donate_argnums=0)
 
@@ -198,6 +204,10 @@ def eval_step(params: nnx.State, batch: dict[str, jax.Array], *, graphdef: nnx.G
 def compile_eval_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig, training: TrainingConfig):
     step = functools.partial(eval_step, graphdef=_graphdef(model_cfg, training, plan.rules),
                              compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
-                             chunk=training.loss_chunk_size, param_shardings=plan.shardings.params)
-    return jax.jit(step, in_shardings=(plan.shardings.params, batch_sharding(mesh)),
+                             chunk=training.loss_chunk_size, param_shardings=plan.on_device.params)
+
+    def evaluate(params, batch):  # offloaded parameters are moved to the devices
+        return step(_moved(params, plan.shardings.params, plan.on_device.params), batch)
+
+    return jax.jit(evaluate, in_shardings=(plan.shardings.params, batch_sharding(mesh)),
                    out_shardings=NamedSharding(mesh, P()))
