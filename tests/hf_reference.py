@@ -4,7 +4,7 @@
 Otherwise, when TUNIX_TRAIN_REFERENCE_PYTHON names a Python that has them (CI's Python 3.12 leg
 names the first leg's), it runs this file there:
 
-    python tests/hf_reference.py FAMILY CHECKPOINT_DIR TOKENS.npy LOGITS.npy
+    python tests/hf_reference.py FAMILY CHECKPOINT_DIR TOKENS.npy OUT.npy GREEDY_TOKENS
 """
 
 import importlib.util
@@ -58,15 +58,27 @@ def logits(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.tensor(tokens)).logits.numpy()
 
 
+def greedy(model, prompt: np.ndarray, new_tokens: int) -> np.ndarray:
+    """transformers' greedy continuation of the [1, T] prompt, its EOS (if any) dropped."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor(prompt), do_sample=False, max_new_tokens=new_tokens)
+    new = out[0, prompt.shape[1]:].numpy()
+    return new[:-1] if len(new) and new[-1] == model.generation_config.eos_token_id else new
+
+
 def _in_process() -> bool:
     return all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers"))
 
 
-def checkpoint_and_logits(family: str, directory: Path, tokens: np.ndarray) -> np.ndarray:
-    """Writes `family`'s checkpoint into `directory` and returns transformers' logits for `tokens`:
-    in this process, or in TUNIX_TRAIN_REFERENCE_PYTHON's; skips the test when neither has torch."""
+def checkpoint_and_logits(family: str, directory: Path, tokens: np.ndarray, greedy_tokens: int = 0) -> np.ndarray:
+    """Writes `family`'s checkpoint into `directory` and returns transformers' logits for `tokens`
+    (with greedy_tokens > 0: instead, its greedy continuation of the one row of `tokens`): in this
+    process, or in TUNIX_TRAIN_REFERENCE_PYTHON's; skips the test when neither has torch."""
     if _in_process():
-        return logits(build(family, directory), tokens)
+        model = build(family, directory)
+        return greedy(model, tokens, greedy_tokens) if greedy_tokens else logits(model, tokens)
     python = os.environ.get(REFERENCE_PYTHON)
     if not python:
         import pytest
@@ -76,10 +88,12 @@ def checkpoint_and_logits(family: str, directory: Path, tokens: np.ndarray) -> n
     directory.mkdir(parents=True, exist_ok=True)
     tokens_file, logits_file = directory.parent / f"{family}_tokens.npy", directory.parent / f"{family}_logits.npy"
     np.save(tokens_file, tokens)
-    subprocess.run([python, __file__, family, str(directory), str(tokens_file), str(logits_file)], check=True)
+    subprocess.run([python, __file__, family, str(directory), str(tokens_file), str(logits_file), str(greedy_tokens)],
+                   check=True)
     return np.load(logits_file)
 
 
 if __name__ == "__main__":
-    family, directory, tokens_file, logits_file = sys.argv[1:]
-    np.save(logits_file, logits(build(family, Path(directory)), np.load(tokens_file)))
+    family, directory, tokens_file, out_file, greedy_tokens = sys.argv[1:]
+    model, tokens, greedy_tokens = build(family, Path(directory)), np.load(tokens_file), int(greedy_tokens)
+    np.save(out_file, greedy(model, tokens, greedy_tokens) if greedy_tokens else logits(model, tokens))

@@ -5,6 +5,9 @@
     model = api.load("/models/gemma-3-1b-pt", mesh_shape=[[4, 1], ["fsdp", "tp"]])  # Hugging Face
     logits = model.logits([[2, 651, 6037]])                           # [batch, positions, vocab]
 
+    model.generate([[2, 651, 6037]], max_new_tokens=32)              # new token ids per prompt
+    model.generate_text(["To be, or not"], max_new_tokens=32, temperature=0.7, top_p=0.9)
+
 `path` is a Hugging Face Gemma directory (config.json + safetensors), or a tunix_train run
 directory, its checkpoints/ folder, or one step's folder.
 """
@@ -12,8 +15,9 @@ directory, its checkpoints/ folder, or one step's folder.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +27,9 @@ from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
 from tunix_train.checkpoint import resolve_resume_path, restore_from
-from tunix_train.config import Config, ConfigError, ModelConfig, Remat
+from tunix_train.config import Config, ConfigError, DataSource, ModelConfig, Remat
+from tunix_train.data.tokenizer import Tokenizer, load_tokenizer
+from tunix_train.generate import Sampler, Sampling
 from tunix_train.interop import hf
 from tunix_train.plan import MemoryErrors
 from tunix_train.sharding import make_mesh, validate_model_for_mesh
@@ -36,11 +42,42 @@ class LoadedModel:
     config: ModelConfig
     mesh: Mesh
     params: nnx.State  # sharded over `mesh`
+    tokenizer: Optional[Tokenizer] = None  # the checkpoint's, where it carries one
+    stop_ids: tuple[int, ...] = ()  # tokens that end a generated sequence (EOS)
 
     def __post_init__(self):
         graphdef = model_graphdef(self.config, Remat.none)
         self._forward = jax.jit(lambda params, micro: nnx.merge(graphdef, params)(
             micro["inputs"], micro["positions"], micro["segment_ids"]))
+        self._sampler = Sampler(self.config, self.mesh, self.stop_ids)
+
+    def generate(self, prompts: Sequence[Sequence[int] | str], max_new_tokens: int, temperature: float = 0.0,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
+                 on_tokens: Optional[Callable[[list[list[int]]], None]] = None) -> list[list[int]]:
+        """New token ids for each prompt (token ids, or text encoded with BOS by the tokenizer),
+        without the stop token: greedy at temperature 0, else sampled (same seed, same tokens on
+        any mesh). `on_tokens` receives the new tokens of each prompt as they are produced."""
+        sampling = Sampling(temperature, top_k, top_p)
+        ids = [self._encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        tips = [f"fewer prompts at once ({len(ids)} now)", f"max_new_tokens={max(max_new_tokens // 2, 1)}",
+                "shorter prompts"]
+        with MemoryErrors(None, self.mesh, training=False, first_tips=tips):
+            return self._sampler.generate(self.params, ids, max_new_tokens, sampling, seed, on_tokens)
+
+    def generate_text(self, texts: Sequence[str], max_new_tokens: int, **sampling: Any) -> list[str]:
+        """The continuation of each text, decoded; keyword arguments as for generate."""
+        return [self._decode(ids) for ids in self.generate(list(texts), max_new_tokens, **sampling)]
+
+    def _encode(self, text: str) -> list[int]:
+        return [self._need_tokenizer().bos_id, *self._need_tokenizer().encode(text)]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._need_tokenizer().decode(ids)
+
+    def _need_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ConfigError("this checkpoint carries no tokenizer: pass token ids instead of text")
+        return self.tokenizer
 
     def logits(self, tokens: Any, positions: Any = None, segment_ids: Any = None) -> np.ndarray:
         """float32 next-token logits [B, T, V] for token ids [B, T] (one document per row by default)."""
@@ -81,4 +118,24 @@ def load(path: str | Path, mesh_shape: Any = None, devices: list[jax.Device] | N
             params = hf.load_params(path, cfg.model, plan.abstract.params)
         else:
             params = restore_from(str(path), plan.abstract)[0].params
-    return LoadedModel(cfg.model, mesh, params)
+    tokenizer, stop_ids = _tokenizer_and_stops(path, cfg)
+    return LoadedModel(cfg.model, mesh, params, tokenizer, stop_ids)
+
+
+def _tokenizer_and_stops(path: Path, cfg: Config) -> tuple[Optional[Tokenizer], tuple[int, ...]]:
+    """A Hugging Face directory's tokenizer.model and EOS ids (config.json, generation_config.json);
+    a run's tokenizer (data.tokenizer, or the bundled one for text data) and its EOS."""
+    if (path / "config.json").is_file():
+        stops: list[int] = []
+        for name in ("config.json", "generation_config.json"):
+            if (path / name).is_file():
+                eos = json.loads((path / name).read_text()).get("eos_token_id")
+                stops += [eos] if isinstance(eos, int) else list(eos or [])
+        tokenizer = (load_tokenizer(str(path / "tokenizer.model"), cfg.model.vocab_size)
+                     if (path / "tokenizer.model").is_file() else None)
+        return tokenizer, tuple(dict.fromkeys(stops))
+    if cfg.data.source is DataSource.synthetic or (cfg.data.source is DataSource.array_record
+                                                   and not cfg.data.tokenizer):
+        return None, ()
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
+    return tokenizer, (tokenizer.eos_id,)

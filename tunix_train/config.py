@@ -118,6 +118,9 @@ class ModelConfig:
     rope_base_local: float = _fixed(10_000.0)
     rope_scale_global: float = _fixed(1.0)  # linear position scaling of global layers (Gemma 3 4b+)
     rms_norm_eps: float = _fixed(1e-6)
+    # The longest sequence (prompt and generated tokens) the model was trained for; null: no limit.
+    # The sampler refuses longer ones. Training does not read it.
+    context_length: Optional[int] = _changeable(None)
     # A Hugging Face Gemma checkpoint directory (config.json + safetensors) to start from; its sizes
     # must match this config's.
     init_from: Optional[str] = _fixed(None)

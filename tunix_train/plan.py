@@ -87,9 +87,9 @@ def plan(overrides: list[str]):
 
 
 def advice(cfg, mesh, training: bool = True) -> list[str]:
-    """What lowers per-device memory, the most effective first; `training=False` for loading a model
-    (only the mesh then matters)."""
-    t, tips = cfg.training, []
+    """What lowers per-device memory, the most effective first; `training=False` for loading or
+    sampling a model (only the mesh then matters, and cfg may be None)."""
+    t, tips = cfg.training if training else None, []
     if training and t.micro_batch_size > 1:
         tips.append(f"training.micro_batch_size={max(t.micro_batch_size // 2, 1)} with "
                     f"training.gradient_accumulation_steps={t.gradient_accumulation_steps * 2} (same global batch)")
@@ -132,7 +132,7 @@ def _host_memory_available() -> int | None:
     return None
 
 
-def _explain(err: BaseException, cfg, mesh, compiled, training: bool) -> str:
+def _explain(err: BaseException, cfg, mesh, compiled, training: bool, first_tips: list[str]) -> str:
     device = mesh.devices.flat[0]
     text = str(err)
     on_host = isinstance(err, MemoryError) or device.platform == "cpu" or "host" in text.split("\n")[0].lower()
@@ -149,23 +149,27 @@ def _explain(err: BaseException, cfg, mesh, compiled, training: bool) -> str:
         parts.append(f"the compiled train step needs {_gib(memory.argument_size_in_bytes + memory.temp_size_in_bytes)} "
                      f"per device ({_gib(memory.argument_size_in_bytes)} of arguments, "
                      f"{_gib(memory.temp_size_in_bytes)} of temporaries)")
-    return "; ".join(parts) + "; to lower it, in this order: " + "; ".join(advice(cfg, mesh, training))
+    tips = first_tips + advice(cfg, mesh, training)
+    return "; ".join(parts) + "; to lower it, in this order: " + "; ".join(tips)
 
 
 class MemoryErrors:
     """A context in which an allocation failure (XLA's RESOURCE_EXHAUSTED at compile or run time,
     or a host MemoryError) becomes OutOfMemory with _explain's one line. Set `compiled` to the
-    compiled train step once there is one: its memory analysis joins the message."""
+    compiled train step once there is one: its memory analysis joins the message. `first_tips`:
+    what to lower before advice()'s (a sampler's batch and lengths)."""
 
-    def __init__(self, cfg, mesh, training: bool = True):
+    def __init__(self, cfg, mesh, training: bool = True, first_tips: list[str] | None = None):
         self.cfg, self.mesh, self.training, self.compiled = cfg, mesh, training, None
+        self.first_tips = first_tips or []
 
     def __enter__(self) -> MemoryErrors:
         return self
 
     def __exit__(self, kind, err, traceback) -> bool:
         if isinstance(err, MemoryError) or (err is not None and "RESOURCE_EXHAUSTED" in str(err)):
-            raise OutOfMemory(_explain(err, self.cfg, self.mesh, self.compiled, self.training)) from None
+            raise OutOfMemory(_explain(err, self.cfg, self.mesh, self.compiled, self.training,
+                                       self.first_tips)) from None
         return False
 
 

@@ -156,6 +156,7 @@ def model_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "rope_base_local": float(sliding.get("rope_theta", hf.get("rope_local_base_freq", theta))),
         "rope_scale_global": float(scaling.get("factor", 1.0)) if scaling.get("rope_type", "linear") == "linear" else 1.0,
         "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "context_length": hf.get("max_position_embeddings"),
     }
 
 
@@ -163,6 +164,8 @@ def check_matches(cfg: ModelConfig, directory: Path) -> None:
     """A one-line ConfigError naming the first model key that differs from the checkpoint's."""
     for key, value in model_fields_from_hf(read_hf_config(directory)).items():
         ours = getattr(cfg, key)
+        if key == "context_length":  # what the sampler allows, not what training computes
+            continue
         if ours != value and not (key == "query_pre_attn_scalar" and (ours or cfg.head_dim) == (value or cfg.head_dim)):
             raise ConfigError(f"model.init_from: {directory} has {key}={value!r} but model.{key}={ours!r}; "
                               f"use the matching model config or set model.{key}={value!r}")
@@ -212,7 +215,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "intermediate_size": cfg.hidden_dim, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "hidden_activation": "gelu_pytorch_tanh",
-        "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True, "max_position_embeddings": 8192,
+        "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True, "max_position_embeddings": cfg.context_length or 8192,
         "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "torch_dtype": "float32",
         "rope_theta": cfg.rope_base_global, "rope_parameters": rope_global,
     }

@@ -64,7 +64,9 @@ class Attention(nnx.Module):
         self.softcap = cfg.attn_logit_softcap
         self.rules = rules
 
-    def __call__(self, x_BTD, rope, mask_BTS, fused=None):
+    def __call__(self, x_BTD, rope, attend):
+        """`attend(q, k, v, softcap) -> (out, extra)`: attention over the keys this pass may see
+        (Gemma.hidden: the masked positions of the pass; a sampler: its KV cache, returned as extra)."""
         q_BTNH, k_BSKH, v_BSKH = kernels.qkv_projection(x_BTD, self.q_DNH[...], self.k_DKH[...], self.v_DKH[...])
         if self.q_norm is not None:
             q_BTNH, k_BSKH = self.q_norm(q_BTNH), self.k_norm(k_BSKH)
@@ -72,8 +74,8 @@ class Attention(nnx.Module):
         k_BSKH = kernels.apply_rope(k_BSKH, *rope)
         q_BTNH = constrain(q_BTNH, ("batch", "seq", "act_heads", None), self.rules)
 
-        out_BTNH = kernels.attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, self.softcap, fused)
-        return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_NHD[...])
+        out_BTNH, extra = attend(q_BTNH, k_BSKH, v_BSKH, self.softcap)
+        return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_NHD[...]), extra
 
 
 class MLP(nnx.Module):
@@ -106,15 +108,16 @@ class Block(nnx.Module):
         self.post_ffw_norm = RMSNorm(D, eps) if cfg.use_post_ffw_norm else None
         self.rules = rules
 
-    def __call__(self, x_BTD, rope, mask_BTS, fused_attention=None):
-        h_BTD = self.attn(self.pre_attn_norm(x_BTD), rope, mask_BTS, fused_attention)
+    def __call__(self, x_BTD, rope, attend):
+        """The block's output and what `attend` returned beside attention's output."""
+        h_BTD, extra = self.attn(self.pre_attn_norm(x_BTD), rope, attend)
         if self.post_attn_norm is not None:
             h_BTD = self.post_attn_norm(h_BTD)
         x_BTD = x_BTD + h_BTD
         h_BTD = self.mlp(self.pre_ffw_norm(x_BTD))
         if self.post_ffw_norm is not None:
             h_BTD = self.post_ffw_norm(h_BTD)
-        return constrain(x_BTD + h_BTD, ("batch", "seq", "act_embed"), self.rules)
+        return constrain(x_BTD + h_BTD, ("batch", "seq", "act_embed"), self.rules), extra
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules) -> Block:
@@ -156,6 +159,18 @@ class Gemma(nnx.Module):
         """The tied embedding, gathered over fsdp: used by the lookup and the logits."""
         return constrain(self.embedding_VD[...], ("act_vocab", None), self.rules)
 
+    def embed(self, tokens_BT):
+        """Token embeddings [B, T, D], scaled by sqrt(D)."""
+        table_VD = self.output_table()
+        x_BTD = table_VD[tokens_BT] * jnp.sqrt(jnp.float32(self.cfg.embed_dim)).astype(table_VD.dtype)
+        return constrain(x_BTD, ("batch", "seq", "act_embed"), self.rules)
+
+    def rope_tables(self, positions_BT):
+        """rope_table of global and of local layers at `positions_BT`."""
+        cfg = self.cfg
+        return (rope_table(positions_BT, cfg.rope_base_global, cfg.rope_scale_global, cfg.head_dim),
+                rope_table(positions_BT, cfg.rope_base_local, 1.0, cfg.head_dim))
+
     def hidden(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
         """The final normed hidden states [B, T, D], from which output_logits computes the logits."""
         cfg = self.cfg
@@ -164,9 +179,7 @@ class Gemma(nnx.Module):
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
-        table_VD = self.output_table()
-        x_BTD = table_VD[tokens_BT] * jnp.sqrt(jnp.float32(cfg.embed_dim)).astype(table_VD.dtype)
-        x_BTD = constrain(x_BTD, ("batch", "seq", "act_embed"), self.rules)
+        x_BTD = self.embed(tokens_BT)
 
         index = jnp.arange(T)
         distance_TS = index[:, None] - index[None, :]
@@ -174,8 +187,7 @@ class Gemma(nnx.Module):
 
         windows_L = jnp.asarray(layer_windows(cfg))
         is_global_L = windows_L == _GLOBAL_WINDOW
-        rope_global = rope_table(positions_BT, cfg.rope_base_global, cfg.rope_scale_global, cfg.head_dim)
-        rope_local = rope_table(positions_BT, cfg.rope_base_local, 1.0, cfg.head_dim)
+        rope_global, rope_local = self.rope_tables(positions_BT)
 
         graphdef, layer_state = nnx.split(self.layers)
         fused = None if self.attention is AttentionImpl.xla else self.attention.value
@@ -184,8 +196,8 @@ class Gemma(nnx.Module):
             state, window, is_global = per_layer
             layer_mask_BTS = mask_BTS & (distance_TS < window)
             rope = [jnp.where(is_global, g, l) for g, l in zip(rope_global, rope_local)]
-            block = nnx.merge(graphdef, state)
-            return block(x_BTD, rope, layer_mask_BTS, fused), None
+            attend = lambda q, k, v, softcap: (kernels.attention(q, k, v, layer_mask_BTS, softcap, fused), None)
+            return nnx.merge(graphdef, state)(x_BTD, rope, attend)[0], None
 
         if self.remat in kernels.REMAT_POLICIES:
             layer = jax.checkpoint(layer, policy=kernels.REMAT_POLICIES[self.remat], prevent_cse=False)

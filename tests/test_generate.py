@@ -1,0 +1,125 @@
+"""The sampler: cached decoding against the full forward pass, meshes, batches, sampling rules, errors
+(greedy parity with transformers' generate: test_hf_parity.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import config
+from tunix_train.config import ConfigError, Remat
+from tunix_train.generate import Sampler, Sampling
+from tunix_train.generate.sampler import next_tokens, top_p_threshold
+from tunix_train.sharding import make_mesh
+from tunix_train.train.init import model_graphdef, plan_train_state
+from tunix_train.train.optimizer import make_optimizer
+
+# Two layers: a sliding-window one (window 6, shorter than the 40+ positions generated, so its ring
+# buffer wraps) and a global one.
+CFG = config("model.sliding_window=6").model
+MESHES = {"1x1": [[1, 1], ["fsdp", "tp"]], "fsdp4_tp2": [[4, 2], ["fsdp", "tp"]],
+          "dp2_fsdp2_tp2": [[2, 2, 2], ["dp", "fsdp", "tp"]]}
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42]]
+NEW = 40
+
+
+def _host_params():
+    """Random parameters whose post-norms make the layers outweigh the tied embedding (with zero
+    norm scales a random model repeats its input token)."""
+    mesh = make_mesh(MESHES["1x1"], jax.devices()[:1])
+    params = plan_train_state(CFG, make_optimizer(config().training)[0], mesh, seed=0).create().params
+    rng = np.random.default_rng(0)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: np.asarray(x) + (4 + rng.normal(size=x.shape) if "post" in jax.tree_util.keystr(path) else 0),
+        params)
+
+
+HOST_PARAMS = _host_params()
+
+
+def _on(mesh_name):
+    devices = int(np.prod(MESHES[mesh_name][0]))
+    mesh = make_mesh(MESHES[mesh_name], jax.devices()[:devices])
+    plan = plan_train_state(CFG, make_optimizer(config().training)[0], mesh, seed=0)
+    leaves, treedef = jax.tree.flatten(HOST_PARAMS)
+    shardings = jax.tree.leaves(plan.shardings.params)
+    return mesh, jax.tree.unflatten(treedef, [jax.device_put(x.astype(np.float32), s) for x, s in zip(leaves, shardings)])
+
+
+def _recomputed_greedy(prompt, new):
+    """Argmax of the full forward pass over the whole sequence, recomputed at every step."""
+    forward = jax.jit(nnx.merge(model_graphdef(CFG, Remat.none), jax.tree.map(jnp.asarray, HOST_PARAMS)).__call__)
+    seq = list(prompt)
+    for _ in range(new):
+        seq.append(int(np.asarray(forward(jnp.asarray([seq])))[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+REFERENCE = [_recomputed_greedy(p, NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+def test_cached_greedy_decoding_equals_the_recomputed_forward_pass(mesh_name):
+    mesh, params = _on(mesh_name)
+    assert len(set(REFERENCE[0])) > 5  # the reference is not a repeated token
+    assert Sampler(CFG, mesh).generate(params, PROMPTS, NEW) == REFERENCE
+
+
+def test_each_row_of_a_batch_gets_the_tokens_of_its_prompt_alone():
+    mesh, params = _on("fsdp4_tp2")
+    sampler = Sampler(CFG, mesh)
+    prompts = PROMPTS + [[3] * 20, [77]]
+    batched = sampler.generate(params, prompts, 24, Sampling(temperature=0.0))
+    assert batched == [sampler.generate(params, [p], 24)[0] for p in prompts]
+
+
+def test_sampling_with_a_seed_gives_the_same_tokens_on_every_mesh():
+    sampling = Sampling(temperature=1.0, top_k=50, top_p=0.95)
+    drawn = {name: Sampler(CFG, _on(name)[0]).generate(_on(name)[1], PROMPTS, 24, sampling, seed=3)
+             for name in MESHES}
+    assert drawn["1x1"] == drawn["fsdp4_tp2"] == drawn["dp2_fsdp2_tp2"]
+    assert drawn["1x1"] != REFERENCE  # it sampled
+    mesh, params = _on("1x1")
+    assert Sampler(CFG, mesh).generate(params, PROMPTS, 24, sampling, seed=4) != drawn["1x1"]
+
+
+def test_top_k_1_is_greedy():
+    mesh, params = _on("1x1")
+    assert Sampler(CFG, mesh).generate(params, PROMPTS, NEW, Sampling(temperature=1.5, top_k=1), seed=1) == REFERENCE
+
+
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p():
+    probs = np.array([0.05, 0.5, 0.1, 0.2, 0.15])
+    logits = jnp.log(jnp.asarray([probs], jnp.float32))
+    for p, kept in ((0.5, {1}), (0.6, {1, 3}), (0.7, {1, 3}), (0.71, {1, 3, 4}), (1.0, {0, 1, 2, 3, 4})):
+        threshold = float(top_p_threshold(logits, p)[0, 0])
+        assert set(np.flatnonzero(np.asarray(logits[0]) >= threshold)) == kept, p
+    keys = jax.random.split(jax.random.key(0), 4000)
+    draws = np.asarray(jax.vmap(lambda k: next_tokens(logits, Sampling(1.0, top_p=0.6), k))(keys))[:, 0]
+    assert set(draws) == {1, 3}
+    assert abs(np.mean(draws == 1) - 0.5 / 0.7) < 0.03
+
+
+def test_a_row_stops_at_its_stop_token():
+    mesh, params = _on("1x1")
+    stop = REFERENCE[0][6]
+    first = REFERENCE[0].index(stop)
+    out = Sampler(CFG, mesh, stop_ids=[stop]).generate(params, PROMPTS, NEW)
+    assert out[0] == REFERENCE[0][:first]
+    assert out[1] == (REFERENCE[1][:REFERENCE[1].index(stop)] if stop in REFERENCE[1] else REFERENCE[1])
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda s, p: s.generate(p, PROMPTS, 0), "max_new_tokens=0 must be positive"),
+    (lambda s, p: s.generate(p, PROMPTS, 4, Sampling(1.0, top_p=0.0)), r"top_p=0.0 must be in \(0, 1\]"),
+    (lambda s, p: s.generate(p, PROMPTS, 4, Sampling(1.0, top_p=1.5)), r"top_p=1.5 must be in \(0, 1\]"),
+    (lambda s, p: s.generate(p, [[1] * 30], 8), "a prompt of 30 tokens plus max_new_tokens=8 is longer than the "
+                                                "model's context of 32 tokens"),
+    (lambda s, p: s.generate(p, [[CFG.vocab_size]], 8), "outside the model's vocabulary"),
+])
+def test_bad_requests_are_one_line_errors(call, message):
+    mesh, params = _on("1x1")
+    sampler = Sampler(CFG.__class__(**{**CFG.__dict__, "context_length": 32}), mesh)
+    with pytest.raises(ConfigError, match=message):
+        call(sampler, params)

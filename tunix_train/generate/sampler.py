@@ -1,0 +1,200 @@
+"""A sampler: prefill, then a compiled decode loop, on the mesh the parameters live on.
+
+The prompts are left-padded to a bucket length P (a power of two), so one compiled prefill serves
+every batch of prompts up to P tokens. Decoding runs `chunk` steps per call to one compiled scan,
+so the host looks at the tokens (streaming, stopping when every row is done) once per chunk, not
+per token. Layers are unrolled in the decode step (each has its own cache, updated in place);
+google-deepmind/gemma's sampler does the same. Parameters are an argument: the sampler holds no
+copy of the weights, so training and the RL objectives sample with the state they hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tunix_train.config import ConfigError, ModelConfig, Remat
+from tunix_train.generate import cache as kv
+from tunix_train.model.gemma import _GLOBAL_WINDOW, layer_windows, output_logits
+from tunix_train.sharding import BATCH_AXES, LOGICAL_RULES, Rules, data_parallel_size
+from tunix_train.train.init import model_graphdef
+
+DONE = -1  # a row's token after it stopped
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn: greedy at temperature 0; otherwise from softmax(logits / T)
+    restricted to the top_k most likely tokens and to the smallest set whose mass reaches top_p."""
+
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature={self.temperature} must be >= 0")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError(f"top_k={self.top_k} must be >= 1 (or None for no limit)")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1] (or None for no limit)")
+
+
+def next_tokens(logits_BV: jax.Array, sampling: Sampling, key: jax.Array) -> jax.Array:
+    """The next token of each row under `sampling`."""
+    if sampling.temperature == 0 or sampling.top_k == 1:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    logits_BV = logits_BV.astype(jnp.float32) / sampling.temperature
+    if sampling.top_k is not None:
+        kth_B1 = jax.lax.top_k(logits_BV, sampling.top_k)[0][:, -1:]
+        logits_BV = jnp.where(logits_BV >= kth_B1, logits_BV, -jnp.inf)
+    if sampling.top_p is not None:
+        logits_BV = jnp.where(logits_BV >= top_p_threshold(logits_BV, sampling.top_p), logits_BV, -jnp.inf)
+    return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+
+
+def top_p_threshold(logits_BV: jax.Array, top_p: float) -> jax.Array:
+    """[B, 1]: the smallest logit of the smallest set of most likely tokens whose mass reaches top_p
+    (a token is kept when the mass of the tokens more likely than it is below top_p)."""
+    sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    kept_BV = mass_before_BV < top_p
+    return jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+
+
+def bucket(length: int) -> int:
+    """Prompts are left-padded to a power of two (at least 16): few prefill compilations."""
+    return max(16, 1 << math.ceil(math.log2(max(length, 1))))
+
+
+class Sampler:
+    """Generates from a Gemma of `cfg` whose parameters are sharded over `mesh`."""
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, stop_ids: Sequence[int] = (), rules: Rules = LOGICAL_RULES,
+                 chunk: int = 16):
+        """stop_ids: the tokens that end a row (EOS, end of turn), excluded from the output."""
+        self.cfg, self.mesh, self.rules, self.chunk = cfg, mesh, rules, chunk
+        self.stop_ids = tuple(int(i) for i in stop_ids)
+        self.graphdef = model_graphdef(cfg, Remat.none, rules=rules)
+        self.windows = tuple(int(w) for w in layer_windows(cfg))
+        self._prefill = jax.jit(self._prefill_fn, static_argnames=("total_len", "sampling"))
+        self._decode = jax.jit(self._decode_fn, static_argnames=("sampling",), donate_argnums=(1,))
+
+    def _forward(self, params, tokens_BT, positions_BT, attend_of_layer: Callable[[int], Callable]):
+        """Next-token logits [B, V] at the last position, and each layer's cache."""
+        model = nnx.merge(self.graphdef, params)
+        x_BTD = model.embed(tokens_BT)
+        rope_global, rope_local = model.rope_tables(positions_BT)
+        graphdef, stacked = nnx.split(model.layers)
+        caches = []
+        for i, window in enumerate(self.windows):
+            block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+            rope = rope_global if window == _GLOBAL_WINDOW else rope_local
+            x_BTD, cache = block(x_BTD, rope, attend_of_layer(i))
+            caches.append(cache)
+        x_B1D = model.final_norm(x_BTD[:, -1:])
+        return output_logits(x_B1D, model.output_table(), self.cfg.final_logit_softcap, self.rules)[:, 0], caches
+
+    def _stops(self, token_B):
+        return jnp.isin(token_B, jnp.asarray(self.stop_ids or (DONE,), jnp.int32))
+
+    def _prefill_fn(self, params, tokens_BP, pads_B, key, *, total_len: int, sampling: Sampling):
+        Pn = tokens_BP.shape[1]
+        valid_BP = jnp.arange(Pn)[None, :] >= pads_B[:, None]
+        positions_BP = jnp.maximum(jnp.arange(Pn)[None, :] - pads_B[:, None], 0)
+        slots = kv.slots_per_layer(self.cfg, total_len)
+        logits_BV, caches = self._forward(params, tokens_BP, positions_BP,
+                                          lambda i: kv.prefill_attend(self.windows[i], slots[i], valid_BP))
+        shardings = kv.cache_shardings(self.cfg, self.mesh, tokens_BP.shape[0], total_len, self.rules)
+        caches = [jax.lax.with_sharding_constraint(c, s) for c, s in zip(caches, shardings)]
+        return caches, next_tokens(logits_BV, sampling, jax.random.fold_in(key, 0))
+
+    def _decode_fn(self, params, caches, token_B, t, pads_B, done_B, key, start, *, sampling: Sampling):
+        """`chunk` steps from time t, where token_B is fed; returns the caches, the next state and
+        the [B, chunk] tokens drawn (DONE for rows that had stopped)."""
+
+        def step(carry, _):
+            caches, token_B, t, done_B = carry
+            positions_B1 = (t - pads_B)[:, None]
+            logits_BV, caches = self._forward(
+                params, token_B[:, None], positions_B1,
+                lambda i: kv.decode_attend(caches[i], self.windows[i], t, pads_B))
+            drawn_B = next_tokens(logits_BV, sampling, jax.random.fold_in(key, t + 1 - start))
+            out_B = jnp.where(done_B, DONE, drawn_B)
+            return (caches, drawn_B, t + 1, done_B | self._stops(drawn_B)), out_B
+
+        (caches, token_B, t, done_B), out_CB = jax.lax.scan(step, (caches, token_B, t, done_B), None,
+                                                            length=self.chunk)
+        return caches, token_B, t, done_B, out_CB.T
+
+    def generate(self, params, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
+                 seed: int = 0, on_tokens: Optional[Callable[[list[list[int]]], None]] = None) -> list[list[int]]:
+        """New token ids of each prompt, EOS excluded, at most max_new_tokens each. `on_tokens`
+        receives each chunk's new tokens per prompt as they are produced."""
+        prompts = [list(map(int, p)) for p in prompts]
+        if max_new_tokens <= 0:
+            raise ConfigError(f"max_new_tokens={max_new_tokens} must be positive")
+        if not prompts or min(map(len, prompts)) == 0:
+            raise ConfigError("every prompt needs at least one token")
+        longest = max(map(len, prompts))
+        limit = self.cfg.context_length
+        if limit is not None and longest + max_new_tokens > limit:
+            raise ConfigError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} is longer than "
+                              f"the model's context of {limit} tokens: shorten the prompt or lower max_new_tokens")
+        vocab = self.cfg.vocab_size
+        if any(not 0 <= i < vocab for p in prompts for i in p):
+            raise ConfigError(f"a prompt holds a token id outside the model's vocabulary [0, {vocab})")
+        Pn = bucket(longest)
+        total_len = Pn + self.chunk * math.ceil(max_new_tokens / self.chunk)
+        # Rows fill every data-parallel shard: the batch is padded with copies of the first prompt.
+        rows = -(-len(prompts) // data_parallel_size(self.mesh)) * data_parallel_size(self.mesh)
+        padded = prompts + [prompts[0]] * (rows - len(prompts))
+        tokens = np.zeros((rows, Pn), np.int32)
+        pads = np.array([Pn - len(p) for p in padded], np.int32)
+        for row, p in enumerate(padded):
+            tokens[row, Pn - len(p):] = p
+        batch = NamedSharding(self.mesh, P(tuple(a for a in BATCH_AXES if a in self.mesh.shape)))
+        rows_of = lambda x: jax.device_put(x, NamedSharding(self.mesh, P(*batch.spec, *[None] * (x.ndim - 1))))
+        key = jax.random.key(seed)
+
+        new: list[list[int]] = [[] for _ in prompts]
+        finished = [False] * len(prompts)
+
+        def take(drawn_BC):
+            fresh = []
+            for row in range(len(prompts)):
+                got = []
+                for token in drawn_BC[row]:
+                    if finished[row] or token == DONE:
+                        break
+                    if token in self.stop_ids or len(new[row]) == max_new_tokens:
+                        finished[row] = True
+                        break
+                    new[row].append(int(token))
+                    got.append(int(token))
+                    if len(new[row]) == max_new_tokens:
+                        finished[row] = True
+                fresh.append(got)
+            if on_tokens is not None:
+                on_tokens(fresh)
+
+        with jax.set_mesh(self.mesh):
+            pads_B = rows_of(pads)
+            caches, token_B = self._prefill(params, rows_of(tokens), pads_B, key, total_len=total_len,
+                                            sampling=sampling)
+            take(np.asarray(token_B)[:, None])
+            t = jnp.int32(Pn)
+            done_B = self._stops(token_B)
+            while not all(finished):
+                caches, token_B, t, done_B, drawn_BC = self._decode(params, caches, token_B, t, pads_B, done_B,
+                                                                    key, jnp.int32(Pn), sampling=sampling)
+                take(np.asarray(drawn_BC))
+        return new
