@@ -45,8 +45,11 @@ def build(family: str, directory: Path):
     hf_config, model_class = _config_and_class(family)
     model = model_class(hf_config).eval()
     with torch.no_grad():
-        for p in model.parameters():  # norms start at zero: make every tensor matter
+        for name, p in model.named_parameters():  # norms start at zero: make every tensor matter
             p.add_(torch.randn_like(p) * 0.1)
+            # Layers that outweigh the tied embedding: greedy decoding then does not repeat a token.
+            if "post_" in name or (family == "gemma" and "layernorm" in name):
+                p.add_(4.0)
     model.save_pretrained(directory)
     return model
 

@@ -6,10 +6,12 @@ import struct
 import subprocess
 import sys
 
+import jax
 import pytest
 from tensorboardX.proto import event_pb2
 
 from conftest import REPO, cpu_env
+from tunix_train import api
 
 SMALL_MODEL = ["model.num_layers=2", "model.embed_dim=64", "model.hidden_dim=128", "model.num_heads=4",
                "model.head_dim=16", "model.vocab_size=4096", "data.seq_len=32"]
@@ -169,3 +171,29 @@ def test_progress_is_plain_lines_in_logs_and_a_live_line_on_a_terminal(tmp_path)
     live = _run_on_a_terminal(*args, f"hydra.run.dir={tmp_path / 'live'}")
     assert live.count("\r\x1b[K") == 3 and "step 6/6" in live  # rewritten in place
     assert (tmp_path / "live" / "train.log").read_text().count("/6  loss") == 3  # the file keeps every line
+
+
+def test_generate_cli_streams_the_continuation_and_rejects_bad_requests(tmp_path):
+    run_dir = tmp_path / "run"
+    trained = run_cli("model=gemma3_1b", *SMALL_MODEL, "training.max_steps=2", 'model.mesh_shape=[[1],["fsdp"]]',
+                      f"hydra.run.dir={run_dir}", devices=1)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+
+    def generate(*args, devices=1):
+        return subprocess.run([sys.executable, "-m", "tunix_train.generate", str(run_dir), *args], cwd=REPO,
+                              env=cpu_env(devices), capture_output=True, text=True, timeout=300)
+
+    prompt = "To be, or not"
+    result = generate("--prompt", prompt, "--max_new_tokens", "12", "--mesh_shape", '[[2,2],["fsdp","tp"]]',
+                      devices=4)
+    assert result.returncode == 0, result.stderr[-2000:]
+    model = api.load(run_dir, mesh_shape=[[1], ["fsdp"]], devices=jax.devices()[:1])
+    expected = model.generate_text([prompt], max_new_tokens=12)[0]
+    assert len(expected) > 0 and result.stdout == prompt + expected + "\n"
+
+    for args, message in ((["--max_new_tokens", "0"], "max_new_tokens=0 must be positive"),
+                          (["--temperature", "1", "--top_p", "1.5"], "top_p=1.5 must be in (0, 1]")):
+        result = generate("--prompt", prompt, *args)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"tunix_train.generate: error: {message}"), lines

@@ -1,0 +1,80 @@
+"""Generate text from a checkpoint (Hugging Face directory or tunix_train run):
+
+    python -m tunix_train.generate PATH --prompt "To be, or not" [--prompt ...] --max_new_tokens 64 \
+        [--temperature 0.7 --top_k 64 --top_p 0.95 --seed 0] [--mesh_shape '[[2,2],["fsdp","tp"]]']
+
+One prompt streams its continuation as it is produced; several print each continuation when all are
+done. Bad input is a one-line error and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+
+def _arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tunix_train.generate", description=__doc__.split("\n")[0])
+    parser.add_argument("path", help="a Hugging Face Gemma directory or a tunix_train run (or one checkpoint)")
+    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top_k", type=int, default=None)
+    parser.add_argument("--top_p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mesh_shape", default=None,
+                        help='JSON [[sizes], [axis names]], e.g. \'[[2,2],["fsdp","tp"]]\' (default: all devices on fsdp)')
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = _arguments(argv)
+    try:
+        mesh_shape = json.loads(args.mesh_shape) if args.mesh_shape else None
+    except json.JSONDecodeError as err:
+        print(f"tunix_train.generate: error: --mesh_shape is not JSON ({err})", file=sys.stderr)
+        return 2
+    flags = os.environ.get("XLA_FLAGS", "")
+    if mesh_shape and "jax" not in sys.modules and "device_count" not in flags:  # CPUs: that many devices
+        sizes = [s for s in mesh_shape[0] if isinstance(s, int) and s > 0]
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={math.prod(sizes)}".strip()
+
+    from tunix_train import api
+    from tunix_train.config import ConfigError
+
+    try:
+        model = api.load(args.path, mesh_shape)
+        sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        if len(args.prompt) == 1:
+            _stream(model, args.prompt[0], args.max_new_tokens, sampling)
+        else:
+            for i, text in enumerate(model.generate_text(args.prompt, args.max_new_tokens, **sampling)):
+                print(f"[{i}] {args.prompt[i]}{text}")
+    except ConfigError as err:
+        print(f"tunix_train.generate: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _stream(model, prompt: str, max_new_tokens: int, sampling: dict) -> None:
+    """Prints the prompt, then the continuation as each chunk of tokens arrives."""
+    ids: list[int] = []
+    shown = ""
+    print(prompt, end="", flush=True)
+
+    def show(new_per_prompt):
+        nonlocal shown
+        ids.extend(new_per_prompt[0])
+        text = model.tokenizer.decode(ids)
+        print(text[len(shown):], end="", flush=True)
+        shown = text
+
+    model.generate([prompt], max_new_tokens, on_tokens=show, **sampling)
+    print()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
