@@ -1,18 +1,22 @@
 """The sampler: cached decoding against the full forward pass, meshes, batches, sampling rules, errors
 (greedy parity with transformers' generate: test_hf_parity.py)."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import config
+from conftest import config, train_losses
+from tunix_train import api
 from tunix_train.config import ConfigError, Remat
 from tunix_train.generate import Sampler, Sampling
 from tunix_train.generate.sampler import next_tokens, top_p_threshold
 from tunix_train.sharding import make_mesh
 from tunix_train.train.init import model_graphdef, plan_train_state
+from tunix_train.train.loop import train
 from tunix_train.train.optimizer import make_optimizer
 
 # Two layers: a sliding-window one (window 6, shorter than the 40+ positions generated, so its ring
@@ -123,3 +127,28 @@ def test_bad_requests_are_one_line_errors(call, message):
     sampler = Sampler(CFG.__class__(**{**CFG.__dict__, "context_length": 32}), mesh)
     with pytest.raises(ConfigError, match=message):
         call(sampler, params)
+
+
+def test_samples_during_training_are_logged_and_leave_the_losses_unchanged(tmp_path):
+    text = ["data=shakespeare", "model.vocab_size=4096", "training.max_steps=4", "training.log_every=1",
+            "training.eval_every=0", 'model.mesh_shape=[[2,2],["fsdp","tp"]]']
+    train(config(*text), tmp_path / "plain", devices=jax.devices()[:4])
+    prompts = ["ROMEO:", "To be"]
+    sampled = config(*text, "training.sample_every=2", "training.sample_max_new_tokens=6",
+                     f"training.sample_prompts=[{prompts[0]!r},{prompts[1]!r}]")
+    train(sampled, tmp_path / "sampled", devices=jax.devices()[:4])
+    assert train_losses(tmp_path / "sampled") == train_losses(tmp_path / "plain")
+
+    samples = [json.loads(line) for line in (tmp_path / "sampled" / "samples.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["prompt"]) for s in samples] == [(step, p) for step in (0, 2, 4) for p in prompts]
+    final = api.load(tmp_path / "sampled", mesh_shape=[[1], ["fsdp"]], devices=jax.devices()[:1])
+    assert [s["text"] for s in samples[-2:]] == final.generate_text(prompts, max_new_tokens=6)
+    assert all(s["text"] for s in samples)
+    assert "sample at step 4: 'ROMEO:' -> " in (tmp_path / "sampled" / "train.log").read_text()
+    events = b"".join(p.read_bytes() for p in (tmp_path / "sampled").glob("events.out.tfevents.*"))
+    assert b"sample_0" in events and b"sample_1" in events
+
+
+def test_samples_need_text_data():
+    with pytest.raises(ConfigError, match="training.sample_every needs training.sample_prompts and text data"):
+        config("training.sample_every=10")

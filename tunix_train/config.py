@@ -189,6 +189,12 @@ class TrainingConfig:
     eval_every: int = _changeable(50)  # steps between evaluations on the held-out split; 0 disables
     eval_batches: int = _changeable(4)  # a fixed set of held-out batches per evaluation
     nan_policy: NanPolicy = _changeable(NanPolicy.skip)
+    # Every this many steps (and before the first and after the last), the continuations of
+    # sample_prompts (greedy, sample_max_new_tokens tokens) go to the log, samples.jsonl and
+    # TensorBoard; 0: off. Needs text data (a tokenizer).
+    sample_every: int = _changeable(0)
+    sample_prompts: List[str] = _changeable(factory=lambda: ["ROMEO:", "To be, or not to be,"])
+    sample_max_new_tokens: int = _changeable(32)
     # Peak FLOP/s of one device for MFU; null: the table in observe/mfu.py, or measured on CPU.
     peak_flops_per_device: Optional[float] = _changeable(None)
     # Trace profile_steps steps after two warm-up steps into the run directory and print the time
@@ -311,6 +317,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("training.offload_master_weights=true keeps the float32 master copy on the host while "
                           "the step computes in bf16: set training.mixed_precision=bf16 (under fp32 the "
                           "parameters have no second copy)")
+    if t.sample_every < 0 or t.sample_max_new_tokens < 1:
+        raise ConfigError("training.sample_every must be >= 0 and training.sample_max_new_tokens positive")
+    if t.sample_every and (not t.sample_prompts or d.source is DataSource.synthetic
+                           or (d.source is DataSource.array_record and not d.tokenizer)):
+        raise ConfigError("training.sample_every needs training.sample_prompts and text data with a tokenizer "
+                          "(not data=synthetic, nor array_record without data.tokenizer): set it to 0")
     if d.prefetch_batches < 0:
         raise ConfigError(f"data.prefetch_batches={d.prefetch_batches} must be >= 0")
 

@@ -54,6 +54,7 @@ class MetricsWriter:
     """Appends to run_dir/metrics.jsonl and writes the same scalars as TensorBoard events."""
 
     def __init__(self, run_dir: Path):
+        self._run_dir = run_dir
         self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
         self._tensorboard = SummaryWriter(logdir=str(run_dir))
 
@@ -62,6 +63,15 @@ class MetricsWriter:
         self._jsonl.flush()
         for name, value in scalars.items():
             self._tensorboard.add_scalar(name, value, step)
+        self._tensorboard.flush()
+
+    def write_samples(self, step: int, samples: list[tuple[str, str]]) -> None:
+        """Generated continuations (prompt, text): to samples.jsonl and as TensorBoard text."""
+        with open(self._run_dir / "samples.jsonl", "a", encoding="utf-8") as file:
+            for prompt, text in samples:
+                file.write(json.dumps({"step": step, "prompt": prompt, "text": text}) + "\n")
+        for i, (prompt, text) in enumerate(samples):
+            self._tensorboard.add_text(f"sample_{i}", f"{prompt}{text}", step)
         self._tensorboard.flush()
 
     def close(self) -> None:

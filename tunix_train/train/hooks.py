@@ -121,6 +121,26 @@ class Evaluate(Hook):
             end.scalars.update(self.evaluate(end.state.params))
 
 
+class Samples(Hook):
+    """The model's greedy continuations of `prompts` before the first step, every `every` steps and
+    after the last: `generate(params, prompts)` -> texts, given to `write(step, [(prompt, text)])`.
+    Reads the parameters only: the training trajectory is the same with or without it."""
+
+    def __init__(self, generate: Callable[[Any, list[str]], list[str]], prompts: list[str], every: int,
+                 max_steps: int, write: Callable[[int, list[tuple[str, str]]], None]):
+        self.generate, self.prompts, self.every, self.max_steps, self.write = generate, prompts, every, max_steps, write
+
+    def _sample(self, step: int, state: TrainState) -> None:
+        self.write(step, list(zip(self.prompts, self.generate(state.params, self.prompts))))
+
+    def at_start(self, start: StepEnd) -> None:
+        self._sample(start.step, start.state)
+
+    def after_step(self, end: StepEnd) -> None:
+        if end.step % self.every == 0 or end.step == self.max_steps:
+            self._sample(end.step, end.state)
+
+
 class Report(Hook):
     """Writes a step's scalars, when it has any, to metrics.jsonl and TensorBoard (`writer`) and as
     one log line; process 0 only (the others pass None). Restarts the tokens/s interval."""

@@ -12,6 +12,7 @@ import jax
 from tunix_train.checkpoint import Checkpointer
 from tunix_train.config import Config, NanPolicy
 from tunix_train.data import Data
+from tunix_train.generate import Sampler
 from tunix_train.observe.comms import CommunicationProfile
 from tunix_train.observe.metrics import MetricsWriter, setup_logging
 from tunix_train.observe.mfu import peak_for_run, train_flops_per_token
@@ -118,6 +119,7 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
                 h.TrainMetrics(interval, t.log_every, t.max_steps, tokens_per_step, flops_per_token,
                                peak * mesh.devices.size),
                 *([h.Evaluate(run.eval_fn, eval_batches, t.eval_every, t.max_steps)] if eval_batches else []),
+                *_samples_hook(cfg, run, data, writer, say),
                 *extra_hooks,
                 h.Report(writer, log, interval, t.max_steps),
                 h.StopOnSignal(stop, save, checkpointer.wait, checkpoints),
@@ -133,6 +135,30 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
             writer.close()
     say(f"done: step {int(state.step)}, final checkpoint in {checkpoints / str(int(state.step))}")
     return state
+
+
+def _samples_hook(cfg: Config, run, data: Data, writer: MetricsWriter | None, say) -> list[h.Hook]:
+    """training.sample_every: greedy continuations of training.sample_prompts, by the sampler on
+    the training mesh, from the parameters moved to the devices where they are offloaded."""
+    t = cfg.training
+    if not t.sample_every:
+        return []
+    tokenizer = data.tokenizer
+    sampler = Sampler(cfg.model, run.mesh, stop_ids=(tokenizer.eos_id,))
+
+    def generate(params, prompts: list[str]) -> list[str]:
+        params = jax.device_put(params, run.plan.on_device.params)
+        ids = sampler.generate(params, [[tokenizer.bos_id, *tokenizer.encode(p)] for p in prompts],
+                               t.sample_max_new_tokens)
+        return [tokenizer.decode(new) for new in ids]
+
+    def write(step: int, samples: list[tuple[str, str]]) -> None:
+        for prompt, text in samples:
+            say(f"sample at step {step}: {prompt!r} -> {text!r}")
+        if writer:
+            writer.write_samples(step, samples)
+
+    return [h.Samples(generate, list(t.sample_prompts), t.sample_every, t.max_steps, write)]
 
 
 def _profile_hook(cfg: Config, run_dir: Path, start: int, step_fn, say, is_chief: bool) -> list[h.Hook]:
