@@ -22,9 +22,18 @@ FAMILIES = ("gemma", "gemma2", "gemma3")
 REFERENCE_PYTHON = "TUNIX_TRAIN_REFERENCE_PYTHON"
 
 
-def _config_and_class(family: str):
+def _config_and_class(family: str, for_gguf: bool = False):
     import transformers
 
+    if for_gguf:  # what transformers' GGUF loader assumes where a file is silent; MLP rows of whole Q4_K blocks
+        sizes = dict(SIZES, intermediate_size=256, max_position_embeddings=64)
+        if family == "gemma":
+            return transformers.GemmaConfig(**sizes), transformers.GemmaForCausalLM
+        if family == "gemma2":
+            return (transformers.Gemma2Config(**sizes, sliding_window=WINDOW, query_pre_attn_scalar=256),
+                    transformers.Gemma2ForCausalLM)
+        return (transformers.Gemma3TextConfig(**dict(sizes, num_hidden_layers=6), sliding_window=WINDOW,
+                                              query_pre_attn_scalar=256), transformers.Gemma3ForCausalLM)
     if family == "gemma":
         return transformers.GemmaConfig(**SIZES), transformers.GemmaForCausalLM
     if family == "gemma2":
@@ -37,12 +46,12 @@ def _config_and_class(family: str):
         transformers.Gemma3ForCausalLM)
 
 
-def build(family: str, directory: Path):
+def build(family: str, directory: Path, for_gguf: bool = False):
     """A seeded random transformers model of `family`, saved into `directory` (safetensors)."""
     import torch
 
     torch.manual_seed(0)
-    hf_config, model_class = _config_and_class(family)
+    hf_config, model_class = _config_and_class(family, for_gguf)
     model = model_class(hf_config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():  # norms start at zero: make every tensor matter

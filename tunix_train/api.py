@@ -8,8 +8,8 @@
     model.generate([[2, 651, 6037]], max_new_tokens=32)              # new token ids per prompt
     model.generate_text(["To be, or not"], max_new_tokens=32, temperature=0.7, top_p=0.9)
 
-`path` is a Hugging Face Gemma directory (config.json + safetensors), or a tunix_train run
-directory, its checkpoints/ folder, or one step's folder.
+`path` is a GGUF file (llama.cpp's format), a Hugging Face Gemma directory (config.json +
+safetensors), or a tunix_train run directory, its checkpoints/ folder, or one step's folder.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tunix_train.checkpoint import resolve_resume_path, restore_from
 from tunix_train.config import Config, ConfigError, DataSource, ModelConfig, Remat
 from tunix_train.data.tokenizer import Tokenizer, load_tokenizer
 from tunix_train.generate import Sampler, Sampling
-from tunix_train.interop import hf
+from tunix_train.interop import gguf, hf
 from tunix_train.plan import MemoryErrors
 from tunix_train.sharding import make_mesh, validate_model_for_mesh
 from tunix_train.train.init import model_graphdef, plan_train_state
@@ -104,7 +104,9 @@ def load(path: str | Path, mesh_shape: Any = None, devices: list[jax.Device] | N
     devices on fsdp)."""
     path = Path(path).expanduser().resolve()
     mesh_shape = mesh_shape or [[-1], ["fsdp"]]
-    if (path / "config.json").is_file():
+    if gguf.is_gguf(path):
+        cfg = Config(model=ModelConfig(name=path.stem, **gguf.model_fields(gguf.open_gguf(path), path)))
+    elif (path / "config.json").is_file():
         cfg = Config(model=ModelConfig(name=path.name, **hf.model_fields_from_hf(hf.read_hf_config(path))))
     else:
         resolve_resume_path(str(path))
@@ -114,7 +116,9 @@ def load(path: str | Path, mesh_shape: Any = None, devices: list[jax.Device] | N
     optimizer, _ = make_optimizer(cfg.training)
     plan = plan_train_state(cfg.model, optimizer, mesh, cfg.training.seed)
     with MemoryErrors(cfg, mesh, training=False):
-        if (path / "config.json").is_file():
+        if gguf.is_gguf(path):
+            params = gguf.load_params(path, cfg.model, plan.abstract.params)
+        elif (path / "config.json").is_file():
             params = hf.load_params(path, cfg.model, plan.abstract.params)
         else:
             params = restore_from(str(path), plan.abstract)[0].params
@@ -125,6 +129,8 @@ def load(path: str | Path, mesh_shape: Any = None, devices: list[jax.Device] | N
 def _tokenizer_and_stops(path: Path, cfg: Config) -> tuple[Optional[Tokenizer], tuple[int, ...]]:
     """A Hugging Face directory's tokenizer.model and EOS ids (config.json, generation_config.json);
     a run's tokenizer (data.tokenizer, or the bundled one for text data) and its EOS."""
+    if gguf.is_gguf(path):
+        return None, ()
     if (path / "config.json").is_file():
         stops: list[int] = []
         for name in ("config.json", "generation_config.json"):

@@ -176,14 +176,19 @@ def load_params(directory: Path, cfg: ModelConfig, abstract_params: nnx.State) -
     each process reading only its devices' slices of the safetensors files."""
     directory = Path(directory)
     check_matches(cfg, directory)
-    files = _SafetensorsFiles(directory)
+    return load_params_from(_SafetensorsFiles(directory), cfg, abstract_params, str(directory))
+
+
+def load_params_from(files: Any, cfg: ModelConfig, abstract_params: nnx.State, source: str) -> nnx.State:
+    """Parameters from `files`, anything with has(name) and read(name, slices) over transformers'
+    tensor names and layouts (safetensors here, GGUF in interop/gguf.py); `source` names it in errors."""
 
     def load(key_path, leaf: jax.ShapeDtypeStruct):
         path = jax.tree_util.keystr(key_path, simple=True, separator=".").removesuffix(".value")
         layered = path.startswith(_LAYERED)
         for layer in (range(cfg.num_layers) if layered else [None]):
             if not files.has(_hf_name(path, layer, cfg)):
-                raise ConfigError(f"model.init_from: {directory} has no tensor {_hf_name(path, layer, cfg)}")
+                raise ConfigError(f"model.init_from: {source} has no tensor {_hf_name(path, layer, cfg)}")
 
         def block(index):
             layers = range(*index[0].indices(cfg.num_layers)) if layered else [None]
@@ -215,7 +220,8 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "intermediate_size": cfg.hidden_dim, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "hidden_activation": "gelu_pytorch_tanh",
-        "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True, "max_position_embeddings": cfg.context_length or 8192,
+        "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+        "max_position_embeddings": cfg.context_length or 8192,
         "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "torch_dtype": "float32",
         "rope_theta": cfg.rope_base_global, "rope_parameters": rope_global,
     }

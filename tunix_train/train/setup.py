@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from tunix_train import platform
 from tunix_train.checkpoint import restore_from, restore_latest
 from tunix_train.config import Config, ConfigError, changeable_on_resume
-from tunix_train.interop import hf
+from tunix_train.interop import gguf, hf
 from tunix_train.sharding import LOGICAL_RULES, data_parallel_size, make_mesh, validate_model_for_mesh
 from tunix_train.state import TrainState
 from tunix_train.train.init import StatePlan, plan_train_state
@@ -91,7 +91,8 @@ def initial_state(cfg: Config, run: Setup, checkpoints: Path, train_batches) -> 
         restored = restore_from(cfg.checkpoint.resume_from, run.plan.abstract)
         origin = f"started from checkpoint.resume_from={cfg.checkpoint.resume_from}"
     if restored is None and cfg.model.init_from:
-        params = hf.load_params(Path(cfg.model.init_from), cfg.model, run.plan.abstract.params)
+        source = gguf if gguf.is_gguf(cfg.model.init_from) else hf
+        params = source.load_params(Path(cfg.model.init_from), cfg.model, run.plan.abstract.params)
         return run.plan.from_params(params), f"initialized from model.init_from={cfg.model.init_from}", skipped
     if restored is None:
         return run.plan.create(), "initialized from training.seed", skipped

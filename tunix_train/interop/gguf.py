@@ -1,0 +1,193 @@
+"""GGUF import (llama.cpp, Ollama, LM Studio files): Gemma, Gemma 2 and Gemma 3 text weights.
+
+The `gguf` package (llama.cpp's own reader) parses the file and dequantizes every type it knows
+(gguf.quants.dequantize); nothing here decodes a quantization format. transformers' GGUF loader
+(integrations/ggml.py, modeling_gguf_pytorch_utils.py) is the reference for each convention:
+
+- tensor names: llama.cpp's (token_embd, blk.N.attn_q, ..., output_norm), mapped to transformers'
+  by gguf's own TensorNameMap, then to ours by interop.hf's table;
+- layouts: a dequantized tensor has transformers' [out, in] layout already; Gemma's Q and K rows
+  are not permuted by llama.cpp's converter (only Llama's are);
+- RMSNorm weights: llama.cpp stores 1 + w; w is restored by subtracting 1;
+- metadata the file leaves out takes the values transformers' config classes assume (Gemma 2:
+  soft-caps 50 and 30, query scale 256; Gemma 3: 5 local layers per global, local RoPE base 10k,
+  query scale 256).
+
+Dequantized tensors go straight into their shardings: each device's block is cut from one
+dequantized tensor, and only the tensors of one parameter (all its layers) are held at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.interop import hf
+
+log = logging.getLogger("tunix_train")
+
+ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+# What transformers' config classes assume where a GGUF file is silent (Gemma2Config, Gemma3TextConfig).
+_DEFAULTS = {
+    "gemma": dict(rope_base=10_000.0, query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None,
+                  local_per_global=0, window=None, local_rope_base=10_000.0),
+    "gemma2": dict(rope_base=10_000.0, query_pre_attn_scalar=256, attn_softcap=50.0, final_softcap=30.0,
+                   local_per_global=1, window=4096, local_rope_base=10_000.0),
+    "gemma3": dict(rope_base=1_000_000.0, query_pre_attn_scalar=256, attn_softcap=None, final_softcap=None,
+                   local_per_global=5, window=4096, local_rope_base=10_000.0),
+}
+_VISION_PREFIXES = ("v.", "mm.")  # a multimodal file's vision tower and projector: not read
+
+
+def is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix.lower() == ".gguf"
+
+
+def open_gguf(path: str | Path):
+    """gguf.GGUFReader over `path`, or a one-line ConfigError naming the file."""
+    import gguf
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such GGUF file")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as err:  # a truncated or foreign file fails in many ways inside the reader
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise ConfigError(f"{path}: not a readable GGUF file ({reason}); is it complete?") from None
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    """A metadata value; float32 ones as the shortest decimal that rounds to them (1e-06, not
+    9.99999997e-07), as the converter wrote them from the original config."""
+    field = reader.get_field(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return float(str(np.float32(value))) if isinstance(value, float) else value
+
+
+def architecture(reader, path: Path) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"{path}: a GGUF of architecture {arch!r}; tunix_train reads {', '.join(ARCHITECTURES)}")
+    return arch
+
+
+def model_fields(reader, path: Path) -> dict[str, Any]:
+    """ModelConfig fields from the file's metadata ({arch}.* keys) and its embedding's shape."""
+    arch = architecture(reader, path)
+    key = lambda name, default=None: _field(reader, f"{arch}.{name}", default)
+    defaults = _DEFAULTS[arch]
+    layers, embed, heads = key("block_count"), key("embedding_length"), key("attention.head_count")
+    if None in (layers, embed, heads, key("feed_forward_length")):
+        raise ConfigError(f"{path}: the GGUF metadata lacks {arch}.block_count, embedding_length, "
+                          f"feed_forward_length or attention.head_count")
+    per_global = _local_per_global(key("attention.sliding_window_pattern"), defaults["local_per_global"], layers, path)
+    scaling = key("rope.scaling.factor") if key("rope.scaling.type") == "linear" else None
+    return {
+        "num_layers": layers, "embed_dim": embed, "hidden_dim": key("feed_forward_length"),
+        "num_heads": heads, "num_kv_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length", embed // heads),
+        "vocab_size": int(_tensor(reader, "token_embd.weight", path).shape[-1]),  # GGML order: [D, V]
+        "query_pre_attn_scalar": defaults["query_pre_attn_scalar"],
+        "attn_logit_softcap": key("attn_logit_softcapping", defaults["attn_softcap"]),
+        "final_logit_softcap": key("final_logit_softcapping", defaults["final_softcap"]),
+        "use_post_attn_norm": arch != "gemma", "use_post_ffw_norm": arch != "gemma",
+        "use_qk_norm": arch == "gemma3",
+        "local_layers_per_global": per_global,
+        "sliding_window": key("attention.sliding_window", defaults["window"]) if per_global else None,
+        "rope_base_global": float(key("rope.freq_base", defaults["rope_base"])),
+        "rope_base_local": float(key("rope.freq_base_swa", defaults["local_rope_base"] if per_global
+                                     else key("rope.freq_base", defaults["rope_base"]))),
+        "rope_scale_global": float(scaling or 1.0),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "context_length": key("context_length"),
+    }
+
+
+def _local_per_global(pattern: Any, default: int, layers: int, path: Path) -> int:
+    """Local layers before each global one, from {arch}.attention.sliding_window_pattern (a period,
+    or a per-layer list of 'is sliding'), else transformers' default."""
+    if pattern is None:
+        return default
+    if isinstance(pattern, (int, np.integer)):
+        return int(pattern) - 1
+    sliding = [bool(s) for s in pattern]
+    per_global = sliding.index(False) if False in sliding else layers
+    if sliding != [(i + 1) % (per_global + 1) != 0 for i in range(layers)]:
+        raise ConfigError(f"{path}: sliding_window_pattern {sliding} is not N local layers then a global one")
+    return per_global if per_global < layers else 0
+
+
+def _tensor(reader, name: str, path: Path):
+    for tensor in reader.tensors:
+        if tensor.name == name:
+            return tensor
+    raise ConfigError(f"{path}: the GGUF has no tensor {name}")
+
+
+def check_matches(cfg: ModelConfig, fields: dict[str, Any], path: Path) -> None:
+    """A one-line ConfigError naming the first model field that differs from the file's."""
+    for key, value in fields.items():
+        ours = getattr(cfg, key)
+        if key == "context_length" or (key == "query_pre_attn_scalar" and (ours or cfg.head_dim) == (value or cfg.head_dim)):
+            continue
+        if ours != value:
+            raise ConfigError(f"model.init_from: {path} has {key}={value!r} but model.{key}={ours!r}; "
+                              f"use the matching model config or set model.{key}={value!r}")
+
+
+class _GGUFTensors:
+    """The file's text tensors under transformers' names, dequantized to float32, 1 taken off the
+    norms; `hf.load_params_from` reads them block by block."""
+
+    def __init__(self, reader, path: Path, cfg: ModelConfig):
+        import gguf
+
+        self.path = path
+        arch = {"gemma": gguf.MODEL_ARCH.GEMMA, "gemma2": gguf.MODEL_ARCH.GEMMA2,
+                "gemma3": gguf.MODEL_ARCH.GEMMA3}[architecture(reader, path)]
+        self._names = gguf.get_tensor_name_map(arch, cfg.num_layers)
+        self._by_name = {t.name: t for t in reader.tensors if not t.name.startswith(_VISION_PREFIXES)}
+        skipped = len(reader.tensors) - len(self._by_name)
+        if skipped:
+            log.info(f"{path.name}: {skipped} vision-tower tensors ignored (text weights only)")
+        # One parameter's tensors (all its layers) at a time: each device's block is cut from them.
+        self._dequantized = functools.lru_cache(maxsize=cfg.num_layers + 1)(self._dequantize)
+
+    def _gguf_name(self, hf_name: str) -> str | None:
+        return self._names.get_name(hf_name, try_suffixes=(".weight",))
+
+    def has(self, hf_name: str) -> bool:
+        return self._gguf_name(hf_name) in self._by_name
+
+    def _dequantize(self, name: str) -> np.ndarray:
+        from gguf import quants
+
+        tensor = self._by_name[name]
+        try:
+            weights = quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise ConfigError(f"{self.path}: tensor {name} has type {tensor.tensor_type.name}, which "
+                              f"gguf.quants cannot dequantize") from None
+        weights = weights.astype(np.float32, copy=False)
+        return weights - 1.0 if name.endswith("norm.weight") else weights
+
+    def read(self, hf_name: str, slices: list[slice]) -> np.ndarray:
+        return self._dequantized(self._gguf_name(hf_name))[tuple(slices)]
+
+
+def load_params(path: str | Path, cfg: ModelConfig, abstract_params: nnx.State) -> nnx.State:
+    """Parameters in the shapes and shardings of `abstract_params`, from a GGUF file whose model
+    matches `cfg`."""
+    path = Path(path).expanduser()
+    reader = open_gguf(path)
+    check_matches(cfg, model_fields(reader, path), path)
+    return hf.load_params_from(_GGUFTensors(reader, path, cfg), cfg, abstract_params, str(path))
