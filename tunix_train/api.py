@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 from tunix_train.checkpoint import resolve_resume_path, restore_from
 from tunix_train.config import Config, ConfigError, DataSource, ModelConfig, Remat
-from tunix_train.data.tokenizer import Tokenizer, load_tokenizer
+from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer
 from tunix_train.generate import Sampler, Sampling
 from tunix_train.interop import gguf, hf
 from tunix_train.plan import MemoryErrors
@@ -127,21 +127,19 @@ def load(path: str | Path, mesh_shape: Any = None, devices: list[jax.Device] | N
 
 
 def _tokenizer_and_stops(path: Path, cfg: Config) -> tuple[Optional[Tokenizer], tuple[int, ...]]:
-    """A Hugging Face directory's tokenizer.model and EOS ids (config.json, generation_config.json);
-    a run's tokenizer (data.tokenizer, or the bundled one for text data) and its EOS."""
-    if gguf.is_gguf(path):
-        return None, ()
-    if (path / "config.json").is_file():
-        stops: list[int] = []
+    """A GGUF's or a Hugging Face directory's own tokenizer and EOS ids (config.json and
+    generation_config.json add theirs); a run's tokenizer (as its training read text) and its EOS."""
+    if gguf.is_gguf(path) or (path / "config.json").is_file():
+        tokenizer = load_tokenizer(path, cfg.model.vocab_size, str(path)) if carries_tokenizer(path) else None
+        stops: list[int] = [tokenizer.eos_id] if tokenizer else []
         for name in ("config.json", "generation_config.json"):
             if (path / name).is_file():
                 eos = json.loads((path / name).read_text()).get("eos_token_id")
                 stops += [eos] if isinstance(eos, int) else list(eos or [])
-        tokenizer = (load_tokenizer(str(path / "tokenizer.model"), cfg.model.vocab_size)
-                     if (path / "tokenizer.model").is_file() else None)
         return tokenizer, tuple(dict.fromkeys(stops))
     if cfg.data.source is DataSource.synthetic or (cfg.data.source is DataSource.array_record
                                                    and not cfg.data.tokenizer):
         return None, ()
-    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
+    source, key = run_tokenizer(cfg)
+    tokenizer = load_tokenizer(source, cfg.model.vocab_size, key)
     return tokenizer, (tokenizer.eos_id,)

@@ -13,7 +13,7 @@ from tunix_train.config import Config, DataSource
 from tunix_train.data.pipeline import DocumentFeatures, PackedBatches
 from tunix_train.data.sources import train_and_eval_documents
 from tunix_train.data.synthetic import SyntheticBatches
-from tunix_train.data.tokenizer import load_tokenizer
+from tunix_train.data.tokenizer import load_tokenizer, run_tokenizer
 
 _EVAL_SEED_OFFSET = 1_000_003  # synthetic evaluation data: a stream disjoint from training's
 
@@ -25,7 +25,8 @@ class Data:
         self.cfg = cfg
         self.synthetic = cfg.data.source is DataSource.synthetic
         if not self.synthetic:
-            self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
+            source, key = run_tokenizer(cfg)
+            self.tokenizer = load_tokenizer(source, cfg.model.vocab_size, key)
             self.train_docs, self.eval_docs = train_and_eval_documents(cfg.data)
             self.features = DocumentFeatures(self.tokenizer, cfg.model.vocab_size)
 

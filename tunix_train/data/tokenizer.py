@@ -1,7 +1,16 @@
-"""The tokenizer interface and its SentencePiece implementation (also loads Gemma's tokenizer.model)."""
+"""Tokenizers: one interface over three sources.
+
+- a SentencePiece model (`tokenizer.model`; the bundled Shakespeare tokenizer is one);
+- a Hugging Face `tokenizer.json`, read with the `tokenizers` package;
+- the vocabulary embedded in a GGUF file (`tokenizer.ggml.*`), rebuilt as a `tokenizers` BPE the way
+  transformers' GGUF conversion builds Gemma's (integrations/gguf/gguf_tokenizer_mapping.py).
+
+`encode` never adds BOS or EOS; callers add `bos_id` where a sequence starts.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Protocol
 
@@ -11,9 +20,11 @@ BUNDLED_TOKENIZER = Path(__file__).parent / "corpus" / "shakespeare_4k.model"
 
 
 class Tokenizer(Protocol):
+    path: Path
     vocab_size: int
     bos_id: int
     eos_id: int
+    pad_id: int
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -27,7 +38,7 @@ class SentencePieceTokenizer:
         self.path = path
         self._sp = spm.SentencePieceProcessor(model_file=str(path))
         self.vocab_size = self._sp.vocab_size()
-        self.bos_id, self.eos_id = self._sp.bos_id(), self._sp.eos_id()
+        self.bos_id, self.eos_id, self.pad_id = self._sp.bos_id(), self._sp.eos_id(), self._sp.pad_id()
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
@@ -36,18 +47,127 @@ class SentencePieceTokenizer:
         return self._sp.decode(list(ids))
 
 
-def load_tokenizer(path: str | None, vocab_size: int) -> SentencePieceTokenizer:
-    """The tokenizer at `path` (default: the bundled one), checked against the model's vocabulary."""
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` (from tokenizer.json or a GGUF vocabulary) and its special ids."""
+
+    def __init__(self, tokenizer, path: Path, bos_id: int, eos_id: int, pad_id: int):
+        self._tokenizer, self.path = tokenizer, path
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def tokenizer_json(path: Path) -> HFTokenizer:
+    """tokenizer.json, its special tokens named by tokenizer_config.json beside it, else Gemma's
+    (<bos>, <eos>, <pad>)."""
+    from tokenizers import Tokenizer as Backend
+
+    backend = Backend.from_file(str(path))
+    names = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+    config = path.parent / "tokenizer_config.json"
+    if config.is_file():
+        for key, value in json.loads(config.read_text()).items():
+            if key in names and value:
+                names[key] = value["content"] if isinstance(value, dict) else value
+    ids = {key: backend.token_to_id(name) for key, name in names.items()}
+    if ids["bos_token"] is None or ids["eos_token"] is None:
+        raise ConfigError(f"{path}: no BOS or EOS token ({names['bos_token']!r}, {names['eos_token']!r}) in its vocabulary")
+    return HFTokenizer(backend, path, ids["bos_token"], ids["eos_token"],
+                       ids["pad_token"] if ids["pad_token"] is not None else -1)
+
+
+def gguf_tokenizer(reader, path: Path) -> HFTokenizer:
+    """The Gemma SentencePiece-style BPE a GGUF file describes (tokenizer.ggml.model = llama):
+    byte fallback, spaces as U+2581, merges rebuilt from the vocabulary in file order (Gemma files
+    list none, and their scores do not follow the merge order), control tokens kept whole."""
+    from tokenizers import AddedToken, Tokenizer as Backend, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    field = lambda key: None if reader.get_field(key) is None else reader.get_field(key).contents()
+    if field("tokenizer.ggml.model") != "llama" or field("tokenizer.ggml.tokens") is None:
+        raise ConfigError(f"{path}: no SentencePiece-style vocabulary (tokenizer.ggml.model="
+                          f"{field('tokenizer.ggml.model')!r}); pass data.tokenizer")
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in field("tokenizer.ggml.tokens")]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = _merges_in_vocabulary_order(vocab)
+    unk = tokens[field("tokenizer.ggml.unknown_token_id") or 0]
+    backend = Backend(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=unk, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    types = field("tokenizer.ggml.token_type") or []
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, kind in zip(tokens, types) if kind == 3])  # CONTROL
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, kind in zip(tokens, types) if kind == 4])  # USER_DEFINED
+    special = lambda key, default: field(f"tokenizer.ggml.{key}") if field(f"tokenizer.ggml.{key}") is not None else default
+    return HFTokenizer(backend, path, special("bos_token_id", 2), special("eos_token_id", 1),
+                       special("padding_token_id", 0))
+
+
+def _merges_in_vocabulary_order(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens, ordered by the token's position in the vocabulary
+    (earlier first), then longer left and right pieces first: transformers' generate_merges with
+    scores -position."""
+    merges = []
+    for token, index in vocab.items():
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        pairs.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        merges.extend((-index, left, right) for left, right in pairs)
+    merges.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    return [(left, right) for _, left, right in merges]
+
+
+def carries_tokenizer(path: str | Path) -> bool:
+    """Whether a checkpoint (a .gguf, or a Hugging Face directory) holds its tokenizer."""
+    path = Path(path).expanduser()
+    return path.suffix == ".gguf" or any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
+
+
+def run_tokenizer(cfg) -> tuple[str | None, str]:
+    """The tokenizer a run reads its text with, and the config key that names it: data.tokenizer;
+    else the tokenizer of the checkpoint model.init_from starts from; else the bundled one (None)."""
+    if cfg.data.tokenizer:
+        return cfg.data.tokenizer, "data.tokenizer"
+    if cfg.model.init_from and carries_tokenizer(cfg.model.init_from):
+        return cfg.model.init_from, "model.init_from"
+    return None, "data.tokenizer"
+
+
+def load_tokenizer(path: str | Path | None, vocab_size: int, key: str = "data.tokenizer") -> Tokenizer:
+    """The tokenizer at `path` (a SentencePiece .model, a tokenizer.json, a .gguf, or a directory
+    holding tokenizer.json or tokenizer.model; default: the bundled one), checked against the
+    model's vocabulary; errors name `key`."""
     file = Path(path).expanduser() if path else BUNDLED_TOKENIZER
+    if file.is_dir():
+        found = [file / name for name in ("tokenizer.json", "tokenizer.model") if (file / name).is_file()]
+        if not found:
+            raise ConfigError(f"{key}: {file} holds no tokenizer.json or tokenizer.model")
+        file = found[0]
     if not file.is_file():
-        raise ConfigError(f"data.tokenizer: no such file {file}")
+        raise ConfigError(f"{key}: no such file {file}")
     try:
-        tokenizer = SentencePieceTokenizer(file)
-    except (RuntimeError, OSError) as err:
-        raise ConfigError(f"data.tokenizer: {file} is not a SentencePiece model ({err})") from None
+        if file.suffix == ".json":
+            tokenizer = tokenizer_json(file)
+        elif file.suffix == ".gguf":
+            from tunix_train.interop.gguf import open_gguf
+
+            tokenizer = gguf_tokenizer(open_gguf(file), file)
+        else:
+            tokenizer = SentencePieceTokenizer(file)
+    except ConfigError as err:
+        raise ConfigError(f"{key}: {err}") from None
+    except Exception as err:
+        kind = "tokenizer.json" if file.suffix == ".json" else "SentencePiece model"
+        raise ConfigError(f"{key}: {file} is not a {kind} ({' '.join(str(err).split())})") from None
     if tokenizer.vocab_size > vocab_size:
-        raise ConfigError(f"data.tokenizer: {file} has {tokenizer.vocab_size} tokens but "
-                          f"model.vocab_size={vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
+        raise ConfigError(f"{key}: {file} has {tokenizer.vocab_size} tokens but model.vocab_size={vocab_size}; "
+                          f"set model.vocab_size >= {tokenizer.vocab_size} or use the model's own tokenizer")
     if min(tokenizer.bos_id, tokenizer.eos_id) < 0:
-        raise ConfigError(f"data.tokenizer: {file} defines no BOS or EOS token")
+        raise ConfigError(f"{key}: {file} defines no BOS or EOS token")
     return tokenizer

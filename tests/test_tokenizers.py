@@ -1,0 +1,80 @@
+"""The three tokenizer sources against transformers, token for token: a SentencePiece model, a
+tokenizer.json, and a GGUF file's vocabulary (the bundled 4,096-piece BPE, written into each)."""
+
+import shutil
+
+import gguf
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[reference]'")
+
+from tunix_train.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer  # noqa: E402
+
+PROBES = ["To be, or not to be: that is the question.", "  two leading spaces and\ttabs\t\there",
+          "lines\n\nand\r\nbreaks\n", "accents: café, naïve, Ærø, Ångström", "CJK: 你好，世界。日本語のテキスト",
+          "emoji: 🤗🚀👩‍👩‍👧 and ½ ∑ ≠", "ROMEO:\nBut, soft! what light through yonder window breaks?"]
+
+
+def _gguf_with_the_bundled_vocabulary(path):
+    """A GGUF holding the bundled tokenizer's pieces as llama.cpp writes a SentencePiece vocabulary."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(BUNDLED_TOKENIZER))
+    pieces = range(sp.vocab_size())
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([sp.id_to_piece(i) for i in pieces])
+    writer.add_token_scores([sp.get_score(i) for i in pieces])
+    kinds = [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 1 for i in pieces]
+    writer.add_token_types(kinds)
+    writer.add_bos_token_id(sp.bos_id()), writer.add_eos_token_id(sp.eos_id())
+    writer.add_unk_token_id(sp.unk_id()), writer.add_pad_token_id(sp.pad_id())
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    return path
+
+
+def _assert_like(ours, reference, probes=PROBES):
+    for text in probes:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text, add_special_tokens=False), text
+        assert ours.decode(ids) == text
+    assert (ours.bos_id, ours.eos_id) == (reference.bos_token_id, reference.eos_token_id)
+
+
+def test_a_gguf_vocabulary_tokenizes_like_transformers_gguf_conversion(tmp_path):
+    path = _gguf_with_the_bundled_vocabulary(tmp_path / "vocab.gguf")
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="vocab.gguf")
+    ours = load_tokenizer(path, 4096)
+    _assert_like(ours, reference)
+    assert ours.pad_id == reference.pad_token_id == 0
+
+
+def test_a_tokenizer_json_tokenizes_like_transformers(tmp_path):
+    _gguf_with_the_bundled_vocabulary(tmp_path / "vocab.gguf")
+    transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="vocab.gguf").save_pretrained(tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").is_file() and not (tmp_path / "hf" / "tokenizer.model").exists()
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    # transformers adds the Gemma special tokens it misses (<bos>, <eos>, <mask>): 4,099 tokens
+    _assert_like(load_tokenizer(tmp_path / "hf", 4099), reference)  # the directory: its tokenizer.json
+    _assert_like(load_tokenizer(tmp_path / "hf" / "tokenizer.json", 4099), reference)
+
+
+def test_a_sentencepiece_model_tokenizes_like_transformers(tmp_path):
+    shutil.copy(BUNDLED_TOKENIZER, tmp_path / "tokenizer.model")
+    reference = transformers.LlamaTokenizer.from_pretrained(tmp_path, legacy=False)
+    # One known difference, transformers' and not ours (we run SentencePiece itself): for a model that
+    # adds a dummy prefix, as the bundled one does (Gemma's does not), transformers' conversion
+    # tokenizes a leading run of spaces differently from SentencePiece.
+    leading_spaces = [p for p in PROBES if p.startswith("  ")]
+    _assert_like(load_tokenizer(tmp_path / "tokenizer.model", 4096), reference,
+                 [p for p in PROBES if p not in leading_spaces])
+    assert all(reference.encode(p, add_special_tokens=False) != load_tokenizer(tmp_path / "tokenizer.model", 4096)
+               .encode(p) for p in leading_spaces)
+
+
+def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path):
+    path = _gguf_with_the_bundled_vocabulary(tmp_path / "vocab.gguf")
+    with pytest.raises(Exception) as err:
+        load_tokenizer(path, 1000, "model.init_from")
+    assert str(err.value) == (f"model.init_from: {path} has 4096 tokens but model.vocab_size=1000; set "
+                              f"model.vocab_size >= 4096 or use the model's own tokenizer")
