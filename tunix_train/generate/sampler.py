@@ -88,15 +88,21 @@ class Sampler:
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("total_len", "sampling"))
         self._decode = jax.jit(self._decode_fn, static_argnames=("sampling",), donate_argnums=(1,))
 
-    def _forward(self, params, tokens_BT, positions_BT, attend_of_layer: Callable[[int], Callable]):
-        """Next-token logits [B, V] at the last position, and each layer's cache."""
+    def _layers(self, params):
+        """The model and each layer's parameters, cut from the stacked ones. On XLA:CPU each cut is a
+        copy: the decode loop makes them once per chunk of steps, not once per step."""
         model = nnx.merge(self.graphdef, params)
+        graphdef, stacked = nnx.split(model.layers)
+        return model, graphdef, [jax.tree.map(lambda a: a[i], stacked) for i in range(len(self.windows))]
+
+    def _forward(self, layers, tokens_BT, positions_BT, attend_of_layer: Callable[[int], Callable]):
+        """Next-token logits [B, V] at the last position, and each layer's cache."""
+        model, graphdef, per_layer = layers
         x_BTD = model.embed(tokens_BT)
         rope_global, rope_local = model.rope_tables(positions_BT)
-        graphdef, stacked = nnx.split(model.layers)
         caches = []
         for i, window in enumerate(self.windows):
-            block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+            block = nnx.merge(graphdef, per_layer[i])
             rope = rope_global if window == _GLOBAL_WINDOW else rope_local
             x_BTD, cache = block(x_BTD, rope, attend_of_layer(i))
             caches.append(cache)
@@ -111,7 +117,7 @@ class Sampler:
         valid_BP = jnp.arange(Pn)[None, :] >= pads_B[:, None]
         positions_BP = jnp.maximum(jnp.arange(Pn)[None, :] - pads_B[:, None], 0)
         slots = kv.slots_per_layer(self.cfg, total_len)
-        logits_BV, caches = self._forward(params, tokens_BP, positions_BP,
+        logits_BV, caches = self._forward(self._layers(params), tokens_BP, positions_BP,
                                           lambda i: kv.prefill_attend(self.windows[i], slots[i], valid_BP))
         shardings = kv.cache_shardings(self.cfg, self.mesh, tokens_BP.shape[0], total_len, self.rules)
         caches = [jax.lax.with_sharding_constraint(c, s) for c, s in zip(caches, shardings)]
@@ -121,11 +127,13 @@ class Sampler:
         """`chunk` steps from time t, where token_B is fed; returns the caches, the next state and
         the [B, chunk] tokens drawn (DONE for rows that had stopped)."""
 
+        layers = self._layers(params)
+
         def step(carry, _):
             caches, token_B, t, done_B = carry
             positions_B1 = (t - pads_B)[:, None]
             logits_BV, caches = self._forward(
-                params, token_B[:, None], positions_B1,
+                layers, token_B[:, None], positions_B1,
                 lambda i: kv.decode_attend(caches[i], self.windows[i], t, pads_B))
             drawn_B = next_tokens(logits_BV, sampling, jax.random.fold_in(key, t + 1 - start))
             out_B = jnp.where(done_B, DONE, drawn_B)

@@ -226,7 +226,8 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "rope_theta": cfg.rope_base_global, "rope_parameters": rope_global,
     }
     if family != "gemma":
-        config.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+        scalar = cfg.query_pre_attn_scalar or cfg.head_dim  # transformers 5 takes an int where it is one
+        config.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
                       attn_logit_softcapping=cfg.attn_logit_softcap,
                       final_logit_softcapping=cfg.final_logit_softcap,
                       sliding_window=cfg.sliding_window or 4096, layer_types=types)
