@@ -152,3 +152,4 @@ def test_samples_during_training_are_logged_and_leave_the_losses_unchanged(tmp_p
 def test_samples_need_text_data():
     with pytest.raises(ConfigError, match="training.sample_every needs training.sample_prompts and text data"):
         config("training.sample_every=10")
+

@@ -130,7 +130,7 @@ def _tokenizer_and_stops(path: Path, cfg: Config) -> tuple[Optional[Tokenizer], 
     """A GGUF's or a Hugging Face directory's own tokenizer and EOS ids (config.json and
     generation_config.json add theirs); a run's tokenizer (as its training read text) and its EOS."""
     if gguf.is_gguf(path) or (path / "config.json").is_file():
-        tokenizer = load_tokenizer(path, cfg.model.vocab_size, str(path)) if carries_tokenizer(path) else None
+        tokenizer = load_tokenizer(path, cfg.model.vocab_size, "tokenizer") if carries_tokenizer(path) else None
         stops: list[int] = [tokenizer.eos_id] if tokenizer else []
         for name in ("config.json", "generation_config.json"):
             if (path / name).is_file():

@@ -2,8 +2,9 @@
 
     python -m tunix_train.export RUN_DIR_OR_CHECKPOINT OUTPUT_DIR
 
-Writes OUTPUT_DIR/config.json and OUTPUT_DIR/model.safetensors (float32); the latest checkpoint
-of a run or checkpoints/ folder, or the given step's folder.
+Writes OUTPUT_DIR/config.json, OUTPUT_DIR/model.safetensors (float32) and the run's tokenizer
+(tokenizer.json or tokenizer.model); the latest checkpoint of a run or checkpoints/ folder, or the
+given step's folder.
 """
 
 import argparse
@@ -21,11 +22,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.output.exists() and any(args.output.iterdir()):
             raise ConfigError(f"{args.output} is not empty; choose a new output directory")
+        import jax
+
         from tunix_train import api
         from tunix_train.interop import hf
 
         model = api.load(args.checkpoint)
         hf.export(model.params, model.config, args.output)
+        if model.tokenizer is not None and jax.process_index() == 0:
+            model.tokenizer.save(args.output)
     except ConfigError as err:
         print(f"tunix_train.export: error: {err}", file=sys.stderr)
         return 2

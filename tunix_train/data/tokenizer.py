@@ -30,6 +30,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def save(self, directory: Path) -> None: ...
+
 
 class SentencePieceTokenizer:
     def __init__(self, path: Path):
@@ -46,6 +48,10 @@ class SentencePieceTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._sp.decode(list(ids))
 
+    def save(self, directory: Path) -> None:
+        """As tokenizer.model, where transformers and load_tokenizer find it."""
+        (directory / "tokenizer.model").write_bytes(self.path.read_bytes())
+
 
 class HFTokenizer:
     """A `tokenizers.Tokenizer` (from tokenizer.json or a GGUF vocabulary) and its special ids."""
@@ -60,6 +66,14 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def save(self, directory: Path) -> None:
+        """As tokenizer.json with a tokenizer_config.json naming its special tokens."""
+        self._tokenizer.save(str(directory / "tokenizer.json"))
+        name = lambda i: self._tokenizer.id_to_token(i) if i >= 0 else None
+        config = {"bos_token": name(self.bos_id), "eos_token": name(self.eos_id), "pad_token": name(self.pad_id),
+                  "add_bos_token": True, "tokenizer_class": "GemmaTokenizer"}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def tokenizer_json(path: Path) -> HFTokenizer:
@@ -126,7 +140,11 @@ def _merges_in_vocabulary_order(vocab: dict[str, int]) -> list[tuple[str, str]]:
 def carries_tokenizer(path: str | Path) -> bool:
     """Whether a checkpoint (a .gguf, or a Hugging Face directory) holds its tokenizer."""
     path = Path(path).expanduser()
-    return path.suffix == ".gguf" or any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
+    if path.suffix == ".gguf":
+        from tunix_train.interop.gguf import open_gguf
+
+        return open_gguf(path).get_field("tokenizer.ggml.tokens") is not None
+    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
 
 
 def run_tokenizer(cfg) -> tuple[str | None, str]:
