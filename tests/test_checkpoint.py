@@ -79,6 +79,7 @@ def test_kill_9_then_rerun_gives_bit_identical_parameters(tmp_path, reference, k
     assert all(m["loss"] == ref[m["step"]] for m in read_metrics(tmp_path) if "loss" in m)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_the_rerun_continues(tmp_path, reference):
     proc = _start(tmp_path)
     _wait_for_line(proc, "step 4/")

@@ -159,6 +159,7 @@ def _run_on_a_terminal(*args) -> str:
     return out.decode()
 
 
+@pytest.mark.slow
 def test_progress_is_plain_lines_in_logs_and_a_live_line_on_a_terminal(tmp_path):
     args = ["model=gemma3_tiny", "data=synthetic", "data.seq_len=16", "training.max_steps=6",
             "training.log_every=2", "training.eval_every=0"]
@@ -173,6 +174,7 @@ def test_progress_is_plain_lines_in_logs_and_a_live_line_on_a_terminal(tmp_path)
     assert (tmp_path / "live" / "train.log").read_text().count("/6  loss") == 3  # the file keeps every line
 
 
+@pytest.mark.slow
 def test_generate_cli_streams_the_continuation_and_rejects_bad_requests(tmp_path):
     run_dir = tmp_path / "run"
     trained = run_cli("model=gemma3_1b", *SMALL_MODEL, "training.max_steps=2", 'model.mesh_shape=[[1],["fsdp"]]',

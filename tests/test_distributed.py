@@ -48,6 +48,7 @@ def test_two_processes_give_the_losses_of_one(tmp_path, one_process, mesh, micro
     assert len(list(tmp_path.glob("train.log"))) == 1
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_one_and_two_processes(tmp_path, one_process):
     """Learning rate 0 after the restore, so a saved state must equal the one it came from bit for bit."""
     frozen = ["training.learning_rate=0", 'model.mesh_shape=[[4,1],["fsdp","tp"]]', "training.micro_batch_size=2"]
@@ -73,6 +74,7 @@ def test_tensor_parallelism_must_stay_within_a_host(tmp_path):
     assert "tp=4 must divide the 2 devices of each host" in result.stdout
 
 
+@pytest.mark.slow
 def test_killing_one_process_stops_the_launcher(tmp_path):
     start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "tunix_train.launch", "--nprocs=2", "--cpu_devices_per_process=2",

@@ -1,6 +1,7 @@
 """The sampler: cached decoding against the full forward pass, meshes, batches, sampling rules, errors
 (greedy parity with transformers' generate: test_hf_parity.py)."""
 
+import functools
 import json
 
 import jax
@@ -28,6 +29,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42]]
 NEW = 40
 
 
+@functools.cache
 def _host_params():
     """Random parameters whose post-norms make the layers outweigh the tied embedding (with zero
     norm scales a random model repeats its input token)."""
@@ -39,35 +41,36 @@ def _host_params():
         params)
 
 
-HOST_PARAMS = _host_params()
 
 
 def _on(mesh_name):
     devices = int(np.prod(MESHES[mesh_name][0]))
     mesh = make_mesh(MESHES[mesh_name], jax.devices()[:devices])
     plan = plan_train_state(CFG, make_optimizer(config().training)[0], mesh, seed=0)
-    leaves, treedef = jax.tree.flatten(HOST_PARAMS)
+    leaves, treedef = jax.tree.flatten(_host_params())
     shardings = jax.tree.leaves(plan.shardings.params)
     return mesh, jax.tree.unflatten(treedef, [jax.device_put(x.astype(np.float32), s) for x, s in zip(leaves, shardings)])
 
 
 def _recomputed_greedy(prompt, new):
     """Argmax of the full forward pass over the whole sequence, recomputed at every step."""
-    forward = jax.jit(nnx.merge(model_graphdef(CFG, Remat.none), jax.tree.map(jnp.asarray, HOST_PARAMS)).__call__)
+    forward = jax.jit(nnx.merge(model_graphdef(CFG, Remat.none), jax.tree.map(jnp.asarray, _host_params())).__call__)
     seq = list(prompt)
     for _ in range(new):
         seq.append(int(np.asarray(forward(jnp.asarray([seq])))[0, -1].argmax()))
     return seq[len(prompt):]
 
 
-REFERENCE = [_recomputed_greedy(p, NEW) for p in PROMPTS]
+@functools.cache
+def _reference():
+    return [_recomputed_greedy(p, NEW) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
 def test_cached_greedy_decoding_equals_the_recomputed_forward_pass(mesh_name):
     mesh, params = _on(mesh_name)
-    assert len(set(REFERENCE[0])) > 5  # the reference is not a repeated token
-    assert Sampler(CFG, mesh).generate(params, PROMPTS, NEW) == REFERENCE
+    assert len(set(_reference()[0])) > 5  # the reference is not a repeated token
+    assert Sampler(CFG, mesh).generate(params, PROMPTS, NEW) == _reference()
 
 
 def test_each_row_of_a_batch_gets_the_tokens_of_its_prompt_alone():
@@ -83,14 +86,14 @@ def test_sampling_with_a_seed_gives_the_same_tokens_on_every_mesh():
     drawn = {name: Sampler(CFG, _on(name)[0]).generate(_on(name)[1], PROMPTS, 24, sampling, seed=3)
              for name in MESHES}
     assert drawn["1x1"] == drawn["fsdp4_tp2"] == drawn["dp2_fsdp2_tp2"]
-    assert drawn["1x1"] != REFERENCE  # it sampled
+    assert drawn["1x1"] != _reference()  # it sampled
     mesh, params = _on("1x1")
     assert Sampler(CFG, mesh).generate(params, PROMPTS, 24, sampling, seed=4) != drawn["1x1"]
 
 
 def test_top_k_1_is_greedy():
     mesh, params = _on("1x1")
-    assert Sampler(CFG, mesh).generate(params, PROMPTS, NEW, Sampling(temperature=1.5, top_k=1), seed=1) == REFERENCE
+    assert Sampler(CFG, mesh).generate(params, PROMPTS, NEW, Sampling(temperature=1.5, top_k=1), seed=1) == _reference()
 
 
 def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p():
@@ -107,11 +110,11 @@ def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p():
 
 def test_a_row_stops_at_its_stop_token():
     mesh, params = _on("1x1")
-    stop = REFERENCE[0][6]
-    first = REFERENCE[0].index(stop)
+    reference = _reference()
+    stop = reference[0][6]
     out = Sampler(CFG, mesh, stop_ids=[stop]).generate(params, PROMPTS, NEW)
-    assert out[0] == REFERENCE[0][:first]
-    assert out[1] == (REFERENCE[1][:REFERENCE[1].index(stop)] if stop in REFERENCE[1] else REFERENCE[1])
+    assert out[0] == reference[0][:reference[0].index(stop)]
+    assert out[1] == (reference[1][:reference[1].index(stop)] if stop in reference[1] else reference[1])
 
 
 @pytest.mark.parametrize("call, message", [

@@ -120,6 +120,7 @@ def test_remat_policies_give_the_same_losses(tmp_path):
         np.testing.assert_allclose(losses, reference, rtol=1e-5, err_msg=policy)
 
 
+@pytest.mark.slow
 def test_the_default_job_learns(tmp_path):
     """`python run_training.py` as shipped (gemma3_small on the bundled corpus), cut to 40 steps."""
     cfg, _ = load_config(["training.max_steps=40", "training.log_every=10", "training.eval_every=20"])
@@ -192,6 +193,7 @@ def test_an_offloaded_state_lives_in_pinned_host_memory_and_changes_no_loss(tmp_
     np.testing.assert_allclose(train_losses(tmp_path / "offload"), reference, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_resumes_with_or_without_offload(tmp_path, offload="both"):
     """3 steps with the state offloaded then 2 without, and the reverse, give the losses of 5 steps in
     one run: checkpoints are the same either way. (A constant learning rate: the schedule does not
