@@ -78,3 +78,13 @@ def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path):
         load_tokenizer(path, 1000, "model.init_from")
     assert str(err.value) == (f"model.init_from: {path} has 4096 tokens but model.vocab_size=1000; set "
                               f"model.vocab_size >= 4096 or use the model's own tokenizer")
+
+
+def test_a_saved_tokenizer_loads_in_transformers_with_bos_in_front(tmp_path):
+    ours = load_tokenizer(_gguf_with_the_bundled_vocabulary(tmp_path / "vocab.gguf"), 4096)
+    (tmp_path / "saved").mkdir()
+    ours.save(tmp_path / "saved")
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path / "saved")
+    for text in PROBES:
+        assert reference(text).input_ids == [ours.bos_id, *ours.encode(text)]
+    _assert_like(load_tokenizer(tmp_path / "saved", 4096), reference)

@@ -68,9 +68,16 @@ class HFTokenizer:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def save(self, directory: Path) -> None:
-        """As tokenizer.json with a tokenizer_config.json naming its special tokens."""
-        self._tokenizer.save(str(directory / "tokenizer.json"))
+        """As tokenizer.json, which puts BOS in front as transformers' Gemma tokenizers do, with a
+        tokenizer_config.json naming its special tokens."""
+        from tokenizers import Tokenizer as Backend, processors
+
         name = lambda i: self._tokenizer.id_to_token(i) if i >= 0 else None
+        saved = Backend.from_str(self._tokenizer.to_str())
+        bos = name(self.bos_id)
+        saved.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                             special_tokens=[(bos, self.bos_id)])
+        saved.save(str(directory / "tokenizer.json"))
         config = {"bos_token": name(self.bos_id), "eos_token": name(self.eos_id), "pad_token": name(self.pad_id),
                   "add_bos_token": True, "tokenizer_class": "GemmaTokenizer"}
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
