@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
 from tunix_train.checkpoint import resolve_resume_path, restore_from
-from tunix_train.config import Config, ConfigError, DataSource, ModelConfig, Remat
+from tunix_train.config import Config, ConfigError, ModelConfig, Remat, reads_text
 from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer
 from tunix_train.generate import Sampler, Sampling
 from tunix_train.interop import gguf, hf
@@ -69,7 +69,8 @@ class LoadedModel:
         return [self._decode(ids) for ids in self.generate(list(texts), max_new_tokens, **sampling)]
 
     def _encode(self, text: str) -> list[int]:
-        return [self._need_tokenizer().bos_id, *self._need_tokenizer().encode(text)]
+        tokenizer = self._need_tokenizer()
+        return [tokenizer.bos_id, *tokenizer.encode(text)]
 
     def _decode(self, ids: list[int]) -> str:
         return self._need_tokenizer().decode(ids)
@@ -137,8 +138,7 @@ def _tokenizer_and_stops(path: Path, cfg: Config) -> tuple[Optional[Tokenizer], 
                 eos = json.loads((path / name).read_text()).get("eos_token_id")
                 stops += [eos] if isinstance(eos, int) else list(eos or [])
         return tokenizer, tuple(dict.fromkeys(stops))
-    if cfg.data.source is DataSource.synthetic or (cfg.data.source is DataSource.array_record
-                                                   and not cfg.data.tokenizer):
+    if not reads_text(cfg.data):
         return None, ()
     source, key = run_tokenizer(cfg)
     tokenizer = load_tokenizer(source, cfg.model.vocab_size, key)

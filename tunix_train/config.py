@@ -259,6 +259,11 @@ def _register_schema() -> None:
     ConfigStore.instance().store(name="base_config", node=Config)
 
 
+def reads_text(data: DataConfig) -> bool:
+    """Whether the run's data comes through a tokenizer (not synthetic, nor pre-tokenized without one)."""
+    return not (data.source is DataSource.synthetic or (data.source is DataSource.array_record and not data.tokenizer))
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no devices; mesh checks live in tunix_train.sharding."""
     m, t, d, c = cfg.model, cfg.training, cfg.data, cfg.checkpoint
@@ -319,8 +324,7 @@ def validate(cfg: Config) -> None:
                           "parameters have no second copy)")
     if t.sample_every < 0 or t.sample_max_new_tokens < 1:
         raise ConfigError("training.sample_every must be >= 0 and training.sample_max_new_tokens positive")
-    if t.sample_every and (not t.sample_prompts or d.source is DataSource.synthetic
-                           or (d.source is DataSource.array_record and not d.tokenizer)):
+    if t.sample_every and (not t.sample_prompts or not reads_text(d)):
         raise ConfigError("training.sample_every needs training.sample_prompts and text data with a tokenizer "
                           "(not data=synthetic, nor array_record without data.tokenizer): set it to 0")
     if d.prefetch_batches < 0:
