@@ -1,24 +1,29 @@
 """The sampler's KV cache and the attention that reads it.
 
 Prompts are left-padded to a common length, so every row is at the same time step t; row b's
-position is t - pad_b. Each layer keeps keys and values [B, K, S, H], sharded like a batch (rows
-over dp and fsdp) and over tp by kv head where they divide. A global layer has a slot for every
-time step of the generation; a sliding-window layer a ring buffer of `sliding_window` slots. Time t
-goes to slot t % S; the slot s then holds time t - ((t - s) mod S), its most recent visit.
+position is t - pad_b. Each layer keeps keys and values [B*K, S, H]: one row per (batch row, kv
+head), sharded like a batch (over dp and fsdp) and by kv head over tp where they divide. A global
+layer has a slot for every time step of the generation; a sliding-window layer a ring buffer of
+`sliding_window` slots. Time t goes to slot t % S; the slot s then holds time t - ((t - s) mod S),
+its most recent visit.
+
+Why batch and kv heads share one dimension: with a separate kv-head dimension of size 1 (Gemma 3
+up to 1B), XLA:CPU fused each cache update into both of its readers (the attention's reshape and
+the loop's output) and copied every cache four times per decode step (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.config import ModelConfig
 from tunix_train.model import kernels
 from tunix_train.model.gemma import layer_windows
 from tunix_train.sharding import Rules, logical_to_spec
 
-CACHE_AXES = ("batch", "kv_heads", None, "head_dim")  # of each layer's keys and values [B, K, S, H]
+CACHE_AXES = ("batch", "kv_heads", None, "head_dim")  # of [B, K, S, H], whose first two merge
 
 
 def slots_per_layer(cfg: ModelConfig, total_len: int) -> tuple[int, ...]:
@@ -27,9 +32,16 @@ def slots_per_layer(cfg: ModelConfig, total_len: int) -> tuple[int, ...]:
 
 
 def cache_shardings(cfg: ModelConfig, mesh: Mesh, rows: int, total_len: int, rules: Rules) -> list[NamedSharding]:
-    return [NamedSharding(mesh, logical_to_spec(CACHE_AXES, (rows, cfg.num_kv_heads, slots, cfg.head_dim), mesh,
-                                                "KV cache", rules))
-            for slots in slots_per_layer(cfg, total_len)]
+    """Each layer's [B*K, S, H] cache: rows split over the batch's mesh axes, then over the kv
+    heads' (row-major, so the same split as [B, K] sharded on both)."""
+    shardings = []
+    for slots in slots_per_layer(cfg, total_len):
+        rows_spec, heads_spec, *rest = logical_to_spec(CACHE_AXES, (rows, cfg.num_kv_heads, slots, cfg.head_dim),
+                                                       mesh, "KV cache", rules)
+        merged = tuple(a for entry in (rows_spec, heads_spec) if entry is not None
+                       for a in ((entry,) if isinstance(entry, str) else entry))
+        shardings.append(NamedSharding(mesh, P(merged or None, *rest)))
+    return shardings
 
 
 def prefill_attend(window: int, slots: int, valid_BT: jax.Array):
@@ -47,45 +59,52 @@ def prefill_attend(window: int, slots: int, valid_BT: jax.Array):
     return attend
 
 
-def _fill(x_BTKH: jax.Array, slots: int) -> jax.Array:
-    """A cache [B, K, slots, H] holding times 0..T-1 of x at slot t % slots (the last `slots` of
-    them when T is longer)."""
+def _rows(x_BTKH: jax.Array) -> jax.Array:
+    """[B, T, K, H] keys or values as cache rows [B*K, T, H]."""
     B, T, K, H = x_BTKH.shape
-    x_BKTH = x_BTKH.transpose(0, 2, 1, 3)
+    return x_BTKH.transpose(0, 2, 1, 3).reshape(B * K, T, H)
+
+
+def _fill(x_BTKH: jax.Array, slots: int) -> jax.Array:
+    """A cache [B*K, slots, H] holding times 0..T-1 of x at slot t % slots (the last `slots` of
+    them when T is longer)."""
+    x_XTH = _rows(x_BTKH)
+    X, T, H = x_XTH.shape
     if T <= slots:
-        return jnp.zeros((B, K, slots, H), x_BTKH.dtype).at[:, :, :T].set(x_BKTH)
-    return jnp.roll(x_BKTH[:, :, T - slots:], (T - slots) % slots, axis=2)
+        return jnp.zeros((X, slots, H), x_XTH.dtype).at[:, :T].set(x_XTH)
+    return jnp.roll(x_XTH[:, T - slots:], (T - slots) % slots, axis=1)
 
 
 def decode_attend(cache: dict[str, jax.Array], window: int, t: jax.Array, pads_B: jax.Array):
     """For Attention, at time step t (one new position): the new key and value written to slot
     t % S, then attention over the slots that hold this row's past within the window."""
-    slots = cache["k"].shape[2]
+    slots = cache["k"].shape[1]
     time_S = t - jnp.mod(t - jnp.arange(slots), slots)
     valid_BS = (time_S >= pads_B[:, None]) & (t - time_S < window)
 
     def attend(q_B1NH, k_B1KH, v_B1KH, softcap):
         slot = jnp.mod(t, slots)
-        write = lambda c, x: jax.lax.dynamic_update_slice_in_dim(c, x.transpose(0, 2, 1, 3).astype(c.dtype), slot, 2)
+        write = lambda c, x: jax.lax.dynamic_update_slice_in_dim(c, _rows(x).astype(c.dtype), slot, 1)
         new = {"k": write(cache["k"], k_B1KH), "v": write(cache["v"], v_B1KH)}
         return cached_attention(q_B1NH, new["k"], new["v"], valid_BS, softcap), new
 
     return attend
 
 
-def cached_attention(q_B1NH, k_BKSH, v_BKSH, valid_BS, softcap: float | None):
-    """One query position against the cache: softmax(q k) v over the valid slots, grouped-query."""
+def cached_attention(q_B1NH, k_XSH, v_XSH, valid_BS, softcap: float | None):
+    """One query position against the cache rows X = B*K: softmax(q k) v over the valid slots,
+    grouped-query (each kv head's G = N/K query heads read its row)."""
     B, _, N, H = q_B1NH.shape
-    K = k_BKSH.shape[1]
-    q_BKGH = q_B1NH.reshape(B, K, N // K, H)
-    logits_BKGS = jnp.einsum("bkgh,bksh->bkgs", q_BKGH, k_BKSH).astype(jnp.float32)
+    K = k_XSH.shape[0] // B
+    q_XGH = q_B1NH.reshape(B * K, N // K, H)
+    logits_XGS = jnp.einsum("xgh,xsh->xgs", q_XGH, k_XSH).astype(jnp.float32)
     if softcap is not None:
-        logits_BKGS = jnp.tanh(logits_BKGS / softcap) * softcap
-    logits_BKGS = jnp.where(valid_BS[:, None, None], logits_BKGS, -1e30)
-    exp_BKGS = jnp.exp(logits_BKGS - jnp.max(logits_BKGS, axis=-1, keepdims=True))
-    weighted_BKGH = jnp.einsum("bkgs,bksh->bkgh", exp_BKGS.astype(v_BKSH.dtype), v_BKSH)
-    out_BKGH = weighted_BKGH / jnp.sum(exp_BKGS, axis=-1, keepdims=True).astype(weighted_BKGH.dtype)
-    return out_BKGH.reshape(B, 1, N, H).astype(v_BKSH.dtype)
+        logits_XGS = jnp.tanh(logits_XGS / softcap) * softcap
+    logits_XGS = jnp.where(jnp.repeat(valid_BS, K, axis=0)[:, None], logits_XGS, -1e30)
+    exp_XGS = jnp.exp(logits_XGS - jnp.max(logits_XGS, axis=-1, keepdims=True))
+    weighted_XGH = jnp.einsum("xgs,xsh->xgh", exp_XGS.astype(v_XSH.dtype), v_XSH)
+    out_XGH = weighted_XGH / jnp.sum(exp_XGS, axis=-1, keepdims=True).astype(weighted_XGH.dtype)
+    return out_XGH.reshape(B, 1, N, H).astype(v_XSH.dtype)
 
 
 def cache_bytes(cfg: ModelConfig, rows: int, total_len: int, itemsize: int) -> int:

@@ -75,7 +75,9 @@ class Attention(nnx.Module):
         q_BTNH = constrain(q_BTNH, ("batch", "seq", "act_heads", None), self.rules)
 
         out_BTNH, extra = attend(q_BTNH, k_BSKH, v_BSKH, self.softcap)
-        return jnp.einsum("btnh,nhd->btd", out_BTNH, self.o_NHD[...]), extra
+        # contracts (n, h) in this order: jnp.einsum("btnh,nhd->btd") asks for (h, n), for which
+        # XLA:CPU transposed the output weights and the activations at every call
+        return jax.lax.dot_general(out_BTNH, self.o_NHD[...], (((2, 3), (0, 1)), ((), ()))), extra
 
 
 class MLP(nnx.Module):
