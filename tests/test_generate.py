@@ -15,6 +15,7 @@ from tunix_train import api
 from tunix_train.config import ConfigError, Remat
 from tunix_train.generate import Sampler, Sampling
 from tunix_train.generate.sampler import next_tokens, top_p_threshold
+from tunix_train.plan import OutOfMemory
 from tunix_train.sharding import make_mesh
 from tunix_train.train.init import model_graphdef, plan_train_state
 from tunix_train.train.loop import train
@@ -130,6 +131,21 @@ def test_bad_requests_are_one_line_errors(call, message):
     sampler = Sampler(CFG.__class__(**{**CFG.__dict__, "context_length": 32}), mesh)
     with pytest.raises(ConfigError, match=message):
         call(sampler, params)
+
+
+def test_running_out_of_memory_is_one_line_that_says_what_to_lower():
+    """A prompt of 2^17 tokens makes the prefill's attention scores 512 GiB: XLA's CPU client fails
+    the allocation (RESOURCE_EXHAUSTED) before computing anything."""
+    mesh, params = _on("1x1")
+    model = api.LoadedModel(CFG.__class__(**{**CFG.__dict__, "context_length": None}), mesh, params)
+    with pytest.raises(OutOfMemory) as raised:
+        model.generate([[5] * 2**17], 4)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("out of host RAM; an allocation of 512.")
+    assert message.endswith("to lower it, in this order: fewer prompts at once (1 now); shorter prompts (the longest "
+                            "has 131072 tokens); max_new_tokens=2; more devices on the fsdp axis (parameters divide "
+                            "by it)")
 
 
 def test_samples_during_training_are_logged_and_leave_the_losses_unchanged(tmp_path):

@@ -59,8 +59,9 @@ class LoadedModel:
         any mesh). `on_tokens` receives the new tokens of each prompt as they are produced."""
         sampling = Sampling(temperature, top_k, top_p)
         ids = [self._encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        tips = [f"fewer prompts at once ({len(ids)} now)", f"max_new_tokens={max(max_new_tokens // 2, 1)}",
-                "shorter prompts"]
+        tips = [f"fewer prompts at once ({len(ids)} now)",
+                f"shorter prompts (the longest has {max(map(len, ids), default=0)} tokens)",
+                f"max_new_tokens={max(max_new_tokens // 2, 1)}"]
         with MemoryErrors(None, self.mesh, training=False, first_tips=tips):
             return self._sampler.generate(self.params, ids, max_new_tokens, sampling, seed, on_tokens)
 

@@ -97,10 +97,11 @@ def advice(cfg, mesh, training: bool = True) -> list[str]:
         tips.append(f"data.seq_len={cfg.data.seq_len // 2} (shorter sequences)")
     if training and t.remat.value != "full":
         tips.append("training.remat=full (recompute activations in the backward pass)")
+    divided = "parameters, gradients and optimizer state divide" if training else "parameters divide"
     if mesh.shape.get("fsdp", 1) < mesh.devices.size:
-        tips.append("shard more over fsdp (parameters, gradients and optimizer state divide by it)")
+        tips.append(f"shard more over fsdp ({divided} by it)")
     else:
-        tips.append("more devices on the fsdp axis (parameters, gradients and optimizer state divide by it)")
+        tips.append(f"more devices on the fsdp axis ({divided} by it)")
     device = mesh.devices.flat[0]
     if (training and device.platform != "cpu"  # a CPU's "device" memory is the host's
             and "pinned_host" in {m.kind for m in device.addressable_memories()}):
