@@ -50,12 +50,21 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def open_gguf(path: str | Path):
-    """gguf.GGUFReader over `path`, or a one-line ConfigError naming the file."""
-    import gguf
-
+    """gguf.GGUFReader over `path`, or a one-line ConfigError naming the file. The last file's
+    reader is kept: loading opens it for the config, the weights and the tokenizer, and the reader
+    parses every metadata field in Python (a 262,144-token vocabulary: about 10 s) when it opens."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise ConfigError(f"{path}: no such GGUF file")
+    stat = path.stat()
+    return _reader(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _reader(path: Path, mtime_ns: int, size: int):
+    """The reader of one version of a file (its modification time and size in the key)."""
+    import gguf
+
     try:
         return gguf.GGUFReader(path)
     except Exception as err:  # a truncated or foreign file fails in many ways inside the reader
