@@ -25,9 +25,10 @@ def q4_k_bytes(shape: tuple[int, int], seed: int = 0) -> np.ndarray:
 
 
 def write(path: Path, family: str, hf_config: dict, tensors: dict[str, np.ndarray], types=None,
-          metadata: dict | None = None) -> Path:
+          metadata: dict | None = None, extra: dict[str, np.ndarray] | None = None) -> Path:
     """`types(gguf_name, array) -> GGMLQuantizationType` picks each tensor's type (default F32);
-    `metadata` adds or overrides {arch}.* keys (value None removes one)."""
+    `metadata` adds or overrides {arch}.* keys (value None removes one); `extra`: more float32
+    tensors under their GGUF names (a vision tower's, say)."""
     arch = gguf.MODEL_ARCH_NAMES[ARCH[family]]
     writer = gguf.GGUFWriter(str(path), arch)
     c = hf_config
@@ -69,6 +70,8 @@ def write(path: Path, family: str, hf_config: dict, tensors: dict[str, np.ndarra
                 block, size = gguf.GGML_QUANT_SIZES[kind]
                 data = np.zeros((array.shape[0], array.shape[1] // block * size), np.uint8)
             writer.add_tensor(name, data, raw_dtype=kind)
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, np.asarray(array, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

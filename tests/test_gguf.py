@@ -52,6 +52,19 @@ def test_a_float32_gguf_loads_our_weights_exactly(tmp_path):
     _assert_same_as_stored(model.params, params)
 
 
+def test_a_vision_tower_in_the_file_is_left_out_with_one_line_of_log(tmp_path, caplog):
+    _, params, tensors, hf_config = _exported(tmp_path)
+    vision = {"v.patch_embd.weight": np.ones((8, 3, 2, 2)), "v.blk.0.attn_q.weight": np.ones((8, 8)),
+              "mm.input_projection.weight": np.ones((8, 64))}
+    path = gguf_files.write(tmp_path / "m.gguf", "gemma3", hf_config, tensors, extra=vision)
+    assert {t.name for t in gguf.GGUFReader(path).tensors} >= set(vision)
+    with caplog.at_level("INFO", logger="tunix_train"):
+        model = api.load(path, mesh_shape=MESH, devices=jax.devices()[:4])
+    _assert_same_as_stored(model.params, params)
+    lines = [r.getMessage() for r in caplog.records if "vision" in r.getMessage()]
+    assert lines == ["m.gguf: 3 vision-tower tensors ignored (text weights only)"]
+
+
 def _assert_same_as_stored(loaded, params):
     """Equal, the norms up to what a file that stores 1 + w in float32 holds: (1 + w) - 1."""
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(loaded)[0], jax.tree.leaves(params)):
