@@ -3,6 +3,7 @@ dequantized weights against gguf.quants.dequantize, init_from, and bad files (pa
 transformers' GGUF loader: test_gguf_parity.py)."""
 
 import json
+import logging
 
 import gguf
 import jax
@@ -53,13 +54,20 @@ def test_a_float32_gguf_loads_our_weights_exactly(tmp_path):
 
 
 def test_a_vision_tower_in_the_file_is_left_out_with_one_line_of_log(tmp_path, caplog):
+    """(The log is read from the "tunix_train" logger itself: a training run in the same process
+    stops it propagating to the root, where caplog listens.)"""
     _, params, tensors, hf_config = _exported(tmp_path)
     vision = {"v.patch_embd.weight": np.ones((8, 3, 2, 2)), "v.blk.0.attn_q.weight": np.ones((8, 8)),
               "mm.input_projection.weight": np.ones((8, 64))}
     path = gguf_files.write(tmp_path / "m.gguf", "gemma3", hf_config, tensors, extra=vision)
     assert {t.name for t in gguf.GGUFReader(path).tensors} >= set(vision)
-    with caplog.at_level("INFO", logger="tunix_train"):
-        model = api.load(path, mesh_shape=MESH, devices=jax.devices()[:4])
+    logger = logging.getLogger("tunix_train")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("INFO", logger="tunix_train"):
+            model = api.load(path, mesh_shape=MESH, devices=jax.devices()[:4])
+    finally:
+        logger.removeHandler(caplog.handler)
     _assert_same_as_stored(model.params, params)
     lines = [r.getMessage() for r in caplog.records if "vision" in r.getMessage()]
     assert lines == ["m.gguf: 3 vision-tower tensors ignored (text weights only)"]
