@@ -26,7 +26,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--top_p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mesh_shape", default=None,
-                        help='JSON [[sizes], [axis names]], e.g. \'[[2,2],["fsdp","tp"]]\' (default: all devices on fsdp)')
+                        help='JSON [[sizes], [axis names]], e.g. \'[[2,2],["fsdp","tp"]]\' '
+                             '(default: all devices on fsdp)')
     return parser.parse_args(argv)
 
 
