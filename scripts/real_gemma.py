@@ -39,7 +39,6 @@ def main(argv: list[str]) -> int:
 
     from tunix_train import api
     from tunix_train.config import load_config
-    from tunix_train.interop import hf
     from tunix_train.train.loop import train
 
     mesh = json.loads(args.mesh)
@@ -60,8 +59,7 @@ def main(argv: list[str]) -> int:
 
     tuned = api.load(run_dir, mesh)
     exported = args.out / "hf"
-    hf.export(tuned.params, tuned.config, exported)
-    tuned.tokenizer.save(exported)
+    tuned.export(exported)
     print(f"exported to {exported}")
     try:
         import torch

@@ -69,6 +69,13 @@ class LoadedModel:
         """The continuation of each text, decoded; keyword arguments as for generate."""
         return [self._decode(ids) for ids in self.generate(list(texts), max_new_tokens, **sampling)]
 
+    def export(self, directory: Path) -> None:
+        """A Hugging Face checkpoint: config.json, model.safetensors (float32) and the tokenizer
+        (tokenizer.json or tokenizer.model), where the model has one."""
+        hf.export(self.params, self.config, directory)
+        if self.tokenizer is not None and jax.process_index() == 0:
+            self.tokenizer.save(directory)
+
     def _encode(self, text: str) -> list[int]:
         tokenizer = self._need_tokenizer()
         return [tokenizer.bos_id, *tokenizer.encode(text)]

@@ -22,15 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.output.exists() and any(args.output.iterdir()):
             raise ConfigError(f"{args.output} is not empty; choose a new output directory")
-        import jax
-
         from tunix_train import api
-        from tunix_train.interop import hf
 
         model = api.load(args.checkpoint)
-        hf.export(model.params, model.config, args.output)
-        if model.tokenizer is not None and jax.process_index() == 0:
-            model.tokenizer.save(args.output)
+        model.export(args.output)
     except ConfigError as err:
         print(f"tunix_train.export: error: {err}", file=sys.stderr)
         return 2
