@@ -98,8 +98,7 @@ def cached_attention(q_B1NH, k_XSH, v_XSH, valid_BS, softcap: float | None):
     K = k_XSH.shape[0] // B
     q_XGH = q_B1NH.reshape(B * K, N // K, H)
     logits_XGS = jnp.einsum("xgh,xsh->xgs", q_XGH, k_XSH).astype(jnp.float32)
-    if softcap is not None:
-        logits_XGS = jnp.tanh(logits_XGS / softcap) * softcap
+    logits_XGS = kernels.soft_cap(logits_XGS, softcap)
     logits_XGS = jnp.where(jnp.repeat(valid_BS, K, axis=0)[:, None], logits_XGS, -1e30)
     exp_XGS = jnp.exp(logits_XGS - jnp.max(logits_XGS, axis=-1, keepdims=True))
     weighted_XGH = jnp.einsum("xgs,xsh->xgh", exp_XGS.astype(v_XSH.dtype), v_XSH)

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.config import ConfigError, ModelConfig, Remat
 from tunix_train.generate import cache as kv
+from tunix_train.model import kernels
 from tunix_train.model.gemma import _GLOBAL_WINDOW, layer_windows
 from tunix_train.sharding import BATCH_AXES, LOGICAL_RULES, Rules, constrain, data_parallel_size
 from tunix_train.train.init import model_graphdef
@@ -117,8 +118,7 @@ class Sampler:
         docs/performance.md). The barrier keeps XLA from folding the transpose back into the dot."""
         logits_VB = jnp.einsum("vd,bd->vb", table_VD.astype(x_BD.dtype), x_BD).astype(jnp.float32)
         logits_BV = jax.lax.optimization_barrier(logits_VB).T
-        if self.cfg.final_logit_softcap is not None:
-            logits_BV = jnp.tanh(logits_BV / self.cfg.final_logit_softcap) * self.cfg.final_logit_softcap
+        logits_BV = kernels.soft_cap(logits_BV, self.cfg.final_logit_softcap)
         return constrain(logits_BV, ("batch", "act_vocab"), self.rules)
 
     def _stops(self, token_B):

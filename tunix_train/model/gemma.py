@@ -212,6 +212,5 @@ class Gemma(nnx.Module):
 def output_logits(x_BTD, table_VD, softcap: float | None, rules: Rules = LOGICAL_RULES):
     """float32 next-token logits [B, T, V] from final hidden states and the tied embedding."""
     logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, table_VD.astype(x_BTD.dtype)).astype(jnp.float32)
-    if softcap is not None:
-        logits_BTV = jnp.tanh(logits_BTV / softcap) * softcap
+    logits_BTV = kernels.soft_cap(logits_BTV, softcap)
     return constrain(logits_BTV, ("batch", "seq", "act_vocab"), rules)

@@ -95,13 +95,17 @@ def attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, softcap: float | None = None, fu
     return out_BKXH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
+def soft_cap(x, cap: float | None):
+    """cap * tanh(x / cap): Gemma 2's soft limit on attention and output logits; x where cap is None."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
 def _scores(q_BKXH, k_BKSH, mask_BTS, softcap):
     """float32 scores [B, K, G, T, S], masked (-1e30 where not allowed), and before masking."""
     B, K, X, _ = q_BKXH.shape
     T = mask_BTS.shape[1]
     logits_BKGTS = jnp.einsum("bkxh,bksh->bkxs", q_BKXH, k_BKSH).reshape(B, K, X // T, T, -1).astype(jnp.float32)
-    if softcap is not None:
-        logits_BKGTS = jnp.tanh(logits_BKGTS / softcap) * softcap
+    logits_BKGTS = soft_cap(logits_BKGTS, softcap)
     return jnp.where(mask_BTS[:, None, None], logits_BKGTS, -1e30), logits_BKGTS
 
 
