@@ -43,6 +43,13 @@ class AttentionImpl(enum.Enum):
     cudnn = "cudnn"  # cuDNN's fused flash attention: NVIDIA GPUs, bf16
 
 
+class ContextParallelStrategy(enum.Enum):
+    """How attention reaches the keys of other cp shards (tunix_train/parallel/context.py)."""
+
+    all_gather = "all_gather"  # gather every layer's keys and values, then attend to them all
+    ring = "ring"  # pass key/value blocks round the cp ring, skipping blocks the causal mask hides
+
+
 class ShardingStrategy(enum.Enum):
     """What the fsdp mesh axis shards (the batch is always split over it)."""
 
@@ -118,6 +125,8 @@ class ModelConfig:
     rope_base_local: float = _fixed(10_000.0)
     rope_scale_global: float = _fixed(1.0)  # linear position scaling of global layers (Gemma 3 4b+)
     rms_norm_eps: float = _fixed(1e-6)
+    # With a cp mesh axis: how attention reaches the other shards' keys and values.
+    context_parallel_strategy: ContextParallelStrategy = _changeable(ContextParallelStrategy.all_gather)
     # The longest sequence (prompt and generated tokens) the model was trained for; null: no limit.
     # The sampler refuses longer ones. Training does not read it.
     context_length: Optional[int] = _changeable(None)
@@ -147,6 +156,11 @@ class DataConfig:
 class TrainingConfig:
     micro_batch_size: int = _changeable(4)  # examples per data-parallel shard per micro-step
     gradient_accumulation_steps: int = _fixed(1)
+    # With a pp mesh axis: each micro-step's batch is split into this many pipeline micro-batches
+    # (a multiple of pp that divides micro_batch_size), and each stage holds this many
+    # non-adjacent chunks of layers (1: GPipe; more: a circular schedule, a smaller bubble).
+    pipeline_microbatches: int = _changeable(1)
+    pipeline_repeats: int = _changeable(1)
     mixed_precision: MixedPrecision = _fixed(MixedPrecision.fp32)
     max_steps: int = _changeable(300)
     seed: int = _fixed(0)
@@ -277,6 +291,8 @@ def validate(cfg: Config) -> None:
         "training.max_steps": t.max_steps, "training.log_every": t.log_every,
         "training.profile_steps": t.profile_steps, "training.scan_unroll": t.scan_unroll,
         "training.sync_gradients_every": t.sync_gradients_every,
+        "training.pipeline_microbatches": t.pipeline_microbatches,
+        "training.pipeline_repeats": t.pipeline_repeats,
     }
     for key, value in positive.items():
         if value <= 0:

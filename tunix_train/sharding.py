@@ -9,6 +9,8 @@ Mesh axes:
   dp    data parallel: parameters replicated, batch sharded
   fsdp  fully sharded data parallel: parameters, gradients, optimizer state and batch sharded
   tp    tensor parallel: attention heads and MLP width split Megatron-style
+  pp    pipeline parallel: the layer stack split into stages (tunix_train/parallel/pipeline.py)
+  cp    context parallel: every activation split along the sequence (tunix_train/parallel/context.py)
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.config import ConfigError, ModelConfig
 
-MESH_AXES = ("dp", "fsdp", "tp")
+MESH_AXES = ("dp", "fsdp", "tp", "pp", "cp")
 BATCH_AXES = ("dp", "fsdp")  # the data-parallel axes: the batch is split over them
 
 
@@ -66,11 +68,11 @@ LOGICAL_RULES = Rules({
     "heads": ("tp",),
     "kv_heads": ("tp",),
     "head_dim": (),
-    "layers": (),
+    "layers": ("pp",),  # the stacked layers: each pipeline stage holds its own
     "norm": (),  # norm scales: sharding a vector costs a collective per use and saves next to nothing
     # activations
     "batch": BATCH_AXES,
-    "seq": (),
+    "seq": ("cp",),
     "act_embed": (),
     "act_heads": ("tp",),
     "act_mlp": ("tp",),
@@ -117,12 +119,13 @@ def _parse_mesh_shape(mesh_shape: Any, num_devices: int) -> tuple[tuple[int, ...
 
 
 def make_mesh(mesh_shape: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """mesh_shape [[sizes], [names]] -> Mesh over `devices` (default: all), `tp` innermost."""
+    """mesh_shape [[sizes], [names]] -> Mesh over `devices` (default: all), `tp` innermost, `pp`
+    outermost."""
     devices = list(jax.devices() if devices is None else devices)
     sizes, names = _parse_mesh_shape(mesh_shape, len(devices))
-    # Lay devices out with tp as the fastest-varying axis so it stays on the closest links,
-    # then transpose back to the user's axis order.
-    order = sorted(range(len(names)), key=lambda i: names[i] == "tp")
+    # Lay devices out with tp as the fastest-varying axis so it stays on the closest links and pp
+    # as the slowest (stages exchange the least), then transpose back to the user's axis order.
+    order = sorted(range(len(names)), key=lambda i: {"pp": -1, "tp": 1}.get(names[i], 0))
     ordered_sizes = [sizes[i] for i in order]
     hosts = sorted({d.process_index for d in devices})
     if len(hosts) == 1:
@@ -150,7 +153,8 @@ def data_parallel_size(mesh: Mesh) -> int:
 
 
 def validate_model_for_mesh(model: ModelConfig, mesh: Mesh) -> None:
-    """Divisibility that the Megatron split needs, as config errors."""
+    """Divisibility that the Megatron split needs, as config errors (tunix_train.parallel checks pp
+    and cp)."""
     tp = mesh.shape.get("tp", 1)
     for key, value in (("model.num_heads", model.num_heads), ("model.hidden_dim", model.hidden_dim),
                        ("model.vocab_size", model.vocab_size)):
@@ -262,13 +266,15 @@ def to_global_batch(host_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, 
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: Rules) -> jax.Array:
-    """Sharding constraint on an activation under `rules`, against the mesh set with `jax.set_mesh`.
+    """Sharding constraint on an activation under `rules`, against the mesh set with `jax.set_mesh`;
+    mesh axes a shard_map has made manual are left out (inside it, arrays are already split over them).
 
     A no-op outside a mesh context, so modules also run unsharded (unit tests, notebooks)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    spec = P(*(None if a is None else _spec_entry(_mesh_axes_for(a, mesh, rules)) for a in logical_axes))
+    auto = lambda logical: tuple(a for a in _mesh_axes_for(logical, mesh, rules) if a not in mesh.manual_axes)
+    spec = P(*(None if a is None else _spec_entry(auto(a)) for a in logical_axes))
     return jax.lax.with_sharding_constraint(x, spec)
 
 

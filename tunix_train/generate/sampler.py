@@ -82,9 +82,10 @@ class Sampler:
     def __init__(self, cfg: ModelConfig, mesh: Mesh, stop_ids: Sequence[int] = (), rules: Rules = LOGICAL_RULES,
                  chunk: int = 16):
         """stop_ids: the tokens that end a row (EOS, end of turn), excluded from the output."""
-        self.cfg, self.mesh, self.rules, self.chunk = cfg, mesh, rules, chunk
+        # the sampler keeps positions whole: a prompt bucket or one decoded token is not split over cp
+        self.cfg, self.mesh, self.rules, self.chunk = cfg, mesh, rules.replace(seq=()), chunk
         self.stop_ids = tuple(int(i) for i in stop_ids)
-        self.graphdef = model_graphdef(cfg, Remat.none, rules=rules)
+        self.graphdef = model_graphdef(cfg, Remat.none, rules=self.rules)
         self.windows = tuple(int(w) for w in layer_windows(cfg))
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("total_len", "sampling"))
         self._decode = jax.jit(self._decode_fn, static_argnames=("sampling",), donate_argnums=(2,))

@@ -143,18 +143,21 @@ class Gemma(nnx.Module):
     """Token ids [B, T] -> float32 next-token logits [B, T, V]; embeddings tied to the output."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: Remat = Remat.none, scan_unroll: int = 1,
-                 attention: AttentionImpl = AttentionImpl.xla, rules: Rules = LOGICAL_RULES):
+                 attention: AttentionImpl = AttentionImpl.xla, rules: Rules = LOGICAL_RULES, parallel=None):
+        """parallel: a tunix_train.parallel.Parallelism that runs the layer stack over the pp and cp
+        mesh axes; None runs it as written."""
         self.cfg, self.remat, self.scan_unroll, self.attention = cfg, remat, scan_unroll, attention
-        self.rules = rules
+        self.rules, self.parallel = rules, parallel
         D, V = cfg.embed_dim, cfg.vocab_size
         self.embedding_VD = _param(rngs, (V, D), ("vocab", "embed"), D)
         self.layers = _stacked_blocks(cfg, rngs, rules)
         self.final_norm = RMSNorm(D, cfg.rms_norm_eps)
 
-    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
+    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, token_index_BT=None):
         """positions restart at 0 and segment ids change at each packed document; by default one
-        document per row. Attention never crosses documents or looks ahead."""
-        x_BTD = self.hidden(tokens_BT, positions_BT, segment_ids_BT)
+        document per row. Attention never crosses documents or looks ahead. token_index: where each
+        token stands in its row (default 0, 1, ...); the masks read it, so a row may come reordered."""
+        x_BTD = self.hidden(tokens_BT, positions_BT, segment_ids_BT, token_index_BT)
         return output_logits(x_BTD, self.output_table(), self.cfg.final_logit_softcap, self.rules)
 
     def output_table(self):
@@ -173,40 +176,53 @@ class Gemma(nnx.Module):
         return (rope_table(positions_BT, cfg.rope_base_global, cfg.rope_scale_global, cfg.head_dim),
                 rope_table(positions_BT, cfg.rope_base_local, 1.0, cfg.head_dim))
 
-    def hidden(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
+    def hidden(self, tokens_BT, positions_BT=None, segment_ids_BT=None, token_index_BT=None):
         """The final normed hidden states [B, T, D], from which output_logits computes the logits."""
-        cfg = self.cfg
         B, T = tokens_BT.shape
-        if positions_BT is None:
-            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        if segment_ids_BT is None:
-            segment_ids_BT = jnp.ones((B, T), jnp.int32)
+        index_1T = jnp.arange(T, dtype=jnp.int32)[None]
+        rows = {"positions": jnp.broadcast_to(index_1T, (B, T)) if positions_BT is None else positions_BT,
+                "segment_ids": jnp.ones((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT,
+                "token_index": index_1T if token_index_BT is None else token_index_BT}
+        layer_xs = (nnx.split(self.layers)[1], jnp.asarray(layer_windows(self.cfg)))
         x_BTD = self.embed(tokens_BT)
+        if self.parallel is None:
+            x_BTD = self._layers(layer_xs, x_BTD, rows, self._masked_attention)
+        else:
+            x_BTD = self.parallel.run_layers(self._layers, layer_xs, x_BTD, rows, self._masked_attention)
+        return self.final_norm(x_BTD)
 
-        index = jnp.arange(T)
-        distance_TS = index[:, None] - index[None, :]
-        mask_BTS = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]) & (distance_TS >= 0)
-
-        windows_L = jnp.asarray(layer_windows(cfg))
-        is_global_L = windows_L == _GLOBAL_WINDOW
-        rope_global, rope_local = self.rope_tables(positions_BT)
-
-        graphdef, layer_state = nnx.split(self.layers)
-        fused = None if self.attention is AttentionImpl.xla else self.attention.value
+    def _layers(self, layer_xs, x_BTD, rows, make_attend):
+        """The layers of layer_xs (stacked parameters, windows) applied in order, by a scan.
+        make_attend: rows -> window -> attend, the attention over the keys of this pass."""
+        graphdef = nnx.graphdef(self.layers)
+        rope_global, rope_local = self.rope_tables(rows["positions"])
+        attend_within = make_attend(rows)
 
         def layer(x_BTD, per_layer):
-            state, window, is_global = per_layer
-            layer_mask_BTS = mask_BTS & (distance_TS < window)
-            rope = [jnp.where(is_global, g, l) for g, l in zip(rope_global, rope_local)]
-            attend = lambda q, k, v, softcap: (kernels.attention(q, k, v, layer_mask_BTS, softcap, fused), None)
-            return nnx.merge(graphdef, state)(x_BTD, rope, attend)[0], None
+            state, window = per_layer
+            rope = [jnp.where(window == _GLOBAL_WINDOW, g, l) for g, l in zip(rope_global, rope_local)]
+            return nnx.merge(graphdef, state)(x_BTD, rope, attend_within(window))[0], None
 
         if self.remat in kernels.REMAT_POLICIES:
             layer = jax.checkpoint(layer, policy=kernels.REMAT_POLICIES[self.remat], prevent_cse=False)
-        x_BTD, _ = jax.lax.scan(layer, x_BTD, (layer_state, windows_L, is_global_L),
-                                unroll=self.scan_unroll)
+        return jax.lax.scan(layer, x_BTD, layer_xs, unroll=self.scan_unroll)[0]
 
-        return self.final_norm(x_BTD)
+    def _masked_attention(self, rows):
+        """rows -> window -> attend: attention over every key of the pass that visible_keys allows."""
+        fused = None if self.attention is AttentionImpl.xla else self.attention.value
+        index, segments = rows["token_index"], rows["segment_ids"]
+        distance_BTS = index[:, :, None] - index[:, None, :]
+        mask_BTS = (segments[:, :, None] == segments[:, None, :]) & (distance_BTS >= 0)
+        return lambda window: lambda q, k, v, softcap: (
+            kernels.attention(q, k, v, mask_BTS & (distance_BTS < window), softcap, fused), None)
+
+
+def visible_keys(q_index_BT, q_segments_BT, k_index_BS, k_segments_BS, window):
+    """[B, T, S]: which keys each query may see: same document, not ahead, fewer than `window`
+    positions back (indices and segments of the queries and of the keys)."""
+    distance_BTS = q_index_BT[:, :, None] - k_index_BS[:, None, :]
+    same_document_BTS = q_segments_BT[:, :, None] == k_segments_BS[:, None, :]
+    return same_document_BTS & (distance_BTS >= 0) & (distance_BTS < window)
 
 
 def output_logits(x_BTD, table_VD, softcap: float | None, rules: Rules = LOGICAL_RULES):

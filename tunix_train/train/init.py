@@ -19,9 +19,11 @@ from tunix_train.state import TrainState
 
 
 def model_graphdef(model_cfg: ModelConfig, remat: Remat, scan_unroll: int = 1,
-                   attention: AttentionImpl = AttentionImpl.xla, rules: Rules = LOGICAL_RULES) -> nnx.GraphDef:
+                   attention: AttentionImpl = AttentionImpl.xla, rules: Rules = LOGICAL_RULES,
+                   parallel=None) -> nnx.GraphDef:
     """The model's static structure, without allocating any parameter."""
-    return nnx.graphdef(nnx.eval_shape(lambda: Gemma(model_cfg, nnx.Rngs(0), remat, scan_unroll, attention, rules)))
+    return nnx.graphdef(nnx.eval_shape(
+        lambda: Gemma(model_cfg, nnx.Rngs(0), remat, scan_unroll, attention, rules, parallel)))
 
 
 def _fresh_state(params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:

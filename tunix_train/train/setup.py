@@ -12,7 +12,7 @@ import jax
 from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
-from tunix_train import platform
+from tunix_train import parallel, platform
 from tunix_train.checkpoint import restore_from, restore_latest
 from tunix_train.config import Config, ConfigError, changeable_on_resume
 from tunix_train.interop import gguf, hf
@@ -45,8 +45,10 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
     optimizer, schedule = make_optimizer(t)
     plan = plan_train_state(cfg.model, optimizer, mesh, t.seed, t.sharding_strategy, LOGICAL_RULES,
                             t.offload_optimizer_state, t.offload_master_weights)
-    step_fn = compile_train_step(plan, mesh, model_cfg=cfg.model, optimizer=optimizer, schedule=schedule, training=t)
-    eval_fn = compile_eval_step(plan, mesh, model_cfg=cfg.model, training=t)
+    layout = parallel.for_run(mesh, cfg.model, t, cfg.data.seq_len)
+    step_fn = compile_train_step(plan, mesh, model_cfg=cfg.model, optimizer=optimizer, schedule=schedule, training=t,
+                                 parallel=layout)
+    eval_fn = compile_eval_step(plan, mesh, model_cfg=cfg.model, training=t, parallel=layout)
     return Setup(mesh, plan, step_fn, eval_fn, t.micro_batch_size * data_parallel_size(mesh))
 
 

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.config import MixedPrecision, ModelConfig, TrainingConfig
 from tunix_train.model.gemma import output_logits
+from tunix_train.parallel import Parallelism
 from tunix_train.sharding import (Rules, batch_sharding, data_axes, data_parallel_size, per_shard_rules,
                                   per_shard_shardings)
 from tunix_train.state import TrainState
@@ -42,19 +43,21 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 
 
 def token_losses(graphdef: nnx.GraphDef, params: nnx.State, micro: dict[str, jax.Array],
-                 compute_dtype=jnp.float32, chunk: int = 0, param_shardings: Any = None) -> jax.Array:
-    """Per-token loss [B, T] of one micro-batch.
+                 compute_dtype=jnp.float32, chunk: int = 0, param_shardings: Any = None,
+                 seq_shards: int = 1) -> jax.Array:
+    """Per-token loss [B, T] of one micro-batch (with `token_index` when it comes reordered).
 
     Parameters are cast to the compute dtype where they are stored (the master copy is untouched),
     so fsdp gathers them already in that dtype. With 0 < chunk < T the logits are computed
     `chunk` positions at a time and recomputed in the backward pass, so the [B, T, V] logits
-    (4 GiB in float32 for one 4096-token row of a 262k vocabulary) never exist whole."""
+    (4 GiB in float32 for one 4096-token row of a 262k vocabulary) never exist whole; with the
+    sequence split in `seq_shards` parts (cp), every part computes its own chunks at once."""
     if compute_dtype != jnp.float32:
         params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
         if param_shardings is not None:
             params = jax.lax.with_sharding_constraint(params, param_shardings)
     model = nnx.merge(graphdef, params)
-    x_BTD = model.hidden(micro["inputs"], micro["positions"], micro["segment_ids"])
+    x_BTD = model.hidden(micro["inputs"], micro["positions"], micro["segment_ids"], micro.get("token_index"))
     table_VD, softcap, rules = model.output_table(), model.cfg.final_logit_softcap, model.rules
     B, T, D = x_BTD.shape
     if not chunk or chunk >= T:
@@ -64,19 +67,23 @@ def token_losses(graphdef: nnx.GraphDef, params: nnx.State, micro: dict[str, jax
     def chunk_losses(x_BCD, targets_BC):
         return cross_entropy(output_logits(x_BCD, table_VD, softcap, rules), targets_BC)
 
-    x_NBCD = x_BTD.reshape(B, T // chunk, chunk, D).swapaxes(0, 1)
-    targets_NBC = micro["targets"].reshape(B, T // chunk, chunk).swapaxes(0, 1)
-    _, losses_NBC = jax.lax.scan(lambda _, xs: (None, chunk_losses(*xs)), None, (x_NBCD, targets_NBC))
-    return losses_NBC.swapaxes(0, 1).reshape(B, T)
+    # step n takes positions [n·chunk, (n+1)·chunk) of each of the P parts: C = P·chunk positions
+    P, N = seq_shards, T // (seq_shards * chunk)
+    by_step = lambda x: jnp.moveaxis(x.reshape(B, P, N, chunk, *x.shape[2:]), 2, 0).reshape(N, B, P * chunk, *x.shape[2:])
+    _, losses_NBC = jax.lax.scan(lambda _, xs: (None, chunk_losses(*xs)), None, (by_step(x_BTD), by_step(micro["targets"])))
+    return jnp.moveaxis(losses_NBC.reshape(N, B, P, chunk), 0, 2).reshape(B, T)
 
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
                optimizer: optax.GradientTransformation, schedule: optax.Schedule, compute_dtype: Any,
                param_shardings: Any, grad_shardings: Any, loss_chunk_size: int = 0,
                reduce_gradients_in_compute_dtype: bool = True, sync_every: int = 1, home: Any,
-               on_device: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+               on_device: Any, parallel: Parallelism | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """`home` and `on_device`: the state's shardings between steps and where it is computed with
-    (they differ in memory kind for an offloaded part, which is moved to the devices and back)."""
+    (they differ in memory kind for an offloaded part, which is moved to the devices and back).
+    `parallel`: the model's pp/cp layout, which may reorder the batch's positions."""
+    batch = parallel.reorder(batch) if parallel else batch
+    seq_shards = parallel.seq_shards if parallel else 1
     # Dividing every micro-batch by the whole batch's weight makes the accumulated loss and
     # gradient exactly those of the token-weighted mean over the full batch.
     total_weight = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
@@ -94,7 +101,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     inner_param_shardings = None if delayed_sync else param_shardings
 
     def weighted_loss_sum(params, micro):
-        token_loss_BT = token_losses(graphdef, params, micro, compute_dtype, loss_chunk_size, inner_param_shardings)
+        token_loss_BT = token_losses(graphdef, params, micro, compute_dtype, loss_chunk_size, inner_param_shardings,
+                                     seq_shards)
         return jnp.sum(token_loss_BT * micro["loss_mask"]) / total_weight
 
     add = lambda grads, new: jax.tree.map(lambda g, n: g + n.astype(jnp.float32), grads, new)
@@ -172,39 +180,43 @@ def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, syn
     return grads, losses.reshape(A)
 
 
-def _graphdef(model_cfg: ModelConfig, training: TrainingConfig, rules: Rules) -> nnx.GraphDef:
-    return model_graphdef(model_cfg, training.remat, training.scan_unroll, training.attention, rules)
+def _graphdef(model_cfg: ModelConfig, training: TrainingConfig, rules: Rules, parallel) -> nnx.GraphDef:
+    return model_graphdef(model_cfg, training.remat, training.scan_unroll, training.attention, rules, parallel)
 
 
 def compile_train_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig,
                        optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                       training: TrainingConfig):
+                       training: TrainingConfig, parallel: Parallelism | None = None):
     """jit with explicit in/out shardings; the input state is donated. Call under jax.set_mesh(mesh).
     The model's activation constraints follow plan.rules (per shard when gradient syncs are delayed)."""
     sync_every = training.sync_gradients_every if data_parallel_size(mesh) > 1 else 1
     rules = per_shard_rules(plan.rules) if sync_every > 1 else plan.rules
-    step = functools.partial(train_step, graphdef=_graphdef(model_cfg, training, rules), optimizer=optimizer,
+    step = functools.partial(train_step, graphdef=_graphdef(model_cfg, training, rules, parallel), optimizer=optimizer,
                              schedule=schedule, compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
                              param_shardings=plan.on_device.params, grad_shardings=plan.grad_shardings,
                              loss_chunk_size=training.loss_chunk_size,
                              reduce_gradients_in_compute_dtype=training.reduce_gradients_in_compute_dtype,
-                             sync_every=sync_every, home=plan.shardings, on_device=plan.on_device)
+                             sync_every=sync_every, home=plan.shardings, on_device=plan.on_device, parallel=parallel)
     return jax.jit(step, in_shardings=(plan.shardings, batch_sharding(mesh)),
                    out_shardings=(plan.shardings, NamedSharding(mesh, P())), donate_argnums=0)
 
 
 def eval_step(params: nnx.State, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
-              compute_dtype: Any, chunk: int = 0, param_shardings: Any = None) -> dict[str, jax.Array]:
+              compute_dtype: Any, chunk: int = 0, param_shardings: Any = None,
+              parallel: Parallelism | None = None) -> dict[str, jax.Array]:
     """Summed token loss and token weight of a [1, B, T] held-out batch."""
-    micro = jax.tree.map(lambda x: x[0], batch)
-    token_loss_BT = token_losses(graphdef, params, micro, compute_dtype, chunk, param_shardings)
+    micro = jax.tree.map(lambda x: x[0], parallel.reorder(batch) if parallel else batch)
+    token_loss_BT = token_losses(graphdef, params, micro, compute_dtype, chunk, param_shardings,
+                                 parallel.seq_shards if parallel else 1)
     return {"loss_sum": jnp.sum(token_loss_BT * micro["loss_mask"]), "weight": jnp.sum(micro["loss_mask"])}
 
 
-def compile_eval_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig, training: TrainingConfig):
-    step = functools.partial(eval_step, graphdef=_graphdef(model_cfg, training, plan.rules),
+def compile_eval_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig, training: TrainingConfig,
+                      parallel: Parallelism | None = None):
+    step = functools.partial(eval_step, graphdef=_graphdef(model_cfg, training, plan.rules, parallel),
                              compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
-                             chunk=training.loss_chunk_size, param_shardings=plan.on_device.params)
+                             chunk=training.loss_chunk_size, param_shardings=plan.on_device.params,
+                             parallel=parallel)
 
     def evaluate(params, batch):  # offloaded parameters are moved to the devices
         return step(_moved(params, plan.shardings.params, plan.on_device.params), batch)

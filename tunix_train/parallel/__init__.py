@@ -1,0 +1,109 @@
+"""What needs shard_map: the pipeline (pp) schedules and context-parallel (cp) attention.
+
+`Parallelism` is the one seam between them and the model: Gemma.hidden hands it the function that
+applies a run of layers, and it runs that function as written, in a shard_map over cp, or stage by
+stage through the pipeline. Nothing else in the model knows pp or cp exists; the rules table
+(tunix_train.sharding) shards the stacked layers over pp and the sequence over cp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from tunix_train.config import AttentionImpl, ConfigError, ModelConfig, TrainingConfig
+from tunix_train.parallel import context, pipeline
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """How the layer stack is laid over the mesh's pp and cp axes (hashable: models hold it as
+    static structure)."""
+
+    schedule: pipeline.Schedule | None = None  # pp > 1
+    context: context.ContextAttention | None = None  # cp > 1
+
+    def run_layers(self, layers: Callable, layer_xs: Any, x_BTD: jax.Array, rows: dict, make_attend: Callable):
+        """layers(layer_xs, x_BTD, rows, make_attend) applies the layers of layer_xs (stacked on a
+        leading axis) to x; rows holds the per-token data [B, T] (or [1, T]) the masks and RoPE read.
+        Under cp, make_attend (rows -> window -> attend) is replaced by cp's."""
+        seq, apply = None, functools.partial(layers, make_attend=make_attend)
+        if self.context is not None:
+            seq = context.AXIS
+            # the parameters vary over cp inside (each shard differentiates its own tokens): the
+            # custom VJPs of the kernels see what their gradients will be, and the cast's transpose
+            # sums them over cp
+            apply = lambda layer_xs, x, rows: layers(jax.lax.pcast(layer_xs, seq, to="varying"), x, rows,
+                                                     self.context.make_attend)
+        if self.schedule is None:
+            if seq is None:
+                return apply(layer_xs, x_BTD, rows)
+            return jax.shard_map(apply, in_specs=(P(), P(None, seq), P(None, seq)), out_specs=P(None, seq),
+                                 axis_names={seq})(layer_xs, x_BTD, rows)
+        M = self.schedule.microbatches
+        # micro-batch m takes rows m, m + M, ...: each data shard keeps its own rows
+        split = lambda a: jnp.broadcast_to(a, x_BTD.shape[:2] + a.shape[2:]).reshape(
+            -1, M, *a.shape[1:]).swapaxes(0, 1)
+        x_MBTD = pipeline.run(self.schedule, apply, layer_xs, split(x_BTD), jax.tree.map(split, rows), seq)
+        return x_MBTD.swapaxes(0, 1).reshape(x_BTD.shape)
+
+    def reorder(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """The step's batch as the model should see it: under cp, in context.balanced_order."""
+        return batch if self.context is None else context.reorder(batch, self.context.size)
+
+    @property
+    def seq_shards(self) -> int:
+        return 1 if self.context is None else self.context.size
+
+
+def for_run(mesh: Mesh, model: ModelConfig, training: TrainingConfig, seq_len: int) -> Parallelism | None:
+    """The Parallelism of a training run on `mesh` (None without pp and cp), or a ConfigError."""
+    pp, cp = mesh.shape.get(pipeline.AXIS, 1), mesh.shape.get(context.AXIS, 1)
+    if pp == 1 and cp == 1:
+        return None
+    if training.sync_gradients_every > 1:
+        raise ConfigError("training.sync_gradients_every > 1 does not combine with the pp or cp mesh axes; set it to 1")
+    return Parallelism(_schedule(pp, model, training) if pp > 1 else None,
+                       _context(cp, model, training, seq_len) if cp > 1 else None)
+
+
+def _schedule(pp: int, model: ModelConfig, training: TrainingConfig) -> pipeline.Schedule:
+    L, R, M, b = model.num_layers, training.pipeline_repeats, training.pipeline_microbatches, training.micro_batch_size
+    if pp > L:
+        raise ConfigError(f"model.mesh_shape: pp={pp} is more than model.num_layers={L}; a stage needs at least "
+                          f"one layer")
+    if L < pp * R:
+        raise ConfigError(f"training.pipeline_repeats={R}: model.num_layers={L} is too shallow for {R} chunks on "
+                          f"each of pp={pp} stages; lower the repeats")
+    if L % (pp * R):
+        raise ConfigError(f"model.num_layers={L} is not divisible by pp x training.pipeline_repeats = {pp * R}; "
+                          f"choose sizes whose product divides it")
+    if M < pp or M % pp:
+        raise ConfigError(f"training.pipeline_microbatches={M} must be a multiple of pp={pp} (at least {pp}; more "
+                          f"shrinks the bubble)")
+    if b % M:
+        raise ConfigError(f"training.pipeline_microbatches={M} must divide training.micro_batch_size={b}: each "
+                          f"pipeline micro-batch takes micro_batch_size / pipeline_microbatches rows of every "
+                          f"data-parallel shard")
+    return pipeline.Schedule(pp, R, M)
+
+
+def _context(cp: int, model: ModelConfig, training: TrainingConfig, seq_len: int) -> context.ContextAttention:
+    if seq_len % (2 * cp):
+        raise ConfigError(f"data.seq_len={seq_len} must be divisible by 2 x cp = {2 * cp}: each cp shard holds two "
+                          f"chunks of the sequence (load balance)")
+    chunk = training.loss_chunk_size
+    if 0 < chunk < seq_len and (seq_len // cp) % chunk:
+        raise ConfigError(f"training.loss_chunk_size={chunk} must divide data.seq_len / cp = {seq_len // cp} "
+                          f"(or be 0): each cp shard computes the logits of its own positions")
+    if training.attention is not AttentionImpl.xla:
+        raise ConfigError(f"training.attention={training.attention.value} does not combine with the cp mesh axis; "
+                          f"set training.attention=xla")
+    window = model.sliding_window if model.local_layers_per_global else None
+    fits = window is not None and window <= seq_len // (2 * cp)
+    return context.ContextAttention(cp, model.context_parallel_strategy, window if fits else None)

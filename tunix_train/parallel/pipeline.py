@@ -1,0 +1,99 @@
+"""Pipeline parallelism (the `pp` mesh axis): the layer stack split into stages, micro-batches
+flowing through them.
+
+The stacked layers [L, ...] are sharded over pp; with R repeats they are viewed as [R, S, C]
+(C = L / (R·S) layers a chunk) and stage s holds the chunks r·S + s, one per repeat. At time step
+t, stage s works on micro-batch m of repeat r where t − s = r·M + m (`Schedule.task`); its output
+goes to stage s+1 by ppermute, and from the last stage back round to stage 0, which keeps it until
+that micro-batch's next repeat (M ≥ S makes it wait, never collide). R = 1 is GPipe. The
+backward pass is autodiff's: all forwards, then all backwards, through the same schedule.
+
+Each stage is busy R·M of the R·M + S − 1 time steps: the bubble is (S−1)/(R·M+S−1).
+
+With R > 1 the layers of a stage are not contiguous in [L]: the step regroups the pp-sharded
+stack into [R, S, C] each step, a collective-permute of (R−1)/R of the layer parameters (and of
+their gradients) that GPipe does not pay. Checkpoints keep the layers in order, so any pp, R or
+M resumes any other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+AXIS = "pp"
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    stages: int  # S
+    repeats: int  # R
+    microbatches: int  # M
+
+    @property
+    def steps(self) -> int:
+        return self.repeats * self.microbatches + self.stages - 1
+
+    def task(self, t, stage):
+        """What `stage` does at time step t: (busy, repeat, micro-batch), for ints or traced ints."""
+        k = t - stage
+        busy = (k >= 0) & (k < self.repeats * self.microbatches)
+        return busy, jnp.clip(k // self.microbatches, 0, self.repeats - 1), k % self.microbatches
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of stage-steps idle: (S−1)/(R·M+S−1)."""
+        return (self.stages - 1) / (self.repeats * self.microbatches + self.stages - 1)
+
+    def idle_fraction(self) -> float:
+        """The bubble counted from `task` itself: idle stage-steps over all stage-steps."""
+        busy = sum(bool(self.task(t, s)[0]) for t in range(self.steps) for s in range(self.stages))
+        return 1.0 - busy / (self.steps * self.stages)
+
+
+def run(schedule: Schedule, stage_fn: Callable, layer_xs: Any, x_MBTD: jax.Array, rows: Any,
+        seq_axis: str | None) -> jax.Array:
+    """stage_fn(layer_xs of one chunk [C, ...], x [B, T, D], rows [B, T]) -> x, applied through
+    every stage to each of the M micro-batches of x_MBTD (rows: their per-token data, [M, B, T]).
+    Runs in a shard_map manual over pp (and over `seq_axis`, which splits T, when given)."""
+    S, R = schedule.stages, schedule.repeats
+    chunks = jax.tree.map(lambda a: a.reshape(R, S, a.shape[0] // (R * S), *a.shape[1:]), layer_xs)
+    data = P(None, None, seq_axis)
+    stages = jax.shard_map(lambda *args: _stages(schedule, stage_fn, *args), in_specs=(P(None, AXIS), data, data),
+                           out_specs=data, axis_names={AXIS} | ({seq_axis} if seq_axis else set()))
+    return stages(chunks, x_MBTD, rows)
+
+
+def _stages(schedule: Schedule, stage_fn, chunks, x_MBTD, rows):
+    """One stage's part of the schedule (in the shard_map): a scan over the time steps."""
+    S, R = schedule.stages, schedule.repeats
+    stage = jax.lax.axis_index(AXIS)
+    chunks = jax.tree.map(lambda a: a[:, 0], chunks)  # this stage's chunk of each repeat
+    at = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+    put = lambda a, x, i: jax.lax.dynamic_update_index_in_dim(a, x, i, 0)
+    varying = lambda x: jax.lax.pcast(x, AXIS, to="varying")
+
+    def step(carry, t):
+        received, circulating, outputs = carry
+        busy, repeat, micro = schedule.task(t, stage)
+        first_input = at(x_MBTD, micro) if R == 1 else jnp.where(repeat == 0, at(x_MBTD, micro),
+                                                                   at(circulating, micro))
+        y = stage_fn(jax.tree.map(lambda a: at(a, repeat), chunks), jnp.where(stage == 0, first_input, received),
+                     jax.tree.map(lambda a: at(a, micro), rows))
+        done = busy & (stage == S - 1) & (repeat == R - 1)
+        outputs = put(outputs, jnp.where(done, y, at(outputs, micro)), micro)
+        received = jax.lax.ppermute(y, AXIS, [(i, (i + 1) % S) for i in range(S)])
+        if R > 1:  # stage 0 keeps what comes round from the last stage until its next repeat
+            last_busy, last_repeat, last_micro = schedule.task(t, S - 1)
+            keep = (stage == 0) & last_busy & (last_repeat < R - 1)
+            circulating = put(circulating, jnp.where(keep, received, at(circulating, last_micro)), last_micro)
+        return (received, circulating, outputs), None
+
+    zeros = varying(jnp.zeros_like(x_MBTD))
+    init = (zeros[0], zeros if R > 1 else None, zeros)
+    (_, _, outputs), _ = jax.lax.scan(step, init, jnp.arange(schedule.steps))
+    return jax.lax.psum(outputs, AXIS)  # only the last stage's are not zero
