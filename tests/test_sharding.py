@@ -69,7 +69,7 @@ def test_minus_one_fills_the_remaining_devices():
 
 @pytest.mark.parametrize("mesh_shape, message", [
     ([[4, 4], ["fsdp", "tp"]], "has 16 devices but 8 are available"),
-    ([[8], ["pp"]], "unknown mesh axis 'pp'"),
+    ([[8], ["ep"]], "unknown mesh axis 'ep'"),
     ([[2, 4], ["fsdp", "fsdp"]], "duplicate mesh axis"),
     ([[-1, -1], ["fsdp", "tp"]], "at most one -1"),
     ([[8]], "must be [[sizes...], [axis names...]]"),

@@ -41,11 +41,11 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
     t = cfg.training
     mesh = make_mesh(cfg.model.mesh_shape, devices)
     validate_model_for_mesh(cfg.model, mesh)
+    layout = parallel.for_run(mesh, cfg.model, t, cfg.data.seq_len)
     platform.prepare(t, mesh)
     optimizer, schedule = make_optimizer(t)
     plan = plan_train_state(cfg.model, optimizer, mesh, t.seed, t.sharding_strategy, LOGICAL_RULES,
                             t.offload_optimizer_state, t.offload_master_weights)
-    layout = parallel.for_run(mesh, cfg.model, t, cfg.data.seq_len)
     step_fn = compile_train_step(plan, mesh, model_cfg=cfg.model, optimizer=optimizer, schedule=schedule, training=t,
                                  parallel=layout)
     eval_fn = compile_eval_step(plan, mesh, model_cfg=cfg.model, training=t, parallel=layout)
