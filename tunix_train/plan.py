@@ -102,6 +102,11 @@ def advice(cfg, mesh, training: bool = True) -> list[str]:
         tips.append(f"shard more over fsdp ({divided} by it)")
     else:
         tips.append(f"more devices on the fsdp axis ({divided} by it)")
+    if training and mesh.shape.get("pp", 1) == 1 and cfg.model.num_layers % 2 == 0:
+        tips.append(f"a pp mesh axis (each stage holds num_layers / pp layers and their optimizer state; with "
+                    f"training.pipeline_microbatches >= pp)")
+    if training and mesh.shape.get("cp", 1) == 1 and cfg.data.seq_len % 4 == 0:
+        tips.append("a cp mesh axis (activations divide by it: the sequence is split across devices)")
     device = mesh.devices.flat[0]
     if (training and device.platform != "cpu"  # a CPU's "device" memory is the host's
             and "pinned_host" in {m.kind for m in device.addressable_memories()}):
@@ -195,9 +200,11 @@ def main(argv: list[str]) -> int:
     print(f"{cfg.model.name} on {dict(run.mesh.shape)}, {run.micro_batch} rows x {cfg.data.seq_len} tokens "
           f"per micro-step, {cfg.training.gradient_accumulation_steps} accumulation steps, "
           f"{cfg.training.mixed_precision.value}, remat={cfg.training.remat.value}")
+    for line in run.parallel.describe() if run.parallel else ():
+        print(line)
     print("per device:")
     for name, value in figures.items():
-        print(f"  {name:<24} {value / 2**30:10.3f} GiB")
+        print(f"  {name:<38} {value / 2**30:10.3f} GiB")
     if device_memory:
         fits = figures["total"] <= device_memory
         print(f"{'fits' if fits else 'does NOT fit'} in {device_memory / 2**30:.1f} GiB per device")

@@ -60,6 +60,20 @@ class Parallelism:
     def seq_shards(self) -> int:
         return 1 if self.context is None else self.context.size
 
+    def describe(self) -> list[str]:
+        """What a run's log says of its layout."""
+        lines = []
+        if s := self.schedule:
+            lines.append(f"pipeline: {s.stages} stages x {s.repeats} repeats, {s.microbatches} micro-batches per "
+                         f"micro-step; bubble (S-1)/(R*M+S-1) = {s.bubble:.1%} of each stage's time idle "
+                         f"(lost time in MFU)")
+        if c := self.context:
+            window = (f"sliding-window layers fetch their {c.sliding_window}-token window from neighbours"
+                      if c.sliding_window else "sliding-window layers attend like global ones")
+            lines.append(f"context parallel: cp={c.size}, the sequence in 2 x {c.size} load-balanced chunks; global "
+                         f"layers: {c.strategy.value}; {window}")
+        return lines
+
 
 def for_run(mesh: Mesh, model: ModelConfig, training: TrainingConfig, seq_len: int) -> Parallelism | None:
     """The Parallelism of a training run on `mesh` (None without pp and cp), or a ConfigError."""

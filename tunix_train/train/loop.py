@@ -95,6 +95,8 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
     say(f"global batch: {t.gradient_accumulation_steps * run.micro_batch} sequences "
         f"({t.micro_batch_size} per data-parallel shard x {data_parallel_size(mesh)} shards x "
         f"{t.gradient_accumulation_steps} accumulation steps) = {tokens_per_step:,} tokens")
+    for line in run.parallel.describe() if run.parallel else ():
+        say(line)
     say(f"MFU basis: {flops_per_token / 1e9:.3f} GFLOP per token, peak {peak / 1e12:.3f} TFLOP/s "
         f"per device ({peak_source}) x {mesh.devices.size} devices")
     if not data.synthetic:

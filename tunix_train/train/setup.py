@@ -32,6 +32,7 @@ class Setup:
     step_fn: Any
     eval_fn: Any
     micro_batch: int  # rows per micro-step, over all data-parallel shards
+    parallel: parallel.Parallelism | None  # how the layer stack runs over pp and cp
 
 
 def setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
@@ -49,7 +50,7 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
     step_fn = compile_train_step(plan, mesh, model_cfg=cfg.model, optimizer=optimizer, schedule=schedule, training=t,
                                  parallel=layout)
     eval_fn = compile_eval_step(plan, mesh, model_cfg=cfg.model, training=t, parallel=layout)
-    return Setup(mesh, plan, step_fn, eval_fn, t.micro_batch_size * data_parallel_size(mesh))
+    return Setup(mesh, plan, step_fn, eval_fn, t.micro_batch_size * data_parallel_size(mesh), layout)
 
 
 def save_config(cfg: Config, overrides: list[str], run_dir: Path) -> None:
