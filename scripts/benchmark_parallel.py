@@ -1,6 +1,6 @@
 """Pipeline and context parallelism on 8 fake CPU devices: step time, bubble and memory.
 
-    python scripts/benchmark_parallel.py [--steps 5] [--seq-len 8192] [--json out.json]
+    python scripts/benchmark_parallel.py [--steps 5] [--seq-len 8192] [--only pipeline|context] [--json out.json]
 
 Part 1, pp: gemma3_tiny with 8 layers, 64 rows x 128 tokens a step, on fsdp=8, pp=2 x fsdp=4 and
 pp=4 x fsdp=2 with M = 4, 8, 16 pipeline micro-batches: the median step time, and the schedule's
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -41,7 +42,7 @@ TINY = ["model=gemma3_tiny", "data=synthetic", "training.eval_every=0", "trainin
 def _compiled(overrides: list[str], mesh_shape, seq_len: int):
     cfg, _ = load_config([*TINY, f"data.seq_len={seq_len}", *overrides])
     cfg.model.mesh_shape = mesh_shape
-    run = setup(cfg)
+    run = setup(cfg, jax.devices()[:math.prod(mesh_shape[0])])
     batch = abstract_batch(run.mesh, 1, run.micro_batch, seq_len)
     with jax.set_mesh(run.mesh):
         return cfg, run, run.step_fn.lower(run.plan.abstract, batch).compile()
@@ -91,9 +92,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--only", choices=("pipeline", "context"))
     parser.add_argument("--json")
     args = parser.parse_args()
-    report = {"pipeline": pipeline_runs(args.steps), "context": context_runs(args.seq_len)}
+    report = {}
+    if args.only != "context":
+        report["pipeline"] = pipeline_runs(args.steps)
+    if args.only != "pipeline":
+        report["context"] = context_runs(args.seq_len)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

@@ -159,3 +159,31 @@ def test_async_collectives_in_loops_count_once_per_iteration():
     assert volume.bytes["all-gather"] == 5 * 8 * 16 * 4  # the gathered output, not the start's tuple
     assert volume.bytes["all-reduce"] == 5 * 8 * 16 * 4
     assert volume.bytes["collective-permute"] == 0  # %y is not defined in this text: no bytes guessed
+
+
+def test_the_profile_names_pipeline_and_context_parallel_traffic():
+    """The pipeline's only traffic between stages is its ppermute of one micro-batch's activations
+    per time step, forward and backward; cp gathers keys and passes windows round its ring."""
+    cfg = config(f"training.gradient_accumulation_steps={ACCUMULATION}", "training.micro_batch_size=4",
+                 "training.pipeline_microbatches=2")
+    cfg.model.mesh_shape = [[2, 4], ["pp", "fsdp"]]
+    run = setup(cfg)
+    batch = abstract_batch(run.mesh, ACCUMULATION, run.micro_batch, cfg.data.seq_len)
+    with jax.set_mesh(run.mesh):
+        hlo = run.step_fn.lower(run.plan.abstract, batch).compile().as_text()
+    volume = collective_volume(hlo, dict(run.mesh.shape))
+    schedule = run.parallel.schedule
+    rows = run.micro_batch // schedule.microbatches // 4  # one micro-batch's rows on one fsdp shard
+    activation = rows * cfg.data.seq_len * cfg.model.embed_dim * 4
+    assert volume.bytes_by_axes["collective-permute over pp"] == 2 * schedule.steps * activation * ACCUMULATION
+    assert not any(name.endswith("over cp") for name in volume.bytes_by_axes)
+
+    cfg = config(f"training.gradient_accumulation_steps={ACCUMULATION}", "training.micro_batch_size=4")
+    cfg.model.mesh_shape = [[2, 4], ["cp", "fsdp"]]
+    run = setup(cfg)
+    with jax.set_mesh(run.mesh):
+        volume = collective_volume(run.step_fn.lower(run.plan.abstract, abstract_batch(
+            run.mesh, ACCUMULATION, run.micro_batch, 32)).compile().as_text(), dict(run.mesh.shape))
+    assert volume.bytes_by_axes["all-gather over cp"] > 0  # the global layer's keys and values
+    assert volume.bytes_by_axes["collective-permute over cp"] > 0  # the local layer's windows
+    assert not any(name.endswith("over pp") for name in volume.bytes_by_axes)

@@ -5,6 +5,9 @@ Bytes are the logical size of the array a collective produces or consumes on one
 gathered output of an all-gather, the unreduced input of a reduce-scatter, the operand of an
 all-reduce, all-to-all or collective-permute. Collectives inside loops (the scan over layers, over
 micro-batches) count once per iteration, using the trip count XLA records on each while loop.
+Each collective is also attributed to the mesh axes its device groups span, which names the
+traffic of each parallelism: fsdp's gathers and reductions, tp's all-reduces, the pipeline's
+collective-permutes over pp, context parallelism's gathers and permutes over cp.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -51,6 +55,46 @@ def _operands(rest: str) -> list[str]:
     return re.findall(r"%([\w.\-]+)", rest[:end])
 
 
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """HLO's iota device list [dims]T(perm): 0..n-1 laid out as dims, transposed by perm."""
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
+def _groups(rest: str, devices: int) -> list[list[int]] | None:
+    """The device groups of a collective (for a collective-permute, its source-target pairs), from
+    any of HLO's spellings of replica_groups; None where the text has none that this reads."""
+    if match := re.search(r"(source_target_pairs|replica_groups)=\{((?:\{[\d,]*\},?)*)\}", rest):
+        groups = [[int(i) for i in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", match.group(2))]
+        return groups or [list(range(devices))]  # {}: every device
+    if match := re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest):
+        return _iota(match.group(2), match.group(3)).reshape([int(d) for d in match.group(1).split(",")]).tolist()
+    if match := re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+                          r"\s*\{([^}]*)\}", rest):
+        axes = re.findall(r"'(\w+)'=(\d+)", match.group(1))
+        sizes = [int(size) for _, size in axes]
+        ids = (_iota(match.group(2), match.group(3)) if match.group(2) else np.arange(math.prod(sizes))).reshape(sizes)
+        grouped = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in match.group(4)]
+        rest_axes = [i for i in range(len(sizes)) if i not in grouped]
+        return ids.transpose(rest_axes + grouped).reshape(-1, math.prod(sizes[i] for i in grouped)).tolist()
+    return None
+
+
+def mesh_axes_of(rest: str, mesh_shape: dict[str, int]) -> str:
+    """The mesh axes a collective's groups span ("pp", "fsdp,tp"; "?" where unreadable): those along
+    which the devices of a group differ. Device i of the HLO is the i-th device of the mesh."""
+    sizes = list(mesh_shape.values())
+    groups = _groups(rest, math.prod(sizes))
+    if groups is None:
+        return "?"
+    varying = set()
+    for group in groups:
+        coords = np.array(np.unravel_index(group, sizes))  # [axes, devices of the group]
+        varying |= {name for name, row in zip(mesh_shape, coords) if len(set(row.tolist())) > 1}
+    return ",".join(name for name in mesh_shape if name in varying) or "none"
+
+
 def collective_kind(op_name: str) -> str | None:
     """'all-gather-start.3' -> 'all-gather'; None for anything that is not a collective."""
     for kind in COLLECTIVES:
@@ -64,10 +108,13 @@ class CollectiveVolume:
     bytes: dict[str, float]  # per kind, per step, per device
     count: dict[str, int]  # collective ops executed per step, per kind
     unknown_trip_counts: int  # loops whose trip count XLA did not record (counted once)
+    # per "kind over mesh axes" (e.g. "collective-permute over pp"), when the mesh was given
+    bytes_by_axes: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
-def collective_volume(hlo_text: str) -> CollectiveVolume:
-    """Per-step bytes and op counts by collective kind, for one device of a compiled HLO module."""
+def collective_volume(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> CollectiveVolume:
+    """Per-step bytes and op counts by collective kind, for one device of a compiled HLO module;
+    with the mesh's {axis: size}, also by the mesh axes each collective spans."""
     computations: dict[str, list[tuple]] = {}
     entry, current, types = None, None, {}  # types by (computation, instruction)
     for line in hlo_text.splitlines():
@@ -106,7 +153,7 @@ def collective_volume(hlo_text: str) -> CollectiveVolume:
                     visit(callee, times * (trips if role == "body" else 1))
 
     visit(entry, 1)
-    volume, count = collections.Counter(), collections.Counter()
+    volume, count, by_axes = collections.Counter(), collections.Counter(), collections.Counter()
     for computation, times in multiplicity.items():
         for name, type_text, opcode, rest in computations.get(computation, ()):
             kind = collective_kind(opcode)
@@ -119,8 +166,10 @@ def collective_volume(hlo_text: str) -> CollectiveVolume:
                 size = operand_bytes
             volume[kind] += size * times
             count[kind] += times
+            if mesh_shape:
+                by_axes[f"{kind} over {mesh_axes_of(rest, mesh_shape)}"] += size * times
     return CollectiveVolume({k: float(volume[k]) for k in COLLECTIVES}, {k: count[k] for k in COLLECTIVES},
-                            unknown)
+                            unknown, {k: float(v) for k, v in sorted(by_axes.items())})
 
 
 def _merged_length(intervals: list[tuple[float, float]]) -> float:
@@ -176,6 +225,9 @@ def summary_table(volume: CollectiveVolume, seconds: dict[str, float], steps: in
     for kind in COLLECTIVES:
         lines.append(f"{kind:<20}{seconds[kind] / steps * 1e3:>10.1f}{volume.bytes[kind] / 1e6:>12.3f}"
                      f"{volume.count[kind]:>10}")
+    if volume.bytes_by_axes:
+        lines.append("by mesh axes (MB/step):")
+        lines += [f"  {name:<36}{size / 1e6:>12.3f}" for name, size in volume.bytes_by_axes.items()]
     return "\n".join(lines)
 
 
@@ -184,8 +236,8 @@ class CommunicationProfile:
     (TensorBoard's profile plugin reads run_dir/plugins/profile; Perfetto opens the .trace.json.gz)
     and summarizes them against the compiled step's collectives."""
 
-    def __init__(self, run_dir: Path, first: int, steps: int, compiled_step):
-        self.run_dir, self.first, self.last = run_dir, first, first + steps - 1
+    def __init__(self, run_dir: Path, first: int, steps: int, compiled_step, mesh_shape: dict[str, int]):
+        self.run_dir, self.first, self.last, self.mesh_shape = run_dir, first, first + steps - 1, mesh_shape
         self.hlo = compiled_step.as_text()
         self.module = re.match(r"HloModule\s+([\w.\-]+)", self.hlo).group(1)
         self.started = None
@@ -206,11 +258,12 @@ class CommunicationProfile:
         self.started = None
         steps = step - self.first + 1
         trace = max(self.run_dir.glob("plugins/profile/*/*.xplane.pb"), key=lambda p: p.stat().st_mtime)
-        volume = collective_volume(self.hlo)
+        volume = collective_volume(self.hlo, self.mesh_shape)
         seconds, devices = collective_time(trace, self.module)
         report = {"steps": [self.first + 1, step + 1], "devices_traced": devices, "step_time_s": wall / steps,
                   "seconds_per_step": {k: v / steps for k, v in seconds.items()},
                   "bytes_per_step": volume.bytes, "collectives_per_step": volume.count,
+                  "bytes_per_step_by_mesh_axes": volume.bytes_by_axes,
                   "loops_without_trip_count": volume.unknown_trip_counts, "trace": str(trace)}
         (self.run_dir / "communication.json").write_text(json.dumps(report, indent=1))
         return (f"communication profile of steps {self.first + 1}-{step + 1}, per device ({devices} traced); "

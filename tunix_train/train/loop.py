@@ -116,7 +116,7 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
             say(f"compiled the train step in {time.perf_counter() - start:.1f} s")
             interval = h.Interval()
             hooks = [
-                *_profile_hook(cfg, run_dir, int(state.step), step_fn, say, is_chief),
+                *_profile_hook(cfg, run_dir, int(state.step), step_fn, mesh, say, is_chief),
                 *([h.StopOnNonFinite(save, checkpoints)] if t.nan_policy is NanPolicy.stop else []),
                 h.TrainMetrics(interval, t.log_every, t.max_steps, tokens_per_step, flops_per_token,
                                peak * mesh.devices.size),
@@ -163,10 +163,11 @@ def _samples_hook(cfg: Config, run, data: Data, writer: MetricsWriter | None, sa
     return [h.Samples(generate, list(t.sample_prompts), t.sample_every, t.max_steps, write)]
 
 
-def _profile_hook(cfg: Config, run_dir: Path, start: int, step_fn, say, is_chief: bool) -> list[h.Hook]:
+def _profile_hook(cfg: Config, run_dir: Path, start: int, step_fn, mesh, say, is_chief: bool) -> list[h.Hook]:
     """training.profile_communication: process 0 traces profile_steps steps after two warm-up steps."""
     t = cfg.training
     if not (t.profile_communication and is_chief):
         return []
     first = max(min(start + 2, t.max_steps - t.profile_steps), start)
-    return [h.ProfileCommunication(CommunicationProfile(run_dir, first, t.profile_steps, step_fn), say, t.max_steps)]
+    return [h.ProfileCommunication(CommunicationProfile(run_dir, first, t.profile_steps, step_fn,
+                                                                    dict(mesh.shape)), say, t.max_steps)]
