@@ -32,7 +32,7 @@ from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokeni
 from tunix_train.generate import Sampler, Sampling
 from tunix_train.interop import gguf, hf
 from tunix_train.plan import MemoryErrors
-from tunix_train.sharding import make_mesh, validate_model_for_mesh
+from tunix_train.sharding import LOGICAL_RULES, make_mesh, validate_model_for_mesh
 from tunix_train.train.init import model_graphdef, plan_train_state
 from tunix_train.train.optimizer import make_optimizer
 
@@ -46,7 +46,8 @@ class LoadedModel:
     stop_ids: tuple[int, ...] = ()  # tokens that end a generated sequence (EOS)
 
     def __post_init__(self):
-        graphdef = model_graphdef(self.config, Remat.none)
+        # one forward pass of the whole stack on every device: positions whole, layers not pipelined
+        graphdef = model_graphdef(self.config, Remat.none, rules=LOGICAL_RULES.replace(seq=()))
         self._forward = jax.jit(lambda params, micro: nnx.merge(graphdef, params)(
             micro["inputs"], micro["positions"], micro["segment_ids"]))
         self._sampler = Sampler(self.config, self.mesh, self.stop_ids)
