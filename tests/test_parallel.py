@@ -80,6 +80,16 @@ def test_every_pp_and_cp_combination_gives_the_losses_of_one_device(tmp_path, na
     _check_losses(tmp_path, name)
 
 
+@pytest.mark.parametrize("name", ["pp2_cp2_fsdp2", "pp2_cp2_fsdp2_ring"])
+def test_bf16_runs_under_pp_and_cp_with_the_losses_of_one_device(tmp_path, name):
+    """bf16 with pp and cp beside an auto axis compiles (every reduction of theirs is float32: see
+    parallel/float32_reductions.py) and matches one device's bf16 losses to bf16 precision."""
+    mesh_shape, rows, overrides = RUNS[name]
+    bf16 = "training.mixed_precision=bf16"
+    reference = _losses(tmp_path / "one", [[1], ["fsdp"]], 8, [bf16])
+    np.testing.assert_allclose(_losses(tmp_path / name, mesh_shape, rows, [*overrides, bf16]), reference, rtol=1e-2)
+
+
 def _gradients(mesh_shape, rows, *overrides):
     """The gradient of the first step's loss (plain SGD at rate 1: the update is minus it)."""
     cfg = _run_config(mesh_shape, rows, *overrides)

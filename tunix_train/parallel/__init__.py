@@ -9,7 +9,6 @@ stage through the pipeline. Nothing else in the model knows pp or cp exists; the
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
@@ -18,6 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from tunix_train.config import AttentionImpl, ConfigError, ModelConfig, TrainingConfig
 from tunix_train.parallel import context, pipeline
+from tunix_train.parallel import float32_reductions as reductions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,25 +32,30 @@ class Parallelism:
         """layers(layer_xs, x_BTD, rows, make_attend) applies the layers of layer_xs (stacked on a
         leading axis) to x; rows holds the per-token data [B, T] (or [1, T]) the masks and RoPE read.
         Under cp, make_attend (rows -> window -> attend) is replaced by cp's."""
-        seq, apply = None, functools.partial(layers, make_attend=make_attend)
-        if self.context is not None:
-            seq = context.AXIS
-            # the parameters vary over cp inside (each shard differentiates its own tokens): the
-            # custom VJPs of the kernels see what their gradients will be, and the cast's transpose
-            # sums them over cp
-            apply = lambda layer_xs, x, rows: layers(jax.lax.pcast(layer_xs, seq, to="varying"), x, rows,
-                                                     self.context.make_attend)
+        if self.context is None and self.schedule is None:
+            return layers(layer_xs, x_BTD, rows, make_attend)
+        seq, make_attend = (None, make_attend) if self.context is None else (context.AXIS, self.context.make_attend)
+        param_dtypes, x_dtype = reductions.dtypes(layer_xs), x_BTD.dtype
+
+        def apply(layer_xs, x, rows):
+            if seq is not None:
+                # the parameters vary over cp inside (each shard differentiates its own tokens): the
+                # kernels' custom VJPs see what their gradients will be, and the cast's transpose
+                # sums those over cp
+                layer_xs = jax.lax.pcast(layer_xs, seq, to="varying")
+            return layers(reductions.cast_like(layer_xs, param_dtypes), x.astype(x_dtype), rows, make_attend)
+
+        layer_xs = reductions.float32(layer_xs) if seq else layer_xs
         if self.schedule is None:
-            if seq is None:
-                return apply(layer_xs, x_BTD, rows)
             return jax.shard_map(apply, in_specs=(P(), P(None, seq), P(None, seq)), out_specs=P(None, seq),
                                  axis_names={seq})(layer_xs, x_BTD, rows)
         M = self.schedule.microbatches
         # micro-batch m takes rows m, m + M, ...: each data shard keeps its own rows
         split = lambda a: jnp.broadcast_to(a, x_BTD.shape[:2] + a.shape[2:]).reshape(
             -1, M, *a.shape[1:]).swapaxes(0, 1)
-        x_MBTD = pipeline.run(self.schedule, apply, layer_xs, split(x_BTD), jax.tree.map(split, rows), seq)
-        return x_MBTD.swapaxes(0, 1).reshape(x_BTD.shape)
+        x_MBTD = pipeline.run(self.schedule, apply, layer_xs, reductions.float32(split(x_BTD)),
+                              jax.tree.map(split, rows), seq)
+        return x_MBTD.swapaxes(0, 1).reshape(x_BTD.shape).astype(x_dtype)
 
     def reorder(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """The step's batch as the model should see it: under cp, in context.balanced_order."""

@@ -28,6 +28,7 @@ import numpy as np
 from tunix_train.config import ContextParallelStrategy
 from tunix_train.model import kernels
 from tunix_train.model.gemma import visible_keys
+from tunix_train.parallel import float32_reductions as reductions
 
 AXIS = "cp"
 
@@ -70,8 +71,8 @@ class ContextAttention:
     def make_attend(self, rows):
         """rows: this shard's `token_index` and `segment_ids` [B, 2c] -> window -> attend."""
         q_index, q_segments = rows["token_index"], rows["segment_ids"]
-        gather = lambda x: jax.lax.all_gather(x, AXIS, axis=1, tiled=True)
-        all_index, all_segments = gather(q_index), gather(q_segments)
+        all_index, all_segments = (jax.lax.all_gather(x, AXIS, axis=1, tiled=True) for x in (q_index, q_segments))
+        gather = lambda x: reductions.all_gather(x, AXIS)
         near = self._with_neighbours
 
         def gathered(q, k, v, softcap, window):

@@ -59,7 +59,8 @@ def run(schedule: Schedule, stage_fn: Callable, layer_xs: Any, x_MBTD: jax.Array
         seq_axis: str | None) -> jax.Array:
     """stage_fn(layer_xs of one chunk [C, ...], x [B, T, D], rows [B, T]) -> x, applied through
     every stage to each of the M micro-batches of x_MBTD (rows: their per-token data, [M, B, T]).
-    Runs in a shard_map manual over pp (and over `seq_axis`, which splits T, when given)."""
+    Runs in a shard_map manual over pp (and over `seq_axis`, which splits T, when given). x_MBTD
+    comes in float32, and the stages pass it on in float32 (float32_reductions)."""
     S, R = schedule.stages, schedule.repeats
     chunks = jax.tree.map(lambda a: a.reshape(R, S, a.shape[0] // (R * S), *a.shape[1:]), layer_xs)
     data = P(None, None, seq_axis)
@@ -83,7 +84,7 @@ def _stages(schedule: Schedule, stage_fn, chunks, x_MBTD, rows):
         first_input = at(x_MBTD, micro) if R == 1 else jnp.where(repeat == 0, at(x_MBTD, micro),
                                                                    at(circulating, micro))
         y = stage_fn(jax.tree.map(lambda a: at(a, repeat), chunks), jnp.where(stage == 0, first_input, received),
-                     jax.tree.map(lambda a: at(a, micro), rows))
+                     jax.tree.map(lambda a: at(a, micro), rows)).astype(x_MBTD.dtype)
         done = busy & (stage == S - 1) & (repeat == R - 1)
         outputs = put(outputs, jnp.where(done, y, at(outputs, micro)), micro)
         received = jax.lax.ppermute(y, AXIS, [(i, (i + 1) % S) for i in range(S)])
