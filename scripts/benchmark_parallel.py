@@ -5,8 +5,9 @@
 Part 1, pp: gemma3_tiny with 8 layers, 64 rows x 128 tokens a step, on fsdp=8, pp=2 x fsdp=4 and
 pp=4 x fsdp=2 with M = 4, 8, 16 pipeline micro-batches: the median step time, and the schedule's
 idle fraction counted from the schedule itself (idle stage-steps / all stage-steps) beside the
-formula (S-1)/(R*M+S-1). Eight fake devices share this machine's cores, so an idle stage costs no
-wall time here: the wall-clock figures are reported, not a target.
+formula (S-1)/(R*M+S-1), and the bytes each device's collectives move per step, by mesh axis. Eight
+fake devices share this machine's two cores, and a stage in the bubble computes on placeholder
+data rather than waiting: the wall-clock figures are reported, not a target.
 
 Part 2, cp: gemma3_tiny on one row of --seq-len tokens, cp = 1, 2, 4 (all_gather and ring): the
 compiled step's temporaries per device (XLA's memory analysis), which hold the activations.
@@ -31,6 +32,7 @@ import jax  # noqa: E402
 
 from tunix_train.config import load_config  # noqa: E402
 from tunix_train.data.synthetic import SyntheticBatches  # noqa: E402
+from tunix_train.observe.comms import collective_volume  # noqa: E402
 from tunix_train.parallel import pipeline  # noqa: E402
 from tunix_train.sharding import to_global_batch  # noqa: E402
 from tunix_train.train.setup import setup  # noqa: E402
@@ -68,10 +70,15 @@ def pipeline_runs(steps: int) -> list[dict]:
                     jax.block_until_ready(metrics)
                     times.append(time.perf_counter() - start)
             schedule = run.parallel.schedule if run.parallel else pipeline.Schedule(1, 1, 1)
-            results.append({"mesh": dict(run.mesh.shape), "microbatches": M, "step_ms": statistics.median(times[1:]) * 1e3,
-                            "idle_counted": schedule.idle_fraction(), "bubble_formula": schedule.bubble})
+            traffic = collective_volume(step.as_text(), dict(run.mesh.shape)).bytes_by_axes
+            results.append({"mesh": dict(run.mesh.shape), "microbatches": M,
+                            "step_ms": statistics.median(times[1:]) * 1e3,
+                            "idle_counted": schedule.idle_fraction(), "bubble_formula": schedule.bubble,
+                            "collective_bytes_by_axes": traffic})
+            over = lambda axis: sum(v for k, v in traffic.items() if k.endswith(f" over {axis}")) / 1e6
             print(f"{str(dict(run.mesh.shape)):<22} M={M:<3} step {results[-1]['step_ms']:8.1f} ms   idle "
-                  f"counted {results[-1]['idle_counted']:.4f}  formula {results[-1]['bubble_formula']:.4f}", flush=True)
+                  f"counted {results[-1]['idle_counted']:.4f}  formula {results[-1]['bubble_formula']:.4f}   "
+                  f"MB/step over fsdp {over('fsdp'):7.2f}, over pp {over('pp'):6.2f}", flush=True)
     return results
 
 

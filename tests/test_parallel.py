@@ -187,14 +187,18 @@ def test_the_schedules_idle_time_is_the_bubble_formula(stages, repeats, microbat
      "model.num_layers=6 is not divisible by pp x training.pipeline_repeats = 4"),
     ([[2], ["pp"]], ["model.num_layers=6", "training.pipeline_microbatches=4", "training.pipeline_repeats=2"],
      "model.num_layers=6 is not divisible by pp x training.pipeline_repeats = 4"),
-    ([[2], ["pp"]], ["training.pipeline_microbatches=3"], "training.pipeline_microbatches=3 must be a multiple of pp=2"),
-    ([[4], ["pp"]], ["training.pipeline_microbatches=2"], "training.pipeline_microbatches=2 must be a multiple of pp=4"),
-    ([[2], ["pp"]], ["training.pipeline_microbatches=16"], "training.pipeline_microbatches=16 must divide "
-                                                           "training.micro_batch_size=8"),
+    ([[2], ["pp"]], ["training.pipeline_microbatches=3"],
+     "training.pipeline_microbatches=3 must be a multiple of pp=2"),
+    ([[4], ["pp"]], ["training.pipeline_microbatches=2"],
+     "training.pipeline_microbatches=2 must be a multiple of pp=4"),
+    ([[2], ["pp"]], ["training.pipeline_microbatches=16"],
+     "training.pipeline_microbatches=16 must divide training.micro_batch_size=8"),
     ([[4], ["pp"]], ["training.pipeline_microbatches=4", "training.pipeline_repeats=2"],
      "training.pipeline_repeats=2: model.num_layers=4 is too shallow"),
-    ([[4], ["cp"]], ["data.seq_len=36", "training.loss_chunk_size=0"], "data.seq_len=36 must be divisible by 2 x cp = 8"),
-    ([[4], ["cp"]], ["training.loss_chunk_size=32"], "training.loss_chunk_size=32 must divide data.seq_len / cp = 16"),
+    ([[4], ["cp"]], ["data.seq_len=36", "training.loss_chunk_size=0"],
+     "data.seq_len=36 must be divisible by 2 x cp = 8"),
+    ([[4], ["cp"]], ["training.loss_chunk_size=32"],
+     "training.loss_chunk_size=32 must divide data.seq_len / cp = 16"),
 ])
 def test_bad_pp_and_cp_settings_are_one_line_errors(mesh_shape, overrides, message):
     cfg = _run_config(mesh_shape, 8, *overrides)
@@ -216,7 +220,8 @@ def test_a_pp2_checkpoint_resumes_on_pp1_and_pp4_with_the_same_losses(tmp_path):
     first = _losses(tmp_path / "first", [[2], ["pp"]], 8, ["training.pipeline_microbatches=2",
                                                            "training.max_steps=2", "checkpoint.every_steps=2"])
     np.testing.assert_array_equal(first, straight[:2])
-    for name, mesh_shape, overrides in (("pp1", [[1], ["fsdp"]], []), ("pp4", [[4], ["pp"]], ["training.pipeline_microbatches=4"]),
+    for name, mesh_shape, overrides in (("pp1", [[1], ["fsdp"]], []),
+                                        ("pp4", [[4], ["pp"]], ["training.pipeline_microbatches=4"]),
                                         ("cp4", [[4], ["cp"]], [])):
         resumed = _losses(tmp_path / name, mesh_shape, 8, [*overrides, *steps,
                                                            f"checkpoint.resume_from={tmp_path / 'first'}"])

@@ -37,24 +37,26 @@ class Parallelism:
         seq, make_attend = (None, make_attend) if self.context is None else (context.AXIS, self.context.make_attend)
         param_dtypes, x_dtype = reductions.dtypes(layer_xs), x_BTD.dtype
 
-        def apply(layer_xs, x, rows):
+        def enter(layer_xs):
+            """The parameters as the layers use them, once inside the shard_map. Under cp they vary
+            over cp (each shard differentiates its own tokens): the kernels' custom VJPs see what their
+            gradients will be, and the cast's transpose sums those over cp."""
             if seq is not None:
-                # the parameters vary over cp inside (each shard differentiates its own tokens): the
-                # kernels' custom VJPs see what their gradients will be, and the cast's transpose
-                # sums those over cp
                 layer_xs = jax.lax.pcast(layer_xs, seq, to="varying")
-            return layers(reductions.cast_like(layer_xs, param_dtypes), x.astype(x_dtype), rows, make_attend)
+            return reductions.cast_like(layer_xs, param_dtypes)
 
+        apply = lambda layer_xs, x, rows: layers(layer_xs, x.astype(x_dtype), rows, make_attend)
         layer_xs = reductions.float32(layer_xs) if seq else layer_xs
         if self.schedule is None:
-            return jax.shard_map(apply, in_specs=(P(), P(None, seq), P(None, seq)), out_specs=P(None, seq),
+            return jax.shard_map(lambda layer_xs, x, rows: apply(enter(layer_xs), x, rows),
+                                 in_specs=(P(), P(None, seq), P(None, seq)), out_specs=P(None, seq),
                                  axis_names={seq})(layer_xs, x_BTD, rows)
         M = self.schedule.microbatches
         # micro-batch m takes rows m, m + M, ...: each data shard keeps its own rows
         split = lambda a: jnp.broadcast_to(a, x_BTD.shape[:2] + a.shape[2:]).reshape(
             -1, M, *a.shape[1:]).swapaxes(0, 1)
-        x_MBTD = pipeline.run(self.schedule, apply, layer_xs, reductions.float32(split(x_BTD)),
-                              jax.tree.map(split, rows), seq)
+        x_MBTD = pipeline.run(self.schedule, apply, enter, layer_xs, reductions.float32(split(x_BTD)),
+                              jax.tree.map(split, rows), seq, x_dtype)
         return x_MBTD.swapaxes(0, 1).reshape(x_BTD.shape).astype(x_dtype)
 
     def reorder(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:

@@ -55,38 +55,42 @@ class Schedule:
         return 1.0 - busy / (self.steps * self.stages)
 
 
-def run(schedule: Schedule, stage_fn: Callable, layer_xs: Any, x_MBTD: jax.Array, rows: Any,
-        seq_axis: str | None) -> jax.Array:
+def run(schedule: Schedule, stage_fn: Callable, enter: Callable, layer_xs: Any, x_MBTD: jax.Array, rows: Any,
+        seq_axis: str | None, dtype: Any) -> jax.Array:
     """stage_fn(layer_xs of one chunk [C, ...], x [B, T, D], rows [B, T]) -> x, applied through
-    every stage to each of the M micro-batches of x_MBTD (rows: their per-token data, [M, B, T]).
+    every stage to each of the M micro-batches of x_MBTD (rows: their per-token data, [M, B, T]);
+    enter(layer_xs) makes a stage's layers what stage_fn takes, once per pass.
     Runs in a shard_map manual over pp (and over `seq_axis`, which splits T, when given). x_MBTD
-    comes in float32, and the stages pass it on in float32 (float32_reductions)."""
+    comes in and the outputs leave in float32 (float32_reductions); between stages the activations
+    travel in `dtype`."""
     S, R = schedule.stages, schedule.repeats
     chunks = jax.tree.map(lambda a: a.reshape(R, S, a.shape[0] // (R * S), *a.shape[1:]), layer_xs)
     data = P(None, None, seq_axis)
-    stages = jax.shard_map(lambda *args: _stages(schedule, stage_fn, *args), in_specs=(P(None, AXIS), data, data),
-                           out_specs=data, axis_names={AXIS} | ({seq_axis} if seq_axis else set()))
+    stages = jax.shard_map(lambda *args: _stages(schedule, stage_fn, enter, dtype, *args),
+                           in_specs=(P(None, AXIS), data, data), out_specs=data,
+                           axis_names={AXIS} | ({seq_axis} if seq_axis else set()))
     return stages(chunks, x_MBTD, rows)
 
 
-def _stages(schedule: Schedule, stage_fn, chunks, x_MBTD, rows):
+def _stages(schedule: Schedule, stage_fn, enter, dtype, chunks, x_MBTD, rows):
     """One stage's part of the schedule (in the shard_map): a scan over the time steps."""
     S, R = schedule.stages, schedule.repeats
     stage = jax.lax.axis_index(AXIS)
-    chunks = jax.tree.map(lambda a: a[:, 0], chunks)  # this stage's chunk of each repeat
+    chunks = enter(jax.tree.map(lambda a: a[:, 0], chunks))  # this stage's chunk of each repeat
     at = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
     put = lambda a, x, i: jax.lax.dynamic_update_index_in_dim(a, x, i, 0)
-    varying = lambda x: jax.lax.pcast(x, AXIS, to="varying")
+    # varying from here on: the input's gradient is summed over pp once, not at every time step
+    x_MBTD = jax.lax.pcast(x_MBTD, AXIS, to="varying")
 
     def step(carry, t):
         received, circulating, outputs = carry
         busy, repeat, micro = schedule.task(t, stage)
-        first_input = at(x_MBTD, micro) if R == 1 else jnp.where(repeat == 0, at(x_MBTD, micro),
-                                                                   at(circulating, micro))
+        fresh = at(x_MBTD, micro).astype(dtype)
+        first_input = fresh if R == 1 else jnp.where(repeat == 0, fresh, at(circulating, micro))
         y = stage_fn(jax.tree.map(lambda a: at(a, repeat), chunks), jnp.where(stage == 0, first_input, received),
-                     jax.tree.map(lambda a: at(a, micro), rows)).astype(x_MBTD.dtype)
+                     jax.tree.map(lambda a: at(a, micro), rows)).astype(dtype)
         done = busy & (stage == S - 1) & (repeat == R - 1)
-        outputs = put(outputs, jnp.where(done, y, at(outputs, micro)), micro)
+        outputs = put(outputs, jnp.where(done, y.astype(outputs.dtype), at(outputs, micro)), micro)
         received = jax.lax.ppermute(y, AXIS, [(i, (i + 1) % S) for i in range(S)])
         if R > 1:  # stage 0 keeps what comes round from the last stage until its next repeat
             last_busy, last_repeat, last_micro = schedule.task(t, S - 1)
@@ -94,7 +98,7 @@ def _stages(schedule: Schedule, stage_fn, chunks, x_MBTD, rows):
             circulating = put(circulating, jnp.where(keep, received, at(circulating, last_micro)), last_micro)
         return (received, circulating, outputs), None
 
-    zeros = varying(jnp.zeros_like(x_MBTD))
-    init = (zeros[0], zeros if R > 1 else None, zeros)
+    zeros = jnp.zeros_like(x_MBTD, dtype)
+    init = (zeros[0], zeros if R > 1 else None, jnp.zeros_like(x_MBTD))
     (_, _, outputs), _ = jax.lax.scan(step, init, jnp.arange(schedule.steps))
     return jax.lax.psum(outputs, AXIS)  # only the last stage's are not zero

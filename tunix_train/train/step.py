@@ -67,11 +67,13 @@ def token_losses(graphdef: nnx.GraphDef, params: nnx.State, micro: dict[str, jax
     def chunk_losses(x_BCD, targets_BC):
         return cross_entropy(output_logits(x_BCD, table_VD, softcap, rules), targets_BC)
 
-    # step n takes positions [n·chunk, (n+1)·chunk) of each of the P parts: C = P·chunk positions
-    P, N = seq_shards, T // (seq_shards * chunk)
-    by_step = lambda x: jnp.moveaxis(x.reshape(B, P, N, chunk, *x.shape[2:]), 2, 0).reshape(N, B, P * chunk, *x.shape[2:])
-    _, losses_NBC = jax.lax.scan(lambda _, xs: (None, chunk_losses(*xs)), None, (by_step(x_BTD), by_step(micro["targets"])))
-    return jnp.moveaxis(losses_NBC.reshape(N, B, P, chunk), 0, 2).reshape(B, T)
+    # scan step n takes positions [n·chunk, (n+1)·chunk) of each of the sequence's parts
+    parts, N = seq_shards, T // (seq_shards * chunk)
+    by_step = lambda x: jnp.moveaxis(x.reshape(B, parts, N, chunk, *x.shape[2:]), 2, 0).reshape(
+        N, B, parts * chunk, *x.shape[2:])
+    _, losses_NBC = jax.lax.scan(lambda _, xs: (None, chunk_losses(*xs)), None,
+                                 (by_step(x_BTD), by_step(micro["targets"])))
+    return jnp.moveaxis(losses_NBC.reshape(N, B, parts, chunk), 0, 2).reshape(B, T)
 
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
