@@ -75,7 +75,10 @@ def test_default_run_directory_is_outputs_experiment_date_time(tmp_path):
 
 BAD_CONFIG = [
     (['model.mesh_shape=[[4,4],["fsdp","tp"]]'], "model.mesh_shape: mesh {'fsdp': 4, 'tp': 4} has 16 devices but 4"),
-    (['model.mesh_shape=[[4],["pp"]]'], "unknown mesh axis 'pp'"),
+    (['model.mesh_shape=[[4],["ep"]]'], "unknown mesh axis 'ep'"),
+    (['model.mesh_shape=[[4],["pp"]]', "training.pipeline_microbatches=4"], "pp=4 is more than model.num_layers=2"),
+    (['model.mesh_shape=[[4],["cp"]]', "data.seq_len=36", "training.loss_chunk_size=0"],
+     "data.seq_len=36 must be divisible by 2 x cp = 8"),
     (['model.mesh_shape=[[1,4],["fsdp","tp"]]', "model.num_heads=6"], "model.num_heads=6 is not divisible by the tp"),
     (["model.foo=1"], "unknown config key 'model.foo'"),
     (["training.max_steps=abc"], "config key 'training.max_steps'"),
@@ -131,8 +134,10 @@ def test_out_of_memory_is_one_line_that_says_what_to_lower_and_damages_no_checkp
     assert "GiB of host RAM available; the compiled train step needs " in lines[0]
     assert lines[0].endswith("to lower it, in this order: data.seq_len=32768 (shorter sequences); training.remat=full "
                              "(recompute activations in the backward pass); more devices on the fsdp axis (parameters, "
-                             "gradients and optimizer state divide by it); training.mixed_precision=bf16 (activations "
-                             "in bfloat16)")
+                             "gradients and optimizer state divide by it); a pp mesh axis (each stage holds num_layers / "
+                             "pp layers and their optimizer state; with training.pipeline_microbatches >= pp); a cp mesh "
+                             "axis (activations divide by it: the sequence is split across devices); "
+                             "training.mixed_precision=bf16 (activations in bfloat16)")
     assert "started from checkpoint.resume_from" in (run_dir / "train.log").read_text()
     assert not any((run_dir / "checkpoints").iterdir())
     assert {path: path.read_bytes() for path in (source / "checkpoints").rglob("*") if path.is_file()} == files

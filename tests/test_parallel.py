@@ -28,7 +28,8 @@ RING = "model.context_parallel_strategy=ring"
 RUNS = {  # name: (mesh_shape, rows per data-parallel shard, overrides); 16 rows a step in all
     "pp2": ([[2], ["pp"]], 8, ["training.pipeline_microbatches=2"]),
     "pp4": ([[4], ["pp"]], 8, ["training.pipeline_microbatches=4"]),
-    "pp2_repeats2": ([[2], ["pp"]], 8, ["training.pipeline_microbatches=4", "training.pipeline_repeats=2"]),
+    "pp2_repeats2": ([[2], ["pp"]], 8, ["training.pipeline_microbatches=4", "training.pipeline_repeats=2",
+                                        "training.remat=full"]),  # remat inside the stages
     "cp2": ([[2], ["cp"]], 8, []),
     "cp2_ring": ([[2], ["cp"]], 8, [RING]),
     "cp4": ([[4], ["cp"]], 8, []),
@@ -80,7 +81,7 @@ def test_every_pp_and_cp_combination_gives_the_losses_of_one_device(tmp_path, na
     _check_losses(tmp_path, name)
 
 
-@pytest.mark.parametrize("name", ["pp2_cp2_fsdp2", "pp2_cp2_fsdp2_ring"])
+@pytest.mark.parametrize("name", ["pp2_cp2_fsdp2", pytest.param("pp2_cp2_fsdp2_ring", marks=pytest.mark.slow)])
 def test_bf16_runs_under_pp_and_cp_with_the_losses_of_one_device(tmp_path, name):
     """bf16 with pp and cp beside an auto axis compiles (every reduction of theirs is float32: see
     parallel/float32_reductions.py) and matches one device's bf16 losses to bf16 precision."""
@@ -111,7 +112,7 @@ def _gradients(mesh_shape, rows, *overrides):
 @pytest.mark.parametrize("mesh_shape, overrides", [
     ([[4], ["pp"]], ["training.pipeline_microbatches=4"]),
     ([[4], ["cp"]], []),
-    ([[4], ["cp"]], [RING]),
+    pytest.param([[4], ["cp"]], [RING], marks=pytest.mark.slow),
 ])
 def test_the_whole_gradient_equals_one_devices(mesh_shape, overrides):
     reference = _gradients([[1], ["fsdp"]], 8)

@@ -208,7 +208,8 @@ class Gemma(nnx.Module):
         return jax.lax.scan(layer, x_BTD, layer_xs, unroll=self.scan_unroll)[0]
 
     def _masked_attention(self, rows):
-        """rows -> window -> attend: attention over every key of the pass that visible_keys allows."""
+        """rows -> window -> attend: attention over the keys of the pass that visible_keys allows,
+        its window-independent part computed once per pass."""
         fused = None if self.attention is AttentionImpl.xla else self.attention.value
         index, segments = rows["token_index"], rows["segment_ids"]
         distance_BTS = index[:, :, None] - index[:, None, :]
