@@ -10,6 +10,8 @@ pass, the rotary flip, the remat policies) lives in kernels.py.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,9 @@ from flax import nnx
 from tunix_train.config import AttentionImpl, ModelConfig, Remat
 from tunix_train.model import kernels
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
+
+if TYPE_CHECKING:  # tunix_train.parallel imports this module
+    from tunix_train.parallel import Parallelism
 
 _GLOBAL_WINDOW = np.iinfo(np.int32).max  # a global layer's "window" covers every position
 
@@ -143,7 +148,8 @@ class Gemma(nnx.Module):
     """Token ids [B, T] -> float32 next-token logits [B, T, V]; embeddings tied to the output."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: Remat = Remat.none, scan_unroll: int = 1,
-                 attention: AttentionImpl = AttentionImpl.xla, rules: Rules = LOGICAL_RULES, parallel=None):
+                 attention: AttentionImpl = AttentionImpl.xla, rules: Rules = LOGICAL_RULES,
+                 parallel: Parallelism | None = None):
         """parallel: a tunix_train.parallel.Parallelism that runs the layer stack over the pp and cp
         mesh axes; None runs it as written."""
         self.cfg, self.remat, self.scan_unroll, self.attention = cfg, remat, scan_unroll, attention
