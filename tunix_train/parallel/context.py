@@ -12,7 +12,8 @@ each shard holds the queries, keys and values of its own tokens, [B, 2c, ...] fo
   - global layers, `ring`: the keys and values go round the ring by ppermute in cp steps; each
     (query chunk, key chunk) pair that the causal mask hides entirely is skipped, and the partial
     results are merged by their log-sum-exp. With the balanced order every shard computes the same
-    number of chunk pairs (`ring_chunk_pairs`).
+    number of chunk pairs (`ring_chunk_pairs`). The backward pass is flash attention's, the blocks
+    going round again with their gradients: no shard holds more than one block of scores.
   - sliding-window layers whose window fits in a chunk, whatever the strategy: only the last
     `window` keys of the chunk before each of a shard's chunks are fetched, from its neighbours.
 """
@@ -20,6 +21,7 @@ each shard holds the queries, keys and values of its own tokens, [B, 2c, ...] fo
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -112,23 +114,78 @@ class ContextAttention:
 
 
 def _ring_attention(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, softcap, window, cp):
-    """Attention of this shard's queries to every shard's keys, passed round the ring; each shard
-    keeps, per query chunk, the output and log-sum-exp so far, merged as blocks arrive."""
-    c = q_BTNH.shape[1] // 2
-    halves = lambda x: (x[:, :c], x[:, c:])
-    queries = list(zip(halves(q_BTNH), halves(q_index), halves(q_segments)))
+    """Attention of this shard's queries to every shard's keys, passed round the ring."""
+    return _ring(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, window, softcap, cp)
+
+
+def _halves(x):
+    """A shard's two chunks of x [B, 2c, ...]."""
+    c = x.shape[1] // 2
+    return x[:, :c], x[:, c:]
+
+
+def _round_the_ring(x, cp):
+    """x of shard i−1, for every shard i."""
+    return jax.lax.ppermute(x, AXIS, [(i, (i + 1) % cp) for i in range(cp)])
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _ring(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, window, softcap, cp):
+    """Why its own backward pass: flash attention's, which keeps only the output and log-sum-exp of
+    each query; autodiff of the forward ring kept every block's probabilities."""
+    return _ring_fwd(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, window, softcap, cp)[0]
+
+
+def _ring_fwd(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, window, softcap, cp):
+    """Per query chunk, the output and log-sum-exp so far, merged as the key blocks come round."""
+    queries = list(zip(_halves(q_BTNH), _halves(q_index), _halves(q_segments)))
     acc = [_nothing(q) for q, _, _ in queries]
     block = (k_BSKH, v_BSKH, q_index, q_segments)
     for step in range(cp):
-        if step:  # the next shard's keys: from shard i−1, round the ring
-            block = jax.lax.ppermute(block, AXIS, [(i, (i + 1) % cp) for i in range(cp)])
-        for k, v, k_index, k_segments in zip(*map(halves, block)):
+        if step:
+            block = _round_the_ring(block, cp)
+        for k, v, k_index, k_segments in zip(*map(_halves, block)):
             for i, (q, qi, qs) in enumerate(queries):
                 mask = visible_keys(qi, qs, k_index, k_segments, window)
                 skipped = lambda *_: _nothing(q)
-                out, lse = jax.lax.cond(_needed(qi, k_index), _block_attention, skipped, q, k, v, mask, softcap)
+                out, lse = jax.lax.cond(_needed(qi, k_index), partial(_block_attention, softcap=softcap), skipped,
+                                        q, k, v, mask)
                 acc[i] = _merge(acc[i], (out, lse))
-    return jnp.concatenate([out for out, _ in acc], axis=1).astype(q_BTNH.dtype)
+    out_BTNH = jnp.concatenate([out for out, _ in acc], axis=1)
+    lse_BTN = jnp.concatenate([lse for _, lse in acc], axis=1)
+    residuals = (q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, window, out_BTNH, lse_BTN)
+    return out_BTNH.astype(q_BTNH.dtype), residuals
+
+
+def _ring_bwd(softcap, cp, residuals, d_out_BTNH):
+    """The key blocks go round again, each with its key and value gradients, which every shard adds
+    its queries' part to; one more step takes them home."""
+    q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, window, out_BTNH, lse_BTN = residuals
+    rowsum_BTN = jnp.sum(d_out_BTNH.astype(jnp.float32) * out_BTNH, axis=-1)
+    queries = list(zip(_halves(q_BTNH), _halves(q_index), _halves(q_segments), _halves(d_out_BTNH),
+                       _halves(lse_BTN), _halves(rowsum_BTN)))
+    d_q = [jnp.zeros_like(q, jnp.float32) for q, *_ in queries]
+    block = (k_BSKH, v_BSKH, q_index, q_segments)
+    d_kv = (jnp.zeros_like(k_BSKH, jnp.float32), jnp.zeros_like(v_BSKH, jnp.float32))
+    for step in range(cp):
+        if step:
+            block, d_kv = _round_the_ring((block, d_kv), cp)
+        d_k, d_v = map(list, map(_halves, d_kv))
+        for j, (k, v, k_index, k_segments) in enumerate(zip(*map(_halves, block))):
+            for i, (q, qi, qs, g, lse, rowsum) in enumerate(queries):
+                mask = visible_keys(qi, qs, k_index, k_segments, window)
+                skipped = lambda *_: (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k, jnp.float32),
+                                      jnp.zeros_like(v, jnp.float32))
+                dq, dk, dv = jax.lax.cond(_needed(qi, k_index), partial(_block_grads, softcap=softcap), skipped,
+                                          q, k, v, mask, g, lse, rowsum)
+                d_q[i], d_k[j], d_v[j] = d_q[i] + dq, d_k[j] + dk, d_v[j] + dv
+        d_kv = (jnp.concatenate(d_k, axis=1), jnp.concatenate(d_v, axis=1))
+    d_k_BSKH, d_v_BSKH = _round_the_ring(d_kv, cp)
+    return (jnp.concatenate(d_q, axis=1).astype(q_BTNH.dtype), d_k_BSKH.astype(k_BSKH.dtype),
+            d_v_BSKH.astype(v_BSKH.dtype), None, None, None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _nothing(q_BTNH):
@@ -136,17 +193,42 @@ def _nothing(q_BTNH):
     return jnp.zeros_like(q_BTNH, jnp.float32), jnp.full_like(q_BTNH[..., 0], -1e30, jnp.float32)
 
 
-def _block_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, softcap):
-    """float32 softmax attention output [B, T, N, H] and log-sum-exp [B, T, N] over one key block."""
+def _scores(q_BTNH, k_BSKH, mask_BTS, softcap):
+    """float32 scores [B, K, G, T, S] masked with -1e30, and before masking; queries [B, T, K, G, H]."""
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-    scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH).astype(jnp.float32)
-    scores_BKGTS = jnp.where(mask_BTS[:, None, None], kernels.soft_cap(scores_BKGTS, softcap), -1e30)
+    capped_BKGTS = kernels.soft_cap(jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH).astype(jnp.float32), softcap)
+    return jnp.where(mask_BTS[:, None, None], capped_BKGTS, -1e30), capped_BKGTS, q_BTKGH
+
+
+def _block_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, softcap):
+    """float32 softmax attention output [B, T, N, H] and log-sum-exp [B, T, N] over one key block."""
+    B, T, N, H = q_BTNH.shape
+    scores_BKGTS, _, _ = _scores(q_BTNH, k_BSKH, mask_BTS, softcap)
     lse_BKGT = jax.nn.logsumexp(scores_BKGTS, axis=-1)
     probs_BKGTS = jnp.exp(scores_BKGTS - lse_BKGT[..., None])
     out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH).astype(jnp.float32)
     return out_BTKGH.reshape(B, T, N, H), lse_BKGT.transpose(0, 3, 1, 2).reshape(B, T, N)
+
+
+def _block_grads(q_BTNH, k_BSKH, v_BSKH, mask_BTS, d_out_BTNH, lse_BTN, rowsum_BTN, softcap):
+    """float32 (dq, dk, dv) of one key block, its probabilities rebuilt from the saved log-sum-exp."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    per_group = lambda x_BTN: x_BTN.reshape(B, T, K, N // K).transpose(0, 2, 3, 1)[..., None]  # [B, K, G, T, 1]
+    scores_BKGTS, capped_BKGTS, q_BTKGH = _scores(q_BTNH, k_BSKH, mask_BTS, softcap)
+    probs_BKGTS = jnp.exp(scores_BKGTS - per_group(lse_BTN))
+    d_out_BTKGH = d_out_BTNH.reshape(B, T, K, N // K, H)
+    d_v = jnp.einsum("bkgts,btkgh->bskh", probs_BKGTS.astype(v_BSKH.dtype), d_out_BTKGH)
+    d_probs_BKGTS = jnp.einsum("btkgh,bskh->bkgts", d_out_BTKGH, v_BSKH).astype(jnp.float32)
+    d_scores_BKGTS = probs_BKGTS * (d_probs_BKGTS - per_group(rowsum_BTN))
+    if softcap is not None:
+        d_scores_BKGTS = d_scores_BKGTS * (1.0 - (capped_BKGTS / softcap) ** 2)
+    d_scores_BKGTS = d_scores_BKGTS.astype(q_BTNH.dtype)
+    d_q = jnp.einsum("bkgts,bskh->btkgh", d_scores_BKGTS, k_BSKH).reshape(B, T, N, H)
+    d_k = jnp.einsum("bkgts,btkgh->bskh", d_scores_BKGTS, q_BTKGH)
+    return d_q.astype(jnp.float32), d_k.astype(jnp.float32), d_v.astype(jnp.float32)
 
 
 def _merge(a, b):
