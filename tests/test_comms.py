@@ -163,7 +163,7 @@ def test_async_collectives_in_loops_count_once_per_iteration():
 
 def test_the_profile_names_pipeline_and_context_parallel_traffic():
     """The pipeline's only traffic between stages is its ppermute of one micro-batch's activations
-    per time step, forward and backward; cp gathers keys and passes windows round its ring."""
+    per time step, forward and backward; cp's is its ring's."""
     cfg = config(f"training.gradient_accumulation_steps={ACCUMULATION}", "training.micro_batch_size=4",
                  "training.pipeline_microbatches=2")
     cfg.model.mesh_shape = [[2, 4], ["pp", "fsdp"]]
@@ -178,12 +178,16 @@ def test_the_profile_names_pipeline_and_context_parallel_traffic():
     assert volume.bytes_by_axes["collective-permute over pp"] == 2 * schedule.steps * activation * ACCUMULATION
     assert not any(name.endswith("over cp") for name in volume.bytes_by_axes)
 
-    cfg = config(f"training.gradient_accumulation_steps={ACCUMULATION}", "training.micro_batch_size=4")
-    cfg.model.mesh_shape = [[2, 4], ["cp", "fsdp"]]
-    run = setup(cfg)
-    with jax.set_mesh(run.mesh):
-        volume = collective_volume(run.step_fn.lower(run.plan.abstract, abstract_batch(
-            run.mesh, ACCUMULATION, run.micro_batch, 32)).compile().as_text(), dict(run.mesh.shape))
-    assert volume.bytes_by_axes["all-gather over cp"] > 0  # the global layer's keys and values
-    assert volume.bytes_by_axes["collective-permute over cp"] > 0  # the local layer's windows
-    assert not any(name.endswith("over pp") for name in volume.bytes_by_axes)
+    # cp passes keys, values and windows round its ring and adds nothing to fsdp's traffic
+    by_axes = {}
+    for mesh_shape in ([[2, 4], ["cp", "fsdp"]], [[4], ["fsdp"]]):
+        cfg = config(f"training.gradient_accumulation_steps={ACCUMULATION}", "training.micro_batch_size=4")
+        cfg.model.mesh_shape = mesh_shape
+        run = setup(cfg, jax.devices()[:math.prod(mesh_shape[0])])
+        with jax.set_mesh(run.mesh):
+            by_axes[len(mesh_shape[1])] = collective_volume(run.step_fn.lower(run.plan.abstract, abstract_batch(
+                run.mesh, ACCUMULATION, run.micro_batch, 32)).compile().as_text(), dict(run.mesh.shape)).bytes_by_axes
+    with_cp, without = by_axes[2], by_axes[1]
+    assert with_cp["collective-permute over cp"] > 0
+    assert {k: v for k, v in with_cp.items() if k.endswith("over fsdp")} == without
+    assert not any(name.endswith("over pp") for name in with_cp)

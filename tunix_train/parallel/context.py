@@ -8,7 +8,8 @@ the masks are built, so the reordering moves work, never results.
 
 Attention runs inside the shard_map over cp that tunix_train.parallel opens round the layer stack;
 each shard holds the queries, keys and values of its own tokens, [B, 2c, ...] for chunk length c:
-  - global layers, `all_gather`: gather every shard's keys and values, attend to all of them.
+  - global layers, `all_gather`: gather every shard's keys and values (by cp − 1 steps round the
+    ring, `_gather`), attend to all of them.
   - global layers, `ring`: the keys and values go round the ring by ppermute in cp steps; each
     (query chunk, key chunk) pair that the causal mask hides entirely is skipped, and the partial
     results are merged by their log-sum-exp. With the balanced order every shard computes the same
@@ -21,6 +22,7 @@ each shard holds the queries, keys and values of its own tokens, [B, 2c, ...] fo
 from __future__ import annotations
 
 import dataclasses
+import functools
 from functools import partial
 
 import jax
@@ -30,7 +32,6 @@ import numpy as np
 from tunix_train.config import ContextParallelStrategy
 from tunix_train.model import kernels
 from tunix_train.model.gemma import visible_keys
-from tunix_train.parallel import float32_reductions as reductions
 
 AXIS = "cp"
 
@@ -73,8 +74,8 @@ class ContextAttention:
     def make_attend(self, rows):
         """rows: this shard's `token_index` and `segment_ids` [B, 2c] -> window -> attend."""
         q_index, q_segments = rows["token_index"], rows["segment_ids"]
-        all_index, all_segments = (jax.lax.all_gather(x, AXIS, axis=1, tiled=True) for x in (q_index, q_segments))
-        gather = lambda x: reductions.all_gather(x, AXIS)
+        gather = functools.partial(_gather, cp=self.size)
+        all_index, all_segments = gather(q_index), gather(q_segments)
         near = self._with_neighbours
 
         def gathered(q, k, v, softcap, window):
@@ -111,6 +112,18 @@ class ContextAttention:
         from_left = jax.lax.ppermute(x[:, c - w:c], AXIS, [(i, (i + 1) % n) for i in range(n)])
         from_right = jax.lax.ppermute(x[:, 2 * c - w:], AXIS, [(i, (i - 1) % n) for i in range(n)])
         return jnp.concatenate([x, from_left, from_right], axis=1)
+
+
+def _gather(x, cp):
+    """Every shard's x [B, c', ...] along axis 1, in shard order, by cp − 1 steps round the ring.
+    Why not jax.lax.all_gather: inside this shard_map (jaxlib 0.10.2), XLA also gathers its rows over
+    the data axes first, moving data-parallel-size times the bytes; collective-permutes keep them."""
+    received = [x]
+    for _ in range(cp - 1):
+        received.append(_round_the_ring(received[-1], cp))  # step s holds shard i − s's
+    shard = jax.lax.axis_index(AXIS)
+    by_source = jnp.take(jnp.stack(received), (shard - jnp.arange(cp)) % cp, axis=0)
+    return jnp.concatenate(list(by_source), axis=1)
 
 
 def _ring_attention(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, softcap, window, cp):
