@@ -38,9 +38,15 @@ def one_process(tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize("mesh, micro", [('[[4,1],["fsdp","tp"]]', 2), ('[[2,2],["fsdp","tp"]]', 4)])
-def test_two_processes_give_the_losses_of_one(tmp_path, one_process, mesh, micro):
-    result = _launch(tmp_path, f"model.mesh_shape={mesh}", f"training.micro_batch_size={micro}")
+@pytest.mark.parametrize("mesh, micro, extra", [
+    ('[[4,1],["fsdp","tp"]]', 2, []),
+    ('[[2,2],["fsdp","tp"]]', 4, []),
+    # pipeline stages, and sequence shards, on different processes (the first axis spans them)
+    pytest.param('[[2,2],["pp","fsdp"]]', 4, ["training.pipeline_microbatches=2"], marks=pytest.mark.slow),
+    pytest.param('[[2,2],["cp","fsdp"]]', 4, ["model.context_parallel_strategy=ring"], marks=pytest.mark.slow),
+])
+def test_two_processes_give_the_losses_of_one(tmp_path, one_process, mesh, micro, extra):
+    result = _launch(tmp_path, f"model.mesh_shape={mesh}", f"training.micro_batch_size={micro}", *extra)
     assert result.returncode == 0, result.stdout
     assert "[0] " in result.stdout and "process 0 of 2" in result.stdout
     np.testing.assert_allclose(train_losses(tmp_path), train_losses(one_process), rtol=1e-5)
