@@ -22,7 +22,6 @@ each shard holds the queries, keys and values of its own tokens, [B, 2c, ...] fo
 from __future__ import annotations
 
 import dataclasses
-import functools
 from functools import partial
 
 import jax
@@ -74,7 +73,7 @@ class ContextAttention:
     def make_attend(self, rows):
         """rows: this shard's `token_index` and `segment_ids` [B, 2c] -> window -> attend."""
         q_index, q_segments = rows["token_index"], rows["segment_ids"]
-        gather = functools.partial(_gather, cp=self.size)
+        gather = partial(_gather, cp=self.size)
         all_index, all_segments = gather(q_index), gather(q_segments)
         near = self._with_neighbours
 
@@ -83,7 +82,7 @@ class ContextAttention:
             return kernels.attention(q, gather(k), gather(v), mask, softcap)
 
         def ring(q, k, v, softcap, window):
-            return _ring_attention(q, k, v, q_index, q_segments, softcap, window, self.size)
+            return _ring(q, k, v, q_index, q_segments, window, softcap, self.size)
 
         def windowed(q, k, v, softcap, window):
             mask = visible_keys(q_index, q_segments, near(q_index), near(q_segments), window)
@@ -126,11 +125,6 @@ def _gather(x, cp):
     return jnp.concatenate(list(by_source), axis=1)
 
 
-def _ring_attention(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, softcap, window, cp):
-    """Attention of this shard's queries to every shard's keys, passed round the ring."""
-    return _ring(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, window, softcap, cp)
-
-
 def _halves(x):
     """A shard's two chunks of x [B, 2c, ...]."""
     c = x.shape[1] // 2
@@ -144,7 +138,8 @@ def _round_the_ring(x, cp):
 
 @partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _ring(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, window, softcap, cp):
-    """Why its own backward pass: flash attention's, which keeps only the output and log-sum-exp of
+    """Attention of this shard's queries to every shard's keys, passed round the ring.
+    Why its own backward pass: flash attention's, which keeps only the output and log-sum-exp of
     each query; autodiff of the forward ring kept every block's probabilities."""
     return _ring_fwd(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, window, softcap, cp)[0]
 
