@@ -1,8 +1,9 @@
 """Checkpoints with orbax: asynchronous, sharded, resumable on any mesh.
 
 A checkpoint is one step's folder under <run_dir>/checkpoints/ holding `state` (the TrainState:
-parameters, optimizer state, step and counters, written by every process for its own shards) and
-`data` (the data iterator's position, JSON). orbax writes into a temporary folder and renames it
+parameters, optimizer state, step and counters, written by every process for its own shards; not
+the frozen weights, which the run rebuilds from where it started) and `data` (the data iterator's
+position, and what the frozen weights were, JSON). orbax writes into a temporary folder and renames it
 when complete, so an interrupted save never looks like a checkpoint; a damaged one is skipped with a
 warning when restoring. The train step uses no random numbers, so there is no RNG state to keep:
 initialization comes from training.seed and data order from the iterator state.
@@ -71,7 +72,7 @@ class Checkpointer:
         if step in self._manager.all_steps():  # only a damaged one, skipped when this run resumed
             log.warning(f"warning: replacing the damaged checkpoint {self.directory / str(step)}")
             self._manager.delete(step)
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state.replace(frozen=None)),
                                                          data=ocp.args.JsonSave(data_state)))
         self._last_save_time, self._last_saved_step = time.monotonic(), step
         return step
@@ -84,8 +85,9 @@ class Checkpointer:
 
 
 def _restore_step(manager: ocp.CheckpointManager, step: int, target: TrainState):
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                             data=ocp.args.JsonRestore()))
+    """The state (its frozen weights None: the caller rebuilds them) and the data record of one step."""
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target.replace(frozen=None)), data=ocp.args.JsonRestore()))
     return restored.state, restored.data
 
 

@@ -69,6 +69,19 @@ class NanPolicy(enum.Enum):
     stop = "stop"  # save the last good state and exit non-zero
 
 
+class Objective(enum.Enum):
+    """What training optimizes (tunix_train/train/objectives/)."""
+
+    lm = "lm"  # next-token cross-entropy: pre-training and supervised fine-tuning
+    dpo = "dpo"  # direct preference optimization on (prompt, chosen, rejected) pairs
+    grpo = "grpo"  # group relative policy optimization: sampled completions scored by reward functions
+
+
+class BaseDtype(enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 class DataSource(enum.Enum):
     shakespeare = "shakespeare"  # the bundled corpus and tokenizer
     text = "text"  # plain-text files
@@ -152,8 +165,41 @@ class DataConfig:
     prefetch_batches: int = _changeable(4)  # batches prepared ahead of the train step by a background thread
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections an adapter can attach to
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    """Low-rank adapters: W x + (alpha / rank) B A x on the target projections; the base is frozen."""
+
+    rank: Optional[int] = _fixed(None)  # null: no adapters (every parameter trains)
+    alpha: float = _fixed(16.0)
+    dropout: float = _fixed(0.0)  # on the adapters' input
+    targets: List[str] = _fixed(factory=lambda: ["q", "k", "v", "o"])  # among LORA_TARGETS
+    base_dtype: BaseDtype = _fixed(BaseDtype.fp32)  # how the frozen base is held
+
+
+@dataclasses.dataclass
+class DpoConfig:
+    beta: float = _fixed(0.1)  # the strength of the implicit KL constraint to the reference
+    label_smoothing: float = _fixed(0.0)  # the assumed probability that a pair's preference is flipped
+
+
+@dataclasses.dataclass
+class GrpoConfig:
+    num_generations: int = _fixed(4)  # G completions sampled per prompt: one group
+    beta: float = _fixed(0.04)  # weight of the KL penalty to the reference
+    epsilon: float = _fixed(0.2)  # the probability ratio is clipped to [1 - epsilon, 1 + epsilon]
+    max_new_tokens: int = _fixed(32)
+    temperature: float = _fixed(1.0)
+    # Reward functions, `module:function`, each fn(prompts, completions, **fields) -> list of floats;
+    # the reward of a completion is their sum.
+    reward: List[str] = _fixed(factory=list)
+
+
 @dataclasses.dataclass
 class TrainingConfig:
+    objective: Objective = _fixed(Objective.lm)
     micro_batch_size: int = _changeable(4)  # examples per data-parallel shard per micro-step
     gradient_accumulation_steps: int = _fixed(1)
     # With a pp mesh axis: each micro-step's batch is split into this many pipeline micro-batches
@@ -215,6 +261,9 @@ class TrainingConfig:
     # and bytes of each collective kind (tunix_train/observe/comms.py).
     profile_communication: bool = _changeable(False)
     profile_steps: int = _changeable(3)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    dpo: DpoConfig = dataclasses.field(default_factory=DpoConfig)
+    grpo: GrpoConfig = dataclasses.field(default_factory=GrpoConfig)
 
 
 @dataclasses.dataclass
@@ -345,6 +394,54 @@ def validate(cfg: Config) -> None:
                           "(not data=synthetic, nor array_record without data.tokenizer): set it to 0")
     if d.prefetch_batches < 0:
         raise ConfigError(f"data.prefetch_batches={d.prefetch_batches} must be >= 0")
+    _validate_post_training(t, d)
+
+
+def _validate_post_training(t: TrainingConfig, d: DataConfig) -> None:
+    """LoRA, DPO and GRPO settings."""
+    lora, dpo, grpo = t.lora, t.dpo, t.grpo
+    if lora.rank is not None:
+        if lora.rank <= 0:
+            raise ConfigError(f"training.lora.rank={lora.rank} must be positive (or null for no adapters)")
+        unknown = [x for x in lora.targets if x not in LORA_TARGETS]
+        if unknown or not lora.targets:
+            raise ConfigError(f"training.lora.targets={list(lora.targets)}: "
+                              f"{'unknown projection ' + repr(unknown[0]) if unknown else 'empty'}; "
+                              f"choose from {', '.join(LORA_TARGETS)}")
+        if not 0.0 <= lora.dropout < 1.0:
+            raise ConfigError(f"training.lora.dropout={lora.dropout} must be in [0, 1)")
+    if t.objective is Objective.lm:
+        return
+    name = f"training.objective={t.objective.value}"
+    if d.source is not DataSource.jsonl:
+        fields = "prompt, chosen and rejected" if t.objective is Objective.dpo else "prompt (and what the rewards read)"
+        raise ConfigError(f"{name} reads JSON lines with {fields}: set data=jsonl data.train_files=[...]")
+    if d.prompt_field is not None:
+        raise ConfigError(f"data.prompt_field and data.completion_field are for training.objective=lm; {name} "
+                          f"reads the fields it names")
+    if t.objective is Objective.dpo:
+        if dpo.beta <= 0 or not 0.0 <= dpo.label_smoothing < 0.5:
+            raise ConfigError(f"training.dpo.beta={dpo.beta} must be positive and training.dpo.label_smoothing="
+                              f"{dpo.label_smoothing} in [0, 0.5)")
+        if t.micro_batch_size % 2:
+            raise ConfigError(f"training.micro_batch_size={t.micro_batch_size} must be even under {name}: each pair "
+                              f"is two rows (chosen, rejected) kept on one device")
+    if t.objective is Objective.grpo:
+        G = grpo.num_generations
+        if G < 2:
+            raise ConfigError(f"training.grpo.num_generations={G} must be at least 2 (advantages compare a "
+                              f"completion with the others of its group)")
+        if t.micro_batch_size % G:
+            raise ConfigError(f"training.micro_batch_size={t.micro_batch_size} must be a multiple of "
+                              f"training.grpo.num_generations={G}: a group never spans micro-batches or devices")
+        if not grpo.reward:
+            raise ConfigError("training.grpo.reward is empty: name at least one reward function, module:function")
+        if grpo.temperature <= 0 or grpo.epsilon <= 0 or grpo.beta < 0 or grpo.max_new_tokens < 1:
+            raise ConfigError("training.grpo.temperature and epsilon must be positive, beta >= 0 and "
+                              "max_new_tokens >= 1")
+        if t.eval_every:
+            raise ConfigError(f"training.eval_every={t.eval_every}: {name} has no held-out loss (its loss depends "
+                              f"on sampled completions); set training.eval_every=0")
 
 
 def _describe_omegaconf_error(exc: BaseException) -> str:

@@ -70,6 +70,7 @@ LOGICAL_RULES = Rules({
     "head_dim": (),
     "layers": ("pp",),  # the stacked layers: each pipeline stage holds its own
     "norm": (),  # norm scales: sharding a vector costs a collective per use and saves next to nothing
+    "lora_rank": (),  # LoRA's rank: small; the adapters shard along the dimensions they share with W
     # activations
     "batch": BATCH_AXES,
     "seq": ("cp",),

@@ -21,13 +21,14 @@ _EVAL_SEED_OFFSET = 1_000_003  # synthetic evaluation data: a stream disjoint fr
 class Data:
     """The documents and tokenizer of a run, read and checked once."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, required_fields=None):
+        """required_fields: the JSON-lines fields an objective reads (records are kept whole)."""
         self.cfg = cfg
         self.synthetic = cfg.data.source is DataSource.synthetic
         if not self.synthetic:
             source, key = run_tokenizer(cfg)
             self.tokenizer = load_tokenizer(source, cfg.model.vocab_size, key)
-            self.train_docs, self.eval_docs = train_and_eval_documents(cfg.data)
+            self.train_docs, self.eval_docs = train_and_eval_documents(cfg.data, required_fields)
             self.features = DocumentFeatures(self.tokenizer, cfg.model.vocab_size)
 
     def _batches(self, docs, *, accumulation_steps, global_micro_batch, seed, shuffle, rows):

@@ -101,3 +101,42 @@ class PackedBatches:
         """Stops the read-ahead thread (grain's iterators complain if left to interpreter exit)."""
         self._iterator.close()
         self._iterator = self._dataset = None
+
+
+class GroupBatches(PackedBatches):
+    """Batches of whole groups of rows, never split or packed: a DPO pair (chosen, rejected), a
+    GRPO prompt. Each group is a dict of [k, ...] arrays; micro-batch slot j holds the groups at
+    positions j, j+G, j+2G, ... of the seeded, per-epoch reshuffled order (G: groups per global
+    micro-batch), and its k rows are rows j·k ... j·k + k - 1 of the micro-batch, so a group stays
+    in one micro-batch on one device. Host batches are dicts of [A, rows of this process, ...]."""
+
+    def __init__(self, groups: Sequence[dict[str, np.ndarray]], *, accumulation_steps: int,
+                 groups_per_micro_batch: int, seed: int | None, slots: range | None = None, prefetch: int = 4):
+        ordered = grain.MapDataset.source(groups)
+        if seed is not None:
+            ordered = ordered.shuffle(seed=seed)
+        ordered = ordered.repeat()
+        streams = [ordered[slot::groups_per_micro_batch].to_iter_dataset(
+                       grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+                   for slot in (range(groups_per_micro_batch) if slots is None else slots)]
+        batches = ZipIterDataset(streams).map(_concatenate_groups).batch(accumulation_steps)
+        self._dataset = ThreadPrefetchIterDataset(batches, prefetch_buffer_size=prefetch)
+        self._iterator = iter(self._dataset)
+
+
+def _concatenate_groups(groups: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:
+    return {name: np.concatenate([g[name] for g in groups]) for name in groups[0]}
+
+
+def padded_row(prompt: list[int], completion: list[int], seq_len: int) -> dict[str, np.ndarray]:
+    """[BOS] prompt completion [EOS] as one unpacked row of seq_len positions (prompt already
+    holding BOS, completion EOS): the loss mask on the completion's tokens, padding after."""
+    ids = np.asarray([*prompt, *completion], np.int32)
+    n = len(ids) - 1
+    row = {"inputs": np.zeros(seq_len, np.int32), "targets": np.zeros(seq_len, np.int32),
+           "loss_mask": np.zeros(seq_len, np.float32), "positions": np.arange(seq_len, dtype=np.int32),
+           "segment_ids": np.zeros(seq_len, np.int32)}
+    row["inputs"][:n], row["targets"][:n] = ids[:-1], ids[1:]
+    row["loss_mask"][len(prompt) - 1:n] = 1.0  # targets[i] = ids[i + 1]: from the first completion token
+    row["segment_ids"][:n] = 1
+    return row

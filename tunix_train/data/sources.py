@@ -48,17 +48,15 @@ def _text_documents(path: Path, unit: TextUnit) -> list[dict[str, str]]:
     return [{"text": p.strip("\n")} for p in pieces if p.strip()]
 
 
-def _jsonl_documents(path: Path, data: DataConfig) -> list[dict[str, str]]:
+def _jsonl_documents(path: Path, data: DataConfig, required: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file. With `required` (an objective's fields, e.g. DPO's
+    prompt, chosen, rejected) each record is kept whole and must hold those as strings."""
+    if required is not None:
+        return [_whole_record(record, path, number, required) for number, record in _json_lines(path)]
     fields = ({"prompt": data.prompt_field, "completion": data.completion_field}
               if data.prompt_field else {"text": data.text_field})
     docs = []
-    for number, line in enumerate(_read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+    for number, record in _json_lines(path):
         doc = {}
         for name, field in fields.items():
             value = record.get(field) if isinstance(record, dict) else None
@@ -69,6 +67,25 @@ def _jsonl_documents(path: Path, data: DataConfig) -> list[dict[str, str]]:
             doc[name] = value
         docs.append(doc)
     return docs
+
+
+def _whole_record(record: Any, path: Path, number: int, required: Sequence[str]) -> dict[str, Any]:
+    for field in required:
+        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+            raise ConfigError(f"{path}:{number}: no string field {field!r} (the objective reads "
+                              f"{', '.join(required)} from every line)")
+    return record
+
+
+def _json_lines(path: Path):
+    """(line number, parsed JSON) of every non-blank line."""
+    for number, line in enumerate(_read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{number}: not valid JSON ({err.msg})") from None
 
 
 class _ArrayRecordDocuments(Sequence):
@@ -100,8 +117,10 @@ def write_pretokenized(path: Path, documents: Sequence[np.ndarray]) -> None:
         writer.close()
 
 
-def read_documents(patterns: Sequence[str], data: DataConfig, key: str) -> Sequence[dict[str, Any]]:
-    """All documents of the files matching `patterns`; `key` names the config key in errors."""
+def read_documents(patterns: Sequence[str], data: DataConfig, key: str,
+                   required: Sequence[str] | None = None) -> Sequence[dict[str, Any]]:
+    """All documents of the files matching `patterns`; `key` names the config key in errors;
+    `required`: the string fields every JSON-lines record must hold (kept whole)."""
     if data.source is DataSource.shakespeare:
         files, source = [BUNDLED_CORPUS], DataSource.jsonl
     else:
@@ -121,7 +140,8 @@ def read_documents(patterns: Sequence[str], data: DataConfig, key: str) -> Seque
         return docs
     docs = []
     for path in files:
-        found = _text_documents(path, data.text_unit) if source is DataSource.text else _jsonl_documents(path, data)
+        found = (_text_documents(path, data.text_unit) if source is DataSource.text
+                 else _jsonl_documents(path, data, required))
         if not found:
             raise ConfigError(f"{key}: {path} is empty (no documents)")
         docs += found
@@ -139,11 +159,11 @@ class _Subset(Sequence):
         return self._docs[int(self._indices[index])]
 
 
-def train_and_eval_documents(data: DataConfig) -> tuple[Sequence, Sequence]:
+def train_and_eval_documents(data: DataConfig, required: Sequence[str] | None = None) -> tuple[Sequence, Sequence]:
     """The training documents and the held-out ones (eval_files, or a fixed eval_fraction)."""
-    docs = read_documents(data.train_files, data, "data.train_files")
+    docs = read_documents(data.train_files, data, "data.train_files", required)
     if data.eval_files:
-        return docs, read_documents(data.eval_files, data, "data.eval_files")
+        return docs, read_documents(data.eval_files, data, "data.eval_files", required)
     held_out = int(round(len(docs) * data.eval_fraction))
     if data.eval_fraction > 0 and held_out == 0 or held_out == len(docs):
         raise ConfigError(f"data.eval_fraction={data.eval_fraction} of {len(docs)} documents leaves "

@@ -10,15 +10,17 @@ pass, the rotary flip, the remat policies) lives in kernels.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_train.config import AttentionImpl, ModelConfig, Remat
+from tunix_train.config import AttentionImpl, LoraConfig, ModelConfig, Remat
 from tunix_train.model import kernels
+from tunix_train.model.lora import LoRA
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
 
 if TYPE_CHECKING:  # tunix_train.parallel imports this module
@@ -45,6 +47,25 @@ class RMSNorm(nnx.Module):
         return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
 
 
+# Each LoRA adapter (an attribute of Attention or MLP) and the weight beside it that it adapts.
+ADAPTED_WEIGHTS = {"q_lora": "q_DNH", "k_lora": "k_DKH", "v_lora": "v_DKH", "o_lora": "o_NHD",
+                   "gate_lora": "gate_DF", "up_lora": "up_DF", "down_lora": "down_FD"}
+Adapt = Callable[[str, nnx.Param, int], "LoRA | None"]  # (target, weight, input dims) -> its adapter or None
+
+
+def _no_adapter(target: str, weight: nnx.Param, n_in: int) -> None:
+    return None
+
+
+def _adapter(lora: LoraConfig, rngs: nnx.Rngs, target: str, weight: nnx.Param, n_in: int) -> LoRA | None:
+    """A LoRA adapter of `weight` (its first n_in dimensions are the input) when lora targets it;
+    drawn from its own random stream, so the base weights are those of the model without adapters."""
+    if target not in lora.targets:
+        return None
+    axes = weight.get_metadata()["axes"]
+    return LoRA(rngs, weight.shape[:n_in], axes[:n_in], weight.shape[n_in:], axes[n_in:], lora.rank, lora.alpha)
+
+
 def rope_table(positions_BT, base: float, scale: float, head_dim: int):
     """(sin, cos) [B, T, 1, 1, H/2] of the rotary angles at positions divided by `scale`, for
     kernels.apply_rope. Computed once per forward pass, not per layer."""
@@ -57,12 +78,15 @@ def rope_table(positions_BT, base: float, scale: float, head_dim: int):
 class Attention(nnx.Module):
     """Grouped-query attention with optional QK-norm (Gemma 3) and logit soft-capping (Gemma 2)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules, adapt: Adapt = _no_adapter):
         D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_DNH = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), D)
         self.k_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D)
         self.v_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D)
         self.o_NHD = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), N * H)
+        self.q_lora, self.k_lora, self.v_lora = (adapt(name, w, 1) for name, w in
+                                                 (("q", self.q_DNH), ("k", self.k_DKH), ("v", self.v_DKH)))
+        self.o_lora = adapt("o", self.o_NHD, 2)
         self.q_norm = RMSNorm(H, cfg.rms_norm_eps) if cfg.use_qk_norm else None
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps) if cfg.use_qk_norm else None
         self.query_scale = (cfg.query_pre_attn_scalar or H) ** -0.5
@@ -73,6 +97,8 @@ class Attention(nnx.Module):
         """`attend(q, k, v, softcap) -> (out, extra)`: attention over the keys this pass may see
         (Gemma.hidden: the masked positions of the pass; a sampler: its KV cache, returned as extra)."""
         q_BTNH, k_BSKH, v_BSKH = kernels.qkv_projection(x_BTD, self.q_DNH[...], self.k_DKH[...], self.v_DKH[...])
+        q_BTNH, k_BSKH, v_BSKH = (y if lora is None else y + lora(x_BTD) for y, lora in
+                                  ((q_BTNH, self.q_lora), (k_BSKH, self.k_lora), (v_BSKH, self.v_lora)))
         if self.q_norm is not None:
             q_BTNH, k_BSKH = self.q_norm(q_BTNH), self.k_norm(k_BSKH)
         q_BTNH = kernels.apply_rope(q_BTNH, *rope) * self.query_scale
@@ -82,36 +108,44 @@ class Attention(nnx.Module):
         out_BTNH, extra = attend(q_BTNH, k_BSKH, v_BSKH, self.softcap)
         # contracts (n, h) in this order: jnp.einsum("btnh,nhd->btd") asks for (h, n), for which
         # XLA:CPU transposed the output weights and the activations at every call
-        return jax.lax.dot_general(out_BTNH, self.o_NHD[...], (((2, 3), (0, 1)), ((), ()))), extra
+        y_BTD = jax.lax.dot_general(out_BTNH, self.o_NHD[...], (((2, 3), (0, 1)), ((), ())))
+        return (y_BTD if self.o_lora is None else y_BTD + self.o_lora(out_BTNH)), extra
 
 
 class MLP(nnx.Module):
     """GeGLU: down(gelu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules, adapt: Adapt = _no_adapter):
         D, F = cfg.embed_dim, cfg.hidden_dim
         self.gate_DF = _param(rngs, (D, F), ("embed", "mlp"), D)
         self.up_DF = _param(rngs, (D, F), ("embed", "mlp"), D)
         self.down_FD = _param(rngs, (F, D), ("mlp", "embed"), F)
+        self.gate_lora, self.up_lora, self.down_lora = (adapt(name, w, 1) for name, w in
+                                                        (("gate", self.gate_DF), ("up", self.up_DF), ("down", self.down_FD)))
         self.rules = rules
 
     def __call__(self, x_BTD):
         gate_BTF = kernels.dense("btd,df->btf", x_BTD, self.gate_DF[...])
         up_BTF = kernels.dense("btd,df->btf", x_BTD, self.up_DF[...])
+        if self.gate_lora is not None:
+            gate_BTF = gate_BTF + self.gate_lora(x_BTD)
+        if self.up_lora is not None:
+            up_BTF = up_BTF + self.up_lora(x_BTD)
         h_BTF = constrain(jax.nn.gelu(gate_BTF, approximate=True) * up_BTF, ("batch", "seq", "act_mlp"), self.rules)
-        return jnp.einsum("btf,fd->btd", h_BTF, self.down_FD[...])
+        y_BTD = jnp.einsum("btf,fd->btd", h_BTF, self.down_FD[...])
+        return y_BTD if self.down_lora is None else y_BTD + self.down_lora(h_BTF)
 
 
 class Block(nnx.Module):
     """Pre-norm attention and MLP, each optionally followed by a post-norm (Gemma 2 and 3)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules, adapt: Adapt = _no_adapter):
         D, eps = cfg.embed_dim, cfg.rms_norm_eps
         self.pre_attn_norm = RMSNorm(D, eps)
-        self.attn = Attention(cfg, rngs, rules)
+        self.attn = Attention(cfg, rngs, rules, adapt)
         self.post_attn_norm = RMSNorm(D, eps) if cfg.use_post_attn_norm else None
         self.pre_ffw_norm = RMSNorm(D, eps)
-        self.mlp = MLP(cfg, rngs, rules)
+        self.mlp = MLP(cfg, rngs, rules, adapt)
         self.post_ffw_norm = RMSNorm(D, eps) if cfg.use_post_ffw_norm else None
         self.rules = rules
 
@@ -127,11 +161,18 @@ class Block(nnx.Module):
         return constrain(x_BTD + h_BTD, ("batch", "seq", "act_embed"), self.rules), extra
 
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules) -> Block:
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules, lora: LoraConfig | None) -> Block:
     """One Block whose parameters have a leading `layers` axis, for jax.lax.scan."""
     keys = jax.random.split(rngs.params(), cfg.num_layers)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0), rules)))
-    state = jax.vmap(lambda key: nnx.state(Block(cfg, nnx.Rngs(key), rules)))(keys)
+    # after the base's keys, so the base is the same with adapters or without
+    adapter_keys = keys if lora is None else jax.random.split(rngs.params(), cfg.num_layers)
+
+    def block(key, adapter_key):
+        adapt = _no_adapter if lora is None else functools.partial(_adapter, lora, nnx.Rngs(adapter_key))
+        return Block(cfg, nnx.Rngs(key), rules, adapt)
+
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: block(jax.random.key(0), jax.random.key(0))))
+    state = jax.vmap(lambda key, adapter_key: nnx.state(block(key, adapter_key)))(keys, adapter_keys)
     for variable in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         variable.set_metadata(axes=("layers", *variable.get_metadata()["axes"]))
     return nnx.merge(graphdef, state)
@@ -149,14 +190,14 @@ class Gemma(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: Remat = Remat.none, scan_unroll: int = 1,
                  attention: AttentionImpl = AttentionImpl.xla, rules: Rules = LOGICAL_RULES,
-                 parallel: Parallelism | None = None):
+                 parallel: Parallelism | None = None, lora: LoraConfig | None = None):
         """parallel: a tunix_train.parallel.Parallelism that runs the layer stack over the pp and cp
-        mesh axes; None runs it as written."""
+        mesh axes; None runs it as written. lora: adapters on the projections it targets."""
         self.cfg, self.remat, self.scan_unroll, self.attention = cfg, remat, scan_unroll, attention
         self.rules, self.parallel = rules, parallel
         D, V = cfg.embed_dim, cfg.vocab_size
         self.embedding_VD = _param(rngs, (V, D), ("vocab", "embed"), D)
-        self.layers = _stacked_blocks(cfg, rngs, rules)
+        self.layers = _stacked_blocks(cfg, rngs, rules, lora)
         self.final_norm = RMSNorm(D, cfg.rms_norm_eps)
 
     def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, token_index_BT=None):

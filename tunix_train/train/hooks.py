@@ -81,8 +81,9 @@ class TrainMetrics(Hook):
     MFU, non-finite steps skipped and device memory. Fetching the metrics waits for the step."""
 
     def __init__(self, interval: Interval, every: int, max_steps: int, tokens_per_step: int,
-                 flops_per_token: float, peak_flops: float):
+                 flops_per_token: float, peak_flops: float, objective_metrics: tuple[str, ...] = ()):
         self.interval, self.every, self.max_steps = interval, every, max_steps
+        self.objective_metrics = objective_metrics
         self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
 
     def after_step(self, end: StepEnd) -> None:
@@ -95,7 +96,8 @@ class TrainMetrics(Hook):
         end.scalars.update(loss=metrics["loss"], learning_rate=metrics["learning_rate"],
                            grad_norm=metrics["grad_norm"], step_time_s=elapsed / self.interval.steps,
                            tokens_per_sec=tokens_per_sec, mfu=tokens_per_sec * self.flops_per_token / self.peak_flops,
-                           nonfinite_steps=metrics["nonfinite_steps"])
+                           nonfinite_steps=metrics["nonfinite_steps"],
+                           **{name: metrics[name] for name in self.objective_metrics})
         if (memory := device_memory_in_use()) is not None:
             end.scalars["device_memory_gb"] = memory / 1e9
 
@@ -104,26 +106,28 @@ class Evaluate(Hook):
     """Held-out loss and perplexity at the start (a reference for the first evaluation), every
     `every` steps and at the last, over a fixed set of batches."""
 
-    def __init__(self, eval_fn, batches: list, every: int, max_steps: int):
+    def __init__(self, eval_fn, batches: list, every: int, max_steps: int, perplexity: bool = True):
+        """perplexity: the loss is a mean token cross-entropy (not so for preference objectives)."""
         self.eval_fn, self.batches, self.every, self.max_steps = eval_fn, batches, every, max_steps
+        self.perplexity = perplexity
 
-    def evaluate(self, params) -> dict[str, float]:
-        sums = [self.eval_fn(params, batch) for batch in self.batches]
+    def evaluate(self, state: TrainState) -> dict[str, float]:
+        sums = [self.eval_fn(state.params, state.frozen, batch) for batch in self.batches]
         loss_sum, weight = (sum(float(s[k]) for s in sums) for k in ("loss_sum", "weight"))
         loss = loss_sum / max(weight, 1.0)
-        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
+        return {"eval_loss": loss, **({"eval_perplexity": math.exp(min(loss, 700.0))} if self.perplexity else {})}
 
     def at_start(self, start: StepEnd) -> None:
-        start.scalars.update(self.evaluate(start.state.params))
+        start.scalars.update(self.evaluate(start.state))
 
     def after_step(self, end: StepEnd) -> None:
         if end.step % self.every == 0 or end.step == self.max_steps:
-            end.scalars.update(self.evaluate(end.state.params))
+            end.scalars.update(self.evaluate(end.state))
 
 
 class Samples(Hook):
     """The model's greedy continuations of `prompts` before the first step, every `every` steps and
-    after the last: `generate(params, prompts)` -> texts, given to `write(step, [(prompt, text)])`.
+    after the last: `generate(state, prompts)` -> texts, given to `write(step, [(prompt, text)])`.
     Reads the parameters only: the training trajectory is the same with or without it."""
 
     def __init__(self, generate: Callable[[Any, list[str]], list[str]], prompts: list[str], every: int,
@@ -131,7 +135,7 @@ class Samples(Hook):
         self.generate, self.prompts, self.every, self.max_steps, self.write = generate, prompts, every, max_steps, write
 
     def _sample(self, step: int, state: TrainState) -> None:
-        self.write(step, list(zip(self.prompts, self.generate(state.params, self.prompts))))
+        self.write(step, list(zip(self.prompts, self.generate(state, self.prompts))))
 
     def at_start(self, start: StepEnd) -> None:
         self._sample(start.step, start.state)

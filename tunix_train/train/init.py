@@ -12,29 +12,47 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from tunix_train.config import AttentionImpl, ModelConfig, Remat, ShardingStrategy
+from tunix_train.config import AttentionImpl, LoraConfig, ModelConfig, Remat, ShardingStrategy
 from tunix_train.model import Gemma
+from tunix_train.model.lora import Adapter
 from tunix_train.sharding import LOGICAL_RULES, Rules, state_shardings
 from tunix_train.state import TrainState
+from tunix_train.train.weights import Weights
+
+_FULL_FINE_TUNING = Weights(None, False)
 
 
 def model_graphdef(model_cfg: ModelConfig, remat: Remat, scan_unroll: int = 1,
                    attention: AttentionImpl = AttentionImpl.xla, rules: Rules = LOGICAL_RULES,
-                   parallel=None) -> nnx.GraphDef:
+                   parallel=None, lora: LoraConfig | None = None) -> nnx.GraphDef:
     """The model's static structure, without allocating any parameter."""
     return nnx.graphdef(nnx.eval_shape(
-        lambda: Gemma(model_cfg, nnx.Rngs(0), remat, scan_unroll, attention, rules, parallel)))
+        lambda: Gemma(model_cfg, nnx.Rngs(0), remat, scan_unroll, attention, rules, parallel, lora)))
 
 
-def _fresh_state(params: nnx.State, optimizer: optax.GradientTransformation) -> TrainState:
-    """Step 0 and a new optimizer state around `params`."""
+def _fresh_state(model_params: nnx.State, optimizer: optax.GradientTransformation, weights: Weights) -> TrainState:
+    """Step 0 and a new optimizer state around the trainable part of `model_params`."""
     zero = jnp.zeros((), jnp.int32)
-    return TrainState(step=zero, params=params, opt_state=optimizer.init(params), nonfinite_steps=zero)
+    params, frozen = weights.split(model_params)
+    return TrainState(step=zero, params=params, opt_state=optimizer.init(params), nonfinite_steps=zero, frozen=frozen)
 
 
-def train_state_initializer(model_cfg: ModelConfig, optimizer: optax.GradientTransformation):
+def _model_params(model_cfg: ModelConfig, key: jax.Array, weights: Weights) -> nnx.State:
+    return nnx.state(Gemma(model_cfg, nnx.Rngs(key), lora=weights.lora), nnx.Param)
+
+
+def train_state_initializer(model_cfg: ModelConfig, optimizer: optax.GradientTransformation,
+                            weights: Weights = _FULL_FINE_TUNING):
     """key -> a fresh TrainState; for jax.eval_shape (shapes only) or a sharded jit."""
-    return lambda key: _fresh_state(nnx.state(Gemma(model_cfg, nnx.Rngs(key)), nnx.Param), optimizer)
+    return lambda key: _fresh_state(_model_params(model_cfg, key, weights), optimizer, weights)
+
+
+def _state_around_base(base: nnx.State, key: jax.Array, model_cfg: ModelConfig,
+                       optimizer: optax.GradientTransformation, weights: Weights) -> TrainState:
+    """A fresh state whose base weights are `base` (adapters, if any, new from `key`; the compiler
+    drops the unused fresh base)."""
+    adapters = nnx.split_state(_model_params(model_cfg, key, weights), Adapter, ...)[0]
+    return _fresh_state(nnx.merge_state(base, adapters), optimizer, weights)
 
 
 @dataclasses.dataclass
@@ -48,6 +66,7 @@ class StatePlan:
     # The same shardings with everything in device memory: where the steps compute. It differs from
     # `shardings` where a part of the state is offloaded (kept in pinned host memory between steps).
     on_device: Any
+    base: Any  # the abstract base model's parameters (no adapters): what model.init_from loads into
     _init: Any
     _key: jax.Array
     _from_params: Any
@@ -57,19 +76,19 @@ class StatePlan:
         return self._init(self._key)
 
     def from_params(self, params: nnx.State) -> TrainState:
-        """A fresh state (step 0, new optimizer state) around given, already sharded parameters."""
-        return self._from_params(params)
+        """A fresh state (step 0, new optimizer state) around given, already sharded base parameters."""
+        return self._from_params(params, self._key)
 
 
 def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
                      seed: int, strategy: ShardingStrategy = ShardingStrategy.full_shard,
                      rules: Rules = LOGICAL_RULES, offload_optimizer_state: bool = False,
-                     offload_master_weights: bool = False) -> StatePlan:
+                     offload_master_weights: bool = False, weights: Weights = _FULL_FINE_TUNING) -> StatePlan:
     """Shapes from jax.eval_shape, shardings from the parameters' logical axes and the sharding
     strategy, and an init jitted with those out_shardings, so the whole model never sits on one
     device. An offloaded optimizer state or float32 master copy of the parameters is sharded
-    alike, in pinned host memory."""
-    init = train_state_initializer(model_cfg, optimizer)
+    alike, in pinned host memory. Frozen weights are sharded like the parameters they stand for."""
+    init = train_state_initializer(model_cfg, optimizer, weights)
     key = jax.random.key(seed)
     shapes = jax.eval_shape(init, key)
     sharded = state_shardings(shapes, mesh, rules=rules)
@@ -77,7 +96,8 @@ def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransforma
     full = strategy is ShardingStrategy.full_shard
     no_shard = strategy is ShardingStrategy.no_shard
     shardings = sharded.replace(params=sharded.params if full else replicated.params,
-                                opt_state=replicated.opt_state if no_shard else sharded.opt_state)
+                                opt_state=replicated.opt_state if no_shard else sharded.opt_state,
+                                frozen=sharded.frozen if full else replicated.frozen)
     grad_shardings = replicated.params if no_shard else sharded.params
     on_device = shardings
     on_host = lambda tree: jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree)
@@ -89,8 +109,12 @@ def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransforma
         lambda sharding, subtree: jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree),
         shardings, shapes)
-    from_params = functools.partial(_fresh_state, optimizer=optimizer)
-    return StatePlan(shardings, grad_shardings, abstract, rules, on_device,
+    from_params = functools.partial(_state_around_base, model_cfg=model_cfg, optimizer=optimizer, weights=weights)
+    base_shapes = jax.eval_shape(lambda k: nnx.split_state(_model_params(model_cfg, k, weights), Adapter, ...)[1], key)
+    base_shardings = state_shardings(base_shapes, mesh, () if full else ("fsdp",), rules)
+    base = jax.tree.map(lambda sharding, subtree: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree), base_shardings, base_shapes)
+    return StatePlan(shardings, grad_shardings, abstract, rules, on_device, base,
                      jax.jit(init, out_shardings=shardings), key, jax.jit(from_params, out_shardings=shardings))
 
 

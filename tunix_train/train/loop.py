@@ -21,20 +21,22 @@ from tunix_train.sharding import data_parallel_size, describe_mesh, process_rows
 from tunix_train.state import TrainState
 from tunix_train.train import hooks as h
 from tunix_train.train.init import count_params
-from tunix_train.train.setup import check_same_run, data_state, initial_state, save_config, setup
+from tunix_train.train.objectives import make_objective
+from tunix_train.train.setup import check_same_run, data_state, frozen_record, initial_state, save_config, setup
 from tunix_train.train.signals import StopRequest
 
 
-def run_steps(state: TrainState, step_fn, first_batch, next_batch: Callable[[], dict],
+def run_steps(state: TrainState, step_fn, first_batch, next_batch: Callable[[TrainState], dict],
               hooks: Sequence[h.Hook], max_steps: int) -> TrainState:
-    """Steps from state.step to max_steps: a batch, the compiled step, the hooks in order."""
+    """Steps from state.step to max_steps: a batch (made knowing the state: an RL objective samples
+    with it), the compiled step, the hooks in order."""
     start = h.StepEnd(int(state.step), state, {})
     for hook in hooks:
         hook.at_start(start)
     batch = first_batch
     for step in range(int(state.step), max_steps):
         if batch is None:
-            batch = next_batch()
+            batch = next_batch(state)
         for hook in hooks:
             hook.before_step(step)
         state, metrics = step_fn(state, batch)
@@ -60,18 +62,21 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
     """
     t = cfg.training
     check_same_run(run_dir, cfg)
-    data = Data(cfg)
-    run = setup(cfg, devices)
+    objective = make_objective(cfg)
+    data = Data(cfg, objective.record_fields)
+    objective.read(data)
+    run = setup(cfg, devices, objective)
     mesh = run.mesh
     rows = process_rows(mesh, run.micro_batch)
-    train_batches = data.train_batches(run.micro_batch, rows)
+    train_batches = objective.train_batches(data, run.micro_batch, rows)
     checkpoints = run_dir / "checkpoints"
     memory = MemoryErrors(cfg, mesh)
     try:
         with memory:
             state, origin, skipped = initial_state(cfg, run, checkpoints, train_batches)
-            eval_batches = ([to_global_batch(b, mesh) for b in data.eval_batches(run.micro_batch, rows)]
+            eval_batches = ([to_global_batch(b, mesh) for b in objective.eval_batches(data, run.micro_batch, rows)]
                             if t.eval_every else [])
+            frozen = frozen_record(cfg, state)
     except BaseException:
         train_batches.close()
         raise
@@ -91,7 +96,8 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
     peak, peak_source = peak_for_run(t.peak_flops_per_device, t.mixed_precision.value)
     say(f"run directory: {run_dir}")
     say(f"mesh: {describe_mesh(mesh)}; {processes}")
-    say(f"model: {cfg.model.name}, {count_params(state.params):,} parameters; {origin}")
+    say(f"model: {cfg.model.name}, {_describe_parameters(run, state)}; {origin}")
+    say(f"objective: {t.objective.value}")
     say(f"global batch: {t.gradient_accumulation_steps * run.micro_batch} sequences "
         f"({t.micro_batch_size} per data-parallel shard x {data_parallel_size(mesh)} shards x "
         f"{t.gradient_accumulation_steps} accumulation steps) = {tokens_per_step:,} tokens")
@@ -106,12 +112,13 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
     checkpointer = Checkpointer(checkpoints, cfg.checkpoint)
 
     def save(state: TrainState) -> None:
-        checkpointer.save(state, data_state(train_batches, run))
+        checkpointer.save(state, data_state(train_batches, run, frozen))
 
     try:
         with memory, jax.set_mesh(mesh), StopRequest() as stop:
             start = time.perf_counter()
-            batch = to_global_batch(next(train_batches), mesh)
+            next_batch = lambda state: to_global_batch(objective.prepare(next(train_batches), state), mesh)
+            batch = next_batch(state)
             step_fn = memory.compiled = run.step_fn.lower(state, batch).compile()
             say(f"compiled the train step in {time.perf_counter() - start:.1f} s")
             interval = h.Interval()
@@ -119,16 +126,16 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
                 *_profile_hook(cfg, run_dir, int(state.step), step_fn, mesh, say, is_chief),
                 *([h.StopOnNonFinite(save, checkpoints)] if t.nan_policy is NanPolicy.stop else []),
                 h.TrainMetrics(interval, t.log_every, t.max_steps, tokens_per_step, flops_per_token,
-                               peak * mesh.devices.size),
-                *([h.Evaluate(run.eval_fn, eval_batches, t.eval_every, t.max_steps)] if eval_batches else []),
+                               peak * mesh.devices.size, objective.metric_names),
+                *([h.Evaluate(run.eval_fn, eval_batches, t.eval_every, t.max_steps, objective.perplexity)]
+                  if eval_batches else []),
                 *_samples_hook(cfg, run, data, writer, say),
                 *extra_hooks,
                 h.Report(writer, log, interval, t.max_steps),
                 h.StopOnSignal(stop, save, checkpointer.wait, checkpoints),
                 h.SaveCheckpoints(checkpointer.due, save),
             ]
-            state = run_steps(state, step_fn, batch, lambda: to_global_batch(next(train_batches), mesh),
-                              hooks, t.max_steps)
+            state = run_steps(state, step_fn, batch, next_batch, hooks, t.max_steps)
     finally:
         checkpointer.wait()
         checkpointer.close()
@@ -137,6 +144,17 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
             writer.close()
     say(f"done: step {int(state.step)}, final checkpoint in {checkpoints / str(int(state.step))}")
     return state
+
+
+def _describe_parameters(run, state: TrainState) -> str:
+    trainable = f"{count_params(state.params):,} parameters"
+    if run.weights.lora is not None:
+        lora = run.weights.lora
+        return (f"{trainable} in LoRA adapters (rank {lora.rank}, alpha {lora.alpha:g}, on {', '.join(lora.targets)}) "
+                f"over a frozen {lora.base_dtype.value} base of {count_params(state.frozen):,}")
+    if state.frozen is not None:
+        return f"{trainable}, and a frozen reference copy of them"
+    return trainable
 
 
 def _samples_hook(cfg: Config, run, data: Data, writer: MetricsWriter | None, say) -> list[h.Hook]:
@@ -148,8 +166,8 @@ def _samples_hook(cfg: Config, run, data: Data, writer: MetricsWriter | None, sa
     tokenizer = data.tokenizer
     sampler = Sampler(cfg.model, run.mesh, stop_ids=(tokenizer.eos_id,))
 
-    def generate(params, prompts: list[str]) -> list[str]:
-        params = jax.device_put(params, run.plan.on_device.params)
+    def generate(state, prompts: list[str]) -> list[str]:
+        params = run.weights.merged(jax.device_put(state.params, run.plan.on_device.params), state.frozen)
         ids = sampler.generate(params, [[tokenizer.bos_id, *tokenizer.encode(p)] for p in prompts],
                                t.sample_max_new_tokens)
         return [tokenizer.decode(new) for new in ids]

@@ -5,10 +5,12 @@ it starts from (`initial_state`: resumed, started from a checkpoint, imported or
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
@@ -19,8 +21,10 @@ from tunix_train.interop import gguf, hf
 from tunix_train.sharding import LOGICAL_RULES, data_parallel_size, make_mesh, validate_model_for_mesh
 from tunix_train.state import TrainState
 from tunix_train.train.init import StatePlan, plan_train_state
+from tunix_train.train.objectives import make_objective
 from tunix_train.train.optimizer import make_optimizer
 from tunix_train.train.step import compile_eval_step, compile_train_step
+from tunix_train.train.weights import Weights
 
 
 @dataclasses.dataclass
@@ -33,10 +37,13 @@ class Setup:
     eval_fn: Any
     micro_batch: int  # rows per micro-step, over all data-parallel shards
     parallel: parallel.Parallelism | None  # how the layer stack runs over pp and cp
+    objective: Any  # what the step minimizes (train/objectives/)
+    weights: Weights  # which parameters train and which are frozen
 
 
-def setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
-    """Mesh, validated model, state plan and steps on `devices` (default: all); allocates nothing.
+def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any = None) -> Setup:
+    """Mesh, validated model, state plan and steps on `devices` (default: all) for `objective`
+    (default: training.objective's); allocates nothing.
 
     Raises ConfigError when the config does not fit the devices."""
     t = cfg.training
@@ -45,12 +52,16 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None) -> Setup:
     layout = parallel.for_run(mesh, cfg.model, t, cfg.data.seq_len)
     platform.prepare(t, mesh)
     optimizer, schedule = make_optimizer(t)
+    objective = objective or make_objective(cfg)
+    weights = Weights.for_run(t, objective.needs_reference)
     plan = plan_train_state(cfg.model, optimizer, mesh, t.seed, t.sharding_strategy, LOGICAL_RULES,
-                            t.offload_optimizer_state, t.offload_master_weights)
+                            t.offload_optimizer_state, t.offload_master_weights, weights)
     step_fn = compile_train_step(plan, mesh, model_cfg=cfg.model, optimizer=optimizer, schedule=schedule, training=t,
-                                 parallel=layout)
-    eval_fn = compile_eval_step(plan, mesh, model_cfg=cfg.model, training=t, parallel=layout)
-    return Setup(mesh, plan, step_fn, eval_fn, t.micro_batch_size * data_parallel_size(mesh), layout)
+                                 parallel=layout, objective=objective, weights=weights)
+    eval_fn = compile_eval_step(plan, mesh, model_cfg=cfg.model, training=t, parallel=layout, objective=objective,
+                                weights=weights)
+    return Setup(mesh, plan, step_fn, eval_fn, t.micro_batch_size * data_parallel_size(mesh), layout, objective,
+                 weights)
 
 
 def save_config(cfg: Config, overrides: list[str], run_dir: Path) -> None:
@@ -82,10 +93,26 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
+def starting_point(cfg: Config) -> str:
+    """Where a run without a checkpoint starts, and its frozen weights always come from."""
+    return f"model.init_from={cfg.model.init_from}" if cfg.model.init_from else f"training.seed={cfg.training.seed}"
+
+
+def _starting_state(cfg: Config, run: Setup) -> tuple[TrainState, str]:
+    """The state a run starts from without a checkpoint: the Hugging Face or GGUF checkpoint
+    model.init_from, else fresh from training.seed; and where it came from."""
+    if cfg.model.init_from:
+        source = gguf if gguf.is_gguf(cfg.model.init_from) else hf
+        params = source.load_params(Path(cfg.model.init_from), cfg.model, run.plan.base)
+        return run.plan.from_params(params), starting_point(cfg)
+    return run.plan.create(), starting_point(cfg)
+
+
 def initial_state(cfg: Config, run: Setup, checkpoints: Path, train_batches) -> tuple[TrainState, str, list[str]]:
     """The run directory's latest checkpoint, else checkpoint.resume_from, else the Hugging Face
     checkpoint model.init_from, else a fresh state. A restored checkpoint also restores the data
-    iterator's position into `train_batches`.
+    iterator's position into `train_batches`; frozen weights (LoRA's base, a reference model) are
+    rebuilt from where the run started and checked against the checkpoint's record of them.
 
     Returns the state, where it came from, and warnings about damaged checkpoints skipped."""
     restored, skipped = restore_latest(checkpoints, run.plan.abstract)
@@ -93,21 +120,55 @@ def initial_state(cfg: Config, run: Setup, checkpoints: Path, train_batches) -> 
     if restored is None and cfg.checkpoint.resume_from:
         restored = restore_from(cfg.checkpoint.resume_from, run.plan.abstract)
         origin = f"started from checkpoint.resume_from={cfg.checkpoint.resume_from}"
-    if restored is None and cfg.model.init_from:
-        source = gguf if gguf.is_gguf(cfg.model.init_from) else hf
-        params = source.load_params(Path(cfg.model.init_from), cfg.model, run.plan.abstract.params)
-        return run.plan.from_params(params), f"initialized from model.init_from={cfg.model.init_from}", skipped
     if restored is None:
-        return run.plan.create(), "initialized from training.seed", skipped
+        state, source = _starting_state(cfg, run)
+        return state, f"initialized from {source}", skipped
     state, data_state = restored
     if data_state["global_micro_batch"] != run.micro_batch:
         raise ConfigError(f"the checkpoint was written with {data_state['global_micro_batch']} rows per "
                           f"micro-step (training.micro_batch_size x dp x fsdp), this run has {run.micro_batch}; "
                           f"set training.micro_batch_size so that the global batch is the same")
+    if run.plan.abstract.frozen is not None:
+        state = state.replace(frozen=_frozen_as_recorded(cfg, run, data_state.get("frozen")))
     train_batches.set_state(data_state["iterator"])
     return state, f"{origin} at step {int(state.step)}", skipped
 
 
-def data_state(train_batches, run: Setup) -> dict[str, Any]:
-    """What a checkpoint keeps of the data beside the train state."""
-    return {"iterator": train_batches.get_state(), "global_micro_batch": run.micro_batch}
+def _frozen_as_recorded(cfg: Config, run: Setup, record: dict[str, Any] | None):
+    """The frozen weights rebuilt from where the run started, checked against the checkpoint's record."""
+    if record is None:
+        raise ConfigError("the checkpoint holds no frozen weights' record (it was written without LoRA or a "
+                          "reference model): to start LoRA, DPO or GRPO from it, export it with "
+                          "`python -m tunix_train.export CHECKPOINT DIR` and set model.init_from=DIR")
+    fresh, source = _starting_state(cfg, run)
+    if source != record["source"]:
+        raise ConfigError(f"the checkpoint's frozen weights came from {record['source']}, this run's from {source}")
+    checksum = frozen_checksum(fresh.frozen)
+    if not math.isclose(checksum, record["checksum"], rel_tol=1e-5):
+        raise ConfigError(f"the frozen weights from {source} have changed since the checkpoint was written "
+                          f"(checksum {checksum:.9g}, recorded {record['checksum']:.9g}); restore the original files")
+    return fresh.frozen
+
+
+@jax.jit
+def _sum_of_magnitudes(tree) -> jax.Array:
+    return sum(jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
+
+
+def frozen_checksum(frozen) -> float:
+    """A fingerprint of the frozen weights (the sum of their magnitudes), to tell a changed base."""
+    return float(_sum_of_magnitudes(frozen))
+
+
+def frozen_record(cfg: Config, state: TrainState) -> dict[str, Any] | None:
+    """What a checkpoint records of the frozen weights it leaves out: where they came from, their checksum."""
+    if state.frozen is None:
+        return None
+    return {"source": starting_point(cfg), "checksum": frozen_checksum(state.frozen)}
+
+
+def data_state(train_batches, run: Setup, frozen: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a checkpoint keeps beside the train state: the data iterator's position, and
+    frozen_record when there are frozen weights."""
+    record = {"iterator": train_batches.get_state(), "global_micro_batch": run.micro_batch}
+    return record if frozen is None else {**record, "frozen": frozen}

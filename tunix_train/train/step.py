@@ -1,8 +1,10 @@
 """The train step: a pure function (state, batch) -> (state, metrics), compiled once.
 
-A batch is a dict of [A, B, T] arrays (A accumulation steps of B examples of T tokens):
-`inputs`, `targets`, `loss_mask`, `positions`, `segment_ids`. Gradients accumulate inside the
-compiled step, over a scan of the A micro-batches, in float32 and sharded like the parameters.
+A batch is a dict of [A, B, ...] arrays (A accumulation steps of B rows), the fields the objective
+names (train/objectives/): for the next-token loss `inputs`, `targets`, `loss_mask`, `positions`,
+`segment_ids`. The objective computes each micro-batch's loss from the model's per-token losses;
+gradients of the trainable parameters (train/weights.py) accumulate inside the compiled step, over
+a scan of the A micro-batches, in float32 and sharded like the parameters.
 """
 
 from __future__ import annotations
@@ -23,16 +25,18 @@ from tunix_train.sharding import (Rules, batch_sharding, data_axes, data_paralle
                                   per_shard_shardings)
 from tunix_train.state import TrainState
 from tunix_train.train.init import StatePlan, model_graphdef
+from tunix_train.train.objectives.lm import BATCH_DTYPES, LanguageModeling
+from tunix_train.train.weights import Weights
 
 COMPUTE_DTYPES = {MixedPrecision.fp32: jnp.float32, MixedPrecision.bf16: jnp.bfloat16}
-BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32,
-                "positions": jnp.int32, "segment_ids": jnp.int32}  # the step's input: [A, B, T] each
+_FULL_FINE_TUNING = Weights(None, False)
 
 
-def abstract_batch(mesh: Mesh, accumulation: int, rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
-    """The step's input as sharded shapes, for ahead-of-time compilation."""
+def abstract_batch(mesh: Mesh, accumulation: int, rows: int, seq_len: int,
+                   dtypes: dict[str, Any] = BATCH_DTYPES) -> dict[str, jax.ShapeDtypeStruct]:
+    """The step's input (`dtypes`: the objective's fields) as sharded shapes, for ahead-of-time compilation."""
     return {name: jax.ShapeDtypeStruct((accumulation, rows, seq_len), dtype, sharding=batch_sharding(mesh))
-            for name, dtype in BATCH_DTYPES.items()}
+            for name, dtype in dtypes.items()}
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -42,10 +46,11 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit_BT
 
 
-def token_losses(graphdef: nnx.GraphDef, params: nnx.State, micro: dict[str, jax.Array],
+def token_losses(graphdef: nnx.GraphDef, params: tuple[nnx.State, ...], micro: dict[str, jax.Array],
                  compute_dtype=jnp.float32, chunk: int = 0, param_shardings: Any = None,
                  seq_shards: int = 1) -> jax.Array:
-    """Per-token loss [B, T] of one micro-batch (with `token_index` when it comes reordered).
+    """Per-token loss [B, T] of one micro-batch (with `token_index` when it comes reordered), under
+    the model nnx.merge makes of `params` (one state, or the frozen base and the adapters).
 
     Parameters are cast to the compute dtype where they are stored (the master copy is untouched),
     so fsdp gathers them already in that dtype. With 0 < chunk < T the logits are computed
@@ -56,7 +61,7 @@ def token_losses(graphdef: nnx.GraphDef, params: nnx.State, micro: dict[str, jax
         params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
         if param_shardings is not None:
             params = jax.lax.with_sharding_constraint(params, param_shardings)
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, *params)
     x_BTD = model.hidden(micro["inputs"], micro["positions"], micro["segment_ids"], micro.get("token_index"))
     table_VD, softcap, rules = model.output_table(), model.cfg.final_logit_softcap, model.rules
     B, T, D = x_BTD.shape
@@ -76,19 +81,36 @@ def token_losses(graphdef: nnx.GraphDef, params: nnx.State, micro: dict[str, jax
     return jnp.moveaxis(losses_NBC.reshape(N, B, parts, chunk), 0, 2).reshape(B, T)
 
 
+def _objective_loss(objective, weights: Weights, graphdef, params, frozen, micro, weight, *, compute_dtype,
+                    chunk, param_shardings, frozen_shardings, seq_shards):
+    """The objective's (loss, metrics) of one micro-batch: its per-token losses come from the
+    trained model (policy) and, without gradient, from the reference."""
+    def losses(states, shardings):
+        return token_losses(graphdef, states, micro, compute_dtype, chunk, shardings, seq_shards)
+
+    shardings = lambda compose, **kw: None if param_shardings is None else compose(param_shardings, frozen_shardings, **kw)
+    policy = lambda: losses(weights.policy(params, frozen), shardings(weights.policy))
+    reference = lambda: jax.lax.stop_gradient(losses(
+        weights.reference(params, frozen), shardings(weights.reference, switch_off=lambda s: s)))
+    return objective.loss(policy, reference, micro, weight)
+
+
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
                optimizer: optax.GradientTransformation, schedule: optax.Schedule, compute_dtype: Any,
                param_shardings: Any, grad_shardings: Any, loss_chunk_size: int = 0,
                reduce_gradients_in_compute_dtype: bool = True, sync_every: int = 1, home: Any,
-               on_device: Any, parallel: Parallelism | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+               on_device: Any, parallel: Parallelism | None = None, objective: Any = None,
+               weights: Weights = _FULL_FINE_TUNING) -> tuple[TrainState, dict[str, jax.Array]]:
     """`home` and `on_device`: the state's shardings between steps and where it is computed with
     (they differ in memory kind for an offloaded part, which is moved to the devices and back).
-    `parallel`: the model's pp/cp layout, which may reorder the batch's positions."""
+    `parallel`: the model's pp/cp layout, which may reorder the batch's positions. `objective`:
+    the loss (default: next-token); `weights`: which parameters train and what is frozen."""
+    objective = objective or LanguageModeling(None)
     batch = parallel.reorder(batch) if parallel else batch
     seq_shards = parallel.seq_shards if parallel else 1
     # Dividing every micro-batch by the whole batch's weight makes the accumulated loss and
-    # gradient exactly those of the token-weighted mean over the full batch.
-    total_weight = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+    # gradient exactly those of the mean over the full batch (token-weighted for next-token loss).
+    total_weight = jnp.maximum(objective.weight(batch), 1.0)
 
     # Differentiating with respect to a compute-dtype copy makes the gradients, and so their
     # reduction across devices, bf16 under mixed precision; they accumulate in float32. With delayed
@@ -100,25 +122,25 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     if compute_dtype != jnp.float32 and (reduce_gradients_in_compute_dtype or delayed_sync):
         wrt = jax.lax.with_sharding_constraint(jax.tree.map(lambda p: p.astype(compute_dtype), wrt),
                                                param_shardings)
-    inner_param_shardings = None if delayed_sync else param_shardings
-
-    def weighted_loss_sum(params, micro):
-        token_loss_BT = token_losses(graphdef, params, micro, compute_dtype, loss_chunk_size, inner_param_shardings,
-                                     seq_shards)
-        return jnp.sum(token_loss_BT * micro["loss_mask"]) / total_weight
+    frozen = to_device("frozen")
+    weighted_loss_sum = functools.partial(
+        _objective_loss, objective, weights, graphdef, frozen=frozen, weight=total_weight,
+        compute_dtype=compute_dtype, chunk=loss_chunk_size, seq_shards=seq_shards,
+        param_shardings=None if delayed_sync else param_shardings,
+        frozen_shardings=None if delayed_sync else on_device.frozen)
 
     add = lambda grads, new: jax.tree.map(lambda g, n: g + n.astype(jnp.float32), grads, new)
     zeros = jax.tree.map(jnp.zeros_like, to_device("params"))  # in device memory, like the gradients
 
     if not delayed_sync:
         def accumulate(grads, micro):
-            loss, micro_grads = jax.value_and_grad(weighted_loss_sum)(wrt, micro)
+            (loss, aux), micro_grads = jax.value_and_grad(weighted_loss_sum, has_aux=True)(wrt, micro=micro)
             micro_grads = jax.lax.with_sharding_constraint(micro_grads, grad_shardings)  # the reduction
-            return jax.lax.with_sharding_constraint(add(grads, micro_grads), grad_shardings), loss
+            return jax.lax.with_sharding_constraint(add(grads, micro_grads), grad_shardings), (loss, aux)
 
-        grads, losses = jax.lax.scan(accumulate, zeros, batch)
+        grads, (losses, aux) = jax.lax.scan(accumulate, zeros, batch)
     else:
-        grads, losses = _accumulate_with_delayed_sync(
+        grads, (losses, aux) = _accumulate_with_delayed_sync(
             weighted_loss_sum, wrt, batch, zeros, add, sync_every, grad_shardings)
     loss, grad_norm = jnp.sum(losses), optax.tree.norm(grads)
     # A non-finite loss or gradient drops the whole update: parameters and optimizer state stay.
@@ -135,7 +157,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     params = _moved(params, on_device.params, home.params)
     opt_state = _moved(opt_state, on_device.opt_state, home.opt_state)
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                           nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32))
+                           nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32), frozen=state.frozen)
     metrics = {
         "loss": loss,
         "grad_norm": grad_norm,
@@ -143,6 +165,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         "tokens": jnp.sum(batch["loss_mask"]),
         "finite": finite,
         "nonfinite_steps": new_state.nonfinite_steps,
+        **{name: jnp.sum(value) for name, value in aux.items()},  # the objective's, summed over micro-batches
     }
     return new_state, metrics
 
@@ -165,12 +188,14 @@ def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, syn
     S = data_parallel_size(mesh)
     local_grad_shardings = per_shard_shardings(grad_shardings, mesh)
     groups = jax.tree.map(lambda x: x.reshape(A // sync_every, sync_every, S, B // S, *x.shape[2:]), batch)
-    per_shard = jax.vmap(jax.value_and_grad(weighted_loss_sum), in_axes=(None, 0), spmd_axis_name=data_axes(mesh))
+    per_shard = jax.vmap(jax.value_and_grad(lambda p, m: weighted_loss_sum(p, micro=m), has_aux=True),
+                         in_axes=(None, 0), spmd_axis_name=data_axes(mesh))
     local_zeros = jax.tree.map(lambda z: jnp.zeros((S, *z.shape), jnp.float32), zeros)
 
     def accumulate_locally(local, micro):
         losses_S, grads_S = per_shard(wrt, micro)
-        return jax.lax.with_sharding_constraint(add(local, grads_S), local_grad_shardings), jnp.sum(losses_S)
+        return (jax.lax.with_sharding_constraint(add(local, grads_S), local_grad_shardings),
+                jax.tree.map(jnp.sum, losses_S))
 
     def sync(grads, group):
         local, losses = jax.lax.scan(accumulate_locally, local_zeros, group)
@@ -178,50 +203,61 @@ def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, syn
                                                    grad_shardings)  # the reduction
         return jax.lax.with_sharding_constraint(add(grads, reduced), grad_shardings), losses
 
-    grads, losses = jax.lax.scan(sync, zeros, groups)
-    return grads, losses.reshape(A)
+    grads, (losses, aux) = jax.lax.scan(sync, zeros, groups)
+    return grads, (losses.reshape(A), aux)
 
 
-def _graphdef(model_cfg: ModelConfig, training: TrainingConfig, rules: Rules, parallel) -> nnx.GraphDef:
-    return model_graphdef(model_cfg, training.remat, training.scan_unroll, training.attention, rules, parallel)
+def _graphdef(model_cfg: ModelConfig, training: TrainingConfig, rules: Rules, parallel, weights: Weights) -> nnx.GraphDef:
+    return model_graphdef(model_cfg, training.remat, training.scan_unroll, training.attention, rules, parallel,
+                          weights.lora)
 
 
 def compile_train_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig,
                        optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                       training: TrainingConfig, parallel: Parallelism | None = None):
+                       training: TrainingConfig, parallel: Parallelism | None = None, objective: Any = None,
+                       weights: Weights = _FULL_FINE_TUNING):
     """jit with explicit in/out shardings; the input state is donated. Call under jax.set_mesh(mesh).
     The model's activation constraints follow plan.rules (per shard when gradient syncs are delayed)."""
     sync_every = training.sync_gradients_every if data_parallel_size(mesh) > 1 else 1
     rules = per_shard_rules(plan.rules) if sync_every > 1 else plan.rules
-    step = functools.partial(train_step, graphdef=_graphdef(model_cfg, training, rules, parallel), optimizer=optimizer,
-                             schedule=schedule, compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
+    step = functools.partial(train_step, graphdef=_graphdef(model_cfg, training, rules, parallel, weights),
+                             optimizer=optimizer, schedule=schedule,
+                             compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
                              param_shardings=plan.on_device.params, grad_shardings=plan.grad_shardings,
                              loss_chunk_size=training.loss_chunk_size,
                              reduce_gradients_in_compute_dtype=training.reduce_gradients_in_compute_dtype,
-                             sync_every=sync_every, home=plan.shardings, on_device=plan.on_device, parallel=parallel)
+                             sync_every=sync_every, home=plan.shardings, on_device=plan.on_device, parallel=parallel,
+                             objective=objective, weights=weights)
     return jax.jit(step, in_shardings=(plan.shardings, batch_sharding(mesh)),
                    out_shardings=(plan.shardings, NamedSharding(mesh, P())), donate_argnums=0)
 
 
-def eval_step(params: nnx.State, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
-              compute_dtype: Any, chunk: int = 0, param_shardings: Any = None,
-              parallel: Parallelism | None = None) -> dict[str, jax.Array]:
-    """Summed token loss and token weight of a [1, B, T] held-out batch."""
+def eval_step(params: nnx.State, frozen: nnx.State | None, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
+              compute_dtype: Any, chunk: int = 0, param_shardings: Any = None, frozen_shardings: Any = None,
+              parallel: Parallelism | None = None, objective: Any = None,
+              weights: Weights = _FULL_FINE_TUNING) -> dict[str, jax.Array]:
+    """The objective's summed loss and weight (for the next-token loss: summed token loss and
+    token count) of a [1, B, T] held-out batch."""
+    objective = objective or LanguageModeling(None)
     micro = jax.tree.map(lambda x: x[0], parallel.reorder(batch) if parallel else batch)
-    token_loss_BT = token_losses(graphdef, params, micro, compute_dtype, chunk, param_shardings,
-                                 parallel.seq_shards if parallel else 1)
-    return {"loss_sum": jnp.sum(token_loss_BT * micro["loss_mask"]), "weight": jnp.sum(micro["loss_mask"])}
+    loss_sum, _ = _objective_loss(objective, weights, graphdef, params, frozen, micro, 1.0, compute_dtype=compute_dtype,
+                                  chunk=chunk, param_shardings=param_shardings, frozen_shardings=frozen_shardings,
+                                  seq_shards=parallel.seq_shards if parallel else 1)
+    return {"loss_sum": loss_sum, "weight": objective.weight(micro)}
 
 
 def compile_eval_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig, training: TrainingConfig,
-                      parallel: Parallelism | None = None):
-    step = functools.partial(eval_step, graphdef=_graphdef(model_cfg, training, plan.rules, parallel),
+                      parallel: Parallelism | None = None, objective: Any = None,
+                      weights: Weights = _FULL_FINE_TUNING):
+    """(params, frozen, batch) -> the eval_step sums."""
+    step = functools.partial(eval_step, graphdef=_graphdef(model_cfg, training, plan.rules, parallel, weights),
                              compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
                              chunk=training.loss_chunk_size, param_shardings=plan.on_device.params,
-                             parallel=parallel)
+                             frozen_shardings=plan.on_device.frozen, parallel=parallel, objective=objective,
+                             weights=weights)
 
-    def evaluate(params, batch):  # offloaded parameters are moved to the devices
-        return step(_moved(params, plan.shardings.params, plan.on_device.params), batch)
+    def evaluate(params, frozen, batch):  # offloaded parameters are moved to the devices
+        return step(_moved(params, plan.shardings.params, plan.on_device.params), frozen, batch)
 
-    return jax.jit(evaluate, in_shardings=(plan.shardings.params, batch_sharding(mesh)),
+    return jax.jit(evaluate, in_shardings=(plan.shardings.params, plan.shardings.frozen, batch_sharding(mesh)),
                    out_shardings=NamedSharding(mesh, P()))

@@ -1,0 +1,46 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021): a projection W becomes W + (alpha / r) B A.
+
+A maps the projection's input dimensions to r, B maps r to its output dimensions. A carries the
+input's logical axes and B the output's, so both shard like the weight they adapt; the rank axis is
+never split. B starts at zero, so an adapted model begins exactly as its base. The factors are
+`Adapter` variables: the trainer differentiates and optimizes only those (train/weights.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class Adapter(nnx.Param):
+    """A LoRA factor: a parameter that trains while the base weights stay frozen."""
+
+
+class LoRA(nnx.Module):
+    """x [..., *in] -> (alpha / rank) · x A B [..., *out]; the delta an adapted projection adds."""
+
+    def __init__(self, rngs: nnx.Rngs, in_shape: tuple[int, ...], in_axes: tuple[str, ...],
+                 out_shape: tuple[int, ...], out_axes: tuple[str, ...], rank: int, alpha: float):
+        fan_in = 1
+        for size in in_shape:
+            fan_in *= size
+        bound = fan_in**-0.5  # PEFT's kaiming_uniform(a=sqrt(5)) on A
+        self.a = Adapter(jax.random.uniform(rngs.params(), (*in_shape, rank), jnp.float32, -bound, bound),
+                         axes=(*in_axes, "lora_rank"))
+        self.b = Adapter(jnp.zeros((rank, *out_shape), jnp.float32), axes=("lora_rank", *out_axes))
+        self.scale = alpha / rank
+
+    def __call__(self, x):
+        a, b = self.a[...], self.b[...]
+        n_in = a.ndim - 1
+        contract_in = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+        h = jax.lax.dot_general(x, a.astype(x.dtype), (contract_in, ((), ())))
+        return jax.lax.dot_general(h, b.astype(x.dtype), (((h.ndim - 1,), (0,)), ((), ()))) * jnp.asarray(
+            self.scale, x.dtype)
+
+
+def merged(weight, a, b, scale: float):
+    """weight + scale · A B for stacked layers: weight [L, *in, *out], a [L, *in, r], b [L, r, *out]."""
+    delta = jax.vmap(lambda a_l, b_l: jnp.tensordot(a_l.astype(jnp.float32), b_l.astype(jnp.float32), axes=1))(a, b)
+    return (weight.astype(jnp.float32) + scale * delta).astype(weight.dtype)

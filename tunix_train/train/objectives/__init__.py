@@ -1,0 +1,31 @@
+"""Training objectives: what the train step minimizes, and the batches it needs.
+
+An objective is a small object the step and the loop call through one interface, so neither
+knows which one runs:
+
+- `batch_dtypes`: the fields of its batches, each [A, B, ...] (A accumulation steps of B rows);
+- `weight(batch)`: the whole batch's normalizer (tokens, pairs, ...). Each micro-batch's loss is
+  divided by it, so accumulated micro-batches give exactly the full batch's loss and gradient;
+- `loss(policy, reference, micro, weight)`: the micro-batch's loss and metrics, both already
+  divided by `weight` (so they add up over micro-batches). `policy()` and `reference()` return the
+  per-token negative log-likelihood of `micro["targets"]` [B, T] under the trained model and under
+  the frozen reference (no gradient); an objective calls only what it needs;
+- `needs_reference`: whether it reads the reference model (train/weights.py keeps one);
+- `metric_names`: what its loss reports beside the loss; `perplexity`: whether exp(eval loss) is one;
+- `record_fields`: the JSON-lines fields every record must hold (None: the data config's);
+- `read(data)`: reads what it needs of the data (tokenizes, checks) before any device work;
+- `train_batches(data, global_rows, rows)` / `eval_batches(...)`: host batches, checkpointable;
+- `prepare(batch, state)`: the host batch -> the step's batch (GRPO samples and scores here).
+"""
+
+from __future__ import annotations
+
+from tunix_train.config import Config, Objective as Kind
+
+
+def make_objective(cfg: Config, tokenizer=None):
+    """The objective training.objective names."""
+    from tunix_train.train.objectives import dpo, grpo, lm
+
+    return {Kind.lm: lm.LanguageModeling, Kind.dpo: dpo.DirectPreference,
+            Kind.grpo: grpo.GroupRelative}[cfg.training.objective](cfg)
