@@ -121,10 +121,13 @@ def _write_pairs(path, n=64, drop=None):
             f.write(json.dumps(row) + "\n")
 
 
-def test_first_step_loss_is_log_2_and_training_separates_the_pairs(tmp_path):
+@pytest.mark.parametrize("lora", [(), ("training.lora.rank=8", "training.lora.targets=[q,v,up,down]")])
+def test_first_step_loss_is_log_2_and_training_separates_the_pairs(tmp_path, lora):
+    """Without LoRA the reference is a frozen copy of the starting weights; with it, the base with
+    the adapters off (no copy)."""
     _write_pairs(tmp_path / "pairs.jsonl", n=32)
     run_dir = tmp_path / "run"
-    result = run_cli("model=gemma3_tiny", "model.vocab_size=4096", "objective=dpo", "data=jsonl",
+    result = run_cli("model=gemma3_tiny", "model.vocab_size=4096", "objective=dpo", "data=jsonl", *lora,
                      f"data.train_files=[{tmp_path}/pairs.jsonl]", "data.seq_len=16", "training.max_steps=12",
                      "training.log_every=1", "training.eval_every=0", "training.learning_rate=3e-3",
                      "training.warmup_steps=0", 'model.mesh_shape=[[2,2],["fsdp","tp"]]', f"hydra.run.dir={run_dir}")
@@ -134,6 +137,8 @@ def test_first_step_loss_is_log_2_and_training_separates_the_pairs(tmp_path):
     assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert steps[0]["reward_margin"] == pytest.approx(0.0, abs=1e-6)
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.05 and steps[-1]["reward_margin"] > 0
+    log = (run_dir / "train.log").read_text()
+    assert ("in LoRA adapters (rank 8" in log) == bool(lora) and ("frozen reference copy" in log) != bool(lora)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -27,14 +27,16 @@ from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
 from tunix_train.checkpoint import resolve_resume_path, restore_from
-from tunix_train.config import Config, ConfigError, ModelConfig, Remat, reads_text
+from tunix_train.config import Config, ConfigError, LoraConfig, ModelConfig, Remat, reads_text
 from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer
 from tunix_train.generate import Sampler, Sampling
-from tunix_train.interop import gguf, hf
+from tunix_train.interop import gguf, hf, peft
 from tunix_train.plan import MemoryErrors
 from tunix_train.sharding import LOGICAL_RULES, make_mesh, validate_model_for_mesh
 from tunix_train.train.init import model_graphdef, plan_train_state
 from tunix_train.train.optimizer import make_optimizer
+from tunix_train.train.setup import frozen_as_recorded
+from tunix_train.train.weights import Weights
 
 
 @dataclasses.dataclass
@@ -44,6 +46,9 @@ class LoadedModel:
     params: nnx.State  # sharded over `mesh`
     tokenizer: Optional[Tokenizer] = None  # the checkpoint's, where it carries one
     stop_ids: tuple[int, ...] = ()  # tokens that end a generated sequence (EOS)
+    # A LoRA run's adapters and their settings; `params` then holds them merged into the base.
+    adapters: Optional[nnx.State] = None
+    lora: Optional[LoraConfig] = None
 
     def __post_init__(self):
         # one forward pass of the whole stack on every device: positions whole, layers not pipelined
@@ -76,6 +81,13 @@ class LoadedModel:
         hf.export(self.params, self.config, directory)
         if self.tokenizer is not None and jax.process_index() == 0:
             self.tokenizer.save(directory)
+
+    def export_adapters(self, directory: Path) -> None:
+        """A LoRA run's adapters in PEFT's format (interop/peft.py), for the base its run started from."""
+        if self.adapters is None:
+            raise ConfigError("this checkpoint has no LoRA adapters (training.lora.rank was null): export the "
+                              "whole model instead")
+        peft.export(self.adapters, self.config, self.lora, directory)
 
     def _encode(self, text: str) -> list[int]:
         tokenizer = self._need_tokenizer()
@@ -124,16 +136,23 @@ def load(path: str | Path, mesh_shape: Any = None, devices: list[jax.Device] | N
     mesh = make_mesh(mesh_shape, devices)
     validate_model_for_mesh(cfg.model, mesh)
     optimizer, _ = make_optimizer(cfg.training)
-    plan = plan_train_state(cfg.model, optimizer, mesh, cfg.training.seed)
+    weights = Weights.for_run(cfg.training, keeps_reference=False)  # a run's LoRA adapters, if it had them
+    plan = plan_train_state(cfg.model, optimizer, mesh, cfg.training.seed, weights=weights)
+    adapters = None
     with MemoryErrors(cfg, mesh, training=False):
         if gguf.is_gguf(path):
             params = gguf.load_params(path, cfg.model, plan.abstract.params)
         elif (path / "config.json").is_file():
             params = hf.load_params(path, cfg.model, plan.abstract.params)
         else:
-            params = restore_from(str(path), plan.abstract)[0].params
+            state, record = restore_from(str(path), plan.abstract)
+            params = state.params
+            if weights.lora is not None:  # the base comes from where the run started
+                with jax.set_mesh(mesh):
+                    adapters, base = params, frozen_as_recorded(cfg, plan, record.get("frozen"))
+                    params = weights.merged(adapters, base)
     tokenizer, stop_ids = _tokenizer_and_stops(path, cfg)
-    return LoadedModel(cfg.model, mesh, params, tokenizer, stop_ids)
+    return LoadedModel(cfg.model, mesh, params, tokenizer, stop_ids, adapters, weights.lora)
 
 
 def _tokenizer_and_stops(path: Path, cfg: Config) -> tuple[Optional[Tokenizer], tuple[int, ...]]:

@@ -98,14 +98,14 @@ def starting_point(cfg: Config) -> str:
     return f"model.init_from={cfg.model.init_from}" if cfg.model.init_from else f"training.seed={cfg.training.seed}"
 
 
-def _starting_state(cfg: Config, run: Setup) -> tuple[TrainState, str]:
+def starting_state(cfg: Config, plan: StatePlan) -> tuple[TrainState, str]:
     """The state a run starts from without a checkpoint: the Hugging Face or GGUF checkpoint
     model.init_from, else fresh from training.seed; and where it came from."""
     if cfg.model.init_from:
         source = gguf if gguf.is_gguf(cfg.model.init_from) else hf
-        params = source.load_params(Path(cfg.model.init_from), cfg.model, run.plan.base)
-        return run.plan.from_params(params), starting_point(cfg)
-    return run.plan.create(), starting_point(cfg)
+        params = source.load_params(Path(cfg.model.init_from), cfg.model, plan.base)
+        return plan.from_params(params), starting_point(cfg)
+    return plan.create(), starting_point(cfg)
 
 
 def initial_state(cfg: Config, run: Setup, checkpoints: Path, train_batches) -> tuple[TrainState, str, list[str]]:
@@ -121,7 +121,7 @@ def initial_state(cfg: Config, run: Setup, checkpoints: Path, train_batches) -> 
         restored = restore_from(cfg.checkpoint.resume_from, run.plan.abstract)
         origin = f"started from checkpoint.resume_from={cfg.checkpoint.resume_from}"
     if restored is None:
-        state, source = _starting_state(cfg, run)
+        state, source = starting_state(cfg, run.plan)
         return state, f"initialized from {source}", skipped
     state, data_state = restored
     if data_state["global_micro_batch"] != run.micro_batch:
@@ -129,18 +129,18 @@ def initial_state(cfg: Config, run: Setup, checkpoints: Path, train_batches) -> 
                           f"micro-step (training.micro_batch_size x dp x fsdp), this run has {run.micro_batch}; "
                           f"set training.micro_batch_size so that the global batch is the same")
     if run.plan.abstract.frozen is not None:
-        state = state.replace(frozen=_frozen_as_recorded(cfg, run, data_state.get("frozen")))
+        state = state.replace(frozen=frozen_as_recorded(cfg, run.plan, data_state.get("frozen")))
     train_batches.set_state(data_state["iterator"])
     return state, f"{origin} at step {int(state.step)}", skipped
 
 
-def _frozen_as_recorded(cfg: Config, run: Setup, record: dict[str, Any] | None):
+def frozen_as_recorded(cfg: Config, plan: StatePlan, record: dict[str, Any] | None):
     """The frozen weights rebuilt from where the run started, checked against the checkpoint's record."""
     if record is None:
         raise ConfigError("the checkpoint holds no frozen weights' record (it was written without LoRA or a "
                           "reference model): to start LoRA, DPO or GRPO from it, export it with "
                           "`python -m tunix_train.export CHECKPOINT DIR` and set model.init_from=DIR")
-    fresh, source = _starting_state(cfg, run)
+    fresh, source = starting_state(cfg, plan)
     if source != record["source"]:
         raise ConfigError(f"the checkpoint's frozen weights came from {record['source']}, this run's from {source}")
     checksum = frozen_checksum(fresh.frozen)

@@ -232,12 +232,12 @@ def compile_train_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig,
                    out_shardings=(plan.shardings, NamedSharding(mesh, P())), donate_argnums=0)
 
 
-def eval_step(params: nnx.State, frozen: nnx.State | None, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
-              compute_dtype: Any, chunk: int = 0, param_shardings: Any = None, frozen_shardings: Any = None,
-              parallel: Parallelism | None = None, objective: Any = None,
+def eval_step(params: nnx.State, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
+              compute_dtype: Any, chunk: int = 0, param_shardings: Any = None, frozen: nnx.State | None = None,
+              frozen_shardings: Any = None, parallel: Parallelism | None = None, objective: Any = None,
               weights: Weights = _FULL_FINE_TUNING) -> dict[str, jax.Array]:
     """The objective's summed loss and weight (for the next-token loss: summed token loss and
-    token count) of a [1, B, T] held-out batch."""
+    token count) of a [1, B, T] held-out batch; `frozen`: the state's frozen weights."""
     objective = objective or LanguageModeling(None)
     micro = jax.tree.map(lambda x: x[0], parallel.reorder(batch) if parallel else batch)
     loss_sum, _ = _objective_loss(objective, weights, graphdef, params, frozen, micro, 1.0, compute_dtype=compute_dtype,
@@ -257,7 +257,7 @@ def compile_eval_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig, tr
                              weights=weights)
 
     def evaluate(params, frozen, batch):  # offloaded parameters are moved to the devices
-        return step(_moved(params, plan.shardings.params, plan.on_device.params), frozen, batch)
+        return step(_moved(params, plan.shardings.params, plan.on_device.params), batch, frozen=frozen)
 
     return jax.jit(evaluate, in_shardings=(plan.shardings.params, plan.shardings.frozen, batch_sharding(mesh)),
                    out_shardings=NamedSharding(mesh, P()))
