@@ -211,3 +211,33 @@ def test_nan_policy_stop_saves_the_last_good_state_and_fails(tmp_path, poison_ba
         assert np.all(np.isfinite(b))
         if a.ndim:
             np.testing.assert_array_equal(a, b)
+
+
+def test_a_checkpoint_written_before_frozen_weights_existed_restores(tmp_path):
+    """Checkpoints hold the state's fields but its frozen weights; one written when TrainState had
+    only those four fields (before LoRA) restores, instead of being skipped as damaged."""
+    import flax.struct
+
+    from tunix_train.checkpoint import restore_latest
+
+    @flax.struct.dataclass
+    class StateBeforeLoRA:
+        step: jax.Array
+        params: object
+        opt_state: object
+        nonfinite_steps: jax.Array
+
+    cfg = config()
+    cfg.model.mesh_shape = [[2], ["fsdp"]]
+    run = setup(cfg, jax.devices()[:2])
+    state = run.plan.create()
+    old = StateBeforeLoRA(state.step + 7, state.params, state.opt_state, state.nonfinite_steps)
+    manager = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(create=True))
+    manager.save(7, args=ocp.args.Composite(state=ocp.args.StandardSave(old),
+                                            data=ocp.args.JsonSave({"global_micro_batch": 8})))
+    manager.wait_until_finished()
+    manager.close()
+    (restored, data), skipped = restore_latest(tmp_path, run.plan.abstract)
+    assert skipped == [] and int(restored.step) == 7 and restored.frozen is None
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
+                                     restored.params, state.params))

@@ -72,7 +72,7 @@ class Checkpointer:
         if step in self._manager.all_steps():  # only a damaged one, skipped when this run resumed
             log.warning(f"warning: replacing the damaged checkpoint {self.directory / str(step)}")
             self._manager.delete(step)
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state.replace(frozen=None)),
+        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_saved(state)),
                                                          data=ocp.args.JsonSave(data_state)))
         self._last_save_time, self._last_saved_step = time.monotonic(), step
         return step
@@ -84,11 +84,18 @@ class Checkpointer:
         self._manager.close()
 
 
+def _saved(state: TrainState) -> dict[str, Any]:
+    """What a checkpoint holds of the state: every field but the frozen weights, as a dict (the tree
+    that checkpoints written before TrainState had `frozen` hold too)."""
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
+            "nonfinite_steps": state.nonfinite_steps}
+
+
 def _restore_step(manager: ocp.CheckpointManager, step: int, target: TrainState):
     """The state (its frozen weights None: the caller rebuilds them) and the data record of one step."""
     restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target.replace(frozen=None)), data=ocp.args.JsonRestore()))
-    return restored.state, restored.data
+        state=ocp.args.StandardRestore(_saved(target)), data=ocp.args.JsonRestore()))
+    return TrainState(**restored.state), restored.data
 
 
 def _reader(directory: Path) -> ocp.CheckpointManager:

@@ -174,7 +174,7 @@ class LoraConfig:
 
     rank: Optional[int] = _fixed(None)  # null: no adapters (every parameter trains)
     alpha: float = _fixed(16.0)
-    dropout: float = _fixed(0.0)  # on the adapters' input
+    dropout: float = _fixed(0.0)  # on the adapters' input: only 0 for now
     targets: List[str] = _fixed(factory=lambda: ["q", "k", "v", "o"])  # among LORA_TARGETS
     base_dtype: BaseDtype = _fixed(BaseDtype.fp32)  # how the frozen base is held
 
@@ -410,6 +410,9 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig) -> None:
                               f"choose from {', '.join(LORA_TARGETS)}")
         if not 0.0 <= lora.dropout < 1.0:
             raise ConfigError(f"training.lora.dropout={lora.dropout} must be in [0, 1)")
+        if lora.dropout:
+            raise ConfigError(f"training.lora.dropout={lora.dropout}: dropout on the adapters is not supported yet "
+                              f"(the train step draws no random numbers); set it to 0")
     if t.objective is Objective.lm:
         return
     name = f"training.objective={t.objective.value}"

@@ -60,7 +60,8 @@ def plan(overrides: list[str]):
     cfg, _ = load_config(overrides)
     run = setup(cfg)
     t = cfg.training
-    batch = abstract_batch(run.mesh, t.gradient_accumulation_steps, run.micro_batch, cfg.data.seq_len)
+    batch = abstract_batch(run.mesh, t.gradient_accumulation_steps, run.micro_batch, cfg.data.seq_len,
+                           run.objective.batch_dtypes)
     with jax.set_mesh(run.mesh):
         compiled = run.step_fn.lower(run.plan.abstract, batch).compile()
     memory = compiled.memory_analysis()
@@ -70,7 +71,8 @@ def plan(overrides: list[str]):
     on_host = lambda part: (jax.tree.leaves(getattr(run.plan.shardings, part))
                             != jax.tree.leaves(getattr(run.plan.on_device, part)))
     state = {}
-    for part, name in (("params", "parameters"), ("opt_state", "optimizer state")):
+    parts = (("params", "parameters"), ("opt_state", "optimizer state"), ("frozen", "frozen weights"))
+    for part, name in parts if run.plan.abstract.frozen is not None else parts[:2]:
         state[name + (" (host)" if on_host(part) else "")] = _shard_bytes(
             getattr(run.plan.abstract, part), getattr(run.plan.shardings, part))
     figures = {

@@ -110,6 +110,7 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
             f"tokenizer {data.tokenizer.path.name} ({data.tokenizer.vocab_size} tokens)")
 
     checkpointer = Checkpointer(checkpoints, cfg.checkpoint)
+    objective.connect(run, writer.write_samples if writer else lambda *_: None)
 
     def save(state: TrainState) -> None:
         checkpointer.save(state, data_state(train_batches, run, frozen))
@@ -130,6 +131,7 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
                 *([h.Evaluate(run.eval_fn, eval_batches, t.eval_every, t.max_steps, objective.perplexity)]
                   if eval_batches else []),
                 *_samples_hook(cfg, run, data, writer, say),
+                *objective.hooks(),
                 *extra_hooks,
                 h.Report(writer, log, interval, t.max_steps),
                 h.StopOnSignal(stop, save, checkpointer.wait, checkpoints),

@@ -80,8 +80,11 @@ def check_same_run(run_dir: Path, cfg: Config) -> None:
         return
     saved = _flatten(OmegaConf.to_container(OmegaConf.load(saved_file)))
     current = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+    defaults = _flatten(OmegaConf.to_container(OmegaConf.structured(Config), enum_to_str=True))
     changeable = changeable_on_resume()
     for key in sorted(saved.keys() | current.keys()):
+        if key not in saved and current.get(key) == defaults.get(key):
+            continue  # a key added since the run was saved, at its default: what the run did
         if saved.get(key) != current.get(key) and not changeable.get(key, False):
             raise ConfigError(f"hydra.run.dir={run_dir} holds a run with {key}={saved.get(key)!r}, not "
                               f"{current.get(key)!r}; resume it with the same settings or choose a new hydra.run.dir")

@@ -15,12 +15,41 @@ knows which one runs:
 - `record_fields`: the JSON-lines fields every record must hold (None: the data config's);
 - `read(data)`: reads what it needs of the data (tokenizes, checks) before any device work;
 - `train_batches(data, global_rows, rows)` / `eval_batches(...)`: host batches, checkpointable;
-- `prepare(batch, state)`: the host batch -> the step's batch (GRPO samples and scores here).
+- `connect(run, write_samples)`: what it needs of the run once set up (GRPO: the sampler);
+- `prepare(batch, state)`: the host batch -> the step's batch (GRPO samples and scores here);
+- `hooks()`: hooks it adds to the loop (GRPO: the rollout's rewards in the log).
 """
 
 from __future__ import annotations
 
 from tunix_train.config import Config, Objective as Kind
+
+
+class Objective:
+    """The parts an objective may leave as they are."""
+
+    needs_reference = False
+    record_fields = None
+    perplexity = False
+    metric_names: tuple[str, ...] = ()
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def read(self, data) -> None:
+        pass
+
+    def eval_batches(self, data, global_rows: int, rows: range) -> list:
+        return []
+
+    def connect(self, run, write_samples) -> None:
+        pass
+
+    def prepare(self, batch, state):
+        return batch
+
+    def hooks(self) -> list:
+        return []
 
 
 def make_objective(cfg: Config, tokenizer=None):

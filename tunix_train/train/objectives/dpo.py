@@ -17,6 +17,7 @@ import numpy as np
 
 from tunix_train.config import Config, ConfigError
 from tunix_train.data.pipeline import GroupBatches, padded_row
+from tunix_train.train.objectives import Objective
 from tunix_train.train.objectives.lm import BATCH_DTYPES
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -31,11 +32,10 @@ def pair_losses(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, 
     return loss, chosen_reward, rejected_reward
 
 
-class DirectPreference:
+class DirectPreference(Objective):
     batch_dtypes = BATCH_DTYPES
     needs_reference = True
     record_fields = FIELDS
-    perplexity = False  # whether exp(eval loss) means anything
     metric_names = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
 
     def __init__(self, cfg: Config):
@@ -90,6 +90,3 @@ class DirectPreference:
             return [next(batches) for _ in range(self.cfg.training.eval_batches)]
         finally:
             batches.close()
-
-    def prepare(self, batch, state):
-        return batch

@@ -31,6 +31,7 @@ import numpy as np
 
 from tunix_train.config import Config, ConfigError
 from tunix_train.data.pipeline import GroupBatches, padded_row
+from tunix_train.train.objectives import Objective
 from tunix_train.train.objectives.lm import BATCH_DTYPES
 
 _STD_EPS = 1e-4
@@ -42,9 +43,10 @@ def group_advantages(rewards_PG: np.ndarray) -> np.ndarray:
     return (rewards_PG - mean) / (rewards_PG.std(axis=1, ddof=1, keepdims=True) + _STD_EPS)
 
 
-def token_objective(logp, ref_logp, advantages, epsilon: float, beta: float):
-    """Per token: the clipped surrogate minus beta KL (to maximize), the KL, and whether the clip bites."""
-    ratio = jnp.exp(logp - jax.lax.stop_gradient(logp))
+def token_objective(logp, old_logp, ref_logp, advantages, epsilon: float, beta: float):
+    """Per token: the clipped surrogate minus beta KL (to maximize), the KL, and whether the clip
+    bites; ref_logp None: no KL term."""
+    ratio = jnp.exp(logp - old_logp)
     surrogate = jnp.minimum(ratio * advantages, jnp.clip(ratio, 1 - epsilon, 1 + epsilon) * advantages)
     kl = jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1 if ref_logp is not None else jnp.zeros_like(logp)
     clipped = ((ratio < 1 - epsilon) & (advantages < 0)) | ((ratio > 1 + epsilon) & (advantages > 0))
@@ -63,10 +65,9 @@ def load_reward(name: str) -> Callable:
     return function
 
 
-class GroupRelative:
+class GroupRelative(Objective):
     batch_dtypes = {**BATCH_DTYPES, "advantages": jnp.float32}  # advantages: each row's, on every position
     record_fields = ("prompt",)
-    perplexity = False
 
     def __init__(self, cfg: Config):
         self.cfg, self.grpo = cfg, cfg.training.grpo
@@ -84,8 +85,8 @@ class GroupRelative:
     def loss(self, policy, reference, micro, weight):
         logp = -policy()
         ref_logp = -reference() if self.needs_reference else None
-        objective, kl, clipped = token_objective(logp, ref_logp, micro["advantages"], self.grpo.epsilon,
-                                                 self.grpo.beta)
+        objective, kl, clipped = token_objective(logp, jax.lax.stop_gradient(logp), ref_logp, micro["advantages"],
+                                                 self.grpo.epsilon, self.grpo.beta)
         mask = micro["loss_mask"]
         mean = lambda x: jnp.sum(x * mask) / weight
         return -mean(objective), {"kl": mean(kl), "clip_fraction": mean(clipped.astype(jnp.float32))}
@@ -112,9 +113,6 @@ class GroupRelative:
         return GroupBatches(indices, accumulation_steps=self.cfg.training.gradient_accumulation_steps,
                             groups_per_micro_batch=global_rows // G, seed=self.cfg.training.seed,
                             slots=range(rows.start // G, rows.stop // G), prefetch=self.cfg.data.prefetch_batches)
-
-    def eval_batches(self, data, global_rows: int, rows: range):
-        return []
 
     def connect(self, run, write_samples: Callable[[int, list[tuple[str, str]]], None]) -> None:
         """What sampling needs of the run: the sampler on its mesh, the merged parameters."""
@@ -187,10 +185,12 @@ class GroupRelative:
 
         class RolloutMetrics(Hook):
             def after_step(self, end) -> None:
+                t = objective.cfg.training
+                if end.step % t.log_every and end.step != t.max_steps:
+                    return
                 rollout = dict(objective._rollout or {})
                 samples = rollout.pop("samples", [])
                 end.scalars.update(rollout)
-                if end.step % objective.cfg.training.log_every == 0 or end.step == objective.cfg.training.max_steps:
-                    objective._write_samples(end.step, [(p, f"{t}  [reward {r:g}]") for p, t, r in samples])
+                objective._write_samples(end.step, [(p, f"{text}  [reward {r:g}]") for p, text, r in samples])
 
         return [RolloutMetrics()]

@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from tunix_train.config import Config
+from tunix_train.train.objectives import Objective
 
 BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32,
                 "positions": jnp.int32, "segment_ids": jnp.int32}  # [A, B, T] each
 
 
-class LanguageModeling:
+class LanguageModeling(Objective):
     batch_dtypes = BATCH_DTYPES
-    needs_reference = False
-    record_fields = None
-    perplexity = True  # whether exp(eval loss) means anything
-    metric_names = ()
-
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
+    perplexity = True  # exp(eval loss) is the held-out perplexity
 
     def weight(self, batch):
         return jnp.sum(batch["loss_mask"])
@@ -27,14 +21,8 @@ class LanguageModeling:
         """The token-weighted mean over the whole batch of the masked tokens' losses."""
         return jnp.sum(policy() * micro["loss_mask"]) / weight, {}
 
-    def read(self, data) -> None:
-        pass
-
     def train_batches(self, data, global_rows: int, rows: range):
         return data.train_batches(global_rows, rows)
 
     def eval_batches(self, data, global_rows: int, rows: range):
         return data.eval_batches(global_rows, rows)
-
-    def prepare(self, batch, state):
-        return batch

@@ -1,0 +1,112 @@
+"""GRPO: advantages and the clipped loss against numpy, KL 0 at the start, groups that stay whole
+and equal across meshes, resume that draws the same completions, and bad input."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import read_metrics
+from test_cli import run_cli
+from tunix_train.config import load_config
+from tunix_train.rewards.arithmetic import write_task
+from tunix_train.train.loop import train
+from tunix_train.train.objectives.grpo import group_advantages, token_objective
+
+REWARD = "tunix_train.rewards.arithmetic:exact_match"
+LENGTH = "tests.rewards_for_tests:length"
+
+
+def test_advantages_and_the_clipped_loss_equal_numpy():
+    rewards = np.array([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [3.0, 1.0, 0.0, 2.0]])
+    expected = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, ddof=1, keepdims=True) + 1e-4)
+    np.testing.assert_allclose(group_advantages(rewards), expected, rtol=1e-12)
+    assert np.all(group_advantages(rewards)[1] == 0)  # a group of equal rewards teaches nothing
+
+    rng = np.random.default_rng(0)
+    logp, old, ref = (rng.uniform(-3, -0.1, (4, 6)) for _ in range(3))
+    adv = np.repeat(rng.normal(size=(4, 1)), 6, axis=1)
+    eps, beta = 0.2, 0.04
+    ratio = np.exp(logp - old)
+    kl = np.exp(ref - logp) - (ref - logp) - 1
+    numpy = np.minimum(ratio * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv) - beta * kl
+    ours, our_kl, clipped = token_objective(*(jnp.asarray(x, jnp.float32) for x in (logp, old, ref, adv)), eps, beta)
+    np.testing.assert_allclose(np.asarray(ours), numpy, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(our_kl), kl, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(np.asarray(clipped), ((ratio < 1 - eps) & (adv < 0)) | ((ratio > 1 + eps) & (adv > 0)))
+    assert 0 < np.asarray(clipped).mean() < 1  # the hand-made ratios exercise the clip
+
+
+def _cfg(tmp_path, mesh_shape, micro_batch, *overrides, reward=REWARD):
+    prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
+    cfg, _ = load_config(["model=gemma3_tiny", "model.vocab_size=4096", "objective=grpo", "data=jsonl",
+                          f"data.train_files=[{prompts}]", "data.seq_len=16", "training.log_every=1",
+                          f"training.micro_batch_size={micro_batch}", "training.grpo.num_generations=4",
+                          "training.grpo.max_new_tokens=4", f"training.grpo.reward=[{reward}]",
+                          "training.learning_rate=1e-3", *overrides])
+    cfg.model.mesh_shape = mesh_shape
+    return cfg
+
+
+def _samples(run_dir):
+    return [(s["step"], s["prompt"], s["text"]) for s in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines())]
+
+
+def test_groups_are_the_same_on_every_mesh_and_kl_starts_at_zero(tmp_path):
+    """8 prompts x G=4 per step on fsdp=8 (4 rows per device) and on dp2 x fsdp2 x tp2 (8 rows per data
+    shard). The reward is the completion's length, which varies from the start: with rewards all
+    equal, as exact match gives a random model, the gradient is float noise that AdamW amplifies."""
+    runs = {"fsdp8": ([[8], ["fsdp"]], 4), "dp2_fsdp2_tp2": ([[2, 2, 2], ["dp", "fsdp", "tp"]], 8)}
+    results = {}
+    for name, (mesh_shape, micro_batch) in runs.items():
+        cfg = _cfg(tmp_path, mesh_shape, micro_batch, "training.max_steps=3", "training.grpo.temperature=1.5",
+                   "training.grpo.beta=0.5", reward=LENGTH)
+        train(cfg, tmp_path / name, devices=jax.devices()[:8])
+        results[name] = ([m for m in read_metrics(tmp_path / name) if "loss" in m], _samples(tmp_path / name))
+    (a, samples_a), (b, samples_b) = results.values()
+    assert samples_a == samples_b and len(samples_a) == 3 * 4  # the first group of each step, the same
+    for key in ("loss", "reward", "kl", "completion_tokens", "grad_norm"):
+        np.testing.assert_allclose([m[key] for m in a], [m[key] for m in b], rtol=1e-5, atol=1e-7, err_msg=key)
+    assert a[0]["kl"] == 0.0 and a[-1]["kl"] > 0  # the policy starts as the reference, then leaves it
+    assert all(m["reward_length_std"] > 0 and m["grad_norm"] > 1e-3 for m in a)
+
+
+def test_a_resumed_run_draws_the_same_completions_and_losses(tmp_path):
+    mesh = [[2, 2], ["fsdp", "tp"]]
+    cfg = _cfg(tmp_path, mesh, 4, "training.lr_schedule=constant", "checkpoint.every_steps=2",
+               "training.grpo.temperature=1.5", reward=LENGTH)
+    cfg.training.max_steps = 4
+    train(cfg, tmp_path / "straight", devices=jax.devices()[:4])
+    cfg.training.max_steps = 2
+    train(cfg, tmp_path / "resumed", devices=jax.devices()[:4])
+    cfg.training.max_steps = 4
+    train(cfg, tmp_path / "resumed", devices=jax.devices()[:4])
+    losses = lambda d: [m["loss"] for m in read_metrics(d) if "loss" in m]
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+    assert _samples(tmp_path / "resumed") == _samples(tmp_path / "straight")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["training.grpo.reward=[no_such_module:f]"], "training.grpo.reward: cannot import 'no_such_module:f'"),
+    (["training.grpo.reward=[tests.rewards_for_tests:bad_length]"], "bad_length' returned 1 values for 8 completions"),
+    (["training.grpo.reward=[tests.rewards_for_tests:not_a_number]"], "not_a_number' returned 'yes'"),
+    (["training.grpo.num_generations=1"], "training.grpo.num_generations=1 must be at least 2"),
+    (["training.micro_batch_size=6"], "training.micro_batch_size=6 must be a multiple of training.grpo.num_generations=4"),
+    (["data.train_files=[{tmp}/no_prompt.jsonl]"], "no_prompt.jsonl:1: no string field 'prompt'"),
+    (["data=synthetic"], "training.objective=grpo reads JSON lines with prompt"),
+    (["training.eval_every=5"], "training.eval_every=5: training.objective=grpo has no held-out loss"),
+])
+def test_bad_input_is_one_line(tmp_path, overrides, message):
+    prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
+    (tmp_path / "no_prompt.jsonl").write_text('{"question": "1+1="}\n' * 64)
+    overrides = [o.replace("{tmp}", str(tmp_path)) for o in overrides]
+    data = [] if "data=synthetic" in overrides else ["data=jsonl", f"data.train_files=[{prompts}]"]
+    result = run_cli("model=gemma3_tiny", "model.vocab_size=4096", "objective=grpo", *data, "data.seq_len=16",
+                     "training.micro_batch_size=8", "training.grpo.num_generations=4", "training.grpo.max_new_tokens=4",
+                     f"training.grpo.reward=[{REWARD}]", "training.max_steps=2", *overrides,
+                     f"hydra.run.dir={tmp_path}/run", devices=1)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1 and lines[0].startswith("tunix_train: error:"), result.stderr
+    assert message in lines[0], lines[0]
