@@ -1,10 +1,10 @@
 """GRPO on a verifiable task, end to end on a CPU: the reward rises.
 
-    python scripts/grpo_demo.py [--out DIR] [--sft-steps 30] [--grpo-steps 100]
+    python scripts/grpo_demo.py [--out DIR] [--sft-steps 8] [--grpo-steps 150] [--largest 5]
 
-1. Writes the bundled arithmetic task (tunix_train/rewards/arithmetic.py): sums a+b of one-digit numbers.
+1. Writes the bundled arithmetic task (tunix_train/rewards/arithmetic.py): sums a+b, 0 <= a, b <= --largest (5).
 2. Fine-tunes the default small model (gemma3_small, from scratch) with the next-token objective on
-   prompt/completion pairs, briefly: it learns the format (a number, then EOS), few of the sums.
+   prompt/completion pairs, for a few steps: it learns the format (a number, then EOS), few of the sums.
 3. Exports it (python -m tunix_train.export) and trains it with objective=grpo from there, the reward
    being exact_match of the sum; G completions per prompt at temperature 1.
 4. Prints the mean reward per block of steps, and GRPO's time split between sampling and the step.
@@ -40,17 +40,18 @@ def run(*args: str, log: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="where the runs go (default: a new temporary folder)")
-    parser.add_argument("--sft-steps", type=int, default=30)
-    parser.add_argument("--grpo-steps", type=int, default=100)
+    parser.add_argument("--sft-steps", type=int, default=8)
+    parser.add_argument("--grpo-steps", type=int, default=150)
     parser.add_argument("--generations", type=int, default=8)
-    parser.add_argument("--prompts-per-step", type=int, default=8)
-    parser.add_argument("--learning-rate", type=float, default=5e-5)
+    parser.add_argument("--prompts-per-step", type=int, default=16)
+    parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--beta", type=float, default=0.04, help="KL weight (0: no reference model)")
-    parser.add_argument("--block", type=int, default=10, help="steps per row of the reward table")
+    parser.add_argument("--largest", type=int, default=5, help="the sums' terms go from 0 to this")
+    parser.add_argument("--block", type=int, default=15, help="steps per row of the reward table")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="grpo_demo_"))
     out.mkdir(parents=True, exist_ok=True)
-    prompts, sft = write_task(out / "task", count=2000, seed=0)
+    prompts, sft = write_task(out / "task", count=2000, seed=0, largest=args.largest)
     print(f"runs in {out}")
 
     run("run_training.py", "model=gemma3_small", "data=jsonl", f"data.train_files=[{sft}]",

@@ -110,3 +110,33 @@ def test_bad_input_is_one_line(tmp_path, overrides, message):
     lines = result.stderr.strip().splitlines()
     assert result.returncode != 0 and len(lines) == 1 and lines[0].startswith("tunix_train: error:"), result.stderr
     assert message in lines[0], lines[0]
+
+
+@pytest.mark.slow
+def test_two_processes_sample_and_train_like_one(tmp_path):
+    """Every process samples the step's prompts and keeps its own rows: 2 processes x 2 devices give
+    the completions and losses of 1 process x 4."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO, cpu_env
+
+    prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
+    run = ["model=gemma3_tiny", "model.vocab_size=4096", "objective=grpo", "data=jsonl", f"data.train_files=[{prompts}]",
+           "data.seq_len=16", "training.log_every=1", "training.max_steps=3", "training.micro_batch_size=4",
+           "training.grpo.num_generations=4", "training.grpo.max_new_tokens=4", "training.grpo.temperature=1.5",
+           f"training.grpo.reward=[{LENGTH}]", "training.learning_rate=1e-3", 'model.mesh_shape=[[4],["fsdp"]]',
+           "distributed.initialization_timeout_s=60"]
+    one = subprocess.run([sys.executable, str(REPO / "run_training.py"), *run, f"hydra.run.dir={tmp_path / 'one'}"],
+                         cwd=REPO, env=cpu_env(4), capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "tunix_train.launch", "--nprocs=2", "--cpu_devices_per_process=2",
+                          str(REPO / "run_training.py"), *run, f"hydra.run.dir={tmp_path / 'two'}"], cwd=REPO,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stdout
+    assert _samples(tmp_path / "two") == _samples(tmp_path / "one")
+    for key in ("loss", "reward", "kl"):
+        np.testing.assert_allclose([m[key] for m in read_metrics(tmp_path / "two") if "loss" in m],
+                                   [m[key] for m in read_metrics(tmp_path / "one") if "loss" in m], rtol=1e-5,
+                                   atol=1e-7, err_msg=key)

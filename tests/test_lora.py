@@ -67,11 +67,13 @@ def test_adapters_shard_like_the_weights_they_adapt():
     shardings = dict(nnx.to_flat_state(run.plan.shardings.params))
     spec = lambda *path: tuple(shardings[path].spec)
     P = lambda *entries: tuple(entries)
+    # like the weight they adapt: A by its input dimensions, B by its output ones (tp); fsdp splits the
+    # first dimension whose rule names it, the rank where it comes first
     assert spec("layers", "attn", "q_lora", "a") == P(None, "fsdp", None)  # [L, D, r]: like q's input
-    assert spec("layers", "attn", "q_lora", "b") == P(None, None, "tp", None)  # [L, r, N, H]: like q's heads
-    assert spec("layers", "attn", "o_lora", "a") == P(None, "tp", None, None)  # [L, N, H, r]
-    assert spec("layers", "attn", "o_lora", "b") == P(None, None, "fsdp")  # [L, r, D]
-    assert spec("layers", "mlp", "down_lora", "a") == P(None, "tp", None)  # [L, F, r]
+    assert spec("layers", "attn", "q_lora", "b") == P(None, "fsdp", "tp", None)  # [L, r, N, H]: q's heads
+    assert spec("layers", "attn", "o_lora", "a") == P(None, "tp", None, "fsdp")  # [L, N, H, r]
+    assert spec("layers", "attn", "o_lora", "b") == P(None, "fsdp", None)  # [L, r, D]
+    assert spec("layers", "mlp", "down_lora", "a") == P(None, "tp", "fsdp")  # [L, F, r]
 
 
 def test_bf16_base_is_held_in_bf16():

@@ -70,7 +70,10 @@ LOGICAL_RULES = Rules({
     "head_dim": (),
     "layers": ("pp",),  # the stacked layers: each pipeline stage holds its own
     "norm": (),  # norm scales: sharding a vector costs a collective per use and saves next to nothing
-    "lora_rank": (),  # LoRA's rank: small; the adapters shard along the dimensions they share with W
+    # LoRA's rank. A factor shards over tp along the dimensions it shares with its weight; fsdp splits
+    # its first dimension that takes it: A's input (embed), else the rank (B, which fsdp would
+    # otherwise leave whole on every device: q's heads, the MLP width are not on fsdp).
+    "lora_rank": ("fsdp",),
     # activations
     "batch": BATCH_AXES,
     "seq": ("cp",),
@@ -83,7 +86,7 @@ LOGICAL_RULES = Rules({
 # Mesh axes for logical axes whose size their rule's mesh axes do not divide, instead of an error:
 # key/value heads fewer than tp (multi-query attention) are replicated; a vocabulary that tp
 # divides but tp x fsdp does not is split over tp, and the embedding's embed axis then takes fsdp.
-IF_INDIVISIBLE = Rules({"kv_heads": (), "vocab": ("tp",)})
+IF_INDIVISIBLE = Rules({"kv_heads": (), "vocab": ("tp",), "lora_rank": ()})
 
 
 def per_shard_rules(rules: Rules) -> Rules:

@@ -129,9 +129,11 @@ class GroupRelative(Objective):
 
         start = time.perf_counter()
         G, T, step = self.grpo.num_generations, self.cfg.data.seq_len, int(state.step)
-        # every process samples every prompt of the step (the sampler is one program over the mesh)
-        indices = np.asarray(multihost_utils.process_allgather(batch["index"][..., 0], tiled=True)) \
-            if jax.process_count() > 1 else batch["index"][..., 0]
+        indices = batch["index"][..., 0]  # [A, this process's prompts]
+        if jax.process_count() > 1:  # every process samples every prompt (the sampler is one program)
+            per_process = np.asarray(multihost_utils.process_allgather(indices))  # [processes, A, prompts]
+            starts = np.asarray(multihost_utils.process_allgather(np.array(self._rows.start)))
+            indices = np.concatenate([per_process[p] for p in np.argsort(starts)], axis=1)
         A, P = indices.shape
         order = indices.reshape(-1)
         prompts = [self._prompts[i] for i in order for _ in range(G)]
