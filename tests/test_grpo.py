@@ -73,6 +73,7 @@ def test_groups_are_the_same_on_every_mesh_and_kl_starts_at_zero(tmp_path):
     assert all(m["reward_length_std"] > 0 and m["grad_norm"] > 1e-3 for m in a)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_draws_the_same_completions_and_losses(tmp_path):
     mesh = [[2, 2], ["fsdp", "tp"]]
     cfg = _cfg(tmp_path, mesh, 4, "training.lr_schedule=constant", "checkpoint.every_steps=2",

@@ -125,6 +125,7 @@ def test_peft_loads_the_exported_adapters_with_our_logits_and_the_merged_export_
     np.testing.assert_allclose(np.asarray(model.params["layers"]["attn"]["q_DNH"][...]), expected, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_only_adapters_and_resume_bit_identically(tmp_path):
     lora = ("training.lora.rank=4", ALL, "training.lr_schedule=constant")
     cfg = config(*STEPS, *lora, "checkpoint.every_steps=2")

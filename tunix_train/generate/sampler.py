@@ -71,6 +71,16 @@ def top_p_threshold(logits_BV: jax.Array, top_p: float) -> jax.Array:
     return jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
 
 
+def _fetch(x: jax.Array) -> np.ndarray:
+    """The whole of a global array on this host: in a multi-process run the rows on other
+    processes' devices are gathered (every process runs the same sampling loop)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def bucket(length: int) -> int:
     """Prompts are left-padded to a power of two (at least 16): few prefill compilations."""
     return max(16, 1 << math.ceil(math.log2(max(length, 1))))
@@ -210,11 +220,11 @@ class Sampler:
             per_layer = self._unstack(params)
             caches, token_B = self._prefill(params, per_layer, rows_of(tokens), pads_B, key,
                                             total_len=total_len, sampling=sampling)
-            take(np.asarray(token_B)[:, None])
+            take(_fetch(token_B)[:, None])
             t = jnp.int32(Pn)
             done_B = self._stops(token_B)
             while not all(finished):
                 caches, token_B, t, done_B, drawn_BC = self._decode(
                     params, per_layer, caches, token_B, t, pads_B, done_B, key, jnp.int32(Pn), sampling=sampling)
-                take(np.asarray(drawn_BC))
+                take(_fetch(drawn_BC))
         return new
