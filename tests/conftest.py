@@ -70,3 +70,15 @@ def checkpoint_arrays(step_dir: Path) -> dict:
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata)
     restored = checkpointer.restore(path, target)
     return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(restored)[0]}
+
+
+def straight_and_resumed(cfg, tmp_path: Path, steps: int, stop_at: int, devices) -> tuple[Path, Path]:
+    """Run directories of `cfg` trained for `steps` steps in one run, and in two (stopped after
+    `stop_at`, then resumed from the run directory's checkpoint)."""
+    from tunix_train.train.loop import train
+
+    for run_dir, stops in ((tmp_path / "straight", [steps]), (tmp_path / "resumed", [stop_at, steps])):
+        for max_steps in stops:
+            cfg.training.max_steps = max_steps
+            train(cfg, run_dir, devices=devices)
+    return tmp_path / "straight", tmp_path / "resumed"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hf_reference import build
-from tunix_train.config import (Config, ConfigError, DataConfig, DataSource, DpoConfig, ModelConfig, Objective,
+from tunix_train.config import (Config, DataConfig, DataSource, DpoConfig, ModelConfig, Objective,
                                 TrainingConfig)
 from tunix_train.data.pipeline import padded_row
 from tunix_train.interop import hf

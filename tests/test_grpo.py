@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import read_metrics
+from conftest import read_metrics, straight_and_resumed
 from test_cli import run_cli
 from tunix_train.config import load_config
 from tunix_train.rewards.arithmetic import write_task
@@ -78,15 +78,10 @@ def test_a_resumed_run_draws_the_same_completions_and_losses(tmp_path):
     mesh = [[2, 2], ["fsdp", "tp"]]
     cfg = _cfg(tmp_path, mesh, 4, "training.lr_schedule=constant", "checkpoint.every_steps=2",
                "training.grpo.temperature=1.5", reward=LENGTH)
-    cfg.training.max_steps = 4
-    train(cfg, tmp_path / "straight", devices=jax.devices()[:4])
-    cfg.training.max_steps = 2
-    train(cfg, tmp_path / "resumed", devices=jax.devices()[:4])
-    cfg.training.max_steps = 4
-    train(cfg, tmp_path / "resumed", devices=jax.devices()[:4])
+    straight, resumed = straight_and_resumed(cfg, tmp_path, 4, 2, jax.devices()[:4])
     losses = lambda d: [m["loss"] for m in read_metrics(d) if "loss" in m]
-    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
-    assert _samples(tmp_path / "resumed") == _samples(tmp_path / "straight")
+    assert losses(resumed) == losses(straight)
+    assert _samples(resumed) == _samples(straight)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -9,14 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import config, read_metrics, train_losses
+from conftest import config, straight_and_resumed, train_losses
 from hf_reference import SIZES, build
 from test_cli import run_cli
 from tunix_train import api
-from tunix_train.interop import hf, peft
-from tunix_train.model.lora import Adapter
-from tunix_train.train.init import model_graphdef
-from tunix_train.config import Remat
+from tunix_train.interop import hf
 from tunix_train.sharding import to_global_batch
 from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.train.loop import train
@@ -130,13 +127,8 @@ def test_checkpoints_hold_only_adapters_and_resume_bit_identically(tmp_path):
     lora = ("training.lora.rank=4", ALL, "training.lr_schedule=constant")
     cfg = config(*STEPS, *lora, "checkpoint.every_steps=2")
     cfg.model.mesh_shape = MESH
-    cfg.training.max_steps = 6
-    train(cfg, tmp_path / "straight", devices=jax.devices()[:4])
-    cfg.training.max_steps = 3
-    train(cfg, tmp_path / "resumed", devices=jax.devices()[:4])
-    cfg.training.max_steps = 6
-    train(cfg, tmp_path / "resumed", devices=jax.devices()[:4])
-    assert train_losses(tmp_path / "resumed") == train_losses(tmp_path / "straight")
+    straight, resumed = straight_and_resumed(cfg, tmp_path, 6, 3, jax.devices()[:4])
+    assert train_losses(resumed) == train_losses(straight)
     metadata = (tmp_path / "straight" / "checkpoints" / "6" / "state" / "_METADATA").read_text()
     assert "q_lora" in metadata and "q_DNH" not in metadata  # the base is not in the checkpoint
     record = json.loads((tmp_path / "straight" / "checkpoints" / "6" / "data" / "metadata").read_text())

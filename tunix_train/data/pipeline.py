@@ -64,24 +64,10 @@ def _stack_rows(rows: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray
     return {name: np.stack([row[name] for row in rows]) for name in rows[0]}
 
 
-class PackedBatches:
-    """Iterator of host batches with get_state/set_state for exact resumption."""
+class _HostBatches:
+    """An iterator of host batches over a grain dataset, with get_state/set_state for exact resumption."""
 
-    def __init__(self, documents: Sequence[dict[str, Any]], features: DocumentFeatures, *, seq_len: int,
-                 accumulation_steps: int, global_micro_batch: int, seed: int | None,
-                 rows: range | None = None, prefetch: int = 4):
-        """rows: the micro-batch rows this process holds (default all); seed None keeps the document
-        order (evaluation), otherwise it is reshuffled every epoch."""
-        ordered = grain.MapDataset.source(documents)
-        if seed is not None:
-            ordered = ordered.shuffle(seed=seed)
-        ordered = ordered.repeat()
-        slots = []
-        for slot in range(global_micro_batch) if rows is None else rows:
-            docs = ordered[slot::global_micro_batch].map(features)
-            tokens = docs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-            slots.append(ConcatThenSplitIterDataset(tokens, length_struct={f: seq_len for f in PACKED}))
-        batches = ZipIterDataset(slots).map(_stack_rows).map(_as_row).batch(accumulation_steps)
+    def _start(self, batches, prefetch: int) -> None:
         self._dataset = ThreadPrefetchIterDataset(batches, prefetch_buffer_size=prefetch)
         self._iterator = iter(self._dataset)
 
@@ -103,7 +89,27 @@ class PackedBatches:
         self._iterator = self._dataset = None
 
 
-class GroupBatches(PackedBatches):
+class PackedBatches(_HostBatches):
+    """Packed rows of documents."""
+
+    def __init__(self, documents: Sequence[dict[str, Any]], features: DocumentFeatures, *, seq_len: int,
+                 accumulation_steps: int, global_micro_batch: int, seed: int | None,
+                 rows: range | None = None, prefetch: int = 4):
+        """rows: the micro-batch rows this process holds (default all); seed None keeps the document
+        order (evaluation), otherwise it is reshuffled every epoch."""
+        ordered = grain.MapDataset.source(documents)
+        if seed is not None:
+            ordered = ordered.shuffle(seed=seed)
+        ordered = ordered.repeat()
+        slots = []
+        for slot in range(global_micro_batch) if rows is None else rows:
+            docs = ordered[slot::global_micro_batch].map(features)
+            tokens = docs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+            slots.append(ConcatThenSplitIterDataset(tokens, length_struct={f: seq_len for f in PACKED}))
+        self._start(ZipIterDataset(slots).map(_stack_rows).map(_as_row).batch(accumulation_steps), prefetch)
+
+
+class GroupBatches(_HostBatches):
     """Batches of whole groups of rows, never split or packed: a DPO pair (chosen, rejected), a
     GRPO prompt. Each group is a dict of [k, ...] arrays; micro-batch slot j holds the groups at
     positions j, j+G, j+2G, ... of the seeded, per-epoch reshuffled order (G: groups per global
@@ -119,9 +125,7 @@ class GroupBatches(PackedBatches):
         streams = [ordered[slot::groups_per_micro_batch].to_iter_dataset(
                        grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
                    for slot in (range(groups_per_micro_batch) if slots is None else slots)]
-        batches = ZipIterDataset(streams).map(_concatenate_groups).batch(accumulation_steps)
-        self._dataset = ThreadPrefetchIterDataset(batches, prefetch_buffer_size=prefetch)
-        self._iterator = iter(self._dataset)
+        self._start(ZipIterDataset(streams).map(_concatenate_groups).batch(accumulation_steps), prefetch)
 
 
 def _concatenate_groups(groups: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:

@@ -167,9 +167,10 @@ def _samples_hook(cfg: Config, run, data: Data, writer: MetricsWriter | None, sa
         return []
     tokenizer = data.tokenizer
     sampler = Sampler(cfg.model, run.mesh, stop_ids=(tokenizer.eos_id,))
+    merged = jax.jit(run.weights.merged)  # LoRA: the adapters merged into the base
 
     def generate(state, prompts: list[str]) -> list[str]:
-        params = run.weights.merged(jax.device_put(state.params, run.plan.on_device.params), state.frozen)
+        params = merged(jax.device_put(state.params, run.plan.on_device.params), state.frozen)
         ids = sampler.generate(params, [[tokenizer.bos_id, *tokenizer.encode(p)] for p in prompts],
                                t.sample_max_new_tokens)
         return [tokenizer.decode(new) for new in ids]

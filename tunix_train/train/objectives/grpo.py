@@ -119,6 +119,7 @@ class GroupRelative(Objective):
         from tunix_train.generate import Sampler
 
         self._run, self._write_samples = run, write_samples
+        self._merged = jax.jit(run.weights.merged)  # LoRA: the adapters merged into the base, compiled once
         self._sampler = Sampler(self.cfg.model, run.mesh, stop_ids=(self._tokenizer.eos_id,))
 
     def prepare(self, batch: dict[str, np.ndarray], state) -> dict[str, np.ndarray]:
@@ -137,7 +138,7 @@ class GroupRelative(Objective):
         A, P = indices.shape
         order = indices.reshape(-1)
         prompts = [self._prompts[i] for i in order for _ in range(G)]
-        params = self._run.weights.merged(jax.device_put(state.params, self._run.plan.on_device.params), state.frozen)
+        params = self._merged(jax.device_put(state.params, self._run.plan.on_device.params), state.frozen)
         new = self._sampler.generate(params, prompts, self.grpo.max_new_tokens,
                                      Sampling(temperature=self.grpo.temperature),
                                      seed=self.cfg.training.seed * 1_000_003 + step)
