@@ -17,9 +17,8 @@ from tunix_train.model import Gemma
 from tunix_train.model.lora import Adapter
 from tunix_train.sharding import LOGICAL_RULES, Rules, state_shardings
 from tunix_train.state import TrainState
-from tunix_train.train.weights import Weights
+from tunix_train.train.weights import FULL_FINE_TUNING, Weights
 
-_FULL_FINE_TUNING = Weights(None, False)
 
 
 def model_graphdef(model_cfg: ModelConfig, remat: Remat, scan_unroll: int = 1,
@@ -42,7 +41,7 @@ def _model_params(model_cfg: ModelConfig, key: jax.Array, weights: Weights) -> n
 
 
 def train_state_initializer(model_cfg: ModelConfig, optimizer: optax.GradientTransformation,
-                            weights: Weights = _FULL_FINE_TUNING):
+                            weights: Weights = FULL_FINE_TUNING):
     """key -> a fresh TrainState; for jax.eval_shape (shapes only) or a sharded jit."""
     return lambda key: _fresh_state(_model_params(model_cfg, key, weights), optimizer, weights)
 
@@ -83,7 +82,7 @@ class StatePlan:
 def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
                      seed: int, strategy: ShardingStrategy = ShardingStrategy.full_shard,
                      rules: Rules = LOGICAL_RULES, offload_optimizer_state: bool = False,
-                     offload_master_weights: bool = False, weights: Weights = _FULL_FINE_TUNING) -> StatePlan:
+                     offload_master_weights: bool = False, weights: Weights = FULL_FINE_TUNING) -> StatePlan:
     """Shapes from jax.eval_shape, shardings from the parameters' logical axes and the sharding
     strategy, and an init jitted with those out_shardings, so the whole model never sits on one
     device. An offloaded optimizer state or float32 master copy of the parameters is sharded

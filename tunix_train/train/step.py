@@ -26,10 +26,9 @@ from tunix_train.sharding import (Rules, batch_sharding, data_axes, data_paralle
 from tunix_train.state import TrainState
 from tunix_train.train.init import StatePlan, model_graphdef
 from tunix_train.train.objectives.lm import BATCH_DTYPES, LanguageModeling
-from tunix_train.train.weights import Weights
+from tunix_train.train.weights import FULL_FINE_TUNING, Weights
 
 COMPUTE_DTYPES = {MixedPrecision.fp32: jnp.float32, MixedPrecision.bf16: jnp.bfloat16}
-_FULL_FINE_TUNING = Weights(None, False)
 
 
 def abstract_batch(mesh: Mesh, accumulation: int, rows: int, seq_len: int,
@@ -100,7 +99,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
                param_shardings: Any, grad_shardings: Any, loss_chunk_size: int = 0,
                reduce_gradients_in_compute_dtype: bool = True, sync_every: int = 1, home: Any,
                on_device: Any, parallel: Parallelism | None = None, objective: Any = None,
-               weights: Weights = _FULL_FINE_TUNING) -> tuple[TrainState, dict[str, jax.Array]]:
+               weights: Weights = FULL_FINE_TUNING) -> tuple[TrainState, dict[str, jax.Array]]:
     """`home` and `on_device`: the state's shardings between steps and where it is computed with
     (they differ in memory kind for an offloaded part, which is moved to the devices and back).
     `parallel`: the model's pp/cp layout, which may reorder the batch's positions. `objective`:
@@ -123,6 +122,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         wrt = jax.lax.with_sharding_constraint(jax.tree.map(lambda p: p.astype(compute_dtype), wrt),
                                                param_shardings)
     frozen = to_device("frozen")
+    if compute_dtype != jnp.float32 and frozen is not None:  # cast once per step, not per micro-batch
+        frozen = jax.lax.with_sharding_constraint(jax.tree.map(lambda p: p.astype(compute_dtype), frozen),
+                                                  on_device.frozen)
     weighted_loss_sum = functools.partial(
         _objective_loss, objective, weights, graphdef, frozen=frozen, weight=total_weight,
         compute_dtype=compute_dtype, chunk=loss_chunk_size, seq_shards=seq_shards,
@@ -215,7 +217,7 @@ def _graphdef(model_cfg: ModelConfig, training: TrainingConfig, rules: Rules, pa
 def compile_train_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig,
                        optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                        training: TrainingConfig, parallel: Parallelism | None = None, objective: Any = None,
-                       weights: Weights = _FULL_FINE_TUNING):
+                       weights: Weights = FULL_FINE_TUNING):
     """jit with explicit in/out shardings; the input state is donated. Call under jax.set_mesh(mesh).
     The model's activation constraints follow plan.rules (per shard when gradient syncs are delayed)."""
     sync_every = training.sync_gradients_every if data_parallel_size(mesh) > 1 else 1
@@ -235,7 +237,7 @@ def compile_train_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig,
 def eval_step(params: nnx.State, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
               compute_dtype: Any, chunk: int = 0, param_shardings: Any = None, frozen: nnx.State | None = None,
               frozen_shardings: Any = None, parallel: Parallelism | None = None, objective: Any = None,
-              weights: Weights = _FULL_FINE_TUNING) -> dict[str, jax.Array]:
+              weights: Weights = FULL_FINE_TUNING) -> dict[str, jax.Array]:
     """The objective's summed loss and weight (for the next-token loss: summed token loss and
     token count) of a [1, B, T] held-out batch; `frozen`: the state's frozen weights."""
     objective = objective or LanguageModeling(None)
@@ -248,7 +250,7 @@ def eval_step(params: nnx.State, batch: dict[str, jax.Array], *, graphdef: nnx.G
 
 def compile_eval_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig, training: TrainingConfig,
                       parallel: Parallelism | None = None, objective: Any = None,
-                      weights: Weights = _FULL_FINE_TUNING):
+                      weights: Weights = FULL_FINE_TUNING):
     """(params, frozen, batch) -> the eval_step sums."""
     step = functools.partial(eval_step, graphdef=_graphdef(model_cfg, training, plan.rules, parallel, weights),
                              compute_dtype=COMPUTE_DTYPES[training.mixed_precision],

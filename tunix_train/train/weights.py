@@ -61,3 +61,6 @@ class Weights:
             flat[weight_path] = base.replace(merged(base[...], adapters[(*path, "a")][...],
                                                    adapters[(*path, "b")][...], scale))
         return nnx.from_flat_state(flat)
+
+
+FULL_FINE_TUNING = Weights(None, False)  # every parameter trains, nothing is frozen

@@ -31,6 +31,7 @@ import numpy as np
 
 from tunix_train.config import Config, ConfigError
 from tunix_train.data.pipeline import GroupBatches, padded_row
+from tunix_train.train.hooks import Hook
 from tunix_train.train.objectives import Objective
 from tunix_train.train.objectives.lm import BATCH_DTYPES
 
@@ -181,19 +182,19 @@ class GroupRelative(Objective):
         return np.stack(scores)
 
     def hooks(self) -> list:
-        """The rollout's figures (rewards, completion length, sampling time) in each step's log record."""
-        from tunix_train.train.hooks import Hook
+        """The rollout's figures (rewards, completion length, sampling time) in each logged step's record."""
+        return [_RolloutMetrics(self)]
 
-        objective = self
 
-        class RolloutMetrics(Hook):
-            def after_step(self, end) -> None:
-                t = objective.cfg.training
-                if end.step % t.log_every and end.step != t.max_steps:
-                    return
-                rollout = dict(objective._rollout or {})
-                samples = rollout.pop("samples", [])
-                end.scalars.update(rollout)
-                objective._write_samples(end.step, [(p, f"{text}  [reward {r:g}]") for p, text, r in samples])
+class _RolloutMetrics(Hook):
+    def __init__(self, objective: GroupRelative):
+        self.objective = objective
 
-        return [RolloutMetrics()]
+    def after_step(self, end) -> None:
+        t = self.objective.cfg.training
+        if end.step % t.log_every and end.step != t.max_steps:
+            return
+        rollout = dict(self.objective._rollout or {})
+        samples = rollout.pop("samples", [])
+        end.scalars.update(rollout)
+        self.objective._write_samples(end.step, [(p, f"{text}  [reward {r:g}]") for p, text, r in samples])
