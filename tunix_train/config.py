@@ -77,6 +77,16 @@ class Objective(enum.Enum):
     grpo = "grpo"  # group relative policy optimization: sampled completions scored by reward functions
 
 
+class MoeDispatch(enum.Enum):
+    """How a mixture-of-experts layer sends tokens to their experts (tunix_train/model/moe.py)."""
+
+    dropless = "dropless"  # sort the tokens by expert; grouped matmuls of any group size
+    capacity = "capacity"  # fixed slots per expert (capacity_factor x the even share); overflow is dropped
+
+
+LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names, as in layer_types
+
+
 class BaseDtype(enum.Enum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -138,6 +148,32 @@ class ModelConfig:
     rope_base_local: float = _fixed(10_000.0)
     rope_scale_global: float = _fixed(1.0)  # linear position scaling of global layers (Gemma 3 4b+)
     rms_norm_eps: float = _fixed(1e-6)
+    # Gemma 4 (docs/models.md). Each field off gives Gemma 1-3.
+    # Per layer: sliding_attention or full_attention; null: from local_layers_per_global.
+    layer_types: Optional[List[str]] = _fixed(None)
+    global_head_dim: Optional[int] = _fixed(None)  # head dim of global layers; null: head_dim
+    num_global_kv_heads: Optional[int] = _fixed(None)  # key/value heads of global layers; null: num_kv_heads
+    attention_k_eq_v: bool = _fixed(False)  # global layers use their keys (before the k norm) as values
+    # Global layers rotate only this fraction of the rotary pairs (proportional RoPE); the rest stay put.
+    rope_partial_factor_global: float = _fixed(1.0)
+    # RMSNorm multiplies by (offset + weight): Gemma 1-3 store w around 0 (offset 1), Gemma 4 around 1 (offset 0).
+    norm_weight_offset: float = _fixed(1.0)
+    use_v_norm: bool = _fixed(False)  # values RMS-normalised, without a weight
+    # The last this many layers compute no keys/values: each reuses those of the last earlier
+    # layer of its type.
+    num_kv_shared_layers: int = _fixed(0)
+    double_wide_mlp: bool = _fixed(False)  # the KV-sharing layers' MLP is 2 x hidden_dim wide
+    # Per-layer embeddings: a second table and a projection of the embeddings give every layer an
+    # input of this width (0: none), gated into the residual after the MLP.
+    per_layer_input_dim: int = _fixed(0)
+    per_layer_input_vocab_size: Optional[int] = _fixed(None)  # null: vocab_size
+    use_layer_scalar: bool = _fixed(False)  # each layer's output is multiplied by a learned scalar
+    # Mixture of experts beside the dense MLP in every layer (0 experts: none).
+    num_experts: int = _fixed(0)
+    num_experts_per_token: int = _fixed(0)  # top-k
+    moe_hidden_dim: int = _fixed(0)  # each expert's MLP width
+    moe_dispatch: MoeDispatch = _changeable(MoeDispatch.dropless)
+    moe_capacity_factor: float = _changeable(1.25)  # moe_dispatch=capacity: slots per expert over the even share
     # With a cp mesh axis: how attention reaches the other shards' keys and values.
     context_parallel_strategy: ContextParallelStrategy = _changeable(ContextParallelStrategy.all_gather)
     # The longest sequence (prompt and generated tokens) the model was trained for; null: no limit.
@@ -240,6 +276,8 @@ class TrainingConfig:
     # Under bf16, keep the float32 master copy of the parameters in pinned host memory too: the step
     # moves it to the devices for the bf16 cast and for the update, and back.
     offload_master_weights: bool = _changeable(False)
+    # Mixture of experts: weight of the router's load-balancing loss (Switch Transformer's) in the loss.
+    moe_aux_loss_coef: float = _fixed(0.01)
     attention: AttentionImpl = _changeable(AttentionImpl.xla)
     # XLA flags that overlap collectives with computation on NVIDIA GPUs (tunix_train/platform.py).
     xla_gpu_overlap: bool = _changeable(True)
@@ -353,6 +391,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.local_layers_per_global={m.local_layers_per_global} must be >= 0")
     if m.local_layers_per_global and not (m.sliding_window and m.sliding_window > 0):
         raise ConfigError("model.sliding_window must be positive when model.local_layers_per_global > 0")
+    _validate_gemma4(m)
     if t.learning_rate < 0 or t.weight_decay < 0 or t.grad_clip_norm < 0:
         raise ConfigError("training.learning_rate, weight_decay and grad_clip_norm must be >= 0")
     if t.warmup_steps < 0:
@@ -395,6 +434,58 @@ def validate(cfg: Config) -> None:
     if d.prefetch_batches < 0:
         raise ConfigError(f"data.prefetch_batches={d.prefetch_batches} must be >= 0")
     _validate_post_training(t, d)
+
+
+def _validate_gemma4(m: ModelConfig) -> None:
+    """Layer types, KV sharing, per-layer inputs and experts."""
+    types = layer_types(m)
+    if m.layer_types is not None:
+        unknown = [x for x in m.layer_types if x not in LAYER_TYPES]
+        if unknown:
+            raise ConfigError(f"model.layer_types: unknown layer type {unknown[0]!r}; choose from {', '.join(LAYER_TYPES)}")
+        if len(m.layer_types) != m.num_layers:
+            raise ConfigError(f"model.layer_types has {len(m.layer_types)} entries for model.num_layers={m.num_layers}")
+        if m.local_layers_per_global:
+            raise ConfigError("model.layer_types and model.local_layers_per_global both set the layer pattern: "
+                              "set model.local_layers_per_global=0")
+        if "sliding_attention" in types and not (m.sliding_window and m.sliding_window > 0):
+            raise ConfigError("model.sliding_window must be positive when model.layer_types has sliding_attention")
+    for key in ("global_head_dim", "num_global_kv_heads"):
+        if getattr(m, key) is not None and getattr(m, key) <= 0:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be positive (or null)")
+    if m.num_global_kv_heads and m.num_heads % m.num_global_kv_heads:
+        raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of "
+                          f"model.num_global_kv_heads={m.num_global_kv_heads}")
+    if not 0.0 <= m.rope_partial_factor_global <= 1.0:
+        raise ConfigError(f"model.rope_partial_factor_global={m.rope_partial_factor_global} must be in [0, 1]")
+    shared = m.num_kv_shared_layers
+    if not 0 <= shared < m.num_layers:
+        raise ConfigError(f"model.num_kv_shared_layers={shared} must be in [0, model.num_layers={m.num_layers})")
+    first_shared = m.num_layers - shared
+    for i in range(first_shared, m.num_layers):
+        if types[i] not in types[:first_shared]:
+            raise ConfigError(f"model.num_kv_shared_layers={shared}: layer {i} ({types[i]}) would reuse the keys and "
+                              f"values of an earlier {types[i]} layer, and there is none; lower it")
+    if m.double_wide_mlp and not shared:
+        raise ConfigError("model.double_wide_mlp widens the KV-sharing layers' MLP: set model.num_kv_shared_layers")
+    if m.per_layer_input_dim < 0 or (m.per_layer_input_vocab_size or 1) <= 0:
+        raise ConfigError("model.per_layer_input_dim must be >= 0 and model.per_layer_input_vocab_size positive")
+    if m.num_experts:
+        E, k = m.num_experts, m.num_experts_per_token
+        if E < 0 or m.moe_hidden_dim <= 0:
+            raise ConfigError(f"model.num_experts={E} and model.moe_hidden_dim={m.moe_hidden_dim} must be positive")
+        if not 1 <= k <= E:
+            raise ConfigError(f"model.num_experts_per_token={k} must be between 1 and model.num_experts={E}")
+        if m.moe_capacity_factor <= 0:
+            raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} must be positive")
+
+
+def layer_types(m: ModelConfig) -> list[str]:
+    """Each layer's type: model.layer_types, or local_layers_per_global local layers then a global one."""
+    if m.layer_types is not None:
+        return list(m.layer_types)
+    period = m.local_layers_per_global + 1
+    return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(m.num_layers)]
 
 
 def _validate_post_training(t: TrainingConfig, d: DataConfig) -> None:

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.config import ModelConfig
 from tunix_train.model import kernels
-from tunix_train.model.gemma import layer_windows
+from tunix_train.model.gemma import layer_shapes, layer_windows
 from tunix_train.sharding import Rules, logical_to_spec
 
 CACHE_AXES = ("batch", "kv_heads", None, "head_dim")  # of [B, K, S, H], whose first two merge
@@ -35,8 +35,8 @@ def cache_shardings(cfg: ModelConfig, mesh: Mesh, rows: int, total_len: int, rul
     """Each layer's [B*K, S, H] cache: rows split over the batch's mesh axes, then over the kv
     heads' (row-major, so the same split as [B, K] sharded on both)."""
     shardings = []
-    for slots in slots_per_layer(cfg, total_len):
-        rows_spec, heads_spec, *rest = logical_to_spec(CACHE_AXES, (rows, cfg.num_kv_heads, slots, cfg.head_dim),
+    for slots, shape in zip(slots_per_layer(cfg, total_len), layer_shapes(cfg)):
+        rows_spec, heads_spec, *rest = logical_to_spec(CACHE_AXES, (rows, shape.num_kv_heads, slots, shape.head_dim),
                                                        mesh, "KV cache", rules)
         merged = tuple(a for entry in (rows_spec, heads_spec) if entry is not None
                        for a in ((entry,) if isinstance(entry, str) else entry))
@@ -44,9 +44,9 @@ def cache_shardings(cfg: ModelConfig, mesh: Mesh, rows: int, total_len: int, rul
     return shardings
 
 
-def prefill_attend(window: int, slots: int, valid_BT: jax.Array):
+def prefill_attend(window: int, slots: int, valid_BT: jax.Array, keep: bool = True):
     """For Attention: attention over the prompt itself (causal, the window, no padding), and the
-    layer's cache holding the prompt's keys and values."""
+    layer's cache holding the prompt's keys and values (None when not `keep`: a KV-sharing layer)."""
     T = valid_BT.shape[1]
     index = jnp.arange(T)
     distance_TS = index[:, None] - index[None, :]
@@ -54,7 +54,7 @@ def prefill_attend(window: int, slots: int, valid_BT: jax.Array):
 
     def attend(q_BTNH, k_BTKH, v_BTKH, softcap):
         out_BTNH = kernels.attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, softcap)
-        return out_BTNH, {"k": _fill(k_BTKH, slots), "v": _fill(v_BTKH, slots)}
+        return out_BTNH, ({"k": _fill(k_BTKH, slots), "v": _fill(v_BTKH, slots)} if keep else None)
 
     return attend
 
@@ -75,17 +75,22 @@ def _fill(x_BTKH: jax.Array, slots: int) -> jax.Array:
     return jnp.roll(x_XTH[:, T - slots:], (T - slots) % slots, axis=1)
 
 
-def decode_attend(cache: dict[str, jax.Array], window: int, t: jax.Array, pads_B: jax.Array):
+def decode_attend(cache: dict[str, jax.Array], window: int, t: jax.Array, pads_B: jax.Array, write: bool = True,
+                  on_write=lambda new: None):
     """For Attention, at time step t (one new position): the new key and value written to slot
-    t % S, then attention over the slots that hold this row's past within the window."""
+    t % S (on_write sees the new cache), then attention over the slots that hold this row's past
+    within the window. write=False: a KV-sharing layer reads `cache`, already holding time t."""
     slots = cache["k"].shape[1]
     time_S = t - jnp.mod(t - jnp.arange(slots), slots)
     valid_BS = (time_S >= pads_B[:, None]) & (t - time_S < window)
 
     def attend(q_B1NH, k_B1KH, v_B1KH, softcap):
+        if not write:
+            return cached_attention(q_B1NH, cache["k"], cache["v"], valid_BS, softcap), None
         slot = jnp.mod(t, slots)
-        write = lambda c, x: jax.lax.dynamic_update_slice_in_dim(c, _rows(x).astype(c.dtype), slot, 1)
-        new = {"k": write(cache["k"], k_B1KH), "v": write(cache["v"], v_B1KH)}
+        put = lambda c, x: jax.lax.dynamic_update_slice_in_dim(c, _rows(x).astype(c.dtype), slot, 1)
+        new = {"k": put(cache["k"], k_B1KH), "v": put(cache["v"], v_B1KH)}
+        on_write(new)
         return cached_attention(q_B1NH, new["k"], new["v"], valid_BS, softcap), new
 
     return attend
@@ -108,5 +113,5 @@ def cached_attention(q_B1NH, k_XSH, v_XSH, valid_BS, softcap: float | None):
 
 def cache_bytes(cfg: ModelConfig, rows: int, total_len: int, itemsize: int) -> int:
     """Bytes of the whole cache (keys and values of every layer), before sharding."""
-    return int(sum(2 * rows * cfg.num_kv_heads * slots * cfg.head_dim * itemsize
-                   for slots in slots_per_layer(cfg, total_len)))
+    return int(sum(2 * rows * shape.num_kv_heads * slots * shape.head_dim * itemsize
+                   for slots, shape in zip(slots_per_layer(cfg, total_len), layer_shapes(cfg)) if not shape.shares_kv))

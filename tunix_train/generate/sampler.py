@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tunix_train.config import ConfigError, ModelConfig, Remat
 from tunix_train.generate import cache as kv
 from tunix_train.model import kernels
-from tunix_train.model.gemma import _GLOBAL_WINDOW, layer_windows
+from tunix_train.model.gemma import _GLOBAL_WINDOW, layer_shapes, layer_windows
 from tunix_train.sharding import BATCH_AXES, LOGICAL_RULES, Rules, constrain, data_parallel_size
 from tunix_train.train.init import model_graphdef
 
@@ -97,6 +97,12 @@ class Sampler:
         self.stop_ids = tuple(int(i) for i in stop_ids)
         self.graphdef = model_graphdef(cfg, Remat.none, rules=self.rules)
         self.windows = tuple(int(w) for w in layer_windows(cfg))
+        self.shapes = layer_shapes(cfg)
+        # the layer whose cache each layer reads: its own, or for a KV-sharing layer the last
+        # earlier one of its type that has keys and values
+        self.source = [i if not shape.shares_kv else max(j for j in range(i) if not self.shapes[j].shares_kv
+                                                          and self.shapes[j].layer_type == shape.layer_type)
+                       for i, shape in enumerate(self.shapes)]
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("total_len", "sampling"))
         self._decode = jax.jit(self._decode_fn, static_argnames=("sampling",), donate_argnums=(2,))
         self._unstack = jax.jit(self._unstack_fn)
@@ -105,20 +111,25 @@ class Sampler:
         """Each layer's parameters, cut from the stacked ones. On XLA:CPU each cut is a copy, so
         generate() makes them once per call and the compiled steps take them as arguments; cut
         inside the decode loop they were copied again at every chunk of steps."""
-        stacked = nnx.split(nnx.merge(self.graphdef, params).layers)[1]
-        return [jax.tree.map(lambda a: a[i], stacked) for i in range(len(self.windows))]
+        model = nnx.merge(self.graphdef, params)
+        return [jax.tree.map(lambda a: a[i], nnx.state(stack)) for stack, i in model.layer_blocks()]
 
     def _forward(self, params, per_layer, tokens_BT, positions_BT, attend_of_layer: Callable[[int], Callable]):
-        """Next-token logits [B, V] at the last position, and each layer's cache."""
+        """Next-token logits [B, V] at the last position, and each layer's cache (None for a layer
+        that reuses an earlier one's keys and values: attend_of_layer reads that layer's)."""
         model = nnx.merge(self.graphdef, params)
-        graphdef = nnx.graphdef(model.layers)
         x_BTD = model.embed(tokens_BT)
+        per_layer_BTLP = model.per_layer_inputs(tokens_BT, x_BTD) if self.cfg.per_layer_input_dim else None
         rope_global, rope_local = model.rope_tables(positions_BT)
-        caches = []
-        for i, window in enumerate(self.windows):
-            block = nnx.merge(graphdef, per_layer[i])
-            rope = rope_global if window == _GLOBAL_WINDOW else rope_local
-            x_BTD, cache = block(x_BTD, rope, attend_of_layer(i))
+        caches, latest_kv = [], {}
+        for i, ((stack, _), shape) in enumerate(zip(model.layer_blocks(), self.shapes)):
+            block = nnx.merge(nnx.graphdef(stack), per_layer[i])
+            rope = rope_global if self.windows[i] == _GLOBAL_WINDOW else rope_local
+            x_BTD, cache, side = block(x_BTD, rope, attend_of_layer(i),
+                                       None if per_layer_BTLP is None else per_layer_BTLP[:, :, i],
+                                       latest_kv.get(shape.layer_type) if shape.shares_kv else None)
+            if not shape.shares_kv:
+                latest_kv[shape.layer_type] = side["kv"]
             caches.append(cache)
         return self._logits(model.final_norm(x_BTD[:, -1]), model.output_table()), caches
 
@@ -140,10 +151,11 @@ class Sampler:
         valid_BP = jnp.arange(Pn)[None, :] >= pads_B[:, None]
         positions_BP = jnp.maximum(jnp.arange(Pn)[None, :] - pads_B[:, None], 0)
         slots = kv.slots_per_layer(self.cfg, total_len)
-        logits_BV, caches = self._forward(params, per_layer, tokens_BP, positions_BP,
-                                          lambda i: kv.prefill_attend(self.windows[i], slots[i], valid_BP))
+        logits_BV, caches = self._forward(
+            params, per_layer, tokens_BP, positions_BP,
+            lambda i: kv.prefill_attend(self.windows[i], slots[i], valid_BP, keep=self.source[i] == i))
         shardings = kv.cache_shardings(self.cfg, self.mesh, tokens_BP.shape[0], total_len, self.rules)
-        caches = [jax.lax.with_sharding_constraint(c, s) for c, s in zip(caches, shardings)]
+        caches = [c if c is None else jax.lax.with_sharding_constraint(c, s) for c, s in zip(caches, shardings)]
         return caches, next_tokens(logits_BV, sampling, jax.random.fold_in(key, 0))
 
     def _decode_fn(self, params, per_layer, caches, token_B, t, pads_B, done_B, key, start, *, sampling: Sampling):
@@ -153,9 +165,14 @@ class Sampler:
         def step(carry, _):
             caches, token_B, t, done_B = carry
             positions_B1 = (t - pads_B)[:, None]
-            logits_BV, caches = self._forward(
-                params, per_layer, token_B[:, None], positions_B1,
-                lambda i: kv.decode_attend(caches[i], self.windows[i], t, pads_B))
+            updated = list(caches)  # the KV-sharing layers read their source's cache after its update
+
+            def attend_of_layer(i):
+                if self.source[i] != i:
+                    return kv.decode_attend(updated[self.source[i]], self.windows[i], t, pads_B, write=False)
+                return kv.decode_attend(caches[i], self.windows[i], t, pads_B, on_write=lambda c: updated.__setitem__(i, c))
+
+            logits_BV, caches = self._forward(params, per_layer, token_B[:, None], positions_B1, attend_of_layer)
             drawn_B = next_tokens(logits_BV, sampling, jax.random.fold_in(key, t + 1 - start))
             out_B = jnp.where(done_B, DONE, drawn_B)
             return (caches, drawn_B, t + 1, done_B | self._stops(drawn_B)), out_B

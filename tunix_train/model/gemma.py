@@ -1,4 +1,4 @@
-"""The Gemma decoder family (Gemma 1, 2 and 3) in Flax NNX, one implementation behind config fields.
+"""The Gemma decoder family (Gemma 1 to 4) in Flax NNX, one implementation behind config fields.
 
 Axis letters: B batch, T query positions, S key positions, D embed, N query heads, K key/value
 heads, G query heads per key/value head (N = K * G), H head dim, F MLP width, V vocab, L layers.
@@ -6,19 +6,24 @@ Every parameter carries logical axis names (metadata `axes`); activations are co
 logical names under `rules`, the table tunix_train.sharding maps to the mesh. What is written for
 a compiler's layout rather than as the math (fused projections, attention's layout and backward
 pass, the rotary flip, the remat policies) lives in kernels.py.
+
+Layers whose parameters have the same shapes are stacked and scanned. Gemma 4 mixes shapes (its
+global layers have their own head dim; KV-sharing layers have no key/value weights), so its layers
+form `LayerGroup`s: a period of layers repeated, scanned over the repeats (docs/models.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_train.config import AttentionImpl, LoraConfig, ModelConfig, Remat
+from tunix_train.config import AttentionImpl, LoraConfig, ModelConfig, Remat, layer_types
 from tunix_train.model import kernels
 from tunix_train.model.lora import LoRA
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
@@ -35,16 +40,86 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], fan_in
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * (1 + scale), computed in float32; scale starts at zero."""
+    """x / rms(x) * (offset + scale), computed in float32; offset + scale starts at one. Gemma 1-3
+    store the scale around 0 (offset 1), Gemma 4 around 1 (offset 0); with_scale=False: no scale."""
 
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.zeros((dim,), jnp.float32), axes=("norm",))
-        self.eps = eps
+    def __init__(self, dim: int, eps: float, offset: float = 1.0, with_scale: bool = True):
+        self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, jnp.float32), axes=("norm",)) if with_scale else None
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+        if self.scale is not None:
+            scale = self.scale[...].astype(jnp.float32)
+            normed = normed * (self.offset + scale if self.offset else scale)
+        return normed.astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+    """What decides a layer's parameter shapes and code: layers alike stack into one scan."""
+
+    head_dim: int
+    num_kv_heads: int
+    k_eq_v: bool  # keys (before their norm) serve as values: no value weights
+    shares_kv: bool  # reuses an earlier layer's keys and values: no key/value weights
+    mlp_dim: int
+    # static type ("sliding_attention"/"full_attention") where the code depends on it; None: the
+    # layer's window, an input of the scan, picks its RoPE and mask
+    layer_type: str | None = None
+
+
+def layer_shapes(cfg: ModelConfig) -> list[LayerShape]:
+    types = layer_types(cfg)
+    first_shared = cfg.num_layers - cfg.num_kv_shared_layers
+    global_head_dim = cfg.global_head_dim or cfg.head_dim
+    global_kv_heads = cfg.num_global_kv_heads or cfg.num_kv_heads
+    static_type = cfg.num_kv_shared_layers > 0 or cfg.attention_k_eq_v or (
+        (global_head_dim, global_kv_heads) != (cfg.head_dim, cfg.num_kv_heads))
+    shapes = []
+    for i, kind in enumerate(types):
+        is_global, shares = kind == "full_attention", i >= first_shared
+        shapes.append(LayerShape(
+            head_dim=global_head_dim if is_global else cfg.head_dim,
+            num_kv_heads=global_kv_heads if is_global else cfg.num_kv_heads,
+            k_eq_v=cfg.attention_k_eq_v and is_global, shares_kv=shares,
+            mlp_dim=cfg.hidden_dim * (2 if cfg.double_wide_mlp and shares else 1),
+            layer_type=kind if static_type else None))
+    return shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+    """Layers first .. first + repeats * len(period) - 1: `period` (one shape per position) repeated."""
+
+    first: int
+    period: tuple[LayerShape, ...]
+    repeats: int
+
+    def layers(self, position: int) -> np.ndarray:
+        """The indices of the layers at `position` of the period, one per repeat."""
+        return self.first + position + len(self.period) * np.arange(self.repeats)
+
+
+def layer_groups(cfg: ModelConfig) -> tuple[LayerGroup, ...]:
+    """The layers cut into periods of p shapes, consecutive equal periods forming a group, with the
+    p whose groups compile the fewest layer bodies (the sum of their periods); Gemma 1-3: one group
+    of one shape, Gemma 4 E2B: (4 local, 1 global) x 3 then the KV-sharing ones x 4."""
+    shapes = layer_shapes(cfg)
+    best = None
+    for p in range(1, len(shapes) + 1):
+        groups: list[LayerGroup] = []
+        for first in range(0, len(shapes), p):
+            period = tuple(shapes[first:first + p])
+            if groups and groups[-1].period == period:
+                groups[-1] = dataclasses.replace(groups[-1], repeats=groups[-1].repeats + 1)
+            else:
+                groups.append(LayerGroup(first, period, 1))
+        cost = sum(len(g.period) for g in groups)
+        if best is None or cost < best[0]:
+            best = (cost, tuple(groups))
+    return best[1]
 
 
 # Each LoRA adapter (an attribute of Attention or MLP) and the weight beside it that it adapts.
@@ -66,57 +141,81 @@ def _adapter(lora: LoraConfig, rngs: nnx.Rngs, target: str, weight: nnx.Param, n
     return LoRA(rngs, weight.shape[:n_in], axes[:n_in], weight.shape[n_in:], axes[n_in:], lora.rank, lora.alpha)
 
 
-def rope_table(positions_BT, base: float, scale: float, head_dim: int):
+def rope_table(positions_BT, base: float, scale: float, head_dim: int, fraction: float = 1.0):
     """(sin, cos) [B, T, 1, 1, H/2] of the rotary angles at positions divided by `scale`, for
-    kernels.apply_rope. Computed once per forward pass, not per layer."""
+    kernels.apply_rope; only the first `fraction` of the pairs turn (proportional RoPE, Gemma 4's
+    global layers), the others keep angle 0. Computed once per forward pass, not per layer."""
     half = head_dim // 2
     timescale = base ** (2.0 * jnp.arange(half, dtype=jnp.float32) / head_dim)
     angle_BTh = positions_BT[..., None].astype(jnp.float32) / scale / timescale
+    if fraction < 1.0:
+        angle_BTh = jnp.where(jnp.arange(half) < int(fraction * head_dim // 2), angle_BTh, 0.0)
     return jnp.sin(angle_BTh)[:, :, None, None, :], jnp.cos(angle_BTh)[:, :, None, None, :]
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention with optional QK-norm (Gemma 3) and logit soft-capping (Gemma 2)."""
+    """Grouped-query attention with optional QK-norm (Gemma 3), logit soft-capping (Gemma 2), and
+    Gemma 4's value norm, keys as values and keys/values shared from an earlier layer."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules, adapt: Adapt = _no_adapter):
-        D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    def __init__(self, cfg: ModelConfig, shape: LayerShape, rngs: nnx.Rngs, rules: Rules,
+                 adapt: Adapt = _no_adapter):
+        D, N, K, H = cfg.embed_dim, cfg.num_heads, shape.num_kv_heads, shape.head_dim
         self.q_DNH = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), D)
-        self.k_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D)
-        self.v_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D)
+        computes_kv = not shape.shares_kv
+        self.k_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D) if computes_kv else None
+        self.v_DKH = (_param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D)
+                      if computes_kv and not shape.k_eq_v else None)
         self.o_NHD = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), N * H)
-        self.q_lora, self.k_lora, self.v_lora = (adapt(name, w, 1) for name, w in
+        self.q_lora, self.k_lora, self.v_lora = (None if w is None else adapt(name, w, 1) for name, w in
                                                  (("q", self.q_DNH), ("k", self.k_DKH), ("v", self.v_DKH)))
         self.o_lora = adapt("o", self.o_NHD, 2)
-        self.q_norm = RMSNorm(H, cfg.rms_norm_eps) if cfg.use_qk_norm else None
-        self.k_norm = RMSNorm(H, cfg.rms_norm_eps) if cfg.use_qk_norm else None
+        norm = functools.partial(RMSNorm, H, cfg.rms_norm_eps, cfg.norm_weight_offset)
+        self.q_norm = norm() if cfg.use_qk_norm else None
+        self.k_norm = norm() if cfg.use_qk_norm and computes_kv else None
+        self.v_norm = norm(with_scale=False) if cfg.use_v_norm and computes_kv else None
         self.query_scale = (cfg.query_pre_attn_scalar or H) ** -0.5
         self.softcap = cfg.attn_logit_softcap
         self.rules = rules
 
-    def __call__(self, x_BTD, rope, attend):
+    def __call__(self, x_BTD, rope, attend, shared_kv=None):
         """`attend(q, k, v, softcap) -> (out, extra)`: attention over the keys this pass may see
-        (Gemma.hidden: the masked positions of the pass; a sampler: its KV cache, returned as extra)."""
-        q_BTNH, k_BSKH, v_BSKH = kernels.qkv_projection(x_BTD, self.q_DNH[...], self.k_DKH[...], self.v_DKH[...])
-        q_BTNH, k_BSKH, v_BSKH = (y if lora is None else y + lora(x_BTD) for y, lora in
-                                  ((q_BTNH, self.q_lora), (k_BSKH, self.k_lora), (v_BSKH, self.v_lora)))
+        (Gemma.hidden: the masked positions of the pass; a sampler: its KV cache, returned as extra).
+        shared_kv: the keys and values of the layer this one reuses. Returns (out, extra, (k, v))."""
+        adapted = lambda y, lora: y if lora is None else y + lora(x_BTD)
+        if self.k_DKH is not None and self.v_DKH is not None:
+            q_BTNH, k_BSKH, v_BSKH = kernels.qkv_projection(x_BTD, self.q_DNH[...], self.k_DKH[...], self.v_DKH[...])
+            q_BTNH, k_BSKH, v_BSKH = (adapted(y, lora) for y, lora in
+                                      ((q_BTNH, self.q_lora), (k_BSKH, self.k_lora), (v_BSKH, self.v_lora)))
+        else:
+            q_BTNH = adapted(kernels.dense("btd,dnh->btnh", x_BTD, self.q_DNH[...]), self.q_lora)
+        if self.k_DKH is not None and self.v_DKH is None:  # keys as values
+            k_BSKH = adapted(kernels.dense("bsd,dkh->bskh", x_BTD, self.k_DKH[...]), self.k_lora)
+            v_BSKH = k_BSKH
         if self.q_norm is not None:
-            q_BTNH, k_BSKH = self.q_norm(q_BTNH), self.k_norm(k_BSKH)
+            q_BTNH = self.q_norm(q_BTNH)
         q_BTNH = kernels.apply_rope(q_BTNH, *rope) * self.query_scale
-        k_BSKH = kernels.apply_rope(k_BSKH, *rope)
+        if self.k_DKH is None:
+            k_BSKH, v_BSKH = shared_kv
+        else:
+            if self.v_norm is not None:
+                v_BSKH = self.v_norm(v_BSKH)
+            if self.k_norm is not None:
+                k_BSKH = self.k_norm(k_BSKH)
+            k_BSKH = kernels.apply_rope(k_BSKH, *rope)
         q_BTNH = constrain(q_BTNH, ("batch", "seq", "act_heads", None), self.rules)
 
         out_BTNH, extra = attend(q_BTNH, k_BSKH, v_BSKH, self.softcap)
         # contracts (n, h) in this order: jnp.einsum("btnh,nhd->btd") asks for (h, n), for which
         # XLA:CPU transposed the output weights and the activations at every call
         y_BTD = jax.lax.dot_general(out_BTNH, self.o_NHD[...], (((2, 3), (0, 1)), ((), ())))
-        return (y_BTD if self.o_lora is None else y_BTD + self.o_lora(out_BTNH)), extra
+        return (y_BTD if self.o_lora is None else y_BTD + self.o_lora(out_BTNH)), extra, (k_BSKH, v_BSKH)
 
 
 class MLP(nnx.Module):
     """GeGLU: down(gelu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules, adapt: Adapt = _no_adapter):
-        D, F = cfg.embed_dim, cfg.hidden_dim
+    def __init__(self, cfg: ModelConfig, width: int, rngs: nnx.Rngs, rules: Rules, adapt: Adapt = _no_adapter):
+        D, F = cfg.embed_dim, width
         self.gate_DF = _param(rngs, (D, F), ("embed", "mlp"), D)
         self.up_DF = _param(rngs, (D, F), ("embed", "mlp"), D)
         self.down_FD = _param(rngs, (F, D), ("mlp", "embed"), F)
@@ -137,39 +236,65 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm attention and MLP, each optionally followed by a post-norm (Gemma 2 and 3)."""
+    """Pre-norm attention and MLP, each optionally followed by a post-norm (Gemma 2 to 4); Gemma 4
+    adds experts beside the MLP, a per-layer input and an output scalar."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules, adapt: Adapt = _no_adapter):
-        D, eps = cfg.embed_dim, cfg.rms_norm_eps
-        self.pre_attn_norm = RMSNorm(D, eps)
-        self.attn = Attention(cfg, rngs, rules, adapt)
-        self.post_attn_norm = RMSNorm(D, eps) if cfg.use_post_attn_norm else None
-        self.pre_ffw_norm = RMSNorm(D, eps)
-        self.mlp = MLP(cfg, rngs, rules, adapt)
-        self.post_ffw_norm = RMSNorm(D, eps) if cfg.use_post_ffw_norm else None
+    def __init__(self, cfg: ModelConfig, shape: LayerShape, rngs: nnx.Rngs, rules: Rules,
+                 adapt: Adapt = _no_adapter):
+        D, P = cfg.embed_dim, cfg.per_layer_input_dim
+        norm = functools.partial(RMSNorm, D, cfg.rms_norm_eps, cfg.norm_weight_offset)
+        self.pre_attn_norm = norm()
+        self.attn = Attention(cfg, shape, rngs, rules, adapt)
+        self.post_attn_norm = norm() if cfg.use_post_attn_norm else None
+        self.pre_ffw_norm = norm()
+        self.mlp = MLP(cfg, shape.mlp_dim, rngs, rules, adapt)
+        self.post_ffw_norm = norm() if cfg.use_post_ffw_norm else None
+        if cfg.num_experts:
+            from tunix_train.model.moe import MoE
+
+            self.moe = MoE(cfg, rngs, rules)
+            self.pre_moe_norm, self.post_moe_norm, self.post_mlp_norm = norm(), norm(), norm()
+        else:
+            self.moe = None
+        if P:
+            self.per_layer_gate_DP = _param(rngs, (D, P), ("embed", None), D)
+            self.per_layer_proj_PD = _param(rngs, (P, D), (None, "embed"), P)
+            self.post_per_layer_norm = norm()
+        self.layer_scalar = nnx.Param(jnp.ones((1,), jnp.float32), axes=("norm",)) if cfg.use_layer_scalar else None
         self.rules = rules
 
-    def __call__(self, x_BTD, rope, attend):
-        """The block's output and what `attend` returned beside attention's output."""
-        h_BTD, extra = self.attn(self.pre_attn_norm(x_BTD), rope, attend)
+    def __call__(self, x_BTD, rope, attend, per_layer_input_BTP=None, shared_kv=None):
+        """The block's output, what `attend` returned beside attention's output, and side results:
+        "kv", this layer's keys and values; "moe", its experts' statistics (moe.MoE)."""
+        h_BTD, extra, kv = self.attn(self.pre_attn_norm(x_BTD), rope, attend, shared_kv)
         if self.post_attn_norm is not None:
             h_BTD = self.post_attn_norm(h_BTD)
         x_BTD = x_BTD + h_BTD
         h_BTD = self.mlp(self.pre_ffw_norm(x_BTD))
+        side = {"kv": kv}
+        if self.moe is not None:  # routed on the residual stream itself, the experts reading it normed
+            experts_BTD, side["moe"] = self.moe(x_BTD, self.pre_moe_norm(x_BTD))
+            h_BTD = self.post_mlp_norm(h_BTD) + self.post_moe_norm(experts_BTD)
         if self.post_ffw_norm is not None:
             h_BTD = self.post_ffw_norm(h_BTD)
-        return constrain(x_BTD + h_BTD, ("batch", "seq", "act_embed"), self.rules), extra
+        x_BTD = x_BTD + h_BTD
+        if per_layer_input_BTP is not None:
+            gate_BTP = jax.nn.gelu(kernels.dense("btd,dp->btp", x_BTD, self.per_layer_gate_DP[...]), approximate=True)
+            h_BTD = jnp.einsum("btp,pd->btd", gate_BTP * per_layer_input_BTP, self.per_layer_proj_PD[...])
+            x_BTD = x_BTD + self.post_per_layer_norm(h_BTD)
+        if self.layer_scalar is not None:
+            x_BTD = x_BTD * self.layer_scalar[...].astype(x_BTD.dtype)
+        return constrain(x_BTD, ("batch", "seq", "act_embed"), self.rules), extra, side
 
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules, lora: LoraConfig | None) -> Block:
-    """One Block whose parameters have a leading `layers` axis, for jax.lax.scan."""
-    keys = jax.random.split(rngs.params(), cfg.num_layers)
-    # after the base's keys, so the base is the same with adapters or without
-    adapter_keys = keys if lora is None else jax.random.split(rngs.params(), cfg.num_layers)
+def _stacked_blocks(cfg: ModelConfig, shape: LayerShape, keys, adapter_keys, rules: Rules,
+                    lora: LoraConfig | None) -> Block:
+    """One Block of `shape` whose parameters have a leading `layers` axis (one layer per key), for
+    jax.lax.scan; adapters draw from adapter_keys, so the base is the same with adapters or without."""
 
     def block(key, adapter_key):
         adapt = _no_adapter if lora is None else functools.partial(_adapter, lora, nnx.Rngs(adapter_key))
-        return Block(cfg, nnx.Rngs(key), rules, adapt)
+        return Block(cfg, shape, nnx.Rngs(key), rules, adapt)
 
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: block(jax.random.key(0), jax.random.key(0))))
     state = jax.vmap(lambda key, adapter_key: nnx.state(block(key, adapter_key)))(keys, adapter_keys)
@@ -179,9 +304,8 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules, lora: LoraCo
 
 
 def layer_windows(cfg: ModelConfig) -> np.ndarray:
-    """Attention window of each layer: `local_layers_per_global` local layers, then a global one."""
-    period = cfg.local_layers_per_global + 1
-    is_global = (np.arange(cfg.num_layers) + 1) % period == 0
+    """Attention window of each layer: sliding_window for a sliding_attention layer, all else."""
+    is_global = np.array([kind == "full_attention" for kind in layer_types(cfg)])
     return np.where(is_global, _GLOBAL_WINDOW, cfg.sliding_window or _GLOBAL_WINDOW).astype(np.int32)
 
 
@@ -192,13 +316,51 @@ class Gemma(nnx.Module):
                  attention: AttentionImpl = AttentionImpl.xla, rules: Rules = LOGICAL_RULES,
                  parallel: Parallelism | None = None, lora: LoraConfig | None = None):
         """parallel: a tunix_train.parallel.Parallelism that runs the layer stack over the pp and cp
-        mesh axes; None runs it as written. lora: adapters on the projections it targets."""
+        mesh axes; None runs it as written. lora: adapters on the projections it targets.
+
+        Parameters: `layers` when every layer has one shape (Gemma 1-3), a stack of them all;
+        otherwise `groups[g][j]`, the stack of position j of group g's period over its repeats."""
         self.cfg, self.remat, self.scan_unroll, self.attention = cfg, remat, scan_unroll, attention
         self.rules, self.parallel = rules, parallel
-        D, V = cfg.embed_dim, cfg.vocab_size
+        D, V, L = cfg.embed_dim, cfg.vocab_size, cfg.num_layers
         self.embedding_VD = _param(rngs, (V, D), ("vocab", "embed"), D)
-        self.layers = _stacked_blocks(cfg, rngs, rules, lora)
-        self.final_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.layer_groups = layer_groups(cfg)
+        keys = jax.random.split(rngs.params(), L)
+        # after the base's keys, so the base is the same with adapters or without
+        adapter_keys = keys if lora is None else jax.random.split(rngs.params(), L)
+        stacks = [[_stacked_blocks(cfg, shape, keys[group.layers(j)], adapter_keys[group.layers(j)], rules, lora)
+                   for j, shape in enumerate(group.period)] for group in self.layer_groups]
+        if self.homogeneous:
+            self.layers, self.groups = stacks[0][0], None
+        else:
+            self.layers, self.groups = None, nnx.List([nnx.List(blocks) for blocks in stacks])
+        self.final_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_weight_offset)
+        P = cfg.per_layer_input_dim
+        if P:
+            self.per_layer_embedding_VLP = _param(rngs, (cfg.per_layer_input_vocab_size or V, L, P),
+                                                  ("vocab", None, None), P)
+            self.per_layer_proj_DLP = _param(rngs, (D, L, P), ("embed", None, None), D)
+            self.per_layer_proj_norm = RMSNorm(P, cfg.rms_norm_eps, cfg.norm_weight_offset)
+
+    @property
+    def homogeneous(self) -> bool:
+        """Whether every layer has one shape: one stack, `layers`, scanned layer by layer."""
+        return len(self.layer_groups) == 1 and len(self.layer_groups[0].period) == 1
+
+    def stacks(self) -> list[tuple[LayerGroup, list[Block]]]:
+        """Each group and the stacked Block of each position of its period."""
+        if self.homogeneous:
+            return [(self.layer_groups[0], [self.layers])]
+        return [(group, list(blocks)) for group, blocks in zip(self.layer_groups, self.groups)]
+
+    def layer_blocks(self) -> list[tuple[Block, int]]:
+        """For each layer in order: the stacked Block holding it and its index in the stack."""
+        where = {}
+        for group, blocks in self.stacks():
+            for j, stack in enumerate(blocks):
+                for r, layer in enumerate(group.layers(j)):
+                    where[int(layer)] = (stack, r)
+        return [where[i] for i in range(self.cfg.num_layers)]
 
     def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, token_index_BT=None):
         """positions restart at 0 and segment ids change at each packed document; by default one
@@ -217,42 +379,115 @@ class Gemma(nnx.Module):
         x_BTD = table_VD[tokens_BT] * jnp.sqrt(jnp.float32(self.cfg.embed_dim)).astype(table_VD.dtype)
         return constrain(x_BTD, ("batch", "seq", "act_embed"), self.rules)
 
+    def per_layer_inputs(self, tokens_BT, x_BTD):
+        """Gemma 4's per-layer inputs [B, T, L, P]: the token's row of the per-layer table (scaled by
+        sqrt(P)) and the normed projection of its embedding x (scaled by 1/sqrt(D)), averaged by 1/sqrt(2)."""
+        cfg = self.cfg
+        table_VLP = self.per_layer_embedding_VLP[...]
+        token_BTLP = table_VLP[tokens_BT] * jnp.sqrt(jnp.float32(cfg.per_layer_input_dim)).astype(table_VLP.dtype)
+        proj_BTLP = jnp.einsum("btd,dlp->btlp", x_BTD, self.per_layer_proj_DLP[...])
+        proj_BTLP = self.per_layer_proj_norm(proj_BTLP * jnp.asarray(cfg.embed_dim**-0.5, x_BTD.dtype))
+        return ((proj_BTLP + token_BTLP.astype(x_BTD.dtype)) * jnp.asarray(2**-0.5, x_BTD.dtype)).astype(x_BTD.dtype)
+
     def rope_tables(self, positions_BT):
         """rope_table of global and of local layers at `positions_BT`."""
         cfg = self.cfg
-        return (rope_table(positions_BT, cfg.rope_base_global, cfg.rope_scale_global, cfg.head_dim),
+        return (rope_table(positions_BT, cfg.rope_base_global, cfg.rope_scale_global,
+                           cfg.global_head_dim or cfg.head_dim, cfg.rope_partial_factor_global),
                 rope_table(positions_BT, cfg.rope_base_local, 1.0, cfg.head_dim))
 
     def hidden(self, tokens_BT, positions_BT=None, segment_ids_BT=None, token_index_BT=None):
         """The final normed hidden states [B, T, D], from which output_logits computes the logits."""
+        return self.hidden_and_stats(tokens_BT, positions_BT, segment_ids_BT, token_index_BT)[0]
+
+    def hidden_and_stats(self, tokens_BT, positions_BT=None, segment_ids_BT=None, token_index_BT=None):
+        """hidden's states and the experts' statistics summed over layers (moe.MoE; {} without experts)."""
         B, T = tokens_BT.shape
         index_1T = jnp.arange(T, dtype=jnp.int32)[None]
         rows = {"positions": jnp.broadcast_to(index_1T, (B, T)) if positions_BT is None else positions_BT,
                 "segment_ids": jnp.ones((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT,
                 "token_index": index_1T if token_index_BT is None else token_index_BT}
-        layer_xs = (nnx.split(self.layers)[1], jnp.asarray(layer_windows(self.cfg)))
         x_BTD = self.embed(tokens_BT)
-        if self.parallel is None:
-            x_BTD = self._layers(layer_xs, x_BTD, rows, self._masked_attention)
+        if self.cfg.per_layer_input_dim:
+            rows["per_layer_inputs"] = self.per_layer_inputs(tokens_BT, x_BTD)
+        windows = jnp.asarray(layer_windows(self.cfg))
+        if self.homogeneous:
+            layer_xs = (nnx.split(self.layers)[1], windows)
         else:
-            x_BTD = self.parallel.run_layers(self._layers, layer_xs, x_BTD, rows, self._masked_attention)
-        return self.final_norm(x_BTD)
+            layer_xs = [([nnx.split(b)[1] for b in blocks], windows[np.stack([group.layers(j) for j in
+                                                                               range(len(blocks))], 1)])
+                        for group, blocks in self.stacks()]
+        if self.parallel is None:
+            x_BTD, stats = self._layers(layer_xs, x_BTD, rows, self._masked_attention)
+        else:
+            x_BTD, stats = self.parallel.run_layers(self._layers, layer_xs, x_BTD, rows, self._masked_attention)
+        return self.final_norm(x_BTD), stats
 
     def _layers(self, layer_xs, x_BTD, rows, make_attend):
-        """The layers of layer_xs (stacked parameters, windows) applied in order, by a scan.
+        """The layers of layer_xs applied in order, each group by a scan over its repeats, and the
+        experts' statistics summed over the layers. layer_xs: (stacked parameters, windows [L]) of
+        the one stack, or per group ([stacked parameters per position], windows [repeats, period]).
         make_attend: rows -> window -> attend, the attention over the keys of this pass."""
-        graphdef = nnx.graphdef(self.layers)
         rope_global, rope_local = self.rope_tables(rows["positions"])
         attend_within = make_attend(rows)
+        per_layer_BTLP = rows.get("per_layer_inputs")
+        if self.homogeneous:
+            state, windows = layer_xs
+            groups = [(self.layer_groups[0], [nnx.graphdef(self.layers)], [state], windows[:, None])]
+        else:
+            groups = [(group, [nnx.graphdef(b) for b in blocks], states, windows)
+                      for (group, blocks), (states, windows) in zip(self.stacks(), layer_xs)]
 
-        def layer(x_BTD, per_layer):
-            state, window = per_layer
-            rope = [jnp.where(window == _GLOBAL_WINDOW, g, l) for g, l in zip(rope_global, rope_local)]
-            return nnx.merge(graphdef, state)(x_BTD, rope, attend_within(window))[0], None
+        def apply(graphdef, shape, x_BTD, state, window, per_layer_BTP, shared_kv):
+            if shape.layer_type is None:
+                rope = [jnp.where(window == _GLOBAL_WINDOW, g, l) for g, l in zip(rope_global, rope_local)]
+            else:
+                rope = rope_global if shape.layer_type == "full_attention" else rope_local
+            x_BTD, _, side = nnx.merge(graphdef, state)(x_BTD, rope, attend_within(window), per_layer_BTP, shared_kv)
+            return x_BTD, side["kv"], side.get("moe", {})
 
         if self.remat in kernels.REMAT_POLICIES:
-            layer = jax.checkpoint(layer, policy=kernels.REMAT_POLICIES[self.remat], prevent_cse=False)
-        return jax.lax.scan(layer, x_BTD, layer_xs, unroll=self.scan_unroll)[0]
+            apply = jax.checkpoint(apply, policy=kernels.REMAT_POLICIES[self.remat], prevent_cse=False,
+                                   static_argnums=(0, 1))
+        # keys and values each KV-sharing layer reuses: the latest of each layer type so far
+        shared = {} if not self.cfg.num_kv_shared_layers else {
+            kind: self._empty_kv(x_BTD, shape) for kind, shape in self._kv_producers().items()}
+        stats = {}
+        for group, graphdefs, states, windows in groups:
+            per_layer = None
+            if per_layer_BTLP is not None:  # [repeats, period, B, T, P]
+                index = np.stack([group.layers(j) for j in range(len(group.period))], 1)
+                per_layer = jnp.moveaxis(per_layer_BTLP[:, :, index], (2, 3), (0, 1))
+
+            def period(carry, xs, group=group, graphdefs=graphdefs):
+                x_BTD, shared = carry
+                states, windows, per_layer = xs
+                layer_stats = []
+                for j, (graphdef, shape) in enumerate(zip(graphdefs, group.period)):
+                    kind = shape.layer_type
+                    x_BTD, kv, moe = apply(graphdef, shape, x_BTD, states[j], windows[j],
+                                           None if per_layer is None else per_layer[j],
+                                           shared[kind] if shape.shares_kv else None)
+                    if kind in shared and not shape.shares_kv:
+                        shared = {**shared, kind: kv}
+                    layer_stats.append(moe)
+                return (x_BTD, shared), jax.tree.map(lambda *s: sum(s), *layer_stats)
+
+            (x_BTD, shared), group_stats = jax.lax.scan(period, (x_BTD, shared), (states, windows, per_layer),
+                                                        unroll=self.scan_unroll)
+            group_stats = jax.tree.map(lambda s: jnp.sum(s, axis=0), group_stats)
+            stats = group_stats if not stats else jax.tree.map(jnp.add, stats, group_stats)
+        return x_BTD, stats
+
+    def _kv_producers(self) -> dict[str, LayerShape]:
+        """The shape of the layers whose keys and values KV-sharing layers reuse, per layer type."""
+        return {shape.layer_type: shape for shape in layer_shapes(self.cfg) if not shape.shares_kv}
+
+    @staticmethod
+    def _empty_kv(x_BTD, shape: LayerShape):
+        B, T, _ = x_BTD.shape
+        zeros = jnp.zeros((B, T, shape.num_kv_heads, shape.head_dim), x_BTD.dtype)
+        return zeros, zeros
 
     def _masked_attention(self, rows):
         """rows -> window -> attend: attention over the keys of the pass that visible_keys allows,

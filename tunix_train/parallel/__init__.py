@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from tunix_train.config import AttentionImpl, ConfigError, ModelConfig, TrainingConfig
+from tunix_train.model.gemma import layer_groups
 from tunix_train.parallel import context, pipeline
 from tunix_train.parallel import float32_reductions as reductions
 
@@ -29,9 +30,10 @@ class Parallelism:
     context: context.ContextAttention | None = None  # cp > 1
 
     def run_layers(self, layers: Callable, layer_xs: Any, x_BTD: jax.Array, rows: dict, make_attend: Callable):
-        """layers(layer_xs, x_BTD, rows, make_attend) applies the layers of layer_xs (stacked on a
-        leading axis) to x; rows holds the per-token data [B, T] (or [1, T]) the masks and RoPE read.
-        Under cp, make_attend (rows -> window -> attend) is replaced by cp's."""
+        """layers(layer_xs, x_BTD, rows, make_attend) -> (x, statistics) applies the layers of layer_xs
+        (stacked on a leading axis) to x; rows holds the per-token data [B, T] (or [1, T]) the masks
+        and RoPE read. Under cp, make_attend (rows -> window -> attend) is replaced by cp's, and the
+        statistics (sums over tokens) are summed over the shards; under pp there are none."""
         if self.context is None and self.schedule is None:
             return layers(layer_xs, x_BTD, rows, make_attend)
         seq, make_attend = (None, make_attend) if self.context is None else (context.AXIS, self.context.make_attend)
@@ -48,16 +50,19 @@ class Parallelism:
         apply = lambda layer_xs, x, rows: layers(layer_xs, x.astype(x_dtype), rows, make_attend)
         layer_xs = reductions.float32(layer_xs) if seq else layer_xs
         if self.schedule is None:
-            return jax.shard_map(lambda layer_xs, x, rows: apply(enter(layer_xs), x, rows),
-                                 in_specs=(P(), P(None, seq), P(None, seq)), out_specs=P(None, seq),
+            def shard(layer_xs, x, rows):
+                x, stats = apply(enter(layer_xs), x, rows)
+                return x, jax.lax.psum(stats, seq)
+
+            return jax.shard_map(shard, in_specs=(P(), P(None, seq), P(None, seq)), out_specs=(P(None, seq), P()),
                                  axis_names={seq})(layer_xs, x_BTD, rows)
         M = self.schedule.microbatches
         # micro-batch m takes rows m, m + M, ...: each data shard keeps its own rows
         split = lambda a: jnp.broadcast_to(a, x_BTD.shape[:2] + a.shape[2:]).reshape(
             -1, M, *a.shape[1:]).swapaxes(0, 1)
-        x_MBTD = pipeline.run(self.schedule, apply, enter, layer_xs, reductions.float32(split(x_BTD)),
-                              jax.tree.map(split, rows), seq, x_dtype)
-        return x_MBTD.swapaxes(0, 1).reshape(x_BTD.shape).astype(x_dtype)
+        x_MBTD = pipeline.run(self.schedule, lambda *args: apply(*args)[0], enter, layer_xs,
+                              reductions.float32(split(x_BTD)), jax.tree.map(split, rows), seq, x_dtype)
+        return x_MBTD.swapaxes(0, 1).reshape(x_BTD.shape).astype(x_dtype), {}
 
     def reorder(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """The step's batch as the model should see it: under cp, in context.balanced_order."""
@@ -87,6 +92,10 @@ def for_run(mesh: Mesh, model: ModelConfig, training: TrainingConfig, seq_len: i
     pp, cp = mesh.shape.get(pipeline.AXIS, 1), mesh.shape.get(context.AXIS, 1)
     if pp == 1 and cp == 1:
         return None
+    if pp > 1 and (model.num_experts or model.per_layer_input_dim or len(layer_groups(model)) > 1
+                   or len(layer_groups(model)[0].period) > 1):
+        raise ConfigError("model.mesh_shape: pp does not yet run Gemma 4's mixed layer shapes, per-layer inputs or "
+                          "experts; drop the pp axis")
     if training.sync_gradients_every > 1:
         raise ConfigError("training.sync_gradients_every > 1 does not combine with the pp or cp mesh axes; set it to 1")
     return Parallelism(_schedule(pp, model, training) if pp > 1 else None,
