@@ -19,6 +19,29 @@ SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_la
              num_key_value_heads=2, head_dim=16)
 WINDOW, SEQ = 5, 16  # sequences longer than the sliding window
 FAMILIES = ("gemma", "gemma2", "gemma3")
+S, F = "sliding_attention", "full_attention"
+# Tiny Gemma 4 text models, each with one feature on (the last with all of them).
+GEMMA4 = {
+    "gemma4_pattern": dict(num_hidden_layers=6, layer_types=[S] * 5 + [F], global_head_dim=16),
+    "gemma4_global": dict(num_hidden_layers=5, layer_types=[S] * 4 + [F], global_head_dim=32,
+                          num_global_key_value_heads=1, attention_k_eq_v=True),
+    "gemma4_rope": dict(num_hidden_layers=4, layer_types=[S, F, S, F], global_head_dim=16, rope_parameters={
+        F: {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1e4, "factor": 2.0},
+        S: {"rope_type": "default", "rope_theta": 100.0}}),
+    "gemma4_kv_shared": dict(num_hidden_layers=6, layer_types=[S, S, F] * 2, global_head_dim=32,
+                             num_kv_shared_layers=3),
+    "gemma4_ple": dict(num_hidden_layers=4, layer_types=[S, F] * 2, global_head_dim=16,
+                       hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),
+    "gemma4_double_wide": dict(num_hidden_layers=4, layer_types=[S, F] * 2, global_head_dim=16,
+                               num_kv_shared_layers=2, use_double_wide_mlp=True),
+    "gemma4_moe": dict(num_hidden_layers=4, layer_types=[S, F] * 2, global_head_dim=16, enable_moe_block=True,
+                       num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+    "gemma4_all": dict(num_hidden_layers=6, layer_types=[S, S, F] * 2, global_head_dim=32,
+                       num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=3,
+                       use_double_wide_mlp=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
+                       enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+                       final_logit_softcapping=30.0),
+}
 REFERENCE_PYTHON = "TUNIX_TRAIN_REFERENCE_PYTHON"
 
 
@@ -34,6 +57,9 @@ def _config_and_class(family: str, for_gguf: bool = False):
                     transformers.Gemma2ForCausalLM)
         return (transformers.Gemma3TextConfig(**dict(sizes, num_hidden_layers=6), sliding_window=WINDOW,
                                               query_pre_attn_scalar=256), transformers.Gemma3ForCausalLM)
+    if family in GEMMA4:
+        return (transformers.Gemma4TextConfig(**{**SIZES, "hidden_size_per_layer_input": 0,
+                                                        "sliding_window": WINDOW, **GEMMA4[family]}), transformers.Gemma4ForCausalLM)
     if family == "gemma":
         return transformers.GemmaConfig(**SIZES), transformers.GemmaForCausalLM
     if family == "gemma2":
@@ -59,6 +85,9 @@ def build(family: str, directory: Path, for_gguf: bool = False):
             # Layers that outweigh the tied embedding: greedy decoding then does not repeat a token.
             if "post_" in name or (family == "gemma" and "layernorm" in name):
                 p.add_(4.0)
+        for name, b in model.named_buffers():  # Gemma 4's per-layer output scalar: a checkpointed buffer
+            if name.endswith("layer_scalar"):
+                b.copy_(0.8 + 0.4 * torch.rand_like(b))
     model.save_pretrained(directory)
     return model
 
@@ -67,7 +96,9 @@ def logits(model, tokens: np.ndarray) -> np.ndarray:
     import torch
 
     with torch.no_grad():
-        return model(torch.tensor(tokens)).logits.numpy()
+        # output_hidden_states: transformers 5.23's Gemma 4 otherwise slices the per-layer inputs
+        # before its KV-sharing layers, and fails on a model that has none
+        return model(torch.tensor(tokens), output_hidden_states=True).logits.numpy()
 
 
 def greedy(model, prompt: np.ndarray, new_tokens: int) -> np.ndarray:

@@ -11,6 +11,8 @@ Mesh axes:
   tp    tensor parallel: attention heads and MLP width split Megatron-style
   pp    pipeline parallel: the layer stack split into stages (tunix_train/parallel/pipeline.py)
   cp    context parallel: every activation split along the sequence (tunix_train/parallel/context.py)
+  ep    expert parallel: the experts of mixture-of-experts layers split (tunix_train/model/moe.py);
+        for everything else a data axis like fsdp (the batch and the parameters' embed axis split)
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.config import ConfigError, ModelConfig
 
-MESH_AXES = ("dp", "fsdp", "tp", "pp", "cp")
-BATCH_AXES = ("dp", "fsdp")  # the data-parallel axes: the batch is split over them
+MESH_AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
+BATCH_AXES = ("dp", "fsdp", "ep")  # the data-parallel axes: the batch is split over them
 
 
 class Rules(Mapping[str, tuple[str, ...]]):
@@ -63,8 +65,10 @@ class Rules(Mapping[str, tuple[str, ...]]):
 LOGICAL_RULES = Rules({
     # parameters
     "vocab": ("tp", "fsdp"),  # the embedding's rows: gathering fsdp joins whole rows, no transposes
-    "embed": ("fsdp",),
+    "embed": ("fsdp", "ep"),
     "mlp": ("tp",),
+    "experts": ("ep",),  # an expert's weights whole on the ep shard that holds it
+    "moe_mlp": ("tp",),
     "heads": ("tp",),
     "kv_heads": ("tp",),
     "head_dim": (),
@@ -159,12 +163,17 @@ def data_parallel_size(mesh: Mesh) -> int:
 def validate_model_for_mesh(model: ModelConfig, mesh: Mesh) -> None:
     """Divisibility that the Megatron split needs, as config errors (tunix_train.parallel checks pp
     and cp)."""
-    tp = mesh.shape.get("tp", 1)
+    tp, ep = mesh.shape.get("tp", 1), mesh.shape.get("ep", 1)
     for key, value in (("model.num_heads", model.num_heads), ("model.hidden_dim", model.hidden_dim),
                        ("model.vocab_size", model.vocab_size)):
         if value % tp:
             raise ConfigError(f"{key}={value} is not divisible by the tp mesh axis ({tp}); "
                               f"choose a tp size that divides it")
+    if model.num_experts and model.num_experts % ep:
+        raise ConfigError(f"model.num_experts={model.num_experts} is not divisible by the ep mesh axis ({ep}); "
+                          f"choose an ep size that divides it")
+    if model.num_experts and model.moe_hidden_dim % tp:
+        raise ConfigError(f"model.moe_hidden_dim={model.moe_hidden_dim} is not divisible by the tp mesh axis ({tp})")
 
 
 def _mesh_axes_for(logical: str, mesh: Mesh, rules: Rules) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""Hugging Face interop: Gemma, Gemma 2 and Gemma 3 safetensors checkpoints, both directions.
+"""Hugging Face interop: Gemma 1 to 4 safetensors checkpoints (text decoders), both directions.
 
 Import reads transformers' tensor names and layouts straight into the sharded parameters: every
 array is built with jax.make_array_from_callback, so each process reads from the safetensors files
@@ -17,11 +17,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.config import ConfigError, ModelConfig, layer_types
+from tunix_train.model.gemma import layer_groups, layer_shapes
 
 # Our parameter path -> (transformers name, [per transformers dim: the sizes it splits into], the
 # permutation of that split view giving our layout). Names under model.layers.{i}. are per layer.
-# Sizes: D embed, N heads, K kv heads, H head dim, F MLP width, V vocab.
+# Sizes: D embed, N heads, K kv heads, H head dim, F MLP width, V vocab; Gemma 4: L layers, P per-layer
+# input width, W per-layer vocab, E experts, M expert width, C the 2 of a fused gate/up, O one.
 _SPECS = {
     "embedding_VD": ("model.embed_tokens.weight", ("V", "D"), (0, 1)),
     "final_norm.scale": ("model.norm.weight", ("D",), (0,)),
@@ -38,58 +40,104 @@ _SPECS = {
     "layers.mlp.gate_DF": ("mlp.gate_proj.weight", ("F", "D"), (1, 0)),
     "layers.mlp.up_DF": ("mlp.up_proj.weight", ("F", "D"), (1, 0)),
     "layers.mlp.down_FD": ("mlp.down_proj.weight", ("D", "F"), (1, 0)),
+    # Gemma 4
+    "layers.layer_scalar": ("layer_scalar", ("O",), (0,)),
+    "layers.per_layer_gate_DP": ("per_layer_input_gate.weight", ("P", "D"), (1, 0)),
+    "layers.per_layer_proj_PD": ("per_layer_projection.weight", ("D", "P"), (1, 0)),
+    "layers.post_per_layer_norm.scale": ("post_per_layer_input_norm.weight", ("D",), (0,)),
+    "layers.post_mlp_norm.scale": ("post_feedforward_layernorm_1.weight", ("D",), (0,)),
+    "layers.pre_moe_norm.scale": ("pre_feedforward_layernorm_2.weight", ("D",), (0,)),
+    "layers.post_moe_norm.scale": ("post_feedforward_layernorm_2.weight", ("D",), (0,)),
+    "layers.moe.router_scale": ("router.scale", ("D",), (0,)),
+    "layers.moe.router_DE": ("router.proj.weight", ("E", "D"), (1, 0)),
+    "layers.moe.expert_scale": ("router.per_expert_scale", ("E",), (0,)),
+    "layers.moe.gate_up_EDCM": ("experts.gate_up_proj", ("E", "CM", "D"), (0, 3, 1, 2)),
+    "layers.moe.down_EMD": ("experts.down_proj", ("E", "D", "M"), (0, 2, 1)),
+    "per_layer_embedding_VLP": ("model.embed_tokens_per_layer.weight", ("W", "LP"), (0, 1, 2)),
+    "per_layer_proj_DLP": ("model.per_layer_model_projection.weight", ("LP", "D"), (2, 0, 1)),
+    "per_layer_proj_norm.scale": ("model.per_layer_projection_norm.weight", ("P",), (0,)),
 }
-_LAYERED = "layers."
+
+
+GEMMA4_FIELDS = dict(use_qk_norm=True, use_v_norm=True, norm_weight_offset=0.0, query_pre_attn_scalar=1.0,
+                     use_layer_scalar=True, use_post_attn_norm=True, use_post_ffw_norm=True)  # as transformers' Gemma 4
 
 
 def _family(cfg: ModelConfig) -> str:
+    if cfg.use_v_norm or cfg.use_layer_scalar or cfg.norm_weight_offset != 1.0:
+        return "gemma4_text"
     if cfg.use_qk_norm:
         return "gemma3_text"
     return "gemma2" if cfg.use_post_attn_norm or cfg.use_post_ffw_norm else "gemma"
 
 
-def _hf_name(path: str, layer: int | None, cfg: ModelConfig) -> str:
+def _hf_name(path: str, layer: int | None, cfg: ModelConfig, prefix: str = "model.") -> str:
     name = _SPECS[path][0]
     if path == "layers.pre_ffw_norm.scale" and _family(cfg) == "gemma":
         name = "post_attention_layernorm.weight"  # Gemma 1 names its pre-MLP norm this way
-    return name if layer is None else f"model.layers.{layer}.{name}"
+    if layer is None:
+        return prefix + name.removeprefix("model.") if name.startswith("model.") else name
+    return f"{prefix}layers.{layer}.{name}"
 
 
-def _sizes(cfg: ModelConfig) -> dict[str, int]:
-    return {"D": cfg.embed_dim, "N": cfg.num_heads, "K": cfg.num_kv_heads, "H": cfg.head_dim,
-            "F": cfg.hidden_dim, "V": cfg.vocab_size}
+def _sizes(cfg: ModelConfig, layer: int | None) -> dict[str, int]:
+    shape = None if layer is None else layer_shapes(cfg)[layer]
+    return {"D": cfg.embed_dim, "N": cfg.num_heads, "V": cfg.vocab_size, "L": cfg.num_layers,
+            "K": cfg.num_kv_heads if shape is None else shape.num_kv_heads,
+            "H": cfg.head_dim if shape is None else shape.head_dim,
+            "F": cfg.hidden_dim if shape is None else shape.mlp_dim,
+            "P": cfg.per_layer_input_dim, "W": cfg.per_layer_input_vocab_size or cfg.vocab_size,
+            "E": cfg.num_experts, "M": cfg.moe_hidden_dim, "C": 2, "O": 1}
 
 
-def _split_view(path: str, cfg: ModelConfig) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+def _split_view(spec: str, cfg: ModelConfig, layer: int | None) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
     """Per transformers dimension the sizes it splits into (q_proj's rows are N x H), and the perm."""
-    sizes = _sizes(cfg)
-    _, dims, perm = _SPECS[path]
+    sizes = _sizes(cfg, layer)
+    _, dims, perm = _SPECS[spec]
     return [tuple(sizes[letter] for letter in dim) for dim in dims], perm
 
 
-def _to_hf(ours: np.ndarray, path: str, cfg: ModelConfig) -> np.ndarray:
-    split, perm = _split_view(path, cfg)
+def _to_hf(ours: np.ndarray, spec: str, cfg: ModelConfig, layer: int | None) -> np.ndarray:
+    split, perm = _split_view(spec, cfg, layer)
     return ours.transpose(np.argsort(perm)).reshape([math.prod(group) for group in split])
 
 
-def _hf_slices(path: str, cfg: ModelConfig, ours_index: tuple[slice, ...]) -> tuple[list[slice], list[int]]:
-    """The transformers-tensor slice holding our block `ours_index`, and the block's view shape.
-    Within a split dimension only the leading part may be sliced (head_dim is never sharded)."""
-    split, perm = _split_view(path, cfg)
+def _hf_slices(spec: str, cfg: ModelConfig, layer: int | None, ours_index: tuple[slice, ...]):
+    """The transformers-tensor slice holding our block `ours_index`, the slice of the view (the
+    split dimensions) that is left to cut after reading it, and the view's shape as read. A
+    dimension split inside (an expert's fused gate/up split over tp) is read whole, then cut."""
+    split, perm = _split_view(spec, cfg, layer)
     view_shape = [s for group in split for s in group]
     view = [slice(None)] * len(view_shape)
     for our_dim, sl in enumerate(ours_index):
         view[perm[our_dim]] = sl
     view = [slice(*sl.indices(size)[:2]) for sl, size in zip(view, view_shape)]
-    hf, position = [], 0
+    hf, read_shape, left, position = [], [], [], 0
     for group in split:
         parts = view[position:position + len(group)]
         inner = math.prod(group[1:])
-        if any((p.start, p.stop) != (0, size) for p, size in zip(parts[1:], group[1:])):
-            raise ValueError(f"{path}: cannot read a block split inside {group}")
-        hf.append(slice(parts[0].start * inner, parts[0].stop * inner))
+        if all((p.start, p.stop) == (0, size) for p, size in zip(parts[1:], group[1:])):
+            hf.append(slice(parts[0].start * inner, parts[0].stop * inner))
+            read_shape += [parts[0].stop - parts[0].start, *group[1:]]
+            left += [slice(None)] * len(group)
+        else:
+            hf.append(slice(None))
+            read_shape += list(group)
+            left += parts
         position += len(group)
-    return hf, [v.stop - v.start for v in view]
+    return hf, tuple(left), read_shape
+
+
+def _layer_of(path: str, cfg: ModelConfig):
+    """(the _SPECS key, layer index of a stack's row -> layer) of a parameter path: `layers.X` (one
+    stack: row r is layer r), `groups.g.j.X` (row r is layer_groups[g].layers(j)[r]), or global."""
+    parts = path.split(".")
+    if parts[0] == "layers":
+        return path, lambda r: r
+    if parts[0] == "groups":
+        group, position = layer_groups(cfg)[int(parts[1])], int(parts[2])
+        return "layers." + ".".join(parts[3:]), lambda r: int(group.layers(position)[r])
+    return path, None
 
 
 class _SafetensorsFiles:
@@ -121,14 +169,22 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
     if not file.is_file():
         raise ConfigError(f"model.init_from: no config.json in {directory}")
     hf = json.loads(file.read_text())
-    return hf.get("text_config", hf)  # Gemma 3 multimodal checkpoints nest the text decoder
+    return hf.get("text_config", hf)  # Gemma 3 and 4 multimodal checkpoints nest the text decoder
+
+
+def other_towers(directory: Path) -> list[str]:
+    """The vision or audio towers a multimodal checkpoint holds beside its text decoder."""
+    hf = json.loads((Path(directory) / "config.json").read_text())
+    return [tower for tower in ("vision_config", "audio_config") if hf.get(tower)]
 
 
 def model_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig fields equivalent to a transformers Gemma/Gemma2/Gemma3 config.json."""
+    """ModelConfig fields equivalent to a transformers Gemma 1 to 4 config.json."""
     model_type = hf.get("model_type")
+    if model_type in ("gemma4_text", "gemma4"):
+        return _gemma4_fields(hf)
     if model_type not in ("gemma", "gemma2", "gemma3_text", "gemma3"):
-        raise ConfigError(f"model.init_from: model_type {model_type!r} is not Gemma, Gemma 2 or Gemma 3")
+        raise ConfigError(f"model.init_from: model_type {model_type!r} is not Gemma, Gemma 2, 3 or 4")
     n_layers = hf["num_hidden_layers"]
     layer_types = hf.get("layer_types") or ["full_attention"] * n_layers
     local = [t == "sliding_attention" for t in layer_types]
@@ -160,6 +216,57 @@ def model_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _gemma4_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields of a transformers Gemma 4 text config (as Gemma4TextConfig reads it)."""
+    n_layers = hf["num_hidden_layers"]
+    types = list(hf.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                           for i in range(n_layers)])
+    types[-1] = "full_attention"  # transformers forces it
+    k_eq_v = bool(hf.get("attention_k_eq_v", False))
+    per_layer = hf.get("per_layer_config")  # what save_pretrained writes instead of global_head_dim
+    if per_layer is not None:  # only what differs from the text config's sizes
+        first_global = per_layer.get(str(types.index("full_attention")), {})
+        global_head_dim = first_global.get("head_dim", hf.get("head_dim", 256))
+        global_kv_heads = first_global.get("num_key_value_heads")
+    else:
+        global_head_dim = hf.get("global_head_dim", 512)
+        global_kv_heads = hf.get("num_global_key_value_heads") if k_eq_v else None
+    rope = hf.get("rope_parameters") or {}
+    full = rope.get("full_attention", {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6})
+    sliding = rope.get("sliding_attention", {"rope_theta": 10_000.0})
+    if full.get("rope_type", "default") not in ("default", "proportional", "linear"):
+        raise ConfigError(f"model.init_from: global RoPE type {full.get('rope_type')!r} is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError("model.init_from: use_bidirectional_attention is for the vision tokens; the text decoder "
+                          "trains causally")
+    ple = hf.get("hidden_size_per_layer_input", 256) or 0
+    moe = bool(hf.get("enable_moe_block"))
+    return {
+        "num_layers": n_layers, "embed_dim": hf["hidden_size"], "hidden_dim": hf["intermediate_size"],
+        "num_heads": hf["num_attention_heads"], "num_kv_heads": hf["num_key_value_heads"],
+        "head_dim": hf.get("head_dim", 256), "vocab_size": hf["vocab_size"],
+        **GEMMA4_FIELDS,
+        "attn_logit_softcap": None, "final_logit_softcap": hf.get("final_logit_softcapping"),
+        "local_layers_per_global": 0, "layer_types": types,
+        "sliding_window": hf.get("sliding_window", 512) if "sliding_attention" in types else None,
+        "global_head_dim": global_head_dim, "num_global_kv_heads": global_kv_heads, "attention_k_eq_v": k_eq_v,
+        "rope_base_global": float(full.get("rope_theta", 1e6)),
+        "rope_base_local": float(sliding.get("rope_theta", 10_000.0)),
+        "rope_scale_global": float(full.get("factor", 1.0)),
+        "rope_partial_factor_global": float(full.get("partial_rotary_factor", 1.0))
+        if full.get("rope_type") == "proportional" else 1.0,
+        "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "num_kv_shared_layers": hf.get("num_kv_shared_layers", 0),
+        "double_wide_mlp": bool(hf.get("use_double_wide_mlp")) and hf.get("num_kv_shared_layers", 0) > 0,
+        "per_layer_input_dim": ple,
+        "per_layer_input_vocab_size": hf.get("vocab_size_per_layer_input", 262_144) if ple else None,
+        "num_experts": hf.get("num_experts") or 0 if moe else 0,
+        "num_experts_per_token": hf.get("top_k_experts") or 0 if moe else 0,
+        "moe_hidden_dim": hf.get("moe_intermediate_size") or 0 if moe else 0,
+        "context_length": hf.get("max_position_embeddings"),
+    }
+
+
 def check_matches(cfg: ModelConfig, directory: Path) -> None:
     """A one-line ConfigError naming the first model key that differs from the checkpoint's."""
     for key, value in model_fields_from_hf(read_hf_config(directory)).items():
@@ -176,6 +283,10 @@ def load_params(directory: Path, cfg: ModelConfig, abstract_params: nnx.State) -
     each process reading only its devices' slices of the safetensors files."""
     directory = Path(directory)
     check_matches(cfg, directory)
+    towers = other_towers(directory)
+    if towers and jax.process_index() == 0:
+        print(f"model.init_from: {directory} also holds a {' and '.join(t.removesuffix('_config') for t in towers)} "
+              f"tower; loading the text decoder, ignoring the rest")
     return load_params_from(_SafetensorsFiles(directory), cfg, abstract_params, str(directory))
 
 
@@ -183,31 +294,73 @@ def load_params_from(files: Any, cfg: ModelConfig, abstract_params: nnx.State, s
     """Parameters from `files`, anything with has(name) and read(name, slices) over transformers'
     tensor names and layouts (safetensors here, GGUF in interop/gguf.py); `source` names it in errors."""
 
+    # a multimodal checkpoint keeps its text decoder under model.language_model.
+    prefix = "model.language_model." if files.has("model.language_model.embed_tokens.weight") else "model."
+
     def load(key_path, leaf: jax.ShapeDtypeStruct):
         path = jax.tree_util.keystr(key_path, simple=True, separator=".").removesuffix(".value")
-        layered = path.startswith(_LAYERED)
-        for layer in (range(cfg.num_layers) if layered else [None]):
-            if not files.has(_hf_name(path, layer, cfg)):
-                raise ConfigError(f"model.init_from: {source} has no tensor {_hf_name(path, layer, cfg)}")
+        spec, layer_of = _layer_of(path, cfg)
+        rows = range(leaf.shape[0]) if layer_of else [None]
+        name = lambda r: _hf_name(spec, None if r is None else layer_of(r), cfg, prefix)
+        for r in rows:
+            if not files.has(name(r)):
+                raise ConfigError(f"model.init_from: {source} has no tensor {name(r)}")
 
         def block(index):
-            layers = range(*index[0].indices(cfg.num_layers)) if layered else [None]
-            inner = index[1:] if layered else index
+            inner = index[1:] if layer_of else index
             pieces = []
-            for layer in layers:
-                hf_slices, view_shape = _hf_slices(path, cfg, inner)
-                piece = files.read(_hf_name(path, layer, cfg), hf_slices).astype(np.float32)
-                pieces.append(piece.reshape(view_shape).transpose(_SPECS[path][2]))
-            return np.stack(pieces) if layered else pieces[0]
+            for r in (range(*index[0].indices(leaf.shape[0])) if layer_of else [None]):
+                layer = None if r is None else layer_of(r)
+                hf_slices, left, read_shape = _hf_slices(spec, cfg, layer, inner)
+                piece = files.read(name(r), hf_slices).astype(np.float32).reshape(read_shape)[left]
+                pieces.append(piece.transpose(_SPECS[spec][2]))
+            return np.stack(pieces) if layer_of else pieces[0]
 
         return jax.make_array_from_callback(leaf.shape, leaf.sharding, block)
 
     return jax.tree_util.tree_map_with_path(load, abstract_params)
 
 
+def _gemma4_config(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json for transformers' Gemma4ForCausalLM, or a ConfigError naming what it cannot hold."""
+    differs = [key for key, value in GEMMA4_FIELDS.items() if getattr(cfg, key) != value]
+    types = layer_types(cfg)
+    if differs or cfg.attn_logit_softcap is not None:
+        raise ConfigError(f"model.{(differs or ['attn_logit_softcap'])[0]}: transformers' Gemma 4 fixes it "
+                          f"(as {GEMMA4_FIELDS}, no attention soft-cap); this model cannot be exported as gemma4")
+    if types[-1] != "full_attention":
+        raise ConfigError("model.layer_types: transformers' Gemma 4 makes the last layer full_attention; this model "
+                          "cannot be exported as gemma4")
+    if cfg.num_global_kv_heads not in (None, cfg.num_kv_heads) and not cfg.attention_k_eq_v:
+        raise ConfigError("model.num_global_kv_heads: transformers' Gemma 4 reads it only with attention_k_eq_v")
+    full = {"rope_type": "proportional", "partial_rotary_factor": cfg.rope_partial_factor_global,
+            "rope_theta": cfg.rope_base_global, "factor": cfg.rope_scale_global}
+    return {
+        "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.embed_dim, "intermediate_size": cfg.hidden_dim, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "global_head_dim": cfg.global_head_dim or cfg.head_dim,
+        "num_global_key_value_heads": cfg.num_global_kv_heads, "attention_k_eq_v": cfg.attention_k_eq_v,
+        "layer_types": types, "sliding_window": cfg.sliding_window or 512,
+        "rope_parameters": {"full_attention": full,
+                            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_base_local}},
+        "final_logit_softcapping": cfg.final_logit_softcap, "rms_norm_eps": cfg.rms_norm_eps,
+        "num_kv_shared_layers": cfg.num_kv_shared_layers, "use_double_wide_mlp": cfg.double_wide_mlp,
+        "hidden_size_per_layer_input": cfg.per_layer_input_dim,
+        "vocab_size_per_layer_input": cfg.per_layer_input_vocab_size or cfg.vocab_size,
+        "enable_moe_block": bool(cfg.num_experts), "num_experts": cfg.num_experts or None,
+        "top_k_experts": cfg.num_experts_per_token or None, "moe_intermediate_size": cfg.moe_hidden_dim or None,
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+        "max_position_embeddings": cfg.context_length or 8192,
+        "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "torch_dtype": "float32",
+    }
+
+
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json for transformers' Gemma, Gemma 2 or Gemma 3 text model."""
+    """config.json for transformers' Gemma, Gemma 2, Gemma 3 or Gemma 4 text model."""
     family = _family(cfg)
+    if family == "gemma4_text":
+        return _gemma4_config(cfg)
     windows = [(i + 1) % (cfg.local_layers_per_global + 1) != 0 for i in range(cfg.num_layers)]
     types = ["sliding_attention" if local else "full_attention" for local in windows]
     rope_global = {"rope_type": "default", "rope_theta": cfg.rope_base_global}
@@ -251,9 +404,10 @@ def export(params: nnx.State, cfg: ModelConfig, directory: Path) -> None:
     tensors = {}
     for key_path, array in jax.tree_util.tree_flatten_with_path(params)[0]:
         path = jax.tree_util.keystr(key_path, simple=True, separator=".").removesuffix(".value")
+        spec, layer_of = _layer_of(path, cfg)
         full = np.asarray(multihost_utils.process_allgather(array, tiled=True), np.float32)
-        for layer, ours in (enumerate(full) if path.startswith(_LAYERED) else [(None, full)]):
-            tensors[_hf_name(path, layer, cfg)] = np.ascontiguousarray(_to_hf(ours, path, cfg))
+        for layer, ours in ([(layer_of(r), row) for r, row in enumerate(full)] if layer_of else [(None, full)]):
+            tensors[_hf_name(spec, layer, cfg)] = np.ascontiguousarray(_to_hf(ours, spec, cfg, layer))
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})

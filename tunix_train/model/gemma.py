@@ -25,35 +25,15 @@ from flax import nnx
 
 from tunix_train.config import AttentionImpl, LoraConfig, ModelConfig, Remat, layer_types
 from tunix_train.model import kernels
+from tunix_train.model.common import RMSNorm, param
 from tunix_train.model.lora import LoRA
+from tunix_train.model.moe import MoE
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
 
 if TYPE_CHECKING:  # tunix_train.parallel imports this module
     from tunix_train.parallel import Parallelism
 
 _GLOBAL_WINDOW = np.iinfo(np.int32).max  # a global layer's "window" covers every position
-
-
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], fan_in: int) -> nnx.Param:
-    init = jax.nn.initializers.normal(stddev=fan_in**-0.5)
-    return nnx.Param(init(rngs.params(), shape, jnp.float32), axes=axes)
-
-
-class RMSNorm(nnx.Module):
-    """x / rms(x) * (offset + scale), computed in float32; offset + scale starts at one. Gemma 1-3
-    store the scale around 0 (offset 1), Gemma 4 around 1 (offset 0); with_scale=False: no scale."""
-
-    def __init__(self, dim: int, eps: float, offset: float = 1.0, with_scale: bool = True):
-        self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, jnp.float32), axes=("norm",)) if with_scale else None
-        self.eps, self.offset = eps, offset
-
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        if self.scale is not None:
-            scale = self.scale[...].astype(jnp.float32)
-            normed = normed * (self.offset + scale if self.offset else scale)
-        return normed.astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,12 +140,12 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, shape: LayerShape, rngs: nnx.Rngs, rules: Rules,
                  adapt: Adapt = _no_adapter):
         D, N, K, H = cfg.embed_dim, cfg.num_heads, shape.num_kv_heads, shape.head_dim
-        self.q_DNH = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), D)
+        self.q_DNH = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), D)
         computes_kv = not shape.shares_kv
-        self.k_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D) if computes_kv else None
-        self.v_DKH = (_param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D)
+        self.k_DKH = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D) if computes_kv else None
+        self.v_DKH = (param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D)
                       if computes_kv and not shape.k_eq_v else None)
-        self.o_NHD = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), N * H)
+        self.o_NHD = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), N * H)
         self.q_lora, self.k_lora, self.v_lora = (None if w is None else adapt(name, w, 1) for name, w in
                                                  (("q", self.q_DNH), ("k", self.k_DKH), ("v", self.v_DKH)))
         self.o_lora = adapt("o", self.o_NHD, 2)
@@ -216,9 +196,9 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, width: int, rngs: nnx.Rngs, rules: Rules, adapt: Adapt = _no_adapter):
         D, F = cfg.embed_dim, width
-        self.gate_DF = _param(rngs, (D, F), ("embed", "mlp"), D)
-        self.up_DF = _param(rngs, (D, F), ("embed", "mlp"), D)
-        self.down_FD = _param(rngs, (F, D), ("mlp", "embed"), F)
+        self.gate_DF = param(rngs, (D, F), ("embed", "mlp"), D)
+        self.up_DF = param(rngs, (D, F), ("embed", "mlp"), D)
+        self.down_FD = param(rngs, (F, D), ("mlp", "embed"), F)
         self.gate_lora, self.up_lora, self.down_lora = (adapt(name, w, 1) for name, w in
                                                         (("gate", self.gate_DF), ("up", self.up_DF), ("down", self.down_FD)))
         self.rules = rules
@@ -250,15 +230,13 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, shape.mlp_dim, rngs, rules, adapt)
         self.post_ffw_norm = norm() if cfg.use_post_ffw_norm else None
         if cfg.num_experts:
-            from tunix_train.model.moe import MoE
-
             self.moe = MoE(cfg, rngs, rules)
             self.pre_moe_norm, self.post_moe_norm, self.post_mlp_norm = norm(), norm(), norm()
         else:
             self.moe = None
         if P:
-            self.per_layer_gate_DP = _param(rngs, (D, P), ("embed", None), D)
-            self.per_layer_proj_PD = _param(rngs, (P, D), (None, "embed"), P)
+            self.per_layer_gate_DP = param(rngs, (D, P), ("embed", None), D)
+            self.per_layer_proj_PD = param(rngs, (P, D), (None, "embed"), P)
             self.post_per_layer_norm = norm()
         self.layer_scalar = nnx.Param(jnp.ones((1,), jnp.float32), axes=("norm",)) if cfg.use_layer_scalar else None
         self.rules = rules
@@ -323,7 +301,7 @@ class Gemma(nnx.Module):
         self.cfg, self.remat, self.scan_unroll, self.attention = cfg, remat, scan_unroll, attention
         self.rules, self.parallel = rules, parallel
         D, V, L = cfg.embed_dim, cfg.vocab_size, cfg.num_layers
-        self.embedding_VD = _param(rngs, (V, D), ("vocab", "embed"), D)
+        self.embedding_VD = param(rngs, (V, D), ("vocab", "embed"), D)
         self.layer_groups = layer_groups(cfg)
         keys = jax.random.split(rngs.params(), L)
         # after the base's keys, so the base is the same with adapters or without
@@ -337,9 +315,9 @@ class Gemma(nnx.Module):
         self.final_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_weight_offset)
         P = cfg.per_layer_input_dim
         if P:
-            self.per_layer_embedding_VLP = _param(rngs, (cfg.per_layer_input_vocab_size or V, L, P),
+            self.per_layer_embedding_VLP = param(rngs, (cfg.per_layer_input_vocab_size or V, L, P),
                                                   ("vocab", None, None), P)
-            self.per_layer_proj_DLP = _param(rngs, (D, L, P), ("embed", None, None), D)
+            self.per_layer_proj_DLP = param(rngs, (D, L, P), ("embed", None, None), D)
             self.per_layer_proj_norm = RMSNorm(P, cfg.rms_norm_eps, cfg.norm_weight_offset)
 
     @property

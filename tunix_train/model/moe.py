@@ -1,0 +1,164 @@
+"""Mixture of experts, as Gemma 4 has it: a router picks k of E GeGLU experts per token.
+
+Router (transformers' Gemma4TextRouter): the token's residual stream, RMS-normed without a weight,
+times a learned scale and 1/sqrt(D), projected to E logits; softmax in float32; the top k
+probabilities renormalised to sum to one, then each multiplied by its expert's learned scale.
+
+Dispatch (model.moe_dispatch):
+- dropless: the token copies (X tokens x k choices) sorted by expert, then two grouped matmuls
+  (jax.lax.ragged_dot) over groups of any size: no token is dropped.
+- capacity: each expert has C = ceil(capacity_factor * X * k / E) slots; a copy past its expert's
+  C is dropped (adds nothing). Batched matmuls of fixed shape, for backends where ragged_dot is slow.
+
+With an `ep` mesh axis the experts are split over it; each ep shard sorts its own tokens' copies,
+sends each to the shard holding its expert with one all-to-all, computes there, and an all-to-all
+brings the results back (`_expert_parallel`). Axis letters: X tokens, A token copies (X * k),
+E experts, M an expert's width, C capacity slots, S ep shards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from tunix_train.config import ModelConfig, MoeDispatch
+from tunix_train.model import kernels
+from tunix_train.model.common import RMSNorm, param
+from tunix_train.sharding import Rules, constrain
+
+EP = "ep"
+
+
+class MoE(nnx.Module):
+    """(route_x, x) [B, T, D] -> (y [B, T, D], statistics): y the weighted sum of each token's top-k
+    experts applied to x, routed by route_x; statistics per expert (sums over tokens, which add up
+    across shards): "expert_tokens" [E], the copies routed to it, and "router_probs" [E], its
+    router probability summed."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules):
+        D, E, M = cfg.embed_dim, cfg.num_experts, cfg.moe_hidden_dim
+        self.router_norm = RMSNorm(D, cfg.rms_norm_eps, with_scale=False)
+        self.router_scale = nnx.Param(jnp.ones((D,), jnp.float32), axes=("norm",))
+        self.router_DE = param(rngs, (D, E), ("embed", None), D)
+        self.expert_scale = nnx.Param(jnp.ones((E,), jnp.float32), axes=(None,))
+        # gate and up of each expert side by side (C = 2), one matmul for both
+        self.gate_up_EDCM = param(rngs, (E, D, 2, M), ("experts", "embed", None, "moe_mlp"), D)
+        self.down_EMD = param(rngs, (E, M, D), ("experts", "moe_mlp", "embed"), M)
+        self.top_k, self.dispatch, self.capacity_factor = cfg.num_experts_per_token, cfg.moe_dispatch, cfg.moe_capacity_factor
+        self.rules = rules
+
+    def route(self, route_XD):
+        """(weights [X, k], experts [X, k], probabilities [X, E]) of the router."""
+        D = route_XD.shape[-1]
+        h_XD = self.router_norm(route_XD) * self.router_scale[...].astype(route_XD.dtype)
+        h_XD = h_XD * jnp.asarray(D**-0.5, route_XD.dtype)
+        probs_XE = jax.nn.softmax(jnp.einsum("xd,de->xe", h_XD, self.router_DE[...]).astype(jnp.float32), axis=-1)
+        top_XK, experts_XK = jax.lax.top_k(probs_XE, self.top_k)
+        top_XK = top_XK / jnp.sum(top_XK, axis=-1, keepdims=True)
+        return top_XK * self.expert_scale[...].astype(jnp.float32)[experts_XK], experts_XK, probs_XE
+
+    def __call__(self, route_BTD, x_BTD):
+        B, T, D = x_BTD.shape
+        weights_XK, experts_XK, probs_XE = self.route(route_BTD.reshape(B * T, D))
+        E = probs_XE.shape[-1]
+        stats = {"expert_tokens": jnp.sum(jax.nn.one_hot(experts_XK, E, dtype=jnp.float32), axis=(0, 1)),
+                 "router_probs": jnp.sum(probs_XE, axis=0)}
+        gate_up_EDCM, down_EMD = self.gate_up_EDCM[...], self.down_EMD[...]
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty and mesh.shape.get(EP, 1) > 1 and EP not in mesh.manual_axes:
+            y_XD = _expert_parallel(x_BTD.reshape(B * T, D), weights_XK, experts_XK, gate_up_EDCM, down_EMD,
+                                    self.dispatch, self.capacity_factor, self.rules)
+        else:
+            y_XD = apply_experts(x_BTD.reshape(B * T, D), weights_XK, experts_XK, gate_up_EDCM, down_EMD,
+                                 self.dispatch, self.capacity_factor)
+        return constrain(y_XD.reshape(B, T, D), ("batch", "seq", "act_embed"), self.rules), stats
+
+
+def _geglu(h_AC2M):
+    return jax.nn.gelu(h_AC2M[..., 0, :], approximate=True) * h_AC2M[..., 1, :]
+
+
+def apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispatch: MoeDispatch,
+                  capacity_factor: float):
+    """Σ_k weight_k · expert_k(x) for every token, the experts all held here."""
+    X, K = experts_XK.shape
+    expert_A = experts_XK.reshape(-1)
+    order_A = jnp.argsort(expert_A, stable=True)  # copies sorted by expert; copy a is token a // K
+    x_AD = x_XD[order_A // K]
+    if dispatch is MoeDispatch.dropless:
+        y_AD = grouped_experts(x_AD, jnp.bincount(expert_A, length=gate_up_EDCM.shape[0]), gate_up_EDCM, down_EMD)
+    else:
+        y_AD = capacity_experts(x_AD, expert_A[order_A], gate_up_EDCM, down_EMD, capacity_factor)
+    y_AD = jnp.zeros_like(y_AD).at[order_A].set(y_AD)  # back to token order
+    return jnp.einsum("xkd,xk->xd", y_AD.reshape(X, K, -1), weights_XK.astype(y_AD.dtype))
+
+
+def grouped_experts(x_AD, group_sizes_E, gate_up_EDCM, down_EMD):
+    """Rows of x sorted by expert, group_sizes_E of them per expert (rows past their sum give 0):
+    each row through its expert's GeGLU by two ragged (grouped) matmuls."""
+    E, D, _, M = gate_up_EDCM.shape
+    h_AF = jax.lax.ragged_dot(x_AD, gate_up_EDCM.reshape(E, D, 2 * M), group_sizes_E)
+    h_AM = kernels.projection_output(_geglu(h_AF.reshape(-1, 2, M)))
+    return jax.lax.ragged_dot(h_AM, down_EMD, group_sizes_E)
+
+
+def capacity_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, capacity_factor: float):
+    """Rows of x sorted by expert (expert_A, ascending; an id >= E goes nowhere) through their
+    experts in fixed slots: ceil(capacity_factor x the even share) per expert; overflow gives 0."""
+    E = gate_up_EDCM.shape[0]
+    A = x_AD.shape[0]
+    C = max(1, math.ceil(capacity_factor * A / E))
+    start_E = jnp.searchsorted(expert_A, jnp.arange(E))
+    slot_A = jnp.arange(A) - start_E[jnp.minimum(expert_A, E - 1)]
+    kept_A = (slot_A < C) & (expert_A < E)
+    where_A = jnp.where(kept_A, expert_A * C + slot_A, E * C)  # E * C: out of bounds, dropped
+    x_ECD = jnp.zeros((E * C, x_AD.shape[1]), x_AD.dtype).at[where_A].set(x_AD, mode="drop").reshape(E, C, -1)
+    h_ECM = kernels.projection_output(_geglu(jnp.einsum("ecd,edfm->ecfm", x_ECD, gate_up_EDCM)))
+    y_ECD = jnp.einsum("ecm,emd->ecd", h_ECM, down_EMD)
+    return jnp.where(kept_A[:, None], y_ECD.reshape(E * C, -1).at[where_A].get(mode="fill", fill_value=0), 0)
+
+
+def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispatch, capacity_factor, rules):
+    """apply_experts with the experts split over the ep mesh axis (and the tokens with them: ep is
+    one of the batch's axes). In a shard_map manual over ep only, so fsdp and tp stay the compiler's.
+
+    Each shard sends shard s the copies of its tokens bound for s's experts, in a buffer of A rows
+    per destination (a shard's every copy may go to one shard: no copy is dropped), by one
+    all_to_all; shard s computes them with its E/S experts, and a second all_to_all returns them."""
+    mesh = jax.sharding.get_abstract_mesh()
+    S = mesh.shape[EP]
+
+    def shard(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD):
+        X, K = experts_XK.shape
+        E_local = gate_up_EDCM.shape[0]
+        expert_A = experts_XK.reshape(-1)
+        A = expert_A.shape[0]
+        order_A = jnp.argsort(expert_A, stable=True)
+        sorted_A = expert_A[order_A]
+        dest_A = sorted_A // E_local
+        # row of each copy in its destination's buffer: its rank among the copies sent there
+        row_A = jnp.arange(A) - jnp.searchsorted(dest_A, dest_A)
+        send_SAD = jnp.zeros((S, A, x_XD.shape[1]), x_XD.dtype).at[dest_A, row_A].set(x_XD[order_A // K])
+        send_SA = jnp.full((S, A), E_local, jnp.int32).at[dest_A, row_A].set(sorted_A % E_local)
+        recv_SAD = jax.lax.all_to_all(send_SAD, EP, 0, 0, tiled=False)
+        recv_SA = jax.lax.all_to_all(send_SA, EP, 0, 0, tiled=False)
+        # the received copies sorted by local expert, the empty rows (id E_local) last
+        local_R = recv_SA.reshape(-1)
+        order_R = jnp.argsort(local_R, stable=True)
+        x_RD = recv_SAD.reshape(S * A, -1)[order_R]
+        if dispatch is MoeDispatch.dropless:
+            y_RD = grouped_experts(x_RD, jnp.bincount(local_R, length=E_local), gate_up_EDCM, down_EMD)
+        else:
+            y_RD = capacity_experts(x_RD, local_R[order_R], gate_up_EDCM, down_EMD, capacity_factor / S)
+        y_SAD = jnp.zeros_like(y_RD).at[order_R].set(y_RD).reshape(S, A, -1)
+        back_SAD = jax.lax.all_to_all(y_SAD, EP, 0, 0, tiled=False)
+        y_AD = jnp.zeros((A, x_XD.shape[1]), y_RD.dtype).at[order_A].set(back_SAD[dest_A, row_A])
+        return jnp.einsum("xkd,xk->xd", y_AD.reshape(X, K, -1), weights_XK.astype(y_AD.dtype))
+
+    tokens = P(EP)
+    return jax.shard_map(shard, in_specs=(tokens, tokens, tokens, P(EP), P(EP)), out_specs=tokens,
+                         axis_names={EP})(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD)
