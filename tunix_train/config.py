@@ -276,8 +276,8 @@ class TrainingConfig:
     # Under bf16, keep the float32 master copy of the parameters in pinned host memory too: the step
     # moves it to the devices for the bf16 cast and for the update, and back.
     offload_master_weights: bool = _changeable(False)
-    # Mixture of experts: weight of the router's load-balancing loss (Switch Transformer's) in the loss.
-    moe_aux_loss_coef: float = _fixed(0.01)
+    # Mixture of experts: weight of the router's load-balancing loss in the loss (MaxText's for Gemma 4 26B-A4B).
+    moe_aux_loss_coef: float = _fixed(0.001)
     attention: AttentionImpl = _changeable(AttentionImpl.xla)
     # XLA flags that overlap collectives with computation on NVIDIA GPUs (tunix_train/platform.py).
     xla_gpu_overlap: bool = _changeable(True)

@@ -379,7 +379,8 @@ class Gemma(nnx.Module):
         return self.hidden_and_stats(tokens_BT, positions_BT, segment_ids_BT, token_index_BT)[0]
 
     def hidden_and_stats(self, tokens_BT, positions_BT=None, segment_ids_BT=None, token_index_BT=None):
-        """hidden's states and the experts' statistics summed over layers (moe.MoE; {} without experts)."""
+        """hidden's states and the experts' statistics of every layer (moe.MoE, stacked [L, ...]; {}
+        without experts)."""
         B, T = tokens_BT.shape
         index_1T = jnp.arange(T, dtype=jnp.int32)[None]
         rows = {"positions": jnp.broadcast_to(index_1T, (B, T)) if positions_BT is None else positions_BT,
@@ -403,7 +404,7 @@ class Gemma(nnx.Module):
 
     def _layers(self, layer_xs, x_BTD, rows, make_attend):
         """The layers of layer_xs applied in order, each group by a scan over its repeats, and the
-        experts' statistics summed over the layers. layer_xs: (stacked parameters, windows [L]) of
+        experts' statistics of every layer ([L, ...], in no particular order; {} without experts). layer_xs: (stacked parameters, windows [L]) of
         the one stack, or per group ([stacked parameters per position], windows [repeats, period]).
         make_attend: rows -> window -> attend, the attention over the keys of this pass."""
         rope_global, rope_local = self.rope_tables(rows["positions"])
@@ -430,7 +431,7 @@ class Gemma(nnx.Module):
         # keys and values each KV-sharing layer reuses: the latest of each layer type so far
         shared = {} if not self.cfg.num_kv_shared_layers else {
             kind: self._empty_kv(x_BTD, shape) for kind, shape in self._kv_producers().items()}
-        stats = {}
+        stats = []
         for group, graphdefs, states, windows in groups:
             per_layer = None
             if per_layer_BTLP is not None:  # [repeats, period, B, T, P]
@@ -449,13 +450,12 @@ class Gemma(nnx.Module):
                     if kind in shared and not shape.shares_kv:
                         shared = {**shared, kind: kv}
                     layer_stats.append(moe)
-                return (x_BTD, shared), jax.tree.map(lambda *s: sum(s), *layer_stats)
+                return (x_BTD, shared), layer_stats
 
             (x_BTD, shared), group_stats = jax.lax.scan(period, (x_BTD, shared), (states, windows, per_layer),
                                                         unroll=self.scan_unroll)
-            group_stats = jax.tree.map(lambda s: jnp.sum(s, axis=0), group_stats)
-            stats = group_stats if not stats else jax.tree.map(jnp.add, stats, group_stats)
-        return x_BTD, stats
+            stats += [s for s in group_stats if s]  # per position of the period: [repeats, ...]
+        return x_BTD, (jax.tree.map(lambda *s: jnp.concatenate(s), *stats) if stats else {})
 
     def _kv_producers(self) -> dict[str, LayerShape]:
         """The shape of the layers whose keys and values KV-sharing layers reuse, per layer type."""

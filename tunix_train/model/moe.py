@@ -78,6 +78,22 @@ class MoE(nnx.Module):
         return constrain(y_XD.reshape(B, T, D), ("batch", "seq", "act_embed"), self.rules), stats
 
 
+def load_balancing_loss(expert_tokens_LE, router_probs_LE):
+    """The router's auxiliary loss (Switch Transformer; as transformers computes it for Mixtral),
+    averaged over layers: E · Σ_e f_e · P_e, with f_e the share of tokens that have expert e among
+    their top k and P_e its mean router probability (k when routing is even; padding counts).
+    Takes MoE's statistics: per layer, copies per expert and router probabilities summed."""
+    E = expert_tokens_LE.shape[-1]
+    tokens_L1 = jnp.sum(router_probs_LE, axis=-1, keepdims=True)  # each token's probabilities sum to 1
+    return jnp.mean(E * jnp.sum((expert_tokens_LE / tokens_L1) * (router_probs_LE / tokens_L1), axis=-1))
+
+
+def _group_starts(sorted_ids, n: int):
+    """Where each id's run starts in `sorted_ids` (ascending, ids < n)."""
+    counts = jnp.bincount(sorted_ids, length=n)
+    return jnp.cumsum(counts) - counts
+
+
 def _geglu(h_AC2M):
     return jax.nn.gelu(h_AC2M[..., 0, :], approximate=True) * h_AC2M[..., 1, :]
 
@@ -112,8 +128,7 @@ def capacity_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, capacity_factor: fl
     E = gate_up_EDCM.shape[0]
     A = x_AD.shape[0]
     C = max(1, math.ceil(capacity_factor * A / E))
-    start_E = jnp.searchsorted(expert_A, jnp.arange(E))
-    slot_A = jnp.arange(A) - start_E[jnp.minimum(expert_A, E - 1)]
+    slot_A = jnp.arange(A) - _group_starts(expert_A, E + 1)[expert_A]
     kept_A = (slot_A < C) & (expert_A < E)
     where_A = jnp.where(kept_A, expert_A * C + slot_A, E * C)  # E * C: out of bounds, dropped
     x_ECD = jnp.zeros((E * C, x_AD.shape[1]), x_AD.dtype).at[where_A].set(x_AD, mode="drop").reshape(E, C, -1)
@@ -141,7 +156,7 @@ def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispa
         sorted_A = expert_A[order_A]
         dest_A = sorted_A // E_local
         # row of each copy in its destination's buffer: its rank among the copies sent there
-        row_A = jnp.arange(A) - jnp.searchsorted(dest_A, dest_A)
+        row_A = jnp.arange(A) - _group_starts(dest_A, S)[dest_A]
         send_SAD = jnp.zeros((S, A, x_XD.shape[1]), x_XD.dtype).at[dest_A, row_A].set(x_XD[order_A // K])
         send_SA = jnp.full((S, A), E_local, jnp.int32).at[dest_A, row_A].set(sorted_A % E_local)
         recv_SAD = jax.lax.all_to_all(send_SAD, EP, 0, 0, tiled=False)

@@ -5,7 +5,9 @@ Per token, one training step (forward + backward = 3 x forward) costs
   6 x embed_dim x vocab_size                     the logits (tied embedding used as output)
   12 x heads x head_dim x (keys attended)        per layer: scores and the weighted sum
 where "keys attended" is the mean number of positions a query sees: (S + 1) / 2 for a causal
-global layer, and for a sliding-window layer the mean of min(t + 1, window).
+global layer, and for a sliding-window layer the mean of min(t + 1, window). Layers count their own
+shapes (Gemma 4's global layers, KV-sharing layers without key/value projections); of the experts
+only the k a token is routed to count (active parameters), with the router.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 import numpy as np
 
 from tunix_train.config import ModelConfig
-from tunix_train.model import layer_windows
+from tunix_train.model.gemma import layer_shapes, layer_windows
 
 # Dense peak FLOP/s per device from vendors' data sheets, by compute dtype. On NVIDIA GPUs XLA runs
 # float32 matmuls as TF32 by default, so float32 uses the TF32 tensor-core figure.
@@ -35,11 +37,24 @@ def mean_keys_attended(seq_len: int, window: int) -> float:
     return float(np.minimum(t + 1, window).mean())
 
 
+def active_matmul_params(cfg: ModelConfig) -> int:
+    """Matmul parameters a token goes through: every layer's projections and MLP, its k experts and
+    the router, the per-layer inputs' projections; not the embedding lookups."""
+    D, N, P = cfg.embed_dim, cfg.num_heads, cfg.per_layer_input_dim
+    total = D * cfg.num_layers * P  # the projection of the embeddings to the per-layer inputs
+    for shape in layer_shapes(cfg):
+        H, K = shape.head_dim, shape.num_kv_heads
+        kv_projections = 0 if shape.shares_kv else 1 if shape.k_eq_v else 2
+        total += 2 * D * N * H + kv_projections * D * K * H + 3 * D * shape.mlp_dim + 2 * D * P
+        if cfg.num_experts:
+            total += D * cfg.num_experts + cfg.num_experts_per_token * 3 * D * cfg.moe_hidden_dim
+    return total
+
+
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    D, F, N, K, H = cfg.embed_dim, cfg.hidden_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    matmul_params_per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F
-    attention = sum(12 * N * H * mean_keys_attended(seq_len, int(w)) for w in layer_windows(cfg))
-    return 6 * matmul_params_per_layer * cfg.num_layers + 6 * D * cfg.vocab_size + attention
+    attention = sum(12 * cfg.num_heads * shape.head_dim * mean_keys_attended(seq_len, int(w))
+                    for shape, w in zip(layer_shapes(cfg), layer_windows(cfg)))
+    return 6 * active_matmul_params(cfg) + 6 * cfg.embed_dim * cfg.vocab_size + attention
 
 
 def peak_flops_per_device(device_kind: str, dtype: str) -> float | None:

@@ -25,6 +25,9 @@ from tunix_train.train.objectives import make_objective
 from tunix_train.train.setup import check_same_run, data_state, frozen_record, initial_state, save_config, setup
 from tunix_train.train.signals import StopRequest
 
+# logged with experts: the load-balancing loss, and the busiest and idlest experts' tokens over the even share
+MOE_METRICS = ("moe_aux_loss", "moe_load_max", "moe_load_min")
+
 
 def run_steps(state: TrainState, step_fn, first_batch, next_batch: Callable[[TrainState], dict],
               hooks: Sequence[h.Hook], max_steps: int) -> TrainState:
@@ -127,7 +130,8 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
                 *_profile_hook(cfg, run_dir, int(state.step), step_fn, mesh, say, is_chief),
                 *([h.StopOnNonFinite(save, checkpoints)] if t.nan_policy is NanPolicy.stop else []),
                 h.TrainMetrics(interval, t.log_every, t.max_steps, tokens_per_step, flops_per_token,
-                               peak * mesh.devices.size, objective.metric_names),
+                               peak * mesh.devices.size,
+                               objective.metric_names + (MOE_METRICS if cfg.model.num_experts else ())),
                 *([h.Evaluate(run.eval_fn, eval_batches, t.eval_every, t.max_steps, objective.perplexity)]
                   if eval_batches else []),
                 *_samples_hook(cfg, run, data, writer, say),

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.config import MixedPrecision, ModelConfig, TrainingConfig
 from tunix_train.model.gemma import output_logits
+from tunix_train.model.moe import load_balancing_loss
 from tunix_train.parallel import Parallelism
 from tunix_train.sharding import (Rules, batch_sharding, data_axes, data_parallel_size, per_shard_rules,
                                   per_shard_shardings)
@@ -47,9 +48,10 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 
 def token_losses(graphdef: nnx.GraphDef, params: tuple[nnx.State, ...], micro: dict[str, jax.Array],
                  compute_dtype=jnp.float32, chunk: int = 0, param_shardings: Any = None,
-                 seq_shards: int = 1) -> jax.Array:
+                 seq_shards: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Per-token loss [B, T] of one micro-batch (with `token_index` when it comes reordered), under
-    the model nnx.merge makes of `params` (one state, or the frozen base and the adapters).
+    the model nnx.merge makes of `params` (one state, or the frozen base and the adapters), and
+    the experts' statistics per layer (Gemma.hidden_and_stats; {} without experts).
 
     Parameters are cast to the compute dtype where they are stored (the master copy is untouched),
     so fsdp gathers them already in that dtype. With 0 < chunk < T the logits are computed
@@ -61,11 +63,12 @@ def token_losses(graphdef: nnx.GraphDef, params: tuple[nnx.State, ...], micro: d
         if param_shardings is not None:
             params = jax.lax.with_sharding_constraint(params, param_shardings)
     model = nnx.merge(graphdef, *params)
-    x_BTD = model.hidden(micro["inputs"], micro["positions"], micro["segment_ids"], micro.get("token_index"))
+    x_BTD, stats = model.hidden_and_stats(micro["inputs"], micro["positions"], micro["segment_ids"],
+                                          micro.get("token_index"))
     table_VD, softcap, rules = model.output_table(), model.cfg.final_logit_softcap, model.rules
     B, T, D = x_BTD.shape
     if not chunk or chunk >= T:
-        return cross_entropy(output_logits(x_BTD, table_VD, softcap, rules), micro["targets"])
+        return cross_entropy(output_logits(x_BTD, table_VD, softcap, rules), micro["targets"]), stats
 
     @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
     def chunk_losses(x_BCD, targets_BC):
@@ -77,21 +80,34 @@ def token_losses(graphdef: nnx.GraphDef, params: tuple[nnx.State, ...], micro: d
         N, B, parts * chunk, *x.shape[2:])
     _, losses_NBC = jax.lax.scan(lambda _, xs: (None, chunk_losses(*xs)), None,
                                  (by_step(x_BTD), by_step(micro["targets"])))
-    return jnp.moveaxis(losses_NBC.reshape(N, B, parts, chunk), 0, 2).reshape(B, T)
+    return jnp.moveaxis(losses_NBC.reshape(N, B, parts, chunk), 0, 2).reshape(B, T), stats
 
 
 def _objective_loss(objective, weights: Weights, graphdef, params, frozen, micro, weight, *, compute_dtype,
-                    chunk, param_shardings, frozen_shardings, seq_shards):
+                    chunk, param_shardings, frozen_shardings, seq_shards, moe_aux_loss_coef: float = 0.0):
     """The objective's (loss, metrics) of one micro-batch: its per-token losses come from the
-    trained model (policy) and, without gradient, from the reference."""
-    def losses(states, shardings):
-        return token_losses(graphdef, states, micro, compute_dtype, chunk, shardings, seq_shards)
+    trained model (policy) and, without gradient, from the reference. With experts, the policy's
+    load-balancing loss times moe_aux_loss_coef is added, weighted by the micro-batch's share of
+    the batch, and logged (moe_aux_loss; expert_tokens, the copies each expert received)."""
+    policy_stats = []
+
+    def losses(states, shardings, keep_stats=False):
+        token_loss, stats = token_losses(graphdef, states, micro, compute_dtype, chunk, shardings, seq_shards)
+        if keep_stats:
+            policy_stats.append(stats)
+        return token_loss
 
     shardings = lambda compose, **kw: None if param_shardings is None else compose(param_shardings, frozen_shardings, **kw)
-    policy = lambda: losses(weights.policy(params, frozen), shardings(weights.policy))
+    policy = lambda: losses(weights.policy(params, frozen), shardings(weights.policy), keep_stats=True)
     reference = lambda: jax.lax.stop_gradient(losses(
         weights.reference(params, frozen), shardings(weights.reference, switch_off=lambda s: s)))
-    return objective.loss(policy, reference, micro, weight)
+    loss, metrics = objective.loss(policy, reference, micro, weight)
+    if policy_stats and policy_stats[0]:
+        stats, share = policy_stats[0], objective.weight(micro) / weight
+        aux = load_balancing_loss(stats["expert_tokens"], stats["router_probs"]) * share
+        loss = loss + moe_aux_loss_coef * aux
+        metrics = {**metrics, "moe_aux_loss": aux, "expert_tokens": jnp.sum(stats["expert_tokens"], axis=0)}
+    return loss, metrics
 
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
@@ -99,11 +115,13 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
                param_shardings: Any, grad_shardings: Any, loss_chunk_size: int = 0,
                reduce_gradients_in_compute_dtype: bool = True, sync_every: int = 1, home: Any,
                on_device: Any, parallel: Parallelism | None = None, objective: Any = None,
-               weights: Weights = FULL_FINE_TUNING) -> tuple[TrainState, dict[str, jax.Array]]:
+               weights: Weights = FULL_FINE_TUNING,
+               moe_aux_loss_coef: float = 0.0) -> tuple[TrainState, dict[str, jax.Array]]:
     """`home` and `on_device`: the state's shardings between steps and where it is computed with
     (they differ in memory kind for an offloaded part, which is moved to the devices and back).
     `parallel`: the model's pp/cp layout, which may reorder the batch's positions. `objective`:
-    the loss (default: next-token); `weights`: which parameters train and what is frozen."""
+    the loss (default: next-token); `weights`: which parameters train and what is frozen;
+    moe_aux_loss_coef: the weight of the experts' load-balancing loss (the logged loss leaves it out)."""
     objective = objective or LanguageModeling(None)
     batch = parallel.reorder(batch) if parallel else batch
     seq_shards = parallel.seq_shards if parallel else 1
@@ -127,7 +145,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
                                                   on_device.frozen)
     weighted_loss_sum = functools.partial(
         _objective_loss, objective, weights, graphdef, frozen=frozen, weight=total_weight,
-        compute_dtype=compute_dtype, chunk=loss_chunk_size, seq_shards=seq_shards,
+        compute_dtype=compute_dtype, chunk=loss_chunk_size, seq_shards=seq_shards, moe_aux_loss_coef=moe_aux_loss_coef,
         param_shardings=None if delayed_sync else param_shardings,
         frozen_shardings=None if delayed_sync else on_device.frozen)
 
@@ -160,14 +178,19 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     opt_state = _moved(opt_state, on_device.opt_state, home.opt_state)
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                            nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32), frozen=state.frozen)
+    aux = {name: jnp.sum(value, axis=0) for name, value in aux.items()}  # the objective's, summed over micro-batches
+    if "expert_tokens" in aux:  # expert utilisation: the busiest's and the idlest's tokens over the even share
+        tokens_E = aux.pop("expert_tokens")
+        load_E = tokens_E / jnp.maximum(jnp.mean(tokens_E), 1.0)
+        aux.update(moe_load_max=jnp.max(load_E), moe_load_min=jnp.min(load_E))
     metrics = {
-        "loss": loss,
+        "loss": loss - moe_aux_loss_coef * aux.get("moe_aux_loss", 0.0),
         "grad_norm": grad_norm,
         "learning_rate": schedule(state.step),
         "tokens": jnp.sum(batch["loss_mask"]),
         "finite": finite,
         "nonfinite_steps": new_state.nonfinite_steps,
-        **{name: jnp.sum(value) for name, value in aux.items()},  # the objective's, summed over micro-batches
+        **aux,
     }
     return new_state, metrics
 
@@ -229,7 +252,7 @@ def compile_train_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig,
                              loss_chunk_size=training.loss_chunk_size,
                              reduce_gradients_in_compute_dtype=training.reduce_gradients_in_compute_dtype,
                              sync_every=sync_every, home=plan.shardings, on_device=plan.on_device, parallel=parallel,
-                             objective=objective, weights=weights)
+                             objective=objective, weights=weights, moe_aux_loss_coef=training.moe_aux_loss_coef)
     return jax.jit(step, in_shardings=(plan.shardings, batch_sharding(mesh)),
                    out_shardings=(plan.shardings, NamedSharding(mesh, P())), donate_argnums=0)
 

@@ -1,0 +1,246 @@
+"""Gemma 4 and mixture of experts: logits and greedy tokens equal to transformers' Gemma4ForCausalLM
+per feature and per mesh (ep included), the export equal to the imported files, dropless dispatch
+equal to a dense reference, loss and gradients equal across ep, the experts really split, and
+one-line errors. transformers runs in this process or in TUNIX_TRAIN_REFERENCE_PYTHON's."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from conftest import config
+from hf_reference import GEMMA4, SEQ, SIZES, checkpoint_and_logits
+from tunix_train import api
+from tunix_train.config import ConfigError, MoeDispatch, Remat
+from tunix_train.model import Gemma
+from tunix_train.model.gemma import layer_groups
+from tunix_train.model.moe import MoE, apply_experts, load_balancing_loss
+from tunix_train.sharding import LOGICAL_RULES, data_axes, make_mesh, state_shardings, validate_model_for_mesh
+from tunix_train.train.init import model_graphdef
+from tunix_train.train.step import token_losses
+
+MESHES = {"1": [[1], ["fsdp"]], "fsdp2_tp2": [[2, 2], ["fsdp", "tp"]]}
+EP_MESHES = {"ep2_fsdp2": [[2, 2], ["ep", "fsdp"]], "ep2_fsdp2_tp2": [[2, 2, 2], ["ep", "fsdp", "tp"]]}
+TOKENS = np.random.default_rng(0).integers(0, SIZES["vocab_size"], (4, SEQ))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """family -> (checkpoint directory, transformers' logits of TOKENS), built once per family."""
+    built = {}
+
+    def get(family):
+        if family not in built:
+            directory = tmp_path_factory.mktemp(family) / "checkpoint"
+            built[family] = directory, checkpoint_and_logits(family, directory, TOKENS)
+        return built[family]
+
+    return get
+
+
+def _logits(directory, mesh_shape):
+    model = api.load(directory, mesh_shape=mesh_shape, devices=jax.devices()[:int(np.prod(mesh_shape[0]))])
+    return model, model.logits(TOKENS)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("family", GEMMA4)
+def test_logits_match_transformers(reference, family, mesh):
+    directory, expected = reference(family)
+    _, logits = _logits(directory, MESHES[mesh])
+    np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mesh", EP_MESHES)
+@pytest.mark.parametrize("family", ["gemma4_moe", "gemma4_all"])
+def test_expert_parallel_logits_match_transformers(reference, family, mesh):
+    directory, expected = reference(family)
+    _, logits = _logits(directory, EP_MESHES[mesh])
+    np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
+
+
+def test_layers_are_grouped_by_shape(reference):
+    """Groups (first layer, period, repeats) that compile the fewest layer bodies. gemma4_all:
+    local, local, global with their own weights, then the same reusing keys and values: runs of
+    one shape (4 bodies) beat two periods of three (6). A uniform model is one stack of every layer."""
+    model, _ = _logits(reference("gemma4_all")[0], MESHES["1"])
+    groups = layer_groups(model.config)
+    assert [(g.first, len(g.period), g.repeats) for g in groups] == [(0, 1, 2), (2, 1, 1), (3, 1, 2), (5, 1, 1)]
+    assert [g.period[0].shares_kv for g in groups] == [False, False, True, True] and groups[1].period[0].k_eq_v
+    uniform = config("model.num_layers=6")
+    assert [(g.first, len(g.period), g.repeats) for g in layer_groups(uniform.model)] == [(0, 1, 6)]
+    e2b = config("model=gemma4_e2b")  # 4 local : 1 global, the last 20 of 35 layers sharing
+    assert [(g.first, len(g.period), g.repeats) for g in layer_groups(e2b.model)] == [(0, 5, 3), (15, 5, 4)]
+
+
+def test_export_equals_the_imported_files(reference, tmp_path):
+    from safetensors.numpy import load_file
+
+    directory, _ = reference("gemma4_all")
+    model, _ = _logits(directory, MESHES["fsdp2_tp2"])
+    model.export(tmp_path / "export")
+    original, exported = load_file(directory / "model.safetensors"), load_file(tmp_path / "export" / "model.safetensors")
+    original.pop("lm_head.weight", None)  # tied to the embedding
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        np.testing.assert_array_equal(exported[name], tensor.astype(np.float32), err_msg=name)
+    config_json = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config_json["model_type"] == "gemma4_text" and config_json["num_kv_shared_layers"] == 3
+    np.testing.assert_allclose(api.load(tmp_path / "export", mesh_shape=MESHES["1"],
+                                        devices=jax.devices()[:1]).logits(TOKENS), reference("gemma4_all")[1],
+                               atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["gemma4_all", "gemma4_global"])
+def test_greedy_generation_matches_transformers(tmp_path, family):
+    prompt = np.random.default_rng(2).integers(3, SIZES["vocab_size"], (1, 6))
+    expected = checkpoint_and_logits(family, tmp_path / "checkpoint", prompt, greedy_tokens=12)
+    model = api.load(tmp_path / "checkpoint", mesh_shape=MESHES["fsdp2_tp2"], devices=jax.devices()[:4])
+    assert len(set(expected.tolist())) > 3
+    assert model.generate(prompt.tolist(), max_new_tokens=12) == [expected.tolist()]
+
+
+def test_a_multimodal_checkpoint_loads_its_text_decoder_and_says_the_rest_is_ignored(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    text = {**SIZES, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 5, "hidden_size_per_layer_input": 0, "global_head_dim": 16}
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=8)
+    full = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(text_config=text,
+                                                                                 vision_config=vision)).eval()
+    full.save_pretrained(tmp_path / "multimodal")
+    text_only = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**text)).eval()
+    text_only.model.load_state_dict(full.model.language_model.state_dict())
+    with torch.no_grad():
+        expected = text_only(torch.tensor(TOKENS)).logits.numpy()
+    model = api.load(tmp_path / "multimodal", mesh_shape=MESHES["1"], devices=jax.devices()[:1])
+    assert "also holds a vision tower; loading the text decoder, ignoring the rest" in capsys.readouterr().out
+    np.testing.assert_allclose(model.logits(TOKENS), expected, atol=1e-4, rtol=0)
+
+
+# --- mixture of experts ------------------------------------------------------------------------
+
+def _moe(dispatch=MoeDispatch.dropless, capacity_factor=1.25, experts=8, top_k=2):
+    cfg = config("model=gemma4_moe_tiny", f"model.num_experts={experts}", f"model.num_experts_per_token={top_k}",
+                 f"model.moe_dispatch={dispatch.value}", f"model.moe_capacity_factor={capacity_factor}").model
+    moe = MoE(cfg, nnx.Rngs(0), LOGICAL_RULES)
+    moe.expert_scale[...] = jnp.linspace(0.5, 1.5, experts)  # make the per-expert scale matter
+    return moe
+
+
+def _dense_reference(moe, route_XD, x_XD):
+    """Every token through each of its top-k experts, weighted: the plain loop of the definition."""
+    weights, experts, _ = (np.asarray(a) for a in moe.route(route_XD))
+    gate_up, down = np.asarray(moe.gate_up_EDCM[...]), np.asarray(moe.down_EMD[...])
+    gelu = lambda v: np.asarray(jax.nn.gelu(v, approximate=True))
+    out = np.zeros_like(np.asarray(x_XD))
+    for t in range(x_XD.shape[0]):
+        for k in range(experts.shape[1]):
+            e = experts[t, k]
+            h = np.einsum("d,dcm->cm", np.asarray(x_XD[t]), gate_up[e])
+            out[t] += weights[t, k] * (gelu(h[0]) * h[1]) @ down[e]
+    return out
+
+
+def test_dropless_dispatch_equals_the_dense_reference():
+    moe = _moe()
+    route, x = (jax.random.normal(jax.random.key(i), (2, 24, 64)) for i in (1, 2))
+    y, stats = moe(route, x)
+    expected = _dense_reference(moe, route.reshape(-1, 64), x.reshape(-1, 64))
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, 64), expected, atol=1e-5, rtol=0)
+    assert float(stats["expert_tokens"].sum()) == 2 * 24 * 2
+    np.testing.assert_allclose(float(stats["router_probs"].sum()), 48.0, rtol=1e-5)
+
+
+def test_capacity_dispatch_equals_dropless_with_room_and_drops_without():
+    route, x = (jax.random.normal(jax.random.key(i), (48, 64)) for i in (1, 2))
+    dropless = _moe()
+    weights, experts, _ = dropless.route(route)
+    args = (x, weights, experts, dropless.gate_up_EDCM[...], dropless.down_EMD[...])
+    exact = apply_experts(*args, MoeDispatch.dropless, 1.0)
+    roomy = apply_experts(*args, MoeDispatch.capacity, 8.0)  # 8 x the even share: every expert fits all
+    np.testing.assert_allclose(roomy, exact, atol=1e-5, rtol=0)
+    tight = np.asarray(apply_experts(*args, MoeDispatch.capacity, 0.5))
+    counts = np.bincount(np.asarray(experts).ravel(), minlength=8)
+    capacity = int(np.ceil(0.5 * 96 / 8))
+    assert counts.max() > capacity  # some expert overflows ...
+    changed = np.abs(tight - np.asarray(exact)).max(axis=1) > 1e-6
+    assert 0 < changed.sum() < 48  # ... so some tokens lose a copy, the others are exact
+
+
+def test_the_load_balancing_loss_is_the_formula_on_a_hand_made_routing():
+    # 4 tokens, 4 experts, top 2: experts 0 and 1 take every token
+    tokens = np.array([[4.0, 4.0, 0.0, 0.0]])
+    probs = np.array([[0.4, 0.3, 0.2, 0.1]]) * 4  # summed over the 4 tokens, each row summing to 1
+    # E * sum_e f_e P_e, f = [1, 1, 0, 0], P = [.4, .3, .2, .1]
+    assert float(load_balancing_loss(jnp.asarray(tokens), jnp.asarray(probs))) == pytest.approx(4 * 0.7)
+    even = load_balancing_loss(jnp.full((3, 4), 2.0), jnp.full((3, 4), 1.0))  # 4 tokens, even routing
+    assert float(even) == pytest.approx(2.0)  # = top_k
+
+
+def _loss_and_grads(mesh_shape, tokens):
+    cfg = config("model=gemma4_moe_tiny", "data.seq_len=32").model
+    cfg.mesh_shape = mesh_shape
+    mesh = make_mesh(mesh_shape, jax.devices()[:int(np.prod(mesh_shape[0]))])
+    validate_model_for_mesh(cfg, mesh)
+    graphdef = model_graphdef(cfg, Remat.none)
+    params = nnx.state(Gemma(cfg, nnx.Rngs(0)))
+    with jax.set_mesh(mesh):
+        shardings = state_shardings(nnx.eval_shape(lambda: nnx.state(Gemma(cfg, nnx.Rngs(0)))), mesh)
+        params = jax.device_put(params, shardings)
+        rows = NamedSharding(mesh, P(data_axes(mesh)))
+        micro = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+                 "positions": np.broadcast_to(np.arange(tokens.shape[1] - 1), (tokens.shape[0], tokens.shape[1] - 1)),
+                 "segment_ids": np.ones((tokens.shape[0], tokens.shape[1] - 1), np.int32)}
+        micro = {k: jax.device_put(jnp.asarray(v, jnp.int32), rows) for k, v in micro.items()}
+
+        def loss(params):
+            losses, stats = token_losses(graphdef, (params,), micro)
+            return jnp.mean(losses) + 0.01 * load_balancing_loss(stats["expert_tokens"], stats["router_probs"])
+
+        step = jax.jit(jax.value_and_grad(loss))
+        value, grads = step(params)
+        return float(value), jax.tree.map(np.asarray, grads), params, step.lower(params).compile().as_text()
+
+
+def test_loss_and_gradients_are_equal_for_every_ep_and_the_experts_are_split():
+    tokens = np.random.default_rng(3).integers(0, 256, (8, 33))
+    value, grads, _, text = _loss_and_grads([[1], ["ep"]], tokens)
+    assert "all-to-all" not in text
+    for ep in (2, 4, 8):
+        ep_value, ep_grads, params, text = _loss_and_grads([[ep], ["ep"]], tokens)
+        assert ep_value == pytest.approx(value, abs=1e-5)
+        for (path, g), ep_g in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ep_grads)):
+            np.testing.assert_allclose(ep_g, g, atol=1e-5, rtol=0, err_msg=f"ep={ep} {jax.tree_util.keystr(path)}")
+        if ep == 4:
+            experts = params["groups"][0][0]["moe"]["gate_up_EDCM"][...]
+            assert {s.data.nbytes for s in experts.addressable_shards} == {experts.nbytes // 4}
+            assert "all-to-all" in text
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, message", [
+    (("model.num_experts_per_token=9",), "model.num_experts_per_token=9 must be between 1 and model.num_experts=8"),
+    (("model.layer_types=[sliding_attention,sliding_attention,global,sliding_attention,sliding_attention,"
+      "full_attention]",), "model.layer_types: unknown layer type 'global'"),
+    (("model.layer_types=[full_attention,full_attention,full_attention,full_attention,full_attention,"
+      "sliding_attention]", "model.num_kv_shared_layers=1"), "layer 5 (sliding_attention) would reuse the keys"),
+])
+def test_bad_gemma4_configs_are_one_line_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")) as err:
+        config("model=gemma4_moe_tiny", *overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_experts_not_divisible_by_ep_is_a_one_line_error():
+    cfg = config("model=gemma4_moe_tiny", "model.num_experts=6")
+    with pytest.raises(ConfigError, match=r"model.num_experts=6 is not divisible by the ep mesh axis \(4\)"):
+        validate_model_for_mesh(cfg.model, make_mesh([[4], ["ep"]], jax.devices()[:4]))
