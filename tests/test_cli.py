@@ -75,7 +75,7 @@ def test_default_run_directory_is_outputs_experiment_date_time(tmp_path):
 
 BAD_CONFIG = [
     (['model.mesh_shape=[[4,4],["fsdp","tp"]]'], "model.mesh_shape: mesh {'fsdp': 4, 'tp': 4} has 16 devices but 4"),
-    (['model.mesh_shape=[[4],["ep"]]'], "unknown mesh axis 'ep'"),
+    (['model.mesh_shape=[[4],["xp"]]'], "unknown mesh axis 'xp'"),
     (['model.mesh_shape=[[4],["pp"]]', "training.pipeline_microbatches=4"], "pp=4 is more than model.num_layers=2"),
     (['model.mesh_shape=[[4],["cp"]]', "data.seq_len=36", "training.loss_chunk_size=0"],
      "data.seq_len=36 must be divisible by 2 x cp = 8"),

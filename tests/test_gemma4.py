@@ -3,6 +3,7 @@ per feature and per mesh (ep included), the export equal to the imported files, 
 equal to a dense reference, loss and gradients equal across ep, the experts really split, and
 one-line errors. transformers runs in this process or in TUNIX_TRAIN_REFERENCE_PYTHON's."""
 
+import dataclasses
 import json
 
 import jax
@@ -12,8 +13,8 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from conftest import config
-from hf_reference import GEMMA4, SEQ, SIZES, checkpoint_and_logits
+from conftest import config, read_metrics, straight_and_resumed, train_losses
+from hf_reference import GEMMA4, SEQ, SIZES, build, checkpoint_and_logits
 from tunix_train import api
 from tunix_train.config import ConfigError, MoeDispatch, Remat
 from tunix_train.model import Gemma
@@ -47,16 +48,21 @@ def _logits(directory, mesh_shape):
     return model, model.logits(TOKENS)
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize("family", GEMMA4)
+# Every family on both meshes; on fsdp x tp only the model with every feature runs in the main suite.
+PARITY = [pytest.param(family, mesh, marks=() if mesh == "1" or family == "gemma4_all" else pytest.mark.slow)
+          for family in GEMMA4 for mesh in MESHES]
+
+
+@pytest.mark.parametrize("family, mesh", PARITY)
 def test_logits_match_transformers(reference, family, mesh):
     directory, expected = reference(family)
     _, logits = _logits(directory, MESHES[mesh])
     np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("mesh", EP_MESHES)
-@pytest.mark.parametrize("family", ["gemma4_moe", "gemma4_all"])
+@pytest.mark.parametrize("family, mesh", [("gemma4_moe", "ep2_fsdp2"), ("gemma4_moe", "ep2_fsdp2_tp2"),
+                                          pytest.param("gemma4_all", "ep2_fsdp2", marks=pytest.mark.slow),
+                                          ("gemma4_all", "ep2_fsdp2_tp2")])
 def test_expert_parallel_logits_match_transformers(reference, family, mesh):
     directory, expected = reference(family)
     _, logits = _logits(directory, EP_MESHES[mesh])
@@ -95,7 +101,7 @@ def test_export_equals_the_imported_files(reference, tmp_path):
                                atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["gemma4_all", "gemma4_global"])
+@pytest.mark.parametrize("family", ["gemma4_all", pytest.param("gemma4_global", marks=pytest.mark.slow)])
 def test_greedy_generation_matches_transformers(tmp_path, family):
     prompt = np.random.default_rng(2).integers(3, SIZES["vocab_size"], (1, 6))
     expected = checkpoint_and_logits(family, tmp_path / "checkpoint", prompt, greedy_tokens=12)
@@ -185,13 +191,10 @@ def test_the_load_balancing_loss_is_the_formula_on_a_hand_made_routing():
     assert float(even) == pytest.approx(2.0)  # = top_k
 
 
-def _loss_and_grads(mesh_shape, tokens):
-    cfg = config("model=gemma4_moe_tiny", "data.seq_len=32").model
-    cfg.mesh_shape = mesh_shape
+def _loss_and_grads(cfg, params, mesh_shape, tokens):
     mesh = make_mesh(mesh_shape, jax.devices()[:int(np.prod(mesh_shape[0]))])
     validate_model_for_mesh(cfg, mesh)
     graphdef = model_graphdef(cfg, Remat.none)
-    params = nnx.state(Gemma(cfg, nnx.Rngs(0)))
     with jax.set_mesh(mesh):
         shardings = state_shardings(nnx.eval_shape(lambda: nnx.state(Gemma(cfg, nnx.Rngs(0)))), mesh)
         params = jax.device_put(params, shardings)
@@ -205,17 +208,21 @@ def _loss_and_grads(mesh_shape, tokens):
             losses, stats = token_losses(graphdef, (params,), micro)
             return jnp.mean(losses) + 0.01 * load_balancing_loss(stats["expert_tokens"], stats["router_probs"])
 
-        step = jax.jit(jax.value_and_grad(loss))
+        step = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
         value, grads = step(params)
-        return float(value), jax.tree.map(np.asarray, grads), params, step.lower(params).compile().as_text()
+        return float(value), jax.tree.map(np.asarray, grads), params, step.as_text()
 
 
+@pytest.mark.slow  # four compilations, about 40 s
 def test_loss_and_gradients_are_equal_for_every_ep_and_the_experts_are_split():
     tokens = np.random.default_rng(3).integers(0, 256, (8, 33))
-    value, grads, _, text = _loss_and_grads([[1], ["ep"]], tokens)
+    cfg = config("model=gemma4_moe_tiny", "data.seq_len=32", "model.num_layers=3",  # one (local, local, global)
+                 "model.layer_types=[sliding_attention,sliding_attention,full_attention]").model
+    host_params = nnx.state(Gemma(cfg, nnx.Rngs(0)))
+    value, grads, _, text = _loss_and_grads(cfg, host_params, [[1], ["ep"]], tokens)
     assert "all-to-all" not in text
     for ep in (2, 4, 8):
-        ep_value, ep_grads, params, text = _loss_and_grads([[ep], ["ep"]], tokens)
+        ep_value, ep_grads, params, text = _loss_and_grads(cfg, host_params, [[ep], ["ep"]], tokens)
         assert ep_value == pytest.approx(value, abs=1e-5)
         for (path, g), ep_g in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ep_grads)):
             np.testing.assert_allclose(ep_g, g, atol=1e-5, rtol=0, err_msg=f"ep={ep} {jax.tree_util.keystr(path)}")
@@ -244,3 +251,54 @@ def test_experts_not_divisible_by_ep_is_a_one_line_error():
     cfg = config("model=gemma4_moe_tiny", "model.num_experts=6")
     with pytest.raises(ConfigError, match=r"model.num_experts=6 is not divisible by the ep mesh axis \(4\)"):
         validate_model_for_mesh(cfg.model, make_mesh([[4], ["ep"]], jax.devices()[:4]))
+
+
+# --- training ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_moe_training_on_ep_resumes_bit_identically_and_logs_the_experts(tmp_path):
+    cfg = config("model=gemma4_moe_tiny", "data.seq_len=32", "training.log_every=1", "training.eval_every=0",
+                 "training.micro_batch_size=2", "checkpoint.every_steps=3")
+    cfg.model.mesh_shape = [[2, 2], ["ep", "fsdp"]]
+    straight, resumed = straight_and_resumed(cfg, tmp_path, 6, 3, jax.devices()[:4])
+    assert train_losses(resumed) == train_losses(straight)
+    logged = [m for m in read_metrics(straight) if "loss" in m]
+    assert all(m["moe_load_max"] >= 1.0 >= m["moe_load_min"] >= 0.0 and m["moe_aux_loss"] > 0 for m in logged)
+    assert logged[-1]["loss"] < logged[0]["loss"]
+
+
+@pytest.mark.slow
+def test_lora_on_gemma4_exports_adapters_that_peft_applies_with_our_logits(tmp_path):
+    """LoRA on every projection of gemma4_all (groups, keys as values, KV-sharing layers without
+    key/value weights, experts), trained from its checkpoint; PEFT's Gemma 4 with our adapters
+    gives our logits, and so does our merged export."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers import Gemma4ForCausalLM
+
+    from tunix_train.interop import hf
+    from tunix_train.train.loop import train
+
+    build("gemma4_all", tmp_path / "base")
+    cfg = config("data.seq_len=32", "training.log_every=1", "training.eval_every=0", "training.max_steps=3",
+                 "training.warmup_steps=0", "training.learning_rate=0.01", "training.lora.rank=4",
+                 "training.lora.targets=[q,k,v,o,gate,up,down]", f"model.init_from={tmp_path / 'base'}")
+    fields = hf.model_fields_from_hf(hf.read_hf_config(tmp_path / "base"))
+    cfg.model = dataclasses.replace(cfg.model, **fields, mesh_shape=MESHES["fsdp2_tp2"])
+    train(cfg, tmp_path / "run", devices=jax.devices()[:4])
+
+    model = api.load(tmp_path / "run", mesh_shape=MESHES["fsdp2_tp2"], devices=jax.devices()[:4])
+    model.export_adapters(tmp_path / "adapters")
+    model.export(tmp_path / "merged")
+    ours = model.logits(TOKENS)
+    with torch.no_grad():
+        base = Gemma4ForCausalLM.from_pretrained(tmp_path / "base").eval()
+        plain = base(torch.tensor(TOKENS), output_hidden_states=True).logits.numpy()
+        theirs = PeftModel.from_pretrained(base, tmp_path / "adapters").eval()(
+            torch.tensor(TOKENS), output_hidden_states=True).logits.numpy()
+        merged = Gemma4ForCausalLM.from_pretrained(tmp_path / "merged").eval()(
+            torch.tensor(TOKENS), output_hidden_states=True).logits.numpy()
+    assert np.abs(theirs - plain).max() > 1e-2  # the adapters change the model
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(merged, theirs, atol=1e-4, rtol=0)

@@ -69,7 +69,7 @@ def test_minus_one_fills_the_remaining_devices():
 
 @pytest.mark.parametrize("mesh_shape, message", [
     ([[4, 4], ["fsdp", "tp"]], "has 16 devices but 8 are available"),
-    ([[8], ["ep"]], "unknown mesh axis 'ep'"),
+    ([[8], ["xp"]], "unknown mesh axis 'xp'"),
     ([[2, 4], ["fsdp", "fsdp"]], "duplicate mesh axis"),
     ([[-1, -1], ["fsdp", "tp"]], "at most one -1"),
     ([[8]], "must be [[sizes...], [axis names...]]"),
@@ -98,7 +98,7 @@ def test_rules_are_values_a_variant_table_leaves_alone():
     """The delayed-sync step's table (batch unsplit inside its vmap) is a new value: the shared table
     cannot be changed, and each constraint follows the table it is given, in one process."""
     per_shard = per_shard_rules(LOGICAL_RULES)
-    assert per_shard["batch"] == () and LOGICAL_RULES["batch"] == ("dp", "fsdp")
+    assert per_shard["batch"] == () and LOGICAL_RULES["batch"] == ("dp", "fsdp", "ep")
     assert {k: v for k, v in per_shard.items() if k != "batch"} == {k: v for k, v in LOGICAL_RULES.items()
                                                                    if k != "batch"}
     with pytest.raises(TypeError):

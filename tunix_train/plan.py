@@ -82,10 +82,33 @@ def plan(overrides: list[str]):
         "batch": sum(math.prod(batch_sharding(run.mesh).shard_shape(b.shape)) * b.dtype.itemsize
                      for b in batch.values()),
     }
+    if cfg.model.num_experts:
+        experts = _expert_leaves(run.plan.abstract.params)
+        figures["experts (of the parameters)"] = _shard_bytes(experts, _expert_leaves(run.plan.shardings.params))
     # The accumulator lives inside the step's temporaries; the total counts it once.
     on_device = sum(v for k, v in state.items() if not k.endswith("(host)"))
     figures["total"] = on_device + figures["batch"] + memory.temp_size_in_bytes
     return figures, cfg, run
+
+
+def _expert_leaves(params):
+    """The experts' weights of a parameter tree (or of its shardings), by path."""
+    import jax
+
+    named = {jax.tree_util.keystr(path).removesuffix(".value"): leaf
+             for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    return {name: leaf for name, leaf in named.items() if "'gate_up_EDCM'" in name or "'down_EMD'" in name}
+
+
+def parameter_counts(cfg, params) -> tuple[int, int]:
+    """(all parameters, those a token goes through): of each layer's experts only k of E count."""
+    import jax
+
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    experts = sum(math.prod(x.shape) for x in _expert_leaves(params).values())
+    m = cfg.model
+    active = total - experts + (experts * m.num_experts_per_token // m.num_experts if m.num_experts else 0)
+    return total, active
 
 
 def advice(cfg, mesh, training: bool = True) -> list[str]:
@@ -107,6 +130,8 @@ def advice(cfg, mesh, training: bool = True) -> list[str]:
     if training and mesh.shape.get("pp", 1) == 1 and cfg.model.num_layers % 2 == 0:
         tips.append(f"a pp mesh axis (each stage holds num_layers / pp layers and their optimizer state; with "
                     f"training.pipeline_microbatches >= pp)")
+    if cfg is not None and cfg.model.num_experts and cfg.model.num_experts % (2 * mesh.shape.get("ep", 1)) == 0:
+        tips.append("a larger ep mesh axis (the experts divide by it)")
     if training and mesh.shape.get("cp", 1) == 1 and cfg.data.seq_len % 4 == 0:
         tips.append("a cp mesh axis (activations divide by it: the sequence is split across devices)")
     device = mesh.devices.flat[0]
@@ -204,6 +229,12 @@ def main(argv: list[str]) -> int:
           f"{cfg.training.mixed_precision.value}, remat={cfg.training.remat.value}")
     for line in run.parallel.describe() if run.parallel else ():
         print(line)
+    total, active = parameter_counts(cfg, run.plan.abstract.params)
+    if cfg.model.num_experts:
+        print(f"parameters: {total:,}, of which {active:,} active per token ({cfg.model.num_experts_per_token} of "
+              f"{cfg.model.num_experts} experts); experts split over ep={run.mesh.shape.get('ep', 1)}")
+    else:
+        print(f"parameters: {total:,}")
     print("per device:")
     for name, value in figures.items():
         print(f"  {name:<38} {value / 2**30:10.3f} GiB")

@@ -128,7 +128,7 @@ def _hf_slices(spec: str, cfg: ModelConfig, layer: int | None, ours_index: tuple
     return hf, tuple(left), read_shape
 
 
-def _layer_of(path: str, cfg: ModelConfig):
+def stack_layers(path: str, cfg: ModelConfig):
     """(the _SPECS key, layer index of a stack's row -> layer) of a parameter path: `layers.X` (one
     stack: row r is layer r), `groups.g.j.X` (row r is layer_groups[g].layers(j)[r]), or global."""
     parts = path.split(".")
@@ -213,7 +213,16 @@ def model_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "rope_scale_global": float(scaling.get("factor", 1.0)) if scaling.get("rope_type", "linear") == "linear" else 1.0,
         "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
         "context_length": hf.get("max_position_embeddings"),
+        **GEMMA4_ONLY_OFF,
     }
+
+
+# Gemma 4's fields as Gemma 1-3 have them: a config that sets one cannot load a Gemma 1-3 checkpoint
+GEMMA4_ONLY_OFF = dict(layer_types=None, global_head_dim=None, num_global_kv_heads=None, attention_k_eq_v=False,
+                       rope_partial_factor_global=1.0, norm_weight_offset=1.0, use_v_norm=False,
+                       num_kv_shared_layers=0, double_wide_mlp=False, per_layer_input_dim=0,
+                       per_layer_input_vocab_size=None, use_layer_scalar=False, num_experts=0,
+                       num_experts_per_token=0, moe_hidden_dim=0)
 
 
 def _gemma4_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -299,7 +308,7 @@ def load_params_from(files: Any, cfg: ModelConfig, abstract_params: nnx.State, s
 
     def load(key_path, leaf: jax.ShapeDtypeStruct):
         path = jax.tree_util.keystr(key_path, simple=True, separator=".").removesuffix(".value")
-        spec, layer_of = _layer_of(path, cfg)
+        spec, layer_of = stack_layers(path, cfg)
         rows = range(leaf.shape[0]) if layer_of else [None]
         name = lambda r: _hf_name(spec, None if r is None else layer_of(r), cfg, prefix)
         for r in rows:
@@ -404,7 +413,7 @@ def export(params: nnx.State, cfg: ModelConfig, directory: Path) -> None:
     tensors = {}
     for key_path, array in jax.tree_util.tree_flatten_with_path(params)[0]:
         path = jax.tree_util.keystr(key_path, simple=True, separator=".").removesuffix(".value")
-        spec, layer_of = _layer_of(path, cfg)
+        spec, layer_of = stack_layers(path, cfg)
         full = np.asarray(multihost_utils.process_allgather(array, tiled=True), np.float32)
         for layer, ours in ([(layer_of(r), row) for r, row in enumerate(full)] if layer_of else [(None, full)]):
             tensors[_hf_name(spec, layer, cfg)] = np.ascontiguousarray(_to_hf(ours, spec, cfg, layer))

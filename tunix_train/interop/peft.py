@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from tunix_train.config import LoraConfig, ModelConfig
+from tunix_train.interop import hf
 
 # our adapter -> transformers' module under model.layers.{i}.
 _MODULES = {"q_lora": "self_attn.q_proj", "k_lora": "self_attn.k_proj", "v_lora": "self_attn.v_proj",
@@ -32,9 +33,10 @@ def export(adapters: nnx.State, cfg: ModelConfig, lora: LoraConfig, directory: P
 
     tensors = {}
     for path, variable in nnx.to_flat_state(adapters):
-        *_, adapter, factor = path  # ("layers", "attn", "q_lora", "a")
+        *_, adapter, factor = path  # ("layers", "attn", "q_lora", "a") or ("groups", g, j, "attn", ...)
+        _, layer_of = hf.stack_layers(".".join(map(str, path)), cfg)
         full = np.asarray(multihost_utils.process_allgather(variable[...], tiled=True), np.float32)
-        for layer, ours in enumerate(full):
+        for layer, ours in ((layer_of(r), row) for r, row in enumerate(full)):
             if factor == "a":
                 name, tensor = "lora_A", ours.reshape(-1, lora.rank).T
             else:

@@ -1,0 +1,109 @@
+"""Mixture-of-experts benchmark: gemma4_moe_tiny at ep=1 and ep=4, against a dense model of the same
+active size, and the share of the MoE layer's time that goes to dispatch.
+
+    python scripts/benchmark_moe.py [--cpu-devices 4] [--rounds 2] [--steps 10] overrides...
+
+1. Train steps (scripts/benchmark.py's measurement) of gemma4_moe_tiny on mesh [[N],["fsdp"]] (ep=1)
+   and [[N],["ep"]] (ep=N), and of the dense twin: the same model without experts and with the
+   dense MLP as wide as the dense MLP plus the k experts a token uses, so that both do the same
+   matmul FLOPs per token. Configurations alternate round by round (a shared machine's drift hits
+   all alike); tokens/s are medians over rounds, MFU counts active parameters (observe/mfu.py).
+2. Dispatch share: the experts of one layer, forward and backward, on a micro-batch's tokens:
+   moe.apply_experts (sort by expert, gather, grouped matmuls, scatter back, weighted sum) against
+   moe.grouped_experts alone on tokens already sorted (the grouped matmuls). The difference is what
+   dropless dispatch costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+MODEL = ["model=gemma4_moe_tiny", "data=synthetic", "data.seq_len=128", "training.micro_batch_size=4"]
+
+
+def dense_twin(overrides: list[str]) -> list[str]:
+    from tunix_train.config import load_config
+
+    m = load_config(overrides)[0].model
+    width = m.hidden_dim + m.num_experts_per_token * m.moe_hidden_dim
+    return overrides + ["model.num_experts=0", f"model.hidden_dim={width}"]
+
+
+def dispatch_share(overrides: list[str], repeats: int = 20) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tunix_train.config import load_config
+    from tunix_train.model.moe import MoE, apply_experts, grouped_experts
+    from tunix_train.sharding import LOGICAL_RULES
+
+    cfg = load_config(overrides)[0]
+    m = cfg.model
+    moe = MoE(m, nnx.Rngs(0), LOGICAL_RULES)
+    X = cfg.training.micro_batch_size * cfg.data.seq_len
+    x = jax.random.normal(jax.random.key(1), (X, m.embed_dim))
+    weights, experts, _ = moe.route(jax.random.normal(jax.random.key(2), (X, m.embed_dim)))
+    gate_up, down = moe.gate_up_EDCM[...], moe.down_EMD[...]
+    order = jnp.argsort(experts.reshape(-1))
+    x_sorted = x[order // m.num_experts_per_token]
+    sizes = jnp.bincount(experts.reshape(-1), length=m.num_experts)
+
+    full = jax.jit(jax.grad(lambda x, g, d: jnp.sum(apply_experts(x, weights, experts, g, d, m.moe_dispatch,
+                                                                  m.moe_capacity_factor)), argnums=(0, 1, 2)))
+    matmuls = jax.jit(jax.grad(lambda x, g, d: jnp.sum(grouped_experts(x, sizes, g, d)), argnums=(0, 1, 2)))
+
+    def timed(fn, *args):
+        jax.block_until_ready(fn(*args))
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    t_full, t_matmuls = timed(full, x, gate_up, down), timed(matmuls, x_sorted, gate_up, down)
+    return {"tokens": X, "apply_experts_ms": t_full * 1e3, "grouped_matmuls_ms": t_matmuls * 1e3,
+            "dispatch_share": 1 - t_matmuls / t_full}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu-devices", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    args, overrides = parser.parse_known_args()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from benchmark import benchmark
+
+    n = args.cpu_devices
+    base = MODEL + overrides
+    runs = {f"moe ep=1 (fsdp={n})": base + [f"model.mesh_shape=[[{n}],[fsdp]]"],
+            f"moe ep={n}": base + [f"model.mesh_shape=[[{n}],[ep]]"],
+            f"dense, same active size (fsdp={n})": dense_twin(base) + [f"model.mesh_shape=[[{n}],[fsdp]]"]}
+    results = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name, run in runs.items():
+            results[name].append(benchmark(run, args.steps, 3))
+    dense = statistics.median(r["tokens_per_sec"] for r in results[list(runs)[-1]])
+    print(f"{'':<36}{'tokens/s':>10}{'MFU (of measured peak)':>24}{'dense / this':>14}")
+    for name, rs in results.items():
+        tps = statistics.median(r["tokens_per_sec"] for r in rs)
+        mfu = statistics.median(r["fraction_of_measured_peak"] for r in rs)
+        print(f"{name:<36}{tps:>10,.0f}{mfu:>24.1%}{dense / tps:>14.2f}")
+    share = dispatch_share(base)
+    print(f"dispatch: one layer's experts, forward and backward, {share['tokens']} tokens: apply_experts "
+          f"{share['apply_experts_ms']:.2f} ms, its grouped matmuls alone {share['grouped_matmuls_ms']:.2f} ms: "
+          f"dispatch {share['dispatch_share']:.0%} of it")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
