@@ -405,14 +405,15 @@ class Gemma(nnx.Module):
     def _layers(self, layer_xs, x_BTD, rows, make_attend):
         """The layers of layer_xs applied in order, each group by a scan over its repeats, and the
         experts' statistics of every layer ([L, ...], in no particular order; {} without experts). layer_xs: (stacked parameters, windows [L]) of
-        the one stack, or per group ([stacked parameters per position], windows [repeats, period]).
+        the one stack, or per group ([stacked parameters per position], windows [repeats, period]). In
+        the scan body a period's windows are [period], or a scalar for the one stack.
         make_attend: rows -> window -> attend, the attention over the keys of this pass."""
         rope_global, rope_local = self.rope_tables(rows["positions"])
         attend_within = make_attend(rows)
         per_layer_BTLP = rows.get("per_layer_inputs")
         if self.homogeneous:
             state, windows = layer_xs
-            groups = [(self.layer_groups[0], [nnx.graphdef(self.layers)], [state], windows[:, None])]
+            groups = [(self.layer_groups[0], [nnx.graphdef(self.layers)], [state], windows)]
         else:
             groups = [(group, [nnx.graphdef(b) for b in blocks], states, windows)
                       for (group, blocks), (states, windows) in zip(self.stacks(), layer_xs)]
@@ -444,7 +445,7 @@ class Gemma(nnx.Module):
                 layer_stats = []
                 for j, (graphdef, shape) in enumerate(zip(graphdefs, group.period)):
                     kind = shape.layer_type
-                    x_BTD, kv, moe = apply(graphdef, shape, x_BTD, states[j], windows[j],
+                    x_BTD, kv, moe = apply(graphdef, shape, x_BTD, states[j], windows[j] if windows.ndim else windows,
                                            None if per_layer is None else per_layer[j],
                                            shared[kind] if shape.shares_kv else None)
                     if kind in shared and not shape.shares_kv:
