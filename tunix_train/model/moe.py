@@ -6,7 +6,8 @@ probabilities renormalised to sum to one, then each multiplied by its expert's l
 
 Dispatch (model.moe_dispatch):
 - dropless: the token copies (X tokens x k choices) sorted by expert, then two grouped matmuls
-  (jax.lax.ragged_dot) over groups of any size: no token is dropped.
+  (jax.lax.ragged_dot on TPUs; in blocks elsewhere, kernels.grouped_matmul) over groups of any
+  size: no token is dropped.
 - capacity: each expert has C = ceil(capacity_factor * X * k / E) slots; a copy past its expert's
   C is dropped (adds nothing). Batched matmuls of fixed shape, for backends where ragged_dot is slow.
 
@@ -102,24 +103,31 @@ def apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispatch
                   capacity_factor: float):
     """Σ_k weight_k · expert_k(x) for every token, the experts all held here."""
     X, K = experts_XK.shape
-    expert_A = experts_XK.reshape(-1)
-    order_A = jnp.argsort(expert_A, stable=True)  # copies sorted by expert; copy a is token a // K
-    x_AD = x_XD[order_A // K]
+    expert_A = experts_XK.reshape(-1)  # copy a is token a // K
+    order_A, inverse_A = _sorting(expert_A)
+    x_AD = kernels.take_rows(jnp.repeat(x_XD, K, axis=0), order_A, inverse_A)  # copies sorted by expert
     if dispatch is MoeDispatch.dropless:
         y_AD = grouped_experts(x_AD, jnp.bincount(expert_A, length=gate_up_EDCM.shape[0]), gate_up_EDCM, down_EMD)
     else:
         y_AD = capacity_experts(x_AD, expert_A[order_A], gate_up_EDCM, down_EMD, capacity_factor)
-    y_AD = jnp.zeros_like(y_AD).at[order_A].set(y_AD)  # back to token order
+    y_AD = kernels.take_rows(y_AD, inverse_A, order_A)  # back to token order
     return jnp.einsum("xkd,xk->xd", y_AD.reshape(X, K, -1), weights_XK.astype(y_AD.dtype))
+
+
+def _sorting(ids):
+    """(order, inverse): the permutation sorting `ids` (stable) and where each element lands."""
+    order = jnp.argsort(ids, stable=True)
+    return order, jnp.argsort(order)
 
 
 def grouped_experts(x_AD, group_sizes_E, gate_up_EDCM, down_EMD):
     """Rows of x sorted by expert, group_sizes_E of them per expert (rows past their sum give 0):
     each row through its expert's GeGLU by two ragged (grouped) matmuls."""
     E, D, _, M = gate_up_EDCM.shape
-    h_AF = jax.lax.ragged_dot(x_AD, gate_up_EDCM.reshape(E, D, 2 * M), group_sizes_E)
+    blocks = jax.default_backend() != "tpu"  # kernels.grouped_matmul: ragged_dot runs densely elsewhere
+    h_AF = kernels.grouped_matmul(x_AD, gate_up_EDCM.reshape(E, D, 2 * M), group_sizes_E, blocks)
     h_AM = kernels.projection_output(_geglu(h_AF.reshape(-1, 2, M)))
-    return jax.lax.ragged_dot(h_AM, down_EMD, group_sizes_E)
+    return kernels.grouped_matmul(h_AM, down_EMD, group_sizes_E, blocks)
 
 
 def capacity_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, capacity_factor: float):
@@ -149,29 +157,35 @@ def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispa
 
     def shard(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD):
         X, K = experts_XK.shape
-        E_local = gate_up_EDCM.shape[0]
+        E_local, D = gate_up_EDCM.shape[0], x_XD.shape[1]
         expert_A = experts_XK.reshape(-1)
         A = expert_A.shape[0]
-        order_A = jnp.argsort(expert_A, stable=True)
+        order_A, inverse_A = _sorting(expert_A)
         sorted_A = expert_A[order_A]
         dest_A = sorted_A // E_local
-        # row of each copy in its destination's buffer: its rank among the copies sent there
-        row_A = jnp.arange(A) - _group_starts(dest_A, S)[dest_A]
-        send_SAD = jnp.zeros((S, A, x_XD.shape[1]), x_XD.dtype).at[dest_A, row_A].set(x_XD[order_A // K])
-        send_SA = jnp.full((S, A), E_local, jnp.int32).at[dest_A, row_A].set(sorted_A % E_local)
+        # slot of each sorted copy in the [S, A] send buffer: its destination's row, then its rank
+        # among the copies sent there; and the copy each slot holds (A: none)
+        slot_A = dest_A * A + jnp.arange(A) - _group_starts(dest_A, S)[dest_A]
+        copy_of_slot = jnp.full((S * A,), A, jnp.int32).at[slot_A].set(jnp.arange(A, dtype=jnp.int32))
+        x_AD = kernels.take_rows(jnp.repeat(x_XD, K, axis=0), order_A, inverse_A)
+        send_SAD = kernels.take_rows(x_AD, copy_of_slot, slot_A).reshape(S, A, D)
+        # each slot's local expert, E_local for an empty slot (a gather: the scatter it replaces, fused
+        # with the reshape, crashed XLA:CPU's multi-output fusion in jaxlib 0.10.2)
+        send_SA = jnp.take(jnp.append(sorted_A % E_local, E_local), copy_of_slot).reshape(S, A)
         recv_SAD = jax.lax.all_to_all(send_SAD, EP, 0, 0, tiled=False)
         recv_SA = jax.lax.all_to_all(send_SA, EP, 0, 0, tiled=False)
         # the received copies sorted by local expert, the empty rows (id E_local) last
         local_R = recv_SA.reshape(-1)
-        order_R = jnp.argsort(local_R, stable=True)
-        x_RD = recv_SAD.reshape(S * A, -1)[order_R]
+        order_R, inverse_R = _sorting(local_R)
+        x_RD = kernels.take_rows(recv_SAD.reshape(S * A, D), order_R, inverse_R)
         if dispatch is MoeDispatch.dropless:
             y_RD = grouped_experts(x_RD, jnp.bincount(local_R, length=E_local), gate_up_EDCM, down_EMD)
         else:
             y_RD = capacity_experts(x_RD, local_R[order_R], gate_up_EDCM, down_EMD, capacity_factor / S)
-        y_SAD = jnp.zeros_like(y_RD).at[order_R].set(y_RD).reshape(S, A, -1)
+        y_SAD = kernels.take_rows(y_RD, inverse_R, order_R).reshape(S, A, D)
         back_SAD = jax.lax.all_to_all(y_SAD, EP, 0, 0, tiled=False)
-        y_AD = jnp.zeros((A, x_XD.shape[1]), y_RD.dtype).at[order_A].set(back_SAD[dest_A, row_A])
+        y_AD = kernels.take_rows(back_SAD.reshape(S * A, D), slot_A, copy_of_slot)  # sorted copies
+        y_AD = kernels.take_rows(y_AD, inverse_A, order_A)  # in token order
         return jnp.einsum("xkd,xk->xd", y_AD.reshape(X, K, -1), weights_XK.astype(y_AD.dtype))
 
     tokens = P(EP)
