@@ -104,3 +104,29 @@ def test_fused_attention_gets_the_layout_heads_and_mask_of_the_einsum_attention(
     mask = _documents_and_window_mask(window=4)
     _assert_same_values_and_gradients(lambda *qkv: kernels.attention(*qkv, mask, fused="xla"),
                                       lambda *qkv: _plain_attention(*qkv, mask, None), args)
+
+
+@pytest.mark.parametrize("sizes", [[10, 0, 70, 15], [8] * 8, [0, 0, 37], [1, 2, 3]])
+def test_grouped_matmul_in_blocks_is_ragged_dot(sizes):
+    """Values and gradients; groups of any size, empty ones, and rows past the groups' sum (zeros)."""
+    A, E = max(sum(sizes), 40), len(sizes)
+    x = jax.random.normal(jax.random.key(0), (A, 6))
+    w = jax.random.normal(jax.random.key(1), (E, 6, 5))
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    loss = lambda blocks: lambda x, w: jnp.sum(jnp.sin(kernels.grouped_matmul(x, w, group_sizes, blocks)))
+    np.testing.assert_allclose(kernels.grouped_matmul(x, w, group_sizes, True),
+                               jax.lax.ragged_dot(x, w, group_sizes), atol=1e-5, rtol=0)
+    for got, expected in zip(jax.grad(loss(True), argnums=(0, 1))(x, w), jax.grad(loss(False), argnums=(0, 1))(x, w)):
+        np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
+
+
+def test_take_rows_is_indexing_and_its_gradient_that_of_indexing():
+    x = jax.random.normal(jax.random.key(0), (5, 3))
+    index = jnp.array([3, 5, 0, 4, 5, 1, 2])  # 5: a row of zeros
+    inverse = jnp.array([2, 5, 6, 0, 3])  # where each row of x lands
+    padded = jnp.concatenate([x, jnp.zeros((1, 3))])
+    np.testing.assert_array_equal(kernels.take_rows(x, index, inverse), padded[index])
+    g = jax.random.normal(jax.random.key(1), (7, 3))
+    got = jax.grad(lambda x: jnp.sum(kernels.take_rows(x, index, inverse) * g))(x)
+    expected = jax.grad(lambda x: jnp.sum(jnp.concatenate([x, jnp.zeros((1, 3))])[index] * g))(x)
+    np.testing.assert_allclose(got, expected, atol=1e-6)
