@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from tunix_train.config import ModelConfig, MoeDispatch
 from tunix_train.model import kernels
 from tunix_train.model.common import RMSNorm, param
-from tunix_train.sharding import Rules, constrain
+from tunix_train.sharding import BATCH_AXES, Rules, constrain
 
 EP = "ep"
 
@@ -44,7 +44,9 @@ class MoE(nnx.Module):
         D, E, M = cfg.embed_dim, cfg.num_experts, cfg.moe_hidden_dim
         self.router_norm = RMSNorm(D, cfg.rms_norm_eps, with_scale=False)
         self.router_scale = nnx.Param(jnp.ones((D,), jnp.float32), axes=("norm",))
-        self.router_DE = param(rngs, (D, E), ("embed", None), D)
+        # small (D x E) and replicated: split over fsdp, its gradient made XLA reshard every token's
+        # activations to meet it ("involuntary full rematerialization")
+        self.router_DE = param(rngs, (D, E), (None, None), D)
         self.expert_scale = nnx.Param(jnp.ones((E,), jnp.float32), axes=(None,))
         # gate and up of each expert side by side (C = 2), one matmul for both
         self.gate_up_EDCM = param(rngs, (E, D, 2, M), ("experts", "embed", None, "moe_mlp"), D)
@@ -147,7 +149,7 @@ def capacity_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, capacity_factor: fl
 
 def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispatch, capacity_factor, rules):
     """apply_experts with the experts split over the ep mesh axis (and the tokens with them: ep is
-    one of the batch's axes). In a shard_map manual over ep only, so fsdp and tp stay the compiler's.
+    one of the batch's axes), in a shard_map manual over the data axes (dp, fsdp, ep).
 
     Each shard sends shard s the copies of its tokens bound for s's experts, in a buffer of A rows
     per destination (a shard's every copy may go to one shard: no copy is dropped), by one
@@ -188,6 +190,10 @@ def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispa
         y_AD = kernels.take_rows(y_AD, inverse_A, order_A)  # in token order
         return jnp.einsum("xkd,xk->xd", y_AD.reshape(X, K, -1), weights_XK.astype(y_AD.dtype))
 
-    tokens = P(EP)
+    # manual over every data axis, not ep alone: with fsdp left to the compiler, it resharded every
+    # token's activations to meet the experts' fsdp-split weights. The weights enter whole over fsdp
+    # (gathered, as fsdp gathers any weight before use); tp stays the compiler's.
+    data = tuple(a for a in BATCH_AXES if a in mesh.shape)
+    tokens = P(data)
     return jax.shard_map(shard, in_specs=(tokens, tokens, tokens, P(EP), P(EP)), out_specs=tokens,
-                         axis_names={EP})(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD)
+                         axis_names=set(data))(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD)
