@@ -48,8 +48,8 @@ def _logits(directory, mesh_shape):
     return model, model.logits(TOKENS)
 
 
-# Every family on both meshes; on fsdp x tp only the model with every feature runs in the main suite.
-PARITY = [pytest.param(family, mesh, marks=() if mesh == "1" or family == "gemma4_all" else pytest.mark.slow)
+# Every family on both meshes; the main suite runs them on one device, the slow one on fsdp x tp.
+PARITY = [pytest.param(family, mesh, marks=() if mesh == "1" else pytest.mark.slow)
           for family in GEMMA4 for mesh in MESHES]
 
 
@@ -62,7 +62,7 @@ def test_logits_match_transformers(reference, family, mesh):
 
 @pytest.mark.parametrize("family, mesh", [("gemma4_moe", "ep2_fsdp2"), ("gemma4_moe", "ep2_fsdp2_tp2"),
                                           pytest.param("gemma4_all", "ep2_fsdp2", marks=pytest.mark.slow),
-                                          ("gemma4_all", "ep2_fsdp2_tp2")])
+                                          pytest.param("gemma4_all", "ep2_fsdp2_tp2", marks=pytest.mark.slow)])
 def test_expert_parallel_logits_match_transformers(reference, family, mesh):
     directory, expected = reference(family)
     _, logits = _logits(directory, EP_MESHES[mesh])
@@ -83,6 +83,7 @@ def test_layers_are_grouped_by_shape(reference):
     assert [(g.first, len(g.period), g.repeats) for g in layer_groups(e2b.model)] == [(0, 5, 3), (15, 5, 4)]
 
 
+@pytest.mark.slow
 def test_export_equals_the_imported_files(reference, tmp_path):
     from safetensors.numpy import load_file
 
@@ -101,7 +102,8 @@ def test_export_equals_the_imported_files(reference, tmp_path):
                                atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["gemma4_all", pytest.param("gemma4_global", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma4_all", "gemma4_global"])
 def test_greedy_generation_matches_transformers(tmp_path, family):
     prompt = np.random.default_rng(2).integers(3, SIZES["vocab_size"], (1, 6))
     expected = checkpoint_and_logits(family, tmp_path / "checkpoint", prompt, greedy_tokens=12)
