@@ -114,7 +114,7 @@ def parameter_counts(cfg, params) -> tuple[int, int]:
 def advice(cfg, mesh, training: bool = True) -> list[str]:
     """What lowers per-device memory, the most effective first; `training=False` for loading or
     sampling a model (only the mesh then matters, and cfg may be None)."""
-    from tunix_train.model.gemma import layer_groups
+    from tunix_train.parallel import pipelines
 
     t, tips = cfg.training if training else None, []
     if training and t.micro_batch_size > 1:
@@ -129,10 +129,7 @@ def advice(cfg, mesh, training: bool = True) -> list[str]:
         tips.append(f"shard more over fsdp ({divided} by it)")
     else:
         tips.append(f"more devices on the fsdp axis ({divided} by it)")
-    # what tunix_train.parallel runs over pp: one stack of layers of one shape, no experts, no per-layer inputs
-    pipelines = training and [(g.first, len(g.period)) for g in layer_groups(cfg.model)] == [(0, 1)] and not (
-        cfg.model.num_experts or cfg.model.per_layer_input_dim)
-    if pipelines and mesh.shape.get("pp", 1) == 1 and cfg.model.num_layers % 2 == 0:
+    if training and pipelines(cfg.model) and mesh.shape.get("pp", 1) == 1 and cfg.model.num_layers % 2 == 0:
         tips.append(f"a pp mesh axis (each stage holds num_layers / pp layers and their optimizer state; with "
                     f"training.pipeline_microbatches >= pp)")
     if cfg is not None and cfg.model.num_experts and cfg.model.num_experts % (2 * mesh.shape.get("ep", 1)) == 0:

@@ -82,6 +82,11 @@ class LayerGroup:
         return self.first + position + len(self.period) * np.arange(self.repeats)
 
 
+def one_stack(cfg: ModelConfig) -> bool:
+    """Whether every layer has one shape (Gemma 1-3): the parameters are one stack, `layers`."""
+    return [len(group.period) for group in layer_groups(cfg)] == [1]
+
+
 def layer_groups(cfg: ModelConfig) -> tuple[LayerGroup, ...]:
     """The layers cut into periods of p shapes, consecutive equal periods forming a group, with the
     p whose groups compile the fewest layer bodies (the sum of their periods); Gemma 1-3: one group
@@ -308,6 +313,7 @@ class Gemma(nnx.Module):
         adapter_keys = keys if lora is None else jax.random.split(rngs.params(), L)
         stacks = [[_stacked_blocks(cfg, shape, keys[group.layers(j)], adapter_keys[group.layers(j)], rules, lora)
                    for j, shape in enumerate(group.period)] for group in self.layer_groups]
+        self.homogeneous = one_stack(cfg)  # whether every layer has one shape: one stack, `layers`
         if self.homogeneous:
             self.layers, self.groups = stacks[0][0], None
         else:
@@ -319,11 +325,6 @@ class Gemma(nnx.Module):
                                                   ("vocab", None, None), P)
             self.per_layer_proj_DLP = param(rngs, (D, L, P), ("embed", None, None), D)
             self.per_layer_proj_norm = RMSNorm(P, cfg.rms_norm_eps, cfg.norm_weight_offset)
-
-    @property
-    def homogeneous(self) -> bool:
-        """Whether every layer has one shape: one stack, `layers`, scanned layer by layer."""
-        return len(self.layer_groups) == 1 and len(self.layer_groups[0].period) == 1
 
     def stacks(self) -> list[tuple[LayerGroup, list[Block]]]:
         """Each group and the stacked Block of each position of its period."""

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from tunix_train.config import AttentionImpl, ConfigError, ModelConfig, TrainingConfig
-from tunix_train.model.gemma import layer_groups
+from tunix_train.model.gemma import one_stack
 from tunix_train.parallel import context, pipeline
 from tunix_train.parallel import float32_reductions as reductions
 
@@ -87,13 +87,17 @@ class Parallelism:
         return lines
 
 
+def pipelines(model: ModelConfig) -> bool:
+    """Whether the pp schedules run this model: one stack of layers, no experts, no per-layer inputs."""
+    return one_stack(model) and not (model.num_experts or model.per_layer_input_dim)
+
+
 def for_run(mesh: Mesh, model: ModelConfig, training: TrainingConfig, seq_len: int) -> Parallelism | None:
     """The Parallelism of a training run on `mesh` (None without pp and cp), or a ConfigError."""
     pp, cp = mesh.shape.get(pipeline.AXIS, 1), mesh.shape.get(context.AXIS, 1)
     if pp == 1 and cp == 1:
         return None
-    if pp > 1 and (model.num_experts or model.per_layer_input_dim or len(layer_groups(model)) > 1
-                   or len(layer_groups(model)[0].period) > 1):
+    if pp > 1 and not pipelines(model):
         raise ConfigError("model.mesh_shape: pp does not yet run Gemma 4's mixed layer shapes, per-layer inputs or "
                           "experts; drop the pp axis")
     if training.sync_gradients_every > 1:
