@@ -1,11 +1,15 @@
 """Train a Gemma-family model: python run_training.py [hydra overrides...]
 
+Exit codes (tunix_train/exit_codes.py): 0 done, 2 a config error, 3 a non-finite step
+(nan_policy=stop), 75 preempted (SIGTERM: checkpoint saved, restart me), other: a failure.
+
     python run_training.py model=gemma3_1b model.mesh_shape=[[4,1],["fsdp","tp"]] training.micro_batch_size=4
 """
 
 import sys
 from pathlib import Path
 
+from tunix_train import exit_codes
 from tunix_train.config import ConfigError, load_config
 
 
@@ -29,8 +33,8 @@ def main(argv: list[str]) -> int:
             return stopped.exit_code
     except ConfigError as err:
         print(f"tunix_train: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        return exit_codes.CONFIG_ERROR
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

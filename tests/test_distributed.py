@@ -84,7 +84,7 @@ def test_tensor_parallelism_must_stay_within_a_host(tmp_path):
 def test_killing_one_process_stops_the_launcher(tmp_path):
     start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "tunix_train.launch", "--nprocs=2", "--cpu_devices_per_process=2",
-                             "--grace_period_s=5", str(REPO / "run_training.py"), *RUN, "training.max_steps=100000",
+                             "--grace_period_s=5", "--max_restarts=0", str(REPO / "run_training.py"), *RUN, "training.max_steps=100000",
                              "training.eval_every=0", "checkpoint.every_steps=0",
                              'model.mesh_shape=[[4,1],["fsdp","tp"]]', f"hydra.run.dir={tmp_path}"],
                             cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -96,7 +96,8 @@ def test_killing_one_process_stops_the_launcher(tmp_path):
     os.kill(int(children[1]), signal.SIGKILL)
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode != 0
-    assert "rank 1 exited with code -9; stopping the others" in out
+    assert "[launch] rank 1 killed by signal SIGKILL; stopping the others" in out
+    assert "restart" not in out and not (tmp_path / "restarts.jsonl").exists()  # --max_restarts=0: the end
     assert time.monotonic() - start < 120
     time.sleep(0.5)
     alive = [pid for pid in children if subprocess.run(["kill", "-0", pid], capture_output=True).returncode == 0]

@@ -9,6 +9,8 @@ Each process gets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK (lau
 reads them). Output lines are prefixed with the rank; SIGTERM and SIGINT are forwarded; when one
 process fails, the others are stopped (SIGTERM, then SIGKILL after --grace_period_s) and the launcher
 exits with the failed process's code. --cpu_devices_per_process=K gives each process K fake CPU devices.
+--max_restarts=R restarts the whole job after a failure, from its last checkpoint (restart.py); the
+launcher pins the run directory (hydra.run.dir) so that every start finds it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ import subprocess
 import sys
 import threading
 import time
+
+from tunix_train import exit_codes
+from tunix_train.config import ConfigError
+from tunix_train.launch import restart
 
 
 def _free_port() -> int:
@@ -59,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master_port", type=int, default=None, help="default: a free port (single node only)")
     parser.add_argument("--cpu_devices_per_process", type=int, default=None)
     parser.add_argument("--grace_period_s", type=float, default=10.0)
+    restart.add_arguments(parser)
     parser.add_argument("-m", "--module", action="store_true", help="run `script` as a module (python -m)")
     parser.add_argument("script", help="a Python script, e.g. run_training.py, or a module with -m")
     parser.add_argument("args", nargs=argparse.REMAINDER)
@@ -67,47 +74,71 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--master_port is required with --nnodes > 1 (every node must use the same one)")
     if not 0 <= args.node_rank < args.nnodes or args.nprocs < 1:
         parser.error("need --nprocs >= 1 and 0 <= --node_rank < --nnodes")
-    port = args.master_port or _free_port()
-    world = args.nnodes * args.nprocs
+    lock = threading.Lock()
 
-    procs, pumps, lock = [], [], threading.Lock()
-    for local_rank in range(args.nprocs):
-        rank = args.node_rank * args.nprocs + local_rank
-        env = {**os.environ, "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank), "PYTHONUNBUFFERED": "1"}
-        if args.cpu_devices_per_process:
-            env["JAX_PLATFORMS"] = "cpu"
-            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                                f" --xla_force_host_platform_device_count={args.cpu_devices_per_process}").strip()
-        command = [sys.executable, *(["-m"] if args.module else []), args.script, *args.args]
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        procs.append(proc)
-        pumps.append(threading.Thread(target=_pump, args=(proc.stdout, f"[{rank}] ", lock), daemon=True))
-        pumps[-1].start()
+    def say(text: str) -> None:
+        with lock:
+            print(f"[launch] {text}", flush=True)
 
-    def forward(signum, frame):
-        for p in procs:
+    try:
+        script_args, run_dir = restart.run_directory("" if args.module else args.script, args.args)
+    except ConfigError as err:
+        print(f"tunix_train.launch: error: {err}", file=sys.stderr)
+        return exit_codes.CONFIG_ERROR
+    command = [sys.executable, *(["-m"] if args.module else []), args.script, *script_args]
+    job = _Job(args, command, lock, say)
+    signal.signal(signal.SIGTERM, job.forward)
+    signal.signal(signal.SIGINT, job.forward)
+    return restart.supervise(job.run, args.max_restarts, args.restart_backoff_s, run_dir,
+                             lambda: job.signalled is not None, say)
+
+
+class _Job:
+    """This node's processes of the job: `run` starts them and waits for their end; `forward`
+    passes a signal the launcher got on to them."""
+
+    def __init__(self, args, command: list[str], lock: threading.Lock, say):
+        self.args, self.command, self.lock, self.say = args, command, lock, say
+        self.procs: list[subprocess.Popen] = []
+        self.signalled: int | None = None
+
+    def forward(self, signum, frame) -> None:
+        self.signalled = signum
+        for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-
-    exit_code = 0
-    while any(p.poll() is None for p in procs):
-        failed = [p for p in procs if p.poll() not in (None, 0)]
-        if failed:
-            exit_code = failed[0].returncode
-            rank = args.node_rank * args.nprocs + procs.index(failed[0])
-            with lock:
-                print(f"[launch] rank {rank} exited with code {exit_code}; stopping the others", flush=True)
-            _stop(procs, args.grace_period_s)
-            break
-        time.sleep(0.1)
-    for t in pumps:
-        t.join(timeout=5)
-    if exit_code == 0:
-        exit_code = next((p.returncode for p in procs if p.returncode), 0)
-    return 1 if exit_code < 0 else exit_code  # killed by a signal: report a plain failure
-
+    def run(self) -> restart.Ended:
+        args = self.args
+        port = args.master_port or _free_port()  # a fresh one for each start
+        world = args.nnodes * args.nprocs
+        self.procs, pumps = [], []
+        for local_rank in range(args.nprocs):
+            rank = args.node_rank * args.nprocs + local_rank
+            env = {**os.environ, "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(port), "RANK": str(rank),
+                   "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank), "PYTHONUNBUFFERED": "1"}
+            if args.cpu_devices_per_process:
+                env["JAX_PLATFORMS"] = "cpu"
+                env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                                    f" --xla_force_host_platform_device_count={args.cpu_devices_per_process}").strip()
+            proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            self.procs.append(proc)
+            pumps.append(threading.Thread(target=_pump, args=(proc.stdout, f"[{rank}] ", self.lock), daemon=True))
+            pumps[-1].start()
+        ended = None
+        while ended is None and any(p.poll() is None for p in self.procs):
+            failed = [p for p in self.procs if p.poll() not in (None, 0)]
+            if failed:
+                rank = args.node_rank * args.nprocs + self.procs.index(failed[0])
+                ended = restart.Ended(failed[0].returncode, rank, restart.describe_exit(failed[0].returncode))
+                self.say(f"rank {rank} {ended.cause}; stopping the others")
+                _stop(self.procs, args.grace_period_s)
+            time.sleep(0.1)
+        for t in pumps:
+            t.join(timeout=5)
+        if ended is None:
+            failed = [p for p in self.procs if p.returncode]
+            ended = (restart.Ended(failed[0].returncode, args.node_rank * args.nprocs + self.procs.index(failed[0]),
+                                   restart.describe_exit(failed[0].returncode)) if failed else restart.Ended(0))
+        return ended

@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
+from tunix_train import exit_codes
 from tunix_train.observe.comms import CommunicationProfile
 from tunix_train.observe.metrics import MetricsWriter
 from tunix_train.observe.mfu import device_memory_in_use
@@ -63,7 +66,7 @@ class Interval:
 
 class StopOnNonFinite(Hook):
     """training.nan_policy=stop: a step with a non-finite loss or gradient (its update was dropped)
-    saves the last good state and ends the run with exit code 3. Reads one flag every step."""
+    saves the last good state and ends the run with exit code NON_FINITE (3). Reads one flag every step."""
 
     def __init__(self, save: Callable[[TrainState], Any], checkpoints: Path):
         self.save, self.checkpoints = save, checkpoints
@@ -73,7 +76,7 @@ class StopOnNonFinite(Hook):
             self.save(end.state)
             raise RunStopped(f"non-finite loss or gradient at step {end.step} (training.nan_policy=stop); "
                              f"its update was dropped and the last good state saved to "
-                             f"{self.checkpoints / str(end.step)}", exit_code=3)
+                             f"{self.checkpoints / str(end.step)}", exit_code=exit_codes.NON_FINITE)
 
 
 class TrainMetrics(Hook):
@@ -177,19 +180,45 @@ class Report(Hook):
 
 
 class StopOnSignal(Hook):
-    """SIGTERM or SIGINT (preemption): saves a checkpoint after the current step, waits for it to be
-    written and ends the run with exit code 0."""
+    """SIGTERM (preemption) or SIGINT: saves a checkpoint after a step, waits for it to be written and
+    ends the run, with exit code PREEMPTED after a SIGTERM (a launcher or scheduler restarts it) and
+    OK after a SIGINT. Processes of one run stop after the same step, whichever of them got the
+    signal: each step's requests are combined across processes by an all-reduce that is read one
+    step later, so the host never waits for the devices on its account."""
 
     def __init__(self, stop: StopRequest, save: Callable[[TrainState], Any], wait: Callable[[], None],
-                 checkpoints: Path):
-        self.stop, self.save, self.wait, self.checkpoints = stop, save, wait, checkpoints
+                 checkpoints: Path, mesh: jax.sharding.Mesh):
+        self.stop, self.save, self.wait, self.checkpoints, self.mesh = stop, save, wait, checkpoints, mesh
+        self.previous: jax.Array | None = None  # the previous step's combined request
 
     def after_step(self, end: StepEnd) -> None:
-        if self.stop.requested:
+        if jax.process_count() == 1:
+            request = SIGNAL_CODES.get(self.stop.requested, 0)
+        else:
+            request = int(self.previous) if self.previous is not None else 0
+            self.previous = _max_over_processes(SIGNAL_CODES.get(self.stop.requested, 0), self.mesh)
+        if request:
             self.save(end.state)
             self.wait()
-            raise RunStopped(f"{self.stop.requested}: stopped after step {end.step}; checkpoint saved to "
-                             f"{self.checkpoints / str(end.step)}", exit_code=0)
+            name = {code: name for name, code in SIGNAL_CODES.items()}[request]
+            raise RunStopped(f"{name}: stopped after step {end.step}; checkpoint saved to "
+                             f"{self.checkpoints / str(end.step)}",
+                             exit_code=exit_codes.PREEMPTED if name == "SIGTERM" else exit_codes.OK)
+
+
+SIGNAL_CODES = {"SIGINT": 1, "SIGTERM": 2}  # SIGTERM wins: a preemption asks for a restart
+
+
+def _max_over_processes(value: int, mesh: jax.sharding.Mesh) -> jax.Array:
+    """The largest of every process's `value`, computed on the devices (not waited for)."""
+    every_device = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(mesh.axis_names))
+    local = np.full((len(mesh.local_devices),), value, np.int32)
+    return _max_replicated(jax.make_array_from_process_local_data(every_device, local))
+
+
+@jax.jit
+def _max_replicated(values):
+    return jnp.max(values)
 
 
 class SaveCheckpoints(Hook):

@@ -138,7 +138,7 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
                 *objective.hooks(),
                 *extra_hooks,
                 h.Report(writer, log, interval, t.max_steps),
-                h.StopOnSignal(stop, save, checkpointer.wait, checkpoints),
+                h.StopOnSignal(stop, save, checkpointer.wait, checkpoints, mesh),
                 h.SaveCheckpoints(checkpointer.due, save),
             ]
             state = run_steps(state, step_fn, batch, next_batch, hooks, t.max_steps)

@@ -1,0 +1,158 @@
+"""Jobs that restart themselves (--max_restarts) and stop on preemption: the local launcher, 2
+processes x 2 fake CPU devices. The Ray launcher's tests are in test_ray.py."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, read_metrics
+from tunix_train import exit_codes
+
+# 20 steps of about a second on this machine: time to kill a worker between two checkpoints
+RUN = ["model=gemma3_tiny", "data=synthetic", "data.seq_len=512", "training.micro_batch_size=4",
+       "training.max_steps=20", "training.log_every=1", "training.eval_every=0", "checkpoint.every_steps=4",
+       "checkpoint.keep=10", 'model.mesh_shape=[[4,1],["fsdp","tp"]]', "distributed.initialization_timeout_s=60"]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def _launcher(run_dir, *flags, overrides=()):
+    return [sys.executable, "-m", "tunix_train.launch", "--nprocs=2", "--cpu_devices_per_process=2",
+            "--grace_period_s=5", *flags, str(REPO / "run_training.py"), *RUN, *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def _start(run_dir, *flags, overrides=()):
+    return subprocess.Popen(_launcher(run_dir, *flags, overrides=overrides), cwd=REPO, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _losses_by_step(run_dir) -> dict[int, list[float]]:
+    losses = {}
+    for m in read_metrics(run_dir):
+        if "loss" in m:
+            losses.setdefault(m["step"], []).append(m["loss"])
+    return losses
+
+
+def _wait_for(proc, text, timeout=300):
+    deadline, lines = time.monotonic() + timeout, []
+    for line in proc.stdout:
+        lines.append(line)
+        if text in line or time.monotonic() > deadline:
+            return "".join(lines)
+    raise AssertionError(f"{text!r} never printed:\n{''.join(lines)}")
+
+
+def _workers(launcher_pid) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True,
+                                           text=True).stdout.split()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    proc = _start(run_dir)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out
+    return _losses_by_step(run_dir)
+
+
+def assert_same_losses(run_dir, uninterrupted, first=1):
+    """Every logged loss (a step logged twice, before the failure and after the restart, both times)
+    equals the uninterrupted run's, bit for bit, and every step up to the last was logged."""
+    losses = _losses_by_step(run_dir)
+    assert sorted(losses) == sorted(uninterrupted) == list(range(1, 21))
+    for step in range(first, 21):
+        assert all(loss == uninterrupted[step][0] for loss in losses[step]), (step, losses[step], uninterrupted[step])
+
+
+@pytest.mark.slow
+def test_a_killed_worker_restarts_the_job_from_its_checkpoint(tmp_path, uninterrupted):
+    proc = _start(tmp_path, "--max_restarts=2", "--restart_backoff_s=1")
+    while not (tmp_path / "checkpoints" / "8").is_dir():
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    workers = _workers(proc.pid)
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out
+    assert "[launch] rank 1 killed by signal SIGKILL; stopping the others" in out
+    [record] = [json.loads(line) for line in (tmp_path / "restarts.jsonl").read_text().splitlines()]
+    assert record["failed_rank"] == 1 and record["cause"] == "killed by signal SIGKILL" and record["restart"] == 1
+    assert 8 <= record["resumed_step"] < 20
+    assert f"resumed from {tmp_path / 'checkpoints'} at step {record['resumed_step']}" in out
+    assert_same_losses(tmp_path, uninterrupted, first=9)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_job_saves_and_exits_preempted_and_the_next_launch_resumes(tmp_path, uninterrupted):
+    proc = _start(tmp_path, "--max_restarts=3")
+    _wait_for(proc, "step 5/")
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == exit_codes.PREEMPTED, out
+    # both processes stopped after the same step (they agree on it), and the job was not restarted
+    stops = [line for line in out.splitlines() if "SIGTERM: stopped after step" in line]
+    assert len(stops) == 2 and len({line.split("stopped after step ")[1].split(";")[0] for line in stops}) == 1, out
+    step = int(stops[0].split("stopped after step ")[1].split(";")[0])
+    assert (tmp_path / "checkpoints" / str(step)).is_dir() and not (tmp_path / "restarts.jsonl").exists()
+    proc = _start(tmp_path)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out
+    assert f"at step {step}" in out
+    assert_same_losses(tmp_path, uninterrupted)
+
+
+def test_a_config_error_is_not_restarted(tmp_path):
+    start = time.monotonic()
+    proc = _start(tmp_path, "--max_restarts=3", "--restart_backoff_s=0", overrides=["training.no_such_key=1"])
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == exit_codes.CONFIG_ERROR == 2, out
+    assert out.count("unknown config key 'training.no_such_key'") == 2  # once per process, one start
+    assert "restart" not in out and not (tmp_path / "restarts.jsonl").exists()
+    assert time.monotonic() - start < 60
+
+
+def test_the_launcher_reports_a_config_error_it_finds_itself_in_one_line(tmp_path):
+    """Without hydra.run.dir the launcher composes the config to fix the run directory for every
+    start, and so meets a bad key before starting anything."""
+    result = subprocess.run([sys.executable, "-m", "tunix_train.launch", "--nprocs=2", str(REPO / "run_training.py"),
+                             "model=gemma3_tiny", "training.no_such_key=1"], cwd=tmp_path, env=ENV,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == exit_codes.CONFIG_ERROR
+    assert result.stderr.strip() == ("tunix_train.launch: error: unknown config key 'training.no_such_key': "
+                                     "check its spelling against configs/")
+    assert result.stdout == "" and not any(tmp_path.iterdir())
+
+
+def test_the_restart_policy(tmp_path):
+    """restart.supervise on a job whose starts end as scripted: what is restarted, what is logged."""
+    from tunix_train.launch.restart import Ended, supervise
+
+    def job(*ends):
+        ends = iter(ends)
+        return lambda: next(ends)
+
+    said = []
+    # a failure before the first checkpoint: a restart from scratch, logged with resumed_step null
+    assert supervise(job(Ended(-9, 1, "killed by signal SIGKILL"), Ended(0)), 1, 0, tmp_path, lambda: False,
+                     said.append) == 0
+    (tmp_path / "checkpoints" / "8").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "12.orbax-checkpoint-tmp-1").mkdir()  # a save cut short: not complete
+    # restarts until max_restarts are spent; the last failure's code (a signal: 1) is the job's
+    assert supervise(job(Ended(1, 0, "exited with code 1"), Ended(75, 1, "exited with code 75 (preempted)"),
+                         Ended(-15, 0, "killed by signal SIGTERM")), 2, 0, tmp_path, lambda: False, said.append) == 1
+    records = [json.loads(line) for line in (tmp_path / "restarts.jsonl").read_text().splitlines()]
+    assert [(r["restart"], r["failed_rank"], r["exit_code"], r["resumed_step"]) for r in records] == [
+        (1, 1, -9, None), (1, 0, 1, 8), (2, 1, 75, 8)]
+    assert said[-1] == "rank 0 failed (killed by signal SIGTERM); 2 restarts used, giving up"
+    # never restarted: a config error, a non-finite stop, a job the launcher was told to stop
+    for code in (2, 3):
+        assert supervise(job(Ended(code, 0, "")), 5, 0, tmp_path, lambda: False, said.append) == code
+    assert supervise(job(Ended(75, 0, "")), 5, 0, tmp_path, lambda: True, said.append) == 75
+    assert len((tmp_path / "restarts.jsonl").read_text().splitlines()) == 3
