@@ -1,16 +1,21 @@
-"""Jobs that restart themselves (--max_restarts) and stop on preemption: the local launcher, 2
-processes x 2 fake CPU devices. The Ray launcher's tests are in test_ray.py."""
+"""The launchers: jobs of 2 processes x 2 fake CPU devices that restart themselves (--max_restarts)
+and stop on preemption, under the local launcher and on a Ray cluster that the Ray tests start on
+127.0.0.1 (and stop, by its own process group, at the end)."""
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 import pytest
 
-from conftest import REPO, read_metrics
+from conftest import REPO, cpu_env, read_metrics
 from tunix_train import exit_codes
 
 # 20 steps of about a second on this machine: time to kill a worker between two checkpoints
@@ -30,7 +35,7 @@ def _start(run_dir, *flags, overrides=()):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _losses_by_step(run_dir) -> dict[int, list[float]]:
+def losses_by_step(run_dir) -> dict[int, list[float]]:
     losses = {}
     for m in read_metrics(run_dir):
         if "loss" in m:
@@ -58,35 +63,49 @@ def uninterrupted(tmp_path_factory):
     proc = _start(run_dir)
     out = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, out
-    return _losses_by_step(run_dir)
+    return losses_by_step(run_dir)
 
 
-def assert_same_losses(run_dir, uninterrupted, first=1):
-    """Every logged loss (a step logged twice, before the failure and after the restart, both times)
-    equals the uninterrupted run's, bit for bit, and every step up to the last was logged."""
-    losses = _losses_by_step(run_dir)
+def kill_after_checkpoint(proc, run_dir, step: int, pid_of) -> str:
+    """Waits until the job's checkpoint at `step` is complete, then SIGKILLs the process
+    `pid_of(output so far)` names; returns the job's whole output once it has ended."""
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    while not (run_dir / "checkpoints" / str(step)).is_dir():
+        assert proc.poll() is None, "".join(lines)
+        time.sleep(0.05)
+    os.kill(pid_of("".join(lines)), signal.SIGKILL)
+    proc.wait(timeout=600)
+    reader.join(timeout=10)
+    return "".join(lines)
+
+
+def assert_restarted_and_same_losses(run_dir, out, uninterrupted, cause):
+    """One restart, logged, after the checkpoint at step 8 (at least), and every logged loss (a step
+    logged twice, before the failure and after the restart, both times) equals the uninterrupted
+    run's, bit for bit."""
+    [record] = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
+    assert record["failed_rank"] == 1 and record["cause"] == cause and record["restart"] == 1, record
+    assert 8 <= record["resumed_step"] < 20
+    assert f"resumed from {run_dir / 'checkpoints'} at step {record['resumed_step']}" in out
+    assert_same_losses(run_dir, uninterrupted)
+
+
+def assert_same_losses(run_dir, uninterrupted):
+    losses = losses_by_step(run_dir)
     assert sorted(losses) == sorted(uninterrupted) == list(range(1, 21))
-    for step in range(first, 21):
+    for step in range(1, 21):
         assert all(loss == uninterrupted[step][0] for loss in losses[step]), (step, losses[step], uninterrupted[step])
 
 
 @pytest.mark.slow
 def test_a_killed_worker_restarts_the_job_from_its_checkpoint(tmp_path, uninterrupted):
     proc = _start(tmp_path, "--max_restarts=2", "--restart_backoff_s=1")
-    while not (tmp_path / "checkpoints" / "8").is_dir():
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.05)
-    workers = _workers(proc.pid)
-    assert len(workers) == 2
-    os.kill(workers[1], signal.SIGKILL)
-    out = proc.communicate(timeout=600)[0]
+    out = kill_after_checkpoint(proc, tmp_path, 8, lambda out: _workers(proc.pid)[1])
     assert proc.returncode == 0, out
     assert "[launch] rank 1 killed by signal SIGKILL; stopping the others" in out
-    [record] = [json.loads(line) for line in (tmp_path / "restarts.jsonl").read_text().splitlines()]
-    assert record["failed_rank"] == 1 and record["cause"] == "killed by signal SIGKILL" and record["restart"] == 1
-    assert 8 <= record["resumed_step"] < 20
-    assert f"resumed from {tmp_path / 'checkpoints'} at step {record['resumed_step']}" in out
-    assert_same_losses(tmp_path, uninterrupted, first=9)
+    assert_restarted_and_same_losses(tmp_path, out, uninterrupted, "killed by signal SIGKILL")
 
 
 @pytest.mark.slow
@@ -156,3 +175,99 @@ def test_the_restart_policy(tmp_path):
         assert supervise(job(Ended(code, 0, "")), 5, 0, tmp_path, lambda: False, said.append) == code
     assert supervise(job(Ended(75, 0, "")), 5, 0, tmp_path, lambda: True, said.append) == 75
     assert len((tmp_path / "restarts.jsonl").read_text().splitlines()) == 3
+
+
+# Ray ----------------------------------------------------------------------------------------------
+LOOPBACK = {**ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray keeps head, workers and driver on 127.0.0.1
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A one-node Ray cluster on 127.0.0.1 with 4 CPUs; yields its address."""
+    pytest.importorskip("ray", reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    log = open(os.path.join(temp, "head.log"), "w+")
+    head = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
+                             "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4", "--num-gpus=0",
+                             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
+                            env=LOOPBACK, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in open(log.name).read():
+            assert head.poll() is None and time.monotonic() < deadline, open(log.name).read()
+            time.sleep(0.5)
+        yield f"127.0.0.1:{port}"
+    finally:  # this head's processes only (its process group), never `ray stop`
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(head.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        head.wait()
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _ray_launcher(address, run_dir, *flags, run=RUN):
+    return subprocess.Popen([sys.executable, "-m", "tunix_train.launch.ray", f"--address={address}",
+                             "--num_workers=2", "--cpus_per_worker=1", "--cpu_devices_per_worker=2",
+                             "--grace_period_s=5", *flags, str(REPO / "run_training.py"), *run,
+                             f"hydra.run.dir={run_dir}"],
+                            cwd=REPO, env=LOOPBACK, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _pid_of_rank(out: str, rank: int) -> int:
+    line = next(line for line in out.splitlines() if line.startswith(f"[ray] rank {rank}: pid "))
+    return int(line.split("pid ")[1].split()[0])
+
+
+@pytest.mark.slow
+def test_ray_two_workers_give_the_losses_of_one_process(tmp_path, ray_cluster):
+    run = [*RUN[:-2], "training.max_steps=5", "data.seq_len=32", 'model.mesh_shape=[[2,2],["fsdp","tp"]]',
+           "distributed.initialization_timeout_s=60"]
+    proc = _ray_launcher(ray_cluster, tmp_path / "ray", run=run)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out
+    # both workers on loopback, and the coordinator there too
+    for rank in (0, 1):
+        assert any(line.startswith(f"[ray] rank {rank}: pid ") and line.endswith(" on 127.0.0.1")
+                   for line in out.splitlines()), out
+    assert "process 0 of 2 (from MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE), coordinator 127.0.0.1:" in out
+    single = subprocess.run([sys.executable, str(REPO / "run_training.py"), *run, f"hydra.run.dir={tmp_path / 'one'}"],
+                            cwd=REPO, env=cpu_env(4), capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stdout + single.stderr
+    got, want = losses_by_step(tmp_path / "ray"), losses_by_step(tmp_path / "one")
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5]
+    for step in want:
+        assert abs(got[step][0] - want[step][0]) <= 1e-6, (step, got[step], want[step])
+
+
+@pytest.mark.slow
+def test_ray_killing_a_worker_stops_the_job_and_names_its_rank(tmp_path, ray_cluster):
+    proc = _ray_launcher(ray_cluster, tmp_path, run=[*RUN, "training.max_steps=100000", "checkpoint.every_steps=0"])
+    out = _wait_for(proc, "step 3/")
+    start = time.monotonic()
+    victim, other = _pid_of_rank(out, 1), _pid_of_rank(out, 0)
+    os.kill(victim, signal.SIGKILL)
+    out += proc.communicate(timeout=120)[0]
+    assert time.monotonic() - start < 60
+    assert proc.returncode == exit_codes.FAILED, out
+    assert "[ray] rank 1 killed by signal SIGKILL; stopping the others" in out
+    time.sleep(0.5)
+    assert subprocess.run(["kill", "-0", str(other)], capture_output=True).returncode != 0  # rank 0 is gone
+
+
+@pytest.mark.slow
+def test_ray_a_killed_worker_restarts_the_job_from_its_checkpoint(tmp_path, ray_cluster, uninterrupted):
+    proc = _ray_launcher(ray_cluster, tmp_path, "--max_restarts=1", "--restart_backoff_s=1")
+    out = kill_after_checkpoint(proc, tmp_path, 8, lambda out: _pid_of_rank(out, 1))
+    assert proc.returncode == 0, out
+    assert "[ray] rank 1 killed by signal SIGKILL; stopping the others" in out
+    assert_restarted_and_same_losses(tmp_path, out, uninterrupted, "killed by signal SIGKILL")

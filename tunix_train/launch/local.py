@@ -127,9 +127,10 @@ class _Job:
             pumps.append(threading.Thread(target=_pump, args=(proc.stdout, f"[{rank}] ", self.lock), daemon=True))
             pumps[-1].start()
         ended = None
-        while ended is None and any(p.poll() is None for p in self.procs):
+        while any(p.poll() is None for p in self.procs):
             failed = [p for p in self.procs if p.poll() not in (None, 0)]
-            if failed:
+            # after a signal each process stops by itself (saving a checkpoint): no deadline but the sender's
+            if failed and ended is None and self.signalled is None:
                 rank = args.node_rank * args.nprocs + self.procs.index(failed[0])
                 ended = restart.Ended(failed[0].returncode, rank, restart.describe_exit(failed[0].returncode))
                 self.say(f"rank {rank} {ended.cause}; stopping the others")
