@@ -271,3 +271,18 @@ def test_ray_a_killed_worker_restarts_the_job_from_its_checkpoint(tmp_path, ray_
     assert proc.returncode == 0, out
     assert "[ray] rank 1 killed by signal SIGKILL; stopping the others" in out
     assert_restarted_and_same_losses(tmp_path, out, uninterrupted, "killed by signal SIGKILL")
+
+
+@pytest.mark.slow
+def test_ray_without_a_cluster_is_a_one_line_error(tmp_path):
+    pytest.importorskip("ray", reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there
+    result = subprocess.run([sys.executable, "-m", "tunix_train.launch.ray", f"--address=127.0.0.1:{port}",
+                             "--num_workers=2", str(REPO / "run_training.py"), f"hydra.run.dir={tmp_path}"],
+                            cwd=REPO, env=LOOPBACK, capture_output=True, text=True, timeout=60)
+    assert result.returncode == exit_codes.CONFIG_ERROR
+    assert result.stderr.strip() == (f"tunix_train.launch.ray: error: the Ray cluster at 127.0.0.1:{port} "
+                                     f"(--address=127.0.0.1:{port}) does not answer: Connection refused; "
+                                     "check that its head is running")

@@ -142,14 +142,26 @@ def _say(text: str) -> None:
 
 
 def _connect(ray, address: str) -> None:
+    """ray.init(address), after checking that the cluster's port answers: Ray itself retries an
+    unreachable address for many minutes."""
     import logging
 
+    from ray._private.services import canonicalize_bootstrap_address  # "auto": RAY_ADDRESS, or this node's cluster
+
     try:
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
-    except (ConnectionError, RuntimeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"could not connect to a Ray cluster at --address={address}: {first}; start one "
-                          f"with `ray start --head` or pass its address") from None
+        target = canonicalize_bootstrap_address(address)
+    except (ValueError, ConnectionError):  # "auto" and no cluster: ConnectionError
+        target = None
+    if target is None:
+        raise ConfigError(f"no Ray cluster found at --address={address} (for auto: RAY_ADDRESS, or one started "
+                          f"on this node): start one with `ray start --head`, or pass its host:port")
+    host, _, port = target.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as err:
+        raise ConfigError(f"the Ray cluster at {target} (--address={address}) does not answer: "
+                          f"{err.strerror or err}; check that its head is running") from None
+    ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
 
 
 class _Job:
