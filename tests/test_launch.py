@@ -286,3 +286,34 @@ def test_ray_without_a_cluster_is_a_one_line_error(tmp_path):
     assert result.stderr.strip() == (f"tunix_train.launch.ray: error: the Ray cluster at 127.0.0.1:{port} "
                                      f"(--address=127.0.0.1:{port}) does not answer: Connection refused; "
                                      "check that its head is running")
+
+
+@pytest.mark.slow
+def test_a_job_that_lost_a_host_resumes_on_fewer_with_the_mesh_adjusted_by_hand(tmp_path):
+    """4 workers, one lost: the same run directory restarted on 3, model.mesh_shape and
+    micro_batch_size changed by hand so the global batch (12) stays; the launcher guesses nothing."""
+    run = ["model=gemma3_tiny", "data=synthetic", "data.seq_len=32", "training.log_every=1", "training.eval_every=0",
+           "distributed.initialization_timeout_s=60"]
+    four = [*run, 'model.mesh_shape=[[4],["dp"]]', "training.micro_batch_size=3"]
+    three = [*run, 'model.mesh_shape=[[3],["dp"]]', "training.micro_batch_size=4"]
+
+    def launch(nprocs, overrides):
+        return subprocess.run([sys.executable, "-m", "tunix_train.launch", f"--nprocs={nprocs}",
+                               "--cpu_devices_per_process=1", str(REPO / "run_training.py"), *overrides,
+                               f"hydra.run.dir={tmp_path / 'job'}"], cwd=REPO, env=ENV, capture_output=True,
+                              text=True, timeout=600)
+
+    first = launch(4, [*four, "training.max_steps=4"])
+    assert first.returncode == 0, first.stdout
+    second = launch(3, [*three, "training.max_steps=8"])
+    assert second.returncode == 0, second.stdout
+    assert f"resumed from {tmp_path / 'job' / 'checkpoints'} at step 4" in second.stdout
+    assert "process 0 of 3" in second.stdout
+    reference = subprocess.run([sys.executable, str(REPO / "run_training.py"), *four, "training.max_steps=8",
+                                f"hydra.run.dir={tmp_path / 'reference'}"], cwd=REPO, env=cpu_env(4),
+                               capture_output=True, text=True, timeout=600)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    got, want = losses_by_step(tmp_path / "job"), losses_by_step(tmp_path / "reference")
+    assert sorted(got) == sorted(want) == list(range(1, 9))
+    for step in want:
+        assert abs(got[step][0] - want[step][0]) <= 1e-5, (step, got[step], want[step])
