@@ -64,11 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master_addr", default="127.0.0.1")
     parser.add_argument("--master_port", type=int, default=None, help="default: a free port (single node only)")
     parser.add_argument("--cpu_devices_per_process", type=int, default=None)
-    parser.add_argument("--grace_period_s", type=float, default=10.0)
     restart.add_arguments(parser)
-    parser.add_argument("-m", "--module", action="store_true", help="run `script` as a module (python -m)")
-    parser.add_argument("script", help="a Python script, e.g. run_training.py, or a module with -m")
-    parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.nnodes > 1 and args.master_port is None:
         parser.error("--master_port is required with --nnodes > 1 (every node must use the same one)")

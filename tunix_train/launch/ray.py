@@ -101,11 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", default="auto", help="the Ray cluster (default: the one this node is in)")
     parser.add_argument("--spread", action="store_true", help="one worker per node (STRICT_SPREAD); default PACK")
     parser.add_argument("--placement_timeout_s", type=float, default=300.0)
-    parser.add_argument("--grace_period_s", type=float, default=10.0)
     restart.add_arguments(parser)
-    parser.add_argument("-m", "--module", action="store_true", help="run `script` as a module (python -m)")
-    parser.add_argument("script", help="a Python script, e.g. run_training.py, or a module with -m")
-    parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.num_workers < 1 or args.gpus_per_worker < 0 or args.cpus_per_worker <= 0:
         parser.error("need --num_workers >= 1, --gpus_per_worker >= 0 and --cpus_per_worker > 0")

@@ -10,6 +10,7 @@ step the job resumes from (the last complete checkpoint; null: from scratch).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -33,9 +34,15 @@ class Ended:
 
 
 def add_arguments(parser) -> None:
+    """What every launcher takes besides its own flags: how to stop and restart, and the command."""
+    parser.add_argument("--grace_period_s", type=float, default=10.0,
+                        help="SIGTERM to SIGKILL when stopping the other workers after a failure")
     parser.add_argument("--max_restarts", type=int, default=0,
                         help="restart the whole job this many times after a failure (default 0: none)")
     parser.add_argument("--restart_backoff_s", type=float, default=10.0, help="wait before each restart")
+    parser.add_argument("-m", "--module", action="store_true", help="run `script` as a module (python -m)")
+    parser.add_argument("script", help="a Python script, e.g. run_training.py, or a module with -m")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
 
 
 def describe_exit(code: int) -> str:
