@@ -203,7 +203,7 @@ def ray_cluster():
     finally:  # this head's processes only (its process group), never `ray stop`
         os.killpg(head.pid, signal.SIGTERM)
         try:
-            head.wait(timeout=20)
+            head.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
         try:
