@@ -147,6 +147,22 @@ def capacity_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, capacity_factor: fl
     return jnp.where(kept_A[:, None], y_ECD.reshape(E * C, -1).at[where_A].get(mode="fill", fill_value=0), 0)
 
 
+# A shard receives A copies on average (S x A in the worst case): the experts run on the first 2A
+# received rows whenever they hold every copy, on all S x A only when routing is that uneven
+FILLED_ROWS_BOUND = 2
+
+
+def _on_filled_rows(fn, x_RD, filled, bound: int):
+    """fn(x_RD) for rows sorted with the `filled` ones first, where fn gives 0 for the rest: computed
+    on the first `bound` rows when they hold every filled one (jax.lax.cond runs one branch), on all
+    of them otherwise. Nothing is dropped; the common case costs bound rows, not R."""
+    R = x_RD.shape[0]
+    if bound >= R:
+        return fn(x_RD)
+    head = lambda x: jnp.pad(fn(x[:bound]), ((0, R - bound), (0, 0)))
+    return jax.lax.cond(filled <= bound, head, fn, x_RD)
+
+
 def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispatch, capacity_factor, rules):
     """apply_experts with the experts split over the ep mesh axis (and the tokens with them: ep is
     one of the batch's axes), in a shard_map manual over the data axes (dp, fsdp, ep).
@@ -181,7 +197,9 @@ def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispa
         order_R, inverse_R = _sorting(local_R)
         x_RD = kernels.take_rows(recv_SAD.reshape(S * A, D), order_R, inverse_R)
         if dispatch is MoeDispatch.dropless:
-            y_RD = grouped_experts(x_RD, jnp.bincount(local_R, length=E_local), gate_up_EDCM, down_EMD)
+            sizes_E = jnp.bincount(local_R, length=E_local)
+            y_RD = _on_filled_rows(lambda x: grouped_experts(x, sizes_E, gate_up_EDCM, down_EMD), x_RD,
+                                   jnp.sum(sizes_E), FILLED_ROWS_BOUND * A)
         else:
             y_RD = capacity_experts(x_RD, local_R[order_R], gate_up_EDCM, down_EMD, capacity_factor / S)
         y_SAD = kernels.take_rows(y_RD, inverse_R, order_R).reshape(S, A, D)
