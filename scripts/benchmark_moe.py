@@ -9,9 +9,9 @@ active size, and the share of the MoE layer's time that goes to dispatch.
    matmul FLOPs per token. Configurations alternate round by round (a shared machine's drift hits
    all alike); tokens/s are medians over rounds, MFU counts active parameters (observe/mfu.py).
 2. Dispatch share: the experts of one layer, forward and backward, on a micro-batch's tokens:
-   moe.apply_experts (sort by expert, gather, grouped matmuls, scatter back, weighted sum) against
-   moe.grouped_experts alone on tokens already sorted (the grouped matmuls). The difference is what
-   dropless dispatch costs.
+   moe.apply_experts (sort by expert, gather, the experts' matmuls, back to token order, weighted
+   sum) against moe.dropless_experts alone on copies already sorted (the experts' matmuls, in
+   fixed slots or blocks). The difference is what sorting tokens to experts and back costs.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def dispatch_share(overrides: list[str], repeats: int = 20) -> dict:
     from flax import nnx
 
     from tunix_train.config import load_config
-    from tunix_train.model.moe import MoE, apply_experts, grouped_experts
+    from tunix_train.model.moe import MoE, apply_experts, dropless_experts
     from tunix_train.sharding import LOGICAL_RULES
 
     cfg = load_config(overrides)[0]
@@ -51,11 +51,12 @@ def dispatch_share(overrides: list[str], repeats: int = 20) -> dict:
     gate_up, down = moe.gate_up_EDCM[...], moe.down_EMD[...]
     order = jnp.argsort(experts.reshape(-1))
     x_sorted = x[order // m.num_experts_per_token]
-    sizes = jnp.bincount(experts.reshape(-1), length=m.num_experts)
+    sorted_ids = experts.reshape(-1)[order]
 
     full = jax.jit(jax.grad(lambda x, g, d: jnp.sum(apply_experts(x, weights, experts, g, d, m.moe_dispatch,
                                                                   m.moe_capacity_factor)), argnums=(0, 1, 2)))
-    matmuls = jax.jit(jax.grad(lambda x, g, d: jnp.sum(grouped_experts(x, sizes, g, d)), argnums=(0, 1, 2)))
+    matmuls = jax.jit(jax.grad(lambda x, g, d: jnp.sum(dropless_experts(x, sorted_ids, g, d, x.shape[0])),
+                               argnums=(0, 1, 2)))
 
     def timed(fn, *args):
         jax.block_until_ready(fn(*args))
@@ -100,7 +101,7 @@ def main() -> int:
         print(f"{name:<36}{tps:>10,.0f}{mfu:>24.1%}{dense / tps:>14.2f}")
     share = dispatch_share(base)
     print(f"dispatch: one layer's experts, forward and backward, {share['tokens']} tokens: apply_experts "
-          f"{share['apply_experts_ms']:.2f} ms, its grouped matmuls alone {share['grouped_matmuls_ms']:.2f} ms: "
+          f"{share['apply_experts_ms']:.2f} ms, its matmuls alone {share['grouped_matmuls_ms']:.2f} ms: "
           f"dispatch {share['dispatch_share']:.0%} of it")
     return 0
 

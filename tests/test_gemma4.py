@@ -19,7 +19,7 @@ from tunix_train import api
 from tunix_train.config import ConfigError, MoeDispatch, Remat
 from tunix_train.model import Gemma
 from tunix_train.model.gemma import layer_groups
-from tunix_train.model.moe import FILLED_ROWS_BOUND, MoE, _expert_parallel, apply_experts, load_balancing_loss
+from tunix_train.model.moe import DROPLESS_SLOTS, FILLED_ROWS_BOUND, MoE, _expert_parallel, apply_experts, load_balancing_loss
 from tunix_train.sharding import LOGICAL_RULES, data_axes, make_mesh, state_shardings, validate_model_for_mesh
 from tunix_train.train.init import model_graphdef
 from tunix_train.train.step import token_losses
@@ -234,26 +234,38 @@ def test_loss_and_gradients_are_equal_for_every_ep_and_the_experts_are_split():
             assert "all-to-all" in text
 
 
-@pytest.mark.parametrize("routing", ["even", "all to the first shard"])
-def test_expert_parallel_equals_all_experts_here_whichever_rows_it_computes(routing):
-    """ep=4 computes a shard's first 2A received rows when they hold every copy (even routing), all
-    4A when one shard receives every copy: values and gradients equal apply_experts either way."""
+@pytest.mark.parametrize("routing", ["balanced", "two experts take every token"])
+def test_dropless_is_exact_on_every_path_on_one_device_and_on_ep4(routing):
+    """Balanced routing runs the fixed slots (every expert within DROPLESS_SLOTS x its share), and
+    under ep=4 only the first 2A received rows; two experts taking every token run the blocks, and
+    under ep=4 all S x A rows. Values and gradients equal the definition (each copy through its
+    expert's weights, gathered per copy) within 1e-5 either way."""
     moe = _moe()
-    route, x = (jax.random.normal(jax.random.key(i), (32, 64)) for i in (1, 2))
-    weights, experts, _ = moe.route(route)
-    if routing != "even":
-        experts = experts % 2  # experts 0 and 1, both on shard 0: it receives S x A copies
-        assert 4 * (32 // 4 * 2) > FILLED_ROWS_BOUND * (32 // 4 * 2)
-    args = (weights, experts, moe.gate_up_EDCM[...], moe.down_EMD[...])
-    local = lambda x, w, g, d: apply_experts(x, w, experts, g, d, MoeDispatch.dropless, 1.0)
-    parallel = lambda x, w, g, d: _expert_parallel(x, w, experts, g, d, MoeDispatch.dropless, 1.0, LOGICAL_RULES)
-    grads = lambda f: jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2, 3))
-    want = local(x, *args[:1], *args[2:]), grads(local)(x, weights, *args[2:])
+    X, K, E = 32, 2, 8
+    route, x = (jax.random.normal(jax.random.key(i), (X, 64)) for i in (1, 2))
+    weights, _, _ = moe.route(route)
+    copies = jnp.arange(X * K).reshape(X, K)
+    experts = copies % E if routing == "balanced" else copies % 2
+    if routing != "balanced":  # past the slots, and past shard 0's 2A rows under ep=4
+        assert X * K // 2 > DROPLESS_SLOTS * X * K / E and 4 * (X // 4 * K) > FILLED_ROWS_BOUND * (X // 4 * K)
+
+    def definition(x, w, g, d):
+        h = jnp.einsum("xd,xkdcm->xkcm", x, g[experts])
+        return jnp.einsum("xkm,xkmd,xk->xd", jax.nn.gelu(h[..., 0, :], approximate=True) * h[..., 1, :], d[experts], w)
+
+    one = lambda x, w, g, d: apply_experts(x, w, experts, g, d, MoeDispatch.dropless, 1.0)
+    ep4 = lambda x, w, g, d: _expert_parallel(x, w, experts, g, d, MoeDispatch.dropless, 1.0, LOGICAL_RULES)
+    value_and_grads = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))),
+                                                                     argnums=(0, 1, 2, 3))(*a)))
+    args = (x, weights, moe.gate_up_EDCM[...], moe.down_EMD[...])
+    want = value_and_grads(definition)(*args)
+    got = {"ep=1": value_and_grads(one)(*args)}
     with jax.set_mesh(make_mesh([[4], ["ep"]], jax.devices()[:4])):
-        got = jax.jit(lambda *a: (parallel(*a), grads(parallel)(*a)))(x, weights, *args[2:])
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=1e-5, rtol=0)
-    for g_got, g_want in zip(got[1], want[1]):
-        np.testing.assert_allclose(np.asarray(g_got), np.asarray(g_want), atol=1e-5, rtol=0)
+        got["ep=4"] = value_and_grads(ep4)(*args)
+    for name, (y, grads) in got.items():
+        np.testing.assert_allclose(np.asarray(y), np.asarray(want[0]), atol=1e-5, rtol=0, err_msg=name)
+        for g_got, g_want in zip(grads, want[1]):
+            np.testing.assert_allclose(np.asarray(g_got), np.asarray(g_want), atol=1e-5, rtol=0, err_msg=name)
 
 
 # --- errors ------------------------------------------------------------------------------------

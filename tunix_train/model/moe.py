@@ -5,9 +5,10 @@ times a learned scale and 1/sqrt(D), projected to E logits; softmax in float32; 
 probabilities renormalised to sum to one, then each multiplied by its expert's learned scale.
 
 Dispatch (model.moe_dispatch):
-- dropless: the token copies (X tokens x k choices) sorted by expert, then two grouped matmuls
-  (jax.lax.ragged_dot on TPUs; in blocks elsewhere, kernels.grouped_matmul) over groups of any
-  size: no token is dropped.
+- dropless: the token copies (X tokens x k choices) sorted by expert, then each expert's matmuls
+  on its group, whatever its size: no copy is dropped (dropless_experts). TPUs: jax.lax.ragged_dot.
+  Elsewhere fixed slots of 1.25 x the even share per expert when every group fits, and grouped
+  matmuls in blocks (kernels.grouped_matmul) when routing is more uneven.
 - capacity: each expert has C = ceil(capacity_factor * X * k / E) slots; a copy past its expert's
   C is dropped (adds nothing). Batched matmuls of fixed shape, for backends where ragged_dot is slow.
 
@@ -108,10 +109,11 @@ def apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispatch
     expert_A = experts_XK.reshape(-1)  # copy a is token a // K
     order_A, inverse_A = _sorting(expert_A)
     x_AD = kernels.take_rows(jnp.repeat(x_XD, K, axis=0), order_A, inverse_A)  # copies sorted by expert
+    E = gate_up_EDCM.shape[0]
     if dispatch is MoeDispatch.dropless:
-        y_AD = grouped_experts(x_AD, jnp.bincount(expert_A, length=gate_up_EDCM.shape[0]), gate_up_EDCM, down_EMD)
+        y_AD = dropless_experts(x_AD, expert_A[order_A], gate_up_EDCM, down_EMD, X * K)
     else:
-        y_AD = capacity_experts(x_AD, expert_A[order_A], gate_up_EDCM, down_EMD, capacity_factor)
+        y_AD = capacity_experts(x_AD, expert_A[order_A], gate_up_EDCM, down_EMD, _slots(X * K, E, capacity_factor))
     y_AD = kernels.take_rows(y_AD, inverse_A, order_A)  # back to token order
     return jnp.einsum("xkd,xk->xd", y_AD.reshape(X, K, -1), weights_XK.astype(y_AD.dtype))
 
@@ -132,19 +134,50 @@ def grouped_experts(x_AD, group_sizes_E, gate_up_EDCM, down_EMD):
     return kernels.grouped_matmul(h_AM, down_EMD, group_sizes_E, blocks)
 
 
-def capacity_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, capacity_factor: float):
+def dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, typical_rows: int):
+    """Rows of x sorted by expert (expert_A ascending; an id >= E: in no expert, gives 0), each
+    through its expert, none dropped. typical_rows: how many rows hold a copy when routing is even
+    (fewer than x's rows under ep, whose receive buffer has room for the worst case).
+
+    Where ragged_dot is native (TPU), grouped_experts. Elsewhere, when every expert's group fits
+    DROPLESS_SLOTS x its even share, capacity_experts' fixed slots: batched matmuls of the expert
+    weights as they are (1.2x a dense matmul of the same rows on CPU, against 2.1x for the blocks,
+    which gather a weight matrix per block); when routing is more uneven, the blocks (jax.lax.cond
+    runs one of the two)."""
+    E = gate_up_EDCM.shape[0]
+    sizes_E = jnp.bincount(expert_A, length=E + 1)[:E]
+    blocks = lambda x: _on_filled_rows(lambda x: grouped_experts(x, sizes_E, gate_up_EDCM, down_EMD), x,
+                                       jnp.sum(sizes_E), FILLED_ROWS_BOUND * typical_rows)
+    if jax.default_backend() == "tpu":
+        return blocks(x_AD)
+    C = _slots(typical_rows, E, DROPLESS_SLOTS)
+    slots = lambda x: capacity_experts(x, expert_A, gate_up_EDCM, down_EMD, C)
+    return jax.lax.cond(jnp.max(sizes_E) <= C, slots, blocks, x_AD)
+
+
+DROPLESS_SLOTS = 1.25  # dropless's fixed slots per expert, in even shares
+
+
+def _slots(rows: int, experts: int, factor: float) -> int:
+    """Slots per expert: factor x the even share of `rows`, rounded up."""
+    return max(1, math.ceil(factor * rows / experts))
+
+
+def capacity_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, C: int):
     """Rows of x sorted by expert (expert_A, ascending; an id >= E goes nowhere) through their
-    experts in fixed slots: ceil(capacity_factor x the even share) per expert; overflow gives 0."""
+    experts in C fixed slots per expert; a row past its expert's C gives 0 (it is dropped)."""
     E = gate_up_EDCM.shape[0]
     A = x_AD.shape[0]
-    C = max(1, math.ceil(capacity_factor * A / E))
+    sizes_E = jnp.bincount(expert_A, length=E + 1)[:E]
     slot_A = jnp.arange(A) - _group_starts(expert_A, E + 1)[expert_A]
-    kept_A = (slot_A < C) & (expert_A < E)
-    where_A = jnp.where(kept_A, expert_A * C + slot_A, E * C)  # E * C: out of bounds, dropped
-    x_ECD = jnp.zeros((E * C, x_AD.shape[1]), x_AD.dtype).at[where_A].set(x_AD, mode="drop").reshape(E, C, -1)
+    dest_A = jnp.where((slot_A < C) & (expert_A < E), expert_A * C + slot_A, E * C)  # E * C: nowhere
+    c = jnp.arange(C)
+    first_E = jnp.cumsum(sizes_E) - sizes_E
+    source_S = jnp.where(c[None, :] < sizes_E[:, None], first_E[:, None] + c[None, :], A).reshape(-1)  # A: empty
+    x_ECD = kernels.take_rows(x_AD, source_S, dest_A).reshape(E, C, -1)
     h_ECM = kernels.projection_output(_geglu(jnp.einsum("ecd,edfm->ecfm", x_ECD, gate_up_EDCM)))
     y_ECD = jnp.einsum("ecm,emd->ecd", h_ECM, down_EMD)
-    return jnp.where(kept_A[:, None], y_ECD.reshape(E * C, -1).at[where_A].get(mode="fill", fill_value=0), 0)
+    return kernels.take_rows(y_ECD.reshape(E * C, -1), dest_A, source_S)
 
 
 # A shard receives A copies on average (S x A in the worst case): the experts run on the first 2A
@@ -197,11 +230,9 @@ def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispa
         order_R, inverse_R = _sorting(local_R)
         x_RD = kernels.take_rows(recv_SAD.reshape(S * A, D), order_R, inverse_R)
         if dispatch is MoeDispatch.dropless:
-            sizes_E = jnp.bincount(local_R, length=E_local)
-            y_RD = _on_filled_rows(lambda x: grouped_experts(x, sizes_E, gate_up_EDCM, down_EMD), x_RD,
-                                   jnp.sum(sizes_E), FILLED_ROWS_BOUND * A)
+            y_RD = dropless_experts(x_RD, local_R[order_R], gate_up_EDCM, down_EMD, A)
         else:
-            y_RD = capacity_experts(x_RD, local_R[order_R], gate_up_EDCM, down_EMD, capacity_factor / S)
+            y_RD = capacity_experts(x_RD, local_R[order_R], gate_up_EDCM, down_EMD, _slots(A, E_local, capacity_factor))
         y_SAD = kernels.take_rows(y_RD, inverse_R, order_R).reshape(S, A, D)
         back_SAD = jax.lax.all_to_all(y_SAD, EP, 0, 0, tiled=False)
         y_AD = kernels.take_rows(back_SAD.reshape(S * A, D), slot_A, copy_of_slot)  # sorted copies
