@@ -61,7 +61,8 @@ class Worker:
     def start(self, command: list[str], env: dict[str, str], cwd: str) -> int:
         self.proc = subprocess.Popen(command, env={**os.environ, **env}, cwd=cwd, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
         return self.proc.pid
 
     def _read(self) -> None:
@@ -72,7 +73,7 @@ class Worker:
         """(the output lines since the last poll, the exit code or None while running)."""
         code = self.proc.poll()
         if code is not None:
-            time.sleep(0.2)  # the reader's last lines
+            self.reader.join(timeout=5)  # its last lines
         lines = [self.lines.popleft() for _ in range(len(self.lines))]
         return lines, code
 

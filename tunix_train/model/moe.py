@@ -73,7 +73,8 @@ class MoE(nnx.Module):
                  "router_probs": jnp.sum(probs_XE, axis=0)}
         gate_up_EDCM, down_EMD = self.gate_up_EDCM[...], self.down_EMD[...]
         mesh = jax.sharding.get_abstract_mesh()
-        if not mesh.empty and mesh.shape.get(EP, 1) > 1 and EP not in mesh.manual_axes:
+        data = {a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1} if not mesh.empty else set()
+        if data and not data & set(mesh.manual_axes):  # each data shard dispatches its own tokens
             y_XD = _expert_parallel(x_BTD.reshape(B * T, D), weights_XK, experts_XK, gate_up_EDCM, down_EMD,
                                     self.dispatch, self.capacity_factor, self.rules)
         else:
@@ -204,9 +205,11 @@ def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispa
     per destination (a shard's every copy may go to one shard: no copy is dropped), by one
     all_to_all; shard s computes them with its E/S experts, and a second all_to_all returns them."""
     mesh = jax.sharding.get_abstract_mesh()
-    S = mesh.shape[EP]
+    S = mesh.shape.get(EP, 1)
 
     def shard(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD):
+        if S == 1:  # every expert here: no exchange
+            return apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispatch, capacity_factor)
         X, K = experts_XK.shape
         E_local, D = gate_up_EDCM.shape[0], x_XD.shape[1]
         expert_A = experts_XK.reshape(-1)
@@ -244,5 +247,6 @@ def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispa
     # (gathered, as fsdp gathers any weight before use); tp stays the compiler's.
     data = tuple(a for a in BATCH_AXES if a in mesh.shape)
     tokens = P(data)
-    return jax.shard_map(shard, in_specs=(tokens, tokens, tokens, P(EP), P(EP)), out_specs=tokens,
+    experts = P(EP) if EP in mesh.shape else P()
+    return jax.shard_map(shard, in_specs=(tokens, tokens, tokens, experts, experts), out_specs=tokens,
                          axis_names=set(data))(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD)
