@@ -12,6 +12,7 @@ Dispatch (model.moe_dispatch):
 - capacity: each expert has C = ceil(capacity_factor * X * k / E) slots; a copy past its expert's
   C is dropped (adds nothing). Batched matmuls of fixed shape, for backends where ragged_dot is slow.
 
+Each data shard (dp x fsdp x ep) sorts its own tokens' copies (`_expert_parallel`'s shard_map).
 With an `ep` mesh axis the experts are split over it; each ep shard sorts its own tokens' copies,
 sends each to the shard holding its expert with one all-to-all, computes there, and an all-to-all
 brings the results back (`_expert_parallel`). Axis letters: X tokens, A token copies (X * k),
@@ -203,7 +204,8 @@ def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispa
 
     Each shard sends shard s the copies of its tokens bound for s's experts, in a buffer of A rows
     per destination (a shard's every copy may go to one shard: no copy is dropped), by one
-    all_to_all; shard s computes them with its E/S experts, and a second all_to_all returns them."""
+    all_to_all; shard s computes them with its E/S experts, and a second all_to_all returns them.
+    Without ep (or ep=1) each data shard runs every expert on its own tokens, with no exchange."""
     mesh = jax.sharding.get_abstract_mesh()
     S = mesh.shape.get(EP, 1)
 
