@@ -18,8 +18,8 @@ import pytest
 from conftest import REPO, cpu_env, read_metrics
 from tunix_train import exit_codes
 
-# 20 steps of about a second on this machine: time to kill a worker between two checkpoints
-RUN = ["model=gemma3_tiny", "data=synthetic", "data.seq_len=512", "training.micro_batch_size=4",
+# 20 steps of about half a second on this machine: time to kill a worker between two checkpoints
+RUN = ["model=gemma3_tiny", "data=synthetic", "data.seq_len=256", "training.micro_batch_size=4",
        "training.max_steps=20", "training.log_every=1", "training.eval_every=0", "checkpoint.every_steps=4",
        "checkpoint.keep=10", 'model.mesh_shape=[[4,1],["fsdp","tp"]]', "distributed.initialization_timeout_s=60"]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
