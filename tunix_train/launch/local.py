@@ -128,14 +128,11 @@ class _Job:
             # after a signal each process stops by itself (saving a checkpoint): no deadline but the sender's
             if failed and ended is None and self.signalled is None:
                 rank = args.node_rank * args.nprocs + self.procs.index(failed[0])
-                ended = restart.Ended(failed[0].returncode, rank, restart.describe_exit(failed[0].returncode))
+                ended = restart.Ended.exited(rank, failed[0].returncode)
                 self.say(f"rank {rank} {ended.cause}; stopping the others")
                 _stop(self.procs, args.grace_period_s)
             time.sleep(0.1)
         for t in pumps:
             t.join(timeout=5)
-        if ended is None:
-            failed = [p for p in self.procs if p.returncode]
-            ended = (restart.Ended(failed[0].returncode, args.node_rank * args.nprocs + self.procs.index(failed[0]),
-                                   restart.describe_exit(failed[0].returncode)) if failed else restart.Ended(0))
-        return ended
+        return ended or restart.first_failure({args.node_rank * args.nprocs + i: p.returncode
+                                               for i, p in enumerate(self.procs)})

@@ -247,13 +247,11 @@ class _Job:
                 if code is not None:
                     done[rank] = code
                     if code != 0 and forwarded is None:
-                        ended = restart.Ended(code, rank, restart.describe_exit(code))
+                        ended = restart.Ended.exited(rank, code)
                         _say(f"rank {rank} {ended.cause}; stopping the others")
                         return ended
             if len(done) == len(actors):  # after a signal each stops by itself: no deadline but the sender's
-                failed = [(rank, code) for rank, code in sorted(done.items()) if code]
-                return (restart.Ended(failed[0][1], failed[0][0], restart.describe_exit(failed[0][1])) if failed
-                        else restart.Ended(0))
+                return restart.first_failure(done)
             time.sleep(0.2)
 
     def _stop(self, actors) -> None:

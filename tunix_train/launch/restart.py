@@ -32,6 +32,17 @@ class Ended:
     failed_rank: int | None = None
     cause: str = ""
 
+    @classmethod
+    def exited(cls, rank: int, code: int) -> "Ended":
+        return cls(code, rank, describe_exit(code))
+
+
+def first_failure(codes: dict[int, int]) -> Ended:
+    """How a job whose workers have all ended (rank: exit code) ended: as its lowest failed rank, or
+    successfully."""
+    failed = sorted((rank, code) for rank, code in codes.items() if code)
+    return Ended.exited(*failed[0]) if failed else Ended(0)
+
 
 def add_arguments(parser) -> None:
     """What every launcher takes besides its own flags: how to stop and restart, and the command."""

@@ -170,12 +170,12 @@ def capacity_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, C: int):
     experts in C fixed slots per expert; a row past its expert's C gives 0 (it is dropped)."""
     E = gate_up_EDCM.shape[0]
     A = x_AD.shape[0]
-    sizes_E = jnp.bincount(expert_A, length=E + 1)[:E]
-    slot_A = jnp.arange(A) - _group_starts(expert_A, E + 1)[expert_A]
+    counts = jnp.bincount(expert_A, length=E + 1)  # the last: rows in no expert
+    first = jnp.cumsum(counts) - counts
+    slot_A = jnp.arange(A) - first[expert_A]
     dest_A = jnp.where((slot_A < C) & (expert_A < E), expert_A * C + slot_A, E * C)  # E * C: nowhere
     c = jnp.arange(C)
-    first_E = jnp.cumsum(sizes_E) - sizes_E
-    source_S = jnp.where(c[None, :] < sizes_E[:, None], first_E[:, None] + c[None, :], A).reshape(-1)  # A: empty
+    source_S = jnp.where(c[None, :] < counts[:E, None], first[:E, None] + c[None, :], A).reshape(-1)  # A: empty
     x_ECD = kernels.take_rows(x_AD, source_S, dest_A).reshape(E, C, -1)
     h_ECM = kernels.projection_output(_geglu(jnp.einsum("ecd,edfm->ecfm", x_ECD, gate_up_EDCM)))
     y_ECD = jnp.einsum("ecm,emd->ecd", h_ECM, down_EMD)
