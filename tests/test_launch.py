@@ -132,7 +132,10 @@ def test_a_config_error_is_not_restarted(tmp_path):
     proc = _start(tmp_path, "--max_restarts=3", "--restart_backoff_s=0", overrides=["training.no_such_key=1"])
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == exit_codes.CONFIG_ERROR == 2, out
-    assert out.count("unknown config key 'training.no_such_key'") == 2  # once per process, one start
+    # one start: the first rank to fail is reported once, and no process was started twice (the other
+    # rank may be stopped before it prints the error itself)
+    assert 1 <= out.count("unknown config key 'training.no_such_key'") <= 2, out
+    assert out.count("exited with code 2 (config error)") == 1, out
     assert "restart" not in out and not (tmp_path / "restarts.jsonl").exists()
     assert time.monotonic() - start < 60
 

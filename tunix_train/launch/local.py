@@ -134,5 +134,9 @@ class _Job:
             time.sleep(0.1)
         for t in pumps:
             t.join(timeout=5)
-        return ended or restart.first_failure({args.node_rank * args.nprocs + i: p.returncode
-                                               for i, p in enumerate(self.procs)})
+        if ended is None:  # every process ended before the loop saw one fail
+            ended = restart.first_failure({args.node_rank * args.nprocs + i: p.returncode
+                                           for i, p in enumerate(self.procs)})
+            if ended.failed_rank is not None and self.signalled is None:
+                self.say(f"rank {ended.failed_rank} {ended.cause}")
+        return ended
