@@ -39,7 +39,7 @@ def one_process(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mesh, micro, extra", [
-    ('[[4,1],["fsdp","tp"]]', 2, []),
+    pytest.param('[[4,1],["fsdp","tp"]]', 2, [], marks=pytest.mark.slow),
     ('[[2,2],["fsdp","tp"]]', 4, []),
     # pipeline stages, and sequence shards, on different processes (the first axis spans them)
     pytest.param('[[2,2],["pp","fsdp"]]', 4, ["training.pipeline_microbatches=2"], marks=pytest.mark.slow),

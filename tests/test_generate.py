@@ -57,8 +57,9 @@ def _recomputed_greedy(prompt, new):
     """Argmax of the full forward pass over the whole sequence, recomputed at every step."""
     forward = jax.jit(nnx.merge(model_graphdef(CFG, Remat.none), jax.tree.map(jnp.asarray, _host_params())).__call__)
     seq = list(prompt)
-    for _ in range(new):
-        seq.append(int(np.asarray(forward(jnp.asarray([seq])))[0, -1].argmax()))
+    for _ in range(new):  # zeros after the sequence: a causal model's logits at len(seq) - 1 ignore them
+        padded = jnp.asarray([seq + [0] * (len(prompt) + new - len(seq))])  # one shape, one compile
+        seq.append(int(np.asarray(forward(padded))[0, len(seq) - 1].argmax()))
     return seq[len(prompt):]
 
 
