@@ -5,6 +5,7 @@ one-line errors. transformers runs in this process or in TUNIX_TRAIN_REFERENCE_P
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,8 @@ from tunix_train.model.gemma import layer_groups
 from tunix_train.model.moe import DROPLESS_SLOTS, FILLED_ROWS_BOUND, MoE, _expert_parallel, apply_experts, load_balancing_loss
 from tunix_train.sharding import LOGICAL_RULES, data_axes, make_mesh, state_shardings, validate_model_for_mesh
 from tunix_train.train.init import model_graphdef
+from tunix_train.train.loop import train
+from tunix_train.train.setup import setup
 from tunix_train.train.step import token_losses
 
 MESHES = {"1": [[1], ["fsdp"]], "fsdp2_tp2": [[2, 2], ["fsdp", "tp"]]}
@@ -289,7 +292,39 @@ def test_experts_not_divisible_by_ep_is_a_one_line_error():
         validate_model_for_mesh(cfg.model, make_mesh([[4], ["ep"]], jax.devices()[:4]))
 
 
+@pytest.mark.parametrize("mesh_shape, message", [
+    ([[2, 2], ["ep", "cp"]], "model.mesh_shape: the ep and cp axes do not combine yet"),
+    ([[2, 2], ["pp", "fsdp"]], "model.mesh_shape: pp does not yet run Gemma 4's mixed layer shapes"),
+])
+def test_gemma4_on_axes_it_does_not_run_on_is_a_one_line_error(mesh_shape, message):
+    cfg = config("model=gemma4_moe_tiny", "training.pipeline_microbatches=2")
+    cfg.model.mesh_shape = mesh_shape
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        setup(cfg, jax.devices()[:4])
+    assert "\n" not in str(err.value)
+
+
 # --- training ----------------------------------------------------------------------------------
+
+def _three_step_losses(run_dir, mesh_shape, *overrides):
+    cfg = config("data.seq_len=32", "training.log_every=1", "training.max_steps=3",
+                 "training.eval_every=0", "training.warmup_steps=1", *overrides)
+    cfg.model.mesh_shape = mesh_shape
+    train(cfg, run_dir, devices=jax.devices()[:int(np.prod(mesh_shape[0]))])
+    return np.array(train_losses(run_dir))
+
+
+@pytest.mark.slow
+def test_context_parallel_gemma4_gives_the_losses_of_one_device(tmp_path):
+    """The MoE model with KV sharing (a scan carry in cp's shard_map) and per-layer inputs too, the
+    experts' dispatch inside cp's shard_map with the tokens also split over fsdp, the ring strategy."""
+    model = ("model=gemma4_moe_tiny", "model.num_kv_shared_layers=3", "model.per_layer_input_dim=8")
+    one = _three_step_losses(tmp_path / "one", [[1], ["fsdp"]], *model, "training.micro_batch_size=8")
+    split = _three_step_losses(tmp_path / "split", [[2, 2], ["fsdp", "cp"]], *model, "training.micro_batch_size=4",
+                               "model.context_parallel_strategy=ring")
+    assert len(one) == 3
+    np.testing.assert_allclose(split, one, rtol=1e-5)
+
 
 @pytest.mark.slow
 def test_moe_training_on_ep_resumes_bit_identically_and_logs_the_experts(tmp_path):

@@ -466,7 +466,8 @@ class Gemma(nnx.Module):
     @staticmethod
     def _empty_kv(x_BTD, shape: LayerShape):
         B, T, _ = x_BTD.shape
-        zeros = jnp.zeros((B, T, shape.num_kv_heads, shape.head_dim), x_BTD.dtype)
+        # zeros_like: in cp's shard_map the scan's carry varies over cp like x (jnp.zeros would not)
+        zeros = jnp.zeros_like(x_BTD, shape=(B, T, shape.num_kv_heads, shape.head_dim))
         return zeros, zeros
 
     def _masked_attention(self, rows):

@@ -75,7 +75,9 @@ class MoE(nnx.Module):
         gate_up_EDCM, down_EMD = self.gate_up_EDCM[...], self.down_EMD[...]
         mesh = jax.sharding.get_abstract_mesh()
         data = {a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1} if not mesh.empty else set()
-        if data and not data & set(mesh.manual_axes):  # each data shard dispatches its own tokens
+        # each data shard dispatches its own tokens; inside another shard_map (cp's) the compiler
+        # partitions the dispatch: there a nested one fails to differentiate (jax 0.10-0.12)
+        if data and not mesh.manual_axes:
             y_XD = _expert_parallel(x_BTD.reshape(B * T, D), weights_XK, experts_XK, gate_up_EDCM, down_EMD,
                                     self.dispatch, self.capacity_factor, self.rules)
         else:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from tunix_train.config import AttentionImpl, ConfigError, ModelConfig, TrainingConfig
+from tunix_train.config import AttentionImpl, ConfigError, ModelConfig, TrainingConfig, layer_types
 from tunix_train.model.gemma import one_stack
 from tunix_train.parallel import context, pipeline
 from tunix_train.parallel import float32_reductions as reductions
@@ -100,6 +100,9 @@ def for_run(mesh: Mesh, model: ModelConfig, training: TrainingConfig, seq_len: i
     if pp > 1 and not pipelines(model):
         raise ConfigError("model.mesh_shape: pp does not yet run Gemma 4's mixed layer shapes, per-layer inputs or "
                           "experts; drop the pp axis")
+    if cp > 1 and mesh.shape.get("ep", 1) > 1:
+        raise ConfigError("model.mesh_shape: the ep and cp axes do not combine yet (the experts' exchange "
+                          "would run inside cp's shard_map, which jax cannot differentiate); drop one of them")
     if training.sync_gradients_every > 1:
         raise ConfigError("training.sync_gradients_every > 1 does not combine with the pp or cp mesh axes; set it to 1")
     return Parallelism(_schedule(pp, model, training) if pp > 1 else None,
@@ -138,6 +141,6 @@ def _context(cp: int, model: ModelConfig, training: TrainingConfig, seq_len: int
     if training.attention is not AttentionImpl.xla:
         raise ConfigError(f"training.attention={training.attention.value} does not combine with the cp mesh axis; "
                           f"set training.attention=xla")
-    window = model.sliding_window if model.local_layers_per_global else None
+    window = model.sliding_window if "sliding_attention" in layer_types(model) else None
     fits = window is not None and window <= seq_len // (2 * cp)
     return context.ContextAttention(cp, model.context_parallel_strategy, window if fits else None)
