@@ -66,8 +66,7 @@ def reference(tmp_path_factory):
     return run_dir
 
 
-# before and after the first checkpoint (from scratch again: slow, for the README command's time)
-@pytest.mark.parametrize("kill_after", [pytest.param("step 2/", marks=pytest.mark.slow), "step 7/"])
+@pytest.mark.parametrize("kill_after", ["step 2/", "step 7/"])  # before and after the first checkpoint
 def test_kill_9_then_rerun_gives_bit_identical_parameters(tmp_path, reference, kill_after):
     proc = _start(tmp_path)
     _wait_for_line(proc, kill_after)

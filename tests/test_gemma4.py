@@ -318,7 +318,8 @@ def _three_step_losses(run_dir, mesh_shape, *overrides):
 def test_context_parallel_gemma4_gives_the_losses_of_one_device(tmp_path):
     """The MoE model with KV sharing (a scan carry in cp's shard_map) and per-layer inputs too, the
     experts' dispatch inside cp's shard_map with the tokens also split over fsdp, the ring strategy."""
-    model = ("model=gemma4_moe_tiny", "model.num_kv_shared_layers=3", "model.per_layer_input_dim=8")
+    model = ("model=gemma4_moe_tiny", "model.num_layers=3", "model.per_layer_input_dim=8",  # the last reuses the first's
+             "model.layer_types=[sliding_attention,full_attention,sliding_attention]", "model.num_kv_shared_layers=1")
     one = _three_step_losses(tmp_path / "one", [[1], ["fsdp"]], *model, "training.micro_batch_size=8")
     split = _three_step_losses(tmp_path / "split", [[2, 2], ["fsdp", "cp"]], *model, "training.micro_batch_size=4",
                                "model.context_parallel_strategy=ring")
