@@ -12,11 +12,18 @@ active size, and the share of the MoE layer's time that goes to dispatch.
    moe.apply_experts (sort by expert, gather, the experts' matmuls, back to token order, weighted
    sum) against moe.dropless_experts alone on copies already sorted (the experts' matmuls, in
    fixed slots or blocks). The difference is what sorting tokens to experts and back costs.
+3. With --kernels MODEL:TOKENS,...: one layer's experts, forward and backward, on copies already
+   sorted, computed each way moe.py can (jax.lax.ragged_dot; row blocks, kernels.grouped_matmul;
+   fixed slots, moe.capacity_experts) against one dense GeGLU MLP as wide as a token's k experts,
+   at that model's sizes, in the compute dtype. This tells which way is fastest on a backend.
+
+--cpu-devices 0 runs on the machine's own devices (a GPU); with one device only ep=1 runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -72,23 +79,84 @@ def dispatch_share(overrides: list[str], repeats: int = 20) -> dict:
             "dispatch_share": 1 - t_matmuls / t_full}
 
 
+def expert_kernels(overrides: list[str], tokens: int, repeats: int = 10) -> dict:
+    """Milliseconds for one layer's experts, forward and backward, on `tokens` tokens' copies sorted
+    by expert (routed by a random router: roughly even), each way moe.py can compute them, and for
+    the dense GeGLU MLP of the same FLOPs (width k x the expert width)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tunix_train.config import load_config
+    from tunix_train.model.moe import DROPLESS_SLOTS, _slots, capacity_experts, grouped_experts
+
+    cfg = load_config(overrides)[0]
+    m = cfg.model
+    dtype = jnp.bfloat16 if cfg.training.mixed_precision.value == "bf16" else jnp.float32
+    E, K, D, M = m.num_experts, m.num_experts_per_token, m.embed_dim, m.moe_hidden_dim
+    router = jax.random.normal(jax.random.key(0), (D, E)) * D**-0.5
+    _, experts_XK = jax.lax.top_k(jax.random.normal(jax.random.key(1), (tokens, D)) @ router, K)
+    ids_A = jnp.sort(experts_XK.reshape(-1))
+    sizes_E = jnp.bincount(ids_A, length=E)
+    x_AD = jax.random.normal(jax.random.key(2), (tokens * K, D), dtype)
+    gate_up = (jax.random.normal(jax.random.key(3), (E, D, 2, M)) * D**-0.5).astype(dtype)
+    down = (jax.random.normal(jax.random.key(4), (E, M, D)) * M**-0.5).astype(dtype)
+    C = _slots(tokens * K, E, DROPLESS_SLOTS)
+    ways = {
+        "ragged_dot": lambda x, g, d: grouped_experts(x, sizes_E, g, d, blocks=False),
+        "row blocks": lambda x, g, d: grouped_experts(x, sizes_E, g, d, blocks=True),
+        f"fixed slots ({DROPLESS_SLOTS}x even share)": lambda x, g, d: capacity_experts(x, ids_A, g, d, C),
+    }
+    x_XD = x_AD[:tokens]
+    dense_gate_up = (jax.random.normal(jax.random.key(5), (D, 2, K * M)) * D**-0.5).astype(dtype)
+    dense_down = (jax.random.normal(jax.random.key(6), (K * M, D)) * M**-0.5).astype(dtype)
+
+    def dense(x, g, d):
+        h = jnp.einsum("xd,dcm->xcm", x, g)
+        return jax.nn.gelu(h[:, 0], approximate=True) * h[:, 1] @ d
+
+    def timed(fn, *args):
+        step = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=(0, 1, 2)))
+        try:
+            jax.block_until_ready(step(*args))
+        except Exception as err:  # out of memory: say so and go on with the other ways
+            return f"failed: {str(err).splitlines()[0][:120]}"
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(step(*args))
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples) * 1e3
+
+    results = {name: timed(fn, x_AD, gate_up, down) for name, fn in ways.items()}
+    results["dense MLP of the same FLOPs"] = timed(dense, x_XD, dense_gate_up, dense_down)
+    return {"model": m.name, "tokens": tokens, "experts": E, "top_k": K, "embed": D, "expert_width": M,
+            "dtype": jnp.dtype(dtype).name, "largest_group_over_even_share": float(jnp.max(sizes_E)) * E / (tokens * K),
+            "ms": results}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu-devices", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--kernels", default="", help="MODEL:TOKENS,... for section 3 (e.g. gemma4_26b_a4b:4096)")
+    parser.add_argument("--json", help="also write every figure here")
     args, overrides = parser.parse_known_args()
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
+    if args.cpu_devices:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import jax
     from benchmark import benchmark
 
-    n = args.cpu_devices
+    n = jax.device_count()
     base = MODEL + overrides
     runs = {f"moe ep=1 (fsdp={n})": base + [f"model.mesh_shape=[[{n}],[fsdp]]"],
             f"moe ep={n}": base + [f"model.mesh_shape=[[{n}],[ep]]"],
             f"dense, same active size (fsdp={n})": dense_twin(base) + [f"model.mesh_shape=[[{n}],[fsdp]]"]}
+    if n == 1:  # one device: ep=1 is the only expert split
+        del runs[f"moe ep={n}"]
     results = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, run in runs.items():
@@ -103,6 +171,19 @@ def main() -> int:
     print(f"dispatch: one layer's experts, forward and backward, {share['tokens']} tokens: apply_experts "
           f"{share['apply_experts_ms']:.2f} ms, its matmuls alone {share['grouped_matmuls_ms']:.2f} ms: "
           f"dispatch {share['dispatch_share']:.0%} of it")
+    kernels = []
+    for spec in filter(None, args.kernels.split(",")):
+        model, tokens = spec.split(":")
+        k = expert_kernels([arg for arg in base if not arg.startswith("model=")] + [f"model={model}"], int(tokens))
+        kernels.append(k)
+        print(f"experts of one {k['model']} layer ({k['experts']} experts, top {k['top_k']}, D={k['embed']}, "
+              f"width {k['expert_width']}, {k['dtype']}), {k['tokens']} tokens, forward and backward "
+              f"(largest group / even share: {k['largest_group_over_even_share']:.2f}):")
+        for name, ms in k["ms"].items():
+            print(f"  {name:<36}" + (f"{ms:>10.2f} ms" if isinstance(ms, float) else f"  {ms}"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"train": results, "dispatch": share, "kernels": kernels}, f, indent=1)
     return 0
 
 

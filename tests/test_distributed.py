@@ -119,8 +119,23 @@ def test_unreachable_coordinator_is_a_clear_error_not_a_hang(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_mpi4py_installed_is_not_a_cluster(tmp_path, monkeypatch):
+    """JAX detects an mpi4py cluster only when asked for it by name (find_spec("mpi4py") holds
+    wherever mpi4py is installed, as on many GPU images); a plain run there is one process."""
+    from jax._src.clusters import Mpi4pyCluster
+
+    from tunix_train.config import DistributedConfig
+    from tunix_train.launch.distributed import initialize
+
+    (tmp_path / "mpi4py").mkdir()
+    (tmp_path / "mpi4py" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert Mpi4pyCluster.is_env_present()
+    assert initialize(DistributedConfig()) == "single process"
+
+
 def test_xla_flags_are_added_and_a_users_own_value_wins(monkeypatch):
-    from tunix_train.platform import CPU_MULTI_OUTPUT_FUSION, GPU_OVERLAP, add_flags
+    from tunix_train.platform import CPU_MULTI_OUTPUT_FUSION, GPU_DETERMINISTIC, GPU_OVERLAP, add_flags
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 "
                                     "--xla_gpu_enable_pipelined_all_gather=false")
@@ -128,12 +143,13 @@ def test_xla_flags_are_added_and_a_users_own_value_wins(monkeypatch):
     flags = os.environ["XLA_FLAGS"].split()
     assert flags[:2] == ["--xla_force_host_platform_device_count=2", "--xla_gpu_enable_pipelined_all_gather=false"]
     assert sorted(flags[2:]) == sorted([*(f for f in GPU_OVERLAP if "pipelined_all_gather" not in f),
-                                        CPU_MULTI_OUTPUT_FUSION])
+                                        GPU_DETERMINISTIC, CPU_MULTI_OUTPUT_FUSION])
     add_flags(config().training)  # nothing twice
     assert os.environ["XLA_FLAGS"].split() == flags
 
     monkeypatch.setenv("XLA_FLAGS", "")
-    add_flags(config("training.xla_gpu_overlap=false", "training.xla_cpu_multi_output_fusion=false").training)
+    add_flags(config("training.xla_gpu_overlap=false", "training.xla_cpu_multi_output_fusion=false",
+                     "training.deterministic=false").training)
     assert os.environ["XLA_FLAGS"] == ""
 
 

@@ -283,6 +283,9 @@ class TrainingConfig:
     xla_gpu_overlap: bool = _changeable(True)
     # XLA:CPU's multi-output fusion (tunix_train/platform.py): fewer passes over memory on CPUs.
     xla_cpu_multi_output_fusion: bool = _changeable(True)
+    # Bit-identical runs and resumes on NVIDIA GPUs: XLA's deterministic kernels (platform.py), in
+    # place of atomics whose order varies from run to run. CPUs are deterministic either way.
+    deterministic: bool = _changeable(True)
     log_every: int = _changeable(10)
     eval_every: int = _changeable(50)  # steps between evaluations on the held-out split; 0 disables
     eval_batches: int = _changeable(4)  # a fixed set of held-out batches per evaluation

@@ -4,7 +4,7 @@ Sources, in order:
   1. config: distributed.coordinator_address, distributed.num_processes, distributed.process_id;
   2. the environment variables MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (and LOCAL_RANK, which
      picks this process's GPU), as torchrun and our launcher (python -m tunix_train.launch) set them;
-  3. JAX's own cluster detection: SLURM, Open MPI, Kubernetes and TPU pods;
+  3. JAX's own cluster detection: SLURM, Open MPI, Kubernetes and TPU pods (not the opt-in mpi4py);
   4. otherwise a single process.
 On CPU, collectives go through gloo so multi-process CPU runs work.
 """
@@ -20,10 +20,13 @@ from tunix_train.config import ConfigError, DistributedConfig
 ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
 
-def _cluster_detected() -> bool:
-    from jax._src import clusters  # the cluster types jax.distributed.initialize() auto-detects
+def _detected_cluster() -> str | None:
+    """The name of the cluster jax.distributed.initialize() would detect, as it does: the opt-in
+    types (mpi4py, present wherever mpi4py is installed) only when asked for by name."""
+    from jax._src import clusters
 
-    return any(env.is_env_present() for env in clusters.ClusterEnv._cluster_types)
+    found = [env for env in clusters.ClusterEnv._cluster_types if not env.opt_in_only_method and env.is_env_present()]
+    return found[0].__name__ if found else None
 
 
 def _from_environment() -> dict | None:
@@ -80,8 +83,8 @@ def initialize(cfg: DistributedConfig) -> str:
                         "process_id": cfg.process_id}, "config"
     elif (env := _from_environment()) is not None:
         args, source = env, "MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE"
-    elif _cluster_detected():
-        args, source = {}, "cluster detection"
+    elif cluster := _detected_cluster():
+        args, source = {}, f"{cluster} detection"
     else:
         return "single process"
     if args.get("num_processes") == 1:
@@ -94,7 +97,7 @@ def initialize(cfg: DistributedConfig) -> str:
         jax.distributed.initialize(**args, initialization_timeout=cfg.initialization_timeout_s,
                                    heartbeat_timeout_seconds=cfg.heartbeat_timeout_s)
     except Exception as err:  # XLA raises plain RuntimeError/XlaRuntimeError with multi-line text
-        where = args.get("coordinator_address", "the detected coordinator")
+        where = args.get("coordinator_address", f"the address {source} gives")
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         raise ConfigError(f"could not join the run through the coordinator at {where} within "
                           f"{cfg.initialization_timeout_s} s (distributed.initialization_timeout_s): {first}; "

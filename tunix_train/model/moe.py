@@ -128,11 +128,11 @@ def _sorting(ids):
     return order, jnp.argsort(order)
 
 
-def grouped_experts(x_AD, group_sizes_E, gate_up_EDCM, down_EMD):
+def grouped_experts(x_AD, group_sizes_E, gate_up_EDCM, down_EMD, blocks: bool):
     """Rows of x sorted by expert, group_sizes_E of them per expert (rows past their sum give 0):
-    each row through its expert's GeGLU by two ragged (grouped) matmuls."""
+    each row through its expert's GeGLU by two ragged (grouped) matmuls, as jax.lax.ragged_dot or in
+    row blocks (kernels.grouped_matmul)."""
     E, D, _, M = gate_up_EDCM.shape
-    blocks = jax.default_backend() != "tpu"  # kernels.grouped_matmul: ragged_dot runs densely elsewhere
     h_AF = kernels.grouped_matmul(x_AD, gate_up_EDCM.reshape(E, D, 2 * M), group_sizes_E, blocks)
     h_AM = kernels.projection_output(_geglu(h_AF.reshape(-1, 2, M)))
     return kernels.grouped_matmul(h_AM, down_EMD, group_sizes_E, blocks)
@@ -150,9 +150,10 @@ def dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, typical_rows: int):
     runs one of the two)."""
     E = gate_up_EDCM.shape[0]
     sizes_E = jnp.bincount(expert_A, length=E + 1)[:E]
-    blocks = lambda x: _on_filled_rows(lambda x: grouped_experts(x, sizes_E, gate_up_EDCM, down_EMD), x,
+    native = jax.default_backend() == "tpu"  # elsewhere XLA lowers ragged_dot densely (kernels.grouped_matmul)
+    blocks = lambda x: _on_filled_rows(lambda x: grouped_experts(x, sizes_E, gate_up_EDCM, down_EMD, not native), x,
                                        jnp.sum(sizes_E), FILLED_ROWS_BOUND * typical_rows)
-    if jax.default_backend() == "tpu":
+    if native:
         return blocks(x_AD)
     C = _slots(typical_rows, E, DROPLESS_SLOTS)
     slots = lambda x: capacity_experts(x, expert_A, gate_up_EDCM, down_EMD, C)
