@@ -28,8 +28,8 @@ GPU_OVERLAP = (
     "--xla_gpu_enable_while_loop_double_buffering=true",
 )
 # NVIDIA GPUs: deterministic kernels (scatter-adds and reductions without atomics). Without it two
-# runs of the default job on an H200 ended 300 steps apart (45 of 49 arrays differed, by up to 0.06);
-# with it two runs, and a run killed with -9 after step 200 and rerun, were bit-identical.
+# runs of the default job on an H200 differed after 300 steps (45 of 49 arrays, by up to 0.06); with
+# it two runs, and a run killed with -9 after step 200 and rerun, were bit-identical.
 GPU_DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
 # XLA:CPU: fuse loops that share inputs (Adam's moments and parameter, say) into one loop with
 # several outputs, instead of duplicating shared producers into each consumer. A backend option,
