@@ -25,8 +25,8 @@ def _detected_cluster() -> str | None:
     types (mpi4py, present wherever mpi4py is installed) only when asked for by name."""
     from jax._src import clusters
 
-    found = [env for env in clusters.ClusterEnv._cluster_types if not env.opt_in_only_method and env.is_env_present()]
-    return found[0].__name__ if found else None
+    found = (env for env in clusters.ClusterEnv._cluster_types if not env.opt_in_only_method and env.is_env_present())
+    return next((env.__name__ for env in found), None)
 
 
 def _from_environment() -> dict | None:
