@@ -294,7 +294,6 @@ def test_experts_not_divisible_by_ep_is_a_one_line_error():
 
 
 @pytest.mark.parametrize("mesh_shape, message", [
-    ([[2, 2], ["ep", "cp"]], "model.mesh_shape: the ep and cp axes do not combine yet"),
     ([[2, 2], ["pp", "fsdp"]], "model.mesh_shape: pp does not yet run Gemma 4's mixed layer shapes"),
 ])
 def test_gemma4_on_axes_it_does_not_run_on_is_a_one_line_error(mesh_shape, message):
@@ -318,12 +317,13 @@ def _three_step_losses(run_dir, mesh_shape, *overrides):
 @pytest.mark.slow
 def test_context_parallel_gemma4_gives_the_losses_of_one_device(tmp_path):
     """The MoE model with KV sharing (a scan carry in cp's shard_map) and per-layer inputs too, the
-    experts' dispatch inside cp's shard_map with the tokens also split over fsdp, the ring strategy."""
+    experts' dispatch inside cp's shard_map with the tokens also split over fsdp and the experts over
+    ep, the ring strategy."""
     model = ("model=gemma4_moe_tiny", "model.num_layers=3", "model.per_layer_input_dim=8",  # the last reuses the first's
              "model.layer_types=[sliding_attention,full_attention,sliding_attention]", "model.num_kv_shared_layers=1")
     one = _three_step_losses(tmp_path / "one", [[1], ["fsdp"]], *model, "training.micro_batch_size=8")
-    split = _three_step_losses(tmp_path / "split", [[2, 2], ["fsdp", "cp"]], *model, "training.micro_batch_size=4",
-                               "model.context_parallel_strategy=ring")
+    split = _three_step_losses(tmp_path / "split", [[2, 2, 2], ["fsdp", "ep", "cp"]], *model,
+                               "training.micro_batch_size=2", "model.context_parallel_strategy=ring")
     assert len(one) == 3
     np.testing.assert_allclose(split, one, rtol=1e-5)
 

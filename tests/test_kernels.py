@@ -108,7 +108,9 @@ def test_fused_attention_gets_the_layout_heads_and_mask_of_the_einsum_attention(
 
 @pytest.mark.parametrize("sizes", [[10, 0, 70, 15], [8] * 8, [0, 0, 37], [1, 2, 3]])
 def test_grouped_matmul_in_blocks_is_ragged_dot(sizes):
-    """Values and gradients; groups of any size, empty ones, and rows past the groups' sum (zeros)."""
+    """Values and gradients; groups of any size, empty ones, and rows past the groups' sum (zeros).
+    The blocks' weight gradient is a one-hot matmul where E <= b/2 (all but [8] * 8 here), autodiff's
+    scatter-add elsewhere."""
     A, E = max(sum(sizes), 40), len(sizes)
     x = jax.random.normal(jax.random.key(0), (A, 6))
     w = jax.random.normal(jax.random.key(1), (E, 6, 5))

@@ -8,7 +8,8 @@ Dispatch (model.moe_dispatch):
 - dropless: the token copies (X tokens x k choices) sorted by expert, then each expert's matmuls
   on its group, whatever its size: no copy is dropped (dropless_experts). TPUs: jax.lax.ragged_dot.
   Elsewhere fixed slots of 1.25 x the even share per expert when every group fits, and grouped
-  matmuls in blocks (kernels.grouped_matmul) when routing is more uneven.
+  matmuls in blocks (kernels.grouped_matmul) when routing is more uneven (always, inside cp's
+  shard_map).
 - capacity: each expert has C = ceil(capacity_factor * X * k / E) slots; a copy past its expert's
   C is dropped (adds nothing). Batched matmuls of fixed shape, for backends where ragged_dot is slow.
 
@@ -75,14 +76,20 @@ class MoE(nnx.Module):
         gate_up_EDCM, down_EMD = self.gate_up_EDCM[...], self.down_EMD[...]
         mesh = jax.sharding.get_abstract_mesh()
         data = {a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1} if not mesh.empty else set()
-        # each data shard dispatches its own tokens; inside another shard_map (cp's) the compiler
-        # partitions the dispatch: there a nested one fails to differentiate (jax 0.10-0.12)
-        if data and not mesh.manual_axes:
-            y_XD = _expert_parallel(x_BTD.reshape(B * T, D), weights_XK, experts_XK, gate_up_EDCM, down_EMD,
-                                    self.dispatch, self.capacity_factor, self.rules)
+        x_XD = x_BTD.reshape(B * T, D)
+        if data and not mesh.manual_axes:  # each data shard dispatches its own tokens
+            y_XD = _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, self.dispatch,
+                                    self.capacity_factor, self.rules)
         else:
-            y_XD = apply_experts(x_BTD.reshape(B * T, D), weights_XK, experts_XK, gate_up_EDCM, down_EMD,
-                                 self.dispatch, self.capacity_factor)
+            if mesh.manual_axes:
+                # inside another shard_map (cp's) the compiler partitions the dispatch: a nested
+                # shard_map fails to differentiate there (jax 0.10-0.12). The experts enter split over
+                # ep alone: split over fsdp or tp as well, they crashed jax 0.12's partitioner (a
+                # failed check in spmd_partitioner_util.cc)
+                gate_up_EDCM = constrain(gate_up_EDCM, ("experts", None, None, None), self.rules)
+                down_EMD = constrain(down_EMD, ("experts", None, None), self.rules)
+            y_XD = apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, self.dispatch,
+                                 self.capacity_factor)
         return constrain(y_XD.reshape(B, T, D), ("batch", "seq", "act_embed"), self.rules), stats
 
 
@@ -157,6 +164,8 @@ def dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, typical_rows: int):
         return blocks(x_AD)
     C = _slots(typical_rows, E, DROPLESS_SLOTS)
     slots = lambda x: capacity_experts(x, expert_A, gate_up_EDCM, down_EMD, C)
+    if _in_an_outer_shard_map():
+        return blocks(x_AD)
     return jax.lax.cond(jnp.max(sizes_E) <= C, slots, blocks, x_AD)
 
 
@@ -201,6 +210,14 @@ def _on_filled_rows(fn, x_RD, filled, bound: int):
     return jax.lax.cond(filled <= bound, head, fn, x_RD)
 
 
+def _in_an_outer_shard_map() -> bool:
+    """Whether the MoE runs inside a shard_map opened round it (cp's), where the compiler partitions
+    the dispatch. There no jax.lax.cond may choose the path: its branches then hold the compiler's
+    collectives, and runs hung in them (XLA:CPU: ep x cp on jax 0.10.2; fsdp x cp x tp on jax 0.12,
+    even with every device made to take the same branch)."""
+    return any(a not in BATCH_AXES for a in jax.sharding.get_abstract_mesh().manual_axes)
+
+
 def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispatch, capacity_factor, rules):
     """apply_experts with the experts split over the ep mesh axis (and the tokens with them: ep is
     one of the batch's axes), in a shard_map manual over the data axes (dp, fsdp, ep).
@@ -213,6 +230,9 @@ def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispa
     S = mesh.shape.get(EP, 1)
 
     def shard(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD):
+        # the weights vary over the data axes as the tokens do (kernels.grouped_matmul's custom
+        # gradient needs it); the cast's transpose sums their gradients over them
+        gate_up_EDCM, down_EMD = jax.lax.pcast((gate_up_EDCM, down_EMD), whole, to="varying")
         if S == 1:  # every expert here: no exchange
             return apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispatch, capacity_factor)
         X, K = experts_XK.shape
@@ -253,5 +273,6 @@ def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispa
     data = tuple(a for a in BATCH_AXES if a in mesh.shape)
     tokens = P(data)
     experts = P(EP) if EP in mesh.shape else P()
+    whole = tuple(a for a in data if a != EP)  # the axes the experts enter whole over
     return jax.shard_map(shard, in_specs=(tokens, tokens, tokens, experts, experts), out_specs=tokens,
                          axis_names=set(data))(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD)

@@ -100,9 +100,6 @@ def for_run(mesh: Mesh, model: ModelConfig, training: TrainingConfig, seq_len: i
     if pp > 1 and not pipelines(model):
         raise ConfigError("model.mesh_shape: pp does not yet run Gemma 4's mixed layer shapes, per-layer inputs or "
                           "experts; drop the pp axis")
-    if cp > 1 and model.num_experts and mesh.shape.get("ep", 1) > 1:
-        raise ConfigError("model.mesh_shape: the ep and cp axes do not combine yet (the experts' exchange "
-                          "would run inside cp's shard_map, which jax cannot differentiate); drop one of them")
     if training.sync_gradients_every > 1:
         raise ConfigError("training.sync_gradients_every > 1 does not combine with the pp or cp mesh axes; set it to 1")
     return Parallelism(_schedule(pp, model, training) if pp > 1 else None,
