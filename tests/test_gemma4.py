@@ -294,7 +294,7 @@ def test_experts_not_divisible_by_ep_is_a_one_line_error():
 
 
 @pytest.mark.parametrize("mesh_shape, message", [
-    ([[2, 2], ["pp", "fsdp"]], "model.mesh_shape: pp does not yet run Gemma 4's mixed layer shapes"),
+    ([[2, 2], ["pp", "fsdp"]], "model.mesh_shape: pp does not yet run Gemma 4's mixed layer shapes or per-layer"),
 ])
 def test_gemma4_on_axes_it_does_not_run_on_is_a_one_line_error(mesh_shape, message):
     cfg = config("model=gemma4_moe_tiny", "training.pipeline_microbatches=2")
@@ -326,6 +326,24 @@ def test_context_parallel_gemma4_gives_the_losses_of_one_device(tmp_path):
                                "training.micro_batch_size=2", "model.context_parallel_strategy=ring")
     assert len(one) == 3
     np.testing.assert_allclose(split, one, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_pipelined_experts_give_the_losses_and_expert_statistics_of_one_device(tmp_path):
+    """pp with ep and cp beside it, on a MoE model of one layer shape (pp's requirement): the
+    losses, the load-balancing loss and the experts' loads equal one device's, so the statistics
+    come through the stages whole and none of a pipeline's idle steps."""
+    model = ("model=gemma4_moe_tiny", "model.num_layers=4", "model.global_head_dim=16", "model.num_global_kv_heads=2",
+             "model.attention_k_eq_v=false",
+             "model.layer_types=[sliding_attention,full_attention,sliding_attention,full_attention]")
+    logged = {}
+    for name, mesh_shape, rows in (("one", [[1], ["fsdp"]], 8), ("split", [[2, 2, 2], ["pp", "ep", "cp"]], 4)):
+        _three_step_losses(tmp_path / name, mesh_shape, *model, f"training.micro_batch_size={rows}",
+                           "training.pipeline_microbatches=2")
+        logged[name] = np.array([[m[k] for k in ("loss", "moe_aux_loss", "moe_load_max", "moe_load_min")]
+                                 for m in read_metrics(tmp_path / name) if "loss" in m])
+    assert logged["one"].shape == (3, 4)
+    np.testing.assert_allclose(logged["split"], logged["one"], rtol=1e-5)
 
 
 @pytest.mark.slow

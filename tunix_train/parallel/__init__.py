@@ -33,7 +33,7 @@ class Parallelism:
         """layers(layer_xs, x_BTD, rows, make_attend) -> (x, statistics) applies the layers of layer_xs
         (stacked on a leading axis) to x; rows holds the per-token data [B, T] (or [1, T]) the masks
         and RoPE read. Under cp, make_attend (rows -> window -> attend) is replaced by cp's, and the
-        statistics (sums over tokens) are summed over the shards; under pp there are none."""
+        statistics (sums over tokens) are summed over the shards and pp's micro-batches."""
         if self.context is None and self.schedule is None:
             return layers(layer_xs, x_BTD, rows, make_attend)
         seq, make_attend = (None, make_attend) if self.context is None else (context.AXIS, self.context.make_attend)
@@ -60,9 +60,9 @@ class Parallelism:
         # micro-batch m takes rows m, m + M, ...: each data shard keeps its own rows
         split = lambda a: jnp.broadcast_to(a, x_BTD.shape[:2] + a.shape[2:]).reshape(
             -1, M, *a.shape[1:]).swapaxes(0, 1)
-        x_MBTD = pipeline.run(self.schedule, lambda *args: apply(*args)[0], enter, layer_xs,
-                              reductions.float32(split(x_BTD)), jax.tree.map(split, rows), seq, x_dtype)
-        return x_MBTD.swapaxes(0, 1).reshape(x_BTD.shape).astype(x_dtype), {}
+        x_MBTD, stats = pipeline.run(self.schedule, apply, enter, layer_xs, reductions.float32(split(x_BTD)),
+                                     jax.tree.map(split, rows), seq, x_dtype)
+        return x_MBTD.swapaxes(0, 1).reshape(x_BTD.shape).astype(x_dtype), stats
 
     def reorder(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """The step's batch as the model should see it: under cp, in context.balanced_order."""
@@ -88,8 +88,8 @@ class Parallelism:
 
 
 def pipelines(model: ModelConfig) -> bool:
-    """Whether the pp schedules run this model: one stack of layers, no experts, no per-layer inputs."""
-    return one_stack(model) and not (model.num_experts or model.per_layer_input_dim)
+    """Whether the pp schedules run this model: one stack of layers, no per-layer inputs."""
+    return one_stack(model) and not model.per_layer_input_dim
 
 
 def for_run(mesh: Mesh, model: ModelConfig, training: TrainingConfig, seq_len: int) -> Parallelism | None:
@@ -98,8 +98,8 @@ def for_run(mesh: Mesh, model: ModelConfig, training: TrainingConfig, seq_len: i
     if pp == 1 and cp == 1:
         return None
     if pp > 1 and not pipelines(model):
-        raise ConfigError("model.mesh_shape: pp does not yet run Gemma 4's mixed layer shapes, per-layer inputs or "
-                          "experts; drop the pp axis")
+        raise ConfigError("model.mesh_shape: pp does not yet run Gemma 4's mixed layer shapes or per-layer inputs; "
+                          "drop the pp axis")
     if training.sync_gradients_every > 1:
         raise ConfigError("training.sync_gradients_every > 1 does not combine with the pp or cp mesh axes; set it to 1")
     return Parallelism(_schedule(pp, model, training) if pp > 1 else None,

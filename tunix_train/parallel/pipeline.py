@@ -56,23 +56,25 @@ class Schedule:
 
 
 def run(schedule: Schedule, stage_fn: Callable, enter: Callable, layer_xs: Any, x_MBTD: jax.Array, rows: Any,
-        seq_axis: str | None, dtype: Any) -> jax.Array:
-    """stage_fn(layer_xs of one chunk [C, ...], x [B, T, D], rows [B, T]) -> x, applied through
-    every stage to each of the M micro-batches of x_MBTD (rows: their per-token data, [M, B, T]);
-    enter(layer_xs) makes a stage's layers what stage_fn takes, once per pass.
+        seq_axis: str | None, dtype: Any) -> tuple[jax.Array, Any]:
+    """stage_fn(layer_xs of one chunk [C, ...], x [B, T, D], rows [B, T]) -> (x, statistics), applied
+    through every stage to each of the M micro-batches of x_MBTD (rows: their per-token data,
+    [M, B, T]); enter(layer_xs) makes a stage's layers what stage_fn takes, once per pass. The
+    statistics (per layer [C, ...], sums over tokens; {} for none) come back summed over the
+    micro-batches, per layer [L, ...] in no particular order.
     Runs in a shard_map manual over pp (and over `seq_axis`, which splits T, when given). x_MBTD
     comes in and the outputs leave in float32 (float32_reductions); between stages the activations
     travel in `dtype`."""
     S, R = schedule.stages, schedule.repeats
     chunks = jax.tree.map(lambda a: a.reshape(R, S, a.shape[0] // (R * S), *a.shape[1:]), layer_xs)
     data = P(None, None, seq_axis)
-    stages = jax.shard_map(lambda *args: _stages(schedule, stage_fn, enter, dtype, *args),
-                           in_specs=(P(None, AXIS), data, data), out_specs=data,
+    stages = jax.shard_map(lambda *args: _stages(schedule, stage_fn, enter, dtype, seq_axis, *args),
+                           in_specs=(P(None, AXIS), data, data), out_specs=(data, P(AXIS)),
                            axis_names={AXIS} | ({seq_axis} if seq_axis else set()))
     return stages(chunks, x_MBTD, rows)
 
 
-def _stages(schedule: Schedule, stage_fn, enter, dtype, chunks, x_MBTD, rows):
+def _stages(schedule: Schedule, stage_fn, enter, dtype, seq_axis, chunks, x_MBTD, rows):
     """One stage's part of the schedule (in the shard_map): a scan over the time steps."""
     S, R = schedule.stages, schedule.repeats
     stage = jax.lax.axis_index(AXIS)
@@ -81,14 +83,20 @@ def _stages(schedule: Schedule, stage_fn, enter, dtype, chunks, x_MBTD, rows):
     put = lambda a, x, i: jax.lax.dynamic_update_index_in_dim(a, x, i, 0)
     # varying from here on: the input's gradient is summed over pp once, not at every time step
     x_MBTD = jax.lax.pcast(x_MBTD, AXIS, to="varying")
+    chunk = lambda repeat: jax.tree.map(lambda a: at(a, repeat), chunks)
+    _, stats_shapes = jax.eval_shape(stage_fn, chunk(0), x_MBTD[0].astype(dtype), jax.tree.map(lambda a: a[0], rows))
 
     def step(carry, t):
-        received, circulating, outputs = carry
+        received, circulating, outputs, stats = carry
         busy, repeat, micro = schedule.task(t, stage)
         fresh = at(x_MBTD, micro).astype(dtype)
         first_input = fresh if R == 1 else jnp.where(repeat == 0, fresh, at(circulating, micro))
-        y = stage_fn(jax.tree.map(lambda a: at(a, repeat), chunks), jnp.where(stage == 0, first_input, received),
-                     jax.tree.map(lambda a: at(a, micro), rows)).astype(dtype)
+        y, y_stats = stage_fn(chunk(repeat), jnp.where(stage == 0, first_input, received),
+                              jax.tree.map(lambda a: at(a, micro), rows))
+        y = y.astype(dtype)
+        # an idle step's statistics are of no micro-batch
+        stats = jax.tree.map(lambda total, s: put(total, at(total, repeat) + jnp.where(busy, s, 0), repeat),
+                             stats, y_stats)
         done = busy & (stage == S - 1) & (repeat == R - 1)
         outputs = put(outputs, jnp.where(done, y.astype(outputs.dtype), at(outputs, micro)), micro)
         received = jax.lax.ppermute(y, AXIS, [(i, (i + 1) % S) for i in range(S)])
@@ -96,9 +104,15 @@ def _stages(schedule: Schedule, stage_fn, enter, dtype, chunks, x_MBTD, rows):
             last_busy, last_repeat, last_micro = schedule.task(t, S - 1)
             keep = (stage == 0) & last_busy & (last_repeat < R - 1)
             circulating = put(circulating, jnp.where(keep, received, at(circulating, last_micro)), last_micro)
-        return (received, circulating, outputs), None
+        return (received, circulating, outputs, stats), None
 
     zeros = jnp.zeros_like(x_MBTD, dtype)
-    init = (zeros[0], zeros if R > 1 else None, jnp.zeros_like(x_MBTD))
-    (_, _, outputs), _ = jax.lax.scan(step, init, jnp.arange(schedule.steps))
-    return jax.lax.psum(outputs, AXIS)  # only the last stage's are not zero
+    manual = (AXIS, seq_axis) if seq_axis else AXIS  # the statistics vary over them, like x
+    stats = jax.tree.map(lambda s: jax.lax.pcast(jnp.zeros((R, *s.shape), s.dtype), manual, to="varying"),
+                         stats_shapes)
+    init = (zeros[0], zeros if R > 1 else None, jnp.zeros_like(x_MBTD), stats)
+    (_, _, outputs, stats), _ = jax.lax.scan(step, init, jnp.arange(schedule.steps))
+    stats = jax.tree.map(lambda s: s.reshape(-1, *s.shape[2:]), stats)  # this stage's layers [R * C, ...]
+    if seq_axis:
+        stats = jax.lax.psum(stats, seq_axis)
+    return jax.lax.psum(outputs, AXIS), stats  # only the last stage's outputs are not zero
