@@ -293,14 +293,19 @@ def test_experts_not_divisible_by_ep_is_a_one_line_error():
         validate_model_for_mesh(cfg.model, make_mesh([[4], ["ep"]], jax.devices()[:4]))
 
 
-@pytest.mark.parametrize("mesh_shape, message", [
-    ([[2, 2], ["pp", "fsdp"]], "model.mesh_shape: pp does not yet run Gemma 4's mixed layer shapes or per-layer"),
+@pytest.mark.parametrize("overrides, message", [
+    (["model.per_layer_input_dim=8"], "model.mesh_shape: pp does not yet run per-layer inputs, nor layers other than"),
+    (["model.num_kv_shared_layers=2"], "model.mesh_shape: pp does not yet run per-layer inputs, nor layers other than"),
+    (["model.num_layers=4", "model.layer_types=[sliding_attention,sliding_attention,full_attention,full_attention]"],
+     "model.mesh_shape: pp does not yet run per-layer inputs, nor layers other than"),
+    (['model.mesh_shape=[[3],["pp"]]', "training.pipeline_microbatches=3"],
+     "model.mesh_shape: pp=3 is more than the 2 repeats of model.layer_types' 3-layer period"),
 ])
-def test_gemma4_on_axes_it_does_not_run_on_is_a_one_line_error(mesh_shape, message):
-    cfg = config("model=gemma4_moe_tiny", "training.pipeline_microbatches=2")
-    cfg.model.mesh_shape = mesh_shape
+def test_gemma4_on_axes_it_does_not_run_on_is_a_one_line_error(overrides, message):
+    cfg = config("model=gemma4_moe_tiny", "training.pipeline_microbatches=2", 'model.mesh_shape=[[2,2],["pp","fsdp"]]',
+                 *overrides)
     with pytest.raises(ConfigError, match=re.escape(message)) as err:
-        setup(cfg, jax.devices()[:4])
+        setup(cfg, jax.devices()[:int(np.prod(cfg.model.mesh_shape[0]))])
     assert "\n" not in str(err.value)
 
 
@@ -330,12 +335,11 @@ def test_context_parallel_gemma4_gives_the_losses_of_one_device(tmp_path):
 
 @pytest.mark.slow
 def test_pipelined_experts_give_the_losses_and_expert_statistics_of_one_device(tmp_path):
-    """pp with ep and cp beside it, on a MoE model of one layer shape (pp's requirement): the
-    losses, the load-balancing loss and the experts' loads equal one device's, so the statistics
-    come through the stages whole and none of a pipeline's idle steps."""
-    model = ("model=gemma4_moe_tiny", "model.num_layers=4", "model.global_head_dim=16", "model.num_global_kv_heads=2",
-             "model.attention_k_eq_v=false",
-             "model.layer_types=[sliding_attention,full_attention,sliding_attention,full_attention]")
+    """pp with ep and cp beside it, on gemma4_moe_tiny's mixed layer shapes (its period of three,
+    repeated twice: one repeat a stage): the losses, the load-balancing loss and the experts' loads
+    equal one device's, so the statistics come through the stages whole and none of a pipeline's
+    idle steps."""
+    model = ("model=gemma4_moe_tiny",)
     logged = {}
     for name, mesh_shape, rows in (("one", [[1], ["fsdp"]], 8), ("split", [[2, 2, 2], ["pp", "ep", "cp"]], 4)):
         _three_step_losses(tmp_path / name, mesh_shape, *model, f"training.micro_batch_size={rows}",

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from tunix_train.config import AttentionImpl, ConfigError, ModelConfig, TrainingConfig, layer_types
-from tunix_train.model.gemma import one_stack
+from tunix_train.model.gemma import layer_groups
 from tunix_train.parallel import context, pipeline
 from tunix_train.parallel import float32_reductions as reductions
 
@@ -88,8 +88,9 @@ class Parallelism:
 
 
 def pipelines(model: ModelConfig) -> bool:
-    """Whether the pp schedules run this model: one stack of layers, no per-layer inputs."""
-    return one_stack(model) and not model.per_layer_input_dim
+    """Whether the pp schedules run this model: one group of layers (one stack, or Gemma 4's
+    period of layer shapes repeated: the stages split the repeats), no per-layer inputs."""
+    return len(layer_groups(model)) == 1 and not model.per_layer_input_dim
 
 
 def for_run(mesh: Mesh, model: ModelConfig, training: TrainingConfig, seq_len: int) -> Parallelism | None:
@@ -98,8 +99,8 @@ def for_run(mesh: Mesh, model: ModelConfig, training: TrainingConfig, seq_len: i
     if pp == 1 and cp == 1:
         return None
     if pp > 1 and not pipelines(model):
-        raise ConfigError("model.mesh_shape: pp does not yet run Gemma 4's mixed layer shapes or per-layer inputs; "
-                          "drop the pp axis")
+        raise ConfigError("model.mesh_shape: pp does not yet run per-layer inputs, nor layers other than one period "
+                          "of layer shapes repeated (KV-sharing layers, an irregular layer_types); drop the pp axis")
     if training.sync_gradients_every > 1:
         raise ConfigError("training.sync_gradients_every > 1 does not combine with the pp or cp mesh axes; set it to 1")
     return Parallelism(_schedule(pp, model, training) if pp > 1 else None,
@@ -107,16 +108,21 @@ def for_run(mesh: Mesh, model: ModelConfig, training: TrainingConfig, seq_len: i
 
 
 def _schedule(pp: int, model: ModelConfig, training: TrainingConfig) -> pipeline.Schedule:
-    L, R, M, b = model.num_layers, training.pipeline_repeats, training.pipeline_microbatches, training.micro_batch_size
+    R, M, b = training.pipeline_repeats, training.pipeline_microbatches, training.micro_batch_size
+    # the stages split the repeats of the one group's period: single layers (Gemma 1-3), or Gemma
+    # 4's period of layer shapes
+    (group,) = layer_groups(model)
+    L, p = group.repeats, len(group.period)
+    stack, unit, are = ((f"model.num_layers={L}", "layer", "is") if p == 1 else
+                        (f"the {L} repeats of model.layer_types' {p}-layer period", f"{p}-layer period", "are"))
     if pp > L:
-        raise ConfigError(f"model.mesh_shape: pp={pp} is more than model.num_layers={L}; a stage needs at least "
-                          f"one layer")
+        raise ConfigError(f"model.mesh_shape: pp={pp} is more than {stack}; a stage needs at least one {unit}")
     if L < pp * R:
-        raise ConfigError(f"training.pipeline_repeats={R}: model.num_layers={L} is too shallow for {R} chunks on "
-                          f"each of pp={pp} stages; lower the repeats")
+        raise ConfigError(f"training.pipeline_repeats={R}: {stack} {are} too shallow for {R} chunks on each of "
+                          f"pp={pp} stages; lower the repeats")
     if L % (pp * R):
-        raise ConfigError(f"model.num_layers={L} is not divisible by pp x training.pipeline_repeats = {pp * R}; "
-                          f"choose sizes whose product divides it")
+        raise ConfigError(f"{stack} {are} not divisible by pp x training.pipeline_repeats = {pp * R}; choose sizes "
+                          f"whose product divides {'it' if p == 1 else 'them'}")
     if M < pp or M % pp:
         raise ConfigError(f"training.pipeline_microbatches={M} must be a multiple of pp={pp} (at least {pp}; more "
                           f"shrinks the bubble)")
