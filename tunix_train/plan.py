@@ -114,6 +114,7 @@ def parameter_counts(cfg, params) -> tuple[int, int]:
 def advice(cfg, mesh, training: bool = True) -> list[str]:
     """What lowers per-device memory, the most effective first; `training=False` for loading or
     sampling a model (only the mesh then matters, and cfg may be None)."""
+    from tunix_train.model.gemma import layer_groups
     from tunix_train.parallel import pipelines
 
     t, tips = cfg.training if training else None, []
@@ -129,7 +130,8 @@ def advice(cfg, mesh, training: bool = True) -> list[str]:
         tips.append(f"shard more over fsdp ({divided} by it)")
     else:
         tips.append(f"more devices on the fsdp axis ({divided} by it)")
-    if training and pipelines(cfg.model) and mesh.shape.get("pp", 1) == 1 and cfg.model.num_layers % 2 == 0:
+    if (training and pipelines(cfg.model) and mesh.shape.get("pp", 1) == 1
+            and layer_groups(cfg.model)[0].repeats % 2 == 0):  # the stages split the repeats
         tips.append(f"a pp mesh axis (each stage holds num_layers / pp layers and their optimizer state; with "
                     f"training.pipeline_microbatches >= pp)")
     if cfg is not None and cfg.model.num_experts and cfg.model.num_experts % (2 * mesh.shape.get("ep", 1)) == 0:
