@@ -8,8 +8,8 @@ Dispatch (model.moe_dispatch):
 - dropless: the token copies (X tokens x k choices) sorted by expert, then each expert's matmuls
   on its group, whatever its size: no copy is dropped (dropless_experts). TPUs: jax.lax.ragged_dot.
   Elsewhere fixed slots of 1.25 x the even share per expert when every group fits, and grouped
-  matmuls in blocks (kernels.grouped_matmul) when routing is more uneven (always, inside cp's
-  shard_map).
+  matmuls in blocks (kernels.grouped_matmul) when routing is more uneven (always, inside cp's or
+  pp's shard_map).
 - capacity: each expert has C = ceil(capacity_factor * X * k / E) slots; a copy past its expert's
   C is dropped (adds nothing). Batched matmuls of fixed shape, for backends where ragged_dot is slow.
 
@@ -82,7 +82,7 @@ class MoE(nnx.Module):
                                     self.capacity_factor, self.rules)
         else:
             if mesh.manual_axes:
-                # inside another shard_map (cp's) the compiler partitions the dispatch: a nested
+                # inside another shard_map (cp's, pp's) the compiler partitions the dispatch: a nested
                 # shard_map fails to differentiate there (jax 0.10-0.12). The experts enter split over
                 # ep alone: split over fsdp or tp as well, they crashed jax 0.12's partitioner (a
                 # failed check in spmd_partitioner_util.cc)
@@ -154,18 +154,16 @@ def dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, typical_rows: int):
     DROPLESS_SLOTS x its even share, capacity_experts' fixed slots: batched matmuls of the expert
     weights as they are (1.2x a dense matmul of the same rows on CPU, against 2.1x for the blocks,
     which gather a weight matrix per block); when routing is more uneven, the blocks (jax.lax.cond
-    runs one of the two)."""
+    runs one of the two). Inside an outer shard_map (cp's, pp's), always the blocks."""
     E = gate_up_EDCM.shape[0]
     sizes_E = jnp.bincount(expert_A, length=E + 1)[:E]
     native = jax.default_backend() == "tpu"  # elsewhere XLA lowers ragged_dot densely (kernels.grouped_matmul)
     blocks = lambda x: _on_filled_rows(lambda x: grouped_experts(x, sizes_E, gate_up_EDCM, down_EMD, not native), x,
                                        jnp.sum(sizes_E), FILLED_ROWS_BOUND * typical_rows)
-    if native:
+    if native or _in_an_outer_shard_map():
         return blocks(x_AD)
     C = _slots(typical_rows, E, DROPLESS_SLOTS)
     slots = lambda x: capacity_experts(x, expert_A, gate_up_EDCM, down_EMD, C)
-    if _in_an_outer_shard_map():
-        return blocks(x_AD)
     return jax.lax.cond(jnp.max(sizes_E) <= C, slots, blocks, x_AD)
 
 
@@ -211,7 +209,7 @@ def _on_filled_rows(fn, x_RD, filled, bound: int):
 
 
 def _in_an_outer_shard_map() -> bool:
-    """Whether the MoE runs inside a shard_map opened round it (cp's), where the compiler partitions
+    """Whether the MoE runs inside a shard_map opened round it (cp's, pp's), where the compiler partitions
     the dispatch. There no jax.lax.cond may choose the path: its branches then hold the compiler's
     collectives, and runs hung in them (XLA:CPU: ep x cp on jax 0.10.2; fsdp x cp x tp on jax 0.12,
     even with every device made to take the same branch)."""
