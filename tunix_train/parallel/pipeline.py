@@ -83,20 +83,15 @@ def _stages(schedule: Schedule, stage_fn, enter, dtype, seq_axis, chunks, x_MBTD
     put = lambda a, x, i: jax.lax.dynamic_update_index_in_dim(a, x, i, 0)
     # varying from here on: the input's gradient is summed over pp once, not at every time step
     x_MBTD = jax.lax.pcast(x_MBTD, AXIS, to="varying")
-    chunk = lambda repeat: jax.tree.map(lambda a: at(a, repeat), chunks)
-    _, stats_shapes = jax.eval_shape(stage_fn, chunk(0), x_MBTD[0].astype(dtype), jax.tree.map(lambda a: a[0], rows))
 
     def step(carry, t):
-        received, circulating, outputs, stats = carry
+        received, circulating, outputs = carry
         busy, repeat, micro = schedule.task(t, stage)
         fresh = at(x_MBTD, micro).astype(dtype)
         first_input = fresh if R == 1 else jnp.where(repeat == 0, fresh, at(circulating, micro))
-        y, y_stats = stage_fn(chunk(repeat), jnp.where(stage == 0, first_input, received),
-                              jax.tree.map(lambda a: at(a, micro), rows))
+        y, stats = stage_fn(jax.tree.map(lambda a: at(a, repeat), chunks), jnp.where(stage == 0, first_input, received),
+                            jax.tree.map(lambda a: at(a, micro), rows))
         y = y.astype(dtype)
-        # an idle step's statistics are of no micro-batch
-        stats = jax.tree.map(lambda total, s: put(total, at(total, repeat) + jnp.where(busy, s, 0), repeat),
-                             stats, y_stats)
         done = busy & (stage == S - 1) & (repeat == R - 1)
         outputs = put(outputs, jnp.where(done, y.astype(outputs.dtype), at(outputs, micro)), micro)
         received = jax.lax.ppermute(y, AXIS, [(i, (i + 1) % S) for i in range(S)])
@@ -104,15 +99,17 @@ def _stages(schedule: Schedule, stage_fn, enter, dtype, seq_axis, chunks, x_MBTD
             last_busy, last_repeat, last_micro = schedule.task(t, S - 1)
             keep = (stage == 0) & last_busy & (last_repeat < R - 1)
             circulating = put(circulating, jnp.where(keep, received, at(circulating, last_micro)), last_micro)
-        return (received, circulating, outputs, stats), None
+        # an idle step's statistics are of no micro-batch
+        return (received, circulating, outputs), jax.tree.map(lambda s: jnp.where(busy, s, 0), stats)
 
     zeros = jnp.zeros_like(x_MBTD, dtype)
-    manual = (AXIS, seq_axis) if seq_axis else AXIS  # the statistics vary over them, like x
-    stats = jax.tree.map(lambda s: jax.lax.pcast(jnp.zeros((R, *s.shape), s.dtype), manual, to="varying"),
-                         stats_shapes)
-    init = (zeros[0], zeros if R > 1 else None, jnp.zeros_like(x_MBTD), stats)
-    (_, _, outputs, stats), _ = jax.lax.scan(step, init, jnp.arange(schedule.steps))
-    stats = jax.tree.map(lambda s: s.reshape(-1, *s.shape[2:]), stats)  # this stage's layers [R * C, ...]
+    init = (zeros[0], zeros if R > 1 else None, jnp.zeros_like(x_MBTD))
+    steps = jnp.arange(schedule.steps)
+    (_, _, outputs), stats_T = jax.lax.scan(step, init, steps)
+    # each step's statistics [T, C, ...] summed into its repeat's chunk: this stage's layers [R * C, ...]
+    repeat_TR = jax.nn.one_hot(schedule.task(steps, stage)[1], R)
+    by_repeat = lambda s: jnp.einsum("tr,tc...->rc...", repeat_TR.astype(s.dtype), s).reshape(-1, *s.shape[2:])
+    stats = jax.tree.map(by_repeat, stats_T)
     if seq_axis:
         stats = jax.lax.psum(stats, seq_axis)
     return jax.lax.psum(outputs, AXIS), stats  # only the last stage's outputs are not zero
