@@ -13,8 +13,8 @@ active size, and the share of the MoE layer's time that goes to dispatch.
    sum) against moe.dropless_experts alone on copies already sorted (the experts' matmuls, in
    fixed slots or blocks). The difference is what sorting tokens to experts and back costs.
 3. With --kernels MODEL:TOKENS,...: one layer's experts, forward and backward, on copies already
-   sorted, computed each way moe.py can (jax.lax.ragged_dot; row blocks, kernels.grouped_matmul;
-   fixed slots, moe.capacity_experts) against one dense GeGLU MLP as wide as a token's k experts,
+   sorted, computed each way moe.py can (jax.lax.ragged_dot; moe.dropless_places: blocks alone,
+   fixed slots, slots and a pool) against one dense GeGLU MLP as wide as a token's k experts,
    at that model's sizes, in the compute dtype. This tells which way is fastest on a backend.
 
 --cpu-devices 0 runs on the machine's own devices (a GPU); with one device only ep=1 runs.
@@ -87,7 +87,7 @@ def expert_kernels(overrides: list[str], tokens: int, repeats: int = 10) -> dict
     import jax.numpy as jnp
 
     from tunix_train.config import load_config
-    from tunix_train.model.moe import DROPLESS_SLOTS, _slots, capacity_experts, grouped_experts
+    from tunix_train.model.moe import dropless_places, ragged_experts, slotted_experts
 
     cfg = load_config(overrides)[0]
     m = cfg.model
@@ -100,11 +100,12 @@ def expert_kernels(overrides: list[str], tokens: int, repeats: int = 10) -> dict
     x_AD = jax.random.normal(jax.random.key(2), (tokens * K, D), dtype)
     gate_up = (jax.random.normal(jax.random.key(3), (E, D, 2, M)) * D**-0.5).astype(dtype)
     down = (jax.random.normal(jax.random.key(4), (E, M, D)) * M**-0.5).astype(dtype)
-    C = _slots(tokens * K, E, DROPLESS_SLOTS)
+    slots, slots_and_pool, blocks = dropless_places(tokens * K, tokens * K, E)
     ways = {
-        "ragged_dot": lambda x, g, d: grouped_experts(x, sizes_E, g, d, blocks=False),
-        "row blocks": lambda x, g, d: grouped_experts(x, sizes_E, g, d, blocks=True),
-        f"fixed slots ({DROPLESS_SLOTS}x even share)": lambda x, g, d: capacity_experts(x, ids_A, g, d, C),
+        "ragged_dot": lambda x, g, d: ragged_experts(x, sizes_E, g, d),
+        "row blocks": lambda x, g, d: slotted_experts(x, ids_A, g, d, blocks),
+        "fixed slots (1.25x even share)": lambda x, g, d: slotted_experts(x, ids_A, g, d, slots),
+        "slots and a pool of E/2 blocks": lambda x, g, d: slotted_experts(x, ids_A, g, d, slots_and_pool),
     }
     x_XD = x_AD[:tokens]
     dense_gate_up = (jax.random.normal(jax.random.key(5), (D, 2, K * M)) * D**-0.5).astype(dtype)

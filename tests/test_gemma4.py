@@ -20,7 +20,7 @@ from tunix_train import api
 from tunix_train.config import ConfigError, MoeDispatch, Remat
 from tunix_train.model import Gemma
 from tunix_train.model.gemma import layer_groups
-from tunix_train.model.moe import DROPLESS_SLOTS, FILLED_ROWS_BOUND, MoE, _expert_parallel, apply_experts, load_balancing_loss
+from tunix_train.model.moe import MoE, _expert_parallel, apply_experts, dropless_places, load_balancing_loss
 from tunix_train.sharding import LOGICAL_RULES, data_axes, make_mesh, state_shardings, validate_model_for_mesh
 from tunix_train.train.init import model_graphdef
 from tunix_train.train.loop import train
@@ -238,20 +238,34 @@ def test_loss_and_gradients_are_equal_for_every_ep_and_the_experts_are_split():
             assert "all-to-all" in text
 
 
-@pytest.mark.parametrize("routing", ["balanced", "two experts take every token"])
-def test_dropless_is_exact_on_every_path_on_one_device_and_on_ep4(routing):
-    """Balanced routing runs the fixed slots (every expert within DROPLESS_SLOTS x its share), and
-    under ep=4 only the first 2A received rows; two experts taking every token run the blocks, and
-    under ep=4 all S x A rows. Values and gradients equal the definition (each copy through its
-    expert's weights, gathered per copy) within 1e-5 either way."""
+ROUTINGS = {  # each token's two experts, as (first column, second column) of the 64 copies sorted
+    "balanced": np.arange(64) % 8,
+    "one expert busier": np.repeat(np.arange(8), [12, 8, 8, 8, 7, 7, 7, 7]),
+    "four experts take every token": np.arange(64) % 4,
+    "two experts take every token": np.arange(64) % 2,
+}
+
+
+@pytest.mark.parametrize("routing, one_device, ep4", [("balanced", 0, 0), ("one expert busier", 1, 1),
+                                                      ("four experts take every token", 2, 2),
+                                                      ("two experts take every token", 2, 3)])
+def test_dropless_is_exact_in_each_of_its_places_on_one_device_and_on_ep4(routing, one_device, ep4):
+    """dropless_experts runs the first of dropless_places that holds every copy: the fixed slots for
+    balanced routing, the slots and the pool for one busier expert, the blocks for 2A rows when two
+    ep shards receive twice their share, and the blocks for all S x A when one receives every copy.
+    Values and gradients equal the definition (each copy through its expert's weights, gathered
+    per copy) within 1e-5 in each."""
     moe = _moe()
     X, K, E = 32, 2, 8
     route, x = (jax.random.normal(jax.random.key(i), (X, 64)) for i in (1, 2))
     weights, _, _ = moe.route(route)
-    copies = jnp.arange(X * K).reshape(X, K)
-    experts = copies % E if routing == "balanced" else copies % 2
-    if routing != "balanced":  # past the slots, and past shard 0's 2A rows under ep=4
-        assert X * K // 2 > DROPLESS_SLOTS * X * K / E and 4 * (X // 4 * K) > FILLED_ROWS_BOUND * (X // 4 * K)
+    sorted_copies = ROUTINGS[routing]
+    experts = jnp.asarray(sorted_copies.reshape(K, X).T if routing == "one expert busier" else sorted_copies.reshape(X, K))
+    first_fitting = lambda places, sizes: next(i for i, slots in enumerate(places) if slots.fit(jnp.asarray(sizes)))
+    assert first_fitting(dropless_places(X * K, X * K, E), np.bincount(sorted_copies, minlength=E)) == one_device
+    shard_A = X // 4 * K  # copies a shard sends under ep=4; each shard holds 2 experts
+    received = [np.bincount(np.asarray(experts).reshape(-1), minlength=E)[2 * s:2 * s + 2] for s in range(4)]
+    assert max(first_fitting(dropless_places(shard_A, 4 * shard_A, 2), r) for r in received) == ep4
 
     def definition(x, w, g, d):
         h = jnp.einsum("xd,xkdcm->xkcm", x, g[experts])

@@ -106,19 +106,37 @@ def test_fused_attention_gets_the_layout_heads_and_mask_of_the_einsum_attention(
                                       lambda *qkv: _plain_attention(*qkv, mask, None), args)
 
 
+@pytest.mark.parametrize("slots", [kernels.Slots(0, 8, 16), kernels.Slots(40, 8, 4), kernels.Slots(10, 3, 2),
+                                   kernels.Slots(16, 4, 0)])
 @pytest.mark.parametrize("sizes", [[10, 0, 70, 15], [8] * 8, [0, 0, 37], [1, 2, 3]])
-def test_grouped_matmul_in_blocks_is_ragged_dot(sizes):
-    """Values and gradients; groups of any size, empty ones, and rows past the groups' sum (zeros).
-    The blocks' weight gradient is a one-hot matmul where E <= b/2 (all but [8] * 8 here), autodiff's
-    scatter-add elsewhere."""
+def test_slotted_matmul_is_ragged_dot_where_every_row_fits(sizes, slots):
+    """Values and gradients against jax.lax.ragged_dot, through slotting's places and back: groups of
+    any size, empty ones, rows in no group (zeros); pool blocks alone, the experts' slots alone and
+    both, the blocks' weight gradient as a one-hot matmul (E <= b/2) and as autodiff's scatter-add.
+    Where Slots.fit says a row finds no place, exactly the rows past their places give zeros."""
     A, E = max(sum(sizes), 40), len(sizes)
     x = jax.random.normal(jax.random.key(0), (A, 6))
     w = jax.random.normal(jax.random.key(1), (E, 6, 5))
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    loss = lambda blocks: lambda x, w: jnp.sum(jnp.sin(kernels.grouped_matmul(x, w, group_sizes, blocks)))
-    np.testing.assert_allclose(kernels.grouped_matmul(x, w, group_sizes, True),
-                               jax.lax.ragged_dot(x, w, group_sizes), atol=1e-5, rtol=0)
-    for got, expected in zip(jax.grad(loss(True), argnums=(0, 1))(x, w), jax.grad(loss(False), argnums=(0, 1))(x, w)):
+    expert_A = jnp.repeat(jnp.arange(E + 1), jnp.asarray(sizes + [A - sum(sizes)]), total_repeat_length=A)
+
+    def slotted(x, w):
+        source, dest, group_J = kernels.slotting(expert_A, E, slots)
+        return kernels.take_rows(kernels.slotted_matmul(kernels.take_rows(x, source, dest), w, group_J, slots), dest, source)
+
+    # what fits: each group's first base rows, then whole blocks while the pool lasts
+    kept, blocks_left = [], slots.blocks
+    for size in sizes:
+        over = max(size - slots.base, 0)
+        used = min(-(-over // slots.block), blocks_left)
+        blocks_left -= used
+        kept += [1] * min(size, slots.base + used * slots.block) + [0] * (size - min(size, slots.base + used * slots.block))
+    kept = jnp.asarray(kept + [0] * (A - sum(sizes)), jnp.float32)[:, None]
+    assert bool(slots.fit(group_sizes)) == bool(jnp.all(kept[:sum(sizes)] == 1))
+    reference = lambda x, w: jax.lax.ragged_dot(x * kept, w, group_sizes)
+    np.testing.assert_allclose(slotted(x, w), reference(x, w), atol=1e-5, rtol=0)
+    loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+    for got, expected in zip(jax.grad(loss(slotted), argnums=(0, 1))(x, w), jax.grad(loss(reference), argnums=(0, 1))(x, w)):
         np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
 
 

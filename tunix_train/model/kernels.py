@@ -10,6 +10,7 @@ stack of projections.
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -186,42 +187,77 @@ def _take_rows_bwd(residuals, g):
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
-def grouped_matmul(x_AD, w_EDN, group_sizes_E, blocks: bool):
-    """jax.lax.ragged_dot(x, w, group_sizes): rows of x sorted by group, row r times its group's
-    matrix (rows past the groups' sum give zeros). blocks=True computes it as a batched matmul of
-    row blocks: each group padded to whole blocks of b rows, each block times its group's matrix.
-    Why: XLA:CPU lowers ragged_dot to a dense matmul over every group's matrix (E times the FLOPs;
-    8 experts: 5.7x slower, docs/models.md); blocks cost at most (A + E b) rows of work and hold
-    A / b + E gathered matrices (b = A / 2E: about 1.25 x the FLOPs and 3 x the local experts' bytes).
-    In a shard_map, w must vary over the manual axes x does (jax.lax.pcast): the blocks' custom
+class Slots(NamedTuple):
+    """Where rows sorted by expert go for their experts' matmuls, static sizes: expert e's first
+    `base` rows into e's own slots, one batched matmul of the experts' weights as they are; the rest
+    into a pool of `blocks` blocks of `block` rows, each block one expert's, a batched matmul of the
+    blocks' matrices gathered. Rows that find no place are dropped (Slots.fit says whether all find one).
+    Why: XLA on CPU and GPU lowers jax.lax.ragged_dot to a dense matmul over every expert's matrix
+    (E times the FLOPs; docs/models.md); these are batched matmuls of fixed shape."""
+    base: int
+    block: int
+    blocks: int
+
+    @staticmethod
+    def blocks_for(rows: int, experts: int) -> Slots:
+        """Pool blocks alone, room for any routing of `rows` rows: each expert's rows padded to whole
+        blocks of b = rows / 2E (a sum over experts of ceil(size / b) is at most rows / b + E), about
+        1.25 x the rows of work on even routing."""
+        b = max(8, -(-rows // (2 * experts)) // 8 * 8)
+        return Slots(0, b, -(-rows // b) + experts)
+
+    def fit(self, sizes_E):
+        """Whether groups of these sizes all find places."""
+        return jnp.sum(-(-jnp.maximum(sizes_E - self.base, 0) // self.block)) <= self.blocks
+
+
+def slotting(expert_A, experts: int, slots: Slots):
+    """(source_R, dest_A, group_J) for rows sorted by expert (expert_A ascending; an id >= E: in no
+    expert): the row each of the R = E x base + blocks x block places holds (A: none), the place of
+    each row (R: none, when slots.fit fails) and each pool block's expert (E: none)."""
+    E, (base, b, J) = experts, slots
+    A = expert_A.shape[0]
+    sizes_E = jnp.bincount(expert_A, length=E + 1)[:E]
+    first_E = jnp.cumsum(sizes_E) - sizes_E
+    over_E = jnp.maximum(sizes_E - base, 0)  # rows past the expert's own slots, into the pool
+    blocks_E = -(-over_E // b)
+    first_block_E = jnp.cumsum(blocks_E) - blocks_E
+    rows = E * base + J * b
+    # each row's place: its expert's slot, or its block (a block past the pool: no place)
+    in_expert_A = expert_A < E
+    e_A = jnp.minimum(expert_A, E - 1)
+    rank_A = jnp.arange(A) - first_E[e_A]
+    dest_A = jnp.where(rank_A < base, e_A * base + rank_A, E * base + first_block_E[e_A] * b + rank_A - base)
+    dest_A = jnp.where(in_expert_A & (dest_A < rows), dest_A, rows)
+    # each place's row: slot k of expert e holds e's k-th row; row p of block j the (j - e's first
+    # block) * b + p-th of e's pool rows
+    group_J = jnp.sum(jnp.arange(J)[:, None] >= (first_block_E + blocks_E)[None, :], axis=1)
+    group_J = jnp.where(jnp.arange(J) < jnp.sum(blocks_E), group_J, E)
+    e_S, k_S = jnp.arange(E * base) // max(base, 1), jnp.arange(E * base) % max(base, 1)
+    source_S = jnp.where(k_S < sizes_E[e_S], first_E[e_S] + k_S, A)
+    e_P = jnp.minimum(group_J, E - 1).repeat(b)
+    k_P = base + (jnp.arange(J).repeat(b) - first_block_E[e_P]) * b + jnp.tile(jnp.arange(b), J)
+    source_P = jnp.where((group_J < E).repeat(b) & (k_P < sizes_E[e_P]), first_E[e_P] + k_P, A)
+    return jnp.concatenate([source_S, source_P]), dest_A, group_J
+
+
+def slotted_matmul(x_RD, w_EDN, group_J, slots: Slots):
+    """Each of slotting's places times its expert's matrix: the experts' slots [E, base] by one
+    batched matmul, the pool's blocks [J, b] by another, of their matrices gathered. In a
+    shard_map, w must vary over the manual axes x does (jax.lax.pcast): the blocks' custom
     gradient has w's type."""
-    if not blocks:
-        return jax.lax.ragged_dot(x_AD, w_EDN, group_sizes_E)
-    A, E = x_AD.shape[0], w_EDN.shape[0]
-    b = max(8, -(-A // (2 * E)) // 8 * 8)
-    nb = -(-A // b) + E  # blocks: sum over groups of ceil(size / b) is at most this
-    group_blocks_E = -(-group_sizes_E // b)
-    first_block_E = jnp.cumsum(group_blocks_E) - group_blocks_E
-    first_row_E = jnp.cumsum(group_sizes_E) - group_sizes_E
-    # each block's group (blocks past the last group's: E, an all-zero block)
-    group_J = jnp.sum(jnp.arange(nb)[:, None] >= (first_block_E + group_blocks_E)[None, :], axis=1)
-    group_J = jnp.where(jnp.arange(nb) < jnp.sum(group_blocks_E), group_J, E)
-    # padded row p of block j holds row first_row + (p - first padded row of the group), if in the group
-    safe_J = jnp.minimum(group_J, E - 1)
-    offset_P = jnp.arange(nb * b) - (first_block_E[safe_J] * b).repeat(b)
-    valid_P = (group_J < E).repeat(b) & (offset_P < group_sizes_E[safe_J].repeat(b))
-    source_P = jnp.where(valid_P, first_row_E[safe_J].repeat(b) + offset_P, A)
-    group_A = jnp.sum(jnp.arange(A)[:, None] >= (first_row_E + group_sizes_E)[None, :], axis=1)
-    in_group_A = group_A < E
-    safe_A = jnp.minimum(group_A, E - 1)
-    dest_A = jnp.where(in_group_A, first_block_E[safe_A] * b + jnp.arange(A) - first_row_E[safe_A], nb * b)
-    x_JBD = take_rows(x_AD, source_P, dest_A).reshape(nb, b, -1)
-    # each block's matrix; autodiff sums their gradients back by a scatter-add, which a one-hot
-    # matmul beats while it costs at most half the blocks' matmul, E <= b/2 (measured on CPU: 1.4x
-    # to 1.7x faster at E = b/2 and b/8, 1.3x slower at E = b)
-    w_JDN = _group_matrices(w_EDN, group_J, E) if 2 * E <= b else _gathered_matrices(w_EDN, group_J)
-    y_PN = jnp.einsum("jbd,jdn->jbn", x_JBD, w_JDN).reshape(nb * b, -1)
-    return take_rows(y_PN, dest_A, source_P)
+    E, D, N = w_EDN.shape
+    base, b, J = slots
+    parts = []
+    if base:
+        parts.append(jnp.einsum("ecd,edn->ecn", x_RD[:E * base].reshape(E, base, D), w_EDN).reshape(-1, N))
+    if J:
+        # autodiff sums the blocks' matrices' gradients back by a scatter-add, which a one-hot matmul
+        # beats while it costs at most half the blocks' matmul, E <= b/2 (measured on CPU: 1.4x to
+        # 1.7x faster at E = b/2 and b/8, 1.3x slower at E = b)
+        w_JDN = _group_matrices(w_EDN, group_J, E) if 2 * E <= b else _gathered_matrices(w_EDN, group_J)
+        parts.append(jnp.einsum("jbd,jdn->jbn", x_RD[E * base:].reshape(J, b, D), w_JDN).reshape(-1, N))
+    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
 def _gathered_matrices(w_EDN, group_J):

@@ -7,9 +7,9 @@ probabilities renormalised to sum to one, then each multiplied by its expert's l
 Dispatch (model.moe_dispatch):
 - dropless: the token copies (X tokens x k choices) sorted by expert, then each expert's matmuls
   on its group, whatever its size: no copy is dropped (dropless_experts). TPUs: jax.lax.ragged_dot.
-  Elsewhere fixed slots of 1.25 x the even share per expert when every group fits, and grouped
-  matmuls in blocks (kernels.grouped_matmul) when routing is more uneven (always, inside cp's or
-  pp's shard_map).
+  Elsewhere batched matmuls of fixed shape (kernels.Slots): 1.125 x the even share of slots per
+  expert and a small pool of row blocks for the excess when that holds every copy, row blocks
+  alone when routing is more uneven (always, inside cp's or pp's shard_map).
 - capacity: each expert has C = ceil(capacity_factor * X * k / E) slots; a copy past its expert's
   C is dropped (adds nothing). Batched matmuls of fixed shape, for backends where ragged_dot is slow.
 
@@ -23,6 +23,7 @@ E experts, M an expert's width, C capacity slots, S ep shards.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -135,14 +136,24 @@ def _sorting(ids):
     return order, jnp.argsort(order)
 
 
-def grouped_experts(x_AD, group_sizes_E, gate_up_EDCM, down_EMD, blocks: bool):
+def ragged_experts(x_AD, group_sizes_E, gate_up_EDCM, down_EMD):
     """Rows of x sorted by expert, group_sizes_E of them per expert (rows past their sum give 0):
-    each row through its expert's GeGLU by two ragged (grouped) matmuls, as jax.lax.ragged_dot or in
-    row blocks (kernels.grouped_matmul)."""
+    each row through its expert's GeGLU by two jax.lax.ragged_dot (megablox on TPUs)."""
     E, D, _, M = gate_up_EDCM.shape
-    h_AF = kernels.grouped_matmul(x_AD, gate_up_EDCM.reshape(E, D, 2 * M), group_sizes_E, blocks)
+    h_AF = jax.lax.ragged_dot(x_AD, gate_up_EDCM.reshape(E, D, 2 * M), group_sizes_E)
     h_AM = kernels.projection_output(_geglu(h_AF.reshape(-1, 2, M)))
-    return kernels.grouped_matmul(h_AM, down_EMD, group_sizes_E, blocks)
+    return jax.lax.ragged_dot(h_AM, down_EMD, group_sizes_E)
+
+
+def slotted_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, slots: kernels.Slots):
+    """Rows of x sorted by expert (expert_A ascending; an id >= E goes nowhere) through their experts'
+    GeGLU in the places kernels.Slots describes; a row that finds no place gives 0 (is dropped)."""
+    E, D, _, M = gate_up_EDCM.shape
+    source_R, dest_A, group_J = kernels.slotting(expert_A, E, slots)
+    x_RD = kernels.take_rows(x_AD, source_R, dest_A)
+    h_RF = kernels.slotted_matmul(x_RD, gate_up_EDCM.reshape(E, D, 2 * M), group_J, slots)
+    h_RM = kernels.projection_output(_geglu(h_RF.reshape(-1, 2, M)))
+    return kernels.take_rows(kernels.slotted_matmul(h_RM, down_EMD, group_J, slots), dest_A, source_R)
 
 
 def dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, typical_rows: int):
@@ -150,24 +161,60 @@ def dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, typical_rows: int):
     through its expert, none dropped. typical_rows: how many rows hold a copy when routing is even
     (fewer than x's rows under ep, whose receive buffer has room for the worst case).
 
-    Where ragged_dot is native (TPU), grouped_experts. Elsewhere, when every expert's group fits
-    DROPLESS_SLOTS x its even share, capacity_experts' fixed slots: batched matmuls of the expert
-    weights as they are (1.2x a dense matmul of the same rows on CPU, against 2.1x for the blocks,
-    which gather a weight matrix per block); when routing is more uneven, the blocks (jax.lax.cond
-    runs one of the two). Inside an outer shard_map (cp's, pp's), always the blocks."""
+    Where ragged_dot is native (TPU), ragged_experts. Elsewhere slotted_experts in the first of
+    dropless_places that holds every row (the last hold any routing); inside an outer shard_map
+    (cp's, pp's), always in the last."""
     E = gate_up_EDCM.shape[0]
     sizes_E = jnp.bincount(expert_A, length=E + 1)[:E]
-    native = jax.default_backend() == "tpu"  # elsewhere XLA lowers ragged_dot densely (kernels.grouped_matmul)
-    blocks = lambda x: _on_filled_rows(lambda x: grouped_experts(x, sizes_E, gate_up_EDCM, down_EMD, not native), x,
-                                       jnp.sum(sizes_E), FILLED_ROWS_BOUND * typical_rows)
-    if native or _in_an_outer_shard_map():
-        return blocks(x_AD)
-    C = _slots(typical_rows, E, DROPLESS_SLOTS)
-    slots = lambda x: capacity_experts(x, expert_A, gate_up_EDCM, down_EMD, C)
-    return jax.lax.cond(jnp.max(sizes_E) <= C, slots, blocks, x_AD)
+    if jax.default_backend() == "tpu":
+        return _on_filled_rows(lambda x: ragged_experts(x, sizes_E, gate_up_EDCM, down_EMD), x_AD,
+                               jnp.sum(sizes_E), FILLED_ROWS_BOUND * typical_rows)
+    places = dropless_places(typical_rows, x_AD.shape[0], E)
+    if _in_an_outer_shard_map():
+        return slotted_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, places[-1])
+    first = jnp.argmax(jnp.stack([slots.fit(sizes_E) for slots in places[:-1]] + [jnp.array(True)]))
+    return _slotted_in_one_of(places, first, x_AD, expert_A, gate_up_EDCM, down_EMD)
 
 
-DROPLESS_SLOTS = 1.25  # dropless's fixed slots per expert, in even shares
+def dropless_places(typical_rows: int, rows: int, experts: int) -> tuple[kernels.Slots, ...]:
+    """dropless_experts' places, cheapest first, in even shares s = typical_rows / E: fixed slots of
+    1.25 s per expert (1.25 x the rows of even routing); the same and a pool of E/2 blocks of s/4
+    rows (one expert up to 1.25 s + E/8 s, or half of them up to 1.5 s); then blocks alone, for
+    the first FILLED_ROWS_BOUND x typical_rows rows (sorted: the filled ones first), then for all
+    `rows`, which hold any routing."""
+    base, block = _slots(typical_rows, experts, 1.25), max(1, -(-typical_rows // (4 * experts)))
+    places = [kernels.Slots(base, 1, 0), kernels.Slots(base, block, max(1, experts // 2)),
+              kernels.Slots.blocks_for(min(FILLED_ROWS_BOUND * typical_rows, rows), experts),
+              kernels.Slots.blocks_for(rows, experts)]
+    return tuple(dict.fromkeys(places))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _slotted_in_one_of(places, index, x_AD, expert_A, gate_up_EDCM, down_EMD):
+    """slotted_experts in places[index] (jax.lax.switch). Why its own backward pass: autodiff of a
+    switch makes every branch return every branch's residuals, zeros for those not taken (under the
+    layer's remat on CPU, a two-way switch cost 3x the slots it chose); this one saves the inputs
+    alone and runs the chosen branch's forward again inside its backward."""
+    return jax.lax.switch(index, [partial(slotted_experts, slots=slots) for slots in places],
+                          x_AD, expert_A, gate_up_EDCM, down_EMD)
+
+
+def _slotted_in_one_of_fwd(places, index, x_AD, expert_A, gate_up_EDCM, down_EMD):
+    return (_slotted_in_one_of(places, index, x_AD, expert_A, gate_up_EDCM, down_EMD),
+            (index, x_AD, expert_A, gate_up_EDCM, down_EMD))
+
+
+def _slotted_in_one_of_bwd(places, residuals, g_AD):
+    index, x_AD, expert_A, gate_up_EDCM, down_EMD = residuals
+
+    def backward(slots):
+        return lambda *args: jax.vjp(lambda x, g, d: slotted_experts(x, expert_A, g, d, slots), *args)[1](g_AD)
+
+    grads = jax.lax.switch(index, [backward(slots) for slots in places], x_AD, gate_up_EDCM, down_EMD)
+    return None, grads[0], None, grads[1], grads[2]
+
+
+_slotted_in_one_of.defvjp(_slotted_in_one_of_fwd, _slotted_in_one_of_bwd)
 
 
 def _slots(rows: int, experts: int, factor: float) -> int:
@@ -178,18 +225,7 @@ def _slots(rows: int, experts: int, factor: float) -> int:
 def capacity_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, C: int):
     """Rows of x sorted by expert (expert_A, ascending; an id >= E goes nowhere) through their
     experts in C fixed slots per expert; a row past its expert's C gives 0 (it is dropped)."""
-    E = gate_up_EDCM.shape[0]
-    A = x_AD.shape[0]
-    counts = jnp.bincount(expert_A, length=E + 1)  # the last: rows in no expert
-    first = jnp.cumsum(counts) - counts
-    slot_A = jnp.arange(A) - first[expert_A]
-    dest_A = jnp.where((slot_A < C) & (expert_A < E), expert_A * C + slot_A, E * C)  # E * C: nowhere
-    c = jnp.arange(C)
-    source_S = jnp.where(c[None, :] < counts[:E, None], first[:E, None] + c[None, :], A).reshape(-1)  # A: empty
-    x_ECD = kernels.take_rows(x_AD, source_S, dest_A).reshape(E, C, -1)
-    h_ECM = kernels.projection_output(_geglu(jnp.einsum("ecd,edfm->ecfm", x_ECD, gate_up_EDCM)))
-    y_ECD = jnp.einsum("ecm,emd->ecd", h_ECM, down_EMD)
-    return kernels.take_rows(y_ECD.reshape(E * C, -1), dest_A, source_S)
+    return slotted_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, kernels.Slots(C, 1, 0))
 
 
 # A shard receives A copies on average (S x A in the worst case): the experts run on the first 2A
@@ -228,7 +264,7 @@ def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispa
     S = mesh.shape.get(EP, 1)
 
     def shard(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD):
-        # the weights vary over the data axes as the tokens do (kernels.grouped_matmul's custom
+        # the weights vary over the data axes as the tokens do (kernels.slotted_matmul's custom
         # gradient needs it); the cast's transpose sums their gradients over them
         gate_up_EDCM, down_EMD = jax.lax.pcast((gate_up_EDCM, down_EMD), whole, to="varying")
         if S == 1:  # every expert here: no exchange
