@@ -191,7 +191,8 @@ class Slots(NamedTuple):
     """Where rows sorted by expert go for their experts' matmuls, static sizes: expert e's first
     `base` rows into e's own slots, one batched matmul of the experts' weights as they are; the rest
     into a pool of `blocks` blocks of `block` rows, each block one expert's, a batched matmul of the
-    blocks' matrices gathered. Rows that find no place are dropped (Slots.fit says whether all find one).
+    blocks' matrices gathered. Rows that find no place are dropped (Slots.fit says whether all
+    find one).
     Why: XLA on CPU and GPU lowers jax.lax.ragged_dot to a dense matmul over every expert's matrix
     (E times the FLOPs; docs/models.md); these are batched matmuls of fixed shape."""
     base: int
@@ -201,8 +202,8 @@ class Slots(NamedTuple):
     @staticmethod
     def blocks_for(rows: int, experts: int) -> Slots:
         """Pool blocks alone, room for any routing of `rows` rows: each expert's rows padded to whole
-        blocks of b = rows / 2E (a sum over experts of ceil(size / b) is at most rows / b + E), about
-        1.25 x the rows of work on even routing."""
+        blocks of b = rows / 2E (a sum over experts of ceil(size / b) is at most rows / b + E): 1.5 x
+        the rows of work, whatever the routing."""
         b = max(8, -(-rows // (2 * experts)) // 8 * 8)
         return Slots(0, b, -(-rows // b) + experts)
 
