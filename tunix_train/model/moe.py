@@ -7,9 +7,9 @@ probabilities renormalised to sum to one, then each multiplied by its expert's l
 Dispatch (model.moe_dispatch):
 - dropless: the token copies (X tokens x k choices) sorted by expert, then each expert's matmuls
   on its group, whatever its size: no copy is dropped (dropless_experts). TPUs: jax.lax.ragged_dot.
-  Elsewhere batched matmuls of fixed shape (kernels.Slots): 1.125 x the even share of slots per
-  expert and a small pool of row blocks for the excess when that holds every copy, row blocks
-  alone when routing is more uneven (always, inside cp's or pp's shard_map).
+  Elsewhere batched matmuls of fixed shape (kernels.Slots): slots of 1.25 x the even share per
+  expert, then those and a pool of row blocks for the excess, then row blocks alone, the first
+  that holds every copy (dropless_places; inside cp's or pp's shard_map, always the last).
 - capacity: each expert has C = ceil(capacity_factor * X * k / E) slots; a copy past its expert's
   C is dropped (adds nothing). Batched matmuls of fixed shape, for backends where ragged_dot is slow.
 
