@@ -238,11 +238,11 @@ def test_loss_and_gradients_are_equal_for_every_ep_and_the_experts_are_split():
             assert "all-to-all" in text
 
 
-ROUTINGS = {  # each token's two experts, as (first column, second column) of the 64 copies sorted
-    "balanced": np.arange(64) % 8,
-    "one expert busier": np.repeat(np.arange(8), [12, 8, 8, 8, 7, 7, 7, 7]),
-    "four experts take every token": np.arange(64) % 4,
-    "two experts take every token": np.arange(64) % 2,
+ROUTINGS = {  # each token's two experts [32, 2]
+    "balanced": np.arange(64).reshape(32, 2) % 8,
+    "one expert busier": np.repeat(np.arange(8), [12, 8, 8, 8, 7, 7, 7, 7]).reshape(2, 32).T,
+    "four experts take every token": np.arange(64).reshape(32, 2) % 4,
+    "two experts take every token": np.arange(64).reshape(32, 2) % 2,
 }
 
 
@@ -259,12 +259,12 @@ def test_dropless_is_exact_in_each_of_its_places_on_one_device_and_on_ep4(routin
     X, K, E = 32, 2, 8
     route, x = (jax.random.normal(jax.random.key(i), (X, 64)) for i in (1, 2))
     weights, _, _ = moe.route(route)
-    sorted_copies = ROUTINGS[routing]
-    experts = jnp.asarray(sorted_copies.reshape(K, X).T if routing == "one expert busier" else sorted_copies.reshape(X, K))
+    experts = jnp.asarray(ROUTINGS[routing])
+    sizes = np.bincount(ROUTINGS[routing].reshape(-1), minlength=E)
     first_fitting = lambda places, sizes: next(i for i, slots in enumerate(places) if slots.fit(jnp.asarray(sizes)))
-    assert first_fitting(dropless_places(X * K, X * K, E), np.bincount(sorted_copies, minlength=E)) == one_device
+    assert first_fitting(dropless_places(X * K, X * K, E), sizes) == one_device
     shard_A = X // 4 * K  # copies a shard sends under ep=4; each shard holds 2 experts
-    received = [np.bincount(np.asarray(experts).reshape(-1), minlength=E)[2 * s:2 * s + 2] for s in range(4)]
+    received = [sizes[2 * s:2 * s + 2] for s in range(4)]
     assert max(first_fitting(dropless_places(shard_A, 4 * shard_A, 2), r) for r in received) == ep4
 
     def definition(x, w, g, d):

@@ -246,7 +246,7 @@ def _on_filled_rows(fn, x_RD, filled, bound: int):
 
 def _in_an_outer_shard_map() -> bool:
     """Whether the MoE runs inside a shard_map opened round it (cp's, pp's), where the compiler partitions
-    the dispatch. There no jax.lax.cond may choose the path: its branches then hold the compiler's
+    the dispatch. There no jax.lax.cond or switch may choose the path: its branches then hold the compiler's
     collectives, and runs hung in them (XLA:CPU: ep x cp on jax 0.10.2; fsdp x cp x tp on jax 0.12,
     even with every device made to take the same branch)."""
     return any(a not in BATCH_AXES for a in jax.sharding.get_abstract_mesh().manual_axes)
