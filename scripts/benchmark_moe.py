@@ -8,12 +8,13 @@ active size, and the share of the MoE layer's time that goes to dispatch.
    dense MLP as wide as the dense MLP plus the k experts a token uses, so that both do the same
    matmul FLOPs per token. Configurations alternate round by round (a shared machine's drift hits
    all alike); tokens/s are medians over rounds, MFU counts active parameters (observe/mfu.py).
-2. Dispatch share: the experts of one layer, forward and backward, on a micro-batch's tokens:
-   moe.apply_experts (sort by expert, gather, the experts' matmuls, back to token order, weighted
-   sum) against moe.dropless_experts alone on copies already sorted (the experts' matmuls, in
-   fixed slots or blocks). The difference is what sorting tokens to experts and back costs.
-3. With --kernels MODEL:TOKENS,...: one layer's experts, forward and backward, on copies already
-   sorted, computed each way moe.py can (jax.lax.ragged_dot; moe.dropless_places: blocks alone,
+2. Dispatch share: the dropless experts of one layer, forward and backward, on a micro-batch's
+   tokens: moe.apply_experts (each token's k copies, their places, the gathers into them, the
+   experts' matmuls, the gathers back, the weighted sum) against the experts' matmuls and GeGLU
+   alone on copies already in their places, in the layout apply_experts runs. The difference is
+   what bringing tokens to their experts and back costs.
+3. With --kernels MODEL:TOKENS,...: one layer's experts, forward and backward, on copies sorted
+   by expert (ragged_dot needs them so), computed each way moe.py can (jax.lax.ragged_dot; moe.dropless_places: blocks alone,
    fixed slots, slots and a pool) against one dense GeGLU MLP as wide as a token's k experts,
    at that model's sizes, in the compute dtype. This tells which way is fastest on a backend.
 
@@ -45,25 +46,32 @@ def dispatch_share(overrides: list[str], repeats: int = 20) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from tunix_train.config import load_config
-    from tunix_train.model.moe import MoE, apply_experts, dropless_experts
+    from tunix_train.config import MoeDispatch, load_config
+    from tunix_train.model import kernels
+    from tunix_train.model.moe import MoE, apply_experts, dropless_places
     from tunix_train.sharding import LOGICAL_RULES
 
     cfg = load_config(overrides)[0]
     m = cfg.model
     moe = MoE(m, nnx.Rngs(0), LOGICAL_RULES)
     X = cfg.training.micro_batch_size * cfg.data.seq_len
+    E, K, D, M = m.num_experts, m.num_experts_per_token, m.embed_dim, m.moe_hidden_dim
     x = jax.random.normal(jax.random.key(1), (X, m.embed_dim))
     weights, experts, _ = moe.route(jax.random.normal(jax.random.key(2), (X, m.embed_dim)))
     gate_up, down = moe.gate_up_EDCM[...], moe.down_EMD[...]
-    order = jnp.argsort(experts.reshape(-1))
-    x_sorted = x[order // m.num_experts_per_token]
-    sorted_ids = experts.reshape(-1)[order]
+    # the layout dropless_experts runs for this routing, and the copies already in its places
+    expert_A = experts.reshape(-1)
+    slots = next(s for s in dropless_places(X * K, X * K, E) if s.fit(jnp.bincount(expert_A, length=E)))
+    source, dest, group_J = kernels.slotting(expert_A, E, slots)
+    x_R = kernels.take_rows(jnp.repeat(x, K, axis=0), source, dest)
 
-    full = jax.jit(jax.grad(lambda x, g, d: jnp.sum(apply_experts(x, weights, experts, g, d, m.moe_dispatch,
-                                                                  m.moe_capacity_factor)), argnums=(0, 1, 2)))
-    matmuls = jax.jit(jax.grad(lambda x, g, d: jnp.sum(dropless_experts(x, sorted_ids, g, d, x.shape[0])),
-                               argnums=(0, 1, 2)))
+    def matmuls(x_R, g, d):
+        h = kernels.slotted_matmul(x_R, g.reshape(E, D, 2 * M), group_J, slots).reshape(-1, 2, M)
+        return kernels.slotted_matmul(jax.nn.gelu(h[:, 0], approximate=True) * h[:, 1], d, group_J, slots)
+
+    experts_alone = lambda x, g, d: jnp.sum(apply_experts(x, weights, experts, g, d, MoeDispatch.dropless, 1.0))
+    full = jax.jit(jax.grad(experts_alone, argnums=(0, 1, 2)))
+    matmuls_alone = jax.jit(jax.grad(lambda x, g, d: jnp.sum(matmuls(x, g, d)), argnums=(0, 1, 2)))
 
     def timed(fn, *args):
         jax.block_until_ready(fn(*args))
@@ -74,7 +82,7 @@ def dispatch_share(overrides: list[str], repeats: int = 20) -> dict:
             samples.append(time.perf_counter() - start)
         return statistics.median(samples)
 
-    t_full, t_matmuls = timed(full, x, gate_up, down), timed(matmuls, x_sorted, gate_up, down)
+    t_full, t_matmuls = timed(full, x, gate_up, down), timed(matmuls_alone, x_R, gate_up, down)
     return {"tokens": X, "apply_experts_ms": t_full * 1e3, "grouped_matmuls_ms": t_matmuls * 1e3,
             "dispatch_share": 1 - t_matmuls / t_full}
 

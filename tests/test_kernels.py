@@ -109,16 +109,21 @@ def test_fused_attention_gets_the_layout_heads_and_mask_of_the_einsum_attention(
 @pytest.mark.parametrize("slots", [kernels.Slots(0, 8, 16), kernels.Slots(40, 8, 4), kernels.Slots(10, 3, 2),
                                    kernels.Slots(16, 4, 0)])
 @pytest.mark.parametrize("sizes", [[10, 0, 70, 15], [8] * 8, [0, 0, 37], [1, 2, 3]])
-def test_slotted_matmul_is_ragged_dot_where_every_row_fits(sizes, slots):
-    """Values and gradients against jax.lax.ragged_dot, through slotting's places and back: groups of
-    any size, empty ones, rows in no group (zeros); pool blocks alone, the experts' slots alone and
-    both, the blocks' weight gradient as a one-hot matmul (E <= b/2) and as autodiff's scatter-add.
-    Where Slots.fit says a row finds no place, exactly the rows past their places give zeros."""
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_slotted_matmul_is_ragged_dot_where_every_row_fits(sizes, slots, shuffled):
+    """Values and gradients against jax.lax.ragged_dot on the rows stably sorted by expert, through
+    slotting's places and back: rows sorted or shuffled, groups of any size, empty ones, rows in no
+    group (zeros); pool blocks alone, the experts' slots alone and both, the blocks' weight gradient
+    as a one-hot matmul (E <= b/2) and as autodiff's scatter-add. Where Slots.fit says a row finds
+    no place, exactly each group's rows past its places (in row order) give zeros."""
     A, E = max(sum(sizes), 40), len(sizes)
     x = jax.random.normal(jax.random.key(0), (A, 6))
     w = jax.random.normal(jax.random.key(1), (E, 6, 5))
     group_sizes = jnp.asarray(sizes, jnp.int32)
     expert_A = jnp.repeat(jnp.arange(E + 1), jnp.asarray(sizes + [A - sum(sizes)]), total_repeat_length=A)
+    if shuffled:
+        expert_A = jax.random.permutation(jax.random.key(2), expert_A)
+    order = np.argsort(np.asarray(expert_A), kind="stable")
 
     def slotted(x, w):
         source, dest, group_J = kernels.slotting(expert_A, E, slots)
@@ -133,7 +138,8 @@ def test_slotted_matmul_is_ragged_dot_where_every_row_fits(sizes, slots):
         kept += [1] * min(size, slots.base + used * slots.block) + [0] * (size - min(size, slots.base + used * slots.block))
     kept = jnp.asarray(kept + [0] * (A - sum(sizes)), jnp.float32)[:, None]
     assert bool(slots.fit(group_sizes)) == bool(jnp.all(kept[:sum(sizes)] == 1))
-    reference = lambda x, w: jax.lax.ragged_dot(x * kept, w, group_sizes)
+    unsort = np.argsort(order)
+    reference = lambda x, w: jax.lax.ragged_dot(x[order] * kept, w, group_sizes)[unsort]
     np.testing.assert_allclose(slotted(x, w), reference(x, w), atol=1e-5, rtol=0)
     loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))
     for got, expected in zip(jax.grad(loss(slotted), argnums=(0, 1))(x, w), jax.grad(loss(reference), argnums=(0, 1))(x, w)):

@@ -188,7 +188,7 @@ take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 class Slots(NamedTuple):
-    """Where rows sorted by expert go for their experts' matmuls, static sizes: expert e's first
+    """Where rows go for their experts' matmuls, static sizes: expert e's first
     `base` rows into e's own slots, one batched matmul of the experts' weights as they are; the rest
     into a pool of `blocks` blocks of `block` rows, each block one expert's, a batched matmul of the
     blocks' matrices gathered. Rows that find no place are dropped (Slots.fit says whether all
@@ -213,33 +213,29 @@ class Slots(NamedTuple):
 
 
 def slotting(expert_A, experts: int, slots: Slots):
-    """(source_R, dest_A, group_J) for rows sorted by expert (expert_A ascending; an id >= E: in no
-    expert): the row each of the R = E x base + blocks x block places holds (A: none), the place of
-    each row (R: none, when slots.fit fails) and each pool block's expert (E: none)."""
+    """(source_R, dest_A, group_J) for rows in any order, expert_A each row's expert (an id >= E: in
+    no expert): the row each of the R = E x base + blocks x block places holds (A: none), the place
+    of each row (R: none, when slots.fit fails) and each pool block's expert (E: none). An expert's
+    rows take its places in their order. Nothing is sorted: a row's rank among its expert's rows is
+    a running count, and the places' rows the inverse of the rows' places."""
     E, (base, b, J) = experts, slots
     A = expert_A.shape[0]
-    sizes_E = jnp.bincount(expert_A, length=E + 1)[:E]
-    first_E = jnp.cumsum(sizes_E) - sizes_E
+    in_expert_AE = expert_A[:, None] == jnp.arange(E)
+    sizes_E = jnp.sum(in_expert_AE, axis=0)
     over_E = jnp.maximum(sizes_E - base, 0)  # rows past the expert's own slots, into the pool
     blocks_E = -(-over_E // b)
     first_block_E = jnp.cumsum(blocks_E) - blocks_E
     rows = E * base + J * b
     # each row's place: its expert's slot, or its block (a block past the pool: no place)
-    in_expert_A = expert_A < E
     e_A = jnp.minimum(expert_A, E - 1)
-    rank_A = jnp.arange(A) - first_E[e_A]
+    rank_A = jnp.take_along_axis(jnp.cumsum(in_expert_AE, axis=0), e_A[:, None], axis=1)[:, 0] - 1
     dest_A = jnp.where(rank_A < base, e_A * base + rank_A, E * base + first_block_E[e_A] * b + rank_A - base)
-    dest_A = jnp.where(in_expert_A & (dest_A < rows), dest_A, rows)
-    # each place's row: slot k of expert e holds e's k-th row; row p of block j the (j - e's first
-    # block) * b + p-th of e's pool rows
+    dest_A = jnp.where((expert_A < E) & (dest_A < rows), dest_A, rows)
+    source_R = jnp.full(rows + 1, A, dest_A.dtype).at[dest_A].set(jnp.arange(A, dtype=dest_A.dtype))[:rows]
+    # block j is the expert's whose blocks end past j
     group_J = jnp.sum(jnp.arange(J)[:, None] >= (first_block_E + blocks_E)[None, :], axis=1)
     group_J = jnp.where(jnp.arange(J) < jnp.sum(blocks_E), group_J, E)
-    e_S, k_S = jnp.arange(E * base) // max(base, 1), jnp.arange(E * base) % max(base, 1)
-    source_S = jnp.where(k_S < sizes_E[e_S], first_E[e_S] + k_S, A)
-    e_P = jnp.minimum(group_J, E - 1).repeat(b)
-    k_P = base + (jnp.arange(J).repeat(b) - first_block_E[e_P]) * b + jnp.tile(jnp.arange(b), J)
-    source_P = jnp.where((group_J < E).repeat(b) & (k_P < sizes_E[e_P]), first_E[e_P] + k_P, A)
-    return jnp.concatenate([source_S, source_P]), dest_A, group_J
+    return source_R, dest_A, group_J
 
 
 def slotted_matmul(x_RD, w_EDN, group_J, slots: Slots):

@@ -104,12 +104,6 @@ def load_balancing_loss(expert_tokens_LE, router_probs_LE):
     return jnp.mean(E * jnp.sum((expert_tokens_LE / tokens_L1) * (router_probs_LE / tokens_L1), axis=-1))
 
 
-def _group_starts(sorted_ids, n: int):
-    """Where each id's run starts in `sorted_ids` (ascending, ids < n)."""
-    counts = jnp.bincount(sorted_ids, length=n)
-    return jnp.cumsum(counts) - counts
-
-
 def _geglu(h_AC2M):
     return jax.nn.gelu(h_AC2M[..., 0, :], approximate=True) * h_AC2M[..., 1, :]
 
@@ -118,22 +112,13 @@ def apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispatch
                   capacity_factor: float):
     """Σ_k weight_k · expert_k(x) for every token, the experts all held here."""
     X, K = experts_XK.shape
-    expert_A = experts_XK.reshape(-1)  # copy a is token a // K
-    order_A, inverse_A = _sorting(expert_A)
-    x_AD = kernels.take_rows(jnp.repeat(x_XD, K, axis=0), order_A, inverse_A)  # copies sorted by expert
+    x_AD, expert_A = jnp.repeat(x_XD, K, axis=0), experts_XK.reshape(-1)  # copy a is token a // K
     E = gate_up_EDCM.shape[0]
     if dispatch is MoeDispatch.dropless:
-        y_AD = dropless_experts(x_AD, expert_A[order_A], gate_up_EDCM, down_EMD, X * K)
+        y_AD = dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, X * K)
     else:
-        y_AD = capacity_experts(x_AD, expert_A[order_A], gate_up_EDCM, down_EMD, _slots(X * K, E, capacity_factor))
-    y_AD = kernels.take_rows(y_AD, inverse_A, order_A)  # back to token order
+        y_AD = capacity_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, _slots(X * K, E, capacity_factor))
     return jnp.einsum("xkd,xk->xd", y_AD.reshape(X, K, -1), weights_XK.astype(y_AD.dtype))
-
-
-def _sorting(ids):
-    """(order, inverse): the permutation sorting `ids` (stable) and where each element lands."""
-    order = jnp.argsort(ids, stable=True)
-    return order, jnp.argsort(order)
 
 
 def ragged_experts(x_AD, group_sizes_E, gate_up_EDCM, down_EMD):
@@ -146,8 +131,9 @@ def ragged_experts(x_AD, group_sizes_E, gate_up_EDCM, down_EMD):
 
 
 def slotted_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, slots: kernels.Slots):
-    """Rows of x sorted by expert (expert_A ascending; an id >= E goes nowhere) through their experts'
-    GeGLU in the places kernels.Slots describes; a row that finds no place gives 0 (is dropped)."""
+    """Rows of x in any order, expert_A each row's expert (an id >= E goes nowhere), through their
+    experts' GeGLU in the places kernels.Slots describes; a row that finds no place gives 0 (is
+    dropped). One gather of the rows into their places and one back: the rows are never sorted."""
     E, D, _, M = gate_up_EDCM.shape
     source_R, dest_A, group_J = kernels.slotting(expert_A, E, slots)
     x_RD = kernels.take_rows(x_AD, source_R, dest_A)
@@ -157,18 +143,21 @@ def slotted_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, slots: kernels.Slots
 
 
 def dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, typical_rows: int):
-    """Rows of x sorted by expert (expert_A ascending; an id >= E: in no expert, gives 0), each
+    """Rows of x in any order, expert_A each row's expert (an id >= E: in no expert, gives 0), each
     through its expert, none dropped. typical_rows: how many rows hold a copy when routing is even
     (fewer than x's rows under ep, whose receive buffer has room for the worst case).
 
-    Where ragged_dot is native (TPU), ragged_experts. Elsewhere slotted_experts in the first of
-    dropless_places that holds every row (the last hold any routing); inside an outer shard_map
-    (cp's, pp's), always in the last."""
+    Where ragged_dot is native (TPU), ragged_experts on the rows sorted. Elsewhere slotted_experts
+    in the first of dropless_places that holds every row (the last hold any routing); inside an
+    outer shard_map (cp's, pp's), always in the last."""
     E = gate_up_EDCM.shape[0]
     sizes_E = jnp.bincount(expert_A, length=E + 1)[:E]
     if jax.default_backend() == "tpu":
-        return _on_filled_rows(lambda x: ragged_experts(x, sizes_E, gate_up_EDCM, down_EMD), x_AD,
-                               jnp.sum(sizes_E), FILLED_ROWS_BOUND * typical_rows)
+        order_A, position_A = _sorting(expert_A)  # rows in no expert last
+        ragged = lambda x: ragged_experts(x, sizes_E, gate_up_EDCM, down_EMD)
+        y_AD = _on_filled_rows(ragged, kernels.take_rows(x_AD, order_A, position_A), jnp.sum(sizes_E),
+                               FILLED_ROWS_BOUND * typical_rows)
+        return kernels.take_rows(y_AD, position_A, order_A)
     places = dropless_places(typical_rows, x_AD.shape[0], E)
     if _in_an_outer_shard_map():
         return slotted_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, places[-1])
@@ -176,12 +165,17 @@ def dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, typical_rows: int):
     return _slotted_in_one_of(places, first, x_AD, expert_A, gate_up_EDCM, down_EMD)
 
 
+def _sorting(ids):
+    """(order, position): the permutation sorting `ids` (stable) and where each element lands."""
+    order = jnp.argsort(ids, stable=True)
+    return order, jnp.argsort(order)
+
+
 def dropless_places(typical_rows: int, rows: int, experts: int) -> tuple[kernels.Slots, ...]:
     """dropless_experts' places, cheapest first, in even shares s = typical_rows / E: fixed slots of
     1.25 s per expert (1.25 x the rows of even routing); the same and a pool of E/2 blocks of s/4
-    rows (one expert up to 1.25 s + E/8 s, or half of them up to 1.5 s); then blocks alone, for
-    the first FILLED_ROWS_BOUND x typical_rows rows (sorted: the filled ones first), then for all
-    `rows`, which hold any routing."""
+    rows (one expert up to 1.25 s + E/8 s, or half of them up to 1.5 s); then blocks alone, room
+    for FILLED_ROWS_BOUND x typical_rows filled rows, then for all `rows`, which hold any routing."""
     base, block = _slots(typical_rows, experts, 1.25), max(1, -(-typical_rows // (4 * experts)))
     places = [kernels.Slots(base, 1, 0), kernels.Slots(base, block, max(1, experts // 2)),
               kernels.Slots.blocks_for(min(FILLED_ROWS_BOUND * typical_rows, rows), experts),
@@ -223,13 +217,13 @@ def _slots(rows: int, experts: int, factor: float) -> int:
 
 
 def capacity_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, C: int):
-    """Rows of x sorted by expert (expert_A, ascending; an id >= E goes nowhere) through their
-    experts in C fixed slots per expert; a row past its expert's C gives 0 (it is dropped)."""
+    """Rows of x in any order (expert_A each row's expert; an id >= E goes nowhere) through their
+    experts in C fixed slots per expert; a row past its expert's first C gives 0 (it is dropped)."""
     return slotted_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, kernels.Slots(C, 1, 0))
 
 
-# A shard receives A copies on average (S x A in the worst case): the experts run on the first 2A
-# received rows whenever they hold every copy, on all S x A only when routing is that uneven
+# A shard receives A copies on average (S x A in the worst case): the experts run in places for 2A
+# received rows whenever those hold every copy, for all S x A only when routing is that uneven
 FILLED_ROWS_BOUND = 2
 
 
@@ -271,34 +265,22 @@ def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispa
             return apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispatch, capacity_factor)
         X, K = experts_XK.shape
         E_local, D = gate_up_EDCM.shape[0], x_XD.shape[1]
-        expert_A = experts_XK.reshape(-1)
+        expert_A = experts_XK.reshape(-1)  # copy a is token a // K
         A = expert_A.shape[0]
-        order_A, inverse_A = _sorting(expert_A)
-        sorted_A = expert_A[order_A]
-        dest_A = sorted_A // E_local
-        # slot of each sorted copy in the [S, A] send buffer: its destination's row, then its rank
-        # among the copies sent there; and the copy each slot holds (A: none)
-        slot_A = dest_A * A + jnp.arange(A) - _group_starts(dest_A, S)[dest_A]
-        copy_of_slot = jnp.full((S * A,), A, jnp.int32).at[slot_A].set(jnp.arange(A, dtype=jnp.int32))
-        x_AD = kernels.take_rows(jnp.repeat(x_XD, K, axis=0), order_A, inverse_A)
-        send_SAD = kernels.take_rows(x_AD, copy_of_slot, slot_A).reshape(S, A, D)
-        # each slot's local expert, E_local for an empty slot (a gather: the scatter it replaces, fused
-        # with the reshape, crashed XLA:CPU's multi-output fusion in jaxlib 0.10.2)
-        send_SA = jnp.take(jnp.append(sorted_A % E_local, E_local), copy_of_slot).reshape(S, A)
+        # the [S, A] send buffer: slot (s, i) holds the i-th copy bound for shard s (source: none = A)
+        source_R, slot_A, _ = kernels.slotting(expert_A // E_local, S, kernels.Slots(A, 1, 0))
+        send_SAD = kernels.take_rows(jnp.repeat(x_XD, K, axis=0), source_R, slot_A).reshape(S, A, D)
+        # each slot's local expert, E_local for an empty slot
+        send_SA = jnp.take(jnp.append(expert_A % E_local, E_local), source_R).reshape(S, A)
         recv_SAD = jax.lax.all_to_all(send_SAD, EP, 0, 0, tiled=False)
         recv_SA = jax.lax.all_to_all(send_SA, EP, 0, 0, tiled=False)
-        # the received copies sorted by local expert, the empty rows (id E_local) last
-        local_R = recv_SA.reshape(-1)
-        order_R, inverse_R = _sorting(local_R)
-        x_RD = kernels.take_rows(recv_SAD.reshape(S * A, D), order_R, inverse_R)
+        x_RD, local_R = recv_SAD.reshape(S * A, D), recv_SA.reshape(-1)
         if dispatch is MoeDispatch.dropless:
-            y_RD = dropless_experts(x_RD, local_R[order_R], gate_up_EDCM, down_EMD, A)
+            y_RD = dropless_experts(x_RD, local_R, gate_up_EDCM, down_EMD, A)
         else:
-            y_RD = capacity_experts(x_RD, local_R[order_R], gate_up_EDCM, down_EMD, _slots(A, E_local, capacity_factor))
-        y_SAD = kernels.take_rows(y_RD, inverse_R, order_R).reshape(S, A, D)
-        back_SAD = jax.lax.all_to_all(y_SAD, EP, 0, 0, tiled=False)
-        y_AD = kernels.take_rows(back_SAD.reshape(S * A, D), slot_A, copy_of_slot)  # sorted copies
-        y_AD = kernels.take_rows(y_AD, inverse_A, order_A)  # in token order
+            y_RD = capacity_experts(x_RD, local_R, gate_up_EDCM, down_EMD, _slots(A, E_local, capacity_factor))
+        back_SAD = jax.lax.all_to_all(y_RD.reshape(S, A, D), EP, 0, 0, tiled=False)
+        y_AD = kernels.take_rows(back_SAD.reshape(S * A, D), slot_A, source_R)  # in token order
         return jnp.einsum("xkd,xk->xd", y_AD.reshape(X, K, -1), weights_XK.astype(y_AD.dtype))
 
     # manual over every data axis, not ep alone: with fsdp left to the compiler, it resharded every
