@@ -64,7 +64,7 @@ class MoE(nnx.Module):
         h_XD = self.router_norm(route_XD) * self.router_scale[...].astype(route_XD.dtype)
         h_XD = h_XD * jnp.asarray(D**-0.5, route_XD.dtype)
         probs_XE = jax.nn.softmax(jnp.einsum("xd,de->xe", h_XD, self.router_DE[...]).astype(jnp.float32), axis=-1)
-        top_XK, experts_XK = jax.lax.top_k(probs_XE, self.top_k)
+        top_XK, experts_XK = _top_k(probs_XE, self.top_k)
         top_XK = top_XK / jnp.sum(top_XK, axis=-1, keepdims=True)
         return top_XK * self.expert_scale[...].astype(jnp.float32)[experts_XK], experts_XK, probs_XE
 
@@ -92,6 +92,18 @@ class MoE(nnx.Module):
             y_XD = apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, self.dispatch,
                                  self.capacity_factor)
         return constrain(y_XD.reshape(B, T, D), ("batch", "seq", "act_embed"), self.rules), stats
+
+
+def _top_k(probs_XE, k: int):
+    """jax.lax.top_k on each data shard's tokens. Why: XLA's partitioner all-gathers TopK's operand
+    over the batch (jaxlib 0.10.2 and 0.12): every device ranked every token's experts, behind a
+    collective, in every layer and again in its backward pass."""
+    mesh = jax.sharding.get_abstract_mesh()
+    data = () if mesh.empty else tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+    if not data or mesh.manual_axes:
+        return jax.lax.top_k(probs_XE, k)
+    return jax.shard_map(partial(jax.lax.top_k, k=k), in_specs=P(data), out_specs=P(data),
+                         axis_names=set(data))(probs_XE)
 
 
 def load_balancing_loss(expert_tokens_LE, router_probs_LE):
