@@ -5,17 +5,18 @@ times a learned scale and 1/sqrt(D), projected to E logits; softmax in float32; 
 probabilities renormalised to sum to one, then each multiplied by its expert's learned scale.
 
 Dispatch (model.moe_dispatch):
-- dropless: the token copies (X tokens x k choices) sorted by expert, then each expert's matmuls
-  on its group, whatever its size: no copy is dropped (dropless_experts). TPUs: jax.lax.ragged_dot.
-  Elsewhere batched matmuls of fixed shape (kernels.Slots): slots of 1.25 x the even share per
+- dropless: the token copies (X tokens x k choices) through their experts' matmuls, each
+  expert's group whatever its size: no copy is dropped (dropless_experts). TPUs: jax.lax.ragged_dot
+  on the copies sorted. Elsewhere batched matmuls of fixed shape (kernels.Slots), the copies
+  gathered into their places unsorted (kernels.slotting): slots of 1.25 x the even share per
   expert, then those and a pool of row blocks for the excess, then row blocks alone, the first
   that holds every copy (dropless_places; inside cp's or pp's shard_map, always the last).
 - capacity: each expert has C = ceil(capacity_factor * X * k / E) slots; a copy past its expert's
   C is dropped (adds nothing). Batched matmuls of fixed shape, for backends where ragged_dot is slow.
 
-Each data shard (dp x fsdp x ep) sorts its own tokens' copies (`_expert_parallel`'s shard_map).
-With an `ep` mesh axis the experts are split over it; each ep shard sorts its own tokens' copies,
-sends each to the shard holding its expert with one all-to-all, computes there, and an all-to-all
+Each data shard (dp x fsdp x ep) dispatches its own tokens' copies (`_expert_parallel`'s
+shard_map). With an `ep` mesh axis the experts are split over it; each ep shard sends each of its
+copies to the shard holding its expert with one all-to-all, computes there, and an all-to-all
 brings the results back (`_expert_parallel`). Axis letters: X tokens, A token copies (X * k),
 E experts, M an expert's width, C capacity slots, S ep shards.
 """
