@@ -19,6 +19,7 @@ from hf_reference import GEMMA4, SEQ, SIZES, build, checkpoint_and_logits
 from tunix_train import api
 from tunix_train.config import ConfigError, MoeDispatch, Remat
 from tunix_train.model import Gemma
+from tunix_train.model import moe as moe_module
 from tunix_train.model.gemma import layer_groups
 from tunix_train.model.moe import MoE, _expert_parallel, apply_experts, dropless_places, load_balancing_loss
 from tunix_train.sharding import LOGICAL_RULES, data_axes, make_mesh, state_shardings, validate_model_for_mesh
@@ -257,17 +258,31 @@ def test_dropless_is_exact_in_each_of_its_places_on_one_device_and_on_ep4(routin
     ep shards receive twice their share, and the blocks for all S x A when one receives every copy.
     Values and gradients equal the definition (each copy through its expert's weights, gathered
     per copy) within 1e-5 in each."""
-    moe = _moe()
     X, K, E = 32, 2, 8
-    route, x = (jax.random.normal(jax.random.key(i), (X, 64)) for i in (1, 2))
-    weights, _, _ = moe.route(route)
-    experts = jnp.asarray(ROUTINGS[routing])
     sizes = np.bincount(ROUTINGS[routing].reshape(-1), minlength=E)
     first_fitting = lambda places, sizes: next(i for i, slots in enumerate(places) if slots.fit(jnp.asarray(sizes)))
     assert first_fitting(dropless_places(X * K, X * K, E), sizes) == one_device
     shard_A = X // 4 * K  # copies a shard sends under ep=4; each shard holds 2 experts
     received = [sizes[2 * s:2 * s + 2] for s in range(4)]
     assert max(first_fitting(dropless_places(shard_A, 4 * shard_A, 2), r) for r in received) == ep4
+    _assert_dropless_is_the_definition(ROUTINGS[routing])
+
+
+@pytest.mark.parametrize("routing", ["balanced", "two experts take every token"])
+def test_the_ragged_dot_path_is_exact_on_one_device_and_on_ep4(routing, monkeypatch):
+    """TPUs' path (jax.lax.ragged_dot on the copies sorted, at ep=4 on the first 2A received rows
+    when they hold every copy, else on all), run here through XLA's dense ragged_dot."""
+    monkeypatch.setattr(moe_module, "_ragged_dot_is_native", lambda: True)
+    _assert_dropless_is_the_definition(ROUTINGS[routing])
+
+
+def _assert_dropless_is_the_definition(experts_XK):
+    """Values and gradients of the dropless experts, on one device and on ep=4, equal the definition
+    (each copy through its expert's weights, gathered per copy) within 1e-5."""
+    moe = _moe()
+    route, x = (jax.random.normal(jax.random.key(i), (experts_XK.shape[0], 64)) for i in (1, 2))
+    weights, _, _ = moe.route(route)
+    experts = jnp.asarray(experts_XK)
 
     def definition(x, w, g, d):
         h = jnp.einsum("xd,xkdcm->xkcm", x, g[experts])

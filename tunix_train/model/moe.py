@@ -165,7 +165,7 @@ def dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, typical_rows: int):
     outer shard_map (cp's, pp's), always in the last."""
     E = gate_up_EDCM.shape[0]
     sizes_E = jnp.bincount(expert_A, length=E + 1)[:E]
-    if jax.default_backend() == "tpu":
+    if _ragged_dot_is_native():
         order_A, position_A = _sorting(expert_A)  # rows in no expert last
         ragged = lambda x: ragged_experts(x, sizes_E, gate_up_EDCM, down_EMD)
         y_AD = _on_filled_rows(ragged, kernels.take_rows(x_AD, order_A, position_A), jnp.sum(sizes_E),
@@ -176,6 +176,12 @@ def dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, typical_rows: int):
         return slotted_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, places[-1])
     first = jnp.argmax(jnp.stack([slots.fit(sizes_E) for slots in places[:-1]] + [jnp.array(True)]))
     return _slotted_in_one_of(places, first, x_AD, expert_A, gate_up_EDCM, down_EMD)
+
+
+def _ragged_dot_is_native() -> bool:
+    """Whether jax.lax.ragged_dot computes the filled rows alone (TPUs: megablox); XLA:CPU and
+    XLA:GPU compute it densely over every expert."""
+    return jax.default_backend() == "tpu"
 
 
 def _sorting(ids):
