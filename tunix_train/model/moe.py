@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from tunix_train.config import ModelConfig, MoeDispatch
 from tunix_train.model import kernels
 from tunix_train.model.common import RMSNorm, param
-from tunix_train.sharding import BATCH_AXES, Rules, constrain
+from tunix_train.sharding import BATCH_AXES, Rules, constrain, data_axes
 
 EP = "ep"
 
@@ -100,8 +100,8 @@ def _top_k(probs_XE, k: int):
     over the batch (jaxlib 0.10.2 and 0.12): every device ranked every token's experts, behind a
     collective, in every layer and again in its backward pass."""
     mesh = jax.sharding.get_abstract_mesh()
-    data = () if mesh.empty else tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
-    if not data or mesh.manual_axes:
+    data = () if mesh.empty or mesh.manual_axes else data_axes(mesh)
+    if not data:
         return jax.lax.top_k(probs_XE, k)
     return jax.shard_map(partial(jax.lax.top_k, k=k), in_specs=P(data), out_specs=P(data),
                          axis_names=set(data))(probs_XE)
@@ -305,7 +305,7 @@ def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispa
     # manual over every data axis, not ep alone: with fsdp left to the compiler, it resharded every
     # token's activations to meet the experts' fsdp-split weights. The weights enter whole over fsdp
     # (gathered, as fsdp gathers any weight before use); tp stays the compiler's.
-    data = tuple(a for a in BATCH_AXES if a in mesh.shape)
+    data = data_axes(mesh)
     tokens = P(data)
     experts = P(EP) if EP in mesh.shape else P()
     whole = tuple(a for a in data if a != EP)  # the axes the experts enter whole over
