@@ -14,9 +14,9 @@ active size, and the share of the MoE layer's time that goes to dispatch.
    alone on copies already in their places, in the layout apply_experts runs. The difference is
    what bringing tokens to their experts and back costs.
 3. With --kernels MODEL:TOKENS,...: one layer's experts, forward and backward, on copies sorted
-   by expert (ragged_dot needs them so), computed each way moe.py can (jax.lax.ragged_dot; moe.dropless_places: blocks alone,
-   fixed slots, slots and a pool) against one dense GeGLU MLP as wide as a token's k experts,
-   at that model's sizes, in the compute dtype. This tells which way is fastest on a backend.
+   by expert (ragged_dot needs them so), computed each way moe.py can (jax.lax.ragged_dot;
+   moe.dropless_places: blocks alone, fixed slots, slots and a pool) against one dense GeGLU MLP
+   as wide as a token's k experts, at that model's sizes, in the compute dtype. This tells which way is fastest on a backend.
 
 --cpu-devices 0 runs on the machine's own devices (a GPU); with one device only ep=1 runs.
 """
@@ -48,14 +48,14 @@ def dispatch_share(overrides: list[str], repeats: int = 20) -> dict:
 
     from tunix_train.config import MoeDispatch, load_config
     from tunix_train.model import kernels
-    from tunix_train.model.moe import MoE, apply_experts, dropless_places
+    from tunix_train.model.moe import MoE, apply_experts, dropless_places, experts_in_places
     from tunix_train.sharding import LOGICAL_RULES
 
     cfg = load_config(overrides)[0]
     m = cfg.model
     moe = MoE(m, nnx.Rngs(0), LOGICAL_RULES)
     X = cfg.training.micro_batch_size * cfg.data.seq_len
-    E, K, D, M = m.num_experts, m.num_experts_per_token, m.embed_dim, m.moe_hidden_dim
+    E, K = m.num_experts, m.num_experts_per_token
     x = jax.random.normal(jax.random.key(1), (X, m.embed_dim))
     weights, experts, _ = moe.route(jax.random.normal(jax.random.key(2), (X, m.embed_dim)))
     gate_up, down = moe.gate_up_EDCM[...], moe.down_EMD[...]
@@ -65,13 +65,10 @@ def dispatch_share(overrides: list[str], repeats: int = 20) -> dict:
     source, dest, group_J = kernels.slotting(expert_A, E, slots)
     x_R = kernels.take_rows(jnp.repeat(x, K, axis=0), source, dest)
 
-    def matmuls(x_R, g, d):
-        h = kernels.slotted_matmul(x_R, g.reshape(E, D, 2 * M), group_J, slots).reshape(-1, 2, M)
-        return kernels.slotted_matmul(jax.nn.gelu(h[:, 0], approximate=True) * h[:, 1], d, group_J, slots)
-
-    experts_alone = lambda x, g, d: jnp.sum(apply_experts(x, weights, experts, g, d, MoeDispatch.dropless, 1.0))
-    full = jax.jit(jax.grad(experts_alone, argnums=(0, 1, 2)))
-    matmuls_alone = jax.jit(jax.grad(lambda x, g, d: jnp.sum(matmuls(x, g, d)), argnums=(0, 1, 2)))
+    with_dispatch = lambda x, g, d: jnp.sum(apply_experts(x, weights, experts, g, d, MoeDispatch.dropless, 1.0))
+    full = jax.jit(jax.grad(with_dispatch, argnums=(0, 1, 2)))
+    matmuls_alone = jax.jit(jax.grad(lambda x, g, d: jnp.sum(experts_in_places(x, group_J, g, d, slots)),
+                                     argnums=(0, 1, 2)))
 
     def timed(fn, *args):
         jax.block_until_ready(fn(*args))

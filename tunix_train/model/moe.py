@@ -147,12 +147,18 @@ def slotted_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, slots: kernels.Slots
     """Rows of x in any order, expert_A each row's expert (an id >= E goes nowhere), through their
     experts' GeGLU in the places kernels.Slots describes; a row that finds no place gives 0 (is
     dropped). One gather of the rows into their places and one back: the rows are never sorted."""
+    source_R, dest_A, group_J = kernels.slotting(expert_A, gate_up_EDCM.shape[0], slots)
+    y_RD = experts_in_places(kernels.take_rows(x_AD, source_R, dest_A), group_J, gate_up_EDCM, down_EMD, slots)
+    return kernels.take_rows(y_RD, dest_A, source_R)
+
+
+def experts_in_places(x_RD, group_J, gate_up_EDCM, down_EMD, slots: kernels.Slots):
+    """The experts' GeGLU on rows already in kernels.slotting's places (group_J: its pool blocks'
+    experts)."""
     E, D, _, M = gate_up_EDCM.shape
-    source_R, dest_A, group_J = kernels.slotting(expert_A, E, slots)
-    x_RD = kernels.take_rows(x_AD, source_R, dest_A)
     h_RF = kernels.slotted_matmul(x_RD, gate_up_EDCM.reshape(E, D, 2 * M), group_J, slots)
     h_RM = kernels.projection_output(_geglu(h_RF.reshape(-1, 2, M)))
-    return kernels.take_rows(kernels.slotted_matmul(h_RM, down_EMD, group_J, slots), dest_A, source_R)
+    return kernels.slotted_matmul(h_RM, down_EMD, group_J, slots)
 
 
 def dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, typical_rows: int):
