@@ -20,10 +20,10 @@ from tunix_train import api
 from tunix_train.config import ConfigError, MoeDispatch, Remat
 from tunix_train.model import Gemma
 from tunix_train.model import moe as moe_module
-from tunix_train.model.gemma import layer_groups
+from tunix_train.model.layout import layer_groups
 from tunix_train.model.moe import MoE, _expert_parallel, apply_experts, dropless_places, load_balancing_loss
 from tunix_train.sharding import LOGICAL_RULES, data_axes, make_mesh, state_shardings, validate_model_for_mesh
-from tunix_train.train.init import model_graphdef
+from tunix_train.model import model_graphdef
 from tunix_train.train.loop import train
 from tunix_train.train.setup import setup
 from tunix_train.train.step import token_losses

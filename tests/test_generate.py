@@ -17,7 +17,8 @@ from tunix_train.generate import Sampler, Sampling
 from tunix_train.generate.sampler import next_tokens, top_p_threshold
 from tunix_train.plan import OutOfMemory
 from tunix_train.sharding import make_mesh
-from tunix_train.train.init import model_graphdef, plan_train_state
+from tunix_train.model import model_graphdef
+from tunix_train.train.init import plan_train_state
 from tunix_train.train.loop import train
 from tunix_train.train.optimizer import make_optimizer
 

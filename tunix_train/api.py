@@ -33,7 +33,8 @@ from tunix_train.generate import Sampler, Sampling
 from tunix_train.interop import gguf, hf, peft
 from tunix_train.plan import MemoryErrors
 from tunix_train.sharding import LOGICAL_RULES, make_mesh, validate_model_for_mesh
-from tunix_train.train.init import model_graphdef, plan_train_state
+from tunix_train.model import model_graphdef
+from tunix_train.train.init import plan_train_state
 from tunix_train.train.optimizer import make_optimizer
 from tunix_train.train.setup import frozen_as_recorded
 from tunix_train.train.weights import Weights

@@ -114,7 +114,7 @@ def parameter_counts(cfg, params) -> tuple[int, int]:
 def advice(cfg, mesh, training: bool = True) -> list[str]:
     """What lowers per-device memory, the most effective first; `training=False` for loading or
     sampling a model (only the mesh then matters, and cfg may be None)."""
-    from tunix_train.model.gemma import layer_groups
+    from tunix_train.model.layout import layer_groups
     from tunix_train.parallel import pipelines
 
     t, tips = cfg.training if training else None, []

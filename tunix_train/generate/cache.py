@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.config import ModelConfig
 from tunix_train.model import kernels
-from tunix_train.model.gemma import layer_shapes, layer_windows
+from tunix_train.model.layout import layer_shapes, layer_windows
 from tunix_train.sharding import Rules, logical_to_spec
 
 CACHE_AXES = ("batch", "kv_heads", None, "head_dim")  # of [B, K, S, H], whose first two merge
@@ -45,12 +45,11 @@ def cache_shardings(cfg: ModelConfig, mesh: Mesh, rows: int, total_len: int, rul
 
 
 def prefill_attend(window: int, slots: int, valid_BT: jax.Array, keep: bool = True):
-    """For Attention: attention over the prompt itself (causal, the window, no padding), and the
-    layer's cache holding the prompt's keys and values (None when not `keep`: a KV-sharing layer)."""
-    T = valid_BT.shape[1]
-    index = jnp.arange(T)
-    distance_TS = index[:, None] - index[None, :]
-    mask_BTS = valid_BT[:, None, :] & (distance_TS >= 0) & (distance_TS < window)
+    """For Attention: attention over the prompt itself (causal, the window, no padding: padding is
+    a document of its own), and the layer's cache holding the prompt's keys and values (None when
+    not `keep`: a KV-sharing layer)."""
+    index_BT = jnp.broadcast_to(jnp.arange(valid_BT.shape[1]), valid_BT.shape)
+    mask_BTS = kernels.visible_keys(index_BT, valid_BT, index_BT, valid_BT)(window)
 
     def attend(q_BTNH, k_BTKH, v_BTKH, softcap):
         out_BTNH = kernels.attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, softcap)
@@ -79,36 +78,35 @@ def decode_attend(cache: dict[str, jax.Array], window: int, t: jax.Array, pads_B
                   on_write=lambda new: None):
     """For Attention, at time step t (one new position): the new key and value written to slot
     t % S (on_write sees the new cache), then attention over the slots that hold this row's past
-    within the window. write=False: a KV-sharing layer reads `cache`, already holding time t."""
+    within the window (a slot before the row's padding ends is of another document). write=False:
+    a KV-sharing layer reads `cache`, already holding time t."""
     slots = cache["k"].shape[1]
-    time_S = t - jnp.mod(t - jnp.arange(slots), slots)
-    valid_BS = (time_S >= pads_B[:, None]) & (t - time_S < window)
+    B = pads_B.shape[0]
+    time_1S = (t - jnp.mod(t - jnp.arange(slots), slots))[None]
+    mask_B1S = kernels.visible_keys(jnp.full((B, 1), t), jnp.ones((B, 1), bool), time_1S,
+                                    time_1S >= pads_B[:, None])(window)
 
     def attend(q_B1NH, k_B1KH, v_B1KH, softcap):
         if not write:
-            return cached_attention(q_B1NH, cache["k"], cache["v"], valid_BS, softcap), None
+            return cached_attention(q_B1NH, cache["k"], cache["v"], mask_B1S, softcap), None
         slot = jnp.mod(t, slots)
         put = lambda c, x: jax.lax.dynamic_update_slice_in_dim(c, _rows(x).astype(c.dtype), slot, 1)
         new = {"k": put(cache["k"], k_B1KH), "v": put(cache["v"], v_B1KH)}
         on_write(new)
-        return cached_attention(q_B1NH, new["k"], new["v"], valid_BS, softcap), new
+        return cached_attention(q_B1NH, new["k"], new["v"], mask_B1S, softcap), new
 
     return attend
 
 
-def cached_attention(q_B1NH, k_XSH, v_XSH, valid_BS, softcap: float | None):
-    """One query position against the cache rows X = B*K: softmax(q k) v over the valid slots,
-    grouped-query (each kv head's G = N/K query heads read its row)."""
+def cached_attention(q_B1NH, k_XSH, v_XSH, mask_B1S, softcap: float | None):
+    """One query position against the cache rows X = B*K (kernels.softmax_attention: [B*K, S, H]
+    is [B, K, S, H], and one position's G queries per kv head are its [B, K, G, H])."""
     B, _, N, H = q_B1NH.shape
     K = k_XSH.shape[0] // B
-    q_XGH = q_B1NH.reshape(B * K, N // K, H)
-    logits_XGS = jnp.einsum("xgh,xsh->xgs", q_XGH, k_XSH).astype(jnp.float32)
-    logits_XGS = kernels.soft_cap(logits_XGS, softcap)
-    logits_XGS = jnp.where(jnp.repeat(valid_BS, K, axis=0)[:, None], logits_XGS, -1e30)
-    exp_XGS = jnp.exp(logits_XGS - jnp.max(logits_XGS, axis=-1, keepdims=True))
-    weighted_XGH = jnp.einsum("xgs,xsh->xgh", exp_XGS.astype(v_XSH.dtype), v_XSH)
-    out_XGH = weighted_XGH / jnp.sum(exp_XGS, axis=-1, keepdims=True).astype(weighted_XGH.dtype)
-    return out_XGH.reshape(B, 1, N, H).astype(v_XSH.dtype)
+    by_head = lambda c_XSH: c_XSH.reshape(B, K, -1, H)
+    out_BKGH, _ = kernels.softmax_attention(q_B1NH.reshape(B, K, N // K, H), by_head(k_XSH), by_head(v_XSH),
+                                            mask_B1S, softcap)
+    return out_BKGH.reshape(B, 1, N, H)
 
 
 def cache_bytes(cfg: ModelConfig, rows: int, total_len: int, itemsize: int) -> int:

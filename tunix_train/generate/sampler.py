@@ -23,9 +23,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tunix_train.config import ConfigError, ModelConfig, Remat
 from tunix_train.generate import cache as kv
 from tunix_train.model import kernels
-from tunix_train.model.gemma import _GLOBAL_WINDOW, layer_shapes, layer_windows
+from tunix_train.model import model_graphdef
+from tunix_train.model.layout import GLOBAL_WINDOW, layer_shapes, layer_windows
 from tunix_train.sharding import BATCH_AXES, LOGICAL_RULES, Rules, constrain, data_parallel_size
-from tunix_train.train.init import model_graphdef
 
 DONE = -1  # a row's token after it stopped
 
@@ -124,7 +124,7 @@ class Sampler:
         caches, latest_kv = [], {}
         for i, ((stack, _), shape) in enumerate(zip(model.layer_blocks(), self.shapes)):
             block = nnx.merge(nnx.graphdef(stack), per_layer[i])
-            rope = rope_global if self.windows[i] == _GLOBAL_WINDOW else rope_local
+            rope = rope_global if self.windows[i] == GLOBAL_WINDOW else rope_local
             x_BTD, cache, side = block(x_BTD, rope, attend_of_layer(i),
                                        None if per_layer_BTLP is None else per_layer_BTLP[:, :, i],
                                        latest_kv.get(shape.layer_type) if shape.shares_kv else None)

@@ -14,98 +14,28 @@ form `LayerGroup`s: a period of layers repeated, scanned over the repeats (docs/
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_train.config import AttentionImpl, LoraConfig, ModelConfig, Remat, layer_types
+from tunix_train.config import AttentionImpl, LoraConfig, ModelConfig, Remat
 from tunix_train.model import kernels
 from tunix_train.model.common import RMSNorm, param
+from tunix_train.model.layout import GLOBAL_WINDOW, LayerGroup, LayerShape, layer_groups, layer_shapes, layer_windows, one_stack
 from tunix_train.model.lora import LoRA
 from tunix_train.model.moe import MoE
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
 
-if TYPE_CHECKING:  # tunix_train.parallel imports this module
-    from tunix_train.parallel import Parallelism
 
-_GLOBAL_WINDOW = np.iinfo(np.int32).max  # a global layer's "window" covers every position
+class LayerRunner(Protocol):
+    """What runs the layer stack over the mesh's pp and cp axes (tunix_train.parallel.Parallelism):
+    the model hands it the function that applies a run of layers."""
 
-
-@dataclasses.dataclass(frozen=True)
-class LayerShape:
-    """What decides a layer's parameter shapes and code: layers alike stack into one scan."""
-
-    head_dim: int
-    num_kv_heads: int
-    k_eq_v: bool  # keys (before their norm) serve as values: no value weights
-    shares_kv: bool  # reuses an earlier layer's keys and values: no key/value weights
-    mlp_dim: int
-    # static type ("sliding_attention"/"full_attention") where the code depends on it; None: the
-    # layer's window, an input of the scan, picks its RoPE and mask
-    layer_type: str | None = None
-
-
-def layer_shapes(cfg: ModelConfig) -> list[LayerShape]:
-    types = layer_types(cfg)
-    first_shared = cfg.num_layers - cfg.num_kv_shared_layers
-    global_head_dim = cfg.global_head_dim or cfg.head_dim
-    global_kv_heads = cfg.num_global_kv_heads or cfg.num_kv_heads
-    static_type = cfg.num_kv_shared_layers > 0 or cfg.attention_k_eq_v or (
-        (global_head_dim, global_kv_heads) != (cfg.head_dim, cfg.num_kv_heads))
-    shapes = []
-    for i, kind in enumerate(types):
-        is_global, shares = kind == "full_attention", i >= first_shared
-        shapes.append(LayerShape(
-            head_dim=global_head_dim if is_global else cfg.head_dim,
-            num_kv_heads=global_kv_heads if is_global else cfg.num_kv_heads,
-            k_eq_v=cfg.attention_k_eq_v and is_global, shares_kv=shares,
-            mlp_dim=cfg.hidden_dim * (2 if cfg.double_wide_mlp and shares else 1),
-            layer_type=kind if static_type else None))
-    return shapes
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerGroup:
-    """Layers first .. first + repeats * len(period) - 1: `period` (one shape per position) repeated."""
-
-    first: int
-    period: tuple[LayerShape, ...]
-    repeats: int
-
-    def layers(self, position: int) -> np.ndarray:
-        """The indices of the layers at `position` of the period, one per repeat."""
-        return self.first + position + len(self.period) * np.arange(self.repeats)
-
-
-def one_stack(cfg: ModelConfig) -> bool:
-    """Whether every layer has one shape (Gemma 1-3): the parameters are one stack, `layers`."""
-    return [len(group.period) for group in layer_groups(cfg)] == [1]
-
-
-def layer_groups(cfg: ModelConfig) -> tuple[LayerGroup, ...]:
-    """The layers cut into periods of p shapes, consecutive equal periods forming a group, with the
-    p whose groups compile the fewest layer bodies (the sum of their periods); Gemma 1-3: one group
-    of one shape, Gemma 4 E2B: (4 local, 1 global) x 3 then the KV-sharing ones x 4."""
-    shapes = layer_shapes(cfg)
-    best = None
-    for p in range(1, len(shapes) + 1):
-        groups: list[LayerGroup] = []
-        for first in range(0, len(shapes), p):
-            period = tuple(shapes[first:first + p])
-            if groups and groups[-1].period == period:
-                groups[-1] = dataclasses.replace(groups[-1], repeats=groups[-1].repeats + 1)
-            else:
-                groups.append(LayerGroup(first, period, 1))
-        cost = sum(len(g.period) for g in groups)
-        if best is None or cost < best[0]:
-            best = (cost, tuple(groups))
-    return best[1]
-
+    def run_layers(self, layers: Callable, layer_xs, x_BTD, rows: dict, make_attend: Callable): ...
 
 # Each LoRA adapter (an attribute of Attention or MLP) and the weight beside it that it adapts.
 ADAPTED_WEIGHTS = {"q_lora": "q_DNH", "k_lora": "k_DKH", "v_lora": "v_DKH", "o_lora": "o_NHD",
@@ -286,19 +216,13 @@ def _stacked_blocks(cfg: ModelConfig, shape: LayerShape, keys, adapter_keys, rul
     return nnx.merge(graphdef, state)
 
 
-def layer_windows(cfg: ModelConfig) -> np.ndarray:
-    """Attention window of each layer: sliding_window for a sliding_attention layer, all else."""
-    is_global = np.array([kind == "full_attention" for kind in layer_types(cfg)])
-    return np.where(is_global, _GLOBAL_WINDOW, cfg.sliding_window or _GLOBAL_WINDOW).astype(np.int32)
-
-
 class Gemma(nnx.Module):
     """Token ids [B, T] -> float32 next-token logits [B, T, V]; embeddings tied to the output."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: Remat = Remat.none, scan_unroll: int = 1,
                  attention: AttentionImpl = AttentionImpl.xla, rules: Rules = LOGICAL_RULES,
-                 parallel: Parallelism | None = None, lora: LoraConfig | None = None):
-        """parallel: a tunix_train.parallel.Parallelism that runs the layer stack over the pp and cp
+                 parallel: LayerRunner | None = None, lora: LoraConfig | None = None):
+        """parallel: a LayerRunner (tunix_train.parallel.Parallelism) that runs the layer stack over the pp and cp
         mesh axes; None runs it as written. lora: adapters on the projections it targets.
 
         Parameters: `layers` when every layer has one shape (Gemma 1-3), a stack of them all;
@@ -421,7 +345,7 @@ class Gemma(nnx.Module):
 
         def apply(graphdef, shape, x_BTD, state, window, per_layer_BTP, shared_kv):
             if shape.layer_type is None:
-                rope = [jnp.where(window == _GLOBAL_WINDOW, g, l) for g, l in zip(rope_global, rope_local)]
+                rope = [jnp.where(window == GLOBAL_WINDOW, g, l) for g, l in zip(rope_global, rope_local)]
             else:
                 rope = rope_global if shape.layer_type == "full_attention" else rope_local
             x_BTD, _, side = nnx.merge(graphdef, state)(x_BTD, rope, attend_within(window), per_layer_BTP, shared_kv)
@@ -471,22 +395,13 @@ class Gemma(nnx.Module):
         return zeros, zeros
 
     def _masked_attention(self, rows):
-        """rows -> window -> attend: attention over the keys of the pass that visible_keys allows,
+        """rows -> window -> attend: attention over the keys of the pass that kernels.visible_keys allows,
         its window-independent part computed once per pass."""
         fused = None if self.attention is AttentionImpl.xla else self.attention.value
         index, segments = rows["token_index"], rows["segment_ids"]
-        distance_BTS = index[:, :, None] - index[:, None, :]
-        mask_BTS = (segments[:, :, None] == segments[:, None, :]) & (distance_BTS >= 0)
+        visible = kernels.visible_keys(index, segments, index, segments)
         return lambda window: lambda q, k, v, softcap: (
-            kernels.attention(q, k, v, mask_BTS & (distance_BTS < window), softcap, fused), None)
-
-
-def visible_keys(q_index_BT, q_segments_BT, k_index_BS, k_segments_BS, window):
-    """[B, T, S]: which keys each query may see: same document, not ahead, fewer than `window`
-    positions back (indices and segments of the queries and of the keys)."""
-    distance_BTS = q_index_BT[:, :, None] - k_index_BS[:, None, :]
-    same_document_BTS = q_segments_BT[:, :, None] == k_segments_BS[:, None, :]
-    return same_document_BTS & (distance_BTS >= 0) & (distance_BTS < window)
+            kernels.attention(q, k, v, visible(window), softcap, fused), None)
 
 
 def output_logits(x_BTD, table_VD, softcap: float | None, rules: Rules = LOGICAL_RULES):

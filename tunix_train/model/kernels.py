@@ -79,21 +79,41 @@ def apply_rope(x_BTNH, sin, cos):
     return rotated.reshape(B, T, N, H).astype(x_BTNH.dtype)
 
 
+def visible_keys(q_index_BT, q_segments_BT, k_index_BS, k_segments_BS):
+    """The one definition of which keys a query sees: window -> [B, T, S], same document (segment),
+    not ahead, fewer than `window` positions back, from the queries' and keys' indices in their
+    rows and segment ids. The part that does not depend on the window is computed once."""
+    distance_BTS = q_index_BT[:, :, None] - k_index_BS[:, None, :]
+    causal_BTS = (q_segments_BT[:, :, None] == k_segments_BS[:, None, :]) & (distance_BTS >= 0)
+    return lambda window: causal_BTS & (distance_BTS < window)
+
+
+def grouped(q_BTNH, kv_heads: int):
+    """Queries [B, T, N, H] as [B, K, X, H], a kv head's G queries stacked with their positions.
+    Why: heads in front of positions and a group's queries stacked make each (batch, kv head) one
+    [G*T, H] x [H, S] matmul, with no transposes per dot."""
+    B, T, N, H = q_BTNH.shape
+    G = N // kv_heads
+    return q_BTNH.reshape(B, T, kv_heads, G, H).transpose(0, 2, 3, 1, 4).reshape(B, kv_heads, G * T, H)
+
+
+def ungrouped(x_BKXH, T: int):
+    """The inverse of grouped: [B, K, G*T, H] -> [B, T, N, H]."""
+    B, K, X, H = x_BKXH.shape
+    return x_BKXH.reshape(B, K, X // T, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, K * (X // T), H)
+
+
 def attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, softcap: float | None = None, fused: str | None = None):
     """softmax(q k) v over the keys that mask_BTS allows, grouped-query; q comes scaled. `fused`
     names a kernel of jax.nn.dot_product_attention ("cudnn": cuDNN flash attention on NVIDIA GPUs,
-    which takes no soft-cap). Why the layout: heads in front of positions and a group's queries
-    stacked make each (batch, kv head) one [G*T, H] x [H, S] matmul, with no transposes per dot."""
+    which takes no soft-cap)."""
     if fused is not None:
         return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None], scale=1.0,
                                             implementation=fused)
-    B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
-    G = N // K
-    q_BKXH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
     k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
-    out_BKXH = _attention(q_BKXH, k_BKSH, v_BKSH, mask_BTS, softcap)
-    return out_BKXH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+    out_BKXH = _attention(grouped(q_BTNH, K), k_BKSH, v_BKSH, mask_BTS, softcap)
+    return ungrouped(out_BKXH, q_BTNH.shape[1])
 
 
 def soft_cap(x, cap: float | None):
@@ -110,6 +130,40 @@ def _scores(q_BKXH, k_BKSH, mask_BTS, softcap):
     return jnp.where(mask_BTS[:, None, None], logits_BKGTS, -1e30), logits_BKGTS
 
 
+def softmax_attention(q_BKXH, k_BKSH, v_BKSH, mask_BTS, softcap, out_dtype=None):
+    """The one definition of attention's math: scores, mask, soft-cap, softmax, the weighted sum.
+    Returns the output [B, K, X, H] (in out_dtype, default v's) and each query's log-sum-exp
+    [B, K, G, T, 1]. Training (with the backward pass below), the cp ring (merging blocks of keys
+    by their log-sum-exp) and cached decoding all call it."""
+    B, K, X, _ = q_BKXH.shape
+    scores_BKGTS, _ = _scores(q_BKXH, k_BKSH, mask_BTS, softcap)
+    top_BKGT1 = jnp.max(scores_BKGTS, axis=-1, keepdims=True)
+    exp_BKGTS = jnp.exp(scores_BKGTS - top_BKGT1)
+    total_BKGT1 = jnp.sum(exp_BKGTS, axis=-1, keepdims=True)
+    # normalized after the weighted sum: a division over [X, H], not over [X, S]
+    weighted_BKXH = jnp.einsum("bkxs,bksh->bkxh", exp_BKGTS.astype(v_BKSH.dtype).reshape(B, K, X, -1), v_BKSH)
+    out_BKXH = (weighted_BKXH / total_BKGT1.reshape(B, K, X, 1)).astype(out_dtype or v_BKSH.dtype)
+    return out_BKXH, top_BKGT1 + jnp.log(total_BKGT1)
+
+
+def softmax_attention_grads(q_BKXH, k_BKSH, v_BKSH, mask_BTS, softcap, lse_BKGT1, rowsum_BKGT1, d_out_BKXH):
+    """(dq, dk, dv) of softmax_attention, flash attention's way: the probabilities come back from
+    the scores and the saved log-sum-exp, and the softmax gradient needs only
+    rowsum(d_out * out) (over the whole of a query's keys, when they come in blocks)."""
+    B, K, X, _ = q_BKXH.shape
+    scores_BKGTS, capped_BKGTS = _scores(q_BKXH, k_BKSH, mask_BTS, softcap)
+    probs_BKGTS = jnp.exp(scores_BKGTS - lse_BKGT1)
+    d_probs_BKGTS = jnp.einsum("bkxh,bksh->bkxs", d_out_BKXH, v_BKSH).reshape(scores_BKGTS.shape)
+    d_scores_BKGTS = probs_BKGTS * (d_probs_BKGTS - rowsum_BKGT1)
+    if softcap is not None:
+        d_scores_BKGTS = d_scores_BKGTS * (1.0 - (capped_BKGTS / softcap) ** 2)
+    probs_BKXS = probs_BKGTS.astype(v_BKSH.dtype).reshape(B, K, X, -1)
+    d_scores_BKXS = d_scores_BKGTS.astype(q_BKXH.dtype).reshape(B, K, X, -1)
+    return (jnp.einsum("bkxs,bksh->bkxh", d_scores_BKXS, k_BKSH),
+            jnp.einsum("bkxs,bkxh->bksh", d_scores_BKXS, q_BKXH),
+            jnp.einsum("bkxs,bkxh->bksh", probs_BKXS, d_out_BKXH))
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _attention(q_BKXH, k_BKSH, v_BKSH, mask_BTS, softcap):
     """Why its own backward pass: flash attention's, from the saved output and log-sum-exp, instead
@@ -119,38 +173,17 @@ def _attention(q_BKXH, k_BKSH, v_BKSH, mask_BTS, softcap):
 
 def _attention_fwd(q_BKXH, k_BKSH, v_BKSH, mask_BTS, softcap):
     """The output and each query's log-sum-exp, both named ATTENTION for the remat policies."""
-    B, K, X, _ = q_BKXH.shape
-    scores_BKGTS, _ = _scores(q_BKXH, k_BKSH, mask_BTS, softcap)
-    top_BKGT1 = jnp.max(scores_BKGTS, axis=-1, keepdims=True)
-    exp_BKGTS = jnp.exp(scores_BKGTS - top_BKGT1)
-    total_BKGT1 = jnp.sum(exp_BKGTS, axis=-1, keepdims=True)
-    # normalized after the weighted sum: a division over [X, H], not over [X, S]
-    weighted_BKXH = jnp.einsum("bkxs,bksh->bkxh", exp_BKGTS.astype(v_BKSH.dtype).reshape(B, K, X, -1), v_BKSH)
-    out_BKXH = (weighted_BKXH / total_BKGT1.reshape(B, K, X, 1)).astype(v_BKSH.dtype)
-    out_BKXH = checkpoint_name(out_BKXH, ATTENTION)
-    lse_BKGT1 = checkpoint_name(top_BKGT1 + jnp.log(total_BKGT1), ATTENTION)
+    out_BKXH, lse_BKGT1 = softmax_attention(q_BKXH, k_BKSH, v_BKSH, mask_BTS, softcap)
+    out_BKXH, lse_BKGT1 = checkpoint_name(out_BKXH, ATTENTION), checkpoint_name(lse_BKGT1, ATTENTION)
     return out_BKXH, (q_BKXH, k_BKSH, v_BKSH, mask_BTS, out_BKXH, lse_BKGT1)
 
 
 def _attention_bwd(softcap, residuals, d_out_BKXH):
-    """The probabilities come back from the scores and the saved log-sum-exp, and the softmax
-    gradient needs only rowsum(d_out * out)."""
     q_BKXH, k_BKSH, v_BKSH, mask_BTS, out_BKXH, lse_BKGT1 = residuals
-    B, K, X, _ = q_BKXH.shape
-    scores_BKGTS, capped_BKGTS = _scores(q_BKXH, k_BKSH, mask_BTS, softcap)
-    probs_BKGTS = jnp.exp(scores_BKGTS - lse_BKGT1)
-    d_probs_BKGTS = jnp.einsum("bkxh,bksh->bkxs", d_out_BKXH, v_BKSH).reshape(scores_BKGTS.shape)
     rowsum_BKGT1 = jnp.sum(d_out_BKXH.astype(jnp.float32) * out_BKXH.astype(jnp.float32),
                            axis=-1).reshape(lse_BKGT1.shape)
-    d_scores_BKGTS = probs_BKGTS * (d_probs_BKGTS - rowsum_BKGT1)
-    if softcap is not None:
-        d_scores_BKGTS = d_scores_BKGTS * (1.0 - (capped_BKGTS / softcap) ** 2)
-    probs_BKXS = probs_BKGTS.astype(v_BKSH.dtype).reshape(B, K, X, -1)
-    d_scores_BKXS = d_scores_BKGTS.astype(q_BKXH.dtype).reshape(B, K, X, -1)
-    return (jnp.einsum("bkxs,bksh->bkxh", d_scores_BKXS, k_BKSH),
-            jnp.einsum("bkxs,bkxh->bksh", d_scores_BKXS, q_BKXH),
-            jnp.einsum("bkxs,bkxh->bksh", probs_BKXS, d_out_BKXH),
-            None)
+    return (*softmax_attention_grads(q_BKXH, k_BKSH, v_BKSH, mask_BTS, softcap, lse_BKGT1, rowsum_BKGT1,
+                                     d_out_BKXH), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

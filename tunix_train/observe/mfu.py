@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from tunix_train.config import ModelConfig
-from tunix_train.model.gemma import layer_shapes, layer_windows
+from tunix_train.model.layout import layer_shapes, layer_windows
 
 # Dense peak FLOP/s per device from vendors' data sheets, by compute dtype. On NVIDIA GPUs XLA runs
 # float32 matmuls as TF32 by default, so float32 uses the TF32 tensor-core figure.

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from tunix_train.config import AttentionImpl, ConfigError, ModelConfig, TrainingConfig, layer_types
-from tunix_train.model.gemma import layer_groups
+from tunix_train.model.layout import layer_groups
 from tunix_train.parallel import context, pipeline
 from tunix_train.parallel import float32_reductions as reductions
 

@@ -30,7 +30,6 @@ import numpy as np
 
 from tunix_train.config import ContextParallelStrategy
 from tunix_train.model import kernels
-from tunix_train.model.gemma import visible_keys
 
 AXIS = "cp"
 
@@ -78,14 +77,14 @@ class ContextAttention:
         near = self._with_neighbours
 
         def gathered(q, k, v, softcap, window):
-            mask = visible_keys(q_index, q_segments, all_index, all_segments, window)
+            mask = kernels.visible_keys(q_index, q_segments, all_index, all_segments)(window)
             return kernels.attention(q, gather(k), gather(v), mask, softcap)
 
         def ring(q, k, v, softcap, window):
             return _ring(q, k, v, q_index, q_segments, window, softcap, self.size)
 
         def windowed(q, k, v, softcap, window):
-            mask = visible_keys(q_index, q_segments, near(q_index), near(q_segments), window)
+            mask = kernels.visible_keys(q_index, q_segments, near(q_index), near(q_segments))(window)
             return kernels.attention(q, near(k), near(v), mask, softcap)
 
         global_attention = gathered if self.strategy is ContextParallelStrategy.all_gather else ring
@@ -154,7 +153,7 @@ def _ring_fwd(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, window, softcap, cp):
             block = _round_the_ring(block, cp)
         for k, v, k_index, k_segments in zip(*map(_halves, block)):
             for i, (q, qi, qs) in enumerate(queries):
-                mask = visible_keys(qi, qs, k_index, k_segments, window)
+                mask = kernels.visible_keys(qi, qs, k_index, k_segments)(window)
                 skipped = lambda *_: _nothing(q)
                 out, lse = jax.lax.cond(_needed(qi, k_index), partial(_block_attention, softcap=softcap), skipped,
                                         q, k, v, mask)
@@ -181,7 +180,7 @@ def _ring_bwd(softcap, cp, residuals, d_out_BTNH):
         d_k, d_v = map(list, map(_halves, d_kv))
         for j, (k, v, k_index, k_segments) in enumerate(zip(*map(_halves, block))):
             for i, (q, qi, qs, g, lse, rowsum) in enumerate(queries):
-                mask = visible_keys(qi, qs, k_index, k_segments, window)
+                mask = kernels.visible_keys(qi, qs, k_index, k_segments)(window)
                 skipped = lambda *_: (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k, jnp.float32),
                                       jnp.zeros_like(v, jnp.float32))
                 dq, dk, dv = jax.lax.cond(_needed(qi, k_index), partial(_block_grads, softcap=softcap), skipped,
@@ -201,42 +200,32 @@ def _nothing(q_BTNH):
     return jnp.zeros_like(q_BTNH, jnp.float32), jnp.full_like(q_BTNH[..., 0], -1e30, jnp.float32)
 
 
-def _scores(q_BTNH, k_BSKH, mask_BTS, softcap):
-    """float32 scores [B, K, G, T, S] masked with -1e30, and before masking; queries [B, T, K, G, H]."""
+def _block_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, softcap):
+    """float32 softmax attention output [B, T, N, H] and log-sum-exp [B, T, N] over one key block
+    (kernels.softmax_attention, in the ring's [B, T, N, H] layout: a block's results merge along T)."""
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
-    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-    capped_BKGTS = kernels.soft_cap(jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH).astype(jnp.float32), softcap)
-    return jnp.where(mask_BTS[:, None, None], capped_BKGTS, -1e30), capped_BKGTS, q_BTKGH
-
-
-def _block_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, softcap):
-    """float32 softmax attention output [B, T, N, H] and log-sum-exp [B, T, N] over one key block."""
-    B, T, N, H = q_BTNH.shape
-    scores_BKGTS, _, _ = _scores(q_BTNH, k_BSKH, mask_BTS, softcap)
-    lse_BKGT = jax.nn.logsumexp(scores_BKGTS, axis=-1)
-    probs_BKGTS = jnp.exp(scores_BKGTS - lse_BKGT[..., None])
-    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH).astype(jnp.float32)
-    return out_BTKGH.reshape(B, T, N, H), lse_BKGT.transpose(0, 3, 1, 2).reshape(B, T, N)
+    out_BKXH, lse_BKGT1 = kernels.softmax_attention(kernels.grouped(q_BTNH, K), _by_head(k_BSKH), _by_head(v_BSKH),
+                                                    mask_BTS, softcap, jnp.float32)
+    return kernels.ungrouped(out_BKXH, T), lse_BKGT1.reshape(B, K, N // K, T).transpose(0, 3, 1, 2).reshape(B, T, N)
 
 
 def _block_grads(q_BTNH, k_BSKH, v_BSKH, mask_BTS, d_out_BTNH, lse_BTN, rowsum_BTN, softcap):
-    """float32 (dq, dk, dv) of one key block, its probabilities rebuilt from the saved log-sum-exp."""
+    """float32 (dq, dk, dv) of one key block (kernels.softmax_attention_grads), from the whole
+    query's saved log-sum-exp and rowsum(d_out * out)."""
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     per_group = lambda x_BTN: x_BTN.reshape(B, T, K, N // K).transpose(0, 2, 3, 1)[..., None]  # [B, K, G, T, 1]
-    scores_BKGTS, capped_BKGTS, q_BTKGH = _scores(q_BTNH, k_BSKH, mask_BTS, softcap)
-    probs_BKGTS = jnp.exp(scores_BKGTS - per_group(lse_BTN))
-    d_out_BTKGH = d_out_BTNH.reshape(B, T, K, N // K, H)
-    d_v = jnp.einsum("bkgts,btkgh->bskh", probs_BKGTS.astype(v_BSKH.dtype), d_out_BTKGH)
-    d_probs_BKGTS = jnp.einsum("btkgh,bskh->bkgts", d_out_BTKGH, v_BSKH).astype(jnp.float32)
-    d_scores_BKGTS = probs_BKGTS * (d_probs_BKGTS - per_group(rowsum_BTN))
-    if softcap is not None:
-        d_scores_BKGTS = d_scores_BKGTS * (1.0 - (capped_BKGTS / softcap) ** 2)
-    d_scores_BKGTS = d_scores_BKGTS.astype(q_BTNH.dtype)
-    d_q = jnp.einsum("bkgts,bskh->btkgh", d_scores_BKGTS, k_BSKH).reshape(B, T, N, H)
-    d_k = jnp.einsum("bkgts,btkgh->bskh", d_scores_BKGTS, q_BTKGH)
-    return d_q.astype(jnp.float32), d_k.astype(jnp.float32), d_v.astype(jnp.float32)
+    d_q, d_k, d_v = kernels.softmax_attention_grads(
+        kernels.grouped(q_BTNH, K), _by_head(k_BSKH), _by_head(v_BSKH), mask_BTS, softcap, per_group(lse_BTN),
+        per_group(rowsum_BTN), kernels.grouped(d_out_BTNH, K))
+    return (kernels.ungrouped(d_q, T).astype(jnp.float32), _by_head(d_k).astype(jnp.float32),
+            _by_head(d_v).astype(jnp.float32))
+
+
+def _by_head(x):
+    """[B, S, K, H] <-> [B, K, S, H]."""
+    return x.transpose(0, 2, 1, 3)
 
 
 def _merge(a, b):

@@ -12,21 +12,13 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from tunix_train.config import AttentionImpl, LoraConfig, ModelConfig, Remat, ShardingStrategy
+from tunix_train.config import ModelConfig, ShardingStrategy
 from tunix_train.model import Gemma
 from tunix_train.model.lora import Adapter
 from tunix_train.sharding import LOGICAL_RULES, Rules, state_shardings
 from tunix_train.state import TrainState
 from tunix_train.train.weights import FULL_FINE_TUNING, Weights
 
-
-
-def model_graphdef(model_cfg: ModelConfig, remat: Remat, scan_unroll: int = 1,
-                   attention: AttentionImpl = AttentionImpl.xla, rules: Rules = LOGICAL_RULES,
-                   parallel=None, lora: LoraConfig | None = None) -> nnx.GraphDef:
-    """The model's static structure, without allocating any parameter."""
-    return nnx.graphdef(nnx.eval_shape(
-        lambda: Gemma(model_cfg, nnx.Rngs(0), remat, scan_unroll, attention, rules, parallel, lora)))
 
 
 def _fresh_state(model_params: nnx.State, optimizer: optax.GradientTransformation, weights: Weights) -> TrainState:
