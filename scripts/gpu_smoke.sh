@@ -25,7 +25,7 @@ for attention in cudnn xla; do
   done
 done
 # The planner's prediction for the same step, to compare with the benchmark's measured peak memory.
-JAX_PLATFORMS=cpu python3 -m tunix_train.plan "${gemma[@]}" training.micro_batch_size=1 --device-memory=80GB
+JAX_PLATFORMS=cpu python3 -m tunix_train.plan "${gemma[@]}" training.micro_batch_size=1 --device_memory=80GB
 # Host offload: the moments, then the moments and the float32 master weights, against neither above
 # (peak device memory and tokens/s in the JSON).
 for offload in "training.offload_optimizer_state=true" \

@@ -16,7 +16,7 @@ from tunix_train.data.pipeline import DocumentFeatures, PackedBatches
 from tunix_train.data.sources import read_documents, write_pretokenized
 from tunix_train.model import Gemma
 from tunix_train.train.step import cross_entropy, eval_step
-from tunix_train.model import model_graphdef
+from tunix_train.parallel import model_graphdef
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,12 @@ from hf_reference import GEMMA4, SEQ, SIZES, build, checkpoint_and_logits
 from tunix_train import api
 from tunix_train.config import ConfigError, MoeDispatch, Remat
 from tunix_train.model import Gemma
-from tunix_train.model import moe as moe_module
+from tunix_train import platform
 from tunix_train.model.layout import layer_groups
-from tunix_train.model.moe import MoE, _expert_parallel, apply_experts, dropless_places, load_balancing_loss
+from tunix_train.model.moe import MoE, apply_experts, dropless_places, load_balancing_loss
+from tunix_train.parallel.experts import _expert_parallel
 from tunix_train.sharding import LOGICAL_RULES, data_axes, make_mesh, state_shardings, validate_model_for_mesh
-from tunix_train.model import model_graphdef
+from tunix_train.parallel import model_graphdef
 from tunix_train.train.loop import train
 from tunix_train.train.setup import setup
 from tunix_train.train.step import token_losses
@@ -272,11 +273,11 @@ def test_dropless_is_exact_in_each_of_its_places_on_one_device_and_on_ep4(routin
 def test_the_ragged_dot_path_is_exact_on_one_device_and_on_ep4(routing, monkeypatch):
     """TPUs' path (jax.lax.ragged_dot on the copies sorted, at ep=4 on the first 2A received rows
     when they hold every copy, else on all), run here through XLA's dense ragged_dot."""
-    monkeypatch.setattr(moe_module, "_ragged_dot_is_native", lambda: True)
-    _assert_dropless_is_the_definition(ROUTINGS[routing])
+    monkeypatch.setattr(platform, "ragged_dot_is_native", lambda: True)
+    _assert_dropless_is_the_definition(ROUTINGS[routing], ragged=True)
 
 
-def _assert_dropless_is_the_definition(experts_XK):
+def _assert_dropless_is_the_definition(experts_XK, ragged=False):
     """Values and gradients of the dropless experts, on one device and on ep=4, equal the definition
     (each copy through its expert's weights, gathered per copy) within 1e-5."""
     moe = _moe()
@@ -288,8 +289,8 @@ def _assert_dropless_is_the_definition(experts_XK):
         h = jnp.einsum("xd,xkdcm->xkcm", x, g[experts])
         return jnp.einsum("xkm,xkmd,xk->xd", jax.nn.gelu(h[..., 0, :], approximate=True) * h[..., 1, :], d[experts], w)
 
-    one = lambda x, w, g, d: apply_experts(x, w, experts, g, d, MoeDispatch.dropless, 1.0)
-    ep4 = lambda x, w, g, d: _expert_parallel(x, w, experts, g, d, MoeDispatch.dropless, 1.0, LOGICAL_RULES)
+    one = lambda x, w, g, d: apply_experts(x, w, experts, g, d, MoeDispatch.dropless, 1.0, ragged)
+    ep4 = lambda x, w, g, d: _expert_parallel(x, w, experts, g, d, MoeDispatch.dropless, 1.0, ragged)
     value_and_grads = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))),
                                                                      argnums=(0, 1, 2, 3))(*a)))
     args = (x, weights, moe.gate_up_EDCM[...], moe.down_EMD[...])

@@ -15,9 +15,9 @@ from tunix_train import api
 from tunix_train.config import ConfigError, Remat
 from tunix_train.generate import Sampler, Sampling
 from tunix_train.generate.sampler import next_tokens, top_p_threshold
-from tunix_train.plan import OutOfMemory
+from tunix_train.observe.memory import OutOfMemory
 from tunix_train.sharding import make_mesh
-from tunix_train.model import model_graphdef
+from tunix_train.parallel import model_graphdef
 from tunix_train.train.init import plan_train_state
 from tunix_train.train.loop import train
 from tunix_train.train.optimizer import make_optimizer

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import FAST_COMPILE, REPO, config, cpu_env
-from tunix_train.plan import advice
+from tunix_train.observe.memory import advice
 from tunix_train.observe.mfu import mean_keys_attended, peak_flops_per_device, train_flops_per_token
 from tunix_train.sharding import to_global_batch
 from tunix_train.data.synthetic import SyntheticBatches
@@ -70,7 +70,7 @@ def _plan(*args):
 
 def test_planner_counts_an_eighth_of_gemma3_1b_per_device_on_fsdp8():
     out, figures = _plan("model=gemma3_1b", 'model.mesh_shape=[[8],["fsdp"]]', "training.micro_batch_size=1",
-                         "data=synthetic", "data.seq_len=128", "--device-memory=80GB")
+                         "data=synthetic", "data.seq_len=128", "--device_memory=80GB")
     analytic = 999_885_952 * 4 * 3 / 8  # float32 parameters, Adam's two moments, over 8 devices
     assert figures["parameters"] + figures["optimizer state"] == pytest.approx(analytic, rel=0.05)
     assert figures["temporaries (compiler)"] > 0 and "fits in 74.5 GiB per device" in out
@@ -113,7 +113,7 @@ def test_on_an_accelerator_with_pinned_host_memory_the_advice_ends_with_offloadi
 
 def test_planner_says_what_to_change_when_it_does_not_fit():
     out, figures = _plan("model=gemma3_1b", 'model.mesh_shape=[[2,4],["fsdp","tp"]]', "training.micro_batch_size=2",
-                         "data=synthetic", "data.seq_len=128", "--device-memory=1GB")
+                         "data=synthetic", "data.seq_len=128", "--device_memory=1GB")
     assert "does NOT fit" in out and "shard more over fsdp" in out and "training.remat=full" in out
 
 

@@ -31,9 +31,9 @@ from tunix_train.config import Config, ConfigError, LoraConfig, ModelConfig, Rem
 from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer
 from tunix_train.generate import Sampler, Sampling
 from tunix_train.interop import gguf, hf, peft
-from tunix_train.plan import MemoryErrors
+from tunix_train.observe.memory import MemoryErrors
 from tunix_train.sharding import LOGICAL_RULES, make_mesh, validate_model_for_mesh
-from tunix_train.model import model_graphdef
+from tunix_train.parallel import model_graphdef
 from tunix_train.train.init import plan_train_state
 from tunix_train.train.optimizer import make_optimizer
 from tunix_train.train.setup import frozen_as_recorded

@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from tunix_train import exit_codes
 from tunix_train.config import ConfigError
 
 
@@ -30,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         (model.export_adapters if args.adapters else model.export)(args.output)
     except ConfigError as err:
         print(f"tunix_train.export: error: {err}", file=sys.stderr)
-        return 2
+        return exit_codes.CONFIG_ERROR
     what = f"{model.config.name}'s LoRA adapters" if args.adapters else model.config.name
     print(f"exported {what} to {args.output}")
-    return 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

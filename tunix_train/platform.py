@@ -126,3 +126,9 @@ def validate_training_for_mesh(training: TrainingConfig, mesh: jax.sharding.Mesh
         if getattr(training, key) and "pinned_host" not in kinds:
             raise ConfigError(f"training.{key}=true needs pinned host memory, which {device.platform} "
                               f"devices do not offer (they have {sorted(kinds)}): set it to false")
+
+
+def ragged_dot_is_native() -> bool:
+    """Whether jax.lax.ragged_dot computes the filled rows alone (TPUs: megablox); XLA:CPU and
+    XLA:GPU compute it densely over every expert (docs/models.md)."""
+    return jax.default_backend() == "tpu"

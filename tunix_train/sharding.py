@@ -226,6 +226,13 @@ def state_shardings(abstract_state: Any, mesh: Mesh, replicated_over: Sequence[s
     return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_state, is_leaf=_is_variable)
 
 
+def manual_axes() -> frozenset[str]:
+    """The mesh axes of the shard_map the code is being traced inside (empty outside any): the one
+    test of "inside a shard_map"."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return frozenset() if mesh.empty else frozenset(mesh.manual_axes)
+
+
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
     """The mesh axes that split the batch."""
     return tuple(a for a in BATCH_AXES if a in mesh.shape)

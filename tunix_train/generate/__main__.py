@@ -15,6 +15,8 @@ import math
 import os
 import sys
 
+from tunix_train import exit_codes
+
 
 def _arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tunix_train.generate", description=__doc__.split("\n")[0])
@@ -37,7 +39,7 @@ def main(argv: list[str]) -> int:
         mesh_shape = json.loads(args.mesh_shape) if args.mesh_shape else None
     except json.JSONDecodeError as err:
         print(f"tunix_train.generate: error: --mesh_shape is not JSON ({err})", file=sys.stderr)
-        return 2
+        return exit_codes.CONFIG_ERROR
     flags = os.environ.get("XLA_FLAGS", "")
     if mesh_shape and "jax" not in sys.modules and "device_count" not in flags:  # CPUs: that many devices
         sizes = [s for s in mesh_shape[0] if isinstance(s, int) and s > 0]
@@ -56,8 +58,8 @@ def main(argv: list[str]) -> int:
                 print(f"[{i}] {args.prompt[i]}{text}")
     except ConfigError as err:
         print(f"tunix_train.generate: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        return exit_codes.CONFIG_ERROR
+    return exit_codes.OK
 
 
 def _stream(model, prompt: str, max_new_tokens: int, sampling: dict) -> None:

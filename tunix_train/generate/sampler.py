@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tunix_train.config import ConfigError, ModelConfig, Remat
 from tunix_train.generate import cache as kv
 from tunix_train.model import kernels
-from tunix_train.model import model_graphdef
+from tunix_train.parallel import model_graphdef
 from tunix_train.model.layout import GLOBAL_WINDOW, layer_shapes, layer_windows
 from tunix_train.sharding import BATCH_AXES, LOGICAL_RULES, Rules, constrain, data_parallel_size
 

@@ -8,6 +8,7 @@ Run it under the launcher or SLURM as the training run would be, to see every pr
 import sys
 from collections import Counter
 
+from tunix_train import exit_codes
 from tunix_train.config import ConfigError, load_config
 
 
@@ -39,8 +40,8 @@ def main(argv: list[str]) -> int:
         print(f"this process loads rows {rows.start}..{rows.stop - 1} of each {micro}-row micro-batch")
     except ConfigError as err:
         print(f"tunix_train.launch.devices: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        return exit_codes.CONFIG_ERROR
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from tunix_train.model import kernels
 from tunix_train.model.common import RMSNorm, param
 from tunix_train.model.layout import GLOBAL_WINDOW, LayerGroup, LayerShape, layer_groups, layer_shapes, layer_windows, one_stack
 from tunix_train.model.lora import LoRA
-from tunix_train.model.moe import MoE
+from tunix_train.model.moe import Dispatch, LocalDispatch, MoE
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
 
 
@@ -155,7 +155,7 @@ class Block(nnx.Module):
     adds experts beside the MLP, a per-layer input and an output scalar."""
 
     def __init__(self, cfg: ModelConfig, shape: LayerShape, rngs: nnx.Rngs, rules: Rules,
-                 adapt: Adapt = _no_adapter):
+                 adapt: Adapt = _no_adapter, experts: Dispatch = LocalDispatch()):
         D, P = cfg.embed_dim, cfg.per_layer_input_dim
         norm = functools.partial(RMSNorm, D, cfg.rms_norm_eps, cfg.norm_weight_offset)
         self.pre_attn_norm = norm()
@@ -165,7 +165,7 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, shape.mlp_dim, rngs, rules, adapt)
         self.post_ffw_norm = norm() if cfg.use_post_ffw_norm else None
         if cfg.num_experts:
-            self.moe = MoE(cfg, rngs, rules)
+            self.moe = MoE(cfg, rngs, rules, experts)
             self.pre_moe_norm, self.post_moe_norm, self.post_mlp_norm = norm(), norm(), norm()
         else:
             self.moe = None
@@ -201,13 +201,13 @@ class Block(nnx.Module):
 
 
 def _stacked_blocks(cfg: ModelConfig, shape: LayerShape, keys, adapter_keys, rules: Rules,
-                    lora: LoraConfig | None) -> Block:
+                    lora: LoraConfig | None, experts: Dispatch) -> Block:
     """One Block of `shape` whose parameters have a leading `layers` axis (one layer per key), for
     jax.lax.scan; adapters draw from adapter_keys, so the base is the same with adapters or without."""
 
     def block(key, adapter_key):
         adapt = _no_adapter if lora is None else functools.partial(_adapter, lora, nnx.Rngs(adapter_key))
-        return Block(cfg, shape, nnx.Rngs(key), rules, adapt)
+        return Block(cfg, shape, nnx.Rngs(key), rules, adapt, experts)
 
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: block(jax.random.key(0), jax.random.key(0))))
     state = jax.vmap(lambda key, adapter_key: nnx.state(block(key, adapter_key)))(keys, adapter_keys)
@@ -221,9 +221,11 @@ class Gemma(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: Remat = Remat.none, scan_unroll: int = 1,
                  attention: AttentionImpl = AttentionImpl.xla, rules: Rules = LOGICAL_RULES,
-                 parallel: LayerRunner | None = None, lora: LoraConfig | None = None):
+                 parallel: LayerRunner | None = None, lora: LoraConfig | None = None,
+                 experts: Dispatch = LocalDispatch()):
         """parallel: a LayerRunner (tunix_train.parallel.Parallelism) that runs the layer stack over the pp and cp
-        mesh axes; None runs it as written. lora: adapters on the projections it targets.
+        mesh axes; None runs it as written. lora: adapters on the projections it targets. experts:
+        how a mixture-of-experts layer's tokens reach their experts (moe.Dispatch).
 
         Parameters: `layers` when every layer has one shape (Gemma 1-3), a stack of them all;
         otherwise `groups[g][j]`, the stack of position j of group g's period over its repeats."""
@@ -235,7 +237,7 @@ class Gemma(nnx.Module):
         keys = jax.random.split(rngs.params(), L)
         # after the base's keys, so the base is the same with adapters or without
         adapter_keys = keys if lora is None else jax.random.split(rngs.params(), L)
-        stacks = [[_stacked_blocks(cfg, shape, keys[group.layers(j)], adapter_keys[group.layers(j)], rules, lora)
+        stacks = [[_stacked_blocks(cfg, shape, keys[group.layers(j)], adapter_keys[group.layers(j)], rules, lora, experts)
                    for j, shape in enumerate(group.period)] for group in self.layer_groups]
         self.homogeneous = one_stack(cfg)  # whether every layer has one shape: one stack, `layers`
         if self.homogeneous:
@@ -390,7 +392,7 @@ class Gemma(nnx.Module):
     @staticmethod
     def _empty_kv(x_BTD, shape: LayerShape):
         B, T, _ = x_BTD.shape
-        # zeros_like: in cp's shard_map the scan's carry varies over cp like x (jnp.zeros would not)
+        # zeros_like: where x varies over the devices of a manual mesh axis (cp), so must the scan's carry
         zeros = jnp.zeros_like(x_BTD, shape=(B, T, shape.num_kv_heads, shape.head_dim))
         return zeros, zeros
 

@@ -273,9 +273,9 @@ def slotting(expert_A, experts: int, slots: Slots):
 
 def slotted_matmul(x_RD, w_EDN, group_J, slots: Slots):
     """Each of slotting's places times its expert's matrix: the experts' slots [E, base] by one
-    batched matmul, the pool's blocks [J, b] by another, of their matrices gathered. In a
-    shard_map, w must vary over the manual axes x does (jax.lax.pcast): the blocks' custom
-    gradient has w's type."""
+    batched matmul, the pool's blocks [J, b] by another, of their matrices gathered. Over manual
+    mesh axes, w must vary over those x does (jax.lax.pcast): the blocks' custom gradient has
+    w's type."""
     E, D, N = w_EDN.shape
     base, b, J = slots
     parts = []

@@ -6,37 +6,59 @@ probabilities renormalised to sum to one, then each multiplied by its expert's l
 
 Dispatch (model.moe_dispatch):
 - dropless: the token copies (X tokens x k choices) through their experts' matmuls, each
-  expert's group whatever its size: no copy is dropped (dropless_experts). TPUs: jax.lax.ragged_dot
-  on the copies sorted. Elsewhere batched matmuls of fixed shape (kernels.Slots), the copies
-  gathered into their places unsorted (kernels.slotting): slots of 1.25 x the even share per
-  expert, then those and a pool of row blocks for the excess, then row blocks alone, the first
-  that holds every copy (dropless_places; inside cp's or pp's shard_map, always the last).
+  expert's group whatever its size: no copy is dropped (dropless_experts). Where ragged_dot is
+  native: jax.lax.ragged_dot on the copies sorted. Elsewhere batched matmuls of fixed shape
+  (kernels.Slots), the copies gathered into their places unsorted (kernels.slotting): slots of
+  1.25 x the even share per expert, then those and a pool of row blocks for the excess, then row
+  blocks alone, the first that holds every copy (dropless_places), or always the last where the
+  caller may not choose at run time.
 - capacity: each expert has C = ceil(capacity_factor * X * k / E) slots; a copy past its expert's
   C is dropped (adds nothing). Batched matmuls of fixed shape, for backends where ragged_dot is slow.
 
-Each data shard (dp x fsdp x ep) dispatches its own tokens' copies (`_expert_parallel`'s
-shard_map). With an `ep` mesh axis the experts are split over it; each ep shard sends each of its
-copies to the shard holding its expert with one all-to-all, computes there, and an all-to-all
-brings the results back (`_expert_parallel`). Axis letters: X tokens, A token copies (X * k),
-E experts, M an expert's width, C capacity slots, S ep shards.
+How tokens reach their experts over a mesh (each data shard its own tokens, the experts split over
+ep) is the caller's: MoE takes a `Dispatch`, as Attention takes `attend`. LocalDispatch runs every
+expert here; tunix_train.parallel.experts the mesh's. Axis letters: X tokens, A token copies
+(X * k), E experts, M an expert's width, C capacity slots.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from tunix_train.config import ModelConfig, MoeDispatch
 from tunix_train.model import kernels
 from tunix_train.model.common import RMSNorm, param
-from tunix_train.sharding import BATCH_AXES, Rules, constrain, data_axes
+from tunix_train.sharding import Rules, constrain
 
-EP = "ep"
+
+class Dispatch(Protocol):
+    """How the router's top k is taken and the copies reach their experts (a static, hashable
+    part of the model)."""
+
+    def top_k(self, probs_XE, k: int): ...
+
+    def __call__(self, x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind: MoeDispatch,
+                 capacity_factor: float): ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalDispatch:
+    """Every expert here, on the tokens as they come."""
+
+    ragged: bool = False  # whether jax.lax.ragged_dot computes the filled rows alone
+
+    def top_k(self, probs_XE, k: int):
+        return jax.lax.top_k(probs_XE, k)
+
+    def __call__(self, x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor):
+        return apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, self.ragged)
 
 
 class MoE(nnx.Module):
@@ -45,7 +67,7 @@ class MoE(nnx.Module):
     across shards): "expert_tokens" [E], the copies routed to it, and "router_probs" [E], its
     router probability summed."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules, dispatch: Dispatch = LocalDispatch()):
         D, E, M = cfg.embed_dim, cfg.num_experts, cfg.moe_hidden_dim
         self.router_norm = RMSNorm(D, cfg.rms_norm_eps, with_scale=False)
         self.router_scale = nnx.Param(jnp.ones((D,), jnp.float32), axes=("norm",))
@@ -56,8 +78,8 @@ class MoE(nnx.Module):
         # gate and up of each expert side by side (C = 2), one matmul for both
         self.gate_up_EDCM = param(rngs, (E, D, 2, M), ("experts", "embed", None, "moe_mlp"), D)
         self.down_EMD = param(rngs, (E, M, D), ("experts", "moe_mlp", "embed"), M)
-        self.top_k, self.dispatch, self.capacity_factor = cfg.num_experts_per_token, cfg.moe_dispatch, cfg.moe_capacity_factor
-        self.rules = rules
+        self.top_k, self.kind, self.capacity_factor = cfg.num_experts_per_token, cfg.moe_dispatch, cfg.moe_capacity_factor
+        self.rules, self.dispatch = rules, dispatch
 
     def route(self, route_XD):
         """(weights [X, k], experts [X, k], probabilities [X, E]) of the router."""
@@ -65,7 +87,7 @@ class MoE(nnx.Module):
         h_XD = self.router_norm(route_XD) * self.router_scale[...].astype(route_XD.dtype)
         h_XD = h_XD * jnp.asarray(D**-0.5, route_XD.dtype)
         probs_XE = jax.nn.softmax(jnp.einsum("xd,de->xe", h_XD, self.router_DE[...]).astype(jnp.float32), axis=-1)
-        top_XK, experts_XK = _top_k(probs_XE, self.top_k)
+        top_XK, experts_XK = self.dispatch.top_k(probs_XE, self.top_k)
         top_XK = top_XK / jnp.sum(top_XK, axis=-1, keepdims=True)
         return top_XK * self.expert_scale[...].astype(jnp.float32)[experts_XK], experts_XK, probs_XE
 
@@ -75,36 +97,9 @@ class MoE(nnx.Module):
         E = probs_XE.shape[-1]
         stats = {"expert_tokens": jnp.sum(jax.nn.one_hot(experts_XK, E, dtype=jnp.float32), axis=(0, 1)),
                  "router_probs": jnp.sum(probs_XE, axis=0)}
-        gate_up_EDCM, down_EMD = self.gate_up_EDCM[...], self.down_EMD[...]
-        mesh = jax.sharding.get_abstract_mesh()
-        data = {a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1} if not mesh.empty else set()
-        x_XD = x_BTD.reshape(B * T, D)
-        if data and not mesh.manual_axes:  # each data shard dispatches its own tokens
-            y_XD = _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, self.dispatch,
-                                    self.capacity_factor, self.rules)
-        else:
-            if mesh.manual_axes:
-                # inside another shard_map (cp's, pp's) the compiler partitions the dispatch: a nested
-                # shard_map fails to differentiate there (jax 0.10-0.12). The experts enter split over
-                # ep alone: split over fsdp or tp as well, they crashed jax 0.12's partitioner (a
-                # failed check in spmd_partitioner_util.cc)
-                gate_up_EDCM = constrain(gate_up_EDCM, ("experts", None, None, None), self.rules)
-                down_EMD = constrain(down_EMD, ("experts", None, None), self.rules)
-            y_XD = apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, self.dispatch,
-                                 self.capacity_factor)
+        y_XD = self.dispatch(x_BTD.reshape(B * T, D), weights_XK, experts_XK, self.gate_up_EDCM[...],
+                             self.down_EMD[...], self.kind, self.capacity_factor)
         return constrain(y_XD.reshape(B, T, D), ("batch", "seq", "act_embed"), self.rules), stats
-
-
-def _top_k(probs_XE, k: int):
-    """jax.lax.top_k on each data shard's tokens. Why: XLA's partitioner all-gathers TopK's operand
-    over the batch (jaxlib 0.10.2 and 0.12): every device ranked every token's experts, behind a
-    collective, in every layer and again in its backward pass."""
-    mesh = jax.sharding.get_abstract_mesh()
-    data = () if mesh.empty or mesh.manual_axes else data_axes(mesh)
-    if not data:
-        return jax.lax.top_k(probs_XE, k)
-    return jax.shard_map(partial(jax.lax.top_k, k=k), in_specs=P(data), out_specs=P(data),
-                         axis_names=set(data))(probs_XE)
 
 
 def load_balancing_loss(expert_tokens_LE, router_probs_LE):
@@ -122,15 +117,16 @@ def _geglu(h_AC2M):
 
 
 def apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispatch: MoeDispatch,
-                  capacity_factor: float):
-    """Σ_k weight_k · expert_k(x) for every token, the experts all held here."""
+                  capacity_factor: float, ragged: bool = False, may_choose: bool = True):
+    """Σ_k weight_k · expert_k(x) for every token, the experts all held here (ragged, may_choose:
+    as for dropless_experts)."""
     X, K = experts_XK.shape
     x_AD, expert_A = jnp.repeat(x_XD, K, axis=0), experts_XK.reshape(-1)  # copy a is token a // K
     E = gate_up_EDCM.shape[0]
     if dispatch is MoeDispatch.dropless:
-        y_AD = dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, X * K)
+        y_AD = dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, X * K, ragged, may_choose)
     else:
-        y_AD = capacity_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, _slots(X * K, E, capacity_factor))
+        y_AD = capacity_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, slots_for(X * K, E, capacity_factor))
     return jnp.einsum("xkd,xk->xd", y_AD.reshape(X, K, -1), weights_XK.astype(y_AD.dtype))
 
 
@@ -161,33 +157,28 @@ def experts_in_places(x_RD, group_J, gate_up_EDCM, down_EMD, slots: kernels.Slot
     return kernels.slotted_matmul(h_RM, down_EMD, group_J, slots)
 
 
-def dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, typical_rows: int):
+def dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, typical_rows: int, ragged: bool = False,
+                     may_choose: bool = True):
     """Rows of x in any order, expert_A each row's expert (an id >= E: in no expert, gives 0), each
     through its expert, none dropped. typical_rows: how many rows hold a copy when routing is even
     (fewer than x's rows under ep, whose receive buffer has room for the worst case).
 
-    Where ragged_dot is native (TPU), ragged_experts on the rows sorted. Elsewhere slotted_experts
-    in the first of dropless_places that holds every row (the last hold any routing); inside an
-    outer shard_map (cp's, pp's), always in the last."""
+    `ragged` (where ragged_dot is native): ragged_experts on the rows sorted. Otherwise
+    slotted_experts in the first of dropless_places that holds every row (the last hold any
+    routing), or in the last when not `may_choose` (the caller allows no jax.lax.switch)."""
     E = gate_up_EDCM.shape[0]
     sizes_E = jnp.bincount(expert_A, length=E + 1)[:E]
-    if _ragged_dot_is_native():
+    if ragged:
         order_A, position_A = _sorting(expert_A)  # rows in no expert last
         ragged = lambda x: ragged_experts(x, sizes_E, gate_up_EDCM, down_EMD)
         y_AD = _on_filled_rows(ragged, kernels.take_rows(x_AD, order_A, position_A), jnp.sum(sizes_E),
                                FILLED_ROWS_BOUND * typical_rows)
         return kernels.take_rows(y_AD, position_A, order_A)
     places = dropless_places(typical_rows, x_AD.shape[0], E)
-    if _in_an_outer_shard_map():
+    if not may_choose:
         return slotted_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, places[-1])
     first = jnp.argmax(jnp.stack([slots.fit(sizes_E) for slots in places[:-1]] + [jnp.array(True)]))
     return _slotted_in_one_of(places, first, x_AD, expert_A, gate_up_EDCM, down_EMD)
-
-
-def _ragged_dot_is_native() -> bool:
-    """Whether jax.lax.ragged_dot computes the filled rows alone (TPUs: megablox); XLA:CPU and
-    XLA:GPU compute it densely over every expert."""
-    return jax.default_backend() == "tpu"
 
 
 def _sorting(ids):
@@ -201,7 +192,7 @@ def dropless_places(typical_rows: int, rows: int, experts: int) -> tuple[kernels
     1.25 s per expert (1.25 x the rows of even routing); the same and a pool of E/2 blocks of s/4
     rows (one expert up to 1.25 s + E/8 s, or half of them up to 1.5 s); then blocks alone, room
     for FILLED_ROWS_BOUND x typical_rows filled rows, then for all `rows`, which hold any routing."""
-    base, block = _slots(typical_rows, experts, 1.25), max(1, -(-typical_rows // (4 * experts)))
+    base, block = slots_for(typical_rows, experts, 1.25), max(1, -(-typical_rows // (4 * experts)))
     places = [kernels.Slots(base, 1, 0), kernels.Slots(base, block, max(1, experts // 2)),
               kernels.Slots.blocks_for(min(FILLED_ROWS_BOUND * typical_rows, rows), experts),
               kernels.Slots.blocks_for(rows, experts)]
@@ -236,7 +227,7 @@ def _slotted_in_one_of_bwd(places, residuals, g_AD):
 _slotted_in_one_of.defvjp(_slotted_in_one_of_fwd, _slotted_in_one_of_bwd)
 
 
-def _slots(rows: int, experts: int, factor: float) -> int:
+def slots_for(rows: int, experts: int, factor: float) -> int:
     """Slots per expert: factor x the even share of `rows`, rounded up."""
     return max(1, math.ceil(factor * rows / experts))
 
@@ -261,59 +252,3 @@ def _on_filled_rows(fn, x_RD, filled, bound: int):
         return fn(x_RD)
     head = lambda x: jnp.pad(fn(x[:bound]), ((0, R - bound), (0, 0)))
     return jax.lax.cond(filled <= bound, head, fn, x_RD)
-
-
-def _in_an_outer_shard_map() -> bool:
-    """Whether the MoE runs inside a shard_map opened round it (cp's, pp's), where the compiler partitions
-    the dispatch. There no jax.lax.cond or switch may choose the path: its branches then hold the compiler's
-    collectives, and runs hung in them (XLA:CPU: ep x cp on jax 0.10.2; fsdp x cp x tp on jax 0.12,
-    even with every device made to take the same branch)."""
-    return any(a not in BATCH_AXES for a in jax.sharding.get_abstract_mesh().manual_axes)
-
-
-def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispatch, capacity_factor, rules):
-    """apply_experts with the experts split over the ep mesh axis (and the tokens with them: ep is
-    one of the batch's axes), in a shard_map manual over the data axes (dp, fsdp, ep).
-
-    Each shard sends shard s the copies of its tokens bound for s's experts, in a buffer of A rows
-    per destination (a shard's every copy may go to one shard: no copy is dropped), by one
-    all_to_all; shard s computes them with its E/S experts, and a second all_to_all returns them.
-    Without ep (or ep=1) each data shard runs every expert on its own tokens, with no exchange."""
-    mesh = jax.sharding.get_abstract_mesh()
-    S = mesh.shape.get(EP, 1)
-
-    def shard(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD):
-        # the weights vary over the data axes as the tokens do (kernels.slotted_matmul's custom
-        # gradient needs it); the cast's transpose sums their gradients over them
-        gate_up_EDCM, down_EMD = jax.lax.pcast((gate_up_EDCM, down_EMD), whole, to="varying")
-        if S == 1:  # every expert here: no exchange
-            return apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispatch, capacity_factor)
-        X, K = experts_XK.shape
-        E_local, D = gate_up_EDCM.shape[0], x_XD.shape[1]
-        expert_A = experts_XK.reshape(-1)  # copy a is token a // K
-        A = expert_A.shape[0]
-        # the [S, A] send buffer: slot (s, i) holds the i-th copy bound for shard s (source: none = A)
-        source_R, slot_A, _ = kernels.slotting(expert_A // E_local, S, kernels.Slots(A, 1, 0))
-        send_SAD = kernels.take_rows(jnp.repeat(x_XD, K, axis=0), source_R, slot_A).reshape(S, A, D)
-        # each slot's local expert, E_local for an empty slot
-        send_SA = jnp.take(jnp.append(expert_A % E_local, E_local), source_R).reshape(S, A)
-        recv_SAD = jax.lax.all_to_all(send_SAD, EP, 0, 0, tiled=False)
-        recv_SA = jax.lax.all_to_all(send_SA, EP, 0, 0, tiled=False)
-        x_RD, local_R = recv_SAD.reshape(S * A, D), recv_SA.reshape(-1)
-        if dispatch is MoeDispatch.dropless:
-            y_RD = dropless_experts(x_RD, local_R, gate_up_EDCM, down_EMD, A)
-        else:
-            y_RD = capacity_experts(x_RD, local_R, gate_up_EDCM, down_EMD, _slots(A, E_local, capacity_factor))
-        back_SAD = jax.lax.all_to_all(y_RD.reshape(S, A, D), EP, 0, 0, tiled=False)
-        y_AD = kernels.take_rows(back_SAD.reshape(S * A, D), slot_A, source_R)  # in token order
-        return jnp.einsum("xkd,xk->xd", y_AD.reshape(X, K, -1), weights_XK.astype(y_AD.dtype))
-
-    # manual over every data axis, not ep alone: with fsdp left to the compiler, it resharded every
-    # token's activations to meet the experts' fsdp-split weights. The weights enter whole over fsdp
-    # (gathered, as fsdp gathers any weight before use); tp stays the compiler's.
-    data = data_axes(mesh)
-    tokens = P(data)
-    experts = P(EP) if EP in mesh.shape else P()
-    whole = tuple(a for a in data if a != EP)  # the axes the experts enter whole over
-    return jax.shard_map(shard, in_specs=(tokens, tokens, tokens, experts, experts), out_specs=tokens,
-                         axis_names=set(data))(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD)

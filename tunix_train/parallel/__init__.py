@@ -1,4 +1,5 @@
-"""What needs shard_map: the pipeline (pp) schedules and context-parallel (cp) attention.
+"""What needs shard_map: the pipeline (pp) schedules, context-parallel (cp) attention and the
+experts' dispatch (ep); and `model_graphdef`, the model as it runs on a mesh.
 
 `Parallelism` is the one seam between them and the model: Gemma.hidden hands it the function that
 applies a run of layers, and it runs that function as written, in a shard_map over cp, or stage by
@@ -15,10 +16,24 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from tunix_train.config import AttentionImpl, ConfigError, ModelConfig, TrainingConfig, layer_types
+from flax import nnx
+
+from tunix_train.config import AttentionImpl, ConfigError, LoraConfig, ModelConfig, Remat, TrainingConfig, layer_types
+from tunix_train.model import Gemma
 from tunix_train.model.layout import layer_groups
 from tunix_train.parallel import context, pipeline
 from tunix_train.parallel import float32_reductions as reductions
+from tunix_train.parallel.experts import MeshDispatch
+from tunix_train.sharding import LOGICAL_RULES, Rules
+
+
+def model_graphdef(model_cfg: ModelConfig, remat: Remat, scan_unroll: int = 1,
+                   attention: AttentionImpl = AttentionImpl.xla, rules: Rules = LOGICAL_RULES,
+                   parallel: Parallelism | None = None, lora: LoraConfig | None = None) -> nnx.GraphDef:
+    """The model's static structure as it runs on a mesh (its experts dispatched by
+    experts.MeshDispatch), without allocating any parameter."""
+    return nnx.graphdef(nnx.eval_shape(lambda: Gemma(model_cfg, nnx.Rngs(0), remat, scan_unroll, attention, rules,
+                                                     parallel, lora, MeshDispatch(rules))))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ from tunix_train.generate import Sampler
 from tunix_train.observe.comms import CommunicationProfile
 from tunix_train.observe.metrics import MetricsWriter, setup_logging
 from tunix_train.observe.mfu import peak_for_run, train_flops_per_token
-from tunix_train.plan import MemoryErrors
+from tunix_train.observe.memory import MemoryErrors
 from tunix_train.sharding import data_parallel_size, describe_mesh, process_rows, to_global_batch
 from tunix_train.state import TrainState
 from tunix_train.train import hooks as h

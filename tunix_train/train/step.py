@@ -25,7 +25,7 @@ from tunix_train.parallel import Parallelism
 from tunix_train.sharding import (Rules, batch_sharding, data_axes, data_parallel_size, per_shard_rules,
                                   per_shard_shardings)
 from tunix_train.state import TrainState
-from tunix_train.model import model_graphdef
+from tunix_train.parallel import model_graphdef
 from tunix_train.train.init import StatePlan
 from tunix_train.train.objectives.lm import BATCH_DTYPES, LanguageModeling
 from tunix_train.train.weights import FULL_FINE_TUNING, Weights

@@ -23,38 +23,13 @@ knows which one runs:
 from __future__ import annotations
 
 from tunix_train.config import Config, Objective as Kind
+from tunix_train.train.objectives import dpo, grpo, lm
+from tunix_train.train.objectives.base import Objective
 
-
-class Objective:
-    """The parts an objective may leave as they are."""
-
-    needs_reference = False
-    record_fields = None
-    perplexity = False
-    metric_names: tuple[str, ...] = ()
-
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-
-    def read(self, data) -> None:
-        pass
-
-    def eval_batches(self, data, global_rows: int, rows: range) -> list:
-        return []
-
-    def connect(self, run, write_samples) -> None:
-        pass
-
-    def prepare(self, batch, state):
-        return batch
-
-    def hooks(self) -> list:
-        return []
+__all__ = ["Objective", "make_objective"]
 
 
 def make_objective(cfg: Config, tokenizer=None):
     """The objective training.objective names."""
-    from tunix_train.train.objectives import dpo, grpo, lm
-
     return {Kind.lm: lm.LanguageModeling, Kind.dpo: dpo.DirectPreference,
             Kind.grpo: grpo.GroupRelative}[cfg.training.objective](cfg)

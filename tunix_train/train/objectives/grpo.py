@@ -32,7 +32,7 @@ import numpy as np
 from tunix_train.config import Config, ConfigError
 from tunix_train.data.pipeline import GroupBatches, padded_row
 from tunix_train.train.hooks import Hook
-from tunix_train.train.objectives import Objective
+from tunix_train.train.objectives.base import Objective
 from tunix_train.train.objectives.lm import BATCH_DTYPES
 
 _STD_EPS = 1e-4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from tunix_train.train.objectives import Objective
+from tunix_train.train.objectives.base import Objective
 
 BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32,
                 "positions": jnp.int32, "segment_ids": jnp.int32}  # [A, B, T] each

@@ -1,0 +1,77 @@
+"""One definition of attention, three callers: the training kernel, the cp ring and cached decoding
+give the same outputs on one random case with soft-cap, a window and packed documents, and the
+two that train the same gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from tunix_train.config import ContextParallelStrategy
+from tunix_train.generate import cache
+from tunix_train.model import kernels
+from tunix_train.parallel import context
+
+B, T, N, K, H = 2, 16, 4, 2, 8
+SOFTCAP, WINDOW = 5.0, 6
+
+
+def _case(seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v, d_out = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in
+                      ((B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)))
+    segments = jnp.asarray([[1] * 5 + [2] * 7 + [3] * 4, [1] * 16], jnp.int32)  # packed documents
+    return q * 2.0, k, v, d_out, segments  # scaled up so the soft-cap bends the scores
+
+
+def _training(q, k, v, segments):
+    index = jnp.broadcast_to(jnp.arange(T), (B, T))
+    return kernels.attention(q, k, v, kernels.visible_keys(index, segments, index, segments)(WINDOW), SOFTCAP)
+
+
+def _ring(q, k, v, segments, strategy, cp=2):
+    """The cp path: the rows in balanced order, each shard's queries against every shard's keys."""
+    order = context.balanced_order(T, cp)
+    attention = context.ContextAttention(cp, strategy, None)
+    mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
+
+    def shard(q, k, v, rows):
+        return attention.make_attend(rows)(WINDOW)(q, k, v, SOFTCAP)[0]
+
+    rows = {"token_index": jnp.broadcast_to(jnp.asarray(order, jnp.int32), (B, T)), "segment_ids": segments[:, order]}
+    seq = P(None, "cp")
+    out = jax.shard_map(shard, mesh=mesh, in_specs=(seq, seq, seq, seq), out_specs=seq)(
+        q[:, order], k[:, order], v[:, order], rows)
+    return out[:, np.argsort(order)]
+
+
+def _gradients(attend, q, k, v, segments, d_out):
+    return jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v, segments) * d_out), argnums=(0, 1, 2))(q, k, v)
+
+
+@pytest.mark.parametrize("strategy", list(ContextParallelStrategy))
+def test_the_cp_ring_gives_the_training_kernels_outputs_and_gradients(strategy):
+    q, k, v, d_out, segments = _case()
+    ring = lambda q, k, v, segments: _ring(q, k, v, segments, strategy)
+    np.testing.assert_allclose(ring(q, k, v, segments), _training(q, k, v, segments), rtol=1e-5, atol=1e-5)
+    for got, want in zip(_gradients(ring, q, k, v, segments, d_out), _gradients(_training, q, k, v, segments, d_out)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("slots", [T, WINDOW])  # a global layer's cache, a sliding layer's ring buffer
+def test_cached_decoding_gives_the_training_kernels_outputs(slots):
+    """Each position decoded against the cache of the positions before it (written by prefill's
+    _fill, then the step's own write) equals the training kernel at that position. Decoding sees
+    one document per row after its left padding: the padding is the other segment."""
+    q, k, v, _, _ = _case(1)
+    pads = jnp.asarray([3, 0], jnp.int32)
+    segments = (jnp.arange(T)[None] >= pads[:, None]).astype(jnp.int32)
+    want = _training(q, k, v, segments)
+    for t in range(1, T):
+        past = {"k": cache._fill(k[:, :t], slots), "v": cache._fill(v[:, :t], slots)}
+        attend = cache.decode_attend(past, WINDOW, jnp.int32(t), pads)
+        got, _ = attend(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], SOFTCAP)
+        for row in range(B):
+            if t >= pads[row]:
+                np.testing.assert_allclose(got[row, 0], want[row, t], rtol=1e-5, atol=1e-5, err_msg=f"t={t}")

@@ -1,0 +1,32 @@
+"""The base of the objectives (see tunix_train.train.objectives for the interface)."""
+
+from __future__ import annotations
+
+from tunix_train.config import Config
+
+
+class Objective:
+    """The parts an objective may leave as they are."""
+
+    needs_reference = False
+    record_fields = None
+    perplexity = False
+    metric_names: tuple[str, ...] = ()
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def read(self, data) -> None:
+        pass
+
+    def eval_batches(self, data, global_rows: int, rows: range) -> list:
+        return []
+
+    def connect(self, run, write_samples) -> None:
+        pass
+
+    def prepare(self, batch, state):
+        return batch
+
+    def hooks(self) -> list:
+        return []
