@@ -24,7 +24,7 @@ from tunix_train.config import ConfigError, ModelConfig, Remat
 from tunix_train.generate import cache as kv
 from tunix_train.model import kernels
 from tunix_train.parallel import model_graphdef
-from tunix_train.model.layout import GLOBAL_WINDOW, layer_shapes, layer_windows
+from tunix_train.model.layout import kv_sources, layer_windows
 from tunix_train.sharding import BATCH_AXES, LOGICAL_RULES, Rules, constrain, data_parallel_size
 
 DONE = -1  # a row's token after it stopped
@@ -97,12 +97,7 @@ class Sampler:
         self.stop_ids = tuple(int(i) for i in stop_ids)
         self.graphdef = model_graphdef(cfg, Remat.none, rules=self.rules)
         self.windows = tuple(int(w) for w in layer_windows(cfg))
-        self.shapes = layer_shapes(cfg)
-        # the layer whose cache each layer reads: its own, or for a KV-sharing layer the last
-        # earlier one of its type that has keys and values
-        self.source = [i if not shape.shares_kv else max(j for j in range(i) if not self.shapes[j].shares_kv
-                                                          and self.shapes[j].layer_type == shape.layer_type)
-                       for i, shape in enumerate(self.shapes)]
+        self.source = kv_sources(cfg)
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("total_len", "sampling"))
         self._decode = jax.jit(self._decode_fn, static_argnames=("sampling",), donate_argnums=(2,))
         self._unstack = jax.jit(self._unstack_fn)
@@ -111,27 +106,14 @@ class Sampler:
         """Each layer's parameters, cut from the stacked ones. On XLA:CPU each cut is a copy, so
         generate() makes them once per call and the compiled steps take them as arguments; cut
         inside the decode loop they were copied again at every chunk of steps."""
-        model = nnx.merge(self.graphdef, params)
-        return [jax.tree.map(lambda a: a[i], nnx.state(stack)) for stack, i in model.layer_blocks()]
+        return nnx.merge(self.graphdef, params).layer_states()
 
     def _forward(self, params, per_layer, tokens_BT, positions_BT, attend_of_layer: Callable[[int], Callable]):
         """Next-token logits [B, V] at the last position, and each layer's cache (None for a layer
         that reuses an earlier one's keys and values: attend_of_layer reads that layer's)."""
         model = nnx.merge(self.graphdef, params)
-        x_BTD = model.embed(tokens_BT)
-        per_layer_BTLP = model.per_layer_inputs(tokens_BT, x_BTD) if self.cfg.per_layer_input_dim else None
-        rope_global, rope_local = model.rope_tables(positions_BT)
-        caches, latest_kv = [], {}
-        for i, ((stack, _), shape) in enumerate(zip(model.layer_blocks(), self.shapes)):
-            block = nnx.merge(nnx.graphdef(stack), per_layer[i])
-            rope = rope_global if self.windows[i] == GLOBAL_WINDOW else rope_local
-            x_BTD, cache, side = block(x_BTD, rope, attend_of_layer(i),
-                                       None if per_layer_BTLP is None else per_layer_BTLP[:, :, i],
-                                       latest_kv.get(shape.layer_type) if shape.shares_kv else None)
-            if not shape.shares_kv:
-                latest_kv[shape.layer_type] = side["kv"]
-            caches.append(cache)
-        return self._logits(model.final_norm(x_BTD[:, -1]), model.output_table()), caches
+        x_BD, caches = model.unrolled_layers(per_layer, tokens_BT, positions_BT, attend_of_layer)
+        return self._logits(x_BD, model.output_table()), caches
 
     def _logits(self, x_BD, table_VD):
         """float32 logits [B, V], as gemma.output_logits computes them for training, but with the

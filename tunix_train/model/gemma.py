@@ -25,8 +25,9 @@ from flax import nnx
 from tunix_train.config import AttentionImpl, LoraConfig, ModelConfig, Remat
 from tunix_train.model import kernels
 from tunix_train.model.common import RMSNorm, param
-from tunix_train.model.layout import GLOBAL_WINDOW, LayerGroup, LayerShape, layer_groups, layer_shapes, layer_windows, one_stack
-from tunix_train.model.lora import LoRA
+from tunix_train.model.layout import (GLOBAL_WINDOW, LayerGroup, LayerShape, layer_groups, layer_shapes,
+                                      layer_windows, one_stack)
+from tunix_train.model.lora import Adapt, adapter, no_adapter
 from tunix_train.model.moe import Dispatch, LocalDispatch, MoE
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
 
@@ -36,25 +37,6 @@ class LayerRunner(Protocol):
     the model hands it the function that applies a run of layers."""
 
     def run_layers(self, layers: Callable, layer_xs, x_BTD, rows: dict, make_attend: Callable): ...
-
-# Each LoRA adapter (an attribute of Attention or MLP) and the weight beside it that it adapts.
-ADAPTED_WEIGHTS = {"q_lora": "q_DNH", "k_lora": "k_DKH", "v_lora": "v_DKH", "o_lora": "o_NHD",
-                   "gate_lora": "gate_DF", "up_lora": "up_DF", "down_lora": "down_FD"}
-Adapt = Callable[[str, nnx.Param, int], "LoRA | None"]  # (target, weight, input dims) -> its adapter or None
-
-
-def _no_adapter(target: str, weight: nnx.Param, n_in: int) -> None:
-    return None
-
-
-def _adapter(lora: LoraConfig, rngs: nnx.Rngs, target: str, weight: nnx.Param, n_in: int) -> LoRA | None:
-    """A LoRA adapter of `weight` (its first n_in dimensions are the input) when lora targets it;
-    drawn from its own random stream, so the base weights are those of the model without adapters."""
-    if target not in lora.targets:
-        return None
-    axes = weight.get_metadata()["axes"]
-    return LoRA(rngs, weight.shape[:n_in], axes[:n_in], weight.shape[n_in:], axes[n_in:], lora.rank, lora.alpha)
-
 
 def rope_table(positions_BT, base: float, scale: float, head_dim: int, fraction: float = 1.0):
     """(sin, cos) [B, T, 1, 1, H/2] of the rotary angles at positions divided by `scale`, for
@@ -73,7 +55,7 @@ class Attention(nnx.Module):
     Gemma 4's value norm, keys as values and keys/values shared from an earlier layer."""
 
     def __init__(self, cfg: ModelConfig, shape: LayerShape, rngs: nnx.Rngs, rules: Rules,
-                 adapt: Adapt = _no_adapter):
+                 adapt: Adapt = no_adapter):
         D, N, K, H = cfg.embed_dim, cfg.num_heads, shape.num_kv_heads, shape.head_dim
         self.q_DNH = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), D)
         computes_kv = not shape.shares_kv
@@ -120,16 +102,14 @@ class Attention(nnx.Module):
         q_BTNH = constrain(q_BTNH, ("batch", "seq", "act_heads", None), self.rules)
 
         out_BTNH, extra = attend(q_BTNH, k_BSKH, v_BSKH, self.softcap)
-        # contracts (n, h) in this order: jnp.einsum("btnh,nhd->btd") asks for (h, n), for which
-        # XLA:CPU transposed the output weights and the activations at every call
-        y_BTD = jax.lax.dot_general(out_BTNH, self.o_NHD[...], (((2, 3), (0, 1)), ((), ())))
+        y_BTD = kernels.output_projection(out_BTNH, self.o_NHD[...])
         return (y_BTD if self.o_lora is None else y_BTD + self.o_lora(out_BTNH)), extra, (k_BSKH, v_BSKH)
 
 
 class MLP(nnx.Module):
     """GeGLU: down(gelu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, width: int, rngs: nnx.Rngs, rules: Rules, adapt: Adapt = _no_adapter):
+    def __init__(self, cfg: ModelConfig, width: int, rngs: nnx.Rngs, rules: Rules, adapt: Adapt = no_adapter):
         D, F = cfg.embed_dim, width
         self.gate_DF = param(rngs, (D, F), ("embed", "mlp"), D)
         self.up_DF = param(rngs, (D, F), ("embed", "mlp"), D)
@@ -155,7 +135,7 @@ class Block(nnx.Module):
     adds experts beside the MLP, a per-layer input and an output scalar."""
 
     def __init__(self, cfg: ModelConfig, shape: LayerShape, rngs: nnx.Rngs, rules: Rules,
-                 adapt: Adapt = _no_adapter, experts: Dispatch = LocalDispatch()):
+                 adapt: Adapt = no_adapter, experts: Dispatch = LocalDispatch()):
         D, P = cfg.embed_dim, cfg.per_layer_input_dim
         norm = functools.partial(RMSNorm, D, cfg.rms_norm_eps, cfg.norm_weight_offset)
         self.pre_attn_norm = norm()
@@ -206,7 +186,7 @@ def _stacked_blocks(cfg: ModelConfig, shape: LayerShape, keys, adapter_keys, rul
     jax.lax.scan; adapters draw from adapter_keys, so the base is the same with adapters or without."""
 
     def block(key, adapter_key):
-        adapt = _no_adapter if lora is None else functools.partial(_adapter, lora, nnx.Rngs(adapter_key))
+        adapt = no_adapter if lora is None else functools.partial(adapter, lora, nnx.Rngs(adapter_key))
         return Block(cfg, shape, nnx.Rngs(key), rules, adapt, experts)
 
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: block(jax.random.key(0), jax.random.key(0))))
@@ -237,7 +217,8 @@ class Gemma(nnx.Module):
         keys = jax.random.split(rngs.params(), L)
         # after the base's keys, so the base is the same with adapters or without
         adapter_keys = keys if lora is None else jax.random.split(rngs.params(), L)
-        stacks = [[_stacked_blocks(cfg, shape, keys[group.layers(j)], adapter_keys[group.layers(j)], rules, lora, experts)
+        stacks = [[_stacked_blocks(cfg, shape, keys[group.layers(j)], adapter_keys[group.layers(j)], rules, lora,
+                                   experts)
                    for j, shape in enumerate(group.period)] for group in self.layer_groups]
         self.homogeneous = one_stack(cfg)  # whether every layer has one shape: one stack, `layers`
         if self.homogeneous:
@@ -331,9 +312,10 @@ class Gemma(nnx.Module):
 
     def _layers(self, layer_xs, x_BTD, rows, make_attend):
         """The layers of layer_xs applied in order, each group by a scan over its repeats, and the
-        experts' statistics of every layer ([L, ...], in no particular order; {} without experts). layer_xs: (stacked parameters, windows [L]) of
-        the one stack, or per group ([stacked parameters per position], windows [repeats, period]). In
-        the scan body a period's windows are [period], or a scalar for the one stack.
+        experts' statistics of every layer ([L, ...], in no particular order; {} without experts).
+        layer_xs: (stacked parameters, windows [L]) of the one stack, or per group ([stacked
+        parameters per position], windows [repeats, period]). In the scan body a period's windows
+        are [period], or a scalar for the one stack.
         make_attend: rows -> window -> attend, the attention over the keys of this pass."""
         rope_global, rope_local = self.rope_tables(rows["positions"])
         attend_within = make_attend(rows)
@@ -346,10 +328,7 @@ class Gemma(nnx.Module):
                       for (group, blocks), (states, windows) in zip(self.stacks(), layer_xs)]
 
         def apply(graphdef, shape, x_BTD, state, window, per_layer_BTP, shared_kv):
-            if shape.layer_type is None:
-                rope = [jnp.where(window == GLOBAL_WINDOW, g, l) for g, l in zip(rope_global, rope_local)]
-            else:
-                rope = rope_global if shape.layer_type == "full_attention" else rope_local
+            rope = _layer_rope(shape, window, rope_global, rope_local)
             x_BTD, _, side = nnx.merge(graphdef, state)(x_BTD, rope, attend_within(window), per_layer_BTP, shared_kv)
             return x_BTD, side["kv"], side.get("moe", {})
 
@@ -375,8 +354,7 @@ class Gemma(nnx.Module):
                     x_BTD, kv, moe = apply(graphdef, shape, x_BTD, states[j], windows[j] if windows.ndim else windows,
                                            None if per_layer is None else per_layer[j],
                                            shared[kind] if shape.shares_kv else None)
-                    if kind in shared and not shape.shares_kv:
-                        shared = {**shared, kind: kv}
+                    shared = _with_latest_kv(shared, shape, kv)
                     layer_stats.append(moe)
                 return (x_BTD, shared), layer_stats
 
@@ -384,6 +362,30 @@ class Gemma(nnx.Module):
                                                         unroll=self.scan_unroll)
             stats += [s for s in group_stats if s]  # per position of the period: [repeats, ...]
         return x_BTD, (jax.tree.map(lambda *s: jnp.concatenate(s), *stats) if stats else {})
+
+    def layer_states(self) -> list[nnx.State]:
+        """Each layer's parameters, cut from the stacks, in order: what unrolled_layers takes."""
+        return [jax.tree.map(lambda a: a[i], nnx.state(stack)) for stack, i in self.layer_blocks()]
+
+    def unrolled_layers(self, layer_states, tokens_BT, positions_BT, attend_of_layer: Callable[[int], Callable]):
+        """The final normed hidden state at the last position [B, D], and what each layer's attend
+        returned beside its output (a sampler: the layer's KV cache). The layers run one after
+        another, each with its own parameters (layer_states) and attend_of_layer(i): how a sampler
+        runs them, each reading and writing its own cache."""
+        cfg = self.cfg
+        x_BTD = self.embed(tokens_BT)
+        per_layer_BTLP = self.per_layer_inputs(tokens_BT, x_BTD) if cfg.per_layer_input_dim else None
+        rope_global, rope_local = self.rope_tables(positions_BT)
+        extras, shared = [], {}
+        layers = zip(self.layer_blocks(), layer_shapes(cfg), layer_windows(cfg))
+        for i, ((stack, _), shape, window) in enumerate(layers):
+            block = nnx.merge(nnx.graphdef(stack), layer_states[i])
+            x_BTD, extra, side = block(x_BTD, _layer_rope(shape, int(window), rope_global, rope_local),
+                                       attend_of_layer(i), None if per_layer_BTLP is None else per_layer_BTLP[:, :, i],
+                                       shared.get(shape.layer_type) if shape.shares_kv else None)
+            shared = _with_latest_kv(shared, shape, side["kv"], always=True)
+            extras.append(extra)
+        return self.final_norm(x_BTD[:, -1]), extras
 
     def _kv_producers(self) -> dict[str, LayerShape]:
         """The shape of the layers whose keys and values KV-sharing layers reuse, per layer type."""
@@ -404,6 +406,24 @@ class Gemma(nnx.Module):
         visible = kernels.visible_keys(index, segments, index, segments)
         return lambda window: lambda q, k, v, softcap: (
             kernels.attention(q, k, v, visible(window), softcap, fused), None)
+
+
+def _layer_rope(shape: LayerShape, window, rope_global, rope_local):
+    """A layer's RoPE table: by its static type where the code depends on it, by its window
+    otherwise (a number, or in a scan over layers a traced value)."""
+    if shape.layer_type is not None:
+        return rope_global if shape.layer_type == "full_attention" else rope_local
+    if isinstance(window, int):
+        return rope_global if window == GLOBAL_WINDOW else rope_local
+    return [jnp.where(window == GLOBAL_WINDOW, g, l) for g, l in zip(rope_global, rope_local)]
+
+
+def _with_latest_kv(shared: dict, shape: LayerShape, kv, always: bool = False) -> dict:
+    """The keys and values KV-sharing layers reuse: the latest of each layer type. In a scan the
+    carry holds only the types it began with (`always`: any type)."""
+    if shape.shares_kv or not (always or shape.layer_type in shared):
+        return shared
+    return {**shared, shape.layer_type: kv}
 
 
 def output_logits(x_BTD, table_VD, softcap: float | None, rules: Rules = LOGICAL_RULES):

@@ -54,6 +54,12 @@ def dense(spec: str, x, w):
     return projection_output(project(spec, x, w))
 
 
+def output_projection(out_BTNH, o_NHD):
+    """einsum("btnh,nhd->btd"), contracting (n, h) in this order. Why: the einsum asks for (h, n),
+    for which XLA:CPU transposed the output weights and the activations at every call."""
+    return jax.lax.dot_general(out_BTNH, o_NHD, (((2, 3), (0, 1)), ((), ())))
+
+
 def qkv_projection(x_BTD, q_DNH, k_DKH, v_DKH):
     """(x q, x k, x v) as one matmul when the shapes allow (q, k, v stacked when K = N; k and v
     otherwise). Why: with tp, the backward pass all-reduces one partial input gradient, not three;

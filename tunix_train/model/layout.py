@@ -89,3 +89,12 @@ def layer_windows(cfg: ModelConfig) -> np.ndarray:
     """Attention window of each layer: sliding_window for a sliding_attention layer, all else."""
     is_global = np.array([kind == "full_attention" for kind in layer_types(cfg)])
     return np.where(is_global, GLOBAL_WINDOW, cfg.sliding_window or GLOBAL_WINDOW).astype(np.int32)
+
+
+def kv_sources(cfg: ModelConfig) -> list[int]:
+    """The layer whose keys and values each layer reads: its own, or for a KV-sharing layer the last
+    earlier one of its type that has keys and values."""
+    shapes = layer_shapes(cfg)
+    return [i if not shape.shares_kv else max(j for j in range(i) if not shapes[j].shares_kv
+                                              and shapes[j].layer_type == shape.layer_type)
+            for i, shape in enumerate(shapes)]

@@ -8,9 +8,13 @@ never split. B starts at zero, so an adapted model begins exactly as its base. T
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from tunix_train.config import LoraConfig
 
 
 class Adapter(nnx.Param):
@@ -44,3 +48,22 @@ def merged(weight, a, b, scale: float):
     """weight + scale · A B for stacked layers: weight [L, *in, *out], a [L, *in, r], b [L, r, *out]."""
     delta = jax.vmap(lambda a_l, b_l: jnp.tensordot(a_l.astype(jnp.float32), b_l.astype(jnp.float32), axes=1))(a, b)
     return (weight.astype(jnp.float32) + scale * delta).astype(weight.dtype)
+
+
+# Each LoRA adapter (an attribute of Attention or MLP) and the weight beside it that it adapts.
+ADAPTED_WEIGHTS = {"q_lora": "q_DNH", "k_lora": "k_DKH", "v_lora": "v_DKH", "o_lora": "o_NHD",
+                   "gate_lora": "gate_DF", "up_lora": "up_DF", "down_lora": "down_FD"}
+Adapt = Callable[[str, nnx.Param, int], LoRA | None]  # (target, weight, input dims) -> its adapter or None
+
+
+def no_adapter(target: str, weight: nnx.Param, n_in: int) -> None:
+    return None
+
+
+def adapter(lora: LoraConfig, rngs: nnx.Rngs, target: str, weight: nnx.Param, n_in: int) -> LoRA | None:
+    """A LoRA adapter of `weight` (its first n_in dimensions are the input) when lora targets it;
+    drawn from its own random stream, so the base weights are those of the model without adapters."""
+    if target not in lora.targets:
+        return None
+    axes = weight.get_metadata()["axes"]
+    return LoRA(rngs, weight.shape[:n_in], axes[:n_in], weight.shape[n_in:], axes[n_in:], lora.rank, lora.alpha)

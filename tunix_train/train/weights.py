@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tunix_train.config import BaseDtype, LoraConfig, TrainingConfig
-from tunix_train.model.gemma import ADAPTED_WEIGHTS
+from tunix_train.model.lora import ADAPTED_WEIGHTS
 from tunix_train.model.lora import Adapter, merged
 
 _BASE_DTYPES = {BaseDtype.fp32: jnp.float32, BaseDtype.bf16: jnp.bfloat16}
