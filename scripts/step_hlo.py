@@ -19,8 +19,11 @@ from pathlib import Path
 
 
 def _stripped(text: str) -> str:
+    """The program without XLA's tables of source locations (the sections FileNames to
+    StackFrames, rows `N ...`) and the instructions' metadata."""
     text = re.sub(r", metadata=\{[^}]*\}", "", text)
-    return "\n".join(line for line in text.splitlines() if not line.startswith("FileNames") and line.strip())
+    tables = re.compile(r"^(FileNames|FunctionNames|FileLocations|StackFrames)$|^\d+ ")
+    return "\n".join(line for line in text.splitlines() if line.strip() and not tables.match(line))
 
 
 def main(argv: list[str]) -> None:
