@@ -9,6 +9,7 @@ import sys
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -138,3 +139,29 @@ def test_benchmark_reports_throughput_against_a_peak_sampled_between_steps(tmp_p
     assert b["fraction_of_measured_peak"] == pytest.approx(b["model_flops_per_sec"] / b["measured_peak_flops_per_sec"])
     assert b["collective_bytes_per_step"]["all-gather"] > 0  # fsdp gathers the parameters
     assert b["compile_time_s"] > 0 and b["loss_after"] > 0
+
+
+def test_a_measured_peak_the_run_beats_is_measured_again_and_the_log_says_so():
+    """A peak measured low (a busy start: 0.099 TFLOP/s where the machine gives 0.3) is revised when
+    the run's own FLOP/s exceed it, so MFU stays at most 1; a data sheet's is never revised."""
+    from tunix_train.observe.mfu import Peak
+    from tunix_train.train.hooks import Interval, StepEnd, TrainMetrics
+
+    quiet = 0.3e12
+    peak = Peak(0.099e12, "measured fp32 matmul on cpu", sample=lambda seconds: quiet)
+    said = []
+    hook = TrainMetrics(Interval(), every=1, max_steps=10, tokens_per_step=1000, flops_per_token=0.5e9, peak=peak,
+                        devices=2, say=said.append)
+    metrics = {name: jnp.float32(1.0) for name in ("loss", "learning_rate", "grad_norm", "nonfinite_steps")}
+    hook.interval.start -= 1.0  # one step took a second: 1000 tokens/s, 0.25 TFLOP/s per device
+    end = StepEnd(1, None, metrics)
+    hook.after_step(end)
+    assert peak.value == quiet and end.scalars["mfu"] <= 1.0
+    assert len(said) == 1 and said[0].startswith("MFU peak revised: the run reached 0.2") and "(0.099)" in said[0]
+    assert end.scalars["mfu"] == pytest.approx(end.scalars["tokens_per_sec"] * 0.5e9 / 2 / quiet)
+    # the run beats even the new measurement: the peak is at least what the run reached
+    beaten = Peak(0.1e12, "measured", sample=lambda seconds: 0.2e12)
+    beaten.revise(0.25e12)
+    assert beaten.value == 0.25e12
+    sheet = Peak(989e12, "data sheet, NVIDIA H100")
+    assert sheet.revise(1000e12) is None and sheet.value == 989e12

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
-from tunix_train.checkpoint import resolve_resume_path, restore_from
+from tunix_train.checkpoint import resolve_resume_path, restore_params
 from tunix_train.config import Config, ConfigError, LoraConfig, ModelConfig, Remat, reads_text
 from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer
 from tunix_train.generate import Sampler, Sampling
@@ -34,8 +34,7 @@ from tunix_train.interop import gguf, hf, peft
 from tunix_train.observe.memory import MemoryErrors
 from tunix_train.sharding import LOGICAL_RULES, make_mesh, validate_model_for_mesh
 from tunix_train.parallel import model_graphdef
-from tunix_train.train.init import plan_train_state
-from tunix_train.train.optimizer import make_optimizer
+from tunix_train.train.init import ParamsPlan, plan_params
 from tunix_train.train.setup import frozen_as_recorded
 from tunix_train.train.weights import Weights
 
@@ -136,24 +135,32 @@ def load(path: str | Path, mesh_shape: Any = None, devices: list[jax.Device] | N
         cfg = run_config(path)
     mesh = make_mesh(mesh_shape, devices)
     validate_model_for_mesh(cfg.model, mesh)
-    optimizer, _ = make_optimizer(cfg.training)
     weights = Weights.for_run(cfg.training, keeps_reference=False)  # a run's LoRA adapters, if it had them
-    plan = plan_train_state(cfg.model, optimizer, mesh, cfg.training.seed, weights=weights)
+    plan = plan_params(cfg.model, mesh, cfg.training.seed, weights)
     adapters = None
     with MemoryErrors(cfg, mesh, training=False):
         if gguf.is_gguf(path):
-            params = gguf.load_params(path, cfg.model, plan.abstract.params)
+            params = gguf.load_params(path, cfg.model, plan.abstract)
         elif (path / "config.json").is_file():
-            params = hf.load_params(path, cfg.model, plan.abstract.params)
+            params = hf.load_params(path, cfg.model, plan.abstract)
         else:
-            state, record = restore_from(str(path), plan.abstract)
-            params = state.params
+            params, record = restore_params(str(path), plan.trainable)
             if weights.lora is not None:  # the base comes from where the run started
                 with jax.set_mesh(mesh):
-                    adapters, base = params, frozen_as_recorded(cfg, plan, record.get("frozen"))
+                    adapters, base = params, frozen_as_recorded(cfg, record.get("frozen"),
+                                                                lambda: _starting_base(cfg, plan, weights))
                     params = weights.merged(adapters, base)
     tokenizer, stop_ids = _tokenizer_and_stops(path, cfg)
     return LoadedModel(cfg.model, mesh, params, tokenizer, stop_ids, adapters, weights.lora)
+
+
+def _starting_base(cfg: Config, plan: ParamsPlan, weights: Weights) -> nnx.State:
+    """A LoRA run's frozen base as the run started it: model.init_from's weights, or fresh from
+    training.seed."""
+    if not cfg.model.init_from:
+        return plan.fresh_frozen()
+    source = gguf if gguf.is_gguf(cfg.model.init_from) else hf
+    return weights.frozen_base(source.load_params(Path(cfg.model.init_from), cfg.model, plan.base))
 
 
 def _tokenizer_and_stops(path: Path, cfg: Config) -> tuple[Optional[Tokenizer], tuple[int, ...]]:

@@ -134,6 +134,25 @@ def resolve_resume_path(path: str) -> tuple[Path, int | None]:
     raise ConfigError(f"checkpoint.resume_from: no checkpoint at {p}")
 
 
+def restore_params(path: str, target: Any) -> tuple[Any, dict[str, Any]]:
+    """The parameters alone (`target`: the abstract trainable parameters) and the data record of a
+    checkpoint (a run, its checkpoints folder, or one step's): the optimizer state is not read."""
+    directory, step = resolve_resume_path(path)
+    manager = _reader(directory)
+    try:
+        step = manager.latest_step() if step is None else step
+        if step is None:
+            raise ConfigError(f"{path}: no checkpoint under {directory}")
+        item = {"params": target}
+        restored = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                                         partial_restore=True),
+            data=ocp.args.JsonRestore()))
+        return restored.state["params"], restored.data
+    finally:
+        manager.close()
+
+
 def restore_from(path: str, target: TrainState) -> tuple[TrainState, dict[str, Any]]:
     directory, step = resolve_resume_path(path)
     if step is None:

@@ -90,23 +90,41 @@ def matmul_sampler(dtype: str = "fp32", devices=None, size: int = 1024):
     return sample
 
 
-def measure_peak_flops(dtype: str = "fp32", devices=None, size: int = 1024, seconds: float = 0.25) -> float:
-    """matmul_sampler's FLOP/s over `seconds`: the 'peak' of a machine with no table entry (a CPU),
-    labelled as measured wherever it is reported."""
-    return matmul_sampler(dtype, devices, size)(seconds)
+class Peak:
+    """Peak FLOP/s per device, MFU's denominator, and where the figure comes from: the config, a
+    data sheet, or (a machine with no table entry: a CPU) measured, the best of several short
+    matmul samples, so that a machine busy for a moment at start-up does not lower it. A measured
+    peak that the run itself then beats was measured low: `revise` measures it again."""
 
+    SAMPLES, SECONDS = 5, 0.05
 
-def peak_for_run(configured: float | None, dtype: str) -> tuple[float, str]:
-    """Peak FLOP/s per device and where the figure comes from."""
-    import jax
+    def __init__(self, value: float, source: str, sample=None):
+        self.value, self.source, self._sample = value, source, sample
 
-    if configured:
-        return configured, "training.peak_flops_per_device"
-    kind = jax.devices()[0].device_kind
-    table = peak_flops_per_device(kind, dtype)
-    if table:
-        return table, f"data sheet, {kind}"
-    return measure_peak_flops(dtype), f"measured {dtype} matmul on {kind}"
+    @classmethod
+    def for_run(cls, configured: float | None, dtype: str) -> Peak:
+        import jax
+
+        if configured:
+            return cls(configured, "training.peak_flops_per_device")
+        kind = jax.devices()[0].device_kind
+        if table := peak_flops_per_device(kind, dtype):
+            return cls(table, f"data sheet, {kind}")
+        sample = matmul_sampler(dtype)
+        return cls(cls._best(sample), f"measured {dtype} matmul on {kind}", sample)
+
+    @classmethod
+    def _best(cls, sample) -> float:
+        return max(sample(cls.SECONDS) for _ in range(cls.SAMPLES))
+
+    def revise(self, observed: float) -> str | None:
+        """When the run's FLOP/s per device (`observed`) exceed a measured peak: the peak measured
+        again, at least `observed`, and a line saying so; otherwise None."""
+        if self._sample is None or observed <= self.value:
+            return None
+        before, self.value = self.value, max(observed, self._best(self._sample))
+        return (f"MFU peak revised: the run reached {observed / 1e12:.3f} TFLOP/s per device, above the peak "
+                f"measured at start-up ({before / 1e12:.3f}); measured again: {self.value / 1e12:.3f} TFLOP/s")
 
 
 def device_memory_in_use() -> float | None:

@@ -22,7 +22,7 @@ import numpy as np
 from tunix_train import exit_codes
 from tunix_train.observe.comms import CommunicationProfile
 from tunix_train.observe.metrics import MetricsWriter
-from tunix_train.observe.mfu import device_memory_in_use
+from tunix_train.observe.mfu import Peak, device_memory_in_use
 from tunix_train.state import TrainState
 from tunix_train.train.signals import RunStopped, StopRequest
 
@@ -84,10 +84,13 @@ class TrainMetrics(Hook):
     MFU, non-finite steps skipped and device memory. Fetching the metrics waits for the step."""
 
     def __init__(self, interval: Interval, every: int, max_steps: int, tokens_per_step: int,
-                 flops_per_token: float, peak_flops: float, objective_metrics: tuple[str, ...] = ()):
+                 flops_per_token: float, peak: Peak, devices: int, objective_metrics: tuple[str, ...] = (),
+                 say: Callable[[str], None] = lambda line: None):
+        """peak: per device, of `devices` devices; say: where a revised peak is told."""
         self.interval, self.every, self.max_steps = interval, every, max_steps
-        self.objective_metrics = objective_metrics
-        self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
+        self.objective_metrics, self.say = objective_metrics, say
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak, self.devices = peak, devices
 
     def after_step(self, end: StepEnd) -> None:
         self.interval.steps += 1
@@ -96,9 +99,12 @@ class TrainMetrics(Hook):
         metrics = {k: float(v) for k, v in jax.device_get(end.metrics).items()}
         elapsed = time.perf_counter() - self.interval.start
         tokens_per_sec = self.tokens_per_step * self.interval.steps / elapsed
+        per_device = tokens_per_sec * self.flops_per_token / self.devices
+        if revised := self.peak.revise(per_device):
+            self.say(revised)
         end.scalars.update(loss=metrics["loss"], learning_rate=metrics["learning_rate"],
                            grad_norm=metrics["grad_norm"], step_time_s=elapsed / self.interval.steps,
-                           tokens_per_sec=tokens_per_sec, mfu=tokens_per_sec * self.flops_per_token / self.peak_flops,
+                           tokens_per_sec=tokens_per_sec, mfu=per_device / self.peak.value,
                            nonfinite_steps=metrics["nonfinite_steps"],
                            **{name: metrics[name] for name in self.objective_metrics})
         if (memory := device_memory_in_use()) is not None:

@@ -96,17 +96,51 @@ def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransforma
         shardings = shardings.replace(opt_state=on_host(shardings.opt_state))
     if offload_master_weights:
         shardings = shardings.replace(params=on_host(shardings.params))
-    abstract = jax.tree.map(
-        lambda sharding, subtree: jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree),
-        shardings, shapes)
+    abstract = _abstract(shapes, shardings)
     from_params = functools.partial(_state_around_base, model_cfg=model_cfg, optimizer=optimizer, weights=weights)
     base_shapes = jax.eval_shape(lambda k: nnx.split_state(_model_params(model_cfg, k, weights), Adapter, ...)[1], key)
     base_shardings = state_shardings(base_shapes, mesh, () if full else ("fsdp",), rules)
-    base = jax.tree.map(lambda sharding, subtree: jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree), base_shardings, base_shapes)
+    base = _abstract(base_shapes, base_shardings)
     return StatePlan(shardings, grad_shardings, abstract, rules, on_device, base,
                      jax.jit(init, out_shardings=shardings), key, jax.jit(from_params, out_shardings=shardings))
+
+
+@dataclasses.dataclass
+class ParamsPlan:
+    """A model's parameters alone, sharded over a mesh: what loading a model for inference needs
+    (no optimizer state, no training plan)."""
+
+    abstract: Any  # every parameter, adapters included: ShapeDtypeStructs carrying their shardings
+    trainable: Any  # the part a checkpoint's `params` holds: all of `abstract`, or LoRA's adapters
+    base: Any  # the base alone (no adapters): what a Hugging Face or GGUF checkpoint loads into
+    _fresh_frozen: Any
+    _key: jax.Array
+
+    def fresh_frozen(self) -> nnx.State:
+        """LoRA's frozen base as a run without model.init_from starts it (from training.seed)."""
+        return self._fresh_frozen(self._key)
+
+
+def plan_params(model_cfg: ModelConfig, mesh: Mesh, seed: int, weights: Weights = FULL_FINE_TUNING,
+                rules: Rules = LOGICAL_RULES) -> ParamsPlan:
+    """Shapes from jax.eval_shape and shardings from the parameters' logical axes (fsdp-sharded),
+    nothing allocated."""
+    key = jax.random.key(seed)
+    with_shardings = lambda shapes: _abstract(shapes, state_shardings(shapes, mesh, rules=rules))
+    model = lambda k: _model_params(model_cfg, k, weights)
+    abstract = with_shardings(jax.eval_shape(model, key))
+    base = with_shardings(jax.eval_shape(lambda k: nnx.split_state(model(k), Adapter, ...)[1], key))
+    trainable = abstract if weights.lora is None else with_shardings(
+        jax.eval_shape(lambda k: nnx.split_state(model(k), Adapter, ...)[0], key))
+    frozen = lambda k: weights.split(model(k))[1]
+    frozen_shardings = state_shardings(jax.eval_shape(frozen, key), mesh, rules=rules)
+    return ParamsPlan(abstract, trainable, base, jax.jit(frozen, out_shardings=frozen_shardings), key)
+
+
+def _abstract(shapes, shardings):
+    """ShapeDtypeStructs of `shapes` carrying `shardings` (a prefix tree of them)."""
+    return jax.tree.map(lambda sharding, subtree: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree), shardings, shapes)
 
 
 def create_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation,

@@ -15,7 +15,7 @@ from tunix_train.data import Data
 from tunix_train.generate import Sampler
 from tunix_train.observe.comms import CommunicationProfile
 from tunix_train.observe.metrics import MetricsWriter, setup_logging
-from tunix_train.observe.mfu import peak_for_run, train_flops_per_token
+from tunix_train.observe.mfu import Peak, train_flops_per_token
 from tunix_train.observe.memory import MemoryErrors
 from tunix_train.sharding import data_parallel_size, describe_mesh, process_rows, to_global_batch
 from tunix_train.state import TrainState
@@ -96,7 +96,7 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
             log.warning(f"warning: {warning}")
     tokens_per_step = t.gradient_accumulation_steps * run.micro_batch * cfg.data.seq_len
     flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
-    peak, peak_source = peak_for_run(t.peak_flops_per_device, t.mixed_precision.value)
+    peak = Peak.for_run(t.peak_flops_per_device, t.mixed_precision.value)
     say(f"run directory: {run_dir}")
     say(f"mesh: {describe_mesh(mesh)}; {processes}")
     say(f"model: {cfg.model.name}, {_describe_parameters(run, state)}; {origin}")
@@ -106,8 +106,8 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
         f"{t.gradient_accumulation_steps} accumulation steps) = {tokens_per_step:,} tokens")
     for line in run.parallel.describe() if run.parallel else ():
         say(line)
-    say(f"MFU basis: {flops_per_token / 1e9:.3f} GFLOP per token, peak {peak / 1e12:.3f} TFLOP/s "
-        f"per device ({peak_source}) x {mesh.devices.size} devices")
+    say(f"MFU basis: {flops_per_token / 1e9:.3f} GFLOP per token, peak {peak.value / 1e12:.3f} TFLOP/s "
+        f"per device ({peak.source}) x {mesh.devices.size} devices")
     if not data.synthetic:
         say(f"data: {len(data.train_docs):,} training and {len(data.eval_docs):,} held-out documents, "
             f"tokenizer {data.tokenizer.path.name} ({data.tokenizer.vocab_size} tokens)")
@@ -129,9 +129,9 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
             hooks = [
                 *_profile_hook(cfg, run_dir, int(state.step), step_fn, mesh, say, is_chief),
                 *([h.StopOnNonFinite(save, checkpoints)] if t.nan_policy is NanPolicy.stop else []),
-                h.TrainMetrics(interval, t.log_every, t.max_steps, tokens_per_step, flops_per_token,
-                               peak * mesh.devices.size,
-                               objective.metric_names + (MOE_METRICS if cfg.model.num_experts else ())),
+                h.TrainMetrics(interval, t.log_every, t.max_steps, tokens_per_step, flops_per_token, peak,
+                               mesh.devices.size,
+                               objective.metric_names + (MOE_METRICS if cfg.model.num_experts else ()), say),
                 *([h.Evaluate(run.eval_fn, eval_batches, t.eval_every, t.max_steps, objective.perplexity)]
                   if eval_batches else []),
                 *_samples_hook(cfg, run, data, writer, say),

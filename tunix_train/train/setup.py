@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -132,25 +132,28 @@ def initial_state(cfg: Config, run: Setup, checkpoints: Path, train_batches) -> 
                           f"micro-step (training.micro_batch_size x dp x fsdp), this run has {run.micro_batch}; "
                           f"set training.micro_batch_size so that the global batch is the same")
     if run.plan.abstract.frozen is not None:
-        state = state.replace(frozen=frozen_as_recorded(cfg, run.plan, data_state.get("frozen")))
+        state = state.replace(frozen=frozen_as_recorded(cfg, data_state.get("frozen"),
+                                                        lambda: starting_state(cfg, run.plan)[0].frozen))
     train_batches.set_state(data_state["iterator"])
     return state, f"{origin} at step {int(state.step)}", skipped
 
 
-def frozen_as_recorded(cfg: Config, plan: StatePlan, record: dict[str, Any] | None):
-    """The frozen weights rebuilt from where the run started, checked against the checkpoint's record."""
+def frozen_as_recorded(cfg: Config, record: dict[str, Any] | None, rebuild: Callable[[], Any]):
+    """The frozen weights rebuilt from where the run started (by `rebuild`), checked against the
+    checkpoint's record."""
     if record is None:
         raise ConfigError("the checkpoint holds no frozen weights' record (it was written without LoRA or a "
                           "reference model): to start LoRA, DPO or GRPO from it, export it with "
                           "`python -m tunix_train.export CHECKPOINT DIR` and set model.init_from=DIR")
-    fresh, source = starting_state(cfg, plan)
+    source = starting_point(cfg)
     if source != record["source"]:
         raise ConfigError(f"the checkpoint's frozen weights came from {record['source']}, this run's from {source}")
-    checksum = frozen_checksum(fresh.frozen)
+    frozen = rebuild()
+    checksum = frozen_checksum(frozen)
     if not math.isclose(checksum, record["checksum"], rel_tol=1e-5):
         raise ConfigError(f"the frozen weights from {source} have changed since the checkpoint was written "
                           f"(checksum {checksum:.9g}, recorded {record['checksum']:.9g}); restore the original files")
-    return fresh.frozen
+    return frozen
 
 
 @jax.jit

@@ -35,8 +35,12 @@ class Weights:
         if self.lora is None:
             return model_params, (jax.tree.map(jnp.copy, model_params) if self.keeps_reference else None)
         adapters, base = nnx.split_state(model_params, Adapter, ...)
+        return adapters, self.frozen_base(base)
+
+    def frozen_base(self, base: nnx.State) -> nnx.State:
+        """LoRA's base parameters as the run holds them frozen (in training.lora.base_dtype)."""
         dtype = _BASE_DTYPES[self.lora.base_dtype]
-        return adapters, jax.tree.map(lambda x: x.astype(dtype), base)
+        return jax.tree.map(lambda x: x.astype(dtype), base)
 
     def policy(self, params, frozen) -> tuple:
         """The states that nnx.merge makes the trained model from."""
