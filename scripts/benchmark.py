@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -130,9 +129,9 @@ def main() -> int:
     parser.add_argument("--json", help="also write the result here")
     args, overrides = parser.parse_known_args()
     if args.cpu_devices:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
+        from tunix_train.cpu_devices import use_cpu_devices
+
+        use_cpu_devices(args.cpu_devices)
     from tunix_train.config import ConfigError
 
     try:

@@ -149,9 +149,9 @@ def main() -> int:
     parser.add_argument("--json", help="also write every figure here")
     args, overrides = parser.parse_known_args()
     if args.cpu_devices:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
+        from tunix_train.cpu_devices import use_cpu_devices
+
+        use_cpu_devices(args.cpu_devices)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import jax
     from benchmark import benchmark

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -32,9 +31,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args, overrides = parser.parse_known_args(argv)
     if args.cpu_devices:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.cpu_devices}").strip()
+        from tunix_train.cpu_devices import use_cpu_devices
+
+        use_cpu_devices(args.cpu_devices)
     import jax
 
     from tunix_train.config import load_config

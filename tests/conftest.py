@@ -29,6 +29,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 from tunix_train.config import load_config  # noqa: E402
+from tunix_train.cpu_devices import cpu_devices_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,8 +41,7 @@ def _eight_devices():
 
 def cpu_env(devices: int) -> dict:
     """The environment for a CLI subprocess on `devices` fake CPU devices."""
-    flags = f"{FAST_COMPILE} {_USERS_XLA_FLAGS} --xla_force_host_platform_device_count={devices}"
-    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    return cpu_devices_env(devices, {**os.environ, "XLA_FLAGS": f"{FAST_COMPILE} {_USERS_XLA_FLAGS}"})
 
 
 def config(*overrides: str):

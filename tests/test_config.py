@@ -45,3 +45,21 @@ def test_resuming_may_change_only_the_fields_marked_changeable(tmp_path):
                            ("model.num_layers=3", "model.num_layers=2, not 3")):
         with pytest.raises(ConfigError, match=f"holds a run with {message}"):
             check_same_run(tmp_path, config(*changeable, fixed))
+
+
+def test_a_run_saved_with_a_retired_key_still_loads_and_resumes(tmp_path):
+    """training.lora.dropout was removed (it only ever accepted 0): a run directory whose saved
+    config holds it at 0 resumes and loads; any other value is a one-line error."""
+    from tunix_train.api import run_config
+
+    cfg = config("training.lora.rank=4")
+    save_config(cfg, [], tmp_path)
+    saved = OmegaConf.load(tmp_path / ".hydra" / "config.yaml")
+    saved.training.lora.dropout = 0.0
+    OmegaConf.save(saved, tmp_path / ".hydra" / "config.yaml")
+    check_same_run(tmp_path, cfg)
+    assert run_config(tmp_path).training.lora.rank == 4
+    saved.training.lora.dropout = 0.1
+    OmegaConf.save(saved, tmp_path / ".hydra" / "config.yaml")
+    with pytest.raises(ConfigError, match="training.lora.dropout=0.1, a key this version no longer has"):
+        check_same_run(tmp_path, cfg)

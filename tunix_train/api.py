@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
 from tunix_train.checkpoint import resolve_resume_path, restore_params
-from tunix_train.config import Config, ConfigError, LoraConfig, ModelConfig, Remat, reads_text
+from tunix_train.config import Config, ConfigError, LoraConfig, ModelConfig, Remat, reads_text, without_retired_keys
 from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer
 from tunix_train.generate import Sampler, Sampling
 from tunix_train.interop import gguf, hf, peft
@@ -117,7 +117,8 @@ def run_config(path: Path) -> Config:
     for folder in (path, *path.parents):
         saved = folder / ".hydra" / "config.yaml"
         if saved.is_file():
-            return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(saved)))
+            recorded = without_retired_keys(OmegaConf.to_container(OmegaConf.load(saved)))
+            return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), recorded))
     raise ConfigError(f"{path}: no .hydra/config.yaml in it or above it; is it a tunix_train run?")
 
 

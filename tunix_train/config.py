@@ -11,6 +11,7 @@ or saves) or `_fixed` (what it computes); `changeable_on_resume` reads the marks
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import typing
@@ -210,7 +211,6 @@ class LoraConfig:
 
     rank: Optional[int] = _fixed(None)  # null: no adapters (every parameter trains)
     alpha: float = _fixed(16.0)
-    dropout: float = _fixed(0.0)  # on the adapters' input: only 0 for now
     targets: List[str] = _fixed(factory=lambda: ["q", "k", "v", "o"])  # among LORA_TARGETS
     base_dtype: BaseDtype = _fixed(BaseDtype.fp32)  # how the frozen base is held
 
@@ -502,11 +502,6 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig) -> None:
             raise ConfigError(f"training.lora.targets={list(lora.targets)}: "
                               f"{'unknown projection ' + repr(unknown[0]) if unknown else 'empty'}; "
                               f"choose from {', '.join(LORA_TARGETS)}")
-        if not 0.0 <= lora.dropout < 1.0:
-            raise ConfigError(f"training.lora.dropout={lora.dropout} must be in [0, 1)")
-        if lora.dropout:
-            raise ConfigError(f"training.lora.dropout={lora.dropout}: dropout on the adapters is not supported yet "
-                              f"(the train step draws no random numbers); set it to 0")
     if t.objective is Objective.lm:
         return
     name = f"training.objective={t.objective.value}"
@@ -556,6 +551,26 @@ def _describe_omegaconf_error(exc: BaseException) -> str:
                 return f"unknown config key '{key}': check its spelling against configs/"
             return f"config key '{key}': {msg}" if key else msg
     return str(exc).strip().splitlines()[0]
+
+
+# Keys that no longer exist, each with the one value a run could have had: a saved run's config
+# holding them (.hydra/config.yaml) loads as before.
+RETIRED_KEYS = {"training.lora.dropout": 0.0}  # was refused unless 0; adapters take no dropout
+
+
+def without_retired_keys(saved: dict) -> dict:
+    """A saved config (nested dicts) without RETIRED_KEYS."""
+    saved = copy.deepcopy(saved)
+    for key, only_value in RETIRED_KEYS.items():
+        *path, last = key.split(".")
+        node = saved
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last in node:
+            if node[last] != only_value:
+                raise ConfigError(f"the saved config sets {key}={node[last]!r}, a key this version no longer has")
+            del node[last]
+    return saved
 
 
 def load_config(overrides: list[str]) -> tuple[Config, dict[str, Any]]:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import sys
 
 from tunix_train import exit_codes
 from tunix_train.config import ConfigError
+from tunix_train.cpu_devices import use_cpu_devices
 
 
 _UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -113,7 +113,7 @@ def parameter_counts(cfg, params) -> tuple[int, int]:
     return total, active
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tunix_train.plan", description="Per-device memory of a training run, planned on fake CPU "
         "devices: no accelerator needed.")
@@ -124,9 +124,7 @@ def main(argv: list[str]) -> int:
     try:
         devices = _device_count(args.overrides)
         if "jax" not in sys.modules:
-            os.environ["JAX_PLATFORMS"] = "cpu"
-            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                       f" --xla_force_host_platform_device_count={devices}").strip()
+            use_cpu_devices(devices)
         figures, cfg, run = plan(args.overrides)
     except (ConfigError, ValueError) as err:
         print(f"tunix_train.plan: error: {err}", file=sys.stderr)

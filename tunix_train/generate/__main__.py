@@ -33,7 +33,7 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     try:
         mesh_shape = json.loads(args.mesh_shape) if args.mesh_shape else None

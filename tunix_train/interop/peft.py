@@ -45,7 +45,7 @@ def export(adapters: nnx.State, cfg: ModelConfig, lora: LoraConfig, directory: P
             tensors[key] = np.ascontiguousarray(tensor)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
+        "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "bias": "none",
         "target_modules": sorted(_MODULES[f"{t}_lora"].split(".")[-1] for t in lora.targets),
         "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True, "inference_mode": True,
         "modules_to_save": None,

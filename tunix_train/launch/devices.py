@@ -12,9 +12,9 @@ from tunix_train import exit_codes
 from tunix_train.config import ConfigError, load_config
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     try:
-        cfg, _ = load_config(argv)
+        cfg, _ = load_config(sys.argv[1:] if argv is None else argv)
         from tunix_train.launch import distributed
 
         how = distributed.initialize(cfg.distributed)

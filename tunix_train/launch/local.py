@@ -25,6 +25,7 @@ import threading
 import time
 
 from tunix_train import exit_codes
+from tunix_train.cpu_devices import cpu_devices_env
 from tunix_train.config import ConfigError
 from tunix_train.launch import restart
 
@@ -114,9 +115,7 @@ class _Job:
             env = {**os.environ, "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(port), "RANK": str(rank),
                    "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank), "PYTHONUNBUFFERED": "1"}
             if args.cpu_devices_per_process:
-                env["JAX_PLATFORMS"] = "cpu"
-                env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                                    f" --xla_force_host_platform_device_count={args.cpu_devices_per_process}").strip()
+                env = cpu_devices_env(args.cpu_devices_per_process, env)
             proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
             self.procs.append(proc)

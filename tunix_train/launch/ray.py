@@ -34,6 +34,7 @@ import threading
 import time
 
 from tunix_train import exit_codes
+from tunix_train.cpu_devices import cpu_devices_env
 from tunix_train.config import ConfigError
 from tunix_train.launch import restart
 
@@ -216,9 +217,7 @@ class _Job:
         elif not args.gpus_per_worker:
             env["LOCAL_RANK"] = str(same_node.index(rank))
             if args.cpu_devices_per_worker:
-                env["JAX_PLATFORMS"] = "cpu"
-                env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
-                                    f"{args.cpu_devices_per_worker}").strip()
+                env = cpu_devices_env(args.cpu_devices_per_worker, env)
         return env
 
     def _watch(self, actors) -> restart.Ended:

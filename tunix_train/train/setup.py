@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from tunix_train import parallel, platform
 from tunix_train.checkpoint import restore_from, restore_latest
-from tunix_train.config import Config, ConfigError, changeable_on_resume
+from tunix_train.config import Config, ConfigError, changeable_on_resume, without_retired_keys
 from tunix_train.interop import gguf, hf
 from tunix_train.sharding import LOGICAL_RULES, data_parallel_size, make_mesh, validate_model_for_mesh
 from tunix_train.state import TrainState
@@ -78,7 +78,7 @@ def check_same_run(run_dir: Path, cfg: Config) -> None:
     saved_file = run_dir / ".hydra" / "config.yaml"
     if not saved_file.is_file():
         return
-    saved = _flatten(OmegaConf.to_container(OmegaConf.load(saved_file)))
+    saved = _flatten(without_retired_keys(OmegaConf.to_container(OmegaConf.load(saved_file))))
     current = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
     defaults = _flatten(OmegaConf.to_container(OmegaConf.structured(Config), enum_to_str=True))
     changeable = changeable_on_resume()
