@@ -33,7 +33,7 @@ def peak_memory(devices) -> float | None:
 def benchmark(overrides: list[str], steps: int, warmup: int) -> dict:
     import jax
 
-    from tunix_train.config import load_config
+    from tunix_train.compose import load_config
     from tunix_train.data import Data
     from tunix_train.observe.comms import collective_volume
     from tunix_train.observe.mfu import matmul_sampler, peak_flops_per_device, train_flops_per_token

@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
     import numpy as np
 
     from tunix_train import api
-    from tunix_train.config import load_config
+    from tunix_train.compose import load_config
     from tunix_train.generate import Sampler
     from tunix_train.generate.cache import cache_bytes
     from tunix_train.interop import hf

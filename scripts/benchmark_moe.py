@@ -34,7 +34,7 @@ MODEL = ["model=gemma4_moe_tiny", "data=synthetic", "data.seq_len=128", "trainin
 
 
 def dense_twin(overrides: list[str]) -> list[str]:
-    from tunix_train.config import load_config
+    from tunix_train.compose import load_config
 
     m = load_config(overrides)[0].model
     width = m.hidden_dim + m.num_experts_per_token * m.moe_hidden_dim
@@ -46,7 +46,8 @@ def dispatch_share(overrides: list[str], repeats: int = 20) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from tunix_train.config import MoeDispatch, load_config
+    from tunix_train.config import MoeDispatch
+    from tunix_train.compose import load_config
     from tunix_train.model import kernels
     from tunix_train.model.moe import MoE, apply_experts, dropless_places, experts_in_places
     from tunix_train.sharding import LOGICAL_RULES
@@ -91,7 +92,7 @@ def expert_kernels(overrides: list[str], tokens: int, repeats: int = 10) -> dict
     import jax
     import jax.numpy as jnp
 
-    from tunix_train.config import load_config
+    from tunix_train.compose import load_config
     from tunix_train.model.moe import dropless_places, ragged_experts, slotted_experts
 
     cfg = load_config(overrides)[0]

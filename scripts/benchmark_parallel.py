@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 
-from tunix_train.config import load_config  # noqa: E402
+from tunix_train.compose import load_config  # noqa: E402
 from tunix_train.data.synthetic import SyntheticBatches  # noqa: E402
 from tunix_train.observe.comms import collective_volume  # noqa: E402
 from tunix_train.parallel import pipeline  # noqa: E402

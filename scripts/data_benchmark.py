@@ -10,7 +10,7 @@ import time
 
 import jax
 
-from tunix_train.config import load_config
+from tunix_train.compose import load_config
 from tunix_train.data import Data
 from tunix_train.sharding import to_global_batch
 from tunix_train.train.setup import setup

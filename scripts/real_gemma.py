@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
     print(f"GGUF: {gguf_file}")
 
     from tunix_train import api
-    from tunix_train.config import load_config
+    from tunix_train.compose import load_config
     from tunix_train.train.loop import train
 
     mesh = json.loads(args.mesh)

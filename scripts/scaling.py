@@ -26,7 +26,7 @@ def main():
     import jax
 
     from data_benchmark import train_tokens_per_sec
-    from tunix_train.config import load_config
+    from tunix_train.compose import load_config
     from tunix_train.data import Data
 
     rows = []

@@ -36,7 +36,7 @@ def main(argv: list[str]) -> None:
         use_cpu_devices(args.cpu_devices)
     import jax
 
-    from tunix_train.config import load_config
+    from tunix_train.compose import load_config
     from tunix_train.platform import add_flags
     from tunix_train.train.setup import setup
     from tunix_train.train.step import abstract_batch

@@ -28,7 +28,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tunix_train.config import load_config  # noqa: E402
+from tunix_train.compose import load_config  # noqa: E402
 from tunix_train.cpu_devices import cpu_devices_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

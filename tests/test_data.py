@@ -10,11 +10,12 @@ import pytest
 from flax import nnx
 
 from conftest import config
-from tunix_train.config import ConfigError, load_config
+from tunix_train.config import ConfigError
+from tunix_train.compose import load_config
 from tunix_train.data import Data
 from tunix_train.data.pipeline import DocumentFeatures, PackedBatches
 from tunix_train.data.sources import read_documents, write_pretokenized
-from tunix_train.model import Gemma
+from tunix_train.model.gemma import Gemma
 from tunix_train.train.step import cross_entropy, eval_step
 from tunix_train.parallel import model_graphdef
 

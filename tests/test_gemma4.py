@@ -18,7 +18,7 @@ from conftest import config, read_metrics, straight_and_resumed, train_losses
 from hf_reference import GEMMA4, SEQ, SIZES, build, checkpoint_and_logits
 from tunix_train import api
 from tunix_train.config import ConfigError, MoeDispatch, Remat
-from tunix_train.model import Gemma
+from tunix_train.model.gemma import Gemma
 from tunix_train import platform
 from tunix_train.model.layout import layer_groups
 from tunix_train.model.moe import MoE, apply_experts, dropless_places, load_balancing_loss

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import read_metrics, straight_and_resumed
 from test_cli import run_cli
-from tunix_train.config import load_config
+from tunix_train.compose import load_config
 from tunix_train.rewards.arithmetic import write_task
 from tunix_train.train.loop import train
 from tunix_train.train.objectives.grpo import group_advantages, token_objective

@@ -25,8 +25,9 @@ MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
 def _imports(name: str) -> set[str]:
-    """The tunix_train modules `name` imports, anywhere in the file (inside functions too); `from
-    pkg import sub` counts as importing pkg.sub where sub is a module."""
+    """The tunix_train modules `name` imports, anywhere in the file (inside functions too), and the
+    packages whose inits that runs; `from pkg import sub` counts as importing pkg.sub where sub is
+    a module."""
     path = MODULES[name]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -41,7 +42,11 @@ def _imports(name: str) -> set[str]:
                 base = f"{package}.{base}".rstrip(".")
             for alias in node.names:
                 found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
-    return {m for m in found if m in MODULES and m != name}
+    # importing a.b.c first runs the inits of a and a.b: edges to them too (not to the importer's
+    # own packages, already running when it runs)
+    own = {name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)}
+    found |= {m.rsplit(".", i)[0] for m in found for i in range(1, m.count(".") + 1)}
+    return {m for m in found if m in MODULES and m != name and m not in own}
 
 
 GRAPH = {name: _imports(name) for name in MODULES}

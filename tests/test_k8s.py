@@ -10,7 +10,7 @@ import yaml
 
 from conftest import REPO
 from tunix_train import exit_codes
-from tunix_train.config import load_config
+from tunix_train.compose import load_config
 
 spec = importlib.util.spec_from_file_location("render", REPO / "scripts" / "k8s" / "render.py")
 render = importlib.util.module_from_spec(spec)

@@ -8,8 +8,9 @@ import pytest
 from flax import nnx
 
 from conftest import config
-from tunix_train.config import load_config
-from tunix_train.model import Gemma, layer_windows
+from tunix_train.compose import load_config
+from tunix_train.model.gemma import Gemma
+from tunix_train.model.layout import layer_windows
 from tunix_train.sharding import make_mesh, state_shardings
 from tunix_train.train.optimizer import make_optimizer
 from tunix_train.train.init import count_params, train_state_initializer

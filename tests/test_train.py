@@ -7,7 +7,8 @@ import optax
 import pytest
 
 from conftest import config, read_metrics, train_losses
-from tunix_train.config import ConfigError, load_config
+from tunix_train.config import ConfigError
+from tunix_train.compose import load_config
 from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.sharding import make_mesh, to_global_batch
 from tunix_train.train.hooks import Hook

@@ -32,7 +32,7 @@ def _parse_bytes(text: str) -> float:
 
 
 def _device_count(overrides: list[str]) -> int:
-    from tunix_train.config import load_config
+    from tunix_train.compose import load_config
 
     cfg, _ = load_config(overrides)
     sizes = cfg.model.mesh_shape[0] if isinstance(cfg.model.mesh_shape, (list, tuple)) else []
@@ -54,7 +54,7 @@ def _shard_bytes(tree, shardings) -> int:
 def plan(overrides: list[str]):
     import jax
 
-    from tunix_train.config import load_config
+    from tunix_train.compose import load_config
     from tunix_train.sharding import batch_sharding
     from tunix_train.train.setup import setup
     from tunix_train.train.step import abstract_batch

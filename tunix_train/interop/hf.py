@@ -17,7 +17,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tunix_train.config import ConfigError, ModelConfig, layer_types
+from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.model.layout import layer_types
 from tunix_train.model.layout import layer_groups, layer_shapes
 
 # Our parameter path -> (transformers name, [per transformers dim: the sizes it splits into], the

@@ -9,7 +9,8 @@ import sys
 from collections import Counter
 
 from tunix_train import exit_codes
-from tunix_train.config import ConfigError, load_config
+from tunix_train.config import ConfigError
+from tunix_train.compose import load_config
 
 
 def main(argv: list[str] | None = None) -> int:

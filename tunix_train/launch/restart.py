@@ -87,7 +87,7 @@ def run_directory(script: str, args: list[str]) -> tuple[list[str], Path | None]
         return args, Path(given[-1])
     if os.path.basename(script) != "run_training.py":
         return args, None
-    from tunix_train.config import load_config
+    from tunix_train.compose import load_config
 
     run_dir = load_config(args)[1]["run_dir"]
     return [*args, f"{RUN_DIR_KEY}{run_dir}"], Path(run_dir)

@@ -1,7 +1,3 @@
-"""The Gemma decoder family: gemma.py the math, layout.py its structure, kernels.py the pieces
-written for the compilers' layouts, moe.py the experts."""
-
-from tunix_train.model.gemma import Gemma, LayerRunner
-from tunix_train.model.layout import layer_windows
-
-__all__ = ["Gemma", "LayerRunner", "layer_windows"]
+"""The Gemma decoder family: gemma.py the math, layout.py its structure (and the model keys'
+checks), kernels.py the pieces written for the compilers' layouts, moe.py the experts, lora.py the
+adapters. Import the modules themselves: this package's init imports nothing."""

@@ -18,9 +18,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from flax import nnx
 
-from tunix_train.config import AttentionImpl, ConfigError, LoraConfig, ModelConfig, Remat, TrainingConfig, layer_types
-from tunix_train.model import Gemma
-from tunix_train.model.layout import layer_groups
+from tunix_train.config import AttentionImpl, ConfigError, LoraConfig, ModelConfig, Remat, TrainingConfig
+from tunix_train.model.gemma import Gemma
+from tunix_train.model.layout import layer_groups, layer_types
 from tunix_train.parallel import context, pipeline
 from tunix_train.parallel import float32_reductions as reductions
 from tunix_train.parallel.experts import MeshDispatch

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tunix_train.config import ModelConfig, ShardingStrategy
-from tunix_train.model import Gemma
+from tunix_train.model.gemma import Gemma
 from tunix_train.model.lora import Adapter
 from tunix_train.sharding import LOGICAL_RULES, Rules, state_shardings
 from tunix_train.state import TrainState

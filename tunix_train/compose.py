@@ -1,0 +1,176 @@
+"""The configuration as a run gets it: composed by hydra, validated once at start-up.
+
+`load_config(overrides)` composes `configs/config.yaml` with command-line overrides into the
+schema's dataclasses (tunix_train.config). OmegaConf rejects unknown keys and wrongly typed values against the schema;
+the semantic checks that need no devices live in `validate`, which asks each concern to check its
+own keys (the model's: model.layout.validate_model; the mesh's: tunix_train.sharding and
+parallel.for_run, at set-up). Every failure is a `ConfigError` whose message is one line naming
+the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tunix_train.config import (Config, ConfigError, DataSource, LORA_TARGETS, AttentionImpl, MixedPrecision,
+                                Objective, TrainingConfig, DataConfig, reads_text)
+from tunix_train.model.layout import validate_model
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no devices; mesh checks live in tunix_train.sharding."""
+    m, t, d, c = cfg.model, cfg.training, cfg.data, cfg.checkpoint
+    positive = {
+        "data.seq_len": d.seq_len,
+        "training.micro_batch_size": t.micro_batch_size,
+        "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "training.max_steps": t.max_steps, "training.log_every": t.log_every,
+        "training.profile_steps": t.profile_steps, "training.scan_unroll": t.scan_unroll,
+        "training.sync_gradients_every": t.sync_gradients_every,
+        "training.pipeline_microbatches": t.pipeline_microbatches,
+        "training.pipeline_repeats": t.pipeline_repeats,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}={value} must be positive")
+    validate_model(m)
+    if t.learning_rate < 0 or t.weight_decay < 0 or t.grad_clip_norm < 0:
+        raise ConfigError("training.learning_rate, weight_decay and grad_clip_norm must be >= 0")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"training.warmup_steps={t.warmup_steps} must be >= 0")
+    if t.eval_every < 0 or t.eval_batches <= 0:
+        raise ConfigError("training.eval_every must be >= 0 and training.eval_batches positive")
+    if not 0.0 <= d.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
+    file_sources = (DataSource.text, DataSource.jsonl, DataSource.array_record)
+    if d.source in file_sources and not d.train_files:
+        raise ConfigError(f"data.train_files is empty: data.source={d.source.value} reads the files it lists")
+    if (d.prompt_field is None) != (d.completion_field is None):
+        raise ConfigError("data.prompt_field and data.completion_field must be set together")
+    if d.prompt_field is not None and d.source is not DataSource.jsonl:
+        raise ConfigError("data.prompt_field is for data.source=jsonl")
+    if c.every_steps < 0 or c.every_seconds < 0 or c.keep < 1:
+        raise ConfigError("checkpoint.every_steps and every_seconds must be >= 0 and checkpoint.keep >= 1")
+    if t.loss_chunk_size < 0 or (0 < t.loss_chunk_size < d.seq_len and d.seq_len % t.loss_chunk_size):
+        raise ConfigError(f"training.loss_chunk_size={t.loss_chunk_size} must divide data.seq_len={d.seq_len} "
+                          f"(or be 0 or at least data.seq_len)")
+    if t.gradient_accumulation_steps % t.sync_gradients_every:
+        raise ConfigError(f"training.sync_gradients_every={t.sync_gradients_every} must divide "
+                          f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}")
+    if t.attention is AttentionImpl.cudnn:
+        if t.mixed_precision is not MixedPrecision.bf16:
+            raise ConfigError("training.attention=cudnn needs training.mixed_precision=bf16 (cuDNN's flash "
+                              "attention has no float32 kernel)")
+        if m.attn_logit_softcap is not None:
+            raise ConfigError("training.attention=cudnn cannot soft-cap attention logits: set "
+                              "model.attn_logit_softcap=null or training.attention=xla")
+    if t.offload_master_weights and t.mixed_precision is not MixedPrecision.bf16:
+        raise ConfigError("training.offload_master_weights=true keeps the float32 master copy on the host while "
+                          "the step computes in bf16: set training.mixed_precision=bf16 (under fp32 the "
+                          "parameters have no second copy)")
+    if t.sample_every < 0 or t.sample_max_new_tokens < 1:
+        raise ConfigError("training.sample_every must be >= 0 and training.sample_max_new_tokens positive")
+    if t.sample_every and (not t.sample_prompts or not reads_text(d)):
+        raise ConfigError("training.sample_every needs training.sample_prompts and text data with a tokenizer "
+                          "(not data=synthetic, nor array_record without data.tokenizer): set it to 0")
+    if d.prefetch_batches < 0:
+        raise ConfigError(f"data.prefetch_batches={d.prefetch_batches} must be >= 0")
+    _validate_post_training(t, d)
+
+
+def _validate_post_training(t: TrainingConfig, d: DataConfig) -> None:
+    """LoRA, DPO and GRPO settings."""
+    lora, dpo, grpo = t.lora, t.dpo, t.grpo
+    if lora.rank is not None:
+        if lora.rank <= 0:
+            raise ConfigError(f"training.lora.rank={lora.rank} must be positive (or null for no adapters)")
+        unknown = [x for x in lora.targets if x not in LORA_TARGETS]
+        if unknown or not lora.targets:
+            raise ConfigError(f"training.lora.targets={list(lora.targets)}: "
+                              f"{'unknown projection ' + repr(unknown[0]) if unknown else 'empty'}; "
+                              f"choose from {', '.join(LORA_TARGETS)}")
+    if t.objective is Objective.lm:
+        return
+    name = f"training.objective={t.objective.value}"
+    if d.source is not DataSource.jsonl:
+        fields = "prompt, chosen and rejected" if t.objective is Objective.dpo else "prompt (and what the rewards read)"
+        raise ConfigError(f"{name} reads JSON lines with {fields}: set data=jsonl data.train_files=[...]")
+    if d.prompt_field is not None:
+        raise ConfigError(f"data.prompt_field and data.completion_field are for training.objective=lm; {name} "
+                          f"reads the fields it names")
+    if t.objective is Objective.dpo:
+        if dpo.beta <= 0 or not 0.0 <= dpo.label_smoothing < 0.5:
+            raise ConfigError(f"training.dpo.beta={dpo.beta} must be positive and training.dpo.label_smoothing="
+                              f"{dpo.label_smoothing} in [0, 0.5)")
+        if t.micro_batch_size % 2:
+            raise ConfigError(f"training.micro_batch_size={t.micro_batch_size} must be even under {name}: each pair "
+                              f"is two rows (chosen, rejected) kept on one device")
+    if t.objective is Objective.grpo:
+        G = grpo.num_generations
+        if G < 2:
+            raise ConfigError(f"training.grpo.num_generations={G} must be at least 2 (advantages compare a "
+                              f"completion with the others of its group)")
+        if t.micro_batch_size % G:
+            raise ConfigError(f"training.micro_batch_size={t.micro_batch_size} must be a multiple of "
+                              f"training.grpo.num_generations={G}: a group never spans micro-batches or devices")
+        if not grpo.reward:
+            raise ConfigError("training.grpo.reward is empty: name at least one reward function, module:function")
+        if grpo.temperature <= 0 or grpo.epsilon <= 0 or grpo.beta < 0 or grpo.max_new_tokens < 1:
+            raise ConfigError("training.grpo.temperature and epsilon must be positive, beta >= 0 and "
+                              "max_new_tokens >= 1")
+        if t.eval_every:
+            raise ConfigError(f"training.eval_every={t.eval_every}: {name} has no held-out loss (its loss depends "
+                              f"on sampled completions); set training.eval_every=0")
+
+
+def _register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+def _describe_omegaconf_error(exc: BaseException) -> str:
+    """One line from hydra/OmegaConf's multi-line composition errors."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    causes = [exc]
+    while causes[-1].__cause__ is not None:
+        causes.append(causes[-1].__cause__)
+    for err in reversed(causes):
+        if isinstance(err, OmegaConfBaseException):
+            key = getattr(err, "full_key", None)
+            msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
+            if "not in struct" in msg or "Key '" in msg and "not" in msg:
+                return f"unknown config key '{key}': check its spelling against configs/"
+            return f"config key '{key}': {msg}" if key else msg
+    return str(exc).strip().splitlines()[0]
+
+
+def load_config(overrides: list[str]) -> tuple[Config, dict[str, Any]]:
+    """Composes configs/config.yaml with hydra overrides.
+
+    Returns the validated Config and the run's hydra facts: `run_dir` and `overrides`.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    _register_schema()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            raw = compose("config", overrides=overrides, return_hydra_config=True)
+        run_info = {
+            "run_dir": str(raw.hydra.run.dir),
+            "overrides": list(raw.hydra.overrides.task),
+        }
+        OmegaConf.set_struct(raw, False)
+        del raw["hydra"]
+        cfg = OmegaConf.to_object(raw)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(_describe_omegaconf_error(exc)) from None
+    validate(cfg)
+    return cfg, run_info
