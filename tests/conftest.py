@@ -50,6 +50,20 @@ def config(*overrides: str):
     return cfg
 
 
+def wait_until_gone(pids, timeout: float = 60.0) -> list[int]:
+    """Waits (polling, up to a generous `timeout`) until none of the processes `pids` exists; returns
+    those still alive at the deadline."""
+    import subprocess
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [int(p) for p in pids if subprocess.run(["kill", "-0", str(p)], capture_output=True).returncode == 0]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

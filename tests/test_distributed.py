@@ -4,13 +4,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, checkpoint_arrays, config, cpu_env, train_losses
+from conftest import REPO, checkpoint_arrays, config, cpu_env, train_losses, wait_until_gone
 
 RUN = ["model=gemma3_tiny", "data=synthetic", "data.seq_len=32", "training.max_steps=5", "training.log_every=1",
        "training.eval_every=5", "checkpoint.every_steps=5", "distributed.initialization_timeout_s=60"]
@@ -82,7 +81,6 @@ def test_tensor_parallelism_must_stay_within_a_host(tmp_path):
 
 @pytest.mark.slow
 def test_killing_one_process_stops_the_launcher(tmp_path):
-    start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "tunix_train.launch", "--nprocs=2", "--cpu_devices_per_process=2",
                              "--grace_period_s=5", "--max_restarts=0", str(REPO / "run_training.py"), *RUN, "training.max_steps=100000",
                              "training.eval_every=0", "checkpoint.every_steps=0",
@@ -98,15 +96,11 @@ def test_killing_one_process_stops_the_launcher(tmp_path):
     assert proc.returncode != 0
     assert "[launch] rank 1 killed by signal SIGKILL; stopping the others" in out
     assert "restart" not in out and not (tmp_path / "restarts.jsonl").exists()  # --max_restarts=0: the end
-    assert time.monotonic() - start < 120
-    time.sleep(0.5)
-    alive = [pid for pid in children if subprocess.run(["kill", "-0", pid], capture_output=True).returncode == 0]
-    assert not alive
+    assert not wait_until_gone(children)
 
 
 def test_unreachable_coordinator_is_a_clear_error_not_a_hang(tmp_path):
     env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9", "RANK": "1", "WORLD_SIZE": "2"}
-    start = time.monotonic()
     result = subprocess.run([sys.executable, str(REPO / "run_training.py"), *RUN,
                              "distributed.initialization_timeout_s=5", f"hydra.run.dir={tmp_path / 'run'}"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
@@ -115,7 +109,6 @@ def test_unreachable_coordinator_is_a_clear_error_not_a_hang(tmp_path):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("tunix_train: error: could not reach the coordinator at 127.0.0.1:9 within 5 s")
     assert "Traceback" not in result.stderr
-    assert time.monotonic() - start < 60
     assert not (tmp_path / "run").exists()
 
 

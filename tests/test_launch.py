@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import REPO, cpu_env, read_metrics
+from conftest import REPO, cpu_env, read_metrics, wait_until_gone
 from tunix_train import exit_codes
 
 # 20 steps of about half a second on this machine: time to kill a worker between two checkpoints
@@ -47,8 +47,10 @@ def _wait_for(proc, text, timeout=300):
     deadline, lines = time.monotonic() + timeout, []
     for line in proc.stdout:
         lines.append(line)
-        if text in line or time.monotonic() > deadline:
+        if text in line:
             return "".join(lines)
+        if time.monotonic() > deadline:
+            break
     raise AssertionError(f"{text!r} never printed:\n{''.join(lines)}")
 
 
@@ -128,7 +130,6 @@ def test_sigterm_to_the_job_saves_and_exits_preempted_and_the_next_launch_resume
 
 
 def test_a_config_error_is_not_restarted(tmp_path):
-    start = time.monotonic()
     proc = _start(tmp_path, "--max_restarts=3", "--restart_backoff_s=0", overrides=["training.no_such_key=1"])
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == exit_codes.CONFIG_ERROR == 2, out
@@ -137,7 +138,6 @@ def test_a_config_error_is_not_restarted(tmp_path):
     assert out.count("unknown config key 'training.no_such_key'") in (1, 2), out
     assert out.count("exited with code 2 (config error)") == 1, out
     assert "restart" not in out and not (tmp_path / "restarts.jsonl").exists()
-    assert time.monotonic() - start < 60
 
 
 def test_the_launcher_reports_a_config_error_it_finds_itself_in_one_line(tmp_path):
@@ -256,15 +256,12 @@ def test_ray_two_workers_give_the_losses_of_one_process(tmp_path, ray_cluster):
 def test_ray_killing_a_worker_stops_the_job_and_names_its_rank(tmp_path, ray_cluster):
     proc = _ray_launcher(ray_cluster, tmp_path, run=[*RUN, "training.max_steps=100000", "checkpoint.every_steps=0"])
     out = _wait_for(proc, "step 3/")
-    start = time.monotonic()
     victim, other = _pid_of_rank(out, 1), _pid_of_rank(out, 0)
     os.kill(victim, signal.SIGKILL)
     out += proc.communicate(timeout=120)[0]
-    assert time.monotonic() - start < 60
     assert proc.returncode == exit_codes.FAILED, out
     assert "[ray] rank 1 killed by signal SIGKILL; stopping the others" in out
-    time.sleep(0.5)
-    assert subprocess.run(["kill", "-0", str(other)], capture_output=True).returncode != 0  # rank 0 is gone
+    assert not wait_until_gone([other])  # rank 0 is gone
 
 
 @pytest.mark.slow

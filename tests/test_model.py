@@ -79,11 +79,39 @@ def test_documents_in_one_row_do_not_see_each_other():
 
 SHIPPED = ["gemma_2b", "gemma_7b", "gemma2_2b", "gemma2_9b", "gemma3_270m", "gemma3_1b",
            "gemma3_4b", "gemma3_12b", "gemma3_small", "gemma3_tiny"]
-# Published parameter counts of the text decoders: Hugging Face model cards / safetensors metadata
-# (gemma-2b: 2,506,172,416; gemma-2-2b: 2,614,341,888; gemma-3-1b-pt: 999,885,952) and the Gemma 3
-# technical report, Table 1 (4B: 675M embedding + 3,209M non-embedding parameters).
-PUBLISHED = {"gemma_2b": 2_506_172_416, "gemma2_2b": 2_614_341_888, "gemma3_1b": 999_885_952,
-             "gemma3_4b": 3_884_000_000}
+# Published parameter counts of the text decoders, within 1%: Hugging Face model cards / safetensors
+# metadata (gemma-2b 2,506,172,416; gemma-7b 8,537,680,896; gemma-2-2b 2,614,341,888; gemma-2-9b
+# 9,241,705,984; gemma-3-270m 268,098,176; gemma-3-1b-pt 999,885,952) and the Gemma 3 technical
+# report, Table 1 (embedding + non-embedding: 4B 675M + 3,209M; 12B 1,012M + 10,759M).
+PUBLISHED = {"gemma_2b": 2_506_172_416, "gemma_7b": 8_537_680_896, "gemma2_2b": 2_614_341_888,
+             "gemma2_9b": 9_241_705_984, "gemma3_270m": 268_098_176, "gemma3_1b": 999_885_952,
+             "gemma3_4b": 3_884_000_000, "gemma3_12b": 11_771_000_000}
+# Gemma 4's model card gives counts rounded to 0.1B (so within 0.05B): 31B 30.7B; 26B A4B 25.2B in
+# all and 3.8B active per token; E2B 2.3B "effective" (without its per-layer embedding table).
+# E4B's card says 4.5B effective where ours has 4.64B: not asserted (the difference is not
+# understood; see the note of issue 37).
+PUBLISHED_GEMMA4 = {"gemma4_31b": (30.7e9, None), "gemma4_26b_a4b": (25.2e9, 3.8e9), "gemma4_e2b": (None, None)}
+GEMMA4_E2B_EFFECTIVE = 2.3e9
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_GEMMA4))
+def test_gemma4_sizes_have_their_published_parameter_counts(name):
+    from tunix_train.plan import parameter_counts
+    from tunix_train.train.init import _model_params
+    from tunix_train.train.weights import FULL_FINE_TUNING
+
+    cfg, _ = load_config([f"model={name}"])
+    shapes = jax.eval_shape(lambda k: _model_params(cfg.model, k, FULL_FINE_TUNING), jax.random.key(0))
+    total, active = parameter_counts(cfg, shapes)
+    want_total, want_active = PUBLISHED_GEMMA4[name]
+    if want_total:
+        assert abs(total - want_total) <= 0.05e9, f"{name}: {total:,} parameters"
+    if want_active:
+        assert abs(active - want_active) <= 0.05e9, f"{name}: {active:,} active parameters"
+    if name == "gemma4_e2b":
+        m = cfg.model
+        per_layer_table = (m.per_layer_input_vocab_size or m.vocab_size) * m.num_layers * m.per_layer_input_dim
+        assert abs(total - per_layer_table - GEMMA4_E2B_EFFECTIVE) <= 0.05e9, f"{name}: {total - per_layer_table:,}"
 
 
 @pytest.mark.parametrize("name", SHIPPED)

@@ -128,18 +128,24 @@ def test_devices_of_different_kinds_are_refused(monkeypatch):
         distributed.check_devices()
 
 
+def test_cudnn_attention_on_a_cpu_mesh_is_refused_by_the_mesh_check():
+    """A config valid on its own (cudnn, bf16, no soft-cap) that these devices cannot honour: the
+    mesh check itself names the key."""
+    training = config("training.attention=cudnn", "training.mixed_precision=bf16").training
+    with pytest.raises(ConfigError, match="training.attention=cudnn needs NVIDIA GPUs, and this mesh is on cpu"):
+        validate_training_for_mesh(training, make_mesh([[1], ["fsdp"]], jax.devices()[:1]))
+
+
 @pytest.mark.parametrize("overrides, message", [
-    (["training.attention=cudnn", "training.mixed_precision=bf16"],
-     "training.attention=cudnn needs NVIDIA GPUs, and this mesh is on cpu"),
     (["training.attention=cudnn"], "training.attention=cudnn needs training.mixed_precision=bf16"),
     (["training.attention=cudnn", "training.mixed_precision=bf16", "model.attn_logit_softcap=50"],
      "training.attention=cudnn cannot soft-cap"),
     (["training.gradient_accumulation_steps=4", "training.sync_gradients_every=3"],
      "training.sync_gradients_every=3 must divide training.gradient_accumulation_steps=4"),
 ])
-def test_training_options_the_devices_or_config_cannot_honour_name_the_key(overrides, message):
+def test_training_options_the_config_cannot_honour_are_refused_when_it_loads(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        validate_training_for_mesh(config(*overrides).training, make_mesh([[1], ["fsdp"]], jax.devices()[:1]))
+        config(*overrides)
 
 
 @pytest.mark.parametrize("key", ["offload_optimizer_state", "offload_master_weights"])
