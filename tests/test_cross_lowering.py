@@ -1,0 +1,71 @@
+"""Accelerator paths checked without an accelerator: the train step (fsdp x tp, bf16; cuDNN's
+flash attention for CUDA), the eval step and the sampler's prefill and decode are lowered for the
+`cuda` and `tpu` platforms (jax.jit(...).trace(...).lower(lowering_platforms=...), what jax.export
+does, without its serialization), here on the CPU. A lowering that only fails on a GPU
+or TPU (a primitive with no rule there, a sharding the partitioner refuses, an attention kernel's
+shape check) fails here first."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from conftest import config
+from tunix_train import platform
+from tunix_train.generate import Sampler, Sampling
+from tunix_train.generate.sampler import bucket
+from tunix_train.train.setup import setup
+from tunix_train.train.step import abstract_batch
+
+MESH = 'model.mesh_shape=[[4,2],["fsdp","tp"]]'
+
+
+@pytest.fixture
+def on_a_gpu(monkeypatch):
+    """What jax asks of the machine before it lowers cuDNN attention, answered as an H100 with
+    cuDNN 9.10 would (jax's private checks: there is no GPU here)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
+    monkeypatch.setattr(platform, "validate_training_for_mesh", lambda training, mesh: None)
+
+
+def _lowered(target: str, *overrides: str) -> dict[str, str]:
+    """The StableHLO of the train and eval steps and the sampler's prefill and decode for `target`."""
+    cfg = config(MESH, "training.mixed_precision=bf16", "training.micro_batch_size=2", *overrides)
+    run = setup(cfg)
+    t, seq = cfg.training, cfg.data.seq_len
+    lower = lambda fn, *args, **kwargs: fn.trace(*args, **kwargs).lower(lowering_platforms=(target,)).as_text()
+    sampler = Sampler(cfg.model, run.mesh)
+    params = run.plan.abstract.params
+    P, rows, total_len = bucket(8), 8, bucket(8) + sampler.chunk
+    with jax.set_mesh(run.mesh):
+        per_layer = jax.eval_shape(sampler._unstack, params)
+        caches, token = jax.eval_shape(lambda *a: sampler._prefill(*a, total_len=total_len, sampling=Sampling()),
+                                       params, per_layer, jax.ShapeDtypeStruct((rows, P), jnp.int32),
+                                       jax.ShapeDtypeStruct((rows,), jnp.int32), jax.random.key(0))
+        rows_i32 = jax.ShapeDtypeStruct((rows,), jnp.int32)
+        return {
+            "train": lower(run.step_fn, run.plan.abstract,
+                           abstract_batch(run.mesh, t.gradient_accumulation_steps, run.micro_batch, seq)),
+            "eval": lower(run.eval_fn, params, run.plan.abstract.frozen, abstract_batch(run.mesh, 1, run.micro_batch, seq)),
+            "prefill": lower(sampler._prefill, params, per_layer, jax.ShapeDtypeStruct((rows, P), jnp.int32), rows_i32,
+                             jax.random.key(0), total_len=total_len, sampling=Sampling(temperature=1.0, top_p=0.9)),
+            "decode": lower(sampler._decode, params, per_layer, caches, token, jnp.int32(P), rows_i32,
+                            jax.ShapeDtypeStruct((rows,), jnp.bool_), jax.random.key(0), jnp.int32(P),
+                            sampling=Sampling(temperature=1.0, top_k=4)),
+        }
+
+
+def test_the_steps_and_the_sampler_lower_for_cuda_with_cudnn_attention(on_a_gpu):
+    programs = _lowered("cuda", "training.attention=cudnn", "model.attn_logit_softcap=null")
+    # jax's cuDNN attention is a custom_partitioning op: its kernel's custom call appears once the
+    # GPU compiler partitions it; lowered, the op stands in the train step
+    assert "CustomSPMDPartitioning" in programs["train"]
+    assert all("sharding" in text for text in programs.values())
+
+
+def test_the_steps_and_the_sampler_lower_for_tpu():
+    programs = _lowered("tpu")
+    assert all("sharding" in text for text in programs.values())
+    assert "CustomSPMDPartitioning" not in programs["train"]  # training.attention=xla
