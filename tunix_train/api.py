@@ -30,7 +30,7 @@ from tunix_train.checkpoint import resolve_resume_path, restore_params
 from tunix_train.config import Config, ConfigError, LoraConfig, ModelConfig, Remat, reads_text, without_retired_keys
 from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer
 from tunix_train.generate import Sampler, Sampling
-from tunix_train.interop import gguf, hf, peft
+from tunix_train.interop import checkpoint_format, gguf, hf, importer, peft
 from tunix_train.observe.memory import MemoryErrors
 from tunix_train.sharding import LOGICAL_RULES, make_mesh, validate_model_for_mesh
 from tunix_train.parallel import model_graphdef
@@ -127,9 +127,10 @@ def load(path: str | Path, mesh_shape: Any = None, devices: list[jax.Device] | N
     devices on fsdp)."""
     path = Path(path).expanduser().resolve()
     mesh_shape = mesh_shape or [[-1], ["fsdp"]]
-    if gguf.is_gguf(path):
+    kind = checkpoint_format(path)
+    if kind == "gguf":
         cfg = Config(model=ModelConfig(name=path.stem, **gguf.model_fields(gguf.open_gguf(path), path)))
-    elif (path / "config.json").is_file():
+    elif kind == "hf":
         cfg = Config(model=ModelConfig(name=path.name, **hf.model_fields_from_hf(hf.read_hf_config(path))))
     else:
         resolve_resume_path(str(path))
@@ -140,10 +141,8 @@ def load(path: str | Path, mesh_shape: Any = None, devices: list[jax.Device] | N
     plan = plan_params(cfg.model, mesh, cfg.training.seed, weights)
     adapters = None
     with MemoryErrors(cfg, mesh, training=False):
-        if gguf.is_gguf(path):
-            params = gguf.load_params(path, cfg.model, plan.abstract)
-        elif (path / "config.json").is_file():
-            params = hf.load_params(path, cfg.model, plan.abstract)
+        if kind != "run":
+            params = importer(path).load_params(path, cfg.model, plan.abstract)
         else:
             params, record = restore_params(str(path), plan.trainable)
             if weights.lora is not None:  # the base comes from where the run started
@@ -160,14 +159,14 @@ def _starting_base(cfg: Config, plan: ParamsPlan, weights: Weights) -> nnx.State
     training.seed."""
     if not cfg.model.init_from:
         return plan.fresh_frozen()
-    source = gguf if gguf.is_gguf(cfg.model.init_from) else hf
-    return weights.frozen_base(source.load_params(Path(cfg.model.init_from), cfg.model, plan.base))
+    return weights.frozen_base(importer(cfg.model.init_from).load_params(Path(cfg.model.init_from), cfg.model,
+                                                                         plan.base))
 
 
 def _tokenizer_and_stops(path: Path, cfg: Config) -> tuple[Optional[Tokenizer], tuple[int, ...]]:
     """A GGUF's or a Hugging Face directory's own tokenizer and EOS ids (config.json and
     generation_config.json add theirs); a run's tokenizer (as its training read text) and its EOS."""
-    if gguf.is_gguf(path) or (path / "config.json").is_file():
+    if checkpoint_format(path) != "run":
         tokenizer = load_tokenizer(path, cfg.model.vocab_size, "tokenizer") if carries_tokenizer(path) else None
         stops: list[int] = [tokenizer.eos_id] if tokenizer else []
         for name in ("config.json", "generation_config.json"):

@@ -146,8 +146,10 @@ def _merges_in_vocabulary_order(vocab: dict[str, int]) -> list[tuple[str, str]]:
 
 def carries_tokenizer(path: str | Path) -> bool:
     """Whether a checkpoint (a .gguf, or a Hugging Face directory) holds its tokenizer."""
+    from tunix_train.interop import checkpoint_format
+
     path = Path(path).expanduser()
-    if path.suffix == ".gguf":
+    if checkpoint_format(path) == "gguf":
         from tunix_train.interop.gguf import open_gguf
 
         return open_gguf(path).get_field("tokenizer.ggml.tokens") is not None

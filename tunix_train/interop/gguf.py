@@ -46,7 +46,9 @@ _VISION_PREFIXES = ("v.", "mm.")  # a multimodal file's vision tower and project
 
 
 def is_gguf(path: str | Path) -> bool:
-    return Path(path).suffix.lower() == ".gguf"
+    from tunix_train.interop import checkpoint_format
+
+    return checkpoint_format(path) == "gguf"
 
 
 def open_gguf(path: str | Path):

@@ -18,8 +18,7 @@ import numpy as np
 from flax import nnx
 
 from tunix_train.config import ConfigError, ModelConfig
-from tunix_train.model.layout import layer_types
-from tunix_train.model.layout import layer_groups, layer_shapes
+from tunix_train.model.layout import layer_groups, layer_shapes, layer_types
 
 # Our parameter path -> (transformers name, [per transformers dim: the sizes it splits into], the
 # permutation of that split view giving our layout). Names under model.layers.{i}. are per layer.

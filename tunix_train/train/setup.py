@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from tunix_train import parallel, platform
 from tunix_train.checkpoint import restore_from, restore_latest
 from tunix_train.config import Config, ConfigError, changeable_on_resume, without_retired_keys
-from tunix_train.interop import gguf, hf
+from tunix_train.interop import importer
 from tunix_train.sharding import LOGICAL_RULES, data_parallel_size, make_mesh, validate_model_for_mesh
 from tunix_train.state import TrainState
 from tunix_train.train.init import StatePlan, plan_train_state
@@ -105,8 +105,7 @@ def starting_state(cfg: Config, plan: StatePlan) -> tuple[TrainState, str]:
     """The state a run starts from without a checkpoint: the Hugging Face or GGUF checkpoint
     model.init_from, else fresh from training.seed; and where it came from."""
     if cfg.model.init_from:
-        source = gguf if gguf.is_gguf(cfg.model.init_from) else hf
-        params = source.load_params(Path(cfg.model.init_from), cfg.model, plan.base)
+        params = importer(cfg.model.init_from).load_params(Path(cfg.model.init_from), cfg.model, plan.base)
         return plan.from_params(params), starting_point(cfg)
     return plan.create(), starting_point(cfg)
 
