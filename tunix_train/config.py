@@ -72,7 +72,7 @@ class Objective(enum.Enum):
 class MoeDispatch(enum.Enum):
     """How a mixture-of-experts layer sends tokens to their experts (tunix_train/model/moe.py)."""
 
-    dropless = "dropless"  # sort the tokens by expert; grouped matmuls of any group size
+    dropless = "dropless"  # every token copy through its expert, whatever the group sizes (none dropped)
     capacity = "capacity"  # fixed slots per expert (capacity_factor x the even share); overflow is dropped
 
 

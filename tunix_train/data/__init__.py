@@ -1,6 +1,7 @@
 """Training and evaluation data: host-local batches of [accumulation step, row, position] arrays.
 
-`make_train_batches` and `make_eval_batches` are the entry points; both read only this process's rows.
+`Data(cfg)` reads and checks a run's documents and tokenizer once; its `train_batches` and
+`eval_batches` are the entry points, each reading only this process's rows.
 """
 
 from __future__ import annotations

@@ -117,9 +117,9 @@ class Sampler:
 
     def _logits(self, x_BD, table_VD):
         """float32 logits [B, V], as gemma.output_logits computes them for training, but with the
-        vocabulary as the dot's rows: XLA:CPU's dot (YNNPACK) runs [V, D] x [D, B] about twice as
-        fast as [B, D] x [D, V] at a decoding batch (8 rows: 46 ms against 97 ms for gemma3_270m,
-        docs/performance.md). The barrier keeps XLA from folding the transpose back into the dot."""
+        vocabulary as the dot's rows. Why: XLA:CPU's dot runs [V, D] x [D, B] about twice as fast as
+        [B, D] x [D, V] at a decoding batch (performance-history.md); the barrier keeps XLA from
+        folding the transpose back into the dot."""
         logits_VB = jnp.einsum("vd,bd->vb", table_VD.astype(x_BD.dtype), x_BD).astype(jnp.float32)
         logits_BV = jax.lax.optimization_barrier(logits_VB).T
         logits_BV = kernels.soft_cap(logits_BV, self.cfg.final_logit_softcap)
