@@ -108,3 +108,11 @@ def test_the_checker_sees_a_circle_and_a_forbidden_import():
     finally:
         GRAPH.clear()
         GRAPH.update(saved)
+
+
+def test_files_stay_small_and_the_performance_page_current():
+    """The house's size aims: no module over 450 lines; docs/performance.md the current figures and
+    knobs in at most 150 (history goes to performance-history.md)."""
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > 450}
+    assert not long, long
+    assert len((PACKAGE.parent / "docs" / "performance.md").read_text().splitlines()) <= 150
