@@ -45,12 +45,6 @@ _DEFAULTS = {
 _VISION_PREFIXES = ("v.", "mm.")  # a multimodal file's vision tower and projector: not read
 
 
-def is_gguf(path: str | Path) -> bool:
-    from tunix_train.interop import checkpoint_format
-
-    return checkpoint_format(path) == "gguf"
-
-
 def open_gguf(path: str | Path):
     """gguf.GGUFReader over `path`, or a one-line ConfigError naming the file. The last file's
     reader is kept: loading opens it for the config, the weights and the tokenizer, and the reader

@@ -376,14 +376,14 @@ class Gemma(nnx.Module):
         x_BTD = self.embed(tokens_BT)
         per_layer_BTLP = self.per_layer_inputs(tokens_BT, x_BTD) if cfg.per_layer_input_dim else None
         rope_global, rope_local = self.rope_tables(positions_BT)
-        extras, shared = [], {}
+        extras, shared = [], dict.fromkeys(self._kv_producers())
         layers = zip(self.layer_blocks(), layer_shapes(cfg), layer_windows(cfg))
         for i, ((stack, _), shape, window) in enumerate(layers):
             block = nnx.merge(nnx.graphdef(stack), layer_states[i])
             x_BTD, extra, side = block(x_BTD, _layer_rope(shape, int(window), rope_global, rope_local),
                                        attend_of_layer(i), None if per_layer_BTLP is None else per_layer_BTLP[:, :, i],
                                        shared.get(shape.layer_type) if shape.shares_kv else None)
-            shared = _with_latest_kv(shared, shape, side["kv"], always=True)
+            shared = _with_latest_kv(shared, shape, side["kv"])
             extras.append(extra)
         return self.final_norm(x_BTD[:, -1]), extras
 
@@ -399,8 +399,8 @@ class Gemma(nnx.Module):
         return zeros, zeros
 
     def _masked_attention(self, rows):
-        """rows -> window -> attend: attention over the keys of the pass that kernels.visible_keys allows,
-        its window-independent part computed once per pass."""
+        """rows -> window -> attend: attention over the keys of the pass that kernels.visible_keys
+        allows, its window-independent part computed once per pass."""
         fused = None if self.attention is AttentionImpl.xla else self.attention.value
         index, segments = rows["token_index"], rows["segment_ids"]
         visible = kernels.visible_keys(index, segments, index, segments)
@@ -418,10 +418,10 @@ def _layer_rope(shape: LayerShape, window, rope_global, rope_local):
     return [jnp.where(window == GLOBAL_WINDOW, g, l) for g, l in zip(rope_global, rope_local)]
 
 
-def _with_latest_kv(shared: dict, shape: LayerShape, kv, always: bool = False) -> dict:
-    """The keys and values KV-sharing layers reuse: the latest of each layer type. In a scan the
-    carry holds only the types it began with (`always`: any type)."""
-    if shape.shares_kv or not (always or shape.layer_type in shared):
+def _with_latest_kv(shared: dict, shape: LayerShape, kv) -> dict:
+    """The keys and values KV-sharing layers reuse: the latest of each layer type that `shared`
+    tracks (a scan's carry tracks them only when some layer shares)."""
+    if shape.shares_kv or shape.layer_type not in shared:
         return shared
     return {**shared, shape.layer_type: kv}
 

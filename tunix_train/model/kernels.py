@@ -103,6 +103,11 @@ def grouped(q_BTNH, kv_heads: int):
     return q_BTNH.reshape(B, T, kv_heads, G, H).transpose(0, 2, 3, 1, 4).reshape(B, kv_heads, G * T, H)
 
 
+def by_head(x):
+    """Keys or values [B, S, K, H] <-> [B, K, S, H], the layout `grouped` queries meet."""
+    return x.transpose(0, 2, 1, 3)
+
+
 def ungrouped(x_BKXH, T: int):
     """The inverse of grouped: [B, K, G*T, H] -> [B, T, N, H]."""
     B, K, X, H = x_BKXH.shape
@@ -116,9 +121,7 @@ def attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, softcap: float | None = None, fu
     if fused is not None:
         return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None], scale=1.0,
                                             implementation=fused)
-    K = k_BSKH.shape[2]
-    k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
-    out_BKXH = _attention(grouped(q_BTNH, K), k_BKSH, v_BKSH, mask_BTS, softcap)
+    out_BKXH = _attention(grouped(q_BTNH, k_BSKH.shape[2]), by_head(k_BSKH), by_head(v_BSKH), mask_BTS, softcap)
     return ungrouped(out_BKXH, q_BTNH.shape[1])
 
 

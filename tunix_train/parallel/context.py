@@ -205,8 +205,8 @@ def _block_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, softcap):
     (kernels.softmax_attention, in the ring's [B, T, N, H] layout: a block's results merge along T)."""
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
-    out_BKXH, lse_BKGT1 = kernels.softmax_attention(kernels.grouped(q_BTNH, K), _by_head(k_BSKH), _by_head(v_BSKH),
-                                                    mask_BTS, softcap, jnp.float32)
+    out_BKXH, lse_BKGT1 = kernels.softmax_attention(kernels.grouped(q_BTNH, K), kernels.by_head(k_BSKH),
+                                                    kernels.by_head(v_BSKH), mask_BTS, softcap, jnp.float32)
     return kernels.ungrouped(out_BKXH, T), lse_BKGT1.reshape(B, K, N // K, T).transpose(0, 3, 1, 2).reshape(B, T, N)
 
 
@@ -217,15 +217,10 @@ def _block_grads(q_BTNH, k_BSKH, v_BSKH, mask_BTS, d_out_BTNH, lse_BTN, rowsum_B
     K = k_BSKH.shape[2]
     per_group = lambda x_BTN: x_BTN.reshape(B, T, K, N // K).transpose(0, 2, 3, 1)[..., None]  # [B, K, G, T, 1]
     d_q, d_k, d_v = kernels.softmax_attention_grads(
-        kernels.grouped(q_BTNH, K), _by_head(k_BSKH), _by_head(v_BSKH), mask_BTS, softcap, per_group(lse_BTN),
-        per_group(rowsum_BTN), kernels.grouped(d_out_BTNH, K))
-    return (kernels.ungrouped(d_q, T).astype(jnp.float32), _by_head(d_k).astype(jnp.float32),
-            _by_head(d_v).astype(jnp.float32))
-
-
-def _by_head(x):
-    """[B, S, K, H] <-> [B, K, S, H]."""
-    return x.transpose(0, 2, 1, 3)
+        kernels.grouped(q_BTNH, K), kernels.by_head(k_BSKH), kernels.by_head(v_BSKH), mask_BTS, softcap,
+        per_group(lse_BTN), per_group(rowsum_BTN), kernels.grouped(d_out_BTNH, K))
+    return (kernels.ungrouped(d_q, T).astype(jnp.float32), kernels.by_head(d_k).astype(jnp.float32),
+            kernels.by_head(d_v).astype(jnp.float32))
 
 
 def _merge(a, b):

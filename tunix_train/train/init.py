@@ -128,10 +128,10 @@ def plan_params(model_cfg: ModelConfig, mesh: Mesh, seed: int, weights: Weights 
     key = jax.random.key(seed)
     with_shardings = lambda shapes: _abstract(shapes, state_shardings(shapes, mesh, rules=rules))
     model = lambda k: _model_params(model_cfg, k, weights)
-    abstract = with_shardings(jax.eval_shape(model, key))
-    base = with_shardings(jax.eval_shape(lambda k: nnx.split_state(model(k), Adapter, ...)[1], key))
-    trainable = abstract if weights.lora is None else with_shardings(
-        jax.eval_shape(lambda k: nnx.split_state(model(k), Adapter, ...)[0], key))
+    shapes = jax.eval_shape(model, key)  # traced once; its parts split from it
+    abstract = with_shardings(shapes)
+    adapters, base = (with_shardings(part) for part in nnx.split_state(shapes, Adapter, ...))
+    trainable = abstract if weights.lora is None else adapters
     frozen = lambda k: weights.split(model(k))[1]
     frozen_shardings = state_shardings(jax.eval_shape(frozen, key), mesh, rules=rules)
     return ParamsPlan(abstract, trainable, base, jax.jit(frozen, out_shardings=frozen_shardings), key)
