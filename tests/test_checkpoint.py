@@ -66,7 +66,8 @@ def reference(tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize("kill_after", ["step 2/", "step 7/"])  # before and after the first checkpoint
+# before the first checkpoint (in the slow suite: the rerun starts over) and after it
+@pytest.mark.parametrize("kill_after", [pytest.param("step 2/", marks=pytest.mark.slow), "step 7/"])
 def test_kill_9_then_rerun_gives_bit_identical_parameters(tmp_path, reference, kill_after):
     proc = _start(tmp_path)
     _wait_for_line(proc, kill_after)

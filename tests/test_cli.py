@@ -37,6 +37,7 @@ def read_tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
     return scalars
 
 
+@pytest.mark.slow  # a whole CLI run or a script: the README's suite stays short
 def test_the_docs_command_line_trains_and_writes_its_run_directory(tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli("model=gemma3_1b", 'model.mesh_shape=[[4,1],["fsdp","tp"]]', "training.micro_batch_size=4",
@@ -65,6 +66,7 @@ def test_the_docs_command_line_trains_and_writes_its_run_directory(tmp_path):
     assert "name: gemma3_1b" in saved and "num_layers: 2" in saved
 
 
+@pytest.mark.slow  # a whole CLI run or a script: the README's suite stays short
 def test_default_run_directory_is_outputs_experiment_date_time(tmp_path):
     result = run_cli("model=gemma3_tiny", "data=synthetic", "data.seq_len=16", "training.max_steps=1", devices=1,
                      cwd=tmp_path)
@@ -115,6 +117,7 @@ def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, overrides, m
     assert not run_dir.exists()
 
 
+@pytest.mark.slow  # a whole CLI run or a script: the README's suite stays short
 def test_out_of_memory_is_one_line_that_says_what_to_lower_and_damages_no_checkpoint(tmp_path):
     """A 65,536-token row makes attention's scores about 150 GiB: XLA's CPU client fails the allocation
     (RESOURCE_EXHAUSTED). The run resumes another run's checkpoint, which stays byte for byte."""

@@ -161,6 +161,7 @@ def test_async_collectives_in_loops_count_once_per_iteration():
     assert volume.bytes["collective-permute"] == 0  # %y is not defined in this text: no bytes guessed
 
 
+@pytest.mark.slow  # a whole CLI run or a script: the README's suite stays short
 def test_the_profile_names_pipeline_and_context_parallel_traffic():
     """The pipeline's only traffic between stages is its ppermute of one micro-batch's activations
     per time step, forward and backward; cp's is its ring's."""

@@ -150,6 +150,7 @@ def test_running_out_of_memory_is_one_line_that_says_what_to_lower():
                             "by it)")
 
 
+@pytest.mark.slow  # a whole CLI run or a script: the README's suite stays short
 def test_samples_during_training_are_logged_and_leave_the_losses_unchanged(tmp_path):
     text = ["data=shakespeare", "model.vocab_size=4096", "training.max_steps=4", "training.log_every=1",
             "training.eval_every=0", 'model.mesh_shape=[[2,2],["fsdp","tp"]]']

@@ -86,6 +86,7 @@ def test_planner_counts_an_offloaded_optimizer_state_on_the_host():
     assert figures["total"] == pytest.approx(device, abs=0.002 * 2**30)  # to the printed precision
 
 
+@pytest.mark.slow  # a whole CLI run or a script: the README's suite stays short
 def test_planner_counts_offloaded_master_weights_on_the_host():
     out, figures = _plan("model=gemma3_1b", 'model.mesh_shape=[[8],["fsdp"]]', "training.micro_batch_size=1",
                          "data=synthetic", "data.seq_len=128", "training.mixed_precision=bf16",
@@ -118,6 +119,7 @@ def test_planner_says_what_to_change_when_it_does_not_fit():
     assert "does NOT fit" in out and "shard more over fsdp" in out and "training.remat=full" in out
 
 
+@pytest.mark.slow  # a whole CLI run or a script: the README's suite stays short
 def test_benchmark_reports_throughput_against_a_peak_sampled_between_steps(tmp_path):
     overrides = ["model=gemma3_tiny", "data=synthetic", "data.seq_len=32", 'model.mesh_shape=[[2],["fsdp"]]',
                  "training.micro_batch_size=2"]
