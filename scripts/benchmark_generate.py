@@ -1,4 +1,4 @@
-"""Generation benchmark: prefill and decode tokens/s of our sampler, next to transformers' generate on
+"""Generation benchmark: prefill and decode tokens/s of our engine (all prompts in one batch of slots), next to transformers' generate on
 the same weights in the same run, and next to the memory-bandwidth limit of decoding.
 
     python scripts/benchmark_generate.py [--model gemma3_270m] [--gguf FILE] [--prompt-len 64]
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
 
     from tunix_train import api
     from tunix_train.compose import load_config
-    from tunix_train.generate import Sampler
+    from tunix_train.generate import Engine, Request
     from tunix_train.generate.cache import cache_bytes
     from tunix_train.interop import hf
     from tunix_train.sharding import make_mesh
@@ -83,7 +83,8 @@ def main(argv: list[str]) -> int:
         model_cfg = cfg.model
         mesh = make_mesh(mesh_shape, jax.devices()[:1])
         params = plan_train_state(model_cfg, make_optimizer(cfg.training)[0], mesh, seed=0).create().params
-    sampler = Sampler(model_cfg, mesh)
+    engine = Engine(model_cfg, mesh, slots=None)
+    generate = lambda prompts, n: engine.generate(params, [Request(tuple(p), n) for p in prompts.tolist()])
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     bandwidth = memcpy_bandwidth()
     rng = np.random.default_rng(0)
@@ -103,8 +104,8 @@ def main(argv: list[str]) -> int:
 
     for batch in args.batches:
         prompts = rng.integers(3, model_cfg.vocab_size, (batch, args.prompt_len))
-        first = _median_time(lambda: sampler.generate(params, prompts.tolist(), 1), args.repeats)
-        whole = _median_time(lambda: sampler.generate(params, prompts.tolist(), args.new_tokens), args.repeats)
+        first = _median_time(lambda: generate(prompts, 1), args.repeats)
+        whole = _median_time(lambda: generate(prompts, args.new_tokens), args.repeats)
         kv = cache_bytes(model_cfg, batch, args.prompt_len + args.new_tokens, 4)
         run = {"batch": batch,
                "ours_prefill_tokens_s": batch * args.prompt_len / first,
@@ -114,10 +115,10 @@ def main(argv: list[str]) -> int:
             import torch
 
             ids = torch.tensor(prompts)
-            generate = lambda n: reference.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n)
+            hf_generate = lambda n: reference.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n)
             with torch.no_grad():
-                hf_first = _median_time(lambda: generate(1), args.repeats)
-                hf_whole = _median_time(lambda: generate(args.new_tokens), args.repeats)
+                hf_first = _median_time(lambda: hf_generate(1), args.repeats)
+                hf_whole = _median_time(lambda: hf_generate(args.new_tokens), args.repeats)
             run["transformers_prefill_tokens_s"] = batch * args.prompt_len / hf_first
             run["transformers_decode_tokens_s"] = batch * (args.new_tokens - 1) / (hf_whole - hf_first)
             run["decode_ratio_vs_transformers"] = run["ours_decode_tokens_s"] / run["transformers_decode_tokens_s"]

@@ -63,17 +63,16 @@ def test_the_cp_ring_gives_the_training_kernels_outputs_and_gradients(strategy):
 
 @pytest.mark.parametrize("slots", [T, WINDOW])  # a global layer's cache, a sliding layer's ring buffer
 def test_cached_decoding_gives_the_training_kernels_outputs(slots):
-    """Each position decoded against the cache of the positions before it (written by prefill's
-    _fill, then the step's own write) equals the training kernel at that position. Decoding sees
-    one document per row after its left padding: the padding is the other segment."""
+    """Each row decodes its own position (the two rows 3 positions apart) against the cache of the
+    positions before it (a prefill's entry, then the step's own write) and equals the training
+    kernel at that position: one document per row."""
     q, k, v, _, _ = _case(1)
-    pads = jnp.asarray([3, 0], jnp.int32)
-    segments = (jnp.arange(T)[None] >= pads[:, None]).astype(jnp.int32)
-    want = _training(q, k, v, segments)
+    want = _training(q, k, v, jnp.ones((B, T), jnp.int32))
     for t in range(1, T):
-        past = {"k": cache._fill(k[:, :t], slots), "v": cache._fill(v[:, :t], slots)}
-        attend = cache.decode_attend(past, WINDOW, jnp.int32(t), pads)
-        got, _ = attend(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], SOFTCAP)
+        position_B = jnp.asarray([t, max(t - 3, 1)], jnp.int32)
+        past = {"k": cache._entry(k, slots, position_B), "v": cache._entry(v, slots, position_B)}
+        attend = cache.decode_attend(past, WINDOW, position_B)
+        at = lambda x: x[jnp.arange(B), position_B][:, None]
+        got, _ = attend(at(q), at(k), at(v), SOFTCAP)
         for row in range(B):
-            if t >= pads[row]:
-                np.testing.assert_allclose(got[row, 0], want[row, t], rtol=1e-5, atol=1e-5, err_msg=f"t={t}")
+            np.testing.assert_allclose(got[row, 0], want[row, position_B[row]], rtol=1e-5, atol=1e-5, err_msg=f"t={t}")

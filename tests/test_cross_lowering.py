@@ -1,5 +1,5 @@
 """Accelerator paths checked without an accelerator: the train step (fsdp x tp, bf16; cuDNN's
-flash attention for CUDA), the eval step and the sampler's prefill and decode are lowered for the
+flash attention for CUDA), the eval step and the engine's prefill, insert and decode are lowered for the
 `cuda` and `tpu` platforms (jax.jit(...).trace(...).lower(lowering_platforms=...), what jax.export
 does, without its serialization), here on the CPU. A lowering that only fails on a GPU
 or TPU (a primitive with no rule there, a sharding the partitioner refuses, an attention kernel's
@@ -11,8 +11,9 @@ import pytest
 
 from conftest import config
 from tunix_train import platform
-from tunix_train.generate import Sampler, Sampling
-from tunix_train.generate.sampler import bucket
+from tunix_train.generate import Engine
+from tunix_train.generate.engine import bucket
+from tunix_train.generate.sampling import Kinds, Rules
 from tunix_train.train.setup import setup
 from tunix_train.train.step import abstract_batch
 
@@ -31,33 +32,37 @@ def on_a_gpu(monkeypatch):
 
 
 def _lowered(target: str, *overrides: str) -> dict[str, str]:
-    """The StableHLO of the train and eval steps and the sampler's prefill and decode for `target`."""
+    """The StableHLO of the train and eval steps and the engine's prefill, insert and decode for `target`."""
     cfg = config(MESH, "training.mixed_precision=bf16", "training.micro_batch_size=2", *overrides)
     run = setup(cfg)
     t, seq = cfg.training, cfg.data.seq_len
     lower = lambda fn, *args, **kwargs: fn.trace(*args, **kwargs).lower(lowering_platforms=(target,)).as_text()
-    sampler = Sampler(cfg.model, run.mesh)
+    engine = Engine(cfg.model, run.mesh)
     params = run.plan.abstract.params
-    P, rows, total_len = bucket(8), 8, bucket(8) + sampler.chunk
+    prompt, rows, max_len = bucket(8), 8, 64
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     with jax.set_mesh(run.mesh):
-        per_layer = jax.eval_shape(sampler._unstack, params)
-        caches, token = jax.eval_shape(lambda *a: sampler._prefill(*a, total_len=total_len, sampling=Sampling()),
-                                       params, per_layer, jax.ShapeDtypeStruct((rows, P), jnp.int32),
-                                       jax.ShapeDtypeStruct((rows,), jnp.int32), jax.random.key(0))
-        rows_i32 = jax.ShapeDtypeStruct((rows,), jnp.int32)
+        per_layer = jax.eval_shape(engine._unstack, params)
+        entries, logits = jax.eval_shape(lambda *a: engine._prefill_fn(*a, max_len=max_len), params, per_layer,
+                                         i32(rows, prompt), i32(rows))
+        caches = entries  # a prefill of `rows` prompts has the layout of `rows` slots
+        one = lambda dtype: jax.ShapeDtypeStruct((1,), dtype)
+        rules = Rules(jax.ShapeDtypeStruct((rows,), jnp.float32), i32(rows), jax.ShapeDtypeStruct((rows,), jnp.float32))
         return {
             "train": lower(run.step_fn, run.plan.abstract,
                            abstract_batch(run.mesh, t.gradient_accumulation_steps, run.micro_batch, seq)),
             "eval": lower(run.eval_fn, params, run.plan.abstract.frozen, abstract_batch(run.mesh, 1, run.micro_batch, seq)),
-            "prefill": lower(sampler._prefill, params, per_layer, jax.ShapeDtypeStruct((rows, P), jnp.int32), rows_i32,
-                             jax.random.key(0), total_len=total_len, sampling=Sampling(temperature=1.0, top_p=0.9)),
-            "decode": lower(sampler._decode, params, per_layer, caches, token, jnp.int32(P), rows_i32,
-                            jax.ShapeDtypeStruct((rows,), jnp.bool_), jax.random.key(0), jnp.int32(P),
-                            sampling=Sampling(temperature=1.0, top_k=4)),
+            "prefill": lower(engine._prefill, params, per_layer, i32(rows, prompt), i32(rows), max_len=max_len),
+            "insert": lower(engine._insert, caches, entries, logits, jnp.int32(2), jnp.int32(3),
+                            Rules(one(jnp.float32), one(jnp.int32), one(jnp.float32)),
+                            jax.ShapeDtypeStruct((1, 2), jnp.uint32), one(jnp.uint32), kinds=Kinds(True, True, True)),
+            "decode": lower(engine._decode, params, per_layer, caches, i32(rows), i32(rows), i32(rows),
+                            jax.ShapeDtypeStruct((rows, 2), jnp.uint32), jax.ShapeDtypeStruct((rows,), jnp.uint32),
+                            rules, kinds=Kinds(True, True, True)),
         }
 
 
-def test_the_steps_and_the_sampler_lower_for_cuda_with_cudnn_attention(on_a_gpu):
+def test_the_steps_and_the_engine_lower_for_cuda_with_cudnn_attention(on_a_gpu):
     programs = _lowered("cuda", "training.attention=cudnn", "model.attn_logit_softcap=null")
     # jax's cuDNN attention is a custom_partitioning op: its kernel's custom call appears once the
     # GPU compiler partitions it; lowered, the op stands in the train step
@@ -65,7 +70,8 @@ def test_the_steps_and_the_sampler_lower_for_cuda_with_cudnn_attention(on_a_gpu)
     assert all("sharding" in text for text in programs.values())
 
 
-def test_the_steps_and_the_sampler_lower_for_tpu():
+def test_the_steps_and_the_engine_lower_for_tpu():
     programs = _lowered("tpu")
     assert all("sharding" in text for text in programs.values())
+    assert "stablehlo.scatter" in programs["decode"]  # the cache write (a select on CPU: cache._write)
     assert "CustomSPMDPartitioning" not in programs["train"]  # training.attention=xla

@@ -1,4 +1,4 @@
-"""The sampler: cached decoding against the full forward pass, meshes, batches, sampling rules, errors
+"""The engine: cached decoding against the full forward pass, meshes, batches, sampling rules, errors
 (greedy parity with transformers' generate: test_hf_parity.py)."""
 
 import functools
@@ -13,8 +13,8 @@ from flax import nnx
 from conftest import config, train_losses
 from tunix_train import api
 from tunix_train.config import ConfigError, Remat
-from tunix_train.generate import Sampler, Sampling
-from tunix_train.generate.sampler import next_tokens, top_p_threshold
+from tunix_train.generate import Engine, Request, Sampling
+from tunix_train.generate.sampling import Kinds, Rules as SamplingRules, draw, top_p_threshold
 from tunix_train.observe.memory import OutOfMemory
 from tunix_train.sharding import make_mesh
 from tunix_train.parallel import model_graphdef
@@ -69,70 +69,144 @@ def _reference():
     return [_recomputed_greedy(p, NEW) for p in PROMPTS]
 
 
+def _requests(prompts, new, sampling=Sampling(), seed=0):
+    return [Request(tuple(p), new, sampling, seed, i) for i, p in enumerate(prompts)]
+
+
+def _tokens(engine, params, requests, **kwargs):
+    return [c.tokens for c in engine.generate(params, requests, **kwargs)]
+
+
 @pytest.mark.parametrize("mesh_name", MESHES)
 def test_cached_greedy_decoding_equals_the_recomputed_forward_pass(mesh_name):
     mesh, params = _on(mesh_name)
     assert len(set(_reference()[0])) > 5  # the reference is not a repeated token
-    assert Sampler(CFG, mesh).generate(params, PROMPTS, NEW) == _reference()
+    assert _tokens(Engine(CFG, mesh), params, _requests(PROMPTS, NEW)) == _reference()
 
 
 def test_each_row_of_a_batch_gets_the_tokens_of_its_prompt_alone():
     mesh, params = _on("fsdp4_tp2")
-    sampler = Sampler(CFG, mesh)
+    engine = Engine(CFG, mesh)
     prompts = PROMPTS + [[3] * 20, [77]]
-    batched = sampler.generate(params, prompts, 24, Sampling(temperature=0.0))
-    assert batched == [sampler.generate(params, [p], 24)[0] for p in prompts]
+    batched = _tokens(engine, params, _requests(prompts, 24))
+    assert batched == [_tokens(engine, params, _requests([p], 24))[0] for p in prompts]
+
+
+def _alone(engine, params, request, max_len, slots, kinds):
+    session = engine.session(params, max_len, slots, kinds)
+    rid = session.add(request)
+    while session.busy:
+        session.step()
+    return session.completions[rid]
+
+
+def test_requests_through_few_slots_get_the_tokens_and_logprobs_they_get_alone():
+    """64 requests of random prompt lengths, max_new_tokens and sampling rules through 8 slots: each
+    gets the tokens it gets alone in those slots, and their log-probabilities within float32's
+    rounding (a prefill of several prompts is a matmul of another shape than one prompt's)."""
+    mesh, params = _on("1x1")
+    rng = np.random.default_rng(0)
+    rules = [Sampling(), Sampling(1.0, top_k=50), Sampling(0.7, top_p=0.9), Sampling(1.3)]
+    requests = [Request(tuple(rng.integers(1, CFG.vocab_size, rng.integers(1, 30)).tolist()), int(rng.integers(1, 40)),
+                        rules[i % 4], seed=5, stream=i) for i in range(64)]
+    engine = Engine(CFG, mesh, slots=8)
+    together = engine.generate(params, requests)
+    assert engine.stats["steps"] < sum(r.max_new_tokens for r in requests) / 8 + 2 * 40  # slots were refilled
+    assert [len(c.tokens) for c in together] == [r.max_new_tokens for r in requests]
+    assert {c.finish for c in together} == {"length"}
+    kinds = Kinds.of(r.sampling for r in requests)
+    for i in range(0, 64, 7):
+        alone = _alone(engine, params, requests[i], engine.max_len_for(requests), 8, kinds)
+        assert alone.tokens == together[i].tokens, i
+        np.testing.assert_allclose(alone.logprobs, together[i].logprobs, atol=1e-5, rtol=0)
+
+
+def test_a_shared_prefix_is_prefilled_once_and_gives_the_tokens_of_separate_prefills():
+    mesh, params = _on("fsdp4_tp2")
+    group = [Request(tuple(PROMPTS[0]), 12, Sampling(1.0), seed=2, stream=i) for i in range(8)]
+    shared, separate = Engine(CFG, mesh), Engine(CFG, mesh, prefix_cache=0)
+    got, want = shared.generate(params, group), separate.generate(params, group)
+    assert (shared.stats["prefills"], separate.stats["prefills"]) == (1, 8)
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    np.testing.assert_allclose([c.logprobs for c in got], [c.logprobs for c in want], atol=1e-5, rtol=0)
+    assert len({tuple(c.tokens) for c in got}) > 1  # the group's streams differ
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_equal_the_full_forward_pass(temperature):
+    """Each token's log-probability equals log_softmax(logits / T) of the trainer's forward pass
+    over the whole sequence (T = 1 for greedy), within 1e-5 in float32."""
+    mesh, params = _on("fsdp4_tp2")
+    done = Engine(CFG, mesh).generate(params, _requests(PROMPTS, 20, Sampling(temperature), seed=1))
+    forward = jax.jit(nnx.merge(model_graphdef(CFG, Remat.none), jax.tree.map(jnp.asarray, _host_params())).__call__)
+    for prompt, c in zip(PROMPTS, done):
+        logits = np.asarray(forward(jnp.asarray([prompt + c.tokens])))[0, len(prompt) - 1:-1]
+        logp = jax.nn.log_softmax(logits / (temperature or 1.0), axis=-1)
+        want = np.take_along_axis(np.asarray(logp), np.asarray(c.tokens)[:, None], axis=-1)[:, 0]
+        np.testing.assert_allclose(c.logprobs, want, atol=1e-5, rtol=0)
 
 
 def test_sampling_with_a_seed_gives_the_same_tokens_on_every_mesh():
     sampling = Sampling(temperature=1.0, top_k=50, top_p=0.95)
-    drawn = {name: Sampler(CFG, _on(name)[0]).generate(_on(name)[1], PROMPTS, 24, sampling, seed=3)
+    drawn = {name: _tokens(Engine(CFG, _on(name)[0]), _on(name)[1], _requests(PROMPTS, 24, sampling, seed=3))
              for name in MESHES}
     assert drawn["1x1"] == drawn["fsdp4_tp2"] == drawn["dp2_fsdp2_tp2"]
     assert drawn["1x1"] != _reference()  # it sampled
     mesh, params = _on("1x1")
-    assert Sampler(CFG, mesh).generate(params, PROMPTS, 24, sampling, seed=4) != drawn["1x1"]
+    assert _tokens(Engine(CFG, mesh), params, _requests(PROMPTS, 24, sampling, seed=4)) != drawn["1x1"]
 
 
 def test_top_k_1_is_greedy():
     mesh, params = _on("1x1")
-    assert Sampler(CFG, mesh).generate(params, PROMPTS, NEW, Sampling(temperature=1.5, top_k=1), seed=1) == _reference()
+    assert _tokens(Engine(CFG, mesh), params, _requests(PROMPTS, NEW, Sampling(temperature=1.5, top_k=1), 1)) == \
+        _reference()
 
 
 def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p():
     probs = np.array([0.05, 0.5, 0.1, 0.2, 0.15])
-    logits = jnp.log(jnp.asarray([probs], jnp.float32))
+    logp = jnp.log(jnp.asarray([probs], jnp.float32))
     for p, kept in ((0.5, {1}), (0.6, {1, 3}), (0.7, {1, 3}), (0.71, {1, 3, 4}), (1.0, {0, 1, 2, 3, 4})):
-        threshold = float(top_p_threshold(logits, p)[0, 0])
-        assert set(np.flatnonzero(np.asarray(logits[0]) >= threshold)) == kept, p
-    keys = jax.random.split(jax.random.key(0), 4000)
-    draws = np.asarray(jax.vmap(lambda k: next_tokens(logits, Sampling(1.0, top_p=0.6), k))(keys))[:, 0]
-    assert set(draws) == {1, 3}
-    assert abs(np.mean(draws == 1) - 0.5 / 0.7) < 0.03
+        threshold = float(top_p_threshold(jnp.sort(logp, axis=-1)[:, ::-1], jnp.asarray([p]))[0, 0])
+        assert set(np.flatnonzero(np.asarray(logp[0]) >= threshold)) == kept, p
+    n = 4000
+    rules = SamplingRules(jnp.ones(n), jnp.full(n, 5, jnp.int32), jnp.full(n, 0.6))
+    draws, logprobs = draw(jnp.broadcast_to(logp, (n, 5)), rules, jax.random.split(jax.random.key(0), n),
+                           Kinds(True, False, True))
+    assert set(np.asarray(draws)) == {1, 3}
+    assert abs(np.mean(np.asarray(draws) == 1) - 0.5 / 0.7) < 0.03
+    np.testing.assert_allclose(logprobs, np.log(probs)[np.asarray(draws)], rtol=1e-6)  # before the cut
 
 
-def test_a_row_stops_at_its_stop_token():
+def test_a_request_stops_at_its_stop_token_or_stop_string():
     mesh, params = _on("1x1")
     reference = _reference()
     stop = reference[0][6]
-    out = Sampler(CFG, mesh, stop_ids=[stop]).generate(params, PROMPTS, NEW)
-    assert out[0] == reference[0][:reference[0].index(stop)]
-    assert out[1] == (reference[1][:reference[1].index(stop)] if stop in reference[1] else reference[1])
+    out = Engine(CFG, mesh, stop_ids=[stop]).generate(params, _requests(PROMPTS, NEW))
+    assert (out[0].tokens, out[0].finish) == (reference[0][:reference[0].index(stop)], "stop")
+    assert out[1].tokens == (reference[1][:reference[1].index(stop)] if stop in reference[1] else reference[1])
+    text = lambda ids: " ".join(f"<{i}>" for i in ids)
+    first_new = next(i for i in range(2, NEW) if reference[0][i] not in reference[0][:i])
+    cut = [Request(tuple(PROMPTS[0]), NEW, stop_strings=(f"<{reference[0][first_new]}>",))]
+    got, = Engine(CFG, mesh, decode=text).generate(params, cut)
+    assert (got.tokens, got.finish) == (reference[0][:first_new + 1], "stop")
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda s, p: s.generate(p, PROMPTS, 0), "max_new_tokens=0 must be positive"),
-    (lambda s, p: s.generate(p, PROMPTS, 4, Sampling(1.0, top_p=0.0)), r"top_p=0.0 must be in \(0, 1\]"),
-    (lambda s, p: s.generate(p, PROMPTS, 4, Sampling(1.0, top_p=1.5)), r"top_p=1.5 must be in \(0, 1\]"),
-    (lambda s, p: s.generate(p, [[1] * 30], 8), "a prompt of 30 tokens plus max_new_tokens=8 is longer than the "
-                                                "model's context of 32 tokens"),
-    (lambda s, p: s.generate(p, [[CFG.vocab_size]], 8), "outside the model's vocabulary"),
+    (lambda e, p: e.generate(p, _requests(PROMPTS, 0)), "max_new_tokens=0 must be positive"),
+    (lambda e, p: e.generate(p, _requests(PROMPTS, 4, Sampling(1.0, top_p=0.0))), r"top_p=0.0 must be in \(0, 1\]"),
+    (lambda e, p: e.generate(p, _requests(PROMPTS, 4, Sampling(1.0, top_p=1.5))), r"top_p=1.5 must be in \(0, 1\]"),
+    (lambda e, p: e.generate(p, _requests([[1] * 30], 8)), "a prompt of 30 tokens plus max_new_tokens=8 is longer "
+                                                           "than the model's context of 32 tokens"),
+    (lambda e, p: e.generate(p, _requests([[CFG.vocab_size]], 8)), "outside the model's vocabulary"),
+    (lambda e, p: e.generate(p, [Request((1,), 4, stop_strings=("x",))]), "stop strings need a tokenizer"),
+    (lambda e, p: e.session(p, 16, 1).add(Request((1,) * 10, 8)), "a prompt of 10 tokens plus max_new_tokens=8 is "
+                                                                  "longer than this session's 16 tokens"),
 ])
 def test_bad_requests_are_one_line_errors(call, message):
     mesh, params = _on("1x1")
-    sampler = Sampler(CFG.__class__(**{**CFG.__dict__, "context_length": 32}), mesh)
+    engine = Engine(CFG.__class__(**{**CFG.__dict__, "context_length": 32}), mesh)
     with pytest.raises(ConfigError, match=message):
-        call(sampler, params)
+        call(engine, params)
 
 
 def test_running_out_of_memory_is_one_line_that_says_what_to_lower():

@@ -99,12 +99,12 @@ def test_the_checker_sees_a_circle_and_a_forbidden_import():
         except AssertionError as err:
             assert "tunix_train.model.gemma" in str(err)
         GRAPH.update({k: set(v) for k, v in saved.items()})
-        GRAPH["tunix_train.generate.sampler"].add("tunix_train.train.init")
+        GRAPH["tunix_train.generate.engine"].add("tunix_train.train.init")
         try:
             test_imports_flow_one_way()
             raise RuntimeError("missed a forbidden import")
         except AssertionError as err:
-            assert "tunix_train.generate.sampler imports tunix_train.train.init" in str(err)
+            assert "tunix_train.generate.engine imports tunix_train.train.init" in str(err)
     finally:
         GRAPH.clear()
         GRAPH.update(saved)

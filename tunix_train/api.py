@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from tunix_train.checkpoint import resolve_resume_path, restore_params
 from tunix_train.config import Config, ConfigError, LoraConfig, ModelConfig, Remat, reads_text, without_retired_keys
 from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer
-from tunix_train.generate import Sampler, Sampling
+from tunix_train.generate import Completion, Engine, Request, Sampling
 from tunix_train.interop import checkpoint_format, gguf, hf, importer, peft
 from tunix_train.observe.memory import MemoryErrors
 from tunix_train.sharding import LOGICAL_RULES, make_mesh, validate_model_for_mesh
@@ -55,21 +55,42 @@ class LoadedModel:
         graphdef = model_graphdef(self.config, Remat.none, rules=LOGICAL_RULES.replace(seq=()))
         self._forward = jax.jit(lambda params, micro: nnx.merge(graphdef, params)(
             micro["inputs"], micro["positions"], micro["segment_ids"]))
-        self._sampler = Sampler(self.config, self.mesh, self.stop_ids)
+        self.engine = Engine(self.config, self.mesh, self.stop_ids,
+                             decode=None if self.tokenizer is None else self.tokenizer.decode)
 
     def generate(self, prompts: Sequence[Sequence[int] | str], max_new_tokens: int, temperature: float = 0.0,
                  top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
-                 on_tokens: Optional[Callable[[list[list[int]]], None]] = None) -> list[list[int]]:
+                 on_tokens: Optional[Callable[[int, list[int]], None]] = None) -> list[list[int]]:
         """New token ids for each prompt (token ids, or text encoded with BOS by the tokenizer),
-        without the stop token: greedy at temperature 0, else sampled (same seed, same tokens on
-        any mesh). `on_tokens` receives the new tokens of each prompt as they are produced."""
+        without the stop token: greedy at temperature 0, else sampled (prompt i draws from
+        fold_in(key(seed), i): same seed, same tokens on any mesh and beside any other prompt).
+        on_tokens(prompt index, new tokens) as they are produced."""
+        return [c.tokens for c in self.complete(self.requests(prompts, max_new_tokens, temperature, top_k, top_p,
+                                                              seed), on_tokens)]
+
+    def requests(self, prompts: Sequence[Sequence[int] | str], max_new_tokens: int, temperature: float = 0.0,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0) -> list[Request]:
+        """The engine's requests for `prompts` (see generate)."""
         sampling = Sampling(temperature, top_k, top_p)
-        ids = [self._encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        tips = [f"fewer prompts at once ({len(ids)} now)",
-                f"shorter prompts (the longest has {max(map(len, ids), default=0)} tokens)",
-                f"max_new_tokens={max(max_new_tokens // 2, 1)}"]
-        with MemoryErrors(None, self.mesh, training=False, first_tips=tips):
-            return self._sampler.generate(self.params, ids, max_new_tokens, sampling, seed, on_tokens)
+        return [Request(tuple(self._encode(p) if isinstance(p, str) else p), max_new_tokens, sampling, seed, i)
+                for i, p in enumerate(prompts)]
+
+    def complete(self, requests: Sequence[Request],
+                 on_tokens: Optional[Callable[[int, list[int]], None]] = None) -> list[Completion]:
+        """Each request's completion: its tokens, their log-probabilities, why it ended."""
+        with MemoryErrors(None, self.mesh, training=False, first_tips=self._memory_tips(requests)):
+            return self.engine.generate(self.params, requests, on_tokens=on_tokens)
+
+    def stream(self, prompt: Sequence[int] | str, max_new_tokens: int, **sampling: Any) -> Iterator[list[int]]:
+        """The new tokens of one prompt, a chunk at a time, as they are produced."""
+        request, = self.requests([prompt], max_new_tokens, **sampling)
+        with MemoryErrors(None, self.mesh, training=False, first_tips=self._memory_tips([request])):
+            yield from self.engine.stream(self.params, request)
+
+    def _memory_tips(self, requests: Sequence[Request]) -> list[str]:
+        return [f"fewer prompts at once ({len(requests)} now)",
+                f"shorter prompts (the longest has {max((len(r.prompt) for r in requests), default=0)} tokens)",
+                f"max_new_tokens={max(max((r.max_new_tokens for r in requests), default=2) // 2, 1)}"]
 
     def generate_text(self, texts: Sequence[str], max_new_tokens: int, **sampling: Any) -> list[str]:
         """The continuation of each text, decoded; keyword arguments as for generate."""

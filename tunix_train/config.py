@@ -169,7 +169,7 @@ class ModelConfig:
     # With a cp mesh axis: how attention reaches the other shards' keys and values.
     context_parallel_strategy: ContextParallelStrategy = _changeable(ContextParallelStrategy.all_gather)
     # The longest sequence (prompt and generated tokens) the model was trained for; null: no limit.
-    # The sampler refuses longer ones. Training does not read it.
+    # The engine refuses longer ones. Training does not read it.
     context_length: Optional[int] = _changeable(None)
     # A Hugging Face Gemma checkpoint directory (config.json + safetensors) to start from; its sizes
     # must match this config's.

@@ -67,15 +67,11 @@ def _stream(model, prompt: str, max_new_tokens: int, sampling: dict) -> None:
     ids: list[int] = []
     shown = ""
     print(prompt, end="", flush=True)
-
-    def show(new_per_prompt):
-        nonlocal shown
-        ids.extend(new_per_prompt[0])
+    for new in model.stream(prompt, max_new_tokens, **sampling):
+        ids.extend(new)
         text = model.tokenizer.decode(ids)
         print(text[len(shown):], end="", flush=True)
         shown = text
-
-    model.generate([prompt], max_new_tokens, on_tokens=show, **sampling)
     print()
 
 

@@ -1,15 +1,15 @@
-"""The sampler's KV cache and the attention that reads it.
+"""The engine's KV cache and the attention that reads it.
 
-Prompts are left-padded to a common length, so every row is at the same time step t; row b's
-position is t - pad_b. Each layer keeps keys and values [B*K, S, H]: one row per (batch row, kv
-head), sharded like a batch (over dp and fsdp) and by kv head over tp where they divide. A global
-layer has a slot for every time step of the generation; a sliding-window layer a ring buffer of
-`sliding_window` slots. Time t goes to slot t % S; the slot s then holds time t - ((t - s) mod S),
-its most recent visit.
+Each layer keeps keys and values [X, S, H], X = slots x kv heads: one row per (slot, kv head),
+sharded like a batch (over dp and fsdp) and by kv head over tp where they divide. A global layer
+has S = the engine's max_len slots; a sliding-window layer a ring buffer of `sliding_window`. A
+request's position p lives at slot p % S, wherever and whenever it was inserted, so its numbers
+(the order of every sum over slots included) do not depend on the slot it got or its neighbours.
+The slot s of a row at position p holds position p - ((p - s) mod S), its most recent visit.
 
-Why batch and kv heads share one dimension: with a separate kv-head dimension of size 1 (Gemma 3
+Why slots and kv heads share one dimension: with a separate kv-head dimension of size 1 (Gemma 3
 up to 1B), XLA:CPU fused each cache update into both of its readers (the attention's reshape and
-the loop's output) and copied every cache four times per decode step (docs/performance.md).
+the loop's output) and copied every cache four times per decode step (performance-history.md).
 """
 
 from __future__ import annotations
@@ -26,34 +26,49 @@ from tunix_train.sharding import Rules, logical_to_spec
 CACHE_AXES = ("batch", "kv_heads", None, "head_dim")  # of [B, K, S, H], whose first two merge
 
 
-def slots_per_layer(cfg: ModelConfig, total_len: int) -> tuple[int, ...]:
-    """Cache slots of each layer for `total_len` time steps: its window where that is shorter."""
-    return tuple(int(min(window, total_len)) for window in layer_windows(cfg))
+def slots_per_layer(cfg: ModelConfig, max_len: int) -> tuple[int, ...]:
+    """Cache slots of each layer for `max_len` time steps: its window where that is shorter."""
+    return tuple(int(min(window, max_len)) for window in layer_windows(cfg))
 
 
-def cache_shardings(cfg: ModelConfig, mesh: Mesh, rows: int, total_len: int, rules: Rules) -> list[NamedSharding]:
-    """Each layer's [B*K, S, H] cache: rows split over the batch's mesh axes, then over the kv
-    heads' (row-major, so the same split as [B, K] sharded on both)."""
-    shardings = []
-    for slots, shape in zip(slots_per_layer(cfg, total_len), layer_shapes(cfg)):
-        rows_spec, heads_spec, *rest = logical_to_spec(CACHE_AXES, (rows, shape.num_kv_heads, slots, shape.head_dim),
-                                                       mesh, "KV cache", rules)
-        merged = tuple(a for entry in (rows_spec, heads_spec) if entry is not None
-                       for a in ((entry,) if isinstance(entry, str) else entry))
-        shardings.append(NamedSharding(mesh, P(merged or None, *rest)))
-    return shardings
+def cache_shardings(cfg: ModelConfig, mesh: Mesh, rows: int, max_len: int, rules: Rules) -> list[NamedSharding]:
+    """Each layer's [rows*K, S, H] cache: rows split over the batch's mesh axes, then over the kv
+    heads' (row-major, so the same split as [rows, K] sharded on both)."""
+    return [_sharding(mesh, rules, rows, shape.num_kv_heads, slots, shape.head_dim)
+            for slots, shape in zip(slots_per_layer(cfg, max_len), layer_shapes(cfg))]
 
 
-def prefill_attend(window: int, slots: int, valid_BT: jax.Array, keep: bool = True):
-    """For Attention: attention over the prompt itself (causal, the window, no padding: padding is
-    a document of its own), and the layer's cache holding the prompt's keys and values (None when
-    not `keep`: a KV-sharing layer)."""
-    index_BT = jnp.broadcast_to(jnp.arange(valid_BT.shape[1]), valid_BT.shape)
-    mask_BTS = kernels.visible_keys(index_BT, valid_BT, index_BT, valid_BT)(window)
+def constrained(caches: list, cfg: ModelConfig, mesh: Mesh, rules: Rules) -> list:
+    """The caches (or prefill entries) of a compiled step held in cache_shardings' layout: the
+    same sharding in as out, so a step's output feeds the next call without a recompile."""
+    def constrain(x, shape):
+        rows = x.shape[0] // shape.num_kv_heads
+        return jax.lax.with_sharding_constraint(x, _sharding(mesh, rules, rows, shape.num_kv_heads, *x.shape[1:]))
 
+    return [None if c is None else {name: constrain(x, shape) for name, x in c.items()}
+            for c, shape in zip(caches, layer_shapes(cfg))]
+
+
+def _sharding(mesh: Mesh, rules: Rules, rows: int, kv_heads: int, slots: int, head_dim: int) -> NamedSharding:
+    rows_spec, heads_spec, *rest = logical_to_spec(CACHE_AXES, (rows, kv_heads, slots, head_dim), mesh, "KV cache",
+                                                   rules)
+    merged = tuple(a for entry in (rows_spec, heads_spec) if entry is not None
+                   for a in ((entry,) if isinstance(entry, str) else entry))
+    return NamedSharding(mesh, P(merged or None, *rest))
+
+
+def prefill_attend(window: int, slots: int, length_B: jax.Array, keep: bool = True):
+    """For Attention over right-padded prompts of length_B tokens: attention over the prompt itself
+    (causal, the window; the padding is a document of its own), and the layer's cache entry
+    [B*K, slots, H] holding the prompt's keys and values (None when not `keep`: a KV-sharing layer)."""
     def attend(q_BTNH, k_BTKH, v_BTKH, softcap):
+        B, T = q_BTNH.shape[:2]
+        index_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        valid_BT = index_BT < length_B[:, None]
+        mask_BTS = kernels.visible_keys(index_BT, valid_BT, index_BT, valid_BT)(window)
         out_BTNH = kernels.attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, softcap)
-        return out_BTNH, ({"k": _fill(k_BTKH, slots), "v": _fill(v_BTKH, slots)} if keep else None)
+        return out_BTNH, ({"k": _entry(k_BTKH, slots, length_B), "v": _entry(v_BTKH, slots, length_B)}
+                          if keep else None)
 
     return attend
 
@@ -64,38 +79,55 @@ def _rows(x_BTKH: jax.Array) -> jax.Array:
     return x_BTKH.transpose(0, 2, 1, 3).reshape(B * K, T, H)
 
 
-def _fill(x_BTKH: jax.Array, slots: int) -> jax.Array:
-    """A cache [B*K, slots, H] holding times 0..T-1 of x at slot t % slots (the last `slots` of
-    them when T is longer)."""
+def stored_positions(position_B: jax.Array, slots: int) -> jax.Array:
+    """[B, slots]: the position each slot holds for a row at position_B (negative: none yet)."""
+    return position_B[:, None] - jnp.mod(position_B[:, None] - jnp.arange(slots), slots)
+
+
+def _entry(x_BTKH: jax.Array, slots: int, length_B: jax.Array) -> jax.Array:
+    """A cache [B*K, slots, H] holding each row's positions 0..length-1 at slot p % slots (the last
+    `slots` of them when the prompt is longer); the slots of no position hold copies of position 0."""
     x_XTH = _rows(x_BTKH)
-    X, T, H = x_XTH.shape
-    if T <= slots:
-        return jnp.zeros((X, slots, H), x_XTH.dtype).at[:, :T].set(x_XTH)
-    return jnp.roll(x_XTH[:, T - slots:], (T - slots) % slots, axis=1)
+    K = x_BTKH.shape[2]
+    held_XS = jnp.repeat(jnp.maximum(stored_positions(length_B - 1, slots), 0), K, axis=0)
+    return jnp.take_along_axis(x_XTH, held_XS[:, :, None], axis=1)
 
 
-def decode_attend(cache: dict[str, jax.Array], window: int, t: jax.Array, pads_B: jax.Array, write: bool = True,
+def decode_attend(cache: dict[str, jax.Array], window: int, position_B: jax.Array, write: bool = True,
                   on_write=lambda new: None):
-    """For Attention, at time step t (one new position): the new key and value written to slot
-    t % S (on_write sees the new cache), then attention over the slots that hold this row's past
-    within the window (a slot before the row's padding ends is of another document). write=False:
-    a KV-sharing layer reads `cache`, already holding time t."""
-    slots = cache["k"].shape[1]
-    B = pads_B.shape[0]
-    time_1S = (t - jnp.mod(t - jnp.arange(slots), slots))[None]
-    mask_B1S = kernels.visible_keys(jnp.full((B, 1), t), jnp.ones((B, 1), bool), time_1S,
-                                    time_1S >= pads_B[:, None])(window)
+    """For Attention, one new position per row: its key and value written to slot position % S
+    (on_write sees the new cache), then attention over the slots that hold the row's own positions
+    within the window. write=False: a KV-sharing layer reads `cache`, already holding the position."""
+    X, slots, _ = cache["k"].shape
+    B = position_B.shape[0]
+    held_BS = stored_positions(position_B, slots)
+    mask_B1S = kernels.visible_keys(position_B[:, None], jnp.ones((B, 1), bool), held_BS, held_BS >= 0)(window)
 
     def attend(q_B1NH, k_B1KH, v_B1KH, softcap):
         if not write:
             return cached_attention(q_B1NH, cache["k"], cache["v"], mask_B1S, softcap), None
-        slot = jnp.mod(t, slots)
-        put = lambda c, x: jax.lax.dynamic_update_slice_in_dim(c, _rows(x).astype(c.dtype), slot, 1)
-        new = {"k": put(cache["k"], k_B1KH), "v": put(cache["v"], v_B1KH)}
+        slot_X = jnp.repeat(jnp.mod(position_B, slots), X // B)
+        new = {name: _write(cache[name], slot_X, _rows(x)[:, 0]) for name, x in (("k", k_B1KH), ("v", v_B1KH))}
         on_write(new)
         return cached_attention(q_B1NH, new["k"], new["v"], mask_B1S, softcap), new
 
     return attend
+
+
+def _write(cache_XSH: jax.Array, slot_X: jax.Array, new_XH: jax.Array) -> jax.Array:
+    """The cache with row x's slot slot_X[x] set to new_XH[x]: a scatter, except on XLA:CPU, where
+    the scatter in the decode loop fails to compile under xla_cpu_use_multi_output_fusion (jaxlib
+    0.10.2: "symbolic_map.cc Check failed"), so a select over the whole cache writes it there."""
+    new_XH = new_XH.astype(cache_XSH.dtype)
+
+    def select(cache_XSH, slot_X, new_XH):
+        hit_XS1 = (jnp.arange(cache_XSH.shape[1])[None] == slot_X[:, None])[:, :, None]
+        return jnp.where(hit_XS1, new_XH[:, None], cache_XSH)
+
+    def scatter(cache_XSH, slot_X, new_XH):
+        return cache_XSH.at[jnp.arange(cache_XSH.shape[0]), slot_X].set(new_XH, unique_indices=True)
+
+    return jax.lax.platform_dependent(cache_XSH, slot_X, new_XH, cpu=select, default=scatter)
 
 
 def cached_attention(q_B1NH, k_XSH, v_XSH, mask_B1S, softcap: float | None):
@@ -109,7 +141,7 @@ def cached_attention(q_B1NH, k_XSH, v_XSH, mask_B1S, softcap: float | None):
     return out_BKGH.reshape(B, 1, N, H)
 
 
-def cache_bytes(cfg: ModelConfig, rows: int, total_len: int, itemsize: int) -> int:
+def cache_bytes(cfg: ModelConfig, rows: int, max_len: int, itemsize: int) -> int:
     """Bytes of the whole cache (keys and values of every layer), before sharding."""
     return int(sum(2 * rows * shape.num_kv_heads * slots * shape.head_dim * itemsize
-                   for slots, shape in zip(slots_per_layer(cfg, total_len), layer_shapes(cfg)) if not shape.shares_kv))
+                   for slots, shape in zip(slots_per_layer(cfg, max_len), layer_shapes(cfg)) if not shape.shares_kv))

@@ -280,7 +280,7 @@ def check_matches(cfg: ModelConfig, directory: Path) -> None:
     """A one-line ConfigError naming the first model key that differs from the checkpoint's."""
     for key, value in model_fields_from_hf(read_hf_config(directory)).items():
         ours = getattr(cfg, key)
-        if key == "context_length":  # what the sampler allows, not what training computes
+        if key == "context_length":  # what the engine allows, not what training computes
             continue
         if ours != value and not (key == "query_pre_attn_scalar" and (ours or cfg.head_dim) == (value or cfg.head_dim)):
             raise ConfigError(f"model.init_from: {directory} has {key}={value!r} but model.{key}={ours!r}; "

@@ -76,7 +76,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTD, rope, attend, shared_kv=None):
         """`attend(q, k, v, softcap) -> (out, extra)`: attention over the keys this pass may see
-        (Gemma.hidden: the masked positions of the pass; a sampler: its KV cache, returned as extra).
+        (Gemma.hidden: the masked positions of the pass; the engine: its KV cache, returned as extra).
         shared_kv: the keys and values of the layer this one reuses. Returns (out, extra, (k, v))."""
         adapted = lambda y, lora: y if lora is None else y + lora(x_BTD)
         if self.k_DKH is not None and self.v_DKH is not None:
@@ -367,11 +367,12 @@ class Gemma(nnx.Module):
         """Each layer's parameters, cut from the stacks, in order: what unrolled_layers takes."""
         return [jax.tree.map(lambda a: a[i], nnx.state(stack)) for stack, i in self.layer_blocks()]
 
-    def unrolled_layers(self, layer_states, tokens_BT, positions_BT, attend_of_layer: Callable[[int], Callable]):
-        """The final normed hidden state at the last position [B, D], and what each layer's attend
-        returned beside its output (a sampler: the layer's KV cache). The layers run one after
-        another, each with its own parameters (layer_states) and attend_of_layer(i): how a sampler
-        runs them, each reading and writing its own cache."""
+    def unrolled_layers(self, layer_states, tokens_BT, positions_BT, attend_of_layer: Callable[[int], Callable],
+                        last_B=None):
+        """The final normed hidden state at index last_B of each row (default: the last) [B, D], and
+        what each layer's attend returned beside its output (the engine: the layer's KV cache). The
+        layers run one after another, each with its own parameters (layer_states) and
+        attend_of_layer(i): how the engine runs them, each reading and writing its own cache."""
         cfg = self.cfg
         x_BTD = self.embed(tokens_BT)
         per_layer_BTLP = self.per_layer_inputs(tokens_BT, x_BTD) if cfg.per_layer_input_dim else None
@@ -385,7 +386,8 @@ class Gemma(nnx.Module):
                                        shared.get(shape.layer_type) if shape.shares_kv else None)
             shared = _with_latest_kv(shared, shape, side["kv"])
             extras.append(extra)
-        return self.final_norm(x_BTD[:, -1]), extras
+        x_BD = x_BTD[:, -1] if last_B is None else jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)[:, 0]
+        return self.final_norm(x_BD), extras
 
     def _kv_producers(self) -> dict[str, LayerShape]:
         """The shape of the layers whose keys and values KV-sharing layers reuse, per layer type."""

@@ -1,6 +1,6 @@
 """The model's structure, apart from its math: each layer's shapes and window, and how layers of
 equal shapes group into stacks that one scan runs (docs/models.md). Everything that needs the
-structure (the sampler and its cache, the importers, MFU, the parallel schedules) reads it here.
+structure (the engine and its cache, the importers, MFU, the parallel schedules) reads it here.
 """
 
 from __future__ import annotations

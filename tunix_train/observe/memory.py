@@ -92,9 +92,10 @@ def _explain(err: BaseException, cfg, mesh, compiled, training: bool, first_tips
 
 class MemoryErrors:
     """A context in which an allocation failure (XLA's RESOURCE_EXHAUSTED at compile or run time,
-    or a host MemoryError) becomes OutOfMemory with _explain's one line. Set `compiled` to the
+    its "Out of memory allocating" when an asynchronous computation's result is read, or a host
+    MemoryError) becomes OutOfMemory with _explain's one line. Set `compiled` to the
     compiled train step once there is one: its memory analysis joins the message. `first_tips`:
-    what to lower before advice()'s (a sampler's batch and lengths)."""
+    what to lower before advice()'s (a generation's requests and lengths)."""
 
     def __init__(self, cfg, mesh, training: bool = True, first_tips: list[str] | None = None):
         self.cfg, self.mesh, self.training, self.compiled = cfg, mesh, training, None
@@ -104,7 +105,8 @@ class MemoryErrors:
         return self
 
     def __exit__(self, kind, err, traceback) -> bool:
-        if isinstance(err, MemoryError) or (err is not None and "RESOURCE_EXHAUSTED" in str(err)):
+        if isinstance(err, MemoryError) or (err is not None and any(
+                sign in str(err) for sign in ("RESOURCE_EXHAUSTED", "Out of memory allocating"))):
             raise OutOfMemory(_explain(err, self.cfg, self.mesh, self.compiled, self.training,
                                        self.first_tips)) from None
         return False

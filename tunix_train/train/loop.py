@@ -12,7 +12,7 @@ import jax
 from tunix_train.checkpoint import Checkpointer
 from tunix_train.config import Config, NanPolicy
 from tunix_train.data import Data
-from tunix_train.generate import Sampler
+from tunix_train.generate import Engine, Request
 from tunix_train.observe.comms import CommunicationProfile
 from tunix_train.observe.metrics import MetricsWriter, setup_logging
 from tunix_train.observe.mfu import Peak, train_flops_per_token
@@ -164,20 +164,20 @@ def _describe_parameters(run, state: TrainState) -> str:
 
 
 def _samples_hook(cfg: Config, run, data: Data, writer: MetricsWriter | None, say) -> list[h.Hook]:
-    """training.sample_every: greedy continuations of training.sample_prompts, by the sampler on
+    """training.sample_every: greedy continuations of training.sample_prompts, by the engine on
     the training mesh, from the parameters moved to the devices where they are offloaded."""
     t = cfg.training
     if not t.sample_every:
         return []
     tokenizer = data.tokenizer
-    sampler = Sampler(cfg.model, run.mesh, stop_ids=(tokenizer.eos_id,))
+    engine = Engine(cfg.model, run.mesh, stop_ids=(tokenizer.eos_id,))
     merged = jax.jit(run.weights.merged)  # LoRA: the adapters merged into the base
 
     def generate(state, prompts: list[str]) -> list[str]:
         params = merged(jax.device_put(state.params, run.plan.on_device.params), state.frozen)
-        ids = sampler.generate(params, [[tokenizer.bos_id, *tokenizer.encode(p)] for p in prompts],
-                               t.sample_max_new_tokens)
-        return [tokenizer.decode(new) for new in ids]
+        done = engine.generate(params, [Request((tokenizer.bos_id, *tokenizer.encode(p)), t.sample_max_new_tokens)
+                                        for p in prompts])
+        return [tokenizer.decode(c.tokens) for c in done]
 
     def write(step: int, samples: list[tuple[str, str]]) -> None:
         for prompt, text in samples:

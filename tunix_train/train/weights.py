@@ -53,7 +53,7 @@ class Weights:
 
     def merged(self, params, frozen) -> nnx.State:
         """The trained model as plain parameters (no adapters; LoRA's base in its dtype plus
-        (alpha / rank) · A B): what the sampler and the exporters read."""
+        (alpha / rank) · A B): what the engine and the exporters read."""
         if self.lora is None:
             return params
         flat = dict(nnx.to_flat_state(frozen))

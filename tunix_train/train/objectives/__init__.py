@@ -15,7 +15,7 @@ knows which one runs:
 - `record_fields`: the JSON-lines fields every record must hold (None: the data config's);
 - `read(data)`: reads what it needs of the data (tokenizes, checks) before any device work;
 - `train_batches(data, global_rows, rows)` / `eval_batches(...)`: host batches, checkpointable;
-- `connect(run, write_samples)`: what it needs of the run once set up (GRPO: the sampler);
+- `connect(run, write_samples)`: what it needs of the run once set up (GRPO: the engine);
 - `prepare(batch, state)`: the host batch -> the step's batch (GRPO samples and scores here);
 - `hooks()`: hooks it adds to the loop (GRPO: the rollout's rewards in the log).
 """

@@ -1,7 +1,7 @@
 """Group relative policy optimization (Shao et al. 2024, DeepSeekMath) with verifiable rewards.
 
 Each step, before the compiled step runs (`prepare`): every prompt of the batch is completed G times
-by the sampler (generate/sampler.py) on the training mesh with the current parameters, at
+by the engine (generate/engine.py) on the training mesh with the current parameters, at
 training.grpo.temperature; the reward functions score each completion and the rewards add up; a
 completion's advantage is A = (r - mean of its group) / (std of its group + 1e-4), the standard
 deviation unbiased as TRL computes it. The rows of a group are consecutive and a micro-batch on one
@@ -116,23 +116,24 @@ class GroupRelative(Objective):
                             slots=range(rows.start // G, rows.stop // G), prefetch=self.cfg.data.prefetch_batches)
 
     def connect(self, run, write_samples: Callable[[int, list[tuple[str, str]]], None]) -> None:
-        """What sampling needs of the run: the sampler on its mesh, the merged parameters."""
-        from tunix_train.generate import Sampler
+        """What sampling needs of the run: the engine on its mesh, the merged parameters."""
+        from tunix_train.generate import Engine
 
         self._run, self._write_samples = run, write_samples
         self._merged = jax.jit(run.weights.merged)  # LoRA: the adapters merged into the base, compiled once
-        self._sampler = Sampler(self.cfg.model, run.mesh, stop_ids=(self._tokenizer.eos_id,))
+        # every completion of a step at once, in one batch of slots
+        self._engine = Engine(self.cfg.model, run.mesh, stop_ids=(self._tokenizer.eos_id,), slots=None)
 
     def prepare(self, batch: dict[str, np.ndarray], state) -> dict[str, np.ndarray]:
         """Prompt indices [A, prompts, 1] -> the rows of their G completions each, scored."""
         from jax.experimental import multihost_utils
 
-        from tunix_train.generate import Sampling
+        from tunix_train.generate import Request, Sampling
 
         start = time.perf_counter()
         G, T, step = self.grpo.num_generations, self.cfg.data.seq_len, int(state.step)
         indices = batch["index"][..., 0]  # [A, this process's prompts]
-        if jax.process_count() > 1:  # every process samples every prompt (the sampler is one program)
+        if jax.process_count() > 1:  # every process samples every prompt (the engine is one program)
             per_process = np.asarray(multihost_utils.process_allgather(indices))  # [processes, A, prompts]
             starts = np.asarray(multihost_utils.process_allgather(np.array(self._rows.start)))
             indices = np.concatenate([per_process[p] for p in np.argsort(starts)], axis=1)
@@ -140,9 +141,10 @@ class GroupRelative(Objective):
         order = indices.reshape(-1)
         prompts = [self._prompts[i] for i in order for _ in range(G)]
         params = self._merged(jax.device_put(state.params, self._run.plan.on_device.params), state.frozen)
-        new = self._sampler.generate(params, prompts, self.grpo.max_new_tokens,
-                                     Sampling(temperature=self.grpo.temperature),
-                                     seed=self.cfg.training.seed * 1_000_003 + step)
+        sampling, seed = Sampling(temperature=self.grpo.temperature), self.cfg.training.seed * 1_000_003 + step
+        done = self._engine.generate(params, [Request(tuple(p), self.grpo.max_new_tokens, sampling, seed, i)
+                                              for i, p in enumerate(prompts)], max_len=T)
+        new = [c.tokens for c in done]
         sampled = time.perf_counter()
         eos = self._tokenizer.eos_id
         completions = [ids + [eos] if len(ids) < self.grpo.max_new_tokens else ids for ids in new]

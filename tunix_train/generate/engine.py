@@ -1,0 +1,414 @@
+"""The inference engine: continuous batching over a fixed number of slots, on the mesh the
+parameters live on. The one way this project generates text (the API, the CLI, samples during
+training, GRPO's rollouts).
+
+Waiting requests take the free slots: their prompts are prefilled together (right-padded to a
+power of two, so few compilations), each one's keys and values inserted into its slot's cache
+rows, and its first token drawn from the prefill's logits. Decoding runs `chunk` steps of every slot per call to one compiled scan; between
+chunks the host takes each slot's new tokens, frees the slots whose request stopped (a stop token,
+its max_new_tokens, a stop string) and inserts waiting requests there, so the batch never waits
+for its longest row (JetStream's and MaxText's prefill / insert / generate split).
+
+A request's tokens depend on nothing but the request: its positions sit at the same cache slots
+whatever slot or time it got (cache.py), each row of a prefill or decode step is computed on its
+own, and its random stream is its own (token n is drawn with fold_in(key(seed), stream) folded
+with n). The prefills of recent prompts
+are kept (`prefix_cache` of them), so a group's G completions of one prompt prefill it once.
+Parameters are an argument: the engine holds no copy of the weights.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import time
+from typing import Callable, Iterator, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tunix_train.config import ConfigError, ModelConfig, Remat
+from tunix_train.generate import cache as kv
+from tunix_train.generate.sampling import Kinds, Rules, Sampling, draw
+from tunix_train.model import kernels
+from tunix_train.model.layout import kv_sources, layer_windows
+from tunix_train.parallel import model_graphdef
+from tunix_train.sharding import BATCH_AXES, LOGICAL_RULES, Rules as ShardingRules, constrain, data_parallel_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A prompt's token ids and how to continue it. Its random stream is fold_in(key(seed), stream)."""
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    sampling: Sampling = Sampling()
+    seed: int = 0
+    stream: int = 0
+    stop_strings: tuple[str, ...] = ()  # needs the engine's `decode`
+
+
+@dataclasses.dataclass
+class Completion:
+    """The new tokens (without the stop token; with the one that completed a stop string), the
+    log-probability of each (sampling.draw), and why it ended: "stop" or "length"."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish: Optional[str] = None
+
+
+def bucket(length: int) -> int:
+    """Prompts are right-padded to a power of two (at least 16): few prefill compilations."""
+    return max(16, 1 << math.ceil(math.log2(max(length, 1))))
+
+
+def _fetch(x: jax.Array) -> np.ndarray:
+    """The whole of a global array on this host: in a multi-process run the rows on other
+    processes' devices are gathered (every process runs the same loop)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+@functools.lru_cache(maxsize=1024)
+def _seed_key(seed: int) -> np.ndarray:
+    """The raw data of key(seed)."""
+    return np.asarray(jax.random.key_data(jax.random.key(seed)))
+
+
+def _draw(logits_BV, rules: Rules, seeds_B, stream_B, count_B, kinds: Kinds):
+    """Token number count_B of each row, drawn with fold_in(fold_in(key(seed), stream), count)
+    (seeds_B: the raw data of each row's key(seed))."""
+    fold = jax.vmap(jax.random.fold_in)
+    return draw(logits_BV, rules, fold(fold(jax.random.wrap_key_data(seeds_B), stream_B), count_B), kinds)
+
+
+class Engine:
+    """Generates from a Gemma of `cfg` whose parameters are sharded over `mesh`, `slots` requests
+    at a time (rounded up to the data-parallel size; None: all of a generate call's at once)."""
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, stop_ids: Sequence[int] = (), rules: ShardingRules = LOGICAL_RULES,
+                 slots: Optional[int] = 16, chunk: int = 8, prefix_cache: int = 4,
+                 decode: Optional[Callable[[list[int]], str]] = None):
+        """stop_ids: the tokens that end a request (EOS, end of turn), excluded from its tokens.
+        prefix_cache: how many recent prompts' prefills are kept for reuse (0: every request is
+        prefilled on its own). decode: token ids -> text, for requests with stop strings."""
+        # the engine keeps positions whole: a prompt or one decoded token is not split over cp
+        self.cfg, self.mesh, self.rules, self.chunk = cfg, mesh, rules.replace(seq=()), chunk
+        self.stop_ids, self.decode = frozenset(int(i) for i in stop_ids), decode
+        self.slots, self.prefix_cache = slots, prefix_cache
+        self.graphdef = model_graphdef(cfg, Remat.none, rules=self.rules)
+        self.windows = tuple(int(w) for w in layer_windows(cfg))
+        self.source = kv_sources(cfg)
+        self._prefill = jax.jit(self._prefill_fn, static_argnames=("max_len",))
+        self._insert = jax.jit(self._insert_fn, static_argnames=("kinds",), donate_argnums=(0,))
+        self._decode = jax.jit(self._decode_fn, static_argnames=("kinds",), donate_argnums=(2,))
+        self._unstack = jax.jit(lambda params: nnx.merge(self.graphdef, params).layer_states())
+        self._entry_shapes: dict = {}
+        self.stats = collections.Counter()  # prefill_s, prefills, prefix_hits, decode_s, steps, tokens
+
+    # -- the compiled pieces -------------------------------------------------------------------
+
+    def _forward(self, params, per_layer, tokens_BT, positions_BT, attend_of_layer, last_B=None):
+        """Next-token logits [B, V] at index last_B (default the last), and each layer's cache
+        (None for a layer that reuses an earlier one's keys and values)."""
+        model = nnx.merge(self.graphdef, params)
+        x_BD, caches = model.unrolled_layers(per_layer, tokens_BT, positions_BT, attend_of_layer, last_B)
+        return self._logits(x_BD, model.output_table()), kv.constrained(caches, self.cfg, self.mesh, self.rules)
+
+    def _logits(self, x_BD, table_VD):
+        """float32 logits [B, V], as gemma.output_logits computes them for training, but with the
+        vocabulary as the dot's rows. Why: XLA:CPU's dot runs [V, D] x [D, B] about twice as fast as
+        [B, D] x [D, V] at a decoding batch (performance-history.md); the barrier keeps XLA from
+        folding the transpose back into the dot."""
+        logits_VB = jnp.einsum("vd,bd->vb", table_VD.astype(x_BD.dtype), x_BD).astype(jnp.float32)
+        logits_BV = jax.lax.optimization_barrier(logits_VB).T
+        logits_BV = kernels.soft_cap(logits_BV, self.cfg.final_logit_softcap)
+        return constrain(logits_BV, ("batch", "act_vocab"), self.rules)
+
+    def _prefill_fn(self, params, per_layer, tokens_NP, length_N, *, max_len: int):
+        """Right-padded prompts -> each producing layer's cache entries [N*K, slots, H] and the
+        logits [N, V] after each prompt's last token."""
+        P_ = tokens_NP.shape[1]
+        slots = kv.slots_per_layer(self.cfg, max_len)
+        positions_NP = jnp.broadcast_to(jnp.arange(P_), tokens_NP.shape)
+        logits_NV, entries = self._forward(
+            params, per_layer, tokens_NP, positions_NP,
+            lambda i: kv.prefill_attend(self.windows[i], slots[i], length_N, keep=self.source[i] == i), length_N - 1)
+        return entries, logits_NV
+
+    def _insert_fn(self, caches, entries, logits_NV, row, slot, rules: Rules, seed_1, stream_1, *, kinds: Kinds):
+        """The caches with prefill row `row` of `entries` written over slot `slot`'s rows, and the
+        request's first token (number 0 of its stream) drawn from that row's logits."""
+        def put(cache, entry):
+            K = entry.shape[0] // logits_NV.shape[0]
+            mine = jax.lax.dynamic_slice_in_dim(entry, row * K, K, 0)
+            return jax.lax.dynamic_update_slice_in_dim(cache, mine.astype(cache.dtype), slot * K, 0)
+
+        caches = [None if c is None else {name: put(c[name], e[name]) for name in c} for c, e in zip(caches, entries)]
+        logits_1V = jax.lax.dynamic_slice_in_dim(logits_NV, row, 1, 0)
+        token_1, logprob_1 = _draw(logits_1V, rules, seed_1, stream_1, jnp.zeros((1,), jnp.int32), kinds)
+        return kv.constrained(caches, self.cfg, self.mesh, self.rules), token_1, logprob_1
+
+    def _decode_fn(self, params, per_layer, caches, token_B, position_B, count_B, seeds_B, stream_B, rules: Rules, *,
+                   kinds: Kinds):
+        """`chunk` steps: each feeds a row's token at its position and draws its token number
+        count_B. Returns the caches, the next (token, position, count) and the [B, chunk] tokens
+        and their log-probabilities."""
+
+        def step(carry, _):
+            caches, token_B, position_B, count_B = carry
+            updated = list(caches)  # the KV-sharing layers read their source's cache after its update
+
+            def attend_of_layer(i):
+                if self.source[i] != i:
+                    return kv.decode_attend(updated[self.source[i]], self.windows[i], position_B, write=False)
+                return kv.decode_attend(caches[i], self.windows[i], position_B,
+                                        on_write=lambda c: updated.__setitem__(i, c))
+
+            logits_BV, caches = self._forward(params, per_layer, token_B[:, None], position_B[:, None], attend_of_layer)
+            drawn_B, logprob_B = _draw(logits_BV, rules, seeds_B, stream_B, count_B, kinds)
+            return (caches, drawn_B, position_B + 1, count_B + 1), (drawn_B, logprob_B)
+
+        (caches, token_B, position_B, count_B), (drawn_CB, logprob_CB) = jax.lax.scan(
+            step, (caches, token_B, position_B, count_B), None, length=self.chunk)
+        return caches, token_B, position_B, count_B, drawn_CB.T, logprob_CB.T
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def check(self, request: Request) -> None:
+        """One-line errors for a request the engine cannot serve."""
+        if request.max_new_tokens <= 0:
+            raise ConfigError(f"max_new_tokens={request.max_new_tokens} must be positive")
+        if not request.prompt:
+            raise ConfigError("every prompt needs at least one token")
+        limit = self.cfg.context_length
+        if limit is not None and len(request.prompt) + request.max_new_tokens > limit:
+            raise ConfigError(f"a prompt of {len(request.prompt)} tokens plus max_new_tokens={request.max_new_tokens} "
+                              f"is longer than the model's context of {limit} tokens: shorten the prompt or lower "
+                              f"max_new_tokens")
+        if any(not 0 <= i < self.cfg.vocab_size for i in request.prompt):
+            raise ConfigError(f"a prompt holds a token id outside the model's vocabulary [0, {self.cfg.vocab_size})")
+        if request.stop_strings and self.decode is None:
+            raise ConfigError("stop strings need a tokenizer: this model has none, pass stop token ids instead")
+
+    def max_len_for(self, requests: Sequence[Request]) -> int:
+        """Cache slots of a global layer that serve every request: a multiple of 64, within the context."""
+        needed = max(len(r.prompt) + r.max_new_tokens for r in requests)
+        rounded = -(-needed // 64) * 64
+        return min(rounded, self.cfg.context_length or rounded)
+
+    def entry_shapes(self, params, per_layer, max_len: int):
+        """The shapes and dtypes of one request's cache entries (traced once per layout)."""
+        layout = (max_len, tuple((x.shape, x.dtype) for x in jax.tree.leaves(params)))
+        if layout not in self._entry_shapes:
+            dp = data_parallel_size(self.mesh)  # the fewest prefill rows
+            prefill = functools.partial(self._prefill_fn, max_len=max_len)
+            entries = jax.eval_shape(prefill, params, per_layer, jnp.zeros((dp, 16), jnp.int32),
+                                     jnp.ones((dp,), jnp.int32))[0]
+            self._entry_shapes[layout] = [None if e is None else {
+                name: jax.ShapeDtypeStruct((x.shape[0] // dp, *x.shape[1:]), x.dtype) for name, x in e.items()}
+                for e in entries]
+        return self._entry_shapes[layout]
+
+    def slots_for(self, requests: int) -> int:
+        """Slots for `requests` at once: the engine's number at most, a multiple of the data-parallel size."""
+        dp = data_parallel_size(self.mesh)
+        return -(-min(requests, self.slots or requests) // dp) * dp
+
+    def session(self, params, max_len: int, slots: int, kinds: Kinds = Kinds(True, True, True)) -> "Session":
+        """`slots` slots and their caches for requests of at most max_len tokens with their completions."""
+        return Session(self, params, max_len, slots, kinds)
+
+    def generate(self, params, requests: Sequence[Request], max_len: Optional[int] = None,
+                 on_tokens: Optional[Callable[[int, list[int]], None]] = None) -> list[Completion]:
+        """Every request's completion, in order; on_tokens(request index, new tokens) as they come."""
+        requests = [dataclasses.replace(r, prompt=tuple(int(i) for i in r.prompt)) for r in requests]
+        if not requests:
+            return []
+        for r in requests:
+            self.check(r)
+        session = self.session(params, max_len or self.max_len_for(requests), self.slots_for(len(requests)),
+                               Kinds.of(r.sampling for r in requests))
+        ids = [session.add(r) for r in requests]
+        index = {rid: i for i, rid in enumerate(ids)}
+        while session.busy:
+            for rid, tokens in session.step():
+                if on_tokens is not None and tokens:
+                    on_tokens(index[rid], tokens)
+        return [session.completions.pop(rid) for rid in ids]
+
+    def stream(self, params, request: Request) -> Iterator[list[int]]:
+        """The request's new tokens, a chunk at a time, as they are produced."""
+        request = dataclasses.replace(request, prompt=tuple(int(i) for i in request.prompt))
+        self.check(request)
+        session = self.session(params, self.max_len_for([request]), self.slots_for(1), Kinds.of([request.sampling]))
+        rid = session.add(request)
+        while session.busy:
+            for _, tokens in session.step():
+                if tokens:
+                    yield tokens
+        session.completions.pop(rid)
+
+
+class Session:
+    """One run of the engine's slots: requests wait in a queue, take a free slot, and leave when
+    they stop. add() may be called while it runs; step() advances it by one chunk."""
+
+    def __init__(self, engine: Engine, params, max_len: int, slots: int, kinds: Kinds):
+        self.engine, self.params, self.max_len, self.slots, self.kinds = engine, params, max_len, slots, kinds
+        self.queue: collections.deque[tuple[int, Request]] = collections.deque()
+        self.completions: dict[int, Completion] = {}
+        self.running: list[Optional[tuple[int, Request]]] = [None] * slots
+        self._next_id = 0
+        e = engine
+        with jax.set_mesh(e.mesh):
+            self.per_layer = e._unstack(params)
+            # the cache of every slot: a prefill entry's layout (and dtype) with `slots` times its rows
+            entries = e.entry_shapes(params, self.per_layer, max_len)
+            shardings = kv.cache_shardings(e.cfg, e.mesh, slots, max_len, e.rules)
+            self.caches = [None if entry is None else
+                           {name: jnp.zeros((slots * x.shape[0], *x.shape[1:]), x.dtype, device=sharding)
+                            for name, x in entry.items()} for entry, sharding in zip(entries, shardings)]
+        self.row = {name: np.zeros(slots, dtype) for name, dtype in
+                    (("token", np.int32), ("position", np.int32), ("count", np.int32), ("stream", np.uint32),
+                     ("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32))}
+        self.seeds = np.zeros((slots, *_seed_key(0).shape), np.uint32)
+        self._prefixes: collections.OrderedDict = collections.OrderedDict()  # prompt -> (entries, logits, row)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue) or any(r is not None for r in self.running)
+
+    def add(self, request: Request) -> int:
+        """Queues a request; returns its id (the key of its completion)."""
+        if len(request.prompt) + request.max_new_tokens > self.max_len:
+            raise ConfigError(f"a prompt of {len(request.prompt)} tokens plus max_new_tokens={request.max_new_tokens} "
+                              f"is longer than this session's {self.max_len} tokens")
+        rid, self._next_id = self._next_id, self._next_id + 1
+        self.queue.append((rid, request))
+        self.completions[rid] = Completion()
+        return rid
+
+    def step(self) -> list[tuple[int, list[int]]]:
+        """Fills the free slots from the queue, decodes one chunk, and returns each running
+        request's new tokens (id, tokens); a request that stopped has its Completion's finish set."""
+        new: list[tuple[int, list[int]]] = []
+        with jax.set_mesh(self.engine.mesh):
+            free = [slot for slot, r in enumerate(self.running) if r is None][:len(self.queue)]
+            if free:
+                new += self._start([(slot, *self.queue.popleft()) for slot in free])
+            if any(r is not None for r in self.running):
+                new += self._decode_chunk()
+        return new
+
+    def _rows(self, x: np.ndarray) -> jax.Array:
+        mesh = self.engine.mesh
+        batch_axes = tuple(a for a in BATCH_AXES if a in mesh.shape) or None
+        return jax.device_put(x, NamedSharding(mesh, P(batch_axes, *[None] * (x.ndim - 1))))
+
+    def _prefilled(self, starting: list[tuple[int, int, Request]]) -> list[tuple]:
+        """Each starting request's prefill (entries, logits, row): its prompt's kept one, or new
+        ones, the prompts of one bucket length prefilled in one batch."""
+        e = self.engine
+        key_of = lambda i, r: r.prompt if e.prefix_cache else i
+        found = {}
+        for i, (_, _, r) in enumerate(starting):
+            if key_of(i, r) in self._prefixes:
+                self._prefixes.move_to_end(key_of(i, r))
+                found[key_of(i, r)] = self._prefixes[key_of(i, r)]
+        todo = {key_of(i, r): r.prompt for i, (_, _, r) in enumerate(starting) if key_of(i, r) not in found}
+        dp = data_parallel_size(e.mesh)
+        for length in sorted({bucket(len(p)) for p in todo.values()}):
+            group = [(k, p) for k, p in todo.items() if bucket(len(p)) == length]
+            N = -(-(1 << math.ceil(math.log2(len(group)))) // dp) * dp
+            tokens, lengths = np.zeros((N, length), np.int32), np.zeros(N, np.int32)
+            for row in range(N):
+                prompt = group[min(row, len(group) - 1)][1]
+                tokens[row, :len(prompt)], lengths[row] = prompt, len(prompt)
+            entries, logits = e._prefill(self.params, self.per_layer, self._rows(tokens), self._rows(lengths),
+                                         max_len=self.max_len)
+            found.update({k: (entries, logits, row) for row, (k, _) in enumerate(group)})
+            e.stats["prefills"] += len(group)
+        e.stats["prefix_hits"] += len(starting) - len(todo)
+        if e.prefix_cache:
+            self._prefixes.update((k, found[k]) for k in todo)
+            while len(self._prefixes) > e.prefix_cache:
+                self._prefixes.popitem(last=False)
+        return [found[key_of(i, r)] for i, (_, _, r) in enumerate(starting)]
+
+    def _start(self, starting: list[tuple[int, int, Request]]) -> list[tuple[int, list[int]]]:
+        """Prefills the starting (slot, id, request)s, inserts each into its slot and draws its
+        first token."""
+        e, row = self.engine, self.row
+        start = time.perf_counter()
+        drawn = []
+        for (slot, rid, request), (entries, logits, prefill_row) in zip(starting, self._prefilled(starting)):
+            s = request.sampling
+            settings = {"token": 0, "position": len(request.prompt), "count": 1, "stream": request.stream,
+                        "temperature": s.temperature, "top_k": s.top_k or e.cfg.vocab_size, "top_p": s.top_p or 1.0}
+            for name, value in settings.items():
+                row[name][slot] = value
+            self.seeds[slot] = _seed_key(request.seed)
+            one = lambda name: row[name][slot:slot + 1]
+            self.caches, token, logprob = e._insert(
+                self.caches, entries, logits, np.int32(prefill_row), np.int32(slot),
+                Rules(one("temperature"), one("top_k"), one("top_p")), self.seeds[slot:slot + 1], one("stream"),
+                kinds=self.kinds)
+            self.running[slot] = (rid, request)
+            drawn.append((slot, token, logprob))
+        new = []
+        for slot, token, logprob in drawn:
+            token, logprob = int(_fetch(token)[0]), float(_fetch(logprob)[0])
+            row["token"][slot] = token
+            new.append((self.running[slot][0], self._take(slot, [token], [logprob])))
+        e.stats["prefill_s"] += time.perf_counter() - start
+        return new
+
+    def _decode_chunk(self) -> list[tuple[int, list[int]]]:
+        e, row = self.engine, self.row
+        start = time.perf_counter()
+        rules = Rules(self._rows(row["temperature"]), self._rows(row["top_k"]), self._rows(row["top_p"]))
+        self.caches, token_B, position_B, count_B, drawn_BC, logprob_BC = e._decode(
+            self.params, self.per_layer, self.caches, self._rows(row["token"]), self._rows(row["position"]),
+            self._rows(row["count"]), self._rows(self.seeds), self._rows(row["stream"]), rules, kinds=self.kinds)
+        drawn_BC, logprob_BC = _fetch(drawn_BC), _fetch(logprob_BC)
+        row["token"], row["position"], row["count"] = (np.array(_fetch(x)) for x in (token_B, position_B, count_B))
+        e.stats["decode_s"] += time.perf_counter() - start
+        e.stats["steps"] += e.chunk
+        return [(self.running[slot][0], self._take(slot, drawn_BC[slot].tolist(), logprob_BC[slot].tolist()))
+                for slot in range(self.slots) if self.running[slot] is not None]
+
+    def _take(self, slot: int, tokens: list[int], logprobs: list[float]) -> list[int]:
+        """Appends a slot's new tokens to its completion up to where the request stops; frees the
+        slot when it does. Returns the tokens taken."""
+        rid, request = self.running[slot]
+        done = self.completions[rid]
+        taken = []
+        for token, logprob in zip(tokens, logprobs):
+            if token in self.engine.stop_ids:
+                done.finish = "stop"
+                break
+            done.tokens.append(token)
+            done.logprobs.append(logprob)
+            taken.append(token)
+            if request.stop_strings and any(t in self.engine.decode(done.tokens) for t in request.stop_strings):
+                done.finish = "stop"
+                break
+            if len(done.tokens) == request.max_new_tokens:
+                done.finish = "length"
+                break
+        if done.finish is not None:
+            self.running[slot] = None
+        self.engine.stats["tokens"] += len(taken)
+        return taken
+
+

@@ -1,0 +1,89 @@
+"""How the next token is drawn, row by row: each row of a batch has its own temperature, top-k,
+top-p and random stream, so a request draws the same tokens whatever shares the batch with it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from tunix_train.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Greedy at temperature 0; otherwise from softmax(logits / T) restricted to the top_k most
+    likely tokens and to the smallest set whose mass reaches top_p."""
+
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature={self.temperature} must be >= 0")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError(f"top_k={self.top_k} must be >= 1 (or None for no limit)")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1] (or None for no limit)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Rules(NamedTuple):
+    """The rows' sampling settings as arrays [B]: temperature (0: greedy), top_k (the vocabulary
+    size: no limit), top_p (1: no limit)."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+
+class Kinds(NamedTuple):
+    """What some row of the batch needs (static: one compiled program per combination): a random
+    draw at all, the top-k cut, the top-p cut. An all-greedy batch computes only an argmax."""
+
+    sample: bool
+    top_k: bool
+    top_p: bool
+
+    @classmethod
+    def of(cls, samplings) -> "Kinds":
+        drawn = [s for s in samplings if not s.greedy]
+        return cls(bool(drawn), any(s.top_k is not None for s in drawn), any(s.top_p is not None for s in drawn))
+
+
+def draw(logits_BV: jax.Array, rules: Rules, keys_B: jax.Array, kinds: Kinds):
+    """The next token of each row and its log-probability under softmax(logits / T), the
+    distribution before the top-k and top-p cuts (as vLLM reports them; T = 1 for a greedy row)."""
+    logits_BV = logits_BV.astype(jnp.float32)
+    greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    temperature_B1 = rules.temperature[:, None]
+    logp_BV = jax.nn.log_softmax(logits_BV / jnp.where(temperature_B1 > 0, temperature_B1, 1.0), axis=-1)
+    token_B = greedy_B
+    if kinds.sample:
+        kept_BV = logp_BV
+        if kinds.top_k or kinds.top_p:
+            sorted_BV = jnp.sort(logp_BV, axis=-1)[:, ::-1]
+            if kinds.top_k:
+                kth_B1 = jnp.take_along_axis(sorted_BV, rules.top_k[:, None] - 1, axis=-1)
+                kept_BV = jnp.where(logp_BV >= kth_B1, kept_BV, -jnp.inf)
+            if kinds.top_p:
+                kept_BV = jnp.where(logp_BV >= top_p_threshold(sorted_BV, rules.top_p), kept_BV, -jnp.inf)
+        drawn_B = jax.vmap(jax.random.categorical)(keys_B, kept_BV).astype(jnp.int32)
+        token_B = jnp.where((rules.temperature > 0) & (rules.top_k != 1), drawn_B, greedy_B)
+    return token_B, jnp.take_along_axis(logp_BV, token_B[:, None], axis=-1)[:, 0]
+
+
+def top_p_threshold(sorted_BV: jax.Array, top_p_B: jax.Array) -> jax.Array:
+    """[B, 1]: from log-probabilities sorted in descending order, the smallest of the smallest set
+    of most likely tokens whose mass reaches top_p (a token is kept when the mass of the tokens
+    more likely than it is below top_p)."""
+    probs_BV = jnp.exp(sorted_BV)
+    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    kept_BV = mass_before_BV < top_p_B[:, None]
+    return jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
