@@ -181,6 +181,8 @@ def test_the_restart_policy(tmp_path):
 
 
 # Ray ----------------------------------------------------------------------------------------------
+# One worker of the parallel suite runs every Ray test: one cluster (the module's fixture) at a time.
+RAY_TESTS = pytest.mark.xdist_group("ray")
 LOOPBACK = {**ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray keeps head, workers and driver on 127.0.0.1
 
 
@@ -232,6 +234,7 @@ def _pid_of_rank(out: str, rank: int) -> int:
 
 
 @pytest.mark.slow
+@RAY_TESTS
 def test_ray_two_workers_give_the_losses_of_one_process(tmp_path, ray_cluster):
     run = [*RUN[:-2], "training.max_steps=5", "data.seq_len=32", 'model.mesh_shape=[[2,2],["fsdp","tp"]]',
            "distributed.initialization_timeout_s=60"]
@@ -253,6 +256,7 @@ def test_ray_two_workers_give_the_losses_of_one_process(tmp_path, ray_cluster):
 
 
 @pytest.mark.slow
+@RAY_TESTS
 def test_ray_killing_a_worker_stops_the_job_and_names_its_rank(tmp_path, ray_cluster):
     proc = _ray_launcher(ray_cluster, tmp_path, run=[*RUN, "training.max_steps=100000", "checkpoint.every_steps=0"])
     out = _wait_for(proc, "step 3/")
@@ -265,6 +269,7 @@ def test_ray_killing_a_worker_stops_the_job_and_names_its_rank(tmp_path, ray_clu
 
 
 @pytest.mark.slow
+@RAY_TESTS
 def test_ray_a_killed_worker_restarts_the_job_from_its_checkpoint(tmp_path, ray_cluster, uninterrupted):
     proc = _ray_launcher(ray_cluster, tmp_path, "--max_restarts=1", "--restart_backoff_s=1")
     out = kill_after_checkpoint(proc, tmp_path, 8, lambda out: _pid_of_rank(out, 1))
@@ -274,6 +279,7 @@ def test_ray_a_killed_worker_restarts_the_job_from_its_checkpoint(tmp_path, ray_
 
 
 @pytest.mark.slow
+@RAY_TESTS
 def test_ray_without_a_cluster_is_a_one_line_error(tmp_path):
     pytest.importorskip("ray", reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
     with socket.socket() as s:

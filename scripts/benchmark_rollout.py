@@ -1,0 +1,108 @@
+"""Rollout benchmark: useful tokens/s of static batching and of the engine's continuous batching on
+mixed lengths, and the prefill time of a GRPO rollout with and without shared prompt prefixes.
+
+    python scripts/benchmark_rollout.py [--model gemma3_270m] [--devices 4] [--requests 64]
+        [--slots 16] [--prompt-len 16 128] [--new-tokens 8 256] [--prompts 16 --group 8 --group-new 32]
+
+Random weights of the named model config, float32, on --devices fake CPU devices (fsdp). Requests
+have prompt lengths and max_new_tokens drawn uniformly from the given ranges, and no stop token, so
+every request produces exactly its max_new_tokens: the useful tokens.
+- static: every request in one batch of slots, the batch running until its longest request ends
+  (how the sampler before the engine ran them);
+- engine: --slots slots, each refilled from the queue when its request ends.
+Both are the same engine (same kernels, same prefills), so the ratio is the scheduling's alone.
+The GRPO rollout: --prompts prompts x --group completions each, prefilled once per prompt
+(shared) or once per completion (separate). The last line is one JSON object of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="gemma3_270m")
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=[16, 128])
+    parser.add_argument("--new-tokens", type=int, nargs=2, default=[8, 256])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--group-new", type=int, default=32, help="max_new_tokens of the GRPO rollout")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={args.devices}").strip()
+
+    import jax
+    import numpy as np
+
+    from tunix_train.compose import load_config
+    from tunix_train.generate import Engine, Request, Sampling
+    from tunix_train.sharding import make_mesh
+    from tunix_train.train.init import plan_train_state
+    from tunix_train.train.optimizer import make_optimizer
+
+    cfg, _ = load_config([f"model={args.model}", "data=synthetic", "model.context_length=null"])
+    mesh = make_mesh([[args.devices], ["fsdp"]], jax.devices()[:args.devices])
+    params = plan_train_state(cfg.model, make_optimizer(cfg.training)[0], mesh, seed=0).create().params
+    rng = np.random.default_rng(args.seed)
+    requests = [Request(tuple(rng.integers(3, cfg.model.vocab_size, rng.integers(args.prompt_len[0],
+                                                                                 args.prompt_len[1] + 1)).tolist()),
+                        int(rng.integers(args.new_tokens[0], args.new_tokens[1] + 1)), Sampling(1.0), seed=1, stream=i)
+                for i in range(args.requests)]
+    useful = sum(r.max_new_tokens for r in requests)
+
+    def timed(engine: Engine, requests: list[Request]) -> float:
+        """Seconds of engine.generate(requests), after a short run that compiles the same shapes."""
+        max_len = engine.max_len_for(requests)
+        warm = [dataclasses.replace(r, max_new_tokens=engine.chunk + 1) for r in requests]
+        engine.generate(params, warm, max_len=max_len)
+        engine.stats.clear()
+        start = time.perf_counter()
+        done = engine.generate(params, requests, max_len=max_len)
+        assert [len(c.tokens) for c in done] == [r.max_new_tokens for r in requests]
+        return time.perf_counter() - start
+
+    figures = {"model": args.model, "devices": args.devices, "requests": args.requests, "slots": args.slots,
+               "useful_tokens": useful}
+    static = Engine(cfg.model, mesh, slots=None)
+    figures["static_s"] = timed(static, requests)
+    figures["static_decode_steps"] = static.stats["steps"]
+    engine = Engine(cfg.model, mesh, slots=args.slots)
+    figures["engine_s"] = timed(engine, requests)
+    figures["engine_decode_steps"] = engine.stats["steps"]
+    figures["static_tokens_per_s"] = useful / figures["static_s"]
+    figures["engine_tokens_per_s"] = useful / figures["engine_s"]
+    figures["engine_vs_static"] = figures["engine_tokens_per_s"] / figures["static_tokens_per_s"]
+    print(json.dumps({k: figures[k] for k in ("static_tokens_per_s", "engine_tokens_per_s", "engine_vs_static")}),
+          flush=True)
+
+    prompts = [tuple(rng.integers(3, cfg.model.vocab_size, rng.integers(args.prompt_len[0],
+                                                                        args.prompt_len[1] + 1)).tolist())
+               for _ in range(args.prompts)]
+    group = [Request(p, args.group_new, Sampling(1.0), seed=2, stream=i)
+             for i, p in enumerate(p for p in prompts for _ in range(args.group))]
+    for name, prefix_cache in (("shared", 4), ("separate", 0)):
+        rollout = Engine(cfg.model, mesh, slots=None, prefix_cache=prefix_cache)
+        timed(rollout, group)
+        figures[f"prefill_s_{name}"] = rollout.stats["prefill_s"]
+        figures[f"rollout_s_{name}"] = rollout.stats["prefill_s"] + rollout.stats["decode_s"]
+    figures["prefill_speedup_shared"] = figures["prefill_s_separate"] / figures["prefill_s_shared"]
+    print(json.dumps(figures), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
