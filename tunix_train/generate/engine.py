@@ -113,7 +113,8 @@ class Engine:
         self._decode = jax.jit(self._decode_fn, static_argnames=("kinds",), donate_argnums=(2,))
         self._unstack = jax.jit(lambda params: nnx.merge(self.graphdef, params).layer_states())
         self._entry_shapes: dict = {}
-        self.stats = collections.Counter()  # prefill_s, prefills, prefix_hits, decode_s, steps, tokens
+        # prefill_s, prefills, prefix_hits, decode_s, steps, tokens, and the last session's cache_bytes
+        self.stats = collections.Counter()
 
     # -- the compiled pieces -------------------------------------------------------------------
 
@@ -282,6 +283,8 @@ class Session:
                     (("token", np.int32), ("position", np.int32), ("count", np.int32), ("stream", np.uint32),
                      ("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32))}
         self.seeds = np.zeros((slots, *_seed_key(0).shape), np.uint32)
+        self._on_device = None  # the rows' arrays on the devices, while the host has not changed them
+        e.stats["cache_bytes"] = sum(x.nbytes for c in self.caches if c is not None for x in c.values())
         self._prefixes: collections.OrderedDict = collections.OrderedDict()  # prompt -> (entries, logits, row)
 
     @property
@@ -350,6 +353,7 @@ class Session:
         first token."""
         e, row = self.engine, self.row
         start = time.perf_counter()
+        self._on_device = None
         drawn = []
         for (slot, rid, request), (entries, logits, prefill_row) in zip(starting, self._prefilled(starting)):
             s = request.sampling
@@ -376,12 +380,16 @@ class Session:
     def _decode_chunk(self) -> list[tuple[int, list[int]]]:
         e, row = self.engine, self.row
         start = time.perf_counter()
-        rules = Rules(self._rows(row["temperature"]), self._rows(row["top_k"]), self._rows(row["top_p"]))
+        if self._on_device is None:  # the rows changed on the host (a request started): upload them
+            self._on_device = ({name: self._rows(x) for name, x in row.items()}, self._rows(self.seeds))
+        rows, seeds = self._on_device
         self.caches, token_B, position_B, count_B, drawn_BC, logprob_BC = e._decode(
-            self.params, self.per_layer, self.caches, self._rows(row["token"]), self._rows(row["position"]),
-            self._rows(row["count"]), self._rows(self.seeds), self._rows(row["stream"]), rules, kinds=self.kinds)
+            self.params, self.per_layer, self.caches, rows["token"], rows["position"], rows["count"], seeds,
+            rows["stream"], Rules(rows["temperature"], rows["top_k"], rows["top_p"]), kinds=self.kinds)
+        rows.update(token=token_B, position=position_B, count=count_B)  # the next chunk's, on the devices
         drawn_BC, logprob_BC = _fetch(drawn_BC), _fetch(logprob_BC)
-        row["token"], row["position"], row["count"] = (np.array(_fetch(x)) for x in (token_B, position_B, count_B))
+        row["token"], row["position"], row["count"] = drawn_BC[:, -1].copy(), row["position"] + e.chunk, \
+            row["count"] + e.chunk
         e.stats["decode_s"] += time.perf_counter() - start
         e.stats["steps"] += e.chunk
         return [(self.running[slot][0], self._take(slot, drawn_BC[slot].tolist(), logprob_BC[slot].tolist()))
