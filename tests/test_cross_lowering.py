@@ -46,16 +46,16 @@ def _lowered(target: str, *overrides: str) -> dict[str, str]:
         entries, logits = jax.eval_shape(lambda *a: engine._prefill_fn(*a, max_len=max_len), params, per_layer,
                                          i32(rows, prompt), i32(rows))
         caches = entries  # a prefill of `rows` prompts has the layout of `rows` slots
-        one = lambda dtype: jax.ShapeDtypeStruct((1,), dtype)
+        two = lambda dtype: jax.ShapeDtypeStruct((2,), dtype)  # two requests inserted
         rules = Rules(jax.ShapeDtypeStruct((rows,), jnp.float32), i32(rows), jax.ShapeDtypeStruct((rows,), jnp.float32))
         return {
             "train": lower(run.step_fn, run.plan.abstract,
                            abstract_batch(run.mesh, t.gradient_accumulation_steps, run.micro_batch, seq)),
             "eval": lower(run.eval_fn, params, run.plan.abstract.frozen, abstract_batch(run.mesh, 1, run.micro_batch, seq)),
             "prefill": lower(engine._prefill, params, per_layer, i32(rows, prompt), i32(rows), max_len=max_len),
-            "insert": lower(engine._insert, caches, entries, logits, jnp.int32(2), jnp.int32(3),
-                            Rules(one(jnp.float32), one(jnp.int32), one(jnp.float32)),
-                            jax.ShapeDtypeStruct((1, 2), jnp.uint32), one(jnp.uint32), kinds=Kinds(True, True, True)),
+            "insert": lower(engine._insert, caches, entries, logits, two(jnp.int32), two(jnp.int32),
+                            Rules(two(jnp.float32), two(jnp.int32), two(jnp.float32)),
+                            jax.ShapeDtypeStruct((2, 2), jnp.uint32), two(jnp.uint32), kinds=Kinds(True, True, True)),
             "decode": lower(engine._decode, params, per_layer, caches, i32(rows), i32(rows), i32(rows),
                             jax.ShapeDtypeStruct((rows, 2), jnp.uint32), jax.ShapeDtypeStruct((rows,), jnp.uint32),
                             rules, kinds=Kinds(True, True, True)),

@@ -146,18 +146,21 @@ class Engine:
             lambda i: kv.prefill_attend(self.windows[i], slots[i], length_N, keep=self.source[i] == i), length_N - 1)
         return entries, logits_NV
 
-    def _insert_fn(self, caches, entries, logits_NV, row, slot, rules: Rules, seed_1, stream_1, *, kinds: Kinds):
-        """The caches with prefill row `row` of `entries` written over slot `slot`'s rows, and the
-        request's first token (number 0 of its stream) drawn from that row's logits."""
-        def put(cache, entry):
-            K = entry.shape[0] // logits_NV.shape[0]
-            mine = jax.lax.dynamic_slice_in_dim(entry, row * K, K, 0)
-            return jax.lax.dynamic_update_slice_in_dim(cache, mine.astype(cache.dtype), slot * K, 0)
+    def _insert_fn(self, caches, entries, logits_NV, row_n, slot_n, rules: Rules, seeds_n, stream_n, *, kinds: Kinds):
+        """The caches with prefill row row_n[i] of `entries` written over slot slot_n[i]'s rows, for
+        each i, and each request's first token (number 0 of its stream) drawn from its row's logits."""
+        def put(i, caches):
+            def one(cache, entry):
+                K = entry.shape[0] // logits_NV.shape[0]
+                mine = jax.lax.dynamic_slice_in_dim(entry, row_n[i] * K, K, 0)
+                return jax.lax.dynamic_update_slice_in_dim(cache, mine.astype(cache.dtype), slot_n[i] * K, 0)
 
-        caches = [None if c is None else {name: put(c[name], e[name]) for name in c} for c, e in zip(caches, entries)]
-        logits_1V = jax.lax.dynamic_slice_in_dim(logits_NV, row, 1, 0)
-        token_1, logprob_1 = _draw(logits_1V, rules, seed_1, stream_1, jnp.zeros((1,), jnp.int32), kinds)
-        return kv.constrained(caches, self.cfg, self.mesh, self.rules), token_1, logprob_1
+            return [None if c is None else {name: one(c[name], e[name]) for name in c} for c, e in zip(caches, entries)]
+
+        caches = jax.lax.fori_loop(0, row_n.shape[0], put, caches)
+        token_n, logprob_n = _draw(logits_NV[row_n], rules, seeds_n, stream_n, jnp.zeros_like(stream_n, jnp.int32),
+                                   kinds)
+        return kv.constrained(caches, self.cfg, self.mesh, self.rules), token_n, logprob_n
 
     def _decode_fn(self, params, per_layer, caches, token_B, position_B, count_B, seeds_B, stream_B, rules: Rules, *,
                    kinds: Kinds):
@@ -350,11 +353,11 @@ class Session:
 
     def _start(self, starting: list[tuple[int, int, Request]]) -> list[tuple[int, list[int]]]:
         """Prefills the starting (slot, id, request)s, inserts each into its slot and draws its
-        first token."""
+        first token: one compiled insert per prefill batch they come from."""
         e, row = self.engine, self.row
         start = time.perf_counter()
         self._on_device = None
-        drawn = []
+        by_source: dict[int, tuple] = {}
         for (slot, rid, request), (entries, logits, prefill_row) in zip(starting, self._prefilled(starting)):
             s = request.sampling
             settings = {"token": 0, "position": len(request.prompt), "count": 1, "stream": request.stream,
@@ -362,18 +365,25 @@ class Session:
             for name, value in settings.items():
                 row[name][slot] = value
             self.seeds[slot] = _seed_key(request.seed)
-            one = lambda name: row[name][slot:slot + 1]
-            self.caches, token, logprob = e._insert(
-                self.caches, entries, logits, np.int32(prefill_row), np.int32(slot),
-                Rules(one("temperature"), one("top_k"), one("top_p")), self.seeds[slot:slot + 1], one("stream"),
-                kinds=self.kinds)
             self.running[slot] = (rid, request)
-            drawn.append((slot, token, logprob))
-        new = []
-        for slot, token, logprob in drawn:
-            token, logprob = int(_fetch(token)[0]), float(_fetch(logprob)[0])
-            row["token"][slot] = token
-            new.append((self.running[slot][0], self._take(slot, [token], [logprob])))
+            by_source.setdefault(id(logits), (entries, logits, []))[2].append((prefill_row, slot))
+        drawn = []
+        for entries, logits, pairs in by_source.values():
+            # a power of two of inserts (few compilations): the last one repeated, which writes it again
+            pairs += [pairs[-1]] * ((1 << math.ceil(math.log2(len(pairs)))) - len(pairs))
+            rows_n, slots_n = (np.asarray(x, np.int32) for x in zip(*pairs))
+            self.caches, token_n, logprob_n = e._insert(
+                self.caches, entries, logits, rows_n, slots_n,
+                Rules(row["temperature"][slots_n], row["top_k"][slots_n], row["top_p"][slots_n]), self.seeds[slots_n],
+                row["stream"][slots_n], kinds=self.kinds)
+            drawn.append((slots_n, token_n, logprob_n))
+        new, done = [], set()
+        for slots_n, token_n, logprob_n in drawn:
+            for slot, token, logprob in zip(slots_n.tolist(), _fetch(token_n).tolist(), _fetch(logprob_n).tolist()):
+                if slot not in done:
+                    done.add(slot)
+                    row["token"][slot] = token
+                    new.append((self.running[slot][0], self._take(slot, [token], [logprob])))
         e.stats["prefill_s"] += time.perf_counter() - start
         return new
 
