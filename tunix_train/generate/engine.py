@@ -38,7 +38,7 @@ from tunix_train.generate.sampling import Kinds, Rules, Sampling, draw
 from tunix_train.model import kernels
 from tunix_train.model.layout import kv_sources, layer_windows
 from tunix_train.parallel import model_graphdef
-from tunix_train.sharding import BATCH_AXES, LOGICAL_RULES, Rules as ShardingRules, constrain, data_parallel_size
+from tunix_train.sharding import LOGICAL_RULES, Rules as ShardingRules, constrain, data_axes, data_parallel_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +204,13 @@ class Engine:
         if request.stop_strings and self.decode is None:
             raise ConfigError("stop strings need a tokenizer: this model has none, pass stop token ids instead")
 
+    def _checked(self, requests: Sequence[Request]) -> list[Request]:
+        """The requests with their prompts as tuples of ints, each checked."""
+        requests = [dataclasses.replace(r, prompt=tuple(int(i) for i in r.prompt)) for r in requests]
+        for r in requests:
+            self.check(r)
+        return requests
+
     def max_len_for(self, requests: Sequence[Request]) -> int:
         """Cache slots of a global layer that serve every request: a multiple of 64, within the context."""
         needed = max(len(r.prompt) + r.max_new_tokens for r in requests)
@@ -235,11 +242,9 @@ class Engine:
     def generate(self, params, requests: Sequence[Request], max_len: Optional[int] = None,
                  on_tokens: Optional[Callable[[int, list[int]], None]] = None) -> list[Completion]:
         """Every request's completion, in order; on_tokens(request index, new tokens) as they come."""
-        requests = [dataclasses.replace(r, prompt=tuple(int(i) for i in r.prompt)) for r in requests]
+        requests = self._checked(requests)
         if not requests:
             return []
-        for r in requests:
-            self.check(r)
         session = self.session(params, max_len or self.max_len_for(requests), self.slots_for(len(requests)),
                                Kinds.of(r.sampling for r in requests))
         ids = [session.add(r) for r in requests]
@@ -252,8 +257,7 @@ class Engine:
 
     def stream(self, params, request: Request) -> Iterator[list[int]]:
         """The request's new tokens, a chunk at a time, as they are produced."""
-        request = dataclasses.replace(request, prompt=tuple(int(i) for i in request.prompt))
-        self.check(request)
+        request, = self._checked([request])
         session = self.session(params, self.max_len_for([request]), self.slots_for(1), Kinds.of([request.sampling]))
         rid = session.add(request)
         while session.busy:
@@ -318,8 +322,7 @@ class Session:
 
     def _rows(self, x: np.ndarray) -> jax.Array:
         mesh = self.engine.mesh
-        batch_axes = tuple(a for a in BATCH_AXES if a in mesh.shape) or None
-        return jax.device_put(x, NamedSharding(mesh, P(batch_axes, *[None] * (x.ndim - 1))))
+        return jax.device_put(x, NamedSharding(mesh, P(data_axes(mesh) or None, *[None] * (x.ndim - 1))))
 
     def _prefilled(self, starting: list[tuple[int, int, Request]]) -> list[tuple]:
         """Each starting request's prefill (entries, logits, row): its prompt's kept one, or new
