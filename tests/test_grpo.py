@@ -39,6 +39,33 @@ def test_advantages_and_the_clipped_loss_equal_numpy():
     assert 0 < np.asarray(clipped).mean() < 1  # the hand-made ratios exercise the clip
 
 
+def test_off_policy_ratios_use_the_recorded_logprobs(tmp_path):
+    """The loss of a hand-made micro-batch: on-policy, rho = 1 (pi_old is pi); off-policy, pi_old is
+    the engine's recorded log-probability and rho is truncated at importance_cap, as numpy computes it.
+    The mismatch metrics are |logp - recorded| over the loss mask."""
+    from tunix_train.train.objectives.grpo import GroupRelative
+
+    rng = np.random.default_rng(1)
+    logp, behaviour, ref = (rng.uniform(-3, -0.1, (4, 6)).astype(np.float32) for _ in range(3))
+    behaviour[0, :3] = logp[0, :3] - 1.5  # ratios e^1.5 > cap 3: truncated
+    adv = np.repeat(rng.normal(size=(4, 1)), 6, axis=1).astype(np.float32)
+    mask = np.ones((4, 6), np.float32)
+    mask[:, 4:] = 0
+    micro = {"advantages": jnp.asarray(adv), "behaviour_logp": jnp.asarray(behaviour), "loss_mask": jnp.asarray(mask)}
+    eps, beta, cap = 0.2, 0.04, 3.0
+    kl = np.exp(ref - logp) - (ref - logp) - 1
+    weight = mask.sum()
+    for staleness, ratio in ((0, np.ones_like(logp)), (1, np.minimum(np.exp(logp - behaviour), cap))):
+        objective = GroupRelative(_cfg(tmp_path, [[1], ["fsdp"]], 4, f"training.grpo.max_staleness={staleness}"))
+        loss, metrics = objective.loss(lambda: -jnp.asarray(logp), lambda: -jnp.asarray(ref), micro, weight)
+        surrogate = np.minimum(ratio * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv) - beta * kl
+        np.testing.assert_allclose(float(loss), -(surrogate * mask).sum() / weight, rtol=1e-5)
+        mismatch = np.abs(logp - behaviour) * mask
+        np.testing.assert_allclose(float(metrics["logprob_mismatch_max"]), mismatch.max(), rtol=1e-6)
+        np.testing.assert_allclose(float(metrics["logprob_mismatch_mean"]), mismatch.sum() / weight, rtol=1e-5)
+    assert (np.exp(logp - behaviour) > cap).any() and 0 < ((ratio < 1 - eps) | (ratio > 1 + eps)).mean() < 1
+
+
 def _cfg(tmp_path, mesh_shape, micro_batch, *overrides, reward=REWARD):
     prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
     cfg, _ = load_config(["model=gemma3_tiny", "model.vocab_size=4096", "objective=grpo", "data=jsonl",
@@ -70,18 +97,31 @@ def test_groups_are_the_same_on_every_mesh_and_kl_starts_at_zero(tmp_path):
     for key in ("loss", "reward", "kl", "completion_tokens", "grad_norm"):
         np.testing.assert_allclose([m[key] for m in a], [m[key] for m in b], rtol=1e-5, atol=1e-7, err_msg=key)
     assert a[0]["kl"] == 0.0 and a[-1]["kl"] > 0  # the policy starts as the reference, then leaves it
+    # the engine's log-probabilities are the trainer's, up to float32 rounding (1e-5 in test_generate)
+    assert all(0 < m["logprob_mismatch_max"] < 1e-4 and m["logprob_mismatch_mean"] < 1e-5 for m in a), a
     assert all(m["reward_length_std"] > 0 and m["grad_norm"] > 1e-3 for m in a)
 
 
 @pytest.mark.slow
-def test_a_resumed_run_draws_the_same_completions_and_losses(tmp_path):
+@pytest.mark.parametrize("staleness, iterations", [(0, 1), (1, 2)])
+def test_a_resumed_run_draws_the_same_completions_and_losses(tmp_path, staleness, iterations):
+    """Off-policy, the run stops in the middle of a rollout's iterations with the next one queued:
+    the checkpoint keeps both, so the resumed run trains on the same completions."""
     mesh = [[2, 2], ["fsdp", "tp"]]
     cfg = _cfg(tmp_path, mesh, 4, "training.lr_schedule=constant", "checkpoint.every_steps=2",
-               "training.grpo.temperature=1.5", reward=LENGTH)
-    straight, resumed = straight_and_resumed(cfg, tmp_path, 4, 2, jax.devices()[:4])
-    losses = lambda d: [m["loss"] for m in read_metrics(d) if "loss" in m]
-    assert losses(resumed) == losses(straight)
+               "training.grpo.temperature=1.5", f"training.grpo.max_staleness={staleness}",
+               f"training.grpo.iterations={iterations}", reward=LENGTH)
+    straight, resumed = straight_and_resumed(cfg, tmp_path, 5, 3, jax.devices()[:4])
+    metrics = lambda d: [m for m in read_metrics(d) if "loss" in m]
+    for key in ("loss", "grad_norm", "reward", "logprob_mismatch_max", "rollout_staleness"):
+        assert [m[key] for m in metrics(resumed)] == [m[key] for m in metrics(straight)], key
     assert _samples(resumed) == _samples(straight)
+    # rollout r trains steps r*mu .. r*mu + mu - 1, drawn at step (r - k)*mu (at 0 for the first k)
+    expected = [step - max(step // iterations - staleness, 0) * iterations for step in range(5)]
+    assert [m["rollout_staleness"] for m in metrics(straight)] == expected
+    assert len(_samples(straight)) == 4 * len(range(0, 5, iterations))  # a rollout's samples at its first step
+    if staleness:  # off-policy: the ratio moves away from 1 once the parameters have
+        assert metrics(straight)[-1]["logprob_mismatch_max"] > 1e-3
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -93,6 +133,9 @@ def test_a_resumed_run_draws_the_same_completions_and_losses(tmp_path):
     (["data.train_files=[{tmp}/no_prompt.jsonl]"], "no_prompt.jsonl:1: no string field 'prompt'"),
     (["data=synthetic"], "training.objective=grpo reads JSON lines with prompt"),
     (["training.eval_every=5"], "training.eval_every=5: training.objective=grpo has no held-out loss"),
+    (["training.grpo.max_staleness=-1"], "training.grpo.max_staleness=-1 must be >= 0"),
+    (["training.grpo.iterations=0"], "training.grpo.iterations=0 >= 1"),
+    (["training.grpo.importance_cap=0.5"], "training.grpo.importance_cap=0.5 must be at least 1"),
 ])
 def test_bad_input_is_one_line(tmp_path, overrides, message):
     prompts, _ = write_task(tmp_path / "task", count=64, seed=0)

@@ -121,6 +121,12 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig) -> None:
         if grpo.temperature <= 0 or grpo.epsilon <= 0 or grpo.beta < 0 or grpo.max_new_tokens < 1:
             raise ConfigError("training.grpo.temperature and epsilon must be positive, beta >= 0 and "
                               "max_new_tokens >= 1")
+        if grpo.max_staleness < 0 or grpo.iterations < 1:
+            raise ConfigError(f"training.grpo.max_staleness={grpo.max_staleness} must be >= 0 and "
+                              f"training.grpo.iterations={grpo.iterations} >= 1")
+        if grpo.importance_cap < 1:
+            raise ConfigError(f"training.grpo.importance_cap={grpo.importance_cap} must be at least 1 (it truncates "
+                              f"the probability ratio, which is 1 on-policy)")
         if t.eval_every:
             raise ConfigError(f"training.eval_every={t.eval_every}: {name} has no held-out loss (its loss depends "
                               f"on sampled completions); set training.eval_every=0")

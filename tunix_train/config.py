@@ -219,6 +219,13 @@ class GrpoConfig:
     epsilon: float = _fixed(0.2)  # the probability ratio is clipped to [1 - epsilon, 1 + epsilon]
     max_new_tokens: int = _fixed(32)
     temperature: float = _fixed(1.0)
+    # Off-policy steps: rollouts are drawn this many batches ahead of the one training, by a policy at
+    # most that many rollout batches old, and each rollout batch is trained on `iterations` times (the
+    # GRPO paper's mu). Beyond (0, 1) the ratio's pi_old is the sampling engine's recorded
+    # log-probabilities, the ratio truncated at importance_cap (docs/objectives/grpo.md).
+    max_staleness: int = _fixed(0)
+    iterations: int = _fixed(1)
+    importance_cap: float = _fixed(3.0)
     # Reward functions, `module:function`, each fn(prompts, completions, **fields) -> list of floats;
     # the reward of a completion is their sum.
     reward: List[str] = _fixed(factory=list)

@@ -56,11 +56,14 @@ class Request:
 @dataclasses.dataclass
 class Completion:
     """The new tokens (without the stop token; with the one that completed a stop string), the
-    log-probability of each (sampling.draw), and why it ended: "stop" or "length"."""
+    log-probability of each (sampling.draw), why it ended: "stop" or "length", and the stop token
+    that ended it, if one did, with its log-probability."""
 
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finish: Optional[str] = None
+    stop_token: Optional[int] = None
+    stop_logprob: Optional[float] = None
 
 
 def bucket(length: int) -> int:
@@ -416,7 +419,7 @@ class Session:
         taken = []
         for token, logprob in zip(tokens, logprobs):
             if token in self.engine.stop_ids:
-                done.finish = "stop"
+                done.finish, done.stop_token, done.stop_logprob = "stop", token, logprob
                 break
             done.tokens.append(token)
             done.logprobs.append(logprob)

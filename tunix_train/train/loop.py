@@ -121,7 +121,7 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
     try:
         with memory, jax.set_mesh(mesh), StopRequest() as stop:
             start = time.perf_counter()
-            next_batch = lambda state: to_global_batch(objective.prepare(next(train_batches), state), mesh)
+            next_batch = lambda state: to_global_batch(objective.prepare(train_batches, state), mesh)
             batch = next_batch(state)
             step_fn = memory.compiled = run.step_fn.lower(state, batch).compile()
             say(f"compiled the train step in {time.perf_counter() - start:.1f} s")

@@ -49,7 +49,7 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 
 def token_losses(graphdef: nnx.GraphDef, params: tuple[nnx.State, ...], micro: dict[str, jax.Array],
                  compute_dtype=jnp.float32, chunk: int = 0, param_shardings: Any = None,
-                 seq_shards: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
+                 seq_shards: int = 1, temperature: float = 1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Per-token loss [B, T] of one micro-batch (with `token_index` when it comes reordered), under
     the model nnx.merge makes of `params` (one state, or the frozen base and the adapters), and
     the experts' statistics per layer (Gemma.hidden_and_stats; {} without experts).
@@ -58,7 +58,8 @@ def token_losses(graphdef: nnx.GraphDef, params: tuple[nnx.State, ...], micro: d
     so fsdp gathers them already in that dtype. With 0 < chunk < T the logits are computed
     `chunk` positions at a time and recomputed in the backward pass, so the [B, T, V] logits
     (4 GiB in float32 for one 4096-token row of a 262k vocabulary) never exist whole; with the
-    sequence split in `seq_shards` parts (cp), every part computes its own chunks at once."""
+    sequence split in `seq_shards` parts (cp), every part computes its own chunks at once. The
+    logits are divided by `temperature` (the distribution an RL objective sampled from)."""
     if compute_dtype != jnp.float32:
         params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
         if param_shardings is not None:
@@ -67,13 +68,15 @@ def token_losses(graphdef: nnx.GraphDef, params: tuple[nnx.State, ...], micro: d
     x_BTD, stats = model.hidden_and_stats(micro["inputs"], micro["positions"], micro["segment_ids"],
                                           micro.get("token_index"))
     table_VD, softcap, rules = model.output_table(), model.cfg.final_logit_softcap, model.rules
+    logits = lambda x: output_logits(x, table_VD, softcap, rules) / temperature if temperature != 1.0 else \
+        output_logits(x, table_VD, softcap, rules)
     B, T, D = x_BTD.shape
     if not chunk or chunk >= T:
-        return cross_entropy(output_logits(x_BTD, table_VD, softcap, rules), micro["targets"]), stats
+        return cross_entropy(logits(x_BTD), micro["targets"]), stats
 
     @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
     def chunk_losses(x_BCD, targets_BC):
-        return cross_entropy(output_logits(x_BCD, table_VD, softcap, rules), targets_BC)
+        return cross_entropy(logits(x_BCD), targets_BC)
 
     # scan step n takes positions [n·chunk, (n+1)·chunk) of each of the sequence's parts
     parts, N = seq_shards, T // (seq_shards * chunk)
@@ -93,7 +96,8 @@ def _objective_loss(objective, weights: Weights, graphdef, params, frozen, micro
     policy_stats = []
 
     def losses(states, shardings, keep_stats=False):
-        token_loss, stats = token_losses(graphdef, states, micro, compute_dtype, chunk, shardings, seq_shards)
+        token_loss, stats = token_losses(graphdef, states, micro, compute_dtype, chunk, shardings, seq_shards,
+                                         objective.temperature)
         if keep_stats:
             policy_stats.append(stats)
         return token_loss
@@ -179,7 +183,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     opt_state = _moved(opt_state, on_device.opt_state, home.opt_state)
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                            nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32), frozen=state.frozen)
-    aux = {name: jnp.sum(value, axis=0) for name, value in aux.items()}  # the objective's, summed over micro-batches
+    aux = reduce_metrics(aux)  # the objective's, over micro-batches
     if "expert_tokens" in aux:  # expert utilisation: the busiest's and the idlest's tokens over the even share
         tokens_E = aux.pop("expert_tokens")
         load_E = tokens_E / jnp.maximum(jnp.mean(tokens_E), 1.0)
@@ -194,6 +198,12 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         **aux,
     }
     return new_state, metrics
+
+
+def reduce_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """An objective's metrics over their leading axis (micro-batches, data shards): a sum, since each
+    is already divided by the batch's weight, or a maximum for those whose name ends in `_max`."""
+    return {name: (jnp.max if name.endswith("_max") else jnp.sum)(value, axis=0) for name, value in metrics.items()}
 
 
 def _moved(tree: Any, source: Any, target: Any) -> Any:
@@ -221,7 +231,7 @@ def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, syn
     def accumulate_locally(local, micro):
         losses_S, grads_S = per_shard(wrt, micro)
         return (jax.lax.with_sharding_constraint(add(local, grads_S), local_grad_shardings),
-                jax.tree.map(jnp.sum, losses_S))
+                (jnp.sum(losses_S[0]), reduce_metrics(losses_S[1])))
 
     def sync(grads, group):
         local, losses = jax.lax.scan(accumulate_locally, local_zeros, group)
@@ -230,7 +240,7 @@ def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, syn
         return jax.lax.with_sharding_constraint(add(grads, reduced), grad_shardings), losses
 
     grads, (losses, aux) = jax.lax.scan(sync, zeros, groups)
-    return grads, (losses.reshape(A), aux)
+    return grads, (losses.reshape(A), jax.tree.map(lambda x: x.reshape(A, *x.shape[2:]), aux))
 
 
 def _graphdef(model_cfg: ModelConfig, training: TrainingConfig, rules: Rules, parallel, weights: Weights) -> nnx.GraphDef:

@@ -7,16 +7,18 @@ knows which one runs:
 - `weight(batch)`: the whole batch's normalizer (tokens, pairs, ...). Each micro-batch's loss is
   divided by it, so accumulated micro-batches give exactly the full batch's loss and gradient;
 - `loss(policy, reference, micro, weight)`: the micro-batch's loss and metrics, both already
-  divided by `weight` (so they add up over micro-batches). `policy()` and `reference()` return the
-  per-token negative log-likelihood of `micro["targets"]` [B, T] under the trained model and under
-  the frozen reference (no gradient); an objective calls only what it needs;
+  divided by `weight` (so they add up over micro-batches; a metric named `..._max` is a maximum
+  instead). `policy()` and `reference()` return the per-token negative log-likelihood of
+  `micro["targets"]` [B, T] under the trained model and under the frozen reference (no gradient),
+  their logits divided by `temperature`; an objective calls only what it needs;
 - `needs_reference`: whether it reads the reference model (train/weights.py keeps one);
 - `metric_names`: what its loss reports beside the loss; `perplexity`: whether exp(eval loss) is one;
 - `record_fields`: the JSON-lines fields every record must hold (None: the data config's);
 - `read(data)`: reads what it needs of the data (tokenizes, checks) before any device work;
 - `train_batches(data, global_rows, rows)` / `eval_batches(...)`: host batches, checkpointable;
 - `connect(run, write_samples)`: what it needs of the run once set up (GRPO: the engine);
-- `prepare(batch, state)`: the host batch -> the step's batch (GRPO samples and scores here);
+- `prepare(batches, state)`: the next step's batch from the host batches (GRPO samples and scores
+  here, and may reuse a batch or draw ahead);
 - `hooks()`: hooks it adds to the loop (GRPO: the rollout's rewards in the log).
 """
 

@@ -12,6 +12,7 @@ class Objective:
     record_fields = None
     perplexity = False
     metric_names: tuple[str, ...] = ()
+    temperature = 1.0  # the logits of policy() and reference() are divided by it
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -25,8 +26,8 @@ class Objective:
     def connect(self, run, write_samples) -> None:
         pass
 
-    def prepare(self, batch, state):
-        return batch
+    def prepare(self, batches, state):
+        return next(batches)
 
     def hooks(self) -> list:
         return []

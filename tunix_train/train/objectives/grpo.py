@@ -1,26 +1,43 @@
 """Group relative policy optimization (Shao et al. 2024, DeepSeekMath) with verifiable rewards.
 
-Each step, before the compiled step runs (`prepare`): every prompt of the batch is completed G times
-by the engine (generate/engine.py) on the training mesh with the current parameters, at
-training.grpo.temperature; the reward functions score each completion and the rewards add up; a
+A rollout (`prepare`, before the compiled step runs): every prompt of a batch is completed G times
+by the engine (generate/engine.py) on the training mesh, at training.grpo.temperature, each token
+with its log-probability; the reward functions score each completion and the rewards add up; a
 completion's advantage is A = (r - mean of its group) / (std of its group + 1e-4), the standard
 deviation unbiased as TRL computes it. The rows of a group are consecutive and a micro-batch on one
 device holds whole groups (training.micro_batch_size is a multiple of G), so no group is split.
 
 The loss, over every completion token (its EOS included, nothing after it) of the whole batch:
 
-    -mean[ min(rho A, clip(rho, 1 - eps, 1 + eps) A) - beta KL ],  rho = pi / pi_old,
+    -mean[ min(rho A, clip(rho, 1 - eps, 1 + eps) A) - beta KL ],  rho = min(pi / pi_old, importance_cap),
     KL = exp(ref - logp) - (ref - logp) - 1      (the k3 estimator, against the reference model)
 
-with pi_old the sampling policy. One update per batch: pi_old is pi with its gradient stopped, so
-rho = 1 in value and the clip matters only to its gradient, as in TRL with num_iterations=1. The
-token-level mean over the batch makes accumulated micro-batches exactly the full batch.
+with pi, pi_old and ref the probabilities of the logits divided by the temperature, as sampled
+(TRL divides them the same way). The token-level mean over the batch makes accumulated
+micro-batches exactly the full batch.
 
-Sampling is seeded by training.seed and the step, so a resumed run draws the same completions.
+On-policy (max_staleness 0, iterations 1; TRL's num_iterations=1): each step trains on a rollout
+the current parameters drew, pi_old is pi with its gradient stopped, so rho = 1 in value and the
+clip matters only to its gradient. Off-policy: rollout r trains steps r*mu .. r*mu + mu - 1 (mu =
+iterations) and is drawn k = max_staleness rollouts ahead, at step (r - k)*mu, by parameters up to
+k*mu + mu - 1 updates old; pi_old is the engine's recorded log-probability of each token (the
+behaviour policy; the GRPO paper's pi_old for mu > 1), and the ratio is truncated at importance_cap
+before the clip, bounding the weight of a token whose probability rose (the clip bounds it only
+where A > 0): TRL's two-sided clip `delta` (INTELLECT-2), with the cap of TRL's
+vllm_importance_sampling_clip_max (3) as default.
+
+Every step logs the train-inference mismatch |logp(trainer) - logp(engine)| of its tokens (mean
+and max): on-policy, the numerical difference of the two programs; off-policy it includes the
+updates since the rollout.
+
+Rollout r is seeded by training.seed and r. The rollout in use and those drawn ahead are part of
+a checkpoint (Rollouts.get_state), so a resumed run trains on exactly the same completions.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import importlib
 import time
 from typing import Any, Callable
@@ -44,10 +61,10 @@ def group_advantages(rewards_PG: np.ndarray) -> np.ndarray:
     return (rewards_PG - mean) / (rewards_PG.std(axis=1, ddof=1, keepdims=True) + _STD_EPS)
 
 
-def token_objective(logp, old_logp, ref_logp, advantages, epsilon: float, beta: float):
-    """Per token: the clipped surrogate minus beta KL (to maximize), the KL, and whether the clip
-    bites; ref_logp None: no KL term."""
-    ratio = jnp.exp(logp - old_logp)
+def token_objective(logp, old_logp, ref_logp, advantages, epsilon: float, beta: float, cap: float = float("inf")):
+    """Per token: the clipped surrogate of the ratio truncated at `cap`, minus beta KL (to
+    maximize), the KL, and whether the clip bites; ref_logp None: no KL term."""
+    ratio = jnp.minimum(jnp.exp(logp - old_logp), cap)
     surrogate = jnp.minimum(ratio * advantages, jnp.clip(ratio, 1 - epsilon, 1 + epsilon) * advantages)
     kl = jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1 if ref_logp is not None else jnp.zeros_like(logp)
     clipped = ((ratio < 1 - epsilon) & (advantages < 0)) | ((ratio > 1 + epsilon) & (advantages > 0))
@@ -66,16 +83,64 @@ def load_reward(name: str) -> Callable:
     return function
 
 
+@dataclasses.dataclass
+class Rollout:
+    """One rollout batch, as plain lists (a checkpoint keeps the queued ones as JSON): rollout
+    number `index`, drawn by the parameters of step `version`, for the prompts `order` (every
+    process's, A accumulation steps of them); per row (G consecutive rows per prompt) the
+    completion (EOS included where it stopped) and the engine's log-probability of each token; the
+    rewards [reward functions][rows]."""
+
+    index: int
+    version: int
+    accumulation: int
+    order: list[int]
+    completions: list[list[int]]
+    logprobs: list[list[float]]
+    rewards: list[list[float]]
+    sampling_s: float
+
+
+class Rollouts:
+    """GRPO's host batches: the prompt batches, and the rollouts drawn from them that have not yet
+    been trained on for the last time (`current`, then `queued`). Checkpointed whole."""
+
+    def __init__(self, prompts: GroupBatches):
+        self.prompts, self.next_index = prompts, 0
+        self.current: Rollout | None = None
+        self.queued: collections.deque[Rollout] = collections.deque()
+
+    def get_state(self) -> dict[str, Any]:
+        return {"prompts": self.prompts.get_state(), "next_index": self.next_index,
+                "rollouts": [dataclasses.asdict(r) for r in ([self.current] if self.current else []) + [*self.queued]]}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if "prompts" not in state:  # written before off-policy steps: on-policy, only the prompts' position
+            self.prompts.set_state(state)
+            self.next_index = None  # the restored step's rollout comes next
+            return
+        self.prompts.set_state(state["prompts"])
+        self.next_index = state["next_index"]
+        rollouts = [Rollout(**r) for r in state["rollouts"]]
+        self.current, self.queued = (rollouts[0] if rollouts else None), collections.deque(rollouts[1:])
+
+    def close(self) -> None:
+        self.prompts.close()
+
+
 class GroupRelative(Objective):
-    batch_dtypes = {**BATCH_DTYPES, "advantages": jnp.float32}  # advantages: each row's, on every position
+    batch_dtypes = {**BATCH_DTYPES, "advantages": jnp.float32,  # each row's, on every position
+                    "behaviour_logp": jnp.float32}  # the engine's log-probability of each target token
     record_fields = ("prompt",)
 
     def __init__(self, cfg: Config):
         self.cfg, self.grpo = cfg, cfg.training.grpo
         self.needs_reference = self.grpo.beta > 0
+        self.temperature = self.grpo.temperature
+        self.off_policy = self.grpo.max_staleness > 0 or self.grpo.iterations > 1
         self.rewards = {name: load_reward(name) for name in self.grpo.reward}
         self.reward_names = [name.rpartition(":")[2] for name in self.grpo.reward]
-        self.metric_names = ("kl", "clip_fraction")
+        self.metric_names = ("kl", "clip_fraction", "logprob_mismatch_mean", "logprob_mismatch_max")
         self._rollout = None
 
     # the loss, inside the compiled step
@@ -86,11 +151,15 @@ class GroupRelative(Objective):
     def loss(self, policy, reference, micro, weight):
         logp = -policy()
         ref_logp = -reference() if self.needs_reference else None
-        objective, kl, clipped = token_objective(logp, jax.lax.stop_gradient(logp), ref_logp, micro["advantages"],
-                                                 self.grpo.epsilon, self.grpo.beta)
+        behaviour = micro["behaviour_logp"]
+        old_logp = behaviour if self.off_policy else jax.lax.stop_gradient(logp)
+        objective, kl, clipped = token_objective(logp, old_logp, ref_logp, micro["advantages"], self.grpo.epsilon,
+                                                 self.grpo.beta, self.grpo.importance_cap)
         mask = micro["loss_mask"]
         mean = lambda x: jnp.sum(x * mask) / weight
-        return -mean(objective), {"kl": mean(kl), "clip_fraction": mean(clipped.astype(jnp.float32))}
+        mismatch = jnp.abs(jax.lax.stop_gradient(logp) - behaviour) * mask
+        return -mean(objective), {"kl": mean(kl), "clip_fraction": mean(clipped.astype(jnp.float32)),
+                                  "logprob_mismatch_mean": mean(mismatch), "logprob_mismatch_max": jnp.max(mismatch)}
 
     # the batches, on the host
 
@@ -107,13 +176,14 @@ class GroupRelative(Objective):
                                   f"data.seq_len >= {len(ids) + self.grpo.max_new_tokens}")
             self._prompts.append(ids)
 
-    def train_batches(self, data, global_rows: int, rows: range):
+    def train_batches(self, data, global_rows: int, rows: range) -> Rollouts:
         G = self.grpo.num_generations
         indices = [{"index": np.array([[i]], np.int32)} for i in range(len(self._prompts))]
         self._rows = rows
-        return GroupBatches(indices, accumulation_steps=self.cfg.training.gradient_accumulation_steps,
-                            groups_per_micro_batch=global_rows // G, seed=self.cfg.training.seed,
-                            slots=range(rows.start // G, rows.stop // G), prefetch=self.cfg.data.prefetch_batches)
+        return Rollouts(GroupBatches(indices, accumulation_steps=self.cfg.training.gradient_accumulation_steps,
+                                     groups_per_micro_batch=global_rows // G, seed=self.cfg.training.seed,
+                                     slots=range(rows.start // G, rows.stop // G),
+                                     prefetch=self.cfg.data.prefetch_batches))
 
     def connect(self, run, write_samples: Callable[[int, list[tuple[str, str]]], None]) -> None:
         """What sampling needs of the run: the engine on its mesh, the merged parameters."""
@@ -121,50 +191,84 @@ class GroupRelative(Objective):
 
         self._run, self._write_samples = run, write_samples
         self._merged = jax.jit(run.weights.merged)  # LoRA: the adapters merged into the base, compiled once
-        # every completion of a step at once, in one batch of slots
+        # every completion of a rollout at once, in one batch of slots
         self._engine = Engine(self.cfg.model, run.mesh, stop_ids=(self._tokenizer.eos_id,), slots=None)
 
-    def prepare(self, batch: dict[str, np.ndarray], state) -> dict[str, np.ndarray]:
-        """Prompt indices [A, prompts, 1] -> the rows of their G completions each, scored."""
+    def prepare(self, rollouts: Rollouts, state) -> dict[str, np.ndarray]:
+        """The step's rows: rollout step // iterations, drawing the rollouts up to max_staleness
+        ahead of it that are not drawn yet (by the current parameters)."""
+        step, start = int(state.step), time.perf_counter()
+        index = step // self.grpo.iterations
+        if rollouts.current is None or rollouts.current.index != index:
+            if rollouts.next_index is None:
+                rollouts.next_index = index
+            while rollouts.next_index <= index + self.grpo.max_staleness:
+                rollouts.queued.append(self._roll_out(next(rollouts.prompts)["index"][..., 0], rollouts.next_index,
+                                                      state))
+                rollouts.next_index += 1
+            rollouts.current = rollouts.queued.popleft()
+        rollout = rollouts.current
+        if rollout.index != index:
+            raise RuntimeError(f"step {step} needs rollout {index}, the queue holds {rollout.index}")
+        self._rollout = self._figures(rollout, step, time.perf_counter() - start)
+        return self._rows_of(rollout)
+
+    def _roll_out(self, indices: np.ndarray, index: int, state) -> Rollout:
+        """Rollout number `index` of the prompts `indices` [A, this process's prompts], drawn by the
+        state's parameters, scored."""
         from jax.experimental import multihost_utils
 
         from tunix_train.generate import Request, Sampling
 
         start = time.perf_counter()
-        G, T, step = self.grpo.num_generations, self.cfg.data.seq_len, int(state.step)
-        indices = batch["index"][..., 0]  # [A, this process's prompts]
+        G, T = self.grpo.num_generations, self.cfg.data.seq_len
         if jax.process_count() > 1:  # every process samples every prompt (the engine is one program)
             per_process = np.asarray(multihost_utils.process_allgather(indices))  # [processes, A, prompts]
             starts = np.asarray(multihost_utils.process_allgather(np.array(self._rows.start)))
             indices = np.concatenate([per_process[p] for p in np.argsort(starts)], axis=1)
-        A, P = indices.shape
-        order = indices.reshape(-1)
+        order = [int(i) for i in indices.reshape(-1)]
         prompts = [self._prompts[i] for i in order for _ in range(G)]
         params = self._merged(jax.device_put(state.params, self._run.plan.on_device.params), state.frozen)
-        sampling, seed = Sampling(temperature=self.grpo.temperature), self.cfg.training.seed * 1_000_003 + step
+        sampling, seed = Sampling(temperature=self.grpo.temperature), self.cfg.training.seed * 1_000_003 + index
         done = self._engine.generate(params, [Request(tuple(p), self.grpo.max_new_tokens, sampling, seed, i)
                                               for i, p in enumerate(prompts)], max_len=T)
-        new = [c.tokens for c in done]
         sampled = time.perf_counter()
-        eos = self._tokenizer.eos_id
-        completions = [ids + [eos] if len(ids) < self.grpo.max_new_tokens else ids for ids in new]
-        texts = [self._tokenizer.decode(ids) for ids in new]
         records = [self._docs[i] for i in order for _ in range(G)]
-        rewards = self._score([r["prompt"] for r in records], texts, records)
-        advantages = group_advantages(rewards.sum(axis=0).reshape(-1, G)).reshape(-1)
-        rows = [padded_row(p, c, T) for p, c in zip(prompts, completions)]
-        full = {name: np.stack([r[name] for r in rows]).reshape(A, P * G, T) for name in rows[0]}
-        full["advantages"] = np.broadcast_to(advantages.reshape(A, P * G, 1), (A, P * G, T)).astype(np.float32)
+        rewards = self._score([r["prompt"] for r in records], [self._tokenizer.decode(c.tokens) for c in done],
+                              records)
+        end = lambda c: [c.stop_token] if c.stop_token is not None else []
+        return Rollout(index, int(state.step), int(indices.shape[0]), order, [c.tokens + end(c) for c in done],
+                       [c.logprobs + ([c.stop_logprob] if c.stop_token is not None else []) for c in done],
+                       rewards.tolist(), sampled - start)
+
+    def _rows_of(self, rollout: Rollout) -> dict[str, np.ndarray]:
+        """The rollout's rows of this process, [A, rows, seq_len] each."""
+        G, T, A = self.grpo.num_generations, self.cfg.data.seq_len, rollout.accumulation
+        prompts = [self._prompts[i] for i in rollout.order for _ in range(G)]
+        rows = [padded_row(p, c, T) for p, c in zip(prompts, rollout.completions)]
+        full = {name: np.stack([r[name] for r in rows]) for name in rows[0]}
+        full["behaviour_logp"] = np.zeros((len(rows), T), np.float32)
+        for row, (prompt, logprobs) in enumerate(zip(prompts, rollout.logprobs)):  # targets[i] = ids[i + 1]
+            full["behaviour_logp"][row, len(prompt) - 1:len(prompt) - 1 + len(logprobs)] = logprobs
+        advantages = group_advantages(np.asarray(rollout.rewards).sum(axis=0).reshape(-1, G)).reshape(-1, 1)
+        full["advantages"] = np.broadcast_to(advantages, (len(rows), T)).astype(np.float32)
         local = self._rows
-        self._rollout = {
+        return {name: np.ascontiguousarray(x.reshape(A, -1, T)[:, local.start:local.stop]) for name, x in full.items()}
+
+    def _figures(self, rollout: Rollout, step: int, rollout_s: float) -> dict[str, Any]:
+        """What the log shows of the step's rollout; its samples (the first group) at its first step."""
+        G, rewards, eos = self.grpo.num_generations, np.asarray(rollout.rewards), self._tokenizer.eos_id
+        first_use = step == rollout.index * self.grpo.iterations
+        text = lambda c: self._tokenizer.decode(c[:-1] if c and c[-1] == eos else c)
+        return {
             **{f"reward_{name}": float(r.mean()) for name, r in zip(self.reward_names, rewards)},
             **{f"reward_{name}_std": float(r.std()) for name, r in zip(self.reward_names, rewards)},
             "reward": float(rewards.sum(axis=0).mean()),
-            "completion_tokens": float(np.mean([len(c) for c in completions])),
-            "sampling_s": sampled - start, "rollout_s": time.perf_counter() - start,
-            "samples": [(records[i]["prompt"], texts[i], float(rewards[:, i].sum())) for i in range(G)],
+            "completion_tokens": float(np.mean([len(c) for c in rollout.completions])),
+            "sampling_s": rollout.sampling_s, "rollout_s": rollout_s, "rollout_staleness": step - rollout.version,
+            "samples": [(self._docs[rollout.order[0]]["prompt"], text(rollout.completions[i]),
+                         float(rewards[:, i].sum())) for i in range(G)] if first_use else [],
         }
-        return {name: np.ascontiguousarray(x[:, local.start:local.stop]) for name, x in full.items()}
 
     def _score(self, prompts: list[str], completions: list[str], records: list[dict[str, Any]]) -> np.ndarray:
         """[reward functions, completions]: each function's reward of every completion."""
@@ -199,4 +303,5 @@ class _RolloutMetrics(Hook):
         rollout = dict(self.objective._rollout or {})
         samples = rollout.pop("samples", [])
         end.scalars.update(rollout)
-        self.objective._write_samples(end.step, [(p, f"{text}  [reward {r:g}]") for p, text, r in samples])
+        if samples:
+            self.objective._write_samples(end.step, [(p, f"{text}  [reward {r:g}]") for p, text, r in samples])
