@@ -13,6 +13,7 @@ from test_cli import run_cli
 from tunix_train.compose import load_config
 from tunix_train.rewards.arithmetic import write_task
 from tunix_train.train.loop import train
+from tunix_train.train.setup import setup
 from tunix_train.train.objectives.grpo import group_advantages, token_objective
 
 REWARD = "tunix_train.rewards.arithmetic:exact_match"
@@ -77,6 +78,10 @@ def _cfg(tmp_path, mesh_shape, micro_batch, *overrides, reward=REWARD):
     return cfg
 
 
+def _nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
 def _samples(run_dir):
     return [(s["step"], s["prompt"], s["text"]) for s in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines())]
 
@@ -100,6 +105,41 @@ def test_groups_are_the_same_on_every_mesh_and_kl_starts_at_zero(tmp_path):
     # the engine's log-probabilities are the trainer's, up to float32 rounding (1e-5 in test_generate)
     assert all(0 < m["logprob_mismatch_max"] < 1e-4 and m["logprob_mismatch_mean"] < 1e-5 for m in a), a
     assert all(m["reward_length_std"] > 0 and m["grad_norm"] > 1e-3 for m in a)
+
+
+def test_a_rollout_mesh_of_its_own_trains_like_the_training_mesh(tmp_path):
+    """[[4],["fsdp"]] training on devices 0-3 alone, and with a [[4],["fsdp"]] rollout mesh on
+    devices 4-7 (the weights copied there for every rollout): the same completions and losses."""
+    runs = {"on_mesh": ([], 4), "apart": (['training.grpo.rollout_mesh_shape=[[4],["fsdp"]]'], 8)}
+    for name, (extra, devices) in runs.items():
+        cfg = _cfg(tmp_path, [[4], ["fsdp"]], 4, "training.max_steps=3", "training.grpo.temperature=1.5",
+                   "training.grpo.beta=0.5", *extra, reward=LENGTH)
+        train(cfg, tmp_path / name, devices=jax.devices()[:devices])
+    metrics = {name: [m for m in read_metrics(tmp_path / name) if "loss" in m] for name in runs}
+    assert _samples(tmp_path / "apart") == _samples(tmp_path / "on_mesh")
+    for key in ("loss", "reward", "kl", "grad_norm"):
+        np.testing.assert_allclose([m[key] for m in metrics["apart"]], [m[key] for m in metrics["on_mesh"]],
+                                   rtol=1e-5, atol=1e-7, err_msg=key)
+    parameters = _nbytes(setup(cfg, jax.devices()[:8]).plan.abstract.params)
+    assert [m["weight_sync_bytes"] for m in metrics["apart"]] == [parameters] * 3
+    assert "weight_sync_bytes" not in metrics["on_mesh"][0]
+
+
+@pytest.mark.slow
+def test_lora_copies_only_the_adapters_to_the_rollout_mesh(tmp_path):
+    """Under LoRA the frozen base moves to the rollout mesh once, with the first rollout; then
+    each rollout copies the adapters alone, and they are merged there."""
+    cfg = _cfg(tmp_path, [[2, 2], ["fsdp", "tp"]], 4, "training.max_steps=3", "training.grpo.temperature=1.5",
+               "training.lora.rank=4", 'training.grpo.rollout_mesh_shape=[[2,2],["fsdp","tp"]]',
+               "training.learning_rate=1e-2", reward=LENGTH)
+    train(cfg, tmp_path / "lora", devices=jax.devices()[:8])
+    plan = setup(cfg, jax.devices()[:8]).plan.abstract
+    adapters, base = _nbytes(plan.params), _nbytes(plan.frozen)
+    metrics = [m for m in read_metrics(tmp_path / "lora") if "loss" in m]
+    assert [m["weight_sync_bytes"] for m in metrics] == [adapters + base, adapters, adapters]
+    assert adapters < base / 10
+    # the merged adapters reach the engine: the policy it samples from is the trained one
+    assert metrics[-1]["kl"] > 0 and all(m["logprob_mismatch_max"] < 1e-4 for m in metrics)
 
 
 @pytest.mark.slow
@@ -136,6 +176,7 @@ def test_a_resumed_run_draws_the_same_completions_and_losses(tmp_path, staleness
     (["training.grpo.max_staleness=-1"], "training.grpo.max_staleness=-1 must be >= 0"),
     (["training.grpo.iterations=0"], "training.grpo.iterations=0 >= 1"),
     (["training.grpo.importance_cap=0.5"], "training.grpo.importance_cap=0.5 must be at least 1"),
+
 ])
 def test_bad_input_is_one_line(tmp_path, overrides, message):
     prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
@@ -151,10 +192,31 @@ def test_bad_input_is_one_line(tmp_path, overrides, message):
     assert message in lines[0], lines[0]
 
 
+@pytest.mark.parametrize("mesh, rollout_mesh, message", [
+    ([[8], ["fsdp"]], [[4], ["fsdp"]], "model.mesh_shape takes 8 devices and training.grpo.rollout_mesh_shape 4 more; "
+                                       "the two meshes must not share devices and together use the run's 8"),
+    ([[2], ["fsdp"]], [[4], ["fsdp"]], "model.mesh_shape takes 2 devices and training.grpo.rollout_mesh_shape 4 more"),
+    ([[-1], ["fsdp"]], [[8], ["fsdp"]], "training.grpo.rollout_mesh_shape: its 8 devices must leave devices for "
+                                        "training on each of the 1 processes"),
+    ([[-1], ["fsdp"]], [[-1], ["fsdp"]], "training.grpo.rollout_mesh_shape: sizes [-1] must be given, not -1"),
+    ([[-1], ["fsdp"]], [[2], ["sp"]], "training.grpo.rollout_mesh_shape: unknown mesh axis 'sp'"),
+])
+def test_a_rollout_mesh_that_does_not_fit_is_a_config_error(tmp_path, mesh, rollout_mesh, message):
+    from tunix_train.config import ConfigError
+
+    cfg = _cfg(tmp_path, mesh, 4)
+    cfg.training.grpo.rollout_mesh_shape = rollout_mesh
+    with pytest.raises(ConfigError) as error:
+        setup(cfg, jax.devices()[:8])
+    assert message in str(error.value), error.value
+
+
 @pytest.mark.slow
-def test_two_processes_sample_and_train_like_one(tmp_path):
+@pytest.mark.parametrize("rollout_mesh", [False, True])
+def test_two_processes_sample_and_train_like_one(tmp_path, rollout_mesh):
     """Every process samples the step's prompts and keeps its own rows: 2 processes x 2 devices give
-    the completions and losses of 1 process x 4."""
+    the completions and losses of 1 process x 4. With a rollout mesh, 2 processes x 4 devices, each
+    giving 2 to a [[4],["fsdp"]] rollout mesh, each copying its own shards of the weights there."""
     import os
     import subprocess
     import sys
@@ -170,11 +232,14 @@ def test_two_processes_sample_and_train_like_one(tmp_path):
     one = subprocess.run([sys.executable, str(REPO / "run_training.py"), *run, f"hydra.run.dir={tmp_path / 'one'}"],
                          cwd=REPO, env=cpu_env(4), capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([sys.executable, "-m", "tunix_train.launch", "--nprocs=2", "--cpu_devices_per_process=2",
-                          str(REPO / "run_training.py"), *run, f"hydra.run.dir={tmp_path / 'two'}"], cwd=REPO,
+    apart = ['training.grpo.rollout_mesh_shape=[[4],["fsdp"]]'] if rollout_mesh else []
+    two = subprocess.run([sys.executable, "-m", "tunix_train.launch", "--nprocs=2",
+                          f"--cpu_devices_per_process={4 if rollout_mesh else 2}", str(REPO / "run_training.py"), *run,
+                          *apart, f"hydra.run.dir={tmp_path / 'two'}"], cwd=REPO,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stdout
     assert _samples(tmp_path / "two") == _samples(tmp_path / "one")
+    assert all(("weight_sync_bytes" in m) == rollout_mesh for m in read_metrics(tmp_path / "two") if "loss" in m)
     for key in ("loss", "reward", "kl"):
         np.testing.assert_allclose([m[key] for m in read_metrics(tmp_path / "two") if "loss" in m],
                                    [m[key] for m in read_metrics(tmp_path / "one") if "loss" in m], rtol=1e-5,

@@ -18,7 +18,7 @@ Mesh axes:
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -99,8 +99,9 @@ def per_shard_rules(rules: Rules) -> Rules:
     return rules.replace(batch=())
 
 
-def _parse_mesh_shape(mesh_shape: Any, num_devices: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    key = "model.mesh_shape"
+def _parse_mesh_shape(mesh_shape: Any, num_devices: int | None,
+                      key: str = "model.mesh_shape") -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Sizes and names; a -1 size filled from num_devices (None: not allowed, nor checked)."""
     if not (isinstance(mesh_shape, Sequence) and len(mesh_shape) == 2
             and all(isinstance(part, Sequence) and not isinstance(part, str) for part in mesh_shape)):
         raise ConfigError(f"{key}={mesh_shape} must be [[sizes...], [axis names...]], "
@@ -115,6 +116,10 @@ def _parse_mesh_shape(mesh_shape: Any, num_devices: int) -> tuple[tuple[int, ...
         raise ConfigError(f"{key}: duplicate mesh axis names in {names}")
     if not all(isinstance(s, int) and (s > 0 or s == -1) for s in sizes) or sizes.count(-1) > 1:
         raise ConfigError(f"{key}: sizes {sizes} must be positive integers, with at most one -1")
+    if num_devices is None:
+        if -1 in sizes:
+            raise ConfigError(f"{key}: sizes {sizes} must be given, not -1")
+        return tuple(sizes), tuple(names)
     if -1 in sizes:
         known = math.prod(s for s in sizes if s != -1)
         if num_devices % known:
@@ -126,11 +131,11 @@ def _parse_mesh_shape(mesh_shape: Any, num_devices: int) -> tuple[tuple[int, ...
     return tuple(sizes), tuple(names)
 
 
-def make_mesh(mesh_shape: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(mesh_shape: Any, devices: Sequence[jax.Device] | None = None, key: str = "model.mesh_shape") -> Mesh:
     """mesh_shape [[sizes], [names]] -> Mesh over `devices` (default: all), `tp` innermost, `pp`
-    outermost."""
+    outermost. `key`: the config key errors name."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes, names = _parse_mesh_shape(mesh_shape, len(devices))
+    sizes, names = _parse_mesh_shape(mesh_shape, len(devices), key)
     # Lay devices out with tp as the fastest-varying axis so it stays on the closest links and pp
     # as the slowest (stages exchange the least), then transpose back to the user's axis order.
     order = sorted(range(len(names)), key=lambda i: {"pp": -1, "tp": 1}.get(names[i], 0))
@@ -150,6 +155,60 @@ def make_mesh(mesh_shape: Any, devices: Sequence[jax.Device] | None = None) -> M
         ordered = np.array(by_host, dtype=object).reshape(ordered_sizes)
     device_array = np.transpose(ordered, np.argsort(order))
     return Mesh(device_array, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def split_devices(devices: Sequence[jax.Device], mesh_shape: Any, apart_shape: Any,
+                  key: str) -> tuple[list[jax.Device], list[jax.Device]]:
+    """The run's devices -> (those of model.mesh_shape, those set apart for the mesh `apart_shape`
+    names under `key`): each process gives its last devices (by id) to the second, as many each,
+    so both meshes span every process."""
+    sizes, _ = _parse_mesh_shape(apart_shape, None, key)
+    apart, processes = math.prod(sizes), sorted({d.process_index for d in devices})
+    if apart % len(processes) or apart // len(processes) >= len(devices) // len(processes):
+        raise ConfigError(f"{key}: its {apart} devices must leave devices for training on each of the "
+                          f"{len(processes)} processes (with {len(devices)} devices in all), as many on each")
+    per_process = apart // len(processes)
+    chosen = [d for p in processes for d in sorted((d for d in devices if d.process_index == p),
+                                                   key=lambda d: d.id)[-per_process:]]
+    rest = [d for d in devices if d not in chosen]
+    try:
+        training = math.prod(_parse_mesh_shape(mesh_shape, None)[0])
+    except ConfigError:  # a -1, filled from the rest (or a malformed shape, which make_mesh reports)
+        training = len(rest)
+    if training != len(rest):
+        raise ConfigError(f"model.mesh_shape takes {training} devices and {key} {apart} more; the "
+                          f"two meshes must not share devices and together use the run's {len(devices)}")
+    return rest, chosen
+
+
+def cross_mesh_copier(source: Mesh, target: Mesh) -> Callable[[Any, Any], Any]:
+    """(tree of global arrays on `source`, shardings on `target`) -> the tree laid out on `target`,
+    another part of the run's devices. In one process, jax.device_put. Multi-controller JAX moves
+    arrays only within one device set, so with several processes each array is first laid out on
+    the source devices as it will be on the target (a mesh of source devices shaped like the
+    target, each process's devices standing for its own target devices), then every process copies
+    its own shards across. That needs as many source as target devices on each process."""
+    if jax.process_count() == 1:
+        return jax.device_put
+    local = lambda mesh: {p: sorted((d for d in mesh.devices.flat if d.process_index == p), key=lambda d: d.id)
+                          for p in range(jax.process_count())}
+    sources, targets = local(source), local(target)
+    if any(len(sources[p]) != len(targets[p]) for p in sources):
+        raise ConfigError("training.grpo.rollout_mesh_shape: in a multi-process run the rollout mesh needs as many "
+                          "devices on each process as the training mesh (each process copies its own shards)")
+    stand_in = {t: s for p in sources for s, t in zip(sources[p], targets[p])}
+    counterpart = Mesh(np.vectorize(stand_in.get, otypes=[object])(target.devices), target.axis_names,
+                       axis_types=target.axis_types)
+    back = {s: t for t, s in stand_in.items()}
+
+    def copy(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+        laid_out = jax.device_put(x, NamedSharding(counterpart, sharding.spec))
+        shards = [jax.device_put(shard.data, back[shard.device]) for shard in laid_out.addressable_shards]
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+
+    # shardings may be a prefix tree (one per nnx.Variable, as state_shardings gives them)
+    return lambda tree, shardings: jax.tree.map(
+        lambda sharding, subtree: jax.tree.map(lambda x: copy(x, sharding), subtree), shardings, tree)
 
 
 def axis_size(mesh: Mesh, names: Sequence[str]) -> int:

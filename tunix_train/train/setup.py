@@ -16,9 +16,9 @@ from omegaconf import OmegaConf
 
 from tunix_train import parallel, platform
 from tunix_train.checkpoint import restore_from, restore_latest
-from tunix_train.config import Config, ConfigError, changeable_on_resume, without_retired_keys
+from tunix_train.config import Config, ConfigError, Objective as Kind, changeable_on_resume, without_retired_keys
 from tunix_train.interop import importer
-from tunix_train.sharding import LOGICAL_RULES, data_parallel_size, make_mesh, validate_model_for_mesh
+from tunix_train.sharding import LOGICAL_RULES, data_parallel_size, make_mesh, split_devices, validate_model_for_mesh
 from tunix_train.state import TrainState
 from tunix_train.train.init import StatePlan, plan_train_state
 from tunix_train.train.objectives import make_objective
@@ -32,6 +32,7 @@ class Setup:
     """What a run is built from: the mesh, the planned state, and the jitted (uncompiled) steps."""
 
     mesh: Mesh
+    rollout_mesh: Mesh | None  # GRPO's engine's, on devices of its own (training.grpo.rollout_mesh_shape)
     plan: StatePlan
     step_fn: Any
     eval_fn: Any
@@ -47,6 +48,13 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
 
     Raises ConfigError when the config does not fit the devices."""
     t = cfg.training
+    devices = list(jax.devices() if devices is None else devices)
+    rollout_shape, rollout_mesh = t.grpo.rollout_mesh_shape if t.objective is Kind.grpo else None, None
+    if rollout_shape is not None:
+        key = "training.grpo.rollout_mesh_shape"
+        devices, rollout_devices = split_devices(devices, cfg.model.mesh_shape, rollout_shape, key)
+        rollout_mesh = make_mesh(rollout_shape, rollout_devices, key)
+        validate_model_for_mesh(cfg.model, rollout_mesh)
     mesh = make_mesh(cfg.model.mesh_shape, devices)
     validate_model_for_mesh(cfg.model, mesh)
     layout = parallel.for_run(mesh, cfg.model, t, cfg.data.seq_len)
@@ -60,7 +68,7 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
                                  parallel=layout, objective=objective, weights=weights)
     eval_fn = compile_eval_step(plan, mesh, model_cfg=cfg.model, training=t, parallel=layout, objective=objective,
                                 weights=weights)
-    return Setup(mesh, plan, step_fn, eval_fn, t.micro_batch_size * data_parallel_size(mesh), layout, objective,
+    return Setup(mesh, rollout_mesh, plan, step_fn, eval_fn, t.micro_batch_size * data_parallel_size(mesh), layout, objective,
                  weights)
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import importlib
 import time
 from typing import Any, Callable
@@ -48,6 +49,7 @@ import numpy as np
 
 from tunix_train.config import Config, ConfigError
 from tunix_train.data.pipeline import GroupBatches, padded_row
+from tunix_train.sharding import cross_mesh_copier, state_shardings
 from tunix_train.train.hooks import Hook
 from tunix_train.train.objectives.base import Objective
 from tunix_train.train.objectives.lm import BATCH_DTYPES
@@ -186,19 +188,49 @@ class GroupRelative(Objective):
                                      prefetch=self.cfg.data.prefetch_batches))
 
     def connect(self, run, write_samples: Callable[[int, list[tuple[str, str]]], None]) -> None:
-        """What sampling needs of the run: the engine on its mesh, the merged parameters."""
+        """What sampling needs of the run: the engine on its mesh (the rollout mesh, else the
+        training mesh), and the parameters there: under LoRA the base is copied once and only the
+        adapters for each rollout, merged on the rollout side."""
         from tunix_train.generate import Engine
 
         self._run, self._write_samples = run, write_samples
         self._merged = jax.jit(run.weights.merged)  # LoRA: the adapters merged into the base, compiled once
+        self._mesh = run.rollout_mesh or run.mesh
         # every completion of a rollout at once, in one batch of slots
-        self._engine = Engine(self.cfg.model, run.mesh, stop_ids=(self._tokenizer.eos_id,), slots=None)
+        self._engine = Engine(self.cfg.model, self._mesh, stop_ids=(self._tokenizer.eos_id,), slots=None)
+        if run.rollout_mesh is not None:
+            copy = cross_mesh_copier(run.mesh, run.rollout_mesh)
+            copier = lambda part: functools.partial(
+                lambda shardings, tree: copy(tree, shardings),
+                state_shardings(getattr(run.plan.abstract, part), run.rollout_mesh))
+            self._copy_params = copier("params")
+            self._copy_frozen = copier("frozen") if run.weights.lora else None
+            self._frozen_copy = None
+
+    def _rollout_params(self, state):
+        """The merged parameters the engine draws with, on its mesh; the time and bytes copied."""
+        on_device = jax.device_put(state.params, self._run.plan.on_device.params)  # from host memory if offloaded
+        if self._run.rollout_mesh is None:
+            return self._merged(on_device, state.frozen), {}
+        start = time.perf_counter()
+        params = jax.block_until_ready(self._copy_params(on_device))
+        moved = sum(x.nbytes for x in jax.tree.leaves(params))
+        frozen = None
+        if self._copy_frozen is not None:  # LoRA: the base once (a new process copies it again)
+            if self._frozen_copy is None:
+                self._frozen_copy = jax.block_until_ready(self._copy_frozen(state.frozen))
+                moved += sum(x.nbytes for x in jax.tree.leaves(self._frozen_copy))
+            frozen = self._frozen_copy
+        sync = {"weight_sync_s": time.perf_counter() - start, "weight_sync_bytes": float(moved)}
+        with jax.set_mesh(self._mesh):
+            return self._merged(params, frozen), sync
 
     def prepare(self, rollouts: Rollouts, state) -> dict[str, np.ndarray]:
         """The step's rows: rollout step // iterations, drawing the rollouts up to max_staleness
         ahead of it that are not drawn yet (by the current parameters)."""
         step, start = int(state.step), time.perf_counter()
         index = step // self.grpo.iterations
+        self._syncs = dict.fromkeys(("weight_sync_s", "weight_sync_bytes"), 0.0) if self._run.rollout_mesh else {}
         if rollouts.current is None or rollouts.current.index != index:
             if rollouts.next_index is None:
                 rollouts.next_index = index
@@ -228,7 +260,9 @@ class GroupRelative(Objective):
             indices = np.concatenate([per_process[p] for p in np.argsort(starts)], axis=1)
         order = [int(i) for i in indices.reshape(-1)]
         prompts = [self._prompts[i] for i in order for _ in range(G)]
-        params = self._merged(jax.device_put(state.params, self._run.plan.on_device.params), state.frozen)
+        params, sync = self._rollout_params(state)
+        for name, value in sync.items():
+            self._syncs[name] = self._syncs.get(name, 0.0) + value
         sampling, seed = Sampling(temperature=self.grpo.temperature), self.cfg.training.seed * 1_000_003 + index
         done = self._engine.generate(params, [Request(tuple(p), self.grpo.max_new_tokens, sampling, seed, i)
                                               for i, p in enumerate(prompts)], max_len=T)
@@ -266,6 +300,7 @@ class GroupRelative(Objective):
             "reward": float(rewards.sum(axis=0).mean()),
             "completion_tokens": float(np.mean([len(c) for c in rollout.completions])),
             "sampling_s": rollout.sampling_s, "rollout_s": rollout_s, "rollout_staleness": step - rollout.version,
+            **self._syncs,  # the weights copied to the rollout mesh for the rollouts this step drew
             "samples": [(self._docs[rollout.order[0]]["prompt"], text(rollout.completions[i]),
                          float(rewards[:, i].sum())) for i in range(G)] if first_use else [],
         }
