@@ -31,16 +31,11 @@ def slots_per_layer(cfg: ModelConfig, max_len: int) -> tuple[int, ...]:
     return tuple(int(min(window, max_len)) for window in layer_windows(cfg))
 
 
-def cache_shardings(cfg: ModelConfig, mesh: Mesh, rows: int, max_len: int, rules: Rules) -> list[NamedSharding]:
-    """Each layer's [rows*K, S, H] cache: rows split over the batch's mesh axes, then over the kv
-    heads' (row-major, so the same split as [rows, K] sharded on both)."""
-    return [_sharding(mesh, rules, rows, shape.num_kv_heads, slots, shape.head_dim)
-            for slots, shape in zip(slots_per_layer(cfg, max_len), layer_shapes(cfg))]
-
-
 def constrained(caches: list, cfg: ModelConfig, mesh: Mesh, rules: Rules) -> list:
-    """The caches (or prefill entries) of a compiled step held in cache_shardings' layout: the
-    same sharding in as out, so a step's output feeds the next call without a recompile."""
+    """The caches (or prefill entries) of a compiled step in their layout, each layer's [rows*K, S, H]
+    split by rows over the batch's mesh axes, then over the kv heads' (row-major, so the same split
+    as [rows, K] sharded on both): the same sharding in as out, so a step's output feeds the next
+    call without a recompile."""
     def constrain(x, shape):
         rows = x.shape[0] // shape.num_kv_heads
         return jax.lax.with_sharding_constraint(x, _sharding(mesh, rules, rows, shape.num_kv_heads, *x.shape[1:]))

@@ -71,14 +71,14 @@ def bucket(length: int) -> int:
     return max(16, 1 << math.ceil(math.log2(max(length, 1))))
 
 
-def _fetch(x: jax.Array) -> np.ndarray:
-    """The whole of a global array on this host: in a multi-process run the rows on other
-    processes' devices are gathered (every process runs the same loop)."""
-    if x.is_fully_addressable:
-        return np.asarray(x)
+def _fetch(*xs: jax.Array) -> list[np.ndarray]:
+    """The whole of global arrays on this host, fetched together: in a multi-process run the rows
+    on other processes' devices are gathered (every process runs the same loop)."""
+    if all(x.is_fully_addressable for x in xs):
+        return [np.asarray(x) for x in jax.device_get(xs)]
     from jax.experimental import multihost_utils
 
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in xs]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -115,7 +115,7 @@ class Engine:
         self._insert = jax.jit(self._insert_fn, static_argnames=("kinds",), donate_argnums=(0,))
         self._decode = jax.jit(self._decode_fn, static_argnames=("kinds",), donate_argnums=(2,))
         self._unstack = jax.jit(lambda params: nnx.merge(self.graphdef, params).layer_states())
-        self._entry_shapes: dict = {}
+        self._empty_caches: dict = {}
         # prefill_s, prefills, prefix_hits, decode_s, steps, tokens, and the last session's cache_bytes
         self.stats = collections.Counter()
 
@@ -220,18 +220,20 @@ class Engine:
         rounded = -(-needed // 64) * 64
         return min(rounded, self.cfg.context_length or rounded)
 
-    def entry_shapes(self, params, per_layer, max_len: int):
-        """The shapes and dtypes of one request's cache entries (traced once per layout)."""
-        layout = (max_len, tuple((x.shape, x.dtype) for x in jax.tree.leaves(params)))
-        if layout not in self._entry_shapes:
+    def empty_caches(self, params, per_layer, max_len: int, slots: int) -> list:
+        """Every slot's cache, zeros: a prefill entry's layout (and dtype) with `slots` times its
+        rows, made by one compiled call (traced once per layout)."""
+        layout = (max_len, slots, tuple((x.shape, x.dtype) for x in jax.tree.leaves(params)))
+        if layout not in self._empty_caches:
             dp = data_parallel_size(self.mesh)  # the fewest prefill rows
             prefill = functools.partial(self._prefill_fn, max_len=max_len)
             entries = jax.eval_shape(prefill, params, per_layer, jnp.zeros((dp, 16), jnp.int32),
                                      jnp.ones((dp,), jnp.int32))[0]
-            self._entry_shapes[layout] = [None if e is None else {
-                name: jax.ShapeDtypeStruct((x.shape[0] // dp, *x.shape[1:]), x.dtype) for name, x in e.items()}
-                for e in entries]
-        return self._entry_shapes[layout]
+            zeros = lambda: kv.constrained(
+                [None if e is None else {name: jnp.zeros((slots * x.shape[0] // dp, *x.shape[1:]), x.dtype)
+                                         for name, x in e.items()} for e in entries], self.cfg, self.mesh, self.rules)
+            self._empty_caches[layout] = jax.jit(zeros)
+        return self._empty_caches[layout]()
 
     def slots_for(self, requests: int) -> int:
         """Slots for `requests` at once: the engine's number at most, a multiple of the data-parallel size."""
@@ -283,12 +285,7 @@ class Session:
         e = engine
         with jax.set_mesh(e.mesh):
             self.per_layer = e._unstack(params)
-            # the cache of every slot: a prefill entry's layout (and dtype) with `slots` times its rows
-            entries = e.entry_shapes(params, self.per_layer, max_len)
-            shardings = kv.cache_shardings(e.cfg, e.mesh, slots, max_len, e.rules)
-            self.caches = [None if entry is None else
-                           {name: jnp.zeros((slots * x.shape[0], *x.shape[1:]), x.dtype, device=sharding)
-                            for name, x in entry.items()} for entry, sharding in zip(entries, shardings)]
+            self.caches = e.empty_caches(params, self.per_layer, max_len, slots)
         self.row = {name: np.zeros(slots, dtype) for name, dtype in
                     (("token", np.int32), ("position", np.int32), ("count", np.int32), ("stream", np.uint32),
                      ("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32))}
@@ -385,7 +382,8 @@ class Session:
             drawn.append((slots_n, token_n, logprob_n))
         new, done = [], set()
         for slots_n, token_n, logprob_n in drawn:
-            for slot, token, logprob in zip(slots_n.tolist(), _fetch(token_n).tolist(), _fetch(logprob_n).tolist()):
+            token_n, logprob_n = _fetch(token_n, logprob_n)
+            for slot, token, logprob in zip(slots_n.tolist(), token_n.tolist(), logprob_n.tolist()):
                 if slot not in done:
                     done.add(slot)
                     row["token"][slot] = token
@@ -403,7 +401,7 @@ class Session:
             self.params, self.per_layer, self.caches, rows["token"], rows["position"], rows["count"], seeds,
             rows["stream"], Rules(rows["temperature"], rows["top_k"], rows["top_p"]), kinds=self.kinds)
         rows.update(token=token_B, position=position_B, count=count_B)  # the next chunk's, on the devices
-        drawn_BC, logprob_BC = _fetch(drawn_BC), _fetch(logprob_BC)
+        drawn_BC, logprob_BC = _fetch(drawn_BC, logprob_BC)
         row["token"], row["position"], row["count"] = drawn_BC[:, -1].copy(), row["position"] + e.chunk, \
             row["count"] + e.chunk
         e.stats["decode_s"] += time.perf_counter() - start
