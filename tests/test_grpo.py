@@ -107,13 +107,15 @@ def test_groups_are_the_same_on_every_mesh_and_kl_starts_at_zero(tmp_path):
     assert all(m["reward_length_std"] > 0 and m["grad_norm"] > 1e-3 for m in a)
 
 
-def test_a_rollout_mesh_of_its_own_trains_like_the_training_mesh(tmp_path):
+@pytest.mark.parametrize("staleness", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_a_rollout_mesh_of_its_own_trains_like_the_training_mesh(tmp_path, staleness):
     """[[4],["fsdp"]] training on devices 0-3 alone, and with a [[4],["fsdp"]] rollout mesh on
-    devices 4-7 (the weights copied there for every rollout): the same completions and losses."""
+    devices 4-7 (the weights copied there for every rollout): the same completions and losses.
+    With max_staleness 1 the rollout mesh draws the next rollout while the step runs."""
     runs = {"on_mesh": ([], 4), "apart": (['training.grpo.rollout_mesh_shape=[[4],["fsdp"]]'], 8)}
     for name, (extra, devices) in runs.items():
         cfg = _cfg(tmp_path, [[4], ["fsdp"]], 4, "training.max_steps=3", "training.grpo.temperature=1.5",
-                   "training.grpo.beta=0.5", *extra, reward=LENGTH)
+                   "training.grpo.beta=0.5", f"training.grpo.max_staleness={staleness}", *extra, reward=LENGTH)
         train(cfg, tmp_path / name, devices=jax.devices()[:devices])
     metrics = {name: [m for m in read_metrics(tmp_path / name) if "loss" in m] for name in runs}
     assert _samples(tmp_path / "apart") == _samples(tmp_path / "on_mesh")

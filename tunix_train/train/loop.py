@@ -127,6 +127,7 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
             say(f"compiled the train step in {time.perf_counter() - start:.1f} s")
             interval = h.Interval()
             hooks = [
+                *objective.hooks(),  # first: GRPO draws rollouts on its own mesh while the step runs
                 *_profile_hook(cfg, run_dir, int(state.step), step_fn, mesh, say, is_chief),
                 *([h.StopOnNonFinite(save, checkpoints)] if t.nan_policy is NanPolicy.stop else []),
                 h.TrainMetrics(interval, t.log_every, t.max_steps, tokens_per_step, flops_per_token, peak,
@@ -135,7 +136,6 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
                 *([h.Evaluate(run.eval_fn, eval_batches, t.eval_every, t.max_steps, objective.perplexity)]
                   if eval_batches else []),
                 *_samples_hook(cfg, run, data, writer, say),
-                *objective.hooks(),
                 *extra_hooks,
                 h.Report(writer, log, interval, t.max_steps),
                 h.StopOnSignal(stop, save, checkpointer.wait, checkpoints, mesh),

@@ -105,14 +105,21 @@ class Rollout:
 
 class Rollouts:
     """GRPO's host batches: the prompt batches, and the rollouts drawn from them that have not yet
-    been trained on for the last time (`current`, then `queued`). Checkpointed whole."""
+    been trained on for the last time (`current`, then `queued`), some of them perhaps still to be
+    drawn (`deferred`: callables giving them). Checkpointed whole, the deferred ones drawn first."""
 
     def __init__(self, prompts: GroupBatches):
         self.prompts, self.next_index = prompts, 0
         self.current: Rollout | None = None
         self.queued: collections.deque[Rollout] = collections.deque()
+        self.deferred: list[Callable[[], Rollout]] = []
+
+    def draw_deferred(self) -> None:
+        self.queued.extend(draw() for draw in self.deferred)
+        self.deferred.clear()
 
     def get_state(self) -> dict[str, Any]:
+        self.draw_deferred()
         return {"prompts": self.prompts.get_state(), "next_index": self.next_index,
                 "rollouts": [dataclasses.asdict(r) for r in ([self.current] if self.current else []) + [*self.queued]]}
 
@@ -208,10 +215,11 @@ class GroupRelative(Objective):
             self._frozen_copy = None
 
     def _rollout_params(self, state):
-        """The merged parameters the engine draws with, on its mesh; the time and bytes copied."""
+        """The merged parameters the engine draws with, on its mesh (the time and bytes copied there
+        are added to the step's figures)."""
         on_device = jax.device_put(state.params, self._run.plan.on_device.params)  # from host memory if offloaded
         if self._run.rollout_mesh is None:
-            return self._merged(on_device, state.frozen), {}
+            return self._merged(on_device, state.frozen)
         start = time.perf_counter()
         params = jax.block_until_ready(self._copy_params(on_device))
         moved = sum(x.nbytes for x in jax.tree.leaves(params))
@@ -221,48 +229,61 @@ class GroupRelative(Objective):
                 self._frozen_copy = jax.block_until_ready(self._copy_frozen(state.frozen))
                 moved += sum(x.nbytes for x in jax.tree.leaves(self._frozen_copy))
             frozen = self._frozen_copy
-        sync = {"weight_sync_s": time.perf_counter() - start, "weight_sync_bytes": float(moved)}
+        self._syncs["weight_sync_s"] += time.perf_counter() - start
+        self._syncs["weight_sync_bytes"] += moved
         with jax.set_mesh(self._mesh):
-            return self._merged(params, frozen), sync
+            return self._merged(params, frozen)
 
     def prepare(self, rollouts: Rollouts, state) -> dict[str, np.ndarray]:
         """The step's rows: rollout step // iterations, drawing the rollouts up to max_staleness
-        ahead of it that are not drawn yet (by the current parameters)."""
+        ahead of it that are not drawn yet, by the current parameters. With a rollout mesh, those
+        this step does not train on are drawn once the step is running (the hook's after_step):
+        their parameters are copied now, before the step takes the state."""
         step, start = int(state.step), time.perf_counter()
         index = step // self.grpo.iterations
         self._syncs = dict.fromkeys(("weight_sync_s", "weight_sync_bytes"), 0.0) if self._run.rollout_mesh else {}
         if rollouts.current is None or rollouts.current.index != index:
+            rollouts.draw_deferred()
             if rollouts.next_index is None:
                 rollouts.next_index = index
+            params = None  # copied once for the rollouts this step draws
             while rollouts.next_index <= index + self.grpo.max_staleness:
-                rollouts.queued.append(self._roll_out(next(rollouts.prompts)["index"][..., 0], rollouts.next_index,
-                                                      state))
+                params = self._rollout_params(state) if params is None else params
+                draw = functools.partial(self._roll_out, self._gathered(next(rollouts.prompts)["index"][..., 0]),
+                                         rollouts.next_index, params, step)
+                if rollouts.next_index > index and self._run.rollout_mesh is not None:
+                    rollouts.deferred.append(draw)
+                else:
+                    rollouts.queued.append(draw())
                 rollouts.next_index += 1
             rollouts.current = rollouts.queued.popleft()
         rollout = rollouts.current
         if rollout.index != index:
             raise RuntimeError(f"step {step} needs rollout {index}, the queue holds {rollout.index}")
+        self._rollouts = rollouts
         self._rollout = self._figures(rollout, step, time.perf_counter() - start)
         return self._rows_of(rollout)
 
-    def _roll_out(self, indices: np.ndarray, index: int, state) -> Rollout:
-        """Rollout number `index` of the prompts `indices` [A, this process's prompts], drawn by the
-        state's parameters, scored."""
+    def _gathered(self, indices: np.ndarray) -> np.ndarray:
+        """This process's prompt indices [A, prompts] -> every process's, in row order: every
+        process samples every prompt (the engine is one program)."""
+        if jax.process_count() == 1:
+            return indices
         from jax.experimental import multihost_utils
 
+        per_process = np.asarray(multihost_utils.process_allgather(indices))  # [processes, A, prompts]
+        starts = np.asarray(multihost_utils.process_allgather(np.array(self._rows.start)))
+        return np.concatenate([per_process[p] for p in np.argsort(starts)], axis=1)
+
+    def _roll_out(self, indices: np.ndarray, index: int, params, version: int) -> Rollout:
+        """Rollout number `index` of the prompts `indices` [A, prompts], drawn with `params` (those
+        of step `version`, on the engine's mesh), scored."""
         from tunix_train.generate import Request, Sampling
 
         start = time.perf_counter()
         G, T = self.grpo.num_generations, self.cfg.data.seq_len
-        if jax.process_count() > 1:  # every process samples every prompt (the engine is one program)
-            per_process = np.asarray(multihost_utils.process_allgather(indices))  # [processes, A, prompts]
-            starts = np.asarray(multihost_utils.process_allgather(np.array(self._rows.start)))
-            indices = np.concatenate([per_process[p] for p in np.argsort(starts)], axis=1)
         order = [int(i) for i in indices.reshape(-1)]
         prompts = [self._prompts[i] for i in order for _ in range(G)]
-        params, sync = self._rollout_params(state)
-        for name, value in sync.items():
-            self._syncs[name] = self._syncs.get(name, 0.0) + value
         sampling, seed = Sampling(temperature=self.grpo.temperature), self.cfg.training.seed * 1_000_003 + index
         done = self._engine.generate(params, [Request(tuple(p), self.grpo.max_new_tokens, sampling, seed, i)
                                               for i, p in enumerate(prompts)], max_len=T)
@@ -271,7 +292,7 @@ class GroupRelative(Objective):
         rewards = self._score([r["prompt"] for r in records], [self._tokenizer.decode(c.tokens) for c in done],
                               records)
         end = lambda c: [c.stop_token] if c.stop_token is not None else []
-        return Rollout(index, int(state.step), int(indices.shape[0]), order, [c.tokens + end(c) for c in done],
+        return Rollout(index, version, int(indices.shape[0]), order, [c.tokens + end(c) for c in done],
                        [c.logprobs + ([c.stop_logprob] if c.stop_token is not None else []) for c in done],
                        rewards.tolist(), sampled - start)
 
@@ -328,10 +349,14 @@ class GroupRelative(Objective):
 
 
 class _RolloutMetrics(Hook):
+    """First of the hooks: draws the deferred rollouts while the step runs on the training mesh,
+    before any hook waits for it; then the figures."""
+
     def __init__(self, objective: GroupRelative):
         self.objective = objective
 
     def after_step(self, end) -> None:
+        self.objective._rollouts.draw_deferred()
         t = self.objective.cfg.training
         if end.step % t.log_every and end.step != t.max_steps:
             return

@@ -1,0 +1,167 @@
+"""One GRPO step, ours against TRL's GRPOTrainer, side by side on this machine's CPU.
+
+    python scripts/compare_trl.py [--model tiny] [--steps 3] [--prompts 16] [--generations 8] [--max-new-tokens 32]
+
+Both train the same random Gemma 3 (--model: tiny, gemma3_tiny; small, the CPU architecture of
+compare_tunix.py), written once as a Hugging Face checkpoint and loaded by both, with the same
+tokenizer (a character-level tokenizer.json, made here with the `tokenizers` package), on the same
+arithmetic prompts (tunix_train/rewards/arithmetic.py), with the same reward function
+(exact_match), G completions per prompt, max completion length, beta, epsilon, learning rate and
+temperature, in float32. TRL: use_vllm=False (its only way on a CPU), its token-mean loss ("bnpo",
+ours), no gradient checkpointing, rows padded to the longest of the batch. Ours: its defaults
+(remat save_matmul_outputs), rows padded to data.seq_len = the longest prompt (8 tokens with BOS)
+plus the max completion length. A step is the whole of it: sampling, scoring, the reference's and
+the policy's forward passes, backward, the update. Each side's figure is the median wall time of
+--steps steps after one warm-up step (ours: the logged step_time_s; TRL: the time between
+consecutive on_step_end callbacks). The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+REWARD = "tunix_train.rewards.arithmetic:exact_match"
+# --model tiny: gemma3_tiny (2 layers of width 64, 256 tokens); small: widened to compare_tunix.py's
+# CPU architecture (4 layers of width 256, 4096 tokens), where the matmuls take most of a step
+MODELS = {"tiny": {"vocab_size": 256},
+          "small": {"num_layers": 4, "embed_dim": 256, "hidden_dim": 1024, "num_heads": 4, "head_dim": 64,
+                    "num_kv_heads": 4, "vocab_size": 4096, "sliding_window": 64}}
+
+
+def model_overrides(name: str) -> list[str]:
+    return ["model=gemma3_tiny", *(f"model.{k}={v}" for k, v in MODELS[name].items())]
+
+
+def write_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A character-level tokenizer.json over the task's characters, padded with unused tokens to
+    the model's vocabulary (random weights sample any id), BOS put in front of every text."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    characters = list("0123456789+= ")
+    vocab = {token: i for i, token in enumerate(specials + characters)}
+    vocab.update({f"<unused{i}>": i for i in range(len(vocab), vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def write_model(directory: Path, model: str) -> None:
+    import jax
+
+    from tunix_train.compose import load_config
+    from tunix_train.interop import hf
+    from tunix_train.sharding import make_mesh
+    from tunix_train.train.init import plan_train_state
+    from tunix_train.train.optimizer import make_optimizer
+
+    cfg, _ = load_config([*model_overrides(model), "data=synthetic"])
+    mesh = make_mesh([[1], ["fsdp"]], jax.devices()[:1])
+    params = plan_train_state(cfg.model, make_optimizer(cfg.training)[0], mesh, seed=0).create().params
+    hf.export(params, cfg.model, directory)
+
+
+def run_ours(checkpoint: Path, prompts: Path, out: Path, args) -> list[float]:
+    from tunix_train.compose import load_config
+    from tunix_train.train.loop import train
+
+    rows = args.prompts * args.generations
+    cfg, overrides = load_config([
+        *model_overrides(args.model), f"model.init_from={checkpoint}", "model.mesh_shape=[[1],[fsdp]]", "objective=grpo",
+        "data=jsonl", f"data.train_files=[{prompts}]", f"data.seq_len={args.max_new_tokens + 8}",
+        f"training.micro_batch_size={rows}", f"training.max_steps={args.steps + 1}", "training.log_every=1",
+        f"training.learning_rate={args.learning_rate}", "training.warmup_steps=0", "training.lr_schedule=constant",
+        f"training.grpo.num_generations={args.generations}", f"training.grpo.max_new_tokens={args.max_new_tokens}",
+        f"training.grpo.beta={args.beta}", f"training.grpo.epsilon={args.epsilon}", f"training.grpo.reward=[{REWARD}]",
+        "checkpoint.every_steps=1000000"])
+    import jax
+
+    train(cfg, out, overrides, devices=jax.devices()[:1])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["step_time_s"] for r in records if "step_time_s" in r][1:]
+
+
+def run_trl(checkpoint: Path, rows: list[dict], out: Path, args) -> list[float]:
+    import torch
+    import transformers
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tunix_train.rewards.arithmetic import exact_match
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    ends: list[float] = []
+
+    class StepTimes(transformers.TrainerCallback):
+        def on_step_end(self, *_, **__):
+            ends.append(time.perf_counter())
+
+    config = GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=args.prompts * args.generations, gradient_accumulation_steps=1,
+        num_generations=args.generations, max_completion_length=args.max_new_tokens, beta=args.beta,
+        epsilon=args.epsilon, learning_rate=args.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
+        temperature=1.0, loss_type="bnpo", use_vllm=False, max_steps=args.steps + 1, logging_steps=1,
+        report_to="none", save_strategy="no", bf16=False, use_cpu=True, gradient_checkpointing=False, seed=0,
+        dataloader_num_workers=0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=Dataset.from_list(rows),
+                          processing_class=tokenizer, callbacks=[StepTimes()])
+    trainer.train()
+    return [b - a for a, b in zip(ends, ends[1:])]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps, after one warm-up step")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    parser.add_argument("--generations", type=int, default=8, help="G completions per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="max completion length")
+    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--epsilon", type=float, default=0.2)
+    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    args = parser.parse_args(argv)
+
+    from tunix_train.rewards.arithmetic import problems
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        checkpoint = tmp / "checkpoint"
+        checkpoint.mkdir()
+        write_model(checkpoint, args.model)
+        write_tokenizer(checkpoint, MODELS[args.model]["vocab_size"])
+        rows = problems(args.prompts * (args.steps + 1), seed=0)
+        prompts = tmp / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        ours = run_ours(checkpoint, prompts, tmp / "ours", args)
+        print(f"ours: step times {[round(t, 3) for t in ours]} s", flush=True)
+        trl = run_trl(checkpoint, rows, tmp / "trl", args)
+        print(f"TRL:  step times {[round(t, 3) for t in trl]} s", flush=True)
+    ours_s, trl_s = statistics.median(ours), statistics.median(trl)
+    from importlib.metadata import version
+
+    print(json.dumps({"ours_step_s": ours_s, "trl_step_s": trl_s, "ratio": trl_s / ours_s, "model": args.model,
+                      "prompts": args.prompts,
+                      "generations": args.generations, "max_new_tokens": args.max_new_tokens,
+                      "trl_version": version("trl"), "torch_threads": os.cpu_count()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
