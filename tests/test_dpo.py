@@ -81,9 +81,11 @@ def _trl_reference(tmp_path, pairs):
     return tokenized, float(loss)
 
 
-@pytest.mark.parametrize("mesh_shape, devices, accumulation", [
-    ([[1], ["fsdp"]], 1, 1), ([[2, 2], ["fsdp", "tp"]], 4, 1), ([[8], ["fsdp"]], 8, 1), ([[2, 2], ["fsdp", "tp"]], 4, 2)])
-def test_first_step_loss_matches_trl_on_any_mesh(tmp_path, mesh_shape, devices, accumulation):
+@pytest.mark.parametrize("mesh_shape, devices, accumulation, sync_every", [
+    ([[1], ["fsdp"]], 1, 1, 1), ([[2, 2], ["fsdp", "tp"]], 4, 1, 1), ([[8], ["fsdp"]], 8, 1, 1),
+    ([[2, 2], ["fsdp", "tp"]], 4, 2, 1), ([[2, 2], ["fsdp", "tp"]], 4, 2, 2)])
+def test_first_step_loss_matches_trl_on_any_mesh(tmp_path, mesh_shape, devices, accumulation, sync_every):
+    """sync_every 2: gradients reduced once per two micro-batches; the metrics still one number each."""
     rng = np.random.default_rng(0)
     sentence = lambda n: " ".join(f"w{i}" for i in rng.integers(0, 124, n))
     pairs = [{"prompt": sentence(4), "chosen": " " + sentence(rng.integers(2, 6)),
@@ -97,7 +99,7 @@ def test_first_step_loss_matches_trl_on_any_mesh(tmp_path, mesh_shape, devices, 
     cfg = Config(model=model, data=DataConfig(source=DataSource.jsonl, seq_len=T),
                  training=TrainingConfig(objective=Objective.dpo, dpo=DpoConfig(BETA, 0.0), loss_chunk_size=0,
                                          micro_batch_size=2 * pairs_per_micro * devices // np.prod(mesh_shape[0]),
-                                         gradient_accumulation_steps=accumulation))
+                                         gradient_accumulation_steps=accumulation, sync_gradients_every=sync_every))
     run = setup(cfg, jax.devices()[:devices])
     state = run.plan.from_params(hf.load_params(tmp_path / "policy", model, run.plan.base))
     state = state.replace(frozen=hf.load_params(tmp_path / "reference", model, run.plan.base))
@@ -107,6 +109,7 @@ def test_first_step_loss_matches_trl_on_any_mesh(tmp_path, mesh_shape, devices, 
         _, metrics = run.step_fn(state, to_global_batch(batch, run.mesh))
     assert float(metrics["loss"]) == pytest.approx(trl_loss, abs=1e-4)
     assert abs(trl_loss - math.log(2)) > 1e-2  # the comparison means something
+    assert all(np.shape(value) == () for value in metrics.values()), {k: np.shape(v) for k, v in metrics.items()}
 
 
 def _write_pairs(path, n=64, drop=None):

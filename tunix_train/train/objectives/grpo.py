@@ -206,12 +206,10 @@ class GroupRelative(Objective):
         # every completion of a rollout at once, in one batch of slots
         self._engine = Engine(self.cfg.model, self._mesh, stop_ids=(self._tokenizer.eos_id,), slots=None)
         if run.rollout_mesh is not None:
-            copy = cross_mesh_copier(run.mesh, run.rollout_mesh)
-            copier = lambda part: functools.partial(
-                lambda shardings, tree: copy(tree, shardings),
-                state_shardings(getattr(run.plan.abstract, part), run.rollout_mesh))
-            self._copy_params = copier("params")
-            self._copy_frozen = copier("frozen") if run.weights.lora else None
+            self._copy = cross_mesh_copier(run.mesh, run.rollout_mesh)
+            parts = ("params", "frozen") if run.weights.lora else ("params",)  # full fine-tuning: the reference stays
+            self._rollout_shardings = {part: state_shardings(getattr(run.plan.abstract, part), run.rollout_mesh)
+                                       for part in parts}
             self._frozen_copy = None
 
     def _rollout_params(self, state):
@@ -221,14 +219,12 @@ class GroupRelative(Objective):
         if self._run.rollout_mesh is None:
             return self._merged(on_device, state.frozen)
         start = time.perf_counter()
-        params = jax.block_until_ready(self._copy_params(on_device))
+        params = jax.block_until_ready(self._copy(on_device, self._rollout_shardings["params"]))
         moved = sum(x.nbytes for x in jax.tree.leaves(params))
-        frozen = None
-        if self._copy_frozen is not None:  # LoRA: the base once (a new process copies it again)
-            if self._frozen_copy is None:
-                self._frozen_copy = jax.block_until_ready(self._copy_frozen(state.frozen))
-                moved += sum(x.nbytes for x in jax.tree.leaves(self._frozen_copy))
-            frozen = self._frozen_copy
+        if "frozen" in self._rollout_shardings and self._frozen_copy is None:  # LoRA's base, once per process
+            self._frozen_copy = jax.block_until_ready(self._copy(state.frozen, self._rollout_shardings["frozen"]))
+            moved += sum(x.nbytes for x in jax.tree.leaves(self._frozen_copy))
+        frozen = self._frozen_copy
         self._syncs["weight_sync_s"] += time.perf_counter() - start
         self._syncs["weight_sync_bytes"] += moved
         with jax.set_mesh(self._mesh):
