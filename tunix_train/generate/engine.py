@@ -161,8 +161,9 @@ class Engine:
             return [None if c is None else {name: one(c[name], e[name]) for name in c} for c, e in zip(caches, entries)]
 
         caches = jax.lax.fori_loop(0, row_n.shape[0], put, caches)
-        token_n, logprob_n = _draw(logits_NV[row_n], rules, seeds_n, stream_n, jnp.zeros_like(stream_n, jnp.int32),
-                                   kinds)
+        # the rows split over the data axes, as in decoding: a replicated draw would repeat on every device
+        logits_nV = constrain(logits_NV[row_n], ("batch", "act_vocab"), self.rules)
+        token_n, logprob_n = _draw(logits_nV, rules, seeds_n, stream_n, jnp.zeros_like(stream_n, jnp.int32), kinds)
         return kv.constrained(caches, self.cfg, self.mesh, self.rules), token_n, logprob_n
 
     def _decode_fn(self, params, per_layer, caches, token_B, position_B, count_B, seeds_B, stream_B, rules: Rules, *,
@@ -372,8 +373,10 @@ class Session:
             by_source.setdefault(id(logits), (entries, logits, []))[2].append((prefill_row, slot))
         drawn = []
         for entries, logits, pairs in by_source.values():
-            # a power of two of inserts (few compilations): the last one repeated, which writes it again
-            pairs += [pairs[-1]] * ((1 << math.ceil(math.log2(len(pairs)))) - len(pairs))
+            # a power of two of inserts (few compilations), a multiple of the data-parallel size: the
+            # last one repeated, which writes it again
+            n = -(-(1 << math.ceil(math.log2(len(pairs)))) // data_parallel_size(e.mesh)) * data_parallel_size(e.mesh)
+            pairs += [pairs[-1]] * (n - len(pairs))
             rows_n, slots_n = (np.asarray(x, np.int32) for x in zip(*pairs))
             self.caches, token_n, logprob_n = e._insert(
                 self.caches, entries, logits, rows_n, slots_n,
