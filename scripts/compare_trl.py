@@ -82,7 +82,8 @@ def run_ours(checkpoint: Path, prompts: Path, out: Path, args) -> list[float]:
 
     rows = args.prompts * args.generations
     cfg, overrides = load_config([
-        *model_overrides(args.model), f"model.init_from={checkpoint}", "model.mesh_shape=[[1],[fsdp]]", "objective=grpo",
+        *model_overrides(args.model), f"model.init_from={checkpoint}", "model.mesh_shape=[[1],[fsdp]]",
+        "objective=grpo",
         "data=jsonl", f"data.train_files=[{prompts}]", f"data.seq_len={args.max_new_tokens + 8}",
         f"training.micro_batch_size={rows}", f"training.max_steps={args.steps + 1}", "training.log_every=1",
         f"training.learning_rate={args.learning_rate}", "training.warmup_steps=0", "training.lr_schedule=constant",

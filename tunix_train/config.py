@@ -224,12 +224,12 @@ class GrpoConfig:
     # GRPO paper's mu). Beyond (0, 1) the ratio's pi_old is the sampling engine's recorded
     # log-probabilities, the ratio truncated at importance_cap (docs/objectives/grpo.md).
     max_staleness: int = _fixed(0)
+    iterations: int = _fixed(1)
+    importance_cap: float = _fixed(3.0)
     # The engine's own mesh, [[sizes], [names]] like model.mesh_shape, on devices set apart from the
     # training mesh's (each process's last ones); the weights are copied to it for every rollout.
     # null: the engine runs on the training mesh.
     rollout_mesh_shape: Any = _changeable(None)
-    iterations: int = _fixed(1)
-    importance_cap: float = _fixed(3.0)
     # Reward functions, `module:function`, each fn(prompts, completions, **fields) -> list of floats;
     # the reward of a completion is their sum.
     reward: List[str] = _fixed(factory=list)

@@ -4,10 +4,11 @@ training, GRPO's rollouts).
 
 Waiting requests take the free slots: their prompts are prefilled together (right-padded to a
 power of two, so few compilations), each one's keys and values inserted into its slot's cache
-rows, and its first token drawn from the prefill's logits. Decoding runs `chunk` steps of every slot per call to one compiled scan; between
-chunks the host takes each slot's new tokens, frees the slots whose request stopped (a stop token,
-its max_new_tokens, a stop string) and inserts waiting requests there, so the batch never waits
-for its longest row (JetStream's and MaxText's prefill / insert / generate split).
+rows, and its first token drawn from the prefill's logits. Decoding runs `chunk` steps of every
+slot per call to one compiled scan; between chunks the host takes each slot's new tokens, frees
+the slots whose request stopped (a stop token, its max_new_tokens, a stop string) and inserts
+waiting requests there, so the batch never waits for its longest row (JetStream's and MaxText's
+prefill / insert / generate split).
 
 A request's tokens depend on nothing but the request: its positions sit at the same cache slots
 whatever slot or time it got (cache.py), each row of a prefill or decode step is computed on its
@@ -69,6 +70,12 @@ class Completion:
 def bucket(length: int) -> int:
     """Prompts are right-padded to a power of two (at least 16): few prefill compilations."""
     return max(16, 1 << math.ceil(math.log2(max(length, 1))))
+
+
+def _batch_rows(count: int, dp: int) -> int:
+    """Rows of a prefill or insert batch of `count` requests: a power of two (few compilations),
+    rounded up to a multiple of the data-parallel size."""
+    return -(-(1 << math.ceil(math.log2(count))) // dp) * dp
 
 
 def _fetch(*xs: jax.Array) -> list[np.ndarray]:
@@ -339,7 +346,7 @@ class Session:
         dp = data_parallel_size(e.mesh)
         for length in sorted({bucket(len(p)) for p in todo.values()}):
             group = [(k, p) for k, p in todo.items() if bucket(len(p)) == length]
-            N = -(-(1 << math.ceil(math.log2(len(group)))) // dp) * dp
+            N = _batch_rows(len(group), dp)
             tokens, lengths = np.zeros((N, length), np.int32), np.zeros(N, np.int32)
             for row in range(N):
                 prompt = group[min(row, len(group) - 1)][1]
@@ -373,10 +380,8 @@ class Session:
             by_source.setdefault(id(logits), (entries, logits, []))[2].append((prefill_row, slot))
         drawn = []
         for entries, logits, pairs in by_source.values():
-            # a power of two of inserts (few compilations), a multiple of the data-parallel size: the
-            # last one repeated, which writes it again
-            n = -(-(1 << math.ceil(math.log2(len(pairs)))) // data_parallel_size(e.mesh)) * data_parallel_size(e.mesh)
-            pairs += [pairs[-1]] * (n - len(pairs))
+            # padded with the last one repeated, which writes it again
+            pairs += [pairs[-1]] * (_batch_rows(len(pairs), data_parallel_size(e.mesh)) - len(pairs))
             rows_n, slots_n = (np.asarray(x, np.int32) for x in zip(*pairs))
             self.caches, token_n, logprob_n = e._insert(
                 self.caches, entries, logits, rows_n, slots_n,

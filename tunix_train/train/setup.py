@@ -49,11 +49,11 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
     Raises ConfigError when the config does not fit the devices."""
     t = cfg.training
     devices = list(jax.devices() if devices is None else devices)
-    rollout_shape, rollout_mesh = t.grpo.rollout_mesh_shape if t.objective is Kind.grpo else None, None
-    if rollout_shape is not None:
+    rollout_mesh = None
+    if t.objective is Kind.grpo and t.grpo.rollout_mesh_shape is not None:
         key = "training.grpo.rollout_mesh_shape"
-        devices, rollout_devices = split_devices(devices, cfg.model.mesh_shape, rollout_shape, key)
-        rollout_mesh = make_mesh(rollout_shape, rollout_devices, key)
+        devices, rollout_devices = split_devices(devices, cfg.model.mesh_shape, t.grpo.rollout_mesh_shape, key)
+        rollout_mesh = make_mesh(t.grpo.rollout_mesh_shape, rollout_devices, key)
         validate_model_for_mesh(cfg.model, rollout_mesh)
     mesh = make_mesh(cfg.model.mesh_shape, devices)
     validate_model_for_mesh(cfg.model, mesh)
@@ -68,8 +68,8 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
                                  parallel=layout, objective=objective, weights=weights)
     eval_fn = compile_eval_step(plan, mesh, model_cfg=cfg.model, training=t, parallel=layout, objective=objective,
                                 weights=weights)
-    return Setup(mesh, rollout_mesh, plan, step_fn, eval_fn, t.micro_batch_size * data_parallel_size(mesh), layout, objective,
-                 weights)
+    return Setup(mesh, rollout_mesh, plan, step_fn, eval_fn, t.micro_batch_size * data_parallel_size(mesh), layout,
+                 objective, weights)
 
 
 def save_config(cfg: Config, overrides: list[str], run_dir: Path) -> None:

@@ -68,8 +68,11 @@ def token_losses(graphdef: nnx.GraphDef, params: tuple[nnx.State, ...], micro: d
     x_BTD, stats = model.hidden_and_stats(micro["inputs"], micro["positions"], micro["segment_ids"],
                                           micro.get("token_index"))
     table_VD, softcap, rules = model.output_table(), model.cfg.final_logit_softcap, model.rules
-    logits = lambda x: output_logits(x, table_VD, softcap, rules) / temperature if temperature != 1.0 else \
-        output_logits(x, table_VD, softcap, rules)
+
+    def logits(x_BTD):
+        logits_BTV = output_logits(x_BTD, table_VD, softcap, rules)
+        return logits_BTV if temperature == 1.0 else logits_BTV / temperature
+
     B, T, D = x_BTD.shape
     if not chunk or chunk >= T:
         return cross_entropy(logits(x_BTD), micro["targets"]), stats

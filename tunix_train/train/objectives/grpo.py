@@ -287,9 +287,10 @@ class GroupRelative(Objective):
         records = [self._docs[i] for i in order for _ in range(G)]
         rewards = self._score([r["prompt"] for r in records], [self._tokenizer.decode(c.tokens) for c in done],
                               records)
-        end = lambda c: [c.stop_token] if c.stop_token is not None else []
-        return Rollout(index, version, int(indices.shape[0]), order, [c.tokens + end(c) for c in done],
-                       [c.logprobs + ([c.stop_logprob] if c.stop_token is not None else []) for c in done],
+        stopped = [c.stop_token is not None for c in done]  # then the EOS is trained on too
+        return Rollout(index, version, int(indices.shape[0]), order,
+                       [c.tokens + [c.stop_token] * s for c, s in zip(done, stopped)],
+                       [c.logprobs + [c.stop_logprob] * s for c, s in zip(done, stopped)],
                        rewards.tolist(), sampled - start)
 
     def _rows_of(self, rollout: Rollout) -> dict[str, np.ndarray]:
