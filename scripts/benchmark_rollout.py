@@ -1,10 +1,12 @@
 """Rollout benchmark: useful tokens/s of static batching and of the engine's continuous batching on
 mixed lengths, and the prefill time of a GRPO rollout with and without shared prompt prefixes.
 
-    python scripts/benchmark_rollout.py [--model gemma3_270m] [--devices 4] [--requests 64]
+    python scripts/benchmark_rollout.py [--model gemma3_270m] [--devices 4] [--axis tp] [--requests 64]
         [--slots 16] [--prompt-len 16 128] [--new-tokens 8 256] [--prompts 16 --group 8 --group-new 32]
 
-Random weights of the named model config, float32, on --devices fake CPU devices (fsdp). Requests
+Random weights of the named model config, float32, on --devices fake CPU devices along one mesh
+axis: tp by default, the layout to decode with (each step reads every weight once, where fsdp
+gathers all of them onto every device; the rollout mesh's choice, docs/generation.md). Requests
 have prompt lengths and max_new_tokens drawn uniformly from the given ranges, and no stop token, so
 every request produces exactly its max_new_tokens: the useful tokens.
 - static: every request in one batch of slots, the batch running until its longest request ends
@@ -32,6 +34,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="gemma3_270m")
     parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--axis", default="tp", choices=["tp", "fsdp", "dp"])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=[16, 128])
@@ -55,7 +58,7 @@ def main(argv: list[str]) -> int:
     from tunix_train.train.optimizer import make_optimizer
 
     cfg, _ = load_config([f"model={args.model}", "data=synthetic", "model.context_length=null"])
-    mesh = make_mesh([[args.devices], ["fsdp"]], jax.devices()[:args.devices])
+    mesh = make_mesh([[args.devices], [args.axis]], jax.devices()[:args.devices])
     params = plan_train_state(cfg.model, make_optimizer(cfg.training)[0], mesh, seed=0).create().params
     rng = np.random.default_rng(args.seed)
     requests = [Request(tuple(rng.integers(3, cfg.model.vocab_size, rng.integers(args.prompt_len[0],
@@ -75,7 +78,7 @@ def main(argv: list[str]) -> int:
         assert [len(c.tokens) for c in done] == [r.max_new_tokens for r in requests]
         return time.perf_counter() - start
 
-    figures = {"model": args.model, "devices": args.devices, "requests": args.requests, "slots": args.slots,
+    figures = {"model": args.model, "devices": args.devices, "axis": args.axis, "requests": args.requests, "slots": args.slots,
                "useful_tokens": useful}
     static = Engine(cfg.model, mesh, slots=None)
     figures["static_s"] = timed(static, requests)
