@@ -95,6 +95,16 @@ BAD_DATA = [  # {tmp} is the test's directory, holding the files written below
      "{tmp}/docs.jsonl:2: no string field 'body' (data.text_field)"),
     (["data=jsonl", "data.train_files=[{tmp}/docs.jsonl]", "data.prompt_field=question",
       "data.completion_field=answer", VOCAB], "{tmp}/docs.jsonl:1: no string field 'question' (data.prompt_field)"),
+    (["data=chat", "data.train_files=[{tmp}/docs.jsonl]", VOCAB],
+     "{tmp}/docs.jsonl:1: 'messages' must be a non-empty list of {role, content} objects"),
+    (["data=chat", "data.train_files=[{tmp}/chat.jsonl]", VOCAB], "{tmp}/chat.jsonl:2: unknown role 'robot'"),
+    (["data=chat", "data.train_files=[{tmp}/long.jsonl]", "data.eval_fraction=0", VOCAB],
+     "{tmp}/long.jsonl:1: a conversation of "),
+    (["data=chat", "data.train_files=[{tmp}/long.jsonl]", "data.chat_template={tmp}/raise.jinja",
+      "data.eval_fraction=0", VOCAB],
+     "{tmp}/raise.jinja fails on a conversation: no system turns here"),
+    (["data=chat", "data.train_files=[{tmp}/long.jsonl]", "data.train_on_roles=[model]", VOCAB],
+     "data.train_on_roles=['model'] must name some of system, user, assistant, tool"),
     (["data=shakespeare", "model.vocab_size=256"], "data.tokenizer: "),  # a 4096-token tokenizer
     (["data=shakespeare", VOCAB, "data.tokenizer={tmp}/missing.model"],
      "data.tokenizer: no such file {tmp}/missing.model"),
@@ -105,6 +115,11 @@ BAD_DATA = [  # {tmp} is the test's directory, holding the files written below
 def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, overrides, message):
     (tmp_path / "empty.txt").write_text("\n\n")
     (tmp_path / "docs.jsonl").write_text('{"body": "one"}\n{"text": "two"}\n')
+    turn = lambda role, text: {"role": role, "content": text}
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [turn("user", "Hi")]}) + "\n" +
+                                         json.dumps({"messages": [turn("robot", "Hi")]}) + "\n")
+    (tmp_path / "long.jsonl").write_text(json.dumps({"messages": [turn("user", "Speak. " * 200)]}) + "\n")
+    (tmp_path / "raise.jinja").write_text("{{ raise_exception('no system turns here') }}")
     run_dir = tmp_path / "run"
     overrides = [o.replace("{tmp}", str(tmp_path)) for o in overrides]
     data = [] if any(o.startswith("data=") for o in overrides) else ["data=synthetic"]

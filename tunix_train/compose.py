@@ -15,6 +15,7 @@ from typing import Any
 
 from tunix_train.config import (Config, ConfigError, DataSource, LORA_TARGETS, AttentionImpl, MixedPrecision,
                                 Objective, TrainingConfig, DataConfig, reads_text)
+from tunix_train.data.chat import ROLES
 from tunix_train.model.layout import validate_model
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -52,6 +53,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.prompt_field and data.completion_field must be set together")
     if d.prompt_field is not None and d.source is not DataSource.jsonl:
         raise ConfigError("data.prompt_field is for data.source=jsonl")
+    if d.messages_field is not None and (d.source is not DataSource.jsonl or d.prompt_field is not None):
+        raise ConfigError("data.messages_field reads conversations from data.source=jsonl, without data.prompt_field")
+    if not d.train_on_roles or not set(d.train_on_roles) <= set(ROLES):
+        raise ConfigError(f"data.train_on_roles={list(d.train_on_roles)} must name some of {', '.join(ROLES)}")
     if c.every_steps < 0 or c.every_seconds < 0 or c.keep < 1:
         raise ConfigError("checkpoint.every_steps and every_seconds must be >= 0 and checkpoint.keep >= 1")
     if t.loss_chunk_size < 0 or (0 < t.loss_chunk_size < d.seq_len and d.seq_len % t.loss_chunk_size):

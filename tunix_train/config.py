@@ -190,6 +190,12 @@ class DataConfig:
     # Supervised fine-tuning on JSONL: the loss is on completion tokens only.
     prompt_field: Optional[str] = _fixed(None)
     completion_field: Optional[str] = _fixed(None)
+    # Conversations on JSONL: the records' messages_field holds [{role, content}], rendered with the
+    # chat template (tunix_train/data/chat.py; a Jinja file, null: the tokenizer's, else Gemma's turn
+    # format); the loss is on the tokens the messages of train_on_roles wrote.
+    messages_field: Optional[str] = _fixed(None)
+    train_on_roles: List[str] = _fixed(factory=lambda: ["assistant"])
+    chat_template: Optional[str] = _fixed(None)
     prefetch_batches: int = _changeable(4)  # batches prepared ahead of the train step by a background thread
 
 

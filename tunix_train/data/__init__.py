@@ -11,6 +11,7 @@ import itertools
 import numpy as np
 
 from tunix_train.config import Config, DataSource
+from tunix_train.data.chat import ChatTemplate, find_template
 from tunix_train.data.pipeline import DocumentFeatures, PackedBatches
 from tunix_train.data.sources import train_and_eval_documents
 from tunix_train.data.synthetic import SyntheticBatches
@@ -30,7 +31,14 @@ class Data:
             source, key = run_tokenizer(cfg)
             self.tokenizer = load_tokenizer(source, cfg.model.vocab_size, key)
             self.train_docs, self.eval_docs = train_and_eval_documents(cfg.data, required_fields)
-            self.features = DocumentFeatures(self.tokenizer, cfg.model.vocab_size)
+            self.chat = None
+            if cfg.data.messages_field:
+                self.chat = ChatTemplate(*find_template(cfg.data.chat_template, source), tokenizer=self.tokenizer)
+            self.features = DocumentFeatures(self.tokenizer, cfg.model.vocab_size, self.chat,
+                                             tuple(cfg.data.train_on_roles), cfg.data.seq_len)
+            if self.chat is not None:  # each conversation rendered once now: a bad one stops the run before it starts
+                for doc in itertools.chain(self.train_docs, self.eval_docs):
+                    self.features(doc)
 
     def _batches(self, docs, *, accumulation_steps, global_micro_batch, seed, shuffle, rows):
         d = self.cfg.data

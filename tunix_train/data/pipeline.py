@@ -17,6 +17,7 @@ import grain
 import numpy as np
 from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchIterDataset, ZipIterDataset
 
+from tunix_train.config import ConfigError
 from tunix_train.data.tokenizer import Tokenizer
 
 PACKED = ("inputs", "targets", "loss_mask")
@@ -26,14 +27,24 @@ class DocumentFeatures:
     """A document -> next-token pairs within it: inputs, targets and the loss mask on targets.
 
     Text becomes [BOS] text [EOS]. With a prompt and a completion, [BOS] prompt completion [EOS]
-    with the loss on the completion and EOS only. Pre-tokenized documents are used as stored.
+    with the loss on the completion and EOS only. A conversation is its chat template's rendering
+    (BOS included where the template writes it), the loss on the tokens of `roles`, and must fit a
+    row of seq_len. Pre-tokenized documents are used as stored.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int):
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, chat=None, roles=("assistant",),
+                 seq_len: int | None = None):
+        self.tokenizer, self.vocab_size, self.chat, self.roles, self.seq_len = tokenizer, vocab_size, chat, roles, seq_len
 
     def __call__(self, doc: dict[str, Any]) -> dict[str, np.ndarray]:
         first_loss_target = 0
+        if "messages" in doc:
+            ids, mask = self.chat.encode(doc["messages"], self.roles)
+            if self.seq_len is not None and len(ids) - 1 > self.seq_len:
+                raise ConfigError(f"{doc['where']}: a conversation of {len(ids)} tokens is longer than a row of "
+                                  f"data.seq_len={self.seq_len}: raise data.seq_len or shorten it")
+            return {"inputs": np.asarray(ids[:-1], np.int32), "targets": np.asarray(ids[1:], np.int32),
+                    "loss_mask": np.asarray(mask[1:], np.float32)}
         if "tokens" in doc:
             ids = np.asarray(doc["tokens"], np.int32)
             if ids.size and (ids.max() >= self.vocab_size or ids.min() < 0):

@@ -1,7 +1,7 @@
 """Documents from files: plain text, JSON lines (text or prompt/completion), pre-tokenized array_record.
 
 Every reader returns a random-access sequence of records: {"text": str}, {"prompt": str,
-"completion": str} or {"tokens": int32 array}. Bad input is a ConfigError naming the file or key.
+"completion": str}, {"messages": [{role, content}], "where": file:line} or {"tokens": int32 array}. Bad input is a ConfigError naming the file or key.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from tunix_train.config import ConfigError, DataConfig, DataSource, TextUnit
+from tunix_train.data.chat import check_messages
 
 BUNDLED_CORPUS = Path(__file__).parent / "corpus" / "shakespeare.jsonl.xz"
 EVAL_SPLIT_SEED = 0  # the held-out documents do not change with training.seed
@@ -53,6 +54,10 @@ def _jsonl_documents(path: Path, data: DataConfig, required: Sequence[str] | Non
     prompt, chosen, rejected) each record is kept whole and must hold those as strings."""
     if required is not None:
         return [_whole_record(record, path, number, required) for number, record in _json_lines(path)]
+    if data.messages_field:
+        return [{"messages": check_messages(record.get(data.messages_field) if isinstance(record, dict) else None,
+                                            f"{path}:{number}", data.messages_field), "where": f"{path}:{number}"}
+                for number, record in _json_lines(path)]
     fields = ({"prompt": data.prompt_field, "completion": data.completion_field}
               if data.prompt_field else {"text": data.text_field})
     docs = []

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Protocol
 
@@ -28,6 +29,12 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of a text whose special tokens are written out (a rendered chat template), and each
+        one's character span in it."""
+
+    def token(self, id_: int) -> str: ...
+
     def decode(self, ids: list[int]) -> str: ...
 
     def save(self, directory: Path) -> None: ...
@@ -44,6 +51,26 @@ class SentencePieceTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """SentencePiece reads control tokens (BOS, EOS, pad) as text: the text is split at them."""
+        controls = {self.token(i): i for i in (self.bos_id, self.eos_id, self.pad_id) if i >= 0}
+        ids, offsets, start = [], [], 0
+        for piece in re.split(f"({'|'.join(map(re.escape, controls))})", text) if controls else [text]:
+            if piece in controls:
+                ids.append(controls[piece])
+                offsets.append((start, start + len(piece)))
+            elif piece:
+                data = piece.encode("utf-8")
+                chars = lambda byte: len(data[:byte].decode("utf-8", errors="ignore"))
+                for p in self._sp.encode(piece, return_type="proto").pieces:
+                    ids.append(p.id)
+                    offsets.append((start + chars(p.begin), start + chars(p.end)))
+            start += len(piece)
+        return ids, offsets
+
+    def token(self, id_: int) -> str:
+        return self._sp.id_to_piece(id_)
 
     def decode(self, ids: list[int]) -> str:
         return self._sp.decode(list(ids))
@@ -63,6 +90,13 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    def token(self, id_: int) -> str:
+        return self._tokenizer.id_to_token(id_)
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)

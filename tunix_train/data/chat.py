@@ -1,0 +1,199 @@
+"""Chat templates: a conversation rendered to token ids, and which of them a role wrote.
+
+Where a run's template comes from, first found: `data.chat_template` (a Jinja file); beside the
+tokenizer, `chat_template.jinja`, else tokenizer_config.json's `chat_template`; a GGUF file's
+`tokenizer.chat_template`; else Gemma's turn format (GEMMA_TEMPLATE: every model here is a Gemma).
+
+Rendering is transformers' `apply_chat_template`'s (utils/chat_template_utils.py): Jinja2's
+ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks and the loopcontrols extension, the
+globals raise_exception and strftime_now, a tojson that leaves HTML alone, the tokenizer's special
+tokens as variables (bos_token, eos_token, ...), and `{% generation %}` blocks marking the text the
+assistant writes. The text is tokenized whole, the template's special tokens becoming their ids,
+and a token belongs to a span of text when it overlaps it (transformers' assistant mask).
+
+A message's span: for the assistant, its `{% generation %}` text where the template has those
+markers; otherwise what rendering the conversation up to it adds to rendering the messages before
+it (for the assistant, before it and the generation prompt, so that the turn's header, which the
+prompt supplies at inference, is not the assistant's), less the whitespace that ends it (the
+separator after a turn's end token, which no model generates).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import datetime
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+from tunix_train.config import ConfigError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+# Gemma's turn format (Gemma 1-3 "-it" models): a system message opens the first user turn, the
+# assistant speaks as "model", each turn ends with <end_of_turn>. The assistant's text and its
+# <end_of_turn> are what it generates.
+GEMMA_TEMPLATE = """{{ bos_token }}
+{%- if messages and messages[0]['role'] == 'system' -%}
+{%- set first_user_prefix = messages[0]['content'] | trim + '\n\n' -%}
+{%- set turns = messages[1:] -%}
+{%- else -%}
+{%- set first_user_prefix = '' -%}
+{%- set turns = messages -%}
+{%- endif -%}
+{%- for message in turns -%}
+{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+{{ raise_exception('Gemma conversations alternate user and assistant turns, starting with the user') }}
+{%- endif -%}
+{%- if message['role'] == 'assistant' -%}
+<start_of_turn>model
+{% generation %}{{ message['content'] | trim }}<end_of_turn>{% endgeneration %}{{ '\n' }}
+{%- else -%}
+<start_of_turn>user
+{{ (first_user_prefix if loop.first else '') + message['content'] | trim }}<end_of_turn>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<start_of_turn>model
+{% endif -%}
+"""
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str):
+    """The template compiled as transformers compiles chat templates."""
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """{% generation %} ... {% endgeneration %}: records where its text starts and ends."""
+
+        tags = {"generation"}
+        tracked: contextvars.ContextVar = contextvars.ContextVar("generation_spans", default=None)
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            text = caller()
+            if (tracked := self.tracked.get()) is not None:
+                blocks, spans = tracked
+                start = sum(map(len, blocks))
+                spans.append((start, start + len(text)))
+            return text
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    return env.from_string(template), Generation.tracked
+
+
+class ChatTemplate:
+    """A Jinja chat template and the tokenizer whose special tokens it writes."""
+
+    def __init__(self, template: str, source: str, tokenizer):
+        self.template, self.tokenizer, self.source = template, tokenizer, source
+        self.has_generation_markers = re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
+        try:
+            self._compiled, self._tracked = _compiled(template)
+        except Exception as err:
+            raise ConfigError(f"{source}: not a Jinja template ({' '.join(str(err).split())})") from None
+        self.variables = {name: tokenizer.token(i) for name, i in
+                          (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id),
+                           ("pad_token", tokenizer.pad_id)) if i >= 0}
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False,
+               **variables) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation's text and the character spans of its {% generation %} blocks."""
+        blocks: list[str] = []
+        spans: list[tuple[int, int]] = []
+        token = self._tracked.set((blocks, spans))
+        try:
+            for block in self._compiled.generate(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                                 **{**self.variables, **variables}):
+                blocks.append(block)
+        except Exception as err:
+            raise ConfigError(f"{self.source} fails on a conversation: {' '.join(str(err).split())}") from None
+        finally:
+            self._tracked.reset(token)
+        return "".join(blocks), spans
+
+    def spans(self, messages: Sequence[dict], roles: Sequence[str]) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation's text and the spans of the messages whose role is in `roles`."""
+        text, generated = self.render(messages)
+        spans = list(generated) if "assistant" in roles and self.has_generation_markers else []
+        for i, message in enumerate(messages):
+            role = message["role"]
+            if role not in roles or (role == "assistant" and self.has_generation_markers):
+                continue
+            before, _ = self.render(messages[:i], add_generation_prompt=role == "assistant")
+            through, _ = self.render(messages[:i + 1])
+            if not (text.startswith(through) and through.startswith(before)):
+                raise ConfigError(f"{self.source} does not render a conversation's first messages as the start of "
+                                  f"the whole, so a message's tokens cannot be told apart: use a template with "
+                                  f"{{% generation %}} markers (data.chat_template)")
+            spans.append((len(before), len(through.rstrip())))
+        return text, sorted(spans)
+
+    def encode(self, messages: Sequence[dict], roles: Sequence[str] = ("assistant",),
+               add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
+        """Token ids of the rendered conversation and, for each, whether a message of `roles` wrote it."""
+        if add_generation_prompt:
+            text, spans = self.render(messages, add_generation_prompt=True)[0], []
+        else:
+            text, spans = self.spans(messages, roles)
+        ids, offsets = self.tokenizer.encode_with_offsets(text)
+        return ids, [any(end > a and start < b for a, b in spans) for start, end in offsets]
+
+
+def check_messages(messages: Any, where: str, field: str = "messages") -> list[dict]:
+    """A conversation as a list of {role, content} dicts, or a one-line error naming `where`."""
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"{where}: {field!r} must be a non-empty list of {{role, content}} objects")
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise ConfigError(f"{where}: every message needs a string 'content' (got {json.dumps(message)[:80]})")
+        if message.get("role") not in ROLES:
+            raise ConfigError(f"{where}: unknown role {message.get('role')!r} (roles: {', '.join(ROLES)})")
+    return messages
+
+
+def find_template(override: str | None, tokenizer_source: str | Path | None) -> tuple[str, str]:
+    """The chat template's text and where it came from (see the module's docstring)."""
+    if override:
+        path = Path(override).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"data.chat_template: no such file {path}")
+        return path.read_text(encoding="utf-8"), str(path)
+    if tokenizer_source:
+        source = Path(tokenizer_source).expanduser()
+        if source.suffix == ".gguf":
+            from tunix_train.interop.gguf import open_gguf
+
+            field = open_gguf(source).get_field("tokenizer.chat_template")
+            if field is not None:
+                return field.contents(), f"{source} (tokenizer.chat_template)"
+        else:
+            directory = source if source.is_dir() else source.parent
+            if (directory / "chat_template.jinja").is_file():
+                return (directory / "chat_template.jinja").read_text(encoding="utf-8"), str(directory / "chat_template.jinja")
+            config = directory / "tokenizer_config.json"
+            if config.is_file():
+                template = json.loads(config.read_text()).get("chat_template")
+                if isinstance(template, list):  # named templates: the default one
+                    template = next((t["template"] for t in template if t.get("name") == "default"), None)
+                if isinstance(template, str):
+                    return template, f"{config} (chat_template)"
+    return GEMMA_TEMPLATE, "Gemma's turn format"
