@@ -1,6 +1,8 @@
 """Chat templates against transformers' apply_chat_template: token ids and the assistant's mask."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -10,7 +12,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from conftest import config  # noqa: E402
+from conftest import REPO, config, cpu_env  # noqa: E402
 from test_tokenizers import _gguf_with_the_bundled_vocabulary  # noqa: E402
 from tunix_train.compose import load_config  # noqa: E402
 from tunix_train.config import ConfigError  # noqa: E402
@@ -141,3 +143,27 @@ def test_conversations_put_the_loss_on_the_assistant_only(tmp_path):
     base = loss(batch)
     assert loss(_first_batch(tmp_path, "follow_up", follow_up)[1]) == base
     assert abs(loss(_first_batch(tmp_path, "answer", answer)[1]) - base) > 1e-4
+
+
+CONVERSATIONS = REPO / "tunix_train" / "data" / "corpus" / "conversations.jsonl"
+STEPS = 150
+
+
+@pytest.mark.slow  # a training run and the chat CLI in subprocesses
+def test_sft_on_the_bundled_conversations_then_the_chat_cli_answers_as_trained(tmp_path):
+    """gemma3_tiny learns the bundled conversations on fsdp2 x tp2; the chat CLI, fed turns on a
+    pipe, streams the trained answers (greedy), keeps the conversation, and /reset forgets it."""
+    run_dir = tmp_path / "run"
+    trained = subprocess.run(
+        [sys.executable, str(REPO / "run_training.py"), "model=gemma3_tiny", "model.vocab_size=4096", "data=chat",
+         f"data.train_files=[{CONVERSATIONS}]", "data.eval_fraction=0", "data.seq_len=128",
+         'model.mesh_shape=[[2,2],["fsdp","tp"]]', "training.micro_batch_size=4", f"training.max_steps={STEPS}",
+         "training.learning_rate=0.01", "training.warmup_steps=10", f"hydra.run.dir={run_dir}"],
+        cwd=REPO, env=cpu_env(4), capture_output=True, text=True, timeout=600)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    turns = "Name a tragedy.\nAnd a comedy?\n/reset\nWho is Prospero's daughter?\n\nHow many witches meet Macbeth?\n"
+    chat = subprocess.run([sys.executable, "-m", "tunix_train.generate", str(run_dir), "--chat", "--max_new_tokens",
+                           "24", "--mesh_shape", '[[2],["fsdp"]]'], input=turns, cwd=REPO, env=cpu_env(2),
+                          capture_output=True, text=True, timeout=300)
+    assert chat.returncode == 0, chat.stderr[-2000:]
+    assert chat.stdout.splitlines() == ["Hamlet.", "Twelfth Night.", "Miranda.", "Three witches."]

@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 
 from tunix_train.checkpoint import resolve_resume_path, restore_params
 from tunix_train.config import Config, ConfigError, LoraConfig, ModelConfig, Remat, reads_text, without_retired_keys
+from tunix_train.data.chat import ChatTemplate, check_messages, find_template
 from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer
 from tunix_train.generate import Completion, Engine, Request, Sampling
 from tunix_train.interop import checkpoint_format, gguf, hf, importer, peft
@@ -49,6 +50,7 @@ class LoadedModel:
     # A LoRA run's adapters and their settings; `params` then holds them merged into the base.
     adapters: Optional[nnx.State] = None
     lora: Optional[LoraConfig] = None
+    chat: Optional[ChatTemplate] = None  # the chat template, where the model has a tokenizer
 
     def __post_init__(self):
         # one forward pass of the whole stack on every device: positions whole, layers not pipelined
@@ -92,16 +94,41 @@ class LoadedModel:
                 f"shorter prompts (the longest has {max((len(r.prompt) for r in requests), default=0)} tokens)",
                 f"max_new_tokens={max(max((r.max_new_tokens for r in requests), default=2) // 2, 1)}"]
 
+    def reply(self, messages: Sequence[dict], max_new_tokens: int, **sampling: Any) -> Iterator[str]:
+        """The assistant's reply to a conversation ([{role, content}], rendered with the chat
+        template and its generation prompt), as pieces of text while it is produced; it ends at
+        the template's end of turn (not included). Keyword arguments as for generate."""
+        chat = self._need_chat()
+        end = chat.end_of_turn()
+        prompt, _ = chat.encode(check_messages(list(messages), "the conversation"), add_generation_prompt=True)
+        request, = self.requests([prompt], max_new_tokens, **sampling)
+        if end and len(self.tokenizer.encode(end)) > 1:  # not one token: the engine stops at its text
+            request = dataclasses.replace(request, stop_strings=(end,))
+        ids, shown = [], ""
+        with MemoryErrors(None, self.mesh, training=False, first_tips=self._memory_tips([request])):
+            for new in self.engine.stream(self.params, request):
+                ids.extend(new)
+                text = _before_end(self.tokenizer.decode(ids), end)
+                if len(text) > len(shown):
+                    yield text[len(shown):]
+                    shown = text
+
+    def _need_chat(self) -> ChatTemplate:
+        self._need_tokenizer()
+        return self.chat
+
     def generate_text(self, texts: Sequence[str], max_new_tokens: int, **sampling: Any) -> list[str]:
         """The continuation of each text, decoded; keyword arguments as for generate."""
         return [self._decode(ids) for ids in self.generate(list(texts), max_new_tokens, **sampling)]
 
     def export(self, directory: Path) -> None:
         """A Hugging Face checkpoint: config.json, model.safetensors (float32) and the tokenizer
-        (tokenizer.json or tokenizer.model), where the model has one."""
+        (tokenizer.json or tokenizer.model) with its chat template (chat_template.jinja, where
+        transformers reads it), where the model has one."""
         hf.export(self.params, self.config, directory)
         if self.tokenizer is not None and jax.process_index() == 0:
             self.tokenizer.save(directory)
+            (directory / "chat_template.jinja").write_text(self.chat.template, encoding="utf-8")
 
     def export_adapters(self, directory: Path) -> None:
         """A LoRA run's adapters in PEFT's format (interop/peft.py), for the base its run started from."""
@@ -131,6 +158,14 @@ class LoadedModel:
                  "segment_ids": jnp.ones((B, T), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids)}
         with jax.set_mesh(self.mesh):
             return np.asarray(self._forward(self.params, micro))
+
+
+def _before_end(text: str, end: str) -> str:
+    """A reply's text before the end of turn, less a tail that may be the start of it."""
+    if end and end in text:
+        return text[:text.index(end)]
+    held = next((k for k in range(min(len(end), len(text)), 0, -1) if end.startswith(text[-k:])), 0)
+    return text[:len(text) - held]
 
 
 def run_config(path: Path) -> Config:
@@ -172,7 +207,14 @@ def load(path: str | Path, mesh_shape: Any = None, devices: list[jax.Device] | N
                                                                 lambda: _starting_base(cfg, plan, weights))
                     params = weights.merged(adapters, base)
     tokenizer, stop_ids = _tokenizer_and_stops(path, cfg)
-    return LoadedModel(cfg.model, mesh, params, tokenizer, stop_ids, adapters, weights.lora)
+    chat = None
+    if tokenizer is not None:
+        source = run_tokenizer(cfg)[0] if kind == "run" else path
+        chat = ChatTemplate(*find_template(cfg.data.chat_template, source), tokenizer)
+        end = tokenizer.encode(chat.end_of_turn())
+        if len(end) == 1:  # as an instruction-tuned Gemma's generation_config lists <end_of_turn>
+            stop_ids = tuple(dict.fromkeys((*stop_ids, *end)))
+    return LoadedModel(cfg.model, mesh, params, tokenizer, stop_ids, adapters, weights.lora, chat)
 
 
 def _starting_base(cfg: Config, plan: ParamsPlan, weights: Weights) -> nnx.State:

@@ -147,6 +147,13 @@ class ChatTemplate:
             spans.append((len(before), len(through.rstrip())))
         return text, sorted(spans)
 
+    def end_of_turn(self) -> str:
+        """The text the template writes after an assistant's message ('<end_of_turn>' in Gemma's
+        format): where a reply stops."""
+        marker = "\u2063reply\u2063"  # no template writes it
+        text, _ = self.render([{"role": "user", "content": "a"}, {"role": "assistant", "content": marker}])
+        return text[text.rindex(marker) + len(marker):].strip()
+
     def encode(self, messages: Sequence[dict], roles: Sequence[str] = ("assistant",),
                add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
         """Token ids of the rendered conversation and, for each, whether a message of `roles` wrote it."""

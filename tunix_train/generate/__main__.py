@@ -1,10 +1,13 @@
-"""Generate text from a checkpoint (Hugging Face directory or tunix_train run):
+"""Generate text from a checkpoint (Hugging Face directory, GGUF file or tunix_train run):
 
     python -m tunix_train.generate PATH --prompt "To be, or not" [--prompt ...] --max_new_tokens 64 \
         [--temperature 0.7 --top_k 64 --top_p 0.95 --seed 0] [--mesh_shape '[[2,2],["fsdp","tp"]]']
+    python -m tunix_train.generate PATH --chat [--system "..."] [sampling flags]
 
 One prompt streams its continuation as it is produced; several print each continuation when all are
-done. Bad input is a one-line error and exit status 2.
+done. --chat talks with the model in its chat template: each line read is a user turn, the reply
+streams, the conversation is kept (/reset forgets it, /exit or end of input ends). Bad input is a
+one-line error and exit status 2.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from tunix_train import exit_codes
 def _arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tunix_train.generate", description=__doc__.split("\n")[0])
     parser.add_argument("path", help="a Hugging Face Gemma directory or a tunix_train run (or one checkpoint)")
-    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    parser.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    parser.add_argument("--chat", action="store_true", help="a conversation on the terminal (or one turn a line)")
+    parser.add_argument("--system", default=None, help="with --chat: a system message opening the conversation")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top_k", type=int, default=None)
@@ -30,7 +35,10 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--mesh_shape", default=None,
                         help='JSON [[sizes], [axis names]], e.g. \'[[2,2],["fsdp","tp"]]\' '
                              '(default: all devices on fsdp)')
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if bool(args.prompt) == args.chat:
+        parser.error("give --prompt (one or more) or --chat")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = api.load(args.path, mesh_shape)
         sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-        if len(args.prompt) == 1:
+        if args.chat:
+            _chat(model, args.system, args.max_new_tokens, sampling)
+        elif len(args.prompt) == 1:
             _stream(model, args.prompt[0], args.max_new_tokens, sampling)
         else:
             for i, text in enumerate(model.generate_text(args.prompt, args.max_new_tokens, **sampling)):
@@ -73,6 +83,31 @@ def _stream(model, prompt: str, max_new_tokens: int, sampling: dict) -> None:
         print(text[len(shown):], end="", flush=True)
         shown = text
     print()
+
+
+def _chat(model, system: str | None, max_new_tokens: int, sampling: dict) -> None:
+    """Reads user turns line by line and streams each reply; the conversation grows as it goes."""
+    opening = [{"role": "system", "content": system}] if system else []
+    messages = list(opening)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return
+        if line.strip() == "/reset":
+            messages = list(opening)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        reply = ""
+        for piece in model.reply(messages, max_new_tokens, **sampling):
+            print(piece, end="", flush=True)
+            reply += piece
+        print(flush=True)
+        messages.append({"role": "assistant", "content": reply})
 
 
 if __name__ == "__main__":
