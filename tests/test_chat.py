@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[reference]'")
@@ -12,7 +13,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from conftest import REPO, config, cpu_env  # noqa: E402
+from conftest import REPO, config, cpu_env, read_metrics  # noqa: E402
 from test_tokenizers import _gguf_with_the_bundled_vocabulary  # noqa: E402
 from tunix_train.compose import load_config  # noqa: E402
 from tunix_train.config import ConfigError  # noqa: E402
@@ -21,6 +22,8 @@ from tunix_train.data.chat import GEMMA_TEMPLATE, ChatTemplate, find_template  #
 from tunix_train.data.tokenizer import load_tokenizer  # noqa: E402
 from tunix_train.model.gemma import Gemma  # noqa: E402
 from tunix_train.parallel import model_graphdef  # noqa: E402
+from tunix_train.train.loop import train  # noqa: E402
+from tunix_train.train.objectives import make_objective  # noqa: E402
 from tunix_train.train.step import eval_step  # noqa: E402
 
 TURNS = ["<start_of_turn>", "<end_of_turn>"]
@@ -167,3 +170,58 @@ def test_sft_on_the_bundled_conversations_then_the_chat_cli_answers_as_trained(t
                           capture_output=True, text=True, timeout=300)
     assert chat.returncode == 0, chat.stderr[-2000:]
     assert chat.stdout.splitlines() == ["Hamlet.", "Twelfth Night.", "Miranda.", "Three witches."]
+
+
+def turn_reward(prompts, completions, **_):
+    """A GRPO reward that checks it gets conversational prompts as messages: each completion's length."""
+    assert all(isinstance(p, list) and p[-1]["role"] == "user" for p in prompts)
+    return [float(len(c)) for c in completions]
+
+
+def _jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_dpo_pairs_and_grpo_prompts_in_messages_are_rendered_with_the_template(tmp_path, tokenizers):
+    """A DPO pair's rows: the prompt with the generation prompt, then the answer through
+    <end_of_turn>, the loss on the answer only; a GRPO run on user turns samples after the
+    generation prompt, stops at <end_of_turn>, and hands the rewards the messages."""
+    ours, _ = tokenizers
+    hf = ours.path.parent
+    question = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is Romeo?"}]
+    pairs = _jsonl(tmp_path / "pairs.jsonl", [
+        {"prompt": question, "chosen": "A Montague.", "rejected": [{"role": "assistant", "content": "A Capulet."}]}] * 4)
+    cfg, _ = load_config(["model=gemma3_tiny", "model.vocab_size=4103", "objective=dpo", "data=jsonl",
+                          f"data.train_files=[{pairs}]", "data.eval_fraction=0.25", "data.seq_len=64",
+                          f"data.tokenizer={hf}"])
+    data = Data(cfg, make_objective(cfg).record_fields)
+    objective = make_objective(cfg)
+    objective.read(data)
+    rows = objective._pairs["train"][0]
+    template = ChatTemplate(GEMMA_TEMPLATE, "test", ours)
+    prompt, _ = template.encode(question, add_generation_prompt=True)
+    for row, answer in enumerate(("A Montague.", "A Capulet.")):
+        full, mask = template.encode([*question, {"role": "assistant", "content": answer}])
+        n = len(full) - 1 if ours.decode(full[-1:]) == "\n" else len(full)  # without the newline after the turn
+        np.testing.assert_array_equal(rows["inputs"][row][:n - 1], full[:n - 1])
+        with_loss = rows["targets"][row][rows["loss_mask"][row] > 0].tolist()
+        assert with_loss == [i for i, m in zip(full[:n], mask[:n]) if m][-len(with_loss):]
+        assert ours.decode(with_loss) == answer + "<end_of_turn>" and len(prompt) + len(with_loss) == n
+
+    prompts = _jsonl(tmp_path / "prompts.jsonl", [{"prompt": [{"role": "user", "content": f"Count to {i}."}]}
+                                                   for i in range(8)])
+    cfg, _ = load_config(["model=gemma3_tiny", "model.vocab_size=4103", "objective=grpo", "data=jsonl",
+                          f"data.train_files=[{prompts}]", "data.seq_len=32", f"data.tokenizer={hf}", "data.eval_fraction=0",
+                          "training.micro_batch_size=4", "training.grpo.num_generations=4",
+                          "training.grpo.max_new_tokens=6", "training.grpo.reward=[test_chat:turn_reward]",
+                          "training.max_steps=2", "training.log_every=1"])
+    cfg.model.mesh_shape = [[1], ["fsdp"]]
+    train(cfg, tmp_path / "grpo", devices=jax.devices()[:1])
+    samples = [json.loads(line) for line in (tmp_path / "grpo" / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["prompt"].startswith(ours.token(ours.bos_id) + "<start_of_turn>user\nCount to ") and
+                           s["prompt"].endswith("<end_of_turn>\n<start_of_turn>model\n") for s in samples)
+    assert len([m for m in read_metrics(tmp_path / "grpo") if "loss" in m]) == 2
+    grpo = make_objective(cfg)
+    grpo.read(Data(cfg, grpo.record_fields))
+    assert grpo._stop_ids == [ours.eos_id, *ours.encode("<end_of_turn>")]

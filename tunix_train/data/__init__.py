@@ -31,14 +31,21 @@ class Data:
             source, key = run_tokenizer(cfg)
             self.tokenizer = load_tokenizer(source, cfg.model.vocab_size, key)
             self.train_docs, self.eval_docs = train_and_eval_documents(cfg.data, required_fields)
-            self.chat = None
-            if cfg.data.messages_field:
-                self.chat = ChatTemplate(*find_template(cfg.data.chat_template, source), tokenizer=self.tokenizer)
-            self.features = DocumentFeatures(self.tokenizer, cfg.model.vocab_size, self.chat,
+            self._chat_source, self._chat = source, None
+            self.features = DocumentFeatures(self.tokenizer, cfg.model.vocab_size,
+                                             self.chat if cfg.data.messages_field else None,
                                              tuple(cfg.data.train_on_roles), cfg.data.seq_len)
-            if self.chat is not None:  # each conversation rendered once now: a bad one stops the run before it starts
+            if cfg.data.messages_field:  # each conversation rendered once now: a bad one stops the run before it starts
                 for doc in itertools.chain(self.train_docs, self.eval_docs):
                     self.features(doc)
+
+    @property
+    def chat(self) -> ChatTemplate:
+        """The chat template (data.chat_template, else the tokenizer's, else Gemma's turn format),
+        read when first needed: a run without conversations never reads it."""
+        if self._chat is None:
+            self._chat = ChatTemplate(*find_template(self.cfg.data.chat_template, self._chat_source), self.tokenizer)
+        return self._chat
 
     def _batches(self, docs, *, accumulation_steps, global_micro_batch, seed, shuffle, rows):
         d = self.cfg.data

@@ -204,3 +204,30 @@ def find_template(override: str | None, tokenizer_source: str | Path | None) -> 
                 if isinstance(template, str):
                     return template, f"{config} (chat_template)"
     return GEMMA_TEMPLATE, "Gemma's turn format"
+
+
+def prompt_ids(prompt: str | list[dict], tokenizer, chat: "ChatTemplate | None") -> list[int]:
+    """A prompt's token ids: text as [BOS] text; a conversation as the chat template renders it
+    with the generation prompt (the assistant's turn opened)."""
+    if isinstance(prompt, str):
+        return [tokenizer.bos_id, *tokenizer.encode(prompt)]
+    return chat.encode(prompt, add_generation_prompt=True)[0]
+
+
+def completion_ids(prompt: str | list[dict], completion: str | list[dict], tokenizer,
+                   chat: "ChatTemplate | None") -> list[int]:
+    """The tokens that follow the prompt's (prompt_ids) for a completion: after a text prompt, the
+    text and EOS; after a conversation, the assistant's turn (a string, or assistant messages) as
+    the template renders it, through its end of turn."""
+    if isinstance(prompt, str):
+        if not isinstance(completion, str):
+            raise ConfigError("a completion in messages needs its prompt in messages too")
+        return [*tokenizer.encode(completion), tokenizer.eos_id]
+    turns = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
+    start = prompt_ids(prompt, tokenizer, chat)
+    ids, mask = chat.encode([*prompt, *turns])
+    if ids[:len(start)] != start:
+        raise ConfigError(f"{chat.source} does not render a prompt with its generation prompt as the start of the "
+                          f"prompt and its answer, so the answer's tokens cannot be told apart")
+    last = max((k for k, m in enumerate(mask) if m), default=len(ids) - 1)
+    return ids[len(start):last + 1]  # not the separator after the end of turn

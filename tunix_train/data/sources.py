@@ -75,9 +75,13 @@ def _jsonl_documents(path: Path, data: DataConfig, required: Sequence[str] | Non
 
 
 def _whole_record(record: Any, path: Path, number: int, required: Sequence[str]) -> dict[str, Any]:
+    """The record, each required field a string or a conversation ([{role, content}])."""
     for field in required:
-        if not isinstance(record, dict) or not isinstance(record.get(field), str):
-            raise ConfigError(f"{path}:{number}: no string field {field!r} (the objective reads "
+        value = record.get(field) if isinstance(record, dict) else None
+        if isinstance(value, list):
+            check_messages(value, f"{path}:{number}", field)
+        elif not isinstance(value, str):
+            raise ConfigError(f"{path}:{number}: no string or messages field {field!r} (the objective reads "
                               f"{', '.join(required)} from every line)")
     return record
 

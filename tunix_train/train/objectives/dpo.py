@@ -5,7 +5,8 @@ a completion summed over its tokens (and its EOS), the loss of a pair is
 -(1 - s) · log sigmoid(z) - s · log sigmoid(-z) for label smoothing s (cDPO; TRL's "sigmoid" loss).
 
 A pair is two rows, chosen then rejected, each [BOS] prompt completion [EOS] unpacked and padded
-to data.seq_len; a micro-batch of B rows holds B/2 whole pairs, and no pair is ever split across
+to data.seq_len (a prompt in messages: the chat template's rendering of the prompt with the
+generation prompt, then of the answer through its end of turn, data/chat.py); a micro-batch of B rows holds B/2 whole pairs, and no pair is ever split across
 micro-batches or devices (data/pipeline.GroupBatches).
 """
 
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_train.config import Config, ConfigError
+from tunix_train.data.chat import completion_ids, prompt_ids
 from tunix_train.data.pipeline import GroupBatches, padded_row
 from tunix_train.train.objectives.base import Objective
 from tunix_train.train.objectives.lm import BATCH_DTYPES
@@ -59,7 +61,7 @@ class DirectPreference(Objective):
 
     def read(self, data) -> None:
         """Tokenizes every pair once, before any device work: a pair too long is a ConfigError."""
-        self._pairs = {split: [self._pair(data.tokenizer, doc, what, i) for i, doc in enumerate(docs)]
+        self._pairs = {split: [self._pair(data, doc, what, i) for i, doc in enumerate(docs)]
                        for split, docs, what in (("train", data.train_docs, "data.train_files"),
                                                  ("eval", data.eval_docs, "the held-out pairs"))}
 
@@ -68,12 +70,13 @@ class DirectPreference(Objective):
                             seed=seed, slots=range(rows.start // 2, rows.stop // 2),
                             prefetch=self.cfg.data.prefetch_batches)
 
-    def _pair(self, tok, doc, what: str, index: int):
-        seq_len = self.cfg.data.seq_len
-        prompt = [tok.bos_id, *tok.encode(doc["prompt"])]
+    def _pair(self, data, doc, what: str, index: int):
+        seq_len, tok = self.cfg.data.seq_len, data.tokenizer
+        chat = data.chat if isinstance(doc["prompt"], list) else None
+        prompt = prompt_ids(doc["prompt"], tok, chat)
         rows = []
         for field in ("chosen", "rejected"):
-            completion = [*tok.encode(doc[field]), tok.eos_id]
+            completion = completion_ids(doc["prompt"], doc[field], tok, chat)
             if len(prompt) + len(completion) - 1 > seq_len:
                 raise ConfigError(f"{what}: pair {index + 1} ({field}) is {len(prompt) + len(completion) - 1} tokens, "
                                   f"longer than data.seq_len={seq_len}; raise data.seq_len or shorten it")

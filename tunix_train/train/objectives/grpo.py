@@ -30,6 +30,10 @@ Every step logs the train-inference mismatch |logp(trainer) - logp(engine)| of i
 and max): on-policy, the numerical difference of the two programs; off-policy it includes the
 updates since the rollout.
 
+A prompt may be a conversation ([{role, content}]): it is then rendered with the chat template and
+its generation prompt (data/chat.py), the reward functions receive it as messages, and a rollout
+also stops at the template's end of turn, which is trained on as EOS is.
+
 Rollout r is seeded by training.seed and r. The rollout in use and those drawn ahead are part of
 a checkpoint (Rollouts.get_state), so a resumed run trains on exactly the same completions.
 """
@@ -48,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_train.config import Config, ConfigError
+from tunix_train.data.chat import prompt_ids
 from tunix_train.data.pipeline import GroupBatches, padded_row
 from tunix_train.sharding import cross_mesh_copier, state_shardings
 from tunix_train.train.hooks import Hook
@@ -176,14 +181,20 @@ class GroupRelative(Objective):
         """Tokenizes the prompts once; a prompt with no room for max_new_tokens is a ConfigError."""
         tok, limit = data.tokenizer, self.cfg.data.seq_len - self.grpo.max_new_tokens
         self._docs, self._tokenizer = data.train_docs, tok
-        self._prompts = []
+        self._prompts, self._stop_ids = [], [tok.eos_id]
         for number, doc in enumerate(data.train_docs, start=1):
-            ids = [tok.bos_id, *tok.encode(doc["prompt"])]
+            ids = prompt_ids(doc["prompt"], tok, data.chat if isinstance(doc["prompt"], list) else None)
             if len(ids) > limit:
                 raise ConfigError(f"data.train_files: prompt {number} is {len(ids)} tokens; with "
                                   f"training.grpo.max_new_tokens={self.grpo.max_new_tokens} it needs "
                                   f"data.seq_len >= {len(ids) + self.grpo.max_new_tokens}")
             self._prompts.append(ids)
+        if any(isinstance(doc["prompt"], list) for doc in data.train_docs):  # the model answers in turns
+            end = tok.encode(data.chat.end_of_turn())
+            if len(end) != 1:
+                raise ConfigError(f"{data.chat.source}: its end of turn {data.chat.end_of_turn()!r} is not one token "
+                                  f"of this tokenizer, so a rollout cannot stop at it")
+            self._stop_ids += end
 
     def train_batches(self, data, global_rows: int, rows: range) -> Rollouts:
         G = self.grpo.num_generations
@@ -204,7 +215,7 @@ class GroupRelative(Objective):
         self._merged = jax.jit(run.weights.merged)  # LoRA: the adapters merged into the base, compiled once
         self._mesh = run.rollout_mesh or run.mesh
         # every completion of a rollout at once, in one batch of slots
-        self._engine = Engine(self.cfg.model, self._mesh, stop_ids=(self._tokenizer.eos_id,), slots=None)
+        self._engine = Engine(self.cfg.model, self._mesh, stop_ids=self._stop_ids, slots=None)
         if run.rollout_mesh is not None:
             self._copy = cross_mesh_copier(run.mesh, run.rollout_mesh)
             parts = ("params", "frozen") if run.weights.lora else ("params",)  # full fine-tuning: the reference stays
@@ -309,9 +320,10 @@ class GroupRelative(Objective):
 
     def _figures(self, rollout: Rollout, step: int, rollout_s: float) -> dict[str, Any]:
         """What the log shows of the step's rollout; its samples (the first group) at its first step."""
-        G, rewards, eos = self.grpo.num_generations, np.asarray(rollout.rewards), self._tokenizer.eos_id
+        G, rewards = self.grpo.num_generations, np.asarray(rollout.rewards)
         first_use = step == rollout.index * self.grpo.iterations
-        text = lambda c: self._tokenizer.decode(c[:-1] if c and c[-1] == eos else c)
+        text = lambda c: self._tokenizer.decode(c[:-1] if c and c[-1] in self._stop_ids else c)
+        prompt = self._docs[rollout.order[0]]["prompt"]
         return {
             **{f"reward_{name}": float(r.mean()) for name, r in zip(self.reward_names, rewards)},
             **{f"reward_{name}_std": float(r.std()) for name, r in zip(self.reward_names, rewards)},
@@ -319,7 +331,8 @@ class GroupRelative(Objective):
             "completion_tokens": float(np.mean([len(c) for c in rollout.completions])),
             "sampling_s": rollout.sampling_s, "rollout_s": rollout_s, "rollout_staleness": step - rollout.version,
             **self._syncs,  # the weights copied to the rollout mesh for the rollouts this step drew
-            "samples": [(self._docs[rollout.order[0]]["prompt"], text(rollout.completions[i]),
+            "samples": [(prompt if isinstance(prompt, str) else self._tokenizer.decode(self._prompts[rollout.order[0]]),
+                         text(rollout.completions[i]),
                          float(rewards[:, i].sum())) for i in range(G)] if first_use else [],
         }
 
