@@ -105,6 +105,11 @@ BAD_DATA = [  # {tmp} is the test's directory, holding the files written below
      "{tmp}/raise.jinja fails on a conversation: no system turns here"),
     (["data=chat", "data.train_files=[{tmp}/long.jsonl]", "data.train_on_roles=[model]", VOCAB],
      "data.train_on_roles=['model'] must name some of system, user, assistant, tool"),
+    (["data=parquet", "data.train_files=[{tmp}/bad.parquet]", VOCAB], "{tmp}/bad.parquet: cannot read it as Parquet"),
+    (["data=jsonl", "data.hf_dataset={tmp}/missing", VOCAB], "data.hf_dataset: no such directory {tmp}/missing"),
+    (["data=jsonl", "data.hf_dataset={tmp}", VOCAB], "data.hf_dataset: {tmp} is not a directory written by datasets"),
+    (["data=jsonl", "data.hf_dataset={tmp}", "data.train_files=[{tmp}/docs.jsonl]", VOCAB],
+     "data.hf_dataset is read instead of data.train_files"),
     (["data=shakespeare", "model.vocab_size=256"], "data.tokenizer: "),  # a 4096-token tokenizer
     (["data=shakespeare", VOCAB, "data.tokenizer={tmp}/missing.model"],
      "data.tokenizer: no such file {tmp}/missing.model"),
@@ -120,6 +125,7 @@ def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, overrides, m
                                          json.dumps({"messages": [turn("robot", "Hi")]}) + "\n")
     (tmp_path / "long.jsonl").write_text(json.dumps({"messages": [turn("user", "Speak. " * 200)]}) + "\n")
     (tmp_path / "raise.jinja").write_text("{{ raise_exception('no system turns here') }}")
+    (tmp_path / "bad.parquet").write_text("not parquet")
     run_dir = tmp_path / "run"
     overrides = [o.replace("{tmp}", str(tmp_path)) for o in overrides]
     data = [] if any(o.startswith("data=") for o in overrides) else ["data=synthetic"]

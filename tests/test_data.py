@@ -174,3 +174,54 @@ def test_bad_sources_name_the_file(tmp_path):
     cfg, _ = load_config(["data=jsonl", f"data.train_files=[{tmp_path}/bad.jsonl]"])
     with pytest.raises(ConfigError, match="bad.jsonl:2: not valid JSON"):
         read_documents(cfg.data.train_files, cfg.data, "data.train_files")
+
+
+def _three_sources(tmp_path, records, *overrides):
+    """Configs reading `records` from JSON lines, from Parquet, and from a saved datasets directory."""
+    import datasets
+    import pyarrow
+    import pyarrow.parquet
+
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(records), tmp_path / "records.parquet")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}).save_to_disk(str(tmp_path / "saved"))
+    common = ["model.vocab_size=4096", "data.seq_len=48", *overrides]
+    return [load_config(["data=jsonl", f"data.train_files=[{tmp_path / 'records.jsonl'}]", *common])[0],
+            load_config(["data=parquet", f"data.train_files=[{tmp_path / 'records.parquet'}]", *common])[0],
+            load_config(["data=jsonl", f"data.hf_dataset={tmp_path / 'saved'}", *common])[0]]
+
+
+@pytest.mark.parametrize("kind", ["text", "prompt_completion", "conversations"])
+def test_parquet_and_a_saved_dataset_give_the_batches_of_the_same_json_lines(tmp_path, kind):
+    """Same records, same seeded batches, and a resumed iterator continues each exactly."""
+    lines = [f"{i} When shall we three meet again, in thunder, lightning, or in rain?"[:20 + i] for i in range(40)]
+    records, overrides = {
+        "text": ([{"text": t, "source": "witches"} for t in lines], []),
+        "prompt_completion": ([{"q": t, "a": t[::-1]} for t in lines], ["data.prompt_field=q", "data.completion_field=a"]),
+        "conversations": ([{"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}]}
+                           for t in lines], ["data.messages_field=messages", "data.seq_len=128"]),
+    }[kind]
+    results = []
+    for cfg in _three_sources(tmp_path, records, *overrides):
+        data = Data(cfg)
+        batches = data.train_batches(global_micro_batch=2)
+        first, state = next(batches), batches.get_state()
+        rest = [next(batches) for _ in range(2)]
+        batches.close()
+        resumed = data.train_batches(global_micro_batch=2)
+        resumed.set_state(state)
+        assert all(np.array_equal(a[k], b[k]) for a, b in zip(rest, [next(resumed) for _ in range(2)]) for k in a)
+        resumed.close()
+        results.append([first, *rest])
+        assert first["loss_mask"].sum() > 0
+    for other in results[1:]:
+        assert all(np.array_equal(a[k], b[k]) for a, b in zip(results[0], other) for k in a)
+
+
+def test_an_objective_reads_its_records_from_parquet_and_a_saved_dataset(tmp_path):
+    question = [{"role": "user", "content": "Who is there?"}]
+    records = [{"prompt": question, "chosen": f"Nay {i}", "rejected": [{"role": "assistant", "content": "Stand."}]}
+               for i in range(10)]
+    found = [read_documents(cfg.data.train_files, cfg.data, "data.train_files", ("prompt", "chosen", "rejected"))
+             for cfg in _three_sources(tmp_path, records)]
+    assert found[0] == found[1] == found[2] == records

@@ -148,7 +148,7 @@ def test_first_step_loss_is_log_2_and_training_separates_the_pairs(tmp_path, lor
     (["data.train_files=[{tmp}/bad.jsonl]"], "{tmp}/bad.jsonl:64: no string or messages field 'rejected'"),
     (["data.train_files=[{tmp}/pairs.jsonl]", "training.micro_batch_size=3"], "training.micro_batch_size=3 must be even"),
     (["data.train_files=[{tmp}/pairs.jsonl]", "data.seq_len=8"], "longer than data.seq_len=8"),
-    (["data=synthetic"], "training.objective=dpo reads JSON lines with prompt, chosen and rejected"),
+    (["data=synthetic"], "training.objective=dpo reads records with prompt, chosen and rejected"),
 ])
 def test_bad_input_is_one_line(tmp_path, overrides, message):
     _write_pairs(tmp_path / "pairs.jsonl")

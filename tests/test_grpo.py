@@ -173,7 +173,7 @@ def test_a_resumed_run_draws_the_same_completions_and_losses(tmp_path, staleness
     (["training.grpo.num_generations=1"], "training.grpo.num_generations=1 must be at least 2"),
     (["training.micro_batch_size=6"], "training.micro_batch_size=6 must be a multiple of training.grpo.num_generations=4"),
     (["data.train_files=[{tmp}/no_prompt.jsonl]"], "no_prompt.jsonl:1: no string or messages field 'prompt'"),
-    (["data=synthetic"], "training.objective=grpo reads JSON lines with prompt"),
+    (["data=synthetic"], "training.objective=grpo reads records with prompt"),
     (["training.eval_every=5"], "training.eval_every=5: training.objective=grpo has no held-out loss"),
     (["training.grpo.max_staleness=-1"], "training.grpo.max_staleness=-1 must be >= 0"),
     (["training.grpo.iterations=0"], "training.grpo.iterations=0 >= 1"),

@@ -46,15 +46,19 @@ def validate(cfg: Config) -> None:
         raise ConfigError("training.eval_every must be >= 0 and training.eval_batches positive")
     if not 0.0 <= d.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
-    file_sources = (DataSource.text, DataSource.jsonl, DataSource.array_record)
-    if d.source in file_sources and not d.train_files:
+    file_sources = (DataSource.text, DataSource.jsonl, DataSource.parquet, DataSource.array_record)
+    records = d.source in (DataSource.jsonl, DataSource.parquet)
+    if d.hf_dataset is not None and (not records or d.train_files):
+        raise ConfigError("data.hf_dataset is read instead of data.train_files, under data.source=jsonl or parquet")
+    if d.source in file_sources and not d.train_files and d.hf_dataset is None:
         raise ConfigError(f"data.train_files is empty: data.source={d.source.value} reads the files it lists")
     if (d.prompt_field is None) != (d.completion_field is None):
         raise ConfigError("data.prompt_field and data.completion_field must be set together")
-    if d.prompt_field is not None and d.source is not DataSource.jsonl:
-        raise ConfigError("data.prompt_field is for data.source=jsonl")
-    if d.messages_field is not None and (d.source is not DataSource.jsonl or d.prompt_field is not None):
-        raise ConfigError("data.messages_field reads conversations from data.source=jsonl, without data.prompt_field")
+    if d.prompt_field is not None and not records:
+        raise ConfigError("data.prompt_field is for records: data.source=jsonl or parquet")
+    if d.messages_field is not None and (not records or d.prompt_field is not None):
+        raise ConfigError("data.messages_field reads conversations from records (data.source=jsonl or parquet), "
+                          "without data.prompt_field")
     if not d.train_on_roles or not set(d.train_on_roles) <= set(ROLES):
         raise ConfigError(f"data.train_on_roles={list(d.train_on_roles)} must name some of {', '.join(ROLES)}")
     if c.every_steps < 0 or c.every_seconds < 0 or c.keep < 1:
@@ -100,9 +104,9 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig) -> None:
     if t.objective is Objective.lm:
         return
     name = f"training.objective={t.objective.value}"
-    if d.source is not DataSource.jsonl:
+    if d.source not in (DataSource.jsonl, DataSource.parquet):
         fields = "prompt, chosen and rejected" if t.objective is Objective.dpo else "prompt (and what the rewards read)"
-        raise ConfigError(f"{name} reads JSON lines with {fields}: set data=jsonl data.train_files=[...]")
+        raise ConfigError(f"{name} reads records with {fields}: set data=jsonl (or parquet) data.train_files=[...]")
     if d.prompt_field is not None:
         raise ConfigError(f"data.prompt_field and data.completion_field are for training.objective=lm; {name} "
                           f"reads the fields it names")

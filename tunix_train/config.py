@@ -88,6 +88,7 @@ class DataSource(enum.Enum):
     shakespeare = "shakespeare"  # the bundled corpus and tokenizer
     text = "text"  # plain-text files
     jsonl = "jsonl"  # one JSON object per line: a text field, or prompt and completion fields
+    parquet = "parquet"  # the same records as Parquet rows (a .parquet file is read as Parquet under jsonl too)
     array_record = "array_record"  # pre-tokenized documents (scripts/pretokenize.py writes them)
     synthetic = "synthetic"  # learnable random sequences, no tokenizer
 
@@ -184,6 +185,9 @@ class DataConfig:
     # Held-out files; when empty, a fixed eval_fraction of the training documents is held out.
     eval_files: List[str] = _fixed(factory=list)
     eval_fraction: float = _fixed(0.02)
+    # A directory written by datasets' save_to_disk (its train split), read instead of train_files
+    # under data.source=jsonl or parquet.
+    hf_dataset: Optional[str] = _fixed(None)
     tokenizer: Optional[str] = _fixed(None)  # a SentencePiece model; null: the bundled Shakespeare tokenizer
     text_unit: TextUnit = _fixed(TextUnit.paragraph)
     text_field: str = _fixed("text")

@@ -1,4 +1,5 @@
-"""Documents from files: plain text, JSON lines (text or prompt/completion), pre-tokenized array_record.
+"""Documents from files: plain text, records (JSON lines, Parquet, a saved `datasets` directory:
+text, prompt/completion, conversations, an objective's whole records), pre-tokenized array_record.
 
 Every reader returns a random-access sequence of records: {"text": str}, {"prompt": str,
 "completion": str}, {"messages": [{role, content}], "where": file:line} or {"tokens": int32 array}. Bad input is a ConfigError naming the file or key.
@@ -49,19 +50,21 @@ def _text_documents(path: Path, unit: TextUnit) -> list[dict[str, str]]:
     return [{"text": p.strip("\n")} for p in pieces if p.strip()]
 
 
-def _jsonl_documents(path: Path, data: DataConfig, required: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file. With `required` (an objective's fields, e.g. DPO's
-    prompt, chosen, rejected) each record is kept whole and must hold those as strings."""
+def _record_documents(path: Path, data: DataConfig, required: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """The documents of a file of records (JSON lines, Parquet) or of a saved `datasets` directory.
+    With `required` (an objective's fields, e.g. DPO's prompt, chosen, rejected) each record is
+    kept whole and must hold those as strings or conversations."""
+    records = _records(path)
     if required is not None:
-        return [_whole_record(record, path, number, required) for number, record in _json_lines(path)]
+        return [_whole_record(record, path, number, required) for number, record in records]
     if data.messages_field:
         return [{"messages": check_messages(record.get(data.messages_field) if isinstance(record, dict) else None,
                                             f"{path}:{number}", data.messages_field), "where": f"{path}:{number}"}
-                for number, record in _json_lines(path)]
+                for number, record in records]
     fields = ({"prompt": data.prompt_field, "completion": data.completion_field}
               if data.prompt_field else {"text": data.text_field})
     docs = []
-    for number, record in _json_lines(path):
+    for number, record in records:
         doc = {}
         for name, field in fields.items():
             value = record.get(field) if isinstance(record, dict) else None
@@ -72,6 +75,42 @@ def _jsonl_documents(path: Path, data: DataConfig, required: Sequence[str] | Non
             doc[name] = value
         docs.append(doc)
     return docs
+
+
+def _records(path: Path) -> list[tuple[int, Any]]:
+    """(line or row number from 1, record) of a JSON-lines file, a Parquet file (by its
+    extension, with pyarrow) or a directory written by `datasets`' save_to_disk (its train split)."""
+    if path.is_dir():
+        rows = _dataset_rows(path)
+    elif path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ConfigError(f"{path}: reading Parquet needs pyarrow: pip install -e '.[data]'") from None
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as err:  # pyarrow's errors for a file that is not Parquet
+            raise ConfigError(f"{path}: cannot read it as Parquet ({' '.join(str(err).split())})") from None
+    else:
+        return list(_json_lines(path))
+    return list(enumerate(rows, start=1))
+
+
+def _dataset_rows(path: Path) -> list[dict]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"data.hf_dataset: reading {path} needs datasets: pip install -e '.[data]'") from None
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except Exception as err:
+        raise ConfigError(f"data.hf_dataset: {path} is not a directory written by datasets' save_to_disk "
+                          f"({' '.join(str(err).split())})") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        if "train" not in dataset:
+            raise ConfigError(f"data.hf_dataset: {path} has no train split (it has {', '.join(dataset)})")
+        dataset = dataset["train"]
+    return dataset.to_list()
 
 
 def _whole_record(record: Any, path: Path, number: int, required: Sequence[str]) -> dict[str, Any]:
@@ -132,6 +171,10 @@ def read_documents(patterns: Sequence[str], data: DataConfig, key: str,
     `required`: the string fields every JSON-lines record must hold (kept whole)."""
     if data.source is DataSource.shakespeare:
         files, source = [BUNDLED_CORPUS], DataSource.jsonl
+    elif data.hf_dataset and key == "data.train_files":
+        files, source = [Path(data.hf_dataset).expanduser()], DataSource.jsonl
+        if not files[0].is_dir():
+            raise ConfigError(f"data.hf_dataset: no such directory {files[0]}")
     else:
         files, source = expand(patterns, key), data.source
     if not files:
@@ -150,7 +193,7 @@ def read_documents(patterns: Sequence[str], data: DataConfig, key: str,
     docs = []
     for path in files:
         found = (_text_documents(path, data.text_unit) if source is DataSource.text
-                 else _jsonl_documents(path, data, required))
+                 else _record_documents(path, data, required))
         if not found:
             raise ConfigError(f"{key}: {path} is empty (no documents)")
         docs += found
