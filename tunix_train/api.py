@@ -130,6 +130,14 @@ class LoadedModel:
             self.tokenizer.save(directory)
             (directory / "chat_template.jinja").write_text(self.chat.template, encoding="utf-8")
 
+    def export_gguf(self, path: Path, dtype: str = "f16", overwrite: bool = False) -> None:
+        """A GGUF file that llama.cpp, Ollama and LM Studio run: the weights in `dtype` (f32, f16,
+        bf16, q8_0, q4_0), the tokenizer and the chat template (interop/gguf_export.py)."""
+        from tunix_train.interop import gguf_export
+
+        gguf_export.export(self.params, self.config, self.tokenizer, self.chat and self.chat.template, Path(path),
+                           dtype, overwrite)
+
     def export_adapters(self, directory: Path) -> None:
         """A LoRA run's adapters in PEFT's format (interop/peft.py), for the base its run started from."""
         if self.adapters is None:

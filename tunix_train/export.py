@@ -1,11 +1,16 @@
-"""Export a run's checkpoint as a Hugging Face checkpoint that transformers loads.
+"""Export a run's checkpoint as a Hugging Face checkpoint that transformers loads, or as a GGUF
+file that llama.cpp, Ollama and LM Studio run.
 
     python -m tunix_train.export RUN_DIR_OR_CHECKPOINT OUTPUT_DIR [--adapters]
+    python -m tunix_train.export RUN_OR_PATH OUT.gguf --format gguf [--dtype f16] [--overwrite]
 
 Writes OUTPUT_DIR/config.json, OUTPUT_DIR/model.safetensors (float32) and the run's tokenizer
-(tokenizer.json or tokenizer.model); the latest checkpoint of a run or checkpoints/ folder, or the
-given step's folder. A LoRA run exports its adapters merged into the base it started from, or with
---adapters only the adapters, in PEFT's format (adapter_config.json, adapter_model.safetensors).
+(tokenizer.json or tokenizer.model) with its chat template (chat_template.jinja); the latest
+checkpoint of a run or checkpoints/ folder, or the given step's folder. A LoRA run exports its
+adapters merged into the base it started from, or with --adapters only the adapters, in PEFT's
+format (adapter_config.json, adapter_model.safetensors). --format gguf writes one file (the weights
+in --dtype f32, f16, bf16, q8_0 or q4_0, the tokenizer, the chat template; a LoRA run merged),
+from a run or any checkpoint tunix_train reads; an existing file is replaced only with --overwrite.
 """
 
 import argparse
@@ -21,14 +26,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="a run directory, its checkpoints/ folder, or a step folder")
     parser.add_argument("output", type=Path, help="a new or empty directory")
     parser.add_argument("--adapters", action="store_true", help="a LoRA run's adapters only, for PEFT")
+    parser.add_argument("--format", choices=["hf", "gguf"], default="hf")
+    parser.add_argument("--dtype", default="f16", help="GGUF: f32, f16, bf16, q8_0 or q4_0")
+    parser.add_argument("--overwrite", action="store_true", help="GGUF: replace an existing file")
     args = parser.parse_args(argv)
     try:
-        if args.output.exists() and any(args.output.iterdir()):
+        from tunix_train.interop.gguf_export import DTYPES
+
+        if args.format == "gguf":
+            if args.adapters:
+                raise ConfigError("--adapters writes PEFT's format; a GGUF export holds the merged model")
+            if args.dtype not in DTYPES:
+                raise ConfigError(f"--dtype {args.dtype}: GGUF export writes {', '.join(DTYPES)}")
+            if args.output.exists() and not args.overwrite:
+                raise ConfigError(f"{args.output} exists: pass --overwrite to replace it")
+        elif args.output.exists() and any(args.output.iterdir()):
             raise ConfigError(f"{args.output} is not empty; choose a new output directory")
         from tunix_train import api
 
         model = api.load(args.checkpoint)
-        (model.export_adapters if args.adapters else model.export)(args.output)
+        if args.format == "gguf":
+            model.export_gguf(args.output, args.dtype, args.overwrite)
+        else:
+            (model.export_adapters if args.adapters else model.export)(args.output)
     except ConfigError as err:
         print(f"tunix_train.export: error: {err}", file=sys.stderr)
         return exit_codes.CONFIG_ERROR

@@ -72,6 +72,22 @@ class SentencePieceTokenizer:
     def token(self, id_: int) -> str:
         return self._sp.id_to_piece(id_)
 
+    def gguf_vocabulary(self) -> tuple[list[str], list[float], list[int]]:
+        """Pieces, scores and types (SentencePiece's, which are GGUF's) as llama.cpp writes them."""
+        from sentencepiece import sentencepiece_model_pb2
+
+        model = sentencepiece_model_pb2.ModelProto()
+        model.ParseFromString(self.path.read_bytes())
+        return [p.piece for p in model.pieces], [p.score for p in model.pieces], [p.type for p in model.pieces]
+
+    @property
+    def adds_space_prefix(self) -> bool:
+        from sentencepiece import sentencepiece_model_pb2
+
+        model = sentencepiece_model_pb2.ModelProto()
+        model.ParseFromString(self.path.read_bytes())
+        return model.normalizer_spec.add_dummy_prefix
+
     def decode(self, ids: list[int]) -> str:
         return self._sp.decode(list(ids))
 
@@ -97,6 +113,19 @@ class HFTokenizer:
 
     def token(self, id_: int) -> str:
         return self._tokenizer.id_to_token(id_)
+
+    def gguf_vocabulary(self) -> tuple[list[str], list[float], list[int]]:
+        """Tokens, scores (-id: merges in vocabulary order, as gguf_tokenizer rebuilds them) and
+        types: 3 control (special added tokens), 4 user-defined (other added ones), 6 byte
+        (<0xNN>), 2 unknown, 1 normal."""
+        added = self._tokenizer.get_added_tokens_decoder()
+        unknown = getattr(self._tokenizer.model, "unk_token", None)
+        tokens = [self._tokenizer.id_to_token(i) for i in range(self.vocab_size)]
+        types = [(3 if added[i].special else 4) if i in added else 6 if re.fullmatch(r"<0x[0-9A-F]{2}>", t)
+                 else 2 if t == unknown else 1 for i, t in enumerate(tokens)]
+        return tokens, [-float(i) for i in range(len(tokens))], types
+
+    adds_space_prefix = False  # Gemma's tokenizer.json adds none
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -153,6 +182,8 @@ def gguf_tokenizer(reader, path: Path) -> HFTokenizer:
     unk = tokens[field("tokenizer.ggml.unknown_token_id") or 0]
     backend = Backend(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=unk, byte_fallback=True))
     backend.normalizer = normalizers.Replace(" ", "\u2581")
+    if field("tokenizer.ggml.add_space_prefix"):  # SentencePiece's dummy prefix (Gemma's files: none)
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), backend.normalizer])
     backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     types = field("tokenizer.ggml.token_type") or []

@@ -138,15 +138,23 @@ def _tensor(reader, name: str, path: Path):
     raise ConfigError(f"{path}: the GGUF has no tensor {name}")
 
 
-def check_matches(cfg: ModelConfig, fields: dict[str, Any], path: Path) -> None:
-    """A one-line ConfigError naming the first model field that differs from the file's."""
+def first_difference(cfg: ModelConfig, fields: dict[str, Any]) -> tuple[str, Any, Any] | None:
+    """(key, ours, the file's) of the first model field that differs from the file's, or None."""
     for key, value in fields.items():
         ours = getattr(cfg, key)
         if key == "context_length" or (key == "query_pre_attn_scalar" and (ours or cfg.head_dim) == (value or cfg.head_dim)):
             continue
         if ours != value:
-            raise ConfigError(f"model.init_from: {path} has {key}={value!r} but model.{key}={ours!r}; "
-                              f"use the matching model config or set model.{key}={value!r}")
+            return key, ours, value
+    return None
+
+
+def check_matches(cfg: ModelConfig, fields: dict[str, Any], path: Path) -> None:
+    """A one-line ConfigError naming the first model field that differs from the file's."""
+    if differs := first_difference(cfg, fields):
+        key, ours, value = differs
+        raise ConfigError(f"model.init_from: {path} has {key}={value!r} but model.{key}={ours!r}; "
+                          f"use the matching model config or set model.{key}={value!r}")
 
 
 class _GGUFTensors:

@@ -404,12 +404,10 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     return config
 
 
-def export(params: nnx.State, cfg: ModelConfig, directory: Path) -> None:
-    """Writes config.json and model.safetensors (float32) into `directory` (process 0 writes)."""
+def hf_tensors(params: nnx.State, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The parameters as transformers names and lays them out, float32, on every process."""
     from jax.experimental import multihost_utils
-    from safetensors.numpy import save_file
 
-    config = hf_config(cfg)
     tensors = {}
     for key_path, array in jax.tree_util.tree_flatten_with_path(params)[0]:
         path = jax.tree_util.keystr(key_path, simple=True, separator=".").removesuffix(".value")
@@ -417,6 +415,15 @@ def export(params: nnx.State, cfg: ModelConfig, directory: Path) -> None:
         full = np.asarray(multihost_utils.process_allgather(array, tiled=True), np.float32)
         for layer, ours in ([(layer_of(r), row) for r, row in enumerate(full)] if layer_of else [(None, full)]):
             tensors[_hf_name(spec, layer, cfg)] = np.ascontiguousarray(_to_hf(ours, spec, cfg, layer))
+    return tensors
+
+
+def export(params: nnx.State, cfg: ModelConfig, directory: Path) -> None:
+    """Writes config.json and model.safetensors (float32) into `directory` (process 0 writes)."""
+    from safetensors.numpy import save_file
+
+    config = hf_config(cfg)
+    tensors = hf_tensors(params, cfg)
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,152 @@
+"""GGUF export: a Gemma, Gemma 2 or Gemma 3 as llama.cpp's convert_hf_to_gguf.py writes one.
+
+What is written, as the converter's Gemma models write it:
+- metadata: general.architecture (gemma, gemma2, gemma3) and name, file_type; {arch}.context_length,
+  embedding_length, block_count, feed_forward_length, attention.head_count, head_count_kv,
+  key_length, value_length, layer_norm_rms_epsilon, rope.freq_base; Gemma 2 and 3:
+  attention.sliding_window; Gemma 2: attn_logit_softcapping; final_logit_softcapping where set;
+  linear RoPE scaling where set;
+- tensors: transformers' names mapped by gguf's TensorNameMap (token_embd, blk.N.attn_q, ...,
+  output_norm), in transformers' [out, in] layout (Gemma's Q and K rows are not permuted), the
+  RMSNorm weights stored as 1 + w; 1-D tensors in F32, the others in the chosen type, each
+  quantized by gguf.quants.quantize (a tensor whose rows do not split into the type's blocks is
+  written in F16, as the converter falls back);
+- the tokenizer as llama.cpp's SentencePiece vocabulary (tokenizer.ggml.model = llama): tokens,
+  scores, token types, the special ids, add_bos_token, and the chat template.
+
+What a GGUF cannot carry (the query scale, the layer pattern, the local RoPE base) its readers
+assume per architecture; the export reads its own file back and refuses a model that differs
+from what a reader would build (interop/gguf.py holds those assumptions, transformers' own).
+The file is written beside the target and renamed into place: a failed export leaves nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.interop import gguf as gguf_import, hf
+
+DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+
+
+def export(params, cfg: ModelConfig, tokenizer, chat_template: str | None, path: Path, dtype: str = "f16",
+           overwrite: bool = False) -> None:
+    """Writes `path` (process 0), a GGUF of the model, its tokenizer and chat template."""
+    import gguf
+    import jax
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: GGUF export writes {', '.join(DTYPES)}")
+    if path.exists() and not overwrite:
+        raise ConfigError(f"{path} exists: pass --overwrite to replace it")
+    family = hf._family(cfg)
+    arch = {"gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}.get(family)
+    if arch is None:
+        raise ConfigError(f"GGUF export of {family} is not supported yet (llama.cpp's converter defines gemma, "
+                          f"gemma2 and gemma3 here); export a Hugging Face checkpoint instead")
+    if tokenizer is None:
+        raise ConfigError("this checkpoint carries no tokenizer, and a GGUF file needs one")
+    tensors = hf.hf_tensors(params, cfg)
+    if jax.process_index() != 0:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    os.close(handle)
+    try:
+        writer = gguf.GGUFWriter(partial, arch)
+        _metadata(writer, cfg, arch, dtype)
+        _vocabulary(writer, tokenizer, cfg.vocab_size, chat_template)
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_layers)
+        for name, array in tensors.items():
+            _add_tensor(writer, names.get_name(name, try_suffixes=(".weight",)), array, dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        _check_readable_as(cfg, Path(partial), path)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+def _metadata(writer, cfg: ModelConfig, arch: str, dtype: str) -> None:
+    import gguf
+
+    writer.add_name(cfg.name)
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                          "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                          "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[dtype])
+    writer.add_context_length(cfg.context_length or 8192)
+    writer.add_embedding_length(cfg.embed_dim)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_feed_forward_length(cfg.hidden_dim)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_base_global)
+    if arch != "gemma":
+        writer.add_sliding_window(cfg.sliding_window or 4096)
+    if arch == "gemma2" and cfg.attn_logit_softcap is not None:
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcap)
+    if cfg.final_logit_softcap is not None:
+        writer.add_final_logit_softcapping(cfg.final_logit_softcap)
+    if cfg.rope_scale_global != 1.0:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(cfg.rope_scale_global)
+
+
+def _vocabulary(writer, tokenizer, vocab_size: int, chat_template: str | None) -> None:
+    """llama.cpp's SentencePiece vocabulary; the model's rows past the tokenizer's as unused tokens."""
+    tokens, scores, types = tokenizer.gguf_vocabulary()
+    padding = range(len(tokens), vocab_size)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([*tokens, *(f"<unused_row{i}>" for i in padding)])
+    writer.add_token_scores([*scores, *(-float(i) for i in padding)])
+    writer.add_token_types([*types, *(5 for _ in padding)])  # 5: UNUSED
+    writer.add_bos_token_id(tokenizer.bos_id)
+    writer.add_eos_token_id(tokenizer.eos_id)
+    if tokenizer.pad_id >= 0:
+        writer.add_pad_token_id(tokenizer.pad_id)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(tokenizer.adds_space_prefix)
+    if chat_template:
+        writer.add_chat_template(chat_template)
+
+
+def _add_tensor(writer, name: str, array: np.ndarray, dtype: str) -> None:
+    import gguf
+
+    if name.endswith("norm.weight"):
+        array = array + np.float32(1.0)  # llama.cpp's Gemma norms hold 1 + w
+    types = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+             "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+             "q4_0": gguf.GGMLQuantizationType.Q4_0}
+    kind = types[dtype] if array.ndim > 1 else gguf.GGMLQuantizationType.F32
+    block, _ = gguf.GGML_QUANT_SIZES[kind]
+    if array.shape[-1] % block:
+        kind = gguf.GGMLQuantizationType.F16
+    if kind == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, array.astype(np.float32))
+    elif kind == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(name, array.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+
+
+def _check_readable_as(cfg: ModelConfig, written: Path, target: Path) -> None:
+    """The model a reader builds from the file is this one, or a ConfigError naming what differs."""
+    reader = gguf_import.open_gguf(written)
+    differs = gguf_import.first_difference(cfg, gguf_import.model_fields(reader, written))
+    if differs:
+        key, ours, theirs = differs
+        raise ConfigError(f"{target}: not written: a GGUF cannot hold model.{key}={ours!r}; its readers "
+                          f"(llama.cpp, transformers) would assume {theirs!r}")
