@@ -12,7 +12,7 @@ import pytest
 from conftest import config
 from tunix_train import platform
 from tunix_train.generate import Engine
-from tunix_train.generate.engine import bucket
+from tunix_train.generate.session import bucket
 from tunix_train.generate.sampling import Kinds, Rules
 from tunix_train.train.setup import setup
 from tunix_train.train.step import abstract_batch

@@ -127,6 +127,14 @@ def test_a_shared_prefix_is_prefilled_once_and_gives_the_tokens_of_separate_pref
     shared, separate = Engine(CFG, mesh), Engine(CFG, mesh, prefix_cache=0)
     got, want = shared.generate(params, group), separate.generate(params, group)
     assert (shared.stats["prefills"], separate.stats["prefills"]) == (1, 8)
+    # a session that lives on (a server's) reuses the prompt's kept prefill for a later request
+    session = shared.session(params, shared.max_len_for(group), 8, Kinds.of([group[0].sampling]))
+    for request in group[:2]:
+        rid = session.add(request)
+        while session.busy:
+            session.step()
+        assert session.completions[rid].tokens == want[request.stream].tokens
+    assert shared.stats["prefills"] == 2 and shared.stats["prefix_hits"] == 7 + 1
     assert [c.tokens for c in got] == [c.tokens for c in want]
     np.testing.assert_allclose([c.logprobs for c in got], [c.logprobs for c in want], atol=1e-5, rtol=0)
     assert len({tuple(c.tokens) for c in got}) > 1  # the group's streams differ

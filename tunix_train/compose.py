@@ -13,9 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tunix_train.config import (Config, ConfigError, DataSource, LORA_TARGETS, AttentionImpl, MixedPrecision,
+from tunix_train.config import (CHAT_ROLES, Config, ConfigError, DataSource, LORA_TARGETS, AttentionImpl, MixedPrecision,
                                 Objective, TrainingConfig, DataConfig, reads_text)
-from tunix_train.data.chat import ROLES
 from tunix_train.model.layout import validate_model
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -59,8 +58,8 @@ def validate(cfg: Config) -> None:
     if d.messages_field is not None and (not records or d.prompt_field is not None):
         raise ConfigError("data.messages_field reads conversations from records (data.source=jsonl or parquet), "
                           "without data.prompt_field")
-    if not d.train_on_roles or not set(d.train_on_roles) <= set(ROLES):
-        raise ConfigError(f"data.train_on_roles={list(d.train_on_roles)} must name some of {', '.join(ROLES)}")
+    if not d.train_on_roles or not set(d.train_on_roles) <= set(CHAT_ROLES):
+        raise ConfigError(f"data.train_on_roles={list(d.train_on_roles)} must name some of {', '.join(CHAT_ROLES)}")
     if c.every_steps < 0 or c.every_seconds < 0 or c.keep < 1:
         raise ConfigError("checkpoint.every_steps and every_seconds must be >= 0 and checkpoint.keep >= 1")
     if t.loss_chunk_size < 0 or (0 < t.loss_chunk_size < d.seq_len and d.seq_len % t.loss_chunk_size):

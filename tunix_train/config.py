@@ -203,6 +203,8 @@ class DataConfig:
     prefetch_batches: int = _changeable(4)  # batches prepared ahead of the train step by a background thread
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles a conversation's messages may have
+
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections an adapter can attach to
 
 

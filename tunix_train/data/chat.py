@@ -28,9 +28,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from tunix_train.config import ConfigError
-
-ROLES = ("system", "user", "assistant", "tool")
+from tunix_train.config import CHAT_ROLES as ROLES, ConfigError
 
 # Gemma's turn format (Gemma 1-3 "-it" models): a system message opens the first user turn, the
 # assistant speaks as "model", each turn ends with <end_of_turn>. The assistant's text and its

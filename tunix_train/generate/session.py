@@ -1,0 +1,283 @@
+"""Requests and a session of the engine's slots: the queue, admissions (prefill, insert), decode
+chunks, and each request's completion (the host side of generate/engine.py).
+
+A request's tokens depend on nothing but the request: its positions sit at the same cache slots
+whatever slot or time it got (cache.py), each row of a prefill or decode step is computed on its
+own, and its random stream is its own (token n is drawn with fold_in(key(seed), stream) folded
+with n). A session takes requests while it runs (add), may drop one (cancel: a client that went
+away) and widens its sampling kinds when a request needs more (one more compilation).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import time
+from typing import Optional
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from tunix_train.config import ConfigError
+from tunix_train.generate.sampling import Kinds, Rules, Sampling
+from tunix_train.sharding import data_axes, data_parallel_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A prompt's token ids and how to continue it. Its random stream is fold_in(key(seed), stream)."""
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    sampling: Sampling = Sampling()
+    seed: int = 0
+    stream: int = 0
+    stop_strings: tuple[str, ...] = ()  # needs the engine's `decode`
+
+
+@dataclasses.dataclass
+class Completion:
+    """The new tokens (without the stop token; with the one that completed a stop string), the
+    log-probability of each (sampling.draw), why it ended: "stop" or "length", and the stop token
+    that ended it, if one did, with its log-probability."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish: Optional[str] = None
+    stop_token: Optional[int] = None
+    stop_logprob: Optional[float] = None
+
+
+
+def bucket(length: int) -> int:
+    """Prompts are right-padded to a power of two (at least 16): few prefill compilations."""
+    return max(16, 1 << math.ceil(math.log2(max(length, 1))))
+
+
+def _batch_rows(count: int, dp: int) -> int:
+    """Rows of a prefill or insert batch of `count` requests: a power of two (few compilations),
+    rounded up to a multiple of the data-parallel size."""
+    return -(-(1 << math.ceil(math.log2(count))) // dp) * dp
+
+
+def _prefill_batches(prompts: list[tuple], dp: int) -> list[tuple[int, list[tuple]]]:
+    """(key, prompt)s in prefill batches (bucket length, members): runs of consecutive bucket
+    lengths, chosen to compute the fewest padded tokens (rows x length), fewer calls on a tie."""
+    by_length = collections.defaultdict(list)
+    for key, prompt in prompts:
+        by_length[bucket(len(prompt))].append((key, prompt))
+    lengths = sorted(by_length)
+    if not lengths:  # every prompt's prefill was kept
+        return []
+
+    def split(cuts: int) -> list[tuple[int, list[tuple]]]:  # bit i set: a batch ends after lengths[i]
+        batches, run = [], []
+        for i, length in enumerate(lengths):
+            run += by_length[length]
+            if cuts >> i & 1 or i == len(lengths) - 1:
+                batches, run = batches + [(length, run)], []
+        return batches
+
+    return min((split(cuts) for cuts in range(1 << (len(lengths) - 1))),
+               key=lambda batches: (sum(_batch_rows(len(run), dp) * length for length, run in batches), len(batches)))
+
+
+def _fetch(*xs: jax.Array) -> list[np.ndarray]:
+    """The whole of global arrays on this host, fetched together: in a multi-process run the rows
+    on other processes' devices are gathered (every process runs the same loop)."""
+    if all(x.is_fully_addressable for x in xs):
+        return [np.asarray(x) for x in jax.device_get(xs)]
+    from jax.experimental import multihost_utils
+
+    return [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in xs]
+
+
+@functools.lru_cache(maxsize=1024)
+def _seed_key(seed: int) -> np.ndarray:
+    """The raw data of key(seed)."""
+    return np.asarray(jax.random.key_data(jax.random.key(seed)))
+
+
+
+class Session:
+    """One run of the engine's slots: requests wait in a queue, take a free slot, and leave when
+    they stop. add() may be called while it runs; step() advances it by one chunk."""
+
+    def __init__(self, engine, params, max_len: int, slots: int, kinds: Kinds):
+        """engine: the Engine (engine.py) whose compiled pieces run the session."""
+        self.engine, self.params, self.max_len, self.slots, self.kinds = engine, params, max_len, slots, kinds
+        self.queue: collections.deque[tuple[int, Request]] = collections.deque()
+        self.completions: dict[int, Completion] = {}
+        self.running: list[Optional[tuple[int, Request]]] = [None] * slots
+        self._next_id = 0
+        e = engine
+        with jax.set_mesh(e.mesh):
+            self.per_layer = e._unstack(params)
+            self.caches = e.empty_caches(params, self.per_layer, max_len, slots)
+        self.row = {name: np.zeros(slots, dtype) for name, dtype in
+                    (("token", np.int32), ("position", np.int32), ("count", np.int32), ("stream", np.uint32),
+                     ("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32))}
+        self.seeds = np.zeros((slots, *_seed_key(0).shape), np.uint32)
+        self._on_device = None  # the rows' arrays on the devices, while the host has not changed them
+        e.stats["cache_bytes"] = sum(x.nbytes for c in self.caches if c is not None for x in c.values())
+        self._prefixes: collections.OrderedDict = collections.OrderedDict()  # prompt -> (entries, logits, row)
+
+    @property
+    def busy_slots(self) -> bool:
+        return any(r is not None for r in self.running)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue) or self.busy_slots
+
+    def add(self, request: Request) -> int:
+        """Queues a request; returns its id (the key of its completion)."""
+        if len(request.prompt) + request.max_new_tokens > self.max_len:
+            raise ConfigError(f"a prompt of {len(request.prompt)} tokens plus max_new_tokens={request.max_new_tokens} "
+                              f"is longer than this session's {self.max_len} tokens")
+        rid, self._next_id = self._next_id, self._next_id + 1
+        self.queue.append((rid, request))
+        self.completions[rid] = Completion()
+        return rid
+
+    def widen(self, sampling: Sampling) -> None:
+        """Makes the session able to draw as `sampling` asks (a sampled or cut draw where it drew
+        only greedily): its decode program is then the wider one, compiled once."""
+        self.kinds = Kinds(*(a or b for a, b in zip(self.kinds, Kinds.of([sampling]))))
+
+    def cancel(self, rid: int) -> None:
+        """Drops a request, waiting or running (its slot is free for the next one)."""
+        self.queue = collections.deque((i, r) for i, r in self.queue if i != rid)
+        self.running = [None if r is not None and r[0] == rid else r for r in self.running]
+        self.completions.pop(rid, None)
+
+    def step(self) -> list[tuple[int, list[int]]]:
+        """Fills the free slots from the queue, decodes one chunk, and returns each running
+        request's new tokens (id, tokens); a request that stopped has its Completion's finish set."""
+        new: list[tuple[int, list[int]]] = []
+        with jax.set_mesh(self.engine.mesh):
+            free = [slot for slot, r in enumerate(self.running) if r is None][:len(self.queue)]
+            # a prefill's rows are split over the data axes: wait for that many free slots rather
+            # than prefill padding rows (unless fewer requests wait, or no slot is running)
+            if free and (len(free) >= min(data_parallel_size(self.engine.mesh), len(self.queue)) or not self.busy_slots):
+                new += self._start([(slot, *self.queue.popleft()) for slot in free])
+            if self.busy_slots:
+                new += self._decode_chunk()
+        return new
+
+    def _rows(self, x: np.ndarray) -> jax.Array:
+        mesh = self.engine.mesh
+        return jax.device_put(x, NamedSharding(mesh, P(data_axes(mesh) or None, *[None] * (x.ndim - 1))))
+
+    def _prefilled(self, starting: list[tuple[int, int, Request]]) -> list[tuple]:
+        """Each starting request's prefill (entries, logits, row): its prompt's kept one, or new
+        ones, the prompts of one bucket length prefilled in one batch."""
+        e = self.engine
+        key_of = lambda i, r: r.prompt if e.prefix_cache else i
+        found = {}
+        for i, (_, _, r) in enumerate(starting):
+            if key_of(i, r) in self._prefixes:
+                self._prefixes.move_to_end(key_of(i, r))
+                found[key_of(i, r)] = self._prefixes[key_of(i, r)]
+        todo = {key_of(i, r): r.prompt for i, (_, _, r) in enumerate(starting) if key_of(i, r) not in found}
+        dp = data_parallel_size(e.mesh)
+        for length, group in _prefill_batches([(k, p) for k, p in todo.items()], dp):
+            N = _batch_rows(len(group), dp)
+            tokens, lengths = np.zeros((N, length), np.int32), np.zeros(N, np.int32)
+            for row in range(N):
+                prompt = group[min(row, len(group) - 1)][1]
+                tokens[row, :len(prompt)], lengths[row] = prompt, len(prompt)
+            entries, logits = e._prefill(self.params, self.per_layer, self._rows(tokens), self._rows(lengths),
+                                         max_len=self.max_len)
+            found.update({k: (entries, logits, row) for row, (k, _) in enumerate(group)})
+            e.stats["prefills"] += len(group)
+        e.stats["prefix_hits"] += len(starting) - len(todo)
+        if e.prefix_cache:
+            self._prefixes.update((k, found[k]) for k in todo)
+            while len(self._prefixes) > e.prefix_cache:
+                self._prefixes.popitem(last=False)
+        return [found[key_of(i, r)] for i, (_, _, r) in enumerate(starting)]
+
+    def _start(self, starting: list[tuple[int, int, Request]]) -> list[tuple[int, list[int]]]:
+        """Prefills the starting (slot, id, request)s, inserts each into its slot and draws its
+        first token: one compiled insert per prefill batch they come from."""
+        e, row = self.engine, self.row
+        start = time.perf_counter()
+        self._on_device = None
+        by_source: dict[int, tuple] = {}
+        for (slot, rid, request), (entries, logits, prefill_row) in zip(starting, self._prefilled(starting)):
+            s = request.sampling
+            settings = {"token": 0, "position": len(request.prompt), "count": 1, "stream": request.stream,
+                        "temperature": s.temperature, "top_k": s.top_k or e.cfg.vocab_size, "top_p": s.top_p or 1.0}
+            for name, value in settings.items():
+                row[name][slot] = value
+            self.seeds[slot] = _seed_key(request.seed)
+            self.running[slot] = (rid, request)
+            by_source.setdefault(id(logits), (entries, logits, []))[2].append((prefill_row, slot))
+        drawn = []
+        for entries, logits, pairs in by_source.values():
+            # padded with the last one repeated, which writes it again
+            pairs += [pairs[-1]] * (_batch_rows(len(pairs), data_parallel_size(e.mesh)) - len(pairs))
+            rows_n, slots_n = (np.asarray(x, np.int32) for x in zip(*pairs))
+            self.caches, token_n, logprob_n = e._insert(
+                self.caches, entries, logits, rows_n, slots_n,
+                Rules(row["temperature"][slots_n], row["top_k"][slots_n], row["top_p"][slots_n]), self.seeds[slots_n],
+                row["stream"][slots_n], kinds=self.kinds)
+            drawn.append((slots_n, token_n, logprob_n))
+        new, done = [], set()
+        for slots_n, token_n, logprob_n in drawn:
+            token_n, logprob_n = _fetch(token_n, logprob_n)
+            for slot, token, logprob in zip(slots_n.tolist(), token_n.tolist(), logprob_n.tolist()):
+                if slot not in done:
+                    done.add(slot)
+                    row["token"][slot] = token
+                    new.append((self.running[slot][0], self._take(slot, [token], [logprob])))
+        e.stats["prefill_s"] += time.perf_counter() - start
+        return new
+
+    def _decode_chunk(self) -> list[tuple[int, list[int]]]:
+        e, row = self.engine, self.row
+        start = time.perf_counter()
+        if self._on_device is None:  # the rows changed on the host (a request started): upload them
+            self._on_device = ({name: self._rows(x) for name, x in row.items()}, self._rows(self.seeds))
+        rows, seeds = self._on_device
+        self.caches, token_B, position_B, count_B, drawn_BC, logprob_BC = e._decode(
+            self.params, self.per_layer, self.caches, rows["token"], rows["position"], rows["count"], seeds,
+            rows["stream"], Rules(rows["temperature"], rows["top_k"], rows["top_p"]), kinds=self.kinds)
+        rows.update(token=token_B, position=position_B, count=count_B)  # the next chunk's, on the devices
+        drawn_BC, logprob_BC = _fetch(drawn_BC, logprob_BC)
+        row["token"], row["position"], row["count"] = drawn_BC[:, -1].copy(), row["position"] + e.chunk, \
+            row["count"] + e.chunk
+        e.stats["decode_s"] += time.perf_counter() - start
+        e.stats["steps"] += e.chunk
+        return [(self.running[slot][0], self._take(slot, drawn_BC[slot].tolist(), logprob_BC[slot].tolist()))
+                for slot in range(self.slots) if self.running[slot] is not None]
+
+    def _take(self, slot: int, tokens: list[int], logprobs: list[float]) -> list[int]:
+        """Appends a slot's new tokens to its completion up to where the request stops; frees the
+        slot when it does. Returns the tokens taken."""
+        rid, request = self.running[slot]
+        done = self.completions[rid]
+        taken = []
+        for token, logprob in zip(tokens, logprobs):
+            if token in self.engine.stop_ids:
+                done.finish, done.stop_token, done.stop_logprob = "stop", token, logprob
+                break
+            done.tokens.append(token)
+            done.logprobs.append(logprob)
+            taken.append(token)
+            if request.stop_strings and any(t in self.engine.decode(done.tokens) for t in request.stop_strings):
+                done.finish = "stop"
+                break
+            if len(done.tokens) == request.max_new_tokens:
+                done.finish = "length"
+                break
+        if done.finish is not None:
+            self.running[slot] = None
+        self.engine.stats["tokens"] += len(taken)
+        return taken
+
+
