@@ -4,7 +4,8 @@
         [--max_len 2048]
 
 Endpoints: POST /v1/chat/completions (the messages rendered with the model's chat template),
-POST /v1/completions, GET /v1/models, GET /health. Fields: model, max_tokens, temperature, top_p,
+POST /v1/completions, GET /v1/models, GET /health (slots running, requests queued), GET /metrics
+(the engine's counters: prefills, decode steps, tokens, seconds). Fields: model, max_tokens, temperature, top_p,
 top_k (an extension), seed, stop, n, stream (server-sent events as OpenAI sends them, then
 `data: [DONE]`); each response counts its usage. Concurrent requests share the engine's slots: one
 thread runs a Session, adding requests as they arrive and handing each its tokens as they come
@@ -81,6 +82,9 @@ class Generator:
 
     def occupancy(self) -> dict[str, int]:
         return {"running": sum(r is not None for r in self.session.running), "queued": len(self.session.queue)}
+
+    def stats(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in self.engine.stats.items()}
 
     def _run(self) -> None:
         rids: dict[int, int] = {}  # our key -> the session's request id
@@ -230,6 +234,10 @@ def app_for(model, generator: Generator, name: str):
     @app.get("/health")
     def health():
         return {"status": "ok", "model": name, **generator.occupancy()}
+
+    @app.get("/metrics")
+    def metrics():
+        return generator.stats()
 
     @app.get("/v1/models")
     def models():
