@@ -68,6 +68,9 @@ class Generator:
                              code="context_length_exceeded")
 
     def submit(self, request) -> tuple[int, asyncio.Queue]:
+        if not self.thread.is_alive():  # the engine failed (its error went to the requests then in flight)
+            raise BadRequest("the engine has stopped after an error; restart the server", status=503,
+                             code="engine_stopped")
         key, output = next(self._ids), asyncio.Queue()
         self._outputs[key] = (asyncio.get_running_loop(), output)
         self._inbox.put(("add", key, request))
@@ -256,7 +259,10 @@ def app_for(model, generator: Generator, name: str):
             return error(err)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stops = list(requests[0].stop_strings)
-        submitted = [generator.submit(r) for r in requests]
+        try:
+            submitted = [generator.submit(r) for r in requests]
+        except BadRequest as err:
+            return error(err)
         tokenizer = model.tokenizer
 
         async def choices():
