@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import pytest
 
+pytestmark = pytest.mark.slow  # a training run and a server in subprocesses: the README's suite stays short
+
 openai = pytest.importorskip("openai", reason="needs the openai client: pip install -e '.[test]'")
 pytest.importorskip("fastapi", reason="needs FastAPI and uvicorn: pip install -e '.[serve]'")
 
