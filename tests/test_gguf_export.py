@@ -3,6 +3,7 @@ f16 export of a Gemma 2 and a Gemma 3; quantized tensors are gguf.quants.quantiz
 tokenizer and the chat template read back; what cannot be written is refused, and nothing is left."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -60,6 +61,9 @@ def test_our_exports_read_back_and_transformers_reads_the_f16_one(source):
     family, tmp, model = source
     tokens = np.random.default_rng(0).integers(0, SIZES["vocab_size"], (2, SEQ))
     model.export_gguf(tmp / "f32.gguf", "f32")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp / "f32.gguf").stat().st_mode & 0o777 == 0o666 & ~umask  # a new file's mode, not mkstemp's
     exact = api.load(tmp / "f32.gguf", mesh_shape=MESH, devices=jax.devices()[:4])
     np.testing.assert_allclose(exact.logits(tokens), model.logits(tokens), atol=1e-5, rtol=0)
 

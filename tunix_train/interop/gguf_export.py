@@ -69,6 +69,9 @@ def export(params, cfg: ModelConfig, tokenizer, chat_template: str | None, path:
         writer.write_tensors_to_file()
         writer.close()
         _check_readable_as(cfg, Path(partial), path)
+        umask = os.umask(0)  # mkstemp's file is private: give it the mode a new file gets
+        os.umask(umask)
+        os.chmod(partial, 0o666 & ~umask)
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):
