@@ -31,6 +31,7 @@ from tunix_train.config import Config, ConfigError, LoraConfig, ModelConfig, Rem
 from tunix_train.data.chat import ChatTemplate, check_messages, find_template
 from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer
 from tunix_train.generate import Completion, Engine, Request, Sampling
+from tunix_train.generate.session import before_stop
 from tunix_train.interop import checkpoint_format, gguf, hf, importer, peft
 from tunix_train.observe.memory import MemoryErrors
 from tunix_train.sharding import LOGICAL_RULES, make_mesh, validate_model_for_mesh
@@ -108,7 +109,7 @@ class LoadedModel:
         with MemoryErrors(None, self.mesh, training=False, first_tips=self._memory_tips([request])):
             for new in self.engine.stream(self.params, request):
                 ids.extend(new)
-                text = _before_end(self.tokenizer.decode(ids), end)
+                text, _ = before_stop(self.tokenizer.decode(ids), [end] if end else [], final=False)
                 if len(text) > len(shown):
                     yield text[len(shown):]
                     shown = text
@@ -166,14 +167,6 @@ class LoadedModel:
                  "segment_ids": jnp.ones((B, T), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids)}
         with jax.set_mesh(self.mesh):
             return np.asarray(self._forward(self.params, micro))
-
-
-def _before_end(text: str, end: str) -> str:
-    """A reply's text before the end of turn, less a tail that may be the start of it."""
-    if end and end in text:
-        return text[:text.index(end)]
-    held = next((k for k in range(min(len(end), len(text)), 0, -1) if end.startswith(text[-k:])), 0)
-    return text[:len(text) - held]
 
 
 def run_config(path: Path) -> Config:

@@ -18,8 +18,6 @@ requests in flight (up to --drain_s seconds) and exit, by the signal (uvicorn re
 import argparse
 import asyncio
 import json
-import math
-import os
 import queue
 import sys
 import threading
@@ -28,6 +26,7 @@ import uuid
 from typing import Any
 
 from tunix_train import exit_codes
+from tunix_train.cpu_devices import mesh_shape_argument
 
 
 class BadRequest(Exception):
@@ -211,20 +210,10 @@ class Api:
         return out
 
 
-def _visible(text: str, stops: list[str], final: bool) -> tuple[str, bool]:
-    """The text to show: up to the first stop string (True when one was found); while not final,
-    less a tail that may be the start of one."""
-    cut = min((text.index(s) for s in stops if s in text), default=None)
-    if cut is not None:
-        return text[:cut], True
-    if final:
-        return text, False
-    held = max((k for s in stops for k in range(1, min(len(s), len(text)) + 1) if s.startswith(text[-k:])), default=0)
-    return text[:len(text) - held], False
-
-
 def app_for(model, generator: Generator, name: str):
     from fastapi import FastAPI, Request as HttpRequest
+
+    from tunix_train.generate.session import before_stop
     from fastapi.responses import JSONResponse, StreamingResponse
 
     api, app = Api(model, generator, name), FastAPI(title="tunix_train")
@@ -279,7 +268,7 @@ def app_for(model, generator: Generator, name: str):
                         if finish is not None and finish.startswith("error"):
                             raise RuntimeError(finish)
                         ids[i] += tokens
-                        text, stopped = _visible(tokenizer.decode(ids[i]), stops, finish is not None)
+                        text, stopped = before_stop(tokenizer.decode(ids[i]), stops, finish is not None)
                         reason = None if finish is None else ("stop" if stopped or finish == "stop" else "length")
                         yield i, text[len(shown[i]):], reason, len(ids[i])
                         shown[i] = text
@@ -345,14 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drain_s", type=float, default=30.0, help="on SIGTERM, seconds for requests in flight")
     args = parser.parse_args(argv)
     try:
-        mesh_shape = json.loads(args.mesh_shape) if args.mesh_shape else None
-    except json.JSONDecodeError as err:
-        print(f"tunix_train.serve: error: --mesh_shape is not JSON ({err})", file=sys.stderr)
+        mesh_shape = mesh_shape_argument(args.mesh_shape)
+    except ValueError as err:
+        print(f"tunix_train.serve: error: {err}", file=sys.stderr)
         return exit_codes.CONFIG_ERROR
-    flags = os.environ.get("XLA_FLAGS", "")
-    if mesh_shape and "jax" not in sys.modules and "device_count" not in flags:  # CPUs: that many devices
-        sizes = [s for s in mesh_shape[0] if isinstance(s, int) and s > 0]
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={math.prod(sizes)}".strip()
     try:
         import uvicorn
     except ImportError:

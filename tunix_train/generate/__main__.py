@@ -13,12 +13,10 @@ one-line error and exit status 2.
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
 import sys
 
 from tunix_train import exit_codes
+from tunix_train.cpu_devices import mesh_shape_argument
 
 
 def _arguments(argv: list[str]) -> argparse.Namespace:
@@ -44,14 +42,10 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     try:
-        mesh_shape = json.loads(args.mesh_shape) if args.mesh_shape else None
-    except json.JSONDecodeError as err:
-        print(f"tunix_train.generate: error: --mesh_shape is not JSON ({err})", file=sys.stderr)
+        mesh_shape = mesh_shape_argument(args.mesh_shape)
+    except ValueError as err:
+        print(f"tunix_train.generate: error: {err}", file=sys.stderr)
         return exit_codes.CONFIG_ERROR
-    flags = os.environ.get("XLA_FLAGS", "")
-    if mesh_shape and "jax" not in sys.modules and "device_count" not in flags:  # CPUs: that many devices
-        sizes = [s for s in mesh_shape[0] if isinstance(s, int) and s > 0]
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={math.prod(sizes)}".strip()
 
     from tunix_train import api
     from tunix_train.config import ConfigError

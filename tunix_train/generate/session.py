@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import numpy as np
@@ -83,6 +83,18 @@ def _prefill_batches(prompts: list[tuple], dp: int) -> list[tuple[int, list[tupl
 
     return min((split(cuts) for cuts in range(1 << (len(lengths) - 1))),
                key=lambda batches: (sum(_batch_rows(len(run), dp) * length for length, run in batches), len(batches)))
+
+
+def before_stop(text: str, stops: Sequence[str], final: bool) -> tuple[str, bool]:
+    """A streamed completion's text to show: up to its first stop string (and True when there is
+    one); while not final, less a tail that may be the start of one."""
+    cut = min((text.index(s) for s in stops if s in text), default=None)
+    if cut is not None:
+        return text[:cut], True
+    if final:
+        return text, False
+    held = max((k for s in stops for k in range(1, min(len(s), len(text)) + 1) if s.startswith(text[-k:])), default=0)
+    return text[:len(text) - held], False
 
 
 def _fetch(*xs: jax.Array) -> list[np.ndarray]:
