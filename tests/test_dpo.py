@@ -33,7 +33,7 @@ def test_loss_equals_the_formula_on_a_hand_made_batch():
     nll = rng.uniform(0.1, 5.0, (2 * P, T)).astype(np.float32)  # rows: chosen, rejected, chosen, ...
     ref_nll = rng.uniform(0.1, 5.0, (2 * P, T)).astype(np.float32)
     mask = (rng.random((2 * P, T)) < 0.6).astype(np.float32)
-    objective = DirectPreference(Config(training=TrainingConfig(dpo=DpoConfig(BETA, SMOOTHING))))
+    objective = DirectPreference(Config(training=TrainingConfig(dpo=DpoConfig(beta=BETA, label_smoothing=SMOOTHING))))
     loss, metrics = objective.loss(lambda: nll, lambda: ref_nll, {"loss_mask": mask}, float(P))
 
     logp = -(nll.astype(np.float64) * mask).sum(-1).reshape(P, 2)
@@ -97,7 +97,7 @@ def test_first_step_loss_matches_trl_on_any_mesh(tmp_path, mesh_shape, devices, 
                         **hf.model_fields_from_hf(hf.read_hf_config(tmp_path / "policy")))
     pairs_per_micro = len(pairs) // accumulation
     cfg = Config(model=model, data=DataConfig(source=DataSource.jsonl, seq_len=T),
-                 training=TrainingConfig(objective=Objective.dpo, dpo=DpoConfig(BETA, 0.0), loss_chunk_size=0,
+                 training=TrainingConfig(objective=Objective.dpo, dpo=DpoConfig(beta=BETA), loss_chunk_size=0,
                                          micro_batch_size=2 * pairs_per_micro * devices // np.prod(mesh_shape[0]),
                                          gradient_accumulation_steps=accumulation, sync_gradients_every=sync_every))
     run = setup(cfg, jax.devices()[:devices])

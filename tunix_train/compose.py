@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tunix_train.config import (CHAT_ROLES, Config, ConfigError, DataSource, LORA_TARGETS, AttentionImpl, MixedPrecision,
-                                Objective, TrainingConfig, DataConfig, reads_text)
+                                Objective, PreferenceLoss, TrainingConfig, DataConfig, reads_text)
 from tunix_train.model.layout import validate_model
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -113,6 +113,9 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig) -> None:
         if dpo.beta <= 0 or not 0.0 <= dpo.label_smoothing < 0.5:
             raise ConfigError(f"training.dpo.beta={dpo.beta} must be positive and training.dpo.label_smoothing="
                               f"{dpo.label_smoothing} in [0, 0.5)")
+        if dpo.label_smoothing and dpo.loss in (PreferenceLoss.ipo, PreferenceLoss.orpo):
+            raise ConfigError(f"training.dpo.label_smoothing={dpo.label_smoothing}: the {dpo.loss.value} loss has "
+                              f"none; set it to 0 or use training.dpo.loss=sigmoid or simpo")
         if t.micro_batch_size % 2:
             raise ConfigError(f"training.micro_batch_size={t.micro_batch_size} must be even under {name}: each pair "
                               f"is two rows (chosen, rejected) kept on one device")

@@ -79,6 +79,15 @@ class MoeDispatch(enum.Enum):
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names, as in layer_types
 
 
+class PreferenceLoss(enum.Enum):
+    """training.dpo.loss: what a preference pair's loss is (docs/objectives/dpo.md)."""
+
+    sigmoid = "sigmoid"  # DPO (Rafailov et al. 2023), with cDPO's label smoothing
+    ipo = "ipo"  # IPO (Azar et al. 2023): squared, on per-token log-ratios
+    orpo = "orpo"  # ORPO (Hong et al. 2024): the chosen answer's NLL plus an odds-ratio term; no reference
+    simpo = "simpo"  # SimPO (Meng et al. 2024): length-normalized log-probabilities with a margin; no reference
+
+
 class BaseDtype(enum.Enum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -220,8 +229,12 @@ class LoraConfig:
 
 @dataclasses.dataclass
 class DpoConfig:
-    beta: float = _fixed(0.1)  # the strength of the implicit KL constraint to the reference
-    label_smoothing: float = _fixed(0.0)  # the assumed probability that a pair's preference is flipped
+    loss: PreferenceLoss = _fixed(PreferenceLoss.sigmoid)
+    # sigmoid: the strength of the implicit KL constraint to the reference; ipo: its tau; orpo: lambda,
+    # the odds-ratio term's weight; simpo: the reward scale (TRL's beta in each)
+    beta: float = _fixed(0.1)
+    label_smoothing: float = _fixed(0.0)  # the assumed probability that a pair's preference is flipped (sigmoid, simpo)
+    simpo_gamma: float = _fixed(0.5)  # SimPO's target reward margin (gamma; TRL's simpo_gamma)
 
 
 @dataclasses.dataclass

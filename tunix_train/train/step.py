@@ -111,7 +111,8 @@ def _objective_loss(objective, weights: Weights, graphdef, params, frozen, micro
         weights.reference(params, frozen), shardings(weights.reference, switch_off=lambda s: s)))
     loss, metrics = objective.loss(policy, reference, micro, weight)
     if policy_stats and policy_stats[0]:
-        stats, share = policy_stats[0], objective.weight(micro) / weight
+        first = lambda w: jax.tree.leaves(w)[0]  # one of the objective's normalizers
+        stats, share = policy_stats[0], first(objective.weight(micro)) / first(weight)
         aux = load_balancing_loss(stats["expert_tokens"], stats["router_probs"]) * share
         loss = loss + moe_aux_loss_coef * aux
         metrics = {**metrics, "moe_aux_loss": aux, "expert_tokens": jnp.sum(stats["expert_tokens"], axis=0)}
@@ -135,7 +136,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     seq_shards = parallel.seq_shards if parallel else 1
     # Dividing every micro-batch by the whole batch's weight makes the accumulated loss and
     # gradient exactly those of the mean over the full batch (token-weighted for next-token loss).
-    total_weight = jnp.maximum(objective.weight(batch), 1.0)
+    total_weight = jax.tree.map(lambda w: jnp.maximum(w, 1.0), objective.weight(batch))
 
     # Differentiating with respect to a compute-dtype copy makes the gradients, and so their
     # reduction across devices, bf16 under mixed precision; they accumulate in float32. With delayed
@@ -276,13 +277,17 @@ def eval_step(params: nnx.State, batch: dict[str, jax.Array], *, graphdef: nnx.G
               frozen_shardings: Any = None, parallel: Parallelism | None = None, objective: Any = None,
               weights: Weights = FULL_FINE_TUNING) -> dict[str, jax.Array]:
     """The objective's summed loss and weight (for the next-token loss: summed token loss and
-    token count) of a [1, B, T] held-out batch; `frozen`: the state's frozen weights."""
+    token count) of a [1, B, T] held-out batch; `frozen`: the state's frozen weights. An objective
+    with several normalizers (ORPO) gives its batch's mean loss, of weight 1."""
     objective = objective or LanguageModeling(None)
     micro = jax.tree.map(lambda x: x[0], parallel.reorder(batch) if parallel else batch)
-    loss_sum, _ = _objective_loss(objective, weights, graphdef, params, frozen, micro, 1.0, compute_dtype=compute_dtype,
-                                  chunk=chunk, param_shardings=param_shardings, frozen_shardings=frozen_shardings,
-                                  seq_shards=parallel.seq_shards if parallel else 1)
-    return {"loss_sum": loss_sum, "weight": objective.weight(micro)}
+    weight = objective.weight(micro)
+    several = isinstance(weight, dict)
+    loss_sum, _ = _objective_loss(objective, weights, graphdef, params, frozen, micro,
+                                  jax.tree.map(lambda w: jnp.maximum(w, 1.0), weight) if several else 1.0,
+                                  compute_dtype=compute_dtype, chunk=chunk, param_shardings=param_shardings,
+                                  frozen_shardings=frozen_shardings, seq_shards=parallel.seq_shards if parallel else 1)
+    return {"loss_sum": loss_sum, "weight": jnp.float32(1.0) if several else weight}
 
 
 def compile_eval_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig, training: TrainingConfig,

@@ -4,8 +4,9 @@ An objective is a small object the step and the loop call through one interface,
 knows which one runs:
 
 - `batch_dtypes`: the fields of its batches, each [A, B, ...] (A accumulation steps of B rows);
-- `weight(batch)`: the whole batch's normalizer (tokens, pairs, ...). Each micro-batch's loss is
-  divided by it, so accumulated micro-batches give exactly the full batch's loss and gradient;
+- `weight(batch)`: the whole batch's normalizer (tokens, pairs, ...), or a dict of them for a loss
+  with terms of different means (ORPO). Each micro-batch's loss is divided by it, so accumulated
+  micro-batches give exactly the full batch's loss and gradient;
 - `loss(policy, reference, micro, weight)`: the micro-batch's loss and metrics, both already
   divided by `weight` (so they add up over micro-batches; a metric named `..._max` is a maximum
   instead). `policy()` and `reference()` return the per-token negative log-likelihood of

@@ -1,8 +1,16 @@
-"""Direct preference optimization (Rafailov et al. 2023) on (prompt, chosen, rejected) pairs.
+"""Preference optimization on (prompt, chosen, rejected) pairs: DPO and its relatives, as TRL 1.16
+computes them (training.dpo.loss). With log pi(y) a completion's log-probability summed over its
+tokens (and its EOS), |y| its token count, and avg(y) = log pi(y) / |y|:
 
-With z = beta · [(log pi(c) - log ref(c)) - (log pi(r) - log ref(r))], the log-probabilities of
-a completion summed over its tokens (and its EOS), the loss of a pair is
--(1 - s) · log sigmoid(z) - s · log sigmoid(-z) for label smoothing s (cDPO; TRL's "sigmoid" loss).
+- sigmoid (DPO, Rafailov et al. 2023; TRL's "sigmoid" with cDPO's label smoothing s):
+  z = beta [(log pi(c) - log ref(c)) - (log pi(r) - log ref(r))], loss -(1-s) log sig(z) - s log sig(-z);
+- ipo (Azar et al. 2023, eq. 17; TRL DPOTrainer "ipo"): the log-ratios per token,
+  h = (log pi(c) - log ref(c)) / |c| - (log pi(r) - log ref(r)) / |r|, loss (h - 1 / (2 beta))^2;
+- simpo (Meng et al. 2024; TRL CPOTrainer loss_type="simpo", cpo_alpha=0), no reference:
+  z = beta (avg(c) - avg(r)) - gamma, loss -(1-s) log sig(z) - s log sig(-z);
+- orpo (Hong et al. 2024; TRL ORPOTrainer), no reference: the chosen answers' token-mean NLL over
+  the whole batch, minus beta · mean log sig(log odds(c) - log odds(r)), log odds(y) = avg(y) -
+  log(1 - exp(avg(y))). TRL's NLL also counts the prompt's tokens; this one is the paper's, the answer's.
 
 A pair is two rows, chosen then rejected, each [BOS] prompt completion [EOS] unpacked and padded
 to data.seq_len (a prompt in messages: the chat template's rendering of the prompt with the
@@ -16,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_train.config import Config, ConfigError
+from tunix_train.config import Config, ConfigError, DpoConfig, PreferenceLoss
 from tunix_train.data.chat import completion_ids, prompt_ids
 from tunix_train.data.pipeline import GroupBatches, padded_row
 from tunix_train.train.objectives.base import Objective
@@ -26,38 +34,77 @@ FIELDS = ("prompt", "chosen", "rejected")
 
 
 def pair_losses(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, beta: float, label_smoothing: float):
-    """The loss of each pair and its implicit rewards beta · (log pi - log ref) of chosen and rejected."""
+    """DPO: the loss of each pair and its implicit rewards beta · (log pi - log ref) of chosen and rejected."""
     chosen_reward = beta * (chosen_logp - ref_chosen_logp)
     rejected_reward = beta * (rejected_logp - ref_rejected_logp)
-    z = chosen_reward - rejected_reward
-    loss = -(1 - label_smoothing) * jax.nn.log_sigmoid(z) - label_smoothing * jax.nn.log_sigmoid(-z)
-    return loss, chosen_reward, rejected_reward
+    return _smoothed(chosen_reward - rejected_reward, label_smoothing), chosen_reward, rejected_reward
+
+
+def _smoothed(z, label_smoothing: float):
+    return -(1 - label_smoothing) * jax.nn.log_sigmoid(z) - label_smoothing * jax.nn.log_sigmoid(-z)
+
+
+def _log1mexp(x):
+    """log(1 - exp(x)) for x < 0, switching forms at -log 2 (as TRL's ORPO does)."""
+    return jnp.where(x < -0.6931471805599453, jnp.log1p(-jnp.exp(x)), jnp.log(-jnp.expm1(x)))
+
+
+def preference_losses(kind: PreferenceLoss, logp_P2, ref_logp_P2, tokens_P2, cfg: DpoConfig):
+    """Each pair's loss (ORPO's NLL apart) and the rewards logged for chosen and rejected, from the
+    summed log-probabilities [pairs, (chosen, rejected)] under the policy and the reference (None
+    for the losses without one) and the completions' token counts."""
+    beta = cfg.beta
+    if kind is PreferenceLoss.sigmoid:
+        return pair_losses(logp_P2[:, 0], logp_P2[:, 1], ref_logp_P2[:, 0], ref_logp_P2[:, 1], beta, cfg.label_smoothing)
+    if kind is PreferenceLoss.ipo:
+        ratio_P2 = logp_P2 - ref_logp_P2
+        per_token = ratio_P2 / jnp.maximum(tokens_P2, 1.0)
+        loss = (per_token[:, 0] - per_token[:, 1] - 1 / (2 * beta)) ** 2
+        return loss, beta * ratio_P2[:, 0], beta * ratio_P2[:, 1]
+    avg_P2 = logp_P2 / jnp.maximum(tokens_P2, 1.0)
+    if kind is PreferenceLoss.simpo:
+        loss = _smoothed(beta * (avg_P2[:, 0] - avg_P2[:, 1]) - cfg.simpo_gamma, cfg.label_smoothing)
+    else:  # orpo: the odds-ratio term (the NLL is added by the objective)
+        log_odds_P2 = avg_P2 - _log1mexp(avg_P2)
+        loss = -beta * jax.nn.log_sigmoid(log_odds_P2[:, 0] - log_odds_P2[:, 1])
+    return loss, beta * avg_P2[:, 0], beta * avg_P2[:, 1]
 
 
 class DirectPreference(Objective):
     batch_dtypes = BATCH_DTYPES
-    needs_reference = True
     record_fields = FIELDS
     metric_names = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
 
     def __init__(self, cfg: Config):
-        self.cfg, self.beta, self.label_smoothing = cfg, cfg.training.dpo.beta, cfg.training.dpo.label_smoothing
+        self.cfg, self.dpo = cfg, cfg.training.dpo
+        self.needs_reference = self.dpo.loss in (PreferenceLoss.sigmoid, PreferenceLoss.ipo)
+        if self.dpo.loss is PreferenceLoss.orpo:
+            self.metric_names += ("nll",)
 
     def weight(self, batch):
-        """The number of pairs."""
-        return jnp.float32(np.prod(batch["inputs"].shape[:-1]) // 2)
+        """The number of pairs; under ORPO also the chosen answers' tokens (its NLL's normalizer)."""
+        pairs = jnp.float32(np.prod(batch["inputs"].shape[:-1]) // 2)
+        if self.dpo.loss is not PreferenceLoss.orpo:
+            return pairs
+        mask = batch["loss_mask"]
+        return {"pairs": pairs, "chosen_tokens": jnp.sum(mask.reshape(-1, 2, mask.shape[-1])[:, 0])}
 
     def loss(self, policy, reference, micro, weight):
-        def pair_logps(token_nll_BT):
-            return (-jnp.sum(token_nll_BT * micro["loss_mask"], axis=-1)).reshape(-1, 2)
-
-        logp_P2, ref_logp_P2 = pair_logps(policy()), pair_logps(reference())
-        loss_P, chosen_P, rejected_P = pair_losses(logp_P2[:, 0], logp_P2[:, 1], ref_logp_P2[:, 0],
-                                                   ref_logp_P2[:, 1], self.beta, self.label_smoothing)
-        mean = lambda x: jnp.sum(x) / weight
-        return mean(loss_P), {"reward_chosen": mean(chosen_P), "reward_rejected": mean(rejected_P),
-                              "reward_margin": mean(chosen_P - rejected_P),
-                              "reward_accuracy": mean((chosen_P > rejected_P).astype(jnp.float32))}
+        mask = micro["loss_mask"]
+        pair_sums = lambda x_BT: jnp.sum(x_BT * mask, axis=-1).reshape(-1, 2)
+        nll_BT = policy()
+        logp_P2, tokens_P2 = -pair_sums(nll_BT), jnp.sum(mask, axis=-1).reshape(-1, 2)
+        ref_logp_P2 = -pair_sums(reference()) if self.needs_reference else None
+        loss_P, chosen_P, rejected_P = preference_losses(self.dpo.loss, logp_P2, ref_logp_P2, tokens_P2, self.dpo)
+        pairs = weight["pairs"] if isinstance(weight, dict) else weight
+        mean = lambda x: jnp.sum(x) / pairs
+        loss, metrics = mean(loss_P), {}
+        if self.dpo.loss is PreferenceLoss.orpo:
+            metrics["nll"] = -jnp.sum(logp_P2[:, 0]) / weight["chosen_tokens"]
+            loss = loss + metrics["nll"]
+        return loss, {**metrics, "reward_chosen": mean(chosen_P), "reward_rejected": mean(rejected_P),
+                      "reward_margin": mean(chosen_P - rejected_P),
+                      "reward_accuracy": mean((chosen_P > rejected_P).astype(jnp.float32))}
 
     def read(self, data) -> None:
         """Tokenizes every pair once, before any device work: a pair too long is a ConfigError."""
