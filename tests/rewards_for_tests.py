@@ -12,3 +12,12 @@ def bad_length(prompts, completions, **fields):
 
 def not_a_number(prompts, completions, **fields):
     return ["yes"] * len(completions)
+
+
+def length_for_even_answers(prompts, completions, answer, **fields):
+    """Varies with the completion where the answer is even; 1 (every completion alike) where it is odd."""
+    return [len(c) / 10 if int(a) % 2 == 0 else 1.0 for c, a in zip(completions, answer)]
+
+
+def constant(prompts, completions, **fields):
+    return [1.0] * len(completions)

@@ -14,7 +14,7 @@ from tunix_train.compose import load_config
 from tunix_train.rewards.arithmetic import write_task
 from tunix_train.train.loop import train
 from tunix_train.train.setup import setup
-from tunix_train.train.objectives.grpo import group_advantages, token_objective
+from tunix_train.train.objectives.grpo_family import advantages, token_objective
 
 REWARD = "tunix_train.rewards.arithmetic:exact_match"
 LENGTH = "tests.rewards_for_tests:length"
@@ -23,8 +23,9 @@ LENGTH = "tests.rewards_for_tests:length"
 def test_advantages_and_the_clipped_loss_equal_numpy():
     rewards = np.array([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [3.0, 1.0, 0.0, 2.0]])
     expected = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, ddof=1, keepdims=True) + 1e-4)
-    np.testing.assert_allclose(group_advantages(rewards), expected, rtol=1e-12)
-    assert np.all(group_advantages(rewards)[1] == 0)  # a group of equal rewards teaches nothing
+    ours = advantages(rewards.reshape(1, -1), 4).reshape(3, 4)
+    np.testing.assert_allclose(ours, expected, rtol=1e-12)
+    assert np.all(ours[1] == 0)  # a group of equal rewards teaches nothing
 
     rng = np.random.default_rng(0)
     logp, old, ref = (rng.uniform(-3, -0.1, (4, 6)) for _ in range(3))
@@ -33,7 +34,8 @@ def test_advantages_and_the_clipped_loss_equal_numpy():
     ratio = np.exp(logp - old)
     kl = np.exp(ref - logp) - (ref - logp) - 1
     numpy = np.minimum(ratio * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv) - beta * kl
-    ours, our_kl, clipped = token_objective(*(jnp.asarray(x, jnp.float32) for x in (logp, old, ref, adv)), eps, beta)
+    ours, our_kl, clipped = token_objective(*(jnp.asarray(x, jnp.float32) for x in (logp, old, ref, adv)),
+                                            jnp.ones((4, 6)), epsilon=eps, epsilon_high=eps, beta=beta)
     np.testing.assert_allclose(np.asarray(ours), numpy, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(our_kl), kl, rtol=1e-5, atol=1e-6)
     assert np.array_equal(np.asarray(clipped), ((ratio < 1 - eps) & (adv < 0)) | ((ratio > 1 + eps) & (adv > 0)))
@@ -55,15 +57,15 @@ def test_off_policy_ratios_use_the_recorded_logprobs(tmp_path):
     micro = {"advantages": jnp.asarray(adv), "behaviour_logp": jnp.asarray(behaviour), "loss_mask": jnp.asarray(mask)}
     eps, beta, cap = 0.2, 0.04, 3.0
     kl = np.exp(ref - logp) - (ref - logp) - 1
-    weight = mask.sum()
+    weight = {"tokens": mask.sum(), "rows": 4.0, "rows_x_max_new_tokens": 16.0}
     for staleness, ratio in ((0, np.ones_like(logp)), (1, np.minimum(np.exp(logp - behaviour), cap))):
         objective = GroupRelative(_cfg(tmp_path, [[1], ["fsdp"]], 4, f"training.grpo.max_staleness={staleness}"))
         loss, metrics = objective.loss(lambda: -jnp.asarray(logp), lambda: -jnp.asarray(ref), micro, weight)
         surrogate = np.minimum(ratio * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv) - beta * kl
-        np.testing.assert_allclose(float(loss), -(surrogate * mask).sum() / weight, rtol=1e-5)
+        np.testing.assert_allclose(float(loss), -(surrogate * mask).sum() / mask.sum(), rtol=1e-5)
         mismatch = np.abs(logp - behaviour) * mask
         np.testing.assert_allclose(float(metrics["logprob_mismatch_max"]), mismatch.max(), rtol=1e-6)
-        np.testing.assert_allclose(float(metrics["logprob_mismatch_mean"]), mismatch.sum() / weight, rtol=1e-5)
+        np.testing.assert_allclose(float(metrics["logprob_mismatch_mean"]), mismatch.sum() / mask.sum(), rtol=1e-5)
     assert (np.exp(logp - behaviour) > cap).any() and 0 < ((ratio < 1 - eps) | (ratio > 1 + eps)).mean() < 1
 
 
@@ -174,7 +176,14 @@ def test_a_resumed_run_draws_the_same_completions_and_losses(tmp_path, staleness
     (["training.micro_batch_size=6"], "training.micro_batch_size=6 must be a multiple of training.grpo.num_generations=4"),
     (["data.train_files=[{tmp}/no_prompt.jsonl]"], "no_prompt.jsonl:1: no string or messages field 'prompt'"),
     (["data=synthetic"], "training.objective=grpo reads records with prompt"),
-    (["training.eval_every=5"], "training.eval_every=5: training.objective=grpo has no held-out loss"),
+    (["training.grpo.loss_aggregation=mean"], "training.grpo.loss_aggregation': Invalid value 'mean'"),
+    (["training.grpo.epsilon_high=0.1"], "training.grpo.epsilon_high=0.1 must be >= training.grpo.epsilon=0.2"),
+    (["training.grpo.reward_weights=[1,2]"], "training.grpo.reward_weights has 2 weights for 1 reward functions"),
+    (["training.grpo.overlong_buffer=8"], "training.grpo.overlong_buffer=8 needs training.grpo.overlong=soft"),
+    (["training.grpo.multi_reward_normalization=per_reward", "training.grpo.scale_rewards=none"],
+     "training.grpo.scale_rewards=none: under multi_reward_normalization=per_reward"),
+    (["training.eval_every=2", "training.grpo.eval_samples=2", "training.grpo.eval_k=4"],
+     "training.grpo.eval_samples=2 must be >= training.grpo.eval_k=4"),
     (["training.grpo.max_staleness=-1"], "training.grpo.max_staleness=-1 must be >= 0"),
     (["training.grpo.iterations=0"], "training.grpo.iterations=0 >= 1"),
     (["training.grpo.importance_cap=0.5"], "training.grpo.importance_cap=0.5 must be at least 1"),

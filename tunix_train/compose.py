@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from tunix_train.config import (CHAT_ROLES, Config, ConfigError, DataSource, LORA_TARGETS, AttentionImpl, MixedPrecision,
-                                Objective, PreferenceLoss, TrainingConfig, DataConfig, reads_text)
+                                Objective, Overlong, PreferenceLoss, RewardNormalization, ScaleRewards, TrainingConfig,
+                                DataConfig, reads_text)
 from tunix_train.model.layout import validate_model
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -138,9 +139,30 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig) -> None:
         if grpo.importance_cap < 1:
             raise ConfigError(f"training.grpo.importance_cap={grpo.importance_cap} must be at least 1 (it truncates "
                               f"the probability ratio, which is 1 on-policy)")
-        if t.eval_every:
-            raise ConfigError(f"training.eval_every={t.eval_every}: {name} has no held-out loss (its loss depends "
-                              f"on sampled completions); set training.eval_every=0")
+        _check_grpo_family(grpo)
+
+
+def _check_grpo_family(grpo) -> None:
+    """The GRPO family's settings (docs/objectives/grpo-family.md)."""
+    if grpo.epsilon_high is not None and grpo.epsilon_high < grpo.epsilon:
+        raise ConfigError(f"training.grpo.epsilon_high={grpo.epsilon_high} must be >= training.grpo.epsilon="
+                          f"{grpo.epsilon} (clip-higher widens the upper side)")
+    if grpo.reward_weights and len(grpo.reward_weights) != len(grpo.reward):
+        raise ConfigError(f"training.grpo.reward_weights has {len(grpo.reward_weights)} weights for "
+                          f"{len(grpo.reward)} reward functions; give one per function, or none")
+    if grpo.multi_reward_normalization is RewardNormalization.per_reward and grpo.scale_rewards is not ScaleRewards.group:
+        raise ConfigError(f"training.grpo.scale_rewards={grpo.scale_rewards.value}: under multi_reward_normalization="
+                          f"per_reward each reward is scaled in its group and the sum over the batch (GDPO); "
+                          f"leave scale_rewards=group")
+    if grpo.overlong_buffer is not None and (grpo.overlong is not Overlong.soft
+                                             or not 1 <= grpo.overlong_buffer <= grpo.max_new_tokens):
+        raise ConfigError(f"training.grpo.overlong_buffer={grpo.overlong_buffer} needs training.grpo.overlong=soft "
+                          f"and a value in [1, max_new_tokens={grpo.max_new_tokens}]")
+    if grpo.dynamic_sampling_rounds < 1:
+        raise ConfigError(f"training.grpo.dynamic_sampling_rounds={grpo.dynamic_sampling_rounds} must be >= 1")
+    if not 1 <= grpo.eval_k <= grpo.eval_samples:
+        raise ConfigError(f"training.grpo.eval_samples={grpo.eval_samples} must be >= training.grpo.eval_k="
+                          f"{grpo.eval_k} >= 1 (pass@k needs at least k samples per prompt)")
 
 
 def _register_schema() -> None:

@@ -88,6 +88,37 @@ class PreferenceLoss(enum.Enum):
     simpo = "simpo"  # SimPO (Meng et al. 2024): length-normalized log-probabilities with a margin; no reference
 
 
+class GrpoAggregation(enum.Enum):
+    """training.grpo.loss_aggregation: how the per-token objective becomes the batch's loss."""
+
+    token_mean = "token_mean"  # over the whole batch's completion tokens (TRL "bnpo" on one micro-batch)
+    sequence_mean = "sequence_mean"  # each completion's token mean, averaged over completions (TRL "grpo")
+    dr_grpo = "dr_grpo"  # summed, divided by completions x max_new_tokens (Dr. GRPO)
+    dapo = "dapo"  # DAPO's token mean over the whole batch: token_mean, which is already exact here
+
+
+class ScaleRewards(enum.Enum):
+    group = "group"  # advantages divided by their group's reward std (GRPO)
+    batch = "batch"  # by the whole batch's
+    none = "none"  # not divided (Dr. GRPO)
+
+
+class ImportanceLevel(enum.Enum):
+    token = "token"  # a ratio per token (GRPO)
+    sequence = "sequence"  # one per completion, exp of its mean log-ratio (GSPO)
+
+
+class Overlong(enum.Enum):
+    none = "none"
+    filter = "filter"  # a completion cut at max_new_tokens gets no loss
+    soft = "soft"  # DAPO's soft punishment over the last overlong_buffer tokens, added as a reward
+
+
+class RewardNormalization(enum.Enum):
+    sum = "sum"  # the weighted sum of the rewards, normalized (TRL "sum_then_normalize")
+    per_reward = "per_reward"  # each reward normalized in its group, then weighted (GDPO, TRL "normalize_then_sum")
+
+
 class BaseDtype(enum.Enum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -256,8 +287,28 @@ class GrpoConfig:
     # null: the engine runs on the training mesh.
     rollout_mesh_shape: Any = _changeable(None)
     # Reward functions, `module:function`, each fn(prompts, completions, **fields) -> list of floats;
-    # the reward of a completion is their sum.
+    # the reward of a completion is their sum, weighted by reward_weights (empty: all 1).
     reward: List[str] = _fixed(factory=list)
+    reward_weights: List[float] = _fixed(factory=list)
+    # The GRPO family (docs/objectives/grpo-family.md; objective=dapo, dr_grpo, gspo set them):
+    loss_aggregation: GrpoAggregation = _fixed(GrpoAggregation.token_mean)
+    scale_rewards: ScaleRewards = _fixed(ScaleRewards.group)
+    multi_reward_normalization: RewardNormalization = _fixed(RewardNormalization.sum)
+    epsilon_high: Optional[float] = _fixed(None)  # the clip's upper side, 1 + epsilon_high; null: epsilon
+    importance_sampling_level: ImportanceLevel = _fixed(ImportanceLevel.token)
+    overlong: Overlong = _fixed(Overlong.none)
+    overlong_buffer: Optional[int] = _fixed(None)  # soft: the penalized last tokens; null: max_new_tokens // 5
+    # Drop the groups whose rewards are all equal and roll out more prompts until the batch is full,
+    # at most dynamic_sampling_rounds rollouts of a batch's prompts; short of that, the equal ones
+    # fill it, and a batch without one informative group does not update the weights (DAPO).
+    dynamic_sampling: bool = _fixed(False)
+    dynamic_sampling_rounds: int = _fixed(4)
+    # Evaluation (training.eval_every): on the held-out prompts, the mean reward of greedy
+    # completions, and pass@eval_k over eval_samples completions at the training temperature, a
+    # completion passing when its reward reaches eval_pass_reward.
+    eval_samples: int = _changeable(4)
+    eval_k: int = _changeable(1)
+    eval_pass_reward: float = _changeable(1.0)
 
 
 @dataclasses.dataclass

@@ -172,16 +172,18 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         grads, (losses, aux) = _accumulate_with_delayed_sync(
             weighted_loss_sum, wrt, batch, zeros, add, sync_every, grad_shardings)
     loss, grad_norm = jnp.sum(losses), optax.tree.norm(grads)
-    # A non-finite loss or gradient drops the whole update: parameters and optimizer state stay.
+    # A non-finite loss or gradient drops the whole update: parameters and optimizer state stay (as
+    # they do for a batch the objective says may not update).
     # A cond, not a select per array: selects would read both states again.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    update = finite & objective.updates(batch)
 
     def apply_update(params_and_opt_state):
         params, opt_state = params_and_opt_state
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    params, opt_state = jax.lax.cond(finite, apply_update, lambda unchanged: unchanged,
+    params, opt_state = jax.lax.cond(update, apply_update, lambda unchanged: unchanged,
                                      (to_device("params"), to_device("opt_state")))
     params = _moved(params, on_device.params, home.params)
     opt_state = _moved(opt_state, on_device.opt_state, home.opt_state)
@@ -198,6 +200,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         "learning_rate": schedule(state.step),
         "tokens": jnp.sum(batch["loss_mask"]),
         "finite": finite,
+        "updated": update,
         "nonfinite_steps": new_state.nonfinite_steps,
         **aux,
     }

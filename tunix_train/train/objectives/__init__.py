@@ -12,6 +12,8 @@ knows which one runs:
   instead). `policy()` and `reference()` return the per-token negative log-likelihood of
   `micro["targets"]` [B, T] under the trained model and under the frozen reference (no gradient),
   their logits divided by `temperature`; an objective calls only what it needs;
+- `updates(batch)`: whether the batch may update the weights (GRPO's dynamic sampling: not one
+  without signal);
 - `needs_reference`: whether it reads the reference model (train/weights.py keeps one);
 - `metric_names`: what its loss reports beside the loss; `perplexity`: whether exp(eval loss) is one;
 - `record_fields`: the JSON-lines fields every record must hold (None: the data config's);

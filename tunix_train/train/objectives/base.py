@@ -17,6 +17,10 @@ class Objective:
     def __init__(self, cfg: Config):
         self.cfg = cfg
 
+    def updates(self, batch):
+        """Whether the batch may update the weights (in the compiled step; a non-finite one never does)."""
+        return True
+
     def read(self, data) -> None:
         pass
 

@@ -2,19 +2,20 @@
 
 A rollout (`prepare`, before the compiled step runs): every prompt of a batch is completed G times
 by the engine (generate/engine.py) on the training mesh, at training.grpo.temperature, each token
-with its log-probability; the reward functions score each completion and the rewards add up; a
-completion's advantage is A = (r - mean of its group) / (std of its group + 1e-4), the standard
+with its log-probability; the reward functions score each completion and their weighted rewards
+make its advantage, by default A = (r - mean of its group) / (std of its group + 1e-4), the standard
 deviation unbiased as TRL computes it. The rows of a group are consecutive and a micro-batch on one
 device holds whole groups (training.micro_batch_size is a multiple of G), so no group is split.
 
 The loss, over every completion token (its EOS included, nothing after it) of the whole batch:
 
-    -mean[ min(rho A, clip(rho, 1 - eps, 1 + eps) A) - beta KL ],  rho = min(pi / pi_old, importance_cap),
+    -mean[ min(rho A, clip(rho, 1 - eps, 1 + eps_high) A) - beta KL ],  rho = min(pi / pi_old, importance_cap),
     KL = exp(ref - logp) - (ref - logp) - 1      (the k3 estimator, against the reference model)
 
 with pi, pi_old and ref the probabilities of the logits divided by the temperature, as sampled
-(TRL divides them the same way). The token-level mean over the batch makes accumulated
-micro-batches exactly the full batch.
+(TRL divides them the same way). The mean is by default over the batch's tokens; the GRPO family's
+settings (DAPO, Dr. GRPO, GSPO: grpo_family.py) change the advantages, the ratio, the clip and
+the mean. Every mean is the whole batch's, so accumulated micro-batches are exactly the full batch.
 
 On-policy (max_staleness 0, iterations 1; TRL's num_iterations=1): each step trains on a rollout
 the current parameters drew, pi_old is pi with its gradient stopped, so rho = 1 in value and the
@@ -51,32 +52,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_train.config import Config, ConfigError
+from tunix_train.config import Config, ConfigError, Overlong, RewardNormalization
 from tunix_train.data.chat import prompt_ids
 from tunix_train.data.pipeline import GroupBatches, padded_row
 from tunix_train.sharding import cross_mesh_copier, state_shardings
 from tunix_train.train.hooks import Hook
+from tunix_train.train.objectives import grpo_family as family
 from tunix_train.train.objectives.base import Objective
 from tunix_train.train.objectives.lm import BATCH_DTYPES
-
-_STD_EPS = 1e-4
-
-
-def group_advantages(rewards_PG: np.ndarray) -> np.ndarray:
-    """(r - mean of the group) / (unbiased std of the group + 1e-4), per group [P, G]."""
-    mean = rewards_PG.mean(axis=1, keepdims=True)
-    return (rewards_PG - mean) / (rewards_PG.std(axis=1, ddof=1, keepdims=True) + _STD_EPS)
-
-
-def token_objective(logp, old_logp, ref_logp, advantages, epsilon: float, beta: float, cap: float = float("inf")):
-    """Per token: the clipped surrogate of the ratio truncated at `cap`, minus beta KL (to
-    maximize), the KL, and whether the clip bites; ref_logp None: no KL term."""
-    ratio = jnp.minimum(jnp.exp(logp - old_logp), cap)
-    surrogate = jnp.minimum(ratio * advantages, jnp.clip(ratio, 1 - epsilon, 1 + epsilon) * advantages)
-    kl = jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1 if ref_logp is not None else jnp.zeros_like(logp)
-    clipped = ((ratio < 1 - epsilon) & (advantages < 0)) | ((ratio > 1 + epsilon) & (advantages > 0))
-    return surrogate - beta * kl, kl, clipped
-
 
 def load_reward(name: str) -> Callable:
     """`module:function` -> the function; a ConfigError naming it when it cannot be imported."""
@@ -106,6 +89,8 @@ class Rollout:
     logprobs: list[list[float]]
     rewards: list[list[float]]
     sampling_s: float
+    rounds: int = 1  # dynamic sampling: the rollouts of prompt batches it took
+    filler_groups: int = 0  # dynamic sampling: groups without signal that filled the batch (last)
 
 
 class Rollouts:
@@ -154,52 +139,71 @@ class GroupRelative(Objective):
         self.off_policy = self.grpo.max_staleness > 0 or self.grpo.iterations > 1
         self.rewards = {name: load_reward(name) for name in self.grpo.reward}
         self.reward_names = [name.rpartition(":")[2] for name in self.grpo.reward]
+        self.reward_weights = list(self.grpo.reward_weights) or [1.0] * len(self.rewards)
+        if self.grpo.overlong is Overlong.soft:  # DAPO's penalty, one more reward of weight 1
+            self.reward_names.append("overlong")
+            self.reward_weights.append(1.0)
         self.metric_names = ("kl", "clip_fraction", "logprob_mismatch_mean", "logprob_mismatch_max")
         self._rollout = None
 
     # the loss, inside the compiled step
 
     def weight(self, batch):
-        return jnp.sum(batch["loss_mask"])
+        return family.normalizers(batch["loss_mask"], self.grpo.max_new_tokens)
+
+    def updates(self, batch):
+        """Under dynamic sampling, a batch without one informative group does not update the weights."""
+        if not self.grpo.dynamic_sampling:
+            return True
+        return jnp.any((batch["advantages"] != 0) & (batch["loss_mask"] > 0))
 
     def loss(self, policy, reference, micro, weight):
+        g, mask = self.grpo, micro["loss_mask"]
         logp = -policy()
         ref_logp = -reference() if self.needs_reference else None
         behaviour = micro["behaviour_logp"]
         old_logp = behaviour if self.off_policy else jax.lax.stop_gradient(logp)
-        objective, kl, clipped = token_objective(logp, old_logp, ref_logp, micro["advantages"], self.grpo.epsilon,
-                                                 self.grpo.beta, self.grpo.importance_cap)
-        mask = micro["loss_mask"]
-        mean = lambda x: jnp.sum(x * mask) / weight
+        objective, kl, clipped = family.token_objective(
+            logp, old_logp, ref_logp, micro["advantages"], mask, epsilon=g.epsilon,
+            epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high, beta=g.beta,
+            cap=g.importance_cap, level=g.importance_sampling_level)
+        mean = lambda x: jnp.sum(x * mask) / weight["tokens"]
         mismatch = jnp.abs(jax.lax.stop_gradient(logp) - behaviour) * mask
-        return -mean(objective), {"kl": mean(kl), "clip_fraction": mean(clipped.astype(jnp.float32)),
-                                  "logprob_mismatch_mean": mean(mismatch), "logprob_mismatch_max": jnp.max(mismatch)}
+        return -family.aggregate(objective, mask, weight, g.loss_aggregation), {
+            "kl": mean(kl), "clip_fraction": mean(clipped.astype(jnp.float32)),
+            "logprob_mismatch_mean": mean(mismatch), "logprob_mismatch_max": jnp.max(mismatch)}
 
     # the batches, on the host
 
     def read(self, data) -> None:
-        """Tokenizes the prompts once; a prompt with no room for max_new_tokens is a ConfigError."""
-        tok, limit = data.tokenizer, self.cfg.data.seq_len - self.grpo.max_new_tokens
-        self._docs, self._tokenizer = data.train_docs, tok
-        self._prompts, self._stop_ids = [], [tok.eos_id]
-        for number, doc in enumerate(data.train_docs, start=1):
-            ids = prompt_ids(doc["prompt"], tok, data.chat if isinstance(doc["prompt"], list) else None)
-            if len(ids) > limit:
-                raise ConfigError(f"data.train_files: prompt {number} is {len(ids)} tokens; with "
-                                  f"training.grpo.max_new_tokens={self.grpo.max_new_tokens} it needs "
-                                  f"data.seq_len >= {len(ids) + self.grpo.max_new_tokens}")
-            self._prompts.append(ids)
+        """Tokenizes the prompts once (the held-out ones too, for training.eval_every); a prompt with
+        no room for max_new_tokens is a ConfigError."""
+        self._tokenizer, self._stop_ids = data.tokenizer, [data.tokenizer.eos_id]
+        self._docs, self._prompts = data.train_docs, self._tokenized(data, data.train_docs, "data.train_files")
+        self._eval_docs = data.eval_docs if self.cfg.training.eval_every else []
+        self._eval_prompts = self._tokenized(data, self._eval_docs, "the held-out prompts")
         if any(isinstance(doc["prompt"], list) for doc in data.train_docs):  # the model answers in turns
-            end = tok.encode(data.chat.end_of_turn())
+            end = data.tokenizer.encode(data.chat.end_of_turn())
             if len(end) != 1:
                 raise ConfigError(f"{data.chat.source}: its end of turn {data.chat.end_of_turn()!r} is not one token "
                                   f"of this tokenizer, so a rollout cannot stop at it")
             self._stop_ids += end
 
+    def _tokenized(self, data, docs, what: str) -> list[list[int]]:
+        limit, prompts = self.cfg.data.seq_len - self.grpo.max_new_tokens, []
+        for number, doc in enumerate(docs, start=1):
+            ids = prompt_ids(doc["prompt"], data.tokenizer, data.chat if isinstance(doc["prompt"], list) else None)
+            if len(ids) > limit:
+                raise ConfigError(f"{what}: prompt {number} is {len(ids)} tokens; with "
+                                  f"training.grpo.max_new_tokens={self.grpo.max_new_tokens} it needs "
+                                  f"data.seq_len >= {len(ids) + self.grpo.max_new_tokens}")
+            prompts.append(ids)
+        return prompts
+
     def train_batches(self, data, global_rows: int, rows: range) -> Rollouts:
         G = self.grpo.num_generations
         indices = [{"index": np.array([[i]], np.int32)} for i in range(len(self._prompts))]
-        self._rows = rows
+        self._rows, self._global_rows = rows, global_rows
         return Rollouts(GroupBatches(indices, accumulation_steps=self.cfg.training.gradient_accumulation_steps,
                                      groups_per_micro_batch=global_rows // G, seed=self.cfg.training.seed,
                                      slots=range(rows.start // G, rows.stop // G),
@@ -256,8 +260,9 @@ class GroupRelative(Objective):
             params = None  # copied once for the rollouts this step draws
             while rollouts.next_index <= index + self.grpo.max_staleness:
                 params = self._rollout_params(state) if params is None else params
-                draw = functools.partial(self._roll_out, self._gathered(next(rollouts.prompts)["index"][..., 0]),
-                                         rollouts.next_index, params, step)
+                more_prompts = lambda: self._gathered(next(rollouts.prompts)["index"][..., 0])
+                draw = functools.partial(self._roll_out, more_prompts(), more_prompts, rollouts.next_index, params,
+                                         step)
                 if rollouts.next_index > index and self._run.rollout_mesh is not None:
                     rollouts.deferred.append(draw)
                 else:
@@ -282,62 +287,102 @@ class GroupRelative(Objective):
         starts = np.asarray(multihost_utils.process_allgather(np.array(self._rows.start)))
         return np.concatenate([per_process[p] for p in np.argsort(starts)], axis=1)
 
-    def _roll_out(self, indices: np.ndarray, index: int, params, version: int) -> Rollout:
+    def _roll_out(self, indices: np.ndarray, more_prompts: Callable[[], np.ndarray], index: int, params,
+                  version: int) -> Rollout:
         """Rollout number `index` of the prompts `indices` [A, prompts], drawn with `params` (those
-        of step `version`, on the engine's mesh), scored."""
+        of step `version`, on the engine's mesh), scored. Under dynamic sampling, the groups without
+        signal are set aside and more_prompts() are rolled out in their place."""
+        wanted, self._sampling_s = indices.size, 0.0
+        groups = self._sample(indices.reshape(-1), index, 0, params)
+        kept, spare, rounds = [], [], 1
+        while self.grpo.dynamic_sampling:
+            for group in groups:
+                (kept if self._informative(group) else spare).append(group)
+            if len(kept) >= wanted or rounds == self.grpo.dynamic_sampling_rounds:
+                groups = kept[:wanted] + spare[:wanted - len(kept)]
+                break
+            groups, rounds = self._sample(more_prompts().reshape(-1), index, rounds, params), rounds + 1
+        rows = lambda field: [row for group in groups for row in group[field]]
+        return Rollout(index, version, int(indices.shape[0]), [group["prompt"] for group in groups],
+                       rows("completions"), rows("logprobs"), np.concatenate([g["rewards"] for g in groups], 1).tolist(),
+                       self._sampling_s, rounds, max(wanted - len(kept), 0) if self.grpo.dynamic_sampling else 0)
+
+    def _sample(self, order: np.ndarray, index: int, round_: int, params) -> list[dict[str, Any]]:
+        """The G completions of each prompt of `order`, scored: one dict per group. Round r of a
+        rollout draws from the streams after round r - 1's."""
         from tunix_train.generate import Request, Sampling
 
-        start = time.perf_counter()
         G, T = self.grpo.num_generations, self.cfg.data.seq_len
-        order = [int(i) for i in indices.reshape(-1)]
+        order = [int(i) for i in order]
         prompts = [self._prompts[i] for i in order for _ in range(G)]
         sampling, seed = Sampling(temperature=self.grpo.temperature), self.cfg.training.seed * 1_000_003 + index
-        done = self._engine.generate(params, [Request(tuple(p), self.grpo.max_new_tokens, sampling, seed, i)
-                                              for i, p in enumerate(prompts)], max_len=T)
-        sampled = time.perf_counter()
+        start = time.perf_counter()
+        done = self._engine.generate(params, [Request(tuple(p), self.grpo.max_new_tokens, sampling, seed,
+                                                      round_ * len(prompts) + i) for i, p in enumerate(prompts)],
+                                     max_len=T)
+        self._sampling_s += time.perf_counter() - start
         records = [self._docs[i] for i in order for _ in range(G)]
+        stopped = [c.stop_token is not None for c in done]  # then the stop token is trained on too
+        completions = [c.tokens + [c.stop_token] * s for c, s in zip(done, stopped)]
         rewards = self._score([r["prompt"] for r in records], [self._tokenizer.decode(c.tokens) for c in done],
-                              records)
-        stopped = [c.stop_token is not None for c in done]  # then the EOS is trained on too
-        return Rollout(index, version, int(indices.shape[0]), order,
-                       [c.tokens + [c.stop_token] * s for c, s in zip(done, stopped)],
-                       [c.logprobs + [c.stop_logprob] * s for c, s in zip(done, stopped)],
-                       rewards.tolist(), sampled - start)
+                              records, completions)
+        logprobs = [c.logprobs + [c.stop_logprob] * s for c, s in zip(done, stopped)]
+        return [{"prompt": p, "completions": completions[i * G:(i + 1) * G], "logprobs": logprobs[i * G:(i + 1) * G],
+                 "rewards": rewards[:, i * G:(i + 1) * G]} for i, p in enumerate(order)]
+
+    def _informative(self, group: dict[str, Any]) -> bool:
+        """Whether a group's rewards differ, so that its advantages do (per reward: any of them)."""
+        rewards = group["rewards"]
+        if self.grpo.multi_reward_normalization is RewardNormalization.sum:
+            rewards = (np.asarray(self.reward_weights)[:, None] * rewards).sum(axis=0, keepdims=True)
+        return bool(np.any(rewards != rewards[:, :1]))
 
     def _rows_of(self, rollout: Rollout) -> dict[str, np.ndarray]:
         """The rollout's rows of this process, [A, rows, seq_len] each."""
-        G, T, A = self.grpo.num_generations, self.cfg.data.seq_len, rollout.accumulation
+        g = self.grpo
+        G, T, A = g.num_generations, self.cfg.data.seq_len, rollout.accumulation
         prompts = [self._prompts[i] for i in rollout.order for _ in range(G)]
         rows = [padded_row(p, c, T) for p, c in zip(prompts, rollout.completions)]
         full = {name: np.stack([r[name] for r in rows]) for name in rows[0]}
         full["behaviour_logp"] = np.zeros((len(rows), T), np.float32)
         for row, (prompt, logprobs) in enumerate(zip(prompts, rollout.logprobs)):  # targets[i] = ids[i + 1]
             full["behaviour_logp"][row, len(prompt) - 1:len(prompt) - 1 + len(logprobs)] = logprobs
-        advantages = group_advantages(np.asarray(rollout.rewards).sum(axis=0).reshape(-1, G)).reshape(-1, 1)
-        full["advantages"] = np.broadcast_to(advantages, (len(rows), T)).astype(np.float32)
+        advantages = family.advantages(np.asarray(rollout.rewards), G, self.reward_weights, g.scale_rewards,
+                                       g.multi_reward_normalization)
+        if rollout.filler_groups:  # the equal groups that filled the batch teach nothing
+            advantages[len(advantages) - rollout.filler_groups * G:] = 0.0
+        full["advantages"] = np.broadcast_to(advantages[:, None], (len(rows), T)).astype(np.float32)
+        if g.overlong is Overlong.filter:  # a completion cut at max_new_tokens: no loss (TRL mask_truncated_completions)
+            cut = np.array([not c or c[-1] not in self._stop_ids for c in rollout.completions])
+            full["loss_mask"][cut] = 0.0
         local = self._rows
         return {name: np.ascontiguousarray(x.reshape(A, -1, T)[:, local.start:local.stop]) for name, x in full.items()}
 
     def _figures(self, rollout: Rollout, step: int, rollout_s: float) -> dict[str, Any]:
         """What the log shows of the step's rollout; its samples (the first group) at its first step."""
         G, rewards = self.grpo.num_generations, np.asarray(rollout.rewards)
+        weighted = (np.asarray(self.reward_weights)[:, None] * rewards).sum(axis=0)
         first_use = step == rollout.index * self.grpo.iterations
         text = lambda c: self._tokenizer.decode(c[:-1] if c and c[-1] in self._stop_ids else c)
         prompt = self._docs[rollout.order[0]]["prompt"]
         return {
             **{f"reward_{name}": float(r.mean()) for name, r in zip(self.reward_names, rewards)},
             **{f"reward_{name}_std": float(r.std()) for name, r in zip(self.reward_names, rewards)},
-            "reward": float(rewards.sum(axis=0).mean()),
+            "reward": float(weighted.mean()),
+            **({"dynamic_sampling_rounds": rollout.rounds, "groups_without_signal": rollout.filler_groups}
+               if self.grpo.dynamic_sampling else {}),
             "completion_tokens": float(np.mean([len(c) for c in rollout.completions])),
             "sampling_s": rollout.sampling_s, "rollout_s": rollout_s, "rollout_staleness": step - rollout.version,
             **self._syncs,  # the weights copied to the rollout mesh for the rollouts this step drew
             "samples": [(prompt if isinstance(prompt, str) else self._tokenizer.decode(self._prompts[rollout.order[0]]),
                          text(rollout.completions[i]),
-                         float(rewards[:, i].sum())) for i in range(G)] if first_use else [],
+                         float(weighted[i])) for i in range(G)] if first_use else [],
         }
 
-    def _score(self, prompts: list[str], completions: list[str], records: list[dict[str, Any]]) -> np.ndarray:
-        """[reward functions, completions]: each function's reward of every completion."""
+    def _score(self, prompts: list[str], completions: list[str], records: list[dict[str, Any]],
+               token_ids: list[list[int]]) -> np.ndarray:
+        """[reward functions, completions]: each function's reward of every completion (and DAPO's
+        overlong penalty of its token count, last)."""
         fields = {k: [r.get(k) for r in records] for k in records[0] if k != "prompt"}
         scores = []
         for name, function in self.rewards.items():
@@ -351,11 +396,19 @@ class GroupRelative(Objective):
             if bad:
                 raise ConfigError(f"training.grpo.reward {name!r} returned {bad[0]!r}; it must return finite numbers")
             scores.append(np.asarray(values, np.float64))
+        if self.grpo.overlong is Overlong.soft:
+            g = self.grpo
+            buffer = g.overlong_buffer or max(g.max_new_tokens // 5, 1)
+            scores.append(np.array([family.overlong_penalty(len(c), g.max_new_tokens, buffer) for c in token_ids]))
         return np.stack(scores)
 
     def hooks(self) -> list:
-        """The rollout's figures (rewards, completion length, sampling time) in each logged step's record."""
-        return [_RolloutMetrics(self)]
+        """The rollout's figures (rewards, completion length, sampling time) in each logged step's
+        record; with training.eval_every, the held-out prompts' rewards and pass@k."""
+        from tunix_train.train.objectives.grpo_eval import RewardEvaluation
+
+        t = self.cfg.training
+        return [_RolloutMetrics(self), *([RewardEvaluation(self, t.eval_every, t.max_steps)] if t.eval_every else [])]
 
 
 class _RolloutMetrics(Hook):

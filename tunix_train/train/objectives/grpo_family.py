@@ -1,0 +1,97 @@
+"""The GRPO family's formulas, as settings of one loss (docs/objectives/grpo-family.md), each as
+TRL 1.16's GRPOTrainer computes it: advantages from rewards on the host, the per-token objective
+and its aggregation inside the compiled step, DAPO's overlong penalty, and pass@k for evaluation.
+
+- scale_rewards: the advantage r - mean(group) divided by the group's std (GRPO), the whole
+  batch's (batch; Liu et al. 2025 note the group's biases toward easy and hard prompts) or not at
+  all (none; Dr. GRPO), each std unbiased, + 1e-4 (TRL's `scale_rewards`);
+- multi_reward_normalization: the reward functions' weighted sum normalized as above (sum; TRL
+  "sum_then_normalize"), or each function normalized within its group first, their weighted sum
+  then over the batch (per_reward; GDPO, TRL "normalize_then_sum");
+- importance_sampling_level: the ratio pi / pi_old per token (GRPO), or per sequence, exp of the
+  mean log-ratio over its tokens (GSPO, Zheng et al. 2025);
+- the clip: [1 - epsilon, 1 + epsilon_high] (clip-higher, DAPO; TRL's epsilon, epsilon_high);
+- loss_aggregation: the masked per-token objective summed over the whole batch, divided by its
+  tokens (token_mean; TRL "bnpo" with one micro-batch, "dapo" with any), by rows x max_new_tokens
+  (dr_grpo), or each row's token mean averaged over rows (sequence_mean; TRL "grpo").
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from tunix_train.config import GrpoAggregation, ImportanceLevel, RewardNormalization, ScaleRewards
+
+STD_EPS = 1e-4
+
+
+def advantages(rewards_FN: np.ndarray, G: int, weights=None, scale: ScaleRewards = ScaleRewards.group,
+               normalization: RewardNormalization = RewardNormalization.sum) -> np.ndarray:
+    """Each completion's advantage [N] from every reward function's rewards [functions, N] (N = groups
+    of G consecutive completions)."""
+    weights = np.ones(len(rewards_FN)) if weights is None else np.asarray(weights, np.float64)
+    if normalization is RewardNormalization.per_reward:
+        grouped = rewards_FN.T.reshape(-1, G, len(rewards_FN))
+        each = (grouped - grouped.mean(axis=1, keepdims=True)) / (grouped.std(axis=1, ddof=1, keepdims=True) + STD_EPS)
+        total = (each * weights).sum(axis=-1).reshape(-1)
+        return (total - total.mean()) / (total.std(ddof=1) + STD_EPS)
+    total = (weights[:, None] * rewards_FN).sum(axis=0)
+    grouped = total.reshape(-1, G)
+    centred = grouped - grouped.mean(axis=1, keepdims=True)
+    if scale is ScaleRewards.group:
+        centred = centred / (grouped.std(axis=1, ddof=1, keepdims=True) + STD_EPS)
+    elif scale is ScaleRewards.batch:
+        centred = centred / (total.std(ddof=1) + STD_EPS)
+    return centred.reshape(-1)
+
+
+def token_objective(logp, old_logp, ref_logp, advantages, mask, *, epsilon: float, epsilon_high: float,
+                    beta: float, cap: float = math.inf, level: ImportanceLevel = ImportanceLevel.token):
+    """Per token [B, T]: the clipped surrogate minus beta KL (to maximize), the KL (k3, against the
+    reference; ref_logp None: none), and whether the clip bites. The ratio (per token, or its
+    sequence's under GSPO) is clipped to [1 - epsilon, 1 + epsilon_high], and where it is not
+    clipped, truncated at `cap` (TRL's `delta`)."""
+    log_ratio = logp - old_logp
+    if level is ImportanceLevel.sequence:
+        log_ratio = jnp.sum(log_ratio * mask, axis=-1, keepdims=True) / jnp.maximum(
+            jnp.sum(mask, axis=-1, keepdims=True), 1.0)
+    ratio = jnp.exp(log_ratio)
+    clipped_ratio = jnp.clip(ratio, 1 - epsilon, 1 + epsilon_high)
+    surrogate = jnp.minimum(jnp.minimum(ratio, cap) * advantages, clipped_ratio * advantages)
+    kl = jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1 if ref_logp is not None else jnp.zeros_like(logp)
+    clipped = ((ratio < 1 - epsilon) & (advantages < 0)) | ((ratio > 1 + epsilon_high) & (advantages > 0))
+    return surrogate - beta * kl, kl, jnp.broadcast_to(clipped, logp.shape)
+
+
+def normalizers(mask, max_new_tokens: int) -> dict:
+    """The whole batch's normalizers: its completion tokens and its rows (and dr_grpo's)."""
+    rows = jnp.float32(np.prod(mask.shape[:-1]))
+    return {"tokens": jnp.sum(mask), "rows": rows, "rows_x_max_new_tokens": rows * max_new_tokens}
+
+
+def aggregate(per_token, mask, weight: dict, how: GrpoAggregation):
+    """A micro-batch's share of the batch's loss (its terms add up over micro-batches exactly)."""
+    if how is GrpoAggregation.sequence_mean:
+        per_row = jnp.sum(per_token * mask, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
+        return jnp.sum(per_row) / weight["rows"]
+    denominator = weight["rows_x_max_new_tokens"] if how is GrpoAggregation.dr_grpo else weight["tokens"]
+    return jnp.sum(per_token * mask) / denominator
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment (eq. 13; TRL's get_soft_overlong_punishment): 0 up to
+    max_new_tokens - buffer tokens, then falling linearly to -1 at max_new_tokens."""
+    expected = max_new_tokens - buffer
+    if length <= expected:
+        return 0.0
+    return max((expected - length) / buffer, -1.0)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from n samples of which c passed (Chen et al. 2021, fig. 3)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
