@@ -221,3 +221,43 @@ def test_evaluation_logs_reward_and_pass_at_k(tmp_path):
     assert [m["step"] for m in evals] == [0, 2, 4]
     assert all(0 <= m["eval_pass@2"] <= 1 and np.isfinite(m["eval_reward"]) for m in evals)
     assert len({m["eval_pass@2"] for m in evals} | {m["eval_reward"] for m in evals}) > 1  # they move with the weights
+
+
+@pytest.mark.parametrize("overrides", [["training.grpo.loss_aggregation=token_mean"],
+                                       ["training.grpo.loss_aggregation=sequence_mean"],
+                                       ["training.grpo.loss_aggregation=dr_grpo"], ["objective=gspo"]],
+                         ids=lambda o: o[0].rpartition("=")[2])
+def test_the_compiled_step_is_exact_under_accumulation(tmp_path, overrides):
+    """The same 16 rows as one micro-batch and as 4: equal loss, gradient norm and gradient. AdamW
+    with eps 1 and learning rate 1 makes the update g / (|g| + 1) (no decay, no clipping), so the
+    updated weights differ at most as much as the gradients."""
+    from tunix_train.data.pipeline import padded_row
+    from tunix_train.sharding import to_global_batch
+    from tunix_train.train.setup import setup
+    rng = np.random.default_rng(0)
+    rows = [padded_row(list(rng.integers(3, 4000, rng.integers(2, 6))), list(rng.integers(3, 4000, rng.integers(1, 8))),
+                       16) for _ in range(16)]
+    full = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    full["advantages"] = np.repeat(rng.normal(size=(16, 1)), 16, axis=1).astype(np.float32)
+    full["behaviour_logp"] = rng.uniform(-9, -7, (16, 16)).astype(np.float32) * full["loss_mask"]
+    results = []
+    for accumulation in (1, 4):
+        cfg = _run_cfg(tmp_path, f"training.gradient_accumulation_steps={accumulation}",
+                       f"training.micro_batch_size={16 // accumulation}", "training.grpo.max_staleness=1",
+                       "training.grpo.beta=0.04", "training.adam_eps=1.0", "training.learning_rate=1.0",
+                       "training.weight_decay=0", "training.grad_clip_norm=0", "training.lr_schedule=constant",
+                       "training.warmup_steps=0", *overrides)
+        cfg.model.mesh_shape = [[1], ["fsdp"]]
+        objective = GroupRelative(cfg)
+        run = setup(cfg, jax.devices()[:1], objective)
+        state = run.plan.create()
+        initial = [np.asarray(x) for x in jax.tree.leaves(state.params)]
+        batch = {k: v.reshape(accumulation, 16 // accumulation, 16) for k, v in full.items()}
+        with jax.set_mesh(run.mesh):
+            state, metrics = run.step_fn(state, to_global_batch(batch, run.mesh))
+        updates = [np.asarray(x) - x0 for x, x0 in zip(jax.tree.leaves(state.params), initial)]
+        results.append((float(metrics["loss"]), float(metrics["grad_norm"]), np.concatenate([u.ravel() for u in updates])))
+    (loss1, norm1, update1), (loss4, norm4, update4) = results
+    assert loss4 == pytest.approx(loss1, abs=1e-6) and norm4 == pytest.approx(norm1, rel=1e-6, abs=1e-7)
+    assert abs(loss1) > 1e-3 and norm1 > 1e-3  # the comparison means something
+    assert np.abs(update1 - update4).max() <= 1e-6 * max(np.abs(update1).max(), 1.0)
