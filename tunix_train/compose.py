@@ -158,6 +158,12 @@ def _check_grpo_family(grpo) -> None:
                                              or not 1 <= grpo.overlong_buffer <= grpo.max_new_tokens):
         raise ConfigError(f"training.grpo.overlong_buffer={grpo.overlong_buffer} needs training.grpo.overlong=soft "
                           f"and a value in [1, max_new_tokens={grpo.max_new_tokens}]")
+    if grpo.max_turns < 1 or grpo.tool_timeout_s <= 0:
+        raise ConfigError(f"training.grpo.max_turns={grpo.max_turns} must be >= 1 and training.grpo.tool_timeout_s="
+                          f"{grpo.tool_timeout_s} positive")
+    if (grpo.tools or grpo.environment) and grpo.overlong is Overlong.soft:
+        raise ConfigError("training.grpo.overlong=soft penalizes one completion's length; with tools or an "
+                          "environment a trajectory has several turns: use overlong=filter or none")
     if grpo.dynamic_sampling_rounds < 1:
         raise ConfigError(f"training.grpo.dynamic_sampling_rounds={grpo.dynamic_sampling_rounds} must be >= 1")
     if not 1 <= grpo.eval_k <= grpo.eval_samples:

@@ -303,6 +303,15 @@ class GrpoConfig:
     # fill it, and a batch without one informative group does not update the weights (DAPO).
     dynamic_sampling: bool = _fixed(False)
     dynamic_sampling_rounds: int = _fixed(4)
+    # Conversations over several turns (tunix_train/envs/): tools, `module:function` each, offered to
+    # the model through the chat template and run when it calls them; an environment class,
+    # `module:Class`, with reset(record) -> messages and step(messages) -> (messages, reward, done);
+    # at most max_turns model turns of at most max_new_tokens each, data.seq_len in all; a tool or
+    # environment step taking longer than tool_timeout_s is an error the model is told of.
+    tools: List[str] = _fixed(factory=list)
+    environment: Optional[str] = _fixed(None)
+    max_turns: int = _fixed(4)
+    tool_timeout_s: float = _changeable(10.0)
     # Evaluation (training.eval_every): on the held-out prompts, the mean reward of greedy
     # completions, and pass@eval_k over eval_samples completions at the training temperature, a
     # completion passing when its reward reaches eval_pass_reward.

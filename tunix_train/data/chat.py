@@ -41,13 +41,27 @@ GEMMA_TEMPLATE = """{{ bos_token }}
 {%- set first_user_prefix = '' -%}
 {%- set turns = messages -%}
 {%- endif -%}
+{%- if tools -%}
+{%- set declarations -%}
+{%- for tool in tools -%}
+{%- set f = tool['function'] if tool['function'] is defined else tool -%}
+{%- set properties = f['parameters']['properties'] if f['parameters'] is defined and f['parameters']['properties'] is defined else {} -%}
+{{ f['name'] }}({% for name, p in properties.items() %}{{ name }}: {{ p['type'] }}{{ ', ' if not loop.last }}{% endfor %}): {{ f['description'] }}
+{% endfor -%}
+{%- endset -%}
+{%- set first_user_prefix = 'Tools:\n' + declarations + 'Call one as <tool_call>{"name":...,"arguments":{...}}</tool_call>.\n\n' + first_user_prefix -%}
+{%- endif -%}
 {%- for message in turns -%}
-{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-{{ raise_exception('Gemma conversations alternate user and assistant turns, starting with the user') }}
+{%- set previous = turns[loop.index0 - 1]['role'] if not loop.first else 'assistant' -%}
+{%- if (message['role'] == 'assistant') == (previous == 'assistant') and not (message['role'] == 'tool' and previous == 'tool') or (message['role'] == 'tool' and loop.first) -%}
+{{ raise_exception('Gemma conversations alternate user and assistant turns, starting with the user; tool results follow the assistant') }}
 {%- endif -%}
 {%- if message['role'] == 'assistant' -%}
 <start_of_turn>model
 {% generation %}{{ message['content'] | trim }}<end_of_turn>{% endgeneration %}{{ '\n' }}
+{%- elif message['role'] == 'tool' -%}
+{{ '<start_of_turn>user\n' if previous != 'tool' else '' }}<tool_response>{{ message['content'] | trim }}</tool_response>
+{{- '<end_of_turn>\n' if loop.last or turns[loop.index0 + 1]['role'] != 'tool' else '\n' }}
 {%- else -%}
 <start_of_turn>user
 {{ (first_user_prefix if loop.first else '') + message['content'] | trim }}<end_of_turn>

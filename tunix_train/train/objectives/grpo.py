@@ -44,7 +44,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import importlib
 import time
 from typing import Any, Callable
 
@@ -52,26 +51,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_train.config import Config, ConfigError, Overlong, RewardNormalization
+from tunix_train.config import Config, ConfigError, Overlong
 from tunix_train.data.chat import prompt_ids
 from tunix_train.data.pipeline import GroupBatches, padded_row
 from tunix_train.sharding import cross_mesh_copier, state_shardings
 from tunix_train.train.hooks import Hook
 from tunix_train.train.objectives import grpo_family as family
 from tunix_train.train.objectives.base import Objective
+from tunix_train.train.objectives.grpo_rewards import Rewards
 from tunix_train.train.objectives.lm import BATCH_DTYPES
-
-def load_reward(name: str) -> Callable:
-    """`module:function` -> the function; a ConfigError naming it when it cannot be imported."""
-    module_name, _, function_name = name.partition(":")
-    try:
-        function = getattr(importlib.import_module(module_name), function_name) if function_name else None
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"training.grpo.reward: cannot import {name!r} ({type(err).__name__}: {err})") from None
-    if not callable(function):
-        raise ConfigError(f"training.grpo.reward: {name!r} is not module:function naming a function")
-    return function
-
 
 @dataclasses.dataclass
 class Rollout:
@@ -91,6 +79,13 @@ class Rollout:
     sampling_s: float
     rounds: int = 1  # dynamic sampling: the rollouts of prompt batches it took
     filler_groups: int = 0  # dynamic sampling: groups without signal that filled the batch (last)
+    # with turns (tools, an environment): each row's first prompt, which of its tokens the model
+    # wrote, and the rollout's tool calls, failed calls and turns
+    prompt_ids: list[list[int]] | None = None
+    own: list[list[int]] | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0
+    turns: int = 0
 
 
 class Rollouts:
@@ -137,12 +132,14 @@ class GroupRelative(Objective):
         self.needs_reference = self.grpo.beta > 0
         self.temperature = self.grpo.temperature
         self.off_policy = self.grpo.max_staleness > 0 or self.grpo.iterations > 1
-        self.rewards = {name: load_reward(name) for name in self.grpo.reward}
-        self.reward_names = [name.rpartition(":")[2] for name in self.grpo.reward]
-        self.reward_weights = list(self.grpo.reward_weights) or [1.0] * len(self.rewards)
-        if self.grpo.overlong is Overlong.soft:  # DAPO's penalty, one more reward of weight 1
-            self.reward_names.append("overlong")
-            self.reward_weights.append(1.0)
+        self.rewards = Rewards(self.grpo)
+        self.multi_turn = bool(self.grpo.tools) or self.grpo.environment is not None
+        if self.multi_turn:  # conversations with tools or an environment (tunix_train/envs/)
+            from tunix_train.envs.environment import environment_class
+            from tunix_train.envs.tools import load_tools
+
+            self._environment_class = environment_class(self.grpo.environment)
+            self._tools = {**dict(getattr(self._environment_class, "tools", {}) or {}), **load_tools(self.grpo.tools)}
         self.metric_names = ("kl", "clip_fraction", "logprob_mismatch_mean", "logprob_mismatch_max")
         self._rollout = None
 
@@ -178,18 +175,32 @@ class GroupRelative(Objective):
     def read(self, data) -> None:
         """Tokenizes the prompts once (the held-out ones too, for training.eval_every); a prompt with
         no room for max_new_tokens is a ConfigError."""
-        self._tokenizer, self._stop_ids = data.tokenizer, [data.tokenizer.eos_id]
+        self._tokenizer, self._stop_ids, self._sampling_s = data.tokenizer, [data.tokenizer.eos_id], 0.0
+        if self.multi_turn:
+            from tunix_train.envs.rollout import Turns
+
+            g = self.grpo
+            self._turns = Turns(data.chat, self._tools, g.max_new_tokens, g.max_turns, self.cfg.data.seq_len,
+                                g.tool_timeout_s)
         self._docs, self._prompts = data.train_docs, self._tokenized(data, data.train_docs, "data.train_files")
         self._eval_docs = data.eval_docs if self.cfg.training.eval_every else []
         self._eval_prompts = self._tokenized(data, self._eval_docs, "the held-out prompts")
-        if any(isinstance(doc["prompt"], list) for doc in data.train_docs):  # the model answers in turns
+        if self.multi_turn or any(isinstance(doc["prompt"], list) for doc in data.train_docs):  # answers in turns
             end = data.tokenizer.encode(data.chat.end_of_turn())
             if len(end) != 1:
                 raise ConfigError(f"{data.chat.source}: its end of turn {data.chat.end_of_turn()!r} is not one token "
                                   f"of this tokenizer, so a rollout cannot stop at it")
             self._stop_ids += end
 
-    def _tokenized(self, data, docs, what: str) -> list[list[int]]:
+    def _tokenized(self, data, docs, what: str) -> list:
+        """Each prompt's ids (with turns: of the conversation's start, None where an environment
+        makes it: at the rollout)."""
+        if self.multi_turn:
+            from tunix_train.envs.environment import Environment
+
+            if self.grpo.environment is not None:
+                return [None] * len(docs)
+            return [self._turns.start(Environment(), doc, "Environment").prompt for doc in docs]
         limit, prompts = self.cfg.data.seq_len - self.grpo.max_new_tokens, []
         for number, doc in enumerate(docs, start=1):
             ids = prompt_ids(doc["prompt"], data.tokenizer, data.chat if isinstance(doc["prompt"], list) else None)
@@ -297,57 +308,75 @@ class GroupRelative(Objective):
         kept, spare, rounds = [], [], 1
         while self.grpo.dynamic_sampling:
             for group in groups:
-                (kept if self._informative(group) else spare).append(group)
+                (kept if self.rewards.informative(group["rewards"]) else spare).append(group)
             if len(kept) >= wanted or rounds == self.grpo.dynamic_sampling_rounds:
                 groups = kept[:wanted] + spare[:wanted - len(kept)]
                 break
             groups, rounds = self._sample(more_prompts().reshape(-1), index, rounds, params), rounds + 1
-        rows = lambda field: [row for group in groups for row in group[field]]
+        rows = lambda field: [row for group in groups for row in group[field]] if groups[0][field] is not None else None
         return Rollout(index, version, int(indices.shape[0]), [group["prompt"] for group in groups],
                        rows("completions"), rows("logprobs"), np.concatenate([g["rewards"] for g in groups], 1).tolist(),
-                       self._sampling_s, rounds, max(wanted - len(kept), 0) if self.grpo.dynamic_sampling else 0)
+                       self._sampling_s, rounds, max(wanted - len(kept), 0) if self.grpo.dynamic_sampling else 0,
+                       rows("prompt_ids"), rows("own"), *(sum(g[f] for g in groups) for f in ("tool_calls", "tool_errors",
+                                                                                            "turns")))
 
     def _sample(self, order: np.ndarray, index: int, round_: int, params) -> list[dict[str, Any]]:
         """The G completions of each prompt of `order`, scored: one dict per group. Round r of a
         rollout draws from the streams after round r - 1's."""
-        from tunix_train.generate import Request, Sampling
+        from tunix_train.generate import Sampling
 
-        G, T = self.grpo.num_generations, self.cfg.data.seq_len
-        order = [int(i) for i in order]
-        prompts = [self._prompts[i] for i in order for _ in range(G)]
-        sampling, seed = Sampling(temperature=self.grpo.temperature), self.cfg.training.seed * 1_000_003 + index
-        start = time.perf_counter()
-        done = self._engine.generate(params, [Request(tuple(p), self.grpo.max_new_tokens, sampling, seed,
-                                                      round_ * len(prompts) + i) for i, p in enumerate(prompts)],
-                                     max_len=T)
+        G, order = self.grpo.num_generations, [int(i) for i in order]
+        docs, prompts = [self._docs[i] for i in order for _ in range(G)], [self._prompts[i] for i in order for _ in range(G)]
+        out = self._complete(docs, prompts, params, Sampling(temperature=self.grpo.temperature),
+                             self.cfg.training.seed * 1_000_003 + index, round_ * len(docs) * self.grpo.max_turns)
+        group = lambda field, i: out[field][i * G:(i + 1) * G] if out[field] is not None else None
+        return [{"prompt": p, **{f: group(f, i) for f in ("completions", "logprobs", "prompt_ids", "own")},
+                 "rewards": out["rewards"][:, i * G:(i + 1) * G],
+                 **{f: sum(group(f, i)) for f in ("tool_calls", "tool_errors", "turns")}} for i, p in enumerate(order)]
+
+    def _complete(self, docs: list[dict], prompts: list, params, sampling, seed: int, stream: int) -> dict[str, Any]:
+        """Each record's completion, scored: its prompt's ids continued by the engine (request i from
+        stream + i), or with turns its conversation (envs/rollout.py; streams from `stream` on)."""
+        from tunix_train.generate import Request
+
+        T, start, request = self.cfg.data.seq_len, time.perf_counter(), lambda ids, n, k: Request(
+            tuple(ids), n, sampling, seed, stream + k)
+        if self.multi_turn:
+            environments = [self._environment_class() for _ in docs]
+            name = self.grpo.environment or "Environment"
+            trajectories = self._turns.roll_out(
+                lambda requests: self._engine.generate(params, [request(*r) for r in requests], max_len=T),
+                [self._turns.start(e, d, name) for e, d in zip(environments, docs)], environments)
+            out = {"prompt_ids": [tr.prompt for tr in trajectories], "completions": [tr.tokens for tr in trajectories],
+                   "logprobs": [tr.logprobs for tr in trajectories], "own": [tr.own for tr in trajectories],
+                   **{f: [getattr(tr, f) for tr in trajectories] for f in ("tool_calls", "tool_errors", "turns")}}
+            texts, extra = [tr.last_turn for tr in trajectories], {"trajectories": [tr.messages for tr in trajectories],
+                                                                   "environment": [tr.reward for tr in trajectories]}
+        else:
+            done = self._engine.generate(params, [request(p, self.grpo.max_new_tokens, i) for i, p in enumerate(prompts)],
+                                         max_len=T)
+            stopped = [c.stop_token is not None for c in done]  # then the stop token is trained on too
+            out = {"prompt_ids": None, "own": None, "completions": [c.tokens + [c.stop_token] * s for c, s in zip(done, stopped)],
+                   "logprobs": [c.logprobs + [c.stop_logprob] * s for c, s in zip(done, stopped)],
+                   **dict.fromkeys(("tool_calls", "tool_errors", "turns"), [0] * len(done))}
+            texts, extra = [self._tokenizer.decode(c.tokens) for c in done], {}
         self._sampling_s += time.perf_counter() - start
-        records = [self._docs[i] for i in order for _ in range(G)]
-        stopped = [c.stop_token is not None for c in done]  # then the stop token is trained on too
-        completions = [c.tokens + [c.stop_token] * s for c, s in zip(done, stopped)]
-        rewards = self._score([r["prompt"] for r in records], [self._tokenizer.decode(c.tokens) for c in done],
-                              records, completions)
-        logprobs = [c.logprobs + [c.stop_logprob] * s for c, s in zip(done, stopped)]
-        return [{"prompt": p, "completions": completions[i * G:(i + 1) * G], "logprobs": logprobs[i * G:(i + 1) * G],
-                 "rewards": rewards[:, i * G:(i + 1) * G]} for i, p in enumerate(order)]
-
-    def _informative(self, group: dict[str, Any]) -> bool:
-        """Whether a group's rewards differ, so that its advantages do (per reward: any of them)."""
-        rewards = group["rewards"]
-        if self.grpo.multi_reward_normalization is RewardNormalization.sum:
-            rewards = (np.asarray(self.reward_weights)[:, None] * rewards).sum(axis=0, keepdims=True)
-        return bool(np.any(rewards != rewards[:, :1]))
+        out["rewards"] = self.rewards.score([d["prompt"] for d in docs], texts, docs, out["completions"], **extra)
+        return out
 
     def _rows_of(self, rollout: Rollout) -> dict[str, np.ndarray]:
         """The rollout's rows of this process, [A, rows, seq_len] each."""
         g = self.grpo
         G, T, A = g.num_generations, self.cfg.data.seq_len, rollout.accumulation
-        prompts = [self._prompts[i] for i in rollout.order for _ in range(G)]
+        prompts = rollout.prompt_ids or [self._prompts[i] for i in rollout.order for _ in range(G)]
         rows = [padded_row(p, c, T) for p, c in zip(prompts, rollout.completions)]
         full = {name: np.stack([r[name] for r in rows]) for name in rows[0]}
         full["behaviour_logp"] = np.zeros((len(rows), T), np.float32)
         for row, (prompt, logprobs) in enumerate(zip(prompts, rollout.logprobs)):  # targets[i] = ids[i + 1]
             full["behaviour_logp"][row, len(prompt) - 1:len(prompt) - 1 + len(logprobs)] = logprobs
-        advantages = family.advantages(np.asarray(rollout.rewards), G, self.reward_weights, g.scale_rewards,
+            if rollout.own:  # the tool results and the environment's text are not the model's: no loss
+                full["loss_mask"][row, len(prompt) - 1:len(prompt) - 1 + len(logprobs)] *= rollout.own[row]
+        advantages = family.advantages(np.asarray(rollout.rewards), G, self.rewards.weights, g.scale_rewards,
                                        g.multi_reward_normalization)
         if rollout.filler_groups:  # the equal groups that filled the batch teach nothing
             advantages[len(advantages) - rollout.filler_groups * G:] = 0.0
@@ -361,46 +390,26 @@ class GroupRelative(Objective):
     def _figures(self, rollout: Rollout, step: int, rollout_s: float) -> dict[str, Any]:
         """What the log shows of the step's rollout; its samples (the first group) at its first step."""
         G, rewards = self.grpo.num_generations, np.asarray(rollout.rewards)
-        weighted = (np.asarray(self.reward_weights)[:, None] * rewards).sum(axis=0)
+        weighted = self.rewards.total(rewards)
         first_use = step == rollout.index * self.grpo.iterations
         text = lambda c: self._tokenizer.decode(c[:-1] if c and c[-1] in self._stop_ids else c)
         prompt = self._docs[rollout.order[0]]["prompt"]
         return {
-            **{f"reward_{name}": float(r.mean()) for name, r in zip(self.reward_names, rewards)},
-            **{f"reward_{name}_std": float(r.std()) for name, r in zip(self.reward_names, rewards)},
+            **{f"reward_{name}": float(r.mean()) for name, r in zip(self.rewards.names, rewards)},
+            **{f"reward_{name}_std": float(r.std()) for name, r in zip(self.rewards.names, rewards)},
             "reward": float(weighted.mean()),
             **({"dynamic_sampling_rounds": rollout.rounds, "groups_without_signal": rollout.filler_groups}
                if self.grpo.dynamic_sampling else {}),
+            **({"tool_calls": rollout.tool_calls / len(rollout.completions), "tool_errors": rollout.tool_errors,
+                "turns": rollout.turns / len(rollout.completions)} if self.multi_turn else {}),
             "completion_tokens": float(np.mean([len(c) for c in rollout.completions])),
             "sampling_s": rollout.sampling_s, "rollout_s": rollout_s, "rollout_staleness": step - rollout.version,
             **self._syncs,  # the weights copied to the rollout mesh for the rollouts this step drew
-            "samples": [(prompt if isinstance(prompt, str) else self._tokenizer.decode(self._prompts[rollout.order[0]]),
+            "samples": [(prompt if isinstance(prompt, str) else self._tokenizer.decode(
+                (rollout.prompt_ids or [self._prompts[rollout.order[0]]])[0]),
                          text(rollout.completions[i]),
                          float(weighted[i])) for i in range(G)] if first_use else [],
         }
-
-    def _score(self, prompts: list[str], completions: list[str], records: list[dict[str, Any]],
-               token_ids: list[list[int]]) -> np.ndarray:
-        """[reward functions, completions]: each function's reward of every completion (and DAPO's
-        overlong penalty of its token count, last)."""
-        fields = {k: [r.get(k) for r in records] for k in records[0] if k != "prompt"}
-        scores = []
-        for name, function in self.rewards.items():
-            values = function(prompts, completions, **fields)
-            if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != len(completions):
-                raise ConfigError(f"training.grpo.reward {name!r} returned "
-                                  f"{len(values) if hasattr(values, '__len__') else type(values).__name__} values for "
-                                  f"{len(completions)} completions; it must return one number per completion")
-            bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float, np.number))
-                   or not np.isfinite(v)]
-            if bad:
-                raise ConfigError(f"training.grpo.reward {name!r} returned {bad[0]!r}; it must return finite numbers")
-            scores.append(np.asarray(values, np.float64))
-        if self.grpo.overlong is Overlong.soft:
-            g = self.grpo
-            buffer = g.overlong_buffer or max(g.max_new_tokens // 5, 1)
-            scores.append(np.array([family.overlong_penalty(len(c), g.max_new_tokens, buffer) for c in token_ids]))
-        return np.stack(scores)
 
     def hooks(self) -> list:
         """The rollout's figures (rewards, completion length, sampling time) in each logged step's

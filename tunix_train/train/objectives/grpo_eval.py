@@ -22,25 +22,19 @@ class RewardEvaluation(Hook):
         self.objective, self.every, self.max_steps = objective, every, max_steps
 
     def evaluate(self, state) -> dict[str, float]:
-        from tunix_train.generate import Request, Sampling
+        from tunix_train.generate import Sampling
 
         o, g = self.objective, self.objective.grpo
         count = min(len(o._eval_prompts), o.cfg.training.eval_batches * o._global_rows // g.num_generations)
         if not count:
             return {}
-        prompts, docs = o._eval_prompts[:count], [o._eval_docs[i] for i in range(count)]
-        n, greedy, sampled = g.eval_samples, Sampling(), Sampling(temperature=g.temperature)
-        requests = [Request(tuple(p), g.max_new_tokens, greedy) for p in prompts]
-        requests += [Request(tuple(p), g.max_new_tokens, sampled, o.cfg.training.seed * 1_000_003 + EVAL_SEED,
-                             i * n + j) for i, p in enumerate(prompts) for j in range(n)]
-        done = o._engine.generate(o._rollout_params(state), requests, max_len=o.cfg.data.seq_len)
-        records = docs + [doc for doc in docs for _ in range(n)]
-        stopped = [c.tokens + [c.stop_token] * (c.stop_token is not None) for c in done]
-        rewards = o._score([r["prompt"] for r in records], [o._tokenizer.decode(c.tokens) for c in done], records,
-                           stopped)
-        total = (np.asarray(o.reward_weights)[:, None] * rewards).sum(axis=0)
-        passed = (total[count:] >= g.eval_pass_reward).reshape(count, n).sum(axis=1)
-        return {"eval_reward": float(total[:count].mean()),
+        n, seed, params = g.eval_samples, o.cfg.training.seed * 1_000_003 + EVAL_SEED, o._rollout_params(state)
+        docs, prompts = [o._eval_docs[i] for i in range(count)], o._eval_prompts[:count]
+        greedy = o.rewards.total(o._complete(docs, prompts, params, Sampling(), seed, 0)["rewards"])
+        sampled = o._complete([d for d in docs for _ in range(n)], [p for p in prompts for _ in range(n)], params,
+                              Sampling(temperature=g.temperature), seed, count * g.max_turns)
+        passed = (o.rewards.total(sampled["rewards"]) >= g.eval_pass_reward).reshape(count, n).sum(axis=1)
+        return {"eval_reward": float(greedy.mean()),
                 f"eval_pass@{g.eval_k}": float(np.mean([family.pass_at_k(n, int(c), g.eval_k) for c in passed]))}
 
     def at_start(self, start: StepEnd) -> None:

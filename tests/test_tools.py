@@ -1,0 +1,194 @@
+"""Tools and environments (tunix_train/envs/): schemas as transformers makes them, both call
+formats, calls that raise or hang, and the parse -> execute -> append -> continue loop on a
+scripted engine, whose tokens equal the template's rendering of the final conversation with only
+the model's own tokens under the loss; then GRPO with an environment end to end."""
+
+import dataclasses
+import json
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from tunix_train.config import ConfigError
+from tunix_train.data.chat import GEMMA_TEMPLATE, ChatTemplate
+from tunix_train.data.tokenizer import load_tokenizer
+from tunix_train.envs import tools as t
+from tunix_train.envs.environment import Environment
+from tunix_train.envs.rollout import Turns
+from tunix_train.rewards.calculator import call, multiply, write_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+
+def broken(x: int) -> int:
+    """Always fails.
+
+    Args:
+        x: Anything.
+    """
+    raise ValueError("no luck")
+
+
+def slow(x: int) -> int:
+    """Takes its time.
+
+    Args:
+        x: Anything.
+    """
+    time.sleep(3)
+    return x
+
+
+def undocumented(x):
+    return x
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return load_tokenizer(write_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.model"), 4102)
+
+
+def test_schemas_are_transformers_and_bad_tools_are_one_line():
+    from transformers.utils import get_json_schema
+    assert t.schema(multiply) == get_json_schema(multiply) and t.schema(multiply)["type"] == "function"
+    assert t.schema(multiply)["function"]["parameters"]["properties"]["a"] == {"type": "integer",
+                                                                              "description": "The first factor."}
+    with pytest.raises(ConfigError, match="'tests.test_tools:undocumented' cannot make a tool schema"):
+        t.load_tools(["tests.test_tools:undocumented"])
+    with pytest.raises(ConfigError, match="'json:JSONDecoder' is a type, not a function"):
+        t.load_tools(["json:JSONDecoder"])
+    with pytest.raises(ConfigError, match="training.grpo.tools: cannot import 'no_such:thing'"):
+        t.load_tools(["no_such:thing"])
+
+
+def test_both_call_formats_parse_and_a_call_written_wrong_is_an_error():
+    text = f'Let me see. {call(347, 812)} and <tool_call>{{"name": "add", "arguments": {{"x": [1, 2]}}}}</tool_call>'
+    assert t.parse_calls(text, "tagged") == [t.Call("multiply", {"a": 347, "b": 812}), t.Call("add", {"x": [1, 2]})]
+    assert t.parse_calls("<tool_call>{oops}</tool_call>", "tagged")[0].error.startswith("the call is not JSON")
+    assert t.parse_calls('<tool_call>{"arguments": {}}</tool_call>', "tagged")[0].error
+    assert t.parse_calls("no call here", "tagged") == []
+    gemma4 = ('<|tool_call>call:get_weather{location:<|"|>Paris, France<|"|>,days:3,units:{metric:true}}<tool_call|>'
+              '<|tool_call>call:ping{}<tool_call|>')
+    assert t.parse_calls(gemma4, "gemma4") == [
+        t.Call("get_weather", {"location": "Paris, France", "days": 3, "units": {"metric": True}}), t.Call("ping", {})]
+    assert t.parse_calls('<|tool_call>call:f{a:<|"|>open}<tool_call|>', "gemma4")[0].error == "a string is not closed"
+    assert t.call_style("...<|tool_call>...") == "gemma4" and t.call_style(GEMMA_TEMPLATE) == "tagged"
+
+
+def test_a_tool_that_raises_or_hangs_is_an_error_message():
+    tools = {"broken": broken, "slow": slow, "multiply": multiply}
+    assert t.call_tool(tools, t.Call("multiply", {"a": 2, "b": 3}), 1.0) == ("6", False)
+    assert t.call_tool(tools, t.Call("broken", {"x": 1}), 1.0) == ("error: ValueError: no luck", True)
+    start = time.perf_counter()
+    assert t.call_tool(tools, t.Call("slow", {"x": 1}), 0.2) == ("error: timed out after 0.2 s", True)
+    assert time.perf_counter() - start < 1.0
+    assert t.call_tool(tools, t.Call("nope", {}), 1.0)[0].startswith("error: no tool named 'nope'")
+    assert t.call_tool(tools, t.Call("multiply", {"c": 1}), 1.0)[1]  # wrong arguments: a TypeError, reported
+
+
+@dataclasses.dataclass
+class Done:  # what the engine returns for a request
+    tokens: list
+    logprobs: list
+    stop_token: int | None
+    stop_logprob: float = -0.5
+
+
+def test_calls_run_and_their_results_continue_the_conversation(tokenizer):
+    """Turn 1 calls multiply, turn 2 a tool that raises, turn 3 one that hangs, turn 4 answers: the
+    trajectory's tokens are the template's rendering of the final conversation (tools offered),
+    and the tokens under the loss are exactly the model's four turns."""
+    chat = ChatTemplate(GEMMA_TEMPLATE, "Gemma's turn format", tokenizer)
+    turns = Turns(chat, {"multiply": multiply, "broken": broken, "slow": slow}, max_new_tokens=48, max_turns=5,
+                  max_len=512, timeout_s=0.3)
+    script = [call(347, 812), '<tool_call>{"name":"broken","arguments":{"x":1}}</tool_call>',
+              '<tool_call>{"name":"slow","arguments":{"x":1}}</tool_call>', "281764"]
+    eot = tokenizer.encode("<end_of_turn>")[0]
+    requests_seen = []
+
+    def generate(requests):
+        requests_seen.append(requests)
+        out = []
+        for ids, max_new, stream in requests:
+            text = script[len(requests_seen) - 1]
+            tokens = tokenizer.encode(text)
+            out.append(Done(tokens, [-0.1] * len(tokens), eot))
+        return out
+
+    trajectory = turns.start(Environment(), {"prompt": "What is 347 times 812?"}, "Environment")
+    prompt = list(trajectory.prompt)
+    [trajectory] = turns.roll_out(generate, [trajectory], [Environment()])
+    assert [m["role"] for m in trajectory.messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant",
+                                                        "tool", "assistant"]
+    assert [m["content"] for m in trajectory.messages if m["role"] == "tool"] == [
+        "281764", "error: ValueError: no luck", "error: timed out after 0.3 s"]
+    assert (trajectory.turns, trajectory.tool_calls, trajectory.tool_errors) == (4, 3, 2)
+    assert trajectory.last_turn == "281764" and not trajectory.open
+    # every request continues the whole conversation so far
+    assert [len(r) for r in requests_seen] == [1, 1, 1, 1]
+    assert all(requests_seen[k + 1][0][0][:len(requests_seen[k][0][0])] == requests_seen[k][0][0] for k in range(3))
+    rendered = tokenizer.encode_with_offsets(turns.render(trajectory.messages))[0]
+    assert prompt + trajectory.tokens == rendered[:len(prompt) + len(trajectory.tokens)]
+    assert rendered[len(prompt) + len(trajectory.tokens):] == tokenizer.encode("\n")  # after the last end of turn
+    own = [tok for tok, mine in zip(trajectory.tokens, trajectory.own) if mine]
+    assert tokenizer.decode(own) == "<end_of_turn>".join(script) + "<end_of_turn>"
+    others = tokenizer.decode([tok for tok, mine in zip(trajectory.tokens, trajectory.own) if not mine])
+    assert "<tool_response>281764</tool_response>" in others and "281764<end_of_turn>" not in others
+    mine = [lp for lp, m in zip(trajectory.logprobs, trajectory.own) if m]
+    assert all(lp == 0.0 for lp, m in zip(trajectory.logprobs, trajectory.own) if not m)
+    assert mine.count(-0.5) == 4 and mine.count(-0.1) == len(mine) - 4  # the engine's, the stop token's last
+
+
+class Countdown(Environment):
+    """A game without tools: the model is told a number and each turn the next one down; the
+    environment's reward is 1 per turn, the conversation ends after three."""
+
+    def step(self, messages):
+        turns = sum(m["role"] == "assistant" for m in messages)
+        return [{"role": "user", "content": f"{3 - turns}"}], 1.0, turns >= 3
+
+
+class Raises(Environment):
+    def step(self, messages):
+        raise RuntimeError("board on fire")
+
+
+def test_an_environment_steps_and_one_that_raises_is_an_error_message(tokenizer):
+    chat = ChatTemplate(GEMMA_TEMPLATE, "Gemma's turn format", tokenizer)
+    turns = Turns(chat, {}, max_new_tokens=8, max_turns=6, max_len=256, timeout_s=1.0)
+    eot = tokenizer.encode("<end_of_turn>")[0]
+    generate = lambda requests: [Done(tokenizer.encode("ok"), [-1.0], eot) for _ in requests]
+    games = [Countdown(), Raises()]
+    trajectories = turns.roll_out(generate, [turns.start(g, {"prompt": "3"}, "g") for g in games], games)
+    assert trajectories[0].turns == 3 and trajectories[0].reward == 3.0 and trajectories[0].tool_errors == 0
+    assert trajectories[1].turns == 6 and trajectories[1].tool_errors == 5 and trajectories[1].reward is None
+    assert trajectories[1].messages[2]["content"] == "error: the environment's step failed: RuntimeError: board on fire"
+
+
+def test_a_cut_off_turn_or_a_full_context_ends_the_conversation(tokenizer):
+    chat = ChatTemplate(GEMMA_TEMPLATE, "Gemma's turn format", tokenizer)
+    turns = Turns(chat, {"multiply": multiply}, max_new_tokens=8, max_turns=4, max_len=256, timeout_s=1.0)
+    cut = lambda requests: [Done(tokenizer.encode("12345678"), [-1.0] * 8, None) for _ in requests]
+    [tr] = turns.roll_out(cut, [turns.start(Environment(), {"prompt": "x"}, "e")], [Environment()])
+    assert tr.turns == 1 and tr.own == [1] * len(tr.tokens)
+    tight = Turns(chat, {"multiply": multiply}, max_new_tokens=48, max_turns=4, max_len=150, timeout_s=1.0)
+    eot = tokenizer.encode("<end_of_turn>")[0]
+    def calls(requests):  # as the engine does, at most max_new_tokens, cut off without a stop token
+        tokens = tokenizer.encode(call(1, 2))
+        return [Done(tokens[:n], [-1.0] * min(n, len(tokens)), eot if n > len(tokens) else None) for _, n, _ in requests]
+    [tr] = tight.roll_out(calls, [tight.start(Environment(), {"prompt": "x"}, "e")], [Environment()])
+    assert len(tr.prompt) + len(tr.tokens) == 150 and tr.turns == 2  # the second turn ran into the context
+
+
+def test_gemma_template_with_tools_renders_as_transformers_does(tokenizer, tmp_path):
+    """Our renderer and transformers' apply_chat_template(tools=[function]) give the same text."""
+    messages = [{"role": "user", "content": "What is 2 times 3?"}, {"role": "assistant", "content": call(2, 3)},
+                {"role": "tool", "name": "multiply", "content": "6"}, {"role": "assistant", "content": "6"}]
+    ours = ChatTemplate(GEMMA_TEMPLATE, "g", tokenizer).render(messages, tools=[t.schema(multiply)])[0]
+    from transformers.utils.chat_template_utils import render_jinja_template
+    theirs = render_jinja_template([messages], tools=[multiply], chat_template=GEMMA_TEMPLATE,
+                                   bos_token=tokenizer.token(tokenizer.bos_id))[0][0]
+    assert ours == theirs and "multiply(a: integer, b: integer): Multiplies" in ours
+    assert "<tool_response>6</tool_response>" in ours

@@ -1,0 +1,86 @@
+"""GRPO's rewards: the reward functions of training.grpo.reward (`fn(prompts, completions,
+**fields) -> one number per completion`, fields being the records' other fields; with turns, also
+`trajectories`, each conversation's messages), then DAPO's overlong penalty (overlong=soft) and
+the environment's reward (with training.grpo.environment), each a row of weight reward_weights'
+(the added ones 1)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from tunix_train.config import ConfigError, GrpoConfig, Overlong, RewardNormalization
+from tunix_train.envs.tools import import_object
+from tunix_train.train.objectives import grpo_family as family
+
+
+def load_reward(name: str) -> Callable:
+    """`module:function` -> the function; a ConfigError naming it when it cannot be imported."""
+    function = import_object(name, "training.grpo.reward")
+    if not callable(function):
+        raise ConfigError(f"training.grpo.reward: {name!r} is not module:function naming a function")
+    return function
+
+
+class Rewards:
+    def __init__(self, grpo: GrpoConfig):
+        self.grpo = grpo
+        self.functions = {name: load_reward(name) for name in grpo.reward}
+        self.names = [name.rpartition(":")[2] for name in grpo.reward]
+        self.weights = list(grpo.reward_weights) or [1.0] * len(self.functions)
+        for added, wanted in (("overlong", grpo.overlong is Overlong.soft), ("environment", grpo.environment)):
+            if wanted:
+                self.names.append(added)
+                self.weights.append(1.0)
+
+    def score(self, prompts: list, completions: list[str], records: list[dict[str, Any]], token_ids: list[list[int]],
+              environment: list[float | None] | None = None, **extra) -> np.ndarray:
+        """[rows, completions]: each function's reward of every completion, then the added rows."""
+        fields = {**{k: [r.get(k) for r in records] for k in records[0] if k != "prompt"}, **extra}
+        scores = [self._call(name, function, prompts, completions, fields, records)
+                  for name, function in self.functions.items()]
+        g = self.grpo
+        if g.overlong is Overlong.soft:
+            buffer = g.overlong_buffer or max(g.max_new_tokens // 5, 1)
+            scores.append(np.array([family.overlong_penalty(len(c), g.max_new_tokens, buffer) for c in token_ids]))
+        if g.environment:
+            scores.append(np.array([r or 0.0 for r in environment], np.float64))
+        return np.stack(scores)
+
+    def _call(self, name: str, function: Callable, prompts, completions, fields, records) -> np.ndarray:
+        try:
+            values = function(prompts, completions, **fields)
+        except Exception as err:  # the first record it fails on, found by calling it on each
+            record = next((r for i, r in enumerate(records) if _fails(function, prompts[i:i + 1], completions[i:i + 1],
+                                                                       {k: v[i:i + 1] for k, v in fields.items()})),
+                          records[0])
+            raise ConfigError(f"training.grpo.reward {name!r} raised {type(err).__name__}: {err} (on the record "
+                              f"{str(record)[:120]})") from None
+        if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != len(completions):
+            raise ConfigError(f"training.grpo.reward {name!r} returned "
+                              f"{len(values) if hasattr(values, '__len__') else type(values).__name__} values for "
+                              f"{len(completions)} completions; it must return one number per completion")
+        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float, np.number))
+               or not np.isfinite(v)]
+        if bad:
+            raise ConfigError(f"training.grpo.reward {name!r} returned {bad[0]!r}; it must return finite numbers")
+        return np.asarray(values, np.float64)
+
+    def total(self, rewards: np.ndarray) -> np.ndarray:
+        """Each completion's weighted reward."""
+        return (np.asarray(self.weights)[:, None] * rewards).sum(axis=0)
+
+    def informative(self, rewards: np.ndarray) -> bool:
+        """Whether a group's rewards [rows, G] differ, so that its advantages do (per reward: any of them)."""
+        if self.grpo.multi_reward_normalization is RewardNormalization.sum:
+            rewards = self.total(rewards)[None]
+        return bool(np.any(rewards != rewards[:, :1]))
+
+
+def _fails(function, *args) -> bool:
+    try:
+        function(*args[:2], **args[2])
+    except Exception:
+        return True
+    return False
