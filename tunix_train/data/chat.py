@@ -142,16 +142,16 @@ class ChatTemplate:
             self._tracked.reset(token)
         return "".join(blocks), spans
 
-    def spans(self, messages: Sequence[dict], roles: Sequence[str]) -> tuple[str, list[tuple[int, int]]]:
+    def spans(self, messages: Sequence[dict], roles: Sequence[str], **variables) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text and the spans of the messages whose role is in `roles`."""
-        text, generated = self.render(messages)
+        text, generated = self.render(messages, **variables)
         spans = list(generated) if "assistant" in roles and self.has_generation_markers else []
         for i, message in enumerate(messages):
             role = message["role"]
             if role not in roles or (role == "assistant" and self.has_generation_markers):
                 continue
-            before, _ = self.render(messages[:i], add_generation_prompt=role == "assistant")
-            through, _ = self.render(messages[:i + 1])
+            before, _ = self.render(messages[:i], add_generation_prompt=role == "assistant", **variables)
+            through, _ = self.render(messages[:i + 1], **variables)
             if not (text.startswith(through) and through.startswith(before)):
                 raise ConfigError(f"{self.source} does not render a conversation's first messages as the start of "
                                   f"the whole, so a message's tokens cannot be told apart: use a template with "
@@ -167,12 +167,13 @@ class ChatTemplate:
         return text[text.rindex(marker) + len(marker):].strip()
 
     def encode(self, messages: Sequence[dict], roles: Sequence[str] = ("assistant",),
-               add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
-        """Token ids of the rendered conversation and, for each, whether a message of `roles` wrote it."""
+               add_generation_prompt: bool = False, **variables) -> tuple[list[int], list[bool]]:
+        """Token ids of the rendered conversation and, for each, whether a message of `roles` wrote
+        it; `variables` (tools=[schemas]) go to the template."""
         if add_generation_prompt:
-            text, spans = self.render(messages, add_generation_prompt=True)[0], []
+            text, spans = self.render(messages, add_generation_prompt=True, **variables)[0], []
         else:
-            text, spans = self.spans(messages, roles)
+            text, spans = self.spans(messages, roles, **variables)
         ids, offsets = self.tokenizer.encode_with_offsets(text)
         return ids, [any(end > a and start < b for a, b in spans) for start, end in offsets]
 

@@ -39,7 +39,8 @@ class DocumentFeatures:
     def __call__(self, doc: dict[str, Any]) -> dict[str, np.ndarray]:
         first_loss_target = 0
         if "messages" in doc:
-            ids, mask = self.chat.encode(doc["messages"], self.roles)
+            tools = {"tools": doc["tools"]} if "tools" in doc else {}
+            ids, mask = self.chat.encode(doc["messages"], self.roles, **tools)
             if self.seq_len is not None and len(ids) - 1 > self.seq_len:
                 raise ConfigError(f"{doc['where']}: a conversation of {len(ids)} tokens is longer than a row of "
                                   f"data.seq_len={self.seq_len}: raise data.seq_len or shorten it")

@@ -59,8 +59,8 @@ def _record_documents(path: Path, data: DataConfig, required: Sequence[str] | No
         return [_whole_record(record, path, number, required) for number, record in records]
     if data.messages_field:
         return [{"messages": check_messages(record.get(data.messages_field) if isinstance(record, dict) else None,
-                                            f"{path}:{number}", data.messages_field), "where": f"{path}:{number}"}
-                for number, record in records]
+                                            f"{path}:{number}", data.messages_field), "where": f"{path}:{number}",
+                 **_tools(record, f"{path}:{number}")} for number, record in records]
     fields = ({"prompt": data.prompt_field, "completion": data.completion_field}
               if data.prompt_field else {"text": data.text_field})
     docs = []
@@ -198,6 +198,17 @@ def read_documents(patterns: Sequence[str], data: DataConfig, key: str,
             raise ConfigError(f"{key}: {path} is empty (no documents)")
         docs += found
     return docs
+
+
+def _tools(record: Any, where: str) -> dict[str, Any]:
+    """A conversation's `tools` (as in TRL's datasets: the JSON schemas offered to the model, which
+    the chat template renders), when it has them."""
+    tools = record.get("tools") if isinstance(record, dict) else None
+    if tools is None:
+        return {}
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ConfigError(f"{where}: 'tools' must be a list of JSON schemas ({{\"type\": \"function\", ...}})")
+    return {"tools": tools}
 
 
 class _Subset(Sequence):

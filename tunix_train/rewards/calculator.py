@@ -50,11 +50,13 @@ def call(a: int, b: int) -> str:
 
 
 def write_task(directory: Path, count: int, seed: int, with_tool: float = 0.5) -> tuple[Path, Path]:
-    """prompts.jsonl (prompt, answer) for GRPO and sft.jsonl (messages) for a warm start, in which
+    """prompts.jsonl (prompt, answer) for GRPO and sft.jsonl (messages, tools) for a warm start, in which
     a share `with_tool` of the conversations call the tool and the others answer at once (with a
     guess: the product's leading digits, then zeros)."""
+    from tunix_train.envs.tools import schema
+
     directory.mkdir(parents=True, exist_ok=True)
-    rows, coin = problems(count, seed), np.random.default_rng(seed + 1).random(count)
+    rows, coin, tools = problems(count, seed), np.random.default_rng(seed + 1).random(count), [schema(multiply)]
     prompts, sft = directory / "prompts.jsonl", directory / "sft.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))
     with open(sft, "w") as f:
@@ -66,7 +68,7 @@ def write_task(directory: Path, count: int, seed: int, with_tool: float = 0.5) -
                          {"role": "assistant", "content": r["answer"]}]
             else:
                 turns = [{"role": "assistant", "content": r["answer"][:2] + "0" * (len(r["answer"]) - 2)}]
-            f.write(json.dumps({"messages": [user, *turns]}) + "\n")
+            f.write(json.dumps({"messages": [user, *turns], "tools": tools}) + "\n")
     return prompts, sft
 
 
