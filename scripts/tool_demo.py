@@ -52,17 +52,17 @@ def main() -> int:
     print(f"runs in {out}")
     model = ["model=gemma3_small", f"model.vocab_size={VOCAB}", f"data.tokenizer={tokenizer}"]
 
-    run("run_training.py", *model, "data=chat", f"data.train_files=[{sft}]", "data.seq_len=160",
+    run("run_training.py", *model, "data=chat", f"data.train_files=[{sft}]", "data.seq_len=192",
         f"training.max_steps={args.sft_steps}", "training.micro_batch_size=16", "training.learning_rate=3e-3",
         "training.warmup_steps=20", "training.eval_every=0", "checkpoint.every_steps=0",
         f"hydra.run.dir={out / 'sft'}", log=out / "sft.log")
     run("-m", "tunix_train.export", str(out / "sft"), str(out / "sft_hf"), log=out / "export.log")
     G = args.generations
     run("run_training.py", *model, "objective=grpo", "data=jsonl", f"data.train_files=[{prompts}]",
-        f"model.init_from={out / 'sft_hf'}", "data.seq_len=160", "data.eval_fraction=0",
+        f"model.init_from={out / 'sft_hf'}", "data.seq_len=192", "data.eval_fraction=0",
         f"training.max_steps={args.grpo_steps}", "training.log_every=1",
         f"training.micro_batch_size={args.prompts_per_step * G}", f"training.grpo.num_generations={G}",
-        "training.grpo.max_new_tokens=40", "training.grpo.max_turns=3",
+        "training.grpo.max_new_tokens=48", "training.grpo.max_turns=3",
         "training.grpo.tools=[tunix_train.rewards.calculator:multiply]",
         "training.grpo.reward=[tunix_train.rewards.calculator:exact_answer]", "training.lr_schedule=constant",
         f"training.learning_rate={args.learning_rate}", "training.grpo.beta=0.0", "checkpoint.every_steps=0",
