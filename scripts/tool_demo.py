@@ -6,9 +6,10 @@ work out in its head, with a calculator it learns to rely on.
 1. Writes the bundled calculator task (tunix_train/rewards/calculator.py): "What is 347 times 812?",
    and the bundled tokenizer with Gemma's turn tokens and the tool tags as tokens of their own.
 2. Fine-tunes gemma3_small from scratch on conversations in Gemma's turn format (data=chat, the
-   `multiply` tool offered through the template): half of them call the tool and answer with its
-   result, half answer at once with a guess. The model learns both habits, the call's format, and
-   to copy numbers, imperfectly.
+   `multiply` tool offered through the template): a few (--with-tool, 15%) call the tool and answer
+   with its result, the others answer at once with a guess (the product's first two digits, then
+   zeros: always wrong). The model learns both habits, mostly the second, the call's format, and to
+   copy numbers.
 3. Exports it and trains it with objective=grpo and training.grpo.tools=[...:multiply]: each of G
    conversations per prompt runs up to 3 turns, the tool's results appended between them, the
    reward exact_answer of the last turn, the loss on the model's own tokens.
@@ -44,10 +45,12 @@ def main() -> int:
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--block", type=int, default=10, help="steps per row of the table")
+    parser.add_argument("--with-tool", type=float, default=0.15,
+                        help="the share of the warm-up conversations that call the tool")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="tool_demo_"))
     out.mkdir(parents=True, exist_ok=True)
-    prompts, sft = write_task(out / "task", count=4000, seed=0)
+    prompts, sft = write_task(out / "task", count=4000, seed=0, with_tool=args.with_tool)
     tokenizer = write_tokenizer(out / "tokenizer" / "tokenizer.model")
     print(f"runs in {out}")
     model = ["model=gemma3_small", f"model.vocab_size={VOCAB}", f"data.tokenizer={tokenizer}"]

@@ -79,18 +79,14 @@ class MoeDispatch(enum.Enum):
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names, as in layer_types
 
 
-class PreferenceLoss(enum.Enum):
-    """training.dpo.loss: what a preference pair's loss is (docs/objectives/dpo.md)."""
-
+class PreferenceLoss(enum.Enum):  # training.dpo.loss (docs/objectives/dpo.md)
     sigmoid = "sigmoid"  # DPO (Rafailov et al. 2023), with cDPO's label smoothing
     ipo = "ipo"  # IPO (Azar et al. 2023): squared, on per-token log-ratios
     orpo = "orpo"  # ORPO (Hong et al. 2024): the chosen answer's NLL plus an odds-ratio term; no reference
     simpo = "simpo"  # SimPO (Meng et al. 2024): length-normalized log-probabilities with a margin; no reference
 
 
-class GrpoAggregation(enum.Enum):
-    """training.grpo.loss_aggregation: how the per-token objective becomes the batch's loss."""
-
+class GrpoAggregation(enum.Enum):  # training.grpo.loss_aggregation: the per-token objective -> the loss
     token_mean = "token_mean"  # over the whole batch's completion tokens (TRL "bnpo" on one micro-batch)
     sequence_mean = "sequence_mean"  # each completion's token mean, averaged over completions (TRL "grpo")
     dr_grpo = "dr_grpo"  # summed, divided by completions x max_new_tokens (Dr. GRPO)
@@ -275,16 +271,13 @@ class GrpoConfig:
     epsilon: float = _fixed(0.2)  # the probability ratio is clipped to [1 - epsilon, 1 + epsilon]
     max_new_tokens: int = _fixed(32)
     temperature: float = _fixed(1.0)
-    # Off-policy steps: rollouts are drawn this many batches ahead of the one training, by a policy at
-    # most that many rollout batches old, and each rollout batch is trained on `iterations` times (the
-    # GRPO paper's mu). Beyond (0, 1) the ratio's pi_old is the sampling engine's recorded
-    # log-probabilities, the ratio truncated at importance_cap (docs/objectives/grpo.md).
+    # Off-policy steps: rollouts drawn this many batches ahead, each trained on `iterations` times (mu);
+    # beyond (0, 1) pi_old is the engine's recorded log-probability, the ratio truncated at importance_cap.
     max_staleness: int = _fixed(0)
     iterations: int = _fixed(1)
     importance_cap: float = _fixed(3.0)
-    # The engine's own mesh, [[sizes], [names]] like model.mesh_shape, on devices set apart from the
-    # training mesh's (each process's last ones); the weights are copied to it for every rollout.
-    # null: the engine runs on the training mesh.
+    # The engine's own mesh, [[sizes], [names]], on devices apart from the training mesh's (each
+    # process's last ones), the weights copied to it for every rollout; null: the training mesh.
     rollout_mesh_shape: Any = _changeable(None)
     # Reward functions, `module:function`, each fn(prompts, completions, **fields) -> list of floats;
     # the reward of a completion is their sum, weighted by reward_weights (empty: all 1).
@@ -298,23 +291,18 @@ class GrpoConfig:
     importance_sampling_level: ImportanceLevel = _fixed(ImportanceLevel.token)
     overlong: Overlong = _fixed(Overlong.none)
     overlong_buffer: Optional[int] = _fixed(None)  # soft: the penalized last tokens; null: max_new_tokens // 5
-    # Drop the groups whose rewards are all equal and roll out more prompts until the batch is full,
-    # at most dynamic_sampling_rounds rollouts of a batch's prompts; short of that, the equal ones
-    # fill it, and a batch without one informative group does not update the weights (DAPO).
+    # Groups whose rewards are all equal are replaced by more prompts' (at most this many rollouts of a
+    # batch's prompts; short of that they fill it, and a batch without signal does not update: DAPO).
     dynamic_sampling: bool = _fixed(False)
     dynamic_sampling_rounds: int = _fixed(4)
-    # Conversations over several turns (tunix_train/envs/): tools, `module:function` each, offered to
-    # the model through the chat template and run when it calls them; an environment class,
-    # `module:Class`, with reset(record) -> messages and step(messages) -> (messages, reward, done);
-    # at most max_turns model turns of at most max_new_tokens each, data.seq_len in all; a tool or
-    # environment step taking longer than tool_timeout_s is an error the model is told of.
+    # Conversations over turns (tunix_train/envs/, docs/objectives/tools.md): tools `module:function`,
+    # an environment `module:Class`; at most max_turns turns of max_new_tokens, data.seq_len in all.
     tools: List[str] = _fixed(factory=list)
     environment: Optional[str] = _fixed(None)
     max_turns: int = _fixed(4)
     tool_timeout_s: float = _changeable(10.0)
-    # Evaluation (training.eval_every): on the held-out prompts, the mean reward of greedy
-    # completions, and pass@eval_k over eval_samples completions at the training temperature, a
-    # completion passing when its reward reaches eval_pass_reward.
+    # training.eval_every: held-out prompts' greedy reward, and pass@eval_k of eval_samples samples (a
+    # sample passes when its reward reaches eval_pass_reward).
     eval_samples: int = _changeable(4)
     eval_k: int = _changeable(1)
     eval_pass_reward: float = _changeable(1.0)
@@ -343,25 +331,19 @@ class TrainingConfig:
     adam_eps: float = _fixed(1e-8)
     grad_clip_norm: float = _fixed(1.0)  # 0 disables clipping
     remat: Remat = _changeable(Remat.save_matmul_outputs)  # less memory than none (docs/performance.md)
-    # Layers per iteration of the scan over layers: more is faster on some backends (no stacking
-    # of saved activations) and compiles in time proportional to it.
+    # Layers per iteration of the scan over layers: faster on some backends, compiles in time with it.
     scan_unroll: int = _changeable(1)
     sharding_strategy: ShardingStrategy = _changeable(ShardingStrategy.full_shard)
-    # The loss computes the logits this many positions at a time (recomputed in the backward pass)
-    # so that [batch, seq, vocab] never exists whole; 0 or >= seq_len: all at once.
+    # Logits this many positions at a time (recomputed backward), never [batch, seq, vocab] whole; 0: all.
     loss_chunk_size: int = _changeable(512)
-    # Under bf16, gradients are produced and reduced across devices in bf16 (then accumulated in
-    # float32); false reduces them in float32.
+    # Under bf16, gradients are reduced across devices in bf16 (accumulated in float32); false: float32.
     reduce_gradients_in_compute_dtype: bool = _changeable(True)
-    # Reduce gradients across the data-parallel devices once every k micro-batches (each device
-    # keeps an unreduced float32 gradient of the whole parameter set meanwhile): fewer, larger
-    # reductions for that memory. Must divide gradient_accumulation_steps.
+    # Reduce gradients across data-parallel devices once every k micro-batches (each keeping an unreduced
+    # float32 gradient meanwhile): fewer, larger reductions. Must divide gradient_accumulation_steps.
     sync_gradients_every: int = _changeable(1)
-    # Keep the optimizer state (AdamW's moments) in pinned host memory; the step moves it to the
-    # devices for the update and back. Checkpoints are the same either way.
+    # Keep AdamW's moments in pinned host memory, moved to the devices for the update (same checkpoints).
     offload_optimizer_state: bool = _changeable(False)
-    # Under bf16, keep the float32 master copy of the parameters in pinned host memory too: the step
-    # moves it to the devices for the bf16 cast and for the update, and back.
+    # Under bf16, keep the float32 master weights in pinned host memory too, moved for the cast and update.
     offload_master_weights: bool = _changeable(False)
     # Mixture of experts: weight of the router's load-balancing loss in the loss (MaxText's for Gemma 4 26B-A4B).
     moe_aux_loss_coef: float = _fixed(0.001)
@@ -370,23 +352,20 @@ class TrainingConfig:
     xla_gpu_overlap: bool = _changeable(True)
     # XLA:CPU's multi-output fusion (tunix_train/platform.py): fewer passes over memory on CPUs.
     xla_cpu_multi_output_fusion: bool = _changeable(True)
-    # Bit-identical runs and resumes on NVIDIA GPUs: XLA's deterministic kernels (platform.py), in
-    # place of atomics whose order varies from run to run. CPUs are deterministic either way.
+    # Bit-identical runs on NVIDIA GPUs: XLA's deterministic kernels, not atomics (CPUs are either way).
     deterministic: bool = _changeable(True)
     log_every: int = _changeable(10)
     eval_every: int = _changeable(50)  # steps between evaluations on the held-out split; 0 disables
     eval_batches: int = _changeable(4)  # a fixed set of held-out batches per evaluation
     nan_policy: NanPolicy = _changeable(NanPolicy.skip)
-    # Every this many steps (and before the first and after the last), the continuations of
-    # sample_prompts (greedy, sample_max_new_tokens tokens) go to the log, samples.jsonl and
-    # TensorBoard; 0: off. Needs text data (a tokenizer).
+    # Every this many steps (and at the first and last), greedy continuations of sample_prompts go to the
+    # log, samples.jsonl and TensorBoard; 0: off. Needs text data (a tokenizer).
     sample_every: int = _changeable(0)
     sample_prompts: List[str] = _changeable(factory=lambda: ["ROMEO:", "To be, or not to be,"])
     sample_max_new_tokens: int = _changeable(32)
     # Peak FLOP/s of one device for MFU; null: the table in observe/mfu.py, or measured on CPU.
     peak_flops_per_device: Optional[float] = _changeable(None)
-    # Trace profile_steps steps after two warm-up steps into the run directory and print the time
-    # and bytes of each collective kind (tunix_train/observe/comms.py).
+    # Trace profile_steps steps after two warm-up steps, printing each collective's time and bytes.
     profile_communication: bool = _changeable(False)
     profile_steps: int = _changeable(3)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)

@@ -313,12 +313,13 @@ class GroupRelative(Objective):
                 groups = kept[:wanted] + spare[:wanted - len(kept)]
                 break
             groups, rounds = self._sample(more_prompts().reshape(-1), index, rounds, params), rounds + 1
-        rows = lambda field: [row for group in groups for row in group[field]] if groups[0][field] is not None else None
-        return Rollout(index, version, int(indices.shape[0]), [group["prompt"] for group in groups],
-                       rows("completions"), rows("logprobs"), np.concatenate([g["rewards"] for g in groups], 1).tolist(),
-                       self._sampling_s, rounds, max(wanted - len(kept), 0) if self.grpo.dynamic_sampling else 0,
-                       rows("prompt_ids"), rows("own"), *(sum(g[f] for g in groups) for f in ("tool_calls", "tool_errors",
-                                                                                            "turns")))
+        rows = lambda field: None if groups[0][field] is None else [row for g in groups for row in g[field]]
+        total = lambda field: sum(g[field] for g in groups)
+        return Rollout(index, version, int(indices.shape[0]), [g["prompt"] for g in groups], rows("completions"),
+                       rows("logprobs"), np.concatenate([g["rewards"] for g in groups], 1).tolist(), self._sampling_s,
+                       rounds=rounds, filler_groups=max(wanted - len(kept), 0) if self.grpo.dynamic_sampling else 0,
+                       prompt_ids=rows("prompt_ids"), own=rows("own"), tool_calls=total("tool_calls"),
+                       tool_errors=total("tool_errors"), turns=total("turns"))
 
     def _sample(self, order: np.ndarray, index: int, round_: int, params) -> list[dict[str, Any]]:
         """The G completions of each prompt of `order`, scored: one dict per group. Round r of a
@@ -326,7 +327,8 @@ class GroupRelative(Objective):
         from tunix_train.generate import Sampling
 
         G, order = self.grpo.num_generations, [int(i) for i in order]
-        docs, prompts = [self._docs[i] for i in order for _ in range(G)], [self._prompts[i] for i in order for _ in range(G)]
+        docs = [self._docs[i] for i in order for _ in range(G)]
+        prompts = [self._prompts[i] for i in order for _ in range(G)]
         out = self._complete(docs, prompts, params, Sampling(temperature=self.grpo.temperature),
                              self.cfg.training.seed * 1_000_003 + index, round_ * len(docs) * self.grpo.max_turns)
         group = lambda field, i: out[field][i * G:(i + 1) * G] if out[field] is not None else None
@@ -353,10 +355,11 @@ class GroupRelative(Objective):
             texts, extra = [tr.last_turn for tr in trajectories], {"trajectories": [tr.messages for tr in trajectories],
                                                                    "environment": [tr.reward for tr in trajectories]}
         else:
-            done = self._engine.generate(params, [request(p, self.grpo.max_new_tokens, i) for i, p in enumerate(prompts)],
-                                         max_len=T)
+            requests = [request(p, self.grpo.max_new_tokens, i) for i, p in enumerate(prompts)]
+            done = self._engine.generate(params, requests, max_len=T)
             stopped = [c.stop_token is not None for c in done]  # then the stop token is trained on too
-            out = {"prompt_ids": None, "own": None, "completions": [c.tokens + [c.stop_token] * s for c, s in zip(done, stopped)],
+            out = {"prompt_ids": None, "own": None,
+                   "completions": [c.tokens + [c.stop_token] * s for c, s in zip(done, stopped)],
                    "logprobs": [c.logprobs + [c.stop_logprob] * s for c, s in zip(done, stopped)],
                    **dict.fromkeys(("tool_calls", "tool_errors", "turns"), [0] * len(done))}
             texts, extra = [self._tokenizer.decode(c.tokens) for c in done], {}
