@@ -200,7 +200,6 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         "learning_rate": schedule(state.step),
         "tokens": jnp.sum(batch["loss_mask"]),
         "finite": finite,
-        "updated": update,
         "nonfinite_steps": new_state.nonfinite_steps,
         **aux,
     }
