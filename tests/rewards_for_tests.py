@@ -21,3 +21,12 @@ def length_for_even_answers(prompts, completions, answer, **fields):
 
 def constant(prompts, completions, **fields):
     return [1.0] * len(completions)
+
+
+def divides(prompts, completions, answer, **fields):
+    """Raises where the answer is even: a reward function with a bug."""
+    return [1.0 / (int(a) % 2) for a in answer]
+
+
+def undocumented_tool(x):
+    return x

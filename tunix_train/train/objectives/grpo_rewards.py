@@ -54,9 +54,9 @@ class Rewards:
         except Exception as err:  # the first record it fails on, found by calling it on each
             record = next((r for i, r in enumerate(records) if _fails(function, prompts[i:i + 1], completions[i:i + 1],
                                                                        {k: v[i:i + 1] for k, v in fields.items()})),
-                          records[0])
-            raise ConfigError(f"training.grpo.reward {name!r} raised {type(err).__name__}: {err} (on the record "
-                              f"{str(record)[:120]})") from None
+                          None)
+            where = f"the record {str(record)[:120]}" if record else f"a batch from the record {str(records[0])[:120]}"
+            raise ConfigError(f"training.grpo.reward {name!r} raised {type(err).__name__}: {err} (on {where})") from None
         if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != len(completions):
             raise ConfigError(f"training.grpo.reward {name!r} returned "
                               f"{len(values) if hasattr(values, '__len__') else type(values).__name__} values for "
