@@ -1,12 +1,12 @@
 """GRPO with a tool, end to end on a CPU: products of 3-digit numbers, which a small model cannot
 work out in its head, with a calculator it learns to rely on.
 
-    python scripts/tool_demo.py [--out DIR] [--sft-steps 300] [--grpo-steps 60]
+    python scripts/tool_demo.py [--out DIR] [--sft-steps 300] [--grpo-steps 80]
 
 1. Writes the bundled calculator task (tunix_train/rewards/calculator.py): "What is 347 times 812?",
    and the bundled tokenizer with Gemma's turn tokens and the tool tags as tokens of their own.
 2. Fine-tunes gemma3_small from scratch on conversations in Gemma's turn format (data=chat, the
-   `multiply` tool offered through the template): a few (--with-tool, 15%) call the tool and answer
+   `multiply` tool offered through the template): a few (--with-tool, 10%) call the tool and answer
    with its result, the others answer at once with a guess (the product's first two digits, then
    zeros: always wrong). The model learns both habits, mostly the second, the call's format, and to
    copy numbers.
@@ -40,12 +40,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="where the runs go (default: a new temporary folder)")
     parser.add_argument("--sft-steps", type=int, default=300)
-    parser.add_argument("--grpo-steps", type=int, default=60)
+    parser.add_argument("--grpo-steps", type=int, default=80)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--block", type=int, default=10, help="steps per row of the table")
-    parser.add_argument("--with-tool", type=float, default=0.15,
+    parser.add_argument("--with-tool", type=float, default=0.1,
                         help="the share of the warm-up conversations that call the tool")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="tool_demo_"))
