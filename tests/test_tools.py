@@ -239,8 +239,8 @@ def test_grpo_with_tools_and_an_environment_trains_and_resumes_bit_identically(t
     prompts, sft = write_task(tmp_path / "task", count=256, seed=0)
     tok = write_tokenizer(tmp_path / "tok" / "tokenizer.model")
     model = ["model=gemma3_tiny", "model.vocab_size=4102", f"data.tokenizer={tok}", "data.seq_len=192"]
-    cfg, _ = load_config([*model, "data=chat", f"data.train_files=[{sft}]", "training.max_steps=120",
-                          "training.micro_batch_size=16", "training.learning_rate=1e-2", "training.eval_every=0",
+    cfg, _ = load_config([*model, "data=chat", f"data.train_files=[{sft}]", "training.max_steps=100",
+                          "training.micro_batch_size=8", "training.learning_rate=1e-2", "training.eval_every=0",
                           "training.warmup_steps=10", "checkpoint.every_steps=0"])
     train(cfg, tmp_path / "sft", devices=jax.devices()[:1])
     assert export([str(tmp_path / "sft"), str(tmp_path / "sft_hf")]) == 0
@@ -258,6 +258,6 @@ def test_grpo_with_tools_and_an_environment_trains_and_resumes_bit_identically(t
         assert [m[key] for m in metrics(resumed)] == [m[key] for m in metrics(straight)], key
     steps = metrics(straight)
     assert sum(m["tool_calls"] for m in steps) > 0 and max(m["turns"] for m in steps) > 2
-    assert sum(m["reward_environment"] for m in steps) > 0
+    assert sum(m["reward_environment"] for m in steps) > 0 and max(m["grad_norm"] for m in steps) > 0.01  # it learns
     samples = [json.loads(line) for line in (straight / "samples.jsonl").read_text().splitlines()]
     assert any("<tool_response>" in s["text"] for s in samples)

@@ -33,7 +33,9 @@ updates since the rollout.
 
 A prompt may be a conversation ([{role, content}]): it is then rendered with the chat template and
 its generation prompt (data/chat.py), the reward functions receive it as messages, and a rollout
-also stops at the template's end of turn, which is trained on as EOS is.
+also stops at the template's end of turn, which is trained on as EOS is. With tools or an
+environment a completion is a conversation of several turns (tunix_train/envs/), its loss on the
+model's own tokens only.
 
 Rollout r is seeded by training.seed and r. The rollout in use and those drawn ahead are part of
 a checkpoint (Rollouts.get_state), so a resumed run trains on exactly the same completions.
