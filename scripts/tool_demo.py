@@ -6,7 +6,7 @@ work out in its head, with a calculator it learns to rely on.
 1. Writes the bundled calculator task (tunix_train/rewards/calculator.py): "What is 347 times 812?",
    and the bundled tokenizer with Gemma's turn tokens and the tool tags as tokens of their own.
 2. Fine-tunes gemma3_small from scratch on conversations in Gemma's turn format (data=chat, the
-   `multiply` tool offered through the template): a few (--with-tool, 10%) call the tool and answer
+   `multiply` tool offered through the template): a few (--with-tool, 15%) call the tool and answer
    with its result, the others answer at once with a guess (the product's first two digits, then
    zeros: always wrong). The model learns both habits, mostly the second, the call's format, and to
    copy numbers.
@@ -44,8 +44,8 @@ def main() -> int:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--learning-rate", type=float, default=3e-4)
-    parser.add_argument("--block", type=int, default=10, help="steps per row of the table")
-    parser.add_argument("--with-tool", type=float, default=0.1,
+    parser.add_argument("--block", type=int, default=8, help="steps per row of the table (the first and last: the JSON's)")
+    parser.add_argument("--with-tool", type=float, default=0.15,
                         help="the share of the warm-up conversations that call the tool")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="tool_demo_"))
