@@ -42,8 +42,8 @@ def main() -> int:
     parser.add_argument("--sft-steps", type=int, default=300)
     parser.add_argument("--grpo-steps", type=int, default=80)
     parser.add_argument("--generations", type=int, default=8)
-    parser.add_argument("--prompts-per-step", type=int, default=4)
-    parser.add_argument("--learning-rate", type=float, default=3e-4)
+    parser.add_argument("--prompts-per-step", type=int, default=8)
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--block", type=int, default=8, help="steps per row of the table (the first and last: the JSON's)")
     parser.add_argument("--with-tool", type=float, default=0.15,
                         help="the share of the warm-up conversations that call the tool")

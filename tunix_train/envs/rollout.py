@@ -62,7 +62,8 @@ class Turns:
         ids = self.chat.tokenizer.encode_with_offsets(self.end_of_turn)[0]
         if len(ids) != 1:
             raise ConfigError(f"{self.chat.source}: its end of turn {self.end_of_turn!r} is not one token of this "
-                              f"tokenizer, so a turn cannot stop at it")
+                              f"tokenizer, so a turn cannot stop at it; use a tokenizer that has it (the bundled one "
+                              f"with Gemma's turn tokens: tunix_train.rewards.calculator.write_tokenizer)")
         self.end_of_turn_id = ids[0]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
