@@ -77,15 +77,17 @@ def test_documents_in_one_row_do_not_see_each_other():
     np.testing.assert_allclose(before[0, 8:], alone[0], rtol=1e-5, atol=1e-5)
 
 
-SHIPPED = ["gemma_2b", "gemma_7b", "gemma2_2b", "gemma2_9b", "gemma3_270m", "gemma3_1b",
-           "gemma3_4b", "gemma3_12b", "gemma3_small", "gemma3_tiny"]
+SHIPPED = ["gemma_2b", "gemma_7b", "gemma2_2b", "gemma2_9b", "gemma2_27b", "gemma3_270m", "gemma3_1b",
+           "gemma3_4b", "gemma3_12b", "gemma3_27b", "gemma3_small", "gemma3_tiny"]
 # Published parameter counts of the text decoders, within 1%: Hugging Face model cards / safetensors
 # metadata (gemma-2b 2,506,172,416; gemma-7b 8,537,680,896; gemma-2-2b 2,614,341,888; gemma-2-9b
-# 9,241,705,984; gemma-3-270m 268,098,176; gemma-3-1b-pt 999,885,952) and the Gemma 3 technical
-# report, Table 1 (embedding + non-embedding: 4B 675M + 3,209M; 12B 1,012M + 10,759M).
+# 9,241,705,984; gemma-2-27b 27,227,128,320; gemma-3-270m 268,098,176; gemma-3-1b-pt 999,885,952)
+# and the Gemma 3 technical report, Table 1 (embedding + non-embedding: 4B 675M + 3,209M; 12B
+# 1,012M + 10,759M; 27B 1,416M + 25,600M).
 PUBLISHED = {"gemma_2b": 2_506_172_416, "gemma_7b": 8_537_680_896, "gemma2_2b": 2_614_341_888,
-             "gemma2_9b": 9_241_705_984, "gemma3_270m": 268_098_176, "gemma3_1b": 999_885_952,
-             "gemma3_4b": 3_884_000_000, "gemma3_12b": 11_771_000_000}
+             "gemma2_9b": 9_241_705_984, "gemma2_27b": 27_227_128_320, "gemma3_270m": 268_098_176,
+             "gemma3_1b": 999_885_952, "gemma3_4b": 3_884_000_000, "gemma3_12b": 11_771_000_000,
+             "gemma3_27b": 27_016_000_000}
 # Gemma 4's model card gives counts rounded to 0.1B (so within 0.05B): 31B 30.7B; 26B A4B 25.2B in
 # all and 3.8B active per token; E2B 2.3B "effective" (without its per-layer embedding table).
 # E4B's card says 4.5B effective where ours has 4.64B: not asserted (the difference is not
