@@ -1,0 +1,107 @@
+"""Quantized weights, dequantized inside the compiled program (issue 41's frozen base).
+
+The GGUF block formats (llama.cpp's ggml-quants.c; gguf-py's `gguf.quants`) as JAX functions from a
+tensor's raw blocks, uint8 [..., blocks, bytes per block], to float32 [..., blocks x block size]:
+Q8_0, Q4_0, Q5_0 (blocks of 32) and the K-quants Q4_K, Q5_K, Q6_K (super-blocks of 256), each the
+same arithmetic as `gguf.quants.dequantize` in the same order, so the values are equal bit for bit
+(tests/test_quant.py). They are written here because neither qwix nor any JAX library reads
+ggml's blocks; a tensor keeps its own type (a Q4_K_M file mixes Q4_K, Q6_K and F16/F32).
+
+Each block's bytes are read little-endian, as gguf-py's `ndarray.view` reads them on the hosts we
+run on (x86-64, aarch64, and the GPUs'/TPUs' hosts are all little-endian).
+"""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+
+Q = gguf.GGMLQuantizationType
+QK_K = 256
+
+
+def _f16(two_bytes: jax.Array) -> jax.Array:
+    """uint8 [..., 2] (little-endian float16) -> float32 [..., 1]."""
+    return jax.lax.bitcast_convert_type(two_bytes, jnp.float16).astype(jnp.float32)[..., None]
+
+
+def _nibbles(qs: jax.Array, groups: int, width: int) -> jax.Array:
+    """Low then high 4 bits of [..., groups * width] bytes, as [..., groups, 2, width]."""
+    qs = qs.reshape(*qs.shape[:-1], groups, 1, width)
+    return (qs >> jnp.array([0, 4], jnp.uint8).reshape(2, 1)) & jnp.uint8(0x0F)
+
+
+def _q8_0(b):
+    return b[..., 2:].view(jnp.int8).astype(jnp.float32) * _f16(b[..., 0:2])
+
+
+def _q4_0(b):
+    qs = _nibbles(b[..., 2:], 1, 16).reshape(*b.shape[:-1], 32).astype(jnp.int8) - jnp.int8(8)
+    return _f16(b[..., 0:2]) * qs.astype(jnp.float32)
+
+
+def _q5_0(b):
+    qh = jax.lax.bitcast_convert_type(b[..., 2:6], jnp.uint32)[..., None] >> jnp.arange(32, dtype=jnp.uint32)
+    ql = _nibbles(b[..., 6:], 1, 16).reshape(*b.shape[:-1], 32)
+    qs = (ql | ((qh & jnp.uint32(1)).astype(jnp.uint8) << jnp.uint8(4))).astype(jnp.int8) - jnp.int8(16)
+    return _f16(b[..., 0:2]) * qs.astype(jnp.float32)
+
+
+def _k_scales(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Q4_K's and Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit minimums (gguf's get_scale_min)."""
+    s = scales.reshape(*scales.shape[:-1], 3, 4)
+    d, m, m_d = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = jnp.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = jnp.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _scaled_minus_min(b, q):
+    """Q4_K and Q5_K: d * scale * q - dmin * min, per sub-block of 32."""
+    sc, mn = _k_scales(b[..., 4:16])
+    d = (_f16(b[..., 0:2]) * sc.astype(jnp.float32))[..., None]
+    dm = (_f16(b[..., 2:4]) * mn.astype(jnp.float32))[..., None]
+    # d * q first, then - dm, each rounded as numpy rounds it (no fused multiply-add)
+    scaled = jax.lax.optimization_barrier(d * q)
+    return (scaled - dm).reshape(*b.shape[:-1], QK_K)
+
+
+def _q4_k(b):
+    q = _nibbles(b[..., 16:], 4, 32).reshape(*b.shape[:-1], 8, 32).astype(jnp.float32)
+    return _scaled_minus_min(b, q)
+
+
+def _q5_k(b):
+    qh = b[..., 16:48].reshape(*b.shape[:-1], 1, 1, 32) >> jnp.arange(8, dtype=jnp.uint8).reshape(8, 1)
+    ql = _nibbles(b[..., 48:], 4, 32).reshape(*b.shape[:-1], 8, 32)
+    q = (ql | ((qh.reshape(*b.shape[:-1], 8, 32) & jnp.uint8(1)) << jnp.uint8(4))).astype(jnp.float32)
+    return _scaled_minus_min(b, q)
+
+
+def _q6_k(b):
+    lead = b.shape[:-1]
+    ql, qh = b[..., :128], b[..., 128:192]
+    scales = b[..., 192:208].view(jnp.int8).astype(jnp.float32)
+    d = (_f16(b[..., 208:210]) * scales).reshape(*lead, 16, 1)
+    ql = _nibbles(ql, 2, 64).reshape(*lead, 8, 32)
+    qh = (qh.reshape(*lead, 2, 1, 32) >> jnp.array([0, 2, 4, 6], jnp.uint8).reshape(4, 1)) & jnp.uint8(3)
+    q = (ql | (qh.reshape(*lead, 8, 32) << jnp.uint8(4))).astype(jnp.int8) - jnp.int8(32)
+    return (d * q.reshape(*lead, 16, 16).astype(jnp.float32)).reshape(*lead, QK_K)
+
+
+DEQUANTIZE = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q5_0: _q5_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+
+
+def block_shape(qtype: Q) -> tuple[int, int]:
+    """(values, bytes) of one block of `qtype`."""
+    return gguf.GGML_QUANT_SIZES[qtype]
+
+
+def dequantize(blocks: jax.Array, qtype: Q) -> jax.Array:
+    """A tensor's raw blocks uint8 [..., blocks, bytes per block] -> float32 [..., blocks x block size]."""
+    if qtype not in DEQUANTIZE:
+        raise ValueError(f"GGUF type {qtype.name} is not one a quantized base is read in; "
+                         f"types: {', '.join(t.name for t in DEQUANTIZE)}, F16, F32")
+    values = DEQUANTIZE[qtype](blocks)
+    return values.reshape(*blocks.shape[:-2], -1)
