@@ -1,5 +1,12 @@
 """Quantized weights, dequantized inside the compiled program (issue 41's frozen base).
 
+NF4 (Dettmers et al. 2023, QLoRA): blocks of 64 values scaled by their absolute maximum (float32,
+not quantized again: no double quantization) onto the 16-level NormalFloat code book, each value
+its nearest level (a value on a midpoint goes down, as bitsandbytes' `quantize_4bit` bucketizes),
+two to a byte, the first in the high half; int8: per output channel, the channel's absolute
+maximum / 127, values rounded half to even. Both are equal to bitsandbytes' and to a numpy
+transcription (tests/test_quant.py).
+
 The GGUF block formats (llama.cpp's ggml-quants.c; gguf-py's `gguf.quants`) as JAX functions from a
 tensor's raw blocks, uint8 [..., blocks, bytes per block], to float32 [..., blocks x block size]:
 Q8_0, Q4_0, Q5_0 (blocks of 32) and the K-quants Q4_K, Q5_K, Q6_K (super-blocks of 256), each the
@@ -88,6 +95,47 @@ def _q6_k(b):
     qh = (qh.reshape(*lead, 2, 1, 32) >> jnp.array([0, 2, 4, 6], jnp.uint8).reshape(4, 1)) & jnp.uint8(3)
     q = (ql | (qh.reshape(*lead, 8, 32) << jnp.uint8(4))).astype(jnp.int8) - jnp.int8(32)
     return (d * q.reshape(*lead, 16, 16).astype(jnp.float32)).reshape(*lead, QK_K)
+
+
+# QLoRA's NormalFloat levels (bitsandbytes' table; the paper's appendix E).
+NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+            0.7229568362236023, 1.0)
+NF4_BLOCK = 64
+
+
+def quantize_nf4(x: jax.Array, block: int = NF4_BLOCK) -> tuple[jax.Array, jax.Array]:
+    """float [..., n] (n a multiple of 2 x block) -> (codes uint8 [..., n / 2], absmax float32 [..., n / block])."""
+    code = jnp.asarray(NF4_CODE, jnp.float32)
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, block)
+    absmax = jnp.max(jnp.abs(blocks), axis=-1)
+    # a block of zeros scales by 0 (bitsandbytes' 1 / max(absmax, 1e-38): a denormal, flushed to zero here)
+    inverse = jnp.where(absmax > 0, 1.0 / jnp.where(absmax > 0, absmax, 1.0), 0.0)
+    scaled = jnp.clip(blocks * inverse[..., None], -1, 1)
+    q = jnp.searchsorted((code[:-1] + code[1:]) / 2, scaled, side="left").astype(jnp.uint8)
+    q = q.reshape(*x.shape[:-1], -1, 2)
+    return (q[..., 0] << 4) | q[..., 1], absmax
+
+
+def dequantize_nf4(codes: jax.Array, absmax: jax.Array) -> jax.Array:
+    """The inverse of quantize_nf4 up to the levels: float32 [..., n]."""
+    code = jnp.asarray(NF4_CODE, jnp.float32)
+    q = jnp.stack([codes >> 4, codes & jnp.uint8(0x0F)], axis=-1).reshape(*absmax.shape, -1)
+    return (code[q] * absmax[..., None]).reshape(*codes.shape[:-1], -1)
+
+
+def quantize_int8(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
+    """Per channel along `axis` (its absolute maximum over the other axes / 127): (int8, float32 scales)."""
+    x = x.astype(jnp.float32)
+    others = tuple(a for a in range(x.ndim) if a != axis % x.ndim)
+    scale = jnp.max(jnp.abs(x), axis=others, keepdims=True) / 127.0
+    q = jnp.round(x / jnp.where(scale == 0, 1.0, scale))
+    return jnp.clip(q, -127, 127).astype(jnp.int8), scale
+
+
+def dequantize_int8(q: jax.Array, scale: jax.Array) -> jax.Array:
+    return q.astype(jnp.float32) * scale
 
 
 DEQUANTIZE = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q5_0: _q5_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
