@@ -121,6 +121,25 @@ def test_peft_loads_the_exported_adapters_with_our_logits_and_the_merged_export_
     expected = np.asarray(base_q["layers"]["attn"]["q_DNH"][...]) + 2.0 * np.einsum("ldr,lrnh->ldnh", a, b)
     np.testing.assert_allclose(np.asarray(model.params["layers"]["attn"]["q_DNH"][...]), expected, atol=1e-6)
 
+    # as llama.cpp's adapter GGUF: on a base file's weight (transformers' [out, in], as our GGUF export
+    # and llama.cpp's converter write it), W + (alpha / rank) lora_b lora_a is the merged weight
+    import gguf
+    from safetensors.numpy import load_file
+    model.export_adapters(tmp_path / "adapter.gguf", format="gguf", dtype="f32")
+    reader = gguf.GGUFReader(tmp_path / "adapter.gguf")
+    assert [reader.get_field(k).contents() for k in ("general.type", "adapter.type", "adapter.lora.alpha")] == [
+        "adapter", "lora", 8.0]
+    lora = {t.name: np.asarray(t.data) for t in reader.tensors}
+    base_w, merged_w = (load_file(tmp_path / d / "model.safetensors") for d in ("base", "merged"))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, SIZES["num_hidden_layers"])
+    adapted = [n for n in merged_w if names.get_name(n, try_suffixes=(".weight",)) + ".lora_a" in lora]
+    assert len(adapted) == 7 * SIZES["num_hidden_layers"] and len(lora) == 2 * len(adapted)
+    for hf_name in adapted:
+        g = names.get_name(hf_name, try_suffixes=(".weight",))
+        assert lora[g + ".lora_a"].shape == (4, base_w[hf_name].shape[1]), g
+        np.testing.assert_allclose(base_w[hf_name] + 2.0 * lora[g + ".lora_b"] @ lora[g + ".lora_a"],
+                                   merged_w[hf_name], atol=1e-5, err_msg=g)
+
 
 @pytest.mark.slow
 def test_checkpoints_hold_only_adapters_and_resume_bit_identically(tmp_path):

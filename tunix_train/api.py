@@ -139,12 +139,18 @@ class LoadedModel:
         gguf_export.export(self.params, self.config, self.tokenizer, self.chat and self.chat.template, Path(path),
                            dtype, overwrite)
 
-    def export_adapters(self, directory: Path) -> None:
-        """A LoRA run's adapters in PEFT's format (interop/peft.py), for the base its run started from."""
+    def export_adapters(self, path: Path, format: str = "peft", dtype: str = "f16", overwrite: bool = False) -> None:
+        """A LoRA run's adapters, for the base its run started from: in PEFT's format (a directory:
+        interop/peft.py), or as a llama.cpp LoRA adapter GGUF (format="gguf": interop/gguf_export.py)."""
         if self.adapters is None:
             raise ConfigError("this checkpoint has no LoRA adapters (training.lora.rank was null): export the "
                               "whole model instead")
-        peft.export(self.adapters, self.config, self.lora, directory)
+        if format == "gguf":
+            from tunix_train.interop import gguf_export
+
+            gguf_export.export_adapters(self.adapters, self.config, self.lora, Path(path), dtype, overwrite)
+        else:
+            peft.export(self.adapters, self.config, self.lora, Path(path))
 
     def _encode(self, text: str) -> list[int]:
         tokenizer = self._need_tokenizer()

@@ -3,6 +3,7 @@ file that llama.cpp, Ollama and LM Studio run.
 
     python -m tunix_train.export RUN_DIR_OR_CHECKPOINT OUTPUT_DIR [--adapters]
     python -m tunix_train.export RUN_OR_PATH OUT.gguf --format gguf [--dtype f16] [--overwrite]
+    python -m tunix_train.export LORA_RUN ADAPTER.gguf --format gguf --adapters [--dtype f16]
 
 Writes OUTPUT_DIR/config.json, OUTPUT_DIR/model.safetensors (float32) and the run's tokenizer
 (tokenizer.json or tokenizer.model) with its chat template (chat_template.jinja); the latest
@@ -11,6 +12,8 @@ adapters merged into the base it started from, or with --adapters only the adapt
 format (adapter_config.json, adapter_model.safetensors). --format gguf writes one file (the weights
 in --dtype f32, f16, bf16, q8_0 or q4_0, the tokenizer, the chat template; a LoRA run merged),
 from a run or any checkpoint tunix_train reads; an existing file is replaced only with --overwrite.
+--format gguf --adapters writes a LoRA run's adapters alone as a llama.cpp LoRA adapter (--dtype f32,
+f16, bf16 or q8_0) to apply on top of the base's GGUF file.
 """
 
 import argparse
@@ -31,13 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="GGUF: replace an existing file")
     args = parser.parse_args(argv)
     try:
-        from tunix_train.interop.gguf_export import DTYPES
+        from tunix_train.interop.gguf_export import ADAPTER_DTYPES, DTYPES
 
         if args.format == "gguf":
-            if args.adapters:
-                raise ConfigError("--adapters writes PEFT's format; a GGUF export holds the merged model")
-            if args.dtype not in DTYPES:
-                raise ConfigError(f"--dtype {args.dtype}: GGUF export writes {', '.join(DTYPES)}")
+            allowed = ADAPTER_DTYPES if args.adapters else DTYPES
+            if args.dtype not in allowed:
+                raise ConfigError(f"--dtype {args.dtype}: GGUF {'adapter ' if args.adapters else ''}export writes "
+                                  f"{', '.join(allowed)}")
             if args.output.exists() and not args.overwrite:
                 raise ConfigError(f"{args.output} exists: pass --overwrite to replace it")
         elif args.output.exists() and any(args.output.iterdir()):
@@ -45,10 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         from tunix_train import api
 
         model = api.load(args.checkpoint)
-        if args.format == "gguf":
+        if args.adapters:
+            model.export_adapters(args.output, args.format if args.format == "gguf" else "peft", args.dtype,
+                                  args.overwrite)
+        elif args.format == "gguf":
             model.export_gguf(args.output, args.dtype, args.overwrite)
         else:
-            (model.export_adapters if args.adapters else model.export)(args.output)
+            model.export(args.output)
     except ConfigError as err:
         print(f"tunix_train.export: error: {err}", file=sys.stderr)
         return exit_codes.CONFIG_ERROR

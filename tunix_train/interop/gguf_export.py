@@ -18,6 +18,12 @@ What a GGUF cannot carry (the query scale, the layer pattern, the local RoPE bas
 assume per architecture; the export reads its own file back and refuses a model that differs
 from what a reader would build (interop/gguf.py holds those assumptions, transformers' own).
 The file is written beside the target and renamed into place: a failed export leaves nothing.
+
+A LoRA run's adapters alone (`export_adapters`) as llama.cpp's convert_lora_to_gguf.py writes them,
+to apply on top of the unchanged base file (`llama-cli -m base.gguf --lora adapter.gguf`):
+general.type = adapter, adapter.type = lora, adapter.lora.alpha; for each adapted weight of GGUF
+name blk.N.<tensor>.weight, `.weight.lora_a` = PEFT's lora_A [r, in] and `.weight.lora_b` = lora_B
+[out, r], so that W + (alpha / r) lora_b lora_a is the merged weight in the base file's [out, in].
 """
 
 from __future__ import annotations
@@ -32,26 +38,69 @@ from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.interop import gguf as gguf_import, hf
 
 DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+ADAPTER_DTYPES = ("f32", "f16", "bf16", "q8_0")  # convert_lora_to_gguf.py's --outtype
 
 
-def export(params, cfg: ModelConfig, tokenizer, chat_template: str | None, path: Path, dtype: str = "f16",
-           overwrite: bool = False) -> None:
-    """Writes `path` (process 0), a GGUF of the model, its tokenizer and chat template."""
-    import gguf
-    import jax
-
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype}: GGUF export writes {', '.join(DTYPES)}")
-    if path.exists() and not overwrite:
-        raise ConfigError(f"{path} exists: pass --overwrite to replace it")
+def _arch(cfg: ModelConfig) -> str:
     family = hf._family(cfg)
     arch = {"gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}.get(family)
     if arch is None:
         raise ConfigError(f"GGUF export of {family} is not supported yet (llama.cpp's converter defines gemma, "
                           f"gemma2 and gemma3 here); export a Hugging Face checkpoint instead")
+    return arch
+
+
+def export(params, cfg: ModelConfig, tokenizer, chat_template: str | None, path: Path, dtype: str = "f16",
+           overwrite: bool = False) -> None:
+    """Writes `path` (process 0), a GGUF of the model, its tokenizer and chat template."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: GGUF export writes {', '.join(DTYPES)}")
+    if path.exists() and not overwrite:
+        raise ConfigError(f"{path} exists: pass --overwrite to replace it")
+    arch = _arch(cfg)
     if tokenizer is None:
         raise ConfigError("this checkpoint carries no tokenizer, and a GGUF file needs one")
-    tensors = hf.hf_tensors(params, cfg)
+
+    tensors = hf.hf_tensors(params, cfg)  # every process gathers its shards
+
+    def write(writer, names):
+        _metadata(writer, cfg, arch, dtype)
+        _vocabulary(writer, tokenizer, cfg.vocab_size, chat_template)
+        for name, array in tensors.items():
+            _add_tensor(writer, names.get_name(name, try_suffixes=(".weight",)), array, dtype)
+
+    _write(path, arch, cfg, write, check=lambda partial: _check_readable_as(cfg, partial, path))
+
+
+def export_adapters(adapters, cfg: ModelConfig, lora, path: Path, dtype: str = "f16", overwrite: bool = False) -> None:
+    """Writes `path` (process 0), the LoRA adapters as a llama.cpp adapter GGUF (module docstring)."""
+    from tunix_train.interop import peft
+
+    if dtype not in ADAPTER_DTYPES:
+        raise ConfigError(f"--dtype {dtype}: llama.cpp's LoRA adapters are {', '.join(ADAPTER_DTYPES)}")
+    if path.exists() and not overwrite:
+        raise ConfigError(f"{path} exists: pass --overwrite to replace it")
+    arch = _arch(cfg)
+
+    tensors = peft.tensors(adapters, cfg, lora)  # every process gathers its shards
+
+    def write(writer, names):
+        writer.add_type("adapter")
+        writer.add_string("adapter.type", "lora")
+        writer.add_float32("adapter.lora.alpha", float(lora.alpha))
+        for key, array in tensors.items():  # base_model.model.<name>.lora_A.weight
+            name, factor = key.removeprefix("base_model.model.").rsplit(".lora_", 1)  # factor: "A.weight"
+            gguf_name = names.get_name(name + ".weight", try_suffixes=(".weight",))
+            _add_tensor(writer, f"{gguf_name}.lora_{factor[0].lower()}", array, dtype)
+
+    _write(path, arch, cfg, write)
+
+
+def _write(path: Path, arch: str, cfg: ModelConfig, write, check=None) -> None:
+    """The GGUF file `write(writer, tensor names)` fills, written beside `path` and renamed into place."""
+    import gguf
+    import jax
+
     if jax.process_index() != 0:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -59,16 +108,13 @@ def export(params, cfg: ModelConfig, tokenizer, chat_template: str | None, path:
     os.close(handle)
     try:
         writer = gguf.GGUFWriter(partial, arch)
-        _metadata(writer, cfg, arch, dtype)
-        _vocabulary(writer, tokenizer, cfg.vocab_size, chat_template)
-        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_layers)
-        for name, array in tensors.items():
-            _add_tensor(writer, names.get_name(name, try_suffixes=(".weight",)), array, dtype)
+        write(writer, gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_layers))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        _check_readable_as(cfg, Path(partial), path)
+        if check:
+            check(Path(partial))
         umask = os.umask(0)  # mkstemp's file is private: give it the mode a new file gets
         os.umask(umask)
         os.chmod(partial, 0o666 & ~umask)

@@ -26,10 +26,10 @@ _MODULES = {"q_lora": "self_attn.q_proj", "k_lora": "self_attn.k_proj", "v_lora"
             "down_lora": "mlp.down_proj"}
 
 
-def export(adapters: nnx.State, cfg: ModelConfig, lora: LoraConfig, directory: Path, base_model: str = "") -> None:
-    """Writes the adapters (every process gathers them; process 0 writes) in PEFT's format."""
+def tensors(adapters: nnx.State, cfg: ModelConfig, lora: LoraConfig) -> dict[str, np.ndarray]:
+    """PEFT's tensors (every process gathers them): base_model.model.model.layers.{i}.<module>.lora_A.weight
+    [r, in] and .lora_B.weight [out, r], float32."""
     from jax.experimental import multihost_utils
-    from safetensors.numpy import save_file
 
     tensors = {}
     for path, variable in nnx.to_flat_state(adapters):
@@ -43,6 +43,14 @@ def export(adapters: nnx.State, cfg: ModelConfig, lora: LoraConfig, directory: P
                 name, tensor = "lora_B", ours.reshape(lora.rank, -1).T
             key = f"base_model.model.model.layers.{layer}.{_MODULES[adapter]}.{name}.weight"
             tensors[key] = np.ascontiguousarray(tensor)
+    return tensors
+
+
+def export(adapters: nnx.State, cfg: ModelConfig, lora: LoraConfig, directory: Path, base_model: str = "") -> None:
+    """Writes the adapters (process 0) in PEFT's format."""
+    from safetensors.numpy import save_file
+
+    weights = tensors(adapters, cfg, lora)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "bias": "none",
@@ -52,5 +60,5 @@ def export(adapters: nnx.State, cfg: ModelConfig, lora: LoraConfig, directory: P
     }
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+        save_file(weights, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
         (directory / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
