@@ -127,3 +127,10 @@ def test_what_cannot_be_written_is_refused_and_nothing_is_left(source, tmp_path)
     assert exported.returncode == 2 and (tmp_path / "m.gguf").read_bytes() == b"precious"
     assert exported.stderr.strip().splitlines() == [
         f"tunix_train.export: error: {tmp_path / 'm.gguf'} exists: pass --overwrite to replace it"]
+    adapters = subprocess.run([sys.executable, "-m", "tunix_train.export", str(tmp / "hf"), str(tmp_path / "a.gguf"),
+                               "--format", "gguf", "--adapters", "--dtype", "q4_0"], cwd=REPO, env=cpu_env(1),
+                              capture_output=True, text=True, timeout=300)
+    assert adapters.returncode == 2 and adapters.stderr.strip().splitlines() == [
+        "tunix_train.export: error: --dtype q4_0: GGUF adapter export writes f32, f16, bf16, q8_0"]
+    with pytest.raises(ConfigError, match="this checkpoint has no LoRA adapters"):
+        model.export_adapters(tmp_path / "a.gguf", format="gguf")
