@@ -261,3 +261,18 @@ def test_the_compiled_step_is_exact_under_accumulation(tmp_path, overrides):
     assert loss4 == pytest.approx(loss1, abs=1e-6) and norm4 == pytest.approx(norm1, rel=1e-6, abs=1e-7)
     assert abs(loss1) > 1e-3 and norm1 > 1e-3  # the comparison means something
     assert np.abs(update1 - update4).max() <= 1e-6 * max(np.abs(update1).max(), 1.0)
+
+
+def test_a_rollout_in_few_slots_gives_the_same_completions_and_losses(tmp_path):
+    """training.grpo.rollout_slots=4: the 32 completions of a step go through 4 slots at a time
+    (continuous batching) and are the ones of all at once, as are the losses."""
+    from conftest import read_metrics
+    from tunix_train.train.loop import train
+    runs = {}
+    for slots in ("null", "4"):
+        cfg = _run_cfg(tmp_path, "training.max_steps=2", "training.micro_batch_size=16", "training.eval_every=0",
+                       f"training.grpo.rollout_slots={slots}")
+        train(cfg, tmp_path / slots, devices=jax.devices()[:4])
+        runs[slots] = ([(m["loss"], m["reward"], m["completion_tokens"]) for m in read_metrics(tmp_path / slots)
+                        if "loss" in m], (tmp_path / slots / "samples.jsonl").read_text())
+    assert runs["4"] == runs["null"] and len(runs["null"][0]) == 2

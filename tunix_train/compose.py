@@ -158,6 +158,8 @@ def _check_grpo_family(grpo) -> None:
                                              or not 1 <= grpo.overlong_buffer <= grpo.max_new_tokens):
         raise ConfigError(f"training.grpo.overlong_buffer={grpo.overlong_buffer} needs training.grpo.overlong=soft "
                           f"and a value in [1, max_new_tokens={grpo.max_new_tokens}]")
+    if grpo.rollout_slots is not None and grpo.rollout_slots < 1:
+        raise ConfigError(f"training.grpo.rollout_slots={grpo.rollout_slots} must be >= 1 (null: every completion at once)")
     if grpo.max_turns < 1 or grpo.tool_timeout_s <= 0:
         raise ConfigError(f"training.grpo.max_turns={grpo.max_turns} must be >= 1 and training.grpo.tool_timeout_s="
                           f"{grpo.tool_timeout_s} positive")

@@ -279,6 +279,8 @@ class GrpoConfig:
     # The engine's own mesh, [[sizes], [names]], on devices apart from the training mesh's (each
     # process's last ones), the weights copied to it for every rollout; null: the training mesh.
     rollout_mesh_shape: Any = _changeable(None)
+    # The engine's slots for a rollout: null, every completion at once; N, at most N (continuous batching).
+    rollout_slots: Optional[int] = _changeable(None)
     # Reward functions, `module:function`, each fn(prompts, completions, **fields) -> list of floats;
     # the reward of a completion is their sum, weighted by reward_weights (empty: all 1).
     reward: List[str] = _fixed(factory=list)
