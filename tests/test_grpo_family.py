@@ -182,6 +182,7 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path):
     assert all(m["reward_length_for_even_answers_std"] > 0 for m in steps)
 
 
+@pytest.mark.slow  # several training runs
 def test_a_batch_without_signal_does_not_update_the_weights(tmp_path):
     """Every reward equal: with dynamic sampling no group has signal after its rounds, and the weights
     and AdamW's state stay as they were (without it, weight decay alone would move them)."""
@@ -263,6 +264,7 @@ def test_the_compiled_step_is_exact_under_accumulation(tmp_path, overrides):
     assert np.abs(update1 - update4).max() <= 1e-6 * max(np.abs(update1).max(), 1.0)
 
 
+@pytest.mark.slow  # several training runs
 def test_a_rollout_in_few_slots_gives_the_same_completions_and_losses(tmp_path):
     """training.grpo.rollout_slots=4: the 32 completions of a step go through 4 slots at a time
     (continuous batching) and are the ones of all at once, as are the losses."""

@@ -131,6 +131,7 @@ def test_ipo_and_sigmoid_equal_trl_dpo_trainer(kind):
             expected, abs=1e-6)
 
 
+@pytest.mark.slow  # three training runs in subprocesses
 @pytest.mark.parametrize("loss", ["orpo", "simpo", "ipo"])
 def test_each_loss_trains_and_the_reference_free_ones_keep_no_copy(tmp_path, loss):
     _write_pairs(tmp_path / "pairs.jsonl", n=32)
