@@ -166,6 +166,15 @@ class ChatTemplate:
         text, _ = self.render([{"role": "user", "content": "a"}, {"role": "assistant", "content": marker}])
         return text[text.rindex(marker) + len(marker):].strip()
 
+    def end_of_turn_id(self) -> int:
+        """The end of turn's token id, where a generated reply stops; a ConfigError when it is not one token."""
+        ids = self.tokenizer.encode_with_offsets(self.end_of_turn())[0]
+        if len(ids) != 1:
+            raise ConfigError(f"{self.source}: its end of turn {self.end_of_turn()!r} is not one token of this "
+                              f"tokenizer, so a reply cannot stop at it; use a tokenizer that has it (the bundled "
+                              f"one with Gemma's turn tokens: tunix_train.rewards.calculator.write_tokenizer)")
+        return ids[0]
+
     def encode(self, messages: Sequence[dict], roles: Sequence[str] = ("assistant",),
                add_generation_prompt: bool = False, **variables) -> tuple[list[int], list[bool]]:
         """Token ids of the rendered conversation and, for each, whether a message of `roles` wrote

@@ -58,13 +58,7 @@ class Turns:
     def __post_init__(self):
         self.schemas = [t.schema(f, name) for name, f in self.tools.items()] or None
         self.style = t.call_style(self.chat.template)
-        self.end_of_turn = self.chat.end_of_turn()
-        ids = self.chat.tokenizer.encode_with_offsets(self.end_of_turn)[0]
-        if len(ids) != 1:
-            raise ConfigError(f"{self.chat.source}: its end of turn {self.end_of_turn!r} is not one token of this "
-                              f"tokenizer, so a turn cannot stop at it; use a tokenizer that has it (the bundled one "
-                              f"with Gemma's turn tokens: tunix_train.rewards.calculator.write_tokenizer)")
-        self.end_of_turn_id = ids[0]
+        self.end_of_turn, self.end_of_turn_id = self.chat.end_of_turn(), self.chat.end_of_turn_id()
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self.chat.render(messages, add_generation_prompt, tools=self.schemas)[0]

@@ -177,7 +177,7 @@ class GroupRelative(Objective):
     def read(self, data) -> None:
         """Tokenizes the prompts once (the held-out ones too, for training.eval_every); a prompt with
         no room for max_new_tokens is a ConfigError."""
-        self._tokenizer, self._stop_ids, self._sampling_s = data.tokenizer, [data.tokenizer.eos_id], 0.0
+        self._tokenizer, self._stop_ids = data.tokenizer, [data.tokenizer.eos_id]
         if self.multi_turn:
             from tunix_train.envs.rollout import Turns
 
@@ -188,11 +188,7 @@ class GroupRelative(Objective):
         self._eval_docs = data.eval_docs if self.cfg.training.eval_every else []
         self._eval_prompts = self._tokenized(data, self._eval_docs, "the held-out prompts")
         if self.multi_turn or any(isinstance(doc["prompt"], list) for doc in data.train_docs):  # answers in turns
-            end = data.tokenizer.encode(data.chat.end_of_turn())
-            if len(end) != 1:
-                raise ConfigError(f"{data.chat.source}: its end of turn {data.chat.end_of_turn()!r} is not one token "
-                                  f"of this tokenizer, so a rollout cannot stop at it")
-            self._stop_ids += end
+            self._stop_ids.append(data.chat.end_of_turn_id())
 
     def _tokenized(self, data, docs, what: str) -> list:
         """Each prompt's ids (with turns: of the conversation's start, None where an environment
@@ -305,8 +301,8 @@ class GroupRelative(Objective):
         """Rollout number `index` of the prompts `indices` [A, prompts], drawn with `params` (those
         of step `version`, on the engine's mesh), scored. Under dynamic sampling, the groups without
         signal are set aside and more_prompts() are rolled out in their place."""
-        wanted, self._sampling_s = indices.size, 0.0
-        groups = self._sample(indices.reshape(-1), index, 0, params)
+        wanted = indices.size
+        groups, sampling_s = self._sample(indices.reshape(-1), index, 0, params)
         kept, spare, rounds = [], [], 1
         while self.grpo.dynamic_sampling:
             for group in groups:
@@ -314,18 +310,19 @@ class GroupRelative(Objective):
             if len(kept) >= wanted or rounds == self.grpo.dynamic_sampling_rounds:
                 groups = kept[:wanted] + spare[:wanted - len(kept)]
                 break
-            groups, rounds = self._sample(more_prompts().reshape(-1), index, rounds, params), rounds + 1
+            (groups, seconds), rounds = self._sample(more_prompts().reshape(-1), index, rounds, params), rounds + 1
+            sampling_s += seconds
         rows = lambda field: None if groups[0][field] is None else [row for g in groups for row in g[field]]
         total = lambda field: sum(g[field] for g in groups)
         return Rollout(index, version, int(indices.shape[0]), [g["prompt"] for g in groups], rows("completions"),
-                       rows("logprobs"), np.concatenate([g["rewards"] for g in groups], 1).tolist(), self._sampling_s,
+                       rows("logprobs"), np.concatenate([g["rewards"] for g in groups], 1).tolist(), sampling_s,
                        rounds=rounds, filler_groups=max(wanted - len(kept), 0) if self.grpo.dynamic_sampling else 0,
                        prompt_ids=rows("prompt_ids"), own=rows("own"), tool_calls=total("tool_calls"),
                        tool_errors=total("tool_errors"), turns=total("turns"))
 
-    def _sample(self, order: np.ndarray, index: int, round_: int, params) -> list[dict[str, Any]]:
-        """The G completions of each prompt of `order`, scored: one dict per group. Round r of a
-        rollout draws from the streams after round r - 1's."""
+    def _sample(self, order: np.ndarray, index: int, round_: int, params) -> tuple[list[dict[str, Any]], float]:
+        """The G completions of each prompt of `order`, scored: one dict per group, and the seconds
+        spent generating. Round r of a rollout draws from the streams after round r - 1's."""
         from tunix_train.generate import Sampling
 
         G, order = self.grpo.num_generations, [int(i) for i in order]
@@ -336,11 +333,13 @@ class GroupRelative(Objective):
         group = lambda field, i: out[field][i * G:(i + 1) * G] if out[field] is not None else None
         return [{"prompt": p, **{f: group(f, i) for f in ("completions", "logprobs", "prompt_ids", "own")},
                  "rewards": out["rewards"][:, i * G:(i + 1) * G],
-                 **{f: sum(group(f, i)) for f in ("tool_calls", "tool_errors", "turns")}} for i, p in enumerate(order)]
+                 **{f: sum(group(f, i)) for f in ("tool_calls", "tool_errors", "turns")}}
+                for i, p in enumerate(order)], out["sampling_s"]
 
     def _complete(self, docs: list[dict], prompts: list, params, sampling, seed: int, stream: int) -> dict[str, Any]:
         """Each record's completion, scored: its prompt's ids continued by the engine (request i from
-        stream + i), or with turns its conversation (envs/rollout.py; streams from `stream` on)."""
+        stream + i), or with turns its conversation (envs/rollout.py; streams from `stream` on); and
+        the seconds it took (`sampling_s`)."""
         from tunix_train.generate import Request
 
         T, start, request = self.cfg.data.seq_len, time.perf_counter(), lambda ids, n, k: Request(
@@ -365,7 +364,7 @@ class GroupRelative(Objective):
                    "logprobs": [c.logprobs + [c.stop_logprob] * s for c, s in zip(done, stopped)],
                    **dict.fromkeys(("tool_calls", "tool_errors", "turns"), [0] * len(done))}
             texts, extra = [self._tokenizer.decode(c.tokens) for c in done], {}
-        self._sampling_s += time.perf_counter() - start
+        out["sampling_s"] = time.perf_counter() - start  # the engine's time (and the tools')
         out["rewards"] = self.rewards.score([d["prompt"] for d in docs], texts, docs, out["completions"], **extra)
         return out
 
