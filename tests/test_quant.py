@@ -86,7 +86,7 @@ def test_int8_per_channel_round_trip():
     rng = np.random.default_rng(1)
     x = rng.normal(0, 0.1, (64, 48)).astype(np.float32)
     x[:, 3] = 0.0  # a channel of zeros
-    q, scale = quant.quantize_int8(x, axis=-1)
+    q, scale = quant.quantize_int8(x, reduced=(0,))  # [in, out]: per output channel
     want_scale = np.abs(x).max(axis=0, keepdims=True) / np.float32(127)
     want_q = np.clip(np.round(x / np.where(want_scale == 0, 1, want_scale)), -127, 127).astype(np.int8)
     np.testing.assert_array_equal(np.asarray(q), want_q)

@@ -276,11 +276,20 @@ def state_shardings(abstract_state: Any, mesh: Mesh, replicated_over: Sequence[s
     other leaf (counters, scalars) is replicated."""
 
     def leaf_sharding(path, leaf):
-        if _is_variable(leaf):
-            spec = logical_to_spec(leaf.get_metadata()["axes"], leaf.get_value().shape, mesh,
-                                   jax.tree_util.keystr(path, simple=True, separator="."), rules)
+        if not _is_variable(leaf):
+            return NamedSharding(mesh, P())
+        axes, value = leaf.get_metadata()["axes"], leaf.get_value()
+
+        def sharding(shape, axes=axes):
+            spec = logical_to_spec(axes, shape, mesh, jax.tree_util.keystr(path, simple=True, separator="."), rules)
             return NamedSharding(mesh, P(*(_without(entry, replicated_over) for entry in spec)))
-        return NamedSharding(mesh, P())
+
+        if all(x is value for x in jax.tree.leaves(value)):  # an array
+            return sharding(value.shape)
+        # A quantized weight (model/quant.py): arrays of the weight's rank along its axes, each its
+        # own sharding; a size-1 dimension (a per-channel scale's input axes) is not split.
+        return leaf.replace(jax.tree.map(
+            lambda x: sharding(x.shape, [None if n == 1 else a for a, n in zip(axes, x.shape)]), value))
 
     return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_state, is_leaf=_is_variable)
 

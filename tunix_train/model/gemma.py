@@ -211,6 +211,7 @@ class Gemma(nnx.Module):
         otherwise `groups[g][j]`, the stack of position j of group g's period over its repeats."""
         self.cfg, self.remat, self.scan_unroll, self.attention = cfg, remat, scan_unroll, attention
         self.rules, self.parallel = rules, parallel
+        self.quantized_base = lora is not None and lora.base_quantization.value != "none"
         D, V, L = cfg.embed_dim, cfg.vocab_size, cfg.num_layers
         self.embedding_VD = param(rngs, (V, D), ("vocab", "embed"), D)
         self.layer_groups = layer_groups(cfg)
@@ -332,9 +333,9 @@ class Gemma(nnx.Module):
             x_BTD, _, side = nnx.merge(graphdef, state)(x_BTD, rope, attend_within(window), per_layer_BTP, shared_kv)
             return x_BTD, side["kv"], side.get("moe", {})
 
-        if self.remat in kernels.REMAT_POLICIES:
-            apply = jax.checkpoint(apply, policy=kernels.REMAT_POLICIES[self.remat], prevent_cse=False,
-                                   static_argnums=(0, 1))
+        policy = kernels.remat_policy(self.remat, self.quantized_base)
+        if policy is not None:
+            apply = jax.checkpoint(apply, policy=policy, prevent_cse=False, static_argnums=(0, 1))
         # keys and values each KV-sharing layer reuses: the latest of each layer type so far
         shared = {} if not self.cfg.num_kv_shared_layers else {
             kind: self._empty_kv(x_BTD, shape) for kind, shape in self._kv_producers().items()}

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from tunix_train.config import Remat
+from tunix_train.model.quant import DEQUANTIZED
 
 PROJECTION = "projection"  # checkpoint name of projections' outputs: saved like matmul outputs
 ATTENTION = "attention"  # checkpoint name of attention's output and log-sum-exp: saved likewise
@@ -337,3 +338,11 @@ REMAT_POLICIES = {
         jax.checkpoint_policies.save_only_these_names(PROJECTION, ATTENTION)),
     Remat.offload_matmul_outputs: _offload_matmul_outputs,
 }
+
+
+def remat_policy(remat: Remat, quantized_base: bool):
+    """training.remat's policy; None: no checkpoint. None of the policies saves a quantized base's
+    dequantized layer (quant.DEQUANTIZED): with Remat.none it is the one thing recomputed."""
+    if remat is Remat.none and quantized_base:
+        return jax.checkpoint_policies.save_anything_except_these_names(DEQUANTIZED)
+    return REMAT_POLICIES.get(remat)

@@ -53,6 +53,8 @@ def merged(weight, a, b, scale: float):
 # Each LoRA adapter (an attribute of Attention or MLP) and the weight beside it that it adapts.
 ADAPTED_WEIGHTS = {"q_lora": "q_DNH", "k_lora": "k_DKH", "v_lora": "v_DKH", "o_lora": "o_NHD",
                    "gate_lora": "gate_DF", "up_lora": "up_DF", "down_lora": "down_FD"}
+# The number of input dimensions (after a stack's layers axis) of each adapted weight.
+INPUT_DIMS = {"q_DNH": 1, "k_DKH": 1, "v_DKH": 1, "o_NHD": 2, "gate_DF": 1, "up_DF": 1, "down_FD": 1}
 Adapt = Callable[[str, nnx.Param, int], LoRA | None]  # (target, weight, input dims) -> its adapter or None
 
 

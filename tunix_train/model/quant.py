@@ -14,15 +14,26 @@ same arithmetic as `gguf.quants.dequantize` in the same order, so the values are
 (tests/test_quant.py). They are written here because neither qwix nor any JAX library reads
 ggml's blocks; a tensor keeps its own type (a Q4_K_M file mixes Q4_K, Q6_K and F16/F32).
 
+`Quantized` is a frozen weight held in one of these formats inside the model's parameters: reading
+it (`w[...]`) dequantizes it to its compute dtype, inside the layer scan, so one layer is dense at a
+time; the dense layer is named DEQUANTIZED, which no remat policy saves (the backward pass
+dequantizes again). qwix (Tunix's QLoRA) quantizes by intercepting a module's dot_generals; our
+layers are scanned stacks of nnx.Params read by einsums, so the weight itself carries its format.
+
 Each block's bytes are read little-endian, as gguf-py's `ndarray.view` reads them on the hosts we
 run on (x86-64, aarch64, and the GPUs'/TPUs' hosts are all little-endian).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Any
+
 import gguf
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 Q = gguf.GGMLQuantizationType
 QK_K = 256
@@ -125,11 +136,11 @@ def dequantize_nf4(codes: jax.Array, absmax: jax.Array) -> jax.Array:
     return (code[q] * absmax[..., None]).reshape(*codes.shape[:-1], -1)
 
 
-def quantize_int8(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
-    """Per channel along `axis` (its absolute maximum over the other axes / 127): (int8, float32 scales)."""
+def quantize_int8(x: jax.Array, reduced: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """Per channel: each channel's absolute maximum over the axes `reduced` (its inputs) / 127, kept
+    as size-1 axes -> (int8, float32 scales)."""
     x = x.astype(jnp.float32)
-    others = tuple(a for a in range(x.ndim) if a != axis % x.ndim)
-    scale = jnp.max(jnp.abs(x), axis=others, keepdims=True) / 127.0
+    scale = jnp.max(jnp.abs(x), axis=reduced, keepdims=True) / 127.0
     q = jnp.round(x / jnp.where(scale == 0, 1.0, scale))
     return jnp.clip(q, -127, 127).astype(jnp.int8), scale
 
@@ -153,3 +164,68 @@ def dequantize(blocks: jax.Array, qtype: Q) -> jax.Array:
                          f"types: {', '.join(t.name for t in DEQUANTIZE)}, F16, F32")
     values = DEQUANTIZE[qtype](blocks)
     return values.reshape(*blocks.shape[:-2], -1)
+
+
+DEQUANTIZED = "dequantized_base"  # checkpoint name of a dequantized weight: never saved for the backward pass
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "scale"],
+                   meta_fields=["kind", "axis", "dtype"])
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """A frozen weight held quantized. nf4: `data` the codes, two per byte along `axis`, `scale`
+    each block's absmax (the weight's shape with `axis` divided by 2 and by 64); int8: `data` the
+    int8 values, `scale` per output channel (1 along the input dimensions). `w[...]` is the weight,
+    dequantized to `dtype`. Both arrays have the weight's rank, so they shard along its axes."""
+
+    data: Any
+    scale: Any
+    kind: str  # "nf4" | "int8"
+    axis: int  # nf4: the blocks' axis, counted from the end (a stacked layers axis leaves it in place)
+    dtype: Any  # of the dequantized weight
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = list(self.data.shape)
+        if self.kind == "nf4":
+            shape[self.axis] *= 2
+        return tuple(shape)
+
+    def dequantized(self) -> jax.Array:
+        if self.kind == "int8":
+            return dequantize_int8(self.data, self.scale).astype(self.dtype)
+        codes, absmax = (jnp.moveaxis(x, self.axis, -1) for x in (self.data, self.scale))
+        return jnp.moveaxis(dequantize_nf4(codes, absmax), -1, self.axis).astype(self.dtype)
+
+    def __getitem__(self, index):
+        if index is not Ellipsis:
+            raise IndexError("a quantized weight is read whole: w[...]")
+        return checkpoint_name(self.dequantized(), DEQUANTIZED)
+
+    def astype(self, dtype) -> Quantized:
+        """The same codes, dequantized to `dtype` where they are read."""
+        return dataclasses.replace(self, dtype=jnp.dtype(dtype))
+
+
+def quantize(x: jax.Array, kind: str, input_dims: tuple[int, ...], block_axis: int) -> Quantized:
+    """x as `kind`: int8 per output channel (the maximum over `input_dims`); nf4 in blocks of 64 along
+    `block_axis` (negative)."""
+    if kind == "int8":
+        return Quantized(*quantize_int8(x, input_dims), kind, -1, x.dtype)
+    codes, absmax = quantize_nf4(jnp.moveaxis(x, block_axis, -1))
+    return Quantized(jnp.moveaxis(codes, -1, block_axis), jnp.moveaxis(absmax, -1, block_axis), kind, block_axis,
+                     x.dtype)
+
+
+def is_quantized(x: Any) -> bool:
+    return isinstance(x, Quantized)
+
+
+def cast(tree: Any, dtype) -> Any:
+    """Every array of `tree` as `dtype`, and every quantized weight dequantized to it."""
+    return jax.tree.map(lambda x: x.astype(dtype), tree, is_leaf=is_quantized)
+
+
+def dense(tree: Any) -> Any:
+    """`tree` with every quantized weight dequantized."""
+    return jax.tree.map(lambda x: x.dequantized() if is_quantized(x) else x, tree, is_leaf=is_quantized)

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tunix_train.config import MixedPrecision, ModelConfig, TrainingConfig
+from tunix_train.model import quant
 from tunix_train.model.gemma import output_logits
 from tunix_train.model.moe import load_balancing_loss
 from tunix_train.parallel import Parallelism
@@ -61,7 +62,7 @@ def token_losses(graphdef: nnx.GraphDef, params: tuple[nnx.State, ...], micro: d
     sequence split in `seq_shards` parts (cp), every part computes its own chunks at once. The
     logits are divided by `temperature` (the distribution an RL objective sampled from)."""
     if compute_dtype != jnp.float32:
-        params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+        params = quant.cast(params, compute_dtype)
         if param_shardings is not None:
             params = jax.lax.with_sharding_constraint(params, param_shardings)
     model = nnx.merge(graphdef, *params)
@@ -150,8 +151,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
                                                param_shardings)
     frozen = to_device("frozen")
     if compute_dtype != jnp.float32 and frozen is not None:  # cast once per step, not per micro-batch
-        frozen = jax.lax.with_sharding_constraint(jax.tree.map(lambda p: p.astype(compute_dtype), frozen),
-                                                  on_device.frozen)
+        frozen = jax.lax.with_sharding_constraint(quant.cast(frozen, compute_dtype), on_device.frozen)
     weighted_loss_sum = functools.partial(
         _objective_loss, objective, weights, graphdef, frozen=frozen, weight=total_weight,
         compute_dtype=compute_dtype, chunk=loss_chunk_size, seq_shards=seq_shards, moe_aux_loss_coef=moe_aux_loss_coef,

@@ -2,8 +2,9 @@
 
 Full fine-tuning trains every parameter. Objectives that compare with the starting model (DPO,
 GRPO) then keep a frozen copy of it as their reference, sharded like the parameters. With LoRA only
-the adapters train: the base is frozen (held in training.lora.base_dtype), and the reference is the
-same base with the adapters switched off, so there is no second copy.
+the adapters train: the base is frozen (held in training.lora.base_dtype, its projections quantized
+under training.lora.base_quantization), and the reference is the same base with the adapters
+switched off, so there is no second copy.
 """
 
 from __future__ import annotations
@@ -14,11 +15,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_train.config import BaseDtype, LoraConfig, TrainingConfig
-from tunix_train.model.lora import ADAPTED_WEIGHTS
-from tunix_train.model.lora import Adapter, merged
+from tunix_train.config import BaseDtype, BaseQuantization, ConfigError, LoraConfig, TrainingConfig
+from tunix_train.model import quant
+from tunix_train.model.lora import ADAPTED_WEIGHTS, INPUT_DIMS, Adapter, merged
 
 _BASE_DTYPES = {BaseDtype.fp32: jnp.float32, BaseDtype.bf16: jnp.bfloat16}
+BLOCK_AXES = ("head_dim", "mlp")  # nf4's blocks run along a projection's feature axis, never fsdp's embed
+
+
+def _quantized(kind: BaseQuantization, path: tuple, weight: nnx.Param) -> nnx.Param:
+    """A stacked projection [layers, ...] as `kind`: int8 per output channel, nf4 along its BLOCK_AXES."""
+    axes, x = weight.get_metadata()["axes"], weight[...]
+    first = axes.index("layers") + 1
+    block = next(i for i, a in enumerate(axes) if a in BLOCK_AXES) - len(axes)
+    if kind is BaseQuantization.nf4 and x.shape[block] % quant.NF4_BLOCK:
+        raise ConfigError(f"training.lora.base_quantization=nf4: {'.'.join(map(str, path))} has {axes[block]} "
+                          f"{x.shape[block]}, not a multiple of the block size {quant.NF4_BLOCK}; use int8 or none")
+    return weight.replace(quant.quantize(x, kind.value, tuple(range(first, first + INPUT_DIMS[path[-1]])), block))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +53,13 @@ class Weights:
     def frozen_base(self, base: nnx.State) -> nnx.State:
         """LoRA's base parameters as the run holds them frozen (in training.lora.base_dtype)."""
         dtype = _BASE_DTYPES[self.lora.base_dtype]
-        return jax.tree.map(lambda x: x.astype(dtype), base)
+        base = jax.tree.map(lambda x: x.astype(dtype), base)
+        kind = self.lora.base_quantization
+        if kind is BaseQuantization.none:
+            return base
+        flat = nnx.to_flat_state(base)
+        return nnx.from_flat_state([(path, _quantized(kind, path, w) if path[-1] in INPUT_DIMS else w)
+                                    for path, w in flat])
 
     def policy(self, params, frozen) -> tuple:
         """The states that nnx.merge makes the trained model from."""
@@ -52,11 +71,11 @@ class Weights:
         return (frozen,) if self.lora is None else (frozen, jax.tree.map(switch_off, params))
 
     def merged(self, params, frozen) -> nnx.State:
-        """The trained model as plain parameters (no adapters; LoRA's base in its dtype plus
-        (alpha / rank) · A B): what the engine and the exporters read."""
+        """The trained model as plain parameters (no adapters; LoRA's base in its dtype, dequantized,
+        plus (alpha / rank) · A B): what the engine and the exporters read."""
         if self.lora is None:
             return params
-        flat = dict(nnx.to_flat_state(frozen))
+        flat = dict(nnx.to_flat_state(quant.dense(frozen)))
         adapters = dict(nnx.to_flat_state(params))
         scale = self.lora.alpha / self.lora.rank
         for path in {p[:-1] for p in adapters}:
