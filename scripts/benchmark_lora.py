@@ -2,10 +2,13 @@
 CPU devices; no accelerator needed).
 
     python scripts/benchmark_lora.py [--model gemma3_1b] [--mesh '[[8],["fsdp"]]'] [--rank 16] [overrides...]
+    python scripts/benchmark_lora.py --fit gemma3_1b,gemma3_4b,gemma3_12b,gemma3_27b
 
-For each of full fine-tuning, LoRA with an fp32 base and LoRA with a bf16 base: per device, the
+For each of full fine-tuning and LoRA over an fp32, a bf16, an int8 and an nf4 base: per device, the
 trainable parameters, the optimizer state, the frozen weights, the compiler's temporaries and the
-total, as tunix_train.plan computes them.
+total, as tunix_train.plan computes them. --fit: each model's LoRA r16 at seq 2048, one row, remat
+full, on one device, with each base; whether it fits 24 GB and 80 GB. The last line is one JSON
+object of the figures (GiB).
 """
 
 from __future__ import annotations
@@ -24,27 +27,63 @@ def main() -> int:
     parser.add_argument("--model", default="gemma3_1b")
     parser.add_argument("--mesh", default='[[8],["fsdp"]]')
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--fit", default="", help="comma-separated models: the largest that fits one device")
     parser.add_argument("overrides", nargs="*", help="more hydra overrides, e.g. training.micro_batch_size=2")
     args = parser.parse_args()
     import json
 
-    devices = math.prod(json.loads(args.mesh)[0])
+    devices = 1 if args.fit else math.prod(json.loads(args.mesh)[0])
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from tunix_train.plan import plan
 
+    lora = [f"training.lora.rank={args.rank}", "training.lora.targets=[q,k,v,o,gate,up,down]"]
+    bases = {"fp32 base": [], "bf16 base": ["training.lora.base_dtype=bf16"],
+             "int8 base": ["training.lora.base_dtype=bf16", "training.lora.base_quantization=int8"],
+             "nf4 base": ["training.lora.base_dtype=bf16", "training.lora.base_quantization=nf4"]}
+    columns = ["parameters", "optimizer state", "frozen weights", "temporaries (compiler)", "total"]
+    if args.fit:
+        return _fit(plan, args.fit.split(","), lora, {k: v for k, v in bases.items() if k != "fp32 base"}, columns)
     base = [f"model={args.model}", f"model.mesh_shape={args.mesh}", "data=synthetic", "data.seq_len=1024",
             "training.micro_batch_size=1", "training.mixed_precision=bf16", *args.overrides]
-    lora = [f"training.lora.rank={args.rank}", "training.lora.targets=[q,k,v,o,gate,up,down]"]
-    runs = {"full fine-tuning": base, f"LoRA r{args.rank}, fp32 base": [*base, *lora],
-            f"LoRA r{args.rank}, bf16 base": [*base, *lora, "training.lora.base_dtype=bf16"]}
+    runs = {"full fine-tuning": base, **{f"LoRA r{args.rank}, {name}": [*base, *lora, *extra]
+                                         for name, extra in bases.items()}}
     rows = {name: plan(overrides)[0] for name, overrides in runs.items()}
-    columns = ["parameters", "optimizer state", "frozen weights", "temporaries (compiler)", "total"]
     print(f"{args.model} on {args.mesh}, per device, GiB ({' '.join(base[2:])})\n")
+    _table(rows, columns)
+    print(json.dumps({name: {c: round(figures.get(c, 0) / 2**30, 4) for c in columns} for name, figures in rows.items()}))
+    return 0
+
+
+def _table(rows, columns):
     print("| | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for name, figures in rows.items():
         print(f"| {name} | " + " | ".join(f"{figures.get(c, 0) / 2**30:.3f}" for c in columns) + " |")
+
+
+def _fit(plan, models, lora, bases, columns) -> int:
+    """Each model's LoRA at seq 2048, one row, remat full, on one device, with each base."""
+    import json
+
+    fit = ["model.mesh_shape=[[1],[fsdp]]", "data=synthetic", "data.seq_len=2048", "training.micro_batch_size=1",
+           "training.mixed_precision=bf16", "training.remat=full", "training.loss_chunk_size=512", *lora]
+    rows, totals = {}, {}
+    for model in models:
+        for name, extra in bases.items():
+            figures = plan([f"model={model}", *fit, *extra])[0]
+            rows[f"{model}, {name}"] = figures
+            totals.setdefault(model, {})[name] = round(figures["total"] / 2**30, 3)
+            print(f"{model}, {name}: {figures['total'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+    print(f"one device, per device, GiB ({' '.join(fit)})\n")
+    _table(rows, columns)
+    print("\n| base | " + " | ".join(models) + " |")
+    print("|---" * (len(models) + 1) + "|")
+    for name in bases:
+        cells = [f"{totals[m][name]:.1f} ({'24' if totals[m][name] * 2**30 <= 24e9 else '80' if totals[m][name] * 2**30 <= 80e9 else '-'})"
+                 for m in models]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print(json.dumps({"fit_total_gib": totals}))
     return 0
 
 

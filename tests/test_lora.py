@@ -25,11 +25,11 @@ STEPS = ("training.max_steps=4", "training.log_every=1", "training.eval_every=0"
          "training.learning_rate=1e-2", "training.micro_batch_size=4")
 
 
-def _state_and_steps(*overrides, steps=3):
-    """A fresh state of the tiny model on MESH, and it after `steps` steps on one synthetic batch."""
+def _state_and_steps(*overrides, steps=3, mesh=MESH):
+    """A fresh state of the tiny model on `mesh`, and it after `steps` steps on one synthetic batch."""
     cfg = config(*STEPS, *overrides)
-    cfg.model.mesh_shape = MESH
-    run = setup(cfg, jax.devices()[:4])
+    cfg.model.mesh_shape = mesh
+    run = setup(cfg, jax.devices()[:int(np.prod(mesh[0]))])
     data = SyntheticBatches(seq_len=32, vocab_size=cfg.model.vocab_size, accumulation_steps=1,
                             global_micro_batch=run.micro_batch, seed=0)
     with jax.set_mesh(run.mesh):

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from tunix_train.config import ConfigError, ModelConfig, Remat
+from tunix_train.config import ConfigError, LoraConfig, ModelConfig, Remat
 from tunix_train.generate import cache as kv
 from tunix_train.generate.sampling import Kinds, Rules, draw
 from tunix_train.generate.session import Completion, Request, Session  # noqa: F401 (Completion: the API)
@@ -51,15 +51,16 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, stop_ids: Sequence[int] = (), rules: ShardingRules = LOGICAL_RULES,
                  slots: Optional[int] = 16, chunk: int = 8, prefix_cache: int = 4,
-                 decode: Optional[Callable[[list[int]], str]] = None):
+                 decode: Optional[Callable[[list[int]], str]] = None, lora: Optional[LoraConfig] = None):
         """stop_ids: the tokens that end a request (EOS, end of turn), excluded from its tokens.
         prefix_cache: how many recent prompts' prefills are kept for reuse (0: every request is
-        prefilled on its own). decode: token ids -> text, for requests with stop strings."""
+        prefilled on its own). decode: token ids -> text, for requests with stop strings. lora: the
+        model carries these adapters apart from its base (a quantized base, Weights.for_engine)."""
         # the engine keeps positions whole: a prompt or one decoded token is not split over cp
         self.cfg, self.mesh, self.rules, self.chunk = cfg, mesh, rules.replace(seq=()), chunk
         self.stop_ids, self.decode = frozenset(int(i) for i in stop_ids), decode
         self.slots, self.prefix_cache = slots, prefix_cache
-        self.graphdef = model_graphdef(cfg, Remat.none, rules=self.rules)
+        self.graphdef = model_graphdef(cfg, Remat.none, rules=self.rules, lora=lora)
         self.windows = tuple(int(w) for w in layer_windows(cfg))
         self.source = kv_sources(cfg)
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("max_len",))

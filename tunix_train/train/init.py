@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -13,6 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tunix_train.config import ModelConfig, ShardingStrategy
+from tunix_train.model import quant
 from tunix_train.model.gemma import Gemma
 from tunix_train.model.lora import Adapter
 from tunix_train.sharding import LOGICAL_RULES, Rules, state_shardings
@@ -151,4 +153,4 @@ def create_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransfor
 
 
 def count_params(params: nnx.State) -> int:
-    return sum(x.size for x in jax.tree.leaves(params))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(params, is_leaf=quant.is_quantized))

@@ -152,12 +152,18 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
     return state
 
 
+def _base_format(lora) -> str:
+    if lora.base_quantization.value == "none":
+        return lora.base_dtype.value
+    return f"{lora.base_quantization.value} (projections; {lora.base_dtype.value} elsewhere)"
+
+
 def _describe_parameters(run, state: TrainState) -> str:
     trainable = f"{count_params(state.params):,} parameters"
     if run.weights.lora is not None:
         lora = run.weights.lora
         return (f"{trainable} in LoRA adapters (rank {lora.rank}, alpha {lora.alpha:g}, on {', '.join(lora.targets)}) "
-                f"over a frozen {lora.base_dtype.value} base of {count_params(state.frozen):,}")
+                f"over a frozen {_base_format(lora)} base of {count_params(state.frozen):,}")
     if state.frozen is not None:
         return f"{trainable}, and a frozen reference copy of them"
     return trainable
@@ -170,8 +176,8 @@ def _samples_hook(cfg: Config, run, data: Data, writer: MetricsWriter | None, sa
     if not t.sample_every:
         return []
     tokenizer = data.tokenizer
-    engine = Engine(cfg.model, run.mesh, stop_ids=(tokenizer.eos_id,))
-    merged = jax.jit(run.weights.merged)  # LoRA: the adapters merged into the base
+    engine = Engine(cfg.model, run.mesh, stop_ids=(tokenizer.eos_id,), lora=run.weights.engine_lora)
+    merged = jax.jit(run.weights.for_engine)  # LoRA: the adapters merged into the base
 
     def generate(state, prompts: list[str]) -> list[str]:
         params = merged(jax.device_put(state.params, run.plan.on_device.params), state.frozen)

@@ -70,6 +70,20 @@ class Weights:
         (`switch_off` maps each adapter; for shardings, pass the identity)."""
         return (frozen,) if self.lora is None else (frozen, jax.tree.map(switch_off, params))
 
+    @property
+    def engine_lora(self) -> LoraConfig | None:
+        """The adapters the engine's model carries: LoRA's over a quantized base, else none."""
+        quantized = self.lora is not None and self.lora.base_quantization is not BaseQuantization.none
+        return self.lora if quantized else None
+
+    def for_engine(self, params, frozen) -> nnx.State:
+        """What the engine samples from: the merged parameters; over a quantized base the base and
+        the adapters as they are (merging would dequantize the whole base; the engine dequantizes
+        each layer where it reads it, and applies the adapters beside it)."""
+        if self.engine_lora is not None:
+            return nnx.merge_state(frozen, params)
+        return self.merged(params, frozen)
+
     def merged(self, params, frozen) -> nnx.State:
         """The trained model as plain parameters (no adapters; LoRA's base in its dtype, dequantized,
         plus (alpha / rank) · A B): what the engine and the exporters read."""

@@ -225,10 +225,11 @@ class GroupRelative(Objective):
         from tunix_train.generate import Engine
 
         self._run, self._write_samples = run, write_samples
-        self._merged = jax.jit(run.weights.merged)  # LoRA: the adapters merged into the base, compiled once
+        self._merged = jax.jit(run.weights.for_engine)  # LoRA: the adapters merged into the base, compiled once
         self._mesh = run.rollout_mesh or run.mesh
         # every completion of a rollout at once, in one batch of slots, or rollout_slots at a time
-        self._engine = Engine(self.cfg.model, self._mesh, stop_ids=self._stop_ids, slots=self.grpo.rollout_slots)
+        self._engine = Engine(self.cfg.model, self._mesh, stop_ids=self._stop_ids, slots=self.grpo.rollout_slots,
+                              lora=run.weights.engine_lora)
         if run.rollout_mesh is not None:
             self._copy = cross_mesh_copier(run.mesh, run.rollout_mesh)
             parts = ("params", "frozen") if run.weights.lora else ("params",)  # full fine-tuning: the reference stays

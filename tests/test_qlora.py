@@ -1,0 +1,123 @@
+"""QLoRA: LoRA over a quantized frozen base (training.lora.base_quantization): the first loss is the
+dequantized base's, the base stays bit-unchanged and small, meshes agree, resume is bit-identical."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import config, read_metrics, straight_and_resumed, train_losses
+from test_cli import run_cli
+from test_lora import ALL, STEPS, _state_and_steps
+from tunix_train.config import Remat
+from tunix_train.data.synthetic import SyntheticBatches
+from tunix_train.model import quant
+from tunix_train.parallel import model_graphdef
+from tunix_train.train.step import token_losses
+
+QLORA = ("training.lora.rank=4", ALL, "model.head_dim=64")  # nf4 blocks of 64 along head_dim and mlp (128)
+nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def _dense_model_loss(run, frozen) -> float:
+    """The mean token loss of the first synthetic batch under the plain model whose weights are
+    `frozen` dequantized: what a LoRA model with B = 0 computes."""
+    model_cfg = config(*STEPS, *QLORA).model
+    batch = next(SyntheticBatches(seq_len=32, vocab_size=model_cfg.vocab_size, accumulation_steps=1,
+                                  global_micro_batch=run.micro_batch, seed=0))
+    micro = {k: jnp.asarray(v[0]) for k, v in batch.items()}
+    graphdef = model_graphdef(model_cfg, Remat.none)
+    losses, _ = token_losses(graphdef, (quant.dense(frozen),), micro)
+    return float(jnp.sum(losses * micro["loss_mask"]) / jnp.sum(micro["loss_mask"]))
+
+
+@pytest.mark.parametrize("kind, stored", [("nf4", {"uint8", "float32"}), ("int8", {"int8", "float32"})])
+def test_quantized_base_starts_at_its_dequantized_loss_and_stays_unchanged(kind, stored):
+    _, (_, dense0), _, _ = _state_and_steps(*QLORA, steps=0)
+    run, (_, frozen0), state, losses = _state_and_steps(*QLORA, f"training.lora.base_quantization={kind}")
+    # the projections are held quantized; the rest of the base (embeddings, norms) in float32
+    q = dict(nnx.to_flat_state(state.frozen))[("layers", "attn", "q_DNH")].get_value()
+    assert isinstance(q, quant.Quantized) and q.kind == kind and q.shape == (2, 64, 4, 64)
+    assert {str(x.dtype) for x in jax.tree.leaves(state.frozen)} == stored
+    assert nbytes(state.frozen) < (0.45 if kind == "nf4" else 0.6) * nbytes(dense0)
+    # B = 0: the first loss is the dequantized base's (its own, not the float32 base's)
+    assert losses[0] == pytest.approx(_dense_model_loss(run, state.frozen), rel=1e-6)
+    assert losses[0] != pytest.approx(_dense_model_loss(run, dense0), rel=1e-6)
+    assert losses[-1] < losses[0]
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), frozen0, state.frozen))
+
+
+def test_quantized_base_shards_along_the_weights_axes_and_fsdp4_tp2_equals_one_device():
+    nf4 = (*QLORA, "training.lora.base_quantization=nf4")
+    run, _, _, losses = _state_and_steps(*nf4, mesh=[[4, 2], ["fsdp", "tp"]])
+    _, _, _, one = _state_and_steps(*nf4, "training.micro_batch_size=16", mesh=[[1], ["fsdp"]])  # the same 16 rows
+    np.testing.assert_allclose(losses, one, rtol=1e-5)
+    frozen = dict(nnx.to_flat_state(run.plan.shardings.frozen))
+    spec = lambda name, part: tuple(getattr(frozen[("layers", *name)].get_value(), part).spec)
+    # q [L, D, N, H]: D over fsdp, heads over tp; the codes halve head_dim, the scales one per block
+    assert spec(("attn", "q_DNH"), "data") == spec(("attn", "q_DNH"), "scale") == (None, "fsdp", "tp", None)
+    # the MLP's blocks run along its width, which tp splits into whole blocks
+    assert spec(("mlp", "down_FD"), "scale") == (None, "tp", "fsdp")
+
+
+def test_int8_scales_are_per_output_channel_and_never_split_along_inputs():
+    run, *_ = _state_and_steps(*QLORA, "training.lora.base_quantization=int8", steps=0)
+    frozen = dict(nnx.to_flat_state(run.plan.abstract.frozen))
+    o = frozen[("layers", "attn", "o_NHD")].get_value()  # [L, N, H, D]: inputs (N, H)
+    assert o.scale.shape == (2, 1, 1, 64) and tuple(o.scale.sharding.spec) == (None, None, None, "fsdp")
+
+
+@pytest.mark.slow
+def test_nf4_trains_within_5_percent_of_a_bf16_base():
+    steps = ("training.max_steps=50", "training.learning_rate=3e-3", "model.mesh_shape=[[1],[fsdp]]")
+    final = {}
+    for base in ("training.lora.base_dtype=bf16", "training.lora.base_quantization=nf4"):
+        *_, losses = _state_and_steps(*QLORA, *steps, base, steps=50, mesh=[[1], ["fsdp"]])
+        final[base] = losses[-1]
+        assert losses[-1] < 0.8 * losses[0], (base, losses[0], losses[-1])
+    bf16, nf4 = final.values()
+    assert abs(nf4 - bf16) <= 0.05 * bf16, final
+
+
+@pytest.mark.slow
+def test_qlora_resumes_bit_identically_and_checkpoints_no_base(tmp_path):
+    cfg = config(*STEPS, *QLORA, "training.lora.base_quantization=nf4", "training.lr_schedule=constant",
+                 "checkpoint.every_steps=2")
+    cfg.model.mesh_shape = [[2, 2], ["fsdp", "tp"]]
+    straight, resumed = straight_and_resumed(cfg, tmp_path, 6, 3, jax.devices()[:4])
+    assert train_losses(resumed) == train_losses(straight)
+    metadata = (tmp_path / "straight" / "checkpoints" / "6" / "state" / "_METADATA").read_text()
+    assert "q_lora" in metadata and "q_DNH" not in metadata
+    record = json.loads((tmp_path / "straight" / "checkpoints" / "6" / "data" / "metadata").read_text())
+    assert record["frozen"]["source"] == "training.seed=0" and record["frozen"]["checksum"] > 0
+
+
+def test_nf4_on_a_dimension_its_blocks_do_not_divide_is_one_line(tmp_path):
+    result = run_cli("model=gemma3_tiny", "data=synthetic", "training.lora.rank=4",
+                     "training.lora.base_quantization=nf4", f"hydra.run.dir={tmp_path}/run")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1, result.stderr
+    assert "layers.attn.q_DNH has head_dim 16, not a multiple of the block size 64" in lines[0]
+
+
+@pytest.mark.slow
+def test_grpo_samples_from_the_quantized_base_and_syncs_it_once(tmp_path):
+    """The engine on its own mesh gets the quantized base once and the adapters each rollout, and
+    samples with them apart (no dequantized copy): its log-probabilities are the trainer's."""
+    from test_grpo import LENGTH, _cfg, _nbytes
+    from tunix_train.train.loop import train
+    from tunix_train.train.setup import setup
+
+    cfg = _cfg(tmp_path, [[2, 2], ["fsdp", "tp"]], 4, "training.max_steps=3", "training.grpo.temperature=1.5",
+               "training.lora.rank=4", "training.lora.base_quantization=nf4", "model.head_dim=64",
+               'training.grpo.rollout_mesh_shape=[[2,2],["fsdp","tp"]]', "training.learning_rate=1e-2", reward=LENGTH)
+    train(cfg, tmp_path / "run", devices=jax.devices()[:8])
+    run = setup(cfg, jax.devices()[:8])
+    adapters, base = _nbytes(run.plan.abstract.params), _nbytes(run.plan.abstract.frozen)
+    metrics = [m for m in read_metrics(tmp_path / "run") if "loss" in m]
+    assert [m["weight_sync_bytes"] for m in metrics] == [adapters + base, adapters, adapters]
+    assert run.weights.engine_lora is not None  # the engine's model carries the adapters beside the base
+    assert metrics[-1]["kl"] > 0 and all(m["logprob_mismatch_max"] < 1e-4 for m in metrics)
