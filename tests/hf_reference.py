@@ -72,12 +72,15 @@ def _config_and_class(family: str, for_gguf: bool = False):
         transformers.Gemma3ForCausalLM)
 
 
-def build(family: str, directory: Path, for_gguf: bool = False):
-    """A seeded random transformers model of `family`, saved into `directory` (safetensors)."""
+def build(family: str, directory: Path, for_gguf: bool = False, **sizes):
+    """A seeded random transformers model of `family` (`sizes` overriding its config's), saved into
+    `directory` (safetensors)."""
     import torch
 
     torch.manual_seed(0)
     hf_config, model_class = _config_and_class(family, for_gguf)
+    for key, value in sizes.items():
+        setattr(hf_config, key, value)
     model = model_class(hf_config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():  # norms start at zero: make every tensor matter

@@ -121,3 +121,51 @@ def test_grpo_samples_from_the_quantized_base_and_syncs_it_once(tmp_path):
     assert [m["weight_sync_bytes"] for m in metrics] == [adapters + base, adapters, adapters]
     assert run.weights.engine_lora is not None  # the engine's model carries the adapters beside the base
     assert metrics[-1]["kl"] > 0 and all(m["logprob_mismatch_max"] < 1e-4 for m in metrics)
+
+
+def test_peft_loads_a_qlora_runs_adapters_on_the_dequantized_base_with_our_logits(tmp_path):
+    """The adapters trained over the nf4 base, put by peft on that base dequantized (exported as a
+    transformers checkpoint), give our logits; the merged export is that base plus (alpha / r) B A."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers import Gemma3ForCausalLM
+
+    from hf_reference import SIZES, build
+    from tunix_train import api
+    from tunix_train.interop import hf
+    from tunix_train.train.loop import train
+    from tunix_train.train.weights import Weights
+
+    build("gemma3", tmp_path / "base", head_dim=64, intermediate_size=128)
+    fields = hf.model_fields_from_hf(hf.read_hf_config(tmp_path / "base"))
+    cfg = config(*STEPS, *QLORA[:2], "training.lora.alpha=8", "training.lora.base_quantization=nf4",
+                 f"model.init_from={tmp_path / 'base'}",
+                 *(f"model.{k}={v}" for k, v in fields.items()
+                   if k in ("vocab_size", "embed_dim", "hidden_dim", "num_layers", "num_heads", "num_kv_heads",
+                            "head_dim", "sliding_window", "local_layers_per_global", "rope_base_global",
+                            "rope_base_local", "rope_scale_global", "query_pre_attn_scalar")))
+    cfg.model.mesh_shape = [[2, 2], ["fsdp", "tp"]]
+    train(cfg, tmp_path / "run", devices=jax.devices()[:4])
+    model = api.load(tmp_path / "run", mesh_shape=[[2, 2], ["fsdp", "tp"]], devices=jax.devices()[:4])
+    model.export_adapters(tmp_path / "adapters")
+    model.export(tmp_path / "merged")
+    # the base as the run held it: the transformers weights, quantized to nf4, dequantized
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), model.params)
+    weights = Weights(model.lora, keeps_reference=False)
+    dequantized = quant.dense(weights.frozen_base(hf.load_params(tmp_path / "base", model.config, abstract)))
+    hf.export(dequantized, model.config, tmp_path / "dequantized")
+
+    tokens = np.random.default_rng(0).integers(0, SIZES["vocab_size"], (2, 12))
+    ours = model.logits(tokens)
+    with torch.no_grad():
+        base = Gemma3ForCausalLM.from_pretrained(tmp_path / "dequantized").eval()
+        plain = base(torch.tensor(tokens)).logits.numpy()
+        theirs = PeftModel.from_pretrained(base, tmp_path / "adapters").eval()(torch.tensor(tokens)).logits.numpy()
+        merged = Gemma3ForCausalLM.from_pretrained(tmp_path / "merged").eval()(torch.tensor(tokens)).logits.numpy()
+        original = Gemma3ForCausalLM.from_pretrained(tmp_path / "base").eval()
+        on_original = PeftModel.from_pretrained(original, tmp_path / "adapters").eval()(torch.tensor(tokens)).logits
+    assert np.abs(theirs - plain).max() > 1e-2  # the adapters change the model
+    assert np.abs(on_original.numpy() - ours).max() > 1e-2  # and the quantized base is not the original
+    np.testing.assert_allclose(ours, theirs, atol=1e-3, rtol=0)
+    np.testing.assert_allclose(merged, theirs, atol=1e-3, rtol=0)
