@@ -3,12 +3,15 @@ CPU devices; no accelerator needed).
 
     python scripts/benchmark_lora.py [--model gemma3_1b] [--mesh '[[8],["fsdp"]]'] [--rank 16] [overrides...]
     python scripts/benchmark_lora.py --fit gemma3_1b,gemma3_4b,gemma3_12b,gemma3_27b
+    python scripts/benchmark_lora.py --speed gemma3_tiny,gemma3_small [--rounds 3]
 
 For each of full fine-tuning and LoRA over an fp32, a bf16, an int8 and an nf4 base: per device, the
 trainable parameters, the optimizer state, the frozen weights, the compiler's temporaries and the
 total, as tunix_train.plan computes them. --fit: each model's LoRA r16 at seq 2048, one row, remat
-full, on one device, with each base; whether it fits 24 GB and 80 GB. The last line is one JSON
-object of the figures (GiB).
+full, on one device, with each base; whether it fits 24 GB and 80 GB. --speed: LoRA r16 step time
+over a bf16, an int8 and an nf4 base (scripts/benchmark.py's timing; one CPU device, the bases
+alternating in each round), medians over rounds and their ratio to the bf16 base's. The last line is
+one JSON object of the figures (GiB; seconds).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/benchmark.py
 
 
 def main() -> int:
@@ -27,12 +31,14 @@ def main() -> int:
     parser.add_argument("--model", default="gemma3_1b")
     parser.add_argument("--mesh", default='[[8],["fsdp"]]')
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--speed", default="", help="comma-separated models: step time per base")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fit", default="", help="comma-separated models: the largest that fits one device")
     parser.add_argument("overrides", nargs="*", help="more hydra overrides, e.g. training.micro_batch_size=2")
     args = parser.parse_args()
     import json
 
-    devices = 1 if args.fit else math.prod(json.loads(args.mesh)[0])
+    devices = 1 if args.fit or args.speed else math.prod(json.loads(args.mesh)[0])
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from tunix_train.plan import plan
@@ -42,6 +48,8 @@ def main() -> int:
              "int8 base": ["training.lora.base_dtype=bf16", "training.lora.base_quantization=int8"],
              "nf4 base": ["training.lora.base_dtype=bf16", "training.lora.base_quantization=nf4"]}
     columns = ["parameters", "optimizer state", "frozen weights", "temporaries (compiler)", "total"]
+    if args.speed:
+        return _speed(args.speed.split(","), lora, {k: v for k, v in bases.items() if k != "fp32 base"}, args.rounds)
     if args.fit:
         return _fit(plan, args.fit.split(","), lora, {k: v for k, v in bases.items() if k != "fp32 base"}, columns)
     base = [f"model={args.model}", f"model.mesh_shape={args.mesh}", "data=synthetic", "data.seq_len=1024",
@@ -60,6 +68,32 @@ def _table(rows, columns):
     print("|---" * (len(columns) + 1) + "|")
     for name, figures in rows.items():
         print(f"| {name} | " + " | ".join(f"{figures.get(c, 0) / 2**30:.3f}" for c in columns) + " |")
+
+
+def _speed(models, lora, bases, rounds) -> int:
+    """Median step time per base, the bases alternating within each round."""
+    import json
+    import statistics
+
+    from benchmark import benchmark
+
+    times = {}
+    for model in models:
+        head = ["model.head_dim=64"] if model == "gemma3_tiny" else []  # nf4's blocks of 64 along head_dim
+        common = [f"model={model}", *head, "model.mesh_shape=[[1],[fsdp]]", "data=synthetic", "data.seq_len=256",
+                  "training.micro_batch_size=4", *lora]
+        for _ in range(rounds):
+            for name, extra in bases.items():
+                step = benchmark([*common, *extra], steps=10, warmup=2)["step_time_s"]["median"]
+                times.setdefault(model, {}).setdefault(name, []).append(step)
+    medians = {m: {name: statistics.median(ts) for name, ts in by.items()} for m, by in times.items()}
+    print("| model | " + " | ".join(bases) + " |")
+    print("|---" * (len(bases) + 1) + "|")
+    for model, by in medians.items():
+        bf16 = by["bf16 base"]
+        print(f"| {model} | " + " | ".join(f"{t * 1e3:.1f} ms ({t / bf16:.2f}x)" for t in by.values()) + " |")
+    print(json.dumps({"step_s": medians, "rounds": rounds}))
+    return 0
 
 
 def _fit(plan, models, lora, bases, columns) -> int:

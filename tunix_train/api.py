@@ -200,7 +200,7 @@ def load(path: str | Path, mesh_shape: Any = None, devices: list[jax.Device] | N
         cfg = run_config(path)
     mesh = make_mesh(mesh_shape, devices)
     validate_model_for_mesh(cfg.model, mesh)
-    weights = Weights.for_run(cfg.training, keeps_reference=False)  # a run's LoRA adapters, if it had them
+    weights = Weights.for_run(cfg, keeps_reference=False)  # a run's LoRA adapters, if it had them
     plan = plan_params(cfg.model, mesh, cfg.training.seed, weights)
     adapters = None
     with MemoryErrors(cfg, mesh, training=False):

@@ -15,7 +15,7 @@ from typing import Any
 
 from tunix_train.config import (CHAT_ROLES, Config, ConfigError, DataSource, LORA_TARGETS, AttentionImpl, MixedPrecision,
                                 Objective, Overlong, PreferenceLoss, RewardNormalization, ScaleRewards, TrainingConfig,
-                                DataConfig, reads_text)
+                                DataConfig, ModelConfig, BaseQuantization, reads_text)
 from tunix_train.model.layout import validate_model
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -87,10 +87,10 @@ def validate(cfg: Config) -> None:
                           "(not data=synthetic, nor array_record without data.tokenizer): set it to 0")
     if d.prefetch_batches < 0:
         raise ConfigError(f"data.prefetch_batches={d.prefetch_batches} must be >= 0")
-    _validate_post_training(t, d)
+    _validate_post_training(t, d, cfg.model)
 
 
-def _validate_post_training(t: TrainingConfig, d: DataConfig) -> None:
+def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) -> None:
     """LoRA, DPO and GRPO settings."""
     lora, dpo, grpo = t.lora, t.dpo, t.grpo
     if lora.rank is not None:
@@ -101,6 +101,14 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig) -> None:
             raise ConfigError(f"training.lora.targets={list(lora.targets)}: "
                               f"{'unknown projection ' + repr(unknown[0]) if unknown else 'empty'}; "
                               f"choose from {', '.join(LORA_TARGETS)}")
+    elif lora.base_quantization is not BaseQuantization.none:
+        raise ConfigError(f"training.lora.base_quantization={lora.base_quantization.value} quantizes LoRA's frozen "
+                          f"base: set training.lora.rank too")
+    if lora.base_quantization is BaseQuantization.nf4:  # its blocks of 64 run along head_dim and the MLP width
+        for name, axis, size in (("layers.attn.q_DNH", "head_dim", m.head_dim), ("layers.mlp.gate_DF", "mlp", m.hidden_dim)):
+            if size % 64:
+                raise ConfigError(f"training.lora.base_quantization=nf4: {name} has {axis} {size}, not a multiple of "
+                                  f"the block size 64; use int8 or none")
     if t.objective is Objective.lm:
         return
     name = f"training.objective={t.objective.value}"

@@ -90,6 +90,7 @@ class BaseQuantization(enum.Enum):  # training.lora.base_quantization (docs/obje
     none = "none"  # the base in base_dtype
     int8 = "int8"  # per output channel, absmax / 127
     nf4 = "nf4"  # QLoRA's 4-bit NormalFloat, blocks of 64 with float32 absmax scales
+    gguf = "gguf"  # the blocks of the .gguf file model.init_from names, each tensor in its own type
 
 
 class DataSource(enum.Enum):

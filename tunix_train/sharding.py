@@ -73,6 +73,7 @@ LOGICAL_RULES = Rules({
     "kv_heads": ("tp",),
     "head_dim": (),
     "layers": ("pp",),  # the stacked layers: each pipeline stage holds its own
+    "gguf_rows": ("tp", "fsdp"),  # a GGUF base's tensor rows (model/quant.py): all of a weight's split, whole blocks
     "norm": (),  # norm scales: sharding a vector costs a collective per use and saves next to nothing
     # LoRA's rank. A factor shards over tp along the dimensions it shares with its weight; fsdp splits
     # its first dimension that takes it: A's input (embed), else the rank (B, which fsdp would
@@ -286,10 +287,8 @@ def state_shardings(abstract_state: Any, mesh: Mesh, replicated_over: Sequence[s
 
         if all(x is value for x in jax.tree.leaves(value)):  # an array
             return sharding(value.shape)
-        # A quantized weight (model/quant.py): arrays of the weight's rank along its axes, each its
-        # own sharding; a size-1 dimension (a per-channel scale's input axes) is not split.
-        return leaf.replace(jax.tree.map(
-            lambda x: sharding(x.shape, [None if n == 1 else a for a, n in zip(axes, x.shape)]), value))
+        # a quantized weight (model/quant.py): each of its arrays along the logical axes it names
+        return leaf.replace(jax.tree.map(lambda x, x_axes: sharding(x.shape, x_axes), value, value.array_axes(axes)))
 
     return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_state, is_leaf=_is_variable)
 

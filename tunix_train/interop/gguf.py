@@ -19,6 +19,7 @@ dequantized tensor, and only the tensors of one parameter (all its layers) are h
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -29,6 +30,7 @@ from flax import nnx
 
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.interop import hf
+from tunix_train.model import quant
 
 log = logging.getLogger("tunix_train")
 
@@ -199,8 +201,73 @@ class _GGUFTensors:
 
 def load_params(path: str | Path, cfg: ModelConfig, abstract_params: nnx.State) -> nnx.State:
     """Parameters in the shapes and shardings of `abstract_params`, from a GGUF file whose model
-    matches `cfg`."""
+    matches `cfg`: dequantized, or, where `abstract_params` holds a quantized weight (a LoRA run's
+    base_quantization=gguf), the file's own blocks."""
     path = Path(path).expanduser()
     reader = open_gguf(path)
     check_matches(cfg, model_fields(reader, path), path)
-    return hf.load_params_from(_GGUFTensors(reader, path, cfg), cfg, abstract_params, str(path))
+    tensors = _GGUFTensors(reader, path, cfg)
+    flat = nnx.to_flat_state(abstract_params)
+    blocks = [(p, v) for p, v in flat if quant.is_quantized(v.get_value())]
+    quantized = {p for p, _ in blocks}
+    dense = hf.load_params_from(tensors, cfg, nnx.from_flat_state([(p, v) for p, v in flat if p not in quantized]),
+                                str(path))
+    if not blocks:
+        return dense
+    return nnx.merge_state(dense, nnx.from_flat_state(
+        [(p, v.replace(_blocks(tensors, ".".join(p), v.get_value(), cfg))) for p, v in blocks]))
+
+
+_PROJECTIONS = ("layers.attn.q_DNH", "layers.attn.k_DKH", "layers.attn.v_DKH", "layers.attn.o_NHD",
+                "layers.mlp.gate_DF", "layers.mlp.up_DF", "layers.mlp.down_FD")
+
+
+def _projection_names(tensors: _GGUFTensors, spec: str, cfg: ModelConfig) -> list[str]:
+    return [tensors._gguf_name(hf._hf_name(spec, layer, cfg)) for layer in range(cfg.num_layers)]
+
+
+def projection_types(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple]]:
+    """For a base held in model.init_from's own blocks: each projection (our path), the GGML type
+    of its tensor in each layer, and its layout (quant.Quantized.layout); a one-line error for a
+    type the step cannot dequantize."""
+    if not str(cfg.init_from or "").endswith(".gguf"):
+        raise ConfigError("training.lora.base_quantization=gguf trains on a GGUF file's blocks: set "
+                          f"model.init_from to a .gguf file (it is {cfg.init_from!r})")
+    path = Path(cfg.init_from).expanduser()
+    reader = open_gguf(path)
+    check_matches(cfg, model_fields(reader, path), path)
+    tensors = _GGUFTensors(reader, path, cfg)
+    found = []
+    for spec in _PROJECTIONS:
+        types = []
+        for name in _projection_names(tensors, spec, cfg):
+            qtype = tensors._by_name[name].tensor_type
+            if qtype not in quant.DEQUANTIZE:
+                raise ConfigError(f"{path}: tensor {name} has type {qtype.name}, which a gguf base does not read "
+                                  f"in the step (it reads {', '.join(t.name for t in quant.DEQUANTIZE)}); use "
+                                  f"training.lora.base_quantization=none, int8 or nf4")
+            types.append(int(qtype))
+        split, perm = hf._split_view(spec, cfg, None)
+        found.append((spec, tuple(types), (split[0], split[1], perm)))
+    return found
+
+
+def _blocks(tensors: _GGUFTensors, spec: str, q, cfg: ModelConfig):
+    """A quantized projection (ShapeDtypeStructs with shardings) filled from the file: each layer's
+    rows, padded to the widest, and the index of its type."""
+    import jax
+
+    names = _projection_names(tensors, spec, cfg)
+    width = q.data.shape[-1]
+
+    def rows(name: str) -> np.ndarray:
+        raw = np.asarray(tensors._by_name[name].data)
+        raw = raw.view(np.uint8).reshape(raw.shape[0], -1)  # F16 and F32 rows as their bytes too
+        return np.pad(raw, ((0, 0), (0, width - raw.shape[1])))
+
+    def data(index):
+        return np.stack([rows(names[r])[index[1:]] for r in range(*index[0].indices(len(names)))])
+
+    types = np.array([q.qtypes.index(int(tensors._by_name[n].tensor_type)) for n in names], np.int32)
+    return dataclasses.replace(q, data=jax.make_array_from_callback(q.data.shape, q.data.sharding, data),
+                               scale=jax.make_array_from_callback(q.scale.shape, q.scale.sharding, lambda i: types[i]))

@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import gguf
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from tunix_train.sharding import LOGICAL_RULES, constrain
 
 Q = gguf.GGMLQuantizationType
 QK_K = 256
@@ -149,7 +152,13 @@ def dequantize_int8(q: jax.Array, scale: jax.Array) -> jax.Array:
     return q.astype(jnp.float32) * scale
 
 
-DEQUANTIZE = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q5_0: _q5_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+def _float(dtype):
+    """F32, F16, BF16: each value its own block of its bytes."""
+    return lambda b: jax.lax.bitcast_convert_type(b, dtype).astype(jnp.float32)[..., None]
+
+
+DEQUANTIZE = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q5_0: _q5_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
+              Q.F32: _float(jnp.float32), Q.F16: _float(jnp.float16), Q.BF16: _float(jnp.bfloat16)}
 
 
 def block_shape(qtype: Q) -> tuple[int, int]:
@@ -161,7 +170,7 @@ def dequantize(blocks: jax.Array, qtype: Q) -> jax.Array:
     """A tensor's raw blocks uint8 [..., blocks, bytes per block] -> float32 [..., blocks x block size]."""
     if qtype not in DEQUANTIZE:
         raise ValueError(f"GGUF type {qtype.name} is not one a quantized base is read in; "
-                         f"types: {', '.join(t.name for t in DEQUANTIZE)}, F16, F32")
+                         f"types: {', '.join(t.name for t in DEQUANTIZE)}")
     values = DEQUANTIZE[qtype](blocks)
     return values.reshape(*blocks.shape[:-2], -1)
 
@@ -170,32 +179,76 @@ DEQUANTIZED = "dequantized_base"  # checkpoint name of a dequantized weight: nev
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "scale"],
-                   meta_fields=["kind", "axis", "dtype"])
+                   meta_fields=["kind", "axis", "dtype", "qtypes", "layout"])
 @dataclasses.dataclass(frozen=True)
 class Quantized:
     """A frozen weight held quantized. nf4: `data` the codes, two per byte along `axis`, `scale`
     each block's absmax (the weight's shape with `axis` divided by 2 and by 64); int8: `data` the
-    int8 values, `scale` per output channel (1 along the input dimensions). `w[...]` is the weight,
-    dequantized to `dtype`. Both arrays have the weight's rank, so they shard along its axes."""
+    int8 values, `scale` per output channel (1 along the input dimensions); both arrays have the
+    weight's rank, so they shard along its axes. gguf: `data` a GGUF tensor's rows [layers, out,
+    bytes] (transformers' [out, in], blocks along `in`), each layer in its own type, qtypes[scale],
+    and padded to the widest; `layout` (out sizes, in sizes, permutation) leads from its [out, in]
+    to ours, as interop/hf.py's table does. `w[...]` is the weight, dequantized to `dtype`."""
 
     data: Any
     scale: Any
-    kind: str  # "nf4" | "int8"
+    kind: str  # "nf4" | "int8" | "gguf"
     axis: int  # nf4: the blocks' axis, counted from the end (a stacked layers axis leaves it in place)
     dtype: Any  # of the dequantized weight
+    qtypes: tuple = ()  # gguf: the GGML types (ints) of its layers
+    layout: tuple = ()  # gguf: ((out sizes), (in sizes), permutation of them to our layout)
 
     @property
     def shape(self) -> tuple[int, ...]:
         shape = list(self.data.shape)
+        if self.kind == "gguf":
+            out, in_, perm = self.layout
+            split = (*out, *in_)
+            return (*shape[:-2], *(split[p] for p in perm))
         if self.kind == "nf4":
             shape[self.axis] *= 2
         return tuple(shape)
 
     def dequantized(self) -> jax.Array:
+        if self.kind == "gguf":
+            return self._gguf().astype(self.dtype)
         if self.kind == "int8":
             return dequantize_int8(self.data, self.scale).astype(self.dtype)
         codes, absmax = (jnp.moveaxis(x, self.axis, -1) for x in (self.data, self.scale))
         return jnp.moveaxis(dequantize_nf4(codes, absmax), -1, self.axis).astype(self.dtype)
+
+    def _gguf(self) -> jax.Array:
+        """Each layer's rows in its own type (one branch per type; a layer's index picks it), then
+        reshaped and transposed from [out, in] to our layout."""
+        out, in_, perm = self.layout
+        width = math.prod(in_)
+
+        def rows(qtype):
+            values, nbytes = block_shape(Q(qtype))
+            return lambda data: dequantize(
+                data[..., : width // values * nbytes].reshape(*data.shape[:-1], width // values, nbytes), Q(qtype))
+
+        # gathered whole before it is dequantized: the layer's blocks (its rows split over tp and
+        # fsdp) travel quantized, and no split of [out, in] need map onto our layout's
+        data = constrain(self.data, (None,) * self.data.ndim, LOGICAL_RULES)
+        branches = [rows(q) for q in self.qtypes]
+        one = branches[0] if len(branches) == 1 else lambda data, index: jax.lax.switch(index, branches, data)
+        if len(branches) > 1:
+            for _ in range(self.scale.ndim):  # a stack of layers (outside the scan): each its own
+                one = jax.vmap(one)
+        w = one(data) if len(branches) == 1 else one(data, self.scale)
+        lead = w.ndim - 2
+        w = w.reshape(*w.shape[:lead], *out, *in_)
+        return w.transpose(*range(lead), *(lead + p for p in perm))
+
+    def array_axes(self, weight_axes: tuple) -> Quantized:
+        """The logical axes of `data` and of `scale`, given the weight's: the weight's own (a
+        per-channel scale's size-1 input dimensions unsplit); gguf's rows split over every axis
+        that splits a weight (gguf_rows), its blocks never."""
+        if self.kind == "gguf":
+            return dataclasses.replace(self, data=(weight_axes[0], "gguf_rows", None), scale=(weight_axes[0],))
+        unsplit = lambda x: tuple(None if n == 1 else a for a, n in zip(weight_axes, x.shape))
+        return dataclasses.replace(self, data=unsplit(self.data), scale=unsplit(self.scale))
 
     def __getitem__(self, index):
         if index is not Ellipsis:

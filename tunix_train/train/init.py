@@ -102,7 +102,8 @@ def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransforma
     from_params = functools.partial(_state_around_base, model_cfg=model_cfg, optimizer=optimizer, weights=weights)
     base_shapes = jax.eval_shape(lambda k: nnx.split_state(_model_params(model_cfg, k, weights), Adapter, ...)[1], key)
     base_shardings = state_shardings(base_shapes, mesh, () if full else ("fsdp",), rules)
-    base = _abstract(base_shapes, base_shardings)
+    # a GGUF base loads as the run holds it, its blocks quantized
+    base = abstract.frozen if weights.loads_quantized else _abstract(base_shapes, base_shardings)
     return StatePlan(shardings, grad_shardings, abstract, rules, on_device, base,
                      jax.jit(init, out_shardings=shardings), key, jax.jit(from_params, out_shardings=shardings))
 
@@ -135,7 +136,10 @@ def plan_params(model_cfg: ModelConfig, mesh: Mesh, seed: int, weights: Weights 
     adapters, base = (with_shardings(part) for part in nnx.split_state(shapes, Adapter, ...))
     trainable = abstract if weights.lora is None else adapters
     frozen = lambda k: weights.split(model(k))[1]
-    frozen_shardings = state_shardings(jax.eval_shape(frozen, key), mesh, rules=rules)
+    frozen_shapes = jax.eval_shape(frozen, key)
+    frozen_shardings = state_shardings(frozen_shapes, mesh, rules=rules)
+    if weights.loads_quantized:  # a GGUF base loads as the run holds it, its blocks quantized
+        base = _abstract(frozen_shapes, frozen_shardings)
     return ParamsPlan(abstract, trainable, base, jax.jit(frozen, out_shardings=frozen_shardings), key)
 
 

@@ -61,7 +61,7 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
     platform.prepare(t, mesh)
     optimizer, schedule = make_optimizer(t)
     objective = objective or make_objective(cfg)
-    weights = Weights.for_run(t, objective.needs_reference)
+    weights = Weights.for_run(cfg, objective.needs_reference)
     plan = plan_train_state(cfg.model, optimizer, mesh, t.seed, t.sharding_strategy, LOGICAL_RULES,
                             t.offload_optimizer_state, t.offload_master_weights, weights)
     step_fn = compile_train_step(plan, mesh, model_cfg=cfg.model, optimizer=optimizer, schedule=schedule, training=t,

@@ -10,12 +10,14 @@ switched off, so there is no second copy.
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_train.config import BaseDtype, BaseQuantization, ConfigError, LoraConfig, TrainingConfig
+from tunix_train.config import BaseDtype, BaseQuantization, Config, ConfigError, LoraConfig
 from tunix_train.model import quant
 from tunix_train.model.lora import ADAPTED_WEIGHTS, INPUT_DIMS, Adapter, merged
 
@@ -34,14 +36,42 @@ def _quantized(kind: BaseQuantization, path: tuple, weight: nnx.Param) -> nnx.Pa
     return weight.replace(quant.quantize(x, kind.value, tuple(range(first, first + INPUT_DIMS[path[-1]])), block))
 
 
+class GgufTensor(NamedTuple):
+    """A projection of a GGUF base: its GGML type in each layer, and its [out, in] -> ours layout."""
+
+    path: str  # ours, e.g. layers.attn.q_DNH
+    types: tuple[int, ...]
+    layout: tuple  # quant.Quantized.layout
+
+
+def _gguf_stand_in(tensor: GgufTensor, weight: nnx.Param) -> nnx.Param:
+    """The shape a GGUF base's projection takes (its rows, padded to the widest layer's bytes): for
+    planning. The blocks themselves come from the file (interop/gguf.py), never from here."""
+    out, in_, _ = tensor.layout
+    width = max(math.prod(in_) // quant.block_shape(quant.Q(t))[0] * quant.block_shape(quant.Q(t))[1]
+                for t in tensor.types)
+    layers = weight.shape[0]
+    return weight.replace(quant.Quantized(jnp.zeros((layers, math.prod(out), width), jnp.uint8),
+                                          jnp.zeros((layers,), jnp.int32), "gguf", 0, weight.dtype,
+                                          tuple(sorted(set(tensor.types))), tensor.layout))
+
+
 @dataclasses.dataclass(frozen=True)
 class Weights:
     lora: LoraConfig | None  # None: full fine-tuning
     keeps_reference: bool  # the objective reads a reference model
+    gguf: tuple[GgufTensor, ...] = ()  # base_quantization=gguf: the file's projections
 
     @classmethod
-    def for_run(cls, training: TrainingConfig, keeps_reference: bool) -> Weights:
-        return cls(training.lora if training.lora.rank is not None else None, keeps_reference)
+    def for_run(cls, cfg: Config, keeps_reference: bool) -> Weights:
+        lora = cfg.training.lora
+        if lora.rank is None:
+            return cls(None, keeps_reference)
+        if lora.base_quantization is not BaseQuantization.gguf:
+            return cls(lora, keeps_reference)
+        from tunix_train.interop import gguf
+
+        return cls(lora, keeps_reference, tuple(GgufTensor(*t) for t in gguf.projection_types(cfg.model)))
 
     def split(self, model_params: nnx.State) -> tuple[nnx.State, nnx.State | None]:
         """A model's parameters (with its adapters, if any) -> (trainable, frozen)."""
@@ -52,14 +82,25 @@ class Weights:
 
     def frozen_base(self, base: nnx.State) -> nnx.State:
         """LoRA's base parameters as the run holds them frozen (in training.lora.base_dtype)."""
-        dtype = _BASE_DTYPES[self.lora.base_dtype]
-        base = jax.tree.map(lambda x: x.astype(dtype), base)
+        base = quant.cast(base, _BASE_DTYPES[self.lora.base_dtype])
         kind = self.lora.base_quantization
         if kind is BaseQuantization.none:
             return base
-        flat = nnx.to_flat_state(base)
-        return nnx.from_flat_state([(path, _quantized(kind, path, w) if path[-1] in INPUT_DIMS else w)
-                                    for path, w in flat])
+        gguf = {t.path: t for t in self.gguf}
+
+        def frozen(path, w):
+            if path[-1] not in INPUT_DIMS or quant.is_quantized(w.get_value()):  # a GGUF base's, loaded
+                return w
+            if kind is BaseQuantization.gguf:
+                return _gguf_stand_in(gguf[".".join(path)], w)
+            return _quantized(kind, path, w)
+
+        return nnx.from_flat_state([(path, frozen(path, w)) for path, w in nnx.to_flat_state(base)])
+
+    @property
+    def loads_quantized(self) -> bool:
+        """Whether model.init_from's base loads quantized (its GGUF blocks): into the frozen shapes."""
+        return bool(self.gguf)
 
     def policy(self, params, frozen) -> tuple:
         """The states that nnx.merge makes the trained model from."""
