@@ -169,3 +169,115 @@ def test_peft_loads_a_qlora_runs_adapters_on_the_dequantized_base_with_our_logit
     assert np.abs(on_original.numpy() - ours).max() > 1e-2  # and the quantized base is not the original
     np.testing.assert_allclose(ours, theirs, atol=1e-3, rtol=0)
     np.testing.assert_allclose(merged, theirs, atol=1e-3, rtol=0)
+
+
+# A Q4_K_M-like file: types that change from layer to layer within one projection (ffn_down Q4_K and
+# Q8_0, attn_v Q5_0 and F16), Q4_0 gate, Q8_0 elsewhere, an F16 embedding and F32 norms.
+def _mixed_by_layer(name, array):
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    if array.ndim == 1:
+        return Q.F32
+    if name == "token_embd.weight":
+        return Q.F16
+    layer = int(name.split(".")[1])
+    if "ffn_down" in name:
+        return Q.Q4_K if layer % 2 else Q.Q8_0
+    if "attn_v" in name:
+        return Q.Q5_0 if layer % 3 else Q.F16
+    return Q.Q4_0 if "ffn_gate" in name else Q.Q8_0
+
+
+def _gguf_runs(tmp_path, *overrides, kinds=("none", "gguf"), mesh=((2, 2), ("fsdp", "tp")), steps=3):
+    """LoRA runs from one mixed-type GGUF file with each base_quantization: {kind: (final state, losses)}."""
+    import gguf_files
+    from test_gguf import GEMMA3, _exported
+    from tunix_train.train.loop import train
+
+    path = tmp_path / "m.gguf"
+    if not path.exists():
+        _, _, tensors, hf_config = _exported(tmp_path)
+        gguf_files.write(path, "gemma3", hf_config, tensors, _mixed_by_layer)
+    runs = {}
+    for kind in kinds:
+        cfg = config(*GEMMA3, f"model.init_from={path}", f"training.max_steps={steps}", "training.log_every=1",
+                     "training.warmup_steps=0", "training.lora.rank=4", ALL, "data=synthetic",
+                     "training.learning_rate=1e-2", f"training.lora.base_quantization={kind}", *overrides)
+        cfg.model.mesh_shape = [list(mesh[0]), list(mesh[1])]
+        run_dir = tmp_path / f"{kind}-{'x'.join(map(str, mesh[0]))}"
+        state = train(cfg, run_dir, devices=jax.devices()[:int(np.prod(mesh[0]))])
+        runs[kind] = (state, read_metrics(run_dir))
+    return path, runs
+
+
+def test_gguf_base_keeps_the_files_blocks_and_starts_at_its_dequantized_models_loss(tmp_path):
+    import gguf
+
+    path, runs = _gguf_runs(tmp_path, "training.eval_every=3", "training.eval_batches=2")
+    (dense, dense_metrics), (blocks, metrics) = runs["none"], runs["gguf"]
+    # the projections are the file's bytes: every layer's row, its type among the layer types
+    reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    down = dict(nnx.to_flat_state(blocks.frozen))[("layers", "mlp", "down_FD")].get_value()
+    assert down.kind == "gguf" and [quant.Q(t).name for t in down.qtypes] == ["Q8_0", "Q4_K"]
+    for layer in (0, 1):
+        raw = np.asarray(reader[f"blk.{layer}.ffn_down.weight"].data)
+        np.testing.assert_array_equal(np.asarray(down.data)[layer, :, :raw.shape[1]], raw)
+    # dequantized in the step, each layer equals gguf.quants.dequantize of its blocks (the dense base)
+    for name in ("q_DNH", "v_DKH", "o_NHD"):
+        flat = ("layers", "attn", name)
+        np.testing.assert_array_equal(np.asarray(dict(nnx.to_flat_state(blocks.frozen))[flat].get_value().dequantized()),
+                                      np.asarray(dict(nnx.to_flat_state(dense.frozen))[flat][...]), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(down.dequantized()),
+                                  np.asarray(dict(nnx.to_flat_state(dense.frozen))[("layers", "mlp", "down_FD")][...]))
+    assert nbytes(blocks.frozen) < 0.55 * nbytes(dense.frozen)
+    losses = lambda m: [x["loss"] for x in m if "loss" in x]
+    assert losses(metrics)[0] == pytest.approx(losses(dense_metrics)[0], abs=1e-5)
+    np.testing.assert_allclose(losses(metrics), losses(dense_metrics), atol=1e-5)
+    evals = [x["eval_loss"] for x in metrics if "eval_loss" in x]
+    assert len(evals) == 2 and evals[-1] < evals[0]  # at step 0 and after 3 steps
+
+
+def test_gguf_base_on_fsdp4_tp2_equals_one_device(tmp_path):
+    _, eight = _gguf_runs(tmp_path, kinds=("gguf",), mesh=((4, 2), ("fsdp", "tp")))
+    _, one = _gguf_runs(tmp_path, "training.micro_batch_size=16", kinds=("gguf",), mesh=((1,), ("fsdp",)))
+    losses = lambda runs: [x["loss"] for x in runs["gguf"][1] if "loss" in x]
+    np.testing.assert_allclose(losses(eight), losses(one), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_gguf_base_resumes_bit_identically_and_checkpoints_no_base(tmp_path):
+    import gguf_files
+    from test_gguf import GEMMA3, _exported
+
+    _, _, tensors, hf_config = _exported(tmp_path)
+    path = gguf_files.write(tmp_path / "m.gguf", "gemma3", hf_config, tensors, _mixed_by_layer)
+    cfg = config(*GEMMA3, f"model.init_from={path}", *STEPS, "training.lora.rank=4", ALL,
+                 "training.lora.base_quantization=gguf", "training.lr_schedule=constant", "checkpoint.every_steps=2")
+    cfg.model.mesh_shape = [[2, 2], ["fsdp", "tp"]]
+    straight, resumed = straight_and_resumed(cfg, tmp_path, 6, 3, jax.devices()[:4])
+    assert train_losses(resumed) == train_losses(straight)
+    metadata = (tmp_path / "straight" / "checkpoints" / "6" / "state" / "_METADATA").read_text()
+    assert "q_lora" in metadata and "q_DNH" not in metadata and "down_FD" not in metadata
+    record = json.loads((tmp_path / "straight" / "checkpoints" / "6" / "data" / "metadata").read_text())
+    assert record["frozen"]["source"] == f"model.init_from={path}"
+
+
+def test_gguf_base_bad_input_is_one_line(tmp_path):
+    import gguf
+
+    import gguf_files
+    from test_gguf import GEMMA3, _exported
+
+    no_file = run_cli("model=gemma3_tiny", "data=synthetic", "training.lora.rank=4",
+                      "training.lora.base_quantization=gguf", f"hydra.run.dir={tmp_path}/a")
+    _, _, tensors, hf_config = _exported(tmp_path)
+    q4_1 = lambda name, array: gguf.GGMLQuantizationType.Q4_1 if "ffn_up" in name else gguf_files.mixed_types(name, array)
+    path = gguf_files.write(tmp_path / "q4_1.gguf", "gemma3", hf_config, tensors, q4_1)
+    bad_type = run_cli("model=gemma3_tiny", *GEMMA3, "data=synthetic", "training.lora.rank=4", f"model.init_from={path}",
+                       "training.lora.base_quantization=gguf", f"hydra.run.dir={tmp_path}/b")
+    for result, message in ((no_file, "training.lora.base_quantization=gguf trains on a GGUF file's blocks: set "
+                                      "model.init_from to a .gguf file (it is None)"),
+                            (bad_type, "tensor blk.0.ffn_up.weight has type Q4_1, which a gguf base does not read")):
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode != 0 and len(lines) == 1 and message in lines[0], result.stderr

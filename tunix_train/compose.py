@@ -104,6 +104,9 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
     elif lora.base_quantization is not BaseQuantization.none:
         raise ConfigError(f"training.lora.base_quantization={lora.base_quantization.value} quantizes LoRA's frozen "
                           f"base: set training.lora.rank too")
+    if lora.base_quantization is BaseQuantization.gguf and not str(m.init_from or "").endswith(".gguf"):
+        raise ConfigError("training.lora.base_quantization=gguf trains on a GGUF file's blocks: set model.init_from "
+                          f"to a .gguf file (it is {m.init_from!r})")
     if lora.base_quantization is BaseQuantization.nf4:  # its blocks of 64 run along head_dim and the MLP width
         for name, axis, size in (("layers.attn.q_DNH", "head_dim", m.head_dim), ("layers.mlp.gate_DF", "mlp", m.hidden_dim)):
             if size % 64:

@@ -49,6 +49,8 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
     Raises ConfigError when the config does not fit the devices."""
     t = cfg.training
     devices = list(jax.devices() if devices is None else devices)
+    objective = objective or make_objective(cfg)
+    weights = Weights.for_run(cfg, objective.needs_reference)  # reads a GGUF base's layout: before the devices start
     rollout_mesh = None
     if t.objective is Kind.grpo and t.grpo.rollout_mesh_shape is not None:
         key = "training.grpo.rollout_mesh_shape"
@@ -60,8 +62,6 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
     layout = parallel.for_run(mesh, cfg.model, t, cfg.data.seq_len)
     platform.prepare(t, mesh)
     optimizer, schedule = make_optimizer(t)
-    objective = objective or make_objective(cfg)
-    weights = Weights.for_run(cfg, objective.needs_reference)
     plan = plan_train_state(cfg.model, optimizer, mesh, t.seed, t.sharding_strategy, LOGICAL_RULES,
                             t.offload_optimizer_state, t.offload_master_weights, weights)
     step_fn = compile_train_step(plan, mesh, model_cfg=cfg.model, optimizer=optimizer, schedule=schedule, training=t,
