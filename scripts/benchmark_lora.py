@@ -9,8 +9,8 @@ For each of full fine-tuning and LoRA over an fp32, a bf16, an int8 and an nf4 b
 trainable parameters, the optimizer state, the frozen weights, the compiler's temporaries and the
 total, as tunix_train.plan computes them. --fit: each model's LoRA r16 at seq 2048, one row, remat
 full, on one device, with each base; whether it fits 24 GB and 80 GB. --speed: LoRA r16 step time
-over a bf16, an int8 and an nf4 base (scripts/benchmark.py's timing; one CPU device, the bases
-alternating in each round), medians over rounds and their ratio to the bf16 base's. The last line is
+over a bf16, an int8 and an nf4 base, and a gguf base of Q8_0 and of Q4_0 blocks (our GGUF export
+of the random model; scripts/benchmark.py's timing; one CPU device, the bases alternating in each round), medians over rounds and their ratio to the bf16 base's. The last line is
 one JSON object of the figures (GiB; seconds).
 """
 
@@ -70,6 +70,24 @@ def _table(rows, columns):
         print(f"| {name} | " + " | ".join(f"{figures.get(c, 0) / 2**30:.3f}" for c in columns) + " |")
 
 
+def _random_gguf(overrides, path, dtype):
+    """A GGUF file (our exporter's `dtype`) of a random model of `overrides`, with the bundled tokenizer."""
+    import jax
+
+    from tunix_train.compose import load_config
+    from tunix_train.data import Data
+    from tunix_train.interop import gguf_export
+    from tunix_train.sharding import make_mesh
+    from tunix_train.train.init import plan_train_state
+    from tunix_train.train.optimizer import make_optimizer
+
+    cfg, _ = load_config([*overrides, "model.mesh_shape=[[1],[fsdp]]"])
+    mesh = make_mesh([[1], ["fsdp"]], jax.devices()[:1])
+    params = plan_train_state(cfg.model, make_optimizer(cfg.training)[0], mesh, seed=0).create().params
+    gguf_export.export(params, cfg.model, Data(cfg).tokenizer, None, path, dtype)
+    return path
+
+
 def _speed(models, lora, bases, rounds) -> int:
     """Median step time per base, the bases alternating within each round."""
     import json
@@ -77,18 +95,28 @@ def _speed(models, lora, bases, rounds) -> int:
 
     from benchmark import benchmark
 
-    times = {}
+    import tempfile
+
+    times, folder = {}, Path(tempfile.mkdtemp())
     for model in models:
-        head = ["model.head_dim=64"] if model == "gemma3_tiny" else []  # nf4's blocks of 64 along head_dim
-        common = [f"model={model}", *head, "model.mesh_shape=[[1],[fsdp]]", "data=synthetic", "data.seq_len=256",
+        # nf4's blocks of 64 along head_dim; the bundled 4k tokenizer, which a GGUF file carries
+        size = ["model.head_dim=64", "model.vocab_size=4096"] if model == "gemma3_tiny" else []
+        size += ["model.query_pre_attn_scalar=256", "model.local_layers_per_global=5"]  # what a GGUF reader assumes
+        common = [f"model={model}", *size, "model.mesh_shape=[[1],[fsdp]]", "data.seq_len=256",
                   "training.micro_batch_size=4", *lora]
+        files = {dtype: _random_gguf([f"model={model}", *size], folder / f"{model}-{dtype}.gguf", dtype)
+                 for dtype in ("q8_0", "q4_0")}
+        runs = {**bases, **{f"gguf {dtype} base": ["training.lora.base_dtype=bf16", f"model.init_from={path}",
+                                                   "training.lora.base_quantization=gguf"]
+                            for dtype, path in files.items()}}
         for _ in range(rounds):
-            for name, extra in bases.items():
+            for name, extra in runs.items():
                 step = benchmark([*common, *extra], steps=10, warmup=2)["step_time_s"]["median"]
                 times.setdefault(model, {}).setdefault(name, []).append(step)
     medians = {m: {name: statistics.median(ts) for name, ts in by.items()} for m, by in times.items()}
-    print("| model | " + " | ".join(bases) + " |")
-    print("|---" * (len(bases) + 1) + "|")
+    names = list(next(iter(medians.values())))
+    print("| model | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
     for model, by in medians.items():
         bf16 = by["bf16 base"]
         print(f"| {model} | " + " | ".join(f"{t * 1e3:.1f} ms ({t / bf16:.2f}x)" for t in by.values()) + " |")

@@ -123,6 +123,7 @@ def test_grpo_samples_from_the_quantized_base_and_syncs_it_once(tmp_path):
     assert metrics[-1]["kl"] > 0 and all(m["logprob_mismatch_max"] < 1e-4 for m in metrics)
 
 
+@pytest.mark.slow
 def test_peft_loads_a_qlora_runs_adapters_on_the_dequantized_base_with_our_logits(tmp_path):
     """The adapters trained over the nf4 base, put by peft on that base dequantized (exported as a
     transformers checkpoint), give our logits; the merged export is that base plus (alpha / r) B A."""
@@ -238,6 +239,7 @@ def test_gguf_base_keeps_the_files_blocks_and_starts_at_its_dequantized_models_l
     assert len(evals) == 2 and evals[-1] < evals[0]  # at step 0 and after 3 steps
 
 
+@pytest.mark.slow
 def test_gguf_base_on_fsdp4_tp2_equals_one_device(tmp_path):
     _, eight = _gguf_runs(tmp_path, kinds=("gguf",), mesh=((4, 2), ("fsdp", "tp")))
     _, one = _gguf_runs(tmp_path, "training.micro_batch_size=16", kinds=("gguf",), mesh=((1,), ("fsdp",)))
@@ -281,3 +283,13 @@ def test_gguf_base_bad_input_is_one_line(tmp_path):
                             (bad_type, "tensor blk.0.ffn_up.weight has type Q4_1, which a gguf base does not read")):
         lines = result.stderr.strip().splitlines()
         assert result.returncode != 0 and len(lines) == 1 and message in lines[0], result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, extra", [([[2, 2], ["pp", "fsdp"]], ["training.pipeline_microbatches=2"]),
+                                         ([[2, 2], ["cp", "fsdp"]], []), ([[2, 2], ["dp", "tp"]], [])])
+def test_nf4_base_on_pp_cp_and_dp_equals_one_device(mesh, extra):
+    nf4 = (*QLORA, "training.lora.base_quantization=nf4", "model.num_layers=4")
+    *_, losses = _state_and_steps(*nf4, *extra, mesh=mesh)
+    *_, one = _state_and_steps(*nf4, "training.micro_batch_size=8", mesh=[[1], ["fsdp"]])
+    np.testing.assert_allclose(losses, one, rtol=1e-5)
