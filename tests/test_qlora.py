@@ -293,3 +293,32 @@ def test_nf4_base_on_pp_cp_and_dp_equals_one_device(mesh, extra):
     *_, losses = _state_and_steps(*nf4, *extra, mesh=mesh)
     *_, one = _state_and_steps(*nf4, "training.micro_batch_size=8", mesh=[[1], ["fsdp"]])
     np.testing.assert_allclose(losses, one, rtol=1e-5)
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "save_matmul_outputs"])
+def test_no_dequantized_layer_is_kept_for_the_backward_pass(remat, monkeypatch):
+    """jax's own account of what the backward pass keeps (saved_residuals): over an nf4 base, no
+    array of a projection's shape (a dequantized layer, or a stack of them); without the remat
+    policy that keeps them out, remat none keeps such arrays (the check can fail)."""
+    from tunix_train.model import kernels
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from tunix_train.config import Remat
+    from tunix_train.model.gemma import Gemma
+    from tunix_train.train.weights import Weights
+
+    def kept(kind):
+        cfg = config(*QLORA, f"training.lora.base_quantization={kind}")
+        weights = Weights.for_run(cfg, keeps_reference=False)
+        graphdef, params = nnx.split(Gemma(cfg.model, nnx.Rngs(0), Remat(remat), lora=weights.lora), nnx.Param)
+        adapters, frozen = weights.split(params)
+        tokens = jnp.zeros((3, 16), jnp.int32)
+        loss = lambda adapters, frozen: nnx.merge(graphdef, frozen, adapters)(tokens).mean()
+        projections = {tuple(w.shape) for w in jax.tree.leaves(quant.dense(frozen)) if w.ndim >= 3}
+        return [(a.shape, why) for a, why in saved_residuals(loss, adapters, frozen)
+                if tuple(a.shape) in projections and "argument" not in why]
+
+    assert kept("nf4") == []
+    if remat == "none":
+        monkeypatch.setattr(kernels, "remat_policy", lambda remat, quantized_base: None)
+        assert kept("nf4") != []

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from tunix_train.config import Remat
-from tunix_train.model.quant import DEQUANTIZED
 
 PROJECTION = "projection"  # checkpoint name of projections' outputs: saved like matmul outputs
 ATTENTION = "attention"  # checkpoint name of attention's output and log-sum-exp: saved likewise
@@ -341,8 +340,10 @@ REMAT_POLICIES = {
 
 
 def remat_policy(remat: Remat, quantized_base: bool):
-    """training.remat's policy; None: no checkpoint. None of the policies saves a quantized base's
-    dequantized layer (quant.DEQUANTIZED): with Remat.none it is the one thing recomputed."""
+    """training.remat's policy; None: no checkpoint. Over a quantized base, Remat.none keeps the
+    matmul outputs (save_matmul_outputs): keeping everything would keep each dequantized layer, or
+    a stack or transpose of it, for the backward pass, a dense copy of the whole base. No policy
+    saves a value derived from the weights alone (none is a matmul output)."""
     if remat is Remat.none and quantized_base:
-        return jax.checkpoint_policies.save_anything_except_these_names(DEQUANTIZED)
+        return REMAT_POLICIES[Remat.save_matmul_outputs]
     return REMAT_POLICIES.get(remat)

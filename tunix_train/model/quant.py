@@ -16,9 +16,9 @@ ggml's blocks; a tensor keeps its own type (a Q4_K_M file mixes Q4_K, Q6_K and F
 
 `Quantized` is a frozen weight held in one of these formats inside the model's parameters: reading
 it (`w[...]`) dequantizes it to its compute dtype, inside the layer scan, so one layer is dense at a
-time; the dense layer is named DEQUANTIZED, which no remat policy saves (the backward pass
-dequantizes again). qwix (Tunix's QLoRA) quantizes by intercepting a module's dot_generals; our
-layers are scanned stacks of nnx.Params read by einsums, so the weight itself carries its format.
+time, and the backward pass dequantizes it again rather than keep it (kernels.remat_policy). qwix
+(Tunix's QLoRA) quantizes by intercepting a module's dot_generals; our layers are scanned stacks of
+nnx.Params read by einsums, so the weight itself carries its format.
 
 Each block's bytes are read little-endian, as gguf-py's `ndarray.view` reads them on the hosts we
 run on (x86-64, aarch64, and the GPUs'/TPUs' hosts are all little-endian).
@@ -34,7 +34,6 @@ from typing import Any
 import gguf
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from tunix_train.sharding import LOGICAL_RULES, constrain
 
@@ -175,9 +174,6 @@ def dequantize(blocks: jax.Array, qtype: Q) -> jax.Array:
     return values.reshape(*blocks.shape[:-2], -1)
 
 
-DEQUANTIZED = "dequantized_base"  # checkpoint name of a dequantized weight: never saved for the backward pass
-
-
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "scale"],
                    meta_fields=["kind", "axis", "dtype", "qtypes", "layout"])
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +249,7 @@ class Quantized:
     def __getitem__(self, index):
         if index is not Ellipsis:
             raise IndexError("a quantized weight is read whole: w[...]")
-        return checkpoint_name(self.dequantized(), DEQUANTIZED)
+        return self.dequantized()
 
     def astype(self, dtype) -> Quantized:
         """The same codes, dequantized to `dtype` where they are read."""
