@@ -168,6 +168,21 @@ def test_a_resumed_run_draws_the_same_completions_and_losses(tmp_path, staleness
         assert metrics(straight)[-1]["logprob_mismatch_max"] > 1e-3
 
 
+@pytest.mark.slow
+def test_a_bf16_engine_samples_with_bf16_weights_and_logs_its_larger_mismatch(tmp_path):
+    """rollout_dtype=bf16: the engine reads bf16 weights (and keeps a bf16 cache); the trainer's
+    float32 forward is unchanged, so the mismatch grows from float32 rounding to bf16's."""
+    runs = {}
+    for dtype in ("fp32", "bf16"):
+        cfg = _cfg(tmp_path, [[2, 2], ["fsdp", "tp"]], 4, "training.max_steps=2", "training.grpo.temperature=1.5",
+                   f"training.grpo.rollout_dtype={dtype}", reward=LENGTH)
+        train(cfg, tmp_path / dtype, devices=jax.devices()[:4])
+        runs[dtype] = [m for m in read_metrics(tmp_path / dtype) if "loss" in m]
+    assert all(m["logprob_mismatch_max"] < 1e-4 for m in runs["fp32"])
+    assert all(1e-3 < m["logprob_mismatch_max"] < 0.5 and m["logprob_mismatch_mean"] < 0.05 for m in runs["bf16"])
+    assert all(np.isfinite(m["loss"]) for m in runs["bf16"])
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["training.grpo.reward=[no_such_module:f]"], "training.grpo.reward: cannot import 'no_such_module:f'"),
     (["training.grpo.reward=[tests.rewards_for_tests:bad_length]"], "bad_length' returned 1 values for 8 completions"),

@@ -17,7 +17,7 @@ from omegaconf import MISSING
 from tunix_train.config_fields import _RESUME, ConfigError, _changeable, _fixed
 from tunix_train.config_objectives import (  # noqa: F401  (re-exported: the schema's one import)
     DpoConfig, GrpoAggregation, GrpoConfig, ImportanceLevel, Overlong, PreferenceLoss, RewardNormalization,
-    ScaleRewards)
+    RolloutDtype, ScaleRewards)
 
 
 class MixedPrecision(enum.Enum):

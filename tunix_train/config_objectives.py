@@ -46,6 +46,11 @@ class RewardNormalization(enum.Enum):
     per_reward = "per_reward"  # each reward normalized in its group, then weighted (GDPO, TRL "normalize_then_sum")
 
 
+class RolloutDtype(enum.Enum):  # training.grpo.rollout_dtype: the engine's weights, activations and KV cache
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 @dataclasses.dataclass
 class DpoConfig:
     loss: PreferenceLoss = _fixed(PreferenceLoss.sigmoid)
@@ -73,6 +78,9 @@ class GrpoConfig:
     rollout_mesh_shape: Any = _changeable(None)
     # The engine's slots for a rollout: null, every completion at once; N, at most N (continuous batching).
     rollout_slots: Optional[int] = _changeable(None)
+    # What the engine computes in (bf16: half the bytes a decoded token reads, and a larger train-
+    # inference mismatch, logged as logprob_mismatch_*); the trainer's forward is unchanged.
+    rollout_dtype: RolloutDtype = _fixed(RolloutDtype.fp32)
     # Reward functions, `module:function`, each fn(prompts, completions, **fields) -> list of floats;
     # the reward of a completion is their sum, weighted by reward_weights (empty: all 1).
     reward: List[str] = _fixed(factory=list)

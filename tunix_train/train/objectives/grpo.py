@@ -56,6 +56,7 @@ import numpy as np
 from tunix_train.config import Config, ConfigError, Overlong
 from tunix_train.data.chat import prompt_ids
 from tunix_train.data.pipeline import GroupBatches, padded_row
+from tunix_train.model import quant
 from tunix_train.sharding import cross_mesh_copier, state_shardings
 from tunix_train.train.hooks import Hook
 from tunix_train.train.objectives import grpo_family as family
@@ -225,7 +226,10 @@ class GroupRelative(Objective):
         from tunix_train.generate import Engine
 
         self._run, self._write_samples = run, write_samples
-        self._merged = jax.jit(run.weights.for_engine)  # LoRA: the adapters merged into the base, compiled once
+        to_engine = run.weights.for_engine
+        if self.grpo.rollout_dtype.value == "bf16":  # the engine computes in bf16
+            to_engine = lambda p, f, merge=run.weights.for_engine: quant.cast(merge(p, f), jnp.bfloat16)
+        self._merged = jax.jit(to_engine)  # LoRA: the adapters merged into the base, compiled once
         self._mesh = run.rollout_mesh or run.mesh
         # every completion of a rollout at once, in one batch of slots, or rollout_slots at a time
         self._engine = Engine(self.cfg.model, self._mesh, stop_ids=self._stop_ids, slots=self.grpo.rollout_slots,
