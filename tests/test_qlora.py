@@ -95,12 +95,16 @@ def test_qlora_resumes_bit_identically_and_checkpoints_no_base(tmp_path):
     assert record["frozen"]["source"] == "training.seed=0" and record["frozen"]["checksum"] > 0
 
 
-def test_nf4_on_a_dimension_its_blocks_do_not_divide_is_one_line(tmp_path):
-    result = run_cli("model=gemma3_tiny", "data=synthetic", "training.lora.rank=4",
-                     "training.lora.base_quantization=nf4", f"hydra.run.dir={tmp_path}/run")
+@pytest.mark.parametrize("overrides, message", [
+    (["training.lora.rank=4", "training.lora.base_quantization=nf4"],
+     "training.lora.base_quantization=nf4: layers.attn.q_DNH has head_dim 16, not a multiple of the block size 64"),
+    (["training.lora.base_quantization=int8"],
+     "training.lora.base_quantization=int8 quantizes LoRA's frozen base: set training.lora.rank too"),
+])
+def test_bad_quantized_base_settings_are_one_line(tmp_path, overrides, message):
+    result = run_cli("model=gemma3_tiny", "data=synthetic", *overrides, f"hydra.run.dir={tmp_path}/run")
     lines = result.stderr.strip().splitlines()
-    assert result.returncode != 0 and len(lines) == 1, result.stderr
-    assert "layers.attn.q_DNH has head_dim 16, not a multiple of the block size 64" in lines[0]
+    assert result.returncode != 0 and len(lines) == 1 and message in lines[0], result.stderr
 
 
 @pytest.mark.slow
