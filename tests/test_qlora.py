@@ -98,6 +98,8 @@ def test_qlora_resumes_bit_identically_and_checkpoints_no_base(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["training.lora.rank=4", "training.lora.base_quantization=nf4"],
      "training.lora.base_quantization=nf4: layers.attn.q_DNH has head_dim 16, not a multiple of the block size 64"),
+    (["model=gemma4_tiny", "model.head_dim=64", "training.lora.rank=4", "training.lora.base_quantization=nf4"],
+     "training.lora.base_quantization=nf4: a global layer's q_DNH has global_head_dim 32, not a multiple of the block size 64"),
     (["training.lora.base_quantization=int8"],
      "training.lora.base_quantization=int8 quantizes LoRA's frozen base: set training.lora.rank too"),
 ])

@@ -108,7 +108,9 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
         raise ConfigError("training.lora.base_quantization=gguf trains on a GGUF file's blocks: set model.init_from "
                           f"to a .gguf file (it is {m.init_from!r})")
     if lora.base_quantization is BaseQuantization.nf4:  # its blocks of 64 run along head_dim and the MLP width
-        for name, axis, size in (("layers.attn.q_DNH", "head_dim", m.head_dim), ("layers.mlp.gate_DF", "mlp", m.hidden_dim)):
+        for name, axis, size in (("layers.attn.q_DNH", "head_dim", m.head_dim),
+                                 ("layers.mlp.gate_DF", "mlp", m.hidden_dim),
+                                 ("a global layer's q_DNH", "global_head_dim", m.global_head_dim or 64)):
             if size % 64:
                 raise ConfigError(f"training.lora.base_quantization=nf4: {name} has {axis} {size}, not a multiple of "
                                   f"the block size 64; use int8 or none")
