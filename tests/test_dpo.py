@@ -125,8 +125,9 @@ def _write_pairs(path, n=64, drop=None):
 
 
 @pytest.mark.parametrize("lora", [(), ("training.lora.rank=8", "training.lora.targets=[q,v,up,down]"),
-                                  ("training.lora.rank=8", "training.lora.targets=[q,v,up,down]",
-                                   "training.lora.base_quantization=nf4", "model.head_dim=64")])
+                                  pytest.param(("training.lora.rank=8", "training.lora.targets=[q,v,up,down]",
+                                                "training.lora.base_quantization=nf4", "model.head_dim=64"),
+                                               marks=pytest.mark.slow)])
 def test_first_step_loss_is_log_2_and_training_separates_the_pairs(tmp_path, lora):
     """Without LoRA the reference is a frozen copy of the starting weights; with it, the base with
     the adapters off (no copy)."""

@@ -34,7 +34,8 @@ def _dense_model_loss(run, frozen) -> float:
     return float(jnp.sum(losses * micro["loss_mask"]) / jnp.sum(micro["loss_mask"]))
 
 
-@pytest.mark.parametrize("kind, stored", [("nf4", {"uint8", "float32"}), ("int8", {"int8", "float32"})])
+@pytest.mark.parametrize("kind, stored", [("nf4", {"uint8", "float32"}),
+                                          pytest.param("int8", {"int8", "float32"}, marks=pytest.mark.slow)])
 def test_quantized_base_starts_at_its_dequantized_loss_and_stays_unchanged(kind, stored):
     _, (_, dense0), _, _ = _state_and_steps(*QLORA, steps=0)
     run, (_, frozen0), state, losses = _state_and_steps(*QLORA, f"training.lora.base_quantization={kind}")
@@ -50,17 +51,22 @@ def test_quantized_base_starts_at_its_dequantized_loss_and_stays_unchanged(kind,
     assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), frozen0, state.frozen))
 
 
-def test_quantized_base_shards_along_the_weights_axes_and_fsdp4_tp2_equals_one_device():
-    nf4 = (*QLORA, "training.lora.base_quantization=nf4")
-    run, _, _, losses = _state_and_steps(*nf4, mesh=[[4, 2], ["fsdp", "tp"]])
-    _, _, _, one = _state_and_steps(*nf4, "training.micro_batch_size=16", mesh=[[1], ["fsdp"]])  # the same 16 rows
-    np.testing.assert_allclose(losses, one, rtol=1e-5)
+def test_quantized_base_shards_along_the_weights_axes():
+    run, *_ = _state_and_steps(*QLORA, "training.lora.base_quantization=nf4", steps=0, mesh=[[4, 2], ["fsdp", "tp"]])
     frozen = dict(nnx.to_flat_state(run.plan.shardings.frozen))
     spec = lambda name, part: tuple(getattr(frozen[("layers", *name)].get_value(), part).spec)
     # q [L, D, N, H]: D over fsdp, heads over tp; the codes halve head_dim, the scales one per block
     assert spec(("attn", "q_DNH"), "data") == spec(("attn", "q_DNH"), "scale") == (None, "fsdp", "tp", None)
     # the MLP's blocks run along its width, which tp splits into whole blocks
     assert spec(("mlp", "down_FD"), "scale") == (None, "tp", "fsdp")
+
+
+@pytest.mark.slow
+def test_nf4_base_on_fsdp4_tp2_equals_one_device():
+    nf4 = (*QLORA, "training.lora.base_quantization=nf4")
+    *_, losses = _state_and_steps(*nf4, mesh=[[4, 2], ["fsdp", "tp"]])
+    *_, one = _state_and_steps(*nf4, "training.micro_batch_size=16", mesh=[[1], ["fsdp"]])  # the same 16 rows
+    np.testing.assert_allclose(losses, one, rtol=1e-5)
 
 
 def test_int8_scales_are_per_output_channel_and_never_split_along_inputs():
