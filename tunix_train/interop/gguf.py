@@ -31,6 +31,7 @@ from flax import nnx
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.interop import hf
 from tunix_train.model import quant
+from tunix_train.model.lora import INPUT_DIMS
 
 log = logging.getLogger("tunix_train")
 
@@ -218,8 +219,8 @@ def load_params(path: str | Path, cfg: ModelConfig, abstract_params: nnx.State) 
         [(p, v.replace(_blocks(tensors, ".".join(p), v.get_value(), cfg))) for p, v in blocks]))
 
 
-_PROJECTIONS = ("layers.attn.q_DNH", "layers.attn.k_DKH", "layers.attn.v_DKH", "layers.attn.o_NHD",
-                "layers.mlp.gate_DF", "layers.mlp.up_DF", "layers.mlp.down_FD")
+# the projections a quantized base holds (model/lora.py's table), by their paths in hf.py's
+_PROJECTIONS = tuple(path for path in hf._SPECS if path.startswith("layers.") and path.split(".")[-1] in INPUT_DIMS)
 
 
 def _projection_names(tensors: _GGUFTensors, spec: str, cfg: ModelConfig) -> list[str]:
@@ -260,13 +261,14 @@ def _blocks(tensors: _GGUFTensors, spec: str, q, cfg: ModelConfig):
     names = _projection_names(tensors, spec, cfg)
     width = q.data.shape[-1]
 
-    def rows(name: str) -> np.ndarray:
+    def rows(name: str, row_slice: slice, byte_slice: slice) -> np.ndarray:
+        """One device's rows of one layer's tensor (read from the file's map: only those), padded."""
         raw = np.asarray(tensors._by_name[name].data)
-        raw = raw.view(np.uint8).reshape(raw.shape[0], -1)  # F16 and F32 rows as their bytes too
-        return np.pad(raw, ((0, 0), (0, width - raw.shape[1])))
+        raw = raw.view(np.uint8).reshape(raw.shape[0], -1)[row_slice]  # F16 and F32 rows as their bytes too
+        return np.pad(raw, ((0, 0), (0, width - raw.shape[1])))[:, byte_slice]
 
     def data(index):
-        return np.stack([rows(names[r])[index[1:]] for r in range(*index[0].indices(len(names)))])
+        return np.stack([rows(names[r], *index[1:]) for r in range(*index[0].indices(len(names)))])
 
     types = np.array([q.qtypes.index(int(tensors._by_name[n].tensor_type)) for n in names], np.int32)
     return dataclasses.replace(q, data=jax.make_array_from_callback(q.data.shape, q.data.sharding, data),

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_train.config import AttentionImpl, LoraConfig, ModelConfig, Remat
+from tunix_train.config import AttentionImpl, BaseQuantization, LoraConfig, ModelConfig, Remat
 from tunix_train.model import kernels
 from tunix_train.model.common import RMSNorm, param
 from tunix_train.model.layout import (GLOBAL_WINDOW, LayerGroup, LayerShape, layer_groups, layer_shapes,
@@ -211,7 +211,7 @@ class Gemma(nnx.Module):
         otherwise `groups[g][j]`, the stack of position j of group g's period over its repeats."""
         self.cfg, self.remat, self.scan_unroll, self.attention = cfg, remat, scan_unroll, attention
         self.rules, self.parallel = rules, parallel
-        self.quantized_base = lora is not None and lora.base_quantization.value != "none"
+        self.quantized_base = lora is not None and lora.base_quantization is not BaseQuantization.none
         D, V, L = cfg.embed_dim, cfg.vocab_size, cfg.num_layers
         self.embedding_VD = param(rngs, (V, D), ("vocab", "embed"), D)
         self.layer_groups = layer_groups(cfg)

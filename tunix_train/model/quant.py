@@ -165,6 +165,12 @@ def block_shape(qtype: Q) -> tuple[int, int]:
     return gguf.GGML_QUANT_SIZES[qtype]
 
 
+def row_bytes(qtype: Q, values: int) -> int:
+    """The bytes of a row of `values` values in `qtype`."""
+    per_block, nbytes = block_shape(qtype)
+    return values // per_block * nbytes
+
+
 def dequantize(blocks: jax.Array, qtype: Q) -> jax.Array:
     """A tensor's raw blocks uint8 [..., blocks, bytes per block] -> float32 [..., blocks x block size]."""
     if qtype not in DEQUANTIZE:
@@ -220,19 +226,20 @@ class Quantized:
         width = math.prod(in_)
 
         def rows(qtype):
-            values, nbytes = block_shape(Q(qtype))
-            return lambda data: dequantize(
-                data[..., : width // values * nbytes].reshape(*data.shape[:-1], width // values, nbytes), Q(qtype))
+            qtype, nbytes = Q(qtype), block_shape(Q(qtype))[1]
+            return lambda data: dequantize(data[..., :row_bytes(qtype, width)].reshape(*data.shape[:-1], -1, nbytes),
+                                           qtype)
 
+        branches = [rows(q) for q in self.qtypes]
+
+        def one(data, index):  # a layer's rows, in its type qtypes[index]
+            return branches[0](data) if len(branches) == 1 else jax.lax.switch(index, branches, data)
+
+        for _ in range(self.scale.ndim):  # a stack of layers (outside the scan): each its own
+            one = jax.vmap(one)
         # gathered whole before it is dequantized: the layer's blocks (its rows split over tp and
         # fsdp) travel quantized, and no split of [out, in] need map onto our layout's
-        data = constrain(self.data, (None,) * self.data.ndim, LOGICAL_RULES)
-        branches = [rows(q) for q in self.qtypes]
-        one = branches[0] if len(branches) == 1 else lambda data, index: jax.lax.switch(index, branches, data)
-        if len(branches) > 1:
-            for _ in range(self.scale.ndim):  # a stack of layers (outside the scan): each its own
-                one = jax.vmap(one)
-        w = one(data) if len(branches) == 1 else one(data, self.scale)
+        w = one(constrain(self.data, (None,) * self.data.ndim, LOGICAL_RULES), self.scale)
         lead = w.ndim - 2
         w = w.reshape(*w.shape[:lead], *out, *in_)
         return w.transpose(*range(lead), *(lead + p for p in perm))

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import jax
 
 from tunix_train.checkpoint import Checkpointer
-from tunix_train.config import Config, NanPolicy
+from tunix_train.config import BaseQuantization, Config, NanPolicy
 from tunix_train.data import Data
 from tunix_train.generate import Engine, Request
 from tunix_train.observe.comms import CommunicationProfile
@@ -153,7 +153,7 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
 
 
 def _base_format(lora) -> str:
-    if lora.base_quantization.value == "none":
+    if lora.base_quantization is BaseQuantization.none:
         return lora.base_dtype.value
     return f"{lora.base_quantization.value} (projections; {lora.base_dtype.value} elsewhere)"
 

@@ -48,8 +48,7 @@ def _gguf_stand_in(tensor: GgufTensor, weight: nnx.Param) -> nnx.Param:
     """The shape a GGUF base's projection takes (its rows, padded to the widest layer's bytes): for
     planning. The blocks themselves come from the file (interop/gguf.py), never from here."""
     out, in_, _ = tensor.layout
-    width = max(math.prod(in_) // quant.block_shape(quant.Q(t))[0] * quant.block_shape(quant.Q(t))[1]
-                for t in tensor.types)
+    width = max(quant.row_bytes(quant.Q(t), math.prod(in_)) for t in tensor.types)
     layers = weight.shape[0]
     return weight.replace(quant.Quantized(jnp.zeros((layers, math.prod(out), width), jnp.uint8),
                                           jnp.zeros((layers,), jnp.int32), "gguf", 0, weight.dtype,

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_train.config import Config, ConfigError, Overlong
+from tunix_train.config import Config, ConfigError, Overlong, RolloutDtype
 from tunix_train.data.chat import prompt_ids
 from tunix_train.data.pipeline import GroupBatches, padded_row
 from tunix_train.model import quant
@@ -227,7 +227,7 @@ class GroupRelative(Objective):
 
         self._run, self._write_samples = run, write_samples
         to_engine = run.weights.for_engine
-        if self.grpo.rollout_dtype.value == "bf16":  # the engine computes in bf16
+        if self.grpo.rollout_dtype is RolloutDtype.bf16:  # the engine computes in bf16
             to_engine = lambda p, f, merge=run.weights.for_engine: quant.cast(merge(p, f), jnp.bfloat16)
         self._merged = jax.jit(to_engine)  # LoRA: the adapters merged into the base, compiled once
         self._mesh = run.rollout_mesh or run.mesh
