@@ -24,6 +24,16 @@ for attention in cudnn xla; do
       "${gemma[@]}" "training.attention=$attention" "training.micro_batch_size=$micro" || true
   done
 done
+# The cost of deterministic kernels, and the same step in torch + transformers (eager and compiled)
+python3 scripts/benchmark.py --steps 10 --warmup 2 --json "$out/gemma3_1b_nondeterministic.json" \
+  "${gemma[@]}" training.micro_batch_size=2 training.deterministic=false || true
+for compiled in "" --compile; do
+  python3 scripts/torch_peer.py --model gemma3_1b --seq-len 4096 --batch 2 $compiled \
+    --json "$out/gemma3_1b_torch${compiled:+_compiled}.json" || true
+done
+# The engine's bf16 decode at 1, 8 and 64 requests against the measured memory bandwidth
+python3 scripts/benchmark_generate.py --model gemma3_1b --dtype bf16 --no-transformers --batches 1 8 64 \
+  --prompt-len 64 --new-tokens 128 --json "$out/gemma3_1b_decode.json" || true
 # The planner's prediction for the same step, to compare with the benchmark's measured peak memory.
 JAX_PLATFORMS=cpu python3 -m tunix_train.plan "${gemma[@]}" training.micro_batch_size=1 --device_memory=80GB
 # Host offload: the moments, then the moments and the float32 master weights, against neither above

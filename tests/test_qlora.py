@@ -16,6 +16,7 @@ from tunix_train.config import Remat
 from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.model import quant
 from tunix_train.parallel import model_graphdef
+from tunix_train.train.setup import setup
 from tunix_train.train.step import token_losses
 
 QLORA = ("training.lora.rank=4", ALL, "model.head_dim=64")  # nf4 blocks of 64 along head_dim and mlp (128)
@@ -99,6 +100,21 @@ def test_qlora_resumes_bit_identically_and_checkpoints_no_base(tmp_path):
     assert "q_lora" in metadata and "q_DNH" not in metadata
     record = json.loads((tmp_path / "straight" / "checkpoints" / "6" / "data" / "metadata").read_text())
     assert record["frozen"]["source"] == "training.seed=0" and record["frozen"]["checksum"] > 0
+
+
+def test_quantizing_a_loaded_base_holds_one_layers_temporaries():
+    """model.init_from's base is quantized one layer at a time, with no int32 code per value: the
+    quantizing program's temporaries are about one layer's float32 projections. All layers
+    at once (nf4 by searchsorted) took 3.4x all twelve layers' float32 bytes, and gemma3_27b asked
+    an H200 for 292 GiB."""
+    cfg = config(*STEPS, *QLORA, "training.lora.base_quantization=nf4", "model.num_layers=12")
+    cfg.model.mesh_shape = [[1], ["fsdp"]]
+    plan = setup(cfg, jax.devices()[:1]).plan
+    temporaries = plan._from_params.lower(plan.base, plan._key).compile().memory_analysis().temp_size_in_bytes
+    stacks = [x for path, x in jax.tree_util.tree_leaves_with_path(plan.base)
+              if "layers" in jax.tree_util.keystr(path) and x.ndim >= 3]
+    one_layer_float32 = sum(x.size // 12 * 4 for x in stacks)
+    assert len(stacks) == 7 and temporaries < 2 * one_layer_float32, temporaries / one_layer_float32
 
 
 @pytest.mark.parametrize("overrides, message", [

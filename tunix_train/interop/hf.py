@@ -323,7 +323,7 @@ def load_params_from(files: Any, cfg: ModelConfig, abstract_params: nnx.State, s
                 hf_slices, left, read_shape = _hf_slices(spec, cfg, layer, inner)
                 piece = files.read(name(r), hf_slices).astype(np.float32).reshape(read_shape)[left]
                 pieces.append(piece.transpose(_SPECS[spec][2]))
-            return np.stack(pieces) if layer_of else pieces[0]
+            return (np.stack(pieces) if layer_of else pieces[0]).astype(leaf.dtype, copy=False)
 
         return jax.make_array_from_callback(leaf.shape, leaf.sharding, block)
 

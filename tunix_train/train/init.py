@@ -100,7 +100,8 @@ def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransforma
         shardings = shardings.replace(params=on_host(shardings.params))
     abstract = _abstract(shapes, shardings)
     from_params = functools.partial(_state_around_base, model_cfg=model_cfg, optimizer=optimizer, weights=weights)
-    base_shapes = jax.eval_shape(lambda k: nnx.split_state(_model_params(model_cfg, k, weights), Adapter, ...)[1], key)
+    base_shapes = jax.eval_shape(
+        lambda k: weights.as_loaded(nnx.split_state(_model_params(model_cfg, k, weights), Adapter, ...)[1]), key)
     base_shardings = state_shardings(base_shapes, mesh, () if full else ("fsdp",), rules)
     # a GGUF base loads as the run holds it, its blocks quantized
     base = abstract.frozen if weights.loads_quantized else _abstract(base_shapes, base_shardings)

@@ -25,15 +25,18 @@ _BASE_DTYPES = {BaseDtype.fp32: jnp.float32, BaseDtype.bf16: jnp.bfloat16}
 BLOCK_AXES = ("head_dim", "mlp")  # nf4's blocks run along a projection's feature axis, never fsdp's embed
 
 
-def _quantized(kind: BaseQuantization, path: tuple, weight: nnx.Param) -> nnx.Param:
-    """A stacked projection [layers, ...] as `kind`: int8 per output channel, nf4 along its BLOCK_AXES."""
+def _quantized(kind: BaseQuantization, path: tuple, weight: nnx.Param, dtype) -> nnx.Param:
+    """A stacked projection [layers, ...], cast to `dtype`, as `kind`: int8 per output channel, nf4
+    along its BLOCK_AXES. One layer at a time: the quantizer's float32 temporaries are a layer's, not
+    the stack's (gemma3_27b's stacks at once asked an H200 for 292 GiB)."""
     axes, x = weight.get_metadata()["axes"], weight[...]
-    first = axes.index("layers") + 1
+    assert axes[0] == "layers", (path, axes)
     block = next(i for i, a in enumerate(axes) if a in BLOCK_AXES) - len(axes)
     if kind is BaseQuantization.nf4 and x.shape[block] % quant.NF4_BLOCK:
         raise ConfigError(f"training.lora.base_quantization=nf4: {'.'.join(map(str, path))} has {axes[block]} "
                           f"{x.shape[block]}, not a multiple of the block size {quant.NF4_BLOCK}; use int8 or none")
-    return weight.replace(quant.quantize(x, kind.value, tuple(range(first, first + INPUT_DIMS[path[-1]])), block))
+    inputs = tuple(range(INPUT_DIMS[path[-1]]))  # a layer's input axes, after its layers axis
+    return weight.replace(jax.lax.map(lambda layer: quant.quantize(layer.astype(dtype), kind.value, inputs, block), x))
 
 
 class GgufTensor(NamedTuple):
@@ -79,20 +82,24 @@ class Weights:
         adapters, base = nnx.split_state(model_params, Adapter, ...)
         return adapters, self.frozen_base(base)
 
+    def as_loaded(self, base: nnx.State) -> nnx.State:
+        """The base as model.init_from loads it: LoRA's already in training.lora.base_dtype (a bf16
+        base's load holds half the bytes of a float32 one), full fine-tuning's as trained."""
+        return base if self.lora is None else quant.cast(base, _BASE_DTYPES[self.lora.base_dtype])
+
     def frozen_base(self, base: nnx.State) -> nnx.State:
         """LoRA's base parameters as the run holds them frozen (in training.lora.base_dtype)."""
-        base = quant.cast(base, _BASE_DTYPES[self.lora.base_dtype])
-        kind = self.lora.base_quantization
+        dtype, kind = _BASE_DTYPES[self.lora.base_dtype], self.lora.base_quantization
         if kind is BaseQuantization.none:
-            return base
+            return quant.cast(base, dtype)
         gguf = {t.path: t for t in self.gguf}
 
         def frozen(path, w):
             if path[-1] not in INPUT_DIMS or quant.is_quantized(w.get_value()):  # a GGUF base's, loaded
-                return w
+                return w.replace(w.get_value().astype(dtype))
             if kind is BaseQuantization.gguf:
-                return _gguf_stand_in(gguf[".".join(path)], w)
-            return _quantized(kind, path, w)
+                return _gguf_stand_in(gguf[".".join(path)], w.replace(w[...].astype(dtype)))
+            return _quantized(kind, path, w, dtype)
 
         return nnx.from_flat_state([(path, frozen(path, w)) for path, w in nnx.to_flat_state(base)])
 
