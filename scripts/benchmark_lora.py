@@ -4,14 +4,17 @@ CPU devices; no accelerator needed).
     python scripts/benchmark_lora.py [--model gemma3_1b] [--mesh '[[8],["fsdp"]]'] [--rank 16] [overrides...]
     python scripts/benchmark_lora.py --fit gemma3_1b,gemma3_4b,gemma3_12b,gemma3_27b
     python scripts/benchmark_lora.py --speed gemma3_tiny,gemma3_small [--rounds 3]
+    python scripts/benchmark_lora.py --load gemma3_1b
 
 For each of full fine-tuning and LoRA over an fp32, a bf16, an int8 and an nf4 base: per device, the
 trainable parameters, the optimizer state, the frozen weights, the compiler's temporaries and the
 total, as tunix_train.plan computes them. --fit: each model's LoRA r16 at seq 2048, one row, remat
 full, on one device, with each base; whether it fits 24 GB and 80 GB. --speed: LoRA r16 step time
 over a bf16, an int8 and an nf4 base, and a gguf base of Q8_0 and of Q4_0 blocks (our GGUF export
-of the random model; scripts/benchmark.py's timing; one CPU device, the bases alternating in each round), medians over rounds and their ratio to the bf16 base's. The last line is
-one JSON object of the figures (GiB; seconds).
+of the random model; scripts/benchmark.py's timing; one CPU device, the bases alternating in each
+round), medians over rounds and their ratio to the bf16 base's. --load: a LoRA run's start from a
+Hugging Face checkpoint of the random model (model.init_from), each base in a process of its own:
+its peak resident memory and time. The last line is one JSON object of the figures (GiB; seconds).
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ def main() -> int:
     parser.add_argument("--speed", default="", help="comma-separated models: step time per base")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fit", default="", help="comma-separated models: the largest that fits one device")
+    parser.add_argument("--load", default="", help="a model: the start from its checkpoint, per base")
+    parser.add_argument("--start", nargs=2, metavar=("CHECKPOINT", "BASE"), help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="more hydra overrides, e.g. training.micro_batch_size=2")
     args = parser.parse_args()
     import json
 
-    devices = 1 if args.fit or args.speed else math.prod(json.loads(args.mesh)[0])
+    devices = 1 if args.fit or args.speed or args.load or args.start else math.prod(json.loads(args.mesh)[0])
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from tunix_train.plan import plan
@@ -48,6 +53,10 @@ def main() -> int:
              "int8 base": ["training.lora.base_dtype=bf16", "training.lora.base_quantization=int8"],
              "nf4 base": ["training.lora.base_dtype=bf16", "training.lora.base_quantization=nf4"]}
     columns = ["parameters", "optimizer state", "frozen weights", "temporaries (compiler)", "total"]
+    if args.start:
+        return _start(args.start[0], bases[args.start[1]], lora, args.overrides)
+    if args.load:
+        return _load(args.load, [name for name in bases if name != "fp32 base"])
     if args.speed:
         return _speed(args.speed.split(","), lora, {k: v for k, v in bases.items() if k != "fp32 base"}, args.rounds)
     if args.fit:
@@ -86,6 +95,59 @@ def _random_gguf(overrides, path, dtype):
     params = plan_train_state(cfg.model, make_optimizer(cfg.training)[0], mesh, seed=0).create().params
     gguf_export.export(params, cfg.model, Data(cfg).tokenizer, None, path, dtype)
     return path
+
+
+def _load(model: str, bases: list[str]) -> int:
+    """Each base's start from one checkpoint, in a process of its own (its peak RSS is its own)."""
+    import json
+    import subprocess
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+
+    from tunix_train.compose import load_config
+    from tunix_train.interop import hf
+    from tunix_train.model import quant
+    from tunix_train.train.init import _model_params
+    from tunix_train.train.weights import FULL_FINE_TUNING
+
+    figures = {}
+    with tempfile.TemporaryDirectory() as checkpoint:
+        cfg, _ = load_config([f"model={model}", "data=synthetic"])
+        params = jax.jit(lambda k: quant.cast(_model_params(cfg.model, k, FULL_FINE_TUNING), jnp.bfloat16))(
+            jax.random.key(0))
+        hf.export(params, cfg.model, Path(checkpoint))
+        del params
+        for name in bases:
+            out = subprocess.run([sys.executable, __file__, "--start", checkpoint, name, f"model={model}"],
+                                 capture_output=True, text=True, check=True).stdout
+            figures[name] = json.loads(out.strip().splitlines()[-1])
+            print(f"{model}, {name}: {figures[name]}", flush=True)
+    print(json.dumps({"model": model, "start": figures}))
+    return 0
+
+
+def _start(checkpoint: str, base: list[str], lora: list[str], overrides: list[str]) -> int:
+    """setup and starting_state alone, from `checkpoint`: their time and this process's peak RSS."""
+    import json
+    import time
+
+    import jax
+
+    from tunix_train.compose import load_config
+    from tunix_train.train.setup import setup, starting_state
+
+    cfg, _ = load_config([*overrides, "model.mesh_shape=[[1],[fsdp]]", f"model.init_from={checkpoint}",
+                          "data=synthetic", "data.seq_len=256", *lora, *base])
+    run = setup(cfg, jax.devices()[:1])
+    start = time.perf_counter()
+    with jax.set_mesh(run.mesh):
+        jax.block_until_ready(starting_state(cfg, run)[0])
+    # VmHWM, not ru_maxrss: that one keeps the parent's resident size from before the exec
+    peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    print(json.dumps({"start_s": round(time.perf_counter() - start, 2), "peak_rss_gib": round(peak / 2**20, 2)}))
+    return 0
 
 
 def _speed(models, lora, bases, rounds) -> int:

@@ -117,6 +117,60 @@ def test_quantizing_a_loaded_base_holds_one_layers_temporaries():
     assert len(stacks) == 7 and temporaries < 2 * one_layer_float32, temporaries / one_layer_float32
 
 
+def _hf_base_config(directory, *overrides):
+    """The tiny QLoRA config over a transformers checkpoint built at `directory`."""
+    from hf_reference import build
+    from tunix_train.interop import hf
+
+    build("gemma3", directory, head_dim=64, intermediate_size=128)
+    fields = hf.model_fields_from_hf(hf.read_hf_config(directory))
+    return config(*STEPS, *QLORA[:2], f"model.init_from={directory}", *overrides,
+                  *(f"model.{k}={v}" for k, v in fields.items()
+                    if k in ("vocab_size", "embed_dim", "hidden_dim", "num_layers", "num_heads", "num_kv_heads",
+                             "head_dim", "sliding_window", "local_layers_per_global", "rope_base_global",
+                             "rope_base_local", "rope_scale_global", "query_pre_attn_scalar")))
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_a_loaded_base_is_quantized_layer_by_layer_into_the_whole_stacks_codes(tmp_path, kind, monkeypatch):
+    """model.init_from under a quantized base: each projection is quantized as its layers are read
+    (never whole and dense on the devices), into the codes and shardings quantizing it whole gives."""
+    pytest.importorskip("transformers")
+    from tunix_train.interop import hf
+    from tunix_train.train.setup import starting_state
+    from tunix_train.train.weights import Weights
+
+    built, layer_by_layer = [], Weights.layer_by_layer
+
+    def recorded(weights, frozen):  # the projections built layer by layer
+        build = layer_by_layer(weights, frozen)
+
+        def record(path, leaf, read_layer):
+            stack = build(path, leaf, read_layer)
+            if stack is not None:
+                built.append(path)
+            return stack
+        return record
+
+    monkeypatch.setattr(Weights, "layer_by_layer", recorded)
+    cfg = _hf_base_config(tmp_path / "base", f"training.lora.base_quantization={kind}", "training.lora.base_dtype=bf16")
+    cfg.model.mesh_shape = [[2, 2], ["fsdp", "tp"]]
+    run = setup(cfg, jax.devices()[:4])
+    with jax.set_mesh(run.mesh):
+        frozen = dict(nnx.to_flat_state(starting_state(cfg, run)[0].frozen))
+        whole = dict(nnx.to_flat_state(run.weights.frozen_base(hf.load_params(tmp_path / "base", cfg.model,
+                                                                              run.plan.base))))
+    planned = dict(nnx.to_flat_state(run.plan.abstract.frozen))
+    quantized = [path for path, w in frozen.items() if quant.is_quantized(w.get_value())]
+    assert sorted(".".join(p) for p in quantized) == sorted(built) and len(built) == 7
+    for path in quantized:
+        ours, theirs, plan = (x[path].get_value() for x in (frozen, whole, planned))
+        assert ours.kind == theirs.kind == kind and ours.dtype == theirs.dtype == jnp.bfloat16
+        for part in ("data", "scale"):
+            np.testing.assert_array_equal(np.asarray(getattr(ours, part)), np.asarray(getattr(theirs, part)))
+            assert getattr(ours, part).sharding == getattr(plan, part).sharding, (path, part)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["training.lora.rank=4", "training.lora.base_quantization=nf4"],
      "training.lora.base_quantization=nf4: layers.attn.q_DNH has head_dim 16, not a multiple of the block size 64"),
@@ -160,20 +214,13 @@ def test_peft_loads_a_qlora_runs_adapters_on_the_dequantized_base_with_our_logit
     from peft import PeftModel
     from transformers import Gemma3ForCausalLM
 
-    from hf_reference import SIZES, build
+    from hf_reference import SIZES
     from tunix_train import api
     from tunix_train.interop import hf
     from tunix_train.train.loop import train
     from tunix_train.train.weights import Weights
 
-    build("gemma3", tmp_path / "base", head_dim=64, intermediate_size=128)
-    fields = hf.model_fields_from_hf(hf.read_hf_config(tmp_path / "base"))
-    cfg = config(*STEPS, *QLORA[:2], "training.lora.alpha=8", "training.lora.base_quantization=nf4",
-                 f"model.init_from={tmp_path / 'base'}",
-                 *(f"model.{k}={v}" for k, v in fields.items()
-                   if k in ("vocab_size", "embed_dim", "hidden_dim", "num_layers", "num_heads", "num_kv_heads",
-                            "head_dim", "sliding_window", "local_layers_per_global", "rope_base_global",
-                            "rope_base_local", "rope_scale_global", "query_pre_attn_scalar")))
+    cfg = _hf_base_config(tmp_path / "base", "training.lora.alpha=8", "training.lora.base_quantization=nf4")
     cfg.model.mesh_shape = [[2, 2], ["fsdp", "tp"]]
     train(cfg, tmp_path / "run", devices=jax.devices()[:4])
     model = api.load(tmp_path / "run", mesh_shape=[[2, 2], ["fsdp", "tp"]], devices=jax.devices()[:4])

@@ -200,10 +200,11 @@ class _GGUFTensors:
         return self._dequantized(self._gguf_name(hf_name))[tuple(slices)]
 
 
-def load_params(path: str | Path, cfg: ModelConfig, abstract_params: nnx.State) -> nnx.State:
+def load_params(path: str | Path, cfg: ModelConfig, abstract_params: nnx.State,
+                by_layer: hf.ByLayer | None = None) -> nnx.State:
     """Parameters in the shapes and shardings of `abstract_params`, from a GGUF file whose model
     matches `cfg`: dequantized, or, where `abstract_params` holds a quantized weight (a LoRA run's
-    base_quantization=gguf), the file's own blocks."""
+    base_quantization=gguf), the file's own blocks; by_layer: as in hf.load_params_from."""
     path = Path(path).expanduser()
     reader = open_gguf(path)
     check_matches(cfg, model_fields(reader, path), path)
@@ -212,7 +213,7 @@ def load_params(path: str | Path, cfg: ModelConfig, abstract_params: nnx.State) 
     blocks = [(p, v) for p, v in flat if quant.is_quantized(v.get_value())]
     quantized = {p for p, _ in blocks}
     dense = hf.load_params_from(tensors, cfg, nnx.from_flat_state([(p, v) for p, v in flat if p not in quantized]),
-                                str(path))
+                                str(path), by_layer)
     if not blocks:
         return dense
     return nnx.merge_state(dense, nnx.from_flat_state(

@@ -11,14 +11,18 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.model.layout import layer_groups, layer_shapes, layer_types
+
+# (our path, the stacked leaf's ShapeDtypeStruct, read_layer) -> the leaf built layer by layer, or None
+ByLayer = Callable[[str, jax.ShapeDtypeStruct, Callable[[int], jax.Array]], Any]
 
 # Our parameter path -> (transformers name, [per transformers dim: the sizes it splits into], the
 # permutation of that split view giving our layout). Names under model.layers.{i}. are per layer.
@@ -287,21 +291,26 @@ def check_matches(cfg: ModelConfig, directory: Path) -> None:
                               f"use the matching model config or set model.{key}={value!r}")
 
 
-def load_params(directory: Path, cfg: ModelConfig, abstract_params: nnx.State) -> nnx.State:
+def load_params(directory: Path, cfg: ModelConfig, abstract_params: nnx.State,
+                by_layer: ByLayer | None = None) -> nnx.State:
     """Parameters in the shapes and shardings of `abstract_params` (ShapeDtypeStructs with shardings),
-    each process reading only its devices' slices of the safetensors files."""
+    each process reading only its devices' slices of the safetensors files; by_layer: as in
+    load_params_from."""
     directory = Path(directory)
     check_matches(cfg, directory)
     towers = other_towers(directory)
     if towers and jax.process_index() == 0:
         print(f"model.init_from: {directory} also holds a {' and '.join(t.removesuffix('_config') for t in towers)} "
               f"tower; loading the text decoder, ignoring the rest")
-    return load_params_from(_SafetensorsFiles(directory), cfg, abstract_params, str(directory))
+    return load_params_from(_SafetensorsFiles(directory), cfg, abstract_params, str(directory), by_layer)
 
 
-def load_params_from(files: Any, cfg: ModelConfig, abstract_params: nnx.State, source: str) -> nnx.State:
+def load_params_from(files: Any, cfg: ModelConfig, abstract_params: nnx.State, source: str,
+                     by_layer: ByLayer | None = None) -> nnx.State:
     """Parameters from `files`, anything with has(name) and read(name, slices) over transformers'
-    tensor names and layouts (safetensors here, GGUF in interop/gguf.py); `source` names it in errors."""
+    tensor names and layouts (safetensors here, GGUF in interop/gguf.py); `source` names it in errors.
+    by_layer(path, leaf, read_layer) may build a stacked leaf from its layers itself (read_layer(r):
+    layer r on the devices, sharded as the leaf along its other axes), or return None."""
 
     # a multimodal checkpoint keeps its text decoder under model.language_model.
     prefix = "model.language_model." if files.has("model.language_model.embed_tokens.weight") else "model."
@@ -325,6 +334,13 @@ def load_params_from(files: Any, cfg: ModelConfig, abstract_params: nnx.State, s
                 pieces.append(piece.transpose(_SPECS[spec][2]))
             return (np.stack(pieces) if layer_of else pieces[0]).astype(leaf.dtype, copy=False)
 
+        if by_layer is not None and layer_of:
+            one = NamedSharding(leaf.sharding.mesh, P(*tuple(leaf.sharding.spec)[1:]))
+            read_layer = lambda r: jax.make_array_from_callback(
+                leaf.shape[1:], one, lambda index: block((slice(r, r + 1), *index))[0])
+            built = by_layer(path, leaf, read_layer)
+            if built is not None:
+                return built
         return jax.make_array_from_callback(leaf.shape, leaf.sharding, block)
 
     return jax.tree_util.tree_map_with_path(load, abstract_params)

@@ -109,11 +109,14 @@ def starting_point(cfg: Config) -> str:
     return f"model.init_from={cfg.model.init_from}" if cfg.model.init_from else f"training.seed={cfg.training.seed}"
 
 
-def starting_state(cfg: Config, plan: StatePlan) -> tuple[TrainState, str]:
+def starting_state(cfg: Config, run: Setup) -> tuple[TrainState, str]:
     """The state a run starts from without a checkpoint: the Hugging Face or GGUF checkpoint
-    model.init_from, else fresh from training.seed; and where it came from."""
+    model.init_from (a QLoRA base quantized as its layers are read), else fresh from
+    training.seed; and where it came from."""
+    plan = run.plan
     if cfg.model.init_from:
-        params = importer(cfg.model.init_from).load_params(Path(cfg.model.init_from), cfg.model, plan.base)
+        params = importer(cfg.model.init_from).load_params(Path(cfg.model.init_from), cfg.model, plan.base,
+                                                           run.weights.layer_by_layer(plan.abstract.frozen))
         return plan.from_params(params), starting_point(cfg)
     return plan.create(), starting_point(cfg)
 
@@ -131,7 +134,7 @@ def initial_state(cfg: Config, run: Setup, checkpoints: Path, train_batches) -> 
         restored = restore_from(cfg.checkpoint.resume_from, run.plan.abstract)
         origin = f"started from checkpoint.resume_from={cfg.checkpoint.resume_from}"
     if restored is None:
-        state, source = starting_state(cfg, run.plan)
+        state, source = starting_state(cfg, run)
         return state, f"initialized from {source}", skipped
     state, data_state = restored
     if data_state["global_micro_batch"] != run.micro_batch:
@@ -140,7 +143,7 @@ def initial_state(cfg: Config, run: Setup, checkpoints: Path, train_batches) -> 
                           f"set training.micro_batch_size so that the global batch is the same")
     if run.plan.abstract.frozen is not None:
         state = state.replace(frozen=frozen_as_recorded(cfg, data_state.get("frozen"),
-                                                        lambda: starting_state(cfg, run.plan)[0].frozen))
+                                                        lambda: starting_state(cfg, run)[0].frozen))
     train_batches.set_state(data_state["iterator"])
     return state, f"{origin} at step {int(state.step)}", skipped
 

@@ -16,8 +16,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tunix_train.config import BaseDtype, BaseQuantization, Config, ConfigError, LoraConfig
+from tunix_train.interop import hf
 from tunix_train.model import quant
 from tunix_train.model.lora import ADAPTED_WEIGHTS, INPUT_DIMS, Adapter, merged
 
@@ -35,8 +37,18 @@ def _quantized(kind: BaseQuantization, path: tuple, weight: nnx.Param, dtype) ->
     if kind is BaseQuantization.nf4 and x.shape[block] % quant.NF4_BLOCK:
         raise ConfigError(f"training.lora.base_quantization=nf4: {'.'.join(map(str, path))} has {axes[block]} "
                           f"{x.shape[block]}, not a multiple of the block size {quant.NF4_BLOCK}; use int8 or none")
-    inputs = tuple(range(INPUT_DIMS[path[-1]]))  # a layer's input axes, after its layers axis
-    return weight.replace(jax.lax.map(lambda layer: quant.quantize(layer.astype(dtype), kind.value, inputs, block), x))
+    return weight.replace(jax.lax.map(_layer_quantizer(kind, path[-1], block, dtype), x))
+
+
+def _layer_quantizer(kind: BaseQuantization, name: str, block: int, dtype):
+    """One layer of projection `name` -> Quantized of `kind` (nf4's blocks along axis `block`)."""
+    inputs = tuple(range(INPUT_DIMS[name]))  # a layer's input axes
+    return lambda layer: quant.quantize(layer.astype(dtype), kind.value, inputs, block)
+
+
+def _per_layer(sharding: NamedSharding) -> NamedSharding:
+    """A stacked array's sharding for one of its layers."""
+    return NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
 
 
 class GgufTensor(NamedTuple):
@@ -102,6 +114,34 @@ class Weights:
             return _quantized(kind, path, w, dtype)
 
         return nnx.from_flat_state([(path, frozen(path, w)) for path, w in nnx.to_flat_state(base)])
+
+    def layer_by_layer(self, frozen: nnx.State) -> hf.ByLayer | None:
+        """For model.init_from under int8 or nf4: quantizes each projection as its layers are read
+        into stacks in `frozen`'s shardings (the plan's abstract), so that no projection is ever
+        whole and dense on the devices (gemma3_27b's bf16 base is 54 GB); None for other runs."""
+        if self.lora is None or self.lora.base_quantization not in (BaseQuantization.int8, BaseQuantization.nf4):
+            return None
+        kind, dtype = self.lora.base_quantization, _BASE_DTYPES[self.lora.base_dtype]
+        targets = {".".join(path): w.get_value() for path, w in nnx.to_flat_state(frozen)}
+
+        def build(path: str, leaf, read_layer):
+            target = targets.get(path)
+            if not quant.is_quantized(target):
+                return None
+            arrays = (target.data, target.scale)
+            shardings = tuple(a.sharding for a in arrays)
+            one = _layer_quantizer(kind, path.split(".")[-1], target.axis, dtype)
+            quantize = jax.jit(lambda layer: (lambda q: (q.data, q.scale))(one(layer)),
+                               out_shardings=tuple(_per_layer(s) for s in shardings))
+            put = jax.jit(lambda stack, layer, r: tuple(jax.lax.dynamic_update_index_in_dim(s, x, r, 0)
+                                                        for s, x in zip(stack, layer)),
+                          donate_argnums=0, out_shardings=shardings)
+            stack = jax.jit(lambda: tuple(jnp.zeros(a.shape, a.dtype) for a in arrays), out_shardings=shardings)()
+            for r in range(leaf.shape[0]):
+                stack = put(stack, quantize(read_layer(r)), r)
+            return dataclasses.replace(target, data=stack[0], scale=stack[1])
+
+        return build
 
     @property
     def loads_quantized(self) -> bool:
