@@ -316,6 +316,11 @@ def per_shard_shardings(shardings: Any, mesh: Mesh) -> Any:
     return jax.tree.map(stacked, shardings)
 
 
+def layer_sharding(stacked: NamedSharding) -> NamedSharding:
+    """The sharding of one layer of a stacked [layers, ...] array: the stack's, less its first axis."""
+    return NamedSharding(stacked.mesh, P(*tuple(stacked.spec)[1:]))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batches are [accumulation step, example, position]: examples split over dp and fsdp."""
     return NamedSharding(mesh, P(None, _spec_entry(data_axes(mesh)), None))

@@ -16,10 +16,10 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.model.layout import layer_groups, layer_shapes, layer_types
+from tunix_train.sharding import layer_sharding
 
 # (our path, the stacked leaf's ShapeDtypeStruct, read_layer) -> the leaf built layer by layer, or None
 ByLayer = Callable[[str, jax.ShapeDtypeStruct, Callable[[int], jax.Array]], Any]
@@ -335,9 +335,8 @@ def load_params_from(files: Any, cfg: ModelConfig, abstract_params: nnx.State, s
             return (np.stack(pieces) if layer_of else pieces[0]).astype(leaf.dtype, copy=False)
 
         if by_layer is not None and layer_of:
-            one = NamedSharding(leaf.sharding.mesh, P(*tuple(leaf.sharding.spec)[1:]))
             read_layer = lambda r: jax.make_array_from_callback(
-                leaf.shape[1:], one, lambda index: block((slice(r, r + 1), *index))[0])
+                leaf.shape[1:], layer_sharding(leaf.sharding), lambda index: block((slice(r, r + 1), *index))[0])
             built = by_layer(path, leaf, read_layer)
             if built is not None:
                 return built

@@ -16,12 +16,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tunix_train.config import BaseDtype, BaseQuantization, Config, ConfigError, LoraConfig
 from tunix_train.interop import hf
 from tunix_train.model import quant
 from tunix_train.model.lora import ADAPTED_WEIGHTS, INPUT_DIMS, Adapter, merged
+from tunix_train.sharding import layer_sharding
 
 _BASE_DTYPES = {BaseDtype.fp32: jnp.float32, BaseDtype.bf16: jnp.bfloat16}
 BLOCK_AXES = ("head_dim", "mlp")  # nf4's blocks run along a projection's feature axis, never fsdp's embed
@@ -44,11 +44,6 @@ def _layer_quantizer(kind: BaseQuantization, name: str, block: int, dtype):
     """One layer of projection `name` -> Quantized of `kind` (nf4's blocks along axis `block`)."""
     inputs = tuple(range(INPUT_DIMS[name]))  # a layer's input axes
     return lambda layer: quant.quantize(layer.astype(dtype), kind.value, inputs, block)
-
-
-def _per_layer(sharding: NamedSharding) -> NamedSharding:
-    """A stacked array's sharding for one of its layers."""
-    return NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
 
 
 class GgufTensor(NamedTuple):
@@ -128,18 +123,17 @@ class Weights:
             target = targets.get(path)
             if not quant.is_quantized(target):
                 return None
-            arrays = (target.data, target.scale)
-            shardings = tuple(a.sharding for a in arrays)
-            one = _layer_quantizer(kind, path.split(".")[-1], target.axis, dtype)
-            quantize = jax.jit(lambda layer: (lambda q: (q.data, q.scale))(one(layer)),
-                               out_shardings=tuple(_per_layer(s) for s in shardings))
-            put = jax.jit(lambda stack, layer, r: tuple(jax.lax.dynamic_update_index_in_dim(s, x, r, 0)
-                                                        for s, x in zip(stack, layer)),
-                          donate_argnums=0, out_shardings=shardings)
-            stack = jax.jit(lambda: tuple(jnp.zeros(a.shape, a.dtype) for a in arrays), out_shardings=shardings)()
+            shardings = jax.tree.map(lambda a: a.sharding, target)
+            quantize = jax.jit(_layer_quantizer(kind, path.split(".")[-1], target.axis, dtype),
+                               out_shardings=jax.tree.map(layer_sharding, shardings))
+            put = jax.jit(lambda stack, layer, r: jax.tree.map(
+                lambda s, x: jax.lax.dynamic_update_index_in_dim(s, x, r, 0), stack, layer),
+                donate_argnums=0, out_shardings=shardings)
+            stack = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), target),
+                            out_shardings=shardings)()
             for r in range(leaf.shape[0]):
                 stack = put(stack, quantize(read_layer(r)), r)
-            return dataclasses.replace(target, data=stack[0], scale=stack[1])
+            return stack
 
         return build
 
