@@ -2,7 +2,7 @@
 the same weights in the same run, and next to the memory-bandwidth limit of decoding.
 
     python scripts/benchmark_generate.py [--model gemma3_270m] [--gguf FILE] [--prompt-len 64]
-        [--new-tokens 32] [--batches 1 8] [--repeats 3] [--json out.json]
+        [--new-tokens 32] [--batches 1 8] [--repeats 3] [--dtype fp32|bf16] [--chunk 8] [--json out.json]
 
 Random weights of the named model config (or a GGUF file's), float32 or (--dtype bf16) the bf16
 engine of `training.grpo.rollout_dtype=bf16`, on one CPU device (or the accelerator). Each figure is
@@ -10,7 +10,8 @@ the median of --repeats timed runs after a warm-up run that compiles. Prefill: p
 to the first token. Decode: the other tokens / the rest of the time. The bandwidth limit of a decode
 step is the bytes it must read, parameters plus the KV cache, over the memory bandwidth measured in
 the same run (numpy copying 1 GiB on a CPU, a jitted x + 1 over 4 GiB on an accelerator); at batch 1
-decoding is bound by it. transformers runs with torch's threads set to the machine's cores.
+decoding is bound by it. transformers runs with torch's threads set to the machine's cores. Each
+batch's figures print as they come; the last line is one JSON object of them all.
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(run), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results))  # the last line: every figure
     return 0
 
 
