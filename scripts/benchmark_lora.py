@@ -79,21 +79,24 @@ def _table(rows, columns):
         print(f"| {name} | " + " | ".join(f"{figures.get(c, 0) / 2**30:.3f}" for c in columns) + " |")
 
 
-def _random_gguf(overrides, path, dtype):
-    """A GGUF file (our exporter's `dtype`) of a random model of `overrides`, with the bundled tokenizer."""
+def _random_params(cfg):
+    """The model of `cfg`'s parameters as a run from training.seed=0 starts them (no optimizer state)."""
     import jax
 
+    from tunix_train.train.init import _model_params
+    from tunix_train.train.weights import FULL_FINE_TUNING
+
+    return jax.jit(lambda key: _model_params(cfg.model, key, FULL_FINE_TUNING))(jax.random.key(0))
+
+
+def _random_gguf(overrides, path, dtype):
+    """A GGUF file (our exporter's `dtype`) of a random model of `overrides`, with the bundled tokenizer."""
     from tunix_train.compose import load_config
     from tunix_train.data import Data
     from tunix_train.interop import gguf_export
-    from tunix_train.sharding import make_mesh
-    from tunix_train.train.init import plan_train_state
-    from tunix_train.train.optimizer import make_optimizer
 
     cfg, _ = load_config([*overrides, "model.mesh_shape=[[1],[fsdp]]"])
-    mesh = make_mesh([[1], ["fsdp"]], jax.devices()[:1])
-    params = plan_train_state(cfg.model, make_optimizer(cfg.training)[0], mesh, seed=0).create().params
-    gguf_export.export(params, cfg.model, Data(cfg).tokenizer, None, path, dtype)
+    gguf_export.export(_random_params(cfg), cfg.model, Data(cfg).tokenizer, None, path, dtype)
     return path
 
 
@@ -103,22 +106,13 @@ def _load(model: str, bases: list[str]) -> int:
     import subprocess
     import tempfile
 
-    import jax
-    import jax.numpy as jnp
-
     from tunix_train.compose import load_config
     from tunix_train.interop import hf
-    from tunix_train.model import quant
-    from tunix_train.train.init import _model_params
-    from tunix_train.train.weights import FULL_FINE_TUNING
 
     figures = {}
     with tempfile.TemporaryDirectory() as checkpoint:
         cfg, _ = load_config([f"model={model}", "data=synthetic"])
-        params = jax.jit(lambda k: quant.cast(_model_params(cfg.model, k, FULL_FINE_TUNING), jnp.bfloat16))(
-            jax.random.key(0))
-        hf.export(params, cfg.model, Path(checkpoint))
-        del params
+        hf.export(_random_params(cfg), cfg.model, Path(checkpoint))
         for name in bases:
             out = subprocess.run([sys.executable, __file__, "--start", checkpoint, name, f"model={model}"],
                                  capture_output=True, text=True, check=True).stdout

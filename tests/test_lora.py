@@ -80,6 +80,16 @@ def test_bf16_base_is_held_in_bf16():
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
 
 
+def hf_base_overrides(directory) -> list[str]:
+    """model.init_from=directory, and the model keys its config.json sets."""
+    fields = hf.model_fields_from_hf(hf.read_hf_config(directory))
+    return [f"model.init_from={directory}",
+            *(f"model.{k}={v}" for k, v in fields.items()
+              if k in ("vocab_size", "embed_dim", "hidden_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                       "sliding_window", "local_layers_per_global", "rope_base_global", "rope_base_local",
+                       "rope_scale_global", "query_pre_attn_scalar"))]
+
+
 def test_peft_loads_the_exported_adapters_with_our_logits_and_the_merged_export_equals_base_plus_ba(tmp_path):
     torch = pytest.importorskip("torch")
     pytest.importorskip("peft")
@@ -88,11 +98,7 @@ def test_peft_loads_the_exported_adapters_with_our_logits_and_the_merged_export_
 
     build("gemma3", tmp_path / "base")
     run_dir = tmp_path / "run"
-    cfg = config(*STEPS, "training.lora.rank=4", "training.lora.alpha=8", ALL, f"model.init_from={tmp_path / 'base'}",
-                 *(f"model.{k}={v}" for k, v in hf.model_fields_from_hf(hf.read_hf_config(tmp_path / "base")).items()
-                   if k in ("vocab_size", "embed_dim", "hidden_dim", "num_layers", "num_heads", "num_kv_heads",
-                            "head_dim", "sliding_window", "local_layers_per_global", "rope_base_global",
-                            "rope_base_local", "rope_scale_global", "query_pre_attn_scalar")))
+    cfg = config(*STEPS, "training.lora.rank=4", "training.lora.alpha=8", ALL, *hf_base_overrides(tmp_path / "base"))
     cfg.model.mesh_shape = MESH
     train(cfg, run_dir, devices=jax.devices()[:4])
 

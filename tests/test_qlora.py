@@ -11,7 +11,7 @@ from flax import nnx
 
 from conftest import config, read_metrics, straight_and_resumed, train_losses
 from test_cli import run_cli
-from test_lora import ALL, STEPS, _state_and_steps
+from test_lora import ALL, STEPS, _state_and_steps, hf_base_overrides
 from tunix_train.config import Remat
 from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.model import quant
@@ -120,15 +120,9 @@ def test_quantizing_a_loaded_base_holds_one_layers_temporaries():
 def _hf_base_config(directory, *overrides):
     """The tiny QLoRA config over a transformers checkpoint built at `directory`."""
     from hf_reference import build
-    from tunix_train.interop import hf
 
     build("gemma3", directory, head_dim=64, intermediate_size=128)
-    fields = hf.model_fields_from_hf(hf.read_hf_config(directory))
-    return config(*STEPS, *QLORA[:2], f"model.init_from={directory}", *overrides,
-                  *(f"model.{k}={v}" for k, v in fields.items()
-                    if k in ("vocab_size", "embed_dim", "hidden_dim", "num_layers", "num_heads", "num_kv_heads",
-                             "head_dim", "sliding_window", "local_layers_per_global", "rope_base_global",
-                             "rope_base_local", "rope_scale_global", "query_pre_attn_scalar")))
+    return config(*STEPS, *QLORA[:2], *hf_base_overrides(directory), *overrides)
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])

@@ -54,14 +54,14 @@ class GgufTensor(NamedTuple):
     layout: tuple  # quant.Quantized.layout
 
 
-def _gguf_stand_in(tensor: GgufTensor, weight: nnx.Param) -> nnx.Param:
-    """The shape a GGUF base's projection takes (its rows, padded to the widest layer's bytes): for
-    planning. The blocks themselves come from the file (interop/gguf.py), never from here."""
+def _gguf_stand_in(tensor: GgufTensor, weight: nnx.Param, dtype) -> nnx.Param:
+    """The shape a GGUF base's projection takes (its rows, padded to the widest layer's bytes), read
+    as `dtype`: for planning. The blocks themselves come from the file (interop/gguf.py), never from here."""
     out, in_, _ = tensor.layout
     width = max(quant.row_bytes(quant.Q(t), math.prod(in_)) for t in tensor.types)
     layers = weight.shape[0]
     return weight.replace(quant.Quantized(jnp.zeros((layers, math.prod(out), width), jnp.uint8),
-                                          jnp.zeros((layers,), jnp.int32), "gguf", 0, weight.dtype,
+                                          jnp.zeros((layers,), jnp.int32), "gguf", 0, jnp.dtype(dtype),
                                           tuple(sorted(set(tensor.types))), tensor.layout))
 
 
@@ -89,14 +89,18 @@ class Weights:
         adapters, base = nnx.split_state(model_params, Adapter, ...)
         return adapters, self.frozen_base(base)
 
+    @property
+    def _base_dtype(self):
+        return _BASE_DTYPES[self.lora.base_dtype]
+
     def as_loaded(self, base: nnx.State) -> nnx.State:
         """The base as model.init_from loads it: LoRA's already in training.lora.base_dtype (a bf16
         base's load holds half the bytes of a float32 one), full fine-tuning's as trained."""
-        return base if self.lora is None else quant.cast(base, _BASE_DTYPES[self.lora.base_dtype])
+        return base if self.lora is None else quant.cast(base, self._base_dtype)
 
     def frozen_base(self, base: nnx.State) -> nnx.State:
         """LoRA's base parameters as the run holds them frozen (in training.lora.base_dtype)."""
-        dtype, kind = _BASE_DTYPES[self.lora.base_dtype], self.lora.base_quantization
+        dtype, kind = self._base_dtype, self.lora.base_quantization
         if kind is BaseQuantization.none:
             return quant.cast(base, dtype)
         gguf = {t.path: t for t in self.gguf}
@@ -105,7 +109,7 @@ class Weights:
             if path[-1] not in INPUT_DIMS or quant.is_quantized(w.get_value()):  # a GGUF base's, loaded
                 return w.replace(w.get_value().astype(dtype))
             if kind is BaseQuantization.gguf:
-                return _gguf_stand_in(gguf[".".join(path)], w.replace(w[...].astype(dtype)))
+                return _gguf_stand_in(gguf[".".join(path)], w, dtype)
             return _quantized(kind, path, w, dtype)
 
         return nnx.from_flat_state([(path, frozen(path, w)) for path, w in nnx.to_flat_state(base)])
@@ -116,7 +120,7 @@ class Weights:
         whole and dense on the devices (gemma3_27b's bf16 base is 54 GB); None for other runs."""
         if self.lora is None or self.lora.base_quantization not in (BaseQuantization.int8, BaseQuantization.nf4):
             return None
-        kind, dtype = self.lora.base_quantization, _BASE_DTYPES[self.lora.base_dtype]
+        kind, dtype = self.lora.base_quantization, self._base_dtype
         targets = {".".join(path): w.get_value() for path, w in nnx.to_flat_state(frozen)}
 
         def build(path: str, leaf, read_layer):
