@@ -125,7 +125,7 @@ def _hf_base_config(directory, *overrides):
     return config(*STEPS, *QLORA[:2], *hf_base_overrides(directory), *overrides)
 
 
-@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("kind", ["nf4", pytest.param("int8", marks=pytest.mark.slow)])
 def test_a_loaded_base_is_quantized_layer_by_layer_into_the_whole_stacks_codes(tmp_path, kind, monkeypatch):
     """model.init_from under a quantized base: each projection is quantized as its layers are read
     (never whole and dense on the devices), into the codes and shardings quantizing it whole gives."""
