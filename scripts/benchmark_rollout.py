@@ -2,7 +2,7 @@
 mixed lengths, and the prefill time of a GRPO rollout with and without shared prompt prefixes.
 
     python scripts/benchmark_rollout.py [--model gemma3_270m] [--devices 4] [--axis tp] [--requests 64]
-        [--slots 16] [--prompt-len 16 128] [--new-tokens 8 256] [--prompts 16 --group 8 --group-new 32]
+        [--slots 16] [--prompt-len 16 128] [--new-tokens 8 256] [--prompts 16 --group 8 --group-new 32] [--fifo]
 
 Random weights of the named model config, float32, on --devices fake CPU devices along one mesh
 axis: tp by default, the layout to decode with (each step reads every weight once, where fsdp
@@ -11,8 +11,13 @@ have prompt lengths and max_new_tokens drawn uniformly from the given ranges, an
 every request produces exactly its max_new_tokens: the useful tokens.
 - static: every request in one batch of slots, the batch running until its longest request ends
   (how the sampler before the engine ran them);
-- engine: --slots slots, each refilled from the queue when its request ends.
+- engine: --slots slots, each refilled from the queue when its request ends (Engine.generate: the
+  requests with the most max_new_tokens first); --fifo adds the same in the order the requests
+  came (as a server admits them).
 Both are the same engine (same kernels, same prefills), so the ratio is the scheduling's alone.
+Each timed run follows a warm-up that compiles every shape it meets: the same requests, shortened
+to one chunk for static (whose one admission meets the same shapes), whole for the engine (whose
+admissions depend on when slots free); `compiles` counts XLA compilations inside the timed runs.
 The GRPO rollout: --prompts prompts x --group completions each, prefilled once per prompt
 (shared) or once per completion (separate). The last line is one JSON object of the figures.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -43,6 +49,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--group-new", type=int, default=32, help="max_new_tokens of the GRPO rollout")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fifo", action="store_true", help="also time the engine admitting in arrival order")
     args = parser.parse_args(argv)
     if "jax" not in sys.modules:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -53,6 +60,7 @@ def main(argv: list[str]) -> int:
 
     from tunix_train.compose import load_config
     from tunix_train.generate import Engine, Request, Sampling
+    from tunix_train.generate.sampling import Kinds
     from tunix_train.sharding import make_mesh
     from tunix_train.train.init import plan_train_state
     from tunix_train.train.optimizer import make_optimizer
@@ -67,25 +75,46 @@ def main(argv: list[str]) -> int:
                 for i in range(args.requests)]
     useful = sum(r.max_new_tokens for r in requests)
 
-    def timed(engine: Engine, requests: list[Request]) -> float:
-        """Seconds of engine.generate(requests), after a short run that compiles the same shapes."""
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _, **kw: compiles.append(1) if event == "/jax/core/compile/backend_compile_duration" else None)
+
+    def in_arrival_order(engine: Engine, requests: list[Request], max_len: int) -> list:
+        """The requests through one session of the engine's slots, admitted in the order given."""
+        session = engine.session(params, max_len, engine.slots_for(len(requests)), Kinds.of(r.sampling for r in requests))
+        ids = [session.add(r) for r in requests]
+        while session.busy:
+            session.step()
+        return [session.completions.pop(i) for i in ids]
+
+    def timed(engine: Engine, requests: list[Request], warm_whole: bool = True, fifo: bool = False) -> float:
+        """Seconds of the requests through the engine, after a warm-up of the same shapes."""
         max_len = engine.max_len_for(requests)
-        warm = [dataclasses.replace(r, max_new_tokens=engine.chunk + 1) for r in requests]
-        engine.generate(params, warm, max_len=max_len)
+        run = functools.partial(in_arrival_order, engine) if fifo else functools.partial(engine.generate, params)
+        run(requests if warm_whole else [dataclasses.replace(r, max_new_tokens=engine.chunk + 1) for r in requests],
+            max_len=max_len)
         engine.stats.clear()
+        before = len(compiles)
         start = time.perf_counter()
-        done = engine.generate(params, requests, max_len=max_len)
+        done = run(requests, max_len=max_len)
+        seconds = time.perf_counter() - start
         assert [len(c.tokens) for c in done] == [r.max_new_tokens for r in requests]
-        return time.perf_counter() - start
+        figures["compiles"] += len(compiles) - before
+        return seconds
 
     figures = {"model": args.model, "devices": args.devices, "axis": args.axis, "requests": args.requests, "slots": args.slots,
-               "useful_tokens": useful}
+               "useful_tokens": useful, "compiles": 0}
     static = Engine(cfg.model, mesh, slots=None)
-    figures["static_s"] = timed(static, requests)
+    figures["static_s"] = timed(static, requests, warm_whole=False)
     figures["static_decode_steps"] = static.stats["steps"]
     engine = Engine(cfg.model, mesh, slots=args.slots)
     figures["engine_s"] = timed(engine, requests)
     figures["engine_decode_steps"] = engine.stats["steps"]
+    figures["engine_prefill_s"] = engine.stats["prefill_s"]
+    if args.fifo:
+        figures["engine_fifo_s"] = timed(engine, requests, fifo=True)
+        figures["engine_fifo_decode_steps"] = engine.stats["steps"]
+        figures["engine_fifo_tokens_per_s"] = useful / figures["engine_fifo_s"]
     figures["static_tokens_per_s"] = useful / figures["static_s"]
     figures["engine_tokens_per_s"] = useful / figures["engine_s"]
     figures["engine_vs_static"] = figures["engine_tokens_per_s"] / figures["static_tokens_per_s"]
@@ -99,7 +128,7 @@ def main(argv: list[str]) -> int:
              for i, p in enumerate(p for p in prompts for _ in range(args.group))]
     for name, prefix_cache in (("shared", 4), ("separate", 0)):
         rollout = Engine(cfg.model, mesh, slots=None, prefix_cache=prefix_cache)
-        timed(rollout, group)
+        timed(rollout, group, warm_whole=False)
         figures[f"prefill_s_{name}"] = rollout.stats["prefill_s"]
         figures[f"rollout_s_{name}"] = rollout.stats["prefill_s"] + rollout.stats["decode_s"]
     figures["prefill_speedup_shared"] = figures["prefill_s_separate"] / figures["prefill_s_shared"]

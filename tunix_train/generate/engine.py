@@ -199,13 +199,18 @@ class Engine:
 
     def generate(self, params, requests: Sequence[Request], max_len: Optional[int] = None,
                  on_tokens: Optional[Callable[[int, list[int]], None]] = None) -> list[Completion]:
-        """Every request's completion, in order; on_tokens(request index, new tokens) as they come."""
+        """Every request's completion, in order; on_tokens(request index, new tokens) as they come.
+        The requests with the most max_new_tokens take slots first (longest processing time first:
+        the last slots to free then free close together), ties in order; a request's tokens do not
+        depend on when it starts (session.py)."""
         requests = self._checked(requests)
         if not requests:
             return []
         session = self.session(params, max_len or self.max_len_for(requests), self.slots_for(len(requests)),
                                Kinds.of(r.sampling for r in requests))
-        ids = [session.add(r) for r in requests]
+        ids = [None] * len(requests)
+        for i in sorted(range(len(requests)), key=lambda i: -requests[i].max_new_tokens):
+            ids[i] = session.add(requests[i])
         index = {rid: i for i, rid in enumerate(ids)}
         while session.busy:
             for rid, tokens in session.step():
