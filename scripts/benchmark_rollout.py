@@ -60,7 +60,6 @@ def main(argv: list[str]) -> int:
 
     from tunix_train.compose import load_config
     from tunix_train.generate import Engine, Request, Sampling
-    from tunix_train.generate.sampling import Kinds
     from tunix_train.sharding import make_mesh
     from tunix_train.train.init import plan_train_state
     from tunix_train.train.optimizer import make_optimizer
@@ -79,18 +78,10 @@ def main(argv: list[str]) -> int:
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, _, **kw: compiles.append(1) if event == "/jax/core/compile/backend_compile_duration" else None)
 
-    def in_arrival_order(engine: Engine, requests: list[Request], max_len: int) -> list:
-        """The requests through one session of the engine's slots, admitted in the order given."""
-        session = engine.session(params, max_len, engine.slots_for(len(requests)), Kinds.of(r.sampling for r in requests))
-        ids = [session.add(r) for r in requests]
-        while session.busy:
-            session.step()
-        return [session.completions.pop(i) for i in ids]
-
     def timed(engine: Engine, requests: list[Request], warm_whole: bool = True, fifo: bool = False) -> float:
         """Seconds of the requests through the engine, after a warm-up of the same shapes."""
         max_len = engine.max_len_for(requests)
-        run = functools.partial(in_arrival_order, engine) if fifo else functools.partial(engine.generate, params)
+        run = functools.partial(engine.generate, params, longest_first=not fifo)
         run(requests if warm_whole else [dataclasses.replace(r, max_new_tokens=engine.chunk + 1) for r in requests],
             max_len=max_len)
         engine.stats.clear()

@@ -122,7 +122,8 @@ def test_requests_through_few_slots_get_the_tokens_and_logprobs_they_get_alone()
 
 
 def test_generate_starts_the_requests_with_the_most_new_tokens_first():
-    """Longest processing time first, ties in order; the completions come back in the given order."""
+    """Longest processing time first, ties in order (longest_first=False: in the order given); the
+    completions come back in the given order."""
     mesh, params = _on("1x1")
     requests = [Request(tuple(PROMPTS[0]), n, stream=i) for i, n in enumerate([3, 30, 10, 30])]
     started = []
@@ -130,6 +131,10 @@ def test_generate_starts_the_requests_with_the_most_new_tokens_first():
                                                on_tokens=lambda i, _: started.append(i) if i not in started else None)
     assert started == [1, 3, 2, 0]
     assert [len(c.tokens) for c in done] == [3, 30, 10, 30]
+    started.clear()
+    Engine(CFG, mesh, slots=2).generate(params, requests, longest_first=False,
+                                        on_tokens=lambda i, _: started.append(i) if i not in started else None)
+    assert started == [0, 1, 2, 3]
 
 
 def test_a_shared_prefix_is_prefilled_once_and_gives_the_tokens_of_separate_prefills():

@@ -198,18 +198,19 @@ class Engine:
         return Session(self, params, max_len, slots, kinds)
 
     def generate(self, params, requests: Sequence[Request], max_len: Optional[int] = None,
-                 on_tokens: Optional[Callable[[int, list[int]], None]] = None) -> list[Completion]:
+                 on_tokens: Optional[Callable[[int, list[int]], None]] = None,
+                 longest_first: bool = True) -> list[Completion]:
         """Every request's completion, in order; on_tokens(request index, new tokens) as they come.
-        The requests with the most max_new_tokens take slots first (longest processing time first:
-        the last slots to free then free close together), ties in order; a request's tokens do not
-        depend on when it starts (session.py)."""
+        longest_first: the requests with the most max_new_tokens take slots first (longest
+        processing time first: the last slots to free then free close together), ties in order;
+        False: in the order given. A request's tokens do not depend on when it starts (session.py)."""
         requests = self._checked(requests)
         if not requests:
             return []
         session = self.session(params, max_len or self.max_len_for(requests), self.slots_for(len(requests)),
                                Kinds.of(r.sampling for r in requests))
         ids = [None] * len(requests)
-        for i in sorted(range(len(requests)), key=lambda i: -requests[i].max_new_tokens):
+        for i in sorted(range(len(requests)), key=lambda i: -requests[i].max_new_tokens if longest_first else 0):
             ids[i] = session.add(requests[i])
         index = {rid: i for i, rid in enumerate(ids)}
         while session.busy:
