@@ -25,6 +25,7 @@ import datetime
 import functools
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -73,19 +74,81 @@ GEMMA_TEMPLATE = """{{ bos_token }}
 """
 
 
+# Bounds on one rendering: templates come from model files, untrusted (a GGUF, tokenizer_config.json)
+RENDER_SECONDS = 10.0
+RENDER_CHARS = 1 << 26
+
+
+class _Rendering:
+    """One rendering's progress: its text's length so far, its {% generation %} spans, its deadline."""
+
+    def __init__(self):
+        self.length, self.spans, self.deadline = 0, [], time.monotonic() + RENDER_SECONDS
+
+    def grew(self, chars: int) -> None:
+        self.length += chars
+        if self.length > RENDER_CHARS:
+            raise ConfigError(f"writes more than {RENDER_CHARS} characters")
+        self.on_time()
+
+    def on_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise ConfigError(f"takes more than {RENDER_SECONDS:g} s")
+
+
+_RENDERING: contextvars.ContextVar = contextvars.ContextVar("chat_rendering", default=None)
+
+
+def _bounded_environment():
+    """transformers' sandbox, and within each rendering a deadline checked at every call,
+    attribute, item and operator, and no string or list repeated past RENDER_CHARS."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Bounded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context, operator, left, right):
+            self._on_time()
+            sized = next((len(x) for x in (left, right) if isinstance(x, (str, list, tuple))), None)
+            count = right if isinstance(right, int) else left
+            if operator == "*" and sized is not None and isinstance(count, int) and sized * count > RENDER_CHARS:
+                raise ConfigError(f"repeats a string or list past {RENDER_CHARS} items")
+            if operator == "**" and isinstance(right, (int, float)) and abs(right) > 1024:
+                raise ConfigError("raises to a power above 1024")
+            return super().call_binop(context, operator, left, right)
+
+        def call(self, *args, **kwargs):
+            self._on_time()
+            return super().call(*args, **kwargs)
+
+        def getattr(self, obj, attribute):
+            self._on_time()
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj, argument):
+            self._on_time()
+            return super().getitem(obj, argument)
+
+        @staticmethod
+        def _on_time():
+            if (rendering := _RENDERING.get()) is not None:
+                rendering.on_time()
+
+    return Bounded
+
+
 @functools.lru_cache(maxsize=16)
 def _compiled(template: str):
     """The template compiled as transformers compiles chat templates."""
     import jinja2
     from jinja2 import nodes
     from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(Extension):
         """{% generation %} ... {% endgeneration %}: records where its text starts and ends."""
 
         tags = {"generation"}
-        tracked: contextvars.ContextVar = contextvars.ContextVar("generation_spans", default=None)
+        tracked = _RENDERING
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
@@ -94,17 +157,16 @@ def _compiled(template: str):
 
         def _mark(self, caller):
             text = caller()
-            if (tracked := self.tracked.get()) is not None:
-                blocks, spans = tracked
-                start = sum(map(len, blocks))
-                spans.append((start, start + len(text)))
+            if (rendering := self.tracked.get()) is not None:
+                rendering.spans.append((rendering.length, rendering.length + len(text)))
             return text
+
+    _Bounded = _bounded_environment()
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env = _Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals.update(raise_exception=raise_exception,
@@ -130,17 +192,18 @@ class ChatTemplate:
                **variables) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text and the character spans of its {% generation %} blocks."""
         blocks: list[str] = []
-        spans: list[tuple[int, int]] = []
-        token = self._tracked.set((blocks, spans))
+        rendering = _Rendering()
+        token = self._tracked.set(rendering)
         try:
             for block in self._compiled.generate(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                                  **{**self.variables, **variables}):
                 blocks.append(block)
-        except Exception as err:
-            raise ConfigError(f"{self.source} fails on a conversation: {' '.join(str(err).split())}") from None
+                rendering.grew(len(block))
+        except Exception as err:  # RecursionError and MemoryError too: a conversation or template gone wrong
+            raise ConfigError(f"{self.source} fails on a conversation: {' '.join(str(err).split())[:300]}") from None
         finally:
             self._tracked.reset(token)
-        return "".join(blocks), spans
+        return "".join(blocks), rendering.spans
 
     def spans(self, messages: Sequence[dict], roles: Sequence[str], **variables) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text and the spans of the messages whose role is in `roles`."""
@@ -164,6 +227,8 @@ class ChatTemplate:
         format): where a reply stops."""
         marker = "\u2063reply\u2063"  # no template writes it
         text, _ = self.render([{"role": "user", "content": "a"}, {"role": "assistant", "content": marker}])
+        if marker not in text:
+            raise ConfigError(f"{self.source} does not write an assistant's message")
         return text[text.rindex(marker) + len(marker):].strip()
 
     def end_of_turn_id(self) -> int:

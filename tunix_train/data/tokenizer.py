@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from tunix_train.config import ConfigError
 
 BUNDLED_TOKENIZER = Path(__file__).parent / "corpus" / "shakespeare_4k.model"
@@ -61,11 +63,12 @@ class SentencePieceTokenizer:
                 ids.append(controls[piece])
                 offsets.append((start, start + len(piece)))
             elif piece:
-                data = piece.encode("utf-8")
-                chars = lambda byte: len(data[:byte].decode("utf-8", errors="ignore"))
+                # the character holding each byte offset (the end: one past the last), in one pass
+                data = np.frombuffer(piece.encode("utf-8"), np.uint8)
+                chars = np.append(np.cumsum((data & 0xC0) != 0x80) - 1, len(piece)).tolist()
                 for p in self._sp.encode(piece, return_type="proto").pieces:
                     ids.append(p.id)
-                    offsets.append((start + chars(p.begin), start + chars(p.end)))
+                    offsets.append((start + chars[p.begin], start + chars[p.end]))
             start += len(piece)
         return ids, offsets
 

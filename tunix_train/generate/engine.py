@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -159,6 +160,11 @@ class Engine:
             raise ConfigError(f"a prompt holds a token id outside the model's vocabulary [0, {self.cfg.vocab_size})")
         if request.stop_strings and self.decode is None:
             raise ConfigError("stop strings need a tokenizer: this model has none, pass stop token ids instead")
+        request.sampling.check(self.cfg.vocab_size)
+        for name in ("seed", "stream"):
+            value = getattr(request, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ConfigError(f"{name}={value!r} must be an integer")
 
     def _checked(self, requests: Sequence[Request]) -> list[Request]:
         """The requests with their prompts as tuples of ints, each checked."""

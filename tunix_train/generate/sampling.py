@@ -23,12 +23,20 @@ class Sampling:
     top_p: Optional[float] = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature={self.temperature} must be >= 0")
-        if self.top_k is not None and self.top_k < 1:
-            raise ConfigError(f"top_k={self.top_k} must be >= 1 (or None for no limit)")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p={self.top_p} must be in (0, 1] (or None for no limit)")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not 0 <= self.temperature < math.inf:
+            raise ConfigError(f"temperature={self.temperature!r} must be a finite number >= 0")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 1):
+            raise ConfigError(f"top_k={self.top_k!r} must be an integer >= 1 (or None for no limit)")
+        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
+                                       or not 0 < self.top_p <= 1):
+            raise ConfigError(f"top_p={self.top_p!r} must be in (0, 1] (or None for no limit)")
+
+    def check(self, vocab_size: int) -> None:
+        """A one-line error where the settings cannot hold for a vocabulary of vocab_size tokens."""
+        if self.top_k is not None and self.top_k > vocab_size:
+            raise ConfigError(f"top_k={self.top_k} is more than the vocabulary's {vocab_size} tokens (None: no limit)")
 
     @property
     def greedy(self) -> bool:

@@ -28,7 +28,8 @@ from tunix_train.sharding import data_axes, data_parallel_size
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """A prompt's token ids and how to continue it. Its random stream is fold_in(key(seed), stream)."""
+    """A prompt's token ids and how to continue it. Its random stream is fold_in(key(seed), stream),
+    both taken modulo 2**32 (what jax.random.key makes of a seed without 64-bit mode)."""
 
     prompt: tuple[int, ...]
     max_new_tokens: int
@@ -107,10 +108,14 @@ def _fetch(*xs: jax.Array) -> list[np.ndarray]:
     return [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in xs]
 
 
+WORD = 1 << 32
+
+
 @functools.lru_cache(maxsize=1024)
 def _seed_key(seed: int) -> np.ndarray:
-    """The raw data of key(seed)."""
-    return np.asarray(jax.random.key_data(jax.random.key(seed)))
+    """The raw data of key(seed mod 2**32), which is key(seed) wherever jax.random.key takes the
+    seed (it keeps its low 32 bits): any integer is a seed."""
+    return np.asarray(jax.random.key_data(jax.random.key(int(seed) % WORD)))
 
 
 
@@ -222,7 +227,7 @@ class Session:
         by_source: dict[int, tuple] = {}
         for (slot, rid, request), (entries, logits, prefill_row) in zip(starting, self._prefilled(starting)):
             s = request.sampling
-            settings = {"token": 0, "position": len(request.prompt), "count": 1, "stream": request.stream,
+            settings = {"token": 0, "position": len(request.prompt), "count": 1, "stream": int(request.stream) % WORD,
                         "temperature": s.temperature, "top_k": s.top_k or e.cfg.vocab_size, "top_p": s.top_p or 1.0}
             for name, value in settings.items():
                 row[name][slot] = value

@@ -1,0 +1,296 @@
+"""The HTTP side: who may call (Access, checked before a body is read), the requests' parsing and
+tokenizing off the event loop, and the responses' shapes, streamed or whole.
+
+Every wait has a bound: a body is read within BODY_SECONDS, a reply within --request_timeout_s,
+and a request whose engine has stopped learns it within a second.
+"""
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+from tunix_train.serve import schema
+from tunix_train.serve.schema import BadRequest
+from tunix_train.serve.worker import Generator
+
+BODY_SECONDS = 30.0
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+def _hostname(netloc: str) -> str:
+    """'[::1]:8000' -> '::1', 'Example.com:80' -> 'example.com'."""
+    try:
+        return (urlsplit(f"//{netloc}").hostname or "").lower()
+    except ValueError:
+        return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """Who may call: the Host names the server answers to (DNS rebinding), the Origins a browser
+    may call from (cross-site requests), the API key, JSON bodies only, and their size."""
+
+    api_key: str | None = None
+    hosts: tuple[str, ...] = LOOPBACK  # "*": any
+    origins: tuple[str, ...] = LOOPBACK  # host names of allowed Origin headers; "*": any
+    max_body_bytes: int = 2 << 20
+
+    def refusal(self, method: str, path: str, headers: dict[str, str]) -> BadRequest | None:
+        host = _hostname(headers.get("host", ""))
+        if "*" not in self.hosts and host not in self.hosts:
+            return BadRequest(f"the Host header {headers.get('host', '')[:80]!r} is not one this server answers to "
+                              f"(--allowed_hosts)", status=403, code="host_not_allowed")
+        origin = headers.get("origin")
+        if origin is not None and "*" not in self.origins and _hostname(urlsplit(origin).netloc
+                                                                        if "//" in origin else "") not in self.origins:
+            return BadRequest(f"requests from the origin {origin[:80]!r} are not allowed (--allowed_origins)",
+                              status=403, code="origin_not_allowed")
+        if self.api_key is not None and path != "/health":
+            given = headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return BadRequest("Incorrect API key provided: send it as 'Authorization: Bearer KEY'", status=401,
+                                  code="invalid_api_key")
+        if method == "POST":
+            if headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+                return BadRequest("the body must be sent as Content-Type: application/json", status=415,
+                                  code="unsupported_media_type")
+            declared = headers.get("content-length")
+            if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+                return BadRequest(f"the body is larger than this server's {self.max_body_bytes} bytes "
+                                  f"(--max_body_bytes)", status=413, code="body_too_large")
+        return None
+
+
+class Guard:
+    """ASGI middleware: a request Access refuses gets its error before the app sees it."""
+
+    def __init__(self, app, access: Access):
+        self.app, self.access = app, access
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            refused = self.access.refusal(scope["method"], scope["path"], headers)
+            if refused is not None:
+                from fastapi.responses import JSONResponse
+
+                await JSONResponse(refused.body(), refused.status, refused.headers)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class Api:
+    """A request's engine requests (tokenized here, on a worker thread), and the responses' shapes."""
+
+    def __init__(self, model, generator: Generator, name: str):
+        self.model, self.generator, self.name = model, generator, name
+        self.longest = schema.longest_token_chars(model.tokenizer)
+
+    def prepare(self, data: bytes, chat: bool):
+        """(the checked request, its n engine requests, the texts after which a reply ends)."""
+        from tunix_train.config import ConfigError
+        from tunix_train.generate import Request, Sampling
+
+        ask = schema.read(schema.parse_json(data), chat, self.name)
+        limit = self.generator.max_len
+        if schema.at_least_tokens(ask, self.longest) >= limit:
+            raise BadRequest(f"the prompt's {schema.prompt_chars(ask)} characters are more tokens than this server's "
+                             f"{limit} (--max_len)", "messages" if chat else "prompt", code="context_length_exceeded")
+        tokenizer, ends = self.model.tokenizer, []
+        try:
+            sampling = Sampling(ask.temperature, ask.top_k, ask.top_p)
+            if chat:
+                prompt, _ = self.model.chat.encode(ask.prompt, add_generation_prompt=True)
+                end = self.model.chat.end_of_turn()
+                ends = [end] if end and len(tokenizer.encode(end)) > 1 else []
+            else:
+                prompt = [tokenizer.bos_id, *tokenizer.encode(ask.prompt)]
+        except ConfigError as err:
+            raise BadRequest(str(err), "messages" if chat else None) from None
+        max_tokens = ask.max_tokens or max(limit - len(prompt), 1)
+        requests = [Request(tuple(prompt), max_tokens, sampling, ask.seed, i, ask.stop + tuple(ends))
+                    for i in range(ask.n)]
+        for request in requests:
+            self.generator.check(request)
+        return ask, requests
+
+    def choice(self, chat: bool, index: int, text: str, finish: str | None, delta: bool) -> dict:
+        if not chat:
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        if delta:
+            return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish}
+
+    def envelope(self, chat: bool, rid: str, choices: list, chunk: bool, usage: dict | None = None) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+        out = {"id": rid, "object": kind, "created": int(time.time()), "model": self.name, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+
+class Failed(Exception):
+    """The engine failed a request, or it ran past --request_timeout_s: a 5xx."""
+
+    def __init__(self, error: BadRequest):
+        super().__init__(str(error))
+        self.error = error
+
+
+def app_for(model, generator: Generator, name: str, access: Access = Access(), request_timeout_s: float = 600.0,
+            max_preparing: int = 64):
+    from fastapi import FastAPI, Request as HttpRequest
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    from tunix_train.generate.session import before_stop
+
+    api, app = Api(model, generator, name), FastAPI(title="tunix_train", docs_url=None, redoc_url=None,
+                                                    openapi_url=None)
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+    preparing = [0]  # requests being read and tokenized now
+
+    def error(err: BadRequest) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.get("/health")
+    def health():
+        if not generator.alive:
+            return JSONResponse({"status": "engine stopped", "model": name, "error": generator.error}, 503)
+        return {"status": "ok", "model": name, **generator.occupancy()}
+
+    @app.get("/metrics")
+    def metrics():
+        return generator.stats()
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tunix_train"}]}
+
+    async def body_of(http: HttpRequest) -> bytes:
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > access.max_body_bytes:
+                raise BadRequest(f"the body is larger than this server's {access.max_body_bytes} bytes "
+                                 f"(--max_body_bytes)", status=413, code="body_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def prepared(http: HttpRequest, chat: bool):
+        if preparing[0] >= max_preparing:
+            raise BadRequest(f"{preparing[0]} requests are being read; retry later", status=429,
+                             code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        preparing[0] += 1
+        try:
+            try:
+                data = await asyncio.wait_for(body_of(http), BODY_SECONDS)
+            except asyncio.TimeoutError:
+                raise BadRequest(f"the body took more than {BODY_SECONDS:g} s to arrive", status=408,
+                                 code="request_timeout") from None
+            return await asyncio.get_running_loop().run_in_executor(pool, api.prepare, data, chat)
+        finally:
+            preparing[0] -= 1
+
+    async def complete(http: HttpRequest, chat: bool):
+        try:
+            ask, requests = await prepared(http, chat)
+            submitted = generator.submit(requests)
+        except BadRequest as err:
+            return error(err)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        stops, tokenizer = list(requests[0].stop_strings), model.tokenizer
+        deadline = time.monotonic() + request_timeout_s
+
+        async def choices():
+            """(index, new visible text, finish or None, tokens so far) as each request produces."""
+            ids: list[list[int]] = [[] for _ in requests]
+            shown = ["" for _ in requests]
+            pending = {asyncio.ensure_future(out.get()): i for i, (_, out) in enumerate(submitted)}
+            looked = time.monotonic()  # when the engine, the deadline and the client were last looked at
+            try:
+                while pending:
+                    finished, _ = await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                    if time.monotonic() - looked >= 1.0 or not finished:
+                        looked = time.monotonic()
+                        if not generator.alive:
+                            raise Failed(BadRequest(f"the engine has stopped ({generator.error})", status=503,
+                                                    code="engine_stopped"))
+                        if looked > deadline:
+                            raise Failed(BadRequest(f"the reply took more than {request_timeout_s:g} s "
+                                                    f"(--request_timeout_s)", status=504, code="timeout"))
+                        if not ask.stream and await http.is_disconnected():  # a stream's is noticed by starlette
+                            return
+                    for future in finished:
+                        i = pending.pop(future)
+                        tokens, finish = future.result()
+                        if finish is not None and finish.startswith("error"):
+                            raise Failed(BadRequest(f"the engine failed this request ({finish[7:]})", status=500,
+                                                    code="engine_error"))
+                        ids[i] += tokens
+                        text, stopped = before_stop(tokenizer.decode(ids[i]), stops, finish is not None)
+                        reason = None if finish is None else ("stop" if stopped or finish == "stop" else "length")
+                        yield i, text[len(shown[i]):], reason, len(ids[i])
+                        shown[i] = text
+                        if finish is None:
+                            pending[asyncio.ensure_future(submitted[i][1].get())] = i
+            finally:
+                for future in pending:
+                    future.cancel()
+                for key, _ in submitted:  # a client gone, or done: either way the slots are free
+                    generator.cancel(key)
+
+        prompt_tokens = len(requests[0].prompt) * len(requests)
+
+        def usage(completion_tokens: int) -> dict:
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens}
+
+        if ask.stream:
+            async def events():
+                counts = [0] * len(requests)
+                if chat:
+                    first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(len(requests))]
+                    yield f"data: {json.dumps(api.envelope(chat, rid, first, True))}\n\n"
+                try:
+                    async for i, text, reason, count in choices():
+                        counts[i] = count
+                        if text or reason:
+                            choice = api.choice(chat, i, text, reason, True)
+                            yield f"data: {json.dumps(api.envelope(chat, rid, [choice], True))}\n\n"
+                    if ask.include_usage:
+                        yield f"data: {json.dumps(api.envelope(chat, rid, [], True, usage(sum(counts))))}\n\n"
+                except Failed as failed:  # as OpenAI streams an error: an event with its body
+                    yield f"data: {json.dumps(failed.error.body())}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        texts, reasons, counts = [""] * len(requests), [None] * len(requests), [0] * len(requests)
+        try:
+            async for i, text, reason, count in choices():
+                texts[i] += text
+                reasons[i], counts[i] = reason, count
+        except Failed as failed:
+            return error(failed.error)
+        return api.envelope(chat, rid, [api.choice(chat, i, texts[i], reasons[i], False) for i in range(len(requests))],
+                            False, usage(sum(counts)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest):
+        return await complete(http, True)
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        return await complete(http, False)
+
+    @app.exception_handler(Exception)
+    async def unexpected(http: HttpRequest, err: Exception):  # a bug of ours: the client gets JSON, the server goes on
+        return error(BadRequest(f"internal error ({type(err).__name__})", status=500, code="internal_error"))
+
+    return Guard(app, access)
