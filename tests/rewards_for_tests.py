@@ -30,3 +30,27 @@ def divides(prompts, completions, answer, **fields):
 
 def undocumented_tool(x):
     return x
+
+
+def hang(seconds: float) -> str:
+    """Sleeps, then answers: a tool that may hang (run in a process by the tools' test).
+
+    Args:
+        seconds: How long to sleep.
+    """
+    import os
+    import time
+
+    with open(os.environ["TUNIX_TEST_HANG_PIDS"], "a") as pids:
+        pids.write(f"{os.getpid()}\n")
+    time.sleep(seconds)
+    return "awake"
+
+
+def echo(text: str) -> str:
+    """Answers with its argument.
+
+    Args:
+        text: What to answer.
+    """
+    return text

@@ -261,3 +261,72 @@ def test_grpo_with_tools_and_an_environment_trains_and_resumes_bit_identically(t
     assert sum(m["reward_environment"] for m in steps) > 0 and max(m["grad_norm"] for m in steps) > 0.01  # it learns
     samples = [json.loads(line) for line in (straight / "samples.jsonl").read_text().splitlines()]
     assert any("<tool_response>" in s["text"] for s in samples)
+
+
+def test_the_parser_bounds_what_the_model_writes():
+    """100k-deep nesting, a 1 MB argument and wrong types are error observations, not exceptions."""
+    deep = '<tool_call>{"name": "multiply", "arguments": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}</tool_call>"
+    assert "characters long; at most 65536" in t.parse_calls(deep, "tagged")[0].error
+    deep = '<tool_call>{"name": "multiply", "arguments": {"a": ' + "[" * 20_000 + "]" * 20_000 + "}}</tool_call>"
+    assert "nested more than 32" in t.parse_calls(deep, "tagged")[0].error  # json's RecursionError
+    assert len(t.parse_calls("".join(call(i, 2) for i in range(300)), "tagged")) == 300  # a turn runs max_calls
+    deep33 = '<tool_call>{"name": "multiply", "arguments": {"a": ' + "[" * 33 + "]" * 33 + "}}</tool_call>"
+    assert "nested more than 32" in t.parse_calls(deep33, "tagged")[0].error
+    gemma4_deep = "<|tool_call>call:f{a:" + "[" * 20_000 + "]" * 20_000 + "}<tool_call|>"
+    assert "nested more than 32" in t.parse_calls(gemma4_deep, "gemma4")[0].error
+    big = '<tool_call>{"name": "multiply", "arguments": {"a": "' + "x" * (1 << 20) + '"}}</tool_call>'
+    assert "characters long; at most 65536" in t.parse_calls(big, "tagged")[0].error
+    toolbox = t.Toolbox({"multiply": multiply}, 1.0)
+    text, failed = toolbox.call(t.Call("multiply", {"a": "1", "b": "2"}))
+    assert failed and text.startswith("error: the arguments of multiply do not fit its schema: 'a': '1' is not of "
+                                      "type 'integer'")
+    assert "'c' was unexpected" in toolbox.call(t.Call("multiply", {"a": 1, "b": 2, "c": 3}))[0]
+    assert "'b' is a required property" in toolbox.call(t.Call("multiply", {"a": 1}))[0]
+    assert toolbox.call(t.Call("multiply", {"a": 6, "b": 7})) == ("42", False)
+
+
+def test_a_turn_runs_at_most_max_calls_and_long_results_are_cut(tokenizer):
+    from rewards_for_tests import echo
+
+    chat = ChatTemplate(GEMMA_TEMPLATE, "Gemma's turn format", tokenizer)
+    turns = Turns(chat, {"multiply": multiply, "echo": echo}, max_new_tokens=48, max_turns=2, max_len=4096,
+                  timeout_s=1.0, max_calls=8, max_result_tokens=20)
+    script = ["".join(call(i, 2) for i in range(40)), '<tool_call>{"name":"echo","arguments":{"text":"' +
+              "Speak the speech " * 100 + '"}}</tool_call>']
+    eot = tokenizer.encode("<end_of_turn>")[0]
+    for text in script:
+        turns.max_turns = 2
+        trajectory = turns.start(Environment(), {"prompt": "Go"}, "Environment")
+        [trajectory] = turns.roll_out(lambda requests: [Done(tokenizer.encode(text), [-0.1] * len(tokenizer.encode(
+            text)), eot)], [trajectory], [Environment()])
+        results = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
+        if text is script[0]:
+            assert results[:8] == [str(2 * i) for i in range(8)] and len(results) == 9
+            assert results[8] == "error: the turn wrote 40 calls and at most 8 run in a turn: the first 8 ran"
+            assert (trajectory.tool_calls, trajectory.tool_errors) == (8, 1)
+        else:
+            [result] = results
+            assert result.startswith(tokenizer.decode(tokenizer.encode("Speak the speech " * 100)[:20]))
+            assert result.endswith("[cut: the result was 1700 characters, more than 20 tokens]")
+
+
+def test_a_hanging_tool_is_killed_in_a_process_and_counted_in_a_thread(tmp_path, monkeypatch):
+    import os
+
+    from rewards_for_tests import hang
+
+    monkeypatch.setenv("TUNIX_TEST_HANG_PIDS", str(tmp_path / "pids"))
+    in_process = t.Toolbox({"hang": hang}, 30.0, processes=True)
+    assert in_process.call(t.Call("hang", {"seconds": 0})) == ("awake", False)  # the pool's start: not timed
+    in_process.timeout_s = 1.0
+    text, failed = in_process.call(t.Call("hang", {"seconds": 60}))
+    assert failed and text == "error: timed out after 1 s (its process was killed)" and in_process.hung == 1
+    pid = int((tmp_path / "pids").read_text().split()[-1])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # gone
+    in_process.timeout_s = 30.0
+    assert in_process.call(t.Call("hang", {"seconds": 0})) == ("awake", False)  # a new pool
+    in_process.close()
+    in_thread = t.Toolbox({"hang": hang}, 0.2)
+    assert in_thread.call(t.Call("hang", {"seconds": 2})) == ("error: timed out after 0.2 s", True)
+    assert in_thread.hung == 1

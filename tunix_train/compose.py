@@ -175,6 +175,9 @@ def _check_grpo_family(grpo) -> None:
                           f"and a value in [1, max_new_tokens={grpo.max_new_tokens}]")
     if grpo.rollout_slots is not None and grpo.rollout_slots < 1:
         raise ConfigError(f"training.grpo.rollout_slots={grpo.rollout_slots} must be >= 1 (null: every completion at once)")
+    if grpo.max_tool_calls < 1 or grpo.max_tool_result_tokens < 1:
+        raise ConfigError(f"training.grpo.max_tool_calls={grpo.max_tool_calls} and training.grpo.max_tool_result_tokens="
+                          f"{grpo.max_tool_result_tokens} must be positive")
     if grpo.max_turns < 1 or grpo.tool_timeout_s <= 0:
         raise ConfigError(f"training.grpo.max_turns={grpo.max_turns} must be >= 1 and training.grpo.tool_timeout_s="
                           f"{grpo.tool_timeout_s} positive")

@@ -103,6 +103,11 @@ class GrpoConfig:
     environment: Optional[str] = _fixed(None)
     max_turns: int = _fixed(4)
     tool_timeout_s: float = _changeable(10.0)
+    # a turn runs at most max_tool_calls calls; a result past max_tool_result_tokens is cut (and says so);
+    # tool_processes: each call in a process of its own, killed when it hangs (threads: left, counted)
+    max_tool_calls: int = _changeable(8)
+    max_tool_result_tokens: int = _changeable(1024)
+    tool_processes: bool = _changeable(False)
     # training.eval_every: held-out prompts' greedy reward, and pass@eval_k of eval_samples samples (a
     # sample passes when its reward reaches eval_pass_reward).
     eval_samples: int = _changeable(4)

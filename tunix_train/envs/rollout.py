@@ -54,9 +54,13 @@ class Turns:
     max_turns: int
     max_len: int
     timeout_s: float
+    max_calls: int = 8  # a turn's calls run, at most
+    max_result_tokens: int = 1024  # a tool's result, cut past that
+    processes: bool = False  # each call in a process (killed when it hangs), not a thread
 
     def __post_init__(self):
-        self.schemas = [t.schema(f, name) for name, f in self.tools.items()] or None
+        self.toolbox = t.Toolbox(self.tools, self.timeout_s, self.processes)
+        self.schemas = list(self.toolbox.schemas.values()) or None
         self.style = t.call_style(self.chat.template)
         self.end_of_turn, self.end_of_turn_id = self.chat.end_of_turn(), self.chat.end_of_turn_id()
 
@@ -109,10 +113,15 @@ class Turns:
         calls = t.parse_calls(tr.messages[-1]["content"], self.style) if self.tools else []
         if calls:
             observation = []
-            for call in calls:
-                content, failed = t.call_tool(self.tools, call, self.timeout_s)
+            for call in calls[:self.max_calls]:
+                content, failed = self.toolbox.call(call)
                 tr.tool_calls, tr.tool_errors = tr.tool_calls + 1, tr.tool_errors + failed
-                observation.append({"role": "tool", "name": call.name, "content": content})
+                observation.append({"role": "tool", "name": call.name,
+                                    "content": t.cut(content, self.chat.tokenizer, self.max_result_tokens)})
+            if len(calls) > self.max_calls:
+                tr.tool_errors += 1
+                observation.append({"role": "tool", "name": "", "content": f"error: the turn wrote {len(calls)} calls "
+                                    f"and at most {self.max_calls} run in a turn: the first {self.max_calls} ran"})
             done = False
         else:
             ok, answer = t.run_with_timeout(lambda: environment.step(list(tr.messages)), self.timeout_s)

@@ -14,9 +14,12 @@ Calls are parsed in the format the chat template defines:
   keys bare and strings between `<|"|>` delimiters (ai.google.dev/gemma/docs/capabilities/text/
   function-calling-gemma4).
 
-A call runs in a worker thread; one that raises, returns something that is not JSON, or runs past
-the timeout gives the model an error message instead of a result (a thread cannot be stopped: one
-that hangs is left behind, daemonic).
+The model's output is untrusted: a call's text is read up to MAX_CALL_CHARS characters and
+MAX_DEPTH levels of nesting, its arguments are checked against the tool's schema (jsonschema), and
+a turn runs at most `max_calls` calls. A call runs in a worker thread, or with `processes` in a
+process of its own pool; one that raises, returns something that is not JSON, or runs past the
+timeout gives the model an error message instead of a result. A thread cannot be stopped: one
+that hangs is left behind (daemonic) and counted in `Toolbox.hung`; a process that hangs is killed.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from typing import Any, Callable
 
 from tunix_train.config import ConfigError
 
+MAX_CALL_CHARS = 1 << 16  # one call's text
+MAX_DEPTH = 32  # one call's nesting
 TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 GEMMA4 = re.compile(r"<\|tool_call>call:([\w.-]+)(\{.*?\})<tool_call\|>", re.DOTALL)
 GEMMA4_STRING = '<|"|>'
@@ -91,20 +96,40 @@ def call_style(template: str) -> str:
 def parse_calls(text: str, style: str) -> list[Call]:
     """The tool calls a model's turn writes, in order; each written wrong carries its error."""
     if style == "gemma4":
-        return [_gemma4_call(name, body) for name, body in GEMMA4.findall(text)]
-    calls = []
-    for body in TAGGED.findall(text):
-        try:
-            value = json.loads(body)
-        except json.JSONDecodeError as err:
-            calls.append(Call("", {}, f"the call is not JSON ({err.msg})"))
-            continue
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str) \
-                or not isinstance(value.get("arguments", {}), dict):
-            calls.append(Call("", {}, 'a call is {"name": "...", "arguments": {...}}'))
-            continue
-        calls.append(Call(value["name"], value.get("arguments", {})))
-    return calls
+        return [_bounded(body, lambda: _gemma4_call(name, body)) for name, body in GEMMA4.findall(text)]
+    return [_bounded(body, lambda: _tagged_call(body)) for body in TAGGED.findall(text)]
+
+
+def _bounded(body: str, parse: Callable[[], Call]) -> Call:
+    """parse(), unless the call's text is too long or too deep to read."""
+    if len(body) > MAX_CALL_CHARS:
+        return Call("", {}, f"the call is {len(body)} characters long; at most {MAX_CALL_CHARS}")
+    try:
+        call = parse()
+    except RecursionError:
+        return Call("", {}, f"the call is nested more than {MAX_DEPTH} levels deep")
+    if call.error is None and _depth(call.arguments) > MAX_DEPTH:
+        return Call(call.name, {}, f"the call is nested more than {MAX_DEPTH} levels deep")
+    return call
+
+
+def _depth(value) -> int:
+    level, depth = [value], 0
+    while level and depth <= MAX_DEPTH:
+        level = [v for x in level if isinstance(x, (dict, list)) for v in (x.values() if isinstance(x, dict) else x)]
+        depth += 1
+    return depth
+
+
+def _tagged_call(body: str) -> Call:
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError as err:
+        return Call("", {}, f"the call is not JSON ({err.msg})")
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) \
+            or not isinstance(value.get("arguments", {}), dict):
+        return Call("", {}, 'a call is {"name": "...", "arguments": {...}}')
+    return Call(value["name"], value.get("arguments", {}))
 
 
 def _gemma4_call(name: str, body: str) -> Call:
@@ -123,19 +148,98 @@ def _gemma4_call(name: str, body: str) -> Call:
     return Call(name, arguments) if isinstance(arguments, dict) else Call(name, {}, "the arguments are not an object")
 
 
+def check_arguments(schema: dict, arguments: dict) -> str | None:
+    """What is wrong with a call's arguments for the tool's schema (jsonschema), or None."""
+    import jsonschema
+
+    parameters = {"additionalProperties": False, **schema["function"]["parameters"]}  # a Python function's
+    errors = sorted(jsonschema.Draft202012Validator(parameters).iter_errors(arguments),
+                    key=lambda e: list(e.absolute_path))
+    if not errors:
+        return None
+    return "; ".join((f"'{'.'.join(map(str, e.absolute_path))}': " if e.absolute_path else "") + e.message[:200]
+                     for e in errors[:3])
+
+
+class Toolbox:
+    """The tools, their schemas, and how a call runs: in a thread (hung ones counted in `hung`) or,
+    with `processes`, in a process of a pool of one, killed with its pool when it hangs."""
+
+    def __init__(self, tools: dict[str, Callable], timeout_s: float, processes: bool = False):
+        self.tools, self.timeout_s, self.processes = tools, timeout_s, processes
+        self.schemas = {name: schema(f, name) for name, f in tools.items()}
+        try:
+            import jsonschema  # noqa: F401
+        except ImportError:
+            if tools:
+                raise ConfigError("training.grpo.tools needs jsonschema to check the calls' arguments: "
+                                  "pip install 'tunix_train[tools]'") from None
+        self.hung = 0  # calls that ran past the timeout
+        self._pool = None
+
+    def call(self, call: Call) -> tuple[str, bool]:
+        """(the result as text, whether it is an error)."""
+        if call.error:
+            return f"error: {call.error}", True
+        if call.name not in self.tools:
+            return f"error: no tool named {call.name!r} (tools: {', '.join(self.tools)})", True
+        wrong = check_arguments(self.schemas[call.name], call.arguments)
+        if wrong:
+            return f"error: the arguments of {call.name} do not fit its schema: {wrong}", True
+        ok, value = self._run(self.tools[call.name], call.arguments)
+        if not ok:
+            return f"error: {value}", True
+        try:
+            return (value if isinstance(value, str) else json.dumps(value)), False
+        except (TypeError, ValueError):
+            return f"error: {call.name} returned a {type(value).__name__}, which is not JSON", True
+
+    def _run(self, function: Callable, arguments: dict) -> tuple[bool, Any]:
+        if not self.processes:
+            ok, value = run_with_timeout(lambda: function(**arguments), self.timeout_s)
+            self.hung += not ok and value == f"timed out after {self.timeout_s:g} s"
+            return ok, value
+        import concurrent.futures
+        import multiprocessing
+
+        if self._pool is None:
+            self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        future = self._pool.submit(function, **arguments)
+        try:
+            return True, future.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            self.hung += 1
+            self.close()  # the process that runs it is killed
+            return False, f"timed out after {self.timeout_s:g} s (its process was killed)"
+        except concurrent.futures.process.BrokenProcessPool:
+            self.close()
+            return False, "its process died"
+        except Exception as err:  # noqa: BLE001 - reported to the model, the run goes on
+            return False, f"{type(err).__name__}: {err}"
+
+    def close(self) -> None:
+        if self._pool is not None:
+            processes = list((getattr(self._pool, "_processes", None) or {}).values())
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            for process in processes:
+                process.kill()
+                process.join(5)
+            self._pool = None
+
+
 def call_tool(tools: dict[str, Callable], call: Call, timeout_s: float) -> tuple[str, bool]:
-    """(the result as text, whether it is an error)."""
-    if call.error:
-        return f"error: {call.error}", True
-    if call.name not in tools:
-        return f"error: no tool named {call.name!r} (tools: {', '.join(tools)})", True
-    ok, value = run_with_timeout(lambda: tools[call.name](**call.arguments), timeout_s)
-    if not ok:
-        return f"error: {value}", True
-    try:
-        return (value if isinstance(value, str) else json.dumps(value)), False
-    except TypeError:
-        return f"error: {call.name} returned a {type(value).__name__}, which is not JSON", True
+    """(the result as text, whether it is an error): Toolbox(tools, timeout_s).call(call)."""
+    return Toolbox(tools, timeout_s).call(call)
+
+
+def cut(result: str, tokenizer, max_tokens: int) -> str:
+    """A tool's result cut to max_tokens tokens, saying so (read up to 16 characters a token)."""
+    head = result[:max_tokens * 16]
+    ids = tokenizer.encode(head)
+    if len(ids) <= max_tokens and len(head) == len(result):
+        return result
+    return f"{tokenizer.decode(ids[:max_tokens])}... [cut: the result was {len(result)} characters, more than " \
+           f"{max_tokens} tokens]"
 
 
 def run_with_timeout(function: Callable[[], Any], timeout_s: float) -> tuple[bool, Any]:

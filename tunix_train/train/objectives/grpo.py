@@ -184,7 +184,7 @@ class GroupRelative(Objective):
 
             g = self.grpo
             self._turns = Turns(data.chat, self._tools, g.max_new_tokens, g.max_turns, self.cfg.data.seq_len,
-                                g.tool_timeout_s)
+                                g.tool_timeout_s, g.max_tool_calls, g.max_tool_result_tokens, g.tool_processes)
         self._docs, self._prompts = data.train_docs, self._tokenized(data, data.train_docs, "data.train_files")
         self._eval_docs = data.eval_docs if self.cfg.training.eval_every else []
         self._eval_prompts = self._tokenized(data, self._eval_docs, "the held-out prompts")
@@ -410,7 +410,8 @@ class GroupRelative(Objective):
             **({"dynamic_sampling_rounds": rollout.rounds, "groups_without_signal": rollout.filler_groups}
                if self.grpo.dynamic_sampling else {}),
             **({"tool_calls": rollout.tool_calls / len(rollout.completions), "tool_errors": rollout.tool_errors,
-                "turns": rollout.turns / len(rollout.completions)} if self.multi_turn else {}),
+                "turns": rollout.turns / len(rollout.completions), "tool_timeouts": self._turns.toolbox.hung}
+               if self.multi_turn else {}),
             "completion_tokens": float(np.mean([len(c) for c in rollout.completions])),
             "sampling_s": rollout.sampling_s, "rollout_s": rollout_s, "rollout_staleness": step - rollout.version,
             **self._syncs,  # the weights copied to the rollout mesh for the rollouts this step drew
