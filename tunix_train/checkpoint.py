@@ -4,13 +4,17 @@ A checkpoint is one step's folder under <run_dir>/checkpoints/ holding `state` (
 parameters, optimizer state, step and counters, written by every process for its own shards; not
 the frozen weights, which the run rebuilds from where it started) and `data` (the data iterator's
 position, and what the frozen weights were, JSON). orbax writes into a temporary folder and renames it
-when complete, so an interrupted save never looks like a checkpoint; a damaged one is skipped with a
-warning when restoring. The train step uses no random numbers, so there is no RNG state to keep:
+when complete, so an interrupted save never looks like a checkpoint. Restoring tells a transient
+error (storage unavailable, a timeout: retried, then an error) from a damaged checkpoint (skipped
+for the one before, named in the log, and set aside as unreadable-<step> so that the run's next
+saves are not refused); a folder whose every checkpoint is damaged is an error unless
+checkpoint.start_over_if_unreadable. A save orbax refuses is an error. The train step uses no random numbers, so there is no RNG state to keep:
 initialization comes from training.seed and data order from the iterator state.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import time
@@ -69,11 +73,14 @@ class Checkpointer:
             return step  # e.g. the final save right after a periodic one
         if not _all_finite(state.params):
             raise FloatingPointError(f"refusing to write non-finite parameters at step {step}")
-        if step in self._manager.all_steps():  # only a damaged one, skipped when this run resumed
-            log.warning(f"warning: replacing the damaged checkpoint {self.directory / str(step)}")
-            self._manager.delete(step)
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_saved(state)),
-                                                         data=ocp.args.JsonSave(data_state)))
+        if step in self._manager.all_steps():  # the checkpoint this run resumed from (damaged ones are set aside)
+            return step
+        saved = self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_saved(state)),
+                                                                 data=ocp.args.JsonSave(data_state)))
+        if not saved:
+            raise ConfigError(f"orbax refused to save step {step} in {self.directory} (its latest step is "
+                              f"{self._manager.latest_step()}); move the later checkpoints away or use another "
+                              f"run directory")
         self._last_save_time, self._last_saved_step = time.monotonic(), step
         return step
 
@@ -102,24 +109,77 @@ def _reader(directory: Path) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
 
 
+TRIES = 3  # reads of a checkpoint that fails with a transient error
+TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.ENETDOWN,
+                    errno.ENETUNREACH, errno.ECONNRESET, errno.ECONNREFUSED}
+TRANSIENT_WORDS = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "Connection reset", "timed out")
+
+
+def transient(err: BaseException) -> bool:
+    """Whether an error reading a checkpoint may pass if retried (storage or network), rather than
+    say that the checkpoint is damaged."""
+    if isinstance(err, (TimeoutError, ConnectionError, InterruptedError, BlockingIOError)):
+        return True
+    if isinstance(err, OSError) and err.errno in TRANSIENT_ERRNOS:
+        return True
+    return any(word in str(err) for word in TRANSIENT_WORDS)
+
+
+def _first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+
+
+def _restore_retried(manager: ocp.CheckpointManager, step: int, target, pause_s: float = 1.0):
+    for attempt in range(TRIES):
+        try:
+            return _restore_step(manager, step, target)
+        except Exception as err:  # noqa: BLE001 - orbax/tensorstore raise many types
+            if not transient(err) or attempt == TRIES - 1:
+                raise
+            log.warning(f"warning: reading checkpoint {step} failed ({_first_line(err)}); retrying "
+                        f"({attempt + 2}/{TRIES})")
+            time.sleep(pause_s * 2 ** attempt)
+
+
 def restore_latest(directory: Path, target: TrainState
-                   ) -> tuple[tuple[TrainState, dict[str, Any]] | None, list[str]]:
-    """The newest complete checkpoint in `directory` restored into `target`'s shapes and shardings
-    (any mesh), or None; and a warning for each damaged checkpoint skipped on the way."""
-    directory, skipped = directory.resolve(), []
+                   ) -> tuple[tuple[TrainState, dict[str, Any]] | None, dict[int, str]]:
+    """The newest readable checkpoint in `directory` restored into `target`'s shapes and shardings
+    (any mesh), or None; and the damaged ones newer than it (step -> why). A transient error that
+    outlasts TRIES reads is a ConfigError: the checkpoint may be fine."""
+    directory, damaged = directory.resolve(), {}
     if not directory.is_dir():
-        return None, skipped
+        return None, damaged
     manager = _reader(directory)
     try:
         for step in sorted(manager.all_steps(), reverse=True):
             try:
-                return _restore_step(manager, step, target), skipped
-            except Exception as err:  # orbax/tensorstore raise many types for missing or cut files
-                skipped.append(f"checkpoint {directory / str(step)} is damaged, skipping it "
-                               f"({type(err).__name__}: {str(err).splitlines()[0][:200]})")
-        return None, skipped
+                return _restore_retried(manager, step, target), damaged
+            except Exception as err:  # noqa: BLE001 - orbax/tensorstore raise many types for missing or cut files
+                if transient(err):
+                    raise ConfigError(f"checkpoint {directory / str(step)} could not be read in {TRIES} tries "
+                                      f"({_first_line(err)}); it may be intact: rerun when the storage answers") from None
+                damaged[step] = _first_line(err)
+        return None, damaged
     finally:
         manager.close()
+
+
+def set_aside(directory: Path, damaged: dict[int, str]) -> list[str]:
+    """Renames each damaged checkpoint to unreadable-<step> beside the others (kept, and out of
+    orbax's way: it refuses to save a step below its latest); a warning for each."""
+    warnings = []
+    for step, why in sorted(damaged.items()):
+        aside = directory / f"unreadable-{step}"
+        while aside.exists():
+            aside = aside.with_name(aside.name + "-again")
+        if jax.process_index() == 0:
+            (directory / str(step)).rename(aside)
+        warnings.append(f"checkpoint {directory / str(step)} is damaged ({why}): skipped, and kept as {aside}")
+    if damaged and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("tunix_train: damaged checkpoints set aside")
+    return warnings
 
 
 def resolve_resume_path(path: str) -> tuple[Path, int | None]:
@@ -156,9 +216,9 @@ def restore_params(path: str, target: Any) -> tuple[Any, dict[str, Any]]:
 def restore_from(path: str, target: TrainState) -> tuple[TrainState, dict[str, Any]]:
     directory, step = resolve_resume_path(path)
     if step is None:
-        restored, skipped = restore_latest(directory, target)
-        for warning in skipped:
-            log.warning(f"warning: {warning}")
+        restored, damaged = restore_latest(directory, target)
+        for step_, why in sorted(damaged.items()):  # another run's folder: named, not touched
+            log.warning(f"warning: checkpoint {directory / str(step_)} is damaged ({why}), skipping it")
         if restored is None:
             raise ConfigError(f"checkpoint.resume_from: no complete checkpoint under {directory}")
         return restored

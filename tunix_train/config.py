@@ -290,6 +290,9 @@ class CheckpointConfig:
     # Start from this checkpoint (a run directory, its checkpoints/ folder, or one step's folder)
     # instead of the run directory's own latest one.
     resume_from: Optional[str] = _changeable(None)
+    # A run directory whose every checkpoint is damaged is an error (a run never silently starts over
+    # beside them); true: start over, the damaged ones kept as checkpoints/unreadable-<step>.
+    start_over_if_unreadable: bool = _changeable(False)
 
 
 @dataclasses.dataclass

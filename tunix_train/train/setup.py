@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
 from tunix_train import parallel, platform
-from tunix_train.checkpoint import restore_from, restore_latest
+from tunix_train.checkpoint import restore_from, restore_latest, set_aside
 from tunix_train.config import Config, ConfigError, Objective as Kind, changeable_on_resume, without_retired_keys
 from tunix_train.interop import importer
 from tunix_train.sharding import LOGICAL_RULES, data_parallel_size, make_mesh, split_devices, validate_model_for_mesh
@@ -128,7 +128,14 @@ def initial_state(cfg: Config, run: Setup, checkpoints: Path, train_batches) -> 
     rebuilt from where the run started and checked against the checkpoint's record of them.
 
     Returns the state, where it came from, and warnings about damaged checkpoints skipped."""
-    restored, skipped = restore_latest(checkpoints, run.plan.abstract)
+    restored, damaged = restore_latest(checkpoints, run.plan.abstract)
+    if damaged and restored is None and not cfg.checkpoint.start_over_if_unreadable:
+        steps = ", ".join(map(str, sorted(damaged)))
+        raise ConfigError(f"{checkpoints} holds checkpoints of which none can be read (steps {steps}: "
+                          f"{damaged[max(damaged)]}); rather than start over at step 0 beside them, this run stops: "
+                          f"repair or move them, or set checkpoint.start_over_if_unreadable=true (they are then kept "
+                          f"as unreadable-<step>)")
+    skipped = set_aside(checkpoints, damaged)
     origin = f"resumed from {checkpoints}"
     if restored is None and cfg.checkpoint.resume_from:
         restored = restore_from(cfg.checkpoint.resume_from, run.plan.abstract)
