@@ -391,3 +391,23 @@ def test_no_dequantized_layer_is_kept_for_the_backward_pass(remat, monkeypatch):
     if remat == "none":
         monkeypatch.setattr(kernels, "remat_policy", lambda remat, quantized_base: None)
         assert kept("nf4") != []
+
+
+MATRIX = [(q, b, m) for q in ("nf4", "int8", "none") for b in ("fp32", "bf16") for m in ("fp32", "bf16")]
+
+
+@pytest.mark.parametrize("quantization, base_dtype, mixed", [
+    pytest.param(*combo, marks=() if combo == ("nf4", "fp32", "bf16") else pytest.mark.slow) for combo in MATRIX])
+def test_every_base_dtype_precision_and_quantization_trains_and_plans(quantization, base_dtype, mixed):
+    """nf4 with the default fp32 base under bf16 compute crashed in the step and the planner (the
+    quantized leaf's static dtype differed from its sharding's); each combination now trains (the
+    loss on a repeated batch falls) and plans."""
+    from tunix_train.plan import plan
+
+    overrides = (*QLORA, f"training.lora.base_quantization={quantization}", f"training.lora.base_dtype={base_dtype}",
+                 f"training.mixed_precision={mixed}")
+    *_, losses = _state_and_steps(*overrides, steps=3, mesh=[[2], ["fsdp"]])
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    figures, *_ = plan(["model=gemma3_tiny", "data=synthetic", "data.seq_len=32", *overrides,
+                        'model.mesh_shape=[[8],["fsdp"]]'])
+    assert figures

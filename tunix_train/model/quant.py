@@ -285,6 +285,12 @@ def cast(tree: Any, dtype) -> Any:
     return jax.tree.map(lambda x: x.astype(dtype), tree, is_leaf=is_quantized)
 
 
+def retyped(shardings: Any, dtype) -> Any:
+    """Shardings shaped as cast(tree, dtype) is: each quantized weight's dtype (static, part of the
+    tree's structure) set to dtype, its shardings unchanged."""
+    return jax.tree.map(lambda x: x.astype(dtype) if is_quantized(x) else x, shardings, is_leaf=is_quantized)
+
+
 def dense(tree: Any) -> Any:
     """`tree` with every quantized weight dequantized."""
     return jax.tree.map(lambda x: x.dequantized() if is_quantized(x) else x, tree, is_leaf=is_quantized)

@@ -64,7 +64,7 @@ def token_losses(graphdef: nnx.GraphDef, params: tuple[nnx.State, ...], micro: d
     if compute_dtype != jnp.float32:
         params = quant.cast(params, compute_dtype)
         if param_shardings is not None:
-            params = jax.lax.with_sharding_constraint(params, param_shardings)
+            params = jax.lax.with_sharding_constraint(params, quant.retyped(param_shardings, compute_dtype))
     model = nnx.merge(graphdef, *params)
     x_BTD, stats = model.hidden_and_stats(micro["inputs"], micro["positions"], micro["segment_ids"],
                                           micro.get("token_index"))
@@ -149,14 +149,15 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     if compute_dtype != jnp.float32 and (reduce_gradients_in_compute_dtype or delayed_sync):
         wrt = jax.lax.with_sharding_constraint(jax.tree.map(lambda p: p.astype(compute_dtype), wrt),
                                                param_shardings)
-    frozen = to_device("frozen")
+    frozen, frozen_shardings = to_device("frozen"), on_device.frozen
     if compute_dtype != jnp.float32 and frozen is not None:  # cast once per step, not per micro-batch
-        frozen = jax.lax.with_sharding_constraint(quant.cast(frozen, compute_dtype), on_device.frozen)
+        frozen_shardings = quant.retyped(on_device.frozen, compute_dtype)
+        frozen = jax.lax.with_sharding_constraint(quant.cast(frozen, compute_dtype), frozen_shardings)
     weighted_loss_sum = functools.partial(
         _objective_loss, objective, weights, graphdef, frozen=frozen, weight=total_weight,
         compute_dtype=compute_dtype, chunk=loss_chunk_size, seq_shards=seq_shards, moe_aux_loss_coef=moe_aux_loss_coef,
         param_shardings=None if delayed_sync else param_shardings,
-        frozen_shardings=None if delayed_sync else on_device.frozen)
+        frozen_shardings=None if delayed_sync else frozen_shardings)
 
     add = lambda grads, new: jax.tree.map(lambda g, n: g + n.astype(jnp.float32), grads, new)
     zeros = jax.tree.map(jnp.zeros_like, to_device("params"))  # in device memory, like the gradients
