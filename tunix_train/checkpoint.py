@@ -8,8 +8,9 @@ when complete, so an interrupted save never looks like a checkpoint. Restoring t
 error (storage unavailable, a timeout: retried, then an error) from a damaged checkpoint (skipped
 for the one before, named in the log, and set aside as unreadable-<step> so that the run's next
 saves are not refused); a folder whose every checkpoint is damaged is an error unless
-checkpoint.start_over_if_unreadable. A save orbax refuses is an error. The train step uses no random numbers, so there is no RNG state to keep:
-initialization comes from training.seed and data order from the iterator state.
+checkpoint.start_over_if_unreadable. A save orbax refuses is an error. The train step uses no
+random numbers, so there is no RNG state to keep: initialization comes from training.seed and
+data order from the iterator state.
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ def restore_latest(directory: Path, target: TrainState
             except Exception as err:  # noqa: BLE001 - orbax/tensorstore raise many types for missing or cut files
                 if transient(err):
                     raise ConfigError(f"checkpoint {directory / str(step)} could not be read in {TRIES} tries "
-                                      f"({_first_line(err)}); it may be intact: rerun when the storage answers") from None
+                                      f"({_first_line(err)}); it may be intact: rerun when the storage "
+                                      f"answers") from None
                 damaged[step] = _first_line(err)
         return None, damaged
     finally:
