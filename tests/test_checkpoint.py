@@ -330,6 +330,6 @@ def test_a_checkpoint_written_before_frozen_weights_existed_restores(tmp_path):
     manager.wait_until_finished()
     manager.close()
     (restored, data), skipped = restore_latest(tmp_path, run.plan.abstract)
-    assert skipped == [] and int(restored.step) == 7 and restored.frozen is None
+    assert skipped == {} and int(restored.step) == 7 and restored.frozen is None
     assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
                                      restored.params, state.params))

@@ -10,13 +10,13 @@ the key.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from tunix_train.config import (CHAT_ROLES, Config, ConfigError, DataSource, LORA_TARGETS, AttentionImpl, MixedPrecision,
                                 Objective, Overlong, PreferenceLoss, RewardNormalization, ScaleRewards, TrainingConfig,
                                 DataConfig, ModelConfig, BaseQuantization, reads_text)
-from tunix_train.generate.sampling import Sampling
 from tunix_train.model.layout import validate_model
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -144,9 +144,8 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
                               f"training.grpo.num_generations={G}: a group never spans micro-batches or devices")
         if not grpo.reward:
             raise ConfigError("training.grpo.reward is empty: name at least one reward function, module:function")
-        Sampling(temperature=grpo.temperature)  # the engine's own check of the sampling settings (a finite number)
-        if grpo.temperature <= 0 or grpo.epsilon <= 0 or grpo.beta < 0 or grpo.max_new_tokens < 1:
-            raise ConfigError("training.grpo.temperature and epsilon must be positive, beta >= 0 and "
+        if not 0 < grpo.temperature < math.inf or grpo.epsilon <= 0 or grpo.beta < 0 or grpo.max_new_tokens < 1:
+            raise ConfigError("training.grpo.temperature (finite) and epsilon must be positive, beta >= 0 and "
                               "max_new_tokens >= 1")
         if grpo.max_staleness < 0 or grpo.iterations < 1:
             raise ConfigError(f"training.grpo.max_staleness={grpo.max_staleness} must be >= 0 and "
