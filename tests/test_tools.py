@@ -78,14 +78,16 @@ def test_both_call_formats_parse_and_a_call_written_wrong_is_an_error():
 
 
 def test_a_tool_that_raises_or_hangs_is_an_error_message():
-    tools = {"broken": broken, "slow": slow, "multiply": multiply}
-    assert t.call_tool(tools, t.Call("multiply", {"a": 2, "b": 3}), 1.0) == ("6", False)
-    assert t.call_tool(tools, t.Call("broken", {"x": 1}), 1.0) == ("error: ValueError: no luck", True)
+    toolbox = t.Toolbox({"broken": broken, "slow": slow, "multiply": multiply}, 1.0)
+    assert toolbox.call(t.Call("multiply", {"a": 2, "b": 3})) == ("6", False)
+    assert toolbox.call(t.Call("broken", {"x": 1})) == ("error: ValueError: no luck", True)
     start = time.perf_counter()
-    assert t.call_tool(tools, t.Call("slow", {"x": 1}), 0.2) == ("error: timed out after 0.2 s", True)
+    toolbox.timeout_s = 0.2
+    assert toolbox.call(t.Call("slow", {"x": 1})) == ("error: timed out after 0.2 s", True)
     assert time.perf_counter() - start < 1.0
-    assert t.call_tool(tools, t.Call("nope", {}), 1.0)[0].startswith("error: no tool named 'nope'")
-    assert t.call_tool(tools, t.Call("multiply", {"c": 1}), 1.0)[1]  # wrong arguments: a TypeError, reported
+    toolbox.timeout_s = 1.0
+    assert toolbox.call(t.Call("nope", {}))[0].startswith("error: no tool named 'nope'")
+    assert toolbox.call(t.Call("multiply", {"c": 1}))[1]  # wrong arguments: refused by the schema, reported
 
 
 @dataclasses.dataclass

@@ -99,6 +99,7 @@ class _Rendering:
 _RENDERING: contextvars.ContextVar = contextvars.ContextVar("chat_rendering", default=None)
 
 
+@functools.cache
 def _bounded_environment():
     """transformers' sandbox, and within each rendering a deadline checked at every call,
     attribute, item and operator, and no string or list repeated past RENDER_CHARS."""

@@ -196,9 +196,9 @@ class Toolbox:
 
     def _run(self, function: Callable, arguments: dict) -> tuple[bool, Any]:
         if not self.processes:
-            ok, value = run_with_timeout(lambda: function(**arguments), self.timeout_s)
-            self.hung += not ok and value == f"timed out after {self.timeout_s:g} s"
-            return ok, value
+            status, value = _in_thread(lambda: function(**arguments), self.timeout_s)
+            self.hung += status == "timeout"
+            return _reported(status, value, self.timeout_s)
         import concurrent.futures
         import multiprocessing
 
@@ -218,18 +218,13 @@ class Toolbox:
             return False, f"{type(err).__name__}: {err}"
 
     def close(self) -> None:
-        if self._pool is not None:
+        if self._pool is not None:  # a pool cannot kill its workers before Python 3.14: its _processes
             processes = list((getattr(self._pool, "_processes", None) or {}).values())
             self._pool.shutdown(wait=False, cancel_futures=True)
             for process in processes:
                 process.kill()
                 process.join(5)
             self._pool = None
-
-
-def call_tool(tools: dict[str, Callable], call: Call, timeout_s: float) -> tuple[str, bool]:
-    """(the result as text, whether it is an error): Toolbox(tools, timeout_s).call(call)."""
-    return Toolbox(tools, timeout_s).call(call)
 
 
 def cut(result: str, tokenizer, max_tokens: int) -> str:
@@ -244,11 +239,20 @@ def cut(result: str, tokenizer, max_tokens: int) -> str:
 
 def run_with_timeout(function: Callable[[], Any], timeout_s: float) -> tuple[bool, Any]:
     """(True, its value) or (False, what went wrong: the exception, or the timeout)."""
+    return _reported(*_in_thread(function, timeout_s), timeout_s)
+
+
+def _reported(status: str, value: Any, timeout_s: float) -> tuple[bool, Any]:
+    return status == "ok", f"timed out after {timeout_s:g} s" if status == "timeout" else value
+
+
+def _in_thread(function: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
+    """("ok", its value), ("error", what it raised) or ("timeout", None), run in a daemonic thread."""
     box: dict[str, Any] = {}
 
     def target():
         try:
-            box["value"] = function()
+            box["ok"] = function()
         except BaseException as err:  # noqa: BLE001 - reported to the model, the run goes on
             box["error"] = f"{type(err).__name__}: {err}"
 
@@ -256,5 +260,5 @@ def run_with_timeout(function: Callable[[], Any], timeout_s: float) -> tuple[boo
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
-        return False, f"timed out after {timeout_s:g} s"
-    return ("error" not in box), box.get("error", box.get("value"))
+        return "timeout", None
+    return next(iter(box.items()))

@@ -22,10 +22,10 @@ BODY_SECONDS = 30.0
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 
-def _hostname(netloc: str) -> str:
-    """'[::1]:8000' -> '::1', 'Example.com:80' -> 'example.com'."""
+def _host_of(url: str) -> str:
+    """'//[::1]:8000' -> '::1', 'https://Example.com:80' -> 'example.com', 'null' -> ''."""
     try:
-        return (urlsplit(f"//{netloc}").hostname or "").lower()
+        return (urlsplit(url).hostname or "").lower()
     except ValueError:
         return ""
 
@@ -41,13 +41,11 @@ class Access:
     max_body_bytes: int = 2 << 20
 
     def refusal(self, method: str, path: str, headers: dict[str, str]) -> BadRequest | None:
-        host = _hostname(headers.get("host", ""))
-        if "*" not in self.hosts and host not in self.hosts:
+        if "*" not in self.hosts and _host_of(f"//{headers.get('host', '')}") not in self.hosts:
             return BadRequest(f"the Host header {headers.get('host', '')[:80]!r} is not one this server answers to "
                               f"(--allowed_hosts)", status=403, code="host_not_allowed")
         origin = headers.get("origin")
-        if origin is not None and "*" not in self.origins and _hostname(urlsplit(origin).netloc
-                                                                        if "//" in origin else "") not in self.origins:
+        if origin is not None and "*" not in self.origins and _host_of(origin) not in self.origins:
             return BadRequest(f"requests from the origin {origin[:80]!r} are not allowed (--allowed_origins)",
                               status=403, code="origin_not_allowed")
         if self.api_key is not None and path != "/health":
@@ -135,14 +133,6 @@ class Api:
         return out
 
 
-class Failed(Exception):
-    """The engine failed a request, or it ran past --request_timeout_s: a 5xx."""
-
-    def __init__(self, error: BadRequest):
-        super().__init__(str(error))
-        self.error = error
-
-
 def app_for(model, generator: Generator, name: str, access: Access = Access(), request_timeout_s: float = 600.0,
             max_preparing: int = 64):
     from fastapi import FastAPI, Request as HttpRequest
@@ -219,19 +209,19 @@ def app_for(model, generator: Generator, name: str, access: Access = Access(), r
                     if time.monotonic() - looked >= 1.0 or not finished:
                         looked = time.monotonic()
                         if not generator.alive:
-                            raise Failed(BadRequest(f"the engine has stopped ({generator.error})", status=503,
-                                                    code="engine_stopped"))
+                            raise BadRequest(f"the engine has stopped ({generator.error})", status=503,
+                                             code="engine_stopped")
                         if looked > deadline:
-                            raise Failed(BadRequest(f"the reply took more than {request_timeout_s:g} s "
-                                                    f"(--request_timeout_s)", status=504, code="timeout"))
+                            raise BadRequest(f"the reply took more than {request_timeout_s:g} s "
+                                             f"(--request_timeout_s)", status=504, code="timeout")
                         if not ask.stream and await http.is_disconnected():  # a stream's is noticed by starlette
                             return
                     for future in finished:
                         i = pending.pop(future)
                         tokens, finish = future.result()
                         if finish is not None and finish.startswith("error"):
-                            raise Failed(BadRequest(f"the engine failed this request ({finish[7:]})", status=500,
-                                                    code="engine_error"))
+                            raise BadRequest(f"the engine failed this request ({finish[7:]})", status=500,
+                                             code="engine_error")
                         ids[i] += tokens
                         text, stopped = before_stop(tokenizer.decode(ids[i]), stops, finish is not None)
                         reason = None if finish is None else ("stop" if stopped or finish == "stop" else "length")
@@ -266,8 +256,8 @@ def app_for(model, generator: Generator, name: str, access: Access = Access(), r
                             yield f"data: {json.dumps(api.envelope(chat, rid, [choice], True))}\n\n"
                     if ask.include_usage:
                         yield f"data: {json.dumps(api.envelope(chat, rid, [], True, usage(sum(counts))))}\n\n"
-                except Failed as failed:  # as OpenAI streams an error: an event with its body
-                    yield f"data: {json.dumps(failed.error.body())}\n\n"
+                except BadRequest as failed:  # the engine's failure, as OpenAI streams one: an event
+                    yield f"data: {json.dumps(failed.body())}\n\n"
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
@@ -276,8 +266,8 @@ def app_for(model, generator: Generator, name: str, access: Access = Access(), r
             async for i, text, reason, count in choices():
                 texts[i] += text
                 reasons[i], counts[i] = reason, count
-        except Failed as failed:
-            return error(failed.error)
+        except BadRequest as failed:
+            return error(failed)
         return api.envelope(chat, rid, [api.choice(chat, i, texts[i], reasons[i], False) for i in range(len(requests))],
                             False, usage(sum(counts)))
 

@@ -135,9 +135,9 @@ class Generator:
                     rids[key] = self.session.add(request)
                 except Exception as err:  # noqa: BLE001 - this request fails, the others go on
                     self._send(key, [], _why(err))
-            keys = {rid: key for key, rid in rids.items()}
             if not self.session.busy:
                 continue
+            keys = {rid: key for key, rid in rids.items()}  # the session's request id -> our key
             try:
                 produced = self.session.step()
             except Exception as err:  # noqa: BLE001 - which request made it fail is unknown: all in it fail

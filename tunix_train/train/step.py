@@ -48,6 +48,15 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit_BT
 
 
+def _in_compute_dtype(tree: Any, compute_dtype: Any, shardings: Any) -> Any:
+    """`tree` cast to the compute dtype (quantized weights: dequantized to it where read), kept on
+    `shardings` (None: unconstrained), which a quantized weight's static dtype must match."""
+    tree = quant.cast(tree, compute_dtype)
+    if shardings is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, quant.retyped(shardings, compute_dtype))
+
+
 def token_losses(graphdef: nnx.GraphDef, params: tuple[nnx.State, ...], micro: dict[str, jax.Array],
                  compute_dtype=jnp.float32, chunk: int = 0, param_shardings: Any = None,
                  seq_shards: int = 1, temperature: float = 1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -62,9 +71,7 @@ def token_losses(graphdef: nnx.GraphDef, params: tuple[nnx.State, ...], micro: d
     sequence split in `seq_shards` parts (cp), every part computes its own chunks at once. The
     logits are divided by `temperature` (the distribution an RL objective sampled from)."""
     if compute_dtype != jnp.float32:
-        params = quant.cast(params, compute_dtype)
-        if param_shardings is not None:
-            params = jax.lax.with_sharding_constraint(params, quant.retyped(param_shardings, compute_dtype))
+        params = _in_compute_dtype(params, compute_dtype, param_shardings)
     model = nnx.merge(graphdef, *params)
     x_BTD, stats = model.hidden_and_stats(micro["inputs"], micro["positions"], micro["segment_ids"],
                                           micro.get("token_index"))
@@ -149,15 +156,14 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     if compute_dtype != jnp.float32 and (reduce_gradients_in_compute_dtype or delayed_sync):
         wrt = jax.lax.with_sharding_constraint(jax.tree.map(lambda p: p.astype(compute_dtype), wrt),
                                                param_shardings)
-    frozen, frozen_shardings = to_device("frozen"), on_device.frozen
+    frozen = to_device("frozen")
     if compute_dtype != jnp.float32 and frozen is not None:  # cast once per step, not per micro-batch
-        frozen_shardings = quant.retyped(on_device.frozen, compute_dtype)
-        frozen = jax.lax.with_sharding_constraint(quant.cast(frozen, compute_dtype), frozen_shardings)
+        frozen = _in_compute_dtype(frozen, compute_dtype, on_device.frozen)
     weighted_loss_sum = functools.partial(
         _objective_loss, objective, weights, graphdef, frozen=frozen, weight=total_weight,
         compute_dtype=compute_dtype, chunk=loss_chunk_size, seq_shards=seq_shards, moe_aux_loss_coef=moe_aux_loss_coef,
         param_shardings=None if delayed_sync else param_shardings,
-        frozen_shardings=None if delayed_sync else frozen_shardings)
+        frozen_shardings=None if delayed_sync else on_device.frozen)
 
     add = lambda grads, new: jax.tree.map(lambda g, n: g + n.astype(jnp.float32), grads, new)
     zeros = jax.tree.map(jnp.zeros_like, to_device("params"))  # in device memory, like the gradients
