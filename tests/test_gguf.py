@@ -135,3 +135,15 @@ def test_bad_gguf_files_are_one_line_errors(tmp_path):
         with pytest.raises(ConfigError) as err:
             api.load(path, devices=jax.devices()[:1])
         assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_sizes_in_the_metadata_are_held_against_the_tensors_before_anything_is_built(tmp_path):
+    """A crafted file that declares a million layers or another width is refused in one line
+    before a model of that size is planned."""
+    _, _, tensors, hf_config = _exported(tmp_path)
+    for key, value, held in (("block_count", 1_000_000, 6), ("embedding_length", 1 << 20, 64),
+                             ("feed_forward_length", 1 << 30, 256)):
+        path = gguf_files.write(tmp_path / f"{key}.gguf", "gemma3", hf_config, tensors, metadata={key: value})
+        with pytest.raises(ConfigError) as err:
+            api.load(path, devices=jax.devices()[:1])
+        assert f"{path}: its metadata says {key}={value} but its tensors hold {held}" in str(err.value)

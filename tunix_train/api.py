@@ -30,6 +30,7 @@ from tunix_train.checkpoint import resolve_resume_path, restore_params
 from tunix_train.config import Config, ConfigError, LoraConfig, ModelConfig, Remat, reads_text, without_retired_keys
 from tunix_train.data.chat import ChatTemplate, check_messages, find_template
 from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer
+from tunix_train.files import write_text
 from tunix_train.generate import Completion, Engine, Request, Sampling
 from tunix_train.generate.session import before_stop
 from tunix_train.interop import checkpoint_format, gguf, hf, importer, peft
@@ -129,7 +130,7 @@ class LoadedModel:
         hf.export(self.params, self.config, directory)
         if self.tokenizer is not None and jax.process_index() == 0:
             self.tokenizer.save(directory)
-            (directory / "chat_template.jinja").write_text(self.chat.template, encoding="utf-8")
+            write_text(directory / "chat_template.jinja", self.chat.template)
 
     def export_gguf(self, path: Path, dtype: str = "f16", overwrite: bool = False) -> None:
         """A GGUF file that llama.cpp, Ollama and LM Studio run: the weights in `dtype` (f32, f16,

@@ -18,6 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from tunix_train.config import ConfigError
+from tunix_train.files import write_atomically, write_text
 
 BUNDLED_TOKENIZER = Path(__file__).parent / "corpus" / "shakespeare_4k.model"
 
@@ -96,7 +97,7 @@ class SentencePieceTokenizer:
 
     def save(self, directory: Path) -> None:
         """As tokenizer.model, where transformers and load_tokenizer find it."""
-        (directory / "tokenizer.model").write_bytes(self.path.read_bytes())
+        write_atomically(directory / "tokenizer.model", lambda partial: partial.write_bytes(self.path.read_bytes()))
 
 
 class HFTokenizer:
@@ -143,10 +144,10 @@ class HFTokenizer:
         bos = name(self.bos_id)
         saved.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                              special_tokens=[(bos, self.bos_id)])
-        saved.save(str(directory / "tokenizer.json"))
+        write_atomically(directory / "tokenizer.json", lambda partial: saved.save(str(partial)))
         config = {"bos_token": name(self.bos_id), "eos_token": name(self.eos_id), "pad_token": name(self.pad_id),
                   "add_bos_token": True, "tokenizer_class": "GemmaTokenizer"}
-        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
 
 def tokenizer_json(path: Path) -> HFTokenizer:

@@ -97,6 +97,8 @@ def model_fields(reader, path: Path) -> dict[str, Any]:
     if None in (layers, embed, heads, key("feed_forward_length")):
         raise ConfigError(f"{path}: the GGUF metadata lacks {arch}.block_count, embedding_length, "
                           f"feed_forward_length or attention.head_count")
+    _check_sizes(reader, path, layers=layers, embed=embed, hidden=key("feed_forward_length"), heads=heads,
+                 kv_heads=key("attention.head_count_kv", heads), head_dim=key("attention.key_length", embed // heads))
     per_global = _local_per_global(key("attention.sliding_window_pattern"), defaults["local_per_global"], layers, path)
     scaling = key("rope.scaling.factor") if key("rope.scaling.type") == "linear" else None
     return {
@@ -118,6 +120,21 @@ def model_fields(reader, path: Path) -> dict[str, Any]:
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         "context_length": key("context_length"),
     }
+
+
+def _check_sizes(reader, path: Path, *, layers, embed, hidden, heads, kv_heads, head_dim) -> None:
+    """The sizes the metadata declares, held against the tensors the file holds (GGML order: [in,
+    out]) before anything is built from them: a file cannot ask for a model larger than itself."""
+    shape = lambda name: [int(n) for n in _tensor(reader, name, path).shape]
+    blocks = {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")}
+    declared = {"block_count": (layers, len(blocks)), "embedding_length": (embed, shape("token_embd.weight")[0]),
+                "feed_forward_length": (hidden, shape("blk.0.ffn_gate.weight")[-1]),
+                "attention.head_count x key_length": (heads * head_dim, shape("blk.0.attn_q.weight")[-1]),
+                "attention.head_count_kv x key_length": (kv_heads * head_dim, shape("blk.0.attn_k.weight")[-1])}
+    for name, (said, held) in declared.items():
+        if said != held:
+            raise ConfigError(f"{path}: its metadata says {name}={said} but its tensors hold {held}: the file is "
+                              f"damaged or was not written for this architecture")
 
 
 def _local_per_global(pattern: Any, default: int, layers: int, path: Path) -> int:

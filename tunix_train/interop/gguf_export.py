@@ -28,13 +28,12 @@ name blk.N.<tensor>.weight, `.weight.lora_a` = PEFT's lora_A [r, in] and `.weigh
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.files import write_atomically
 from tunix_train.interop import gguf as gguf_import, hf
 
 DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
@@ -104,9 +103,8 @@ def _write(path: Path, arch: str, cfg: ModelConfig, write, check=None) -> None:
     if jax.process_index() != 0:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(handle)
-    try:
+
+    def fill(partial: Path) -> None:
         writer = gguf.GGUFWriter(partial, arch)
         write(writer, gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_layers))
         writer.write_header_to_file()
@@ -114,14 +112,9 @@ def _write(path: Path, arch: str, cfg: ModelConfig, write, check=None) -> None:
         writer.write_tensors_to_file()
         writer.close()
         if check:
-            check(Path(partial))
-        umask = os.umask(0)  # mkstemp's file is private: give it the mode a new file gets
-        os.umask(umask)
-        os.chmod(partial, 0o666 & ~umask)
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.remove(partial)
+            check(partial)
+
+    write_atomically(path, fill)
 
 
 def _metadata(writer, cfg: ModelConfig, arch: str, dtype: str) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.files import write_atomically, write_text
 from tunix_train.model.layout import layer_groups, layer_shapes, layer_types
 from tunix_train.sharding import layer_sharding
 
@@ -152,8 +153,15 @@ class _SafetensorsFiles:
 
         index = directory / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted(set(weight_map.values()), key=str)
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
+                raise ConfigError(f"{index}: not a safetensors index ({type(err).__name__}: {err})") from None
+            outside = [f for f in files if not isinstance(f, str) or Path(f).name != f or f in (".", "..")]
+            if outside:
+                raise ConfigError(f"{index}: its weight_map names {str(outside[0])[:80]!r}, not a file beside it; "
+                                  f"an index names only files in its own folder")
         elif (directory / "model.safetensors").is_file():
             files, weight_map = ["model.safetensors"], None
         else:
@@ -441,5 +449,6 @@ def export(params: nnx.State, cfg: ModelConfig, directory: Path) -> None:
     tensors = hf_tensors(params, cfg)
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_atomically(directory / "model.safetensors",
+                         lambda partial: save_file(tensors, str(partial), metadata={"format": "pt"}))
+        write_text(directory / "config.json", json.dumps(config, indent=2) + "\n")

@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from tunix_train.config import LoraConfig, ModelConfig
+from tunix_train.files import write_atomically, write_text
 from tunix_train.interop import hf
 
 # our adapter -> transformers' module under model.layers.{i}.
@@ -60,5 +61,6 @@ def export(adapters: nnx.State, cfg: ModelConfig, lora: LoraConfig, directory: P
     }
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        save_file(weights, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (directory / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_atomically(directory / "adapter_model.safetensors",
+                         lambda partial: save_file(weights, str(partial), metadata={"format": "pt"}))
+        write_text(directory / "adapter_config.json", json.dumps(config, indent=2) + "\n")

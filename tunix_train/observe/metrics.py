@@ -9,6 +9,8 @@ from pathlib import Path
 
 from tensorboardX import SummaryWriter
 
+from tunix_train.files import LineLog
+
 LOGGER_NAME = "tunix_train"
 
 
@@ -55,21 +57,21 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path):
         self._run_dir = run_dir
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._jsonl = LineLog(run_dir / "metrics.jsonl")
         self._tensorboard = SummaryWriter(logdir=str(run_dir))
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
-        self._jsonl.flush()
+        self._jsonl.append(json.dumps({"step": step, **scalars}))
         for name, value in scalars.items():
             self._tensorboard.add_scalar(name, value, step)
         self._tensorboard.flush()
 
     def write_samples(self, step: int, samples: list[tuple[str, str]]) -> None:
         """Generated continuations (prompt, text): to samples.jsonl and as TensorBoard text."""
-        with open(self._run_dir / "samples.jsonl", "a", encoding="utf-8") as file:
-            for prompt, text in samples:
-                file.write(json.dumps({"step": step, "prompt": prompt, "text": text}) + "\n")
+        samples_log = LineLog(self._run_dir / "samples.jsonl")
+        for prompt, text in samples:
+            samples_log.append(json.dumps({"step": step, "prompt": prompt, "text": text}))
+        samples_log.close()
         for i, (prompt, text) in enumerate(samples):
             self._tensorboard.add_text(f"sample_{i}", f"{prompt}{text}", step)
         self._tensorboard.flush()

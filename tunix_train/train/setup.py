@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from tunix_train import parallel, platform
 from tunix_train.checkpoint import restore_from, restore_latest, set_aside
 from tunix_train.config import Config, ConfigError, Objective as Kind, changeable_on_resume, without_retired_keys
+from tunix_train.files import write_text
 from tunix_train.interop import importer
 from tunix_train.sharding import LOGICAL_RULES, data_parallel_size, make_mesh, split_devices, validate_model_for_mesh
 from tunix_train.state import TrainState
@@ -76,8 +77,8 @@ def save_config(cfg: Config, overrides: list[str], run_dir: Path) -> None:
     """The resolved config and the overrides, where hydra keeps them (.hydra/)."""
     hydra_dir = run_dir / ".hydra"
     hydra_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.structured(cfg), hydra_dir / "config.yaml")
-    OmegaConf.save(OmegaConf.create(overrides), hydra_dir / "overrides.yaml")
+    write_text(hydra_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    write_text(hydra_dir / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(overrides)))
 
 
 def check_same_run(run_dir: Path, cfg: Config) -> None:
