@@ -155,13 +155,11 @@ class _SafetensorsFiles:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-                files = sorted(set(weight_map.values()), key=str)
+                files = sorted(set(weight_map.values()))
             except (ValueError, KeyError, TypeError, AttributeError) as err:
                 raise ConfigError(f"{index}: not a safetensors index ({type(err).__name__}: {err})") from None
-            outside = [f for f in files if not isinstance(f, str) or Path(f).name != f or f in (".", "..")]
-            if outside:
-                raise ConfigError(f"{index}: its weight_map names {str(outside[0])[:80]!r}, not a file beside it; "
-                                  f"an index names only files in its own folder")
+            if outside := [f for f in files if not isinstance(f, str) or Path(f).name != f or f in (".", "..")]:
+                raise ConfigError(f"{index}: its weight_map names {str(outside[0])[:80]!r}, not a file beside it")
         elif (directory / "model.safetensors").is_file():
             files, weight_map = ["model.safetensors"], None
         else:
@@ -445,10 +443,8 @@ def export(params: nnx.State, cfg: ModelConfig, directory: Path) -> None:
     """Writes config.json and model.safetensors (float32) into `directory` (process 0 writes)."""
     from safetensors.numpy import save_file
 
-    config = hf_config(cfg)
-    tensors = hf_tensors(params, cfg)
+    config, tensors = hf_config(cfg), hf_tensors(params, cfg)
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        write_atomically(directory / "model.safetensors",
-                         lambda partial: save_file(tensors, str(partial), metadata={"format": "pt"}))
+        write_atomically(directory / "model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"}))
         write_text(directory / "config.json", json.dumps(config, indent=2) + "\n")
