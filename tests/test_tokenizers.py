@@ -88,3 +88,28 @@ def test_a_saved_tokenizer_loads_in_transformers_with_bos_in_front(tmp_path):
     for text in PROBES:
         assert reference(text).input_ids == [ours.bos_id, *ours.encode(text)]
     _assert_like(load_tokenizer(tmp_path / "saved", 4096), reference)
+
+
+def test_offsets_and_chat_encoding_take_linear_time():
+    """A user message of 100 K and of 400 K characters (the server's bodies are up to 2 MiB): four
+    times the text costs about four times the time (it cost sixteen when each piece's offsets were
+    found by decoding the text before it). The fastest of three runs of each, bounded at 8x."""
+    import time
+
+    from tunix_train.data.chat import GEMMA_TEMPLATE, ChatTemplate
+    from tunix_train.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
+
+    tokenizer = load_tokenizer(BUNDLED_TOKENIZER, 4096)
+    chat = ChatTemplate(GEMMA_TEMPLATE, "Gemma's turn format", tokenizer)
+
+    def seconds(chars: int) -> float:
+        text = ("Speak, é, 世界 " * (chars // 14 + 1))[:chars]
+        runs = []
+        for _ in range(3):
+            start = time.perf_counter()
+            ids, _ = chat.encode([{"role": "user", "content": text}, {"role": "assistant", "content": "Ay."}])
+            runs.append(time.perf_counter() - start)
+        assert len(ids) > chars // 4
+        return min(runs)
+
+    assert seconds(400_000) < 8 * seconds(100_000)
