@@ -19,7 +19,6 @@ import statistics
 import sys
 import time
 
-
 PEAK_EVERY = 5  # steps between samples of the peak matmul
 PEAK_SECONDS = 0.4  # length of each sample
 
@@ -37,9 +36,9 @@ def benchmark(overrides: list[str], steps: int, warmup: int) -> dict:
     from tunix_train.data import Data
     from tunix_train.observe.comms import collective_volume
     from tunix_train.observe.mfu import matmul_sampler, peak_flops_per_device, train_flops_per_token
+    from tunix_train.platform import add_flags
     from tunix_train.sharding import to_global_batch
     from tunix_train.train.setup import setup
-    from tunix_train.platform import add_flags
 
     cfg, _ = load_config(overrides)
     t = cfg.training
@@ -80,9 +79,13 @@ def benchmark(overrides: list[str], steps: int, warmup: int) -> dict:
     sheet = peak_flops_per_device(devices[0].device_kind, t.mixed_precision.value)
     memory = step.memory_analysis()
     return {
-        "config": overrides, "devices": len(devices), "device_kind": devices[0].device_kind,
-        "mesh": dict(run.mesh.shape), "tokens_per_step": tokens_per_step,
-        "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": tokens_per_sec / len(devices),
+        "config": overrides,
+        "devices": len(devices),
+        "device_kind": devices[0].device_kind,
+        "mesh": dict(run.mesh.shape),
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_sec": tokens_per_sec,
+        "tokens_per_sec_per_device": tokens_per_sec / len(devices),
         "step_time_s": {"median": median, "p10": quantiles[0], "p90": quantiles[-1]},
         "compile_time_s": compile_s,
         "model_flops_per_sec": model_flops,
@@ -101,28 +104,51 @@ def table(result: dict) -> str:
     s = result["step_time_s"]
     rows = [
         ("devices", f"{result['devices']} x {result['device_kind']}, mesh {result['mesh']}"),
-        ("tokens/s", f"{result['tokens_per_sec']:,.0f} ({result['tokens_per_sec_per_device']:,.0f} per device)"),
-        ("step time", f"median {s['median'] * 1e3:.1f} ms, p10 {s['p10'] * 1e3:.1f}, p90 {s['p90'] * 1e3:.1f}"),
+        (
+            "tokens/s",
+            f"{result['tokens_per_sec']:,.0f} ({result['tokens_per_sec_per_device']:,.0f} per device)",
+        ),
+        (
+            "step time",
+            f"median {s['median'] * 1e3:.1f} ms, p10 {s['p10'] * 1e3:.1f}, p90 {s['p90'] * 1e3:.1f}",
+        ),
         ("compile", f"{result['compile_time_s']:.1f} s"),
         ("model FLOP/s", f"{result['model_flops_per_sec'] / 1e9:,.1f} GFLOP/s"),
-        ("measured peak", f"{result['measured_peak_flops_per_sec'] / 1e9:,.1f} GFLOP/s (matmul, all devices; median "
-                          f"of {len(result['measured_peak_samples'])} samples between steps, "
-                          f"{min(result['measured_peak_samples']) / 1e9:,.0f} to "
-                          f"{max(result['measured_peak_samples']) / 1e9:,.0f})"),
+        (
+            "measured peak",
+            f"{result['measured_peak_flops_per_sec'] / 1e9:,.1f} GFLOP/s (matmul, all devices; median "
+            f"of {len(result['measured_peak_samples'])} samples between steps, "
+            f"{min(result['measured_peak_samples']) / 1e9:,.0f} to "
+            f"{max(result['measured_peak_samples']) / 1e9:,.0f})",
+        ),
         ("of measured peak", f"{result['fraction_of_measured_peak']:.1%}"),
-        ("MFU (data sheet)", "n/a (no table entry)" if result["mfu_data_sheet"] is None
-         else f"{result['mfu_data_sheet']:.1%}"),
-        ("peak memory", "n/a (backend does not report)" if result["peak_device_memory_bytes"] is None
-         else f"{result['peak_device_memory_bytes'] / 2**30:.2f} GiB per device"),
-        ("compiled temporaries", f"{(result['compiled_temp_bytes_per_device'] or 0) / 2**20:,.1f} MiB per device"),
-        ("collectives/step", ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in result["collective_bytes_per_step"].items()
-                                      if v) or "none"),
+        (
+            "MFU (data sheet)",
+            "n/a (no table entry)" if result["mfu_data_sheet"] is None else f"{result['mfu_data_sheet']:.1%}",
+        ),
+        (
+            "peak memory",
+            "n/a (backend does not report)"
+            if result["peak_device_memory_bytes"] is None
+            else f"{result['peak_device_memory_bytes'] / 2**30:.2f} GiB per device",
+        ),
+        (
+            "compiled temporaries",
+            f"{(result['compiled_temp_bytes_per_device'] or 0) / 2**20:,.1f} MiB per device",
+        ),
+        (
+            "collectives/step",
+            ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in result["collective_bytes_per_step"].items() if v)
+            or "none",
+        ),
     ]
     return "\n".join(f"{name:<22}{value}" for name, value in rows)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--cpu-devices", type=int, help="run on this many fake CPU devices")

@@ -1,4 +1,5 @@
-"""Generation benchmark: prefill and decode tokens/s of our engine (all prompts in one batch of slots), next to transformers' generate on
+"""Generation benchmark: prefill and decode tokens/s of our engine (all prompts in one batch of slots), next
+to transformers' generate on
 the same weights in the same run, and next to the memory-bandwidth limit of decoding.
 
     python scripts/benchmark_generate.py [--model gemma3_270m] [--gguf FILE] [--prompt-len 64]
@@ -37,11 +38,16 @@ def memcpy_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     if jax.devices()[0].platform == "cpu":
         src = np.ones(int(gib * 2**30) // 4, np.float32)
         dst = np.empty_like(src)
-        copy = lambda: np.copyto(dst, src)
+
+        def copy():
+            return np.copyto(dst, src)
     else:
         src = jax.numpy.ones(int(4 * gib * 2**30) // 4, np.float32)  # 4x: a launch is a smaller part
         plus_one = jax.jit(lambda x: x + 1)  # one read and one write of every element
-        copy = lambda: plus_one(src).block_until_ready()
+
+        def copy():
+            return plus_one(src).block_until_ready()
+
         copy()
     times = []
     for _ in range(repeats):
@@ -69,8 +75,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--chunk", type=int, default=8, help="decode steps per compiled call (Engine's chunk)")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the engine's weights and cache")
+    parser.add_argument(
+        "--chunk", type=int, default=8, help="decode steps per compiled call (Engine's chunk)"
+    )
+    parser.add_argument(
+        "--dtype", default="fp32", choices=["fp32", "bf16"], help="the engine's weights and cache"
+    )
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -100,15 +110,27 @@ def main(argv: list[str]) -> int:
     if args.dtype == "bf16":
         params = quant.cast(params, jax.numpy.bfloat16)
     engine = Engine(model_cfg, mesh, slots=None, chunk=args.chunk)
-    # one cache length for the first token and the whole run: one compiled program, whose decode the difference times
+    # one cache length for the first token and the whole run: one compiled program, whose decode the
+    # difference times
     max_len = args.prompt_len + args.new_tokens
-    generate = lambda prompts, n: engine.generate(params, [Request(tuple(p), n) for p in prompts.tolist()], max_len)
+
+    def generate(prompts, n):
+        return engine.generate(params, [Request(tuple(p), n) for p in prompts.tolist()], max_len)
+
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     bandwidth = memcpy_bandwidth()
     rng = np.random.default_rng(0)
-    results = {"model": args.gguf or args.model, "parameters": count_params(params), "prompt_len": args.prompt_len,
-               "new_tokens": args.new_tokens, "dtype": args.dtype, "chunk": args.chunk, "memcpy_gb_s": bandwidth / 1e9, "device": jax.devices()[0].device_kind,
-               "runs": []}
+    results = {
+        "model": args.gguf or args.model,
+        "parameters": count_params(params),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "dtype": args.dtype,
+        "chunk": args.chunk,
+        "memcpy_gb_s": bandwidth / 1e9,
+        "device": jax.devices()[0].device_kind,
+        "runs": [],
+    }
 
     reference = None
     if not args.no_transformers:
@@ -118,29 +140,42 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(os.cpu_count() or 1)
         with tempfile.TemporaryDirectory() as directory:
             hf.export(params, model_cfg, Path(directory))
-            reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+            reference = transformers.AutoModelForCausalLM.from_pretrained(
+                directory, dtype=torch.float32
+            ).eval()
 
     for batch in args.batches:
         prompts = rng.integers(3, model_cfg.vocab_size, (batch, args.prompt_len))
         first = _median_time(lambda: generate(prompts, 1), args.repeats)
         whole = _median_time(lambda: generate(prompts, args.new_tokens), args.repeats)
-        kv = cache_bytes(model_cfg, batch, args.prompt_len + args.new_tokens, 2 if args.dtype == "bf16" else 4)
-        run = {"batch": batch,
-               "ours_prefill_tokens_s": batch * args.prompt_len / first,
-               "ours_decode_tokens_s": batch * (args.new_tokens - 1) / (whole - first),
-               "bandwidth_limit_decode_tokens_s": batch * bandwidth / (param_bytes + kv)}
+        kv = cache_bytes(
+            model_cfg, batch, args.prompt_len + args.new_tokens, 2 if args.dtype == "bf16" else 4
+        )
+        run = {
+            "batch": batch,
+            "ours_prefill_tokens_s": batch * args.prompt_len / first,
+            "ours_decode_tokens_s": batch * (args.new_tokens - 1) / (whole - first),
+            "bandwidth_limit_decode_tokens_s": batch * bandwidth / (param_bytes + kv),
+        }
         if reference is not None:
             import torch
 
             ids = torch.tensor(prompts)
-            hf_generate = lambda n: reference.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n)
+
+            def hf_generate(n):
+                return reference.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n)
+
             with torch.no_grad():
                 hf_first = _median_time(lambda: hf_generate(1), args.repeats)
                 hf_whole = _median_time(lambda: hf_generate(args.new_tokens), args.repeats)
             run["transformers_prefill_tokens_s"] = batch * args.prompt_len / hf_first
             run["transformers_decode_tokens_s"] = batch * (args.new_tokens - 1) / (hf_whole - hf_first)
-            run["decode_ratio_vs_transformers"] = run["ours_decode_tokens_s"] / run["transformers_decode_tokens_s"]
-        run["decode_fraction_of_bandwidth_limit"] = run["ours_decode_tokens_s"] / run["bandwidth_limit_decode_tokens_s"]
+            run["decode_ratio_vs_transformers"] = (
+                run["ours_decode_tokens_s"] / run["transformers_decode_tokens_s"]
+            )
+        run["decode_fraction_of_bandwidth_limit"] = (
+            run["ours_decode_tokens_s"] / run["bandwidth_limit_decode_tokens_s"]
+        )
         results["runs"].append(run)
         print(json.dumps(run), flush=True)
     if args.json:

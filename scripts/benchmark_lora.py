@@ -29,8 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/benchmark.py
 
 
+def _fits(gib: float) -> str:
+    """The smallest of a 24 GB and an 80 GB device that holds `gib`, or '-'."""
+    return "24" if gib * 2**30 <= 24e9 else "80" if gib * 2**30 <= 80e9 else "-"
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="gemma3_1b")
     parser.add_argument("--mesh", default='[[8],["fsdp"]]')
     parser.add_argument("--rank", type=int, default=16)
@@ -44,31 +51,56 @@ def main() -> int:
     import json
 
     devices = 1 if args.fit or args.speed or args.load or args.start else math.prod(json.loads(args.mesh)[0])
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    os.environ["XLA_FLAGS"] = (
+        f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    )
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from tunix_train.plan import plan
 
     lora = [f"training.lora.rank={args.rank}", "training.lora.targets=[q,k,v,o,gate,up,down]"]
-    bases = {"fp32 base": [], "bf16 base": ["training.lora.base_dtype=bf16"],
-             "int8 base": ["training.lora.base_dtype=bf16", "training.lora.base_quantization=int8"],
-             "nf4 base": ["training.lora.base_dtype=bf16", "training.lora.base_quantization=nf4"]}
+    bases = {
+        "fp32 base": [],
+        "bf16 base": ["training.lora.base_dtype=bf16"],
+        "int8 base": ["training.lora.base_dtype=bf16", "training.lora.base_quantization=int8"],
+        "nf4 base": ["training.lora.base_dtype=bf16", "training.lora.base_quantization=nf4"],
+    }
     columns = ["parameters", "optimizer state", "frozen weights", "temporaries (compiler)", "total"]
     if args.start:
         return _start(args.start[0], bases[args.start[1]], lora, args.overrides)
     if args.load:
         return _load(args.load, [name for name in bases if name != "fp32 base"])
     if args.speed:
-        return _speed(args.speed.split(","), lora, {k: v for k, v in bases.items() if k != "fp32 base"}, args.rounds)
+        return _speed(
+            args.speed.split(","), lora, {k: v for k, v in bases.items() if k != "fp32 base"}, args.rounds
+        )
     if args.fit:
-        return _fit(plan, args.fit.split(","), lora, {k: v for k, v in bases.items() if k != "fp32 base"}, columns)
-    base = [f"model={args.model}", f"model.mesh_shape={args.mesh}", "data=synthetic", "data.seq_len=1024",
-            "training.micro_batch_size=1", "training.mixed_precision=bf16", *args.overrides]
-    runs = {"full fine-tuning": base, **{f"LoRA r{args.rank}, {name}": [*base, *lora, *extra]
-                                         for name, extra in bases.items()}}
+        return _fit(
+            plan, args.fit.split(","), lora, {k: v for k, v in bases.items() if k != "fp32 base"}, columns
+        )
+    base = [
+        f"model={args.model}",
+        f"model.mesh_shape={args.mesh}",
+        "data=synthetic",
+        "data.seq_len=1024",
+        "training.micro_batch_size=1",
+        "training.mixed_precision=bf16",
+        *args.overrides,
+    ]
+    runs = {
+        "full fine-tuning": base,
+        **{f"LoRA r{args.rank}, {name}": [*base, *lora, *extra] for name, extra in bases.items()},
+    }
     rows = {name: plan(overrides)[0] for name, overrides in runs.items()}
     print(f"{args.model} on {args.mesh}, per device, GiB ({' '.join(base[2:])})\n")
     _table(rows, columns)
-    print(json.dumps({name: {c: round(figures.get(c, 0) / 2**30, 4) for c in columns} for name, figures in rows.items()}))
+    print(
+        json.dumps(
+            {
+                name: {c: round(figures.get(c, 0) / 2**30, 4) for c in columns}
+                for name, figures in rows.items()
+            }
+        )
+    )
     return 0
 
 
@@ -114,8 +146,12 @@ def _load(model: str, bases: list[str]) -> int:
         cfg, _ = load_config([f"model={model}", "data=synthetic"])
         hf.export(_random_params(cfg), cfg.model, Path(checkpoint))
         for name in bases:
-            out = subprocess.run([sys.executable, __file__, "--start", checkpoint, name, f"model={model}"],
-                                 capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(
+                [sys.executable, __file__, "--start", checkpoint, name, f"model={model}"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             figures[name] = json.loads(out.strip().splitlines()[-1])
             print(f"{model}, {name}: {figures[name]}", flush=True)
     print(json.dumps({"model": model, "start": figures}))
@@ -132,15 +168,26 @@ def _start(checkpoint: str, base: list[str], lora: list[str], overrides: list[st
     from tunix_train.compose import load_config
     from tunix_train.train.setup import setup, starting_state
 
-    cfg, _ = load_config([*overrides, "model.mesh_shape=[[1],[fsdp]]", f"model.init_from={checkpoint}",
-                          "data=synthetic", "data.seq_len=256", *lora, *base])
+    cfg, _ = load_config(
+        [
+            *overrides,
+            "model.mesh_shape=[[1],[fsdp]]",
+            f"model.init_from={checkpoint}",
+            "data=synthetic",
+            "data.seq_len=256",
+            *lora,
+            *base,
+        ]
+    )
     run = setup(cfg, jax.devices()[:1])
     start = time.perf_counter()
     with jax.set_mesh(run.mesh):
         jax.block_until_ready(starting_state(cfg, run)[0])
     # VmHWM, not ru_maxrss: that one keeps the parent's resident size from before the exec
     peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-    print(json.dumps({"start_s": round(time.perf_counter() - start, 2), "peak_rss_gib": round(peak / 2**20, 2)}))
+    print(
+        json.dumps({"start_s": round(time.perf_counter() - start, 2), "peak_rss_gib": round(peak / 2**20, 2)})
+    )
     return 0
 
 
@@ -148,23 +195,41 @@ def _speed(models, lora, bases, rounds) -> int:
     """Median step time per base, the bases alternating within each round."""
     import json
     import statistics
+    import tempfile
 
     from benchmark import benchmark
-
-    import tempfile
 
     times, folder = {}, Path(tempfile.mkdtemp())
     for model in models:
         # nf4's blocks of 64 along head_dim; the bundled 4k tokenizer, which a GGUF file carries
         size = ["model.head_dim=64", "model.vocab_size=4096"] if model == "gemma3_tiny" else []
-        size += ["model.query_pre_attn_scalar=256", "model.local_layers_per_global=5"]  # what a GGUF reader assumes
-        common = [f"model={model}", *size, "model.mesh_shape=[[1],[fsdp]]", "data.seq_len=256",
-                  "training.micro_batch_size=4", *lora]
-        files = {dtype: _random_gguf([f"model={model}", *size], folder / f"{model}-{dtype}.gguf", dtype)
-                 for dtype in ("q8_0", "q4_0")}
-        runs = {**bases, **{f"gguf {dtype} base": ["training.lora.base_dtype=bf16", f"model.init_from={path}",
-                                                   "training.lora.base_quantization=gguf"]
-                            for dtype, path in files.items()}}
+        size += [
+            "model.query_pre_attn_scalar=256",
+            "model.local_layers_per_global=5",
+        ]  # what a GGUF reader assumes
+        common = [
+            f"model={model}",
+            *size,
+            "model.mesh_shape=[[1],[fsdp]]",
+            "data.seq_len=256",
+            "training.micro_batch_size=4",
+            *lora,
+        ]
+        files = {
+            dtype: _random_gguf([f"model={model}", *size], folder / f"{model}-{dtype}.gguf", dtype)
+            for dtype in ("q8_0", "q4_0")
+        }
+        runs = {
+            **bases,
+            **{
+                f"gguf {dtype} base": [
+                    "training.lora.base_dtype=bf16",
+                    f"model.init_from={path}",
+                    "training.lora.base_quantization=gguf",
+                ]
+                for dtype, path in files.items()
+            },
+        }
         for _ in range(rounds):
             for name, extra in runs.items():
                 step = benchmark([*common, *extra], steps=10, warmup=2)["step_time_s"]["median"]
@@ -184,8 +249,16 @@ def _fit(plan, models, lora, bases, columns) -> int:
     """Each model's LoRA at seq 2048, one row, remat full, on one device, with each base."""
     import json
 
-    fit = ["model.mesh_shape=[[1],[fsdp]]", "data=synthetic", "data.seq_len=2048", "training.micro_batch_size=1",
-           "training.mixed_precision=bf16", "training.remat=full", "training.loss_chunk_size=512", *lora]
+    fit = [
+        "model.mesh_shape=[[1],[fsdp]]",
+        "data=synthetic",
+        "data.seq_len=2048",
+        "training.micro_batch_size=1",
+        "training.mixed_precision=bf16",
+        "training.remat=full",
+        "training.loss_chunk_size=512",
+        *lora,
+    ]
     rows, totals = {}, {}
     for model in models:
         for name, extra in bases.items():
@@ -198,8 +271,7 @@ def _fit(plan, models, lora, bases, columns) -> int:
     print("\n| base | " + " | ".join(models) + " |")
     print("|---" * (len(models) + 1) + "|")
     for name in bases:
-        cells = [f"{totals[m][name]:.1f} ({'24' if totals[m][name] * 2**30 <= 24e9 else '80' if totals[m][name] * 2**30 <= 80e9 else '-'})"
-                 for m in models]
+        cells = [f"{totals[m][name]:.1f} ({_fits(totals[m][name])})" for m in models]
         print(f"| {name} | " + " | ".join(cells) + " |")
     print(json.dumps({"fit_total_gib": totals}))
     return 0

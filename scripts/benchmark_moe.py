@@ -16,7 +16,8 @@ active size, and the share of the MoE layer's time that goes to dispatch.
 3. With --kernels MODEL:TOKENS,...: one layer's experts, forward and backward, on copies sorted
    by expert (ragged_dot needs them so), computed each way moe.py can (jax.lax.ragged_dot;
    moe.dropless_places: blocks alone, fixed slots, slots and a pool) against one dense GeGLU MLP
-   as wide as a token's k experts, at that model's sizes, in the compute dtype. This tells which way is fastest on a backend.
+   as wide as a token's k experts, at that model's sizes, in the compute dtype.
+    This tells which way is fastest on a backend.
 
 --cpu-devices 0 runs on the machine's own devices (a GPU); with one device only ep=1 runs.
 """
@@ -46,8 +47,8 @@ def dispatch_share(overrides: list[str], repeats: int = 20) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from tunix_train.config import MoeDispatch
     from tunix_train.compose import load_config
+    from tunix_train.config import MoeDispatch
     from tunix_train.model import kernels
     from tunix_train.model.moe import MoE, apply_experts, dropless_places, experts_in_places
     from tunix_train.sharding import LOGICAL_RULES
@@ -66,10 +67,13 @@ def dispatch_share(overrides: list[str], repeats: int = 20) -> dict:
     source, dest, group_J = kernels.slotting(expert_A, E, slots)
     x_R = kernels.take_rows(jnp.repeat(x, K, axis=0), source, dest)
 
-    with_dispatch = lambda x, g, d: jnp.sum(apply_experts(x, weights, experts, g, d, MoeDispatch.dropless, 1.0))
+    def with_dispatch(x, g, d):
+        return jnp.sum(apply_experts(x, weights, experts, g, d, MoeDispatch.dropless, 1.0))
+
     full = jax.jit(jax.grad(with_dispatch, argnums=(0, 1, 2)))
-    matmuls_alone = jax.jit(jax.grad(lambda x, g, d: jnp.sum(experts_in_places(x, group_J, g, d, slots)),
-                                     argnums=(0, 1, 2)))
+    matmuls_alone = jax.jit(
+        jax.grad(lambda x, g, d: jnp.sum(experts_in_places(x, group_J, g, d, slots)), argnums=(0, 1, 2))
+    )
 
     def timed(fn, *args):
         jax.block_until_ready(fn(*args))
@@ -81,8 +85,12 @@ def dispatch_share(overrides: list[str], repeats: int = 20) -> dict:
         return statistics.median(samples)
 
     t_full, t_matmuls = timed(full, x, gate_up, down), timed(matmuls_alone, x_R, gate_up, down)
-    return {"tokens": X, "apply_experts_ms": t_full * 1e3, "grouped_matmuls_ms": t_matmuls * 1e3,
-            "dispatch_share": 1 - t_matmuls / t_full}
+    return {
+        "tokens": X,
+        "apply_experts_ms": t_full * 1e3,
+        "grouped_matmuls_ms": t_matmuls * 1e3,
+        "dispatch_share": 1 - t_matmuls / t_full,
+    }
 
 
 def expert_kernels(overrides: list[str], tokens: int, repeats: int = 10) -> dict:
@@ -136,17 +144,29 @@ def expert_kernels(overrides: list[str], tokens: int, repeats: int = 10) -> dict
 
     results = {name: timed(fn, x_AD, gate_up, down) for name, fn in ways.items()}
     results["dense MLP of the same FLOPs"] = timed(dense, x_XD, dense_gate_up, dense_down)
-    return {"model": m.name, "tokens": tokens, "experts": E, "top_k": K, "embed": D, "expert_width": M,
-            "dtype": jnp.dtype(dtype).name, "largest_group_over_even_share": float(jnp.max(sizes_E)) * E / (tokens * K),
-            "ms": results}
+    return {
+        "model": m.name,
+        "tokens": tokens,
+        "experts": E,
+        "top_k": K,
+        "embed": D,
+        "expert_width": M,
+        "dtype": jnp.dtype(dtype).name,
+        "largest_group_over_even_share": float(jnp.max(sizes_E)) * E / (tokens * K),
+        "ms": results,
+    }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cpu-devices", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--kernels", default="", help="MODEL:TOKENS,... for section 3 (e.g. gemma4_26b_a4b:4096)")
+    parser.add_argument(
+        "--kernels", default="", help="MODEL:TOKENS,... for section 3 (e.g. gemma4_26b_a4b:4096)"
+    )
     parser.add_argument("--json", help="also write every figure here")
     args, overrides = parser.parse_known_args()
     if args.cpu_devices:
@@ -159,9 +179,11 @@ def main() -> int:
 
     n = jax.device_count()
     base = MODEL + overrides
-    runs = {f"moe ep=1 (fsdp={n})": base + [f"model.mesh_shape=[[{n}],[fsdp]]"],
-            f"moe ep={n}": base + [f"model.mesh_shape=[[{n}],[ep]]"],
-            f"dense, same active size (fsdp={n})": dense_twin(base) + [f"model.mesh_shape=[[{n}],[fsdp]]"]}
+    runs = {
+        f"moe ep=1 (fsdp={n})": base + [f"model.mesh_shape=[[{n}],[fsdp]]"],
+        f"moe ep={n}": base + [f"model.mesh_shape=[[{n}],[ep]]"],
+        f"dense, same active size (fsdp={n})": dense_twin(base) + [f"model.mesh_shape=[[{n}],[fsdp]]"],
+    }
     if n == 1:  # one device: ep=1 is the only expert split
         del runs[f"moe ep={n}"]
     results = {name: [] for name in runs}
@@ -175,17 +197,23 @@ def main() -> int:
         mfu = statistics.median(r["fraction_of_measured_peak"] for r in rs)
         print(f"{name:<36}{tps:>10,.0f}{mfu:>24.1%}{dense / tps:>14.2f}")
     share = dispatch_share(base)
-    print(f"dispatch: one layer's experts, forward and backward, {share['tokens']} tokens: apply_experts "
-          f"{share['apply_experts_ms']:.2f} ms, its matmuls alone {share['grouped_matmuls_ms']:.2f} ms: "
-          f"dispatch {share['dispatch_share']:.0%} of it")
+    print(
+        f"dispatch: one layer's experts, forward and backward, {share['tokens']} tokens: apply_experts "
+        f"{share['apply_experts_ms']:.2f} ms, its matmuls alone {share['grouped_matmuls_ms']:.2f} ms: "
+        f"dispatch {share['dispatch_share']:.0%} of it"
+    )
     kernels = []
     for spec in filter(None, args.kernels.split(",")):
         model, tokens = spec.split(":")
-        k = expert_kernels([arg for arg in base if not arg.startswith("model=")] + [f"model={model}"], int(tokens))
+        k = expert_kernels(
+            [arg for arg in base if not arg.startswith("model=")] + [f"model={model}"], int(tokens)
+        )
         kernels.append(k)
-        print(f"experts of one {k['model']} layer ({k['experts']} experts, top {k['top_k']}, D={k['embed']}, "
-              f"width {k['expert_width']}, {k['dtype']}), {k['tokens']} tokens, forward and backward "
-              f"(largest group / even share: {k['largest_group_over_even_share']:.2f}):")
+        print(
+            f"experts of one {k['model']} layer ({k['experts']} experts, top {k['top_k']}, D={k['embed']}, "
+            f"width {k['expert_width']}, {k['dtype']}), {k['tokens']} tokens, forward and backward "
+            f"(largest group / even share: {k['largest_group_over_even_share']:.2f}):"
+        )
         for name, ms in k["ms"].items():
             print(f"  {name:<36}" + (f"{ms:>10.2f} ms" if isinstance(ms, float) else f"  {ms}"))
     if args.json:

@@ -2,7 +2,8 @@
 mixed lengths, and the prefill time of a GRPO rollout with and without shared prompt prefixes.
 
     python scripts/benchmark_rollout.py [--model gemma3_270m] [--devices 4] [--axis tp] [--requests 64]
-        [--slots 16] [--prompt-len 16 128] [--new-tokens 8 256] [--prompts 16 --group 8 --group-new 32] [--fifo]
+        [--slots 16] [--prompt-len 16 128] [--new-tokens 8 256] [--prompts 16 --group 8 --group-new 32]
+        [--fifo]
 
 Random weights of the named model config, float32, on --devices fake CPU devices along one mesh
 axis: tp by default, the layout to decode with (each step reads every weight once, where fsdp
@@ -52,8 +53,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fifo", action="store_true", help="also time the engine admitting in arrival order")
     args = parser.parse_args(argv)
     if "jax" not in sys.modules:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.devices}").strip()
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+        ).strip()
 
     import jax
     import numpy as np
@@ -65,25 +67,42 @@ def main(argv: list[str]) -> int:
     from tunix_train.train.optimizer import make_optimizer
 
     cfg, _ = load_config([f"model={args.model}", "data=synthetic", "model.context_length=null"])
-    mesh = make_mesh([[args.devices], [args.axis]], jax.devices()[:args.devices])
+    mesh = make_mesh([[args.devices], [args.axis]], jax.devices()[: args.devices])
     params = plan_train_state(cfg.model, make_optimizer(cfg.training)[0], mesh, seed=0).create().params
     rng = np.random.default_rng(args.seed)
-    requests = [Request(tuple(rng.integers(3, cfg.model.vocab_size, rng.integers(args.prompt_len[0],
-                                                                                 args.prompt_len[1] + 1)).tolist()),
-                        int(rng.integers(args.new_tokens[0], args.new_tokens[1] + 1)), Sampling(1.0), seed=1, stream=i)
-                for i in range(args.requests)]
+    requests = [
+        Request(
+            tuple(
+                rng.integers(
+                    3, cfg.model.vocab_size, rng.integers(args.prompt_len[0], args.prompt_len[1] + 1)
+                ).tolist()
+            ),
+            int(rng.integers(args.new_tokens[0], args.new_tokens[1] + 1)),
+            Sampling(1.0),
+            seed=1,
+            stream=i,
+        )
+        for i in range(args.requests)
+    ]
     useful = sum(r.max_new_tokens for r in requests)
 
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _, **kw: compiles.append(1) if event == "/jax/core/compile/backend_compile_duration" else None)
+        lambda event, _, **kw: (
+            compiles.append(1) if event == "/jax/core/compile/backend_compile_duration" else None
+        )
+    )
 
     def timed(engine: Engine, requests: list[Request], warm_whole: bool = True, fifo: bool = False) -> float:
         """Seconds of the requests through the engine, after a warm-up of the same shapes."""
         max_len = engine.max_len_for(requests)
         run = functools.partial(engine.generate, params, longest_first=not fifo)
-        run(requests if warm_whole else [dataclasses.replace(r, max_new_tokens=engine.chunk + 1) for r in requests],
-            max_len=max_len)
+        run(
+            requests
+            if warm_whole
+            else [dataclasses.replace(r, max_new_tokens=engine.chunk + 1) for r in requests],
+            max_len=max_len,
+        )
         engine.stats.clear()
         before = len(compiles)
         start = time.perf_counter()
@@ -93,8 +112,15 @@ def main(argv: list[str]) -> int:
         figures["compiles"] += len(compiles) - before
         return seconds
 
-    figures = {"model": args.model, "devices": args.devices, "axis": args.axis, "requests": args.requests, "slots": args.slots,
-               "useful_tokens": useful, "compiles": 0}
+    figures = {
+        "model": args.model,
+        "devices": args.devices,
+        "axis": args.axis,
+        "requests": args.requests,
+        "slots": args.slots,
+        "useful_tokens": useful,
+        "compiles": 0,
+    }
     static = Engine(cfg.model, mesh, slots=None)
     figures["static_s"] = timed(static, requests, warm_whole=False)
     figures["static_decode_steps"] = static.stats["steps"]
@@ -109,14 +135,25 @@ def main(argv: list[str]) -> int:
     figures["static_tokens_per_s"] = useful / figures["static_s"]
     figures["engine_tokens_per_s"] = useful / figures["engine_s"]
     figures["engine_vs_static"] = figures["engine_tokens_per_s"] / figures["static_tokens_per_s"]
-    print(json.dumps({k: figures[k] for k in ("static_tokens_per_s", "engine_tokens_per_s", "engine_vs_static")}),
-          flush=True)
+    print(
+        json.dumps(
+            {k: figures[k] for k in ("static_tokens_per_s", "engine_tokens_per_s", "engine_vs_static")}
+        ),
+        flush=True,
+    )
 
-    prompts = [tuple(rng.integers(3, cfg.model.vocab_size, rng.integers(args.prompt_len[0],
-                                                                        args.prompt_len[1] + 1)).tolist())
-               for _ in range(args.prompts)]
-    group = [Request(p, args.group_new, Sampling(1.0), seed=2, stream=i)
-             for i, p in enumerate(p for p in prompts for _ in range(args.group))]
+    prompts = [
+        tuple(
+            rng.integers(
+                3, cfg.model.vocab_size, rng.integers(args.prompt_len[0], args.prompt_len[1] + 1)
+            ).tolist()
+        )
+        for _ in range(args.prompts)
+    ]
+    group = [
+        Request(p, args.group_new, Sampling(1.0), seed=2, stream=i)
+        for i, p in enumerate(p for p in prompts for _ in range(args.group))
+    ]
     for name, prefix_cache in (("shared", 4), ("separate", 0)):
         rollout = Engine(cfg.model, mesh, slots=None, prefix_cache=prefix_cache)
         timed(rollout, group, warm_whole=False)

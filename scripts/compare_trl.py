@@ -1,6 +1,7 @@
 """One GRPO step, ours against TRL's GRPOTrainer, side by side on this machine's CPU.
 
-    python scripts/compare_trl.py [--model tiny] [--steps 3] [--prompts 16] [--generations 8] [--max-new-tokens 32]
+    python scripts/compare_trl.py [--model tiny] [--steps 3] [--prompts 16] [--generations 8]
+    [--max-new-tokens 32]
 
 Both train the same random Gemma 3 (--model: tiny, gemma3_tiny; small, the CPU architecture of
 compare_tunix.py), written once as a Hugging Face checkpoint and loaded by both, with the same
@@ -33,9 +34,19 @@ sys.path.insert(0, str(REPO))
 REWARD = "tunix_train.rewards.arithmetic:exact_match"
 # --model tiny: gemma3_tiny (2 layers of width 64, 256 tokens); small: widened to compare_tunix.py's
 # CPU architecture (4 layers of width 256, 4096 tokens), where the matmuls take most of a step
-MODELS = {"tiny": {"vocab_size": 256},
-          "small": {"num_layers": 4, "embed_dim": 256, "hidden_dim": 1024, "num_heads": 4, "head_dim": 64,
-                    "num_kv_heads": 4, "vocab_size": 4096, "sliding_window": 64}}
+MODELS = {
+    "tiny": {"vocab_size": 256},
+    "small": {
+        "num_layers": 4,
+        "embed_dim": 256,
+        "hidden_dim": 1024,
+        "num_heads": 4,
+        "head_dim": 64,
+        "num_kv_heads": 4,
+        "vocab_size": 4096,
+        "sliding_window": 64,
+    },
+}
 
 
 def model_overrides(name: str) -> list[str]:
@@ -56,9 +67,17 @@ def write_tokenizer(directory: Path, vocab_size: int) -> None:
     tokenizer.decoder = decoders.Fuse()
     tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
-         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<bos>",
+                "eos_token": "<eos>",
+                "pad_token": "<pad>",
+                "unk_token": "<unk>",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
 
 
 def write_model(directory: Path, model: str) -> None:
@@ -81,15 +100,29 @@ def run_ours(checkpoint: Path, prompts: Path, out: Path, args) -> list[float]:
     from tunix_train.train.loop import train
 
     rows = args.prompts * args.generations
-    cfg, overrides = load_config([
-        *model_overrides(args.model), f"model.init_from={checkpoint}", "model.mesh_shape=[[1],[fsdp]]",
-        "objective=grpo",
-        "data=jsonl", f"data.train_files=[{prompts}]", f"data.seq_len={args.max_new_tokens + 8}",
-        f"training.micro_batch_size={rows}", f"training.max_steps={args.steps + 1}", "training.log_every=1",
-        f"training.learning_rate={args.learning_rate}", "training.warmup_steps=0", "training.lr_schedule=constant",
-        f"training.grpo.num_generations={args.generations}", f"training.grpo.max_new_tokens={args.max_new_tokens}",
-        f"training.grpo.beta={args.beta}", f"training.grpo.epsilon={args.epsilon}", f"training.grpo.reward=[{REWARD}]",
-        "checkpoint.every_steps=1000000"])
+    cfg, overrides = load_config(
+        [
+            *model_overrides(args.model),
+            f"model.init_from={checkpoint}",
+            "model.mesh_shape=[[1],[fsdp]]",
+            "objective=grpo",
+            "data=jsonl",
+            f"data.train_files=[{prompts}]",
+            f"data.seq_len={args.max_new_tokens + 8}",
+            f"training.micro_batch_size={rows}",
+            f"training.max_steps={args.steps + 1}",
+            "training.log_every=1",
+            f"training.learning_rate={args.learning_rate}",
+            "training.warmup_steps=0",
+            "training.lr_schedule=constant",
+            f"training.grpo.num_generations={args.generations}",
+            f"training.grpo.max_new_tokens={args.max_new_tokens}",
+            f"training.grpo.beta={args.beta}",
+            f"training.grpo.epsilon={args.epsilon}",
+            f"training.grpo.reward=[{REWARD}]",
+            "checkpoint.every_steps=1000000",
+        ]
+    )
     import jax
 
     train(cfg, out, overrides, devices=jax.devices()[:1])
@@ -113,16 +146,39 @@ def run_trl(checkpoint: Path, rows: list[dict], out: Path, args) -> list[float]:
             ends.append(time.perf_counter())
 
     config = GRPOConfig(
-        output_dir=str(out), per_device_train_batch_size=args.prompts * args.generations, gradient_accumulation_steps=1,
-        num_generations=args.generations, max_completion_length=args.max_new_tokens, beta=args.beta,
-        epsilon=args.epsilon, learning_rate=args.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
-        temperature=1.0, loss_type="bnpo", use_vllm=False, max_steps=args.steps + 1, logging_steps=1,
-        report_to="none", save_strategy="no", bf16=False, use_cpu=True, gradient_checkpointing=False, seed=0,
-        dataloader_num_workers=0)
+        output_dir=str(out),
+        per_device_train_batch_size=args.prompts * args.generations,
+        gradient_accumulation_steps=1,
+        num_generations=args.generations,
+        max_completion_length=args.max_new_tokens,
+        beta=args.beta,
+        epsilon=args.epsilon,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        temperature=1.0,
+        loss_type="bnpo",
+        use_vllm=False,
+        max_steps=args.steps + 1,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        seed=0,
+        dataloader_num_workers=0,
+    )
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=config, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, callbacks=[StepTimes()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=exact_match,
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[StepTimes()],
+    )
     trainer.train()
     return [b - a for a, b in zip(ends, ends[1:])]
 
@@ -157,10 +213,21 @@ def main(argv: list[str]) -> int:
     ours_s, trl_s = statistics.median(ours), statistics.median(trl)
     from importlib.metadata import version
 
-    print(json.dumps({"ours_step_s": ours_s, "trl_step_s": trl_s, "ratio": trl_s / ours_s, "model": args.model,
-                      "prompts": args.prompts,
-                      "generations": args.generations, "max_new_tokens": args.max_new_tokens,
-                      "trl_version": version("trl"), "torch_threads": os.cpu_count()}))
+    print(
+        json.dumps(
+            {
+                "ours_step_s": ours_s,
+                "trl_step_s": trl_s,
+                "ratio": trl_s / ours_s,
+                "model": args.model,
+                "prompts": args.prompts,
+                "generations": args.generations,
+                "max_new_tokens": args.max_new_tokens,
+                "trl_version": version("trl"),
+                "torch_threads": os.cpu_count(),
+            }
+        )
+    )
     return 0
 
 

@@ -50,7 +50,9 @@ def train_tokens_per_sec(cfg, data: Data, steps: int, devices=None) -> float:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--train-steps", type=int, default=10)
     args, overrides = parser.parse_known_args()
@@ -59,9 +61,11 @@ def main():
     micro_batch = setup(cfg).micro_batch
     pipeline = pipeline_tokens_per_sec(data, micro_batch, args.seconds)
     training = train_tokens_per_sec(cfg, data, args.train_steps)
-    print(f"config: model={cfg.model.name} data={cfg.data.source.value} seq_len={cfg.data.seq_len} "
-          f"rows/micro-step={micro_batch} accumulation={cfg.training.gradient_accumulation_steps} "
-          f"devices={jax.device_count()}")
+    print(
+        f"config: model={cfg.model.name} data={cfg.data.source.value} seq_len={cfg.data.seq_len} "
+        f"rows/micro-step={micro_batch} accumulation={cfg.training.gradient_accumulation_steps} "
+        f"devices={jax.device_count()}"
+    )
     print(f"pipeline alone: {pipeline:12,.0f} tokens/s")
     print(f"train step:     {training:12,.0f} tokens/s")
     print(f"ratio:          {pipeline / training:12.1f}x")

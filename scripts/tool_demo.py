@@ -37,16 +37,26 @@ VOCAB = 4096 + len(SYMBOLS)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=None, help="where the runs go (default: a new temporary folder)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where the runs go (default: a new temporary folder)"
+    )
     parser.add_argument("--sft-steps", type=int, default=300)
     parser.add_argument("--grpo-steps", type=int, default=80)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--prompts-per-step", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=1e-4)
-    parser.add_argument("--block", type=int, default=8, help="steps per row of the table (the first and last: the JSON's)")
-    parser.add_argument("--with-tool", type=float, default=0.15,
-                        help="the share of the warm-up conversations that call the tool")
+    parser.add_argument(
+        "--block", type=int, default=8, help="steps per row of the table (the first and last: the JSON's)"
+    )
+    parser.add_argument(
+        "--with-tool",
+        type=float,
+        default=0.15,
+        help="the share of the warm-up conversations that call the tool",
+    )
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="tool_demo_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -55,36 +65,81 @@ def main() -> int:
     print(f"runs in {out}")
     model = ["model=gemma3_small", f"model.vocab_size={VOCAB}", f"data.tokenizer={tokenizer}"]
 
-    run("run_training.py", *model, "data=chat", f"data.train_files=[{sft}]", "data.seq_len=192",
-        f"training.max_steps={args.sft_steps}", "training.micro_batch_size=16", "training.learning_rate=3e-3",
-        "training.warmup_steps=20", "training.eval_every=0", "checkpoint.every_steps=0",
-        f"hydra.run.dir={out / 'sft'}", log=out / "sft.log")
+    run(
+        "run_training.py",
+        *model,
+        "data=chat",
+        f"data.train_files=[{sft}]",
+        "data.seq_len=192",
+        f"training.max_steps={args.sft_steps}",
+        "training.micro_batch_size=16",
+        "training.learning_rate=3e-3",
+        "training.warmup_steps=20",
+        "training.eval_every=0",
+        "checkpoint.every_steps=0",
+        f"hydra.run.dir={out / 'sft'}",
+        log=out / "sft.log",
+    )
     run("-m", "tunix_train.export", str(out / "sft"), str(out / "sft_hf"), log=out / "export.log")
     G = args.generations
-    run("run_training.py", *model, "objective=grpo", "data=jsonl", f"data.train_files=[{prompts}]",
-        f"model.init_from={out / 'sft_hf'}", "data.seq_len=192", "data.eval_fraction=0",
-        f"training.max_steps={args.grpo_steps}", "training.log_every=1",
-        f"training.micro_batch_size={args.prompts_per_step * G}", f"training.grpo.num_generations={G}",
-        "training.grpo.max_new_tokens=48", "training.grpo.max_turns=3",
+    run(
+        "run_training.py",
+        *model,
+        "objective=grpo",
+        "data=jsonl",
+        f"data.train_files=[{prompts}]",
+        f"model.init_from={out / 'sft_hf'}",
+        "data.seq_len=192",
+        "data.eval_fraction=0",
+        f"training.max_steps={args.grpo_steps}",
+        "training.log_every=1",
+        f"training.micro_batch_size={args.prompts_per_step * G}",
+        f"training.grpo.num_generations={G}",
+        "training.grpo.max_new_tokens=48",
+        "training.grpo.max_turns=3",
         "training.grpo.tools=[tunix_train.rewards.calculator:multiply]",
-        "training.grpo.reward=[tunix_train.rewards.calculator:exact_answer]", "training.lr_schedule=constant",
-        f"training.learning_rate={args.learning_rate}", "training.grpo.beta=0.0", "checkpoint.every_steps=0",
-        f"hydra.run.dir={out / 'grpo'}", log=out / "grpo.log")
+        "training.grpo.reward=[tunix_train.rewards.calculator:exact_answer]",
+        "training.lr_schedule=constant",
+        f"training.learning_rate={args.learning_rate}",
+        "training.grpo.beta=0.0",
+        "checkpoint.every_steps=0",
+        f"hydra.run.dir={out / 'grpo'}",
+        log=out / "grpo.log",
+    )
 
-    steps = [m for m in map(json.loads, (out / "grpo" / "metrics.jsonl").read_text().splitlines()) if "reward" in m]
-    print(f"\nGRPO with a calculator: {len(steps)} steps, G={G}, {args.prompts_per_step} prompts per step "
-          f"(the step's {args.prompts_per_step * G} conversations, sampled at temperature 1)\n")
+    steps = [
+        m for m in map(json.loads, (out / "grpo" / "metrics.jsonl").read_text().splitlines()) if "reward" in m
+    ]
+    print(
+        f"\nGRPO with a calculator: {len(steps)} steps, G={G}, {args.prompts_per_step} prompts per step "
+        f"(the step's {args.prompts_per_step * G} conversations, sampled at temperature 1)\n"
+    )
     print("| steps | mean reward | tool calls per conversation | tool errors | turns |")
     print("|---|---|---|---|---|")
-    blocks = [steps[first:first + args.block] for first in range(0, len(steps), args.block)]
-    mean = lambda block, key: sum(m[key] for m in block) / len(block)
+    blocks = [steps[first : first + args.block] for first in range(0, len(steps), args.block)]
+
+    def mean(block, key):
+        return sum(m[key] for m in block) / len(block)
+
     for block in blocks:
-        print(f"| {block[0]['step']}-{block[-1]['step']} | {mean(block, 'reward'):.3f} | "
-              f"{mean(block, 'tool_calls'):.2f} | {mean(block, 'tool_errors'):.2f} | {mean(block, 'turns'):.2f} |")
+        print(
+            f"| {block[0]['step']}-{block[-1]['step']} | {mean(block, 'reward'):.3f} | "
+            f"{mean(block, 'tool_calls'):.2f} | {mean(block, 'tool_errors'):.2f} | "
+            f"{mean(block, 'turns'):.2f} |"
+        )
     first, last = blocks[0], blocks[-1]
-    print(json.dumps({"first_reward": round(mean(first, "reward"), 4), "last_reward": round(mean(last, "reward"), 4),
-                      "first_tool_calls": round(mean(first, "tool_calls"), 4),
-                      "last_tool_calls": round(mean(last, "tool_calls"), 4), "steps": len(steps), "block": args.block}))
+    print(
+        json.dumps(
+            {
+                "first_reward": round(mean(first, "reward"), 4),
+                "last_reward": round(mean(last, "reward"), 4),
+                "first_tool_calls": round(mean(first, "tool_calls"), 4),
+                "last_tool_calls": round(mean(last, "tool_calls"), 4),
+                "steps": len(steps),
+                "block": args.block,
+            }
+        )
+    )
     return 0
 
 

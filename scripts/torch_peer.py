@@ -77,12 +77,23 @@ def main(argv: list[str]) -> int:
     tokens_per_s = args.batch * args.seq_len / median
     kind = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     peak = peak_flops_per_device(kind, "bf16")
-    result = {"model": args.model, "device": kind, "torch": torch.__version__, "transformers": transformers.__version__,
-              "attention": args.attention, "compile": args.compile, "seq_len": args.seq_len, "batch": args.batch,
-              "step_time_s": median, "tokens_per_sec": tokens_per_s,
-              "mfu_data_sheet": tokens_per_s * train_flops_per_token(cfg.model, args.seq_len) / peak if peak else None,
-              "peak_memory_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
-              "loss_after": float(loss)}
+    result = {
+        "model": args.model,
+        "device": kind,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "attention": args.attention,
+        "compile": args.compile,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "step_time_s": median,
+        "tokens_per_sec": tokens_per_s,
+        "mfu_data_sheet": tokens_per_s * train_flops_per_token(cfg.model, args.seq_len) / peak
+        if peak
+        else None,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+        "loss_after": float(loss),
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))

@@ -58,7 +58,11 @@ def wait_until_gone(pids, timeout: float = 60.0) -> list[int]:
 
     deadline = time.monotonic() + timeout
     while True:
-        alive = [int(p) for p in pids if subprocess.run(["kill", "-0", str(p)], capture_output=True).returncode == 0]
+        alive = [
+            int(p)
+            for p in pids
+            if subprocess.run(["kill", "-0", str(p)], capture_output=True).returncode == 0
+        ]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)
@@ -83,7 +87,9 @@ def checkpoint_arrays(step_dir: Path) -> dict:
     metadata = checkpointer.metadata(path).item_metadata
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata)
     restored = checkpointer.restore(path, target)
-    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(restored)[0]}
+    return {
+        jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(restored)[0]
+    }
 
 
 def straight_and_resumed(cfg, tmp_path: Path, steps: int, stop_at: int, devices) -> tuple[Path, Path]:

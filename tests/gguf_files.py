@@ -24,8 +24,15 @@ def q4_k_bytes(shape: tuple[int, int], seed: int = 0) -> np.ndarray:
     return block.reshape(rows, cols // 256 * 144)
 
 
-def write(path: Path, family: str, hf_config: dict, tensors: dict[str, np.ndarray], types=None,
-          metadata: dict | None = None, extra: dict[str, np.ndarray] | None = None) -> Path:
+def write(
+    path: Path,
+    family: str,
+    hf_config: dict,
+    tensors: dict[str, np.ndarray],
+    types=None,
+    metadata: dict | None = None,
+    extra: dict[str, np.ndarray] | None = None,
+) -> Path:
     """`types(gguf_name, array) -> GGMLQuantizationType` picks each tensor's type (default F32);
     `metadata` adds or overrides {arch}.* keys (value None removes one); `extra`: more float32
     tensors under their GGUF names (a vision tower's, say)."""
@@ -33,11 +40,16 @@ def write(path: Path, family: str, hf_config: dict, tensors: dict[str, np.ndarra
     writer = gguf.GGUFWriter(str(path), arch)
     c = hf_config
     keys = {
-        "block_count": c["num_hidden_layers"], "context_length": c.get("max_position_embeddings", 8192),
-        "embedding_length": c["hidden_size"], "feed_forward_length": c["intermediate_size"],
-        "attention.head_count": c["num_attention_heads"], "attention.head_count_kv": c["num_key_value_heads"],
-        "attention.key_length": c["head_dim"], "attention.value_length": c["head_dim"],
-        "attention.layer_norm_rms_epsilon": c.get("rms_norm_eps", 1e-6), "vocab_size": c["vocab_size"],
+        "block_count": c["num_hidden_layers"],
+        "context_length": c.get("max_position_embeddings", 8192),
+        "embedding_length": c["hidden_size"],
+        "feed_forward_length": c["intermediate_size"],
+        "attention.head_count": c["num_attention_heads"],
+        "attention.head_count_kv": c["num_key_value_heads"],
+        "attention.key_length": c["head_dim"],
+        "attention.value_length": c["head_dim"],
+        "attention.layer_norm_rms_epsilon": c.get("rms_norm_eps", 1e-6),
+        "vocab_size": c["vocab_size"],
     }
     if family != "gemma":
         keys["attention.sliding_window"] = c["sliding_window"]

@@ -15,32 +15,79 @@ from pathlib import Path
 
 import numpy as np
 
-SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16)
+SIZES = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
 WINDOW, SEQ = 5, 16  # sequences longer than the sliding window
 FAMILIES = ("gemma", "gemma2", "gemma3")
 S, F = "sliding_attention", "full_attention"
 # Tiny Gemma 4 text models, each with one feature on (the last with all of them).
 GEMMA4 = {
     "gemma4_pattern": dict(num_hidden_layers=6, layer_types=[S] * 5 + [F], global_head_dim=16),
-    "gemma4_global": dict(num_hidden_layers=5, layer_types=[S] * 4 + [F], global_head_dim=32,
-                          num_global_key_value_heads=1, attention_k_eq_v=True),
-    "gemma4_rope": dict(num_hidden_layers=4, layer_types=[S, F, S, F], global_head_dim=16, rope_parameters={
-        F: {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1e4, "factor": 2.0},
-        S: {"rope_type": "default", "rope_theta": 100.0}}),
-    "gemma4_kv_shared": dict(num_hidden_layers=6, layer_types=[S, S, F] * 2, global_head_dim=32,
-                             num_kv_shared_layers=3),
-    "gemma4_ple": dict(num_hidden_layers=4, layer_types=[S, F] * 2, global_head_dim=16,
-                       hidden_size_per_layer_input=8, vocab_size_per_layer_input=128),
-    "gemma4_double_wide": dict(num_hidden_layers=4, layer_types=[S, F] * 2, global_head_dim=16,
-                               num_kv_shared_layers=2, use_double_wide_mlp=True),
-    "gemma4_moe": dict(num_hidden_layers=4, layer_types=[S, F] * 2, global_head_dim=16, enable_moe_block=True,
-                       num_experts=4, top_k_experts=2, moe_intermediate_size=32),
-    "gemma4_all": dict(num_hidden_layers=6, layer_types=[S, S, F] * 2, global_head_dim=32,
-                       num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=3,
-                       use_double_wide_mlp=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
-                       enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
-                       final_logit_softcapping=30.0),
+    "gemma4_global": dict(
+        num_hidden_layers=5,
+        layer_types=[S] * 4 + [F],
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+    ),
+    "gemma4_rope": dict(
+        num_hidden_layers=4,
+        layer_types=[S, F, S, F],
+        global_head_dim=16,
+        rope_parameters={
+            F: {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1e4, "factor": 2.0},
+            S: {"rope_type": "default", "rope_theta": 100.0},
+        },
+    ),
+    "gemma4_kv_shared": dict(
+        num_hidden_layers=6, layer_types=[S, S, F] * 2, global_head_dim=32, num_kv_shared_layers=3
+    ),
+    "gemma4_ple": dict(
+        num_hidden_layers=4,
+        layer_types=[S, F] * 2,
+        global_head_dim=16,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=128,
+    ),
+    "gemma4_double_wide": dict(
+        num_hidden_layers=4,
+        layer_types=[S, F] * 2,
+        global_head_dim=16,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+    ),
+    "gemma4_moe": dict(
+        num_hidden_layers=4,
+        layer_types=[S, F] * 2,
+        global_head_dim=16,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+    ),
+    "gemma4_all": dict(
+        num_hidden_layers=6,
+        layer_types=[S, S, F] * 2,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        num_kv_shared_layers=3,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=128,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        final_logit_softcapping=30.0,
+    ),
 }
 REFERENCE_PYTHON = "TUNIX_TRAIN_REFERENCE_PYTHON"
 
@@ -48,28 +95,49 @@ REFERENCE_PYTHON = "TUNIX_TRAIN_REFERENCE_PYTHON"
 def _config_and_class(family: str, for_gguf: bool = False):
     import transformers
 
-    if for_gguf:  # what transformers' GGUF loader assumes where a file is silent; MLP rows of whole Q4_K blocks
+    if (
+        for_gguf
+    ):  # what transformers' GGUF loader assumes where a file is silent; MLP rows of whole Q4_K blocks
         sizes = dict(SIZES, intermediate_size=256, max_position_embeddings=64)
         if family == "gemma":
             return transformers.GemmaConfig(**sizes), transformers.GemmaForCausalLM
         if family == "gemma2":
-            return (transformers.Gemma2Config(**sizes, sliding_window=WINDOW, query_pre_attn_scalar=256),
-                    transformers.Gemma2ForCausalLM)
-        return (transformers.Gemma3TextConfig(**dict(sizes, num_hidden_layers=6), sliding_window=WINDOW,
-                                              query_pre_attn_scalar=256), transformers.Gemma3ForCausalLM)
+            return (
+                transformers.Gemma2Config(**sizes, sliding_window=WINDOW, query_pre_attn_scalar=256),
+                transformers.Gemma2ForCausalLM,
+            )
+        return (
+            transformers.Gemma3TextConfig(
+                **dict(sizes, num_hidden_layers=6), sliding_window=WINDOW, query_pre_attn_scalar=256
+            ),
+            transformers.Gemma3ForCausalLM,
+        )
     if family in GEMMA4:
-        return (transformers.Gemma4TextConfig(**{**SIZES, "hidden_size_per_layer_input": 0,
-                                                        "sliding_window": WINDOW, **GEMMA4[family]}), transformers.Gemma4ForCausalLM)
+        return (
+            transformers.Gemma4TextConfig(
+                **{**SIZES, "hidden_size_per_layer_input": 0, "sliding_window": WINDOW, **GEMMA4[family]}
+            ),
+            transformers.Gemma4ForCausalLM,
+        )
     if family == "gemma":
         return transformers.GemmaConfig(**SIZES), transformers.GemmaForCausalLM
     if family == "gemma2":
-        return (transformers.Gemma2Config(**SIZES, sliding_window=WINDOW, query_pre_attn_scalar=24),
-                transformers.Gemma2ForCausalLM)
-    return (transformers.Gemma3TextConfig(
-        **SIZES, sliding_window=WINDOW, layer_types=["sliding_attention"] * 3 + ["full_attention"],
-        rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
-        transformers.Gemma3ForCausalLM)
+        return (
+            transformers.Gemma2Config(**SIZES, sliding_window=WINDOW, query_pre_attn_scalar=24),
+            transformers.Gemma2ForCausalLM,
+        )
+    return (
+        transformers.Gemma3TextConfig(
+            **SIZES,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+        transformers.Gemma3ForCausalLM,
+    )
 
 
 def build(family: str, directory: Path, for_gguf: bool = False, **sizes):
@@ -110,7 +178,7 @@ def greedy(model, prompt: np.ndarray, new_tokens: int) -> np.ndarray:
 
     with torch.no_grad():
         out = model.generate(torch.tensor(prompt), do_sample=False, max_new_tokens=new_tokens)
-    new = out[0, prompt.shape[1]:].numpy()
+    new = out[0, prompt.shape[1] :].numpy()
     return new[:-1] if len(new) and new[-1] == model.generation_config.eos_token_id else new
 
 
@@ -118,7 +186,9 @@ def _in_process() -> bool:
     return all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers"))
 
 
-def checkpoint_and_logits(family: str, directory: Path, tokens: np.ndarray, greedy_tokens: int = 0) -> np.ndarray:
+def checkpoint_and_logits(
+    family: str, directory: Path, tokens: np.ndarray, greedy_tokens: int = 0
+) -> np.ndarray:
     """Writes `family`'s checkpoint into `directory` and returns transformers' logits for `tokens`
     (with greedy_tokens > 0: instead, its greedy continuation of the one row of `tokens`): in this
     process, or in TUNIX_TRAIN_REFERENCE_PYTHON's; skips the test when neither has torch."""
@@ -129,13 +199,20 @@ def checkpoint_and_logits(family: str, directory: Path, tokens: np.ndarray, gree
     if not python:
         import pytest
 
-        pytest.skip(f"needs torch and transformers (pip install -e '.[reference]'), or {REFERENCE_PYTHON} "
-                    f"naming a Python that has them")
+        pytest.skip(
+            f"needs torch and transformers (pip install -e '.[reference]'), or {REFERENCE_PYTHON} "
+            f"naming a Python that has them"
+        )
     directory.mkdir(parents=True, exist_ok=True)
-    tokens_file, logits_file = directory.parent / f"{family}_tokens.npy", directory.parent / f"{family}_logits.npy"
+    tokens_file, logits_file = (
+        directory.parent / f"{family}_tokens.npy",
+        directory.parent / f"{family}_logits.npy",
+    )
     np.save(tokens_file, tokens)
-    subprocess.run([python, __file__, family, str(directory), str(tokens_file), str(logits_file), str(greedy_tokens)],
-                   check=True)
+    subprocess.run(
+        [python, __file__, family, str(directory), str(tokens_file), str(logits_file), str(greedy_tokens)],
+        check=True,
+    )
     return np.load(logits_file)
 
 

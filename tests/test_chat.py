@@ -11,10 +11,10 @@ transformers = pytest.importorskip("transformers", reason="needs transformers: p
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-
 from conftest import REPO, config, cpu_env, read_metrics  # noqa: E402
+from flax import nnx  # noqa: E402
 from test_tokenizers import _gguf_with_the_bundled_vocabulary  # noqa: E402
+
 from tunix_train.compose import load_config  # noqa: E402
 from tunix_train.config import ConfigError  # noqa: E402
 from tunix_train.data import Data  # noqa: E402
@@ -35,10 +35,12 @@ CONVERSATION = [
     {"role": "assistant", "content": "Her cousin, café-bred; 你好 🤗."},
 ]
 # A ChatML-style template with generation markers, written here.
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-          "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}\n"
-          "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}\n"
+    "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,9 @@ def tokenizers(tmp_path_factory):
 
 
 def _reference(reference, template, messages, **kwargs):
-    out = reference.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True, **kwargs)
+    out = reference.apply_chat_template(
+        messages, chat_template=template, tokenize=True, return_dict=True, **kwargs
+    )
     return out["input_ids"], [bool(m) for m in out.get("assistant_masks", [])]
 
 
@@ -63,16 +67,16 @@ def _reference(reference, template, messages, **kwargs):
 def test_ids_and_assistant_mask_equal_transformers(tokenizers, template, turns):
     ours, reference = tokenizers
     messages = CONVERSATION[:turns] if template is GEMMA_TEMPLATE else CONVERSATION[1:turns]
-    ids, mask = ChatTemplate(template, 'test', ours).encode(messages)
+    ids, mask = ChatTemplate(template, "test", ours).encode(messages)
     want_ids, want_mask = _reference(reference, template, messages, return_assistant_tokens_mask=True)
     assert ids == want_ids and mask == want_mask
     assert sum(mask) > 10 and not all(mask)
     # Gemma's turn tokens are single ids; the answers and their end-of-turn are the masked tokens
     end = ours.encode("<end_of_turn>")
     assert template is not GEMMA_TEMPLATE or (len(end) == 1 and ids.count(end[0]) == turns - 1)
-    prompt, _ = ChatTemplate(template, 'test', ours).encode(messages[:-1], add_generation_prompt=True)
+    prompt, _ = ChatTemplate(template, "test", ours).encode(messages[:-1], add_generation_prompt=True)
     assert prompt == _reference(reference, template, messages[:-1], add_generation_prompt=True)[0]
-    assert ids[:len(prompt)] == prompt  # the generation prompt is the conversation's start
+    assert ids[: len(prompt)] == prompt  # the generation prompt is the conversation's start
 
 
 def test_a_template_without_generation_markers_masks_by_rendered_prefixes(tokenizers):
@@ -80,9 +84,11 @@ def test_a_template_without_generation_markers_masks_by_rendered_prefixes(tokeni
     generation prompt, less the newline after <end_of_turn>: the marked template's mask."""
     ours, _ = tokenizers
     unmarked = GEMMA_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    assert ChatTemplate(unmarked, 'test', ours).encode(CONVERSATION) == ChatTemplate(GEMMA_TEMPLATE, 'test', ours).encode(CONVERSATION)
-    ids, mask = ChatTemplate(unmarked, 'test', ours).encode(CONVERSATION, roles=("user", "assistant"))
-    assert sum(mask) > sum(ChatTemplate(GEMMA_TEMPLATE, 'test', ours).encode(CONVERSATION)[1])
+    assert ChatTemplate(unmarked, "test", ours).encode(CONVERSATION) == ChatTemplate(
+        GEMMA_TEMPLATE, "test", ours
+    ).encode(CONVERSATION)
+    ids, mask = ChatTemplate(unmarked, "test", ours).encode(CONVERSATION, roles=("user", "assistant"))
+    assert sum(mask) > sum(ChatTemplate(GEMMA_TEMPLATE, "test", ours).encode(CONVERSATION)[1])
 
 
 def test_templates_are_found_beside_the_tokenizer_and_errors_are_one_line(tmp_path, tokenizers):
@@ -96,21 +102,33 @@ def test_templates_are_found_beside_the_tokenizer_and_errors_are_one_line(tmp_pa
     with pytest.raises(ConfigError, match="data.chat_template: no such file"):
         find_template(str(tmp_path / "missing.jinja"), None)
     with pytest.raises(ConfigError, match="alternate user and assistant"):
-        ChatTemplate(GEMMA_TEMPLATE, 'test', ours).encode([{"role": "assistant", "content": "hi"}])
+        ChatTemplate(GEMMA_TEMPLATE, "test", ours).encode([{"role": "assistant", "content": "hi"}])
     with pytest.raises(ConfigError, match="not a Jinja template"):
         ChatTemplate("{% for %}", "test", ours)
 
 
 def _conversation(question, answer, follow_up):
-    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer},
-                         {"role": "user", "content": follow_up}]}
+    return {
+        "messages": [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": follow_up},
+        ]
+    }
 
 
 def _first_batch(tmp_path, name, records):
     path = tmp_path / f"{name}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    cfg, _ = load_config(["data=chat", f"data.train_files=[{path}]", "data.eval_fraction=0", "data.seq_len=256",
-                          "model.vocab_size=4096"])
+    cfg, _ = load_config(
+        [
+            "data=chat",
+            f"data.train_files=[{path}]",
+            "data.eval_fraction=0",
+            "data.seq_len=256",
+            "model.vocab_size=4096",
+        ]
+    )
     data = Data(cfg)
     batches = data.train_batches(global_micro_batch=2)
     try:
@@ -123,8 +141,10 @@ def test_conversations_put_the_loss_on_the_assistant_only(tmp_path):
     """The bundled SentencePiece tokenizer in Gemma's turn format: the tokens with loss are the
     answers and their <end_of_turn>; the loss does not move when a later user turn changes (same
     token count, so the same packing) and moves when an answer does."""
-    records = [_conversation("Who is there?", "Nay, answer me.", "Long live the king!"),
-               _conversation("What light?", "It is the east.", "Arise, fair sun.")]
+    records = [
+        _conversation("Who is there?", "Nay, answer me.", "Long live the king!"),
+        _conversation("What light?", "It is the east.", "Arise, fair sun."),
+    ]
     data, batch = _first_batch(tmp_path, "base", records)
     tok = data.tokenizer
     ids, mask = data.chat.encode(records[0]["messages"])
@@ -136,7 +156,9 @@ def test_conversations_put_the_loss_on_the_assistant_only(tmp_path):
     params = nnx.state(Gemma(config("model.vocab_size=4096").model, nnx.Rngs(0)), nnx.Param)
 
     def loss(batch):
-        sums = eval_step(params, jax.tree.map(jnp.asarray, batch), graphdef=graphdef, compute_dtype=jnp.float32)
+        sums = eval_step(
+            params, jax.tree.map(jnp.asarray, batch), graphdef=graphdef, compute_dtype=jnp.float32
+        )
         return float(sums["loss_sum"]) / float(sums["weight"])
 
     follow_up = [_conversation("Who is there?", "Nay, answer me.", "Long live the queen!"), records[1]]
@@ -158,16 +180,52 @@ def test_sft_on_the_bundled_conversations_then_the_chat_cli_answers_as_trained(t
     pipe, streams the trained answers (greedy), keeps the conversation, and /reset forgets it."""
     run_dir = tmp_path / "run"
     trained = subprocess.run(
-        [sys.executable, str(REPO / "run_training.py"), "model=gemma3_tiny", "model.vocab_size=4096", "data=chat",
-         f"data.train_files=[{CONVERSATIONS}]", "data.eval_fraction=0", "data.seq_len=128",
-         'model.mesh_shape=[[2,2],["fsdp","tp"]]', "training.micro_batch_size=4", f"training.max_steps={STEPS}",
-         "training.learning_rate=0.01", "training.warmup_steps=10", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, env=cpu_env(4), capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            str(REPO / "run_training.py"),
+            "model=gemma3_tiny",
+            "model.vocab_size=4096",
+            "data=chat",
+            f"data.train_files=[{CONVERSATIONS}]",
+            "data.eval_fraction=0",
+            "data.seq_len=128",
+            'model.mesh_shape=[[2,2],["fsdp","tp"]]',
+            "training.micro_batch_size=4",
+            f"training.max_steps={STEPS}",
+            "training.learning_rate=0.01",
+            "training.warmup_steps=10",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=cpu_env(4),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert trained.returncode == 0, trained.stderr[-2000:]
-    turns = "Name a tragedy.\nAnd a comedy?\n/reset\nWho is Prospero's daughter?\n\nHow many witches meet Macbeth?\n"
-    chat = subprocess.run([sys.executable, "-m", "tunix_train.generate", str(run_dir), "--chat", "--max_new_tokens",
-                           "24", "--mesh_shape", '[[2],["fsdp"]]'], input=turns, cwd=REPO, env=cpu_env(2),
-                          capture_output=True, text=True, timeout=300)
+    turns = (
+        "Name a tragedy.\nAnd a comedy?\n/reset\nWho is Prospero's daughter?\n\n"
+        "How many witches meet Macbeth?\n"
+    )
+    chat = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tunix_train.generate",
+            str(run_dir),
+            "--chat",
+            "--max_new_tokens",
+            "24",
+            "--mesh_shape",
+            '[[2],["fsdp"]]',
+        ],
+        input=turns,
+        cwd=REPO,
+        env=cpu_env(2),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert chat.returncode == 0, chat.stderr[-2000:]
     assert chat.stdout.splitlines() == ["Hamlet.", "Twelfth Night.", "Miranda.", "Three witches."]
 
@@ -190,11 +248,29 @@ def test_dpo_pairs_and_grpo_prompts_in_messages_are_rendered_with_the_template(t
     ours, _ = tokenizers
     hf = ours.path.parent
     question = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is Romeo?"}]
-    pairs = _jsonl(tmp_path / "pairs.jsonl", [
-        {"prompt": question, "chosen": "A Montague.", "rejected": [{"role": "assistant", "content": "A Capulet."}]}] * 4)
-    cfg, _ = load_config(["model=gemma3_tiny", "model.vocab_size=4103", "objective=dpo", "data=jsonl",
-                          f"data.train_files=[{pairs}]", "data.eval_fraction=0.25", "data.seq_len=64",
-                          f"data.tokenizer={hf}"])
+    pairs = _jsonl(
+        tmp_path / "pairs.jsonl",
+        [
+            {
+                "prompt": question,
+                "chosen": "A Montague.",
+                "rejected": [{"role": "assistant", "content": "A Capulet."}],
+            }
+        ]
+        * 4,
+    )
+    cfg, _ = load_config(
+        [
+            "model=gemma3_tiny",
+            "model.vocab_size=4103",
+            "objective=dpo",
+            "data=jsonl",
+            f"data.train_files=[{pairs}]",
+            "data.eval_fraction=0.25",
+            "data.seq_len=64",
+            f"data.tokenizer={hf}",
+        ]
+    )
     data = Data(cfg, make_objective(cfg).record_fields)
     objective = make_objective(cfg)
     objective.read(data)
@@ -203,24 +279,44 @@ def test_dpo_pairs_and_grpo_prompts_in_messages_are_rendered_with_the_template(t
     prompt, _ = template.encode(question, add_generation_prompt=True)
     for row, answer in enumerate(("A Montague.", "A Capulet.")):
         full, mask = template.encode([*question, {"role": "assistant", "content": answer}])
-        n = len(full) - 1 if ours.decode(full[-1:]) == "\n" else len(full)  # without the newline after the turn
-        np.testing.assert_array_equal(rows["inputs"][row][:n - 1], full[:n - 1])
+        n = (
+            len(full) - 1 if ours.decode(full[-1:]) == "\n" else len(full)
+        )  # without the newline after the turn
+        np.testing.assert_array_equal(rows["inputs"][row][: n - 1], full[: n - 1])
         with_loss = rows["targets"][row][rows["loss_mask"][row] > 0].tolist()
-        assert with_loss == [i for i, m in zip(full[:n], mask[:n]) if m][-len(with_loss):]
+        assert with_loss == [i for i, m in zip(full[:n], mask[:n]) if m][-len(with_loss) :]
         assert ours.decode(with_loss) == answer + "<end_of_turn>" and len(prompt) + len(with_loss) == n
 
-    prompts = _jsonl(tmp_path / "prompts.jsonl", [{"prompt": [{"role": "user", "content": f"Count to {i}."}]}
-                                                   for i in range(8)])
-    cfg, _ = load_config(["model=gemma3_tiny", "model.vocab_size=4103", "objective=grpo", "data=jsonl",
-                          f"data.train_files=[{prompts}]", "data.seq_len=32", f"data.tokenizer={hf}", "data.eval_fraction=0",
-                          "training.micro_batch_size=4", "training.grpo.num_generations=4",
-                          "training.grpo.max_new_tokens=6", "training.grpo.reward=[test_chat:turn_reward]",
-                          "training.max_steps=2", "training.log_every=1"])
+    prompts = _jsonl(
+        tmp_path / "prompts.jsonl",
+        [{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(8)],
+    )
+    cfg, _ = load_config(
+        [
+            "model=gemma3_tiny",
+            "model.vocab_size=4103",
+            "objective=grpo",
+            "data=jsonl",
+            f"data.train_files=[{prompts}]",
+            "data.seq_len=32",
+            f"data.tokenizer={hf}",
+            "data.eval_fraction=0",
+            "training.micro_batch_size=4",
+            "training.grpo.num_generations=4",
+            "training.grpo.max_new_tokens=6",
+            "training.grpo.reward=[test_chat:turn_reward]",
+            "training.max_steps=2",
+            "training.log_every=1",
+        ]
+    )
     cfg.model.mesh_shape = [[1], ["fsdp"]]
     train(cfg, tmp_path / "grpo", devices=jax.devices()[:1])
     samples = [json.loads(line) for line in (tmp_path / "grpo" / "samples.jsonl").read_text().splitlines()]
-    assert samples and all(s["prompt"].startswith(ours.token(ours.bos_id) + "<start_of_turn>user\nCount to ") and
-                           s["prompt"].endswith("<end_of_turn>\n<start_of_turn>model\n") for s in samples)
+    assert samples and all(
+        s["prompt"].startswith(ours.token(ours.bos_id) + "<start_of_turn>user\nCount to ")
+        and s["prompt"].endswith("<end_of_turn>\n<start_of_turn>model\n")
+        for s in samples
+    )
     assert len([m for m in read_metrics(tmp_path / "grpo") if "loss" in m]) == 2
     grpo = make_objective(cfg)
     grpo.read(Data(cfg, grpo.record_fields))

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-
 from conftest import REPO, config, cpu_env, read_metrics, train_losses
+
 from tunix_train import exit_codes
 from tunix_train.checkpoint import restore_from
 from tunix_train.config import ConfigError
@@ -22,14 +22,33 @@ from tunix_train.train.setup import setup
 from tunix_train.train.signals import RunStopped
 
 # A tiny model on the bundled corpus, so the data iterator's state is exercised too.
-RUN = ["model=gemma3_tiny", "model.vocab_size=4096", "data.seq_len=64", "training.max_steps=12",
-       "training.log_every=1", "training.eval_every=6", "checkpoint.every_steps=3", "checkpoint.keep=10"]
+RUN = [
+    "model=gemma3_tiny",
+    "model.vocab_size=4096",
+    "data.seq_len=64",
+    "training.max_steps=12",
+    "training.log_every=1",
+    "training.eval_every=6",
+    "checkpoint.every_steps=3",
+    "checkpoint.keep=10",
+]
 
 
 def _start(run_dir, *extra):
-    return subprocess.Popen([sys.executable, str(REPO / "run_training.py"), *RUN, *extra,
-                             'model.mesh_shape=[[2],["fsdp"]]', f"hydra.run.dir={run_dir}"],
-                            env=cpu_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "run_training.py"),
+            *RUN,
+            *extra,
+            'model.mesh_shape=[[2],["fsdp"]]',
+            f"hydra.run.dir={run_dir}",
+        ],
+        env=cpu_env(2),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _run(run_dir, *extra):
@@ -159,10 +178,12 @@ def test_restore_retries_transient_errors_and_skips_damaged_checkpoints(monkeypa
         def read(manager, step, target):
             reads.append(step)
             failure = failures.get(step)
-            if failure is not None and (not isinstance(failure, TimeoutError) or reads.count(step) == 1
-                                        or failures.get("always")):
+            if failure is not None and (
+                not isinstance(failure, TimeoutError) or reads.count(step) == 1 or failures.get("always")
+            ):
                 raise failure
             return f"state {step}"
+
         return read
 
     directory = reference / "checkpoints"
@@ -171,14 +192,21 @@ def test_restore_retries_transient_errors_and_skips_damaged_checkpoints(monkeypa
     assert reads == [12, 12]
     reads.clear()
     monkeypatch.setattr(checkpoint, "_restore_step", reading({12: TimeoutError("slow disk"), "always": True}))
-    with pytest.raises(ConfigError, match="could not be read in 3 tries .TimeoutError: slow disk.; it may be intact"):
+    with pytest.raises(
+        ConfigError, match="could not be read in 3 tries .TimeoutError: slow disk.; it may be intact"
+    ):
         checkpoint.restore_latest(directory, None)
     assert reads == [12, 12, 12]
     reads.clear()
-    monkeypatch.setattr(checkpoint, "_restore_step", reading({12: ValueError("bad metadata"),
-                                                              9: OSError(errno.ENOENT, "no such file")}))
+    monkeypatch.setattr(
+        checkpoint,
+        "_restore_step",
+        reading({12: ValueError("bad metadata"), 9: OSError(errno.ENOENT, "no such file")}),
+    )
     assert checkpoint.restore_latest(directory, None) == (
-        "state 6", {12: "ValueError: bad metadata", 9: "FileNotFoundError: [Errno 2] no such file"})
+        "state 6",
+        {12: "ValueError: bad metadata", 9: "FileNotFoundError: [Errno 2] no such file"},
+    )
     assert reads == [12, 9, 6]
 
 
@@ -187,7 +215,9 @@ def test_a_save_orbax_refuses_is_an_error(tmp_path):
     from tunix_train.config import CheckpointConfig
     from tunix_train.state import TrainState
 
-    state = lambda step: TrainState(jnp.asarray(step, jnp.int32), {"w": jnp.ones(4)}, {}, jnp.asarray(0, jnp.int32))
+    def state(step):
+        return TrainState(jnp.asarray(step, jnp.int32), {"w": jnp.ones(4)}, {}, jnp.asarray(0, jnp.int32))
+
     first = Checkpointer(tmp_path, CheckpointConfig())
     first.save(state(9), {"iterator": {}})
     first.wait()
@@ -207,14 +237,24 @@ def test_another_runs_directory_is_refused(tmp_path, reference):
     assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == before
 
 
-MESHES = {"fsdp4": ([[4, 1], ["fsdp", "tp"]], 4, 2), "fsdp2_tp2": ([[2, 2], ["fsdp", "tp"]], 4, 4),
-          "fsdp8": ([[8, 1], ["fsdp", "tp"]], 8, 1)}
+MESHES = {
+    "fsdp4": ([[4, 1], ["fsdp", "tp"]], 4, 2),
+    "fsdp2_tp2": ([[2, 2], ["fsdp", "tp"]], 4, 4),
+    "fsdp8": ([[8, 1], ["fsdp", "tp"]], 8, 1),
+}
 
 
 def _mesh_run(tmp_path, name, max_steps, *extra):
     mesh_shape, n_devices, micro = MESHES[name]
-    cfg = config("training.max_steps=%d" % max_steps, "training.log_every=1", "checkpoint.every_steps=3",
-                 f"training.micro_batch_size={micro}", "model.num_heads=4", "model.num_kv_heads=2", *extra)
+    cfg = config(
+        "training.max_steps=%d" % max_steps,
+        "training.log_every=1",
+        "checkpoint.every_steps=3",
+        f"training.micro_batch_size={micro}",
+        "model.num_heads=4",
+        "model.num_kv_heads=2",
+        *extra,
+    )
     cfg.model.mesh_shape = mesh_shape
     run_dir = tmp_path / f"{name}_{max_steps}"
     return train(cfg, run_dir, devices=jax.devices()[:n_devices]), run_dir
@@ -240,8 +280,12 @@ def test_restore_on_another_mesh_and_device_count(tmp_path):
 
 def test_a_checkpoint_needs_the_same_global_batch(tmp_path):
     _, first = _mesh_run(tmp_path, "fsdp4", 3)
-    cfg = config("training.micro_batch_size=1", "model.num_heads=4", "model.num_kv_heads=2",
-                 f"checkpoint.resume_from={first}")
+    cfg = config(
+        "training.micro_batch_size=1",
+        "model.num_heads=4",
+        "model.num_kv_heads=2",
+        f"checkpoint.resume_from={first}",
+    )
     cfg.model.mesh_shape = MESHES["fsdp4"][0]
     with pytest.raises(ConfigError, match="the global batch is the same"):
         train(cfg, tmp_path / "other", devices=jax.devices()[:4])
@@ -271,14 +315,22 @@ class _PoisonedBatches:
 def poison_batch(monkeypatch):
     def poison(bad):
         original = Data.train_batches
-        monkeypatch.setattr(Data, "train_batches", lambda self, *a, **k: _PoisonedBatches(original(self, *a, **k), bad))
+        monkeypatch.setattr(
+            Data, "train_batches", lambda self, *a, **k: _PoisonedBatches(original(self, *a, **k), bad)
+        )
+
     return poison
 
 
 def test_nan_policy_skip_drops_the_update_and_counts_it(tmp_path, poison_batch):
     poison_batch(3)
-    cfg = config("training.max_steps=5", "training.log_every=1", "checkpoint.every_steps=1",
-                 "checkpoint.keep=10", "training.nan_policy=skip")
+    cfg = config(
+        "training.max_steps=5",
+        "training.log_every=1",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep=10",
+        "training.nan_policy=skip",
+    )
     state = train(cfg, tmp_path)
     assert int(state.nonfinite_steps) == 1 and int(state.step) == 5
     step = {s: _saved_arrays(tmp_path, s) for s in (2, 3, 4)}
@@ -293,8 +345,13 @@ def test_nan_policy_skip_drops_the_update_and_counts_it(tmp_path, poison_batch):
 
 def test_nan_policy_stop_saves_the_last_good_state_and_fails(tmp_path, poison_batch):
     poison_batch(3)
-    cfg = config("training.max_steps=5", "training.log_every=1", "checkpoint.every_steps=1",
-                 "checkpoint.keep=10", "training.nan_policy=stop")
+    cfg = config(
+        "training.max_steps=5",
+        "training.log_every=1",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep=10",
+        "training.nan_policy=stop",
+    )
     with pytest.raises(RunStopped, match="non-finite loss or gradient at step 3") as stopped:
         train(cfg, tmp_path)
     assert stopped.value.exit_code != 0
@@ -325,11 +382,16 @@ def test_a_checkpoint_written_before_frozen_weights_existed_restores(tmp_path):
     state = run.plan.create()
     old = StateBeforeLoRA(state.step + 7, state.params, state.opt_state, state.nonfinite_steps)
     manager = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(create=True))
-    manager.save(7, args=ocp.args.Composite(state=ocp.args.StandardSave(old),
-                                            data=ocp.args.JsonSave({"global_micro_batch": 8})))
+    manager.save(
+        7,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(old), data=ocp.args.JsonSave({"global_micro_batch": 8})
+        ),
+    )
     manager.wait_until_finished()
     manager.close()
     (restored, data), skipped = restore_latest(tmp_path, run.plan.abstract)
     assert skipped == {} and int(restored.step) == 7 and restored.frozen is None
-    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
-                                     restored.params, state.params))
+    assert jax.tree.all(
+        jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), restored.params, state.params)
+    )

@@ -8,8 +8,8 @@ import math
 import jax
 import jax.extend
 import pytest
-
 from conftest import config
+
 from tunix_train.observe.comms import collective_volume
 from tunix_train.train.init import count_params
 from tunix_train.train.loop import train
@@ -22,7 +22,7 @@ ACCUMULATION = 2
 def _compiled_volume(mesh_shape, *overrides):
     cfg = config(f"training.gradient_accumulation_steps={ACCUMULATION}", *overrides)
     cfg.model.mesh_shape = mesh_shape
-    run = setup(cfg, jax.devices()[:math.prod(mesh_shape[0])])
+    run = setup(cfg, jax.devices()[: math.prod(mesh_shape[0])])
     batch = abstract_batch(run.mesh, ACCUMULATION, run.micro_batch, cfg.data.seq_len)
     with jax.set_mesh(run.mesh):
         compiled = run.step_fn.lower(run.plan.abstract, batch).compile()
@@ -42,8 +42,12 @@ def test_fsdp_gathers_parameters_twice_and_reduces_gradients_once_per_micro_batc
 
 
 def test_sync_gradients_every_k_reduces_once_per_k_micro_batches():
-    volume, _, run = _compiled_volume([[4], ["fsdp"]], "model.num_layers=4", "model.hidden_dim=512",
-                                      f"training.sync_gradients_every={ACCUMULATION}")
+    volume, _, run = _compiled_volume(
+        [[4], ["fsdp"]],
+        "model.num_layers=4",
+        "model.hidden_dim=512",
+        f"training.sync_gradients_every={ACCUMULATION}",
+    )
     param_bytes = 4 * count_params(run.plan.abstract.params)
     reduced = volume.bytes["reduce-scatter"] + volume.bytes["all-reduce"]
     assert reduced == pytest.approx(param_bytes, rel=0.10)  # once per step, not once per micro-batch
@@ -52,11 +56,17 @@ def test_sync_gradients_every_k_reduces_once_per_k_micro_batches():
 
 @pytest.mark.parametrize("strategy, gathered", [("shard_grad_op", 1), ("no_shard", 0)])
 def test_zero2_gathers_parameters_once_per_step_and_ddp_never(strategy, gathered):
-    volume, _, run = _compiled_volume([[4], ["fsdp"]], "model.num_layers=4", "model.hidden_dim=512",
-                                      f"training.sharding_strategy={strategy}")
+    volume, _, run = _compiled_volume(
+        [[4], ["fsdp"]],
+        "model.num_layers=4",
+        "model.hidden_dim=512",
+        f"training.sharding_strategy={strategy}",
+    )
     param_bytes = 4 * count_params(run.plan.abstract.params)
     # shard_grad_op: the updated parameters, computed on their shards, are gathered after the update.
-    assert volume.bytes["all-gather"] == pytest.approx(gathered * param_bytes, rel=0.10, abs=0.01 * param_bytes)
+    assert volume.bytes["all-gather"] == pytest.approx(
+        gathered * param_bytes, rel=0.10, abs=0.01 * param_bytes
+    )
     reduced = volume.bytes["reduce-scatter"] + volume.bytes["all-reduce"]
     assert reduced == pytest.approx(ACCUMULATION * param_bytes, rel=0.10)
 
@@ -106,13 +116,19 @@ def test_tp_all_reduces_activations_twice_per_layer_forward_and_three_times_back
 
 
 def test_a_profiled_run_writes_a_trace_and_a_summary(tmp_path):
-    cfg = config("training.max_steps=6", "training.profile_communication=true", "training.profile_steps=2",
-                 "training.eval_every=0")
+    cfg = config(
+        "training.max_steps=6",
+        "training.profile_communication=true",
+        "training.profile_steps=2",
+        "training.eval_every=0",
+    )
     cfg.model.mesh_shape = [[4], ["fsdp"]]
     train(cfg, tmp_path, devices=jax.devices()[:4])
     report = json.loads((tmp_path / "communication.json").read_text())
     assert report["steps"] == [3, 4] and report["devices_traced"] == 4
-    assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb")) and list(tmp_path.glob("plugins/profile/*/*.json.gz"))
+    assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb")) and list(
+        tmp_path.glob("plugins/profile/*/*.json.gz")
+    )
     assert report["bytes_per_step"]["all-gather"] > 0 and report["collectives_per_step"]["all-gather"] > 0
     seconds = report["seconds_per_step"]
     assert seconds["computation"] > 0 and seconds["all-gather"] > 0 and seconds["all-to-all"] == 0
@@ -149,13 +165,18 @@ ENTRY %main (x: f32[8,16]) -> f32[] {
   %cp = bf16[4,4]{1,0} collective-permute(%y), source_target_pairs={{0,1}}
   ROOT %r = f32[] constant(0)
 }
-"""
+"""  # noqa: E501 (HLO text as XLA prints it)
 
 
 def test_async_collectives_in_loops_count_once_per_iteration():
     volume = collective_volume(GPU_STYLE_HLO)
-    assert volume.count == {"all-gather": 5, "reduce-scatter": 0, "all-reduce": 5, "all-to-all": 0,
-                            "collective-permute": 1}
+    assert volume.count == {
+        "all-gather": 5,
+        "reduce-scatter": 0,
+        "all-reduce": 5,
+        "all-to-all": 0,
+        "collective-permute": 1,
+    }
     assert volume.bytes["all-gather"] == 5 * 8 * 16 * 4  # the gathered output, not the start's tuple
     assert volume.bytes["all-reduce"] == 5 * 8 * 16 * 4
     assert volume.bytes["collective-permute"] == 0  # %y is not defined in this text: no bytes guessed
@@ -165,8 +186,11 @@ def test_async_collectives_in_loops_count_once_per_iteration():
 def test_the_profile_names_pipeline_and_context_parallel_traffic():
     """The pipeline's only traffic between stages is its ppermute of one micro-batch's activations
     per time step, forward and backward; cp's is its ring's."""
-    cfg = config(f"training.gradient_accumulation_steps={ACCUMULATION}", "training.micro_batch_size=4",
-                 "training.pipeline_microbatches=2")
+    cfg = config(
+        f"training.gradient_accumulation_steps={ACCUMULATION}",
+        "training.micro_batch_size=4",
+        "training.pipeline_microbatches=2",
+    )
     cfg.model.mesh_shape = [[2, 4], ["pp", "fsdp"]]
     run = setup(cfg)
     batch = abstract_batch(run.mesh, ACCUMULATION, run.micro_batch, cfg.data.seq_len)
@@ -176,7 +200,9 @@ def test_the_profile_names_pipeline_and_context_parallel_traffic():
     schedule = run.parallel.schedule
     rows = run.micro_batch // schedule.microbatches // 4  # one micro-batch's rows on one fsdp shard
     activation = rows * cfg.data.seq_len * cfg.model.embed_dim * 4
-    assert volume.bytes_by_axes["collective-permute over pp"] == 2 * schedule.steps * activation * ACCUMULATION
+    assert (
+        volume.bytes_by_axes["collective-permute over pp"] == 2 * schedule.steps * activation * ACCUMULATION
+    )
     assert not any(name.endswith("over cp") for name in volume.bytes_by_axes)
 
     # cp passes keys, values and windows round its ring and adds nothing to fsdp's traffic
@@ -184,10 +210,16 @@ def test_the_profile_names_pipeline_and_context_parallel_traffic():
     for mesh_shape in ([[2, 4], ["cp", "fsdp"]], [[4], ["fsdp"]]):
         cfg = config(f"training.gradient_accumulation_steps={ACCUMULATION}", "training.micro_batch_size=4")
         cfg.model.mesh_shape = mesh_shape
-        run = setup(cfg, jax.devices()[:math.prod(mesh_shape[0])])
+        run = setup(cfg, jax.devices()[: math.prod(mesh_shape[0])])
         with jax.set_mesh(run.mesh):
-            by_axes[len(mesh_shape[1])] = collective_volume(run.step_fn.lower(run.plan.abstract, abstract_batch(
-                run.mesh, ACCUMULATION, run.micro_batch, 32)).compile().as_text(), dict(run.mesh.shape)).bytes_by_axes
+            by_axes[len(mesh_shape[1])] = collective_volume(
+                run.step_fn.lower(
+                    run.plan.abstract, abstract_batch(run.mesh, ACCUMULATION, run.micro_batch, 32)
+                )
+                .compile()
+                .as_text(),
+                dict(run.mesh.shape),
+            ).bytes_by_axes
     with_cp, without = by_axes[2], by_axes[1]
     assert with_cp["collective-permute over cp"] > 0
     assert {k: v for k, v in with_cp.items() if k.endswith("over fsdp")} == without

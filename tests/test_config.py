@@ -4,9 +4,9 @@ run directory check reads those marks."""
 import dataclasses
 
 import pytest
+from conftest import config
 from omegaconf import OmegaConf
 
-from conftest import config
 from tunix_train.config import Config, ConfigError, _changeable, _fixed, changeable_on_resume
 from tunix_train.train.setup import _flatten, check_same_run, save_config
 
@@ -37,12 +37,19 @@ def test_a_field_without_a_mark_is_refused():
 def test_resuming_may_change_only_the_fields_marked_changeable(tmp_path):
     save_config(config(), [], tmp_path)
     check_same_run(tmp_path, config())
-    changeable = ["training.max_steps=7", 'model.mesh_shape=[[2],["fsdp"]]', "checkpoint.keep=5",
-                  "training.xla_cpu_multi_output_fusion=false", "distributed.initialization_timeout_s=30"]
+    changeable = [
+        "training.max_steps=7",
+        'model.mesh_shape=[[2],["fsdp"]]',
+        "checkpoint.keep=5",
+        "training.xla_cpu_multi_output_fusion=false",
+        "distributed.initialization_timeout_s=30",
+    ]
     check_same_run(tmp_path, config(*changeable))
-    for fixed, message in (("training.seed=1", "training.seed=0, not 1"),
-                           ("training.learning_rate=0.1", "training.learning_rate=0.003, not 0.1"),
-                           ("model.num_layers=3", "model.num_layers=2, not 3")):
+    for fixed, message in (
+        ("training.seed=1", "training.seed=0, not 1"),
+        ("training.learning_rate=0.1", "training.learning_rate=0.003, not 0.1"),
+        ("model.num_layers=3", "model.num_layers=2, not 3"),
+    ):
         with pytest.raises(ConfigError, match=f"holds a run with {message}"):
             check_same_run(tmp_path, config(*changeable, fixed))
 

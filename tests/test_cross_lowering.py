@@ -8,12 +8,12 @@ shape check) fails here first."""
 import jax
 import jax.numpy as jnp
 import pytest
-
 from conftest import config
+
 from tunix_train import platform
 from tunix_train.generate import Engine
-from tunix_train.generate.session import bucket
 from tunix_train.generate.sampling import Kinds, Rules
+from tunix_train.generate.session import bucket
 from tunix_train.train.setup import setup
 from tunix_train.train.step import abstract_batch
 
@@ -36,29 +36,74 @@ def _lowered(target: str, *overrides: str) -> dict[str, str]:
     cfg = config(MESH, "training.mixed_precision=bf16", "training.micro_batch_size=2", *overrides)
     run = setup(cfg)
     t, seq = cfg.training, cfg.data.seq_len
-    lower = lambda fn, *args, **kwargs: fn.trace(*args, **kwargs).lower(lowering_platforms=(target,)).as_text()
+
+    def lower(fn, *args, **kwargs):
+        return fn.trace(*args, **kwargs).lower(lowering_platforms=(target,)).as_text()
+
     engine = Engine(cfg.model, run.mesh)
     params = run.plan.abstract.params
     prompt, rows, max_len = bucket(8), 8, 64
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+
+    def i32(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.int32)
+
     with jax.set_mesh(run.mesh):
         per_layer = jax.eval_shape(engine._unstack, params)
-        entries, logits = jax.eval_shape(lambda *a: engine._prefill_fn(*a, max_len=max_len), params, per_layer,
-                                         i32(rows, prompt), i32(rows))
+        entries, logits = jax.eval_shape(
+            lambda *a: engine._prefill_fn(*a, max_len=max_len),
+            params,
+            per_layer,
+            i32(rows, prompt),
+            i32(rows),
+        )
         caches = entries  # a prefill of `rows` prompts has the layout of `rows` slots
-        two = lambda dtype: jax.ShapeDtypeStruct((2,), dtype)  # two requests inserted
-        rules = Rules(jax.ShapeDtypeStruct((rows,), jnp.float32), i32(rows), jax.ShapeDtypeStruct((rows,), jnp.float32))
+
+        def two(dtype):
+            return jax.ShapeDtypeStruct((2,), dtype)  # two requests inserted
+
+        rules = Rules(
+            jax.ShapeDtypeStruct((rows,), jnp.float32), i32(rows), jax.ShapeDtypeStruct((rows,), jnp.float32)
+        )
         return {
-            "train": lower(run.step_fn, run.plan.abstract,
-                           abstract_batch(run.mesh, t.gradient_accumulation_steps, run.micro_batch, seq)),
-            "eval": lower(run.eval_fn, params, run.plan.abstract.frozen, abstract_batch(run.mesh, 1, run.micro_batch, seq)),
-            "prefill": lower(engine._prefill, params, per_layer, i32(rows, prompt), i32(rows), max_len=max_len),
-            "insert": lower(engine._insert, caches, entries, logits, two(jnp.int32), two(jnp.int32),
-                            Rules(two(jnp.float32), two(jnp.int32), two(jnp.float32)),
-                            jax.ShapeDtypeStruct((2, 2), jnp.uint32), two(jnp.uint32), kinds=Kinds(True, True, True)),
-            "decode": lower(engine._decode, params, per_layer, caches, i32(rows), i32(rows), i32(rows),
-                            jax.ShapeDtypeStruct((rows, 2), jnp.uint32), jax.ShapeDtypeStruct((rows,), jnp.uint32),
-                            rules, kinds=Kinds(True, True, True)),
+            "train": lower(
+                run.step_fn,
+                run.plan.abstract,
+                abstract_batch(run.mesh, t.gradient_accumulation_steps, run.micro_batch, seq),
+            ),
+            "eval": lower(
+                run.eval_fn,
+                params,
+                run.plan.abstract.frozen,
+                abstract_batch(run.mesh, 1, run.micro_batch, seq),
+            ),
+            "prefill": lower(
+                engine._prefill, params, per_layer, i32(rows, prompt), i32(rows), max_len=max_len
+            ),
+            "insert": lower(
+                engine._insert,
+                caches,
+                entries,
+                logits,
+                two(jnp.int32),
+                two(jnp.int32),
+                Rules(two(jnp.float32), two(jnp.int32), two(jnp.float32)),
+                jax.ShapeDtypeStruct((2, 2), jnp.uint32),
+                two(jnp.uint32),
+                kinds=Kinds(True, True, True),
+            ),
+            "decode": lower(
+                engine._decode,
+                params,
+                per_layer,
+                caches,
+                i32(rows),
+                i32(rows),
+                i32(rows),
+                jax.ShapeDtypeStruct((rows, 2), jnp.uint32),
+                jax.ShapeDtypeStruct((rows,), jnp.uint32),
+                rules,
+                kinds=Kinds(True, True, True),
+            ),
         }
 
 

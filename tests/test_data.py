@@ -7,17 +7,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import config
 from flax import nnx
 
-from conftest import config
-from tunix_train.config import ConfigError
 from tunix_train.compose import load_config
+from tunix_train.config import ConfigError
 from tunix_train.data import Data
 from tunix_train.data.pipeline import DocumentFeatures, PackedBatches
 from tunix_train.data.sources import read_documents, write_pretokenized
 from tunix_train.model.gemma import Gemma
-from tunix_train.train.step import cross_entropy, eval_step
 from tunix_train.parallel import model_graphdef
+from tunix_train.train.step import cross_entropy, eval_step
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,11 @@ def test_rows_are_packed_documents_with_restarting_positions(shakespeare):
     assert batches[0]["inputs"].shape == (2, 4, 64) and batches[0]["inputs"].dtype == np.int32
     batch = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
     starts = 0
-    for seg, pos, inputs in zip(batch["segment_ids"].reshape(-1, 64), batch["positions"].reshape(-1, 64),
-                                batch["inputs"].reshape(-1, 64)):
+    for seg, pos, inputs in zip(
+        batch["segment_ids"].reshape(-1, 64),
+        batch["positions"].reshape(-1, 64),
+        batch["inputs"].reshape(-1, 64),
+    ):
         assert seg[0] == 1 and np.all(np.diff(seg) >= 0)
         for t in range(1, 64):
             if seg[t] != seg[t - 1]:  # a new document: position 0, and it starts with BOS
@@ -54,8 +57,10 @@ def test_rows_are_packed_documents_with_restarting_positions(shakespeare):
             else:
                 assert pos[t] == pos[t - 1] + 1
     assert starts > 0  # 64-token rows of ~900-token scenes: some rows hold a document boundary
-    np.testing.assert_array_equal(batch["targets"][..., :-1][batch["segment_ids"][..., 1:] == batch["segment_ids"][..., :-1]],
-                                  batch["inputs"][..., 1:][batch["segment_ids"][..., 1:] == batch["segment_ids"][..., :-1]])
+    np.testing.assert_array_equal(
+        batch["targets"][..., :-1][batch["segment_ids"][..., 1:] == batch["segment_ids"][..., :-1]],
+        batch["inputs"][..., 1:][batch["segment_ids"][..., 1:] == batch["segment_ids"][..., :-1]],
+    )
 
 
 def test_a_document_in_a_packed_row_sees_only_itself(shakespeare):
@@ -63,31 +68,50 @@ def test_a_document_in_a_packed_row_sees_only_itself(shakespeare):
     rows = _batches(shakespeare, 20)
     flat = {k: np.concatenate([b[k].reshape(-1, 64) for b in rows]) for k in rows[0]}
     row = next(i for i in range(len(flat["inputs"])) if flat["segment_ids"][i].max() >= 2)
-    inputs, segments, positions = (flat[k][row:row + 1] for k in ("inputs", "segment_ids", "positions"))
+    inputs, segments, positions = (flat[k][row : row + 1] for k in ("inputs", "segment_ids", "positions"))
     first = segments == 1
     changed = np.where(first, (inputs + 7) % cfg.model.vocab_size, inputs)
     model = Gemma(cfg.model, nnx.Rngs(0))
-    logits = [np.asarray(model(jnp.asarray(x), jnp.asarray(positions), jnp.asarray(segments))) for x in (inputs, changed)]
+    logits = [
+        np.asarray(model(jnp.asarray(x), jnp.asarray(positions), jnp.asarray(segments)))
+        for x in (inputs, changed)
+    ]
     assert np.abs(logits[0][first] - logits[1][first]).max() > 1e-3
     np.testing.assert_array_equal(logits[0][~first], logits[1][~first])
 
 
 def test_same_seed_same_batches_and_another_seed_others(shakespeare):
     assert _equal(_batches(shakespeare, 4), _batches(shakespeare, 4))
-    assert not np.array_equal(_batches(shakespeare, 1)[0]["inputs"], _batches(shakespeare, 1, seed=1)[0]["inputs"])
+    assert not np.array_equal(
+        _batches(shakespeare, 1)[0]["inputs"], _batches(shakespeare, 1, seed=1)[0]["inputs"]
+    )
 
 
 @pytest.mark.parametrize("k", [1, 5])
 def test_restored_iterator_continues_exactly(shakespeare, k):
     reference = _batches(shakespeare, k + 4)
-    batches = PackedBatches(shakespeare.train_docs, shakespeare.features, seq_len=64, accumulation_steps=2,
-                            global_micro_batch=4, seed=0, prefetch=2)
+    batches = PackedBatches(
+        shakespeare.train_docs,
+        shakespeare.features,
+        seq_len=64,
+        accumulation_steps=2,
+        global_micro_batch=4,
+        seed=0,
+        prefetch=2,
+    )
     for _ in range(k):
         next(batches)
     state = json.loads(json.dumps(batches.get_state()))  # survives a round trip through JSON
     batches.close()
-    restored = PackedBatches(shakespeare.train_docs, shakespeare.features, seq_len=64, accumulation_steps=2,
-                             global_micro_batch=4, seed=0, prefetch=2)
+    restored = PackedBatches(
+        shakespeare.train_docs,
+        shakespeare.features,
+        seq_len=64,
+        accumulation_steps=2,
+        global_micro_batch=4,
+        seed=0,
+        prefetch=2,
+    )
     restored.set_state(state)
     try:
         assert _equal([next(restored) for _ in range(4)], reference[k:])
@@ -98,7 +122,9 @@ def test_restored_iterator_continues_exactly(shakespeare, k):
 def test_epochs_reshuffle_and_repeat():
     docs = [{"tokens": np.array([2, 10 + i, 1], np.int32)} for i in range(6)]
     features = DocumentFeatures(None, vocab_size=64)
-    batches = PackedBatches(docs, features, seq_len=2, accumulation_steps=1, global_micro_batch=1, seed=0, prefetch=0)
+    batches = PackedBatches(
+        docs, features, seq_len=2, accumulation_steps=1, global_micro_batch=1, seed=0, prefetch=0
+    )
     firsts = [int(next(batches)["inputs"][0, 0, 1]) for _ in range(12)]  # one document per row
     batches.close()
     assert sorted(firsts[:6]) == sorted(firsts[6:]) == list(range(10, 16)) and firsts[:6] != firsts[6:]
@@ -108,19 +134,31 @@ def test_epochs_reshuffle_and_repeat():
 def test_process_shards_union_to_the_single_process_batch(shakespeare, processes):
     single = _batches(shakespeare, 5, global_micro_batch=8)
     per_process = 8 // processes  # process p holds rows [p * per_process, (p + 1) * per_process)
-    shards = [_batches(shakespeare, 5, global_micro_batch=8, rows=range(p * per_process, (p + 1) * per_process))
-              for p in range(processes)]
+    shards = [
+        _batches(shakespeare, 5, global_micro_batch=8, rows=range(p * per_process, (p + 1) * per_process))
+        for p in range(processes)
+    ]
     for step, batch in enumerate(single):
         for name in batch:
             assert shards[0][step][name].shape[1] == 8 // processes
-            np.testing.assert_array_equal(np.concatenate([s[step][name] for s in shards], axis=1), batch[name])
+            np.testing.assert_array_equal(
+                np.concatenate([s[step][name] for s in shards], axis=1), batch[name]
+            )
 
 
 def test_sft_puts_the_loss_on_the_completion_only(tmp_path):
     path = tmp_path / "sft.jsonl"
     path.write_text(json.dumps({"q": "Who is there?", "a": "Nay, answer me."}) + "\n")
-    cfg, _ = load_config(["data=jsonl", f"data.train_files=[{path}]", "data.prompt_field=q",
-                          "data.completion_field=a", "data.eval_fraction=0", "model.vocab_size=4096"])
+    cfg, _ = load_config(
+        [
+            "data=jsonl",
+            f"data.train_files=[{path}]",
+            "data.prompt_field=q",
+            "data.completion_field=a",
+            "data.eval_fraction=0",
+            "model.vocab_size=4096",
+        ]
+    )
     data = Data(cfg)
     tok = data.tokenizer
     prompt, completion = tok.encode("Who is there?"), tok.encode("Nay, answer me.")
@@ -136,13 +174,15 @@ def test_sft_puts_the_loss_on_the_completion_only(tmp_path):
     graphdef = model_graphdef(model_cfg, cfg.training.remat)
     sums = eval_step(params, jax.tree.map(jnp.asarray, batch), graphdef=graphdef, compute_dtype=jnp.float32)
     micro = {k: v[0] for k, v in batch.items()}
-    logits = Gemma(model_cfg, nnx.Rngs(0))(jnp.asarray(micro["inputs"]), jnp.asarray(micro["positions"]),
-                                           jnp.asarray(micro["segment_ids"]))
+    logits = Gemma(model_cfg, nnx.Rngs(0))(
+        jnp.asarray(micro["inputs"]), jnp.asarray(micro["positions"]), jnp.asarray(micro["segment_ids"])
+    )
     token_loss = np.asarray(cross_entropy(logits, jnp.asarray(micro["targets"])))
     in_completion = micro["loss_mask"] > 0
     assert in_completion.sum() < micro["loss_mask"].size
-    np.testing.assert_allclose(float(sums["loss_sum"]) / float(sums["weight"]), token_loss[in_completion].mean(),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        float(sums["loss_sum"]) / float(sums["weight"]), token_loss[in_completion].mean(), rtol=1e-5
+    )
 
 
 def test_text_units_and_compressed_files(tmp_path):
@@ -186,20 +226,32 @@ def _three_sources(tmp_path, records, *overrides):
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(records), tmp_path / "records.parquet")
     datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}).save_to_disk(str(tmp_path / "saved"))
     common = ["model.vocab_size=4096", "data.seq_len=48", *overrides]
-    return [load_config(["data=jsonl", f"data.train_files=[{tmp_path / 'records.jsonl'}]", *common])[0],
-            load_config(["data=parquet", f"data.train_files=[{tmp_path / 'records.parquet'}]", *common])[0],
-            load_config(["data=jsonl", f"data.hf_dataset={tmp_path / 'saved'}", *common])[0]]
+    return [
+        load_config(["data=jsonl", f"data.train_files=[{tmp_path / 'records.jsonl'}]", *common])[0],
+        load_config(["data=parquet", f"data.train_files=[{tmp_path / 'records.parquet'}]", *common])[0],
+        load_config(["data=jsonl", f"data.hf_dataset={tmp_path / 'saved'}", *common])[0],
+    ]
 
 
 @pytest.mark.parametrize("kind", ["text", "prompt_completion", "conversations"])
 def test_parquet_and_a_saved_dataset_give_the_batches_of_the_same_json_lines(tmp_path, kind):
     """Same records, same seeded batches, and a resumed iterator continues each exactly."""
-    lines = [f"{i} When shall we three meet again, in thunder, lightning, or in rain?"[:20 + i] for i in range(40)]
+    lines = [
+        f"{i} When shall we three meet again, in thunder, lightning, or in rain?"[: 20 + i] for i in range(40)
+    ]
     records, overrides = {
         "text": ([{"text": t, "source": "witches"} for t in lines], []),
-        "prompt_completion": ([{"q": t, "a": t[::-1]} for t in lines], ["data.prompt_field=q", "data.completion_field=a"]),
-        "conversations": ([{"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}]}
-                           for t in lines], ["data.messages_field=messages", "data.seq_len=128"]),
+        "prompt_completion": (
+            [{"q": t, "a": t[::-1]} for t in lines],
+            ["data.prompt_field=q", "data.completion_field=a"],
+        ),
+        "conversations": (
+            [
+                {"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}]}
+                for t in lines
+            ],
+            ["data.messages_field=messages", "data.seq_len=128"],
+        ),
     }[kind]
     results = []
     for cfg in _three_sources(tmp_path, records, *overrides):
@@ -210,7 +262,9 @@ def test_parquet_and_a_saved_dataset_give_the_batches_of_the_same_json_lines(tmp
         batches.close()
         resumed = data.train_batches(global_micro_batch=2)
         resumed.set_state(state)
-        assert all(np.array_equal(a[k], b[k]) for a, b in zip(rest, [next(resumed) for _ in range(2)]) for k in a)
+        assert all(
+            np.array_equal(a[k], b[k]) for a, b in zip(rest, [next(resumed) for _ in range(2)]) for k in a
+        )
         resumed.close()
         results.append([first, *rest])
         assert first["loss_mask"].sum() > 0
@@ -220,8 +274,12 @@ def test_parquet_and_a_saved_dataset_give_the_batches_of_the_same_json_lines(tmp
 
 def test_an_objective_reads_its_records_from_parquet_and_a_saved_dataset(tmp_path):
     question = [{"role": "user", "content": "Who is there?"}]
-    records = [{"prompt": question, "chosen": f"Nay {i}", "rejected": [{"role": "assistant", "content": "Stand."}]}
-               for i in range(10)]
-    found = [read_documents(cfg.data.train_files, cfg.data, "data.train_files", ("prompt", "chosen", "rejected"))
-             for cfg in _three_sources(tmp_path, records)]
+    records = [
+        {"prompt": question, "chosen": f"Nay {i}", "rejected": [{"role": "assistant", "content": "Stand."}]}
+        for i in range(10)
+    ]
+    found = [
+        read_documents(cfg.data.train_files, cfg.data, "data.train_files", ("prompt", "chosen", "rejected"))
+        for cfg in _three_sources(tmp_path, records)
+    ]
     assert found[0] == found[1] == found[2] == records

@@ -8,25 +8,51 @@ import sys
 import jax
 import numpy as np
 import pytest
-
 from conftest import REPO, checkpoint_arrays, config, cpu_env, train_losses, wait_until_gone
 
-RUN = ["model=gemma3_tiny", "data=synthetic", "data.seq_len=32", "training.max_steps=5", "training.log_every=1",
-       "training.eval_every=5", "checkpoint.every_steps=5", "distributed.initialization_timeout_s=60"]
+RUN = [
+    "model=gemma3_tiny",
+    "data=synthetic",
+    "data.seq_len=32",
+    "training.max_steps=5",
+    "training.log_every=1",
+    "training.eval_every=5",
+    "checkpoint.every_steps=5",
+    "distributed.initialization_timeout_s=60",
+]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
 def _launch(run_dir, *overrides, nprocs=2, timeout=300):
-    return subprocess.run([sys.executable, "-m", "tunix_train.launch", f"--nprocs={nprocs}",
-                           "--cpu_devices_per_process=2", str(REPO / "run_training.py"), *RUN, *overrides,
-                           f"hydra.run.dir={run_dir}"], cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tunix_train.launch",
+            f"--nprocs={nprocs}",
+            "--cpu_devices_per_process=2",
+            str(REPO / "run_training.py"),
+            *RUN,
+            *overrides,
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _single(run_dir, *overrides, devices=4):
-    return subprocess.run([sys.executable, str(REPO / "run_training.py"), *RUN, *overrides,
-                           f"hydra.run.dir={run_dir}"], cwd=REPO, env=cpu_env(devices), capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, str(REPO / "run_training.py"), *RUN, *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        env=cpu_env(devices),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +63,20 @@ def one_process(tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize("mesh, micro, extra", [
-    pytest.param('[[4,1],["fsdp","tp"]]', 2, [], marks=pytest.mark.slow),
-    ('[[2,2],["fsdp","tp"]]', 4, []),
-    # pipeline stages, and sequence shards, on different processes (the first axis spans them)
-    pytest.param('[[2,2],["pp","fsdp"]]', 4, ["training.pipeline_microbatches=2"], marks=pytest.mark.slow),
-    pytest.param('[[2,2],["cp","fsdp"]]', 4, ["model.context_parallel_strategy=ring"], marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "mesh, micro, extra",
+    [
+        pytest.param('[[4,1],["fsdp","tp"]]', 2, [], marks=pytest.mark.slow),
+        ('[[2,2],["fsdp","tp"]]', 4, []),
+        # pipeline stages, and sequence shards, on different processes (the first axis spans them)
+        pytest.param(
+            '[[2,2],["pp","fsdp"]]', 4, ["training.pipeline_microbatches=2"], marks=pytest.mark.slow
+        ),
+        pytest.param(
+            '[[2,2],["cp","fsdp"]]', 4, ["model.context_parallel_strategy=ring"], marks=pytest.mark.slow
+        ),
+    ],
+)
 def test_two_processes_give_the_losses_of_one(tmp_path, one_process, mesh, micro, extra):
     result = _launch(tmp_path, f"model.mesh_shape={mesh}", f"training.micro_batch_size={micro}", *extra)
     assert result.returncode == 0, result.stdout
@@ -56,7 +89,11 @@ def test_two_processes_give_the_losses_of_one(tmp_path, one_process, mesh, micro
 @pytest.mark.slow
 def test_checkpoints_move_between_one_and_two_processes(tmp_path, one_process):
     """Learning rate 0 after the restore, so a saved state must equal the one it came from bit for bit."""
-    frozen = ["training.learning_rate=0", 'model.mesh_shape=[[4,1],["fsdp","tp"]]', "training.micro_batch_size=2"]
+    frozen = [
+        "training.learning_rate=0",
+        'model.mesh_shape=[[4,1],["fsdp","tp"]]',
+        "training.micro_batch_size=2",
+    ]
     two, one = tmp_path / "two", tmp_path / "one"
     result = _launch(two, *frozen, f"checkpoint.resume_from={one_process}", "training.max_steps=6")
     assert result.returncode == 0, result.stdout
@@ -69,7 +106,9 @@ def test_checkpoints_move_between_one_and_two_processes(tmp_path, one_process):
     params = [k for k in written_by_one if "params" in k]
     assert len(params) > 10
     for key in params:
-        np.testing.assert_array_equal(written_by_two[key], written_by_one[key], err_msg=key)  # 1 -> 2 processes
+        np.testing.assert_array_equal(
+            written_by_two[key], written_by_one[key], err_msg=key
+        )  # 1 -> 2 processes
         np.testing.assert_array_equal(reloaded_by_one[key], written_by_two[key], err_msg=key)  # 2 -> 1
 
 
@@ -81,11 +120,29 @@ def test_tensor_parallelism_must_stay_within_a_host(tmp_path):
 
 @pytest.mark.slow
 def test_killing_one_process_stops_the_launcher(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "tunix_train.launch", "--nprocs=2", "--cpu_devices_per_process=2",
-                             "--grace_period_s=5", "--max_restarts=0", str(REPO / "run_training.py"), *RUN, "training.max_steps=100000",
-                             "training.eval_every=0", "checkpoint.every_steps=0",
-                             'model.mesh_shape=[[4,1],["fsdp","tp"]]', f"hydra.run.dir={tmp_path}"],
-                            cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tunix_train.launch",
+            "--nprocs=2",
+            "--cpu_devices_per_process=2",
+            "--grace_period_s=5",
+            "--max_restarts=0",
+            str(REPO / "run_training.py"),
+            *RUN,
+            "training.max_steps=100000",
+            "training.eval_every=0",
+            "checkpoint.every_steps=0",
+            'model.mesh_shape=[[4,1],["fsdp","tp"]]',
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     for line in proc.stdout:
         if "step 3/" in line:
             break
@@ -101,13 +158,26 @@ def test_killing_one_process_stops_the_launcher(tmp_path):
 
 def test_unreachable_coordinator_is_a_clear_error_not_a_hang(tmp_path):
     env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9", "RANK": "1", "WORLD_SIZE": "2"}
-    result = subprocess.run([sys.executable, str(REPO / "run_training.py"), *RUN,
-                             "distributed.initialization_timeout_s=5", f"hydra.run.dir={tmp_path / 'run'}"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "run_training.py"),
+            *RUN,
+            "distributed.initialization_timeout_s=5",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("tunix_train: error: could not reach the coordinator at 127.0.0.1:9 within 5 s")
+    assert lines[0].startswith(
+        "tunix_train: error: could not reach the coordinator at 127.0.0.1:9 within 5 s"
+    )
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
 
@@ -130,19 +200,33 @@ def test_mpi4py_installed_is_not_a_cluster(tmp_path, monkeypatch):
 def test_xla_flags_are_added_and_a_users_own_value_wins(monkeypatch):
     from tunix_train.platform import CPU_MULTI_OUTPUT_FUSION, GPU_DETERMINISTIC, GPU_OVERLAP, add_flags
 
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 "
-                                    "--xla_gpu_enable_pipelined_all_gather=false")
+    monkeypatch.setenv(
+        "XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_gpu_enable_pipelined_all_gather=false"
+    )
     add_flags(config().training)
     flags = os.environ["XLA_FLAGS"].split()
-    assert flags[:2] == ["--xla_force_host_platform_device_count=2", "--xla_gpu_enable_pipelined_all_gather=false"]
-    assert sorted(flags[2:]) == sorted([*(f for f in GPU_OVERLAP if "pipelined_all_gather" not in f),
-                                        GPU_DETERMINISTIC, CPU_MULTI_OUTPUT_FUSION])
+    assert flags[:2] == [
+        "--xla_force_host_platform_device_count=2",
+        "--xla_gpu_enable_pipelined_all_gather=false",
+    ]
+    assert sorted(flags[2:]) == sorted(
+        [
+            *(f for f in GPU_OVERLAP if "pipelined_all_gather" not in f),
+            GPU_DETERMINISTIC,
+            CPU_MULTI_OUTPUT_FUSION,
+        ]
+    )
     add_flags(config().training)  # nothing twice
     assert os.environ["XLA_FLAGS"].split() == flags
 
     monkeypatch.setenv("XLA_FLAGS", "")
-    add_flags(config("training.xla_gpu_overlap=false", "training.xla_cpu_multi_output_fusion=false",
-                     "training.deterministic=false").training)
+    add_flags(
+        config(
+            "training.xla_gpu_overlap=false",
+            "training.xla_cpu_multi_output_fusion=false",
+            "training.deterministic=false",
+        ).training
+    )
     assert os.environ["XLA_FLAGS"] == ""
 
 
@@ -151,17 +235,23 @@ def test_the_cpu_fusion_flag_reaches_xla():
     # option, two loops otherwise. An option XLA no longer knows would leave two.
     from tunix_train.platform import CPU_MULTI_OUTPUT_FUSION
 
-    program = ("import jax, jax.numpy as jnp; x = jnp.ones((64, 64)); "
-               "print(jax.jit(lambda g, m, v: (0.9 * m + 0.1 * g, 0.99 * v + 0.01 * g * g))"
-               ".lower(x, x, x).compile().as_text())")
+    program = (
+        "import jax, jax.numpy as jnp; x = jnp.ones((64, 64)); "
+        "print(jax.jit(lambda g, m, v: (0.9 * m + 0.1 * g, 0.99 * v + 0.01 * g * g))"
+        ".lower(x, x, x).compile().as_text())"
+    )
 
     def fusion_outputs(flags: str) -> list[int]:
         env = cpu_env(1)
         env["XLA_FLAGS"] += f" {flags}"
-        hlo = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True,
-                             check=True).stdout
-        return [line.split("=")[1].count("f32[64,64]") for line in hlo.splitlines()
-                if " fusion(" in line and "ENTRY" not in line]
+        hlo = subprocess.run(
+            [sys.executable, "-c", program], env=env, capture_output=True, text=True, check=True
+        ).stdout
+        return [
+            line.split("=")[1].count("f32[64,64]")
+            for line in hlo.splitlines()
+            if " fusion(" in line and "ENTRY" not in line
+        ]
 
     assert fusion_outputs("") == [1, 1]
     assert fusion_outputs(CPU_MULTI_OUTPUT_FUSION) == [2]
@@ -170,8 +260,8 @@ def test_the_cpu_fusion_flag_reaches_xla():
 def test_the_compilation_cache_is_turned_off_for_collectives_between_cpu_devices():
     # A cached multi-device CPU step deadlocks (docs/performance.md); test_checkpoint's reruns of
     # one 2-device config through the CLI would hang without this.
-    from tunix_train.sharding import make_mesh
     from tunix_train.platform import avoid_cache_for_cpu_collectives
+    from tunix_train.sharding import make_mesh
 
     try:
         jax.config.update("jax_enable_compilation_cache", True)

@@ -11,20 +11,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from conftest import config, read_metrics, straight_and_resumed, train_losses
+from flax import nnx
 from hf_reference import GEMMA4, SEQ, SIZES, build, checkpoint_and_logits
-from tunix_train import api
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tunix_train import api, platform
 from tunix_train.config import ConfigError, MoeDispatch, Remat
 from tunix_train.model.gemma import Gemma
-from tunix_train import platform
 from tunix_train.model.layout import layer_groups
 from tunix_train.model.moe import MoE, apply_experts, dropless_places, load_balancing_loss
+from tunix_train.parallel import model_graphdef
 from tunix_train.parallel.experts import _expert_parallel
 from tunix_train.sharding import LOGICAL_RULES, data_axes, make_mesh, state_shardings, validate_model_for_mesh
-from tunix_train.parallel import model_graphdef
 from tunix_train.train.loop import train
 from tunix_train.train.setup import setup
 from tunix_train.train.step import token_losses
@@ -49,14 +49,18 @@ def reference(tmp_path_factory):
 
 
 def _logits(directory, mesh_shape):
-    model = api.load(directory, mesh_shape=mesh_shape, devices=jax.devices()[:int(np.prod(mesh_shape[0]))])
+    model = api.load(directory, mesh_shape=mesh_shape, devices=jax.devices()[: int(np.prod(mesh_shape[0]))])
     return model, model.logits(TOKENS)
 
 
 # Every family on one device in the main suite; on fsdp x tp (slow) the family with every dense
 # feature and the one with experts (which also runs on the ep meshes below).
-PARITY = [pytest.param(family, mesh, marks=() if mesh == "1" else pytest.mark.slow)
-          for family in GEMMA4 for mesh in MESHES if mesh == "1" or family in ("gemma4_all", "gemma4_moe")]
+PARITY = [
+    pytest.param(family, mesh, marks=() if mesh == "1" else pytest.mark.slow)
+    for family in GEMMA4
+    for mesh in MESHES
+    if mesh == "1" or family in ("gemma4_all", "gemma4_moe")
+]
 
 
 @pytest.mark.parametrize("family, mesh", PARITY)
@@ -66,9 +70,15 @@ def test_logits_match_transformers(reference, family, mesh):
     np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family, mesh", [("gemma4_moe", "ep2_fsdp2"), ("gemma4_moe", "ep2_fsdp2_tp2"),
-                                          pytest.param("gemma4_all", "ep2_fsdp2", marks=pytest.mark.slow),
-                                          pytest.param("gemma4_all", "ep2_fsdp2_tp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "family, mesh",
+    [
+        ("gemma4_moe", "ep2_fsdp2"),
+        ("gemma4_moe", "ep2_fsdp2_tp2"),
+        pytest.param("gemma4_all", "ep2_fsdp2", marks=pytest.mark.slow),
+        pytest.param("gemma4_all", "ep2_fsdp2_tp2", marks=pytest.mark.slow),
+    ],
+)
 def test_expert_parallel_logits_match_transformers(reference, family, mesh):
     directory, expected = reference(family)
     _, logits = _logits(directory, EP_MESHES[mesh])
@@ -81,8 +91,15 @@ def test_layers_are_grouped_by_shape(reference):
     one shape (4 bodies) beat two periods of three (6). A uniform model is one stack of every layer."""
     model, _ = _logits(reference("gemma4_all")[0], MESHES["1"])
     groups = layer_groups(model.config)
-    assert [(g.first, len(g.period), g.repeats) for g in groups] == [(0, 1, 2), (2, 1, 1), (3, 1, 2), (5, 1, 1)]
-    assert [g.period[0].shares_kv for g in groups] == [False, False, True, True] and groups[1].period[0].k_eq_v
+    assert [(g.first, len(g.period), g.repeats) for g in groups] == [
+        (0, 1, 2),
+        (2, 1, 1),
+        (3, 1, 2),
+        (5, 1, 1),
+    ]
+    assert [g.period[0].shares_kv for g in groups] == [False, False, True, True] and groups[1].period[
+        0
+    ].k_eq_v
     uniform = config("model.num_layers=6")
     assert [(g.first, len(g.period), g.repeats) for g in layer_groups(uniform.model)] == [(0, 1, 6)]
     e2b = config("model=gemma4_e2b")  # 4 local : 1 global, the last 20 of 35 layers sharing
@@ -96,16 +113,22 @@ def test_export_equals_the_imported_files(reference, tmp_path):
     directory, _ = reference("gemma4_all")
     model, _ = _logits(directory, MESHES["fsdp2_tp2"])
     model.export(tmp_path / "export")
-    original, exported = load_file(directory / "model.safetensors"), load_file(tmp_path / "export" / "model.safetensors")
+    original, exported = (
+        load_file(directory / "model.safetensors"),
+        load_file(tmp_path / "export" / "model.safetensors"),
+    )
     original.pop("lm_head.weight", None)  # tied to the embedding
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():
         np.testing.assert_array_equal(exported[name], tensor.astype(np.float32), err_msg=name)
     config_json = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config_json["model_type"] == "gemma4_text" and config_json["num_kv_shared_layers"] == 3
-    np.testing.assert_allclose(api.load(tmp_path / "export", mesh_shape=MESHES["1"],
-                                        devices=jax.devices()[:1]).logits(TOKENS), reference("gemma4_all")[1],
-                               atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        api.load(tmp_path / "export", mesh_shape=MESHES["1"], devices=jax.devices()[:1]).logits(TOKENS),
+        reference("gemma4_all")[1],
+        atol=1e-4,
+        rtol=0,
+    )
 
 
 @pytest.mark.slow
@@ -123,12 +146,25 @@ def test_a_multimodal_checkpoint_loads_its_text_decoder_and_says_the_rest_is_ign
     import torch
 
     torch.manual_seed(0)
-    text = {**SIZES, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"],
-            "sliding_window": 5, "hidden_size_per_layer_input": 0, "global_head_dim": 16}
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=2, head_dim=8)
-    full = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(text_config=text,
-                                                                                 vision_config=vision)).eval()
+    text = {
+        **SIZES,
+        "num_hidden_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 5,
+        "hidden_size_per_layer_input": 0,
+        "global_head_dim": 16,
+    }
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    full = transformers.Gemma4ForConditionalGeneration(
+        transformers.Gemma4Config(text_config=text, vision_config=vision)
+    ).eval()
     full.save_pretrained(tmp_path / "multimodal")
     text_only = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**text)).eval()
     text_only.model.load_state_dict(full.model.language_model.state_dict())
@@ -141,9 +177,15 @@ def test_a_multimodal_checkpoint_loads_its_text_decoder_and_says_the_rest_is_ign
 
 # --- mixture of experts ------------------------------------------------------------------------
 
+
 def _moe(dispatch=MoeDispatch.dropless, capacity_factor=1.25, experts=8, top_k=2):
-    cfg = config("model=gemma4_moe_tiny", f"model.num_experts={experts}", f"model.num_experts_per_token={top_k}",
-                 f"model.moe_dispatch={dispatch.value}", f"model.moe_capacity_factor={capacity_factor}").model
+    cfg = config(
+        "model=gemma4_moe_tiny",
+        f"model.num_experts={experts}",
+        f"model.num_experts_per_token={top_k}",
+        f"model.moe_dispatch={dispatch.value}",
+        f"model.moe_capacity_factor={capacity_factor}",
+    ).model
     moe = MoE(cfg, nnx.Rngs(0), LOGICAL_RULES)
     moe.expert_scale[...] = jnp.linspace(0.5, 1.5, experts)  # make the per-expert scale matter
     return moe
@@ -153,7 +195,10 @@ def _dense_reference(moe, route_XD, x_XD):
     """Every token through each of its top-k experts, weighted: the plain loop of the definition."""
     weights, experts, _ = (np.asarray(a) for a in moe.route(route_XD))
     gate_up, down = np.asarray(moe.gate_up_EDCM[...]), np.asarray(moe.down_EMD[...])
-    gelu = lambda v: np.asarray(jax.nn.gelu(v, approximate=True))
+
+    def gelu(v):
+        return np.asarray(jax.nn.gelu(v, approximate=True))
+
     out = np.zeros_like(np.asarray(x_XD))
     for t in range(x_XD.shape[0]):
         for k in range(experts.shape[1]):
@@ -200,21 +245,28 @@ def test_the_load_balancing_loss_is_the_formula_on_a_hand_made_routing():
 
 
 def _loss_and_grads(cfg, params, mesh_shape, tokens):
-    mesh = make_mesh(mesh_shape, jax.devices()[:int(np.prod(mesh_shape[0]))])
+    mesh = make_mesh(mesh_shape, jax.devices()[: int(np.prod(mesh_shape[0]))])
     validate_model_for_mesh(cfg, mesh)
     graphdef = model_graphdef(cfg, Remat.none)
     with jax.set_mesh(mesh):
         shardings = state_shardings(nnx.eval_shape(lambda: nnx.state(Gemma(cfg, nnx.Rngs(0)))), mesh)
         params = jax.device_put(params, shardings)
         rows = NamedSharding(mesh, P(data_axes(mesh)))
-        micro = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-                 "positions": np.broadcast_to(np.arange(tokens.shape[1] - 1), (tokens.shape[0], tokens.shape[1] - 1)),
-                 "segment_ids": np.ones((tokens.shape[0], tokens.shape[1] - 1), np.int32)}
+        micro = {
+            "inputs": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "positions": np.broadcast_to(
+                np.arange(tokens.shape[1] - 1), (tokens.shape[0], tokens.shape[1] - 1)
+            ),
+            "segment_ids": np.ones((tokens.shape[0], tokens.shape[1] - 1), np.int32),
+        }
         micro = {k: jax.device_put(jnp.asarray(v, jnp.int32), rows) for k, v in micro.items()}
 
         def loss(params):
             losses, stats = token_losses(graphdef, (params,), micro)
-            return jnp.mean(losses) + 0.01 * load_balancing_loss(stats["expert_tokens"], stats["router_probs"])
+            return jnp.mean(losses) + 0.01 * load_balancing_loss(
+                stats["expert_tokens"], stats["router_probs"]
+            )
 
         step = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
         value, grads = step(params)
@@ -224,8 +276,12 @@ def _loss_and_grads(cfg, params, mesh_shape, tokens):
 @pytest.mark.slow  # four compilations, about 40 s
 def test_loss_and_gradients_are_equal_for_every_ep_and_the_experts_are_split():
     tokens = np.random.default_rng(3).integers(0, 256, (8, 33))
-    cfg = config("model=gemma4_moe_tiny", "data.seq_len=32", "model.num_layers=3",  # one (local, local, global)
-                 "model.layer_types=[sliding_attention,sliding_attention,full_attention]").model
+    cfg = config(
+        "model=gemma4_moe_tiny",
+        "data.seq_len=32",
+        "model.num_layers=3",  # one (local, local, global)
+        "model.layer_types=[sliding_attention,sliding_attention,full_attention]",
+    ).model
     host_params = nnx.state(Gemma(cfg, nnx.Rngs(0)))
     value, grads, _, text = _loss_and_grads(cfg, host_params, [[1], ["ep"]], tokens)
     assert "all-to-all" not in text
@@ -233,7 +289,9 @@ def test_loss_and_gradients_are_equal_for_every_ep_and_the_experts_are_split():
         ep_value, ep_grads, params, text = _loss_and_grads(cfg, host_params, [[ep], ["ep"]], tokens)
         assert ep_value == pytest.approx(value, abs=1e-5)
         for (path, g), ep_g in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ep_grads)):
-            np.testing.assert_allclose(ep_g, g, atol=1e-5, rtol=0, err_msg=f"ep={ep} {jax.tree_util.keystr(path)}")
+            np.testing.assert_allclose(
+                ep_g, g, atol=1e-5, rtol=0, err_msg=f"ep={ep} {jax.tree_util.keystr(path)}"
+            )
         # the router's top k runs on each shard's tokens: XLA's partitioner gathered them all for it
         assert not re.search(r"custom-call\(%all-gather[.\d]*\), custom_call_target=\"TopK\"", text)
         if ep == 4:
@@ -250,9 +308,15 @@ ROUTINGS = {  # each token's two experts [32, 2]
 }
 
 
-@pytest.mark.parametrize("routing, one_device, ep4", [("balanced", 0, 0), ("one expert busier", 1, 1),
-                                                      ("four experts take every token", 2, 2),
-                                                      ("two experts take every token", 2, 3)])
+@pytest.mark.parametrize(
+    "routing, one_device, ep4",
+    [
+        ("balanced", 0, 0),
+        ("one expert busier", 1, 1),
+        ("four experts take every token", 2, 2),
+        ("two experts take every token", 2, 3),
+    ],
+)
 def test_dropless_is_exact_in_each_of_its_places_on_one_device_and_on_ep4(routing, one_device, ep4):
     """dropless_experts runs the first of dropless_places that holds every copy: the fixed slots for
     balanced routing, the slots and the pool for one busier expert, the blocks for 2A rows when two
@@ -261,10 +325,13 @@ def test_dropless_is_exact_in_each_of_its_places_on_one_device_and_on_ep4(routin
     per copy) within 1e-5 in each."""
     X, K, E = 32, 2, 8
     sizes = np.bincount(ROUTINGS[routing].reshape(-1), minlength=E)
-    first_fitting = lambda places, sizes: next(i for i, slots in enumerate(places) if slots.fit(jnp.asarray(sizes)))
+
+    def first_fitting(places, sizes):
+        return next(i for i, slots in enumerate(places) if slots.fit(jnp.asarray(sizes)))
+
     assert first_fitting(dropless_places(X * K, X * K, E), sizes) == one_device
     shard_A = X // 4 * K  # copies a shard sends under ep=4; each shard holds 2 experts
-    received = [sizes[2 * s:2 * s + 2] for s in range(4)]
+    received = [sizes[2 * s : 2 * s + 2] for s in range(4)]
     assert max(first_fitting(dropless_places(shard_A, 4 * shard_A, 2), r) for r in received) == ep4
     _assert_dropless_is_the_definition(ROUTINGS[routing])
 
@@ -287,12 +354,21 @@ def _assert_dropless_is_the_definition(experts_XK, ragged=False):
 
     def definition(x, w, g, d):
         h = jnp.einsum("xd,xkdcm->xkcm", x, g[experts])
-        return jnp.einsum("xkm,xkmd,xk->xd", jax.nn.gelu(h[..., 0, :], approximate=True) * h[..., 1, :], d[experts], w)
+        return jnp.einsum(
+            "xkm,xkmd,xk->xd", jax.nn.gelu(h[..., 0, :], approximate=True) * h[..., 1, :], d[experts], w
+        )
 
-    one = lambda x, w, g, d: apply_experts(x, w, experts, g, d, MoeDispatch.dropless, 1.0, ragged)
-    ep4 = lambda x, w, g, d: _expert_parallel(x, w, experts, g, d, MoeDispatch.dropless, 1.0, ragged)
-    value_and_grads = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))),
-                                                                     argnums=(0, 1, 2, 3))(*a)))
+    def one(x, w, g, d):
+        return apply_experts(x, w, experts, g, d, MoeDispatch.dropless, 1.0, ragged)
+
+    def ep4(x, w, g, d):
+        return _expert_parallel(x, w, experts, g, d, MoeDispatch.dropless, 1.0, ragged)
+
+    def value_and_grads(f):
+        return jax.jit(
+            lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2, 3))(*a))
+        )
+
     args = (x, weights, moe.gate_up_EDCM[...], moe.down_EMD[...])
     want = value_and_grads(definition)(*args)
     got = {"ep=1": value_and_grads(one)(*args)}
@@ -306,15 +382,35 @@ def _assert_dropless_is_the_definition(experts_XK, ragged=False):
 
 # --- errors ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("overrides, message", [
-    (("model.num_experts_per_token=9",), "model.num_experts_per_token=9 must be between 1 and model.num_experts=8"),
-    (("model.layer_types=[sliding_attention,sliding_attention,global,sliding_attention,sliding_attention,"
-      "full_attention]",), "model.layer_types: unknown layer type 'global'"),
-    (("model.layer_types=[full_attention,full_attention,full_attention,full_attention,full_attention,"
-      "sliding_attention]", "model.num_kv_shared_layers=1"), "layer 5 (sliding_attention) would reuse the keys"),
-])
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ("model.num_experts_per_token=9",),
+            "model.num_experts_per_token=9 must be between 1 and model.num_experts=8",
+        ),
+        (
+            (
+                "model.layer_types=[sliding_attention,sliding_attention,global,sliding_attention,sliding_attention,"
+                "full_attention]",
+            ),
+            "model.layer_types: unknown layer type 'global'",
+        ),
+        (
+            (
+                "model.layer_types=[full_attention,full_attention,full_attention,full_attention,full_attention,"
+                "sliding_attention]",
+                "model.num_kv_shared_layers=1",
+            ),
+            "layer 5 (sliding_attention) would reuse the keys",
+        ),
+    ],
+)
 def test_bad_gemma4_configs_are_one_line_errors(overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")) as err:
+    with pytest.raises(
+        ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+    ) as err:
         config("model=gemma4_moe_tiny", *overrides)
     assert "\n" not in str(err.value)
 
@@ -325,29 +421,56 @@ def test_experts_not_divisible_by_ep_is_a_one_line_error():
         validate_model_for_mesh(cfg.model, make_mesh([[4], ["ep"]], jax.devices()[:4]))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["model.per_layer_input_dim=8"], "model.mesh_shape: pp does not yet run per-layer inputs, nor layers other than"),
-    (["model.num_kv_shared_layers=2"], "model.mesh_shape: pp does not yet run per-layer inputs, nor layers other than"),
-    (["model.num_layers=4", "model.layer_types=[sliding_attention,sliding_attention,full_attention,full_attention]"],
-     "model.mesh_shape: pp does not yet run per-layer inputs, nor layers other than"),
-    (['model.mesh_shape=[[3],["pp"]]', "training.pipeline_microbatches=3"],
-     "model.mesh_shape: pp=3 is more than the 2 repeats of model.layer_types' 3-layer period"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["model.per_layer_input_dim=8"],
+            "model.mesh_shape: pp does not yet run per-layer inputs, nor layers other than",
+        ),
+        (
+            ["model.num_kv_shared_layers=2"],
+            "model.mesh_shape: pp does not yet run per-layer inputs, nor layers other than",
+        ),
+        (
+            [
+                "model.num_layers=4",
+                "model.layer_types=[sliding_attention,sliding_attention,full_attention,full_attention]",
+            ],
+            "model.mesh_shape: pp does not yet run per-layer inputs, nor layers other than",
+        ),
+        (
+            ['model.mesh_shape=[[3],["pp"]]', "training.pipeline_microbatches=3"],
+            "model.mesh_shape: pp=3 is more than the 2 repeats of model.layer_types' 3-layer period",
+        ),
+    ],
+)
 def test_gemma4_on_axes_it_does_not_run_on_is_a_one_line_error(overrides, message):
-    cfg = config("model=gemma4_moe_tiny", "training.pipeline_microbatches=2", 'model.mesh_shape=[[2,2],["pp","fsdp"]]',
-                 *overrides)
+    cfg = config(
+        "model=gemma4_moe_tiny",
+        "training.pipeline_microbatches=2",
+        'model.mesh_shape=[[2,2],["pp","fsdp"]]',
+        *overrides,
+    )
     with pytest.raises(ConfigError, match=re.escape(message)) as err:
-        setup(cfg, jax.devices()[:int(np.prod(cfg.model.mesh_shape[0]))])
+        setup(cfg, jax.devices()[: int(np.prod(cfg.model.mesh_shape[0]))])
     assert "\n" not in str(err.value)
 
 
 # --- training ----------------------------------------------------------------------------------
 
+
 def _three_step_losses(run_dir, mesh_shape, *overrides):
-    cfg = config("data.seq_len=32", "training.log_every=1", "training.max_steps=3",
-                 "training.eval_every=0", "training.warmup_steps=1", *overrides)
+    cfg = config(
+        "data.seq_len=32",
+        "training.log_every=1",
+        "training.max_steps=3",
+        "training.eval_every=0",
+        "training.warmup_steps=1",
+        *overrides,
+    )
     cfg.model.mesh_shape = mesh_shape
-    train(cfg, run_dir, devices=jax.devices()[:int(np.prod(mesh_shape[0]))])
+    train(cfg, run_dir, devices=jax.devices()[: int(np.prod(mesh_shape[0]))])
     return np.array(train_losses(run_dir))
 
 
@@ -356,11 +479,21 @@ def test_context_parallel_gemma4_gives_the_losses_of_one_device(tmp_path):
     """The MoE model with KV sharing (a scan carry in cp's shard_map) and per-layer inputs too, the
     experts' dispatch inside cp's shard_map with the tokens also split over fsdp and the experts over
     ep, the ring strategy."""
-    model = ("model=gemma4_moe_tiny", "model.num_layers=3", "model.per_layer_input_dim=8",  # the last reuses the first's
-             "model.layer_types=[sliding_attention,full_attention,sliding_attention]", "model.num_kv_shared_layers=1")
+    model = (
+        "model=gemma4_moe_tiny",
+        "model.num_layers=3",
+        "model.per_layer_input_dim=8",  # the last reuses the first's
+        "model.layer_types=[sliding_attention,full_attention,sliding_attention]",
+        "model.num_kv_shared_layers=1",
+    )
     one = _three_step_losses(tmp_path / "one", [[1], ["fsdp"]], *model, "training.micro_batch_size=8")
-    split = _three_step_losses(tmp_path / "split", [[2, 2, 2], ["fsdp", "ep", "cp"]], *model,
-                               "training.micro_batch_size=2", "model.context_parallel_strategy=ring")
+    split = _three_step_losses(
+        tmp_path / "split",
+        [[2, 2, 2], ["fsdp", "ep", "cp"]],
+        *model,
+        "training.micro_batch_size=2",
+        "model.context_parallel_strategy=ring",
+    )
     assert len(one) == 3
     np.testing.assert_allclose(split, one, rtol=1e-5)
 
@@ -373,20 +506,41 @@ def test_pipelined_experts_give_the_losses_and_expert_statistics_of_one_device(t
     idle steps."""
     model = ("model=gemma4_moe_tiny",)
     logged = {}
-    for name, mesh_shape, rows in (("one", [[1], ["fsdp"]], 8), ("split", [[2, 2, 2], ["pp", "ep", "cp"]], 4)):
-        _three_step_losses(tmp_path / name, mesh_shape, *model, f"training.micro_batch_size={rows}",
-                           "training.pipeline_microbatches=2")
-        logged[name] = np.array([[m[k] for k in ("loss", "moe_aux_loss", "moe_load_max", "moe_load_min")]
-                                 for m in read_metrics(tmp_path / name) if "loss" in m])
+    for name, mesh_shape, rows in (
+        ("one", [[1], ["fsdp"]], 8),
+        ("split", [[2, 2, 2], ["pp", "ep", "cp"]], 4),
+    ):
+        _three_step_losses(
+            tmp_path / name,
+            mesh_shape,
+            *model,
+            f"training.micro_batch_size={rows}",
+            "training.pipeline_microbatches=2",
+        )
+        logged[name] = np.array(
+            [
+                [m[k] for k in ("loss", "moe_aux_loss", "moe_load_max", "moe_load_min")]
+                for m in read_metrics(tmp_path / name)
+                if "loss" in m
+            ]
+        )
     assert logged["one"].shape == (3, 4)
     np.testing.assert_allclose(logged["split"], logged["one"], rtol=1e-5)
 
 
 @pytest.mark.slow
 def test_moe_training_on_ep_resumes_bit_identically_and_logs_the_experts(tmp_path):
-    cfg = config("model=gemma4_moe_tiny", "data.seq_len=32", "training.log_every=1", "training.eval_every=0",
-                 "training.micro_batch_size=2", "checkpoint.every_steps=3", "training.warmup_steps=0",
-                 "training.learning_rate=0.01", "training.lr_schedule=constant")  # the same at any max_steps
+    cfg = config(
+        "model=gemma4_moe_tiny",
+        "data.seq_len=32",
+        "training.log_every=1",
+        "training.eval_every=0",
+        "training.micro_batch_size=2",
+        "checkpoint.every_steps=3",
+        "training.warmup_steps=0",
+        "training.learning_rate=0.01",
+        "training.lr_schedule=constant",
+    )  # the same at any max_steps
     cfg.model.mesh_shape = [[2, 2], ["ep", "fsdp"]]
     straight, resumed = straight_and_resumed(cfg, tmp_path, 6, 3, jax.devices()[:4])
     assert train_losses(resumed) == train_losses(straight)
@@ -409,9 +563,17 @@ def test_lora_on_gemma4_exports_adapters_that_peft_applies_with_our_logits(tmp_p
     from tunix_train.train.loop import train
 
     build("gemma4_all", tmp_path / "base")
-    cfg = config("data.seq_len=32", "training.log_every=1", "training.eval_every=0", "training.max_steps=3",
-                 "training.warmup_steps=0", "training.learning_rate=0.01", "training.lora.rank=4",
-                 "training.lora.targets=[q,k,v,o,gate,up,down]", f"model.init_from={tmp_path / 'base'}")
+    cfg = config(
+        "data.seq_len=32",
+        "training.log_every=1",
+        "training.eval_every=0",
+        "training.max_steps=3",
+        "training.warmup_steps=0",
+        "training.learning_rate=0.01",
+        "training.lora.rank=4",
+        "training.lora.targets=[q,k,v,o,gate,up,down]",
+        f"model.init_from={tmp_path / 'base'}",
+    )
     fields = hf.model_fields_from_hf(hf.read_hf_config(tmp_path / "base"))
     cfg.model = dataclasses.replace(cfg.model, **fields, mesh_shape=MESHES["fsdp2_tp2"])
     train(cfg, tmp_path / "run", devices=jax.devices()[:4])
@@ -423,10 +585,16 @@ def test_lora_on_gemma4_exports_adapters_that_peft_applies_with_our_logits(tmp_p
     with torch.no_grad():
         base = Gemma4ForCausalLM.from_pretrained(tmp_path / "base").eval()
         plain = base(torch.tensor(TOKENS), output_hidden_states=True).logits.numpy()
-        theirs = PeftModel.from_pretrained(base, tmp_path / "adapters").eval()(
-            torch.tensor(TOKENS), output_hidden_states=True).logits.numpy()
-        merged = Gemma4ForCausalLM.from_pretrained(tmp_path / "merged").eval()(
-            torch.tensor(TOKENS), output_hidden_states=True).logits.numpy()
+        theirs = (
+            PeftModel.from_pretrained(base, tmp_path / "adapters")
+            .eval()(torch.tensor(TOKENS), output_hidden_states=True)
+            .logits.numpy()
+        )
+        merged = (
+            Gemma4ForCausalLM.from_pretrained(tmp_path / "merged")
+            .eval()(torch.tensor(TOKENS), output_hidden_states=True)
+            .logits.numpy()
+        )
     assert np.abs(theirs - plain).max() > 1e-2  # the adapters change the model
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
     np.testing.assert_allclose(merged, theirs, atol=1e-4, rtol=0)

@@ -8,16 +8,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import config, train_losses
 from flax import nnx
 
-from conftest import config, train_losses
 from tunix_train import api
 from tunix_train.config import ConfigError, Remat
 from tunix_train.generate import Engine, Request, Sampling
-from tunix_train.generate.sampling import Kinds, Rules as SamplingRules, categorical, draw, top_p_threshold
+from tunix_train.generate.sampling import Kinds, categorical, draw, top_p_threshold
+from tunix_train.generate.sampling import Rules as SamplingRules
 from tunix_train.observe.memory import OutOfMemory
-from tunix_train.sharding import make_mesh
 from tunix_train.parallel import model_graphdef
+from tunix_train.sharding import make_mesh
 from tunix_train.train.init import plan_train_state
 from tunix_train.train.loop import train
 from tunix_train.train.optimizer import make_optimizer
@@ -25,8 +26,11 @@ from tunix_train.train.optimizer import make_optimizer
 # Two layers: a sliding-window one (window 6, shorter than the 40+ positions generated, so its ring
 # buffer wraps) and a global one.
 CFG = config("model.sliding_window=6").model
-MESHES = {"1x1": [[1, 1], ["fsdp", "tp"]], "fsdp4_tp2": [[4, 2], ["fsdp", "tp"]],
-          "dp2_fsdp2_tp2": [[2, 2, 2], ["dp", "fsdp", "tp"]]}
+MESHES = {
+    "1x1": [[1, 1], ["fsdp", "tp"]],
+    "fsdp4_tp2": [[4, 2], ["fsdp", "tp"]],
+    "dp2_fsdp2_tp2": [[2, 2, 2], ["dp", "fsdp", "tp"]],
+}
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42]]
 NEW = 40
 
@@ -39,10 +43,11 @@ def _host_params():
     params = plan_train_state(CFG, make_optimizer(config().training)[0], mesh, seed=0).create().params
     rng = np.random.default_rng(0)
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: np.asarray(x) + (4 + rng.normal(size=x.shape) if "post" in jax.tree_util.keystr(path) else 0),
-        params)
-
-
+        lambda path, x: (
+            np.asarray(x) + (4 + rng.normal(size=x.shape) if "post" in jax.tree_util.keystr(path) else 0)
+        ),
+        params,
+    )
 
 
 def _on(mesh_name):
@@ -51,17 +56,21 @@ def _on(mesh_name):
     plan = plan_train_state(CFG, make_optimizer(config().training)[0], mesh, seed=0)
     leaves, treedef = jax.tree.flatten(_host_params())
     shardings = jax.tree.leaves(plan.shardings.params)
-    return mesh, jax.tree.unflatten(treedef, [jax.device_put(x.astype(np.float32), s) for x, s in zip(leaves, shardings)])
+    return mesh, jax.tree.unflatten(
+        treedef, [jax.device_put(x.astype(np.float32), s) for x, s in zip(leaves, shardings)]
+    )
 
 
 def _recomputed_greedy(prompt, new):
     """Argmax of the full forward pass over the whole sequence, recomputed at every step."""
-    forward = jax.jit(nnx.merge(model_graphdef(CFG, Remat.none), jax.tree.map(jnp.asarray, _host_params())).__call__)
+    forward = jax.jit(
+        nnx.merge(model_graphdef(CFG, Remat.none), jax.tree.map(jnp.asarray, _host_params())).__call__
+    )
     seq = list(prompt)
     for _ in range(new):  # zeros after the sequence: a causal model's logits at len(seq) - 1 ignore them
         padded = jnp.asarray([seq + [0] * (len(prompt) + new - len(seq))])  # one shape, one compile
         seq.append(int(np.asarray(forward(padded))[0, len(seq) - 1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 @functools.cache
@@ -107,8 +116,16 @@ def test_requests_through_few_slots_get_the_tokens_and_logprobs_they_get_alone()
     mesh, params = _on("1x1")
     rng = np.random.default_rng(0)
     rules = [Sampling(), Sampling(1.0, top_k=50), Sampling(0.7, top_p=0.9), Sampling(1.3)]
-    requests = [Request(tuple(rng.integers(1, CFG.vocab_size, rng.integers(1, 30)).tolist()), int(rng.integers(1, 40)),
-                        rules[i % 4], seed=5, stream=i) for i in range(64)]
+    requests = [
+        Request(
+            tuple(rng.integers(1, CFG.vocab_size, rng.integers(1, 30)).tolist()),
+            int(rng.integers(1, 40)),
+            rules[i % 4],
+            seed=5,
+            stream=i,
+        )
+        for i in range(64)
+    ]
     engine = Engine(CFG, mesh, slots=8)
     together = engine.generate(params, requests)
     assert engine.stats["steps"] < sum(r.max_new_tokens for r in requests) / 8 + 2 * 40  # slots were refilled
@@ -127,13 +144,18 @@ def test_generate_starts_the_requests_with_the_most_new_tokens_first():
     mesh, params = _on("1x1")
     requests = [Request(tuple(PROMPTS[0]), n, stream=i) for i, n in enumerate([3, 30, 10, 30])]
     started = []
-    done = Engine(CFG, mesh, slots=2).generate(params, requests,
-                                               on_tokens=lambda i, _: started.append(i) if i not in started else None)
+    done = Engine(CFG, mesh, slots=2).generate(
+        params, requests, on_tokens=lambda i, _: started.append(i) if i not in started else None
+    )
     assert started == [1, 3, 2, 0]
     assert [len(c.tokens) for c in done] == [3, 30, 10, 30]
     started.clear()
-    Engine(CFG, mesh, slots=2).generate(params, requests, longest_first=False,
-                                        on_tokens=lambda i, _: started.append(i) if i not in started else None)
+    Engine(CFG, mesh, slots=2).generate(
+        params,
+        requests,
+        longest_first=False,
+        on_tokens=lambda i, _: started.append(i) if i not in started else None,
+    )
     assert started == [0, 1, 2, 3]
 
 
@@ -162,9 +184,11 @@ def test_logprobs_equal_the_full_forward_pass(temperature):
     over the whole sequence (T = 1 for greedy), within 1e-5 in float32."""
     mesh, params = _on("fsdp4_tp2")
     done = Engine(CFG, mesh).generate(params, _requests(PROMPTS, 20, Sampling(temperature), seed=1))
-    forward = jax.jit(nnx.merge(model_graphdef(CFG, Remat.none), jax.tree.map(jnp.asarray, _host_params())).__call__)
+    forward = jax.jit(
+        nnx.merge(model_graphdef(CFG, Remat.none), jax.tree.map(jnp.asarray, _host_params())).__call__
+    )
     for prompt, c in zip(PROMPTS, done):
-        logits = np.asarray(forward(jnp.asarray([prompt + c.tokens])))[0, len(prompt) - 1:-1]
+        logits = np.asarray(forward(jnp.asarray([prompt + c.tokens])))[0, len(prompt) - 1 : -1]
         logp = jax.nn.log_softmax(logits / (temperature or 1.0), axis=-1)
         want = np.take_along_axis(np.asarray(logp), np.asarray(c.tokens)[:, None], axis=-1)[:, 0]
         np.testing.assert_allclose(c.logprobs, want, atol=1e-5, rtol=0)
@@ -172,8 +196,10 @@ def test_logprobs_equal_the_full_forward_pass(temperature):
 
 def test_sampling_with_a_seed_gives_the_same_tokens_on_every_mesh():
     sampling = Sampling(temperature=1.0, top_k=50, top_p=0.95)
-    drawn = {name: _tokens(Engine(CFG, _on(name)[0]), _on(name)[1], _requests(PROMPTS, 24, sampling, seed=3))
-             for name in MESHES}
+    drawn = {
+        name: _tokens(Engine(CFG, _on(name)[0]), _on(name)[1], _requests(PROMPTS, 24, sampling, seed=3))
+        for name in MESHES
+    }
     assert drawn["1x1"] == drawn["fsdp4_tp2"] == drawn["dp2_fsdp2_tp2"]
     assert drawn["1x1"] != _reference()  # it sampled
     mesh, params = _on("1x1")
@@ -182,8 +208,10 @@ def test_sampling_with_a_seed_gives_the_same_tokens_on_every_mesh():
 
 def test_top_k_1_is_greedy():
     mesh, params = _on("1x1")
-    assert _tokens(Engine(CFG, mesh), params, _requests(PROMPTS, NEW, Sampling(temperature=1.5, top_k=1), 1)) == \
-        _reference()
+    assert (
+        _tokens(Engine(CFG, mesh), params, _requests(PROMPTS, NEW, Sampling(temperature=1.5, top_k=1), 1))
+        == _reference()
+    )
 
 
 def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p():
@@ -194,8 +222,12 @@ def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p():
         assert set(np.flatnonzero(np.asarray(logp[0]) >= threshold)) == kept, p
     n = 4000
     rules = SamplingRules(jnp.ones(n), jnp.full(n, 5, jnp.int32), jnp.full(n, 0.6))
-    draws, logprobs = draw(jnp.broadcast_to(logp, (n, 5)), rules, jax.random.split(jax.random.key(0), n),
-                           Kinds(True, False, True))
+    draws, logprobs = draw(
+        jnp.broadcast_to(logp, (n, 5)),
+        rules,
+        jax.random.split(jax.random.key(0), n),
+        Kinds(True, False, True),
+    )
     assert set(np.asarray(draws)) == {1, 3}
     assert abs(np.mean(np.asarray(draws) == 1) - 0.5 / 0.7) < 0.03
     np.testing.assert_allclose(logprobs, np.log(probs)[np.asarray(draws)], rtol=1e-6)  # before the cut
@@ -209,10 +241,14 @@ def test_the_two_step_draw_has_the_frequencies_of_softmax(vocab):
     rng = np.random.default_rng(vocab)
     logits = rng.normal(size=vocab) * 2
     logits[rng.random(vocab) < 0.3] = -np.inf
-    logits[:vocab // 4] = -np.inf  # at 37 and 300, whole blocks (8 and 16 tokens) with no mass
+    logits[: vocab // 4] = -np.inf  # at 37 and 300, whole blocks (8 and 16 tokens) with no mass
     n = 100_000
-    drawn = np.asarray(jax.jit(categorical)(jax.random.split(jax.random.key(1), n),
-                                            jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, vocab))))
+    drawn = np.asarray(
+        jax.jit(categorical)(
+            jax.random.split(jax.random.key(1), n),
+            jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, vocab)),
+        )
+    )
     probs = np.exp(logits - logits.max())
     probs /= probs.sum()
     frequencies = np.bincount(drawn, minlength=vocab) / n
@@ -225,26 +261,47 @@ def test_a_request_stops_at_its_stop_token_or_stop_string():
     reference = _reference()
     stop = reference[0][6]
     out = Engine(CFG, mesh, stop_ids=[stop]).generate(params, _requests(PROMPTS, NEW))
-    assert (out[0].tokens, out[0].finish) == (reference[0][:reference[0].index(stop)], "stop")
-    assert out[1].tokens == (reference[1][:reference[1].index(stop)] if stop in reference[1] else reference[1])
-    text = lambda ids: " ".join(f"<{i}>" for i in ids)
+    assert (out[0].tokens, out[0].finish) == (reference[0][: reference[0].index(stop)], "stop")
+    assert out[1].tokens == (
+        reference[1][: reference[1].index(stop)] if stop in reference[1] else reference[1]
+    )
+
+    def text(ids):
+        return " ".join(f"<{i}>" for i in ids)
+
     first_new = next(i for i in range(2, NEW) if reference[0][i] not in reference[0][:i])
     cut = [Request(tuple(PROMPTS[0]), NEW, stop_strings=(f"<{reference[0][first_new]}>",))]
-    got, = Engine(CFG, mesh, decode=text).generate(params, cut)
-    assert (got.tokens, got.finish) == (reference[0][:first_new + 1], "stop")
+    (got,) = Engine(CFG, mesh, decode=text).generate(params, cut)
+    assert (got.tokens, got.finish) == (reference[0][: first_new + 1], "stop")
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda e, p: e.generate(p, _requests(PROMPTS, 0)), "max_new_tokens=0 must be positive"),
-    (lambda e, p: e.generate(p, _requests(PROMPTS, 4, Sampling(1.0, top_p=0.0))), r"top_p=0.0 must be in \(0, 1\]"),
-    (lambda e, p: e.generate(p, _requests(PROMPTS, 4, Sampling(1.0, top_p=1.5))), r"top_p=1.5 must be in \(0, 1\]"),
-    (lambda e, p: e.generate(p, _requests([[1] * 30], 8)), "a prompt of 30 tokens plus max_new_tokens=8 is longer "
-                                                           "than the model's context of 32 tokens"),
-    (lambda e, p: e.generate(p, _requests([[CFG.vocab_size]], 8)), "outside the model's vocabulary"),
-    (lambda e, p: e.generate(p, [Request((1,), 4, stop_strings=("x",))]), "stop strings need a tokenizer"),
-    (lambda e, p: e.session(p, 16, 1).add(Request((1,) * 10, 8)), "a prompt of 10 tokens plus max_new_tokens=8 is "
-                                                                  "longer than this session's 16 tokens"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda e, p: e.generate(p, _requests(PROMPTS, 0)), "max_new_tokens=0 must be positive"),
+        (
+            lambda e, p: e.generate(p, _requests(PROMPTS, 4, Sampling(1.0, top_p=0.0))),
+            r"top_p=0.0 must be in \(0, 1\]",
+        ),
+        (
+            lambda e, p: e.generate(p, _requests(PROMPTS, 4, Sampling(1.0, top_p=1.5))),
+            r"top_p=1.5 must be in \(0, 1\]",
+        ),
+        (
+            lambda e, p: e.generate(p, _requests([[1] * 30], 8)),
+            "a prompt of 30 tokens plus max_new_tokens=8 is longer than the model's context of 32 tokens",
+        ),
+        (lambda e, p: e.generate(p, _requests([[CFG.vocab_size]], 8)), "outside the model's vocabulary"),
+        (
+            lambda e, p: e.generate(p, [Request((1,), 4, stop_strings=("x",))]),
+            "stop strings need a tokenizer",
+        ),
+        (
+            lambda e, p: e.session(p, 16, 1).add(Request((1,) * 10, 8)),
+            "a prompt of 10 tokens plus max_new_tokens=8 is longer than this session's 16 tokens",
+        ),
+    ],
+)
 def test_bad_requests_are_one_line_errors(call, message):
     mesh, params = _on("1x1")
     engine = Engine(CFG.__class__(**{**CFG.__dict__, "context_length": 32}), mesh)
@@ -262,19 +319,31 @@ def test_running_out_of_memory_is_one_line_that_says_what_to_lower():
     message = str(raised.value)
     assert "\n" not in message
     assert message.startswith("out of host RAM; an allocation of 512.")
-    assert message.endswith("to lower it, in this order: fewer prompts at once (1 now); shorter prompts (the longest "
-                            "has 131072 tokens); max_new_tokens=2; more devices on the fsdp axis (parameters divide "
-                            "by it)")
+    assert message.endswith(
+        "to lower it, in this order: fewer prompts at once (1 now); shorter prompts (the longest "
+        "has 131072 tokens); max_new_tokens=2; more devices on the fsdp axis (parameters divide "
+        "by it)"
+    )
 
 
 @pytest.mark.slow  # a whole CLI run or a script: the README's suite stays short
 def test_samples_during_training_are_logged_and_leave_the_losses_unchanged(tmp_path):
-    text = ["data=shakespeare", "model.vocab_size=4096", "training.max_steps=4", "training.log_every=1",
-            "training.eval_every=0", 'model.mesh_shape=[[2,2],["fsdp","tp"]]']
+    text = [
+        "data=shakespeare",
+        "model.vocab_size=4096",
+        "training.max_steps=4",
+        "training.log_every=1",
+        "training.eval_every=0",
+        'model.mesh_shape=[[2,2],["fsdp","tp"]]',
+    ]
     train(config(*text), tmp_path / "plain", devices=jax.devices()[:4])
     prompts = ["ROMEO:", "To be"]
-    sampled = config(*text, "training.sample_every=2", "training.sample_max_new_tokens=6",
-                     f"training.sample_prompts=[{prompts[0]!r},{prompts[1]!r}]")
+    sampled = config(
+        *text,
+        "training.sample_every=2",
+        "training.sample_max_new_tokens=6",
+        f"training.sample_prompts=[{prompts[0]!r},{prompts[1]!r}]",
+    )
     train(sampled, tmp_path / "sampled", devices=jax.devices()[:4])
     assert train_losses(tmp_path / "sampled") == train_losses(tmp_path / "plain")
 
@@ -289,6 +358,7 @@ def test_samples_during_training_are_logged_and_leave_the_losses_unchanged(tmp_p
 
 
 def test_samples_need_text_data():
-    with pytest.raises(ConfigError, match="training.sample_every needs training.sample_prompts and text data"):
+    with pytest.raises(
+        ConfigError, match="training.sample_every needs training.sample_prompts and text data"
+    ):
         config("training.sample_every=10")
-

@@ -7,14 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import read_metrics, straight_and_resumed
 from test_cli import run_cli
+
 from tunix_train.compose import load_config
 from tunix_train.rewards.arithmetic import write_task
 from tunix_train.train.loop import train
-from tunix_train.train.setup import setup
 from tunix_train.train.objectives.grpo_family import advantages, token_objective
+from tunix_train.train.setup import setup
 
 REWARD = "tunix_train.rewards.arithmetic:exact_match"
 LENGTH = "tests.rewards_for_tests:length"
@@ -34,11 +34,18 @@ def test_advantages_and_the_clipped_loss_equal_numpy():
     ratio = np.exp(logp - old)
     kl = np.exp(ref - logp) - (ref - logp) - 1
     numpy = np.minimum(ratio * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv) - beta * kl
-    ours, our_kl, clipped = token_objective(*(jnp.asarray(x, jnp.float32) for x in (logp, old, ref, adv)),
-                                            jnp.ones((4, 6)), epsilon=eps, epsilon_high=eps, beta=beta)
+    ours, our_kl, clipped = token_objective(
+        *(jnp.asarray(x, jnp.float32) for x in (logp, old, ref, adv)),
+        jnp.ones((4, 6)),
+        epsilon=eps,
+        epsilon_high=eps,
+        beta=beta,
+    )
     np.testing.assert_allclose(np.asarray(ours), numpy, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(our_kl), kl, rtol=1e-5, atol=1e-6)
-    assert np.array_equal(np.asarray(clipped), ((ratio < 1 - eps) & (adv < 0)) | ((ratio > 1 + eps) & (adv > 0)))
+    assert np.array_equal(
+        np.asarray(clipped), ((ratio < 1 - eps) & (adv < 0)) | ((ratio > 1 + eps) & (adv > 0))
+    )
     assert 0 < np.asarray(clipped).mean() < 1  # the hand-made ratios exercise the clip
 
 
@@ -54,28 +61,48 @@ def test_off_policy_ratios_use_the_recorded_logprobs(tmp_path):
     adv = np.repeat(rng.normal(size=(4, 1)), 6, axis=1).astype(np.float32)
     mask = np.ones((4, 6), np.float32)
     mask[:, 4:] = 0
-    micro = {"advantages": jnp.asarray(adv), "behaviour_logp": jnp.asarray(behaviour), "loss_mask": jnp.asarray(mask)}
+    micro = {
+        "advantages": jnp.asarray(adv),
+        "behaviour_logp": jnp.asarray(behaviour),
+        "loss_mask": jnp.asarray(mask),
+    }
     eps, beta, cap = 0.2, 0.04, 3.0
     kl = np.exp(ref - logp) - (ref - logp) - 1
     weight = {"tokens": mask.sum(), "rows": 4.0, "rows_x_max_new_tokens": 16.0}
     for staleness, ratio in ((0, np.ones_like(logp)), (1, np.minimum(np.exp(logp - behaviour), cap))):
-        objective = GroupRelative(_cfg(tmp_path, [[1], ["fsdp"]], 4, f"training.grpo.max_staleness={staleness}"))
+        objective = GroupRelative(
+            _cfg(tmp_path, [[1], ["fsdp"]], 4, f"training.grpo.max_staleness={staleness}")
+        )
         loss, metrics = objective.loss(lambda: -jnp.asarray(logp), lambda: -jnp.asarray(ref), micro, weight)
         surrogate = np.minimum(ratio * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv) - beta * kl
         np.testing.assert_allclose(float(loss), -(surrogate * mask).sum() / mask.sum(), rtol=1e-5)
         mismatch = np.abs(logp - behaviour) * mask
         np.testing.assert_allclose(float(metrics["logprob_mismatch_max"]), mismatch.max(), rtol=1e-6)
-        np.testing.assert_allclose(float(metrics["logprob_mismatch_mean"]), mismatch.sum() / mask.sum(), rtol=1e-5)
+        np.testing.assert_allclose(
+            float(metrics["logprob_mismatch_mean"]), mismatch.sum() / mask.sum(), rtol=1e-5
+        )
     assert (np.exp(logp - behaviour) > cap).any() and 0 < ((ratio < 1 - eps) | (ratio > 1 + eps)).mean() < 1
 
 
 def _cfg(tmp_path, mesh_shape, micro_batch, *overrides, reward=REWARD):
     prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
-    cfg, _ = load_config(["model=gemma3_tiny", "model.vocab_size=4096", "objective=grpo", "data=jsonl",
-                          f"data.train_files=[{prompts}]", "data.seq_len=16", "training.log_every=1",
-                          f"training.micro_batch_size={micro_batch}", "training.grpo.num_generations=4",
-                          "training.grpo.max_new_tokens=4", f"training.grpo.reward=[{reward}]",
-                          "training.learning_rate=1e-3", *overrides])
+    cfg, _ = load_config(
+        [
+            "model=gemma3_tiny",
+            "model.vocab_size=4096",
+            "objective=grpo",
+            "data=jsonl",
+            f"data.train_files=[{prompts}]",
+            "data.seq_len=16",
+            "training.log_every=1",
+            f"training.micro_batch_size={micro_batch}",
+            "training.grpo.num_generations=4",
+            "training.grpo.max_new_tokens=4",
+            f"training.grpo.reward=[{reward}]",
+            "training.learning_rate=1e-3",
+            *overrides,
+        ]
+    )
     cfg.model.mesh_shape = mesh_shape
     return cfg
 
@@ -85,7 +112,10 @@ def _nbytes(tree) -> int:
 
 
 def _samples(run_dir):
-    return [(s["step"], s["prompt"], s["text"]) for s in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines())]
+    return [
+        (s["step"], s["prompt"], s["text"])
+        for s in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines())
+    ]
 
 
 def test_groups_are_the_same_on_every_mesh_and_kl_starts_at_zero(tmp_path):
@@ -95,14 +125,23 @@ def test_groups_are_the_same_on_every_mesh_and_kl_starts_at_zero(tmp_path):
     runs = {"fsdp8": ([[8], ["fsdp"]], 4), "dp2_fsdp2_tp2": ([[2, 2, 2], ["dp", "fsdp", "tp"]], 8)}
     results = {}
     for name, (mesh_shape, micro_batch) in runs.items():
-        cfg = _cfg(tmp_path, mesh_shape, micro_batch, "training.max_steps=3", "training.grpo.temperature=1.5",
-                   "training.grpo.beta=0.5", reward=LENGTH)
+        cfg = _cfg(
+            tmp_path,
+            mesh_shape,
+            micro_batch,
+            "training.max_steps=3",
+            "training.grpo.temperature=1.5",
+            "training.grpo.beta=0.5",
+            reward=LENGTH,
+        )
         train(cfg, tmp_path / name, devices=jax.devices()[:8])
         results[name] = ([m for m in read_metrics(tmp_path / name) if "loss" in m], _samples(tmp_path / name))
     (a, samples_a), (b, samples_b) = results.values()
     assert samples_a == samples_b and len(samples_a) == 3 * 4  # the first group of each step, the same
     for key in ("loss", "reward", "kl", "completion_tokens", "grad_norm"):
-        np.testing.assert_allclose([m[key] for m in a], [m[key] for m in b], rtol=1e-5, atol=1e-7, err_msg=key)
+        np.testing.assert_allclose(
+            [m[key] for m in a], [m[key] for m in b], rtol=1e-5, atol=1e-7, err_msg=key
+        )
     assert a[0]["kl"] == 0.0 and a[-1]["kl"] > 0  # the policy starts as the reference, then leaves it
     # the engine's log-probabilities are the trainer's, up to float32 rounding (1e-5 in test_generate)
     assert all(0 < m["logprob_mismatch_max"] < 1e-4 and m["logprob_mismatch_mean"] < 1e-5 for m in a), a
@@ -116,14 +155,28 @@ def test_a_rollout_mesh_of_its_own_trains_like_the_training_mesh(tmp_path, stale
     With max_staleness 1 the rollout mesh draws the next rollout while the step runs."""
     runs = {"on_mesh": ([], 4), "apart": (['training.grpo.rollout_mesh_shape=[[4],["fsdp"]]'], 8)}
     for name, (extra, devices) in runs.items():
-        cfg = _cfg(tmp_path, [[4], ["fsdp"]], 4, "training.max_steps=3", "training.grpo.temperature=1.5",
-                   "training.grpo.beta=0.5", f"training.grpo.max_staleness={staleness}", *extra, reward=LENGTH)
+        cfg = _cfg(
+            tmp_path,
+            [[4], ["fsdp"]],
+            4,
+            "training.max_steps=3",
+            "training.grpo.temperature=1.5",
+            "training.grpo.beta=0.5",
+            f"training.grpo.max_staleness={staleness}",
+            *extra,
+            reward=LENGTH,
+        )
         train(cfg, tmp_path / name, devices=jax.devices()[:devices])
     metrics = {name: [m for m in read_metrics(tmp_path / name) if "loss" in m] for name in runs}
     assert _samples(tmp_path / "apart") == _samples(tmp_path / "on_mesh")
     for key in ("loss", "reward", "kl", "grad_norm"):
-        np.testing.assert_allclose([m[key] for m in metrics["apart"]], [m[key] for m in metrics["on_mesh"]],
-                                   rtol=1e-5, atol=1e-7, err_msg=key)
+        np.testing.assert_allclose(
+            [m[key] for m in metrics["apart"]],
+            [m[key] for m in metrics["on_mesh"]],
+            rtol=1e-5,
+            atol=1e-7,
+            err_msg=key,
+        )
     parameters = _nbytes(setup(cfg, jax.devices()[:8]).plan.abstract.params)
     assert [m["weight_sync_bytes"] for m in metrics["apart"]] == [parameters] * 3
     assert "weight_sync_bytes" not in metrics["on_mesh"][0]
@@ -133,9 +186,17 @@ def test_a_rollout_mesh_of_its_own_trains_like_the_training_mesh(tmp_path, stale
 def test_lora_copies_only_the_adapters_to_the_rollout_mesh(tmp_path):
     """Under LoRA the frozen base moves to the rollout mesh once, with the first rollout; then
     each rollout copies the adapters alone, and they are merged there."""
-    cfg = _cfg(tmp_path, [[2, 2], ["fsdp", "tp"]], 4, "training.max_steps=3", "training.grpo.temperature=1.5",
-               "training.lora.rank=4", 'training.grpo.rollout_mesh_shape=[[2,2],["fsdp","tp"]]',
-               "training.learning_rate=1e-2", reward=LENGTH)
+    cfg = _cfg(
+        tmp_path,
+        [[2, 2], ["fsdp", "tp"]],
+        4,
+        "training.max_steps=3",
+        "training.grpo.temperature=1.5",
+        "training.lora.rank=4",
+        'training.grpo.rollout_mesh_shape=[[2,2],["fsdp","tp"]]',
+        "training.learning_rate=1e-2",
+        reward=LENGTH,
+    )
     train(cfg, tmp_path / "lora", devices=jax.devices()[:8])
     plan = setup(cfg, jax.devices()[:8]).plan.abstract
     adapters, base = _nbytes(plan.params), _nbytes(plan.frozen)
@@ -152,18 +213,31 @@ def test_a_resumed_run_draws_the_same_completions_and_losses(tmp_path, staleness
     """Off-policy, the run stops in the middle of a rollout's iterations with the next one queued:
     the checkpoint keeps both, so the resumed run trains on the same completions."""
     mesh = [[2, 2], ["fsdp", "tp"]]
-    cfg = _cfg(tmp_path, mesh, 4, "training.lr_schedule=constant", "checkpoint.every_steps=2",
-               "training.grpo.temperature=1.5", f"training.grpo.max_staleness={staleness}",
-               f"training.grpo.iterations={iterations}", reward=LENGTH)
+    cfg = _cfg(
+        tmp_path,
+        mesh,
+        4,
+        "training.lr_schedule=constant",
+        "checkpoint.every_steps=2",
+        "training.grpo.temperature=1.5",
+        f"training.grpo.max_staleness={staleness}",
+        f"training.grpo.iterations={iterations}",
+        reward=LENGTH,
+    )
     straight, resumed = straight_and_resumed(cfg, tmp_path, 5, 3, jax.devices()[:4])
-    metrics = lambda d: [m for m in read_metrics(d) if "loss" in m]
+
+    def metrics(d):
+        return [m for m in read_metrics(d) if "loss" in m]
+
     for key in ("loss", "grad_norm", "reward", "logprob_mismatch_max", "rollout_staleness"):
         assert [m[key] for m in metrics(resumed)] == [m[key] for m in metrics(straight)], key
     assert _samples(resumed) == _samples(straight)
     # rollout r trains steps r*mu .. r*mu + mu - 1, drawn at step (r - k)*mu (at 0 for the first k)
     expected = [step - max(step // iterations - staleness, 0) * iterations for step in range(5)]
     assert [m["rollout_staleness"] for m in metrics(straight)] == expected
-    assert len(_samples(straight)) == 4 * len(range(0, 5, iterations))  # a rollout's samples at its first step
+    assert len(_samples(straight)) == 4 * len(
+        range(0, 5, iterations)
+    )  # a rollout's samples at its first step
     if staleness:  # off-policy: the ratio moves away from 1 once the parameters have
         assert metrics(straight)[-1]["logprob_mismatch_max"] > 1e-3
 
@@ -174,68 +248,150 @@ def test_a_bf16_engine_samples_with_bf16_weights_and_logs_its_larger_mismatch(tm
     float32 forward is unchanged, so the mismatch grows from float32 rounding to bf16's."""
     runs = {}
     for dtype in ("fp32", "bf16"):
-        cfg = _cfg(tmp_path, [[2, 2], ["fsdp", "tp"]], 4, "training.max_steps=2", "training.grpo.temperature=1.5",
-                   f"training.grpo.rollout_dtype={dtype}", reward=LENGTH)
+        cfg = _cfg(
+            tmp_path,
+            [[2, 2], ["fsdp", "tp"]],
+            4,
+            "training.max_steps=2",
+            "training.grpo.temperature=1.5",
+            f"training.grpo.rollout_dtype={dtype}",
+            reward=LENGTH,
+        )
         train(cfg, tmp_path / dtype, devices=jax.devices()[:4])
         runs[dtype] = [m for m in read_metrics(tmp_path / dtype) if "loss" in m]
     assert all(m["logprob_mismatch_max"] < 1e-4 for m in runs["fp32"])
-    assert all(1e-3 < m["logprob_mismatch_max"] < 0.5 and m["logprob_mismatch_mean"] < 0.05 for m in runs["bf16"])
+    assert all(
+        1e-3 < m["logprob_mismatch_max"] < 0.5 and m["logprob_mismatch_mean"] < 0.05 for m in runs["bf16"]
+    )
     assert all(np.isfinite(m["loss"]) for m in runs["bf16"])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["training.grpo.reward=[no_such_module:f]"], "training.grpo.reward: cannot import 'no_such_module:f'"),
-    (["training.grpo.reward=[tests.rewards_for_tests:bad_length]"], "bad_length' returned 1 values for 8 completions"),
-    (["training.grpo.reward=[tests.rewards_for_tests:not_a_number]"], "not_a_number' returned 'yes'"),
-    (["training.grpo.num_generations=1"], "training.grpo.num_generations=1 must be at least 2"),
-    (["training.micro_batch_size=6"], "training.micro_batch_size=6 must be a multiple of training.grpo.num_generations=4"),
-    (["data.train_files=[{tmp}/no_prompt.jsonl]"], "no_prompt.jsonl:1: no string or messages field 'prompt'"),
-    (["data=synthetic"], "training.objective=grpo reads records with prompt"),
-    (["training.grpo.loss_aggregation=mean"], "training.grpo.loss_aggregation': Invalid value 'mean'"),
-    (["training.grpo.epsilon_high=0.1"], "training.grpo.epsilon_high=0.1 must be >= training.grpo.epsilon=0.2"),
-    (["training.grpo.reward_weights=[1,2]"], "training.grpo.reward_weights has 2 weights for 1 reward functions"),
-    (["training.grpo.overlong_buffer=8"], "training.grpo.overlong_buffer=8 needs training.grpo.overlong=soft"),
-    (["training.grpo.multi_reward_normalization=per_reward", "training.grpo.scale_rewards=none"],
-     "training.grpo.scale_rewards=none: under multi_reward_normalization=per_reward"),
-    (["training.eval_every=2", "training.grpo.eval_samples=2", "training.grpo.eval_k=4"],
-     "training.grpo.eval_samples=2 must be >= training.grpo.eval_k=4"),
-    (["training.grpo.tools=[json:JSONDecoder]"], "training.grpo.tools: 'json:JSONDecoder' is a type, not a function"),
-    (["training.grpo.tools=[tests.rewards_for_tests:undocumented_tool]"],
-     "'tests.rewards_for_tests:undocumented_tool' cannot make a tool schema"),
-    (["training.grpo.environment=no_such_module:Game"], "training.grpo.environment: cannot import 'no_such_module:Game'"),
-    (["training.grpo.environment=json:dumps"], "'json:dumps' is not a class with reset(record) and step(messages)"),
-    (["training.grpo.max_turns=0"], "training.grpo.max_turns=0 must be >= 1"),
-    (["training.grpo.reward=[tests.rewards_for_tests:divides]"],
-     "training.grpo.reward 'tests.rewards_for_tests:divides' raised ZeroDivisionError: float division by zero (on the "
-     "record {'prompt': '"),
-    (["training.grpo.max_staleness=-1"], "training.grpo.max_staleness=-1 must be >= 0"),
-    (["training.grpo.iterations=0"], "training.grpo.iterations=0 >= 1"),
-    (["training.grpo.importance_cap=0.5"], "training.grpo.importance_cap=0.5 must be at least 1"),
-
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["training.grpo.reward=[no_such_module:f]"],
+            "training.grpo.reward: cannot import 'no_such_module:f'",
+        ),
+        (
+            ["training.grpo.reward=[tests.rewards_for_tests:bad_length]"],
+            "bad_length' returned 1 values for 8 completions",
+        ),
+        (["training.grpo.reward=[tests.rewards_for_tests:not_a_number]"], "not_a_number' returned 'yes'"),
+        (["training.grpo.num_generations=1"], "training.grpo.num_generations=1 must be at least 2"),
+        (
+            ["training.micro_batch_size=6"],
+            "training.micro_batch_size=6 must be a multiple of training.grpo.num_generations=4",
+        ),
+        (
+            ["data.train_files=[{tmp}/no_prompt.jsonl]"],
+            "no_prompt.jsonl:1: no string or messages field 'prompt'",
+        ),
+        (["data=synthetic"], "training.objective=grpo reads records with prompt"),
+        (["training.grpo.loss_aggregation=mean"], "training.grpo.loss_aggregation': Invalid value 'mean'"),
+        (
+            ["training.grpo.epsilon_high=0.1"],
+            "training.grpo.epsilon_high=0.1 must be >= training.grpo.epsilon=0.2",
+        ),
+        (
+            ["training.grpo.reward_weights=[1,2]"],
+            "training.grpo.reward_weights has 2 weights for 1 reward functions",
+        ),
+        (
+            ["training.grpo.overlong_buffer=8"],
+            "training.grpo.overlong_buffer=8 needs training.grpo.overlong=soft",
+        ),
+        (
+            ["training.grpo.multi_reward_normalization=per_reward", "training.grpo.scale_rewards=none"],
+            "training.grpo.scale_rewards=none: under multi_reward_normalization=per_reward",
+        ),
+        (
+            ["training.eval_every=2", "training.grpo.eval_samples=2", "training.grpo.eval_k=4"],
+            "training.grpo.eval_samples=2 must be >= training.grpo.eval_k=4",
+        ),
+        (
+            ["training.grpo.tools=[json:JSONDecoder]"],
+            "training.grpo.tools: 'json:JSONDecoder' is a type, not a function",
+        ),
+        (
+            ["training.grpo.tools=[tests.rewards_for_tests:undocumented_tool]"],
+            "'tests.rewards_for_tests:undocumented_tool' cannot make a tool schema",
+        ),
+        (
+            ["training.grpo.environment=no_such_module:Game"],
+            "training.grpo.environment: cannot import 'no_such_module:Game'",
+        ),
+        (
+            ["training.grpo.environment=json:dumps"],
+            "'json:dumps' is not a class with reset(record) and step(messages)",
+        ),
+        (["training.grpo.max_turns=0"], "training.grpo.max_turns=0 must be >= 1"),
+        (
+            ["training.grpo.reward=[tests.rewards_for_tests:divides]"],
+            "training.grpo.reward 'tests.rewards_for_tests:divides' raised ZeroDivisionError: float "
+            "division by zero (on the "
+            "record {'prompt': '",
+        ),
+        (["training.grpo.max_staleness=-1"], "training.grpo.max_staleness=-1 must be >= 0"),
+        (["training.grpo.iterations=0"], "training.grpo.iterations=0 >= 1"),
+        (["training.grpo.importance_cap=0.5"], "training.grpo.importance_cap=0.5 must be at least 1"),
+    ],
+)
 def test_bad_input_is_one_line(tmp_path, overrides, message):
     prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
     (tmp_path / "no_prompt.jsonl").write_text('{"question": "1+1="}\n' * 64)
     overrides = [o.replace("{tmp}", str(tmp_path)) for o in overrides]
     data = [] if "data=synthetic" in overrides else ["data=jsonl", f"data.train_files=[{prompts}]"]
-    result = run_cli("model=gemma3_tiny", "model.vocab_size=4096", "objective=grpo", *data, "data.seq_len=16",
-                     "training.micro_batch_size=8", "training.grpo.num_generations=4", "training.grpo.max_new_tokens=4",
-                     f"training.grpo.reward=[{REWARD}]", "training.max_steps=2", *overrides,
-                     f"hydra.run.dir={tmp_path}/run", devices=1)
+    result = run_cli(
+        "model=gemma3_tiny",
+        "model.vocab_size=4096",
+        "objective=grpo",
+        *data,
+        "data.seq_len=16",
+        "training.micro_batch_size=8",
+        "training.grpo.num_generations=4",
+        "training.grpo.max_new_tokens=4",
+        f"training.grpo.reward=[{REWARD}]",
+        "training.max_steps=2",
+        *overrides,
+        f"hydra.run.dir={tmp_path}/run",
+        devices=1,
+    )
     lines = result.stderr.strip().splitlines()
-    assert result.returncode != 0 and len(lines) == 1 and lines[0].startswith("tunix_train: error:"), result.stderr
+    assert result.returncode != 0 and len(lines) == 1 and lines[0].startswith("tunix_train: error:"), (
+        result.stderr
+    )
     assert message in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("mesh, rollout_mesh, message", [
-    ([[8], ["fsdp"]], [[4], ["fsdp"]], "model.mesh_shape takes 8 devices and training.grpo.rollout_mesh_shape 4 more; "
-                                       "the two meshes must not share devices and together use the run's 8"),
-    ([[2], ["fsdp"]], [[4], ["fsdp"]], "model.mesh_shape takes 2 devices and training.grpo.rollout_mesh_shape 4 more"),
-    ([[-1], ["fsdp"]], [[8], ["fsdp"]], "training.grpo.rollout_mesh_shape: its 8 devices must leave devices for "
-                                        "training on each of the 1 processes"),
-    ([[-1], ["fsdp"]], [[-1], ["fsdp"]], "training.grpo.rollout_mesh_shape: sizes [-1] must be given, not -1"),
-    ([[-1], ["fsdp"]], [[2], ["sp"]], "training.grpo.rollout_mesh_shape: unknown mesh axis 'sp'"),
-])
+@pytest.mark.parametrize(
+    "mesh, rollout_mesh, message",
+    [
+        (
+            [[8], ["fsdp"]],
+            [[4], ["fsdp"]],
+            "model.mesh_shape takes 8 devices and training.grpo.rollout_mesh_shape 4 more; "
+            "the two meshes must not share devices and together use the run's 8",
+        ),
+        (
+            [[2], ["fsdp"]],
+            [[4], ["fsdp"]],
+            "model.mesh_shape takes 2 devices and training.grpo.rollout_mesh_shape 4 more",
+        ),
+        (
+            [[-1], ["fsdp"]],
+            [[8], ["fsdp"]],
+            "training.grpo.rollout_mesh_shape: its 8 devices must leave devices for "
+            "training on each of the 1 processes",
+        ),
+        (
+            [[-1], ["fsdp"]],
+            [[-1], ["fsdp"]],
+            "training.grpo.rollout_mesh_shape: sizes [-1] must be given, not -1",
+        ),
+        ([[-1], ["fsdp"]], [[2], ["sp"]], "training.grpo.rollout_mesh_shape: unknown mesh axis 'sp'"),
+    ],
+)
 def test_a_rollout_mesh_that_does_not_fit_is_a_config_error(tmp_path, mesh, rollout_mesh, message):
     from tunix_train.config import ConfigError
 
@@ -259,23 +415,62 @@ def test_two_processes_sample_and_train_like_one(tmp_path, rollout_mesh):
     from conftest import REPO, cpu_env
 
     prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
-    run = ["model=gemma3_tiny", "model.vocab_size=4096", "objective=grpo", "data=jsonl", f"data.train_files=[{prompts}]",
-           "data.seq_len=16", "training.log_every=1", "training.max_steps=3", "training.micro_batch_size=4",
-           "training.grpo.num_generations=4", "training.grpo.max_new_tokens=4", "training.grpo.temperature=1.5",
-           f"training.grpo.reward=[{LENGTH}]", "training.learning_rate=1e-3", 'model.mesh_shape=[[4],["fsdp"]]',
-           "distributed.initialization_timeout_s=60"]
-    one = subprocess.run([sys.executable, str(REPO / "run_training.py"), *run, f"hydra.run.dir={tmp_path / 'one'}"],
-                         cwd=REPO, env=cpu_env(4), capture_output=True, text=True, timeout=300)
+    run = [
+        "model=gemma3_tiny",
+        "model.vocab_size=4096",
+        "objective=grpo",
+        "data=jsonl",
+        f"data.train_files=[{prompts}]",
+        "data.seq_len=16",
+        "training.log_every=1",
+        "training.max_steps=3",
+        "training.micro_batch_size=4",
+        "training.grpo.num_generations=4",
+        "training.grpo.max_new_tokens=4",
+        "training.grpo.temperature=1.5",
+        f"training.grpo.reward=[{LENGTH}]",
+        "training.learning_rate=1e-3",
+        'model.mesh_shape=[[4],["fsdp"]]',
+        "distributed.initialization_timeout_s=60",
+    ]
+    one = subprocess.run(
+        [sys.executable, str(REPO / "run_training.py"), *run, f"hydra.run.dir={tmp_path / 'one'}"],
+        cwd=REPO,
+        env=cpu_env(4),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr
     apart = ['training.grpo.rollout_mesh_shape=[[4],["fsdp"]]'] if rollout_mesh else []
-    two = subprocess.run([sys.executable, "-m", "tunix_train.launch", "--nprocs=2",
-                          f"--cpu_devices_per_process={4 if rollout_mesh else 2}", str(REPO / "run_training.py"), *run,
-                          *apart, f"hydra.run.dir={tmp_path / 'two'}"], cwd=REPO,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tunix_train.launch",
+            "--nprocs=2",
+            f"--cpu_devices_per_process={4 if rollout_mesh else 2}",
+            str(REPO / "run_training.py"),
+            *run,
+            *apart,
+            f"hydra.run.dir={tmp_path / 'two'}",
+        ],
+        cwd=REPO,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert two.returncode == 0, two.stdout
     assert _samples(tmp_path / "two") == _samples(tmp_path / "one")
-    assert all(("weight_sync_bytes" in m) == rollout_mesh for m in read_metrics(tmp_path / "two") if "loss" in m)
+    assert all(
+        ("weight_sync_bytes" in m) == rollout_mesh for m in read_metrics(tmp_path / "two") if "loss" in m
+    )
     for key in ("loss", "reward", "kl"):
-        np.testing.assert_allclose([m[key] for m in read_metrics(tmp_path / "two") if "loss" in m],
-                                   [m[key] for m in read_metrics(tmp_path / "one") if "loss" in m], rtol=1e-5,
-                                   atol=1e-7, err_msg=key)
+        np.testing.assert_allclose(
+            [m[key] for m in read_metrics(tmp_path / "two") if "loss" in m],
+            [m[key] for m in read_metrics(tmp_path / "one") if "loss" in m],
+            rtol=1e-5,
+            atol=1e-7,
+            err_msg=key,
+        )

@@ -19,15 +19,28 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
 B, G, T, MAX_NEW = 8, 4, 10, 12  # rows (two groups of G), positions, max_new_tokens
-TRL_LOSS = {GrpoAggregation.token_mean: "bnpo", GrpoAggregation.sequence_mean: "grpo",
-            GrpoAggregation.dr_grpo: "dr_grpo", GrpoAggregation.dapo: "dapo"}
+TRL_LOSS = {
+    GrpoAggregation.token_mean: "bnpo",
+    GrpoAggregation.sequence_mean: "grpo",
+    GrpoAggregation.dr_grpo: "dr_grpo",
+    GrpoAggregation.dapo: "dapo",
+}
 REWARD = "tunix_train.rewards.arithmetic:exact_match"
 
 
 def _cfg(*overrides):
-    cfg, _ = load_config(["objective=grpo", "data=jsonl", "data.train_files=[x.jsonl]", f"training.grpo.reward=[{REWARD},{REWARD}]",
-                          f"training.grpo.num_generations={G}", f"training.grpo.max_new_tokens={MAX_NEW}",
-                          "training.grpo.max_staleness=1", *overrides])  # off-policy: pi_old is the recorded logp
+    cfg, _ = load_config(
+        [
+            "objective=grpo",
+            "data=jsonl",
+            "data.train_files=[x.jsonl]",
+            f"training.grpo.reward=[{REWARD},{REWARD}]",
+            f"training.grpo.num_generations={G}",
+            f"training.grpo.max_new_tokens={MAX_NEW}",
+            "training.grpo.max_staleness=1",
+            *overrides,
+        ]
+    )  # off-policy: pi_old is the recorded logp
     return cfg
 
 
@@ -35,6 +48,7 @@ def _trl_advantages(rewards_FN, weights, scale, normalization):
     """TRL 1.16 GRPOTrainer._generate_and_score_completions' advantages (trl/trainer/grpo_trainer.py
     lines 2761-2800), transcribed line for line with its own nanstd, rewards [N, functions]."""
     from trl.trainer.utils import nanstd
+
     rewards_per_func, w = torch.tensor(rewards_FN.T), torch.tensor(weights, dtype=torch.float64)
     if normalization == "sum_then_normalize":
         rewards = (rewards_per_func * w.unsqueeze(0)).nansum(dim=1)
@@ -48,7 +62,9 @@ def _trl_advantages(rewards_FN, weights, scale, normalization):
             advantages = advantages / (std + 1e-4)
         return advantages.numpy()
     grouped = rewards_per_func.view(-1, G, len(weights))
-    reward_k = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+    reward_k = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (
+        nanstd(grouped, dim=1, keepdim=True) + 1e-4
+    )
     rewards = (reward_k.view(-1, len(weights)) * w.unsqueeze(0)).nansum(dim=1)
     return ((rewards - torch.nanmean(rewards)) / (nanstd(rewards).expand_as(rewards) + 1e-4)).numpy()
 
@@ -56,22 +72,47 @@ def _trl_advantages(rewards_FN, weights, scale, normalization):
 def _trl_loss(cfg, logp, old, ref, mask, advantages) -> float:
     """TRL's GRPOTrainer._compute_loss itself, its forward replaced by the given log-probabilities."""
     from trl import GRPOTrainer
+
     g = cfg.training.grpo
-    accelerator = types.SimpleNamespace(num_processes=1, reduce=lambda x, reduction: x, gather=lambda x: x,
-                                        gather_for_metrics=lambda x: x, sync_gradients=True, device="cpu")
+    accelerator = types.SimpleNamespace(
+        num_processes=1,
+        reduce=lambda x, reduction: x,
+        gather=lambda x: x,
+        gather_for_metrics=lambda x: x,
+        sync_gradients=True,
+        device="cpu",
+    )
     trainer = types.SimpleNamespace(
-        model=types.SimpleNamespace(training=True), accelerator=accelerator, aux_loss_enabled=False,
+        model=types.SimpleNamespace(training=True),
+        accelerator=accelerator,
+        aux_loss_enabled=False,
         _get_per_token_logps_and_entropies=lambda *a, **k: (torch.tensor(logp), torch.zeros(B, T), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=g.importance_sampling_level.value,
-        beta=g.beta, loss_type=TRL_LOSS[g.loss_aggregation], epsilon_low=g.epsilon,
-        epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high, use_vllm=False,
-        args=types.SimpleNamespace(delta=g.importance_cap, use_bias_correction_kl=False, steps_per_generation=1),
-        current_gradient_accumulation_steps=1, max_completion_length=MAX_NEW, _entropy_bonus_enabled=False,
-        _metrics={"train": collections.defaultdict(list)})
-    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1),
-              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": torch.tensor(mask),
-              "advantages": torch.tensor(advantages, dtype=torch.float32), "old_per_token_logps": torch.tensor(old),
-              "ref_per_token_logps": torch.tensor(ref), "num_items_in_batch": torch.tensor(mask.sum())}
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level=g.importance_sampling_level.value,
+        beta=g.beta,
+        loss_type=TRL_LOSS[g.loss_aggregation],
+        epsilon_low=g.epsilon,
+        epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high,
+        use_vllm=False,
+        args=types.SimpleNamespace(
+            delta=g.importance_cap, use_bias_correction_kl=False, steps_per_generation=1
+        ),
+        current_gradient_accumulation_steps=1,
+        max_completion_length=MAX_NEW,
+        _entropy_bonus_enabled=False,
+        _metrics={"train": collections.defaultdict(list)},
+    )
+    inputs = {
+        "prompt_ids": torch.zeros(B, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 1),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long),
+        "completion_mask": torch.tensor(mask),
+        "advantages": torch.tensor(advantages, dtype=torch.float32),
+        "old_per_token_logps": torch.tensor(old),
+        "ref_per_token_logps": torch.tensor(ref),
+        "num_items_in_batch": torch.tensor(mask.sum()),
+    }
     return float(GRPOTrainer._compute_loss(trainer, trainer.model, inputs))
 
 
@@ -83,7 +124,7 @@ def _data(seed):
     ref = (logp + rng.normal(0, 0.2, (B, T))).astype(np.float32)
     mask = np.zeros((B, T), np.float32)
     for row in range(B):
-        mask[row, :rng.integers(2, T + 1)] = 1.0
+        mask[row, : rng.integers(2, T + 1)] = 1.0
     rewards = rng.integers(0, 3, (2, B)).astype(np.float64)  # two reward functions
     return logp, old, ref, mask, rewards
 
@@ -107,12 +148,22 @@ SETTINGS = [
     *[[f"training.grpo.scale_rewards={scale.value}"] for scale in ScaleRewards],
     ["training.grpo.epsilon_high=0.28"],
     ["training.grpo.importance_sampling_level=sequence"],
-    ["training.grpo.importance_sampling_level=sequence", "training.grpo.loss_aggregation=dr_grpo",
-     "training.grpo.beta=0"],
+    [
+        "training.grpo.importance_sampling_level=sequence",
+        "training.grpo.loss_aggregation=dr_grpo",
+        "training.grpo.beta=0",
+    ],
     ["training.grpo.reward_weights=[0.3,2.0]"],
     ["training.grpo.multi_reward_normalization=per_reward", "training.grpo.reward_weights=[1.0,0.5]"],
-    ["objective=dapo"], ["objective=dr_grpo"], ["objective=gspo"],
-    ["objective=gspo", "training.grpo.epsilon=0.1", "training.grpo.epsilon_high=0.2", "training.grpo.beta=0.04"],
+    ["objective=dapo"],
+    ["objective=dr_grpo"],
+    ["objective=gspo"],
+    [
+        "objective=gspo",
+        "training.grpo.epsilon=0.1",
+        "training.grpo.epsilon_high=0.2",
+        "training.grpo.beta=0.04",
+    ],
 ]
 
 
@@ -123,48 +174,84 @@ def test_loss_equals_trl_grpo_trainer(overrides):
     for seed in range(3):
         logp, old, ref, mask, rewards = _data(seed)
         weights = list(g.reward_weights) or [1.0, 1.0]
-        trl_normalization = {RewardNormalization.sum: "sum_then_normalize",
-                             RewardNormalization.per_reward: "normalize_then_sum"}[g.multi_reward_normalization]
+        trl_normalization = {
+            RewardNormalization.sum: "sum_then_normalize",
+            RewardNormalization.per_reward: "normalize_then_sum",
+        }[g.multi_reward_normalization]
         expected_adv = _trl_advantages(rewards, weights, g.scale_rewards.value, trl_normalization)
         advantages = family.advantages(rewards, G, weights, g.scale_rewards, g.multi_reward_normalization)
         # (TRL's nanstd takes its Bessel factor count / (count - 1) in float32: 1e-8 apart)
         np.testing.assert_allclose(advantages, expected_adv, rtol=1e-7, atol=1e-12)
         expected = _trl_loss(cfg, logp, old, ref, mask, advantages)
         for accumulation in (1, 2, 4):
-            assert _ours(cfg, logp, old, ref, mask, advantages, accumulation) == pytest.approx(expected, abs=1e-6), (
-                seed, accumulation)
+            assert _ours(cfg, logp, old, ref, mask, advantages, accumulation) == pytest.approx(
+                expected, abs=1e-6
+            ), (seed, accumulation)
 
 
 def test_the_presets_set_what_their_papers_do():
     g = {name: _cfg(f"objective={name}").training.grpo for name in ("dapo", "dr_grpo", "gspo")}
-    assert (g["dapo"].loss_aggregation, g["dapo"].epsilon_high, g["dapo"].dynamic_sampling, g["dapo"].overlong.value,
-            g["dapo"].beta) == (GrpoAggregation.dapo, 0.28, True, "soft", 0.0)
-    assert (g["dr_grpo"].loss_aggregation, g["dr_grpo"].scale_rewards) == (GrpoAggregation.dr_grpo, ScaleRewards.none)
+    assert (
+        g["dapo"].loss_aggregation,
+        g["dapo"].epsilon_high,
+        g["dapo"].dynamic_sampling,
+        g["dapo"].overlong.value,
+        g["dapo"].beta,
+    ) == (GrpoAggregation.dapo, 0.28, True, "soft", 0.0)
+    assert (g["dr_grpo"].loss_aggregation, g["dr_grpo"].scale_rewards) == (
+        GrpoAggregation.dr_grpo,
+        ScaleRewards.none,
+    )
     assert (g["gspo"].importance_sampling_level, g["gspo"].epsilon, g["gspo"].epsilon_high) == (
-        ImportanceLevel.sequence, 3e-4, 4e-4)
+        ImportanceLevel.sequence,
+        3e-4,
+        4e-4,
+    )
 
 
 def test_overlong_penalty_equals_trl_and_pass_at_k_the_estimator():
     from trl.rewards import get_soft_overlong_punishment
+
     trl = get_soft_overlong_punishment(max_completion_len=20, soft_punish_cache=6)
     lengths = list(range(0, 21))
-    assert [family.overlong_penalty(n, 20, 6) for n in lengths] == pytest.approx(trl([[1] * n for n in lengths]))
+    assert [family.overlong_penalty(n, 20, 6) for n in lengths] == pytest.approx(
+        trl([[1] * n for n in lengths])
+    )
     # pass@k = 1 - C(n - c, k) / C(n, k), by hand: n=5, c=2, k=2: 1 - C(3,2)/C(5,2) = 1 - 3/10
     assert family.pass_at_k(5, 2, 2) == pytest.approx(0.7)
-    assert family.pass_at_k(5, 0, 3) == 0.0 and family.pass_at_k(5, 3, 3) == 1.0 and family.pass_at_k(4, 1, 1) == 0.25
+    assert (
+        family.pass_at_k(5, 0, 3) == 0.0
+        and family.pass_at_k(5, 3, 3) == 1.0
+        and family.pass_at_k(4, 1, 1) == 0.25
+    )
     from math import comb
+
     for n, c, k in [(10, 3, 1), (10, 3, 4), (8, 7, 2), (16, 5, 8)]:
         assert family.pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k), abs=1e-12)
 
 
 def _run_cfg(tmp_path, *overrides, reward="tests.rewards_for_tests:length_for_even_answers"):
     from tunix_train.rewards.arithmetic import write_task
+
     prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
-    cfg, _ = load_config(["model=gemma3_tiny", "model.vocab_size=4096", "objective=grpo", "data=jsonl",
-                          f"data.train_files=[{prompts}]", "data.seq_len=16", "training.log_every=1",
-                          "training.micro_batch_size=8", "training.grpo.num_generations=4",
-                          "training.grpo.max_new_tokens=4", f"training.grpo.reward=[{reward}]",
-                          "training.grpo.temperature=1.5", "training.learning_rate=1e-3", *overrides])
+    cfg, _ = load_config(
+        [
+            "model=gemma3_tiny",
+            "model.vocab_size=4096",
+            "objective=grpo",
+            "data=jsonl",
+            f"data.train_files=[{prompts}]",
+            "data.seq_len=16",
+            "training.log_every=1",
+            "training.micro_batch_size=8",
+            "training.grpo.num_generations=4",
+            "training.grpo.max_new_tokens=4",
+            f"training.grpo.reward=[{reward}]",
+            "training.grpo.temperature=1.5",
+            "training.learning_rate=1e-3",
+            *overrides,
+        ]
+    )
     cfg.model.mesh_shape = [[2, 2], ["fsdp", "tp"]]
     return cfg
 
@@ -173,12 +260,16 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path):
     """Half the prompts (odd answers) give every completion the same reward: their groups are set
     aside and more prompts rolled out until the batch is full of groups whose rewards differ."""
     from conftest import read_metrics
+
     from tunix_train.train.loop import train
+
     cfg = _run_cfg(tmp_path, "training.max_steps=3", "training.grpo.dynamic_sampling=true")
     train(cfg, tmp_path / "run", devices=jax.devices()[:4])
     steps = [m for m in read_metrics(tmp_path / "run") if "loss" in m]
     assert all(m["groups_without_signal"] == 0 for m in steps), steps
-    assert max(m["dynamic_sampling_rounds"] for m in steps) >= 2  # 4 groups per batch, about 2 informative per round
+    assert (
+        max(m["dynamic_sampling_rounds"] for m in steps) >= 2
+    )  # 4 groups per batch, about 2 informative per round
     assert all(m["reward_length_for_even_answers_std"] > 0 for m in steps)
 
 
@@ -187,47 +278,82 @@ def test_a_batch_without_signal_does_not_update_the_weights(tmp_path):
     """Every reward equal: with dynamic sampling no group has signal after its rounds, and the weights
     and AdamW's state stay as they were (without it, weight decay alone would move them)."""
     from tunix_train.train.loop import train
+
     moved = {}
     for dynamic in (True, False):
-        cfg = _run_cfg(tmp_path, "training.max_steps=2", "training.weight_decay=0.1",
-                       f"training.grpo.dynamic_sampling={dynamic}", "training.grpo.dynamic_sampling_rounds=2",
-                       "training.eval_every=0", reward="tests.rewards_for_tests:constant")
+        cfg = _run_cfg(
+            tmp_path,
+            "training.max_steps=2",
+            "training.weight_decay=0.1",
+            f"training.grpo.dynamic_sampling={dynamic}",
+            "training.grpo.dynamic_sampling_rounds=2",
+            "training.eval_every=0",
+            reward="tests.rewards_for_tests:constant",
+        )
         state = train(cfg, tmp_path / f"run{dynamic}", devices=jax.devices()[:4])
         cfg.training.max_steps = 0
         initial = train(cfg, tmp_path / f"init{dynamic}", devices=jax.devices()[:4])
-        moved[dynamic] = max(float(jnp.max(jnp.abs(a - b))) for a, b in
-                             zip(jax.tree.leaves(state.params), jax.tree.leaves(initial.params)))
+        moved[dynamic] = max(
+            float(jnp.max(jnp.abs(a - b)))
+            for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(initial.params))
+        )
     assert moved[True] == 0.0 and moved[False] > 0, moved
 
 
 @pytest.mark.slow
 def test_resume_is_bit_identical_with_dynamic_sampling(tmp_path):
     from conftest import read_metrics, straight_and_resumed
-    cfg = _run_cfg(tmp_path, "training.lr_schedule=constant", "checkpoint.every_steps=2", "objective=dapo",
-                   "training.grpo.beta=0.04")
+
+    cfg = _run_cfg(
+        tmp_path,
+        "training.lr_schedule=constant",
+        "checkpoint.every_steps=2",
+        "objective=dapo",
+        "training.grpo.beta=0.04",
+    )
     straight, resumed = straight_and_resumed(cfg, tmp_path, 5, 3, jax.devices()[:4])
-    metrics = lambda d: [m for m in read_metrics(d) if "loss" in m]
+
+    def metrics(d):
+        return [m for m in read_metrics(d) if "loss" in m]
+
     for key in ("loss", "grad_norm", "reward", "dynamic_sampling_rounds", "reward_overlong"):
         assert [m[key] for m in metrics(resumed)] == [m[key] for m in metrics(straight)], key
 
 
 def test_evaluation_logs_reward_and_pass_at_k(tmp_path):
     from conftest import read_metrics
+
     from tunix_train.train.loop import train
-    cfg = _run_cfg(tmp_path, "training.max_steps=4", "training.eval_every=2", "data.eval_fraction=0.25",
-                   "training.eval_batches=1", "training.grpo.eval_samples=4", "training.grpo.eval_k=2",
-                   "training.grpo.eval_pass_reward=0.3")
+
+    cfg = _run_cfg(
+        tmp_path,
+        "training.max_steps=4",
+        "training.eval_every=2",
+        "data.eval_fraction=0.25",
+        "training.eval_batches=1",
+        "training.grpo.eval_samples=4",
+        "training.grpo.eval_k=2",
+        "training.grpo.eval_pass_reward=0.3",
+    )
     train(cfg, tmp_path / "run", devices=jax.devices()[:4])
     evals = [m for m in read_metrics(tmp_path / "run") if "eval_reward" in m]
     assert [m["step"] for m in evals] == [0, 2, 4]
     assert all(0 <= m["eval_pass@2"] <= 1 and np.isfinite(m["eval_reward"]) for m in evals)
-    assert len({m["eval_pass@2"] for m in evals} | {m["eval_reward"] for m in evals}) > 1  # they move with the weights
+    assert (
+        len({m["eval_pass@2"] for m in evals} | {m["eval_reward"] for m in evals}) > 1
+    )  # they move with the weights
 
 
-@pytest.mark.parametrize("overrides", [["training.grpo.loss_aggregation=token_mean"],
-                                       ["training.grpo.loss_aggregation=sequence_mean"],
-                                       ["training.grpo.loss_aggregation=dr_grpo"], ["objective=gspo"]],
-                         ids=lambda o: o[0].rpartition("=")[2])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["training.grpo.loss_aggregation=token_mean"],
+        ["training.grpo.loss_aggregation=sequence_mean"],
+        ["training.grpo.loss_aggregation=dr_grpo"],
+        ["objective=gspo"],
+    ],
+    ids=lambda o: o[0].rpartition("=")[2],
+)
 def test_the_compiled_step_is_exact_under_accumulation(tmp_path, overrides):
     """The same 16 rows as one micro-batch and as 4: equal loss, gradient norm and gradient. AdamW
     with eps 1 and learning rate 1 makes the update g / (|g| + 1) (no decay, no clipping), so the
@@ -235,19 +361,35 @@ def test_the_compiled_step_is_exact_under_accumulation(tmp_path, overrides):
     from tunix_train.data.pipeline import padded_row
     from tunix_train.sharding import to_global_batch
     from tunix_train.train.setup import setup
+
     rng = np.random.default_rng(0)
-    rows = [padded_row(list(rng.integers(3, 4000, rng.integers(2, 6))), list(rng.integers(3, 4000, rng.integers(1, 8))),
-                       16) for _ in range(16)]
+    rows = [
+        padded_row(
+            list(rng.integers(3, 4000, rng.integers(2, 6))),
+            list(rng.integers(3, 4000, rng.integers(1, 8))),
+            16,
+        )
+        for _ in range(16)
+    ]
     full = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
     full["advantages"] = np.repeat(rng.normal(size=(16, 1)), 16, axis=1).astype(np.float32)
     full["behaviour_logp"] = rng.uniform(-9, -7, (16, 16)).astype(np.float32) * full["loss_mask"]
     results = []
     for accumulation in (1, 4):
-        cfg = _run_cfg(tmp_path, f"training.gradient_accumulation_steps={accumulation}",
-                       f"training.micro_batch_size={16 // accumulation}", "training.grpo.max_staleness=1",
-                       "training.grpo.beta=0.04", "training.adam_eps=1.0", "training.learning_rate=1.0",
-                       "training.weight_decay=0", "training.grad_clip_norm=0", "training.lr_schedule=constant",
-                       "training.warmup_steps=0", *overrides)
+        cfg = _run_cfg(
+            tmp_path,
+            f"training.gradient_accumulation_steps={accumulation}",
+            f"training.micro_batch_size={16 // accumulation}",
+            "training.grpo.max_staleness=1",
+            "training.grpo.beta=0.04",
+            "training.adam_eps=1.0",
+            "training.learning_rate=1.0",
+            "training.weight_decay=0",
+            "training.grad_clip_norm=0",
+            "training.lr_schedule=constant",
+            "training.warmup_steps=0",
+            *overrides,
+        )
         cfg.model.mesh_shape = [[1], ["fsdp"]]
         objective = GroupRelative(cfg)
         run = setup(cfg, jax.devices()[:1], objective)
@@ -257,7 +399,13 @@ def test_the_compiled_step_is_exact_under_accumulation(tmp_path, overrides):
         with jax.set_mesh(run.mesh):
             state, metrics = run.step_fn(state, to_global_batch(batch, run.mesh))
         updates = [np.asarray(x) - x0 for x, x0 in zip(jax.tree.leaves(state.params), initial)]
-        results.append((float(metrics["loss"]), float(metrics["grad_norm"]), np.concatenate([u.ravel() for u in updates])))
+        results.append(
+            (
+                float(metrics["loss"]),
+                float(metrics["grad_norm"]),
+                np.concatenate([u.ravel() for u in updates]),
+            )
+        )
     (loss1, norm1, update1), (loss4, norm4, update4) = results
     assert loss4 == pytest.approx(loss1, abs=1e-6) and norm4 == pytest.approx(norm1, rel=1e-6, abs=1e-7)
     assert abs(loss1) > 1e-3 and norm1 > 1e-3  # the comparison means something
@@ -269,12 +417,25 @@ def test_a_rollout_in_few_slots_gives_the_same_completions_and_losses(tmp_path):
     """training.grpo.rollout_slots=4: the 32 completions of a step go through 4 slots at a time
     (continuous batching) and are the ones of all at once, as are the losses."""
     from conftest import read_metrics
+
     from tunix_train.train.loop import train
+
     runs = {}
     for slots in ("null", "4"):
-        cfg = _run_cfg(tmp_path, "training.max_steps=2", "training.micro_batch_size=16", "training.eval_every=0",
-                       f"training.grpo.rollout_slots={slots}")
+        cfg = _run_cfg(
+            tmp_path,
+            "training.max_steps=2",
+            "training.micro_batch_size=16",
+            "training.eval_every=0",
+            f"training.grpo.rollout_slots={slots}",
+        )
         train(cfg, tmp_path / slots, devices=jax.devices()[:4])
-        runs[slots] = ([(m["loss"], m["reward"], m["completion_tokens"]) for m in read_metrics(tmp_path / slots)
-                        if "loss" in m], (tmp_path / slots / "samples.jsonl").read_text())
+        runs[slots] = (
+            [
+                (m["loss"], m["reward"], m["completion_tokens"])
+                for m in read_metrics(tmp_path / slots)
+                if "loss" in m
+            ],
+            (tmp_path / slots / "samples.jsonl").read_text(),
+        )
     assert runs["4"] == runs["null"] and len(runs["null"][0]) == 2

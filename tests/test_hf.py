@@ -8,12 +8,13 @@ import pytest
 torch = pytest.importorskip("torch", reason="these tests need torch: pip install -e '.[reference]'")
 transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[reference]'")
 
-from conftest import config  # noqa: E402
 import hf_reference  # noqa: E402
+from conftest import config  # noqa: E402
 from hf_reference import FAMILIES, SEQ, SIZES  # noqa: E402
+
 from tunix_train import api, export  # noqa: E402
-from tunix_train.interop import hf  # noqa: E402
 from tunix_train.config import ConfigError  # noqa: E402
+from tunix_train.interop import hf  # noqa: E402
 from tunix_train.train.loop import train  # noqa: E402
 
 MESH = [[2, 2], ["fsdp", "tp"]]
@@ -29,7 +30,9 @@ def test_export_then_import_is_identical_and_transformers_loads_it(tmp_path, fam
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     loaded = type(reference_model).from_pretrained(tmp_path / "exported").eval()
     tokens = np.random.default_rng(1).integers(0, SIZES["vocab_size"], (1, SEQ))
-    np.testing.assert_array_equal(hf_reference.logits(loaded, tokens), hf_reference.logits(reference_model, tokens))
+    np.testing.assert_array_equal(
+        hf_reference.logits(loaded, tokens), hf_reference.logits(reference_model, tokens)
+    )
 
 
 def test_each_device_reads_only_its_slice(tmp_path, monkeypatch):
@@ -54,16 +57,20 @@ def test_init_from_starts_training_from_the_checkpoint(tmp_path):
     fields = hf.model_fields_from_hf(hf.read_hf_config(tmp_path / "hf"))
     overrides = [f"model.{k}={v}" for k, v in fields.items() if v is not None]
     # learning rate 0: the step leaves the parameters as they were loaded
-    cfg = config(*overrides, f"model.init_from={tmp_path / 'hf'}", "training.max_steps=1",
-                 "training.learning_rate=0")
+    cfg = config(
+        *overrides, f"model.init_from={tmp_path / 'hf'}", "training.max_steps=1", "training.learning_rate=0"
+    )
     state = train(cfg, tmp_path / "run", devices=jax.devices()[:1])
     loaded = api.load(tmp_path / "hf", devices=jax.devices()[:1])
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(loaded.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert "initialized from model.init_from" in (tmp_path / "run" / "train.log").read_text()
 
-    wrong = config(*[o for o in overrides if "embed_dim" not in o], "model.embed_dim=32",
-                   f"model.init_from={tmp_path / 'hf'}")
+    wrong = config(
+        *[o for o in overrides if "embed_dim" not in o],
+        "model.embed_dim=32",
+        f"model.init_from={tmp_path / 'hf'}",
+    )
     with pytest.raises(ConfigError, match="has embed_dim=64 but model.embed_dim=32"):
         train(wrong, tmp_path / "wrong", devices=jax.devices()[:1])
     assert not (tmp_path / "wrong").exists()
@@ -80,5 +87,7 @@ def test_native_checkpoint_loads_for_notebooks(tmp_path):
     # ... and exports with the command line tool, for transformers
     assert export.main([str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    np.testing.assert_allclose(hf_reference.logits(reference, np.array([[1, 2, 3, 4]])), logits, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        hf_reference.logits(reference, np.array([[1, 2, 3, 4]])), logits, atol=1e-4, rtol=0
+    )
     assert export.main([str(tmp_path / "run"), str(tmp_path / "hf")]) == 2  # never over an existing export

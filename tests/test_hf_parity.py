@@ -1,11 +1,12 @@
 """Logits and greedy-generation parity with transformers' Gemma, Gemma 2 and Gemma 3 (tiny random
-models, sliding windows included). transformers runs in this process, or in TUNIX_TRAIN_REFERENCE_PYTHON's (hf_reference.py)."""
+models, sliding windows included).
+transformers runs in this process, or in TUNIX_TRAIN_REFERENCE_PYTHON's (hf_reference.py)."""
 
 import jax
 import numpy as np
 import pytest
-
 from hf_reference import FAMILIES, SEQ, SIZES, WINDOW, checkpoint_and_logits
+
 from tunix_train import api
 
 MESH = [[2, 2], ["fsdp", "tp"]]

@@ -64,7 +64,7 @@ def test_no_file_imports_itself_through_others():
         state[name] = 1
         for dep in sorted(GRAPH[name]):
             if state.get(dep) == 1:
-                cycle = trail[trail.index(dep):] + [dep]
+                cycle = trail[trail.index(dep) :] + [dep]
                 raise AssertionError("import circle: " + " -> ".join(cycle))
             if dep not in state:
                 visit(dep, trail + [dep])
@@ -76,15 +76,26 @@ def test_no_file_imports_itself_through_others():
 
 
 def test_imports_flow_one_way():
-    wrong = [f"{name} imports {dep}" for name, deps in GRAPH.items() for dep in deps
-             for package, banned in FORBIDDEN.items() if _within(name, package)
-             for b in banned if _within(dep, b) and not _within(name, b)]
+    wrong = [
+        f"{name} imports {dep}"
+        for name, deps in GRAPH.items()
+        for dep in deps
+        for package, banned in FORBIDDEN.items()
+        if _within(name, package)
+        for b in banned
+        if _within(dep, b) and not _within(name, b)
+    ]
     assert not wrong, wrong
 
 
 def test_the_model_names_no_mesh_collective():
-    found = [f"{path.name}: {word}" for name, path in MODULES.items() if _within(name, "tunix_train.model")
-             for word in MESH_WORDS if word in path.read_text()]
+    found = [
+        f"{path.name}: {word}"
+        for name, path in MODULES.items()
+        if _within(name, "tunix_train.model")
+        for word in MESH_WORDS
+        if word in path.read_text()
+    ]
     assert not found, found
 
 
@@ -110,9 +121,18 @@ def test_the_checker_sees_a_circle_and_a_forbidden_import():
         GRAPH.update(saved)
 
 
-def test_files_stay_small_and_the_performance_page_current():
-    """The house's size aims: no module over 450 lines; docs/performance.md the current figures and
-    knobs in at most 150 (history goes to performance-history.md)."""
-    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > 450}
-    assert not long, long
+LONG = 450  # lines: a smell to look at, not a target
+
+
+def test_long_files_say_why_and_the_performance_page_stays_current():
+    """A module past LONG lines says at its top why it is one file (splitting it would scatter one
+    concept), in its docstring's "One file:" sentence; docs/performance.md holds the current figures
+    and knobs in at most 150 lines (history goes to performance-history.md)."""
+    unexplained = {
+        name: n
+        for name, path in MODULES.items()
+        if (n := len((text := path.read_text()).splitlines())) > LONG
+        and "One file:" not in (ast.get_docstring(ast.parse(text)) or "")
+    }
+    assert not unexplained, unexplained
     assert len((PACKAGE.parent / "docs" / "performance.md").read_text().splitlines()) <= 150

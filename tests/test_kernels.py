@@ -10,7 +10,6 @@ import pytest
 from tunix_train.model import kernels
 
 
-
 def _assert_close(got, want):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
@@ -34,12 +33,15 @@ def _assert_same_values_and_gradients(kernel, plain, args):
 
 
 @pytest.mark.parametrize("kernel", [kernels.project, kernels.dense])
-@pytest.mark.parametrize("spec, x_shape, w_shape", [("btd,dcf->btcf", (2, 5, 8), (8, 2, 6)),
-                                                    ("btd,dnh->btnh", (2, 5, 8), (8, 3, 4))])
+@pytest.mark.parametrize(
+    "spec, x_shape, w_shape",
+    [("btd,dcf->btcf", (2, 5, 8), (8, 2, 6)), ("btd,dnh->btnh", (2, 5, 8), (8, 3, 4))],
+)
 def test_project_is_einsum(kernel, spec, x_shape, w_shape):
     """The weight gradient computed as einsum(x, g) is autodiff's einsum(g, x)."""
-    _assert_same_values_and_gradients(lambda x, w: kernel(spec, x, w), lambda x, w: jnp.einsum(spec, x, w),
-                                      _normal([x_shape, w_shape]))
+    _assert_same_values_and_gradients(
+        lambda x, w: kernel(spec, x, w), lambda x, w: jnp.einsum(spec, x, w), _normal([x_shape, w_shape])
+    )
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])  # q, k, v stacked; k and v stacked, q alone
@@ -59,7 +61,7 @@ def test_apply_rope_is_the_rotation_of_halves():
     sin, cos = jnp.sin(angle), jnp.cos(angle)
 
     def plain(x):  # the textbook split and concatenate
-        x1, x2 = x[..., : H // 2], x[..., H // 2:]
+        x1, x2 = x[..., : H // 2], x[..., H // 2 :]
         s, c = sin[:, :, 0], cos[:, :, 0]
         return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
@@ -92,8 +94,11 @@ def test_attention_is_plain_softmax_attention(softcap):
     B, T, N, K, H = 2, 16, 4, 2, 8
     args = _normal([(B, T, N, H), (B, T, K, H), (B, T, K, H)], seed=1)
     mask = _documents_and_window_mask(window=5)
-    _assert_same_values_and_gradients(lambda *qkv: kernels.attention(*qkv, mask, softcap),
-                                      lambda *qkv: _plain_attention(*qkv, mask, softcap), args)
+    _assert_same_values_and_gradients(
+        lambda *qkv: kernels.attention(*qkv, mask, softcap),
+        lambda *qkv: _plain_attention(*qkv, mask, softcap),
+        args,
+    )
 
 
 def test_fused_attention_gets_the_layout_heads_and_mask_of_the_einsum_attention():
@@ -102,12 +107,17 @@ def test_fused_attention_gets_the_layout_heads_and_mask_of_the_einsum_attention(
     B, T, N, K, H = 2, 16, 4, 2, 8
     args = _normal([(B, T, N, H), (B, T, K, H), (B, T, K, H)])
     mask = _documents_and_window_mask(window=4)
-    _assert_same_values_and_gradients(lambda *qkv: kernels.attention(*qkv, mask, fused="xla"),
-                                      lambda *qkv: _plain_attention(*qkv, mask, None), args)
+    _assert_same_values_and_gradients(
+        lambda *qkv: kernels.attention(*qkv, mask, fused="xla"),
+        lambda *qkv: _plain_attention(*qkv, mask, None),
+        args,
+    )
 
 
-@pytest.mark.parametrize("slots", [kernels.Slots(0, 8, 16), kernels.Slots(40, 8, 4), kernels.Slots(10, 3, 2),
-                                   kernels.Slots(16, 4, 0)])
+@pytest.mark.parametrize(
+    "slots",
+    [kernels.Slots(0, 8, 16), kernels.Slots(40, 8, 4), kernels.Slots(10, 3, 2), kernels.Slots(16, 4, 0)],
+)
 @pytest.mark.parametrize("sizes", [[10, 0, 70, 15], [8] * 8, [0, 0, 37], [1, 2, 3]])
 @pytest.mark.parametrize("shuffled", [False, True])
 def test_slotted_matmul_is_ragged_dot_where_every_row_fits(sizes, slots, shuffled):
@@ -127,7 +137,9 @@ def test_slotted_matmul_is_ragged_dot_where_every_row_fits(sizes, slots, shuffle
 
     def slotted(x, w):
         source, dest, group_J = kernels.slotting(expert_A, E, slots)
-        return kernels.take_rows(kernels.slotted_matmul(kernels.take_rows(x, source, dest), w, group_J, slots), dest, source)
+        return kernels.take_rows(
+            kernels.slotted_matmul(kernels.take_rows(x, source, dest), w, group_J, slots), dest, source
+        )
 
     # what fits: each group's first base rows, then whole blocks while the pool lasts
     kept, blocks_left = [], slots.blocks
@@ -135,14 +147,24 @@ def test_slotted_matmul_is_ragged_dot_where_every_row_fits(sizes, slots, shuffle
         over = max(size - slots.base, 0)
         used = min(-(-over // slots.block), blocks_left)
         blocks_left -= used
-        kept += [1] * min(size, slots.base + used * slots.block) + [0] * (size - min(size, slots.base + used * slots.block))
+        kept += [1] * min(size, slots.base + used * slots.block) + [0] * (
+            size - min(size, slots.base + used * slots.block)
+        )
     kept = jnp.asarray(kept + [0] * (A - sum(sizes)), jnp.float32)[:, None]
-    assert bool(slots.fit(group_sizes)) == bool(jnp.all(kept[:sum(sizes)] == 1))
+    assert bool(slots.fit(group_sizes)) == bool(jnp.all(kept[: sum(sizes)] == 1))
     unsort = np.argsort(order)
-    reference = lambda x, w: jax.lax.ragged_dot(x[order] * kept, w, group_sizes)[unsort]
+
+    def reference(x, w):
+        return jax.lax.ragged_dot(x[order] * kept, w, group_sizes)[unsort]
+
     np.testing.assert_allclose(slotted(x, w), reference(x, w), atol=1e-5, rtol=0)
-    loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))
-    for got, expected in zip(jax.grad(loss(slotted), argnums=(0, 1))(x, w), jax.grad(loss(reference), argnums=(0, 1))(x, w)):
+
+    def loss(f):
+        return lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+
+    for got, expected in zip(
+        jax.grad(loss(slotted), argnums=(0, 1))(x, w), jax.grad(loss(reference), argnums=(0, 1))(x, w)
+    ):
         np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
 
 

@@ -14,25 +14,52 @@ import threading
 import time
 
 import pytest
-
 from conftest import REPO, cpu_env, read_metrics, wait_until_gone
+
 from tunix_train import exit_codes
 
 # 20 steps of about half a second on this machine: time to kill a worker between two checkpoints
-RUN = ["model=gemma3_tiny", "data=synthetic", "data.seq_len=256", "training.micro_batch_size=4",
-       "training.max_steps=20", "training.log_every=1", "training.eval_every=0", "checkpoint.every_steps=4",
-       "checkpoint.keep=10", 'model.mesh_shape=[[4,1],["fsdp","tp"]]', "distributed.initialization_timeout_s=60"]
+RUN = [
+    "model=gemma3_tiny",
+    "data=synthetic",
+    "data.seq_len=256",
+    "training.micro_batch_size=4",
+    "training.max_steps=20",
+    "training.log_every=1",
+    "training.eval_every=0",
+    "checkpoint.every_steps=4",
+    "checkpoint.keep=10",
+    'model.mesh_shape=[[4,1],["fsdp","tp"]]',
+    "distributed.initialization_timeout_s=60",
+]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
 def _launcher(run_dir, *flags, overrides=()):
-    return [sys.executable, "-m", "tunix_train.launch", "--nprocs=2", "--cpu_devices_per_process=2",
-            "--grace_period_s=5", *flags, str(REPO / "run_training.py"), *RUN, *overrides, f"hydra.run.dir={run_dir}"]
+    return [
+        sys.executable,
+        "-m",
+        "tunix_train.launch",
+        "--nprocs=2",
+        "--cpu_devices_per_process=2",
+        "--grace_period_s=5",
+        *flags,
+        str(REPO / "run_training.py"),
+        *RUN,
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
 
 
 def _start(run_dir, *flags, overrides=()):
-    return subprocess.Popen(_launcher(run_dir, *flags, overrides=overrides), cwd=REPO, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        _launcher(run_dir, *flags, overrides=overrides),
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def losses_by_step(run_dir) -> dict[int, list[float]]:
@@ -55,8 +82,12 @@ def _wait_for(proc, text, timeout=300):
 
 
 def _workers(launcher_pid) -> list[int]:
-    return [int(p) for p in subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True,
-                                           text=True).stdout.split()]
+    return [
+        int(p)
+        for p in subprocess.run(
+            ["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True
+        ).stdout.split()
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +129,11 @@ def assert_same_losses(run_dir, uninterrupted):
     losses = losses_by_step(run_dir)
     assert sorted(losses) == sorted(uninterrupted) == list(range(1, 21))
     for step in range(1, 21):
-        assert all(loss == uninterrupted[step][0] for loss in losses[step]), (step, losses[step], uninterrupted[step])
+        assert all(loss == uninterrupted[step][0] for loss in losses[step]), (
+            step,
+            losses[step],
+            uninterrupted[step],
+        )
 
 
 @pytest.mark.slow
@@ -119,7 +154,9 @@ def test_sigterm_to_the_job_saves_and_exits_preempted_and_the_next_launch_resume
     assert proc.returncode == exit_codes.PREEMPTED, out
     # both processes stopped after the same step (they agree on it), and the job was not restarted
     stops = [line for line in out.splitlines() if "SIGTERM: stopped after step" in line]
-    assert len(stops) == 2 and len({line.split("stopped after step ")[1].split(";")[0] for line in stops}) == 1, out
+    assert (
+        len(stops) == 2 and len({line.split("stopped after step ")[1].split(";")[0] for line in stops}) == 1
+    ), out
     step = int(stops[0].split("stopped after step ")[1].split(";")[0])
     assert (tmp_path / "checkpoints" / str(step)).is_dir() and not (tmp_path / "restarts.jsonl").exists()
     proc = _start(tmp_path)
@@ -143,12 +180,27 @@ def test_a_config_error_is_not_restarted(tmp_path):
 def test_the_launcher_reports_a_config_error_it_finds_itself_in_one_line(tmp_path):
     """Without hydra.run.dir the launcher composes the config to fix the run directory for every
     start, and so meets a bad key before starting anything."""
-    result = subprocess.run([sys.executable, "-m", "tunix_train.launch", "--nprocs=2", str(REPO / "run_training.py"),
-                             "model=gemma3_tiny", "training.no_such_key=1"], cwd=tmp_path, env=ENV,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tunix_train.launch",
+            "--nprocs=2",
+            str(REPO / "run_training.py"),
+            "model=gemma3_tiny",
+            "training.no_such_key=1",
+        ],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == exit_codes.CONFIG_ERROR
-    assert result.stderr.strip() == ("tunix_train.launch: error: unknown config key 'training.no_such_key': "
-                                     "check its spelling against configs/")
+    assert result.stderr.strip() == (
+        "tunix_train.launch: error: unknown config key 'training.no_such_key': "
+        "check its spelling against configs/"
+    )
     assert result.stdout == "" and not any(tmp_path.iterdir())
 
 
@@ -162,16 +214,41 @@ def test_the_restart_policy(tmp_path):
 
     said = []
     # a failure before the first checkpoint: a restart from scratch, logged with resumed_step null
-    assert supervise(job(Ended(-9, 1, "killed by signal SIGKILL"), Ended(0)), 1, 0, tmp_path, lambda: False,
-                     said.append) == 0
+    assert (
+        supervise(
+            job(Ended(-9, 1, "killed by signal SIGKILL"), Ended(0)),
+            1,
+            0,
+            tmp_path,
+            lambda: False,
+            said.append,
+        )
+        == 0
+    )
     (tmp_path / "checkpoints" / "8").mkdir(parents=True)
     (tmp_path / "checkpoints" / "12.orbax-checkpoint-tmp-1").mkdir()  # a save cut short: not complete
     # restarts until max_restarts are spent; the last failure's code (a signal: 1) is the job's
-    assert supervise(job(Ended(1, 0, "exited with code 1"), Ended(75, 1, "exited with code 75 (preempted)"),
-                         Ended(-15, 0, "killed by signal SIGTERM")), 2, 0, tmp_path, lambda: False, said.append) == 1
+    assert (
+        supervise(
+            job(
+                Ended(1, 0, "exited with code 1"),
+                Ended(75, 1, "exited with code 75 (preempted)"),
+                Ended(-15, 0, "killed by signal SIGTERM"),
+            ),
+            2,
+            0,
+            tmp_path,
+            lambda: False,
+            said.append,
+        )
+        == 1
+    )
     records = [json.loads(line) for line in (tmp_path / "restarts.jsonl").read_text().splitlines()]
     assert [(r["restart"], r["failed_rank"], r["exit_code"], r["resumed_step"]) for r in records] == [
-        (1, 1, -9, None), (1, 0, 1, 8), (2, 1, 75, 8)]
+        (1, 1, -9, None),
+        (1, 0, 1, 8),
+        (2, 1, 75, 8),
+    ]
     assert said[-1] == "rank 0 failed (killed by signal SIGTERM); 2 restarts used, giving up"
     # never restarted: a config error, a non-finite stop, a job the launcher was told to stop
     for code in (2, 3):
@@ -183,7 +260,10 @@ def test_the_restart_policy(tmp_path):
 # Ray ----------------------------------------------------------------------------------------------
 # One worker of the parallel suite runs every Ray test: one cluster (the module's fixture) at a time.
 RAY_TESTS = pytest.mark.xdist_group("ray")
-LOOPBACK = {**ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray keeps head, workers and driver on 127.0.0.1
+LOOPBACK = {
+    **ENV,
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+}  # Ray keeps head, workers and driver on 127.0.0.1
 
 
 @pytest.fixture(scope="module")
@@ -195,10 +275,25 @@ def ray_cluster():
         port = s.getsockname()[1]
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     log = open(os.path.join(temp, "head.log"), "w+")
-    head = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
-                             "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4", "--num-gpus=0",
-                             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"],
-                            env=LOOPBACK, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    head = subprocess.Popen(
+        [
+            os.path.join(os.path.dirname(sys.executable), "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={port}",
+            "--num-cpus=4",
+            "--num-gpus=0",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={temp}",
+        ],
+        env=LOOPBACK,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while "Ray runtime started" not in open(log.name).read():
@@ -221,11 +316,27 @@ def ray_cluster():
 
 
 def _ray_launcher(address, run_dir, *flags, run=RUN):
-    return subprocess.Popen([sys.executable, "-m", "tunix_train.launch.ray", f"--address={address}",
-                             "--num_workers=2", "--cpus_per_worker=1", "--cpu_devices_per_worker=2",
-                             "--grace_period_s=5", *flags, str(REPO / "run_training.py"), *run,
-                             f"hydra.run.dir={run_dir}"],
-                            cwd=REPO, env=LOOPBACK, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tunix_train.launch.ray",
+            f"--address={address}",
+            "--num_workers=2",
+            "--cpus_per_worker=1",
+            "--cpu_devices_per_worker=2",
+            "--grace_period_s=5",
+            *flags,
+            str(REPO / "run_training.py"),
+            *run,
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=LOOPBACK,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _pid_of_rank(out: str, rank: int) -> int:
@@ -236,18 +347,31 @@ def _pid_of_rank(out: str, rank: int) -> int:
 @pytest.mark.slow
 @RAY_TESTS
 def test_ray_two_workers_give_the_losses_of_one_process(tmp_path, ray_cluster):
-    run = [*RUN[:-2], "training.max_steps=5", "data.seq_len=32", 'model.mesh_shape=[[2,2],["fsdp","tp"]]',
-           "distributed.initialization_timeout_s=60"]
+    run = [
+        *RUN[:-2],
+        "training.max_steps=5",
+        "data.seq_len=32",
+        'model.mesh_shape=[[2,2],["fsdp","tp"]]',
+        "distributed.initialization_timeout_s=60",
+    ]
     proc = _ray_launcher(ray_cluster, tmp_path / "ray", run=run)
     out = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, out
     # both workers on loopback, and the coordinator there too
     for rank in (0, 1):
-        assert any(line.startswith(f"[ray] rank {rank}: pid ") and line.endswith(" on 127.0.0.1")
-                   for line in out.splitlines()), out
+        assert any(
+            line.startswith(f"[ray] rank {rank}: pid ") and line.endswith(" on 127.0.0.1")
+            for line in out.splitlines()
+        ), out
     assert "process 0 of 2 (from MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE), coordinator 127.0.0.1:" in out
-    single = subprocess.run([sys.executable, str(REPO / "run_training.py"), *run, f"hydra.run.dir={tmp_path / 'one'}"],
-                            cwd=REPO, env=cpu_env(4), capture_output=True, text=True, timeout=600)
+    single = subprocess.run(
+        [sys.executable, str(REPO / "run_training.py"), *run, f"hydra.run.dir={tmp_path / 'one'}"],
+        cwd=REPO,
+        env=cpu_env(4),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert single.returncode == 0, single.stdout + single.stderr
     got, want = losses_by_step(tmp_path / "ray"), losses_by_step(tmp_path / "one")
     assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5]
@@ -258,7 +382,9 @@ def test_ray_two_workers_give_the_losses_of_one_process(tmp_path, ray_cluster):
 @pytest.mark.slow
 @RAY_TESTS
 def test_ray_killing_a_worker_stops_the_job_and_names_its_rank(tmp_path, ray_cluster):
-    proc = _ray_launcher(ray_cluster, tmp_path, run=[*RUN, "training.max_steps=100000", "checkpoint.every_steps=0"])
+    proc = _ray_launcher(
+        ray_cluster, tmp_path, run=[*RUN, "training.max_steps=100000", "checkpoint.every_steps=0"]
+    )
     out = _wait_for(proc, "step 3/")
     victim, other = _pid_of_rank(out, 1), _pid_of_rank(out, 0)
     os.kill(victim, signal.SIGKILL)
@@ -285,29 +411,63 @@ def test_ray_without_a_cluster_is_a_one_line_error(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens there
-    result = subprocess.run([sys.executable, "-m", "tunix_train.launch.ray", f"--address=127.0.0.1:{port}",
-                             "--num_workers=2", str(REPO / "run_training.py"), f"hydra.run.dir={tmp_path}"],
-                            cwd=REPO, env=LOOPBACK, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tunix_train.launch.ray",
+            f"--address=127.0.0.1:{port}",
+            "--num_workers=2",
+            str(REPO / "run_training.py"),
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=REPO,
+        env=LOOPBACK,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == exit_codes.CONFIG_ERROR
-    assert result.stderr.strip() == (f"tunix_train.launch.ray: error: the Ray cluster at 127.0.0.1:{port} "
-                                     f"(--address=127.0.0.1:{port}) does not answer: Connection refused; "
-                                     "check that its head is running")
+    assert result.stderr.strip() == (
+        f"tunix_train.launch.ray: error: the Ray cluster at 127.0.0.1:{port} "
+        f"(--address=127.0.0.1:{port}) does not answer: Connection refused; "
+        "check that its head is running"
+    )
 
 
 @pytest.mark.slow
 def test_a_job_that_lost_a_host_resumes_on_fewer_with_the_mesh_adjusted_by_hand(tmp_path):
     """4 workers, one lost: the same run directory restarted on 3, model.mesh_shape and
     micro_batch_size changed by hand so the global batch (12) stays; the launcher guesses nothing."""
-    run = ["model=gemma3_tiny", "data=synthetic", "data.seq_len=32", "training.log_every=1", "training.eval_every=0",
-           "distributed.initialization_timeout_s=60"]
+    run = [
+        "model=gemma3_tiny",
+        "data=synthetic",
+        "data.seq_len=32",
+        "training.log_every=1",
+        "training.eval_every=0",
+        "distributed.initialization_timeout_s=60",
+    ]
     four = [*run, 'model.mesh_shape=[[4],["dp"]]', "training.micro_batch_size=3"]
     three = [*run, 'model.mesh_shape=[[3],["dp"]]', "training.micro_batch_size=4"]
 
     def launch(nprocs, overrides):
-        return subprocess.run([sys.executable, "-m", "tunix_train.launch", f"--nprocs={nprocs}",
-                               "--cpu_devices_per_process=1", str(REPO / "run_training.py"), *overrides,
-                               f"hydra.run.dir={tmp_path / 'job'}"], cwd=REPO, env=ENV, capture_output=True,
-                              text=True, timeout=600)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tunix_train.launch",
+                f"--nprocs={nprocs}",
+                "--cpu_devices_per_process=1",
+                str(REPO / "run_training.py"),
+                *overrides,
+                f"hydra.run.dir={tmp_path / 'job'}",
+            ],
+            cwd=REPO,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
 
     first = launch(4, [*four, "training.max_steps=4"])
     assert first.returncode == 0, first.stdout
@@ -315,9 +475,20 @@ def test_a_job_that_lost_a_host_resumes_on_fewer_with_the_mesh_adjusted_by_hand(
     assert second.returncode == 0, second.stdout
     assert f"resumed from {tmp_path / 'job' / 'checkpoints'} at step 4" in second.stdout
     assert "process 0 of 3" in second.stdout
-    reference = subprocess.run([sys.executable, str(REPO / "run_training.py"), *four, "training.max_steps=8",
-                                f"hydra.run.dir={tmp_path / 'reference'}"], cwd=REPO, env=cpu_env(4),
-                               capture_output=True, text=True, timeout=600)
+    reference = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "run_training.py"),
+            *four,
+            "training.max_steps=8",
+            f"hydra.run.dir={tmp_path / 'reference'}",
+        ],
+        cwd=REPO,
+        env=cpu_env(4),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert reference.returncode == 0, reference.stdout + reference.stderr
     got, want = losses_by_step(tmp_path / "job"), losses_by_step(tmp_path / "reference")
     assert sorted(got) == sorted(want) == list(range(1, 9))

@@ -5,15 +5,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import config
 from flax import nnx
 
-from conftest import config
 from tunix_train.compose import load_config
 from tunix_train.model.gemma import Gemma
 from tunix_train.model.layout import layer_windows
 from tunix_train.sharding import make_mesh, state_shardings
-from tunix_train.train.optimizer import make_optimizer
 from tunix_train.train.init import count_params, train_state_initializer
+from tunix_train.train.optimizer import make_optimizer
 
 GEMMA2_STYLE = ("model.attn_logit_softcap=50.0", "model.final_logit_softcap=30.0", "model.use_qk_norm=false")
 LAYOUTS = {
@@ -34,10 +34,10 @@ def test_logits_at_t_ignore_tokens_after_t(layout):
     tokens = rng.integers(0, cfg.model.vocab_size, (2, 24))
     changed = tokens.copy()
     t = 10
-    changed[:, t + 1:] = rng.integers(0, cfg.model.vocab_size, (2, 24 - t - 1))
+    changed[:, t + 1 :] = rng.integers(0, cfg.model.vocab_size, (2, 24 - t - 1))
     before, after = _logits(cfg, tokens), _logits(cfg, changed)
     np.testing.assert_array_equal(before[:, : t + 1], after[:, : t + 1])
-    assert np.abs(before[:, t + 1:] - after[:, t + 1:]).max() > 1e-3  # later positions do see them
+    assert np.abs(before[:, t + 1 :] - after[:, t + 1 :]).max() > 1e-3  # later positions do see them
 
 
 def test_sliding_window_hides_tokens_outside_the_window():
@@ -77,22 +77,46 @@ def test_documents_in_one_row_do_not_see_each_other():
     np.testing.assert_allclose(before[0, 8:], alone[0], rtol=1e-5, atol=1e-5)
 
 
-SHIPPED = ["gemma_2b", "gemma_7b", "gemma2_2b", "gemma2_9b", "gemma2_27b", "gemma3_270m", "gemma3_1b",
-           "gemma3_4b", "gemma3_12b", "gemma3_27b", "gemma3_small", "gemma3_tiny"]
+SHIPPED = [
+    "gemma_2b",
+    "gemma_7b",
+    "gemma2_2b",
+    "gemma2_9b",
+    "gemma2_27b",
+    "gemma3_270m",
+    "gemma3_1b",
+    "gemma3_4b",
+    "gemma3_12b",
+    "gemma3_27b",
+    "gemma3_small",
+    "gemma3_tiny",
+]
 # Published parameter counts of the text decoders, within 1%: Hugging Face model cards / safetensors
 # metadata (gemma-2b 2,506,172,416; gemma-7b 8,537,680,896; gemma-2-2b 2,614,341,888; gemma-2-9b
 # 9,241,705,984; gemma-2-27b 27,227,128,320; gemma-3-270m 268,098,176; gemma-3-1b-pt 999,885,952)
 # and the Gemma 3 technical report, Table 1 (embedding + non-embedding: 4B 675M + 3,209M; 12B
 # 1,012M + 10,759M; 27B 1,416M + 25,600M).
-PUBLISHED = {"gemma_2b": 2_506_172_416, "gemma_7b": 8_537_680_896, "gemma2_2b": 2_614_341_888,
-             "gemma2_9b": 9_241_705_984, "gemma2_27b": 27_227_128_320, "gemma3_270m": 268_098_176,
-             "gemma3_1b": 999_885_952, "gemma3_4b": 3_884_000_000, "gemma3_12b": 11_771_000_000,
-             "gemma3_27b": 27_016_000_000}
+PUBLISHED = {
+    "gemma_2b": 2_506_172_416,
+    "gemma_7b": 8_537_680_896,
+    "gemma2_2b": 2_614_341_888,
+    "gemma2_9b": 9_241_705_984,
+    "gemma2_27b": 27_227_128_320,
+    "gemma3_270m": 268_098_176,
+    "gemma3_1b": 999_885_952,
+    "gemma3_4b": 3_884_000_000,
+    "gemma3_12b": 11_771_000_000,
+    "gemma3_27b": 27_016_000_000,
+}
 # Gemma 4's model card gives counts rounded to 0.1B (so within 0.05B): 31B 30.7B; 26B A4B 25.2B in
 # all and 3.8B active per token; E2B 2.3B "effective" (without its per-layer embedding table).
 # E4B's card says 4.5B effective where ours has 4.64B: not asserted (the difference is not
 # understood; see the note of issue 37).
-PUBLISHED_GEMMA4 = {"gemma4_31b": (30.7e9, None), "gemma4_26b_a4b": (25.2e9, 3.8e9), "gemma4_e2b": (None, None)}
+PUBLISHED_GEMMA4 = {
+    "gemma4_31b": (30.7e9, None),
+    "gemma4_26b_a4b": (25.2e9, 3.8e9),
+    "gemma4_e2b": (None, None),
+}
 GEMMA4_E2B_EFFECTIVE = 2.3e9
 
 
@@ -112,8 +136,12 @@ def test_gemma4_sizes_have_their_published_parameter_counts(name):
         assert abs(active - want_active) <= 0.05e9, f"{name}: {active:,} active parameters"
     if name == "gemma4_e2b":
         m = cfg.model
-        per_layer_table = (m.per_layer_input_vocab_size or m.vocab_size) * m.num_layers * m.per_layer_input_dim
-        assert abs(total - per_layer_table - GEMMA4_E2B_EFFECTIVE) <= 0.05e9, f"{name}: {total - per_layer_table:,}"
+        per_layer_table = (
+            (m.per_layer_input_vocab_size or m.vocab_size) * m.num_layers * m.per_layer_input_dim
+        )
+        assert abs(total - per_layer_table - GEMMA4_E2B_EFFECTIVE) <= 0.05e9, (
+            f"{name}: {total - per_layer_table:,}"
+        )
 
 
 @pytest.mark.parametrize("name", SHIPPED)

@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import FAST_COMPILE, REPO, config, cpu_env
+
+from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.observe.memory import advice
 from tunix_train.observe.mfu import mean_keys_attended, peak_flops_per_device, train_flops_per_token
 from tunix_train.sharding import to_global_batch
-from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.train.setup import setup
 
 
@@ -25,12 +25,24 @@ def test_flops_per_token_agree_with_xla_cost_analysis():
     # One layer: XLA's cost analysis counts a scan body once, so one layer makes its count exact.
     # Ours counts matmuls and attention only; XLA adds elementwise work, the masked half of the
     # attention square and the optimizer, so ours is a few percent lower.
-    cfg = config("model.num_layers=1", "model.embed_dim=256", "model.hidden_dim=1024", "model.head_dim=64",
-                 "model.vocab_size=4096", "data.seq_len=64", "training.micro_batch_size=2")
+    cfg = config(
+        "model.num_layers=1",
+        "model.embed_dim=256",
+        "model.hidden_dim=1024",
+        "model.head_dim=64",
+        "model.vocab_size=4096",
+        "data.seq_len=64",
+        "training.micro_batch_size=2",
+    )
     cfg.model.mesh_shape = [[1], ["fsdp"]]
     run = setup(cfg, jax.devices()[:1])
-    data = SyntheticBatches(seq_len=64, vocab_size=cfg.model.vocab_size, accumulation_steps=1,
-                            global_micro_batch=run.micro_batch, seed=0)
+    data = SyntheticBatches(
+        seq_len=64,
+        vocab_size=cfg.model.vocab_size,
+        accumulation_steps=1,
+        global_micro_batch=run.micro_batch,
+        seed=0,
+    )
     with jax.set_mesh(run.mesh):
         compiled = run.step_fn.lower(run.plan.abstract, to_global_batch(next(data), run.mesh)).compile()
     xla = compiled.cost_analysis()["flops"] / (run.micro_batch * 64)
@@ -58,8 +70,14 @@ def test_peak_table_matches_jax_device_kinds():
 
 def _plan(*args):
     env = {**os.environ, "XLA_FLAGS": FAST_COMPILE}  # the planner picks its device count
-    result = subprocess.run([sys.executable, "-m", "tunix_train.plan", *args], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "tunix_train.plan", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     figures = {}
     for line in result.stdout.splitlines():
@@ -70,16 +88,28 @@ def _plan(*args):
 
 
 def test_planner_counts_an_eighth_of_gemma3_1b_per_device_on_fsdp8():
-    out, figures = _plan("model=gemma3_1b", 'model.mesh_shape=[[8],["fsdp"]]', "training.micro_batch_size=1",
-                         "data=synthetic", "data.seq_len=128", "--device_memory=80GB")
+    out, figures = _plan(
+        "model=gemma3_1b",
+        'model.mesh_shape=[[8],["fsdp"]]',
+        "training.micro_batch_size=1",
+        "data=synthetic",
+        "data.seq_len=128",
+        "--device_memory=80GB",
+    )
     analytic = 999_885_952 * 4 * 3 / 8  # float32 parameters, Adam's two moments, over 8 devices
     assert figures["parameters"] + figures["optimizer state"] == pytest.approx(analytic, rel=0.05)
     assert figures["temporaries (compiler)"] > 0 and "fits in 74.5 GiB per device" in out
 
 
 def test_planner_counts_an_offloaded_optimizer_state_on_the_host():
-    out, figures = _plan("model=gemma3_1b", 'model.mesh_shape=[[8],["fsdp"]]', "training.micro_batch_size=1",
-                         "data=synthetic", "data.seq_len=128", "training.offload_optimizer_state=true")
+    out, figures = _plan(
+        "model=gemma3_1b",
+        'model.mesh_shape=[[8],["fsdp"]]',
+        "training.micro_batch_size=1",
+        "data=synthetic",
+        "data.seq_len=128",
+        "training.offload_optimizer_state=true",
+    )
     assert "optimizer state" not in figures  # only as (host)
     assert figures["optimizer state (host)"] == pytest.approx(999_885_952 * 4 * 2 / 8, rel=0.05)
     device = figures["parameters"] + figures["batch"] + figures["temporaries (compiler)"]
@@ -88,9 +118,16 @@ def test_planner_counts_an_offloaded_optimizer_state_on_the_host():
 
 @pytest.mark.slow  # a whole CLI run or a script: the README's suite stays short
 def test_planner_counts_offloaded_master_weights_on_the_host():
-    out, figures = _plan("model=gemma3_1b", 'model.mesh_shape=[[8],["fsdp"]]', "training.micro_batch_size=1",
-                         "data=synthetic", "data.seq_len=128", "training.mixed_precision=bf16",
-                         "training.offload_optimizer_state=true", "training.offload_master_weights=true")
+    out, figures = _plan(
+        "model=gemma3_1b",
+        'model.mesh_shape=[[8],["fsdp"]]',
+        "training.micro_batch_size=1",
+        "data=synthetic",
+        "data.seq_len=128",
+        "training.mixed_precision=bf16",
+        "training.offload_optimizer_state=true",
+        "training.offload_master_weights=true",
+    )
     assert "parameters" not in figures and "optimizer state" not in figures  # only as (host)
     assert figures["parameters (host)"] == pytest.approx(999_885_952 * 4 / 8, rel=0.05)
     assert figures["optimizer state (host)"] == pytest.approx(999_885_952 * 4 * 2 / 8, rel=0.05)
@@ -103,29 +140,71 @@ def test_on_an_accelerator_with_pinned_host_memory_the_advice_ends_with_offloadi
     gpu = types.SimpleNamespace(platform="gpu", addressable_memories=lambda: memories)
     mesh = types.SimpleNamespace(shape={"fsdp": 1}, devices=np.array([gpu], dtype=object))
     tips = advice(config("training.mixed_precision=bf16"), mesh)
-    assert tips[-2:] == ["training.offload_optimizer_state=true (AdamW's moments in host memory)",
-                         "training.offload_master_weights=true (the float32 parameters in host memory)"]
-    assert not any("offload" in tip for tip in advice(config(
-        "training.mixed_precision=bf16", "training.offload_optimizer_state=true",
-        "training.offload_master_weights=true"), mesh))
-    assert not any("offload" in tip for tip in advice(config("training.mixed_precision=bf16"),
-                                                      types.SimpleNamespace(shape={"fsdp": 1},
-                                                                            devices=np.array(jax.devices()[:1]))))
+    assert tips[-2:] == [
+        "training.offload_optimizer_state=true (AdamW's moments in host memory)",
+        "training.offload_master_weights=true (the float32 parameters in host memory)",
+    ]
+    assert not any(
+        "offload" in tip
+        for tip in advice(
+            config(
+                "training.mixed_precision=bf16",
+                "training.offload_optimizer_state=true",
+                "training.offload_master_weights=true",
+            ),
+            mesh,
+        )
+    )
+    assert not any(
+        "offload" in tip
+        for tip in advice(
+            config("training.mixed_precision=bf16"),
+            types.SimpleNamespace(shape={"fsdp": 1}, devices=np.array(jax.devices()[:1])),
+        )
+    )
 
 
 def test_planner_says_what_to_change_when_it_does_not_fit():
-    out, figures = _plan("model=gemma3_1b", 'model.mesh_shape=[[2,4],["fsdp","tp"]]', "training.micro_batch_size=2",
-                         "data=synthetic", "data.seq_len=128", "--device_memory=1GB")
+    out, figures = _plan(
+        "model=gemma3_1b",
+        'model.mesh_shape=[[2,4],["fsdp","tp"]]',
+        "training.micro_batch_size=2",
+        "data=synthetic",
+        "data.seq_len=128",
+        "--device_memory=1GB",
+    )
     assert "does NOT fit" in out and "shard more over fsdp" in out and "training.remat=full" in out
 
 
 @pytest.mark.slow  # a whole CLI run or a script: the README's suite stays short
 def test_benchmark_reports_throughput_against_a_peak_sampled_between_steps(tmp_path):
-    overrides = ["model=gemma3_tiny", "data=synthetic", "data.seq_len=32", 'model.mesh_shape=[[2],["fsdp"]]',
-                 "training.micro_batch_size=2"]
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--cpu-devices", "2",
-                             "--steps", "6", "--warmup", "1", "--json", str(tmp_path / "b.json"), *overrides],
-                            cwd=REPO, env=cpu_env(2), capture_output=True, text=True, timeout=300)
+    overrides = [
+        "model=gemma3_tiny",
+        "data=synthetic",
+        "data.seq_len=32",
+        'model.mesh_shape=[[2],["fsdp"]]',
+        "training.micro_batch_size=2",
+    ]
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "benchmark.py"),
+            "--cpu-devices",
+            "2",
+            "--steps",
+            "6",
+            "--warmup",
+            "1",
+            "--json",
+            str(tmp_path / "b.json"),
+            *overrides,
+        ],
+        cwd=REPO,
+        env=cpu_env(2),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "of measured peak" in result.stdout
     b = json.loads((tmp_path / "b.json").read_text())
@@ -138,7 +217,9 @@ def test_benchmark_reports_throughput_against_a_peak_sampled_between_steps(tmp_p
     assert b["tokens_per_sec"] == pytest.approx(b["tokens_per_step"] / step["median"])
     cfg = config(*overrides).model
     assert b["model_flops_per_sec"] == pytest.approx(b["tokens_per_sec"] * train_flops_per_token(cfg, 32))
-    assert b["fraction_of_measured_peak"] == pytest.approx(b["model_flops_per_sec"] / b["measured_peak_flops_per_sec"])
+    assert b["fraction_of_measured_peak"] == pytest.approx(
+        b["model_flops_per_sec"] / b["measured_peak_flops_per_sec"]
+    )
     assert b["collective_bytes_per_step"]["all-gather"] > 0  # fsdp gathers the parameters
     assert b["compile_time_s"] > 0 and b["loss_after"] > 0
 
@@ -152,14 +233,26 @@ def test_a_measured_peak_the_run_beats_is_measured_again_and_the_log_says_so():
     quiet = 0.3e12
     peak = Peak(0.099e12, "measured fp32 matmul on cpu", sample=lambda seconds: quiet)
     said = []
-    hook = TrainMetrics(Interval(), every=1, max_steps=10, tokens_per_step=1000, flops_per_token=0.5e9, peak=peak,
-                        devices=2, say=said.append)
+    hook = TrainMetrics(
+        Interval(),
+        every=1,
+        max_steps=10,
+        tokens_per_step=1000,
+        flops_per_token=0.5e9,
+        peak=peak,
+        devices=2,
+        say=said.append,
+    )
     metrics = {name: jnp.float32(1.0) for name in ("loss", "learning_rate", "grad_norm", "nonfinite_steps")}
     hook.interval.start -= 1.0  # one step took a second: 1000 tokens/s, 0.25 TFLOP/s per device
     end = StepEnd(1, None, metrics)
     hook.after_step(end)
     assert peak.value == quiet and end.scalars["mfu"] <= 1.0
-    assert len(said) == 1 and said[0].startswith("MFU peak revised: the run reached 0.2") and "(0.099)" in said[0]
+    assert (
+        len(said) == 1
+        and said[0].startswith("MFU peak revised: the run reached 0.2")
+        and "(0.099)" in said[0]
+    )
     assert end.scalars["mfu"] == pytest.approx(end.scalars["tokens_per_sec"] * 0.5e9 / 2 / quiet)
     # the run beats even the new measurement: the peak is at least what the run reached
     beaten = Peak(0.1e12, "measured", sample=lambda seconds: 0.2e12)

@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import optax
 import pytest
-
 from conftest import config, train_losses
+
 from tunix_train import parallel
 from tunix_train.config import ConfigError
 from tunix_train.data import Data
@@ -21,15 +21,27 @@ from tunix_train.train.step import abstract_batch, compile_train_step
 
 # gemma3_tiny with 4 layers (local, global, local, global; window 8), packed Shakespeare
 # paragraphs (segment ids, restarting positions), 2 accumulation steps and the logits in chunks.
-MODEL = ("data=shakespeare", "model.vocab_size=4096", "model.num_layers=4", "data.seq_len=64",
-         "training.gradient_accumulation_steps=2", "training.loss_chunk_size=16", "training.log_every=1",
-         "training.max_steps=3", "training.warmup_steps=1", "training.eval_every=0")
+MODEL = (
+    "data=shakespeare",
+    "model.vocab_size=4096",
+    "model.num_layers=4",
+    "data.seq_len=64",
+    "training.gradient_accumulation_steps=2",
+    "training.loss_chunk_size=16",
+    "training.log_every=1",
+    "training.max_steps=3",
+    "training.warmup_steps=1",
+    "training.eval_every=0",
+)
 RING = "model.context_parallel_strategy=ring"
 RUNS = {  # name: (mesh_shape, rows per data-parallel shard, overrides); 16 rows a step in all
     "pp2": ([[2], ["pp"]], 8, ["training.pipeline_microbatches=2"]),
     "pp4": ([[4], ["pp"]], 8, ["training.pipeline_microbatches=4"]),
-    "pp2_repeats2": ([[2], ["pp"]], 8, ["training.pipeline_microbatches=4", "training.pipeline_repeats=2",
-                                        "training.remat=full"]),  # remat inside the stages
+    "pp2_repeats2": (
+        [[2], ["pp"]],
+        8,
+        ["training.pipeline_microbatches=4", "training.pipeline_repeats=2", "training.remat=full"],
+    ),  # remat inside the stages
     "cp2": ([[2], ["cp"]], 8, []),
     "cp2_ring": ([[2], ["cp"]], 8, [RING]),
     "cp4": ([[4], ["cp"]], 8, []),
@@ -50,7 +62,7 @@ def _run_config(mesh_shape, rows, *overrides):
 
 
 def _devices(mesh_shape):
-    return jax.devices()[:int(np.prod(mesh_shape[0]))]
+    return jax.devices()[: int(np.prod(mesh_shape[0]))]
 
 
 def _losses(run_dir, mesh_shape, rows, overrides):
@@ -89,7 +101,9 @@ def test_bf16_runs_under_pp_and_cp_with_the_losses_of_one_device(tmp_path, name)
     mesh_shape, rows, overrides = RUNS[name]
     bf16 = "training.mixed_precision=bf16"
     reference = _losses(tmp_path / "one", [[1], ["fsdp"]], 8, [bf16])
-    np.testing.assert_allclose(_losses(tmp_path / name, mesh_shape, rows, [*overrides, bf16]), reference, rtol=1e-2)
+    np.testing.assert_allclose(
+        _losses(tmp_path / name, mesh_shape, rows, [*overrides, bf16]), reference, rtol=1e-2
+    )
 
 
 def _gradients(mesh_shape, rows, *overrides):
@@ -102,9 +116,15 @@ def _gradients(mesh_shape, rows, *overrides):
         plan = plan_train_state(cfg.model, optimizer, mesh, 0)
         state = plan.create()
         before = jax.tree.map(np.asarray, state.params)
-        step = compile_train_step(plan, mesh, model_cfg=cfg.model, optimizer=optimizer, schedule=schedule,
-                                  training=cfg.training,
-                                  parallel=parallel.for_run(mesh, cfg.model, cfg.training, cfg.data.seq_len))
+        step = compile_train_step(
+            plan,
+            mesh,
+            model_cfg=cfg.model,
+            optimizer=optimizer,
+            schedule=schedule,
+            training=cfg.training,
+            parallel=parallel.for_run(mesh, cfg.model, cfg.training, cfg.data.seq_len),
+        )
         state, _ = step(state, to_global_batch(next(data), mesh))
     data.close()
     return jax.tree.map(lambda old, new: old - np.asarray(new), before, state.params)
@@ -113,18 +133,23 @@ def _gradients(mesh_shape, rows, *overrides):
 SOFTCAP = "model.attn_logit_softcap=2.0"  # Gemma 2's soft-cap, through the ring's own backward pass
 
 
-@pytest.mark.parametrize("mesh_shape, overrides, model", [
-    ([[4], ["pp"]], ["training.pipeline_microbatches=4"], []),
-    pytest.param([[4], ["cp"]], [], [], marks=pytest.mark.slow),
-    ([[4], ["cp"]], [RING], [SOFTCAP]),
-])
+@pytest.mark.parametrize(
+    "mesh_shape, overrides, model",
+    [
+        ([[4], ["pp"]], ["training.pipeline_microbatches=4"], []),
+        pytest.param([[4], ["cp"]], [], [], marks=pytest.mark.slow),
+        ([[4], ["cp"]], [RING], [SOFTCAP]),
+    ],
+)
 def test_the_whole_gradient_equals_one_devices(mesh_shape, overrides, model):
     reference = _gradients([[1], ["fsdp"]], 8, *model)
     split = _gradients(mesh_shape, 8, *overrides, *model)
     for (path, expected), got in zip(jax.tree_util.tree_leaves_with_path(reference), jax.tree.leaves(split)):
         scale = np.abs(expected).max()
         assert scale > 0, path
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            got, expected, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 def test_pp_gives_each_device_a_quarter_of_the_layers():
@@ -171,40 +196,74 @@ def test_the_balanced_order_evens_out_causal_work():
         assert max(plain) / min(plain) > 2, plain
         # the ring skips only what the mask hides: both orders compute every causal pair once
         assert sum(balanced) == sum(plain) < (2 * cp) ** 2
-    order = context.balanced_order(16, 2)  # 4 chunks of 4: shard 0 holds chunks 0 and 3, shard 1 chunks 1 and 2
+    order = context.balanced_order(
+        16, 2
+    )  # 4 chunks of 4: shard 0 holds chunks 0 and 3, shard 1 chunks 1 and 2
     np.testing.assert_array_equal(order, [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11])
 
 
-@pytest.mark.parametrize("stages, repeats, microbatches", [(2, 1, 2), (4, 1, 4), (4, 1, 16), (2, 2, 4), (4, 3, 8)])
+@pytest.mark.parametrize(
+    "stages, repeats, microbatches", [(2, 1, 2), (4, 1, 4), (4, 1, 16), (2, 2, 4), (4, 3, 8)]
+)
 def test_the_schedules_idle_time_is_the_bubble_formula(stages, repeats, microbatches):
     schedule = pipeline.Schedule(stages, repeats, microbatches)
     assert schedule.idle_fraction() == pytest.approx((stages - 1) / (repeats * microbatches + stages - 1))
     # every stage does every (repeat, micro-batch) once, in order
     for s in range(stages):
-        tasks = [tuple(int(x) for x in schedule.task(t, s)[1:]) for t in range(schedule.steps)
-                 if schedule.task(t, s)[0]]
+        tasks = [
+            tuple(int(x) for x in schedule.task(t, s)[1:])
+            for t in range(schedule.steps)
+            if schedule.task(t, s)[0]
+        ]
         assert tasks == [(r, m) for r in range(repeats) for m in range(microbatches)]
 
 
-@pytest.mark.parametrize("mesh_shape, overrides, message", [
-    ([[8], ["pp"]], ["training.pipeline_microbatches=8"], "pp=8 is more than model.num_layers=4"),
-    ([[4], ["pp"]], ["model.num_layers=6", "training.pipeline_microbatches=4"],
-     "model.num_layers=6 is not divisible by pp x training.pipeline_repeats = 4"),
-    ([[2], ["pp"]], ["model.num_layers=6", "training.pipeline_microbatches=4", "training.pipeline_repeats=2"],
-     "model.num_layers=6 is not divisible by pp x training.pipeline_repeats = 4"),
-    ([[2], ["pp"]], ["training.pipeline_microbatches=3"],
-     "training.pipeline_microbatches=3 must be a multiple of pp=2"),
-    ([[4], ["pp"]], ["training.pipeline_microbatches=2"],
-     "training.pipeline_microbatches=2 must be a multiple of pp=4"),
-    ([[2], ["pp"]], ["training.pipeline_microbatches=16"],
-     "training.pipeline_microbatches=16 must divide training.micro_batch_size=8"),
-    ([[4], ["pp"]], ["training.pipeline_microbatches=4", "training.pipeline_repeats=2"],
-     "training.pipeline_repeats=2: model.num_layers=4 is too shallow"),
-    ([[4], ["cp"]], ["data.seq_len=36", "training.loss_chunk_size=0"],
-     "data.seq_len=36 must be divisible by 2 x cp = 8"),
-    ([[4], ["cp"]], ["training.loss_chunk_size=32"],
-     "training.loss_chunk_size=32 must divide data.seq_len / cp = 16"),
-])
+@pytest.mark.parametrize(
+    "mesh_shape, overrides, message",
+    [
+        ([[8], ["pp"]], ["training.pipeline_microbatches=8"], "pp=8 is more than model.num_layers=4"),
+        (
+            [[4], ["pp"]],
+            ["model.num_layers=6", "training.pipeline_microbatches=4"],
+            "model.num_layers=6 is not divisible by pp x training.pipeline_repeats = 4",
+        ),
+        (
+            [[2], ["pp"]],
+            ["model.num_layers=6", "training.pipeline_microbatches=4", "training.pipeline_repeats=2"],
+            "model.num_layers=6 is not divisible by pp x training.pipeline_repeats = 4",
+        ),
+        (
+            [[2], ["pp"]],
+            ["training.pipeline_microbatches=3"],
+            "training.pipeline_microbatches=3 must be a multiple of pp=2",
+        ),
+        (
+            [[4], ["pp"]],
+            ["training.pipeline_microbatches=2"],
+            "training.pipeline_microbatches=2 must be a multiple of pp=4",
+        ),
+        (
+            [[2], ["pp"]],
+            ["training.pipeline_microbatches=16"],
+            "training.pipeline_microbatches=16 must divide training.micro_batch_size=8",
+        ),
+        (
+            [[4], ["pp"]],
+            ["training.pipeline_microbatches=4", "training.pipeline_repeats=2"],
+            "training.pipeline_repeats=2: model.num_layers=4 is too shallow",
+        ),
+        (
+            [[4], ["cp"]],
+            ["data.seq_len=36", "training.loss_chunk_size=0"],
+            "data.seq_len=36 must be divisible by 2 x cp = 8",
+        ),
+        (
+            [[4], ["cp"]],
+            ["training.loss_chunk_size=32"],
+            "training.loss_chunk_size=32 must divide data.seq_len / cp = 16",
+        ),
+    ],
+)
 def test_bad_pp_and_cp_settings_are_one_line_errors(mesh_shape, overrides, message):
     cfg = _run_config(mesh_shape, 8, *overrides)
     with pytest.raises(ConfigError) as err:
@@ -222,12 +281,22 @@ def test_an_unknown_context_parallel_strategy_is_a_one_line_error():
 def test_a_pp2_checkpoint_resumes_on_pp1_and_pp4_with_the_same_losses(tmp_path):
     steps = ("training.max_steps=4", "checkpoint.every_steps=2")
     straight = _losses(tmp_path / "straight", [[2], ["pp"]], 8, ["training.pipeline_microbatches=2", *steps])
-    first = _losses(tmp_path / "first", [[2], ["pp"]], 8, ["training.pipeline_microbatches=2",
-                                                           "training.max_steps=2", "checkpoint.every_steps=2"])
+    first = _losses(
+        tmp_path / "first",
+        [[2], ["pp"]],
+        8,
+        ["training.pipeline_microbatches=2", "training.max_steps=2", "checkpoint.every_steps=2"],
+    )
     np.testing.assert_array_equal(first, straight[:2])
-    for name, mesh_shape, overrides in (("pp1", [[1], ["fsdp"]], []),
-                                        ("pp4", [[4], ["pp"]], ["training.pipeline_microbatches=4"]),
-                                        ("cp4", [[4], ["cp"]], [])):
-        resumed = _losses(tmp_path / name, mesh_shape, 8, [*overrides, *steps,
-                                                           f"checkpoint.resume_from={tmp_path / 'first'}"])
+    for name, mesh_shape, overrides in (
+        ("pp1", [[1], ["fsdp"]], []),
+        ("pp4", [[4], ["pp"]], ["training.pipeline_microbatches=4"]),
+        ("cp4", [[4], ["cp"]], []),
+    ):
+        resumed = _losses(
+            tmp_path / name,
+            mesh_shape,
+            8,
+            [*overrides, *steps, f"checkpoint.resume_from={tmp_path / 'first'}"],
+        )
         np.testing.assert_allclose(resumed, straight[2:], rtol=1e-5, err_msg=name)

@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_cli import run_cli
+from test_dpo import _write_pairs
 
 from tunix_train.config import Config, DpoConfig, PreferenceLoss, TrainingConfig
 from tunix_train.train.objectives.dpo import DirectPreference
-from test_cli import run_cli
-from test_dpo import _write_pairs
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
@@ -31,41 +31,62 @@ def _pairs(seed: int = 0):
     labels = np.full((2 * P, T), -100, np.int64)
     for row in range(2 * P):
         start, length = int(rng.integers(2, 4)), int(rng.integers(2, 8))
-        labels[row, start:start + length] = rng.integers(0, V, length)
+        labels[row, start : start + length] = rng.integers(0, V, length)
     return logits, ref_logits, labels
 
 
 def _ours(kind, logits, ref_logits, labels, label_smoothing=0.0, accumulation=1):
     """Our objective's loss on the per-token NLL of the same logits (targets are labels shifted by one)."""
     targets, mask = np.maximum(labels[:, 1:], 0), (labels[:, 1:] != -100).astype(np.float32)
-    nll = lambda x: -np.take_along_axis(jax.nn.log_softmax(jnp.asarray(x[:, :-1]), axis=-1),
-                                        targets[..., None], axis=-1)[..., 0]
+
+    def nll(x):
+        return -np.take_along_axis(
+            jax.nn.log_softmax(jnp.asarray(x[:, :-1]), axis=-1), targets[..., None], axis=-1
+        )[..., 0]
+
     nll_BT, ref_nll_BT = nll(logits), nll(ref_logits)
-    objective = DirectPreference(Config(training=TrainingConfig(dpo=DpoConfig(
-        loss=kind, beta=BETA, label_smoothing=label_smoothing, simpo_gamma=GAMMA))))
-    batch = {"inputs": np.zeros((accumulation, 2 * P // accumulation, T - 1), np.int32),
-             "loss_mask": mask.reshape(accumulation, -1, T - 1)}
+    objective = DirectPreference(
+        Config(
+            training=TrainingConfig(
+                dpo=DpoConfig(loss=kind, beta=BETA, label_smoothing=label_smoothing, simpo_gamma=GAMMA)
+            )
+        )
+    )
+    batch = {
+        "inputs": np.zeros((accumulation, 2 * P // accumulation, T - 1), np.int32),
+        "loss_mask": mask.reshape(accumulation, -1, T - 1),
+    }
     weight = jax.tree.map(lambda w: jnp.maximum(w, 1.0), objective.weight(batch))
     total, metrics = 0.0, []
     for a in range(accumulation):
         rows = slice(a * 2 * P // accumulation, (a + 1) * 2 * P // accumulation)
-        loss, m = objective.loss(lambda: nll_BT[rows], lambda: ref_nll_BT[rows],
-                                 {"loss_mask": mask[rows]}, weight)
+        loss, m = objective.loss(
+            lambda: nll_BT[rows], lambda: ref_nll_BT[rows], {"loss_mask": mask[rows]}, weight
+        )
         total, metrics = total + float(loss), metrics + [m]
     return total, {k: sum(float(m[k]) for m in metrics) for k in metrics[0]}
 
 
 def _cpo_trainer(kind, label_smoothing):
     from trl.experimental.cpo.cpo_trainer import CPOTrainer
-    return types.SimpleNamespace(alpha=0.0, loss_type=kind, simpo_gamma=GAMMA, beta=BETA,
-                                 label_smoothing=label_smoothing, accelerator=types.SimpleNamespace(device="cpu"),
-                                 get_batch_logps=CPOTrainer.get_batch_logps, cpo_loss=CPOTrainer.cpo_loss)
+
+    return types.SimpleNamespace(
+        alpha=0.0,
+        loss_type=kind,
+        simpo_gamma=GAMMA,
+        beta=BETA,
+        label_smoothing=label_smoothing,
+        accelerator=types.SimpleNamespace(device="cpu"),
+        get_batch_logps=CPOTrainer.get_batch_logps,
+        cpo_loss=CPOTrainer.cpo_loss,
+    )
 
 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
 def test_simpo_equals_trl_cpo_trainer(label_smoothing):
     """SimPO is TRL's CPOTrainer with loss_type="simpo" and cpo_alpha=0 (no NLL term)."""
     from trl.experimental.cpo.cpo_trainer import CPOTrainer
+
     logits, ref_logits, labels = _pairs()
     trl = _cpo_trainer("simpo", label_smoothing)
     avg = CPOTrainer.get_batch_logps(torch.tensor(logits), torch.tensor(labels), average_log_prob=True)
@@ -79,6 +100,7 @@ def test_orpo_equals_trl_orpo_trainer():
     """ORPO: TRL's odds_ratio_loss and its cross-entropy of the chosen rows, on the answer's tokens
     (TRL's own NLL also counts the prompt's; ours is the paper's L_SFT)."""
     from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
     logits, ref_logits, labels = _pairs(1)
     trl = types.SimpleNamespace(beta=BETA, accelerator=types.SimpleNamespace(device="cpu"))
     avg = ORPOTrainer.get_batch_logps(torch.tensor(logits), torch.tensor(labels), average_log_prob=True)
@@ -96,10 +118,15 @@ def _trl_dpo_loss(kind, logits, ref_logits, labels) -> float:
     """TRL DPOTrainer._compute_loss itself, its model and reference forwards replaced by the
     per-token log-probabilities of the same logits."""
     from trl import DPOTrainer
-    halves = np.r_[0:2 * P:2, 1:2 * P:2]  # TRL's batch: every chosen row, then every rejected row
+
+    halves = np.r_[0 : 2 * P : 2, 1 : 2 * P : 2]  # TRL's batch: every chosen row, then every rejected row
     logits, ref_logits, labels = logits[halves], ref_logits[halves], labels[halves]
-    logp = lambda x: torch.log_softmax(torch.tensor(x[:, :-1]), -1).gather(
-        -1, torch.tensor(np.maximum(labels[:, 1:], 0))[..., None])[..., 0] * torch.tensor(labels[:, 1:] != -100)
+
+    def logp(x):
+        return torch.log_softmax(torch.tensor(x[:, :-1]), -1).gather(
+            -1, torch.tensor(np.maximum(labels[:, 1:], 0))[..., None]
+        )[..., 0] * torch.tensor(labels[:, 1:] != -100)
+
     ref_logps = logp(ref_logits).sum(-1)
 
     class Model:
@@ -107,18 +134,36 @@ def _trl_dpo_loss(kind, logits, ref_logits, labels) -> float:
 
         def __call__(self, **_):
             zero = torch.zeros(2 * P, T - 1)
-            return types.SimpleNamespace(log_probs=logp(logits), entropy=zero, mean_logits=zero, aux_loss=None,
-                                         is_top1=zero.bool())
+            return types.SimpleNamespace(
+                log_probs=logp(logits), entropy=zero, mean_logits=zero, aux_loss=None, is_top1=zero.bool()
+            )
 
     completion_mask = torch.tensor(labels != -100).long()
-    inputs = {"input_ids": torch.zeros(2 * P, T, dtype=torch.long), "attention_mask": torch.ones(2 * P, T),
-              "completion_mask": completion_mask, "ref_chosen_logps": ref_logps[:P], "ref_rejected_logps": ref_logps[P:]}
+    inputs = {
+        "input_ids": torch.zeros(2 * P, T, dtype=torch.long),
+        "attention_mask": torch.ones(2 * P, T),
+        "completion_mask": completion_mask,
+        "ref_chosen_logps": ref_logps[:P],
+        "ref_rejected_logps": ref_logps[P:],
+    }
     accelerator = types.SimpleNamespace(device="cpu", gather_for_metrics=lambda x: x, gather=lambda x: x)
     trainer = types.SimpleNamespace(
-        model=Model(), accelerator=accelerator, aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True,
-        f_divergence_type="reverse_kl", loss_types=[kind], loss_weights=[1.0], beta=BETA, use_weighting=False,
-        label_smoothing=0.0, _metrics={"train": collections.defaultdict(list)}, _total_train_tokens=0, _tp_size=1,
-        args=types.SimpleNamespace())
+        model=Model(),
+        accelerator=accelerator,
+        aux_loss_enabled=False,
+        ld_alpha=None,
+        precompute_ref_logps=True,
+        f_divergence_type="reverse_kl",
+        loss_types=[kind],
+        loss_weights=[1.0],
+        beta=BETA,
+        use_weighting=False,
+        label_smoothing=0.0,
+        _metrics={"train": collections.defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+        args=types.SimpleNamespace(),
+    )
     return float(DPOTrainer._compute_loss(trainer, trainer.model, inputs, False))
 
 
@@ -128,7 +173,8 @@ def test_ipo_and_sigmoid_equal_trl_dpo_trainer(kind):
     expected = _trl_dpo_loss(kind.value, logits, ref_logits, labels)
     for accumulation in (1, 4):
         assert _ours(kind, logits, ref_logits, labels, accumulation=accumulation)[0] == pytest.approx(
-            expected, abs=1e-6)
+            expected, abs=1e-6
+        )
 
 
 @pytest.mark.slow  # three training runs in subprocesses
@@ -136,16 +182,30 @@ def test_ipo_and_sigmoid_equal_trl_dpo_trainer(kind):
 def test_each_loss_trains_and_the_reference_free_ones_keep_no_copy(tmp_path, loss):
     _write_pairs(tmp_path / "pairs.jsonl", n=32)
     run_dir = tmp_path / "run"
-    result = run_cli("model=gemma3_tiny", "model.vocab_size=4096", "objective=dpo", "data=jsonl",
-                     f"training.dpo.loss={loss}", "training.dpo.beta=0.5",
-                     f"data.train_files=[{tmp_path}/pairs.jsonl]", "data.seq_len=16", "training.max_steps=12",
-                     "training.log_every=1", "training.eval_every=6", "training.eval_batches=1",
-                     "training.learning_rate=3e-3", "training.warmup_steps=0",
-                     'model.mesh_shape=[[2,2],["fsdp","tp"]]', f"hydra.run.dir={run_dir}")
+    result = run_cli(
+        "model=gemma3_tiny",
+        "model.vocab_size=4096",
+        "objective=dpo",
+        "data=jsonl",
+        f"training.dpo.loss={loss}",
+        "training.dpo.beta=0.5",
+        f"data.train_files=[{tmp_path}/pairs.jsonl]",
+        "data.seq_len=16",
+        "training.max_steps=12",
+        "training.log_every=1",
+        "training.eval_every=6",
+        "training.eval_batches=1",
+        "training.learning_rate=3e-3",
+        "training.warmup_steps=0",
+        'model.mesh_shape=[[2,2],["fsdp","tp"]]',
+        f"hydra.run.dir={run_dir}",
+    )
     assert result.returncode == 0, result.stderr
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "loss" in m]
-    assert steps[-1]["loss"] < steps[0]["loss"] - 0.05 and steps[-1]["reward_margin"] > steps[0]["reward_margin"]
+    assert (
+        steps[-1]["loss"] < steps[0]["loss"] - 0.05 and steps[-1]["reward_margin"] > steps[0]["reward_margin"]
+    )
     evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
     assert len(evals) == 3 and all(np.isfinite(evals))
     assert ("frozen reference copy" in (run_dir / "train.log").read_text()) == (loss == "ipo")
@@ -153,9 +213,16 @@ def test_each_loss_trains_and_the_reference_free_ones_keep_no_copy(tmp_path, los
 
 def test_label_smoothing_without_a_meaning_is_refused(tmp_path):
     _write_pairs(tmp_path / "pairs.jsonl")
-    result = run_cli("model=gemma3_tiny", "model.vocab_size=4096", "objective=dpo", "data=jsonl",
-                     f"data.train_files=[{tmp_path}/pairs.jsonl]", "training.dpo.loss=orpo",
-                     "training.dpo.label_smoothing=0.1", f"hydra.run.dir={tmp_path}/run")
+    result = run_cli(
+        "model=gemma3_tiny",
+        "model.vocab_size=4096",
+        "objective=dpo",
+        "data=jsonl",
+        f"data.train_files=[{tmp_path}/pairs.jsonl]",
+        "training.dpo.loss=orpo",
+        "training.dpo.label_smoothing=0.1",
+        f"hydra.run.dir={tmp_path}/run",
+    )
     lines = result.stderr.strip().splitlines()
     assert result.returncode != 0 and len(lines) == 1, result.stderr
     assert "training.dpo.label_smoothing=0.1: the orpo loss has none" in lines[0]

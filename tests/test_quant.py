@@ -24,7 +24,10 @@ def _blocks(qtype, rows: int, blocks_per_row: int, seed: int) -> np.ndarray:
         data[0, :values] = 0.0  # an all-zero block (scale 0)
         return quants.quantize(data, qtype).reshape(rows, blocks_per_row, size)
     raw = rng.integers(0, 256, (rows, blocks_per_row, size), dtype=np.uint8)
-    scale = lambda n: np.frombuffer(rng.uniform(1e-5, 1e-2, n).astype(np.float16).tobytes(), np.uint8).reshape(-1, 2)
+
+    def scale(n):
+        return np.frombuffer(rng.uniform(1e-5, 1e-2, n).astype(np.float16).tobytes(), np.uint8).reshape(-1, 2)
+
     n = rows * blocks_per_row
     if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin first
         raw[..., 0:2] = scale(n).reshape(rows, blocks_per_row, 2)
@@ -57,7 +60,9 @@ def _nf4_numpy(x: np.ndarray, block: int = 64):
     code = np.array(quant.NF4_CODE, np.float32)
     blocks = x.astype(np.float32).reshape(-1, block)
     absmax = np.abs(blocks).max(axis=1)
-    scaled = np.clip(blocks * (np.float32(1) / np.maximum(absmax, np.float32(1e-38)))[:, None], -1, 1).reshape(-1)
+    scaled = np.clip(
+        blocks * (np.float32(1) / np.maximum(absmax, np.float32(1e-38)))[:, None], -1, 1
+    ).reshape(-1)
     distance = np.abs(scaled[:, None] - code[None, :])
     q = np.argmin(distance, axis=1).astype(np.uint8)  # argmin takes the first (lower) level on a tie
     return (q[0::2] << 4) | q[1::2], absmax, code[q].reshape(-1, block) * absmax[:, None]

@@ -22,6 +22,7 @@ openai = pytest.importorskip("openai", reason="needs the openai client: pip inst
 pytest.importorskip("fastapi", reason="needs FastAPI and uvicorn: pip install -e '.[serve]'")
 
 from conftest import REPO, cpu_env  # noqa: E402
+
 from tunix_train import api  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "Who is there?"}]
@@ -38,15 +39,48 @@ def server(tmp_path_factory):
     """A 2-step run of gemma3_tiny on the bundled corpus, served with 8 slots on 2 devices."""
     tmp = tmp_path_factory.mktemp("serve")
     run_dir = tmp / "run"
-    trained = subprocess.run([sys.executable, str(REPO / "run_training.py"), "model=gemma3_tiny", "model.vocab_size=4096",
-                              "data.seq_len=64", "training.max_steps=2", 'model.mesh_shape=[[1],["fsdp"]]',
-                              f"hydra.run.dir={run_dir}"], cwd=REPO, env=cpu_env(1), capture_output=True, text=True,
-                             timeout=300)
+    trained = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "run_training.py"),
+            "model=gemma3_tiny",
+            "model.vocab_size=4096",
+            "data.seq_len=64",
+            "training.max_steps=2",
+            'model.mesh_shape=[[1],["fsdp"]]',
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=cpu_env(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert trained.returncode == 0, trained.stderr[-2000:]
     port = _free_port()
-    process = subprocess.Popen([sys.executable, "-m", "tunix_train.serve", str(run_dir), "--port", str(port), "--slots",
-                                "8", "--max_len", "96", "--name", "tiny", "--mesh_shape", '[[2],["fsdp"]]'],
-                               cwd=REPO, env=cpu_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tunix_train.serve",
+            str(run_dir),
+            "--port",
+            str(port),
+            "--slots",
+            "8",
+            "--max_len",
+            "96",
+            "--name",
+            "tiny",
+            "--mesh_shape",
+            '[[2],["fsdp"]]',
+        ],
+        cwd=REPO,
+        env=cpu_env(2),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -77,7 +111,9 @@ def test_answers_equal_the_engines_and_streams_equal_answers(server):
     got = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=12, temperature=0)
     assert got.choices[0].message.content == want and len(want) > 0
     assert got.usage.prompt_tokens == len(model.chat.encode(QUESTION, add_generation_prompt=True)[0])
-    stream = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=12, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model="tiny", messages=QUESTION, max_tokens=12, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
     text = client.completions.create(model="tiny", prompt="To be, or not", max_tokens=10, temperature=0)
     assert text.choices[0].text == model.generate_text(["To be, or not"], 10)[0]
@@ -93,7 +129,9 @@ def test_concurrent_streams_each_get_their_tokens_alone(server):
         kwargs = dict(model="tiny", prompt=f"Speak {i}:", max_tokens=4 + i % 13, temperature=0.9, seed=i)
         if not stream:
             return client.completions.create(**kwargs).choices[0].text
-        return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+        return "".join(
+            c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices
+        )
 
     with ThreadPoolExecutor(32) as pool:
         together = list(pool.map(lambda i: ask(i, True), range(32)))
@@ -107,9 +145,16 @@ BAD = [  # (body, status, words in the message)
     (json.dumps({"model": "tiny"}).encode(), 400, "'messages' is a required property"),
     (json.dumps({"model": "gpt-9", "messages": QUESTION}).encode(), 404, "does not exist"),
     (json.dumps({"model": "tiny", "messages": QUESTION, "max_tokens": 0}).encode(), 400, "must be positive"),
-    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Speak. " * 80}]}).encode(), 400,
-     "pass this server's 96 tokens"),
-    (json.dumps({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}).encode(), 400, "unknown role"),
+    (
+        json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Speak. " * 80}]}).encode(),
+        400,
+        "pass this server's 96 tokens",
+    ),
+    (
+        json.dumps({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}).encode(),
+        400,
+        "unknown role",
+    ),
     (json.dumps({"model": "tiny", "messages": QUESTION, "temperature": -1}).encode(), 400, "out of range"),
 ]
 
@@ -117,8 +162,9 @@ BAD = [  # (body, status, words in the message)
 @pytest.mark.parametrize("body, status, words", BAD)
 def test_bad_requests_are_4xx_and_the_server_keeps_serving(server, body, status, words):
     _, base, _ = server
-    request = urllib.request.Request(f"{base}/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{base}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(request, timeout=60)
     assert caught.value.code == status

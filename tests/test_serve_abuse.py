@@ -18,8 +18,8 @@ import pytest
 pytest.importorskip("fastapi", reason="needs FastAPI and uvicorn: pip install -e '.[serve]'")
 openai = pytest.importorskip("openai", reason="needs the openai client: pip install -e '.[test]'")
 import uvicorn  # noqa: E402
-
 from conftest import config  # noqa: E402
+
 from tunix_train import api  # noqa: E402
 from tunix_train.data.chat import GEMMA_TEMPLATE, ChatTemplate  # noqa: E402
 from tunix_train.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer  # noqa: E402
@@ -46,10 +46,18 @@ def _model():
     params = plan_train_state(cfg, make_optimizer(config().training)[0], mesh, seed=0).create().params
     rng = np.random.default_rng(0)
     params = jax.tree_util.tree_map_with_path(
-        lambda path, x: x + (4 + rng.normal(size=x.shape) if "post" in jax.tree_util.keystr(path) else 0), params)
+        lambda path, x: x + (4 + rng.normal(size=x.shape) if "post" in jax.tree_util.keystr(path) else 0),
+        params,
+    )
     tokenizer = load_tokenizer(BUNDLED_TOKENIZER, 4096)
-    return api.LoadedModel(cfg, mesh, params, tokenizer, (tokenizer.eos_id,),
-                           chat=ChatTemplate(GEMMA_TEMPLATE, "Gemma's turn format", tokenizer))
+    return api.LoadedModel(
+        cfg,
+        mesh,
+        params,
+        tokenizer,
+        (tokenizer.eos_id,),
+        chat=ChatTemplate(GEMMA_TEMPLATE, "Gemma's turn format", tokenizer),
+    )
 
 
 class Live:
@@ -61,7 +69,9 @@ class Live:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:
@@ -113,13 +123,13 @@ def _chat(**fields):
 
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
 BAD = [  # (name, path, body, status, words in the error's message)
-    ("seed 2**64", CHAT, _chat(seed=2 ** 64), 400, "'seed'"),
-    ("seed below int64", CHAT, _chat(seed=-2 ** 63 - 1), 400, "'seed'"),
+    ("seed 2**64", CHAT, _chat(seed=2**64), 400, "'seed'"),
+    ("seed below int64", CHAT, _chat(seed=-(2**63) - 1), 400, "'seed'"),
     ("seed a string", CHAT, _chat(seed="1"), 400, "'seed' must be an integer"),
     ("seed a float", CHAT, _chat(seed=1.5), 400, "'seed' must be an integer"),
-    ("top_k 2**31", CHAT, _chat(top_k=2 ** 31, temperature=1), 400, "more than the vocabulary's 4096"),
+    ("top_k 2**31", CHAT, _chat(top_k=2**31, temperature=1), 400, "more than the vocabulary's 4096"),
     ("top_k vocab + 1", CHAT, _chat(top_k=4097, temperature=1), 400, "more than the vocabulary's 4096"),
-    ("top_k 2**70", CHAT, _chat(top_k=2 ** 70), 400, "more than the vocabulary"),
+    ("top_k 2**70", CHAT, _chat(top_k=2**70), 400, "more than the vocabulary"),
     ("top_k 0", CHAT, _chat(top_k=0), 400, "'top_k'=0 is out of range"),
     ("top_k -5", CHAT, _chat(top_k=-5), 400, "out of range"),
     ("top_k 1.5", CHAT, _chat(top_k=1.5), 400, "'top_k' must be an integer"),
@@ -130,15 +140,25 @@ BAD = [  # (name, path, body, status, words in the error's message)
     ("temperature -1", CHAT, _chat(temperature=-1), 400, "out of range"),
     ("temperature 2.5", CHAT, _chat(temperature=2.5), 400, "out of range"),
     ("temperature a string", CHAT, _chat(temperature="hot"), 400, "must be a number"),
-    ("temperature NaN", CHAT, b'{"messages": [{"role": "user", "content": "a"}], "temperature": NaN}', 400,
-     "NaN is not JSON"),
-    ("temperature Infinity", CHAT, b'{"messages": [{"role": "user", "content": "a"}], "temperature": Infinity}', 400,
-     "Infinity is not JSON"),
+    (
+        "temperature NaN",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "a"}], "temperature": NaN}',
+        400,
+        "NaN is not JSON",
+    ),
+    (
+        "temperature Infinity",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "a"}], "temperature": Infinity}',
+        400,
+        "Infinity is not JSON",
+    ),
     ("max_tokens 0", CHAT, _chat(max_tokens=0), 400, "must be positive"),
     ("max_tokens -1", CHAT, _chat(max_tokens=-1), 400, "must be positive"),
     ("max_tokens a string", CHAT, _chat(max_tokens="5"), 400, "must be an integer"),
     ("max_tokens 5.5", CHAT, _chat(max_tokens=5.5), 400, "must be an integer"),
-    ("max_tokens 10**30", CHAT, _chat(max_tokens=10 ** 30), 400, "pass this server's 96 tokens"),
+    ("max_tokens 10**30", CHAT, _chat(max_tokens=10**30), 400, "pass this server's 96 tokens"),
     ("max_completion_tokens 0", CHAT, _chat(max_completion_tokens=0), 400, "'max_completion_tokens'=0"),
     ("n 0", CHAT, _chat(n=0), 400, "'n'=0 is out of range"),
     ("n 17", CHAT, _chat(n=17), 400, "'n'=17 is out of range"),
@@ -149,7 +169,13 @@ BAD = [  # (name, path, body, status, words in the error's message)
     ("a stop a number", CHAT, _chat(stop=[1]), 400, "'stop' must be"),
     ("stop an object", CHAT, _chat(stop={"a": 1}), 400, "'stop' must be"),
     ("stream a string", CHAT, _chat(stream="yes"), 400, "'stream' must be true or false"),
-    ("stream_options a string", CHAT, _chat(stream=True, stream_options="x"), 400, "'stream_options' must be"),
+    (
+        "stream_options a string",
+        CHAT,
+        _chat(stream=True, stream_options="x"),
+        400,
+        "'stream_options' must be",
+    ),
     ("stream_options a bad key", CHAT, _chat(stream_options={"foo": 1}), 400, "'stream_options' must be"),
     ("include_usage a string", CHAT, _chat(stream_options={"include_usage": "yes"}), 400, "'stream_options'"),
     ("an unknown field", CHAT, _chat(foo=1), 400, "Unrecognized request argument supplied: foo"),
@@ -167,12 +193,27 @@ BAD = [  # (name, path, body, status, words in the error's message)
     ("no role", CHAT, _chat(messages=[{"content": "hi"}]), 400, "unknown role"),
     ("an unknown role", CHAT, _chat(messages=[{"role": "robot", "content": "hi"}]), 400, "unknown role"),
     ("1025 messages", CHAT, _chat(messages=USER * 1025), 400, "more than 1024 messages"),
-    ("a lone surrogate", CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', 400,
-     "not valid text"),
-    ("a prompt too long in characters", CHAT, _chat(messages=[{"role": "user", "content": "a" * 200_000}]), 400,
-     "more tokens than this server's 96"),
-    ("a prompt too long in tokens", CHAT, _chat(messages=[{"role": "user", "content": "Speak. " * 80}]), 400,
-     "pass this server's 96 tokens"),
+    (
+        "a lone surrogate",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
+        400,
+        "not valid text",
+    ),
+    (
+        "a prompt too long in characters",
+        CHAT,
+        _chat(messages=[{"role": "user", "content": "a" * 200_000}]),
+        400,
+        "more tokens than this server's 96",
+    ),
+    (
+        "a prompt too long in tokens",
+        CHAT,
+        _chat(messages=[{"role": "user", "content": "Speak. " * 80}]),
+        400,
+        "pass this server's 96 tokens",
+    ),
     ("prompt a list", TEXT, {"prompt": ["a", "b"]}, 400, "'prompt' must be a string"),
     ("prompt a number", TEXT, {"prompt": 3}, 400, "'prompt' must be a string"),
     ("no prompt", TEXT, {"max_tokens": 3}, 400, "'prompt' must be a string"),
@@ -183,8 +224,13 @@ BAD = [  # (name, path, body, status, words in the error's message)
     ("a JSON array", CHAT, b"[1, 2]", 400, "must be a JSON object"),
     ("a JSON string", CHAT, b'"hi"', 400, "must be a JSON object"),
     ("JSON null", CHAT, b"null", 400, "must be a JSON object"),
-    ("17 levels deep", CHAT, json.dumps(_chat(metadata=json.loads("[" * 17 + "]" * 17))).encode(), 400,
-     "nested more than 16 deep"),
+    (
+        "17 levels deep",
+        CHAT,
+        json.dumps(_chat(metadata=json.loads("[" * 17 + "]" * 17))).encode(),
+        400,
+        "nested more than 16 deep",
+    ),
     ("100k levels deep", CHAT, b"[" * 100_000 + b"]" * 100_000, 400, "nested more than 16 deep"),
 ]
 
@@ -206,13 +252,38 @@ ACCESS = [  # (name, path, headers, method, status, error code)
     ("/metrics without the key", "/metrics", {}, "GET", 401, "invalid_api_key"),
     ("/v1/models without the key", "/v1/models", {}, "GET", 401, "invalid_api_key"),
     ("text/plain", CHAT, {**AUTH, "Content-Type": "text/plain"}, "POST", 415, "unsupported_media_type"),
-    ("no content type", CHAT, {"Authorization": AUTH["Authorization"]}, "POST", 415, "unsupported_media_type"),
-    ("form data", CHAT, {**AUTH, "Content-Type": "application/x-www-form-urlencoded"}, "POST", 415,
-     "unsupported_media_type"),
-    ("a cross-origin text/plain POST", CHAT, {"Content-Type": "text/plain", "Origin": "http://evil.example"}, "POST",
-     403, "origin_not_allowed"),
-    ("a foreign origin with the key", CHAT, {**AUTH, "Origin": "https://evil.example"}, "POST", 403,
-     "origin_not_allowed"),
+    (
+        "no content type",
+        CHAT,
+        {"Authorization": AUTH["Authorization"]},
+        "POST",
+        415,
+        "unsupported_media_type",
+    ),
+    (
+        "form data",
+        CHAT,
+        {**AUTH, "Content-Type": "application/x-www-form-urlencoded"},
+        "POST",
+        415,
+        "unsupported_media_type",
+    ),
+    (
+        "a cross-origin text/plain POST",
+        CHAT,
+        {"Content-Type": "text/plain", "Origin": "http://evil.example"},
+        "POST",
+        403,
+        "origin_not_allowed",
+    ),
+    (
+        "a foreign origin with the key",
+        CHAT,
+        {**AUTH, "Origin": "https://evil.example"},
+        "POST",
+        403,
+        "origin_not_allowed",
+    ),
     ("a null origin", CHAT, {**AUTH, "Origin": "null"}, "POST", 403, "origin_not_allowed"),
     ("a rebound Host", CHAT, {**AUTH, "Host": "attacker.example:8000"}, "POST", 403, "host_not_allowed"),
     ("a rebound Host on /health", "/health", {"Host": "attacker.example"}, "GET", 403, "host_not_allowed"),
@@ -248,7 +319,9 @@ def test_what_passes_access(live):
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{live.port}/v1", api_key=KEY, max_retries=0)
     assert client.completions.create(model="tiny", **NORMAL).choices[0].text == live.solo
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"http://127.0.0.1:{live.port}/v1", api_key="wrong", max_retries=0).models.list()
+        openai.OpenAI(
+            base_url=f"http://127.0.0.1:{live.port}/v1", api_key="wrong", max_retries=0
+        ).models.list()
     live.still_serves()
 
 
@@ -260,8 +333,11 @@ def test_replies_of_1_to_12_tokens_have_exactly_that_many(live):
     for n in range(1, 13):
         status, reply, _ = live.send(TEXT, {**NORMAL, "max_tokens": n})
         assert status == 200 and reply["usage"]["completion_tokens"] == n
-        assert reply["choices"][0]["text"] == tokenizer.decode(reference[:n]) == \
-            live.model.generate_text([NORMAL["prompt"]], n)[0]
+        assert (
+            reply["choices"][0]["text"]
+            == tokenizer.decode(reference[:n])
+            == live.model.generate_text([NORMAL["prompt"]], n)[0]
+        )
         assert reply["choices"][0]["finish_reason"] == "length"
         status, events, _ = live.send(TEXT, {**NORMAL, "max_tokens": n, "stream": True})
         chunks = [json.loads(line[6:]) for line in events.split("\n\n") if line.startswith("data: {")]
@@ -277,12 +353,14 @@ def test_stops_at_every_position_of_the_first_chunk(live):
     full = live.model.generate_text([prompt], 12)[0]
     engine, stops = live.generator.engine, live.generator.engine.stop_ids
     for k in range(10):
-        piece = tokenizer.decode(reference[:k + 1])[len(tokenizer.decode(reference[:k])):]
+        piece = tokenizer.decode(reference[: k + 1])[len(tokenizer.decode(reference[:k])) :]
         if piece.strip():
             status, reply, _ = live.send(TEXT, {**NORMAL, "max_tokens": 12, "stop": piece})
             assert status == 200 and reply["choices"][0]["text"] == before_stop(full, [piece], True)[0]
             assert reply["choices"][0]["finish_reason"] == "stop"
-        engine.stop_ids = frozenset({reference[k]})  # read by the host between chunks: the next request's stop
+        engine.stop_ids = frozenset(
+            {reference[k]}
+        )  # read by the host between chunks: the next request's stop
         try:
             status, reply, _ = live.send(TEXT, {**NORMAL, "max_tokens": 12})
         finally:
@@ -293,9 +371,11 @@ def test_stops_at_every_position_of_the_first_chunk(live):
 
 
 def test_seeds_of_64_bits_sample_as_their_low_32_bits(live):
-    ask = lambda seed: live.send(CHAT, _chat(seed=seed, temperature=1.0, max_tokens=6))[1]["choices"][0]["message"]
-    assert ask(2 ** 64 - 1) == ask(2 ** 32 - 1) == ask(-1)
-    assert ask(2 ** 63 + 5) == ask(5)
+    def ask(seed):
+        return live.send(CHAT, _chat(seed=seed, temperature=1.0, max_tokens=6))[1]["choices"][0]["message"]
+
+    assert ask(2**64 - 1) == ask(2**32 - 1) == ask(-1)
+    assert ask(2**63 + 5) == ask(5)
     live.still_serves()
 
 
@@ -321,8 +401,13 @@ def test_a_4mb_body_is_413_at_once_while_health_answers(live):
     assert status == 413 and took < 1.0
     # chunked, so that no Content-Length tells: the reading stops at the limit
     connection = http.client.HTTPConnection("127.0.0.1", live.port, timeout=30)
-    connection.request("POST", CHAT, body=iter([body[i:i + 65536] for i in range(0, len(body), 65536)]),
-                       headers=AUTH, encode_chunked=True)
+    connection.request(
+        "POST",
+        CHAT,
+        body=iter([body[i : i + 65536] for i in range(0, len(body), 65536)]),
+        headers=AUTH,
+        encode_chunked=True,
+    )
     assert connection.getresponse().status == 413
     assert max(healths) < 1.0
     live.still_serves()
@@ -331,7 +416,10 @@ def test_a_4mb_body_is_413_at_once_while_health_answers(live):
 def test_clients_that_leave(live):
     """A stream closed after its first event, a stream of n=2 closed mid-way, and a non-streaming
     client that leaves while its request waits: their slots are free again within seconds."""
-    for body in ({**NORMAL, "max_tokens": 80, "stream": True}, {**NORMAL, "max_tokens": 80, "stream": True, "n": 2}):
+    for body in (
+        {**NORMAL, "max_tokens": 80, "stream": True},
+        {**NORMAL, "max_tokens": 80, "stream": True, "n": 2},
+    ):
         connection = http.client.HTTPConnection("127.0.0.1", live.port, timeout=30)
         connection.request("POST", TEXT, body=json.dumps(body), headers=AUTH)
         response = connection.getresponse()
@@ -347,13 +435,18 @@ def test_clients_that_leave(live):
         if live.send("/health", method="GET", headers={})[1]["running"] == 0:
             break
         time.sleep(0.1)
-    assert live.send("/health", method="GET", headers={})[1] == {"status": "ok", "model": "tiny", "running": 0,
-                                                                 "queued": 0}
+    assert live.send("/health", method="GET", headers={})[1] == {
+        "status": "ok",
+        "model": "tiny",
+        "running": 0,
+        "queued": 0,
+    }
     live.still_serves()
 
 
 def test_a_full_queue_gives_429_with_retry_after(live):
     """2 slots and --max_queue 4: of 10 long requests at once, 6 are taken and 4 get 429."""
+
     def ask(i):
         return live.send(TEXT, {**NORMAL, "max_tokens": 80, "seed": i})
 

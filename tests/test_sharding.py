@@ -7,13 +7,20 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import config
 from jax.sharding import PartitionSpec as P
 
-from conftest import config
 from tunix_train.config import ConfigError
 from tunix_train.platform import validate_training_for_mesh
-from tunix_train.sharding import (LOGICAL_RULES, Rules, batch_sharding, constrain, logical_to_spec, make_mesh,
-                                  per_shard_rules)
+from tunix_train.sharding import (
+    LOGICAL_RULES,
+    Rules,
+    batch_sharding,
+    constrain,
+    logical_to_spec,
+    make_mesh,
+    per_shard_rules,
+)
 from tunix_train.train.init import create_train_state
 from tunix_train.train.optimizer import make_optimizer
 
@@ -22,8 +29,12 @@ GOLDEN = Path(__file__).parent / "golden" / "gemma3_tiny_fsdp2_tp4.json"
 
 def _specs(tree) -> dict[str, str]:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value"):
-            str(array.sharding.spec) for path, array in flat}
+    return {
+        jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value"): str(
+            array.sharding.spec
+        )
+        for path, array in flat
+    }
 
 
 def _state(mesh, *overrides):
@@ -67,13 +78,16 @@ def test_minus_one_fills_the_remaining_devices():
     assert dict(make_mesh([[-1, 2], ["dp", "tp"]]).shape) == {"dp": 4, "tp": 2}
 
 
-@pytest.mark.parametrize("mesh_shape, message", [
-    ([[4, 4], ["fsdp", "tp"]], "has 16 devices but 8 are available"),
-    ([[8], ["xp"]], "unknown mesh axis 'xp'"),
-    ([[2, 4], ["fsdp", "fsdp"]], "duplicate mesh axis"),
-    ([[-1, -1], ["fsdp", "tp"]], "at most one -1"),
-    ([[8]], "must be [[sizes...], [axis names...]]"),
-])
+@pytest.mark.parametrize(
+    "mesh_shape, message",
+    [
+        ([[4, 4], ["fsdp", "tp"]], "has 16 devices but 8 are available"),
+        ([[8], ["xp"]], "unknown mesh axis 'xp'"),
+        ([[2, 4], ["fsdp", "fsdp"]], "duplicate mesh axis"),
+        ([[-1, -1], ["fsdp", "tp"]], "at most one -1"),
+        ([[8]], "must be [[sizes...], [axis names...]]"),
+    ],
+)
 def test_bad_mesh_shapes_name_the_problem(mesh_shape, message):
     with pytest.raises(ConfigError, match="model.mesh_shape") as err:
         make_mesh(mesh_shape)
@@ -99,15 +113,18 @@ def test_rules_are_values_a_variant_table_leaves_alone():
     cannot be changed, and each constraint follows the table it is given, in one process."""
     per_shard = per_shard_rules(LOGICAL_RULES)
     assert per_shard["batch"] == () and LOGICAL_RULES["batch"] == ("dp", "fsdp", "ep")
-    assert {k: v for k, v in per_shard.items() if k != "batch"} == {k: v for k, v in LOGICAL_RULES.items()
-                                                                   if k != "batch"}
+    assert {k: v for k, v in per_shard.items() if k != "batch"} == {
+        k: v for k, v in LOGICAL_RULES.items() if k != "batch"
+    }
     with pytest.raises(TypeError):
         LOGICAL_RULES["batch"] = ()
     assert isinstance(per_shard, Rules) and hash(per_shard) != hash(LOGICAL_RULES)
     x = np.zeros((8, 4, 16), np.float32)
     with jax.set_mesh(make_mesh([[4, 2], ["fsdp", "tp"]])):
-        specs = [jax.jit(lambda x: constrain(x, ("batch", "seq", "act_mlp"), rules))(x).sharding.spec
-                 for rules in (LOGICAL_RULES, per_shard, LOGICAL_RULES)]
+        specs = [
+            jax.jit(lambda x: constrain(x, ("batch", "seq", "act_mlp"), rules))(x).sharding.spec
+            for rules in (LOGICAL_RULES, per_shard, LOGICAL_RULES)
+        ]
     assert specs == [P("fsdp", None, "tp"), P(None, None, "tp"), P("fsdp", None, "tp")]
 
 
@@ -132,17 +149,26 @@ def test_cudnn_attention_on_a_cpu_mesh_is_refused_by_the_mesh_check():
     """A config valid on its own (cudnn, bf16, no soft-cap) that these devices cannot honour: the
     mesh check itself names the key."""
     training = config("training.attention=cudnn", "training.mixed_precision=bf16").training
-    with pytest.raises(ConfigError, match="training.attention=cudnn needs NVIDIA GPUs, and this mesh is on cpu"):
+    with pytest.raises(
+        ConfigError, match="training.attention=cudnn needs NVIDIA GPUs, and this mesh is on cpu"
+    ):
         validate_training_for_mesh(training, make_mesh([[1], ["fsdp"]], jax.devices()[:1]))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["training.attention=cudnn"], "training.attention=cudnn needs training.mixed_precision=bf16"),
-    (["training.attention=cudnn", "training.mixed_precision=bf16", "model.attn_logit_softcap=50"],
-     "training.attention=cudnn cannot soft-cap"),
-    (["training.gradient_accumulation_steps=4", "training.sync_gradients_every=3"],
-     "training.sync_gradients_every=3 must divide training.gradient_accumulation_steps=4"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["training.attention=cudnn"], "training.attention=cudnn needs training.mixed_precision=bf16"),
+        (
+            ["training.attention=cudnn", "training.mixed_precision=bf16", "model.attn_logit_softcap=50"],
+            "training.attention=cudnn cannot soft-cap",
+        ),
+        (
+            ["training.gradient_accumulation_steps=4", "training.sync_gradients_every=3"],
+            "training.sync_gradients_every=3 must divide training.gradient_accumulation_steps=4",
+        ),
+    ],
+)
 def test_training_options_the_config_cannot_honour_are_refused_when_it_loads(overrides, message):
     with pytest.raises(ConfigError, match=message):
         config(*overrides)
@@ -161,6 +187,10 @@ def test_offload_without_pinned_host_memory_is_one_line_naming_the_key_and_the_b
 
     mesh = types.SimpleNamespace(devices=np.array([Device()], dtype=object))
     with pytest.raises(ConfigError) as err:
-        validate_training_for_mesh(config(f"training.{key}=true", "training.mixed_precision=bf16").training, mesh)
-    assert str(err.value) == (f"training.{key}=true needs pinned host memory, which accel devices "
-                              "do not offer (they have ['device']): set it to false")
+        validate_training_for_mesh(
+            config(f"training.{key}=true", "training.mixed_precision=bf16").training, mesh
+        )
+    assert str(err.value) == (
+        f"training.{key}=true needs pinned host memory, which accel devices "
+        "do not offer (they have ['device']): set it to false"
+    )

@@ -10,9 +10,15 @@ transformers = pytest.importorskip("transformers", reason="needs transformers: p
 
 from tunix_train.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer  # noqa: E402
 
-PROBES = ["To be, or not to be: that is the question.", "  two leading spaces and\ttabs\t\there",
-          "lines\n\nand\r\nbreaks\n", "accents: café, naïve, Ærø, Ångström", "CJK: 你好，世界。日本語のテキスト",
-          "emoji: 🤗🚀👩‍👩‍👧 and ½ ∑ ≠", "ROMEO:\nBut, soft! what light through yonder window breaks?"]
+PROBES = [
+    "To be, or not to be: that is the question.",
+    "  two leading spaces and\ttabs\t\there",
+    "lines\n\nand\r\nbreaks\n",
+    "accents: café, naïve, Ærø, Ångström",
+    "CJK: 你好，世界。日本語のテキスト",
+    "emoji: 🤗🚀👩‍👩‍👧 and ½ ∑ ≠",
+    "ROMEO:\nBut, soft! what light through yonder window breaks?",
+]
 
 
 def _gguf_with_the_bundled_vocabulary(path):
@@ -29,7 +35,12 @@ def _gguf_with_the_bundled_vocabulary(path):
     writer.add_token_types(kinds)
     writer.add_bos_token_id(sp.bos_id()), writer.add_eos_token_id(sp.eos_id())
     writer.add_unk_token_id(sp.unk_id()), writer.add_pad_token_id(sp.pad_id())
-    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    (
+        writer.write_header_to_file(),
+        writer.write_kv_data_to_file(),
+        writer.write_tensors_to_file(),
+        writer.close(),
+    )
     return path
 
 
@@ -51,8 +62,12 @@ def test_a_gguf_vocabulary_tokenizes_like_transformers_gguf_conversion(tmp_path)
 
 def test_a_tokenizer_json_tokenizes_like_transformers(tmp_path):
     _gguf_with_the_bundled_vocabulary(tmp_path / "vocab.gguf")
-    transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="vocab.gguf").save_pretrained(tmp_path / "hf")
-    assert (tmp_path / "hf" / "tokenizer.json").is_file() and not (tmp_path / "hf" / "tokenizer.model").exists()
+    transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="vocab.gguf").save_pretrained(
+        tmp_path / "hf"
+    )
+    assert (tmp_path / "hf" / "tokenizer.json").is_file() and not (
+        tmp_path / "hf" / "tokenizer.model"
+    ).exists()
     reference = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     # transformers adds the Gemma special tokens it misses (<bos>, <eos>, <mask>): 4,099 tokens
     _assert_like(load_tokenizer(tmp_path / "hf", 4099), reference)  # the directory: its tokenizer.json
@@ -66,18 +81,26 @@ def test_a_sentencepiece_model_tokenizes_like_transformers(tmp_path):
     # adds a dummy prefix, as the bundled one does (Gemma's does not), transformers' conversion
     # tokenizes a leading run of spaces differently from SentencePiece.
     leading_spaces = [p for p in PROBES if p.startswith("  ")]
-    _assert_like(load_tokenizer(tmp_path / "tokenizer.model", 4096), reference,
-                 [p for p in PROBES if p not in leading_spaces])
-    assert all(reference.encode(p, add_special_tokens=False) != load_tokenizer(tmp_path / "tokenizer.model", 4096)
-               .encode(p) for p in leading_spaces)
+    _assert_like(
+        load_tokenizer(tmp_path / "tokenizer.model", 4096),
+        reference,
+        [p for p in PROBES if p not in leading_spaces],
+    )
+    assert all(
+        reference.encode(p, add_special_tokens=False)
+        != load_tokenizer(tmp_path / "tokenizer.model", 4096).encode(p)
+        for p in leading_spaces
+    )
 
 
 def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path):
     path = _gguf_with_the_bundled_vocabulary(tmp_path / "vocab.gguf")
     with pytest.raises(Exception) as err:
         load_tokenizer(path, 1000, "model.init_from")
-    assert str(err.value) == (f"model.init_from: {path} has 4096 tokens but model.vocab_size=1000; set "
-                              f"model.vocab_size >= 4096 or use the model's own tokenizer")
+    assert str(err.value) == (
+        f"model.init_from: {path} has 4096 tokens but model.vocab_size=1000; set "
+        f"model.vocab_size >= 4096 or use the model's own tokenizer"
+    )
 
 
 def test_a_saved_tokenizer_loads_in_transformers_with_bos_in_front(tmp_path):

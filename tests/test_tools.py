@@ -8,7 +8,6 @@ import json
 import time
 
 import jax
-import numpy as np
 import pytest
 
 from tunix_train.config import ConfigError
@@ -52,9 +51,12 @@ def tokenizer(tmp_path_factory):
 
 def test_schemas_are_transformers_and_bad_tools_are_one_line():
     from transformers.utils import get_json_schema
+
     assert t.schema(multiply) == get_json_schema(multiply) and t.schema(multiply)["type"] == "function"
-    assert t.schema(multiply)["function"]["parameters"]["properties"]["a"] == {"type": "integer",
-                                                                              "description": "The first factor."}
+    assert t.schema(multiply)["function"]["parameters"]["properties"]["a"] == {
+        "type": "integer",
+        "description": "The first factor.",
+    }
     with pytest.raises(ConfigError, match="'tests.test_tools:undocumented' cannot make a tool schema"):
         t.load_tools(["tests.test_tools:undocumented"])
     with pytest.raises(ConfigError, match="'json:JSONDecoder' is a type, not a function"):
@@ -64,16 +66,32 @@ def test_schemas_are_transformers_and_bad_tools_are_one_line():
 
 
 def test_both_call_formats_parse_and_a_call_written_wrong_is_an_error():
-    text = f'Let me see. {call(347, 812)} and <tool_call>{{"name": "add", "arguments": {{"x": [1, 2]}}}}</tool_call>'
-    assert t.parse_calls(text, "tagged") == [t.Call("multiply", {"a": 347, "b": 812}), t.Call("add", {"x": [1, 2]})]
-    assert t.parse_calls("<tool_call>{oops}</tool_call>", "tagged")[0].error.startswith("the call is not JSON")
+    text = (
+        f"Let me see. {call(347, 812)} and "
+        '<tool_call>{"name": "add", "arguments": {"x": [1, 2]}}</tool_call>'
+    )
+    assert t.parse_calls(text, "tagged") == [
+        t.Call("multiply", {"a": 347, "b": 812}),
+        t.Call("add", {"x": [1, 2]}),
+    ]
+    assert t.parse_calls("<tool_call>{oops}</tool_call>", "tagged")[0].error.startswith(
+        "the call is not JSON"
+    )
     assert t.parse_calls('<tool_call>{"arguments": {}}</tool_call>', "tagged")[0].error
     assert t.parse_calls("no call here", "tagged") == []
-    gemma4 = ('<|tool_call>call:get_weather{location:<|"|>Paris, France<|"|>,days:3,units:{metric:true}}<tool_call|>'
-              '<|tool_call>call:ping{}<tool_call|>')
+    gemma4 = (
+        '<|tool_call>call:get_weather{location:<|"|>Paris, France<|"|>,'
+        "days:3,units:{metric:true}}<tool_call|>"
+        "<|tool_call>call:ping{}<tool_call|>"
+    )
     assert t.parse_calls(gemma4, "gemma4") == [
-        t.Call("get_weather", {"location": "Paris, France", "days": 3, "units": {"metric": True}}), t.Call("ping", {})]
-    assert t.parse_calls('<|tool_call>call:f{a:<|"|>open}<tool_call|>', "gemma4")[0].error == "a string is not closed"
+        t.Call("get_weather", {"location": "Paris, France", "days": 3, "units": {"metric": True}}),
+        t.Call("ping", {}),
+    ]
+    assert (
+        t.parse_calls('<|tool_call>call:f{a:<|"|>open}<tool_call|>', "gemma4")[0].error
+        == "a string is not closed"
+    )
     assert t.call_style("...<|tool_call>...") == "gemma4" and t.call_style(GEMMA_TEMPLATE) == "tagged"
 
 
@@ -103,17 +121,27 @@ def test_calls_run_and_their_results_continue_the_conversation(tokenizer):
     trajectory's tokens are the template's rendering of the final conversation (tools offered),
     and the tokens under the loss are exactly the model's four turns."""
     chat = ChatTemplate(GEMMA_TEMPLATE, "Gemma's turn format", tokenizer)
-    turns = Turns(chat, {"multiply": multiply, "broken": broken, "slow": slow}, max_new_tokens=48, max_turns=5,
-                  max_len=512, timeout_s=0.3)
-    script = [call(347, 812), '<tool_call>{"name":"broken","arguments":{"x":1}}</tool_call>',
-              '<tool_call>{"name":"slow","arguments":{"x":1}}</tool_call>', "281764"]
+    turns = Turns(
+        chat,
+        {"multiply": multiply, "broken": broken, "slow": slow},
+        max_new_tokens=48,
+        max_turns=5,
+        max_len=512,
+        timeout_s=0.3,
+    )
+    script = [
+        call(347, 812),
+        '<tool_call>{"name":"broken","arguments":{"x":1}}</tool_call>',
+        '<tool_call>{"name":"slow","arguments":{"x":1}}</tool_call>',
+        "281764",
+    ]
     eot = tokenizer.encode("<end_of_turn>")[0]
     requests_seen = []
 
     def generate(requests):
         requests_seen.append(requests)
         out = []
-        for ids, max_new, stream in requests:
+        for _ in requests:
             text = script[len(requests_seen) - 1]
             tokens = tokenizer.encode(text)
             out.append(Done(tokens, [-0.1] * len(tokens), eot))
@@ -122,18 +150,33 @@ def test_calls_run_and_their_results_continue_the_conversation(tokenizer):
     trajectory = turns.start(Environment(), {"prompt": "What is 347 times 812?"}, "Environment")
     prompt = list(trajectory.prompt)
     [trajectory] = turns.roll_out(generate, [trajectory], [Environment()])
-    assert [m["role"] for m in trajectory.messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant",
-                                                        "tool", "assistant"]
+    assert [m["role"] for m in trajectory.messages] == [
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
     assert [m["content"] for m in trajectory.messages if m["role"] == "tool"] == [
-        "281764", "error: ValueError: no luck", "error: timed out after 0.3 s"]
+        "281764",
+        "error: ValueError: no luck",
+        "error: timed out after 0.3 s",
+    ]
     assert (trajectory.turns, trajectory.tool_calls, trajectory.tool_errors) == (4, 3, 2)
     assert trajectory.last_turn == "281764" and not trajectory.open
     # every request continues the whole conversation so far
     assert [len(r) for r in requests_seen] == [1, 1, 1, 1]
-    assert all(requests_seen[k + 1][0][0][:len(requests_seen[k][0][0])] == requests_seen[k][0][0] for k in range(3))
+    assert all(
+        requests_seen[k + 1][0][0][: len(requests_seen[k][0][0])] == requests_seen[k][0][0] for k in range(3)
+    )
     rendered = tokenizer.encode_with_offsets(turns.render(trajectory.messages))[0]
-    assert prompt + trajectory.tokens == rendered[:len(prompt) + len(trajectory.tokens)]
-    assert rendered[len(prompt) + len(trajectory.tokens):] == tokenizer.encode("\n")  # after the last end of turn
+    assert prompt + trajectory.tokens == rendered[: len(prompt) + len(trajectory.tokens)]
+    assert rendered[len(prompt) + len(trajectory.tokens) :] == tokenizer.encode(
+        "\n"
+    )  # after the last end of turn
     own = [tok for tok, mine in zip(trajectory.tokens, trajectory.own) if mine]
     assert tokenizer.decode(own) == "<end_of_turn>".join(script) + "<end_of_turn>"
     others = tokenizer.decode([tok for tok, mine in zip(trajectory.tokens, trajectory.own) if not mine])
@@ -161,37 +204,60 @@ def test_an_environment_steps_and_one_that_raises_is_an_error_message(tokenizer)
     chat = ChatTemplate(GEMMA_TEMPLATE, "Gemma's turn format", tokenizer)
     turns = Turns(chat, {}, max_new_tokens=8, max_turns=6, max_len=256, timeout_s=1.0)
     eot = tokenizer.encode("<end_of_turn>")[0]
-    generate = lambda requests: [Done(tokenizer.encode("ok"), [-1.0], eot) for _ in requests]
+
+    def generate(requests):
+        return [Done(tokenizer.encode("ok"), [-1.0], eot) for _ in requests]
+
     games = [Countdown(), Raises()]
     trajectories = turns.roll_out(generate, [turns.start(g, {"prompt": "3"}, "g") for g in games], games)
     assert trajectories[0].turns == 3 and trajectories[0].reward == 3.0 and trajectories[0].tool_errors == 0
     assert trajectories[1].turns == 6 and trajectories[1].tool_errors == 5 and trajectories[1].reward is None
-    assert trajectories[1].messages[2]["content"] == "error: the environment's step failed: RuntimeError: board on fire"
+    assert (
+        trajectories[1].messages[2]["content"]
+        == "error: the environment's step failed: RuntimeError: board on fire"
+    )
 
 
 def test_a_cut_off_turn_or_a_full_context_ends_the_conversation(tokenizer):
     chat = ChatTemplate(GEMMA_TEMPLATE, "Gemma's turn format", tokenizer)
     turns = Turns(chat, {"multiply": multiply}, max_new_tokens=8, max_turns=4, max_len=256, timeout_s=1.0)
-    cut = lambda requests: [Done(tokenizer.encode("12345678"), [-1.0] * 8, None) for _ in requests]
+
+    def cut(requests):
+        return [Done(tokenizer.encode("12345678"), [-1.0] * 8, None) for _ in requests]
+
     [tr] = turns.roll_out(cut, [turns.start(Environment(), {"prompt": "x"}, "e")], [Environment()])
     assert tr.turns == 1 and tr.own == [1] * len(tr.tokens)
     tight = Turns(chat, {"multiply": multiply}, max_new_tokens=48, max_turns=4, max_len=150, timeout_s=1.0)
     eot = tokenizer.encode("<end_of_turn>")[0]
+
     def calls(requests):  # as the engine does, at most max_new_tokens, cut off without a stop token
         tokens = tokenizer.encode(call(1, 2))
-        return [Done(tokens[:n], [-1.0] * min(n, len(tokens)), eot if n > len(tokens) else None) for _, n, _ in requests]
+        return [
+            Done(tokens[:n], [-1.0] * min(n, len(tokens)), eot if n > len(tokens) else None)
+            for _, n, _ in requests
+        ]
+
     [tr] = tight.roll_out(calls, [tight.start(Environment(), {"prompt": "x"}, "e")], [Environment()])
     assert len(tr.prompt) + len(tr.tokens) == 150 and tr.turns == 2  # the second turn ran into the context
 
 
 def test_gemma_template_with_tools_renders_as_transformers_does(tokenizer, tmp_path):
     """Our renderer and transformers' apply_chat_template(tools=[function]) give the same text."""
-    messages = [{"role": "user", "content": "What is 2 times 3?"}, {"role": "assistant", "content": call(2, 3)},
-                {"role": "tool", "name": "multiply", "content": "6"}, {"role": "assistant", "content": "6"}]
+    messages = [
+        {"role": "user", "content": "What is 2 times 3?"},
+        {"role": "assistant", "content": call(2, 3)},
+        {"role": "tool", "name": "multiply", "content": "6"},
+        {"role": "assistant", "content": "6"},
+    ]
     ours = ChatTemplate(GEMMA_TEMPLATE, "g", tokenizer).render(messages, tools=[t.schema(multiply)])[0]
     from transformers.utils.chat_template_utils import render_jinja_template
-    theirs = render_jinja_template([messages], tools=[multiply], chat_template=GEMMA_TEMPLATE,
-                                   bos_token=tokenizer.token(tokenizer.bos_id))[0][0]
+
+    theirs = render_jinja_template(
+        [messages],
+        tools=[multiply],
+        chat_template=GEMMA_TEMPLATE,
+        bos_token=tokenizer.token(tokenizer.bos_id),
+    )[0][0]
     assert ours == theirs and "multiply(a: integer, b: integer): Multiplies" in ours
     assert "<tool_response>6</tool_response>" in ours
 
@@ -201,15 +267,34 @@ def test_the_loss_mask_covers_the_model_tokens_only(tmp_path):
     engine's log-probabilities sit under the model's tokens."""
     from tunix_train.compose import load_config
     from tunix_train.train.objectives.grpo import GroupRelative, Rollout
+
     (tmp_path / "p.jsonl").write_text('{"prompt": "x", "answer": "1"}\n')
-    cfg, _ = load_config(["objective=grpo", "data=jsonl", f"data.train_files=[{tmp_path}/p.jsonl]", "data.seq_len=16",
-                          "training.grpo.num_generations=2", "training.micro_batch_size=2",
-                          "training.grpo.reward=[tunix_train.rewards.calculator:exact_answer]",
-                          "training.grpo.tools=[tunix_train.rewards.calculator:multiply]"])
+    cfg, _ = load_config(
+        [
+            "objective=grpo",
+            "data=jsonl",
+            f"data.train_files=[{tmp_path}/p.jsonl]",
+            "data.seq_len=16",
+            "training.grpo.num_generations=2",
+            "training.micro_batch_size=2",
+            "training.grpo.reward=[tunix_train.rewards.calculator:exact_answer]",
+            "training.grpo.tools=[tunix_train.rewards.calculator:multiply]",
+        ]
+    )
     objective = GroupRelative(cfg)
     objective._rows = range(0, 2)
-    rollout = Rollout(0, 0, 1, [0], [[5, 6, 7, 8, 9], [5, 6]], [[-1.0, -2.0, 0.0, 0.0, -3.0], [-1.0, -2.0]],
-                      [[1.0, 0.0]], 0.0, prompt_ids=[[2, 3, 4], [2, 3, 4]], own=[[1, 1, 0, 0, 1], [1, 1]])
+    rollout = Rollout(
+        0,
+        0,
+        1,
+        [0],
+        [[5, 6, 7, 8, 9], [5, 6]],
+        [[-1.0, -2.0, 0.0, 0.0, -3.0], [-1.0, -2.0]],
+        [[1.0, 0.0]],
+        0.0,
+        prompt_ids=[[2, 3, 4], [2, 3, 4]],
+        own=[[1, 1, 0, 0, 1], [1, 1]],
+    )
     rows = objective._rows_of(rollout)
     # targets[i] = ids[i + 1]: the completion's tokens are targets 2.. of a 3-token prompt
     assert rows["targets"][0, 0, 2:7].tolist() == [5, 6, 7, 8, 9]
@@ -234,44 +319,83 @@ def test_grpo_with_tools_and_an_environment_trains_and_resumes_bit_identically(t
     multiply tool and an environment: calls happen and run, turns follow, and a resumed run equals
     the straight one."""
     from conftest import read_metrics, straight_and_resumed
+
     from tunix_train.compose import load_config
     from tunix_train.export import main as export
     from tunix_train.rewards.calculator import write_task
     from tunix_train.train.loop import train
+
     prompts, sft = write_task(tmp_path / "task", count=256, seed=0)
     tok = write_tokenizer(tmp_path / "tok" / "tokenizer.model")
     model = ["model=gemma3_tiny", "model.vocab_size=4102", f"data.tokenizer={tok}", "data.seq_len=192"]
-    cfg, _ = load_config([*model, "data=chat", f"data.train_files=[{sft}]", "training.max_steps=100",
-                          "training.micro_batch_size=8", "training.learning_rate=1e-2", "training.eval_every=0",
-                          "training.warmup_steps=10", "checkpoint.every_steps=0"])
+    cfg, _ = load_config(
+        [
+            *model,
+            "data=chat",
+            f"data.train_files=[{sft}]",
+            "training.max_steps=100",
+            "training.micro_batch_size=8",
+            "training.learning_rate=1e-2",
+            "training.eval_every=0",
+            "training.warmup_steps=10",
+            "checkpoint.every_steps=0",
+        ]
+    )
     train(cfg, tmp_path / "sft", devices=jax.devices()[:1])
     assert export([str(tmp_path / "sft"), str(tmp_path / "sft_hf")]) == 0
-    cfg, _ = load_config([*model, "objective=grpo", "data=jsonl", f"data.train_files=[{prompts}]",
-                          f"model.init_from={tmp_path / 'sft_hf'}", "training.micro_batch_size=4",
-                          "training.grpo.num_generations=4", "training.grpo.max_new_tokens=48",
-                          "training.grpo.max_turns=4", "training.grpo.tools=[tunix_train.rewards.calculator:multiply]",
-                          "training.grpo.environment=tests.test_tools:Checker", "training.log_every=1",
-                          "training.grpo.reward=[tunix_train.rewards.calculator:exact_answer]",
-                          "training.lr_schedule=constant", "checkpoint.every_steps=2", "training.learning_rate=1e-3"])
+    cfg, _ = load_config(
+        [
+            *model,
+            "objective=grpo",
+            "data=jsonl",
+            f"data.train_files=[{prompts}]",
+            f"model.init_from={tmp_path / 'sft_hf'}",
+            "training.micro_batch_size=4",
+            "training.grpo.num_generations=4",
+            "training.grpo.max_new_tokens=48",
+            "training.grpo.max_turns=4",
+            "training.grpo.tools=[tunix_train.rewards.calculator:multiply]",
+            "training.grpo.environment=tests.test_tools:Checker",
+            "training.log_every=1",
+            "training.grpo.reward=[tunix_train.rewards.calculator:exact_answer]",
+            "training.lr_schedule=constant",
+            "checkpoint.every_steps=2",
+            "training.learning_rate=1e-3",
+        ]
+    )
     cfg.model.mesh_shape = [[2, 2], ["fsdp", "tp"]]
     straight, resumed = straight_and_resumed(cfg, tmp_path, 4, 2, jax.devices()[:4])
-    metrics = lambda d: [m for m in read_metrics(d) if "loss" in m]
+
+    def metrics(d):
+        return [m for m in read_metrics(d) if "loss" in m]
+
     for key in ("loss", "grad_norm", "reward", "tool_calls", "tool_errors", "turns", "reward_environment"):
         assert [m[key] for m in metrics(resumed)] == [m[key] for m in metrics(straight)], key
     steps = metrics(straight)
     assert sum(m["tool_calls"] for m in steps) > 0 and max(m["turns"] for m in steps) > 2
-    assert sum(m["reward_environment"] for m in steps) > 0 and max(m["grad_norm"] for m in steps) > 0.01  # it learns
+    assert (
+        sum(m["reward_environment"] for m in steps) > 0 and max(m["grad_norm"] for m in steps) > 0.01
+    )  # it learns
     samples = [json.loads(line) for line in (straight / "samples.jsonl").read_text().splitlines()]
     assert any("<tool_response>" in s["text"] for s in samples)
 
 
 def test_the_parser_bounds_what_the_model_writes():
     """100k-deep nesting, a 1 MB argument and wrong types are error observations, not exceptions."""
-    deep = '<tool_call>{"name": "multiply", "arguments": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}</tool_call>"
+    deep = (
+        '<tool_call>{"name": "multiply", "arguments": {"a": '
+        + "[" * 100_000
+        + "]" * 100_000
+        + "}}</tool_call>"
+    )
     assert "characters long; at most 65536" in t.parse_calls(deep, "tagged")[0].error
-    deep = '<tool_call>{"name": "multiply", "arguments": {"a": ' + "[" * 20_000 + "]" * 20_000 + "}}</tool_call>"
+    deep = (
+        '<tool_call>{"name": "multiply", "arguments": {"a": ' + "[" * 20_000 + "]" * 20_000 + "}}</tool_call>"
+    )
     assert "nested more than 32" in t.parse_calls(deep, "tagged")[0].error  # json's RecursionError
-    assert len(t.parse_calls("".join(call(i, 2) for i in range(300)), "tagged")) == 300  # a turn runs max_calls
+    assert (
+        len(t.parse_calls("".join(call(i, 2) for i in range(300)), "tagged")) == 300
+    )  # a turn runs max_calls
     deep33 = '<tool_call>{"name": "multiply", "arguments": {"a": ' + "[" * 33 + "]" * 33 + "}}</tool_call>"
     assert "nested more than 32" in t.parse_calls(deep33, "tagged")[0].error
     gemma4_deep = "<|tool_call>call:f{a:" + "[" * 20_000 + "]" * 20_000 + "}<tool_call|>"
@@ -280,8 +404,9 @@ def test_the_parser_bounds_what_the_model_writes():
     assert "characters long; at most 65536" in t.parse_calls(big, "tagged")[0].error
     toolbox = t.Toolbox({"multiply": multiply}, 1.0)
     text, failed = toolbox.call(t.Call("multiply", {"a": "1", "b": "2"}))
-    assert failed and text.startswith("error: the arguments of multiply do not fit its schema: 'a': '1' is not of "
-                                      "type 'integer'")
+    assert failed and text.startswith(
+        "error: the arguments of multiply do not fit its schema: 'a': '1' is not of type 'integer'"
+    )
     assert "'c' was unexpected" in toolbox.call(t.Call("multiply", {"a": 1, "b": 2, "c": 3}))[0]
     assert "'b' is a required property" in toolbox.call(t.Call("multiply", {"a": 1}))[0]
     assert toolbox.call(t.Call("multiply", {"a": 6, "b": 7})) == ("42", False)
@@ -291,16 +416,29 @@ def test_a_turn_runs_at_most_max_calls_and_long_results_are_cut(tokenizer):
     from rewards_for_tests import echo
 
     chat = ChatTemplate(GEMMA_TEMPLATE, "Gemma's turn format", tokenizer)
-    turns = Turns(chat, {"multiply": multiply, "echo": echo}, max_new_tokens=48, max_turns=2, max_len=4096,
-                  timeout_s=1.0, max_calls=8, max_result_tokens=20)
-    script = ["".join(call(i, 2) for i in range(40)), '<tool_call>{"name":"echo","arguments":{"text":"' +
-              "Speak the speech " * 100 + '"}}</tool_call>']
+    turns = Turns(
+        chat,
+        {"multiply": multiply, "echo": echo},
+        max_new_tokens=48,
+        max_turns=2,
+        max_len=4096,
+        timeout_s=1.0,
+        max_calls=8,
+        max_result_tokens=20,
+    )
+    script = [
+        "".join(call(i, 2) for i in range(40)),
+        '<tool_call>{"name":"echo","arguments":{"text":"' + "Speak the speech " * 100 + '"}}</tool_call>',
+    ]
     eot = tokenizer.encode("<end_of_turn>")[0]
     for text in script:
         turns.max_turns = 2
         trajectory = turns.start(Environment(), {"prompt": "Go"}, "Environment")
-        [trajectory] = turns.roll_out(lambda requests: [Done(tokenizer.encode(text), [-0.1] * len(tokenizer.encode(
-            text)), eot)], [trajectory], [Environment()])
+        [trajectory] = turns.roll_out(
+            lambda requests: [Done(tokenizer.encode(text), [-0.1] * len(tokenizer.encode(text)), eot)],
+            [trajectory],
+            [Environment()],
+        )
         results = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
         if text is script[0]:
             assert results[:8] == [str(2 * i) for i in range(8)] and len(results) == 9

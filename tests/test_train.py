@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from conftest import config, read_metrics, train_losses
-from tunix_train.config import ConfigError
+
 from tunix_train.compose import load_config
+from tunix_train.config import ConfigError
 from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.sharding import make_mesh, to_global_batch
 from tunix_train.train.hooks import Hook
@@ -26,8 +26,15 @@ MESHES = {  # name: (mesh_shape, devices used)
     "dp2_fsdp2_tp2": ([[2, 2, 2], ["dp", "fsdp", "tp"]], 8),
 }
 # tp=8 needs 8 query heads and an MLP width divisible by 8; the same model runs on every mesh.
-MODEL = ("model.num_heads=8", "model.num_kv_heads=2", "model.head_dim=8", "training.log_every=1",
-         "training.max_steps=3", "training.warmup_steps=1", "training.eval_every=0")
+MODEL = (
+    "model.num_heads=8",
+    "model.num_kv_heads=2",
+    "model.head_dim=8",
+    "training.log_every=1",
+    "training.max_steps=3",
+    "training.warmup_steps=1",
+    "training.eval_every=0",
+)
 _LOSSES: dict = {}  # (mesh name, overrides) -> train losses, shared by the tests of this module
 
 
@@ -65,21 +72,29 @@ def _one_sgd_step(cfg, mesh_shape, n_devices, micro_batch, accumulation):
     """Parameters after one plain-SGD step (lr 1): params - grads, so the update is the gradient."""
     mesh = make_mesh(mesh_shape, jax.devices()[:n_devices])
     optimizer, schedule = optax.sgd(1.0), optax.constant_schedule(1.0)
-    data = SyntheticBatches(seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size,
-                            accumulation_steps=accumulation, global_micro_batch=micro_batch, seed=0)
+    data = SyntheticBatches(
+        seq_len=cfg.data.seq_len,
+        vocab_size=cfg.model.vocab_size,
+        accumulation_steps=accumulation,
+        global_micro_batch=micro_batch,
+        seed=0,
+    )
     with jax.set_mesh(mesh):
         plan = plan_train_state(cfg.model, optimizer, mesh, 0, cfg.training.sharding_strategy)
         state = plan.create()
         before = jax.tree.map(np.asarray, state.params)
-        step = compile_train_step(plan, mesh, model_cfg=cfg.model, optimizer=optimizer, schedule=schedule,
-                                  training=cfg.training)
+        step = compile_train_step(
+            plan, mesh, model_cfg=cfg.model, optimizer=optimizer, schedule=schedule, training=cfg.training
+        )
         state, metrics = step(state, to_global_batch(next(data), mesh))
     update = jax.tree.map(lambda new, old: np.asarray(new) - old, state.params, before)
     return update, float(metrics["loss"])
 
 
-@pytest.mark.parametrize("mesh_shape, n_devices, sync_every", [
-    ([[1], ["fsdp"]], 1, 1), ([[2, 4], ["fsdp", "tp"]], 8, 1), ([[2, 4], ["fsdp", "tp"]], 8, 2)])
+@pytest.mark.parametrize(
+    "mesh_shape, n_devices, sync_every",
+    [([[1], ["fsdp"]], 1, 1), ([[2, 4], ["fsdp", "tp"]], 8, 1), ([[2, 4], ["fsdp", "tp"]], 8, 2)],
+)
 def test_accumulated_gradients_equal_full_batch(mesh_shape, n_devices, sync_every):
     # sync_every > 1: each fsdp shard keeps its own gradient sums and they are reduced every
     # sync_every micro-batches; the result is the same gradient.
@@ -96,8 +111,13 @@ def test_accumulation_in_the_cli_config_matches_full_batch(tmp_path):
     """micro_batch_size 2 x 4 accumulation steps vs 8 x 1, end to end with AdamW."""
     losses = {}
     for micro, accumulation in ((8, 1), (2, 4)):
-        cfg = config("training.max_steps=3", "training.log_every=1", "training.eval_every=0",
-                     f"training.micro_batch_size={micro}", f"training.gradient_accumulation_steps={accumulation}")
+        cfg = config(
+            "training.max_steps=3",
+            "training.log_every=1",
+            "training.eval_every=0",
+            f"training.micro_batch_size={micro}",
+            f"training.gradient_accumulation_steps={accumulation}",
+        )
         cfg.model.mesh_shape = [[1], ["fsdp"]]
         train(cfg, tmp_path / f"{micro}x{accumulation}", devices=jax.devices()[:1])
         losses[micro] = train_losses(tmp_path / f"{micro}x{accumulation}")
@@ -106,7 +126,9 @@ def test_accumulation_in_the_cli_config_matches_full_batch(tmp_path):
 
 def test_bf16_computes_in_bfloat16_and_keeps_float32_master_weights(tmp_path):
     state = _train(tmp_path / "bf16", "fsdp4_tp2", "training.mixed_precision=bf16")
-    assert {x.dtype for x in jax.tree.leaves((state.params, state.opt_state[1][0].mu))} == {jnp.dtype("float32")}
+    assert {x.dtype for x in jax.tree.leaves((state.params, state.opt_state[1][0].mu))} == {
+        jnp.dtype("float32")
+    }
     bf16 = train_losses(tmp_path / "bf16")
     fp32 = _losses(tmp_path, "fsdp4_tp2")
     # Same model and data: bf16 differs from fp32 by rounding, not by a different computation.
@@ -132,7 +154,9 @@ def test_the_default_job_learns(tmp_path):
     evals = {m["step"]: m["eval_loss"] for m in metrics if "eval_loss" in m}
     assert losses[-1] < losses[0] - 1.0, losses  # 7.28 at step 10, 5.96 at step 40
     assert list(evals) == [0, 20, 40] and evals[40] < evals[20] < evals[0] - 2.0, evals
-    assert all(np.exp(m["eval_loss"]) == pytest.approx(m["eval_perplexity"]) for m in metrics if "eval_loss" in m)
+    assert all(
+        np.exp(m["eval_loss"]) == pytest.approx(m["eval_perplexity"]) for m in metrics if "eval_loss" in m
+    )
 
 
 def test_chunked_loss_gives_the_loss_and_gradients_of_the_whole_one():
@@ -158,8 +182,11 @@ def test_sharding_strategies_give_the_same_losses_and_shard_what_they_say(tmp_pa
     mlp_up = state.params["layers"]["mlp"]["up_DF"].get_value()  # [layers, embed, mlp]
     adam_mu = state.opt_state[1][0].mu["layers"]["mlp"]["up_DF"].get_value()
     assert mlp_up.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp")  # not over fsdp
-    assert adam_mu.sharding.spec == (jax.sharding.PartitionSpec(None, "fsdp", "tp") if strategy == "shard_grad_op"
-                                     else jax.sharding.PartitionSpec(None, None, "tp"))
+    assert adam_mu.sharding.spec == (
+        jax.sharding.PartitionSpec(None, "fsdp", "tp")
+        if strategy == "shard_grad_op"
+        else jax.sharding.PartitionSpec(None, None, "tp")
+    )
     assert mlp_up.addressable_shards[0].data.shape == (2, 64, 128 // 2)
 
 
@@ -174,14 +201,18 @@ BF16 = "training.mixed_precision=bf16"
 OFFLOADS = {  # what goes to the host: (overrides, offloaded parts of the state)
     "optimizer state": (("training.offload_optimizer_state=true",), {"opt_state"}),
     "master weights": ((BF16, "training.offload_master_weights=true"), {"params"}),
-    "both": ((BF16, "training.offload_optimizer_state=true", "training.offload_master_weights=true"),
-             {"params", "opt_state"}),
+    "both": (
+        (BF16, "training.offload_optimizer_state=true", "training.offload_master_weights=true"),
+        {"params", "opt_state"},
+    ),
 }
 
 
 def _memory_kinds(state):
-    return {part: {x.sharding.memory_kind for x in jax.tree.leaves(getattr(state, part))}
-            for part in ("params", "opt_state")}
+    return {
+        part: {x.sharding.memory_kind for x in jax.tree.leaves(getattr(state, part))}
+        for part in ("params", "opt_state")
+    }
 
 
 @pytest.mark.parametrize("offload", OFFLOADS)
@@ -189,8 +220,9 @@ def test_an_offloaded_state_lives_in_pinned_host_memory_and_changes_no_loss(tmp_
     overrides, on_host = OFFLOADS[offload]
     reference = _losses(tmp_path, "fsdp4_tp2", *[o for o in overrides if o == BF16])
     state = _run(tmp_path / "offload", 3, *overrides)
-    assert _memory_kinds(state) == {part: {"pinned_host" if part in on_host else "device"}
-                                    for part in ("params", "opt_state")}
+    assert _memory_kinds(state) == {
+        part: {"pinned_host" if part in on_host else "device"} for part in ("params", "opt_state")
+    }
     np.testing.assert_allclose(train_losses(tmp_path / "offload"), reference, rtol=0, atol=1e-6)
 
 
@@ -208,13 +240,17 @@ def test_a_checkpoint_resumes_with_or_without_offload(tmp_path, offload="both"):
         run_dir = tmp_path / f"{first}_then_{then}"
         _run(run_dir, 3, *same, *[o.replace("true", first) for o in offloaded])
         state = _run(run_dir, 5, *same, *[o.replace("true", then) for o in offloaded])
-        assert _memory_kinds(state) == {part: {"pinned_host" if then == "true" and part in on_host else "device"}
-                                        for part in ("params", "opt_state")}
+        assert _memory_kinds(state) == {
+            part: {"pinned_host" if then == "true" and part in on_host else "device"}
+            for part in ("params", "opt_state")
+        }
         np.testing.assert_allclose(train_losses(run_dir), straight, rtol=0, atol=1e-6)
 
 
 def test_offloaded_master_weights_need_bf16():
-    with pytest.raises(ConfigError, match="training.offload_master_weights=true keeps the float32 master copy"):
+    with pytest.raises(
+        ConfigError, match="training.offload_master_weights=true keeps the float32 master copy"
+    ):
         config("training.offload_master_weights=true")
 
 
@@ -244,8 +280,16 @@ def test_a_hook_plugged_into_the_loop_sees_every_step_and_its_scalars_are_logged
     cfg.model.mesh_shape = [[1], ["fsdp"]]
     first = _Recorder()
     train(cfg, tmp_path, devices=jax.devices()[:1], extra_hooks=[first])
-    assert first.calls == [("start", 0), ("before", 0), ("after", 1), ("before", 1), ("after", 2),
-                           ("before", 2), ("after", 3), ("end", 3)]
+    assert first.calls == [
+        ("start", 0),
+        ("before", 0),
+        ("after", 1),
+        ("before", 1),
+        ("after", 2),
+        ("before", 2),
+        ("after", 3),
+        ("end", 3),
+    ]
     cfg.training.max_steps = 4  # resumed: the hook starts where the checkpoint left off
     resumed = _Recorder()
     train(cfg, tmp_path, devices=jax.devices()[:1], extra_hooks=[resumed])

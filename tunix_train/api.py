@@ -27,7 +27,15 @@ from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
 from tunix_train.checkpoint import resolve_resume_path, restore_params
-from tunix_train.config import Config, ConfigError, LoraConfig, ModelConfig, Remat, reads_text, without_retired_keys
+from tunix_train.config import (
+    Config,
+    ConfigError,
+    LoraConfig,
+    ModelConfig,
+    Remat,
+    reads_text,
+    without_retired_keys,
+)
 from tunix_train.data.chat import ChatTemplate, check_messages, find_template
 from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer
 from tunix_train.files import write_text
@@ -35,8 +43,8 @@ from tunix_train.generate import Completion, Engine, Request, Sampling
 from tunix_train.generate.session import before_stop
 from tunix_train.interop import checkpoint_format, gguf, hf, importer, peft
 from tunix_train.observe.memory import MemoryErrors
-from tunix_train.sharding import LOGICAL_RULES, make_mesh, validate_model_for_mesh
 from tunix_train.parallel import model_graphdef
+from tunix_train.sharding import LOGICAL_RULES, make_mesh, validate_model_for_mesh
 from tunix_train.train.init import ParamsPlan, plan_params
 from tunix_train.train.setup import frozen_as_recorded
 from tunix_train.train.weights import Weights
@@ -57,44 +65,76 @@ class LoadedModel:
     def __post_init__(self):
         # one forward pass of the whole stack on every device: positions whole, layers not pipelined
         graphdef = model_graphdef(self.config, Remat.none, rules=LOGICAL_RULES.replace(seq=()))
-        self._forward = jax.jit(lambda params, micro: nnx.merge(graphdef, params)(
-            micro["inputs"], micro["positions"], micro["segment_ids"]))
-        self.engine = Engine(self.config, self.mesh, self.stop_ids,
-                             decode=None if self.tokenizer is None else self.tokenizer.decode)
+        self._forward = jax.jit(
+            lambda params, micro: nnx.merge(graphdef, params)(
+                micro["inputs"], micro["positions"], micro["segment_ids"]
+            )
+        )
+        self.engine = Engine(
+            self.config,
+            self.mesh,
+            self.stop_ids,
+            decode=None if self.tokenizer is None else self.tokenizer.decode,
+        )
 
-    def generate(self, prompts: Sequence[Sequence[int] | str], max_new_tokens: int, temperature: float = 0.0,
-                 top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
-                 on_tokens: Optional[Callable[[int, list[int]], None]] = None) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        seed: int = 0,
+        on_tokens: Optional[Callable[[int, list[int]], None]] = None,
+    ) -> list[list[int]]:
         """New token ids for each prompt (token ids, or text encoded with BOS by the tokenizer),
         without the stop token: greedy at temperature 0, else sampled (prompt i draws from
         fold_in(key(seed), i): same seed, same tokens on any mesh and beside any other prompt).
         on_tokens(prompt index, new tokens) as they are produced."""
-        return [c.tokens for c in self.complete(self.requests(prompts, max_new_tokens, temperature, top_k, top_p,
-                                                              seed), on_tokens)]
+        return [
+            c.tokens
+            for c in self.complete(
+                self.requests(prompts, max_new_tokens, temperature, top_k, top_p, seed), on_tokens
+            )
+        ]
 
-    def requests(self, prompts: Sequence[Sequence[int] | str], max_new_tokens: int, temperature: float = 0.0,
-                 top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0) -> list[Request]:
+    def requests(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        seed: int = 0,
+    ) -> list[Request]:
         """The engine's requests for `prompts` (see generate)."""
         sampling = Sampling(temperature, top_k, top_p)
-        return [Request(tuple(self._encode(p) if isinstance(p, str) else p), max_new_tokens, sampling, seed, i)
-                for i, p in enumerate(prompts)]
+        return [
+            Request(tuple(self._encode(p) if isinstance(p, str) else p), max_new_tokens, sampling, seed, i)
+            for i, p in enumerate(prompts)
+        ]
 
-    def complete(self, requests: Sequence[Request],
-                 on_tokens: Optional[Callable[[int, list[int]], None]] = None) -> list[Completion]:
+    def complete(
+        self, requests: Sequence[Request], on_tokens: Optional[Callable[[int, list[int]], None]] = None
+    ) -> list[Completion]:
         """Each request's completion: its tokens, their log-probabilities, why it ended."""
         with MemoryErrors(None, self.mesh, training=False, first_tips=self._memory_tips(requests)):
             return self.engine.generate(self.params, requests, on_tokens=on_tokens)
 
-    def stream(self, prompt: Sequence[int] | str, max_new_tokens: int, **sampling: Any) -> Iterator[list[int]]:
+    def stream(
+        self, prompt: Sequence[int] | str, max_new_tokens: int, **sampling: Any
+    ) -> Iterator[list[int]]:
         """The new tokens of one prompt, a chunk at a time, as they are produced."""
-        request, = self.requests([prompt], max_new_tokens, **sampling)
+        (request,) = self.requests([prompt], max_new_tokens, **sampling)
         with MemoryErrors(None, self.mesh, training=False, first_tips=self._memory_tips([request])):
             yield from self.engine.stream(self.params, request)
 
     def _memory_tips(self, requests: Sequence[Request]) -> list[str]:
-        return [f"fewer prompts at once ({len(requests)} now)",
-                f"shorter prompts (the longest has {max((len(r.prompt) for r in requests), default=0)} tokens)",
-                f"max_new_tokens={max(max((r.max_new_tokens for r in requests), default=2) // 2, 1)}"]
+        return [
+            f"fewer prompts at once ({len(requests)} now)",
+            f"shorter prompts (the longest has {max((len(r.prompt) for r in requests), default=0)} tokens)",
+            f"max_new_tokens={max(max((r.max_new_tokens for r in requests), default=2) // 2, 1)}",
+        ]
 
     def reply(self, messages: Sequence[dict], max_new_tokens: int, **sampling: Any) -> Iterator[str]:
         """The assistant's reply to a conversation ([{role, content}], rendered with the chat
@@ -102,8 +142,10 @@ class LoadedModel:
         the template's end of turn (not included). Keyword arguments as for generate."""
         chat = self._need_chat()
         end = chat.end_of_turn()
-        prompt, _ = chat.encode(check_messages(list(messages), "the conversation"), add_generation_prompt=True)
-        request, = self.requests([prompt], max_new_tokens, **sampling)
+        prompt, _ = chat.encode(
+            check_messages(list(messages), "the conversation"), add_generation_prompt=True
+        )
+        (request,) = self.requests([prompt], max_new_tokens, **sampling)
         if end and len(self.tokenizer.encode(end)) > 1:  # not one token: the engine stops at its text
             request = dataclasses.replace(request, stop_strings=(end,))
         ids, shown = [], ""
@@ -112,7 +154,7 @@ class LoadedModel:
                 ids.extend(new)
                 text, _ = before_stop(self.tokenizer.decode(ids), [end] if end else [], final=False)
                 if len(text) > len(shown):
-                    yield text[len(shown):]
+                    yield text[len(shown) :]
                     shown = text
 
     def _need_chat(self) -> ChatTemplate:
@@ -137,15 +179,26 @@ class LoadedModel:
         bf16, q8_0, q4_0), the tokenizer and the chat template (interop/gguf_export.py)."""
         from tunix_train.interop import gguf_export
 
-        gguf_export.export(self.params, self.config, self.tokenizer, self.chat and self.chat.template, Path(path),
-                           dtype, overwrite)
+        gguf_export.export(
+            self.params,
+            self.config,
+            self.tokenizer,
+            self.chat and self.chat.template,
+            Path(path),
+            dtype,
+            overwrite,
+        )
 
-    def export_adapters(self, path: Path, format: str = "peft", dtype: str = "f16", overwrite: bool = False) -> None:
+    def export_adapters(
+        self, path: Path, format: str = "peft", dtype: str = "f16", overwrite: bool = False
+    ) -> None:
         """A LoRA run's adapters, for the base its run started from: in PEFT's format (a directory:
         interop/peft.py), or as a llama.cpp LoRA adapter GGUF (format="gguf": interop/gguf_export.py)."""
         if self.adapters is None:
-            raise ConfigError("this checkpoint has no LoRA adapters (training.lora.rank was null): export the "
-                              "whole model instead")
+            raise ConfigError(
+                "this checkpoint has no LoRA adapters (training.lora.rank was null): export the "
+                "whole model instead"
+            )
         if format == "gguf":
             from tunix_train.interop import gguf_export
 
@@ -169,9 +222,13 @@ class LoadedModel:
         """float32 next-token logits [B, T, V] for token ids [B, T] (one document per row by default)."""
         tokens = jnp.asarray(tokens, jnp.int32)
         B, T = tokens.shape
-        micro = {"inputs": tokens,
-                 "positions": jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else jnp.asarray(positions),
-                 "segment_ids": jnp.ones((B, T), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids)}
+        micro = {
+            "inputs": tokens,
+            "positions": jnp.broadcast_to(jnp.arange(T), (B, T))
+            if positions is None
+            else jnp.asarray(positions),
+            "segment_ids": jnp.ones((B, T), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids),
+        }
         with jax.set_mesh(self.mesh):
             return np.asarray(self._forward(self.params, micro))
 
@@ -211,8 +268,12 @@ def load(path: str | Path, mesh_shape: Any = None, devices: list[jax.Device] | N
             params, record = restore_params(str(path), plan.trainable)
             if weights.lora is not None:  # the base comes from where the run started
                 with jax.set_mesh(mesh):
-                    adapters, base = params, frozen_as_recorded(cfg, record.get("frozen"),
-                                                                lambda: _starting_base(cfg, plan, weights))
+                    adapters, base = (
+                        params,
+                        frozen_as_recorded(
+                            cfg, record.get("frozen"), lambda: _starting_base(cfg, plan, weights)
+                        ),
+                    )
                     params = weights.merged(adapters, base)
     tokenizer, stop_ids = _tokenizer_and_stops(path, cfg)
     chat = None
@@ -230,15 +291,18 @@ def _starting_base(cfg: Config, plan: ParamsPlan, weights: Weights) -> nnx.State
     training.seed."""
     if not cfg.model.init_from:
         return plan.fresh_frozen()
-    return weights.frozen_base(importer(cfg.model.init_from).load_params(Path(cfg.model.init_from), cfg.model,
-                                                                         plan.base))
+    return weights.frozen_base(
+        importer(cfg.model.init_from).load_params(Path(cfg.model.init_from), cfg.model, plan.base)
+    )
 
 
 def _tokenizer_and_stops(path: Path, cfg: Config) -> tuple[Optional[Tokenizer], tuple[int, ...]]:
     """A GGUF's or a Hugging Face directory's own tokenizer and EOS ids (config.json and
     generation_config.json add theirs); a run's tokenizer (as its training read text) and its EOS."""
     if checkpoint_format(path) != "run":
-        tokenizer = load_tokenizer(path, cfg.model.vocab_size, "tokenizer") if carries_tokenizer(path) else None
+        tokenizer = (
+            load_tokenizer(path, cfg.model.vocab_size, "tokenizer") if carries_tokenizer(path) else None
+        )
         stops: list[int] = [tokenizer.eos_id] if tokenizer else []
         for name in ("config.json", "generation_config.json"):
             if (path / name).is_file():

@@ -42,8 +42,10 @@ def _all_finite(params) -> bool:
     """Whether every parameter is finite; offloaded ones (in pinned host memory) are read on the
     devices, where computations run."""
     leaves = jax.tree.leaves(params)
-    on_device = tuple(None if x.sharding.memory_kind in (None, "device") else x.sharding.with_memory_kind("device")
-                      for x in leaves)
+    on_device = tuple(
+        None if x.sharding.memory_kind in (None, "device") else x.sharding.with_memory_kind("device")
+        for x in leaves
+    )
     return bool(_all_finite_leaves(leaves, on_device))
 
 
@@ -52,8 +54,9 @@ class Checkpointer:
 
     def __init__(self, directory: Path, cfg: CheckpointConfig):
         self.directory, self.cfg = directory.resolve(), cfg
-        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=True,
-                                               cleanup_tmp_directories=True, create=True)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.keep, enable_async_checkpointing=True, cleanup_tmp_directories=True, create=True
+        )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._last_save_time = time.monotonic()
         self._last_saved_step = None
@@ -63,8 +66,10 @@ class Checkpointer:
 
     def due(self, step: int) -> bool:
         c = self.cfg
-        return bool((c.every_steps and step % c.every_steps == 0)
-                    or (c.every_seconds and time.monotonic() - self._last_save_time >= c.every_seconds))
+        return bool(
+            (c.every_steps and step % c.every_steps == 0)
+            or (c.every_seconds and time.monotonic() - self._last_save_time >= c.every_seconds)
+        )
 
     def save(self, state: TrainState, data_state: dict[str, Any]) -> int:
         """Starts an asynchronous save of `state` at its step; returns the step. Returns once the
@@ -74,14 +79,22 @@ class Checkpointer:
             return step  # e.g. the final save right after a periodic one
         if not _all_finite(state.params):
             raise FloatingPointError(f"refusing to write non-finite parameters at step {step}")
-        if step in self._manager.all_steps():  # the checkpoint this run resumed from (damaged ones are set aside)
+        if (
+            step in self._manager.all_steps()
+        ):  # the checkpoint this run resumed from (damaged ones are set aside)
             return step
-        saved = self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_saved(state)),
-                                                                 data=ocp.args.JsonSave(data_state)))
+        saved = self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(_saved(state)), data=ocp.args.JsonSave(data_state)
+            ),
+        )
         if not saved:
-            raise ConfigError(f"orbax refused to save step {step} in {self.directory} (its latest step is "
-                              f"{self._manager.latest_step()}); move the later checkpoints away or use another "
-                              f"run directory")
+            raise ConfigError(
+                f"orbax refused to save step {step} in {self.directory} (its latest step is "
+                f"{self._manager.latest_step()}); move the later checkpoints away or use another "
+                f"run directory"
+            )
         self._last_save_time, self._last_saved_step = time.monotonic(), step
         return step
 
@@ -95,14 +108,20 @@ class Checkpointer:
 def _saved(state: TrainState) -> dict[str, Any]:
     """What a checkpoint holds of the state: every field but the frozen weights, as a dict (the tree
     that checkpoints written before TrainState had `frozen` hold too)."""
-    return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
-            "nonfinite_steps": state.nonfinite_steps}
+    return {
+        "step": state.step,
+        "params": state.params,
+        "opt_state": state.opt_state,
+        "nonfinite_steps": state.nonfinite_steps,
+    }
 
 
 def _restore_step(manager: ocp.CheckpointManager, step: int, target: TrainState):
     """The state (its frozen weights None: the caller rebuilds them) and the data record of one step."""
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(_saved(target)), data=ocp.args.JsonRestore()))
+    restored = manager.restore(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardRestore(_saved(target)), data=ocp.args.JsonRestore()),
+    )
     return TrainState(**restored.state), restored.data
 
 
@@ -111,8 +130,17 @@ def _reader(directory: Path) -> ocp.CheckpointManager:
 
 
 TRIES = 3  # reads of a checkpoint that fails with a transient error
-TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.ENETDOWN,
-                    errno.ENETUNREACH, errno.ECONNRESET, errno.ECONNREFUSED}
+TRANSIENT_ERRNOS = {
+    errno.EAGAIN,
+    errno.EBUSY,
+    errno.EIO,
+    errno.ETIMEDOUT,
+    errno.ESTALE,
+    errno.ENETDOWN,
+    errno.ENETUNREACH,
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+}
 TRANSIENT_WORDS = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "Connection reset", "timed out")
 
 
@@ -137,13 +165,16 @@ def _restore_retried(manager: ocp.CheckpointManager, step: int, target, pause_s:
         except Exception as err:  # noqa: BLE001 - orbax/tensorstore raise many types
             if not transient(err) or attempt == TRIES - 1:
                 raise
-            log.warning(f"warning: reading checkpoint {step} failed ({_first_line(err)}); retrying "
-                        f"({attempt + 2}/{TRIES})")
-            time.sleep(pause_s * 2 ** attempt)
+            log.warning(
+                f"warning: reading checkpoint {step} failed ({_first_line(err)}); retrying "
+                f"({attempt + 2}/{TRIES})"
+            )
+            time.sleep(pause_s * 2**attempt)
 
 
-def restore_latest(directory: Path, target: TrainState
-                   ) -> tuple[tuple[TrainState, dict[str, Any]] | None, dict[int, str]]:
+def restore_latest(
+    directory: Path, target: TrainState
+) -> tuple[tuple[TrainState, dict[str, Any]] | None, dict[int, str]]:
     """The newest readable checkpoint in `directory` restored into `target`'s shapes and shardings
     (any mesh), or None; and the damaged ones newer than it (step -> why). A transient error that
     outlasts TRIES reads is a ConfigError: the checkpoint may be fine."""
@@ -157,9 +188,11 @@ def restore_latest(directory: Path, target: TrainState
                 return _restore_retried(manager, step, target), damaged
             except Exception as err:  # noqa: BLE001 - orbax/tensorstore raise many types for missing or cut files
                 if transient(err):
-                    raise ConfigError(f"checkpoint {directory / str(step)} could not be read in {TRIES} tries "
-                                      f"({_first_line(err)}); it may be intact: rerun when the storage "
-                                      f"answers") from None
+                    raise ConfigError(
+                        f"checkpoint {directory / str(step)} could not be read in {TRIES} tries "
+                        f"({_first_line(err)}); it may be intact: rerun when the storage "
+                        f"answers"
+                    ) from None
                 damaged[step] = _first_line(err)
         return None, damaged
     finally:
@@ -176,7 +209,9 @@ def set_aside(directory: Path, damaged: dict[int, str]) -> list[str]:
             aside = aside.with_name(aside.name + "-again")
         if jax.process_index() == 0:
             (directory / str(step)).rename(aside)
-        warnings.append(f"checkpoint {directory / str(step)} is damaged ({why}): skipped, and kept as {aside}")
+        warnings.append(
+            f"checkpoint {directory / str(step)} is damaged ({why}): skipped, and kept as {aside}"
+        )
     if damaged and jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -206,10 +241,15 @@ def restore_params(path: str, target: Any) -> tuple[Any, dict[str, Any]]:
         if step is None:
             raise ConfigError(f"{path}: no checkpoint under {directory}")
         item = {"params": target}
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                                         partial_restore=True),
-            data=ocp.args.JsonRestore()))
+        restored = manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
+                ),
+                data=ocp.args.JsonRestore(),
+            ),
+        )
         return restored.state["params"], restored.data
     finally:
         manager.close()
@@ -228,7 +268,8 @@ def restore_from(path: str, target: TrainState) -> tuple[TrainState, dict[str, A
     try:
         return _restore_step(manager, step, target)
     except Exception as err:
-        raise ConfigError(f"checkpoint.resume_from: cannot restore {directory / str(step)} "
-                          f"({type(err).__name__})") from None
+        raise ConfigError(
+            f"checkpoint.resume_from: cannot restore {directory / str(step)} ({type(err).__name__})"
+        ) from None
     finally:
         manager.close()

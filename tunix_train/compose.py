@@ -1,7 +1,8 @@
 """The configuration as a run gets it: composed by hydra, validated once at start-up.
 
 `load_config(overrides)` composes `configs/config.yaml` with command-line overrides into the
-schema's dataclasses (tunix_train.config). OmegaConf rejects unknown keys and wrongly typed values against the schema;
+schema's dataclasses (tunix_train.config).
+OmegaConf rejects unknown keys and wrongly typed values against the schema;
 the semantic checks that need no devices live in `validate`, which asks each concern to check its
 own keys (the model's: model.layout.validate_model; the mesh's: tunix_train.sharding and
 parallel.for_run, at set-up). Every failure is a `ConfigError` whose message is one line naming
@@ -14,9 +15,25 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tunix_train.config import (CHAT_ROLES, Config, ConfigError, DataSource, LORA_TARGETS, AttentionImpl, MixedPrecision,
-                                Objective, Overlong, PreferenceLoss, RewardNormalization, ScaleRewards, TrainingConfig,
-                                DataConfig, ModelConfig, BaseQuantization, reads_text)
+from tunix_train.config import (
+    CHAT_ROLES,
+    LORA_TARGETS,
+    AttentionImpl,
+    BaseQuantization,
+    Config,
+    ConfigError,
+    DataConfig,
+    DataSource,
+    MixedPrecision,
+    ModelConfig,
+    Objective,
+    Overlong,
+    PreferenceLoss,
+    RewardNormalization,
+    ScaleRewards,
+    TrainingConfig,
+    reads_text,
+)
 from tunix_train.model.layout import validate_model
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -29,8 +46,10 @@ def validate(cfg: Config) -> None:
         "data.seq_len": d.seq_len,
         "training.micro_batch_size": t.micro_batch_size,
         "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
-        "training.max_steps": t.max_steps, "training.log_every": t.log_every,
-        "training.profile_steps": t.profile_steps, "training.scan_unroll": t.scan_unroll,
+        "training.max_steps": t.max_steps,
+        "training.log_every": t.log_every,
+        "training.profile_steps": t.profile_steps,
+        "training.scan_unroll": t.scan_unroll,
         "training.sync_gradients_every": t.sync_gradients_every,
         "training.pipeline_microbatches": t.pipeline_microbatches,
         "training.pipeline_repeats": t.pipeline_repeats,
@@ -50,7 +69,9 @@ def validate(cfg: Config) -> None:
     file_sources = (DataSource.text, DataSource.jsonl, DataSource.parquet, DataSource.array_record)
     records = d.source in (DataSource.jsonl, DataSource.parquet)
     if d.hf_dataset is not None and (not records or d.train_files):
-        raise ConfigError("data.hf_dataset is read instead of data.train_files, under data.source=jsonl or parquet")
+        raise ConfigError(
+            "data.hf_dataset is read instead of data.train_files, under data.source=jsonl or parquet"
+        )
     if d.source in file_sources and not d.train_files and d.hf_dataset is None:
         raise ConfigError(f"data.train_files is empty: data.source={d.source.value} reads the files it lists")
     if (d.prompt_field is None) != (d.completion_field is None):
@@ -58,34 +79,50 @@ def validate(cfg: Config) -> None:
     if d.prompt_field is not None and not records:
         raise ConfigError("data.prompt_field is for records: data.source=jsonl or parquet")
     if d.messages_field is not None and (not records or d.prompt_field is not None):
-        raise ConfigError("data.messages_field reads conversations from records (data.source=jsonl or parquet), "
-                          "without data.prompt_field")
+        raise ConfigError(
+            "data.messages_field reads conversations from records (data.source=jsonl or parquet), "
+            "without data.prompt_field"
+        )
     if not d.train_on_roles or not set(d.train_on_roles) <= set(CHAT_ROLES):
-        raise ConfigError(f"data.train_on_roles={list(d.train_on_roles)} must name some of {', '.join(CHAT_ROLES)}")
+        raise ConfigError(
+            f"data.train_on_roles={list(d.train_on_roles)} must name some of {', '.join(CHAT_ROLES)}"
+        )
     if c.every_steps < 0 or c.every_seconds < 0 or c.keep < 1:
         raise ConfigError("checkpoint.every_steps and every_seconds must be >= 0 and checkpoint.keep >= 1")
     if t.loss_chunk_size < 0 or (0 < t.loss_chunk_size < d.seq_len and d.seq_len % t.loss_chunk_size):
-        raise ConfigError(f"training.loss_chunk_size={t.loss_chunk_size} must divide data.seq_len={d.seq_len} "
-                          f"(or be 0 or at least data.seq_len)")
+        raise ConfigError(
+            f"training.loss_chunk_size={t.loss_chunk_size} must divide data.seq_len={d.seq_len} "
+            f"(or be 0 or at least data.seq_len)"
+        )
     if t.gradient_accumulation_steps % t.sync_gradients_every:
-        raise ConfigError(f"training.sync_gradients_every={t.sync_gradients_every} must divide "
-                          f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}")
+        raise ConfigError(
+            f"training.sync_gradients_every={t.sync_gradients_every} must divide "
+            f"training.gradient_accumulation_steps={t.gradient_accumulation_steps}"
+        )
     if t.attention is AttentionImpl.cudnn:
         if t.mixed_precision is not MixedPrecision.bf16:
-            raise ConfigError("training.attention=cudnn needs training.mixed_precision=bf16 (cuDNN's flash "
-                              "attention has no float32 kernel)")
+            raise ConfigError(
+                "training.attention=cudnn needs training.mixed_precision=bf16 (cuDNN's flash "
+                "attention has no float32 kernel)"
+            )
         if m.attn_logit_softcap is not None:
-            raise ConfigError("training.attention=cudnn cannot soft-cap attention logits: set "
-                              "model.attn_logit_softcap=null or training.attention=xla")
+            raise ConfigError(
+                "training.attention=cudnn cannot soft-cap attention logits: set "
+                "model.attn_logit_softcap=null or training.attention=xla"
+            )
     if t.offload_master_weights and t.mixed_precision is not MixedPrecision.bf16:
-        raise ConfigError("training.offload_master_weights=true keeps the float32 master copy on the host while "
-                          "the step computes in bf16: set training.mixed_precision=bf16 (under fp32 the "
-                          "parameters have no second copy)")
+        raise ConfigError(
+            "training.offload_master_weights=true keeps the float32 master copy on the host while "
+            "the step computes in bf16: set training.mixed_precision=bf16 (under fp32 the "
+            "parameters have no second copy)"
+        )
     if t.sample_every < 0 or t.sample_max_new_tokens < 1:
         raise ConfigError("training.sample_every must be >= 0 and training.sample_max_new_tokens positive")
     if t.sample_every and (not t.sample_prompts or not reads_text(d)):
-        raise ConfigError("training.sample_every needs training.sample_prompts and text data with a tokenizer "
-                          "(not data=synthetic, nor array_record without data.tokenizer): set it to 0")
+        raise ConfigError(
+            "training.sample_every needs training.sample_prompts and text data with a tokenizer "
+            "(not data=synthetic, nor array_record without data.tokenizer): set it to 0"
+        )
     if d.prefetch_batches < 0:
         raise ConfigError(f"data.prefetch_batches={d.prefetch_batches} must be >= 0")
     _validate_post_training(t, d, cfg.model)
@@ -99,95 +136,162 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
             raise ConfigError(f"training.lora.rank={lora.rank} must be positive (or null for no adapters)")
         unknown = [x for x in lora.targets if x not in LORA_TARGETS]
         if unknown or not lora.targets:
-            raise ConfigError(f"training.lora.targets={list(lora.targets)}: "
-                              f"{'unknown projection ' + repr(unknown[0]) if unknown else 'empty'}; "
-                              f"choose from {', '.join(LORA_TARGETS)}")
+            raise ConfigError(
+                f"training.lora.targets={list(lora.targets)}: "
+                f"{'unknown projection ' + repr(unknown[0]) if unknown else 'empty'}; "
+                f"choose from {', '.join(LORA_TARGETS)}"
+            )
     elif lora.base_quantization is not BaseQuantization.none:
-        raise ConfigError(f"training.lora.base_quantization={lora.base_quantization.value} quantizes LoRA's frozen "
-                          f"base: set training.lora.rank too")
+        raise ConfigError(
+            f"training.lora.base_quantization={lora.base_quantization.value} quantizes LoRA's frozen "
+            f"base: set training.lora.rank too"
+        )
     if lora.base_quantization is BaseQuantization.gguf and not str(m.init_from or "").endswith(".gguf"):
-        raise ConfigError("training.lora.base_quantization=gguf trains on a GGUF file's blocks: set model.init_from "
-                          f"to a .gguf file (it is {m.init_from!r})")
-    if lora.base_quantization is BaseQuantization.nf4:  # its blocks of 64 run along head_dim and the MLP width
-        for name, axis, size in (("layers.attn.q_DNH", "head_dim", m.head_dim),
-                                 ("layers.mlp.gate_DF", "mlp", m.hidden_dim),
-                                 ("a global layer's q_DNH", "global_head_dim", m.global_head_dim or 64)):
+        raise ConfigError(
+            "training.lora.base_quantization=gguf trains on a GGUF file's blocks: set model.init_from "
+            f"to a .gguf file (it is {m.init_from!r})"
+        )
+    if (
+        lora.base_quantization is BaseQuantization.nf4
+    ):  # its blocks of 64 run along head_dim and the MLP width
+        for name, axis, size in (
+            ("layers.attn.q_DNH", "head_dim", m.head_dim),
+            ("layers.mlp.gate_DF", "mlp", m.hidden_dim),
+            ("a global layer's q_DNH", "global_head_dim", m.global_head_dim or 64),
+        ):
             if size % 64:
-                raise ConfigError(f"training.lora.base_quantization=nf4: {name} has {axis} {size}, not a multiple of "
-                                  f"the block size 64; use int8 or none")
+                raise ConfigError(
+                    f"training.lora.base_quantization=nf4: {name} has {axis} {size}, not a multiple of "
+                    f"the block size 64; use int8 or none"
+                )
     if t.objective is Objective.lm:
         return
     name = f"training.objective={t.objective.value}"
     if d.source not in (DataSource.jsonl, DataSource.parquet):
-        fields = "prompt, chosen and rejected" if t.objective is Objective.dpo else "prompt (and what the rewards read)"
-        raise ConfigError(f"{name} reads records with {fields}: set data=jsonl (or parquet) data.train_files=[...]")
+        fields = (
+            "prompt, chosen and rejected"
+            if t.objective is Objective.dpo
+            else "prompt (and what the rewards read)"
+        )
+        raise ConfigError(
+            f"{name} reads records with {fields}: set data=jsonl (or parquet) data.train_files=[...]"
+        )
     if d.prompt_field is not None:
-        raise ConfigError(f"data.prompt_field and data.completion_field are for training.objective=lm; {name} "
-                          f"reads the fields it names")
+        raise ConfigError(
+            f"data.prompt_field and data.completion_field are for training.objective=lm; {name} "
+            f"reads the fields it names"
+        )
     if t.objective is Objective.dpo:
         if dpo.beta <= 0 or not 0.0 <= dpo.label_smoothing < 0.5:
-            raise ConfigError(f"training.dpo.beta={dpo.beta} must be positive and training.dpo.label_smoothing="
-                              f"{dpo.label_smoothing} in [0, 0.5)")
+            raise ConfigError(
+                f"training.dpo.beta={dpo.beta} must be positive and training.dpo.label_smoothing="
+                f"{dpo.label_smoothing} in [0, 0.5)"
+            )
         if dpo.label_smoothing and dpo.loss in (PreferenceLoss.ipo, PreferenceLoss.orpo):
-            raise ConfigError(f"training.dpo.label_smoothing={dpo.label_smoothing}: the {dpo.loss.value} loss has "
-                              f"none; set it to 0 or use training.dpo.loss=sigmoid or simpo")
+            raise ConfigError(
+                f"training.dpo.label_smoothing={dpo.label_smoothing}: the {dpo.loss.value} loss has "
+                f"none; set it to 0 or use training.dpo.loss=sigmoid or simpo"
+            )
         if t.micro_batch_size % 2:
-            raise ConfigError(f"training.micro_batch_size={t.micro_batch_size} must be even under {name}: each pair "
-                              f"is two rows (chosen, rejected) kept on one device")
+            raise ConfigError(
+                f"training.micro_batch_size={t.micro_batch_size} must be even under {name}: each pair "
+                f"is two rows (chosen, rejected) kept on one device"
+            )
     if t.objective is Objective.grpo:
         G = grpo.num_generations
         if G < 2:
-            raise ConfigError(f"training.grpo.num_generations={G} must be at least 2 (advantages compare a "
-                              f"completion with the others of its group)")
+            raise ConfigError(
+                f"training.grpo.num_generations={G} must be at least 2 (advantages compare a "
+                f"completion with the others of its group)"
+            )
         if t.micro_batch_size % G:
-            raise ConfigError(f"training.micro_batch_size={t.micro_batch_size} must be a multiple of "
-                              f"training.grpo.num_generations={G}: a group never spans micro-batches or devices")
+            raise ConfigError(
+                f"training.micro_batch_size={t.micro_batch_size} must be a multiple of "
+                f"training.grpo.num_generations={G}: a group never spans micro-batches or devices"
+            )
         if not grpo.reward:
-            raise ConfigError("training.grpo.reward is empty: name at least one reward function, module:function")
-        if not 0 < grpo.temperature < math.inf or grpo.epsilon <= 0 or grpo.beta < 0 or grpo.max_new_tokens < 1:
-            raise ConfigError("training.grpo.temperature (finite) and epsilon must be positive, beta >= 0 and "
-                              "max_new_tokens >= 1")
+            raise ConfigError(
+                "training.grpo.reward is empty: name at least one reward function, module:function"
+            )
+        if (
+            not 0 < grpo.temperature < math.inf
+            or grpo.epsilon <= 0
+            or grpo.beta < 0
+            or grpo.max_new_tokens < 1
+        ):
+            raise ConfigError(
+                "training.grpo.temperature (finite) and epsilon must be positive, beta >= 0 and "
+                "max_new_tokens >= 1"
+            )
         if grpo.max_staleness < 0 or grpo.iterations < 1:
-            raise ConfigError(f"training.grpo.max_staleness={grpo.max_staleness} must be >= 0 and "
-                              f"training.grpo.iterations={grpo.iterations} >= 1")
+            raise ConfigError(
+                f"training.grpo.max_staleness={grpo.max_staleness} must be >= 0 and "
+                f"training.grpo.iterations={grpo.iterations} >= 1"
+            )
         if grpo.importance_cap < 1:
-            raise ConfigError(f"training.grpo.importance_cap={grpo.importance_cap} must be at least 1 (it truncates "
-                              f"the probability ratio, which is 1 on-policy)")
+            raise ConfigError(
+                f"training.grpo.importance_cap={grpo.importance_cap} must be at least 1 (it truncates "
+                f"the probability ratio, which is 1 on-policy)"
+            )
         _check_grpo_family(grpo)
 
 
 def _check_grpo_family(grpo) -> None:
     """The GRPO family's settings (docs/objectives/grpo-family.md)."""
     if grpo.epsilon_high is not None and grpo.epsilon_high < grpo.epsilon:
-        raise ConfigError(f"training.grpo.epsilon_high={grpo.epsilon_high} must be >= training.grpo.epsilon="
-                          f"{grpo.epsilon} (clip-higher widens the upper side)")
+        raise ConfigError(
+            f"training.grpo.epsilon_high={grpo.epsilon_high} must be >= training.grpo.epsilon="
+            f"{grpo.epsilon} (clip-higher widens the upper side)"
+        )
     if grpo.reward_weights and len(grpo.reward_weights) != len(grpo.reward):
-        raise ConfigError(f"training.grpo.reward_weights has {len(grpo.reward_weights)} weights for "
-                          f"{len(grpo.reward)} reward functions; give one per function, or none")
-    if grpo.multi_reward_normalization is RewardNormalization.per_reward and grpo.scale_rewards is not ScaleRewards.group:
-        raise ConfigError(f"training.grpo.scale_rewards={grpo.scale_rewards.value}: under multi_reward_normalization="
-                          f"per_reward each reward is scaled in its group and the sum over the batch (GDPO); "
-                          f"leave scale_rewards=group")
-    if grpo.overlong_buffer is not None and (grpo.overlong is not Overlong.soft
-                                             or not 1 <= grpo.overlong_buffer <= grpo.max_new_tokens):
-        raise ConfigError(f"training.grpo.overlong_buffer={grpo.overlong_buffer} needs training.grpo.overlong=soft "
-                          f"and a value in [1, max_new_tokens={grpo.max_new_tokens}]")
+        raise ConfigError(
+            f"training.grpo.reward_weights has {len(grpo.reward_weights)} weights for "
+            f"{len(grpo.reward)} reward functions; give one per function, or none"
+        )
+    if (
+        grpo.multi_reward_normalization is RewardNormalization.per_reward
+        and grpo.scale_rewards is not ScaleRewards.group
+    ):
+        raise ConfigError(
+            f"training.grpo.scale_rewards={grpo.scale_rewards.value}: under multi_reward_normalization="
+            f"per_reward each reward is scaled in its group and the sum over the batch (GDPO); "
+            f"leave scale_rewards=group"
+        )
+    if grpo.overlong_buffer is not None and (
+        grpo.overlong is not Overlong.soft or not 1 <= grpo.overlong_buffer <= grpo.max_new_tokens
+    ):
+        raise ConfigError(
+            f"training.grpo.overlong_buffer={grpo.overlong_buffer} needs training.grpo.overlong=soft "
+            f"and a value in [1, max_new_tokens={grpo.max_new_tokens}]"
+        )
     if grpo.rollout_slots is not None and grpo.rollout_slots < 1:
-        raise ConfigError(f"training.grpo.rollout_slots={grpo.rollout_slots} must be >= 1 (null: every completion at once)")
+        raise ConfigError(
+            f"training.grpo.rollout_slots={grpo.rollout_slots} must be >= 1 (null: every completion at once)"
+        )
     if grpo.max_tool_calls < 1 or grpo.max_tool_result_tokens < 1:
-        raise ConfigError(f"training.grpo.max_tool_calls={grpo.max_tool_calls} and training.grpo.max_tool_result_tokens="
-                          f"{grpo.max_tool_result_tokens} must be positive")
+        raise ConfigError(
+            f"training.grpo.max_tool_calls={grpo.max_tool_calls} and training.grpo.max_tool_result_tokens="
+            f"{grpo.max_tool_result_tokens} must be positive"
+        )
     if grpo.max_turns < 1 or grpo.tool_timeout_s <= 0:
-        raise ConfigError(f"training.grpo.max_turns={grpo.max_turns} must be >= 1 and training.grpo.tool_timeout_s="
-                          f"{grpo.tool_timeout_s} positive")
+        raise ConfigError(
+            f"training.grpo.max_turns={grpo.max_turns} must be >= 1 and training.grpo.tool_timeout_s="
+            f"{grpo.tool_timeout_s} positive"
+        )
     if (grpo.tools or grpo.environment) and grpo.overlong is Overlong.soft:
-        raise ConfigError("training.grpo.overlong=soft penalizes one completion's length; with tools or an "
-                          "environment a trajectory has several turns: use overlong=filter or none")
+        raise ConfigError(
+            "training.grpo.overlong=soft penalizes one completion's length; with tools or an "
+            "environment a trajectory has several turns: use overlong=filter or none"
+        )
     if grpo.dynamic_sampling_rounds < 1:
-        raise ConfigError(f"training.grpo.dynamic_sampling_rounds={grpo.dynamic_sampling_rounds} must be >= 1")
+        raise ConfigError(
+            f"training.grpo.dynamic_sampling_rounds={grpo.dynamic_sampling_rounds} must be >= 1"
+        )
     if not 1 <= grpo.eval_k <= grpo.eval_samples:
-        raise ConfigError(f"training.grpo.eval_samples={grpo.eval_samples} must be >= training.grpo.eval_k="
-                          f"{grpo.eval_k} >= 1 (pass@k needs at least k samples per prompt)")
+        raise ConfigError(
+            f"training.grpo.eval_samples={grpo.eval_samples} must be >= training.grpo.eval_k="
+            f"{grpo.eval_k} >= 1 (pass@k needs at least k samples per prompt)"
+        )
 
 
 def _register_schema() -> None:

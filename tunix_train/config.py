@@ -16,8 +16,16 @@ from omegaconf import MISSING
 
 from tunix_train.config_fields import _RESUME, ConfigError, _changeable, _fixed
 from tunix_train.config_objectives import (  # noqa: F401  (re-exported: the schema's one import)
-    DpoConfig, GrpoAggregation, GrpoConfig, ImportanceLevel, Overlong, PreferenceLoss, RewardNormalization,
-    RolloutDtype, ScaleRewards)
+    DpoConfig,
+    GrpoAggregation,
+    GrpoConfig,
+    ImportanceLevel,
+    Overlong,
+    PreferenceLoss,
+    RewardNormalization,
+    RolloutDtype,
+    ScaleRewards,
+)
 
 
 class MixedPrecision(enum.Enum):
@@ -97,7 +105,9 @@ class DataSource(enum.Enum):
     shakespeare = "shakespeare"  # the bundled corpus and tokenizer
     text = "text"  # plain-text files
     jsonl = "jsonl"  # one JSON object per line: a text field, or prompt and completion fields
-    parquet = "parquet"  # the same records as Parquet rows (a .parquet file is read as Parquet under jsonl too)
+    parquet = (
+        "parquet"  # the same records as Parquet rows (a .parquet file is read as Parquet under jsonl too)
+    )
     array_record = "array_record"  # pre-tokenized documents (scripts/pretokenize.py writes them)
     synthetic = "synthetic"  # learnable random sequences, no tokenizer
 
@@ -145,7 +155,8 @@ class ModelConfig:
     attention_k_eq_v: bool = _fixed(False)  # global layers use their keys (before the k norm) as values
     # Global layers rotate only this fraction of the rotary pairs (proportional RoPE); the rest stay put.
     rope_partial_factor_global: float = _fixed(1.0)
-    # RMSNorm multiplies by (offset + weight): Gemma 1-3 store w around 0 (offset 1), Gemma 4 around 1 (offset 0).
+    # RMSNorm multiplies by (offset + weight): Gemma 1-3 store w around 0 (offset 1), Gemma 4 around 1
+    # (offset 0).
     norm_weight_offset: float = _fixed(1.0)
     use_v_norm: bool = _fixed(False)  # values RMS-normalised, without a weight
     # The last this many layers compute no keys/values: each reuses those of the last earlier
@@ -162,7 +173,9 @@ class ModelConfig:
     num_experts_per_token: int = _fixed(0)  # top-k
     moe_hidden_dim: int = _fixed(0)  # each expert's MLP width
     moe_dispatch: MoeDispatch = _changeable(MoeDispatch.dropless)
-    moe_capacity_factor: float = _changeable(1.25)  # moe_dispatch=capacity: slots per expert over the even share
+    moe_capacity_factor: float = _changeable(
+        1.25
+    )  # moe_dispatch=capacity: slots per expert over the even share
     # With a cp mesh axis: how attention reaches the other shards' keys and values.
     context_parallel_strategy: ContextParallelStrategy = _changeable(ContextParallelStrategy.all_gather)
     # The longest sequence (prompt and generated tokens) the model was trained for; null: no limit.
@@ -211,7 +224,9 @@ class LoraConfig:
     rank: Optional[int] = _fixed(None)  # null: no adapters (every parameter trains)
     alpha: float = _fixed(16.0)
     targets: List[str] = _fixed(factory=lambda: ["q", "k", "v", "o"])  # among LORA_TARGETS
-    base_dtype: BaseDtype = _fixed(BaseDtype.fp32)  # how the frozen base is held (and computes, when quantized)
+    base_dtype: BaseDtype = _fixed(
+        BaseDtype.fp32
+    )  # how the frozen base is held (and computes, when quantized)
     # The base's projections (q k v o gate up down) held quantized, each layer dequantized in the step
     base_quantization: BaseQuantization = _fixed(BaseQuantization.none)
 
@@ -253,7 +268,8 @@ class TrainingConfig:
     offload_optimizer_state: bool = _changeable(False)
     # Under bf16, keep the float32 master weights in pinned host memory too, moved for the cast and update.
     offload_master_weights: bool = _changeable(False)
-    # Mixture of experts: weight of the router's load-balancing loss in the loss (MaxText's for Gemma 4 26B-A4B).
+    # Mixture of experts: weight of the router's load-balancing loss in the loss (MaxText's for Gemma 4
+    # 26B-A4B).
     moe_aux_loss_coef: float = _fixed(0.001)
     attention: AttentionImpl = _changeable(AttentionImpl.xla)
     # XLA flags that overlap collectives with computation on NVIDIA GPUs (tunix_train/platform.py).
@@ -329,14 +345,18 @@ def changeable_on_resume(schema: type | None = None, prefix: str = "") -> dict[s
         elif _RESUME in field.metadata:
             marks[key] = field.metadata[_RESUME]
         else:
-            raise TypeError(f"config field {key} says neither _changeable nor _fixed: mark whether a resumed "
-                            f"run may change it")
+            raise TypeError(
+                f"config field {key} says neither _changeable nor _fixed: mark whether a resumed "
+                f"run may change it"
+            )
     return marks
 
 
 def reads_text(data: DataConfig) -> bool:
     """Whether the run's data comes through a tokenizer (not synthetic, nor pre-tokenized without one)."""
-    return not (data.source is DataSource.synthetic or (data.source is DataSource.array_record and not data.tokenizer))
+    return not (
+        data.source is DataSource.synthetic or (data.source is DataSource.array_record and not data.tokenizer)
+    )
 
 
 # Keys that no longer exist, each with the one value a run could have had: a saved run's config
@@ -354,6 +374,8 @@ def without_retired_keys(saved: dict) -> dict:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and last in node:
             if node[last] != only_value:
-                raise ConfigError(f"the saved config sets {key}={node[last]!r}, a key this version no longer has")
+                raise ConfigError(
+                    f"the saved config sets {key}={node[last]!r}, a key this version no longer has"
+                )
             del node[last]
     return saved

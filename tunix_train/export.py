@@ -25,7 +25,9 @@ from tunix_train.config import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("checkpoint", help="a run directory, its checkpoints/ folder, or a step folder")
     parser.add_argument("output", type=Path, help="a new or empty directory")
     parser.add_argument("--adapters", action="store_true", help="a LoRA run's adapters only, for PEFT")
@@ -39,8 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.format == "gguf":
             allowed = ADAPTER_DTYPES if args.adapters else DTYPES
             if args.dtype not in allowed:
-                raise ConfigError(f"--dtype {args.dtype}: GGUF {'adapter ' if args.adapters else ''}export writes "
-                                  f"{', '.join(allowed)}")
+                raise ConfigError(
+                    f"--dtype {args.dtype}: GGUF {'adapter ' if args.adapters else ''}export writes "
+                    f"{', '.join(allowed)}"
+                )
             if args.output.exists() and not args.overwrite:
                 raise ConfigError(f"{args.output} exists: pass --overwrite to replace it")
         elif args.output.exists() and any(args.output.iterdir()):
@@ -49,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
 
         model = api.load(args.checkpoint)
         if args.adapters:
-            model.export_adapters(args.output, args.format if args.format == "gguf" else "peft", args.dtype,
-                                  args.overwrite)
+            model.export_adapters(
+                args.output, args.format if args.format == "gguf" else "peft", args.dtype, args.overwrite
+            )
         elif args.format == "gguf":
             model.export_gguf(args.output, args.dtype, args.overwrite)
         else:

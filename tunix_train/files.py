@@ -23,7 +23,9 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """write(temporary path) fills the file; then it replaces `path` whole."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.{secrets.token_hex(6)}.partial")
-    os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the umask applies, as to any new file
+    os.close(
+        os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    )  # the umask applies, as to any new file
     try:
         write(partial)
         with open(partial, "rb+") as written:
@@ -61,8 +63,10 @@ class LineLog:
             return
         tail = os.pread(self._handle, min(size, 1 << 20), max(size - (1 << 20), 0))
         keep = size - len(tail) + tail.rfind(b"\n") + 1 if b"\n" in tail else 0
-        log.warning(f"warning: {self.path} ended in a line cut short ({size - keep} bytes, a crash while "
-                    f"writing it); it is removed")
+        log.warning(
+            f"warning: {self.path} ended in a line cut short ({size - keep} bytes, a crash while "
+            f"writing it); it is removed"
+        )
         os.ftruncate(self._handle, keep)
 
     def append(self, line: str) -> None:

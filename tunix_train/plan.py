@@ -20,7 +20,6 @@ from tunix_train import exit_codes
 from tunix_train.config import ConfigError
 from tunix_train.cpu_devices import use_cpu_devices
 
-
 _UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
 
 
@@ -46,8 +45,12 @@ def _shard_bytes(tree, shardings) -> int:
     import jax
 
     per_sharding = jax.tree.map(
-        lambda sharding, sub: sum(math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                                  for x in jax.tree.leaves(sub)), shardings, tree)
+        lambda sharding, sub: sum(
+            math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(sub)
+        ),
+        shardings,
+        tree,
+    )
     return sum(jax.tree.leaves(per_sharding))
 
 
@@ -62,31 +65,43 @@ def plan(overrides: list[str]):
     cfg, _ = load_config(overrides)
     run = setup(cfg)
     t = cfg.training
-    batch = abstract_batch(run.mesh, t.gradient_accumulation_steps, run.micro_batch, cfg.data.seq_len,
-                           run.objective.batch_dtypes)
+    batch = abstract_batch(
+        run.mesh, t.gradient_accumulation_steps, run.micro_batch, cfg.data.seq_len, run.objective.batch_dtypes
+    )
     with jax.set_mesh(run.mesh):
         compiled = run.step_fn.lower(run.plan.abstract, batch).compile()
     memory = compiled.memory_analysis()
+
     # An offloaded part of the state is in pinned host memory between steps: counted on the host,
     # outside the devices' total. Its copy for the step is among the temporaries where the
     # compiler keeps it on the device.
-    on_host = lambda part: (jax.tree.leaves(getattr(run.plan.shardings, part))
-                            != jax.tree.leaves(getattr(run.plan.on_device, part)))
+    def on_host(part):
+        return jax.tree.leaves(getattr(run.plan.shardings, part)) != jax.tree.leaves(
+            getattr(run.plan.on_device, part)
+        )
+
     state = {}
     parts = (("params", "parameters"), ("opt_state", "optimizer state"), ("frozen", "frozen weights"))
     for part, name in parts if run.plan.abstract.frozen is not None else parts[:2]:
         state[name + (" (host)" if on_host(part) else "")] = _shard_bytes(
-            getattr(run.plan.abstract, part), getattr(run.plan.shardings, part))
+            getattr(run.plan.abstract, part), getattr(run.plan.shardings, part)
+        )
     figures = {
         **state,
-        "gradient accumulator (in temporaries)": _shard_bytes(run.plan.abstract.params, run.plan.grad_shardings),
+        "gradient accumulator (in temporaries)": _shard_bytes(
+            run.plan.abstract.params, run.plan.grad_shardings
+        ),
         "temporaries (compiler)": memory.temp_size_in_bytes,
-        "batch": sum(math.prod(batch_sharding(run.mesh).shard_shape(b.shape)) * b.dtype.itemsize
-                     for b in batch.values()),
+        "batch": sum(
+            math.prod(batch_sharding(run.mesh).shard_shape(b.shape)) * b.dtype.itemsize
+            for b in batch.values()
+        ),
     }
     if cfg.model.num_experts:
         experts = _expert_leaves(run.plan.abstract.params)
-        figures["experts (of the parameters)"] = _shard_bytes(experts, _expert_leaves(run.plan.shardings.params))
+        figures["experts (of the parameters)"] = _shard_bytes(
+            experts, _expert_leaves(run.plan.shardings.params)
+        )
     # The accumulator lives inside the step's temporaries; the total counts it once.
     on_device = sum(v for k, v in state.items() if not k.endswith("(host)"))
     figures["total"] = on_device + figures["batch"] + memory.temp_size_in_bytes
@@ -97,8 +112,10 @@ def _expert_leaves(params):
     """The experts' weights of a parameter tree (or of its shardings), by path."""
     import jax
 
-    named = {jax.tree_util.keystr(path).removesuffix(".value"): leaf
-             for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    named = {
+        jax.tree_util.keystr(path).removesuffix(".value"): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
     return {name: leaf for name, leaf in named.items() if "'gate_up_EDCM'" in name or "'down_EMD'" in name}
 
 
@@ -115,11 +132,21 @@ def parameter_counts(cfg, params) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tunix_train.plan", description="Per-device memory of a training run, planned on fake CPU "
-        "devices: no accelerator needed.")
-    parser.add_argument("overrides", nargs="*", help="hydra overrides of configs/config.yaml, as for run_training.py")
-    parser.add_argument("--device_memory", "--device-memory", type=_parse_bytes, default=None, metavar="SIZE",
-                        help="memory per device, e.g. 80GB or 24GiB: say whether the run fits and what would help")
+        prog="python -m tunix_train.plan",
+        description="Per-device memory of a training run, planned on fake CPU "
+        "devices: no accelerator needed.",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="hydra overrides of configs/config.yaml, as for run_training.py"
+    )
+    parser.add_argument(
+        "--device_memory",
+        "--device-memory",
+        type=_parse_bytes,
+        default=None,
+        metavar="SIZE",
+        help="memory per device, e.g. 80GB or 24GiB: say whether the run fits and what would help",
+    )
     args = parser.parse_args(argv)
     try:
         devices = _device_count(args.overrides)
@@ -132,15 +159,20 @@ def main(argv: list[str] | None = None) -> int:
     from tunix_train.observe.memory import advice
 
     device_memory = args.device_memory
-    print(f"{cfg.model.name} on {dict(run.mesh.shape)}, {run.micro_batch} rows x {cfg.data.seq_len} tokens "
-          f"per micro-step, {cfg.training.gradient_accumulation_steps} accumulation steps, "
-          f"{cfg.training.mixed_precision.value}, remat={cfg.training.remat.value}")
+    print(
+        f"{cfg.model.name} on {dict(run.mesh.shape)}, {run.micro_batch} rows x {cfg.data.seq_len} tokens "
+        f"per micro-step, {cfg.training.gradient_accumulation_steps} accumulation steps, "
+        f"{cfg.training.mixed_precision.value}, remat={cfg.training.remat.value}"
+    )
     for line in run.parallel.describe() if run.parallel else ():
         print(line)
     total, active = parameter_counts(cfg, run.plan.abstract.params)
     if cfg.model.num_experts:
-        print(f"parameters: {total:,}, of which {active:,} active per token ({cfg.model.num_experts_per_token} of "
-              f"{cfg.model.num_experts} experts); experts split over ep={run.mesh.shape.get('ep', 1)}")
+        print(
+            f"parameters: {total:,}, of which {active:,} active per token "
+            f"({cfg.model.num_experts_per_token} of "
+            f"{cfg.model.num_experts} experts); experts split over ep={run.mesh.shape.get('ep', 1)}"
+        )
     else:
         print(f"parameters: {total:,}")
     print("per device:")

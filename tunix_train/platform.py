@@ -42,7 +42,10 @@ def flags_for(training: TrainingConfig, current: str = "") -> list[str]:
     """The flags `training` asks for (xla_gpu_overlap, deterministic, xla_cpu_multi_output_fusion)
     that XLA_FLAGS `current` does not already set: a flag already there keeps the user's value."""
     given = {flag.split("=")[0] for flag in current.split()}
-    wanted = [*(GPU_OVERLAP if training.xla_gpu_overlap else ()), *((GPU_DETERMINISTIC,) if training.deterministic else ())]
+    wanted = [
+        *(GPU_OVERLAP if training.xla_gpu_overlap else ()),
+        *((GPU_DETERMINISTIC,) if training.deterministic else ()),
+    ]
     extra = [flag for flag in wanted if flag.split("=")[0] not in given]
     if training.xla_cpu_multi_output_fusion and _CPU_FUSION_OPTION not in current:
         extra.append(CPU_MULTI_OUTPUT_FUSION)  # backend options from several flags are merged
@@ -65,7 +68,8 @@ def avoid_cache_for_cpu_collectives(mesh: jax.sharding.Mesh) -> None:
         return
     if jax.config.jax_compilation_cache_dir:
         logging.getLogger(__name__).warning(
-            "persistent compilation cache off: collectives between CPU devices deadlock when loaded from it")
+            "persistent compilation cache off: collectives between CPU devices deadlock when loaded from it"
+        )
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()  # JAX decides at its first compile whether to use the cache
 
@@ -116,16 +120,22 @@ def validate_training_for_mesh(training: TrainingConfig, mesh: jax.sharding.Mesh
     """Training options that need a kind of device, as config errors."""
     device = mesh.devices.flat[0]
     if training.attention is AttentionImpl.cudnn and device.platform != "gpu":
-        raise ConfigError(f"training.attention=cudnn needs NVIDIA GPUs, and this mesh is on {device.platform}: "
-                          f"use training.attention=xla")
+        raise ConfigError(
+            f"training.attention=cudnn needs NVIDIA GPUs, and this mesh is on {device.platform}: "
+            f"use training.attention=xla"
+        )
     kinds = {m.kind for m in device.addressable_memories()}
     if training.remat is Remat.offload_matmul_outputs and "pinned_host" not in kinds:
-        raise ConfigError(f"training.remat=offload_matmul_outputs needs pinned host memory, which "
-                          f"{device.platform} devices do not offer: choose another training.remat")
+        raise ConfigError(
+            f"training.remat=offload_matmul_outputs needs pinned host memory, which "
+            f"{device.platform} devices do not offer: choose another training.remat"
+        )
     for key in ("offload_optimizer_state", "offload_master_weights"):
         if getattr(training, key) and "pinned_host" not in kinds:
-            raise ConfigError(f"training.{key}=true needs pinned host memory, which {device.platform} "
-                              f"devices do not offer (they have {sorted(kinds)}): set it to false")
+            raise ConfigError(
+                f"training.{key}=true needs pinned host memory, which {device.platform} "
+                f"devices do not offer (they have {sorted(kinds)}): set it to false"
+            )
 
 
 def ragged_dot_is_native() -> bool:

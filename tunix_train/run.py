@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from tunix_train import exit_codes
-from tunix_train.config import ConfigError
 from tunix_train.compose import load_config
+from tunix_train.config import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,8 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tunix_train.config import ConfigError, ModelConfig
 
@@ -62,31 +63,36 @@ class Rules(Mapping[str, tuple[str, ...]]):
 
 
 # Logical axis -> mesh axes, in order. Mesh axes absent from the mesh are dropped.
-LOGICAL_RULES = Rules({
-    # parameters
-    "vocab": ("tp", "fsdp"),  # the embedding's rows: gathering fsdp joins whole rows, no transposes
-    "embed": ("fsdp", "ep"),
-    "mlp": ("tp",),
-    "experts": ("ep",),  # an expert's weights whole on the ep shard that holds it
-    "moe_mlp": ("tp",),
-    "heads": ("tp",),
-    "kv_heads": ("tp",),
-    "head_dim": (),
-    "layers": ("pp",),  # the stacked layers: each pipeline stage holds its own
-    "gguf_rows": ("tp", "fsdp"),  # a GGUF base's tensor rows (model/quant.py): all of a weight's split, whole blocks
-    "norm": (),  # norm scales: sharding a vector costs a collective per use and saves next to nothing
-    # LoRA's rank. A factor shards over tp along the dimensions it shares with its weight; fsdp splits
-    # its first dimension that takes it: A's input (embed), else the rank (B, which fsdp would
-    # otherwise leave whole on every device: q's heads, the MLP width are not on fsdp).
-    "lora_rank": ("fsdp",),
-    # activations
-    "batch": BATCH_AXES,
-    "seq": ("cp",),
-    "act_embed": (),
-    "act_heads": ("tp",),
-    "act_mlp": ("tp",),
-    "act_vocab": ("tp",),
-})
+LOGICAL_RULES = Rules(
+    {
+        # parameters
+        "vocab": ("tp", "fsdp"),  # the embedding's rows: gathering fsdp joins whole rows, no transposes
+        "embed": ("fsdp", "ep"),
+        "mlp": ("tp",),
+        "experts": ("ep",),  # an expert's weights whole on the ep shard that holds it
+        "moe_mlp": ("tp",),
+        "heads": ("tp",),
+        "kv_heads": ("tp",),
+        "head_dim": (),
+        "layers": ("pp",),  # the stacked layers: each pipeline stage holds its own
+        "gguf_rows": (
+            "tp",
+            "fsdp",
+        ),  # a GGUF base's tensor rows (model/quant.py): all of a weight's split, whole blocks
+        "norm": (),  # norm scales: sharding a vector costs a collective per use and saves next to nothing
+        # LoRA's rank. A factor shards over tp along the dimensions it shares with its weight; fsdp splits
+        # its first dimension that takes it: A's input (embed), else the rank (B, which fsdp would
+        # otherwise leave whole on every device: q's heads, the MLP width are not on fsdp).
+        "lora_rank": ("fsdp",),
+        # activations
+        "batch": BATCH_AXES,
+        "seq": ("cp",),
+        "act_embed": (),
+        "act_heads": ("tp",),
+        "act_mlp": ("tp",),
+        "act_vocab": ("tp",),
+    }
+)
 
 # Mesh axes for logical axes whose size their rule's mesh axes do not divide, instead of an error:
 # key/value heads fewer than tp (multi-query attention) are replicated; a vocabulary that tp
@@ -100,13 +106,18 @@ def per_shard_rules(rules: Rules) -> Rules:
     return rules.replace(batch=())
 
 
-def _parse_mesh_shape(mesh_shape: Any, num_devices: int | None,
-                      key: str = "model.mesh_shape") -> tuple[tuple[int, ...], tuple[str, ...]]:
+def _parse_mesh_shape(
+    mesh_shape: Any, num_devices: int | None, key: str = "model.mesh_shape"
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Sizes and names; a -1 size filled from num_devices (None: not allowed, nor checked)."""
-    if not (isinstance(mesh_shape, Sequence) and len(mesh_shape) == 2
-            and all(isinstance(part, Sequence) and not isinstance(part, str) for part in mesh_shape)):
-        raise ConfigError(f"{key}={mesh_shape} must be [[sizes...], [axis names...]], "
-                          f'e.g. [[4,2],["fsdp","tp"]]')
+    if not (
+        isinstance(mesh_shape, Sequence)
+        and len(mesh_shape) == 2
+        and all(isinstance(part, Sequence) and not isinstance(part, str) for part in mesh_shape)
+    ):
+        raise ConfigError(
+            f'{key}={mesh_shape} must be [[sizes...], [axis names...]], e.g. [[4,2],["fsdp","tp"]]'
+        )
     sizes, names = list(mesh_shape[0]), [str(n) for n in mesh_shape[1]]
     if len(sizes) != len(names) or not names:
         raise ConfigError(f"{key}: {len(sizes)} sizes for {len(names)} axis names")
@@ -127,12 +138,16 @@ def _parse_mesh_shape(mesh_shape: Any, num_devices: int | None,
             raise ConfigError(f"{key}: cannot fill -1, {num_devices} devices are not divisible by {known}")
         sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-        raise ConfigError(f"{key}: mesh {dict(zip(names, sizes))} has {math.prod(sizes)} devices "
-                          f"but {num_devices} are available; make the sizes multiply to {num_devices}")
+        raise ConfigError(
+            f"{key}: mesh {dict(zip(names, sizes))} has {math.prod(sizes)} devices "
+            f"but {num_devices} are available; make the sizes multiply to {num_devices}"
+        )
     return tuple(sizes), tuple(names)
 
 
-def make_mesh(mesh_shape: Any, devices: Sequence[jax.Device] | None = None, key: str = "model.mesh_shape") -> Mesh:
+def make_mesh(
+    mesh_shape: Any, devices: Sequence[jax.Device] | None = None, key: str = "model.mesh_shape"
+) -> Mesh:
     """mesh_shape [[sizes], [names]] -> Mesh over `devices` (default: all), `tp` innermost, `pp`
     outermost. `key`: the config key errors name."""
     devices = list(jax.devices() if devices is None else devices)
@@ -150,35 +165,45 @@ def make_mesh(mesh_shape: Any, devices: Sequence[jax.Device] | None = None, key:
         local = len(devices) // len(hosts)
         tp = sizes[names.index("tp")] if "tp" in names else 1
         if local % tp:
-            raise ConfigError(f"model.mesh_shape: tp={tp} must divide the {local} devices of each host; "
-                              f"tensor parallelism stays within a host")
+            raise ConfigError(
+                f"model.mesh_shape: tp={tp} must divide the {local} devices of each host; "
+                f"tensor parallelism stays within a host"
+            )
         by_host = sorted(devices, key=lambda d: (d.process_index, d.id))
         ordered = np.array(by_host, dtype=object).reshape(ordered_sizes)
     device_array = np.transpose(ordered, np.argsort(order))
     return Mesh(device_array, names, axis_types=(AxisType.Auto,) * len(names))
 
 
-def split_devices(devices: Sequence[jax.Device], mesh_shape: Any, apart_shape: Any,
-                  key: str) -> tuple[list[jax.Device], list[jax.Device]]:
+def split_devices(
+    devices: Sequence[jax.Device], mesh_shape: Any, apart_shape: Any, key: str
+) -> tuple[list[jax.Device], list[jax.Device]]:
     """The run's devices -> (those of model.mesh_shape, those set apart for the mesh `apart_shape`
     names under `key`): each process gives its last devices (by id) to the second, as many each,
     so both meshes span every process."""
     sizes, _ = _parse_mesh_shape(apart_shape, None, key)
     apart, processes = math.prod(sizes), sorted({d.process_index for d in devices})
     if apart % len(processes) or apart // len(processes) >= len(devices) // len(processes):
-        raise ConfigError(f"{key}: its {apart} devices must leave devices for training on each of the "
-                          f"{len(processes)} processes (with {len(devices)} devices in all), as many on each")
+        raise ConfigError(
+            f"{key}: its {apart} devices must leave devices for training on each of the "
+            f"{len(processes)} processes (with {len(devices)} devices in all), as many on each"
+        )
     per_process = apart // len(processes)
-    chosen = [d for p in processes for d in sorted((d for d in devices if d.process_index == p),
-                                                   key=lambda d: d.id)[-per_process:]]
+    chosen = [
+        d
+        for p in processes
+        for d in sorted((d for d in devices if d.process_index == p), key=lambda d: d.id)[-per_process:]
+    ]
     rest = [d for d in devices if d not in chosen]
     try:
         training = math.prod(_parse_mesh_shape(mesh_shape, None)[0])
     except ConfigError:  # a -1, filled from the rest (or a malformed shape, which make_mesh reports)
         training = len(rest)
     if training != len(rest):
-        raise ConfigError(f"model.mesh_shape takes {training} devices and {key} {apart} more; the "
-                          f"two meshes must not share devices and together use the run's {len(devices)}")
+        raise ConfigError(
+            f"model.mesh_shape takes {training} devices and {key} {apart} more; the "
+            f"two meshes must not share devices and together use the run's {len(devices)}"
+        )
     return rest, chosen
 
 
@@ -191,15 +216,25 @@ def cross_mesh_copier(source: Mesh, target: Mesh) -> Callable[[Any, Any], Any]:
     its own shards across. That needs as many source as target devices on each process."""
     if jax.process_count() == 1:
         return jax.device_put
-    local = lambda mesh: {p: sorted((d for d in mesh.devices.flat if d.process_index == p), key=lambda d: d.id)
-                          for p in range(jax.process_count())}
+
+    def local(mesh):
+        return {
+            p: sorted((d for d in mesh.devices.flat if d.process_index == p), key=lambda d: d.id)
+            for p in range(jax.process_count())
+        }
+
     sources, targets = local(source), local(target)
     if any(len(sources[p]) != len(targets[p]) for p in sources):
-        raise ConfigError("training.grpo.rollout_mesh_shape: in a multi-process run the rollout mesh needs as many "
-                          "devices on each process as the training mesh (each process copies its own shards)")
+        raise ConfigError(
+            "training.grpo.rollout_mesh_shape: in a multi-process run the rollout mesh needs as many "
+            "devices on each process as the training mesh (each process copies its own shards)"
+        )
     stand_in = {t: s for p in sources for s, t in zip(sources[p], targets[p])}
-    counterpart = Mesh(np.vectorize(stand_in.get, otypes=[object])(target.devices), target.axis_names,
-                       axis_types=target.axis_types)
+    counterpart = Mesh(
+        np.vectorize(stand_in.get, otypes=[object])(target.devices),
+        target.axis_names,
+        axis_types=target.axis_types,
+    )
     back = {s: t for t, s in stand_in.items()}
 
     def copy(x: jax.Array, sharding: NamedSharding) -> jax.Array:
@@ -209,7 +244,8 @@ def cross_mesh_copier(source: Mesh, target: Mesh) -> Callable[[Any, Any], Any]:
 
     # shardings may be a prefix tree (one per nnx.Variable, as state_shardings gives them)
     return lambda tree, shardings: jax.tree.map(
-        lambda sharding, subtree: jax.tree.map(lambda x: copy(x, sharding), subtree), shardings, tree)
+        lambda sharding, subtree: jax.tree.map(lambda x: copy(x, sharding), subtree), shardings, tree
+    )
 
 
 def axis_size(mesh: Mesh, names: Sequence[str]) -> int:
@@ -224,24 +260,33 @@ def validate_model_for_mesh(model: ModelConfig, mesh: Mesh) -> None:
     """Divisibility that the Megatron split needs, as config errors (tunix_train.parallel checks pp
     and cp)."""
     tp, ep = mesh.shape.get("tp", 1), mesh.shape.get("ep", 1)
-    for key, value in (("model.num_heads", model.num_heads), ("model.hidden_dim", model.hidden_dim),
-                       ("model.vocab_size", model.vocab_size)):
+    for key, value in (
+        ("model.num_heads", model.num_heads),
+        ("model.hidden_dim", model.hidden_dim),
+        ("model.vocab_size", model.vocab_size),
+    ):
         if value % tp:
-            raise ConfigError(f"{key}={value} is not divisible by the tp mesh axis ({tp}); "
-                              f"choose a tp size that divides it")
+            raise ConfigError(
+                f"{key}={value} is not divisible by the tp mesh axis ({tp}); choose a tp size that divides it"
+            )
     if model.num_experts and model.num_experts % ep:
-        raise ConfigError(f"model.num_experts={model.num_experts} is not divisible by the ep mesh axis ({ep}); "
-                          f"choose an ep size that divides it")
+        raise ConfigError(
+            f"model.num_experts={model.num_experts} is not divisible by the ep mesh axis ({ep}); "
+            f"choose an ep size that divides it"
+        )
     if model.num_experts and model.moe_hidden_dim % tp:
-        raise ConfigError(f"model.moe_hidden_dim={model.moe_hidden_dim} is not divisible by the tp mesh axis ({tp})")
+        raise ConfigError(
+            f"model.moe_hidden_dim={model.moe_hidden_dim} is not divisible by the tp mesh axis ({tp})"
+        )
 
 
 def _mesh_axes_for(logical: str, mesh: Mesh, rules: Rules) -> tuple[str, ...]:
     return tuple(a for a in rules[logical] if a in mesh.shape)
 
 
-def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, what: str,
-                    rules: Rules = LOGICAL_RULES) -> P:
+def logical_to_spec(
+    axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, what: str, rules: Rules = LOGICAL_RULES
+) -> P:
     """PartitionSpec for an array of `shape` whose dimensions carry logical `axes`. A mesh axis
     splits at most one dimension: the first whose rule names it (the embedding's vocab takes fsdp
     before its embed axis can)."""
@@ -258,8 +303,10 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
             raise ValueError(f"{what}: logical axis {logical!r} has no rule in the rules table") from None
         if size % axis_size(mesh, mesh_axes):
             if logical not in IF_INDIVISIBLE:
-                raise ConfigError(f"{what}: dimension {logical!r} of size {size} is not divisible by "
-                                  f"mesh axes {mesh_axes} of size {axis_size(mesh, mesh_axes)}")
+                raise ConfigError(
+                    f"{what}: dimension {logical!r} of size {size} is not divisible by "
+                    f"mesh axes {mesh_axes} of size {axis_size(mesh, mesh_axes)}"
+                )
             mesh_axes = tuple(a for a in IF_INDIVISIBLE[logical] if a in mesh_axes)
         used |= set(mesh_axes)
         spec.append(_spec_entry(mesh_axes))
@@ -270,8 +317,9 @@ def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def state_shardings(abstract_state: Any, mesh: Mesh, replicated_over: Sequence[str] = (),
-                    rules: Rules = LOGICAL_RULES) -> Any:
+def state_shardings(
+    abstract_state: Any, mesh: Mesh, replicated_over: Sequence[str] = (), rules: Rules = LOGICAL_RULES
+) -> Any:
     """Shardings for a pytree whose nnx.Variable leaves carry `axes` metadata (parameters and the
     optimizer moments that mirror them), replicated over the mesh axes `replicated_over`; every
     other leaf (counters, scalars) is replicated."""
@@ -282,13 +330,17 @@ def state_shardings(abstract_state: Any, mesh: Mesh, replicated_over: Sequence[s
         axes, value = leaf.get_metadata()["axes"], leaf.get_value()
 
         def sharding(shape, axes=axes):
-            spec = logical_to_spec(axes, shape, mesh, jax.tree_util.keystr(path, simple=True, separator="."), rules)
+            spec = logical_to_spec(
+                axes, shape, mesh, jax.tree_util.keystr(path, simple=True, separator="."), rules
+            )
             return NamedSharding(mesh, P(*(_without(entry, replicated_over) for entry in spec)))
 
         if all(x is value for x in jax.tree.leaves(value)):  # an array
             return sharding(value.shape)
         # a quantized weight (model/quant.py): each of its arrays along the logical axes it names
-        return leaf.replace(jax.tree.map(lambda x, x_axes: sharding(x.shape, x_axes), value, value.array_axes(axes)))
+        return leaf.replace(
+            jax.tree.map(lambda x, x_axes: sharding(x.shape, x_axes), value, value.array_axes(axes))
+        )
 
     return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_state, is_leaf=_is_variable)
 
@@ -340,12 +392,18 @@ def process_rows(mesh: Mesh, global_rows: int) -> range:
     """The rows of a [.., global_rows, ..] batch held by this process's devices: the rows its data
     loader must produce, in order. A contiguous block whenever hosts are outermost in the mesh."""
     sharding = NamedSharding(mesh, P(_spec_entry(data_axes(mesh))))
-    blocks = sorted({(sl.indices(global_rows)[:2]) for (sl,) in
-                     sharding.addressable_devices_indices_map((global_rows,)).values()})
+    blocks = sorted(
+        {
+            (sl.indices(global_rows)[:2])
+            for (sl,) in sharding.addressable_devices_indices_map((global_rows,)).values()
+        }
+    )
     lo, hi = blocks[0][0], blocks[-1][1]
     if sum(stop - start for start, stop in blocks) != hi - lo:
-        raise ConfigError(f"model.mesh_shape: this process's devices hold rows {blocks} of the batch, not one "
-                          f"block; put dp and fsdp outside tp")
+        raise ConfigError(
+            f"model.mesh_shape: this process's devices hold rows {blocks} of the batch, not one "
+            f"block; put dp and fsdp outside tp"
+        )
     return range(lo, hi)
 
 
@@ -353,8 +411,7 @@ def to_global_batch(host_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, 
     """The one place host-local rows become global jax.Arrays: each process passes only the rows
     its devices hold (axis 1), and together they form the global batch."""
     sharding = batch_sharding(mesh)
-    return {name: jax.make_array_from_process_local_data(sharding, rows)
-            for name, rows in host_batch.items()}
+    return {name: jax.make_array_from_process_local_data(sharding, rows) for name, rows in host_batch.items()}
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: Rules) -> jax.Array:
@@ -365,7 +422,10 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: Rules) ->
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    auto = lambda logical: tuple(a for a in _mesh_axes_for(logical, mesh, rules) if a not in mesh.manual_axes)
+
+    def auto(logical):
+        return tuple(a for a in _mesh_axes_for(logical, mesh, rules) if a not in mesh.manual_axes)
+
     spec = P(*(None if a is None else _spec_entry(auto(a)) for a in logical_axes))
     return jax.lax.with_sharding_constraint(x, spec)
 

@@ -32,10 +32,16 @@ class Data:
             self.tokenizer = load_tokenizer(source, cfg.model.vocab_size, key)
             self.train_docs, self.eval_docs = train_and_eval_documents(cfg.data, required_fields)
             self._chat_source, self._chat = source, None
-            self.features = DocumentFeatures(self.tokenizer, cfg.model.vocab_size,
-                                             self.chat if cfg.data.messages_field else None,
-                                             tuple(cfg.data.train_on_roles), cfg.data.seq_len)
-            if cfg.data.messages_field:  # each conversation rendered once now: a bad one stops the run before it starts
+            self.features = DocumentFeatures(
+                self.tokenizer,
+                cfg.model.vocab_size,
+                self.chat if cfg.data.messages_field else None,
+                tuple(cfg.data.train_on_roles),
+                cfg.data.seq_len,
+            )
+            if (
+                cfg.data.messages_field
+            ):  # each conversation rendered once now: a bad one stops the run before it starts
                 for doc in itertools.chain(self.train_docs, self.eval_docs):
                     self.features(doc)
 
@@ -44,33 +50,55 @@ class Data:
         """The chat template (data.chat_template, else the tokenizer's, else Gemma's turn format),
         read when first needed: a run without conversations never reads it."""
         if self._chat is None:
-            self._chat = ChatTemplate(*find_template(self.cfg.data.chat_template, self._chat_source), self.tokenizer)
+            self._chat = ChatTemplate(
+                *find_template(self.cfg.data.chat_template, self._chat_source), self.tokenizer
+            )
         return self._chat
 
     def _batches(self, docs, *, accumulation_steps, global_micro_batch, seed, shuffle, rows):
         d = self.cfg.data
         if self.synthetic:
-            return SyntheticBatches(seq_len=d.seq_len, vocab_size=self.cfg.model.vocab_size,
-                                    accumulation_steps=accumulation_steps, global_micro_batch=global_micro_batch,
-                                    seed=seed, rows=rows)
-        return PackedBatches(docs, self.features, seq_len=d.seq_len, accumulation_steps=accumulation_steps,
-                             global_micro_batch=global_micro_batch, seed=seed if shuffle else None,
-                             rows=rows, prefetch=d.prefetch_batches)
+            return SyntheticBatches(
+                seq_len=d.seq_len,
+                vocab_size=self.cfg.model.vocab_size,
+                accumulation_steps=accumulation_steps,
+                global_micro_batch=global_micro_batch,
+                seed=seed,
+                rows=rows,
+            )
+        return PackedBatches(
+            docs,
+            self.features,
+            seq_len=d.seq_len,
+            accumulation_steps=accumulation_steps,
+            global_micro_batch=global_micro_batch,
+            seed=seed if shuffle else None,
+            rows=rows,
+            prefetch=d.prefetch_batches,
+        )
 
     def train_batches(self, global_micro_batch: int, rows: range | None = None):
         """Endless, seeded, checkpointable training batches of [A, rows of this process, T]."""
         t = self.cfg.training
-        return self._batches(None if self.synthetic else self.train_docs,
-                             accumulation_steps=t.gradient_accumulation_steps,
-                             global_micro_batch=global_micro_batch, seed=t.seed, shuffle=True,
-                             rows=rows)
+        return self._batches(
+            None if self.synthetic else self.train_docs,
+            accumulation_steps=t.gradient_accumulation_steps,
+            global_micro_batch=global_micro_batch,
+            seed=t.seed,
+            shuffle=True,
+            rows=rows,
+        )
 
     def eval_batches(self, global_micro_batch: int, rows: range | None = None) -> list[dict[str, np.ndarray]]:
         """The fixed held-out batches of every evaluation, [1, rows of this process, T] each."""
-        batches = self._batches(None if self.synthetic else self.eval_docs, accumulation_steps=1,
-                                global_micro_batch=global_micro_batch,
-                                seed=self.cfg.training.seed + _EVAL_SEED_OFFSET, shuffle=False,
-                                rows=rows)
+        batches = self._batches(
+            None if self.synthetic else self.eval_docs,
+            accumulation_steps=1,
+            global_micro_batch=global_micro_batch,
+            seed=self.cfg.training.seed + _EVAL_SEED_OFFSET,
+            shuffle=False,
+            rows=rows,
+        )
         try:
             return list(itertools.islice(batches, self.cfg.training.eval_batches))
         finally:

@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from tunix_train.config import CHAT_ROLES as ROLES, ConfigError
+from tunix_train.config import CHAT_ROLES as ROLES
+from tunix_train.config import ConfigError
 
 # Gemma's turn format (Gemma 1-3 "-it" models): a system message opens the first user turn, the
 # assistant speaks as "model", each turn ends with <end_of_turn>. The assistant's text and its
@@ -71,7 +72,7 @@ GEMMA_TEMPLATE = """{{ bos_token }}
 {%- if add_generation_prompt -%}
 <start_of_turn>model
 {% endif -%}
-"""
+"""  # noqa: E501 (a template: its lines are its text)
 
 
 # Bounds on one rendering: templates come from model files, untrusted (a GGUF, tokenizer_config.json)
@@ -112,7 +113,12 @@ def _bounded_environment():
             self._on_time()
             sized = next((len(x) for x in (left, right) if isinstance(x, (str, list, tuple))), None)
             count = right if isinstance(right, int) else left
-            if operator == "*" and sized is not None and isinstance(count, int) and sized * count > RENDER_CHARS:
+            if (
+                operator == "*"
+                and sized is not None
+                and isinstance(count, int)
+                and sized * count > RENDER_CHARS
+            ):
                 raise ConfigError(f"repeats a string or list past {RENDER_CHARS} items")
             if operator == "**" and isinstance(right, (int, float)) and abs(right) > 1024:
                 raise ConfigError("raises to a power above 1024")
@@ -168,10 +174,12 @@ def _compiled(template: str):
         raise jinja2.exceptions.TemplateError(message)
 
     env = _Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-    env.globals.update(raise_exception=raise_exception,
-                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: (
+        json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    )
+    env.globals.update(
+        raise_exception=raise_exception, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt)
+    )
     return env.from_string(template), Generation.tracked
 
 
@@ -185,28 +193,42 @@ class ChatTemplate:
             self._compiled, self._tracked = _compiled(template)
         except Exception as err:
             raise ConfigError(f"{source}: not a Jinja template ({' '.join(str(err).split())})") from None
-        self.variables = {name: tokenizer.token(i) for name, i in
-                          (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id),
-                           ("pad_token", tokenizer.pad_id)) if i >= 0}
+        self.variables = {
+            name: tokenizer.token(i)
+            for name, i in (
+                ("bos_token", tokenizer.bos_id),
+                ("eos_token", tokenizer.eos_id),
+                ("pad_token", tokenizer.pad_id),
+            )
+            if i >= 0
+        }
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False,
-               **variables) -> tuple[str, list[tuple[int, int]]]:
+    def render(
+        self, messages: Sequence[dict], add_generation_prompt: bool = False, **variables
+    ) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text and the character spans of its {% generation %} blocks."""
         blocks: list[str] = []
         rendering = _Rendering()
         token = self._tracked.set(rendering)
         try:
-            for block in self._compiled.generate(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                                 **{**self.variables, **variables}):
+            for block in self._compiled.generate(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                **{**self.variables, **variables},
+            ):
                 blocks.append(block)
                 rendering.grew(len(block))
         except Exception as err:  # RecursionError and MemoryError too: a conversation or template gone wrong
-            raise ConfigError(f"{self.source} fails on a conversation: {' '.join(str(err).split())[:300]}") from None
+            raise ConfigError(
+                f"{self.source} fails on a conversation: {' '.join(str(err).split())[:300]}"
+            ) from None
         finally:
             self._tracked.reset(token)
         return "".join(blocks), rendering.spans
 
-    def spans(self, messages: Sequence[dict], roles: Sequence[str], **variables) -> tuple[str, list[tuple[int, int]]]:
+    def spans(
+        self, messages: Sequence[dict], roles: Sequence[str], **variables
+    ) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text and the spans of the messages whose role is in `roles`."""
         text, generated = self.render(messages, **variables)
         spans = list(generated) if "assistant" in roles and self.has_generation_markers else []
@@ -215,11 +237,13 @@ class ChatTemplate:
             if role not in roles or (role == "assistant" and self.has_generation_markers):
                 continue
             before, _ = self.render(messages[:i], add_generation_prompt=role == "assistant", **variables)
-            through, _ = self.render(messages[:i + 1], **variables)
+            through, _ = self.render(messages[: i + 1], **variables)
             if not (text.startswith(through) and through.startswith(before)):
-                raise ConfigError(f"{self.source} does not render a conversation's first messages as the start of "
-                                  f"the whole, so a message's tokens cannot be told apart: use a template with "
-                                  f"{{% generation %}} markers (data.chat_template)")
+                raise ConfigError(
+                    f"{self.source} does not render a conversation's first messages as the start of "
+                    f"the whole, so a message's tokens cannot be told apart: use a template with "
+                    f"{{% generation %}} markers (data.chat_template)"
+                )
             spans.append((len(before), len(through.rstrip())))
         return text, sorted(spans)
 
@@ -230,19 +254,27 @@ class ChatTemplate:
         text, _ = self.render([{"role": "user", "content": "a"}, {"role": "assistant", "content": marker}])
         if marker not in text:
             raise ConfigError(f"{self.source} does not write an assistant's message")
-        return text[text.rindex(marker) + len(marker):].strip()
+        return text[text.rindex(marker) + len(marker) :].strip()
 
     def end_of_turn_id(self) -> int:
-        """The end of turn's token id, where a generated reply stops; a ConfigError when it is not one token."""
+        """The end of turn's token id, where a generated reply stops; a ConfigError when it is not one
+        token."""
         ids = self.tokenizer.encode_with_offsets(self.end_of_turn())[0]
         if len(ids) != 1:
-            raise ConfigError(f"{self.source}: its end of turn {self.end_of_turn()!r} is not one token of this "
-                              f"tokenizer, so a reply cannot stop at it; use a tokenizer that has it (the bundled "
-                              f"one with Gemma's turn tokens: tunix_train.rewards.calculator.write_tokenizer)")
+            raise ConfigError(
+                f"{self.source}: its end of turn {self.end_of_turn()!r} is not one token of this "
+                f"tokenizer, so a reply cannot stop at it; use a tokenizer that has it (the bundled "
+                f"one with Gemma's turn tokens: tunix_train.rewards.calculator.write_tokenizer)"
+            )
         return ids[0]
 
-    def encode(self, messages: Sequence[dict], roles: Sequence[str] = ("assistant",),
-               add_generation_prompt: bool = False, **variables) -> tuple[list[int], list[bool]]:
+    def encode(
+        self,
+        messages: Sequence[dict],
+        roles: Sequence[str] = ("assistant",),
+        add_generation_prompt: bool = False,
+        **variables,
+    ) -> tuple[list[int], list[bool]]:
         """Token ids of the rendered conversation and, for each, whether a message of `roles` wrote
         it; `variables` (tools=[schemas]) go to the template."""
         if add_generation_prompt:
@@ -259,7 +291,9 @@ def check_messages(messages: Any, where: str, field: str = "messages") -> list[d
         raise ConfigError(f"{where}: {field!r} must be a non-empty list of {{role, content}} objects")
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise ConfigError(f"{where}: every message needs a string 'content' (got {json.dumps(message)[:80]})")
+            raise ConfigError(
+                f"{where}: every message needs a string 'content' (got {json.dumps(message)[:80]})"
+            )
         if message.get("role") not in ROLES:
             raise ConfigError(f"{where}: unknown role {message.get('role')!r} (roles: {', '.join(ROLES)})")
     return messages
@@ -283,7 +317,9 @@ def find_template(override: str | None, tokenizer_source: str | Path | None) -> 
         else:
             directory = source if source.is_dir() else source.parent
             if (directory / "chat_template.jinja").is_file():
-                return (directory / "chat_template.jinja").read_text(encoding="utf-8"), str(directory / "chat_template.jinja")
+                return (directory / "chat_template.jinja").read_text(encoding="utf-8"), str(
+                    directory / "chat_template.jinja"
+                )
             config = directory / "tokenizer_config.json"
             if config.is_file():
                 template = json.loads(config.read_text()).get("chat_template")
@@ -302,8 +338,9 @@ def prompt_ids(prompt: str | list[dict], tokenizer, chat: "ChatTemplate | None")
     return chat.encode(prompt, add_generation_prompt=True)[0]
 
 
-def completion_ids(prompt: str | list[dict], completion: str | list[dict], tokenizer,
-                   chat: "ChatTemplate | None") -> list[int]:
+def completion_ids(
+    prompt: str | list[dict], completion: str | list[dict], tokenizer, chat: "ChatTemplate | None"
+) -> list[int]:
     """The tokens that follow the prompt's (prompt_ids) for a completion: after a text prompt, the
     text and EOS; after a conversation, the assistant's turn (a string, or assistant messages) as
     the template renders it, through its end of turn."""
@@ -314,8 +351,10 @@ def completion_ids(prompt: str | list[dict], completion: str | list[dict], token
     turns = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
     start = prompt_ids(prompt, tokenizer, chat)
     ids, mask = chat.encode([*prompt, *turns])
-    if ids[:len(start)] != start:
-        raise ConfigError(f"{chat.source} does not render a prompt with its generation prompt as the start of the "
-                          f"prompt and its answer, so the answer's tokens cannot be told apart")
+    if ids[: len(start)] != start:
+        raise ConfigError(
+            f"{chat.source} does not render a prompt with its generation prompt as the start of the "
+            f"prompt and its answer, so the answer's tokens cannot be told apart"
+        )
     last = max((k for k, m in enumerate(mask) if m), default=len(ids) - 1)
-    return ids[len(start):last + 1]  # not the separator after the end of turn
+    return ids[len(start) : last + 1]  # not the separator after the end of turn

@@ -32,9 +32,21 @@ class DocumentFeatures:
     row of seq_len. Pre-tokenized documents are used as stored.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, chat=None, roles=("assistant",),
-                 seq_len: int | None = None):
-        self.tokenizer, self.vocab_size, self.chat, self.roles, self.seq_len = tokenizer, vocab_size, chat, roles, seq_len
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        chat=None,
+        roles=("assistant",),
+        seq_len: int | None = None,
+    ):
+        self.tokenizer, self.vocab_size, self.chat, self.roles, self.seq_len = (
+            tokenizer,
+            vocab_size,
+            chat,
+            roles,
+            seq_len,
+        )
 
     def __call__(self, doc: dict[str, Any]) -> dict[str, np.ndarray]:
         first_loss_target = 0
@@ -42,15 +54,22 @@ class DocumentFeatures:
             tools = {"tools": doc["tools"]} if "tools" in doc else {}
             ids, mask = self.chat.encode(doc["messages"], self.roles, **tools)
             if self.seq_len is not None and len(ids) - 1 > self.seq_len:
-                raise ConfigError(f"{doc['where']}: a conversation of {len(ids)} tokens is longer than a row of "
-                                  f"data.seq_len={self.seq_len}: raise data.seq_len or shorten it")
-            return {"inputs": np.asarray(ids[:-1], np.int32), "targets": np.asarray(ids[1:], np.int32),
-                    "loss_mask": np.asarray(mask[1:], np.float32)}
+                raise ConfigError(
+                    f"{doc['where']}: a conversation of {len(ids)} tokens is longer than a row of "
+                    f"data.seq_len={self.seq_len}: raise data.seq_len or shorten it"
+                )
+            return {
+                "inputs": np.asarray(ids[:-1], np.int32),
+                "targets": np.asarray(ids[1:], np.int32),
+                "loss_mask": np.asarray(mask[1:], np.float32),
+            }
         if "tokens" in doc:
             ids = np.asarray(doc["tokens"], np.int32)
             if ids.size and (ids.max() >= self.vocab_size or ids.min() < 0):
-                raise ValueError(f"a pre-tokenized document has token id {ids.max()} outside "
-                                 f"model.vocab_size={self.vocab_size}")
+                raise ValueError(
+                    f"a pre-tokenized document has token id {ids.max()} outside "
+                    f"model.vocab_size={self.vocab_size}"
+                )
         else:
             tok = self.tokenizer
             if "prompt" in doc:
@@ -66,10 +85,13 @@ class DocumentFeatures:
 
 def _as_row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """grain's packed element -> one row of the model's batch format."""
-    return {"inputs": packed["inputs"], "targets": packed["targets"],
-            "loss_mask": packed["loss_mask"].astype(np.float32),
-            "positions": packed["inputs_positions"].astype(np.int32),
-            "segment_ids": packed["inputs_segment_ids"].astype(np.int32)}
+    return {
+        "inputs": packed["inputs"],
+        "targets": packed["targets"],
+        "loss_mask": packed["loss_mask"].astype(np.float32),
+        "positions": packed["inputs_positions"].astype(np.int32),
+        "segment_ids": packed["inputs_segment_ids"].astype(np.int32),
+    }
 
 
 def _stack_rows(rows: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:
@@ -104,9 +126,18 @@ class _HostBatches:
 class PackedBatches(_HostBatches):
     """Packed rows of documents."""
 
-    def __init__(self, documents: Sequence[dict[str, Any]], features: DocumentFeatures, *, seq_len: int,
-                 accumulation_steps: int, global_micro_batch: int, seed: int | None,
-                 rows: range | None = None, prefetch: int = 4):
+    def __init__(
+        self,
+        documents: Sequence[dict[str, Any]],
+        features: DocumentFeatures,
+        *,
+        seq_len: int,
+        accumulation_steps: int,
+        global_micro_batch: int,
+        seed: int | None,
+        rows: range | None = None,
+        prefetch: int = 4,
+    ):
         """rows: the micro-batch rows this process holds (default all); seed None keeps the document
         order (evaluation), otherwise it is reshuffled every epoch."""
         ordered = grain.MapDataset.source(documents)
@@ -128,15 +159,26 @@ class GroupBatches(_HostBatches):
     micro-batch), and its k rows are rows j·k ... j·k + k - 1 of the micro-batch, so a group stays
     in one micro-batch on one device. Host batches are dicts of [A, rows of this process, ...]."""
 
-    def __init__(self, groups: Sequence[dict[str, np.ndarray]], *, accumulation_steps: int,
-                 groups_per_micro_batch: int, seed: int | None, slots: range | None = None, prefetch: int = 4):
+    def __init__(
+        self,
+        groups: Sequence[dict[str, np.ndarray]],
+        *,
+        accumulation_steps: int,
+        groups_per_micro_batch: int,
+        seed: int | None,
+        slots: range | None = None,
+        prefetch: int = 4,
+    ):
         ordered = grain.MapDataset.source(groups)
         if seed is not None:
             ordered = ordered.shuffle(seed=seed)
         ordered = ordered.repeat()
-        streams = [ordered[slot::groups_per_micro_batch].to_iter_dataset(
-                       grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-                   for slot in (range(groups_per_micro_batch) if slots is None else slots)]
+        streams = [
+            ordered[slot::groups_per_micro_batch].to_iter_dataset(
+                grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+            )
+            for slot in (range(groups_per_micro_batch) if slots is None else slots)
+        ]
         self._start(ZipIterDataset(streams).map(_concatenate_groups).batch(accumulation_steps), prefetch)
 
 
@@ -149,10 +191,14 @@ def padded_row(prompt: list[int], completion: list[int], seq_len: int) -> dict[s
     holding BOS, completion EOS): the loss mask on the completion's tokens, padding after."""
     ids = np.asarray([*prompt, *completion], np.int32)
     n = len(ids) - 1
-    row = {"inputs": np.zeros(seq_len, np.int32), "targets": np.zeros(seq_len, np.int32),
-           "loss_mask": np.zeros(seq_len, np.float32), "positions": np.arange(seq_len, dtype=np.int32),
-           "segment_ids": np.zeros(seq_len, np.int32)}
+    row = {
+        "inputs": np.zeros(seq_len, np.int32),
+        "targets": np.zeros(seq_len, np.int32),
+        "loss_mask": np.zeros(seq_len, np.float32),
+        "positions": np.arange(seq_len, dtype=np.int32),
+        "segment_ids": np.zeros(seq_len, np.int32),
+    }
     row["inputs"][:n], row["targets"][:n] = ids[:-1], ids[1:]
-    row["loss_mask"][len(prompt) - 1:n] = 1.0  # targets[i] = ids[i + 1]: from the first completion token
+    row["loss_mask"][len(prompt) - 1 : n] = 1.0  # targets[i] = ids[i + 1]: from the first completion token
     row["segment_ids"][:n] = 1
     return row

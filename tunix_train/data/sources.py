@@ -2,7 +2,8 @@
 text, prompt/completion, conversations, an objective's whole records), pre-tokenized array_record.
 
 Every reader returns a random-access sequence of records: {"text": str}, {"prompt": str,
-"completion": str}, {"messages": [{role, content}], "where": file:line} or {"tokens": int32 array}. Bad input is a ConfigError naming the file or key.
+"completion": str}, {"messages": [{role, content}], "where": file:line} or {"tokens": int32 array}.
+Bad input is a ConfigError naming the file or key.
 """
 
 from __future__ import annotations
@@ -45,12 +46,17 @@ def _read_text(path: Path) -> str:
 
 def _text_documents(path: Path, unit: TextUnit) -> list[dict[str, str]]:
     text = _read_text(path)
-    pieces = {TextUnit.file: [text], TextUnit.line: text.splitlines(),
-              TextUnit.paragraph: re.split(r"\n\s*\n", text)}[unit]
+    pieces = {
+        TextUnit.file: [text],
+        TextUnit.line: text.splitlines(),
+        TextUnit.paragraph: re.split(r"\n\s*\n", text),
+    }[unit]
     return [{"text": p.strip("\n")} for p in pieces if p.strip()]
 
 
-def _record_documents(path: Path, data: DataConfig, required: Sequence[str] | None = None) -> list[dict[str, Any]]:
+def _record_documents(
+    path: Path, data: DataConfig, required: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
     """The documents of a file of records (JSON lines, Parquet) or of a saved `datasets` directory.
     With `required` (an objective's fields, e.g. DPO's prompt, chosen, rejected) each record is
     kept whole and must hold those as strings or conversations."""
@@ -58,19 +64,34 @@ def _record_documents(path: Path, data: DataConfig, required: Sequence[str] | No
     if required is not None:
         return [_whole_record(record, path, number, required) for number, record in records]
     if data.messages_field:
-        return [{"messages": check_messages(record.get(data.messages_field) if isinstance(record, dict) else None,
-                                            f"{path}:{number}", data.messages_field), "where": f"{path}:{number}",
-                 **_tools(record, f"{path}:{number}")} for number, record in records]
-    fields = ({"prompt": data.prompt_field, "completion": data.completion_field}
-              if data.prompt_field else {"text": data.text_field})
+        return [
+            {
+                "messages": check_messages(
+                    record.get(data.messages_field) if isinstance(record, dict) else None,
+                    f"{path}:{number}",
+                    data.messages_field,
+                ),
+                "where": f"{path}:{number}",
+                **_tools(record, f"{path}:{number}"),
+            }
+            for number, record in records
+        ]
+    fields = (
+        {"prompt": data.prompt_field, "completion": data.completion_field}
+        if data.prompt_field
+        else {"text": data.text_field}
+    )
     docs = []
     for number, record in records:
         doc = {}
         for name, field in fields.items():
             value = record.get(field) if isinstance(record, dict) else None
             if not isinstance(value, str):
-                key = {"text": "data.text_field", "prompt": "data.prompt_field",
-                       "completion": "data.completion_field"}[name]
+                key = {
+                    "text": "data.text_field",
+                    "prompt": "data.prompt_field",
+                    "completion": "data.completion_field",
+                }[name]
                 raise ConfigError(f"{path}:{number}: no string field {field!r} ({key})")
             doc[name] = value
         docs.append(doc)
@@ -100,12 +121,16 @@ def _dataset_rows(path: Path) -> list[dict]:
     try:
         import datasets
     except ImportError:
-        raise ConfigError(f"data.hf_dataset: reading {path} needs datasets: pip install -e '.[data]'") from None
+        raise ConfigError(
+            f"data.hf_dataset: reading {path} needs datasets: pip install -e '.[data]'"
+        ) from None
     try:
         dataset = datasets.load_from_disk(str(path))
     except Exception as err:
-        raise ConfigError(f"data.hf_dataset: {path} is not a directory written by datasets' save_to_disk "
-                          f"({' '.join(str(err).split())})") from None
+        raise ConfigError(
+            f"data.hf_dataset: {path} is not a directory written by datasets' save_to_disk "
+            f"({' '.join(str(err).split())})"
+        ) from None
     if isinstance(dataset, datasets.DatasetDict):
         if "train" not in dataset:
             raise ConfigError(f"data.hf_dataset: {path} has no train split (it has {', '.join(dataset)})")
@@ -120,8 +145,10 @@ def _whole_record(record: Any, path: Path, number: int, required: Sequence[str])
         if isinstance(value, list):
             check_messages(value, f"{path}:{number}", field)
         elif not isinstance(value, str):
-            raise ConfigError(f"{path}:{number}: no string or messages field {field!r} (the objective reads "
-                              f"{', '.join(required)} from every line)")
+            raise ConfigError(
+                f"{path}:{number}: no string or messages field {field!r} (the objective reads "
+                f"{', '.join(required)} from every line)"
+            )
     return record
 
 
@@ -165,8 +192,9 @@ def write_pretokenized(path: Path, documents: Sequence[np.ndarray]) -> None:
         writer.close()
 
 
-def read_documents(patterns: Sequence[str], data: DataConfig, key: str,
-                   required: Sequence[str] | None = None) -> Sequence[dict[str, Any]]:
+def read_documents(
+    patterns: Sequence[str], data: DataConfig, key: str, required: Sequence[str] | None = None
+) -> Sequence[dict[str, Any]]:
     """All documents of the files matching `patterns`; `key` names the config key in errors;
     `required`: the string fields every JSON-lines record must hold (kept whole)."""
     if data.source is DataSource.shakespeare:
@@ -186,14 +214,19 @@ def read_documents(patterns: Sequence[str], data: DataConfig, key: str,
         try:
             docs = _ArrayRecordDocuments(files)
         except Exception as err:  # array_record raises plain RuntimeErrors for bad files
-            raise ConfigError(f"{key}: cannot read {[str(f) for f in files]} as array_record ({err})") from None
+            raise ConfigError(
+                f"{key}: cannot read {[str(f) for f in files]} as array_record ({err})"
+            ) from None
         if len(docs) == 0:
             raise ConfigError(f"{key}: {[str(f) for f in files]} hold no documents")
         return docs
     docs = []
     for path in files:
-        found = (_text_documents(path, data.text_unit) if source is DataSource.text
-                 else _record_documents(path, data, required))
+        found = (
+            _text_documents(path, data.text_unit)
+            if source is DataSource.text
+            else _record_documents(path, data, required)
+        )
         if not found:
             raise ConfigError(f"{key}: {path} is empty (no documents)")
         docs += found
@@ -207,7 +240,7 @@ def _tools(record: Any, where: str) -> dict[str, Any]:
     if tools is None:
         return {}
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise ConfigError(f"{where}: 'tools' must be a list of JSON schemas ({{\"type\": \"function\", ...}})")
+        raise ConfigError(f'{where}: \'tools\' must be a list of JSON schemas ({{"type": "function", ...}})')
     return {"tools": tools}
 
 
@@ -222,14 +255,18 @@ class _Subset(Sequence):
         return self._docs[int(self._indices[index])]
 
 
-def train_and_eval_documents(data: DataConfig, required: Sequence[str] | None = None) -> tuple[Sequence, Sequence]:
+def train_and_eval_documents(
+    data: DataConfig, required: Sequence[str] | None = None
+) -> tuple[Sequence, Sequence]:
     """The training documents and the held-out ones (eval_files, or a fixed eval_fraction)."""
     docs = read_documents(data.train_files, data, "data.train_files", required)
     if data.eval_files:
         return docs, read_documents(data.eval_files, data, "data.eval_files", required)
     held_out = int(round(len(docs) * data.eval_fraction))
     if data.eval_fraction > 0 and held_out == 0 or held_out == len(docs):
-        raise ConfigError(f"data.eval_fraction={data.eval_fraction} of {len(docs)} documents leaves "
-                          f"an empty split; set data.eval_files or change the fraction")
+        raise ConfigError(
+            f"data.eval_fraction={data.eval_fraction} of {len(docs)} documents leaves "
+            f"an empty split; set data.eval_files or change the fraction"
+        )
     order = np.random.default_rng(EVAL_SPLIT_SEED).permutation(len(docs))
     return _Subset(docs, np.sort(order[held_out:])), _Subset(docs, np.sort(order[:held_out]))

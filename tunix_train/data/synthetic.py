@@ -10,15 +10,22 @@ from typing import Any
 
 import numpy as np
 
-
 MAX_STRIDE = 16
 
 
 class SyntheticBatches:
     """Batch k is a function of (seed, k) alone; a process makes only its `rows` of each micro-batch."""
 
-    def __init__(self, *, seq_len: int, vocab_size: int, accumulation_steps: int, global_micro_batch: int,
-                 seed: int, rows: range | None = None):
+    def __init__(
+        self,
+        *,
+        seq_len: int,
+        vocab_size: int,
+        accumulation_steps: int,
+        global_micro_batch: int,
+        seed: int,
+        rows: range | None = None,
+    ):
         self.seq_len, self.vocab_size, self.seed = seq_len, vocab_size, seed
         self.shape = (accumulation_steps, global_micro_batch)
         rows = range(global_micro_batch) if rows is None else rows

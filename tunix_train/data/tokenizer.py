@@ -82,7 +82,11 @@ class SentencePieceTokenizer:
 
         model = sentencepiece_model_pb2.ModelProto()
         model.ParseFromString(self.path.read_bytes())
-        return [p.piece for p in model.pieces], [p.score for p in model.pieces], [p.type for p in model.pieces]
+        return (
+            [p.piece for p in model.pieces],
+            [p.score for p in model.pieces],
+            [p.type for p in model.pieces],
+        )
 
     @property
     def adds_space_prefix(self) -> bool:
@@ -97,7 +101,9 @@ class SentencePieceTokenizer:
 
     def save(self, directory: Path) -> None:
         """As tokenizer.model, where transformers and load_tokenizer find it."""
-        write_atomically(directory / "tokenizer.model", lambda partial: partial.write_bytes(self.path.read_bytes()))
+        write_atomically(
+            directory / "tokenizer.model", lambda partial: partial.write_bytes(self.path.read_bytes())
+        )
 
 
 class HFTokenizer:
@@ -125,8 +131,16 @@ class HFTokenizer:
         added = self._tokenizer.get_added_tokens_decoder()
         unknown = getattr(self._tokenizer.model, "unk_token", None)
         tokens = [self._tokenizer.id_to_token(i) for i in range(self.vocab_size)]
-        types = [(3 if added[i].special else 4) if i in added else 6 if re.fullmatch(r"<0x[0-9A-F]{2}>", t)
-                 else 2 if t == unknown else 1 for i, t in enumerate(tokens)]
+        types = [
+            (3 if added[i].special else 4)
+            if i in added
+            else 6
+            if re.fullmatch(r"<0x[0-9A-F]{2}>", t)
+            else 2
+            if t == unknown
+            else 1
+            for i, t in enumerate(tokens)
+        ]
         return tokens, [-float(i) for i in range(len(tokens))], types
 
     adds_space_prefix = False  # Gemma's tokenizer.json adds none
@@ -137,16 +151,25 @@ class HFTokenizer:
     def save(self, directory: Path) -> None:
         """As tokenizer.json, which puts BOS in front as transformers' Gemma tokenizers do, with a
         tokenizer_config.json naming its special tokens."""
-        from tokenizers import Tokenizer as Backend, processors
+        from tokenizers import Tokenizer as Backend
+        from tokenizers import processors
 
-        name = lambda i: self._tokenizer.id_to_token(i) if i >= 0 else None
+        def name(i):
+            return self._tokenizer.id_to_token(i) if i >= 0 else None
+
         saved = Backend.from_str(self._tokenizer.to_str())
         bos = name(self.bos_id)
-        saved.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                             special_tokens=[(bos, self.bos_id)])
+        saved.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_id)]
+        )
         write_atomically(directory / "tokenizer.json", lambda partial: saved.save(str(partial)))
-        config = {"bos_token": name(self.bos_id), "eos_token": name(self.eos_id), "pad_token": name(self.pad_id),
-                  "add_bos_token": True, "tokenizer_class": "GemmaTokenizer"}
+        config = {
+            "bos_token": name(self.bos_id),
+            "eos_token": name(self.eos_id),
+            "pad_token": name(self.pad_id),
+            "add_bos_token": True,
+            "tokenizer_class": "GemmaTokenizer",
+        }
         write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
 
@@ -164,22 +187,34 @@ def tokenizer_json(path: Path) -> HFTokenizer:
                 names[key] = value["content"] if isinstance(value, dict) else value
     ids = {key: backend.token_to_id(name) for key, name in names.items()}
     if ids["bos_token"] is None or ids["eos_token"] is None:
-        raise ConfigError(f"{path}: no BOS or EOS token ({names['bos_token']!r}, {names['eos_token']!r}) in its vocabulary")
-    return HFTokenizer(backend, path, ids["bos_token"], ids["eos_token"],
-                       ids["pad_token"] if ids["pad_token"] is not None else -1)
+        raise ConfigError(
+            f"{path}: no BOS or EOS token ({names['bos_token']!r}, {names['eos_token']!r}) in its vocabulary"
+        )
+    return HFTokenizer(
+        backend,
+        path,
+        ids["bos_token"],
+        ids["eos_token"],
+        ids["pad_token"] if ids["pad_token"] is not None else -1,
+    )
 
 
 def gguf_tokenizer(reader, path: Path) -> HFTokenizer:
     """The Gemma SentencePiece-style BPE a GGUF file describes (tokenizer.ggml.model = llama):
     byte fallback, spaces as U+2581, merges rebuilt from the vocabulary in file order (Gemma files
     list none, and their scores do not follow the merge order), control tokens kept whole."""
-    from tokenizers import AddedToken, Tokenizer as Backend, decoders, normalizers, pre_tokenizers
+    from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
     from tokenizers.models import BPE
 
-    field = lambda key: None if reader.get_field(key) is None else reader.get_field(key).contents()
+    def field(key):
+        return None if reader.get_field(key) is None else reader.get_field(key).contents()
+
     if field("tokenizer.ggml.model") != "llama" or field("tokenizer.ggml.tokens") is None:
-        raise ConfigError(f"{path}: no SentencePiece-style vocabulary (tokenizer.ggml.model="
-                          f"{field('tokenizer.ggml.model')!r}); pass data.tokenizer")
+        raise ConfigError(
+            f"{path}: no SentencePiece-style vocabulary (tokenizer.ggml.model="
+            f"{field('tokenizer.ggml.model')!r}); pass data.tokenizer"
+        )
     tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in field("tokenizer.ggml.tokens")]
     vocab = {token: index for index, token in enumerate(tokens)}
     merges = _merges_in_vocabulary_order(vocab)
@@ -189,15 +224,23 @@ def gguf_tokenizer(reader, path: Path) -> HFTokenizer:
     if field("tokenizer.ggml.add_space_prefix"):  # SentencePiece's dummy prefix (Gemma's files: none)
         backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), backend.normalizer])
     backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
-    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
     types = field("tokenizer.ggml.token_type") or []
-    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                for t, kind in zip(tokens, types) if kind == 3])  # CONTROL
-    backend.add_tokens([AddedToken(t, normalized=False, special=False)
-                        for t, kind in zip(tokens, types) if kind == 4])  # USER_DEFINED
-    special = lambda key, default: field(f"tokenizer.ggml.{key}") if field(f"tokenizer.ggml.{key}") is not None else default
-    return HFTokenizer(backend, path, special("bos_token_id", 2), special("eos_token_id", 1),
-                       special("padding_token_id", 0))
+    backend.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, types) if kind == 3]
+    )  # CONTROL
+    backend.add_tokens(
+        [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, types) if kind == 4]
+    )  # USER_DEFINED
+
+    def special(key, default):
+        return field(f"tokenizer.ggml.{key}") if field(f"tokenizer.ggml.{key}") is not None else default
+
+    return HFTokenizer(
+        backend, path, special("bos_token_id", 2), special("eos_token_id", 1), special("padding_token_id", 0)
+    )
 
 
 def _merges_in_vocabulary_order(vocab: dict[str, int]) -> list[tuple[str, str]]:
@@ -206,7 +249,9 @@ def _merges_in_vocabulary_order(vocab: dict[str, int]) -> list[tuple[str, str]]:
     scores -position."""
     merges = []
     for token, index in vocab.items():
-        pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        pairs = [
+            (token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab
+        ]
         pairs.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
         merges.extend((-index, left, right) for left, right in pairs)
     merges.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
@@ -262,8 +307,10 @@ def load_tokenizer(path: str | Path | None, vocab_size: int, key: str = "data.to
         kind = "tokenizer.json" if file.suffix == ".json" else "SentencePiece model"
         raise ConfigError(f"{key}: {file} is not a {kind} ({' '.join(str(err).split())})") from None
     if tokenizer.vocab_size > vocab_size:
-        raise ConfigError(f"{key}: {file} has {tokenizer.vocab_size} tokens but model.vocab_size={vocab_size}; "
-                          f"set model.vocab_size >= {tokenizer.vocab_size} or use the model's own tokenizer")
+        raise ConfigError(
+            f"{key}: {file} has {tokenizer.vocab_size} tokens but model.vocab_size={vocab_size}; "
+            f"set model.vocab_size >= {tokenizer.vocab_size} or use the model's own tokenizer"
+        )
     if min(tokenizer.bos_id, tokenizer.eos_id) < 0:
         raise ConfigError(f"{key}: {file} defines no BOS or EOS token")
     return tokenizer

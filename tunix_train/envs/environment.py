@@ -31,7 +31,9 @@ class Environment:
 
     def reset(self, record: dict[str, Any]) -> list[dict]:
         prompt = record["prompt"]
-        return [dict(m) for m in prompt] if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        return (
+            [dict(m) for m in prompt] if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        )
 
     def step(self, messages: list[dict]) -> tuple[list[dict], float | None, bool]:
         return [], None, True
@@ -43,7 +45,9 @@ def environment_class(name: str | None) -> type:
         return Environment
     cls = t.import_object(name, "training.grpo.environment")
     if not inspect.isclass(cls) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
-        raise ConfigError(f"training.grpo.environment: {name!r} is not a class with reset(record) and step(messages)")
+        raise ConfigError(
+            f"training.grpo.environment: {name!r} is not a class with reset(record) and step(messages)"
+        )
     for tool_name, function in dict(getattr(cls, "tools", {}) or {}).items():
         t.schema(function, f"{name}.tools[{tool_name!r}]")
     return cls

@@ -73,16 +73,24 @@ class Turns:
         except ConfigError:
             raise
         except Exception as err:
-            raise ConfigError(f"training.grpo.environment {name}.reset failed on the record {str(record)[:80]} "
-                              f"({type(err).__name__}: {err})") from None
+            raise ConfigError(
+                f"training.grpo.environment {name}.reset failed on the record {str(record)[:80]} "
+                f"({type(err).__name__}: {err})"
+            ) from None
         prompt = self.chat.tokenizer.encode_with_offsets(self.render(messages, True))[0]
         if len(prompt) >= self.max_len:
-            raise ConfigError(f"a conversation's start is {len(prompt)} tokens, not less than data.seq_len="
-                              f"{self.max_len}: raise data.seq_len")
+            raise ConfigError(
+                f"a conversation's start is {len(prompt)} tokens, not less than data.seq_len="
+                f"{self.max_len}: raise data.seq_len"
+            )
         return Trajectory(prompt, messages)
 
-    def roll_out(self, generate: Callable[[list[tuple[list[int], int, int]]], list], trajectories: list[Trajectory],
-                 environments: list) -> list[Trajectory]:
+    def roll_out(
+        self,
+        generate: Callable[[list[tuple[list[int], int, int]]], list],
+        trajectories: list[Trajectory],
+        environments: list,
+    ) -> list[Trajectory]:
         """Continues every trajectory until it closes. generate([(ids, max_new_tokens, stream)]) ->
         the engine's completions in order; stream t * N + i for turn t of trajectory i."""
         N = len(trajectories)
@@ -90,9 +98,17 @@ class Turns:
             open_ = [i for i, tr in enumerate(trajectories) if tr.open]
             if not open_:
                 break
-            requests = [(trajectories[i].prompt + trajectories[i].tokens,
-                         min(self.max_new_tokens, self.max_len - len(trajectories[i].prompt) - len(trajectories[i].tokens)),
-                         turn * N + i) for i in open_]
+            requests = [
+                (
+                    trajectories[i].prompt + trajectories[i].tokens,
+                    min(
+                        self.max_new_tokens,
+                        self.max_len - len(trajectories[i].prompt) - len(trajectories[i].tokens),
+                    ),
+                    turn * N + i,
+                )
+                for i in open_
+            ]
             for i, completion in zip(open_, generate(requests)):
                 self._after_turn(trajectories[i], environments[i], completion, turn)
         for trajectory in trajectories:
@@ -113,15 +129,26 @@ class Turns:
         calls = t.parse_calls(tr.messages[-1]["content"], self.style) if self.tools else []
         if calls:
             observation = []
-            for call in calls[:self.max_calls]:
+            for call in calls[: self.max_calls]:
                 content, failed = self.toolbox.call(call)
                 tr.tool_calls, tr.tool_errors = tr.tool_calls + 1, tr.tool_errors + failed
-                observation.append({"role": "tool", "name": call.name,
-                                    "content": t.cut(content, self.chat.tokenizer, self.max_result_tokens)})
+                observation.append(
+                    {
+                        "role": "tool",
+                        "name": call.name,
+                        "content": t.cut(content, self.chat.tokenizer, self.max_result_tokens),
+                    }
+                )
             if len(calls) > self.max_calls:
                 tr.tool_errors += 1
-                observation.append({"role": "tool", "name": "", "content": f"error: the turn wrote {len(calls)} calls "
-                                    f"and at most {self.max_calls} run in a turn: the first {self.max_calls} ran"})
+                observation.append(
+                    {
+                        "role": "tool",
+                        "name": "",
+                        "content": f"error: the turn wrote {len(calls)} calls "
+                        f"and at most {self.max_calls} run in a turn: the first {self.max_calls} ran",
+                    }
+                )
             done = False
         else:
             ok, answer = t.run_with_timeout(lambda: environment.step(list(tr.messages)), self.timeout_s)
@@ -132,7 +159,10 @@ class Turns:
             else:
                 tr.tool_errors += 1
                 why = answer if not ok else "it returned no (messages, reward, done)"
-                observation, done = [{"role": "user", "content": f"error: the environment's step failed: {why}"}], False
+                observation, done = (
+                    [{"role": "user", "content": f"error: the environment's step failed: {why}"}],
+                    False,
+                )
         if done or not observation:
             tr.open = False
             return
@@ -144,10 +174,12 @@ class Turns:
         through = self.render(tr.messages)
         full = self.render(tr.messages + observation, add_generation_prompt=True)
         cut = through.rfind(self.end_of_turn)
-        if cut < 0 or not full.startswith(through[:cut + len(self.end_of_turn)]):
-            raise ConfigError(f"{self.chat.source} does not render a conversation's turns as the start of the "
-                              f"conversation with the next one, so a rollout cannot continue it")
-        between = self.chat.tokenizer.encode_with_offsets(full[cut + len(self.end_of_turn):])[0]
+        if cut < 0 or not full.startswith(through[: cut + len(self.end_of_turn)]):
+            raise ConfigError(
+                f"{self.chat.source} does not render a conversation's turns as the start of the "
+                f"conversation with the next one, so a rollout cannot continue it"
+            )
+        between = self.chat.tokenizer.encode_with_offsets(full[cut + len(self.end_of_turn) :])[0]
         if len(tr.prompt) + len(tr.tokens) + len(between) >= self.max_len:
             tr.open = False
             return
@@ -158,5 +190,9 @@ class Turns:
 
 
 def _is_step_answer(answer) -> bool:
-    return (isinstance(answer, tuple) and len(answer) == 3 and isinstance(answer[0], list)
-            and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in answer[0]))
+    return (
+        isinstance(answer, tuple)
+        and len(answer) == 3
+        and isinstance(answer[0], list)
+        and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in answer[0])
+    )

@@ -78,14 +78,17 @@ def schema(function: Callable, name: str = "") -> dict:
     try:
         from transformers.utils import get_json_schema
     except ImportError:
-        raise ConfigError("training.grpo.tools needs transformers for the tools' schemas: "
-                          "pip install 'tunix_train[tools]'") from None
+        raise ConfigError(
+            "training.grpo.tools needs transformers for the tools' schemas: pip install 'tunix_train[tools]'"
+        ) from None
     try:
         return get_json_schema(function)
     except Exception as err:  # transformers' TypeHintParsingException, DocstringParsingException
-        raise ConfigError(f"training.grpo.tools: {name or function.__name__!r} cannot make a tool schema "
-                          f"({' '.join(str(err).split())}); give every argument a type hint and a line under Args: "
-                          f"in its docstring") from None
+        raise ConfigError(
+            f"training.grpo.tools: {name or function.__name__!r} cannot make a tool schema "
+            f"({' '.join(str(err).split())}); give every argument a type hint and a line under Args: "
+            f"in its docstring"
+        ) from None
 
 
 def call_style(template: str) -> str:
@@ -116,7 +119,12 @@ def _bounded(body: str, parse: Callable[[], Call]) -> Call:
 def _depth(value) -> int:
     level, depth = [value], 0
     while level and depth <= MAX_DEPTH:
-        level = [v for x in level if isinstance(x, (dict, list)) for v in (x.values() if isinstance(x, dict) else x)]
+        level = [
+            v
+            for x in level
+            if isinstance(x, (dict, list))
+            for v in (x.values() if isinstance(x, dict) else x)
+        ]
         depth += 1
     return depth
 
@@ -126,8 +134,11 @@ def _tagged_call(body: str) -> Call:
         value = json.loads(body)
     except json.JSONDecodeError as err:
         return Call("", {}, f"the call is not JSON ({err.msg})")
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) \
-            or not isinstance(value.get("arguments", {}), dict):
+    if (
+        not isinstance(value, dict)
+        or not isinstance(value.get("name"), str)
+        or not isinstance(value.get("arguments", {}), dict)
+    ):
         return Call("", {}, 'a call is {"name": "...", "arguments": {...}}')
     return Call(value["name"], value.get("arguments", {}))
 
@@ -145,7 +156,11 @@ def _gemma4_call(name: str, body: str) -> Call:
         arguments = json.loads("".join(parts))
     except json.JSONDecodeError as err:
         return Call(name, {}, f"the arguments do not parse ({err.msg})")
-    return Call(name, arguments) if isinstance(arguments, dict) else Call(name, {}, "the arguments are not an object")
+    return (
+        Call(name, arguments)
+        if isinstance(arguments, dict)
+        else Call(name, {}, "the arguments are not an object")
+    )
 
 
 def check_arguments(schema: dict, arguments: dict) -> str | None:
@@ -153,12 +168,16 @@ def check_arguments(schema: dict, arguments: dict) -> str | None:
     import jsonschema
 
     parameters = {"additionalProperties": False, **schema["function"]["parameters"]}  # a Python function's
-    errors = sorted(jsonschema.Draft202012Validator(parameters).iter_errors(arguments),
-                    key=lambda e: list(e.absolute_path))
+    errors = sorted(
+        jsonschema.Draft202012Validator(parameters).iter_errors(arguments),
+        key=lambda e: list(e.absolute_path),
+    )
     if not errors:
         return None
-    return "; ".join((f"'{'.'.join(map(str, e.absolute_path))}': " if e.absolute_path else "") + e.message[:200]
-                     for e in errors[:3])
+    return "; ".join(
+        (f"'{'.'.join(map(str, e.absolute_path))}': " if e.absolute_path else "") + e.message[:200]
+        for e in errors[:3]
+    )
 
 
 class Toolbox:
@@ -172,8 +191,10 @@ class Toolbox:
             import jsonschema  # noqa: F401
         except ImportError:
             if tools:
-                raise ConfigError("training.grpo.tools needs jsonschema to check the calls' arguments: "
-                                  "pip install 'tunix_train[tools]'") from None
+                raise ConfigError(
+                    "training.grpo.tools needs jsonschema to check the calls' arguments: "
+                    "pip install 'tunix_train[tools]'"
+                ) from None
         self.hung = 0  # calls that ran past the timeout
         self._pool = None
 
@@ -203,7 +224,9 @@ class Toolbox:
         import multiprocessing
 
         if self._pool is None:
-            self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn")
+            )
         future = self._pool.submit(function, **arguments)
         try:
             return True, future.result(self.timeout_s)
@@ -229,12 +252,14 @@ class Toolbox:
 
 def cut(result: str, tokenizer, max_tokens: int) -> str:
     """A tool's result cut to max_tokens tokens, saying so (read up to 16 characters a token)."""
-    head = result[:max_tokens * 16]
+    head = result[: max_tokens * 16]
     ids = tokenizer.encode(head)
     if len(ids) <= max_tokens and len(head) == len(result):
         return result
-    return f"{tokenizer.decode(ids[:max_tokens])}... [cut: the result was {len(result)} characters, more than " \
-           f"{max_tokens} tokens]"
+    return (
+        f"{tokenizer.decode(ids[:max_tokens])}... [cut: the result was {len(result)} characters, more than "
+        f"{max_tokens} tokens]"
+    )
 
 
 def run_with_timeout(function: Callable[[], Any], timeout_s: float) -> tuple[bool, Any]:

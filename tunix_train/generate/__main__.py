@@ -20,19 +20,29 @@ from tunix_train.cpu_devices import mesh_shape_argument
 
 
 def _arguments(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m tunix_train.generate", description=__doc__.split("\n")[0])
-    parser.add_argument("path", help="a Hugging Face Gemma directory or a tunix_train run (or one checkpoint)")
+    parser = argparse.ArgumentParser(
+        prog="python -m tunix_train.generate", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "path", help="a Hugging Face Gemma directory or a tunix_train run (or one checkpoint)"
+    )
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
-    parser.add_argument("--chat", action="store_true", help="a conversation on the terminal (or one turn a line)")
-    parser.add_argument("--system", default=None, help="with --chat: a system message opening the conversation")
+    parser.add_argument(
+        "--chat", action="store_true", help="a conversation on the terminal (or one turn a line)"
+    )
+    parser.add_argument(
+        "--system", default=None, help="with --chat: a system message opening the conversation"
+    )
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top_k", type=int, default=None)
     parser.add_argument("--top_p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mesh_shape", default=None,
-                        help='JSON [[sizes], [axis names]], e.g. \'[[2,2],["fsdp","tp"]]\' '
-                             '(default: all devices on fsdp)')
+    parser.add_argument(
+        "--mesh_shape",
+        default=None,
+        help='JSON [[sizes], [axis names]], e.g. \'[[2,2],["fsdp","tp"]]\' (default: all devices on fsdp)',
+    )
     args = parser.parse_args(argv)
     if bool(args.prompt) == args.chat:
         parser.error("give --prompt (one or more) or --chat")
@@ -74,7 +84,7 @@ def _stream(model, prompt: str, max_new_tokens: int, sampling: dict) -> None:
     for new in model.stream(prompt, max_new_tokens, **sampling):
         ids.extend(new)
         text = model.tokenizer.decode(ids)
-        print(text[len(shown):], end="", flush=True)
+        print(text[len(shown) :], end="", flush=True)
         shown = text
     print()
 

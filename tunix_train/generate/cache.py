@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tunix_train.config import ModelConfig
 from tunix_train.model import kernels
@@ -36,19 +37,29 @@ def constrained(caches: list, cfg: ModelConfig, mesh: Mesh, rules: Rules) -> lis
     split by rows over the batch's mesh axes, then over the kv heads' (row-major, so the same split
     as [rows, K] sharded on both): the same sharding in as out, so a step's output feeds the next
     call without a recompile."""
+
     def constrain(x, shape):
         rows = x.shape[0] // shape.num_kv_heads
-        return jax.lax.with_sharding_constraint(x, _sharding(mesh, rules, rows, shape.num_kv_heads, *x.shape[1:]))
+        return jax.lax.with_sharding_constraint(
+            x, _sharding(mesh, rules, rows, shape.num_kv_heads, *x.shape[1:])
+        )
 
-    return [None if c is None else {name: constrain(x, shape) for name, x in c.items()}
-            for c, shape in zip(caches, layer_shapes(cfg))]
+    return [
+        None if c is None else {name: constrain(x, shape) for name, x in c.items()}
+        for c, shape in zip(caches, layer_shapes(cfg))
+    ]
 
 
 def _sharding(mesh: Mesh, rules: Rules, rows: int, kv_heads: int, slots: int, head_dim: int) -> NamedSharding:
-    rows_spec, heads_spec, *rest = logical_to_spec(CACHE_AXES, (rows, kv_heads, slots, head_dim), mesh, "KV cache",
-                                                   rules)
-    merged = tuple(a for entry in (rows_spec, heads_spec) if entry is not None
-                   for a in ((entry,) if isinstance(entry, str) else entry))
+    rows_spec, heads_spec, *rest = logical_to_spec(
+        CACHE_AXES, (rows, kv_heads, slots, head_dim), mesh, "KV cache", rules
+    )
+    merged = tuple(
+        a
+        for entry in (rows_spec, heads_spec)
+        if entry is not None
+        for a in ((entry,) if isinstance(entry, str) else entry)
+    )
     return NamedSharding(mesh, P(merged or None, *rest))
 
 
@@ -56,14 +67,16 @@ def prefill_attend(window: int, slots: int, length_B: jax.Array, keep: bool = Tr
     """For Attention over right-padded prompts of length_B tokens: attention over the prompt itself
     (causal, the window; the padding is a document of its own), and the layer's cache entry
     [B*K, slots, H] holding the prompt's keys and values (None when not `keep`: a KV-sharing layer)."""
+
     def attend(q_BTNH, k_BTKH, v_BTKH, softcap):
         B, T = q_BTNH.shape[:2]
         index_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
         valid_BT = index_BT < length_B[:, None]
         mask_BTS = kernels.visible_keys(index_BT, valid_BT, index_BT, valid_BT)(window)
         out_BTNH = kernels.attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, softcap)
-        return out_BTNH, ({"k": _entry(k_BTKH, slots, length_B), "v": _entry(v_BTKH, slots, length_B)}
-                          if keep else None)
+        return out_BTNH, (
+            {"k": _entry(k_BTKH, slots, length_B), "v": _entry(v_BTKH, slots, length_B)} if keep else None
+        )
 
     return attend
 
@@ -88,21 +101,30 @@ def _entry(x_BTKH: jax.Array, slots: int, length_B: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x_XTH, held_XS[:, :, None], axis=1)
 
 
-def decode_attend(cache: dict[str, jax.Array], window: int, position_B: jax.Array, write: bool = True,
-                  on_write=lambda new: None):
+def decode_attend(
+    cache: dict[str, jax.Array],
+    window: int,
+    position_B: jax.Array,
+    write: bool = True,
+    on_write=lambda new: None,
+):
     """For Attention, one new position per row: its key and value written to slot position % S
     (on_write sees the new cache), then attention over the slots that hold the row's own positions
     within the window. write=False: a KV-sharing layer reads `cache`, already holding the position."""
     X, slots, _ = cache["k"].shape
     B = position_B.shape[0]
     held_BS = stored_positions(position_B, slots)
-    mask_B1S = kernels.visible_keys(position_B[:, None], jnp.ones((B, 1), bool), held_BS, held_BS >= 0)(window)
+    mask_B1S = kernels.visible_keys(position_B[:, None], jnp.ones((B, 1), bool), held_BS, held_BS >= 0)(
+        window
+    )
 
     def attend(q_B1NH, k_B1KH, v_B1KH, softcap):
         if not write:
             return cached_attention(q_B1NH, cache["k"], cache["v"], mask_B1S, softcap), None
         slot_X = jnp.repeat(jnp.mod(position_B, slots), X // B)
-        new = {name: _write(cache[name], slot_X, _rows(x)[:, 0]) for name, x in (("k", k_B1KH), ("v", v_B1KH))}
+        new = {
+            name: _write(cache[name], slot_X, _rows(x)[:, 0]) for name, x in (("k", k_B1KH), ("v", v_B1KH))
+        }
         on_write(new)
         return cached_attention(q_B1NH, new["k"], new["v"], mask_B1S, softcap), new
 
@@ -130,13 +152,22 @@ def cached_attention(q_B1NH, k_XSH, v_XSH, mask_B1S, softcap: float | None):
     is [B, K, S, H], and one position's G queries per kv head are its [B, K, G, H])."""
     B, _, N, H = q_B1NH.shape
     K = k_XSH.shape[0] // B
-    by_head = lambda c_XSH: c_XSH.reshape(B, K, -1, H)
-    out_BKGH, _ = kernels.softmax_attention(q_B1NH.reshape(B, K, N // K, H), by_head(k_XSH), by_head(v_XSH),
-                                            mask_B1S, softcap)
+
+    def by_head(c_XSH):
+        return c_XSH.reshape(B, K, -1, H)
+
+    out_BKGH, _ = kernels.softmax_attention(
+        q_B1NH.reshape(B, K, N // K, H), by_head(k_XSH), by_head(v_XSH), mask_B1S, softcap
+    )
     return out_BKGH.reshape(B, 1, N, H)
 
 
 def cache_bytes(cfg: ModelConfig, rows: int, max_len: int, itemsize: int) -> int:
     """Bytes of the whole cache (keys and values of every layer), before sharding."""
-    return int(sum(2 * rows * shape.num_kv_heads * slots * shape.head_dim * itemsize
-                   for slots, shape in zip(slots_per_layer(cfg, max_len), layer_shapes(cfg)) if not shape.shares_kv))
+    return int(
+        sum(
+            2 * rows * shape.num_kv_heads * slots * shape.head_dim * itemsize
+            for slots, shape in zip(slots_per_layer(cfg, max_len), layer_shapes(cfg))
+            if not shape.shares_kv
+        )
+    )

@@ -36,7 +36,8 @@ from tunix_train.generate.session import Completion, Request, Session  # noqa: F
 from tunix_train.model import kernels
 from tunix_train.model.layout import kv_sources, layer_windows
 from tunix_train.parallel import model_graphdef
-from tunix_train.sharding import LOGICAL_RULES, Rules as ShardingRules, constrain, data_parallel_size
+from tunix_train.sharding import LOGICAL_RULES, constrain, data_parallel_size
+from tunix_train.sharding import Rules as ShardingRules
 
 
 def _draw(logits_BV, rules: Rules, seeds_B, stream_B, count_B, kinds: Kinds):
@@ -50,9 +51,18 @@ class Engine:
     """Generates from a Gemma of `cfg` whose parameters are sharded over `mesh`, `slots` requests
     at a time (rounded up to the data-parallel size; None: all of a generate call's at once)."""
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, stop_ids: Sequence[int] = (), rules: ShardingRules = LOGICAL_RULES,
-                 slots: Optional[int] = 16, chunk: int = 8, prefix_cache: int = 4,
-                 decode: Optional[Callable[[list[int]], str]] = None, lora: Optional[LoraConfig] = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        mesh: Mesh,
+        stop_ids: Sequence[int] = (),
+        rules: ShardingRules = LOGICAL_RULES,
+        slots: Optional[int] = 16,
+        chunk: int = 8,
+        prefix_cache: int = 4,
+        decode: Optional[Callable[[list[int]], str]] = None,
+        lora: Optional[LoraConfig] = None,
+    ):
         """stop_ids: the tokens that end a request (EOS, end of turn), excluded from its tokens.
         prefix_cache: how many recent prompts' prefills are kept for reuse (0: every request is
         prefilled on its own). decode: token ids -> text, for requests with stop strings. lora: the
@@ -79,7 +89,9 @@ class Engine:
         (None for a layer that reuses an earlier one's keys and values)."""
         model = nnx.merge(self.graphdef, params)
         x_BD, caches = model.unrolled_layers(per_layer, tokens_BT, positions_BT, attend_of_layer, last_B)
-        return self._logits(x_BD, model.output_table()), kv.constrained(caches, self.cfg, self.mesh, self.rules)
+        return self._logits(x_BD, model.output_table()), kv.constrained(
+            caches, self.cfg, self.mesh, self.rules
+        )
 
     def _logits(self, x_BD, table_VD):
         """float32 logits [B, V], as gemma.output_logits computes them for training, but with the
@@ -98,29 +110,54 @@ class Engine:
         slots = kv.slots_per_layer(self.cfg, max_len)
         positions_NP = jnp.broadcast_to(jnp.arange(P_), tokens_NP.shape)
         logits_NV, entries = self._forward(
-            params, per_layer, tokens_NP, positions_NP,
-            lambda i: kv.prefill_attend(self.windows[i], slots[i], length_N, keep=self.source[i] == i), length_N - 1)
+            params,
+            per_layer,
+            tokens_NP,
+            positions_NP,
+            lambda i: kv.prefill_attend(self.windows[i], slots[i], length_N, keep=self.source[i] == i),
+            length_N - 1,
+        )
         return entries, logits_NV
 
-    def _insert_fn(self, caches, entries, logits_NV, row_n, slot_n, rules: Rules, seeds_n, stream_n, *, kinds: Kinds):
+    def _insert_fn(
+        self, caches, entries, logits_NV, row_n, slot_n, rules: Rules, seeds_n, stream_n, *, kinds: Kinds
+    ):
         """The caches with prefill row row_n[i] of `entries` written over slot slot_n[i]'s rows, for
         each i, and each request's first token (number 0 of its stream) drawn from its row's logits."""
+
         def put(i, caches):
             def one(cache, entry):
                 K = entry.shape[0] // logits_NV.shape[0]
                 mine = jax.lax.dynamic_slice_in_dim(entry, row_n[i] * K, K, 0)
                 return jax.lax.dynamic_update_slice_in_dim(cache, mine.astype(cache.dtype), slot_n[i] * K, 0)
 
-            return [None if c is None else {name: one(c[name], e[name]) for name in c} for c, e in zip(caches, entries)]
+            return [
+                None if c is None else {name: one(c[name], e[name]) for name in c}
+                for c, e in zip(caches, entries)
+            ]
 
         caches = jax.lax.fori_loop(0, row_n.shape[0], put, caches)
         # the rows split over the data axes, as in decoding: a replicated draw would repeat on every device
         logits_nV = constrain(logits_NV[row_n], ("batch", "act_vocab"), self.rules)
-        token_n, logprob_n = _draw(logits_nV, rules, seeds_n, stream_n, jnp.zeros_like(stream_n, jnp.int32), kinds)
+        token_n, logprob_n = _draw(
+            logits_nV, rules, seeds_n, stream_n, jnp.zeros_like(stream_n, jnp.int32), kinds
+        )
         return kv.constrained(caches, self.cfg, self.mesh, self.rules), token_n, logprob_n
 
-    def _decode_fn(self, params, per_layer, caches, token_B, position_B, count_B, seeds_B, stream_B, rules: Rules, *,
-                   kinds: Kinds):
+    def _decode_fn(
+        self,
+        params,
+        per_layer,
+        caches,
+        token_B,
+        position_B,
+        count_B,
+        seeds_B,
+        stream_B,
+        rules: Rules,
+        *,
+        kinds: Kinds,
+    ):
         """`chunk` steps: each feeds a row's token at its position and draws its token number
         count_B. Returns the caches, the next (token, position, count) and the [B, chunk] tokens
         and their log-probabilities."""
@@ -132,15 +169,19 @@ class Engine:
             def attend_of_layer(i):
                 if self.source[i] != i:
                     return kv.decode_attend(updated[self.source[i]], self.windows[i], position_B, write=False)
-                return kv.decode_attend(caches[i], self.windows[i], position_B,
-                                        on_write=lambda c: updated.__setitem__(i, c))
+                return kv.decode_attend(
+                    caches[i], self.windows[i], position_B, on_write=lambda c: updated.__setitem__(i, c)
+                )
 
-            logits_BV, caches = self._forward(params, per_layer, token_B[:, None], position_B[:, None], attend_of_layer)
+            logits_BV, caches = self._forward(
+                params, per_layer, token_B[:, None], position_B[:, None], attend_of_layer
+            )
             drawn_B, logprob_B = _draw(logits_BV, rules, seeds_B, stream_B, count_B, kinds)
             return (caches, drawn_B, position_B + 1, count_B + 1), (drawn_B, logprob_B)
 
         (caches, token_B, position_B, count_B), (drawn_CB, logprob_CB) = jax.lax.scan(
-            step, (caches, token_B, position_B, count_B), None, length=self.chunk)
+            step, (caches, token_B, position_B, count_B), None, length=self.chunk
+        )
         return caches, token_B, position_B, count_B, drawn_CB.T, logprob_CB.T
 
     # -- requests ------------------------------------------------------------------------------
@@ -153,13 +194,19 @@ class Engine:
             raise ConfigError("every prompt needs at least one token")
         limit = self.cfg.context_length
         if limit is not None and len(request.prompt) + request.max_new_tokens > limit:
-            raise ConfigError(f"a prompt of {len(request.prompt)} tokens plus max_new_tokens={request.max_new_tokens} "
-                              f"is longer than the model's context of {limit} tokens: shorten the prompt or lower "
-                              f"max_new_tokens")
+            raise ConfigError(
+                f"a prompt of {len(request.prompt)} tokens plus max_new_tokens={request.max_new_tokens} "
+                f"is longer than the model's context of {limit} tokens: shorten the prompt or lower "
+                f"max_new_tokens"
+            )
         if any(not 0 <= i < self.cfg.vocab_size for i in request.prompt):
-            raise ConfigError(f"a prompt holds a token id outside the model's vocabulary [0, {self.cfg.vocab_size})")
+            raise ConfigError(
+                f"a prompt holds a token id outside the model's vocabulary [0, {self.cfg.vocab_size})"
+            )
         if request.stop_strings and self.decode is None:
-            raise ConfigError("stop strings need a tokenizer: this model has none, pass stop token ids instead")
+            raise ConfigError(
+                "stop strings need a tokenizer: this model has none, pass stop token ids instead"
+            )
         request.sampling.check(self.cfg.vocab_size)
         for name in ("seed", "stream"):
             value = getattr(request, name)
@@ -186,11 +233,26 @@ class Engine:
         if layout not in self._empty_caches:
             dp = data_parallel_size(self.mesh)  # the fewest prefill rows
             prefill = functools.partial(self._prefill_fn, max_len=max_len)
-            entries = jax.eval_shape(prefill, params, per_layer, jnp.zeros((dp, 16), jnp.int32),
-                                     jnp.ones((dp,), jnp.int32))[0]
-            zeros = lambda: kv.constrained(
-                [None if e is None else {name: jnp.zeros((slots * x.shape[0] // dp, *x.shape[1:]), x.dtype)
-                                         for name, x in e.items()} for e in entries], self.cfg, self.mesh, self.rules)
+            entries = jax.eval_shape(
+                prefill, params, per_layer, jnp.zeros((dp, 16), jnp.int32), jnp.ones((dp,), jnp.int32)
+            )[0]
+
+            def zeros():
+                return kv.constrained(
+                    [
+                        None
+                        if e is None
+                        else {
+                            name: jnp.zeros((slots * x.shape[0] // dp, *x.shape[1:]), x.dtype)
+                            for name, x in e.items()
+                        }
+                        for e in entries
+                    ],
+                    self.cfg,
+                    self.mesh,
+                    self.rules,
+                )
+
             self._empty_caches[layout] = jax.jit(zeros)
         return self._empty_caches[layout]()
 
@@ -203,9 +265,14 @@ class Engine:
         """`slots` slots and their caches for requests of at most max_len tokens with their completions."""
         return Session(self, params, max_len, slots, kinds)
 
-    def generate(self, params, requests: Sequence[Request], max_len: Optional[int] = None,
-                 on_tokens: Optional[Callable[[int, list[int]], None]] = None,
-                 longest_first: bool = True) -> list[Completion]:
+    def generate(
+        self,
+        params,
+        requests: Sequence[Request],
+        max_len: Optional[int] = None,
+        on_tokens: Optional[Callable[[int, list[int]], None]] = None,
+        longest_first: bool = True,
+    ) -> list[Completion]:
         """Every request's completion, in order; on_tokens(request index, new tokens) as they come.
         longest_first: the requests with the most max_new_tokens take slots first (longest
         processing time first: the last slots to free then free close together), ties in order;
@@ -213,10 +280,16 @@ class Engine:
         requests = self._checked(requests)
         if not requests:
             return []
-        session = self.session(params, max_len or self.max_len_for(requests), self.slots_for(len(requests)),
-                               Kinds.of(r.sampling for r in requests))
+        session = self.session(
+            params,
+            max_len or self.max_len_for(requests),
+            self.slots_for(len(requests)),
+            Kinds.of(r.sampling for r in requests),
+        )
         ids = [None] * len(requests)
-        for i in sorted(range(len(requests)), key=lambda i: -requests[i].max_new_tokens if longest_first else 0):
+        for i in sorted(
+            range(len(requests)), key=lambda i: -requests[i].max_new_tokens if longest_first else 0
+        ):
             ids[i] = session.add(requests[i])
         index = {rid: i for i, rid in enumerate(ids)}
         while session.busy:
@@ -227,8 +300,10 @@ class Engine:
 
     def stream(self, params, request: Request) -> Iterator[list[int]]:
         """The request's new tokens, a chunk at a time, as they are produced."""
-        request, = self._checked([request])
-        session = self.session(params, self.max_len_for([request]), self.slots_for(1), Kinds.of([request.sampling]))
+        (request,) = self._checked([request])
+        session = self.session(
+            params, self.max_len_for([request]), self.slots_for(1), Kinds.of([request.sampling])
+        )
         rid = session.add(request)
         while session.busy:
             for _, tokens in session.step():

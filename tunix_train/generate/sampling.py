@@ -23,20 +23,29 @@ class Sampling:
     top_p: Optional[float] = None
 
     def __post_init__(self):
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not 0 <= self.temperature < math.inf:
+        if (
+            isinstance(self.temperature, bool)
+            or not isinstance(self.temperature, (int, float))
+            or not 0 <= self.temperature < math.inf
+        ):
             raise ConfigError(f"temperature={self.temperature!r} must be a finite number >= 0")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
-                                       or self.top_k < 1):
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1
+        ):
             raise ConfigError(f"top_k={self.top_k!r} must be an integer >= 1 (or None for no limit)")
-        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
-                                       or not 0 < self.top_p <= 1):
+        if self.top_p is not None and (
+            isinstance(self.top_p, bool)
+            or not isinstance(self.top_p, (int, float))
+            or not 0 < self.top_p <= 1
+        ):
             raise ConfigError(f"top_p={self.top_p!r} must be in (0, 1] (or None for no limit)")
 
     def check(self, vocab_size: int) -> None:
         """A one-line error where the settings cannot hold for a vocabulary of vocab_size tokens."""
         if self.top_k is not None and self.top_k > vocab_size:
-            raise ConfigError(f"top_k={self.top_k} is more than the vocabulary's {vocab_size} tokens (None: no limit)")
+            raise ConfigError(
+                f"top_k={self.top_k} is more than the vocabulary's {vocab_size} tokens (None: no limit)"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -63,7 +72,9 @@ class Kinds(NamedTuple):
     @classmethod
     def of(cls, samplings) -> "Kinds":
         drawn = [s for s in samplings if not s.greedy]
-        return cls(bool(drawn), any(s.top_k is not None for s in drawn), any(s.top_p is not None for s in drawn))
+        return cls(
+            bool(drawn), any(s.top_k is not None for s in drawn), any(s.top_p is not None for s in drawn)
+        )
 
 
 def draw(logits_BV: jax.Array, rules: Rules, keys_B: jax.Array, kinds: Kinds):
@@ -107,10 +118,13 @@ def categorical(keys_B: jax.Array, logits_BV: jax.Array) -> jax.Array:
     block = 1 << round(math.log2(V) / 2)
     blocks = -(-V // block)
     logits_BNK = jnp.pad(logits_BV, ((0, 0), (0, blocks * block - V)), constant_values=-jnp.inf).reshape(
-        B, blocks, block)
+        B, blocks, block
+    )
     keys_B2 = jax.vmap(lambda key: jax.random.split(key))(keys_B)
     which_B = jax.vmap(jax.random.categorical)(keys_B2[:, 0], jax.nn.logsumexp(logits_BNK, axis=-1))
     # the chosen block's logits, as a max over blocks (a reduction, where a gather would collect
     # the whole vocabulary on one device when it is split over tp)
-    chosen_BK = jnp.max(jnp.where((jnp.arange(blocks) == which_B[:, None])[:, :, None], logits_BNK, -jnp.inf), axis=1)
+    chosen_BK = jnp.max(
+        jnp.where((jnp.arange(blocks) == which_B[:, None])[:, :, None], logits_BNK, -jnp.inf), axis=1
+    )
     return (which_B * block + jax.vmap(jax.random.categorical)(keys_B2[:, 1], chosen_BK)).astype(jnp.int32)

@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tunix_train.config import ConfigError
 from tunix_train.generate.sampling import Kinds, Rules, Sampling
@@ -52,7 +53,6 @@ class Completion:
     stop_logprob: Optional[float] = None
 
 
-
 def bucket(length: int) -> int:
     """Prompts are right-padded to a power of two (at least 16): few prefill compilations."""
     return max(16, 1 << math.ceil(math.log2(max(length, 1))))
@@ -82,8 +82,13 @@ def _prefill_batches(prompts: list[tuple], dp: int) -> list[tuple[int, list[tupl
                 batches, run = batches + [(length, run)], []
         return batches
 
-    return min((split(cuts) for cuts in range(1 << (len(lengths) - 1))),
-               key=lambda batches: (sum(_batch_rows(len(run), dp) * length for length, run in batches), len(batches)))
+    return min(
+        (split(cuts) for cuts in range(1 << (len(lengths) - 1))),
+        key=lambda batches: (
+            sum(_batch_rows(len(run), dp) * length for length, run in batches),
+            len(batches),
+        ),
+    )
 
 
 def before_stop(text: str, stops: Sequence[str], final: bool) -> tuple[str, bool]:
@@ -94,8 +99,10 @@ def before_stop(text: str, stops: Sequence[str], final: bool) -> tuple[str, bool
         return text[:cut], True
     if final:
         return text, False
-    held = max((k for s in stops for k in range(1, min(len(s), len(text)) + 1) if s.startswith(text[-k:])), default=0)
-    return text[:len(text) - held], False
+    held = max(
+        (k for s in stops for k in range(1, min(len(s), len(text)) + 1) if s.startswith(text[-k:])), default=0
+    )
+    return text[: len(text) - held], False
 
 
 def _fetch(*xs: jax.Array) -> list[np.ndarray]:
@@ -118,7 +125,6 @@ def _seed_key(seed: int) -> np.ndarray:
     return np.asarray(jax.random.key_data(jax.random.key(int(seed) % WORD)))
 
 
-
 class Session:
     """One run of the engine's slots: requests wait in a queue, take a free slot, and leave when
     they stop. add() may be called while it runs; step() advances it by one chunk."""
@@ -134,13 +140,24 @@ class Session:
         with jax.set_mesh(e.mesh):
             self.per_layer = e._unstack(params)
             self.caches = e.empty_caches(params, self.per_layer, max_len, slots)
-        self.row = {name: np.zeros(slots, dtype) for name, dtype in
-                    (("token", np.int32), ("position", np.int32), ("count", np.int32), ("stream", np.uint32),
-                     ("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32))}
+        self.row = {
+            name: np.zeros(slots, dtype)
+            for name, dtype in (
+                ("token", np.int32),
+                ("position", np.int32),
+                ("count", np.int32),
+                ("stream", np.uint32),
+                ("temperature", np.float32),
+                ("top_k", np.int32),
+                ("top_p", np.float32),
+            )
+        }
         self.seeds = np.zeros((slots, *_seed_key(0).shape), np.uint32)
         self._on_device = None  # the rows' arrays on the devices, while the host has not changed them
         e.stats["cache_bytes"] = sum(x.nbytes for c in self.caches if c is not None for x in c.values())
-        self._prefixes: collections.OrderedDict = collections.OrderedDict()  # prompt -> (entries, logits, row)
+        self._prefixes: collections.OrderedDict = (
+            collections.OrderedDict()
+        )  # prompt -> (entries, logits, row)
 
     @property
     def busy_slots(self) -> bool:
@@ -153,8 +170,10 @@ class Session:
     def add(self, request: Request) -> int:
         """Queues a request; returns its id (the key of its completion)."""
         if len(request.prompt) + request.max_new_tokens > self.max_len:
-            raise ConfigError(f"a prompt of {len(request.prompt)} tokens plus max_new_tokens={request.max_new_tokens} "
-                              f"is longer than this session's {self.max_len} tokens")
+            raise ConfigError(
+                f"a prompt of {len(request.prompt)} tokens plus max_new_tokens={request.max_new_tokens} "
+                f"is longer than this session's {self.max_len} tokens"
+            )
         rid, self._next_id = self._next_id, self._next_id + 1
         self.queue.append((rid, request))
         self.completions[rid] = Completion()
@@ -176,10 +195,12 @@ class Session:
         request's new tokens (id, tokens); a request that stopped has its Completion's finish set."""
         new: list[tuple[int, list[int]]] = []
         with jax.set_mesh(self.engine.mesh):
-            free = [slot for slot, r in enumerate(self.running) if r is None][:len(self.queue)]
+            free = [slot for slot, r in enumerate(self.running) if r is None][: len(self.queue)]
             # a prefill's rows are split over the data axes: wait for that many free slots rather
             # than prefill padding rows (unless fewer requests wait, or no slot is running)
-            if free and (len(free) >= min(data_parallel_size(self.engine.mesh), len(self.queue)) or not self.busy_slots):
+            if free and (
+                len(free) >= min(data_parallel_size(self.engine.mesh), len(self.queue)) or not self.busy_slots
+            ):
                 new += self._start([(slot, *self.queue.popleft()) for slot in free])
             if self.busy_slots:
                 new += self._decode_chunk()
@@ -193,7 +214,10 @@ class Session:
         """Each starting request's prefill (entries, logits, row): its prompt's kept one, or new
         ones, the prompts of one bucket length prefilled in one batch."""
         e = self.engine
-        key_of = lambda i, r: r.prompt if e.prefix_cache else i
+
+        def key_of(i, r):
+            return r.prompt if e.prefix_cache else i
+
         found = {}
         for i, (_, _, r) in enumerate(starting):
             if key_of(i, r) in self._prefixes:
@@ -206,9 +230,10 @@ class Session:
             tokens, lengths = np.zeros((N, length), np.int32), np.zeros(N, np.int32)
             for row in range(N):
                 prompt = group[min(row, len(group) - 1)][1]
-                tokens[row, :len(prompt)], lengths[row] = prompt, len(prompt)
-            entries, logits = e._prefill(self.params, self.per_layer, self._rows(tokens), self._rows(lengths),
-                                         max_len=self.max_len)
+                tokens[row, : len(prompt)], lengths[row] = prompt, len(prompt)
+            entries, logits = e._prefill(
+                self.params, self.per_layer, self._rows(tokens), self._rows(lengths), max_len=self.max_len
+            )
             found.update({k: (entries, logits, row) for row, (k, _) in enumerate(group)})
             e.stats["prefills"] += len(group)
         e.stats["prefix_hits"] += len(starting) - len(todo)
@@ -227,8 +252,15 @@ class Session:
         by_source: dict[int, tuple] = {}
         for (slot, rid, request), (entries, logits, prefill_row) in zip(starting, self._prefilled(starting)):
             s = request.sampling
-            settings = {"token": 0, "position": len(request.prompt), "count": 1, "stream": int(request.stream) % WORD,
-                        "temperature": s.temperature, "top_k": s.top_k or e.cfg.vocab_size, "top_p": s.top_p or 1.0}
+            settings = {
+                "token": 0,
+                "position": len(request.prompt),
+                "count": 1,
+                "stream": int(request.stream) % WORD,
+                "temperature": s.temperature,
+                "top_k": s.top_k or e.cfg.vocab_size,
+                "top_p": s.top_p or 1.0,
+            }
             for name, value in settings.items():
                 row[name][slot] = value
             self.seeds[slot] = _seed_key(request.seed)
@@ -240,9 +272,16 @@ class Session:
             pairs += [pairs[-1]] * (_batch_rows(len(pairs), data_parallel_size(e.mesh)) - len(pairs))
             rows_n, slots_n = (np.asarray(x, np.int32) for x in zip(*pairs))
             self.caches, token_n, logprob_n = e._insert(
-                self.caches, entries, logits, rows_n, slots_n,
-                Rules(row["temperature"][slots_n], row["top_k"][slots_n], row["top_p"][slots_n]), self.seeds[slots_n],
-                row["stream"][slots_n], kinds=self.kinds)
+                self.caches,
+                entries,
+                logits,
+                rows_n,
+                slots_n,
+                Rules(row["temperature"][slots_n], row["top_k"][slots_n], row["top_p"][slots_n]),
+                self.seeds[slots_n],
+                row["stream"][slots_n],
+                kinds=self.kinds,
+            )
             drawn.append((slots_n, token_n, logprob_n))
         new, done = [], set()
         for slots_n, token_n, logprob_n in drawn:
@@ -262,16 +301,31 @@ class Session:
             self._on_device = ({name: self._rows(x) for name, x in row.items()}, self._rows(self.seeds))
         rows, seeds = self._on_device
         self.caches, token_B, position_B, count_B, drawn_BC, logprob_BC = e._decode(
-            self.params, self.per_layer, self.caches, rows["token"], rows["position"], rows["count"], seeds,
-            rows["stream"], Rules(rows["temperature"], rows["top_k"], rows["top_p"]), kinds=self.kinds)
+            self.params,
+            self.per_layer,
+            self.caches,
+            rows["token"],
+            rows["position"],
+            rows["count"],
+            seeds,
+            rows["stream"],
+            Rules(rows["temperature"], rows["top_k"], rows["top_p"]),
+            kinds=self.kinds,
+        )
         rows.update(token=token_B, position=position_B, count=count_B)  # the next chunk's, on the devices
         drawn_BC, logprob_BC = _fetch(drawn_BC, logprob_BC)
-        row["token"], row["position"], row["count"] = drawn_BC[:, -1].copy(), row["position"] + e.chunk, \
-            row["count"] + e.chunk
+        row["token"], row["position"], row["count"] = (
+            drawn_BC[:, -1].copy(),
+            row["position"] + e.chunk,
+            row["count"] + e.chunk,
+        )
         e.stats["decode_s"] += time.perf_counter() - start
         e.stats["steps"] += e.chunk
-        return [(self.running[slot][0], self._take(slot, drawn_BC[slot].tolist(), logprob_BC[slot].tolist()))
-                for slot in range(self.slots) if self.running[slot] is not None]
+        return [
+            (self.running[slot][0], self._take(slot, drawn_BC[slot].tolist(), logprob_BC[slot].tolist()))
+            for slot in range(self.slots)
+            if self.running[slot] is not None
+        ]
 
     def _take(self, slot: int, tokens: list[int], logprobs: list[float]) -> list[int]:
         """Appends a slot's new tokens to its completion up to where the request stops; frees the
@@ -286,7 +340,9 @@ class Session:
             done.tokens.append(token)
             done.logprobs.append(logprob)
             taken.append(token)
-            if request.stop_strings and any(t in self.engine.decode(done.tokens) for t in request.stop_strings):
+            if request.stop_strings and any(
+                t in self.engine.decode(done.tokens) for t in request.stop_strings
+            ):
                 done.finish = "stop"
                 break
             if len(done.tokens) == request.max_new_tokens:
@@ -296,5 +352,3 @@ class Session:
             self.running[slot] = None
         self.engine.stats["tokens"] += len(taken)
         return taken
-
-

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def checkpoint_format(path: str | Path) -> str:
-    """"gguf" (a llama.cpp file), "hf" (a Hugging Face directory: config.json beside the
+    """ "gguf" (a llama.cpp file), "hf" (a Hugging Face directory: config.json beside the
     safetensors) or "run" (anything else: a tunix_train run, its checkpoints, or one step's)."""
     path = Path(path)
     if path.suffix.lower() == ".gguf":

@@ -38,12 +38,33 @@ log = logging.getLogger("tunix_train")
 ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 # What transformers' config classes assume where a GGUF file is silent (Gemma2Config, Gemma3TextConfig).
 _DEFAULTS = {
-    "gemma": dict(rope_base=10_000.0, query_pre_attn_scalar=None, attn_softcap=None, final_softcap=None,
-                  local_per_global=0, window=None, local_rope_base=10_000.0),
-    "gemma2": dict(rope_base=10_000.0, query_pre_attn_scalar=256, attn_softcap=50.0, final_softcap=30.0,
-                   local_per_global=1, window=4096, local_rope_base=10_000.0),
-    "gemma3": dict(rope_base=1_000_000.0, query_pre_attn_scalar=256, attn_softcap=None, final_softcap=None,
-                   local_per_global=5, window=4096, local_rope_base=10_000.0),
+    "gemma": dict(
+        rope_base=10_000.0,
+        query_pre_attn_scalar=None,
+        attn_softcap=None,
+        final_softcap=None,
+        local_per_global=0,
+        window=None,
+        local_rope_base=10_000.0,
+    ),
+    "gemma2": dict(
+        rope_base=10_000.0,
+        query_pre_attn_scalar=256,
+        attn_softcap=50.0,
+        final_softcap=30.0,
+        local_per_global=1,
+        window=4096,
+        local_rope_base=10_000.0,
+    ),
+    "gemma3": dict(
+        rope_base=1_000_000.0,
+        query_pre_attn_scalar=256,
+        attn_softcap=None,
+        final_softcap=None,
+        local_per_global=5,
+        window=4096,
+        local_rope_base=10_000.0,
+    ),
 }
 _VISION_PREFIXES = ("v.", "mm.")  # a multimodal file's vision tower and projector: not read
 
@@ -84,38 +105,63 @@ def _field(reader, key: str, default: Any = None) -> Any:
 def architecture(reader, path: Path) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise ConfigError(f"{path}: a GGUF of architecture {arch!r}; tunix_train reads {', '.join(ARCHITECTURES)}")
+        raise ConfigError(
+            f"{path}: a GGUF of architecture {arch!r}; tunix_train reads {', '.join(ARCHITECTURES)}"
+        )
     return arch
 
 
 def model_fields(reader, path: Path) -> dict[str, Any]:
     """ModelConfig fields from the file's metadata ({arch}.* keys) and its embedding's shape."""
     arch = architecture(reader, path)
-    key = lambda name, default=None: _field(reader, f"{arch}.{name}", default)
+
+    def key(name, default=None):
+        return _field(reader, f"{arch}.{name}", default)
+
     defaults = _DEFAULTS[arch]
     layers, embed, heads = key("block_count"), key("embedding_length"), key("attention.head_count")
     if None in (layers, embed, heads, key("feed_forward_length")):
-        raise ConfigError(f"{path}: the GGUF metadata lacks {arch}.block_count, embedding_length, "
-                          f"feed_forward_length or attention.head_count")
-    _check_sizes(reader, path, layers=layers, embed=embed, hidden=key("feed_forward_length"), heads=heads,
-                 kv_heads=key("attention.head_count_kv", heads), head_dim=key("attention.key_length", embed // heads))
-    per_global = _local_per_global(key("attention.sliding_window_pattern"), defaults["local_per_global"], layers, path)
+        raise ConfigError(
+            f"{path}: the GGUF metadata lacks {arch}.block_count, embedding_length, "
+            f"feed_forward_length or attention.head_count"
+        )
+    _check_sizes(
+        reader,
+        path,
+        layers=layers,
+        embed=embed,
+        hidden=key("feed_forward_length"),
+        heads=heads,
+        kv_heads=key("attention.head_count_kv", heads),
+        head_dim=key("attention.key_length", embed // heads),
+    )
+    per_global = _local_per_global(
+        key("attention.sliding_window_pattern"), defaults["local_per_global"], layers, path
+    )
     scaling = key("rope.scaling.factor") if key("rope.scaling.type") == "linear" else None
     return {
-        "num_layers": layers, "embed_dim": embed, "hidden_dim": key("feed_forward_length"),
-        "num_heads": heads, "num_kv_heads": key("attention.head_count_kv", heads),
+        "num_layers": layers,
+        "embed_dim": embed,
+        "hidden_dim": key("feed_forward_length"),
+        "num_heads": heads,
+        "num_kv_heads": key("attention.head_count_kv", heads),
         "head_dim": key("attention.key_length", embed // heads),
         "vocab_size": int(_tensor(reader, "token_embd.weight", path).shape[-1]),  # GGML order: [D, V]
         "query_pre_attn_scalar": defaults["query_pre_attn_scalar"],
         "attn_logit_softcap": key("attn_logit_softcapping", defaults["attn_softcap"]),
         "final_logit_softcap": key("final_logit_softcapping", defaults["final_softcap"]),
-        "use_post_attn_norm": arch != "gemma", "use_post_ffw_norm": arch != "gemma",
+        "use_post_attn_norm": arch != "gemma",
+        "use_post_ffw_norm": arch != "gemma",
         "use_qk_norm": arch == "gemma3",
         "local_layers_per_global": per_global,
         "sliding_window": key("attention.sliding_window", defaults["window"]) if per_global else None,
         "rope_base_global": float(key("rope.freq_base", defaults["rope_base"])),
-        "rope_base_local": float(key("rope.freq_base_swa", defaults["local_rope_base"] if per_global
-                                     else key("rope.freq_base", defaults["rope_base"]))),
+        "rope_base_local": float(
+            key(
+                "rope.freq_base_swa",
+                defaults["local_rope_base"] if per_global else key("rope.freq_base", defaults["rope_base"]),
+            )
+        ),
         "rope_scale_global": float(scaling or 1.0),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         "context_length": key("context_length"),
@@ -125,16 +171,24 @@ def model_fields(reader, path: Path) -> dict[str, Any]:
 def _check_sizes(reader, path: Path, *, layers, embed, hidden, heads, kv_heads, head_dim) -> None:
     """The sizes the metadata declares, held against the tensors the file holds (GGML order: [in,
     out]) before anything is built from them: a file cannot ask for a model larger than itself."""
-    shape = lambda name: [int(n) for n in _tensor(reader, name, path).shape]
+
+    def shape(name):
+        return [int(n) for n in _tensor(reader, name, path).shape]
+
     blocks = {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")}
-    declared = {"block_count": (layers, len(blocks)), "embedding_length": (embed, shape("token_embd.weight")[0]),
-                "feed_forward_length": (hidden, shape("blk.0.ffn_gate.weight")[-1]),
-                "attention.head_count x key_length": (heads * head_dim, shape("blk.0.attn_q.weight")[-1]),
-                "attention.head_count_kv x key_length": (kv_heads * head_dim, shape("blk.0.attn_k.weight")[-1])}
+    declared = {
+        "block_count": (layers, len(blocks)),
+        "embedding_length": (embed, shape("token_embd.weight")[0]),
+        "feed_forward_length": (hidden, shape("blk.0.ffn_gate.weight")[-1]),
+        "attention.head_count x key_length": (heads * head_dim, shape("blk.0.attn_q.weight")[-1]),
+        "attention.head_count_kv x key_length": (kv_heads * head_dim, shape("blk.0.attn_k.weight")[-1]),
+    }
     for name, (said, held) in declared.items():
         if said != held:
-            raise ConfigError(f"{path}: its metadata says {name}={said} but its tensors hold {held}: the file is "
-                              f"damaged or was not written for this architecture")
+            raise ConfigError(
+                f"{path}: its metadata says {name}={said} but its tensors hold {held}: the file is "
+                f"damaged or was not written for this architecture"
+            )
 
 
 def _local_per_global(pattern: Any, default: int, layers: int, path: Path) -> int:
@@ -162,7 +216,9 @@ def first_difference(cfg: ModelConfig, fields: dict[str, Any]) -> tuple[str, Any
     """(key, ours, the file's) of the first model field that differs from the file's, or None."""
     for key, value in fields.items():
         ours = getattr(cfg, key)
-        if key == "context_length" or (key == "query_pre_attn_scalar" and (ours or cfg.head_dim) == (value or cfg.head_dim)):
+        if key == "context_length" or (
+            key == "query_pre_attn_scalar" and (ours or cfg.head_dim) == (value or cfg.head_dim)
+        ):
             continue
         if ours != value:
             return key, ours, value
@@ -173,8 +229,10 @@ def check_matches(cfg: ModelConfig, fields: dict[str, Any], path: Path) -> None:
     """A one-line ConfigError naming the first model field that differs from the file's."""
     if differs := first_difference(cfg, fields):
         key, ours, value = differs
-        raise ConfigError(f"model.init_from: {path} has {key}={value!r} but model.{key}={ours!r}; "
-                          f"use the matching model config or set model.{key}={value!r}")
+        raise ConfigError(
+            f"model.init_from: {path} has {key}={value!r} but model.{key}={ours!r}; "
+            f"use the matching model config or set model.{key}={value!r}"
+        )
 
 
 class _GGUFTensors:
@@ -185,8 +243,11 @@ class _GGUFTensors:
         import gguf
 
         self.path = path
-        arch = {"gemma": gguf.MODEL_ARCH.GEMMA, "gemma2": gguf.MODEL_ARCH.GEMMA2,
-                "gemma3": gguf.MODEL_ARCH.GEMMA3}[architecture(reader, path)]
+        arch = {
+            "gemma": gguf.MODEL_ARCH.GEMMA,
+            "gemma2": gguf.MODEL_ARCH.GEMMA2,
+            "gemma3": gguf.MODEL_ARCH.GEMMA3,
+        }[architecture(reader, path)]
         self._names = gguf.get_tensor_name_map(arch, cfg.num_layers)
         self._by_name = {t.name: t for t in reader.tensors if not t.name.startswith(_VISION_PREFIXES)}
         skipped = len(reader.tensors) - len(self._by_name)
@@ -208,8 +269,10 @@ class _GGUFTensors:
         try:
             weights = quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError:
-            raise ConfigError(f"{self.path}: tensor {name} has type {tensor.tensor_type.name}, which "
-                              f"gguf.quants cannot dequantize") from None
+            raise ConfigError(
+                f"{self.path}: tensor {name} has type {tensor.tensor_type.name}, which "
+                f"gguf.quants cannot dequantize"
+            ) from None
         weights = weights.astype(np.float32, copy=False)
         return weights - 1.0 if name.endswith("norm.weight") else weights
 
@@ -217,8 +280,9 @@ class _GGUFTensors:
         return self._dequantized(self._gguf_name(hf_name))[tuple(slices)]
 
 
-def load_params(path: str | Path, cfg: ModelConfig, abstract_params: nnx.State,
-                by_layer: hf.ByLayer | None = None) -> nnx.State:
+def load_params(
+    path: str | Path, cfg: ModelConfig, abstract_params: nnx.State, by_layer: hf.ByLayer | None = None
+) -> nnx.State:
     """Parameters in the shapes and shardings of `abstract_params`, from a GGUF file whose model
     matches `cfg`: dequantized, or, where `abstract_params` holds a quantized weight (a LoRA run's
     base_quantization=gguf), the file's own blocks; by_layer: as in hf.load_params_from."""
@@ -229,16 +293,27 @@ def load_params(path: str | Path, cfg: ModelConfig, abstract_params: nnx.State,
     flat = nnx.to_flat_state(abstract_params)
     blocks = [(p, v) for p, v in flat if quant.is_quantized(v.get_value())]
     quantized = {p for p, _ in blocks}
-    dense = hf.load_params_from(tensors, cfg, nnx.from_flat_state([(p, v) for p, v in flat if p not in quantized]),
-                                str(path), by_layer)
+    dense = hf.load_params_from(
+        tensors,
+        cfg,
+        nnx.from_flat_state([(p, v) for p, v in flat if p not in quantized]),
+        str(path),
+        by_layer,
+    )
     if not blocks:
         return dense
-    return nnx.merge_state(dense, nnx.from_flat_state(
-        [(p, v.replace(_blocks(tensors, ".".join(p), v.get_value(), cfg))) for p, v in blocks]))
+    return nnx.merge_state(
+        dense,
+        nnx.from_flat_state(
+            [(p, v.replace(_blocks(tensors, ".".join(p), v.get_value(), cfg))) for p, v in blocks]
+        ),
+    )
 
 
 # the projections a quantized base holds (model/lora.py's table), by their paths in hf.py's
-_PROJECTIONS = tuple(path for path in hf._SPECS if path.startswith("layers.") and path.split(".")[-1] in INPUT_DIMS)
+_PROJECTIONS = tuple(
+    path for path in hf._SPECS if path.startswith("layers.") and path.split(".")[-1] in INPUT_DIMS
+)
 
 
 def _projection_names(tensors: _GGUFTensors, spec: str, cfg: ModelConfig) -> list[str]:
@@ -250,8 +325,10 @@ def projection_types(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple
     of its tensor in each layer, and its layout (quant.Quantized.layout); a one-line error for a
     type the step cannot dequantize."""
     if not str(cfg.init_from or "").endswith(".gguf"):
-        raise ConfigError("training.lora.base_quantization=gguf trains on a GGUF file's blocks: set "
-                          f"model.init_from to a .gguf file (it is {cfg.init_from!r})")
+        raise ConfigError(
+            "training.lora.base_quantization=gguf trains on a GGUF file's blocks: set "
+            f"model.init_from to a .gguf file (it is {cfg.init_from!r})"
+        )
     path = Path(cfg.init_from).expanduser()
     reader = open_gguf(path)
     check_matches(cfg, model_fields(reader, path), path)
@@ -262,9 +339,11 @@ def projection_types(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple
         for name in _projection_names(tensors, spec, cfg):
             qtype = tensors._by_name[name].tensor_type
             if qtype not in quant.DEQUANTIZE:
-                raise ConfigError(f"{path}: tensor {name} has type {qtype.name}, which a gguf base does not read "
-                                  f"in the step (it reads {', '.join(t.name for t in quant.DEQUANTIZE)}); use "
-                                  f"training.lora.base_quantization=none, int8 or nf4")
+                raise ConfigError(
+                    f"{path}: tensor {name} has type {qtype.name}, which a gguf base does not read "
+                    f"in the step (it reads {', '.join(t.name for t in quant.DEQUANTIZE)}); use "
+                    f"training.lora.base_quantization=none, int8 or nf4"
+                )
             types.append(int(qtype))
         split, perm = hf._split_view(spec, cfg, None)
         found.append((spec, tuple(types), (split[0], split[1], perm)))
@@ -289,5 +368,8 @@ def _blocks(tensors: _GGUFTensors, spec: str, q, cfg: ModelConfig):
         return np.stack([rows(names[r], *index[1:]) for r in range(*index[0].indices(len(names)))])
 
     types = np.array([q.qtypes.index(int(tensors._by_name[n].tensor_type)) for n in names], np.int32)
-    return dataclasses.replace(q, data=jax.make_array_from_callback(q.data.shape, q.data.sharding, data),
-                               scale=jax.make_array_from_callback(q.scale.shape, q.scale.sharding, lambda i: types[i]))
+    return dataclasses.replace(
+        q,
+        data=jax.make_array_from_callback(q.data.shape, q.data.sharding, data),
+        scale=jax.make_array_from_callback(q.scale.shape, q.scale.sharding, lambda i: types[i]),
+    )

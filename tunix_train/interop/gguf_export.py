@@ -34,7 +34,8 @@ import numpy as np
 
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.files import write_atomically
-from tunix_train.interop import gguf as gguf_import, hf
+from tunix_train.interop import gguf as gguf_import
+from tunix_train.interop import hf
 
 DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 ADAPTER_DTYPES = ("f32", "f16", "bf16", "q8_0")  # convert_lora_to_gguf.py's --outtype
@@ -44,13 +45,22 @@ def _arch(cfg: ModelConfig) -> str:
     family = hf._family(cfg)
     arch = {"gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}.get(family)
     if arch is None:
-        raise ConfigError(f"GGUF export of {family} is not supported yet (llama.cpp's converter defines gemma, "
-                          f"gemma2 and gemma3 here); export a Hugging Face checkpoint instead")
+        raise ConfigError(
+            f"GGUF export of {family} is not supported yet (llama.cpp's converter defines gemma, "
+            f"gemma2 and gemma3 here); export a Hugging Face checkpoint instead"
+        )
     return arch
 
 
-def export(params, cfg: ModelConfig, tokenizer, chat_template: str | None, path: Path, dtype: str = "f16",
-           overwrite: bool = False) -> None:
+def export(
+    params,
+    cfg: ModelConfig,
+    tokenizer,
+    chat_template: str | None,
+    path: Path,
+    dtype: str = "f16",
+    overwrite: bool = False,
+) -> None:
     """Writes `path` (process 0), a GGUF of the model, its tokenizer and chat template."""
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: GGUF export writes {', '.join(DTYPES)}")
@@ -71,7 +81,9 @@ def export(params, cfg: ModelConfig, tokenizer, chat_template: str | None, path:
     _write(path, arch, cfg, write, check=lambda partial: _check_readable_as(cfg, partial, path))
 
 
-def export_adapters(adapters, cfg: ModelConfig, lora, path: Path, dtype: str = "f16", overwrite: bool = False) -> None:
+def export_adapters(
+    adapters, cfg: ModelConfig, lora, path: Path, dtype: str = "f16", overwrite: bool = False
+) -> None:
     """Writes `path` (process 0), the LoRA adapters as a llama.cpp adapter GGUF (module docstring)."""
     from tunix_train.interop import peft
 
@@ -121,9 +133,15 @@ def _metadata(writer, cfg: ModelConfig, arch: str, dtype: str) -> None:
     import gguf
 
     writer.add_name(cfg.name)
-    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                          "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                          "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[dtype])
+    writer.add_file_type(
+        {
+            "f32": gguf.LlamaFileType.ALL_F32,
+            "f16": gguf.LlamaFileType.MOSTLY_F16,
+            "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+            "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+            "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+        }[dtype]
+    )
     writer.add_context_length(cfg.context_length or 8192)
     writer.add_embedding_length(cfg.embed_dim)
     writer.add_block_count(cfg.num_layers)
@@ -169,9 +187,13 @@ def _add_tensor(writer, name: str, array: np.ndarray, dtype: str) -> None:
 
     if name.endswith("norm.weight"):
         array = array + np.float32(1.0)  # llama.cpp's Gemma norms hold 1 + w
-    types = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
-             "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
-             "q4_0": gguf.GGMLQuantizationType.Q4_0}
+    types = {
+        "f32": gguf.GGMLQuantizationType.F32,
+        "f16": gguf.GGMLQuantizationType.F16,
+        "bf16": gguf.GGMLQuantizationType.BF16,
+        "q8_0": gguf.GGMLQuantizationType.Q8_0,
+        "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    }
     kind = types[dtype] if array.ndim > 1 else gguf.GGMLQuantizationType.F32
     block, _ = gguf.GGML_QUANT_SIZES[kind]
     if array.shape[-1] % block:
@@ -190,5 +212,7 @@ def _check_readable_as(cfg: ModelConfig, written: Path, target: Path) -> None:
     differs = gguf_import.first_difference(cfg, gguf_import.model_fields(reader, written))
     if differs:
         key, ours, theirs = differs
-        raise ConfigError(f"{target}: not written: a GGUF cannot hold model.{key}={ours!r}; its readers "
-                          f"(llama.cpp, transformers) would assume {theirs!r}")
+        raise ConfigError(
+            f"{target}: not written: a GGUF cannot hold model.{key}={ours!r}; its readers "
+            f"(llama.cpp, transformers) would assume {theirs!r}"
+        )

@@ -4,6 +4,8 @@ Import reads transformers' tensor names and layouts straight into the sharded pa
 array is built with jax.make_array_from_callback, so each process reads from the safetensors files
 only the slices its devices hold. Export writes model.safetensors and config.json that
 transformers' Gemma*ForCausalLM loads. No pickle is involved: safetensors and JSON only.
+
+One file: import and export read the same tables of names and layouts.
 """
 
 from __future__ import annotations
@@ -64,8 +66,15 @@ _SPECS = {
 }
 
 
-GEMMA4_FIELDS = dict(use_qk_norm=True, use_v_norm=True, norm_weight_offset=0.0, query_pre_attn_scalar=1.0,
-                     use_layer_scalar=True, use_post_attn_norm=True, use_post_ffw_norm=True)  # as transformers' Gemma 4
+GEMMA4_FIELDS = dict(
+    use_qk_norm=True,
+    use_v_norm=True,
+    norm_weight_offset=0.0,
+    query_pre_attn_scalar=1.0,
+    use_layer_scalar=True,
+    use_post_attn_norm=True,
+    use_post_ffw_norm=True,
+)  # as transformers' Gemma 4
 
 
 def _family(cfg: ModelConfig) -> str:
@@ -87,15 +96,26 @@ def _hf_name(path: str, layer: int | None, cfg: ModelConfig, prefix: str = "mode
 
 def _sizes(cfg: ModelConfig, layer: int | None) -> dict[str, int]:
     shape = None if layer is None else layer_shapes(cfg)[layer]
-    return {"D": cfg.embed_dim, "N": cfg.num_heads, "V": cfg.vocab_size, "L": cfg.num_layers,
-            "K": cfg.num_kv_heads if shape is None else shape.num_kv_heads,
-            "H": cfg.head_dim if shape is None else shape.head_dim,
-            "F": cfg.hidden_dim if shape is None else shape.mlp_dim,
-            "P": cfg.per_layer_input_dim, "W": cfg.per_layer_input_vocab_size or cfg.vocab_size,
-            "E": cfg.num_experts, "M": cfg.moe_hidden_dim, "C": 2, "O": 1}
+    return {
+        "D": cfg.embed_dim,
+        "N": cfg.num_heads,
+        "V": cfg.vocab_size,
+        "L": cfg.num_layers,
+        "K": cfg.num_kv_heads if shape is None else shape.num_kv_heads,
+        "H": cfg.head_dim if shape is None else shape.head_dim,
+        "F": cfg.hidden_dim if shape is None else shape.mlp_dim,
+        "P": cfg.per_layer_input_dim,
+        "W": cfg.per_layer_input_vocab_size or cfg.vocab_size,
+        "E": cfg.num_experts,
+        "M": cfg.moe_hidden_dim,
+        "C": 2,
+        "O": 1,
+    }
 
 
-def _split_view(spec: str, cfg: ModelConfig, layer: int | None) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+def _split_view(
+    spec: str, cfg: ModelConfig, layer: int | None
+) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
     """Per transformers dimension the sizes it splits into (q_proj's rows are N x H), and the perm."""
     sizes = _sizes(cfg, layer)
     _, dims, perm = _SPECS[spec]
@@ -119,7 +139,7 @@ def _hf_slices(spec: str, cfg: ModelConfig, layer: int | None, ours_index: tuple
     view = [slice(*sl.indices(size)[:2]) for sl, size in zip(view, view_shape)]
     hf, read_shape, left, position = [], [], [], 0
     for group in split:
-        parts = view[position:position + len(group)]
+        parts = view[position : position + len(group)]
         inner = math.prod(group[1:])
         if all((p.start, p.stop) == (0, size) for p, size in zip(parts[1:], group[1:])):
             hf.append(slice(parts[0].start * inner, parts[0].stop * inner))
@@ -158,8 +178,12 @@ class _SafetensorsFiles:
                 files = sorted(set(weight_map.values()))
             except (ValueError, KeyError, TypeError, AttributeError) as err:
                 raise ConfigError(f"{index}: not a safetensors index ({type(err).__name__}: {err})") from None
-            if outside := [f for f in files if not isinstance(f, str) or Path(f).name != f or f in (".", "..")]:
-                raise ConfigError(f"{index}: its weight_map names {str(outside[0])[:80]!r}, not a file beside it")
+            if outside := [
+                f for f in files if not isinstance(f, str) or Path(f).name != f or f in (".", "..")
+            ]:
+                raise ConfigError(
+                    f"{index}: its weight_map names {str(outside[0])[:80]!r}, not a file beside it"
+                )
         elif (directory / "model.safetensors").is_file():
             files, weight_map = ["model.safetensors"], None
         else:
@@ -200,27 +224,35 @@ def model_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     local = [t == "sliding_attention" for t in layer_types]
     per_global = local.index(False) if False in local else n_layers
     if local != [(i + 1) % (per_global + 1) != 0 for i in range(n_layers)]:
-        raise ConfigError(f"model.init_from: layer_types {layer_types} is not N local layers then a global one")
+        raise ConfigError(
+            f"model.init_from: layer_types {layer_types} is not N local layers then a global one"
+        )
     rope = hf.get("rope_parameters") or {}
     full, sliding = rope.get("full_attention", rope), rope.get("sliding_attention", rope)
     theta = full.get("rope_theta", hf.get("rope_theta", 10_000.0))
     scaling = full if full.get("rope_type") == "linear" else (hf.get("rope_scaling") or {})
     gemma3 = model_type.startswith("gemma3")
     return {
-        "num_layers": n_layers, "embed_dim": hf["hidden_size"], "hidden_dim": hf["intermediate_size"],
-        "num_heads": hf["num_attention_heads"], "num_kv_heads": hf["num_key_value_heads"],
+        "num_layers": n_layers,
+        "embed_dim": hf["hidden_size"],
+        "hidden_dim": hf["intermediate_size"],
+        "num_heads": hf["num_attention_heads"],
+        "num_kv_heads": hf["num_key_value_heads"],
         "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
         "vocab_size": hf["vocab_size"],
         "query_pre_attn_scalar": hf.get("query_pre_attn_scalar"),
         "attn_logit_softcap": hf.get("attn_logit_softcapping"),
         "final_logit_softcap": hf.get("final_logit_softcapping"),
-        "use_post_attn_norm": model_type != "gemma", "use_post_ffw_norm": model_type != "gemma",
+        "use_post_attn_norm": model_type != "gemma",
+        "use_post_ffw_norm": model_type != "gemma",
         "use_qk_norm": gemma3,
         "local_layers_per_global": per_global if per_global < n_layers else 0,
         "sliding_window": hf.get("sliding_window") if any(local) else None,
         "rope_base_global": float(theta),
         "rope_base_local": float(sliding.get("rope_theta", hf.get("rope_local_base_freq", theta))),
-        "rope_scale_global": float(scaling.get("factor", 1.0)) if scaling.get("rope_type", "linear") == "linear" else 1.0,
+        "rope_scale_global": float(scaling.get("factor", 1.0))
+        if scaling.get("rope_type", "linear") == "linear"
+        else 1.0,
         "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
         "context_length": hf.get("max_position_embeddings"),
         **GEMMA4_ONLY_OFF,
@@ -228,18 +260,32 @@ def model_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 # Gemma 4's fields as Gemma 1-3 have them: a config that sets one cannot load a Gemma 1-3 checkpoint
-GEMMA4_ONLY_OFF = dict(layer_types=None, global_head_dim=None, num_global_kv_heads=None, attention_k_eq_v=False,
-                       rope_partial_factor_global=1.0, norm_weight_offset=1.0, use_v_norm=False,
-                       num_kv_shared_layers=0, double_wide_mlp=False, per_layer_input_dim=0,
-                       per_layer_input_vocab_size=None, use_layer_scalar=False, num_experts=0,
-                       num_experts_per_token=0, moe_hidden_dim=0)
+GEMMA4_ONLY_OFF = dict(
+    layer_types=None,
+    global_head_dim=None,
+    num_global_kv_heads=None,
+    attention_k_eq_v=False,
+    rope_partial_factor_global=1.0,
+    norm_weight_offset=1.0,
+    use_v_norm=False,
+    num_kv_shared_layers=0,
+    double_wide_mlp=False,
+    per_layer_input_dim=0,
+    per_layer_input_vocab_size=None,
+    use_layer_scalar=False,
+    num_experts=0,
+    num_experts_per_token=0,
+    moe_hidden_dim=0,
+)
 
 
 def _gemma4_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig fields of a transformers Gemma 4 text config (as Gemma4TextConfig reads it)."""
     n_layers = hf["num_hidden_layers"]
-    types = list(hf.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
-                                           for i in range(n_layers)])
+    types = list(
+        hf.get("layer_types")
+        or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)]
+    )
     types[-1] = "full_attention"  # transformers forces it
     k_eq_v = bool(hf.get("attention_k_eq_v", False))
     per_layer = hf.get("per_layer_config")  # what save_pretrained writes instead of global_head_dim
@@ -251,29 +297,42 @@ def _gemma4_fields(hf: dict[str, Any]) -> dict[str, Any]:
         global_head_dim = hf.get("global_head_dim", 512)
         global_kv_heads = hf.get("num_global_key_value_heads") if k_eq_v else None
     rope = hf.get("rope_parameters") or {}
-    full = rope.get("full_attention", {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6})
+    full = rope.get(
+        "full_attention", {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}
+    )
     sliding = rope.get("sliding_attention", {"rope_theta": 10_000.0})
     if full.get("rope_type", "default") not in ("default", "proportional", "linear"):
         raise ConfigError(f"model.init_from: global RoPE type {full.get('rope_type')!r} is not supported")
     if hf.get("use_bidirectional_attention"):
-        raise ConfigError("model.init_from: use_bidirectional_attention is for the vision tokens; the text decoder "
-                          "trains causally")
+        raise ConfigError(
+            "model.init_from: use_bidirectional_attention is for the vision tokens; the text decoder "
+            "trains causally"
+        )
     ple = hf.get("hidden_size_per_layer_input", 256) or 0
     moe = bool(hf.get("enable_moe_block"))
     return {
-        "num_layers": n_layers, "embed_dim": hf["hidden_size"], "hidden_dim": hf["intermediate_size"],
-        "num_heads": hf["num_attention_heads"], "num_kv_heads": hf["num_key_value_heads"],
-        "head_dim": hf.get("head_dim", 256), "vocab_size": hf["vocab_size"],
+        "num_layers": n_layers,
+        "embed_dim": hf["hidden_size"],
+        "hidden_dim": hf["intermediate_size"],
+        "num_heads": hf["num_attention_heads"],
+        "num_kv_heads": hf["num_key_value_heads"],
+        "head_dim": hf.get("head_dim", 256),
+        "vocab_size": hf["vocab_size"],
         **GEMMA4_FIELDS,
-        "attn_logit_softcap": None, "final_logit_softcap": hf.get("final_logit_softcapping"),
-        "local_layers_per_global": 0, "layer_types": types,
+        "attn_logit_softcap": None,
+        "final_logit_softcap": hf.get("final_logit_softcapping"),
+        "local_layers_per_global": 0,
+        "layer_types": types,
         "sliding_window": hf.get("sliding_window", 512) if "sliding_attention" in types else None,
-        "global_head_dim": global_head_dim, "num_global_kv_heads": global_kv_heads, "attention_k_eq_v": k_eq_v,
+        "global_head_dim": global_head_dim,
+        "num_global_kv_heads": global_kv_heads,
+        "attention_k_eq_v": k_eq_v,
         "rope_base_global": float(full.get("rope_theta", 1e6)),
         "rope_base_local": float(sliding.get("rope_theta", 10_000.0)),
         "rope_scale_global": float(full.get("factor", 1.0)),
         "rope_partial_factor_global": float(full.get("partial_rotary_factor", 1.0))
-        if full.get("rope_type") == "proportional" else 1.0,
+        if full.get("rope_type") == "proportional"
+        else 1.0,
         "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
         "num_kv_shared_layers": hf.get("num_kv_shared_layers", 0),
         "double_wide_mlp": bool(hf.get("use_double_wide_mlp")) and hf.get("num_kv_shared_layers", 0) > 0,
@@ -292,13 +351,18 @@ def check_matches(cfg: ModelConfig, directory: Path) -> None:
         ours = getattr(cfg, key)
         if key == "context_length":  # what the engine allows, not what training computes
             continue
-        if ours != value and not (key == "query_pre_attn_scalar" and (ours or cfg.head_dim) == (value or cfg.head_dim)):
-            raise ConfigError(f"model.init_from: {directory} has {key}={value!r} but model.{key}={ours!r}; "
-                              f"use the matching model config or set model.{key}={value!r}")
+        if ours != value and not (
+            key == "query_pre_attn_scalar" and (ours or cfg.head_dim) == (value or cfg.head_dim)
+        ):
+            raise ConfigError(
+                f"model.init_from: {directory} has {key}={value!r} but model.{key}={ours!r}; "
+                f"use the matching model config or set model.{key}={value!r}"
+            )
 
 
-def load_params(directory: Path, cfg: ModelConfig, abstract_params: nnx.State,
-                by_layer: ByLayer | None = None) -> nnx.State:
+def load_params(
+    directory: Path, cfg: ModelConfig, abstract_params: nnx.State, by_layer: ByLayer | None = None
+) -> nnx.State:
     """Parameters in the shapes and shardings of `abstract_params` (ShapeDtypeStructs with shardings),
     each process reading only its devices' slices of the safetensors files; by_layer: as in
     load_params_from."""
@@ -306,13 +370,17 @@ def load_params(directory: Path, cfg: ModelConfig, abstract_params: nnx.State,
     check_matches(cfg, directory)
     towers = other_towers(directory)
     if towers and jax.process_index() == 0:
-        print(f"model.init_from: {directory} also holds a {' and '.join(t.removesuffix('_config') for t in towers)} "
-              f"tower; loading the text decoder, ignoring the rest")
+        print(
+            f"model.init_from: {directory} also holds a "
+            f"{' and '.join(t.removesuffix('_config') for t in towers)} "
+            f"tower; loading the text decoder, ignoring the rest"
+        )
     return load_params_from(_SafetensorsFiles(directory), cfg, abstract_params, str(directory), by_layer)
 
 
-def load_params_from(files: Any, cfg: ModelConfig, abstract_params: nnx.State, source: str,
-                     by_layer: ByLayer | None = None) -> nnx.State:
+def load_params_from(
+    files: Any, cfg: ModelConfig, abstract_params: nnx.State, source: str, by_layer: ByLayer | None = None
+) -> nnx.State:
     """Parameters from `files`, anything with has(name) and read(name, slices) over transformers'
     tensor names and layouts (safetensors here, GGUF in interop/gguf.py); `source` names it in errors.
     by_layer(path, leaf, read_layer) may build a stacked leaf from its layers itself (read_layer(r):
@@ -325,7 +393,10 @@ def load_params_from(files: Any, cfg: ModelConfig, abstract_params: nnx.State, s
         path = jax.tree_util.keystr(key_path, simple=True, separator=".").removesuffix(".value")
         spec, layer_of = stack_layers(path, cfg)
         rows = range(leaf.shape[0]) if layer_of else [None]
-        name = lambda r: _hf_name(spec, None if r is None else layer_of(r), cfg, prefix)
+
+        def name(r):
+            return _hf_name(spec, None if r is None else layer_of(r), cfg, prefix)
+
         for r in rows:
             if not files.has(name(r)):
                 raise ConfigError(f"model.init_from: {source} has no tensor {name(r)}")
@@ -333,7 +404,7 @@ def load_params_from(files: Any, cfg: ModelConfig, abstract_params: nnx.State, s
         def block(index):
             inner = index[1:] if layer_of else index
             pieces = []
-            for r in (range(*index[0].indices(leaf.shape[0])) if layer_of else [None]):
+            for r in range(*index[0].indices(leaf.shape[0])) if layer_of else [None]:
                 layer = None if r is None else layer_of(r)
                 hf_slices, left, read_shape = _hf_slices(spec, cfg, layer, inner)
                 piece = files.read(name(r), hf_slices).astype(np.float32).reshape(read_shape)[left]
@@ -341,8 +412,14 @@ def load_params_from(files: Any, cfg: ModelConfig, abstract_params: nnx.State, s
             return (np.stack(pieces) if layer_of else pieces[0]).astype(leaf.dtype, copy=False)
 
         if by_layer is not None and layer_of:
-            read_layer = lambda r: jax.make_array_from_callback(
-                leaf.shape[1:], layer_sharding(leaf.sharding), lambda index: block((slice(r, r + 1), *index))[0])
+
+            def read_layer(r):
+                return jax.make_array_from_callback(
+                    leaf.shape[1:],
+                    layer_sharding(leaf.sharding),
+                    lambda index: block((slice(r, r + 1), *index))[0],
+                )
+
             built = by_layer(path, leaf, read_layer)
             if built is not None:
                 return built
@@ -356,33 +433,61 @@ def _gemma4_config(cfg: ModelConfig) -> dict[str, Any]:
     differs = [key for key, value in GEMMA4_FIELDS.items() if getattr(cfg, key) != value]
     types = layer_types(cfg)
     if differs or cfg.attn_logit_softcap is not None:
-        raise ConfigError(f"model.{(differs or ['attn_logit_softcap'])[0]}: transformers' Gemma 4 fixes it "
-                          f"(as {GEMMA4_FIELDS}, no attention soft-cap); this model cannot be exported as gemma4")
+        raise ConfigError(
+            f"model.{(differs or ['attn_logit_softcap'])[0]}: transformers' Gemma 4 fixes it "
+            f"(as {GEMMA4_FIELDS}, no attention soft-cap); this model cannot be exported as gemma4"
+        )
     if types[-1] != "full_attention":
-        raise ConfigError("model.layer_types: transformers' Gemma 4 makes the last layer full_attention; this model "
-                          "cannot be exported as gemma4")
+        raise ConfigError(
+            "model.layer_types: transformers' Gemma 4 makes the last layer full_attention; this model "
+            "cannot be exported as gemma4"
+        )
     if cfg.num_global_kv_heads not in (None, cfg.num_kv_heads) and not cfg.attention_k_eq_v:
-        raise ConfigError("model.num_global_kv_heads: transformers' Gemma 4 reads it only with attention_k_eq_v")
-    full = {"rope_type": "proportional", "partial_rotary_factor": cfg.rope_partial_factor_global,
-            "rope_theta": cfg.rope_base_global, "factor": cfg.rope_scale_global}
+        raise ConfigError(
+            "model.num_global_kv_heads: transformers' Gemma 4 reads it only with attention_k_eq_v"
+        )
+    full = {
+        "rope_type": "proportional",
+        "partial_rotary_factor": cfg.rope_partial_factor_global,
+        "rope_theta": cfg.rope_base_global,
+        "factor": cfg.rope_scale_global,
+    }
     return {
-        "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.embed_dim, "intermediate_size": cfg.hidden_dim, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.embed_dim,
+        "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
         "global_head_dim": cfg.global_head_dim or cfg.head_dim,
-        "num_global_key_value_heads": cfg.num_global_kv_heads, "attention_k_eq_v": cfg.attention_k_eq_v,
-        "layer_types": types, "sliding_window": cfg.sliding_window or 512,
-        "rope_parameters": {"full_attention": full,
-                            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_base_local}},
-        "final_logit_softcapping": cfg.final_logit_softcap, "rms_norm_eps": cfg.rms_norm_eps,
-        "num_kv_shared_layers": cfg.num_kv_shared_layers, "use_double_wide_mlp": cfg.double_wide_mlp,
+        "num_global_key_value_heads": cfg.num_global_kv_heads,
+        "attention_k_eq_v": cfg.attention_k_eq_v,
+        "layer_types": types,
+        "sliding_window": cfg.sliding_window or 512,
+        "rope_parameters": {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_base_local},
+        },
+        "final_logit_softcapping": cfg.final_logit_softcap,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "num_kv_shared_layers": cfg.num_kv_shared_layers,
+        "use_double_wide_mlp": cfg.double_wide_mlp,
         "hidden_size_per_layer_input": cfg.per_layer_input_dim,
         "vocab_size_per_layer_input": cfg.per_layer_input_vocab_size or cfg.vocab_size,
-        "enable_moe_block": bool(cfg.num_experts), "num_experts": cfg.num_experts or None,
-        "top_k_experts": cfg.num_experts_per_token or None, "moe_intermediate_size": cfg.moe_hidden_dim or None,
-        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+        "enable_moe_block": bool(cfg.num_experts),
+        "num_experts": cfg.num_experts or None,
+        "top_k_experts": cfg.num_experts_per_token or None,
+        "moe_intermediate_size": cfg.moe_hidden_dim or None,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
         "max_position_embeddings": cfg.context_length or 8192,
-        "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "torch_dtype": "float32",
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "torch_dtype": "float32",
     }
 
 
@@ -395,33 +500,61 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     types = ["sliding_attention" if local else "full_attention" for local in windows]
     rope_global = {"rope_type": "default", "rope_theta": cfg.rope_base_global}
     if cfg.rope_scale_global != 1.0:
-        rope_global = {"rope_type": "linear", "rope_theta": cfg.rope_base_global, "factor": cfg.rope_scale_global}
+        rope_global = {
+            "rope_type": "linear",
+            "rope_theta": cfg.rope_base_global,
+            "factor": cfg.rope_scale_global,
+        }
     config = {
-        "architectures": [{"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                           "gemma3_text": "Gemma3ForCausalLM"}[family]],
-        "model_type": family, "vocab_size": cfg.vocab_size, "hidden_size": cfg.embed_dim,
-        "intermediate_size": cfg.hidden_dim, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "hidden_activation": "gelu_pytorch_tanh",
-        "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+        "architectures": [
+            {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[
+                family
+            ]
+        ],
+        "model_type": family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.embed_dim,
+        "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
         "max_position_embeddings": cfg.context_length or 8192,
-        "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "torch_dtype": "float32",
-        "rope_theta": cfg.rope_base_global, "rope_parameters": rope_global,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "torch_dtype": "float32",
+        "rope_theta": cfg.rope_base_global,
+        "rope_parameters": rope_global,
     }
     if family != "gemma":
         scalar = cfg.query_pre_attn_scalar or cfg.head_dim  # transformers 5 takes an int where it is one
-        config.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
-                      attn_logit_softcapping=cfg.attn_logit_softcap,
-                      final_logit_softcapping=cfg.final_logit_softcap,
-                      sliding_window=cfg.sliding_window or 4096, layer_types=types)
+        config.update(
+            query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+            attn_logit_softcapping=cfg.attn_logit_softcap,
+            final_logit_softcapping=cfg.final_logit_softcap,
+            sliding_window=cfg.sliding_window or 4096,
+            layer_types=types,
+        )
     if family == "gemma3_text":
-        config["rope_parameters"] = {"full_attention": rope_global, "sliding_attention":
-                                     {"rope_type": "default", "rope_theta": cfg.rope_base_local}}
+        config["rope_parameters"] = {
+            "full_attention": rope_global,
+            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_base_local},
+        }
         config["rope_local_base_freq"] = cfg.rope_base_local
-    elif cfg.rope_base_local != cfg.rope_base_global or cfg.rope_scale_global != 1.0 or (
-            family == "gemma" and cfg.local_layers_per_global):
-        raise ConfigError(f"{family} checkpoints have no per-layer-type RoPE or sliding windows; "
-                          f"this model cannot be exported as {family}")
+    elif (
+        cfg.rope_base_local != cfg.rope_base_global
+        or cfg.rope_scale_global != 1.0
+        or (family == "gemma" and cfg.local_layers_per_global)
+    ):
+        raise ConfigError(
+            f"{family} checkpoints have no per-layer-type RoPE or sliding windows; "
+            f"this model cannot be exported as {family}"
+        )
     return config
 
 
@@ -434,7 +567,7 @@ def hf_tensors(params: nnx.State, cfg: ModelConfig) -> dict[str, np.ndarray]:
         path = jax.tree_util.keystr(key_path, simple=True, separator=".").removesuffix(".value")
         spec, layer_of = stack_layers(path, cfg)
         full = np.asarray(multihost_utils.process_allgather(array, tiled=True), np.float32)
-        for layer, ours in ([(layer_of(r), row) for r, row in enumerate(full)] if layer_of else [(None, full)]):
+        for layer, ours in [(layer_of(r), row) for r, row in enumerate(full)] if layer_of else [(None, full)]:
             tensors[_hf_name(spec, layer, cfg)] = np.ascontiguousarray(_to_hf(ours, spec, cfg, layer))
     return tensors
 
@@ -446,5 +579,7 @@ def export(params: nnx.State, cfg: ModelConfig, directory: Path) -> None:
     config, tensors = hf_config(cfg), hf_tensors(params, cfg)
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        write_atomically(directory / "model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+        write_atomically(
+            directory / "model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"})
+        )
         write_text(directory / "config.json", json.dumps(config, indent=2) + "\n")

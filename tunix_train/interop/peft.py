@@ -22,9 +22,15 @@ from tunix_train.files import write_atomically, write_text
 from tunix_train.interop import hf
 
 # our adapter -> transformers' module under model.layers.{i}.
-_MODULES = {"q_lora": "self_attn.q_proj", "k_lora": "self_attn.k_proj", "v_lora": "self_attn.v_proj",
-            "o_lora": "self_attn.o_proj", "gate_lora": "mlp.gate_proj", "up_lora": "mlp.up_proj",
-            "down_lora": "mlp.down_proj"}
+_MODULES = {
+    "q_lora": "self_attn.q_proj",
+    "k_lora": "self_attn.k_proj",
+    "v_lora": "self_attn.v_proj",
+    "o_lora": "self_attn.o_proj",
+    "gate_lora": "mlp.gate_proj",
+    "up_lora": "mlp.up_proj",
+    "down_lora": "mlp.down_proj",
+}
 
 
 def tensors(adapters: nnx.State, cfg: ModelConfig, lora: LoraConfig) -> dict[str, np.ndarray]:
@@ -47,20 +53,32 @@ def tensors(adapters: nnx.State, cfg: ModelConfig, lora: LoraConfig) -> dict[str
     return tensors
 
 
-def export(adapters: nnx.State, cfg: ModelConfig, lora: LoraConfig, directory: Path, base_model: str = "") -> None:
+def export(
+    adapters: nnx.State, cfg: ModelConfig, lora: LoraConfig, directory: Path, base_model: str = ""
+) -> None:
     """Writes the adapters (process 0) in PEFT's format."""
     from safetensors.numpy import save_file
 
     weights = tensors(adapters, cfg, lora)
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "bias": "none",
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
         "target_modules": sorted(_MODULES[f"{t}_lora"].split(".")[-1] for t in lora.targets),
-        "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True, "inference_mode": True,
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
         "modules_to_save": None,
     }
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        write_atomically(directory / "adapter_model.safetensors",
-                         lambda partial: save_file(weights, str(partial), metadata={"format": "pt"}))
+        write_atomically(
+            directory / "adapter_model.safetensors",
+            lambda partial: save_file(weights, str(partial), metadata={"format": "pt"}),
+        )
         write_text(directory / "adapter_config.json", json.dumps(config, indent=2) + "\n")

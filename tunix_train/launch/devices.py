@@ -9,8 +9,8 @@ import sys
 from collections import Counter
 
 from tunix_train import exit_codes
-from tunix_train.config import ConfigError
 from tunix_train.compose import load_config
+from tunix_train.config import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,8 +25,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(how if jax.process_count() > 1 else "process 0 of 1 (single process)")
         kinds = Counter(d.device_kind for d in jax.devices())
-        print(f"local devices: {jax.local_device_count()}; global devices: {jax.device_count()} "
-              f"({', '.join(f'{n} x {kind}' for kind, n in kinds.items())}, platform {jax.devices()[0].platform})")
+        print(
+            f"local devices: {jax.local_device_count()}; global devices: {jax.device_count()} "
+            f"({', '.join(f'{n} x {kind}' for kind, n in kinds.items())}, platform "
+            f"{jax.devices()[0].platform})"
+        )
         for d in jax.local_devices():
             print(f"  local {d.id}: {d.device_kind} (process {d.process_index})")
         distributed.check_devices()
@@ -34,8 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mesh for model.mesh_shape={cfg.model.mesh_shape}: {describe_mesh(mesh)}")
         for name in mesh.axis_names:
             groups = mesh.devices.swapaxes(mesh.axis_names.index(name), -1).reshape(-1, mesh.shape[name])
-            print(f"  {name}: {len(groups)} groups of {mesh.shape[name]}, e.g. devices "
-                  f"{[d.id for d in groups[0]]} (processes {sorted({d.process_index for d in groups[0]})})")
+            print(
+                f"  {name}: {len(groups)} groups of {mesh.shape[name]}, e.g. devices "
+                f"{[d.id for d in groups[0]]} (processes {sorted({d.process_index for d in groups[0]})})"
+            )
         micro = cfg.training.micro_batch_size * data_parallel_size(mesh)
         rows = process_rows(mesh, micro)
         print(f"this process loads rows {rows.start}..{rows.stop - 1} of each {micro}-row micro-batch")

@@ -25,7 +25,11 @@ def _detected_cluster() -> str | None:
     types (mpi4py, present wherever mpi4py is installed) only when asked for by name."""
     from jax._src import clusters
 
-    found = (env for env in clusters.ClusterEnv._cluster_types if not env.opt_in_only_method and env.is_env_present())
+    found = (
+        env
+        for env in clusters.ClusterEnv._cluster_types
+        if not env.opt_in_only_method and env.is_env_present()
+    )
     return next((env.__name__ for env in found), None)
 
 
@@ -35,10 +39,15 @@ def _from_environment() -> dict | None:
         return None
     if len(present) != len(ENV_VARS):
         missing = sorted(set(ENV_VARS) - set(present))
-        raise ConfigError(f"multi-process environment incomplete: {', '.join(present)} set but not {', '.join(missing)}")
+        raise ConfigError(
+            f"multi-process environment incomplete: {', '.join(present)} set but not {', '.join(missing)}"
+        )
     try:
-        args = {"coordinator_address": f"{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT'])}",
-                "num_processes": int(os.environ["WORLD_SIZE"]), "process_id": int(os.environ["RANK"])}
+        args = {
+            "coordinator_address": f"{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT'])}",
+            "num_processes": int(os.environ["WORLD_SIZE"]),
+            "process_id": int(os.environ["RANK"]),
+        }
         if "LOCAL_RANK" in os.environ and _wants_gpu():
             args["local_device_ids"] = [int(os.environ["LOCAL_RANK"])]
     except ValueError as err:
@@ -62,10 +71,12 @@ def _wait_for_coordinator(address: str, timeout_s: float) -> None:
                 return
         except OSError as err:
             if time.monotonic() >= deadline:
-                raise ConfigError(f"could not reach the coordinator at {address} within {timeout_s} s "
-                                  f"(distributed.initialization_timeout_s): {err.strerror or err}; check "
-                                  f"MASTER_ADDR/MASTER_PORT (or distributed.coordinator_address) and that "
-                                  f"process 0 is running") from None
+                raise ConfigError(
+                    f"could not reach the coordinator at {address} within {timeout_s} s "
+                    f"(distributed.initialization_timeout_s): {err.strerror or err}; check "
+                    f"MASTER_ADDR/MASTER_PORT (or distributed.coordinator_address) and that "
+                    f"process 0 is running"
+                ) from None
             time.sleep(0.5)
 
 
@@ -77,10 +88,18 @@ def initialize(cfg: DistributedConfig) -> str:
 
     explicit = [cfg.coordinator_address, cfg.num_processes, cfg.process_id]
     if any(v is not None for v in explicit) and not all(v is not None for v in explicit):
-        raise ConfigError("distributed.coordinator_address, num_processes and process_id go together: set all three")
+        raise ConfigError(
+            "distributed.coordinator_address, num_processes and process_id go together: set all three"
+        )
     if all(v is not None for v in explicit):
-        args, source = {"coordinator_address": cfg.coordinator_address, "num_processes": cfg.num_processes,
-                        "process_id": cfg.process_id}, "config"
+        args, source = (
+            {
+                "coordinator_address": cfg.coordinator_address,
+                "num_processes": cfg.num_processes,
+                "process_id": cfg.process_id,
+            },
+            "config",
+        )
     elif (env := _from_environment()) is not None:
         args, source = env, "MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE"
     elif cluster := _detected_cluster():
@@ -94,16 +113,23 @@ def initialize(cfg: DistributedConfig) -> str:
     if not (_wants_gpu() or os.environ.get("JAX_PLATFORMS", "").startswith("tpu")):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
-        jax.distributed.initialize(**args, initialization_timeout=cfg.initialization_timeout_s,
-                                   heartbeat_timeout_seconds=cfg.heartbeat_timeout_s)
+        jax.distributed.initialize(
+            **args,
+            initialization_timeout=cfg.initialization_timeout_s,
+            heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
+        )
     except Exception as err:  # XLA raises plain RuntimeError/XlaRuntimeError with multi-line text
         where = args.get("coordinator_address", f"the address {source} gives")
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"could not join the run through the coordinator at {where} within "
-                          f"{cfg.initialization_timeout_s} s (distributed.initialization_timeout_s): {first}; "
-                          f"check the address and port and that every process started") from None
-    return (f"process {jax.process_index()} of {jax.process_count()} (from {source}), "
-            f"coordinator {args.get('coordinator_address', 'detected')}")
+        raise ConfigError(
+            f"could not join the run through the coordinator at {where} within "
+            f"{cfg.initialization_timeout_s} s (distributed.initialization_timeout_s): {first}; "
+            f"check the address and port and that every process started"
+        ) from None
+    return (
+        f"process {jax.process_index()} of {jax.process_count()} (from {source}), "
+        f"coordinator {args.get('coordinator_address', 'detected')}"
+    )
 
 
 def check_devices() -> None:

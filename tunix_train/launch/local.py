@@ -25,8 +25,8 @@ import threading
 import time
 
 from tunix_train import exit_codes
-from tunix_train.cpu_devices import cpu_devices_env
 from tunix_train.config import ConfigError
+from tunix_train.cpu_devices import cpu_devices_env
 from tunix_train.launch import restart
 
 
@@ -58,12 +58,16 @@ def _stop(procs: list[subprocess.Popen], grace_period_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nprocs", type=int, required=True, help="processes on this node")
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--node_rank", type=int, default=0)
     parser.add_argument("--master_addr", default="127.0.0.1")
-    parser.add_argument("--master_port", type=int, default=None, help="default: a free port (single node only)")
+    parser.add_argument(
+        "--master_port", type=int, default=None, help="default: a free port (single node only)"
+    )
     parser.add_argument("--cpu_devices_per_process", type=int, default=None)
     restart.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -86,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     job = _Job(args, command, lock, say)
     signal.signal(signal.SIGTERM, job.forward)
     signal.signal(signal.SIGINT, job.forward)
-    return restart.supervise(job.run, args.max_restarts, args.restart_backoff_s, run_dir,
-                             lambda: job.signalled is not None, say)
+    return restart.supervise(
+        job.run, args.max_restarts, args.restart_backoff_s, run_dir, lambda: job.signalled is not None, say
+    )
 
 
 class _Job:
@@ -112,14 +117,29 @@ class _Job:
         self.procs, pumps = [], []
         for local_rank in range(args.nprocs):
             rank = args.node_rank * args.nprocs + local_rank
-            env = {**os.environ, "MASTER_ADDR": args.master_addr, "MASTER_PORT": str(port), "RANK": str(rank),
-                   "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank), "PYTHONUNBUFFERED": "1"}
+            env = {
+                **os.environ,
+                "MASTER_ADDR": args.master_addr,
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(local_rank),
+                "PYTHONUNBUFFERED": "1",
+            }
             if args.cpu_devices_per_process:
                 env = cpu_devices_env(args.cpu_devices_per_process, env)
-            proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            proc = subprocess.Popen(
+                self.command,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
             self.procs.append(proc)
-            pumps.append(threading.Thread(target=_pump, args=(proc.stdout, f"[{rank}] ", self.lock), daemon=True))
+            pumps.append(
+                threading.Thread(target=_pump, args=(proc.stdout, f"[{rank}] ", self.lock), daemon=True)
+            )
             pumps[-1].start()
         ended = None
         while any(p.poll() is None for p in self.procs):
@@ -134,8 +154,9 @@ class _Job:
         for t in pumps:
             t.join(timeout=5)
         if ended is None:  # every process ended before the loop saw one fail
-            ended = restart.first_failure({args.node_rank * args.nprocs + i: p.returncode
-                                           for i, p in enumerate(self.procs)})
+            ended = restart.first_failure(
+                {args.node_rank * args.nprocs + i: p.returncode for i, p in enumerate(self.procs)}
+            )
             if ended.failed_rank is not None and self.signalled is None:
                 self.say(f"rank {ended.failed_rank} {ended.cause}")
         return ended

@@ -34,8 +34,8 @@ import threading
 import time
 
 from tunix_train import exit_codes
-from tunix_train.cpu_devices import cpu_devices_env
 from tunix_train.config import ConfigError
+from tunix_train.cpu_devices import cpu_devices_env
 from tunix_train.launch import restart
 
 FORWARDED_ENV = ("JAX_", "XLA_", "NCCL_", "PYTHONPATH")
@@ -51,8 +51,11 @@ class Worker:
     def place(self) -> dict:
         import ray
 
-        return {"ip": ray.util.get_node_ip_address(), "node": ray.get_runtime_context().get_node_id(),
-                "gpus": [str(g) for g in ray.get_gpu_ids()]}
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "node": ray.get_runtime_context().get_node_id(),
+            "gpus": [str(g) for g in ray.get_gpu_ids()],
+        }
 
     def free_port(self) -> int:
         with socket.socket() as s:
@@ -60,8 +63,15 @@ class Worker:
             return s.getsockname()[1]
 
     def start(self, command: list[str], env: dict[str, str], cwd: str) -> int:
-        self.proc = subprocess.Popen(command, env={**os.environ, **env}, cwd=cwd, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            command,
+            env={**os.environ, **env},
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
         return self.proc.pid
@@ -94,14 +104,24 @@ class Worker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--num_workers", type=int, required=True, help="training processes, one per bundle")
     parser.add_argument("--gpus_per_worker", type=int, default=0)
     parser.add_argument("--cpus_per_worker", type=float, default=1.0)
-    parser.add_argument("--cpu_devices_per_worker", type=int, default=None,
-                        help="K fake CPU devices per worker (JAX on CPU), for tests and trials")
-    parser.add_argument("--address", default="auto", help="the Ray cluster (default: the one this node is in)")
-    parser.add_argument("--spread", action="store_true", help="one worker per node (STRICT_SPREAD); default PACK")
+    parser.add_argument(
+        "--cpu_devices_per_worker",
+        type=int,
+        default=None,
+        help="K fake CPU devices per worker (JAX on CPU), for tests and trials",
+    )
+    parser.add_argument(
+        "--address", default="auto", help="the Ray cluster (default: the one this node is in)"
+    )
+    parser.add_argument(
+        "--spread", action="store_true", help="one worker per node (STRICT_SPREAD); default PACK"
+    )
     parser.add_argument("--placement_timeout_s", type=float, default=300.0)
     restart.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -112,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import ray
     except ImportError:
-        print("tunix_train.launch.ray: error: Ray is not installed: pip install -e '.[ray]' "
-              "(or pip install 'ray>=2.40')", file=sys.stderr)
+        print(
+            "tunix_train.launch.ray: error: Ray is not installed: pip install -e '.[ray]' "
+            "(or pip install 'ray>=2.40')",
+            file=sys.stderr,
+        )
         return exit_codes.CONFIG_ERROR
     try:
         script_args, run_dir = restart.run_directory("" if args.module else args.script, args.args)
@@ -126,8 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, job.forward)
     signal.signal(signal.SIGINT, job.forward)
     try:
-        return restart.supervise(job.run, args.max_restarts, args.restart_backoff_s, run_dir,
-                                 lambda: job.signalled is not None, _say)
+        return restart.supervise(
+            job.run,
+            args.max_restarts,
+            args.restart_backoff_s,
+            run_dir,
+            lambda: job.signalled is not None,
+            _say,
+        )
     except ConfigError as err:
         print(f"tunix_train.launch.ray: error: {err}", file=sys.stderr)
         return exit_codes.CONFIG_ERROR
@@ -144,21 +173,27 @@ def _connect(ray, address: str) -> None:
     unreachable address for many minutes."""
     import logging
 
-    from ray._private.services import canonicalize_bootstrap_address  # "auto": RAY_ADDRESS, or this node's cluster
+    from ray._private.services import (
+        canonicalize_bootstrap_address,
+    )  # "auto": RAY_ADDRESS, or this node's cluster
 
     try:
         target = canonicalize_bootstrap_address(address)
     except (ValueError, ConnectionError):  # "auto" and no cluster: ConnectionError
         target = None
     if target is None:
-        raise ConfigError(f"no Ray cluster found at --address={address} (for auto: RAY_ADDRESS, or one started "
-                          f"on this node): start one with `ray start --head`, or pass its host:port")
+        raise ConfigError(
+            f"no Ray cluster found at --address={address} (for auto: RAY_ADDRESS, or one started "
+            f"on this node): start one with `ray start --head`, or pass its host:port"
+        )
     host, _, port = target.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
     except OSError as err:
-        raise ConfigError(f"the Ray cluster at {target} (--address={address}) does not answer: "
-                          f"{err.strerror or err}; check that its head is running") from None
+        raise ConfigError(
+            f"the Ray cluster at {target} (--address={address}) does not answer: "
+            f"{err.strerror or err}; check that its head is running"
+        ) from None
     ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
 
 
@@ -178,24 +213,38 @@ class _Job:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ray, args, n = self.ray, self.args, self.args.num_workers
-        bundle = {"CPU": args.cpus_per_worker, **({"GPU": args.gpus_per_worker} if args.gpus_per_worker else {})}
+        bundle = {
+            "CPU": args.cpus_per_worker,
+            **({"GPU": args.gpus_per_worker} if args.gpus_per_worker else {}),
+        }
         group = placement_group([bundle] * n, strategy="STRICT_SPREAD" if args.spread else "PACK")
         actors = []
         try:
             try:
                 ray.get(group.ready(), timeout=args.placement_timeout_s)
             except ray.exceptions.GetTimeoutError:
-                raise ConfigError(f"the cluster did not place {n} bundles of {bundle} "
-                                  f"({'one per node, ' if args.spread else ''}--placement_timeout_s="
-                                  f"{args.placement_timeout_s:g}); `ray status` shows what it has") from None
+                raise ConfigError(
+                    f"the cluster did not place {n} bundles of {bundle} "
+                    f"({'one per node, ' if args.spread else ''}--placement_timeout_s="
+                    f"{args.placement_timeout_s:g}); `ray status` shows what it has"
+                ) from None
             actor = ray.remote(Worker)
-            actors = [actor.options(num_cpus=args.cpus_per_worker, num_gpus=args.gpus_per_worker,
-                                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, i)).remote()
-                      for i in range(n)]
+            actors = [
+                actor.options(
+                    num_cpus=args.cpus_per_worker,
+                    num_gpus=args.gpus_per_worker,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, i),
+                ).remote()
+                for i in range(n)
+            ]
             places = ray.get([a.place.remote() for a in actors])
             port = ray.get(actors[0].free_port.remote())
-            pids = ray.get([a.start.remote(self.command, self._environment(rank, places, port), os.getcwd())
-                            for rank, a in enumerate(actors)])
+            pids = ray.get(
+                [
+                    a.start.remote(self.command, self._environment(rank, places, port), os.getcwd())
+                    for rank, a in enumerate(actors)
+                ]
+            )
             for rank, (place, pid) in enumerate(zip(places, pids)):
                 gpus = f" with GPUs {','.join(place['gpus'])}" if place["gpus"] else ""
                 _say(f"rank {rank}: pid {pid} on {place['ip']}{gpus}")
@@ -207,8 +256,13 @@ class _Job:
     def _environment(self, rank: int, places: list[dict], port: int) -> dict[str, str]:
         args, place = self.args, places[rank]
         env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
-        env.update(MASTER_ADDR=places[0]["ip"], MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(len(places)), PYTHONUNBUFFERED="1")
+        env.update(
+            MASTER_ADDR=places[0]["ip"],
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(len(places)),
+            PYTHONUNBUFFERED="1",
+        )
         same_node = [r for r, p in enumerate(places) if p["node"] == place["node"]]
         if args.gpus_per_worker == 1:  # the node's job GPUs, LOCAL_RANK the index of this worker's
             node_gpus = sorted({g for r in same_node for g in places[r]["gpus"]}, key=int)

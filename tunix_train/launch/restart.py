@@ -46,10 +46,18 @@ def first_failure(codes: dict[int, int]) -> Ended:
 
 def add_arguments(parser) -> None:
     """What every launcher takes besides its own flags: how to stop and restart, and the command."""
-    parser.add_argument("--grace_period_s", type=float, default=10.0,
-                        help="SIGTERM to SIGKILL when stopping the other workers after a failure")
-    parser.add_argument("--max_restarts", type=int, default=0,
-                        help="restart the whole job this many times after a failure (default 0: none)")
+    parser.add_argument(
+        "--grace_period_s",
+        type=float,
+        default=10.0,
+        help="SIGTERM to SIGKILL when stopping the other workers after a failure",
+    )
+    parser.add_argument(
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="restart the whole job this many times after a failure (default 0: none)",
+    )
     parser.add_argument("--restart_backoff_s", type=float, default=10.0, help="wait before each restart")
     parser.add_argument("-m", "--module", action="store_true", help="run `script` as a module (python -m)")
     parser.add_argument("script", help="a Python script, e.g. run_training.py, or a module with -m")
@@ -59,8 +67,11 @@ def add_arguments(parser) -> None:
 def describe_exit(code: int) -> str:
     if code < 0:
         return f"killed by signal {code_name(-code)}"
-    return f"exited with code {code}" + {exit_codes.PREEMPTED: " (preempted)", exit_codes.CONFIG_ERROR:
-                                         " (config error)", exit_codes.NON_FINITE: " (non-finite step)"}.get(code, "")
+    return f"exited with code {code}" + {
+        exit_codes.PREEMPTED: " (preempted)",
+        exit_codes.CONFIG_ERROR: " (config error)",
+        exit_codes.NON_FINITE: " (non-finite step)",
+    }.get(code, "")
 
 
 def code_name(signum: int) -> str:
@@ -82,7 +93,7 @@ def run_directory(script: str, args: list[str]) -> tuple[list[str], Path | None]
     the checkpoints. hydra.run.dir when given; for run_training.py without it, the directory its
     config names now (the default is timestamped: each start would get a new one), appended to
     args; None for other scripts (restarts are not logged). Raises ConfigError for a bad config."""
-    given = [a[len(RUN_DIR_KEY):] for a in args if a.startswith(RUN_DIR_KEY)]
+    given = [a[len(RUN_DIR_KEY) :] for a in args if a.startswith(RUN_DIR_KEY)]
     if given:
         return args, Path(given[-1])
     if os.path.basename(script) != "run_training.py":
@@ -97,12 +108,22 @@ def last_checkpoint(run_dir: Path | None) -> int | None:
     """The newest complete checkpoint's step (orbax renames a step's folder to its number when the
     save is complete), or None."""
     folder = run_dir / "checkpoints" if run_dir else None
-    steps = [int(p.name) for p in folder.iterdir() if p.name.isdigit() and p.is_dir()] if folder and folder.is_dir() else []
+    steps = (
+        [int(p.name) for p in folder.iterdir() if p.name.isdigit() and p.is_dir()]
+        if folder and folder.is_dir()
+        else []
+    )
     return max(steps, default=None)
 
 
-def supervise(start: Callable[[], Ended], max_restarts: int, backoff_s: float, run_dir: Path | None,
-              stopping: Callable[[], bool], say: Callable[[str], None]) -> int:
+def supervise(
+    start: Callable[[], Ended],
+    max_restarts: int,
+    backoff_s: float,
+    run_dir: Path | None,
+    stopping: Callable[[], bool],
+    say: Callable[[str], None],
+) -> int:
     """Starts the job (`start` runs it to its end) until it succeeds, fails in a way a restart
     cannot mend, is told to stop (`stopping()`), or has been restarted max_restarts times; returns
     the launcher's exit code."""
@@ -114,18 +135,31 @@ def supervise(start: Callable[[], Ended], max_restarts: int, backoff_s: float, r
             return code
         if restarts == max_restarts:
             if max_restarts:
-                say(f"rank {ended.failed_rank} failed ({ended.cause}); {max_restarts} restarts used, giving up")
+                say(
+                    f"rank {ended.failed_rank} failed ({ended.cause}); {max_restarts} restarts used, giving "
+                    f"up"
+                )
             return code
         restarts += 1
         resumed = last_checkpoint(run_dir)
-        record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "restart": restarts, "failed_rank": ended.failed_rank,
-                  "cause": ended.cause, "exit_code": ended.exit_code, "resumed_step": resumed}
+        record = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "restart": restarts,
+            "failed_rank": ended.failed_rank,
+            "cause": ended.cause,
+            "exit_code": ended.exit_code,
+            "resumed_step": resumed,
+        }
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
             with open(run_dir / "restarts.jsonl", "a", encoding="utf-8") as file:
                 file.write(json.dumps(record) + "\n")
-        say(f"restart {restarts} of {max_restarts} in {backoff_s:g} s: rank {ended.failed_rank} {ended.cause}; "
-            f"resuming from {f'the checkpoint at step {resumed}' if resumed is not None else 'scratch (no checkpoint yet)'}")
+        say(
+            f"restart {restarts} of {max_restarts} in {backoff_s:g} s: rank {ended.failed_rank} "
+            f"{ended.cause}; "
+            f"resuming from "
+            f"{f'the checkpoint at step {resumed}' if resumed is not None else 'scratch (no checkpoint yet)'}"
+        )
         deadline = time.monotonic() + backoff_s
         while time.monotonic() < deadline and not stopping():
             time.sleep(0.1)

@@ -18,7 +18,9 @@ class RMSNorm(nnx.Module):
     store the scale around 0 (offset 1), Gemma 4 around 1 (offset 0); with_scale=False: no scale."""
 
     def __init__(self, dim: int, eps: float, offset: float = 1.0, with_scale: bool = True):
-        self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, jnp.float32), axes=("norm",)) if with_scale else None
+        self.scale = (
+            nnx.Param(jnp.full((dim,), 1.0 - offset, jnp.float32), axes=("norm",)) if with_scale else None
+        )
         self.eps, self.offset = eps, offset
 
     def __call__(self, x):

@@ -10,6 +10,8 @@ pass, the rotary flip, the remat policies) lives in kernels.py.
 Layers whose parameters have the same shapes are stacked and scanned. Gemma 4 mixes shapes (its
 global layers have their own head dim; KV-sharing layers have no key/value weights), so its layers
 form `LayerGroup`s: a period of layers repeated, scanned over the repeats (docs/models.md).
+
+One file: the decoder, read top to bottom as the math.
 """
 
 from __future__ import annotations
@@ -25,8 +27,15 @@ from flax import nnx
 from tunix_train.config import AttentionImpl, BaseQuantization, LoraConfig, ModelConfig, Remat
 from tunix_train.model import kernels
 from tunix_train.model.common import RMSNorm, param
-from tunix_train.model.layout import (GLOBAL_WINDOW, LayerGroup, LayerShape, layer_groups, layer_shapes,
-                                      layer_windows, one_stack)
+from tunix_train.model.layout import (
+    GLOBAL_WINDOW,
+    LayerGroup,
+    LayerShape,
+    layer_groups,
+    layer_shapes,
+    layer_windows,
+    one_stack,
+)
 from tunix_train.model.lora import Adapt, adapter, no_adapter
 from tunix_train.model.moe import Dispatch, LocalDispatch, MoE
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
@@ -37,6 +46,7 @@ class LayerRunner(Protocol):
     the model hands it the function that applies a run of layers."""
 
     def run_layers(self, layers: Callable, layer_xs, x_BTD, rows: dict, make_attend: Callable): ...
+
 
 def rope_table(positions_BT, base: float, scale: float, head_dim: int, fraction: float = 1.0):
     """(sin, cos) [B, T, 1, 1, H/2] of the rotary angles at positions divided by `scale`, for
@@ -54,17 +64,23 @@ class Attention(nnx.Module):
     """Grouped-query attention with optional QK-norm (Gemma 3), logit soft-capping (Gemma 2), and
     Gemma 4's value norm, keys as values and keys/values shared from an earlier layer."""
 
-    def __init__(self, cfg: ModelConfig, shape: LayerShape, rngs: nnx.Rngs, rules: Rules,
-                 adapt: Adapt = no_adapter):
+    def __init__(
+        self, cfg: ModelConfig, shape: LayerShape, rngs: nnx.Rngs, rules: Rules, adapt: Adapt = no_adapter
+    ):
         D, N, K, H = cfg.embed_dim, cfg.num_heads, shape.num_kv_heads, shape.head_dim
         self.q_DNH = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), D)
         computes_kv = not shape.shares_kv
         self.k_DKH = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D) if computes_kv else None
-        self.v_DKH = (param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D)
-                      if computes_kv and not shape.k_eq_v else None)
+        self.v_DKH = (
+            param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D)
+            if computes_kv and not shape.k_eq_v
+            else None
+        )
         self.o_NHD = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), N * H)
-        self.q_lora, self.k_lora, self.v_lora = (None if w is None else adapt(name, w, 1) for name, w in
-                                                 (("q", self.q_DNH), ("k", self.k_DKH), ("v", self.v_DKH)))
+        self.q_lora, self.k_lora, self.v_lora = (
+            None if w is None else adapt(name, w, 1)
+            for name, w in (("q", self.q_DNH), ("k", self.k_DKH), ("v", self.v_DKH))
+        )
         self.o_lora = adapt("o", self.o_NHD, 2)
         norm = functools.partial(RMSNorm, H, cfg.rms_norm_eps, cfg.norm_weight_offset)
         self.q_norm = norm() if cfg.use_qk_norm else None
@@ -78,11 +94,18 @@ class Attention(nnx.Module):
         """`attend(q, k, v, softcap) -> (out, extra)`: attention over the keys this pass may see
         (Gemma.hidden: the masked positions of the pass; the engine: its KV cache, returned as extra).
         shared_kv: the keys and values of the layer this one reuses. Returns (out, extra, (k, v))."""
-        adapted = lambda y, lora: y if lora is None else y + lora(x_BTD)
+
+        def adapted(y, lora):
+            return y if lora is None else y + lora(x_BTD)
+
         if self.k_DKH is not None and self.v_DKH is not None:
-            q_BTNH, k_BSKH, v_BSKH = kernels.qkv_projection(x_BTD, self.q_DNH[...], self.k_DKH[...], self.v_DKH[...])
-            q_BTNH, k_BSKH, v_BSKH = (adapted(y, lora) for y, lora in
-                                      ((q_BTNH, self.q_lora), (k_BSKH, self.k_lora), (v_BSKH, self.v_lora)))
+            q_BTNH, k_BSKH, v_BSKH = kernels.qkv_projection(
+                x_BTD, self.q_DNH[...], self.k_DKH[...], self.v_DKH[...]
+            )
+            q_BTNH, k_BSKH, v_BSKH = (
+                adapted(y, lora)
+                for y, lora in ((q_BTNH, self.q_lora), (k_BSKH, self.k_lora), (v_BSKH, self.v_lora))
+            )
         else:
             q_BTNH = adapted(kernels.dense("btd,dnh->btnh", x_BTD, self.q_DNH[...]), self.q_lora)
         if self.k_DKH is not None and self.v_DKH is None:  # keys as values
@@ -114,8 +137,10 @@ class MLP(nnx.Module):
         self.gate_DF = param(rngs, (D, F), ("embed", "mlp"), D)
         self.up_DF = param(rngs, (D, F), ("embed", "mlp"), D)
         self.down_FD = param(rngs, (F, D), ("mlp", "embed"), F)
-        self.gate_lora, self.up_lora, self.down_lora = (adapt(name, w, 1) for name, w in
-                                                        (("gate", self.gate_DF), ("up", self.up_DF), ("down", self.down_FD)))
+        self.gate_lora, self.up_lora, self.down_lora = (
+            adapt(name, w, 1)
+            for name, w in (("gate", self.gate_DF), ("up", self.up_DF), ("down", self.down_FD))
+        )
         self.rules = rules
 
     def __call__(self, x_BTD):
@@ -125,7 +150,9 @@ class MLP(nnx.Module):
             gate_BTF = gate_BTF + self.gate_lora(x_BTD)
         if self.up_lora is not None:
             up_BTF = up_BTF + self.up_lora(x_BTD)
-        h_BTF = constrain(jax.nn.gelu(gate_BTF, approximate=True) * up_BTF, ("batch", "seq", "act_mlp"), self.rules)
+        h_BTF = constrain(
+            jax.nn.gelu(gate_BTF, approximate=True) * up_BTF, ("batch", "seq", "act_mlp"), self.rules
+        )
         y_BTD = jnp.einsum("btf,fd->btd", h_BTF, self.down_FD[...])
         return y_BTD if self.down_lora is None else y_BTD + self.down_lora(h_BTF)
 
@@ -134,8 +161,15 @@ class Block(nnx.Module):
     """Pre-norm attention and MLP, each optionally followed by a post-norm (Gemma 2 to 4); Gemma 4
     adds experts beside the MLP, a per-layer input and an output scalar."""
 
-    def __init__(self, cfg: ModelConfig, shape: LayerShape, rngs: nnx.Rngs, rules: Rules,
-                 adapt: Adapt = no_adapter, experts: Dispatch = LocalDispatch()):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        shape: LayerShape,
+        rngs: nnx.Rngs,
+        rules: Rules,
+        adapt: Adapt = no_adapter,
+        experts: Dispatch = LocalDispatch(),
+    ):
         D, P = cfg.embed_dim, cfg.per_layer_input_dim
         norm = functools.partial(RMSNorm, D, cfg.rms_norm_eps, cfg.norm_weight_offset)
         self.pre_attn_norm = norm()
@@ -153,7 +187,9 @@ class Block(nnx.Module):
             self.per_layer_gate_DP = param(rngs, (D, P), ("embed", None), D)
             self.per_layer_proj_PD = param(rngs, (P, D), (None, "embed"), P)
             self.post_per_layer_norm = norm()
-        self.layer_scalar = nnx.Param(jnp.ones((1,), jnp.float32), axes=("norm",)) if cfg.use_layer_scalar else None
+        self.layer_scalar = (
+            nnx.Param(jnp.ones((1,), jnp.float32), axes=("norm",)) if cfg.use_layer_scalar else None
+        )
         self.rules = rules
 
     def __call__(self, x_BTD, rope, attend, per_layer_input_BTP=None, shared_kv=None):
@@ -172,7 +208,9 @@ class Block(nnx.Module):
             h_BTD = self.post_ffw_norm(h_BTD)
         x_BTD = x_BTD + h_BTD
         if per_layer_input_BTP is not None:
-            gate_BTP = jax.nn.gelu(kernels.dense("btd,dp->btp", x_BTD, self.per_layer_gate_DP[...]), approximate=True)
+            gate_BTP = jax.nn.gelu(
+                kernels.dense("btd,dp->btp", x_BTD, self.per_layer_gate_DP[...]), approximate=True
+            )
             h_BTD = jnp.einsum("btp,pd->btd", gate_BTP * per_layer_input_BTP, self.per_layer_proj_PD[...])
             x_BTD = x_BTD + self.post_per_layer_norm(h_BTD)
         if self.layer_scalar is not None:
@@ -180,8 +218,15 @@ class Block(nnx.Module):
         return constrain(x_BTD, ("batch", "seq", "act_embed"), self.rules), extra, side
 
 
-def _stacked_blocks(cfg: ModelConfig, shape: LayerShape, keys, adapter_keys, rules: Rules,
-                    lora: LoraConfig | None, experts: Dispatch) -> Block:
+def _stacked_blocks(
+    cfg: ModelConfig,
+    shape: LayerShape,
+    keys,
+    adapter_keys,
+    rules: Rules,
+    lora: LoraConfig | None,
+    experts: Dispatch,
+) -> Block:
     """One Block of `shape` whose parameters have a leading `layers` axis (one layer per key), for
     jax.lax.scan; adapters draw from adapter_keys, so the base is the same with adapters or without."""
 
@@ -199,11 +244,20 @@ def _stacked_blocks(cfg: ModelConfig, shape: LayerShape, keys, adapter_keys, rul
 class Gemma(nnx.Module):
     """Token ids [B, T] -> float32 next-token logits [B, T, V]; embeddings tied to the output."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, remat: Remat = Remat.none, scan_unroll: int = 1,
-                 attention: AttentionImpl = AttentionImpl.xla, rules: Rules = LOGICAL_RULES,
-                 parallel: LayerRunner | None = None, lora: LoraConfig | None = None,
-                 experts: Dispatch = LocalDispatch()):
-        """parallel: a LayerRunner (tunix_train.parallel.Parallelism) that runs the layer stack over the pp and cp
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rngs: nnx.Rngs,
+        remat: Remat = Remat.none,
+        scan_unroll: int = 1,
+        attention: AttentionImpl = AttentionImpl.xla,
+        rules: Rules = LOGICAL_RULES,
+        parallel: LayerRunner | None = None,
+        lora: LoraConfig | None = None,
+        experts: Dispatch = LocalDispatch(),
+    ):
+        """parallel: a LayerRunner (tunix_train.parallel.Parallelism) that runs the layer stack over the pp
+        and cp
         mesh axes; None runs it as written. lora: adapters on the projections it targets. experts:
         how a mixture-of-experts layer's tokens reach their experts (moe.Dispatch).
 
@@ -218,9 +272,15 @@ class Gemma(nnx.Module):
         keys = jax.random.split(rngs.params(), L)
         # after the base's keys, so the base is the same with adapters or without
         adapter_keys = keys if lora is None else jax.random.split(rngs.params(), L)
-        stacks = [[_stacked_blocks(cfg, shape, keys[group.layers(j)], adapter_keys[group.layers(j)], rules, lora,
-                                   experts)
-                   for j, shape in enumerate(group.period)] for group in self.layer_groups]
+        stacks = [
+            [
+                _stacked_blocks(
+                    cfg, shape, keys[group.layers(j)], adapter_keys[group.layers(j)], rules, lora, experts
+                )
+                for j, shape in enumerate(group.period)
+            ]
+            for group in self.layer_groups
+        ]
         self.homogeneous = one_stack(cfg)  # whether every layer has one shape: one stack, `layers`
         if self.homogeneous:
             self.layers, self.groups = stacks[0][0], None
@@ -229,8 +289,9 @@ class Gemma(nnx.Module):
         self.final_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_weight_offset)
         P = cfg.per_layer_input_dim
         if P:
-            self.per_layer_embedding_VLP = param(rngs, (cfg.per_layer_input_vocab_size or V, L, P),
-                                                  ("vocab", None, None), P)
+            self.per_layer_embedding_VLP = param(
+                rngs, (cfg.per_layer_input_vocab_size or V, L, P), ("vocab", None, None), P
+            )
             self.per_layer_proj_DLP = param(rngs, (D, L, P), ("embed", None, None), D)
             self.per_layer_proj_norm = RMSNorm(P, cfg.rms_norm_eps, cfg.norm_weight_offset)
 
@@ -271,17 +332,28 @@ class Gemma(nnx.Module):
         sqrt(P)) and the normed projection of its embedding x (scaled by 1/sqrt(D)), averaged by 1/sqrt(2)."""
         cfg = self.cfg
         table_VLP = self.per_layer_embedding_VLP[...]
-        token_BTLP = table_VLP[tokens_BT] * jnp.sqrt(jnp.float32(cfg.per_layer_input_dim)).astype(table_VLP.dtype)
+        token_BTLP = table_VLP[tokens_BT] * jnp.sqrt(jnp.float32(cfg.per_layer_input_dim)).astype(
+            table_VLP.dtype
+        )
         proj_BTLP = jnp.einsum("btd,dlp->btlp", x_BTD, self.per_layer_proj_DLP[...])
         proj_BTLP = self.per_layer_proj_norm(proj_BTLP * jnp.asarray(cfg.embed_dim**-0.5, x_BTD.dtype))
-        return ((proj_BTLP + token_BTLP.astype(x_BTD.dtype)) * jnp.asarray(2**-0.5, x_BTD.dtype)).astype(x_BTD.dtype)
+        return ((proj_BTLP + token_BTLP.astype(x_BTD.dtype)) * jnp.asarray(2**-0.5, x_BTD.dtype)).astype(
+            x_BTD.dtype
+        )
 
     def rope_tables(self, positions_BT):
         """rope_table of global and of local layers at `positions_BT`."""
         cfg = self.cfg
-        return (rope_table(positions_BT, cfg.rope_base_global, cfg.rope_scale_global,
-                           cfg.global_head_dim or cfg.head_dim, cfg.rope_partial_factor_global),
-                rope_table(positions_BT, cfg.rope_base_local, 1.0, cfg.head_dim))
+        return (
+            rope_table(
+                positions_BT,
+                cfg.rope_base_global,
+                cfg.rope_scale_global,
+                cfg.global_head_dim or cfg.head_dim,
+                cfg.rope_partial_factor_global,
+            ),
+            rope_table(positions_BT, cfg.rope_base_local, 1.0, cfg.head_dim),
+        )
 
     def hidden(self, tokens_BT, positions_BT=None, segment_ids_BT=None, token_index_BT=None):
         """The final normed hidden states [B, T, D], from which output_logits computes the logits."""
@@ -292,9 +364,11 @@ class Gemma(nnx.Module):
         without experts)."""
         B, T = tokens_BT.shape
         index_1T = jnp.arange(T, dtype=jnp.int32)[None]
-        rows = {"positions": jnp.broadcast_to(index_1T, (B, T)) if positions_BT is None else positions_BT,
-                "segment_ids": jnp.ones((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT,
-                "token_index": index_1T if token_index_BT is None else token_index_BT}
+        rows = {
+            "positions": jnp.broadcast_to(index_1T, (B, T)) if positions_BT is None else positions_BT,
+            "segment_ids": jnp.ones((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT,
+            "token_index": index_1T if token_index_BT is None else token_index_BT,
+        }
         x_BTD = self.embed(tokens_BT)
         if self.cfg.per_layer_input_dim:
             rows["per_layer_inputs"] = self.per_layer_inputs(tokens_BT, x_BTD)
@@ -302,13 +376,19 @@ class Gemma(nnx.Module):
         if self.homogeneous:
             layer_xs = (nnx.split(self.layers)[1], windows)
         else:
-            layer_xs = [([nnx.split(b)[1] for b in blocks], windows[np.stack([group.layers(j) for j in
-                                                                               range(len(blocks))], 1)])
-                        for group, blocks in self.stacks()]
+            layer_xs = [
+                (
+                    [nnx.split(b)[1] for b in blocks],
+                    windows[np.stack([group.layers(j) for j in range(len(blocks))], 1)],
+                )
+                for group, blocks in self.stacks()
+            ]
         if self.parallel is None:
             x_BTD, stats = self._layers(layer_xs, x_BTD, rows, self._masked_attention)
         else:
-            x_BTD, stats = self.parallel.run_layers(self._layers, layer_xs, x_BTD, rows, self._masked_attention)
+            x_BTD, stats = self.parallel.run_layers(
+                self._layers, layer_xs, x_BTD, rows, self._masked_attention
+            )
         return self.final_norm(x_BTD), stats
 
     def _layers(self, layer_xs, x_BTD, rows, make_attend):
@@ -325,20 +405,27 @@ class Gemma(nnx.Module):
             state, windows = layer_xs
             groups = [(self.layer_groups[0], [nnx.graphdef(self.layers)], [state], windows)]
         else:
-            groups = [(group, [nnx.graphdef(b) for b in blocks], states, windows)
-                      for (group, blocks), (states, windows) in zip(self.stacks(), layer_xs)]
+            groups = [
+                (group, [nnx.graphdef(b) for b in blocks], states, windows)
+                for (group, blocks), (states, windows) in zip(self.stacks(), layer_xs)
+            ]
 
         def apply(graphdef, shape, x_BTD, state, window, per_layer_BTP, shared_kv):
             rope = _layer_rope(shape, window, rope_global, rope_local)
-            x_BTD, _, side = nnx.merge(graphdef, state)(x_BTD, rope, attend_within(window), per_layer_BTP, shared_kv)
+            x_BTD, _, side = nnx.merge(graphdef, state)(
+                x_BTD, rope, attend_within(window), per_layer_BTP, shared_kv
+            )
             return x_BTD, side["kv"], side.get("moe", {})
 
         policy = kernels.remat_policy(self.remat, self.quantized_base)
         if policy is not None:
             apply = jax.checkpoint(apply, policy=policy, prevent_cse=False, static_argnums=(0, 1))
         # keys and values each KV-sharing layer reuses: the latest of each layer type so far
-        shared = {} if not self.cfg.num_kv_shared_layers else {
-            kind: self._empty_kv(x_BTD, shape) for kind, shape in self._kv_producers().items()}
+        shared = (
+            {}
+            if not self.cfg.num_kv_shared_layers
+            else {kind: self._empty_kv(x_BTD, shape) for kind, shape in self._kv_producers().items()}
+        )
         stats = []
         for group, graphdefs, states, windows in groups:
             per_layer = None
@@ -352,15 +439,22 @@ class Gemma(nnx.Module):
                 layer_stats = []
                 for j, (graphdef, shape) in enumerate(zip(graphdefs, group.period)):
                     kind = shape.layer_type
-                    x_BTD, kv, moe = apply(graphdef, shape, x_BTD, states[j], windows[j] if windows.ndim else windows,
-                                           None if per_layer is None else per_layer[j],
-                                           shared[kind] if shape.shares_kv else None)
+                    x_BTD, kv, moe = apply(
+                        graphdef,
+                        shape,
+                        x_BTD,
+                        states[j],
+                        windows[j] if windows.ndim else windows,
+                        None if per_layer is None else per_layer[j],
+                        shared[kind] if shape.shares_kv else None,
+                    )
                     shared = _with_latest_kv(shared, shape, kv)
                     layer_stats.append(moe)
                 return (x_BTD, shared), layer_stats
 
-            (x_BTD, shared), group_stats = jax.lax.scan(period, (x_BTD, shared), (states, windows, per_layer),
-                                                        unroll=self.scan_unroll)
+            (x_BTD, shared), group_stats = jax.lax.scan(
+                period, (x_BTD, shared), (states, windows, per_layer), unroll=self.scan_unroll
+            )
             stats += [s for s in group_stats if s]  # per position of the period: [repeats, ...]
         return x_BTD, (jax.tree.map(lambda *s: jnp.concatenate(s), *stats) if stats else {})
 
@@ -368,8 +462,9 @@ class Gemma(nnx.Module):
         """Each layer's parameters, cut from the stacks, in order: what unrolled_layers takes."""
         return [jax.tree.map(lambda a: a[i], nnx.state(stack)) for stack, i in self.layer_blocks()]
 
-    def unrolled_layers(self, layer_states, tokens_BT, positions_BT, attend_of_layer: Callable[[int], Callable],
-                        last_B=None):
+    def unrolled_layers(
+        self, layer_states, tokens_BT, positions_BT, attend_of_layer: Callable[[int], Callable], last_B=None
+    ):
         """The final normed hidden state at index last_B of each row (default: the last) [B, D], and
         what each layer's attend returned beside its output (the engine: the layer's KV cache). The
         layers run one after another, each with its own parameters (layer_states) and
@@ -382,12 +477,20 @@ class Gemma(nnx.Module):
         layers = zip(self.layer_blocks(), layer_shapes(cfg), layer_windows(cfg))
         for i, ((stack, _), shape, window) in enumerate(layers):
             block = nnx.merge(nnx.graphdef(stack), layer_states[i])
-            x_BTD, extra, side = block(x_BTD, _layer_rope(shape, int(window), rope_global, rope_local),
-                                       attend_of_layer(i), None if per_layer_BTLP is None else per_layer_BTLP[:, :, i],
-                                       shared.get(shape.layer_type) if shape.shares_kv else None)
+            x_BTD, extra, side = block(
+                x_BTD,
+                _layer_rope(shape, int(window), rope_global, rope_local),
+                attend_of_layer(i),
+                None if per_layer_BTLP is None else per_layer_BTLP[:, :, i],
+                shared.get(shape.layer_type) if shape.shares_kv else None,
+            )
             shared = _with_latest_kv(shared, shape, side["kv"])
             extras.append(extra)
-        x_BD = x_BTD[:, -1] if last_B is None else jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)[:, 0]
+        x_BD = (
+            x_BTD[:, -1]
+            if last_B is None
+            else jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)[:, 0]
+        )
         return self.final_norm(x_BD), extras
 
     def _kv_producers(self) -> dict[str, LayerShape]:
@@ -407,8 +510,9 @@ class Gemma(nnx.Module):
         fused = None if self.attention is AttentionImpl.xla else self.attention.value
         index, segments = rows["token_index"], rows["segment_ids"]
         visible = kernels.visible_keys(index, segments, index, segments)
-        return lambda window: lambda q, k, v, softcap: (
-            kernels.attention(q, k, v, visible(window), softcap, fused), None)
+        return lambda window: (
+            lambda q, k, v, softcap: (kernels.attention(q, k, v, visible(window), softcap, fused), None)
+        )
 
 
 def _layer_rope(shape: LayerShape, window, rope_global, rope_local):
@@ -418,7 +522,7 @@ def _layer_rope(shape: LayerShape, window, rope_global, rope_local):
         return rope_global if shape.layer_type == "full_attention" else rope_local
     if isinstance(window, int):
         return rope_global if window == GLOBAL_WINDOW else rope_local
-    return [jnp.where(window == GLOBAL_WINDOW, g, l) for g, l in zip(rope_global, rope_local)]
+    return [jnp.where(window == GLOBAL_WINDOW, g, loc) for g, loc in zip(rope_global, rope_local)]
 
 
 def _with_latest_kv(shared: dict, shape: LayerShape, kv) -> dict:

@@ -119,9 +119,12 @@ def attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, softcap: float | None = None, fu
     names a kernel of jax.nn.dot_product_attention ("cudnn": cuDNN flash attention on NVIDIA GPUs,
     which takes no soft-cap)."""
     if fused is not None:
-        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None], scale=1.0,
-                                            implementation=fused)
-    out_BKXH = _attention(grouped(q_BTNH, k_BSKH.shape[2]), by_head(k_BSKH), by_head(v_BSKH), mask_BTS, softcap)
+        return jax.nn.dot_product_attention(
+            q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None], scale=1.0, implementation=fused
+        )
+    out_BKXH = _attention(
+        grouped(q_BTNH, k_BSKH.shape[2]), by_head(k_BSKH), by_head(v_BSKH), mask_BTS, softcap
+    )
     return ungrouped(out_BKXH, q_BTNH.shape[1])
 
 
@@ -134,7 +137,9 @@ def _scores(q_BKXH, k_BKSH, mask_BTS, softcap):
     """float32 scores [B, K, G, T, S], masked (-1e30 where not allowed), and before masking."""
     B, K, X, _ = q_BKXH.shape
     T = mask_BTS.shape[1]
-    logits_BKGTS = jnp.einsum("bkxh,bksh->bkxs", q_BKXH, k_BKSH).reshape(B, K, X // T, T, -1).astype(jnp.float32)
+    logits_BKGTS = (
+        jnp.einsum("bkxh,bksh->bkxs", q_BKXH, k_BKSH).reshape(B, K, X // T, T, -1).astype(jnp.float32)
+    )
     logits_BKGTS = soft_cap(logits_BKGTS, softcap)
     return jnp.where(mask_BTS[:, None, None], logits_BKGTS, -1e30), logits_BKGTS
 
@@ -168,9 +173,11 @@ def softmax_attention_grads(q_BKXH, k_BKSH, v_BKSH, mask_BTS, softcap, lse_BKGT1
         d_scores_BKGTS = d_scores_BKGTS * (1.0 - (capped_BKGTS / softcap) ** 2)
     probs_BKXS = probs_BKGTS.astype(v_BKSH.dtype).reshape(B, K, X, -1)
     d_scores_BKXS = d_scores_BKGTS.astype(q_BKXH.dtype).reshape(B, K, X, -1)
-    return (jnp.einsum("bkxs,bksh->bkxh", d_scores_BKXS, k_BKSH),
-            jnp.einsum("bkxs,bkxh->bksh", d_scores_BKXS, q_BKXH),
-            jnp.einsum("bkxs,bkxh->bksh", probs_BKXS, d_out_BKXH))
+    return (
+        jnp.einsum("bkxs,bksh->bkxh", d_scores_BKXS, k_BKSH),
+        jnp.einsum("bkxs,bkxh->bksh", d_scores_BKXS, q_BKXH),
+        jnp.einsum("bkxs,bkxh->bksh", probs_BKXS, d_out_BKXH),
+    )
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -189,10 +196,15 @@ def _attention_fwd(q_BKXH, k_BKSH, v_BKSH, mask_BTS, softcap):
 
 def _attention_bwd(softcap, residuals, d_out_BKXH):
     q_BKXH, k_BKSH, v_BKSH, mask_BTS, out_BKXH, lse_BKGT1 = residuals
-    rowsum_BKGT1 = jnp.sum(d_out_BKXH.astype(jnp.float32) * out_BKXH.astype(jnp.float32),
-                           axis=-1).reshape(lse_BKGT1.shape)
-    return (*softmax_attention_grads(q_BKXH, k_BKSH, v_BKSH, mask_BTS, softcap, lse_BKGT1, rowsum_BKGT1,
-                                     d_out_BKXH), None)
+    rowsum_BKGT1 = jnp.sum(d_out_BKXH.astype(jnp.float32) * out_BKXH.astype(jnp.float32), axis=-1).reshape(
+        lse_BKGT1.shape
+    )
+    return (
+        *softmax_attention_grads(
+            q_BKXH, k_BKSH, v_BKSH, mask_BTS, softcap, lse_BKGT1, rowsum_BKGT1, d_out_BKXH
+        ),
+        None,
+    )
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -200,8 +212,11 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 _offload_dots = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
 _offload_projections = jax.checkpoint_policies.save_and_offload_only_these_names(
-    names_which_can_be_saved=(), names_which_can_be_offloaded=(PROJECTION, ATTENTION), offload_src="device",
-    offload_dst="pinned_host")
+    names_which_can_be_saved=(),
+    names_which_can_be_offloaded=(PROJECTION, ATTENTION),
+    offload_src="device",
+    offload_dst="pinned_host",
+)
 
 
 @jax.custom_vjp
@@ -237,6 +252,7 @@ class Slots(NamedTuple):
     find one).
     Why: XLA on CPU and GPU lowers jax.lax.ragged_dot to a dense matmul over every expert's matrix
     (E times the FLOPs; docs/models.md); these are batched matmuls of fixed shape."""
+
     base: int
     block: int
     blocks: int
@@ -289,13 +305,13 @@ def slotted_matmul(x_RD, w_EDN, group_J, slots: Slots):
     base, b, J = slots
     parts = []
     if base:
-        parts.append(jnp.einsum("ecd,edn->ecn", x_RD[:E * base].reshape(E, base, D), w_EDN).reshape(-1, N))
+        parts.append(jnp.einsum("ecd,edn->ecn", x_RD[: E * base].reshape(E, base, D), w_EDN).reshape(-1, N))
     if J:
         # autodiff sums the blocks' matrices' gradients back by a scatter-add, which a one-hot matmul
         # beats while it costs at most half the blocks' matmul, E <= b/2 (measured on CPU: 1.4x to
         # 1.7x faster at E = b/2 and b/8, 1.3x slower at E = b)
         w_JDN = _group_matrices(w_EDN, group_J, E) if 2 * E <= b else _gathered_matrices(w_EDN, group_J)
-        parts.append(jnp.einsum("jbd,jdn->jbn", x_RD[E * base:].reshape(J, b, D), w_JDN).reshape(-1, N))
+        parts.append(jnp.einsum("jbd,jdn->jbn", x_RD[E * base :].reshape(J, b, D), w_JDN).reshape(-1, N))
     return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
@@ -334,7 +350,8 @@ REMAT_POLICIES = {
     Remat.full: jax.checkpoint_policies.nothing_saveable,
     Remat.save_matmul_outputs: jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(PROJECTION, ATTENTION)),
+        jax.checkpoint_policies.save_only_these_names(PROJECTION, ATTENTION),
+    ),
     Remat.offload_matmul_outputs: _offload_matmul_outputs,
 }
 

@@ -33,17 +33,24 @@ def layer_shapes(cfg: ModelConfig) -> list[LayerShape]:
     first_shared = cfg.num_layers - cfg.num_kv_shared_layers
     global_head_dim = cfg.global_head_dim or cfg.head_dim
     global_kv_heads = cfg.num_global_kv_heads or cfg.num_kv_heads
-    static_type = cfg.num_kv_shared_layers > 0 or cfg.attention_k_eq_v or (
-        (global_head_dim, global_kv_heads) != (cfg.head_dim, cfg.num_kv_heads))
+    static_type = (
+        cfg.num_kv_shared_layers > 0
+        or cfg.attention_k_eq_v
+        or ((global_head_dim, global_kv_heads) != (cfg.head_dim, cfg.num_kv_heads))
+    )
     shapes = []
     for i, kind in enumerate(types):
         is_global, shares = kind == "full_attention", i >= first_shared
-        shapes.append(LayerShape(
-            head_dim=global_head_dim if is_global else cfg.head_dim,
-            num_kv_heads=global_kv_heads if is_global else cfg.num_kv_heads,
-            k_eq_v=cfg.attention_k_eq_v and is_global, shares_kv=shares,
-            mlp_dim=cfg.hidden_dim * (2 if cfg.double_wide_mlp and shares else 1),
-            layer_type=kind if static_type else None))
+        shapes.append(
+            LayerShape(
+                head_dim=global_head_dim if is_global else cfg.head_dim,
+                num_kv_heads=global_kv_heads if is_global else cfg.num_kv_heads,
+                k_eq_v=cfg.attention_k_eq_v and is_global,
+                shares_kv=shares,
+                mlp_dim=cfg.hidden_dim * (2 if cfg.double_wide_mlp and shares else 1),
+                layer_type=kind if static_type else None,
+            )
+        )
     return shapes
 
 
@@ -74,7 +81,7 @@ def layer_groups(cfg: ModelConfig) -> tuple[LayerGroup, ...]:
     for p in range(1, len(shapes) + 1):
         groups: list[LayerGroup] = []
         for first in range(0, len(shapes), p):
-            period = tuple(shapes[first:first + p])
+            period = tuple(shapes[first : first + p])
             if groups and groups[-1].period == period:
                 groups[-1] = dataclasses.replace(groups[-1], repeats=groups[-1].repeats + 1)
             else:
@@ -95,9 +102,12 @@ def kv_sources(cfg: ModelConfig) -> list[int]:
     """The layer whose keys and values each layer reads: its own, or for a KV-sharing layer the last
     earlier one of its type that has keys and values."""
     shapes = layer_shapes(cfg)
-    return [i if not shape.shares_kv else max(j for j in range(i) if not shapes[j].shares_kv
-                                              and shapes[j].layer_type == shape.layer_type)
-            for i, shape in enumerate(shapes)]
+    return [
+        i
+        if not shape.shares_kv
+        else max(j for j in range(i) if not shapes[j].shares_kv and shapes[j].layer_type == shape.layer_type)
+        for i, shape in enumerate(shapes)
+    ]
 
 
 def layer_types(m: ModelConfig) -> list[str]:
@@ -110,15 +120,22 @@ def layer_types(m: ModelConfig) -> list[str]:
 
 def validate_model(m: ModelConfig) -> None:
     """The model keys' checks that need no devices (compose.validate asks for them)."""
-    positive = {"num_layers": m.num_layers, "embed_dim": m.embed_dim, "hidden_dim": m.hidden_dim,
-                "num_heads": m.num_heads, "num_kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
-                "vocab_size": m.vocab_size}
+    positive = {
+        "num_layers": m.num_layers,
+        "embed_dim": m.embed_dim,
+        "hidden_dim": m.hidden_dim,
+        "num_heads": m.num_heads,
+        "num_kv_heads": m.num_kv_heads,
+        "head_dim": m.head_dim,
+        "vocab_size": m.vocab_size,
+    }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"model.{key}={value} must be positive")
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
-            f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
+            f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}"
+        )
     if m.local_layers_per_global < 0:
         raise ConfigError(f"model.local_layers_per_global={m.local_layers_per_global} must be >= 0")
     if m.local_layers_per_global and not (m.sliding_window and m.sliding_window > 0):
@@ -132,38 +149,60 @@ def _validate_gemma4(m: ModelConfig) -> None:
     if m.layer_types is not None:
         unknown = [x for x in m.layer_types if x not in LAYER_TYPES]
         if unknown:
-            raise ConfigError(f"model.layer_types: unknown layer type {unknown[0]!r}; choose from {', '.join(LAYER_TYPES)}")
+            raise ConfigError(
+                f"model.layer_types: unknown layer type {unknown[0]!r}; choose from {', '.join(LAYER_TYPES)}"
+            )
         if len(m.layer_types) != m.num_layers:
-            raise ConfigError(f"model.layer_types has {len(m.layer_types)} entries for model.num_layers={m.num_layers}")
+            raise ConfigError(
+                f"model.layer_types has {len(m.layer_types)} entries for model.num_layers={m.num_layers}"
+            )
         if m.local_layers_per_global:
-            raise ConfigError("model.layer_types and model.local_layers_per_global both set the layer pattern: "
-                              "set model.local_layers_per_global=0")
+            raise ConfigError(
+                "model.layer_types and model.local_layers_per_global both set the layer pattern: "
+                "set model.local_layers_per_global=0"
+            )
         if "sliding_attention" in types and not (m.sliding_window and m.sliding_window > 0):
-            raise ConfigError("model.sliding_window must be positive when model.layer_types has sliding_attention")
+            raise ConfigError(
+                "model.sliding_window must be positive when model.layer_types has sliding_attention"
+            )
     for key in ("global_head_dim", "num_global_kv_heads"):
         if getattr(m, key) is not None and getattr(m, key) <= 0:
             raise ConfigError(f"model.{key}={getattr(m, key)} must be positive (or null)")
     if m.num_global_kv_heads and m.num_heads % m.num_global_kv_heads:
-        raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of "
-                          f"model.num_global_kv_heads={m.num_global_kv_heads}")
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} must be a multiple of "
+            f"model.num_global_kv_heads={m.num_global_kv_heads}"
+        )
     if not 0.0 <= m.rope_partial_factor_global <= 1.0:
-        raise ConfigError(f"model.rope_partial_factor_global={m.rope_partial_factor_global} must be in [0, 1]")
+        raise ConfigError(
+            f"model.rope_partial_factor_global={m.rope_partial_factor_global} must be in [0, 1]"
+        )
     shared = m.num_kv_shared_layers
     if not 0 <= shared < m.num_layers:
-        raise ConfigError(f"model.num_kv_shared_layers={shared} must be in [0, model.num_layers={m.num_layers})")
+        raise ConfigError(
+            f"model.num_kv_shared_layers={shared} must be in [0, model.num_layers={m.num_layers})"
+        )
     first_shared = m.num_layers - shared
     for i in range(first_shared, m.num_layers):
         if types[i] not in types[:first_shared]:
-            raise ConfigError(f"model.num_kv_shared_layers={shared}: layer {i} ({types[i]}) would reuse the keys and "
-                              f"values of an earlier {types[i]} layer, and there is none; lower it")
+            raise ConfigError(
+                f"model.num_kv_shared_layers={shared}: layer {i} ({types[i]}) would reuse the keys and "
+                f"values of an earlier {types[i]} layer, and there is none; lower it"
+            )
     if m.double_wide_mlp and not shared:
-        raise ConfigError("model.double_wide_mlp widens the KV-sharing layers' MLP: set model.num_kv_shared_layers")
+        raise ConfigError(
+            "model.double_wide_mlp widens the KV-sharing layers' MLP: set model.num_kv_shared_layers"
+        )
     if m.per_layer_input_dim < 0 or (m.per_layer_input_vocab_size or 1) <= 0:
-        raise ConfigError("model.per_layer_input_dim must be >= 0 and model.per_layer_input_vocab_size positive")
+        raise ConfigError(
+            "model.per_layer_input_dim must be >= 0 and model.per_layer_input_vocab_size positive"
+        )
     if m.num_experts:
         E, k = m.num_experts, m.num_experts_per_token
         if E < 0 or m.moe_hidden_dim <= 0:
-            raise ConfigError(f"model.num_experts={E} and model.moe_hidden_dim={m.moe_hidden_dim} must be positive")
+            raise ConfigError(
+                f"model.num_experts={E} and model.moe_hidden_dim={m.moe_hidden_dim} must be positive"
+            )
         if not 1 <= k <= E:
             raise ConfigError(f"model.num_experts_per_token={k} must be between 1 and model.num_experts={E}")
         if m.moe_capacity_factor <= 0:

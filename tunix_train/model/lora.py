@@ -24,14 +24,24 @@ class Adapter(nnx.Param):
 class LoRA(nnx.Module):
     """x [..., *in] -> (alpha / rank) · x A B [..., *out]; the delta an adapted projection adds."""
 
-    def __init__(self, rngs: nnx.Rngs, in_shape: tuple[int, ...], in_axes: tuple[str, ...],
-                 out_shape: tuple[int, ...], out_axes: tuple[str, ...], rank: int, alpha: float):
+    def __init__(
+        self,
+        rngs: nnx.Rngs,
+        in_shape: tuple[int, ...],
+        in_axes: tuple[str, ...],
+        out_shape: tuple[int, ...],
+        out_axes: tuple[str, ...],
+        rank: int,
+        alpha: float,
+    ):
         fan_in = 1
         for size in in_shape:
             fan_in *= size
         bound = fan_in**-0.5  # PEFT's kaiming_uniform(a=sqrt(5)) on A
-        self.a = Adapter(jax.random.uniform(rngs.params(), (*in_shape, rank), jnp.float32, -bound, bound),
-                         axes=(*in_axes, "lora_rank"))
+        self.a = Adapter(
+            jax.random.uniform(rngs.params(), (*in_shape, rank), jnp.float32, -bound, bound),
+            axes=(*in_axes, "lora_rank"),
+        )
         self.b = Adapter(jnp.zeros((rank, *out_shape), jnp.float32), axes=("lora_rank", *out_axes))
         self.scale = alpha / rank
 
@@ -41,18 +51,28 @@ class LoRA(nnx.Module):
         contract_in = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
         h = jax.lax.dot_general(x, a.astype(x.dtype), (contract_in, ((), ())))
         return jax.lax.dot_general(h, b.astype(x.dtype), (((h.ndim - 1,), (0,)), ((), ()))) * jnp.asarray(
-            self.scale, x.dtype)
+            self.scale, x.dtype
+        )
 
 
 def merged(weight, a, b, scale: float):
     """weight + scale · A B for stacked layers: weight [L, *in, *out], a [L, *in, r], b [L, r, *out]."""
-    delta = jax.vmap(lambda a_l, b_l: jnp.tensordot(a_l.astype(jnp.float32), b_l.astype(jnp.float32), axes=1))(a, b)
+    delta = jax.vmap(
+        lambda a_l, b_l: jnp.tensordot(a_l.astype(jnp.float32), b_l.astype(jnp.float32), axes=1)
+    )(a, b)
     return (weight.astype(jnp.float32) + scale * delta).astype(weight.dtype)
 
 
 # Each LoRA adapter (an attribute of Attention or MLP) and the weight beside it that it adapts.
-ADAPTED_WEIGHTS = {"q_lora": "q_DNH", "k_lora": "k_DKH", "v_lora": "v_DKH", "o_lora": "o_NHD",
-                   "gate_lora": "gate_DF", "up_lora": "up_DF", "down_lora": "down_FD"}
+ADAPTED_WEIGHTS = {
+    "q_lora": "q_DNH",
+    "k_lora": "k_DKH",
+    "v_lora": "v_DKH",
+    "o_lora": "o_NHD",
+    "gate_lora": "gate_DF",
+    "up_lora": "up_DF",
+    "down_lora": "down_FD",
+}
 # The number of input dimensions (after a stack's layers axis) of each adapted weight.
 INPUT_DIMS = {"q_DNH": 1, "k_DKH": 1, "v_DKH": 1, "o_NHD": 2, "gate_DF": 1, "up_DF": 1, "down_FD": 1}
 Adapt = Callable[[str, nnx.Param, int], LoRA | None]  # (target, weight, input dims) -> its adapter or None
@@ -68,4 +88,6 @@ def adapter(lora: LoraConfig, rngs: nnx.Rngs, target: str, weight: nnx.Param, n_
     if target not in lora.targets:
         return None
     axes = weight.get_metadata()["axes"]
-    return LoRA(rngs, weight.shape[:n_in], axes[:n_in], weight.shape[n_in:], axes[n_in:], lora.rank, lora.alpha)
+    return LoRA(
+        rngs, weight.shape[:n_in], axes[:n_in], weight.shape[n_in:], axes[n_in:], lora.rank, lora.alpha
+    )

@@ -44,8 +44,9 @@ class Dispatch(Protocol):
 
     def top_k(self, probs_XE, k: int): ...
 
-    def __call__(self, x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind: MoeDispatch,
-                 capacity_factor: float): ...
+    def __call__(
+        self, x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind: MoeDispatch, capacity_factor: float
+    ): ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +59,9 @@ class LocalDispatch:
         return jax.lax.top_k(probs_XE, k)
 
     def __call__(self, x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor):
-        return apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, self.ragged)
+        return apply_experts(
+            x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, self.ragged
+        )
 
 
 class MoE(nnx.Module):
@@ -78,7 +81,11 @@ class MoE(nnx.Module):
         # gate and up of each expert side by side (C = 2), one matmul for both
         self.gate_up_EDCM = param(rngs, (E, D, 2, M), ("experts", "embed", None, "moe_mlp"), D)
         self.down_EMD = param(rngs, (E, M, D), ("experts", "moe_mlp", "embed"), M)
-        self.top_k, self.kind, self.capacity_factor = cfg.num_experts_per_token, cfg.moe_dispatch, cfg.moe_capacity_factor
+        self.top_k, self.kind, self.capacity_factor = (
+            cfg.num_experts_per_token,
+            cfg.moe_dispatch,
+            cfg.moe_capacity_factor,
+        )
         self.rules, self.dispatch = rules, dispatch
 
     def route(self, route_XD):
@@ -86,7 +93,9 @@ class MoE(nnx.Module):
         D = route_XD.shape[-1]
         h_XD = self.router_norm(route_XD) * self.router_scale[...].astype(route_XD.dtype)
         h_XD = h_XD * jnp.asarray(D**-0.5, route_XD.dtype)
-        probs_XE = jax.nn.softmax(jnp.einsum("xd,de->xe", h_XD, self.router_DE[...]).astype(jnp.float32), axis=-1)
+        probs_XE = jax.nn.softmax(
+            jnp.einsum("xd,de->xe", h_XD, self.router_DE[...]).astype(jnp.float32), axis=-1
+        )
         top_XK, experts_XK = self.dispatch.top_k(probs_XE, self.top_k)
         top_XK = top_XK / jnp.sum(top_XK, axis=-1, keepdims=True)
         return top_XK * self.expert_scale[...].astype(jnp.float32)[experts_XK], experts_XK, probs_XE
@@ -95,10 +104,19 @@ class MoE(nnx.Module):
         B, T, D = x_BTD.shape
         weights_XK, experts_XK, probs_XE = self.route(route_BTD.reshape(B * T, D))
         E = probs_XE.shape[-1]
-        stats = {"expert_tokens": jnp.sum(jax.nn.one_hot(experts_XK, E, dtype=jnp.float32), axis=(0, 1)),
-                 "router_probs": jnp.sum(probs_XE, axis=0)}
-        y_XD = self.dispatch(x_BTD.reshape(B * T, D), weights_XK, experts_XK, self.gate_up_EDCM[...],
-                             self.down_EMD[...], self.kind, self.capacity_factor)
+        stats = {
+            "expert_tokens": jnp.sum(jax.nn.one_hot(experts_XK, E, dtype=jnp.float32), axis=(0, 1)),
+            "router_probs": jnp.sum(probs_XE, axis=0),
+        }
+        y_XD = self.dispatch(
+            x_BTD.reshape(B * T, D),
+            weights_XK,
+            experts_XK,
+            self.gate_up_EDCM[...],
+            self.down_EMD[...],
+            self.kind,
+            self.capacity_factor,
+        )
         return constrain(y_XD.reshape(B, T, D), ("batch", "seq", "act_embed"), self.rules), stats
 
 
@@ -116,8 +134,17 @@ def _geglu(h_AC2M):
     return jax.nn.gelu(h_AC2M[..., 0, :], approximate=True) * h_AC2M[..., 1, :]
 
 
-def apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, dispatch: MoeDispatch,
-                  capacity_factor: float, ragged: bool = False, may_choose: bool = True):
+def apply_experts(
+    x_XD,
+    weights_XK,
+    experts_XK,
+    gate_up_EDCM,
+    down_EMD,
+    dispatch: MoeDispatch,
+    capacity_factor: float,
+    ragged: bool = False,
+    may_choose: bool = True,
+):
     """Σ_k weight_k · expert_k(x) for every token, the experts all held here (ragged, may_choose:
     as for dropless_experts)."""
     X, K = experts_XK.shape
@@ -144,7 +171,9 @@ def slotted_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, slots: kernels.Slots
     experts' GeGLU in the places kernels.Slots describes; a row that finds no place gives 0 (is
     dropped). One gather of the rows into their places and one back: the rows are never sorted."""
     source_R, dest_A, group_J = kernels.slotting(expert_A, gate_up_EDCM.shape[0], slots)
-    y_RD = experts_in_places(kernels.take_rows(x_AD, source_R, dest_A), group_J, gate_up_EDCM, down_EMD, slots)
+    y_RD = experts_in_places(
+        kernels.take_rows(x_AD, source_R, dest_A), group_J, gate_up_EDCM, down_EMD, slots
+    )
     return kernels.take_rows(y_RD, dest_A, source_R)
 
 
@@ -157,8 +186,9 @@ def experts_in_places(x_RD, group_J, gate_up_EDCM, down_EMD, slots: kernels.Slot
     return kernels.slotted_matmul(h_RM, down_EMD, group_J, slots)
 
 
-def dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, typical_rows: int, ragged: bool = False,
-                     may_choose: bool = True):
+def dropless_experts(
+    x_AD, expert_A, gate_up_EDCM, down_EMD, typical_rows: int, ragged: bool = False, may_choose: bool = True
+):
     """Rows of x in any order, expert_A each row's expert (an id >= E: in no expert, gives 0), each
     through its expert, none dropped. typical_rows: how many rows hold a copy when routing is even
     (fewer than x's rows under ep, whose receive buffer has room for the worst case).
@@ -170,9 +200,16 @@ def dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, typical_rows: int, 
     sizes_E = jnp.bincount(expert_A, length=E + 1)[:E]
     if ragged:
         order_A, position_A = _sorting(expert_A)  # rows in no expert last
-        ragged = lambda x: ragged_experts(x, sizes_E, gate_up_EDCM, down_EMD)
-        y_AD = _on_filled_rows(ragged, kernels.take_rows(x_AD, order_A, position_A), jnp.sum(sizes_E),
-                               FILLED_ROWS_BOUND * typical_rows)
+
+        def ragged(x):
+            return ragged_experts(x, sizes_E, gate_up_EDCM, down_EMD)
+
+        y_AD = _on_filled_rows(
+            ragged,
+            kernels.take_rows(x_AD, order_A, position_A),
+            jnp.sum(sizes_E),
+            FILLED_ROWS_BOUND * typical_rows,
+        )
         return kernels.take_rows(y_AD, position_A, order_A)
     places = dropless_places(typical_rows, x_AD.shape[0], E)
     if not may_choose:
@@ -193,9 +230,12 @@ def dropless_places(typical_rows: int, rows: int, experts: int) -> tuple[kernels
     rows (one expert up to 1.25 s + E/8 s, or half of them up to 1.5 s); then blocks alone, room
     for FILLED_ROWS_BOUND x typical_rows filled rows, then for all `rows`, which hold any routing."""
     base, block = slots_for(typical_rows, experts, 1.25), max(1, -(-typical_rows // (4 * experts)))
-    places = [kernels.Slots(base, 1, 0), kernels.Slots(base, block, max(1, experts // 2)),
-              kernels.Slots.blocks_for(min(FILLED_ROWS_BOUND * typical_rows, rows), experts),
-              kernels.Slots.blocks_for(rows, experts)]
+    places = [
+        kernels.Slots(base, 1, 0),
+        kernels.Slots(base, block, max(1, experts // 2)),
+        kernels.Slots.blocks_for(min(FILLED_ROWS_BOUND * typical_rows, rows), experts),
+        kernels.Slots.blocks_for(rows, experts),
+    ]
     return tuple(dict.fromkeys(places))
 
 
@@ -205,20 +245,30 @@ def _slotted_in_one_of(places, index, x_AD, expert_A, gate_up_EDCM, down_EMD):
     switch makes every branch return every branch's residuals, zeros for those not taken (under the
     layer's remat on CPU, a two-way switch cost 3x the slots it chose); this one saves the inputs
     alone and runs the chosen branch's forward again inside its backward."""
-    return jax.lax.switch(index, [partial(slotted_experts, slots=slots) for slots in places],
-                          x_AD, expert_A, gate_up_EDCM, down_EMD)
+    return jax.lax.switch(
+        index,
+        [partial(slotted_experts, slots=slots) for slots in places],
+        x_AD,
+        expert_A,
+        gate_up_EDCM,
+        down_EMD,
+    )
 
 
 def _slotted_in_one_of_fwd(places, index, x_AD, expert_A, gate_up_EDCM, down_EMD):
-    return (_slotted_in_one_of(places, index, x_AD, expert_A, gate_up_EDCM, down_EMD),
-            (index, x_AD, expert_A, gate_up_EDCM, down_EMD))
+    return (
+        _slotted_in_one_of(places, index, x_AD, expert_A, gate_up_EDCM, down_EMD),
+        (index, x_AD, expert_A, gate_up_EDCM, down_EMD),
+    )
 
 
 def _slotted_in_one_of_bwd(places, residuals, g_AD):
     index, x_AD, expert_A, gate_up_EDCM, down_EMD = residuals
 
     def backward(slots):
-        return lambda *args: jax.vjp(lambda x, g, d: slotted_experts(x, expert_A, g, d, slots), *args)[1](g_AD)
+        return lambda *args: jax.vjp(lambda x, g, d: slotted_experts(x, expert_A, g, d, slots), *args)[1](
+            g_AD
+        )
 
     grads = jax.lax.switch(index, [backward(slots) for slots in places], x_AD, gate_up_EDCM, down_EMD)
     return None, grads[0], None, grads[1], grads[2]
@@ -250,5 +300,8 @@ def _on_filled_rows(fn, x_RD, filled, bound: int):
     R = x_RD.shape[0]
     if bound >= R:
         return fn(x_RD)
-    head = lambda x: jnp.pad(fn(x[:bound]), ((0, R - bound), (0, 0)))
+
+    def head(x):
+        return jnp.pad(fn(x[:bound]), ((0, R - bound), (0, 0)))
+
     return jax.lax.cond(filled <= bound, head, fn, x_RD)

@@ -112,16 +112,33 @@ def _q6_k(b):
 
 
 # QLoRA's NormalFloat levels (bitsandbytes' table; the paper's appendix E).
-NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-            0.7229568362236023, 1.0)
+NF4_CODE = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
 NF4_BLOCK = 64
-_NF4_MIDPOINTS = [float((np.float32(a) + np.float32(b)) / np.float32(2)) for a, b in zip(NF4_CODE, NF4_CODE[1:])]
+_NF4_MIDPOINTS = [
+    float((np.float32(a) + np.float32(b)) / np.float32(2)) for a, b in zip(NF4_CODE, NF4_CODE[1:])
+]
 
 
 def quantize_nf4(x: jax.Array, block: int = NF4_BLOCK) -> tuple[jax.Array, jax.Array]:
-    """float [..., n] (n a multiple of 2 x block) -> (codes uint8 [..., n / 2], absmax float32 [..., n / block])."""
+    """float [..., n] (n a multiple of 2 x block) -> (codes uint8 [..., n / 2], absmax float32 [..., n /
+    block])."""
     blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, block)
     absmax = jnp.max(jnp.abs(blocks), axis=-1)
     # a block of zeros scales by 0 (bitsandbytes' 1 / max(absmax, 1e-38): a denormal, flushed to zero here)
@@ -159,8 +176,17 @@ def _float(dtype):
     return lambda b: jax.lax.bitcast_convert_type(b, dtype).astype(jnp.float32)[..., None]
 
 
-DEQUANTIZE = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q5_0: _q5_0, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
-              Q.F32: _float(jnp.float32), Q.F16: _float(jnp.float16), Q.BF16: _float(jnp.bfloat16)}
+DEQUANTIZE = {
+    Q.Q8_0: _q8_0,
+    Q.Q4_0: _q4_0,
+    Q.Q5_0: _q5_0,
+    Q.Q4_K: _q4_k,
+    Q.Q5_K: _q5_k,
+    Q.Q6_K: _q6_k,
+    Q.F32: _float(jnp.float32),
+    Q.F16: _float(jnp.float16),
+    Q.BF16: _float(jnp.bfloat16),
+}
 
 
 def block_shape(qtype: Q) -> tuple[int, int]:
@@ -177,14 +203,19 @@ def row_bytes(qtype: Q, values: int) -> int:
 def dequantize(blocks: jax.Array, qtype: Q) -> jax.Array:
     """A tensor's raw blocks uint8 [..., blocks, bytes per block] -> float32 [..., blocks x block size]."""
     if qtype not in DEQUANTIZE:
-        raise ValueError(f"GGUF type {qtype.name} is not one a quantized base is read in; "
-                         f"types: {', '.join(t.name for t in DEQUANTIZE)}")
+        raise ValueError(
+            f"GGUF type {qtype.name} is not one a quantized base is read in; "
+            f"types: {', '.join(t.name for t in DEQUANTIZE)}"
+        )
     values = DEQUANTIZE[qtype](blocks)
     return values.reshape(*blocks.shape[:-2], -1)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "scale"],
-                   meta_fields=["kind", "axis", "dtype", "qtypes", "layout"])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["data", "scale"],
+    meta_fields=["kind", "axis", "dtype", "qtypes", "layout"],
+)
 @dataclasses.dataclass(frozen=True)
 class Quantized:
     """A frozen weight held quantized. nf4: `data` the codes, two per byte along `axis`, `scale`
@@ -230,8 +261,9 @@ class Quantized:
 
         def rows(qtype):
             qtype, nbytes = Q(qtype), block_shape(Q(qtype))[1]
-            return lambda data: dequantize(data[..., :row_bytes(qtype, width)].reshape(*data.shape[:-1], -1, nbytes),
-                                           qtype)
+            return lambda data: dequantize(
+                data[..., : row_bytes(qtype, width)].reshape(*data.shape[:-1], -1, nbytes), qtype
+            )
 
         branches = [rows(q) for q in self.qtypes]
 
@@ -252,8 +284,13 @@ class Quantized:
         per-channel scale's size-1 input dimensions unsplit); gguf's rows split over every axis
         that splits a weight (gguf_rows), its blocks never."""
         if self.kind == "gguf":
-            return dataclasses.replace(self, data=(weight_axes[0], "gguf_rows", None), scale=(weight_axes[0],))
-        unsplit = lambda x: tuple(None if n == 1 else a for a, n in zip(weight_axes, x.shape))
+            return dataclasses.replace(
+                self, data=(weight_axes[0], "gguf_rows", None), scale=(weight_axes[0],)
+            )
+
+        def unsplit(x):
+            return tuple(None if n == 1 else a for a, n in zip(weight_axes, x.shape))
+
         return dataclasses.replace(self, data=unsplit(self.data), scale=unsplit(self.scale))
 
     def __getitem__(self, index):
@@ -272,8 +309,9 @@ def quantize(x: jax.Array, kind: str, input_dims: tuple[int, ...], block_axis: i
     if kind == "int8":
         return Quantized(*quantize_int8(x, input_dims), kind, -1, x.dtype)
     codes, absmax = quantize_nf4(jnp.moveaxis(x, block_axis, -1))
-    return Quantized(jnp.moveaxis(codes, -1, block_axis), jnp.moveaxis(absmax, -1, block_axis), kind, block_axis,
-                     x.dtype)
+    return Quantized(
+        jnp.moveaxis(codes, -1, block_axis), jnp.moveaxis(absmax, -1, block_axis), kind, block_axis, x.dtype
+    )
 
 
 def is_quantized(x: Any) -> bool:

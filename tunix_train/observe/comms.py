@@ -25,13 +25,30 @@ import numpy as np
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
-_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ITEM_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 _ARRAY = re.compile(r"\b(pred|bf16|[fsuc]\d+|f8\w*)\[([\d,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
-_CALLEE = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|called_computations)="
-                     r"(\{[^}]*\}|%[\w.\-]+)")
+_CALLEE = re.compile(
+    r"\b(body|condition|calls|to_apply|branch_computations|called_computations)="
+    r"(\{[^}]*\}|%[\w.\-]+)"
+)
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
@@ -69,12 +86,21 @@ def _groups(rest: str, devices: int) -> list[list[int]] | None:
         groups = [[int(i) for i in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", match.group(2))]
         return groups or [list(range(devices))]  # {}: every device
     if match := re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest):
-        return _iota(match.group(2), match.group(3)).reshape([int(d) for d in match.group(1).split(",")]).tolist()
-    if match := re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
-                          r"\s*\{([^}]*)\}", rest):
+        return (
+            _iota(match.group(2), match.group(3))
+            .reshape([int(d) for d in match.group(1).split(",")])
+            .tolist()
+        )
+    if match := re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+        r"\s*\{([^}]*)\}",
+        rest,
+    ):
         axes = re.findall(r"'(\w+)'=(\d+)", match.group(1))
         sizes = [int(size) for _, size in axes]
-        ids = (_iota(match.group(2), match.group(3)) if match.group(2) else np.arange(math.prod(sizes))).reshape(sizes)
+        ids = (
+            _iota(match.group(2), match.group(3)) if match.group(2) else np.arange(math.prod(sizes))
+        ).reshape(sizes)
         grouped = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in match.group(4)]
         rest_axes = [i for i in range(len(sizes)) if i not in grouped]
         return ids.transpose(rest_axes + grouped).reshape(-1, math.prod(sizes[i] for i in grouped)).tolist()
@@ -155,7 +181,7 @@ def collective_volume(hlo_text: str, mesh_shape: dict[str, int] | None = None) -
     visit(entry, 1)
     volume, count, by_axes = collections.Counter(), collections.Counter(), collections.Counter()
     for computation, times in multiplicity.items():
-        for name, type_text, opcode, rest in computations.get(computation, ()):
+        for _name, type_text, opcode, rest in computations.get(computation, ()):
             kind = collective_kind(opcode)
             if kind is None:
                 continue
@@ -168,8 +194,12 @@ def collective_volume(hlo_text: str, mesh_shape: dict[str, int] | None = None) -
             count[kind] += times
             if mesh_shape:
                 by_axes[f"{kind} over {mesh_axes_of(rest, mesh_shape)}"] += size * times
-    return CollectiveVolume({k: float(volume[k]) for k in COLLECTIVES}, {k: count[k] for k in COLLECTIVES},
-                            unknown, {k: float(v) for k, v in sorted(by_axes.items())})
+    return CollectiveVolume(
+        {k: float(volume[k]) for k in COLLECTIVES},
+        {k: count[k] for k in COLLECTIVES},
+        unknown,
+        {k: float(v) for k, v in sorted(by_axes.items())},
+    )
 
 
 def _merged_length(intervals: list[tuple[float, float]]) -> float:
@@ -213,18 +243,25 @@ def collective_time(trace_file: Path, module: str) -> tuple[dict[str, float], in
     seconds = collections.Counter()
     for kinds in per_device.values():
         for kind, intervals in kinds.items():
-            seconds[kind] += (_merged_length(intervals) if kind == "computation"
-                              else sum(stop - start for start, stop in intervals))
+            seconds[kind] += (
+                _merged_length(intervals)
+                if kind == "computation"
+                else sum(stop - start for start, stop in intervals)
+            )
     return {k: seconds[k] / devices for k in ("computation", *COLLECTIVES)}, len(per_device)
 
 
 def summary_table(volume: CollectiveVolume, seconds: dict[str, float], steps: int, step_time_s: float) -> str:
-    lines = [f"{'':<20}{'ms/step':>10}{'MB/step':>12}{'ops/step':>10}",
-             f"{'step (wall)':<20}{step_time_s * 1e3:>10.1f}",
-             f"{'computation':<20}{seconds['computation'] / steps * 1e3:>10.1f}"]
+    lines = [
+        f"{'':<20}{'ms/step':>10}{'MB/step':>12}{'ops/step':>10}",
+        f"{'step (wall)':<20}{step_time_s * 1e3:>10.1f}",
+        f"{'computation':<20}{seconds['computation'] / steps * 1e3:>10.1f}",
+    ]
     for kind in COLLECTIVES:
-        lines.append(f"{kind:<20}{seconds[kind] / steps * 1e3:>10.1f}{volume.bytes[kind] / 1e6:>12.3f}"
-                     f"{volume.count[kind]:>10}")
+        lines.append(
+            f"{kind:<20}{seconds[kind] / steps * 1e3:>10.1f}{volume.bytes[kind] / 1e6:>12.3f}"
+            f"{volume.count[kind]:>10}"
+        )
     if volume.bytes_by_axes:
         lines.append("by mesh axes (MB/step):")
         lines += [f"  {name:<36}{size / 1e6:>12.3f}" for name, size in volume.bytes_by_axes.items()]
@@ -260,12 +297,20 @@ class CommunicationProfile:
         trace = max(self.run_dir.glob("plugins/profile/*/*.xplane.pb"), key=lambda p: p.stat().st_mtime)
         volume = collective_volume(self.hlo, self.mesh_shape)
         seconds, devices = collective_time(trace, self.module)
-        report = {"steps": [self.first + 1, step + 1], "devices_traced": devices, "step_time_s": wall / steps,
-                  "seconds_per_step": {k: v / steps for k, v in seconds.items()},
-                  "bytes_per_step": volume.bytes, "collectives_per_step": volume.count,
-                  "bytes_per_step_by_mesh_axes": volume.bytes_by_axes,
-                  "loops_without_trip_count": volume.unknown_trip_counts, "trace": str(trace)}
+        report = {
+            "steps": [self.first + 1, step + 1],
+            "devices_traced": devices,
+            "step_time_s": wall / steps,
+            "seconds_per_step": {k: v / steps for k, v in seconds.items()},
+            "bytes_per_step": volume.bytes,
+            "collectives_per_step": volume.count,
+            "bytes_per_step_by_mesh_axes": volume.bytes_by_axes,
+            "loops_without_trip_count": volume.unknown_trip_counts,
+            "trace": str(trace),
+        }
         (self.run_dir / "communication.json").write_text(json.dumps(report, indent=1))
-        return (f"communication profile of steps {self.first + 1}-{step + 1}, per device ({devices} traced); "
-                f"trace in {trace.parent}, summary in {self.run_dir / 'communication.json'}\n"
-                + summary_table(volume, seconds, steps, wall / steps))
+        return (
+            f"communication profile of steps {self.first + 1}-{step + 1}, per device ({devices} traced); "
+            f"trace in {trace.parent}, summary in {self.run_dir / 'communication.json'}\n"
+            + summary_table(volume, seconds, steps, wall / steps)
+        )

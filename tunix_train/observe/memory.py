@@ -19,8 +19,10 @@ def advice(cfg, mesh, training: bool = True) -> list[str]:
     sampling a model (only the mesh then matters, and cfg may be None)."""
     t, tips = cfg.training if training else None, []
     if training and t.micro_batch_size > 1:
-        tips.append(f"training.micro_batch_size={max(t.micro_batch_size // 2, 1)} with "
-                    f"training.gradient_accumulation_steps={t.gradient_accumulation_steps * 2} (same global batch)")
+        tips.append(
+            f"training.micro_batch_size={max(t.micro_batch_size // 2, 1)} with "
+            f"training.gradient_accumulation_steps={t.gradient_accumulation_steps * 2} (same global batch)"
+        )
     if training and cfg.data.seq_len > 1:
         tips.append(f"data.seq_len={cfg.data.seq_len // 2} (shorter sequences)")
     if training and t.remat.value != "full":
@@ -30,17 +32,30 @@ def advice(cfg, mesh, training: bool = True) -> list[str]:
         tips.append(f"shard more over fsdp ({divided} by it)")
     else:
         tips.append(f"more devices on the fsdp axis ({divided} by it)")
-    if (training and pipelines(cfg.model) and mesh.shape.get("pp", 1) == 1
-            and layer_groups(cfg.model)[0].repeats % 2 == 0):  # the stages split the repeats
-        tips.append(f"a pp mesh axis (each stage holds num_layers / pp layers and their optimizer state; with "
-                    f"training.pipeline_microbatches >= pp)")
-    if cfg is not None and cfg.model.num_experts and cfg.model.num_experts % (2 * mesh.shape.get("ep", 1)) == 0:
+    if (
+        training
+        and pipelines(cfg.model)
+        and mesh.shape.get("pp", 1) == 1
+        and layer_groups(cfg.model)[0].repeats % 2 == 0
+    ):  # the stages split the repeats
+        tips.append(
+            "a pp mesh axis (each stage holds num_layers / pp layers and their optimizer state; with "
+            "training.pipeline_microbatches >= pp)"
+        )
+    if (
+        cfg is not None
+        and cfg.model.num_experts
+        and cfg.model.num_experts % (2 * mesh.shape.get("ep", 1)) == 0
+    ):
         tips.append("a larger ep mesh axis (the experts divide by it)")
     if training and mesh.shape.get("cp", 1) == 1 and cfg.data.seq_len % 4 == 0:
         tips.append("a cp mesh axis (activations divide by it: the sequence is split across devices)")
     device = mesh.devices.flat[0]
-    if (training and device.platform != "cpu"  # a CPU's "device" memory is the host's
-            and "pinned_host" in {m.kind for m in device.addressable_memories()}):
+    if (
+        training
+        and device.platform != "cpu"  # a CPU's "device" memory is the host's
+        and "pinned_host" in {m.kind for m in device.addressable_memories()}
+    ):
         if not t.offload_optimizer_state:
             tips.append("training.offload_optimizer_state=true (AdamW's moments in host memory)")
         if t.mixed_precision.value == "bf16" and not t.offload_master_weights:
@@ -72,20 +87,30 @@ def _host_memory_available() -> int | None:
 def _explain(err: BaseException, cfg, mesh, compiled, training: bool, first_tips: list[str]) -> str:
     device = mesh.devices.flat[0]
     text = str(err)
-    on_host = isinstance(err, MemoryError) or device.platform == "cpu" or "host" in text.split("\n")[0].lower()
+    on_host = (
+        isinstance(err, MemoryError) or device.platform == "cpu" or "host" in text.split("\n")[0].lower()
+    )
     parts = [f"out of {'host RAM' if on_host else f'device memory ({device.device_kind})'}"]
     if asked := re.search(r"(\d+) bytes", text):
         parts.append(f"an allocation of {_gib(int(asked.group(1)))} failed")
     stats = {} if on_host else (device.memory_stats() or {})
-    available = (stats["bytes_limit"] - stats.get("bytes_in_use", 0) if "bytes_limit" in stats
-                 else _host_memory_available() if on_host else None)
+    available = (
+        stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        if "bytes_limit" in stats
+        else _host_memory_available()
+        if on_host
+        else None
+    )
     if available is not None:
         parts.append(f"{_gib(available)} {'of host RAM' if on_host else 'per device'} available")
     if compiled is not None:
         memory = compiled.memory_analysis()
-        parts.append(f"the compiled train step needs {_gib(memory.argument_size_in_bytes + memory.temp_size_in_bytes)} "
-                     f"per device ({_gib(memory.argument_size_in_bytes)} of arguments, "
-                     f"{_gib(memory.temp_size_in_bytes)} of temporaries)")
+        parts.append(
+            f"the compiled train step needs "
+            f"{_gib(memory.argument_size_in_bytes + memory.temp_size_in_bytes)} "
+            f"per device ({_gib(memory.argument_size_in_bytes)} of arguments, "
+            f"{_gib(memory.temp_size_in_bytes)} of temporaries)"
+        )
     tips = first_tips + advice(cfg, mesh, training)
     return "; ".join(parts) + "; to lower it, in this order: " + "; ".join(tips)
 
@@ -105,8 +130,11 @@ class MemoryErrors:
         return self
 
     def __exit__(self, kind, err, traceback) -> bool:
-        if isinstance(err, MemoryError) or (err is not None and any(
-                sign in str(err) for sign in ("RESOURCE_EXHAUSTED", "Out of memory allocating"))):
-            raise OutOfMemory(_explain(err, self.cfg, self.mesh, self.compiled, self.training,
-                                       self.first_tips)) from None
+        if isinstance(err, MemoryError) or (
+            err is not None
+            and any(sign in str(err) for sign in ("RESOURCE_EXHAUSTED", "Out of memory allocating"))
+        ):
+            raise OutOfMemory(
+                _explain(err, self.cfg, self.mesh, self.compiled, self.training, self.first_tips)
+            ) from None
         return False

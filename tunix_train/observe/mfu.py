@@ -52,8 +52,10 @@ def active_matmul_params(cfg: ModelConfig) -> int:
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    attention = sum(12 * cfg.num_heads * shape.head_dim * mean_keys_attended(seq_len, int(w))
-                    for shape, w in zip(layer_shapes(cfg), layer_windows(cfg)))
+    attention = sum(
+        12 * cfg.num_heads * shape.head_dim * mean_keys_attended(seq_len, int(w))
+        for shape, w in zip(layer_shapes(cfg), layer_windows(cfg))
+    )
     return 6 * active_matmul_params(cfg) + 6 * cfg.embed_dim * cfg.vocab_size + attention
 
 
@@ -71,7 +73,8 @@ def matmul_sampler(dtype: str = "fp32", devices=None, size: int = 1024):
     once, so that it can sample the peak again and again between other work."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     devices = list(devices or jax.local_devices()[:1])
     jnp_dtype = jnp.bfloat16 if dtype == "bf16" else jnp.float32
@@ -123,8 +126,10 @@ class Peak:
         if self._sample is None or observed <= self.value:
             return None
         before, self.value = self.value, max(observed, self._best(self._sample))
-        return (f"MFU peak revised: the run reached {observed / 1e12:.3f} TFLOP/s per device, above the peak "
-                f"measured at start-up ({before / 1e12:.3f}); measured again: {self.value / 1e12:.3f} TFLOP/s")
+        return (
+            f"MFU peak revised: the run reached {observed / 1e12:.3f} TFLOP/s per device, above the peak "
+            f"measured at start-up ({before / 1e12:.3f}); measured again: {self.value / 1e12:.3f} TFLOP/s"
+        )
 
 
 def device_memory_in_use() -> float | None:

@@ -53,7 +53,9 @@ def ring_chunk_pairs(seq_len: int, cp: int, balanced: bool) -> list[int]:
     some query (`_needed`). Counted from the same predicate the ring uses."""
     order = balanced_order(seq_len, cp) if balanced else np.arange(seq_len)
     shards = order.reshape(cp, 2, seq_len // (2 * cp))  # shard, its two chunks, tokens
-    return [sum(bool(_needed(q, k)) for q in shards[i] for j in range(cp) for k in shards[j]) for i in range(cp)]
+    return [
+        sum(bool(_needed(q, k)) for q in shards[i] for j in range(cp) for k in shards[j]) for i in range(cp)
+    ]
 
 
 def _needed(q_index, k_index):
@@ -93,10 +95,16 @@ class ContextAttention:
             def attend(q, k, v, softcap):
                 if self.sliding_window is None:
                     return global_attention(q, k, v, softcap, window), None
-                out = jax.lax.cond(window <= self.sliding_window,
-                                   lambda *a: windowed(*a, softcap, window),
-                                   lambda *a: global_attention(*a, softcap, window), q, k, v)
+                out = jax.lax.cond(
+                    window <= self.sliding_window,
+                    lambda *a: windowed(*a, softcap, window),
+                    lambda *a: global_attention(*a, softcap, window),
+                    q,
+                    k,
+                    v,
+                )
                 return out, None
+
             return attend
 
         return for_window
@@ -107,8 +115,8 @@ class ContextAttention:
         shard i+1 (or shard i's own first chunk, already here, for i = cp−1). The ring wraps round;
         what arrives from the wrong end lies after every query here, and the causal mask hides it."""
         c, w, n = x.shape[1] // 2, self.sliding_window, self.size
-        from_left = jax.lax.ppermute(x[:, c - w:c], AXIS, [(i, (i + 1) % n) for i in range(n)])
-        from_right = jax.lax.ppermute(x[:, 2 * c - w:], AXIS, [(i, (i - 1) % n) for i in range(n)])
+        from_left = jax.lax.ppermute(x[:, c - w : c], AXIS, [(i, (i + 1) % n) for i in range(n)])
+        from_right = jax.lax.ppermute(x[:, 2 * c - w :], AXIS, [(i, (i - 1) % n) for i in range(n)])
         return jnp.concatenate([x, from_left, from_right], axis=1)
 
 
@@ -154,9 +162,13 @@ def _ring_fwd(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, window, softcap, cp):
         for k, v, k_index, k_segments in zip(*map(_halves, block)):
             for i, (q, qi, qs) in enumerate(queries):
                 mask = kernels.visible_keys(qi, qs, k_index, k_segments)(window)
-                skipped = lambda *_: _nothing(q)
-                out, lse = jax.lax.cond(_needed(qi, k_index), partial(_block_attention, softcap=softcap), skipped,
-                                        q, k, v, mask)
+
+                def skipped(*_):
+                    return _nothing(q)
+
+                out, lse = jax.lax.cond(
+                    _needed(qi, k_index), partial(_block_attention, softcap=softcap), skipped, q, k, v, mask
+                )
                 acc[i] = _merge(acc[i], (out, lse))
     out_BTNH = jnp.concatenate([out for out, _ in acc], axis=1)
     lse_BTN = jnp.concatenate([lse for _, lse in acc], axis=1)
@@ -169,8 +181,16 @@ def _ring_bwd(softcap, cp, residuals, d_out_BTNH):
     its queries' part to; one more step takes them home."""
     q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, window, out_BTNH, lse_BTN = residuals
     rowsum_BTN = jnp.sum(d_out_BTNH.astype(jnp.float32) * out_BTNH, axis=-1)
-    queries = list(zip(_halves(q_BTNH), _halves(q_index), _halves(q_segments), _halves(d_out_BTNH),
-                       _halves(lse_BTN), _halves(rowsum_BTN)))
+    queries = list(
+        zip(
+            _halves(q_BTNH),
+            _halves(q_index),
+            _halves(q_segments),
+            _halves(d_out_BTNH),
+            _halves(lse_BTN),
+            _halves(rowsum_BTN),
+        )
+    )
     d_q = [jnp.zeros_like(q, jnp.float32) for q, *_ in queries]
     block = (k_BSKH, v_BSKH, q_index, q_segments)
     d_kv = (jnp.zeros_like(k_BSKH, jnp.float32), jnp.zeros_like(v_BSKH, jnp.float32))
@@ -181,15 +201,37 @@ def _ring_bwd(softcap, cp, residuals, d_out_BTNH):
         for j, (k, v, k_index, k_segments) in enumerate(zip(*map(_halves, block))):
             for i, (q, qi, qs, g, lse, rowsum) in enumerate(queries):
                 mask = kernels.visible_keys(qi, qs, k_index, k_segments)(window)
-                skipped = lambda *_: (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k, jnp.float32),
-                                      jnp.zeros_like(v, jnp.float32))
-                dq, dk, dv = jax.lax.cond(_needed(qi, k_index), partial(_block_grads, softcap=softcap), skipped,
-                                          q, k, v, mask, g, lse, rowsum)
+
+                def skipped(*_):
+                    return (
+                        jnp.zeros_like(q, jnp.float32),
+                        jnp.zeros_like(k, jnp.float32),
+                        jnp.zeros_like(v, jnp.float32),
+                    )
+
+                dq, dk, dv = jax.lax.cond(
+                    _needed(qi, k_index),
+                    partial(_block_grads, softcap=softcap),
+                    skipped,
+                    q,
+                    k,
+                    v,
+                    mask,
+                    g,
+                    lse,
+                    rowsum,
+                )
                 d_q[i], d_k[j], d_v[j] = d_q[i] + dq, d_k[j] + dk, d_v[j] + dv
         d_kv = (jnp.concatenate(d_k, axis=1), jnp.concatenate(d_v, axis=1))
     d_k_BSKH, d_v_BSKH = _round_the_ring(d_kv, cp)
-    return (jnp.concatenate(d_q, axis=1).astype(q_BTNH.dtype), d_k_BSKH.astype(k_BSKH.dtype),
-            d_v_BSKH.astype(v_BSKH.dtype), None, None, None)
+    return (
+        jnp.concatenate(d_q, axis=1).astype(q_BTNH.dtype),
+        d_k_BSKH.astype(k_BSKH.dtype),
+        d_v_BSKH.astype(v_BSKH.dtype),
+        None,
+        None,
+        None,
+    )
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -205,9 +247,17 @@ def _block_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, softcap):
     (kernels.softmax_attention, in the ring's [B, T, N, H] layout: a block's results merge along T)."""
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
-    out_BKXH, lse_BKGT1 = kernels.softmax_attention(kernels.grouped(q_BTNH, K), kernels.by_head(k_BSKH),
-                                                    kernels.by_head(v_BSKH), mask_BTS, softcap, jnp.float32)
-    return kernels.ungrouped(out_BKXH, T), lse_BKGT1.reshape(B, K, N // K, T).transpose(0, 3, 1, 2).reshape(B, T, N)
+    out_BKXH, lse_BKGT1 = kernels.softmax_attention(
+        kernels.grouped(q_BTNH, K),
+        kernels.by_head(k_BSKH),
+        kernels.by_head(v_BSKH),
+        mask_BTS,
+        softcap,
+        jnp.float32,
+    )
+    return kernels.ungrouped(out_BKXH, T), lse_BKGT1.reshape(B, K, N // K, T).transpose(0, 3, 1, 2).reshape(
+        B, T, N
+    )
 
 
 def _block_grads(q_BTNH, k_BSKH, v_BSKH, mask_BTS, d_out_BTNH, lse_BTN, rowsum_BTN, softcap):
@@ -215,12 +265,25 @@ def _block_grads(q_BTNH, k_BSKH, v_BSKH, mask_BTS, d_out_BTNH, lse_BTN, rowsum_B
     query's saved log-sum-exp and rowsum(d_out * out)."""
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
-    per_group = lambda x_BTN: x_BTN.reshape(B, T, K, N // K).transpose(0, 2, 3, 1)[..., None]  # [B, K, G, T, 1]
+
+    def per_group(x_BTN):
+        return x_BTN.reshape(B, T, K, N // K).transpose(0, 2, 3, 1)[..., None]  # [B, K, G, T, 1]
+
     d_q, d_k, d_v = kernels.softmax_attention_grads(
-        kernels.grouped(q_BTNH, K), kernels.by_head(k_BSKH), kernels.by_head(v_BSKH), mask_BTS, softcap,
-        per_group(lse_BTN), per_group(rowsum_BTN), kernels.grouped(d_out_BTNH, K))
-    return (kernels.ungrouped(d_q, T).astype(jnp.float32), kernels.by_head(d_k).astype(jnp.float32),
-            kernels.by_head(d_v).astype(jnp.float32))
+        kernels.grouped(q_BTNH, K),
+        kernels.by_head(k_BSKH),
+        kernels.by_head(v_BSKH),
+        mask_BTS,
+        softcap,
+        per_group(lse_BTN),
+        per_group(rowsum_BTN),
+        kernels.grouped(d_out_BTNH, K),
+    )
+    return (
+        kernels.ungrouped(d_q, T).astype(jnp.float32),
+        kernels.by_head(d_k).astype(jnp.float32),
+        kernels.by_head(d_v).astype(jnp.float32),
+    )
 
 
 def _merge(a, b):

@@ -45,27 +45,41 @@ class MeshDispatch:
         data = () if mesh.empty or manual_axes() else data_axes(mesh)
         if not data:
             return jax.lax.top_k(probs_XE, k)
-        return jax.shard_map(partial(jax.lax.top_k, k=k), in_specs=P(data), out_specs=P(data),
-                             axis_names=set(data))(probs_XE)
+        return jax.shard_map(
+            partial(jax.lax.top_k, k=k), in_specs=P(data), out_specs=P(data), axis_names=set(data)
+        )(probs_XE)
 
-    def __call__(self, x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind: MoeDispatch,
-                 capacity_factor: float):
+    def __call__(
+        self, x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind: MoeDispatch, capacity_factor: float
+    ):
         mesh = jax.sharding.get_abstract_mesh()
         ragged = platform.ragged_dot_is_native()
         manual = manual_axes()
         if not manual and not mesh.empty and any(mesh.shape.get(a, 1) > 1 for a in BATCH_AXES):
-            return _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor,
-                                    ragged)
+            return _expert_parallel(
+                x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, ragged
+            )
         if manual:
             # the experts enter split over ep alone: split over fsdp or tp as well, they crashed jax
             # 0.12's partitioner (a failed check in spmd_partitioner_util.cc)
             gate_up_EDCM = constrain(gate_up_EDCM, ("experts", None, None, None), self.rules)
             down_EMD = constrain(down_EMD, ("experts", None, None), self.rules)
-        return apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, ragged,
-                             may_choose=not any(a not in BATCH_AXES for a in manual))
+        return apply_experts(
+            x_XD,
+            weights_XK,
+            experts_XK,
+            gate_up_EDCM,
+            down_EMD,
+            kind,
+            capacity_factor,
+            ragged,
+            may_choose=not any(a not in BATCH_AXES for a in manual),
+        )
 
 
-def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, ragged=False):
+def _expert_parallel(
+    x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, ragged=False
+):
     """moe.apply_experts with the experts split over the ep mesh axis (and the tokens with them: ep
     is one of the batch's axes), in a shard_map manual over the data axes (dp, fsdp, ep).
 
@@ -81,7 +95,9 @@ def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind,
         # gradient needs it); the cast's transpose sums their gradients over them
         gate_up_EDCM, down_EMD = jax.lax.pcast((gate_up_EDCM, down_EMD), whole, to="varying")
         if S == 1:  # every expert here: no exchange
-            return apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, ragged)
+            return apply_experts(
+                x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, ragged
+            )
         X, K = experts_XK.shape
         E_local, D = gate_up_EDCM.shape[0], x_XD.shape[1]
         expert_A = experts_XK.reshape(-1)  # copy a is token a // K
@@ -97,7 +113,9 @@ def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind,
         if kind is MoeDispatch.dropless:
             y_RD = dropless_experts(x_RD, local_R, gate_up_EDCM, down_EMD, A, ragged)
         else:
-            y_RD = capacity_experts(x_RD, local_R, gate_up_EDCM, down_EMD, slots_for(A, E_local, capacity_factor))
+            y_RD = capacity_experts(
+                x_RD, local_R, gate_up_EDCM, down_EMD, slots_for(A, E_local, capacity_factor)
+            )
         back_SAD = jax.lax.all_to_all(y_RD.reshape(S, A, D), AXIS, 0, 0, tiled=False)
         y_AD = kernels.take_rows(back_SAD.reshape(S * A, D), slot_A, source_R)  # in token order
         return jnp.einsum("xkd,xk->xd", y_AD.reshape(X, K, -1), weights_XK.astype(y_AD.dtype))
@@ -109,5 +127,6 @@ def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind,
     tokens = P(data)
     experts = P(AXIS) if AXIS in mesh.shape else P()
     whole = tuple(a for a in data if a != AXIS)  # the axes the experts enter whole over
-    return jax.shard_map(shard, in_specs=(tokens, tokens, tokens, experts, experts), out_specs=tokens,
-                         axis_names=set(data))(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD)
+    return jax.shard_map(
+        shard, in_specs=(tokens, tokens, tokens, experts, experts), out_specs=tokens, axis_names=set(data)
+    )(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD)

@@ -55,8 +55,16 @@ class Schedule:
         return 1.0 - busy / (self.steps * self.stages)
 
 
-def run(schedule: Schedule, stage_fn: Callable, enter: Callable, layer_xs: Any, x_MBTD: jax.Array, rows: Any,
-        seq_axis: str | None, dtype: Any) -> tuple[jax.Array, Any]:
+def run(
+    schedule: Schedule,
+    stage_fn: Callable,
+    enter: Callable,
+    layer_xs: Any,
+    x_MBTD: jax.Array,
+    rows: Any,
+    seq_axis: str | None,
+    dtype: Any,
+) -> tuple[jax.Array, Any]:
     """stage_fn(layer_xs of one chunk [C, ...], x [B, T, D], rows [B, T]) -> (x, statistics), applied
     through every stage to each of the M micro-batches of x_MBTD (rows: their per-token data,
     [M, B, T]); enter(layer_xs) makes a stage's layers what stage_fn takes, once per pass. The
@@ -68,9 +76,12 @@ def run(schedule: Schedule, stage_fn: Callable, enter: Callable, layer_xs: Any, 
     S, R = schedule.stages, schedule.repeats
     chunks = jax.tree.map(lambda a: a.reshape(R, S, a.shape[0] // (R * S), *a.shape[1:]), layer_xs)
     data = P(None, None, seq_axis)
-    stages = jax.shard_map(lambda *args: _stages(schedule, stage_fn, enter, dtype, seq_axis, *args),
-                           in_specs=(P(None, AXIS), data, data), out_specs=(data, P(AXIS)),
-                           axis_names={AXIS} | ({seq_axis} if seq_axis else set()))
+    stages = jax.shard_map(
+        lambda *args: _stages(schedule, stage_fn, enter, dtype, seq_axis, *args),
+        in_specs=(P(None, AXIS), data, data),
+        out_specs=(data, P(AXIS)),
+        axis_names={AXIS} | ({seq_axis} if seq_axis else set()),
+    )
     return stages(chunks, x_MBTD, rows)
 
 
@@ -79,8 +90,13 @@ def _stages(schedule: Schedule, stage_fn, enter, dtype, seq_axis, chunks, x_MBTD
     S, R = schedule.stages, schedule.repeats
     stage = jax.lax.axis_index(AXIS)
     chunks = enter(jax.tree.map(lambda a: a[:, 0], chunks))  # this stage's chunk of each repeat
-    at = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
-    put = lambda a, x, i: jax.lax.dynamic_update_index_in_dim(a, x, i, 0)
+
+    def at(a, i):
+        return jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+
+    def put(a, x, i):
+        return jax.lax.dynamic_update_index_in_dim(a, x, i, 0)
+
     # varying from here on: the input's gradient is summed over pp once, not at every time step
     x_MBTD = jax.lax.pcast(x_MBTD, AXIS, to="varying")
 
@@ -89,8 +105,11 @@ def _stages(schedule: Schedule, stage_fn, enter, dtype, seq_axis, chunks, x_MBTD
         busy, repeat, micro = schedule.task(t, stage)
         fresh = at(x_MBTD, micro).astype(dtype)
         first_input = fresh if R == 1 else jnp.where(repeat == 0, fresh, at(circulating, micro))
-        y, stats = stage_fn(jax.tree.map(lambda a: at(a, repeat), chunks), jnp.where(stage == 0, first_input, received),
-                            jax.tree.map(lambda a: at(a, micro), rows))
+        y, stats = stage_fn(
+            jax.tree.map(lambda a: at(a, repeat), chunks),
+            jnp.where(stage == 0, first_input, received),
+            jax.tree.map(lambda a: at(a, micro), rows),
+        )
         y = y.astype(dtype)
         done = busy & (stage == S - 1) & (repeat == R - 1)
         outputs = put(outputs, jnp.where(done, y.astype(outputs.dtype), at(outputs, micro)), micro)
@@ -108,7 +127,10 @@ def _stages(schedule: Schedule, stage_fn, enter, dtype, seq_axis, chunks, x_MBTD
     (_, _, outputs), stats_T = jax.lax.scan(step, init, steps)
     # each step's statistics [T, C, ...] summed into its repeat's chunk: this stage's layers [R * C, ...]
     repeat_TR = jax.nn.one_hot(schedule.task(steps, stage)[1], R)
-    by_repeat = lambda s: jnp.einsum("tr,tc...->rc...", repeat_TR.astype(s.dtype), s).reshape(-1, *s.shape[2:])
+
+    def by_repeat(s):
+        return jnp.einsum("tr,tc...->rc...", repeat_TR.astype(s.dtype), s).reshape(-1, *s.shape[2:])
+
     stats = jax.tree.map(by_repeat, stats_T)
     if seq_axis:
         stats = jax.lax.psum(stats, seq_axis)

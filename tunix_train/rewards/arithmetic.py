@@ -31,5 +31,7 @@ def write_task(directory: Path, count: int, seed: int, largest: int = 9) -> tupl
     rows = problems(count, seed, largest)
     prompts, sft = directory / "prompts.jsonl", directory / "sft.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    sft.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["answer"]}) + "\n" for r in rows))
+    sft.write_text(
+        "".join(json.dumps({"prompt": r["prompt"], "completion": r["answer"]}) + "\n" for r in rows)
+    )
     return prompts, sft

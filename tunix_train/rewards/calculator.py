@@ -19,7 +19,14 @@ import numpy as np
 
 from tunix_train.data.tokenizer import BUNDLED_TOKENIZER
 
-SYMBOLS = ("<start_of_turn>", "<end_of_turn>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+SYMBOLS = (
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
 
 
 def multiply(a: int, b: int) -> int:
@@ -39,14 +46,19 @@ def exact_answer(prompts: list, completions: list[str], answer: list[str], **fie
 
 def problems(count: int, seed: int) -> list[dict[str, str]]:
     a, b = np.random.default_rng(seed).integers(100, 1000, (2, count))
-    return [{"prompt": f"What is {x} times {y}?", "answer": str(x * y), "a": x, "b": y}
-            for x, y in zip(a.tolist(), b.tolist())]
+    return [
+        {"prompt": f"What is {x} times {y}?", "answer": str(x * y), "a": x, "b": y}
+        for x, y in zip(a.tolist(), b.tolist())
+    ]
 
 
 def call(a: int, b: int) -> str:
     """The model's call of the tool, as the built-in Gemma template asks for it."""
-    return "<tool_call>" + json.dumps({"name": "multiply", "arguments": {"a": a, "b": b}}, separators=(",", ":")) \
+    return (
+        "<tool_call>"
+        + json.dumps({"name": "multiply", "arguments": {"a": a, "b": b}}, separators=(",", ":"))
         + "</tool_call>"
+    )
 
 
 def write_task(directory: Path, count: int, seed: int, with_tool: float = 0.5) -> tuple[Path, Path]:
@@ -56,16 +68,24 @@ def write_task(directory: Path, count: int, seed: int, with_tool: float = 0.5) -
     from tunix_train.envs.tools import schema
 
     directory.mkdir(parents=True, exist_ok=True)
-    rows, coin, tools = problems(count, seed), np.random.default_rng(seed + 1).random(count), [schema(multiply)]
+    rows, coin, tools = (
+        problems(count, seed),
+        np.random.default_rng(seed + 1).random(count),
+        [schema(multiply)],
+    )
     prompts, sft = directory / "prompts.jsonl", directory / "sft.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows)
+    )
     with open(sft, "w") as f:
         for r, c in zip(rows, coin):
             user = {"role": "user", "content": r["prompt"]}
             if c < with_tool:
-                turns = [{"role": "assistant", "content": call(r["a"], r["b"])},
-                         {"role": "tool", "name": "multiply", "content": r["answer"]},
-                         {"role": "assistant", "content": r["answer"]}]
+                turns = [
+                    {"role": "assistant", "content": call(r["a"], r["b"])},
+                    {"role": "tool", "name": "multiply", "content": r["answer"]},
+                    {"role": "assistant", "content": r["answer"]},
+                ]
             else:
                 turns = [{"role": "assistant", "content": r["answer"][:2] + "0" * (len(r["answer"]) - 2)}]
             f.write(json.dumps({"messages": [user, *turns], "tools": tools}) + "\n")
@@ -82,7 +102,11 @@ def write_tokenizer(path: Path) -> Path:
     model.normalizer_spec.add_dummy_prefix = False
     for symbol in SYMBOLS:
         piece = model.pieces.add()
-        piece.piece, piece.score, piece.type = symbol, 0.0, sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
+        piece.piece, piece.score, piece.type = (
+            symbol,
+            0.0,
+            sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED,
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(model.SerializeToString())
     return path

@@ -42,25 +42,41 @@ class Access:
 
     def refusal(self, method: str, path: str, headers: dict[str, str]) -> BadRequest | None:
         if "*" not in self.hosts and _host_of(f"//{headers.get('host', '')}") not in self.hosts:
-            return BadRequest(f"the Host header {headers.get('host', '')[:80]!r} is not one this server answers to "
-                              f"(--allowed_hosts)", status=403, code="host_not_allowed")
+            return BadRequest(
+                f"the Host header {headers.get('host', '')[:80]!r} is not one this server answers to "
+                f"(--allowed_hosts)",
+                status=403,
+                code="host_not_allowed",
+            )
         origin = headers.get("origin")
         if origin is not None and "*" not in self.origins and _host_of(origin) not in self.origins:
-            return BadRequest(f"requests from the origin {origin[:80]!r} are not allowed (--allowed_origins)",
-                              status=403, code="origin_not_allowed")
+            return BadRequest(
+                f"requests from the origin {origin[:80]!r} are not allowed (--allowed_origins)",
+                status=403,
+                code="origin_not_allowed",
+            )
         if self.api_key is not None and path != "/health":
             given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return BadRequest("Incorrect API key provided: send it as 'Authorization: Bearer KEY'", status=401,
-                                  code="invalid_api_key")
+                return BadRequest(
+                    "Incorrect API key provided: send it as 'Authorization: Bearer KEY'",
+                    status=401,
+                    code="invalid_api_key",
+                )
         if method == "POST":
             if headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-                return BadRequest("the body must be sent as Content-Type: application/json", status=415,
-                                  code="unsupported_media_type")
+                return BadRequest(
+                    "the body must be sent as Content-Type: application/json",
+                    status=415,
+                    code="unsupported_media_type",
+                )
             declared = headers.get("content-length")
             if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-                return BadRequest(f"the body is larger than this server's {self.max_body_bytes} bytes "
-                                  f"(--max_body_bytes)", status=413, code="body_too_large")
+                return BadRequest(
+                    f"the body is larger than this server's {self.max_body_bytes} bytes (--max_body_bytes)",
+                    status=413,
+                    code="body_too_large",
+                )
         return None
 
 
@@ -97,8 +113,12 @@ class Api:
         ask = schema.read(schema.parse_json(data), chat, self.name)
         limit = self.generator.max_len
         if schema.at_least_tokens(ask, self.longest) >= limit:
-            raise BadRequest(f"the prompt's {schema.prompt_chars(ask)} characters are more tokens than this server's "
-                             f"{limit} (--max_len)", "messages" if chat else "prompt", code="context_length_exceeded")
+            raise BadRequest(
+                f"the prompt's {schema.prompt_chars(ask)} characters are more tokens than this server's "
+                f"{limit} (--max_len)",
+                "messages" if chat else "prompt",
+                code="context_length_exceeded",
+            )
         tokenizer, ends = self.model.tokenizer, []
         try:
             sampling = Sampling(ask.temperature, ask.top_k, ask.top_p)
@@ -111,8 +131,10 @@ class Api:
         except ConfigError as err:
             raise BadRequest(str(err), "messages" if chat else None) from None
         max_tokens = ask.max_tokens or max(limit - len(prompt), 1)
-        requests = [Request(tuple(prompt), max_tokens, sampling, ask.seed, i, ask.stop + tuple(ends))
-                    for i in range(ask.n)]
+        requests = [
+            Request(tuple(prompt), max_tokens, sampling, ask.seed, i, ask.stop + tuple(ends))
+            for i in range(ask.n)
+        ]
         for request in requests:
             self.generator.check(request)
         return ask, requests
@@ -121,9 +143,18 @@ class Api:
         if not chat:
             return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
         if delta:
-            return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": finish}
+            return {
+                "index": index,
+                "delta": {"content": text} if text else {},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
 
     def envelope(self, chat: bool, rid: str, choices: list, chunk: bool, usage: dict | None = None) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
@@ -133,15 +164,24 @@ class Api:
         return out
 
 
-def app_for(model, generator: Generator, name: str, access: Access = Access(), request_timeout_s: float = 600.0,
-            max_preparing: int = 64):
-    from fastapi import FastAPI, Request as HttpRequest
+def app_for(
+    model,
+    generator: Generator,
+    name: str,
+    access: Access = Access(),
+    request_timeout_s: float = 600.0,
+    max_preparing: int = 64,
+):
+    from fastapi import FastAPI
+    from fastapi import Request as HttpRequest
     from fastapi.responses import JSONResponse, StreamingResponse
 
     from tunix_train.generate.session import before_stop
 
-    api, app = Api(model, generator, name), FastAPI(title="tunix_train", docs_url=None, redoc_url=None,
-                                                    openapi_url=None)
+    api, app = (
+        Api(model, generator, name),
+        FastAPI(title="tunix_train", docs_url=None, redoc_url=None, openapi_url=None),
+    )
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
     preparing = [0]  # requests being read and tokenized now
 
@@ -160,29 +200,42 @@ def app_for(model, generator: Generator, name: str, access: Access = Access(), r
 
     @app.get("/v1/models")
     def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tunix_train"}]}
+        return {
+            "object": "list",
+            "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tunix_train"}],
+        }
 
     async def body_of(http: HttpRequest) -> bytes:
         chunks, size = [], 0
         async for chunk in http.stream():
             size += len(chunk)
             if size > access.max_body_bytes:
-                raise BadRequest(f"the body is larger than this server's {access.max_body_bytes} bytes "
-                                 f"(--max_body_bytes)", status=413, code="body_too_large")
+                raise BadRequest(
+                    f"the body is larger than this server's {access.max_body_bytes} bytes (--max_body_bytes)",
+                    status=413,
+                    code="body_too_large",
+                )
             chunks.append(chunk)
         return b"".join(chunks)
 
     async def prepared(http: HttpRequest, chat: bool):
         if preparing[0] >= max_preparing:
-            raise BadRequest(f"{preparing[0]} requests are being read; retry later", status=429,
-                             code="rate_limit_exceeded", headers={"Retry-After": "1"})
+            raise BadRequest(
+                f"{preparing[0]} requests are being read; retry later",
+                status=429,
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            )
         preparing[0] += 1
         try:
             try:
                 data = await asyncio.wait_for(body_of(http), BODY_SECONDS)
             except asyncio.TimeoutError:
-                raise BadRequest(f"the body took more than {BODY_SECONDS:g} s to arrive", status=408,
-                                 code="request_timeout") from None
+                raise BadRequest(
+                    f"the body took more than {BODY_SECONDS:g} s to arrive",
+                    status=408,
+                    code="request_timeout",
+                ) from None
             return await asyncio.get_running_loop().run_in_executor(pool, api.prepare, data, chat)
         finally:
             preparing[0] -= 1
@@ -205,27 +258,42 @@ def app_for(model, generator: Generator, name: str, access: Access = Access(), r
             looked = time.monotonic()  # when the engine, the deadline and the client were last looked at
             try:
                 while pending:
-                    finished, _ = await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                    finished, _ = await asyncio.wait(
+                        pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+                    )
                     if time.monotonic() - looked >= 1.0 or not finished:
                         looked = time.monotonic()
                         if not generator.alive:
-                            raise BadRequest(f"the engine has stopped ({generator.error})", status=503,
-                                             code="engine_stopped")
+                            raise BadRequest(
+                                f"the engine has stopped ({generator.error})",
+                                status=503,
+                                code="engine_stopped",
+                            )
                         if looked > deadline:
-                            raise BadRequest(f"the reply took more than {request_timeout_s:g} s "
-                                             f"(--request_timeout_s)", status=504, code="timeout")
-                        if not ask.stream and await http.is_disconnected():  # a stream's is noticed by starlette
+                            raise BadRequest(
+                                f"the reply took more than {request_timeout_s:g} s (--request_timeout_s)",
+                                status=504,
+                                code="timeout",
+                            )
+                        if (
+                            not ask.stream and await http.is_disconnected()
+                        ):  # a stream's is noticed by starlette
                             return
                     for future in finished:
                         i = pending.pop(future)
                         tokens, finish = future.result()
                         if finish is not None and finish.startswith("error"):
-                            raise BadRequest(f"the engine failed this request ({finish[7:]})", status=500,
-                                             code="engine_error")
+                            raise BadRequest(
+                                f"the engine failed this request ({finish[7:]})",
+                                status=500,
+                                code="engine_error",
+                            )
                         ids[i] += tokens
                         text, stopped = before_stop(tokenizer.decode(ids[i]), stops, finish is not None)
-                        reason = None if finish is None else ("stop" if stopped or finish == "stop" else "length")
-                        yield i, text[len(shown[i]):], reason, len(ids[i])
+                        reason = (
+                            None if finish is None else ("stop" if stopped or finish == "stop" else "length")
+                        )
+                        yield i, text[len(shown[i]) :], reason, len(ids[i])
                         shown[i] = text
                         if finish is None:
                             pending[asyncio.ensure_future(submitted[i][1].get())] = i
@@ -238,15 +306,26 @@ def app_for(model, generator: Generator, name: str, access: Access = Access(), r
         prompt_tokens = len(requests[0].prompt) * len(requests)
 
         def usage(completion_tokens: int) -> dict:
-            return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens}
+            return {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            }
 
         if ask.stream:
+
             async def events():
                 counts = [0] * len(requests)
                 if chat:
-                    first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(len(requests))]
+                    first = [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                        for i in range(len(requests))
+                    ]
                     yield f"data: {json.dumps(api.envelope(chat, rid, first, True))}\n\n"
                 try:
                     async for i, text, reason, count in choices():
@@ -268,8 +347,13 @@ def app_for(model, generator: Generator, name: str, access: Access = Access(), r
                 reasons[i], counts[i] = reason, count
         except BadRequest as failed:
             return error(failed)
-        return api.envelope(chat, rid, [api.choice(chat, i, texts[i], reasons[i], False) for i in range(len(requests))],
-                            False, usage(sum(counts)))
+        return api.envelope(
+            chat,
+            rid,
+            [api.choice(chat, i, texts[i], reasons[i], False) for i in range(len(requests))],
+            False,
+            usage(sum(counts)),
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
@@ -280,7 +364,9 @@ def app_for(model, generator: Generator, name: str, access: Access = Access(), r
         return await complete(http, False)
 
     @app.exception_handler(Exception)
-    async def unexpected(http: HttpRequest, err: Exception):  # a bug of ours: the client gets JSON, the server goes on
+    async def unexpected(
+        http: HttpRequest, err: Exception
+    ):  # a bug of ours: the client gets JSON, the server goes on
         return error(BadRequest(f"internal error ({type(err).__name__})", status=500, code="internal_error"))
 
     return Guard(app, access)

@@ -16,28 +16,51 @@ API_KEY_VARIABLE = "TUNIX_API_KEY"
 
 
 def _arguments(argv):
-    parser = argparse.ArgumentParser(prog="python -m tunix_train.serve",
-                                     description="An OpenAI-compatible server on the engine (docs/serving.md)")
+    parser = argparse.ArgumentParser(
+        prog="python -m tunix_train.serve",
+        description="An OpenAI-compatible server on the engine (docs/serving.md)",
+    )
     parser.add_argument("path", help="a run, a Hugging Face directory or a GGUF file")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--mesh_shape", default=None, help="JSON [[sizes], [axis names]] (default: all devices on fsdp)")
+    parser.add_argument(
+        "--mesh_shape", default=None, help="JSON [[sizes], [axis names]] (default: all devices on fsdp)"
+    )
     parser.add_argument("--slots", type=int, default=16, help="requests decoded at once")
-    parser.add_argument("--max_len", type=int, default=2048, help="prompt plus completion tokens of one request, at most")
+    parser.add_argument(
+        "--max_len", type=int, default=2048, help="prompt plus completion tokens of one request, at most"
+    )
     parser.add_argument("--name", default=None, help="the model's name in the API (default: the path's)")
-    parser.add_argument("--drain_s", type=float, default=30.0, help="on SIGTERM, seconds for requests in flight")
-    parser.add_argument("--api_key", default=None,
-                        help=f"the key clients send as 'Authorization: Bearer KEY' (default: ${API_KEY_VARIABLE}; "
-                             f"none: no key asked)")
-    parser.add_argument("--max_queue", type=int, default=256, help="requests waiting for a slot, at most (then 429)")
-    parser.add_argument("--max_body_bytes", type=int, default=2 << 20, help="a request body's size, at most (then 413)")
-    parser.add_argument("--request_timeout_s", type=float, default=600.0, help="a reply's time, at most (then 504)")
-    parser.add_argument("--allowed_hosts", default=None,
-                        help="comma-separated Host names the server answers to, '*' for any (default: localhost "
-                             "names and --host's; the machine's names and addresses when --host is 0.0.0.0 or ::)")
-    parser.add_argument("--allowed_origins", default=None,
-                        help="comma-separated host names browsers may call from (Origin), '*' for any (default: "
-                             "localhost names)")
+    parser.add_argument(
+        "--drain_s", type=float, default=30.0, help="on SIGTERM, seconds for requests in flight"
+    )
+    parser.add_argument(
+        "--api_key",
+        default=None,
+        help=f"the key clients send as 'Authorization: Bearer KEY' (default: ${API_KEY_VARIABLE}; "
+        f"none: no key asked)",
+    )
+    parser.add_argument(
+        "--max_queue", type=int, default=256, help="requests waiting for a slot, at most (then 429)"
+    )
+    parser.add_argument(
+        "--max_body_bytes", type=int, default=2 << 20, help="a request body's size, at most (then 413)"
+    )
+    parser.add_argument(
+        "--request_timeout_s", type=float, default=600.0, help="a reply's time, at most (then 504)"
+    )
+    parser.add_argument(
+        "--allowed_hosts",
+        default=None,
+        help="comma-separated Host names the server answers to, '*' for any (default: localhost "
+        "names and --host's; the machine's names and addresses when --host is 0.0.0.0 or ::)",
+    )
+    parser.add_argument(
+        "--allowed_origins",
+        default=None,
+        help="comma-separated host names browsers may call from (Origin), '*' for any (default: "
+        "localhost names)",
+    )
     return parser.parse_args(argv)
 
 
@@ -55,7 +78,11 @@ def _default_hosts(host: str) -> tuple[str, ...]:
 
 
 def _names(value: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
-    return default if value is None else tuple(v.strip().lower().strip("[]") for v in value.split(",") if v.strip())
+    return (
+        default
+        if value is None
+        else tuple(v.strip().lower().strip("[]") for v in value.split(",") if v.strip())
+    )
 
 
 def fail(message) -> int:
@@ -69,8 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         mesh_shape = mesh_shape_argument(args.mesh_shape)
     except ValueError as err:
         return fail(err)
-    for flag, value in (("--slots", args.slots), ("--max_queue", args.max_queue + 1),
-                        ("--max_body_bytes", args.max_body_bytes), ("--request_timeout_s", args.request_timeout_s)):
+    for flag, value in (
+        ("--slots", args.slots),
+        ("--max_queue", args.max_queue + 1),
+        ("--max_body_bytes", args.max_body_bytes),
+        ("--request_timeout_s", args.request_timeout_s),
+    ):
         if value <= 0:
             return fail(f"{flag}={value} must be positive")
     if args.max_len < 2:
@@ -98,18 +129,29 @@ def main(argv: list[str] | None = None) -> int:
         if model.tokenizer is None:
             raise ConfigError(f"{args.path} carries no tokenizer: a server needs one")
         limit = model.config.context_length
-        generator = Generator(model, args.slots, min(args.max_len, limit or args.max_len), args.max_queue, on_death)
+        generator = Generator(
+            model, args.slots, min(args.max_len, limit or args.max_len), args.max_queue, on_death
+        )
     except ConfigError as err:
         return fail(err)
     name = args.name or Path(args.path).name
-    access = Access(args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
-                    _names(args.allowed_hosts, _default_hosts(args.host)), _names(args.allowed_origins, Access.origins),
-                    args.max_body_bytes)
+    access = Access(
+        args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
+        _names(args.allowed_hosts, _default_hosts(args.host)),
+        _names(args.allowed_origins, Access.origins),
+        args.max_body_bytes,
+    )
     app = app_for(model, generator, name, access, args.request_timeout_s)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=args.drain_s))
-    print(f"serving {name} on http://{args.host}:{args.port}/v1"
-          f"{'' if access.api_key else ' (no API key asked: --api_key)'}", flush=True)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=args.drain_s
+        )
+    )
+    print(
+        f"serving {name} on http://{args.host}:{args.port}/v1"
+        f"{'' if access.api_key else ' (no API key asked: --api_key)'}",
+        flush=True,
+    )
     server.run()
     generator.stop()
     if generator.error is not None:

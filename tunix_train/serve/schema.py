@@ -22,20 +22,47 @@ MAX_N = 16
 SEED_RANGE = (-(1 << 63), 1 << 64)  # OpenAI's int64, and uint64; the engine keeps seed mod 2**32
 
 # Fields OpenAI defines that this server accepts only at the value that changes nothing
-NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False,), "logit_bias": ({},),
-           "response_format": ({"type": "text"},), "parallel_tool_calls": (True, False), "store": (False,),
-           "echo": (False,), "best_of": (1,), "suffix": ("",)}
+NEUTRAL = {
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "logprobs": (False,),
+    "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+    "parallel_tool_calls": (True, False),
+    "store": (False,),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+}
 IGNORED = {"user", "metadata", "service_tier"}  # bookkeeping of OpenAI's, without effect on a reply
-CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-               "stop", "n", "stream", "stream_options"}
+CHAT_FIELDS = {
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+}
 TEXT_FIELDS = (CHAT_FIELDS - {"messages", "max_completion_tokens"}) | {"prompt"}
 
 
 class BadRequest(Exception):
     """A request refused: its message, the field, the HTTP status and OpenAI's error code."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
-                 headers: dict | None = None):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.param, self.status, self.code, self.headers = param, status, code, headers or {}
 
@@ -46,6 +73,7 @@ class BadRequest(Exception):
 
 def parse_json(data: bytes) -> dict:
     """The body as a JSON object: UTF-8, no NaN or Infinity, at most MAX_DEPTH deep."""
+
     def no_constant(name):
         raise ValueError(f"{name} is not JSON")
 
@@ -60,10 +88,17 @@ def parse_json(data: bytes) -> dict:
     try:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        raise BadRequest("the body is not valid text: it holds an unpaired surrogate (\\ud800-\\udfff)") from None
+        raise BadRequest(
+            "the body is not valid text: it holds an unpaired surrogate (\\ud800-\\udfff)"
+        ) from None
     level, depth = [body], 1
     while level:
-        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x) if isinstance(v, (dict, list))]
+        level = [
+            v
+            for x in level
+            for v in (x.values() if isinstance(x, dict) else x)
+            if isinstance(v, (dict, list))
+        ]
         depth += bool(level)
         if depth > MAX_DEPTH:
             raise BadRequest(f"the body is nested more than {MAX_DEPTH} deep")
@@ -76,7 +111,9 @@ def _number(body: dict, name: str, kind: type, default, low=None, high=None, low
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         raise BadRequest(f"'{name}' must be {'a number' if kind is float else 'an integer'}", name)
-    if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
+    if (low is not None and (value <= low if low_open else value < low)) or (
+        high is not None and value > high
+    ):
         raise BadRequest(f"'{name}'={value} is out of range", name)
     return value
 
@@ -112,8 +149,12 @@ def read(body: dict, chat: bool, name: str) -> Ask:
         elif field not in NEUTRAL:
             raise BadRequest(f"Unrecognized request argument supplied: {field[:80]}", field[:80])
     if body.get("model") is not None and body["model"] != name:
-        raise BadRequest(f"The model '{str(body['model'])[:80]}' does not exist (this server has '{name}')",
-                         "model", 404, "model_not_found")
+        raise BadRequest(
+            f"The model '{str(body['model'])[:80]}' does not exist (this server has '{name}')",
+            "model",
+            404,
+            "model_not_found",
+        )
     if chat:
         messages = body.get("messages")
         if messages is None:
@@ -130,26 +171,48 @@ def read(body: dict, chat: bool, name: str) -> Ask:
             raise BadRequest("'prompt' must be a string", "prompt")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > MAX_STOPS \
-            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
-        raise BadRequest(f"'stop' must be a string or a list of up to {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} "
-                         f"characters", "stop")
-    field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    if (
+        not isinstance(stop, list)
+        or len(stop) > MAX_STOPS
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)
+    ):
+        raise BadRequest(
+            f"'stop' must be a string or a list of up to {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} "
+            f"characters",
+            "stop",
+        )
+    field = (
+        "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    )
     max_tokens = _number(body, field, int, None if chat else 16)
     if max_tokens is not None and max_tokens <= 0:
         raise BadRequest(f"'{field}'={max_tokens} must be positive", field)
     options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
-                                or not isinstance(options.get("include_usage", False), bool)):
-        raise BadRequest("'stream_options' must be an object {\"include_usage\": true|false}", "stream_options")
+    if options is not None and (
+        not isinstance(options, dict)
+        or set(options) - {"include_usage"}
+        or not isinstance(options.get("include_usage", False), bool)
+    ):
+        raise BadRequest(
+            "'stream_options' must be an object {\"include_usage\": true|false}", "stream_options"
+        )
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", "stream")
     seed = _number(body, "seed", int, None, SEED_RANGE[0], SEED_RANGE[1] - 1)
-    return Ask(chat, prompt, max_tokens, _number(body, "temperature", float, 1.0, 0, 2),
-               _number(body, "top_k", int, None, 1), _number(body, "top_p", float, None, 0, 1, low_open=True),
-               seed if seed is not None else uuid.uuid4().int & 0x7FFFFFFF, _number(body, "n", int, 1, 1, MAX_N),
-               tuple(stop), bool(stream), bool((options or {}).get("include_usage")))
+    return Ask(
+        chat,
+        prompt,
+        max_tokens,
+        _number(body, "temperature", float, 1.0, 0, 2),
+        _number(body, "top_k", int, None, 1),
+        _number(body, "top_p", float, None, 0, 1, low_open=True),
+        seed if seed is not None else uuid.uuid4().int & 0x7FFFFFFF,
+        _number(body, "n", int, 1, 1, MAX_N),
+        tuple(stop),
+        bool(stream),
+        bool((options or {}).get("include_usage")),
+    )
 
 
 def longest_token_chars(tokenizer) -> int:

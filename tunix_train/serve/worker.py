@@ -25,12 +25,19 @@ def _why(err: BaseException) -> str:
 
 
 class Generator:
-    def __init__(self, model, slots: int, max_len: int, max_queue: int, on_death: Callable[[], None] = lambda: None):
+    def __init__(
+        self, model, slots: int, max_len: int, max_queue: int, on_death: Callable[[], None] = lambda: None
+    ):
         from tunix_train.generate import Engine
 
         self.model, self.max_len, self.max_queue, self.on_death = model, max_len, max_queue, on_death
-        self.engine = Engine(model.config, model.mesh, model.stop_ids, slots=slots,
-                             decode=model.tokenizer.decode if model.tokenizer else None)
+        self.engine = Engine(
+            model.config,
+            model.mesh,
+            model.stop_ids,
+            slots=slots,
+            decode=model.tokenizer.decode if model.tokenizer else None,
+        )
         self.slots = self.engine.slots_for(slots)
         self.session = self._new_session()
         self.error: str | None = None  # why the thread ended, once it has
@@ -58,27 +65,39 @@ class Generator:
         try:
             self.engine.check(request)
         except ConfigError as err:
-            param = next((p for p in ("max_new_tokens", "top_k", "top_p", "temperature") if p in str(err)), "messages")
+            param = next(
+                (p for p in ("max_new_tokens", "top_k", "top_p", "temperature") if p in str(err)), "messages"
+            )
             raise BadRequest(str(err), {"max_new_tokens": "max_tokens"}.get(param, param)) from None
         if len(request.prompt) + request.max_new_tokens > self.max_len:
-            raise BadRequest(f"the prompt's {len(request.prompt)} tokens plus max_tokens={request.max_new_tokens} "
-                             f"pass this server's {self.max_len} tokens (--max_len)", "max_tokens",
-                             code="context_length_exceeded")
+            raise BadRequest(
+                f"the prompt's {len(request.prompt)} tokens plus max_tokens={request.max_new_tokens} "
+                f"pass this server's {self.max_len} tokens (--max_len)",
+                "max_tokens",
+                code="context_length_exceeded",
+            )
 
     def submit(self, requests: list) -> list[tuple[int, asyncio.Queue]]:
         """The requests queued together, or none of them: a 503 once the engine has stopped, a 429
         when more than max_queue would wait for a slot."""
         if not self.alive:
-            raise BadRequest(f"the engine has stopped ({self.error}); the server is exiting", status=503,
-                             code="engine_stopped")
+            raise BadRequest(
+                f"the engine has stopped ({self.error}); the server is exiting",
+                status=503,
+                code="engine_stopped",
+            )
         loop, submitted = asyncio.get_running_loop(), []
         with self._lock:
             waiting = len(self._outputs) + len(requests) - self.slots
             if waiting > self.max_queue:
-                raise BadRequest(f"{len(self._outputs)} requests are in flight and at most {self.max_queue} may "
-                                 f"wait for this server's {self.slots} slots (--max_queue); retry later", status=429,
-                                 code="rate_limit_exceeded", headers={"Retry-After": "1"})
-            for request in requests:
+                raise BadRequest(
+                    f"{len(self._outputs)} requests are in flight and at most {self.max_queue} may "
+                    f"wait for this server's {self.slots} slots (--max_queue); retry later",
+                    status=429,
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": "1"},
+                )
+            for _ in requests:
                 key, output = next(self._ids), asyncio.Queue()
                 self._outputs[key] = (loop, output)
                 submitted.append((key, output))
@@ -141,7 +160,9 @@ class Generator:
             try:
                 produced = self.session.step()
             except Exception as err:  # noqa: BLE001 - which request made it fail is unknown: all in it fail
-                log.error(f"a step of the engine failed: {_why(err)}; its {len(rids)} requests failed with it")
+                log.error(
+                    f"a step of the engine failed: {_why(err)}; its {len(rids)} requests failed with it"
+                )
                 for key in rids:
                     self._send(key, [], _why(err))
                 rids.clear()

@@ -74,18 +74,30 @@ class StopOnNonFinite(Hook):
     def after_step(self, end: StepEnd) -> None:
         if not bool(end.metrics["finite"]):
             self.save(end.state)
-            raise RunStopped(f"non-finite loss or gradient at step {end.step} (training.nan_policy=stop); "
-                             f"its update was dropped and the last good state saved to "
-                             f"{self.checkpoints / str(end.step)}", exit_code=exit_codes.NON_FINITE)
+            raise RunStopped(
+                f"non-finite loss or gradient at step {end.step} (training.nan_policy=stop); "
+                f"its update was dropped and the last good state saved to "
+                f"{self.checkpoints / str(end.step)}",
+                exit_code=exit_codes.NON_FINITE,
+            )
 
 
 class TrainMetrics(Hook):
     """Every `every` steps and at the last: loss, learning rate, gradient norm, step time, tokens/s,
     MFU, non-finite steps skipped and device memory. Fetching the metrics waits for the step."""
 
-    def __init__(self, interval: Interval, every: int, max_steps: int, tokens_per_step: int,
-                 flops_per_token: float, peak: Peak, devices: int, objective_metrics: tuple[str, ...] = (),
-                 say: Callable[[str], None] = lambda line: None):
+    def __init__(
+        self,
+        interval: Interval,
+        every: int,
+        max_steps: int,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak: Peak,
+        devices: int,
+        objective_metrics: tuple[str, ...] = (),
+        say: Callable[[str], None] = lambda line: None,
+    ):
         """peak: per device, of `devices` devices; say: where a revised peak is told."""
         self.interval, self.every, self.max_steps = interval, every, max_steps
         self.objective_metrics, self.say = objective_metrics, say
@@ -102,11 +114,16 @@ class TrainMetrics(Hook):
         per_device = tokens_per_sec * self.flops_per_token / self.devices
         if revised := self.peak.revise(per_device):
             self.say(revised)
-        end.scalars.update(loss=metrics["loss"], learning_rate=metrics["learning_rate"],
-                           grad_norm=metrics["grad_norm"], step_time_s=elapsed / self.interval.steps,
-                           tokens_per_sec=tokens_per_sec, mfu=per_device / self.peak.value,
-                           nonfinite_steps=metrics["nonfinite_steps"],
-                           **{name: metrics[name] for name in self.objective_metrics})
+        end.scalars.update(
+            loss=metrics["loss"],
+            learning_rate=metrics["learning_rate"],
+            grad_norm=metrics["grad_norm"],
+            step_time_s=elapsed / self.interval.steps,
+            tokens_per_sec=tokens_per_sec,
+            mfu=per_device / self.peak.value,
+            nonfinite_steps=metrics["nonfinite_steps"],
+            **{name: metrics[name] for name in self.objective_metrics},
+        )
         if (memory := device_memory_in_use()) is not None:
             end.scalars["device_memory_gb"] = memory / 1e9
 
@@ -124,7 +141,10 @@ class Evaluate(Hook):
         sums = [self.eval_fn(state.params, state.frozen, batch) for batch in self.batches]
         loss_sum, weight = (sum(float(s[k]) for s in sums) for k in ("loss_sum", "weight"))
         loss = loss_sum / max(weight, 1.0)
-        return {"eval_loss": loss, **({"eval_perplexity": math.exp(min(loss, 700.0))} if self.perplexity else {})}
+        return {
+            "eval_loss": loss,
+            **({"eval_perplexity": math.exp(min(loss, 700.0))} if self.perplexity else {}),
+        }
 
     def at_start(self, start: StepEnd) -> None:
         start.scalars.update(self.evaluate(start.state))
@@ -139,9 +159,21 @@ class Samples(Hook):
     after the last: `generate(state, prompts)` -> texts, given to `write(step, [(prompt, text)])`.
     Reads the parameters only: the training trajectory is the same with or without it."""
 
-    def __init__(self, generate: Callable[[Any, list[str]], list[str]], prompts: list[str], every: int,
-                 max_steps: int, write: Callable[[int, list[tuple[str, str]]], None]):
-        self.generate, self.prompts, self.every, self.max_steps, self.write = generate, prompts, every, max_steps, write
+    def __init__(
+        self,
+        generate: Callable[[Any, list[str]], list[str]],
+        prompts: list[str],
+        every: int,
+        max_steps: int,
+        write: Callable[[int, list[tuple[str, str]]], None],
+    ):
+        self.generate, self.prompts, self.every, self.max_steps, self.write = (
+            generate,
+            prompts,
+            every,
+            max_steps,
+            write,
+        )
 
     def _sample(self, step: int, state: TrainState) -> None:
         self.write(step, list(zip(self.prompts, self.generate(state, self.prompts))))
@@ -158,8 +190,9 @@ class Report(Hook):
     """Writes a step's scalars, when it has any, to metrics.jsonl and TensorBoard (`writer`) and as
     one log line; process 0 only (the others pass None). Restarts the tokens/s interval."""
 
-    def __init__(self, writer: MetricsWriter | None, log: logging.Logger | None, interval: Interval,
-                 max_steps: int):
+    def __init__(
+        self, writer: MetricsWriter | None, log: logging.Logger | None, interval: Interval, max_steps: int
+    ):
         self.writer, self.log, self.interval, self.max_steps = writer, log, interval, max_steps
 
     def at_start(self, start: StepEnd) -> None:
@@ -180,8 +213,10 @@ class Report(Hook):
             eta = f"  ETA {_duration(end.scalars['step_time_s'] * (self.max_steps - end.step))}"
         progress = not any(name.startswith("eval") for name in end.scalars)  # evals stay on screen
         if self.log:
-            self.log.info(f"step {end.step}/{self.max_steps}  " + _format(end.scalars) + eta,
-                          extra={"progress": progress})
+            self.log.info(
+                f"step {end.step}/{self.max_steps}  " + _format(end.scalars) + eta,
+                extra={"progress": progress},
+            )
         self.interval.restart()
 
 
@@ -192,8 +227,14 @@ class StopOnSignal(Hook):
     signal: each step's requests are combined across processes by an all-reduce that is read one
     step later, so the host never waits for the devices on its account."""
 
-    def __init__(self, stop: StopRequest, save: Callable[[TrainState], Any], wait: Callable[[], None],
-                 checkpoints: Path, mesh: jax.sharding.Mesh):
+    def __init__(
+        self,
+        stop: StopRequest,
+        save: Callable[[TrainState], Any],
+        wait: Callable[[], None],
+        checkpoints: Path,
+        mesh: jax.sharding.Mesh,
+    ):
         self.stop, self.save, self.wait, self.checkpoints, self.mesh = stop, save, wait, checkpoints, mesh
         self.previous: jax.Array | None = None  # the previous step's combined request
 
@@ -207,9 +248,11 @@ class StopOnSignal(Hook):
             self.save(end.state)
             self.wait()
             name = {code: name for name, code in SIGNAL_CODES.items()}[request]
-            raise RunStopped(f"{name}: stopped after step {end.step}; checkpoint saved to "
-                             f"{self.checkpoints / str(end.step)}",
-                             exit_code=exit_codes.PREEMPTED if name == "SIGTERM" else exit_codes.OK)
+            raise RunStopped(
+                f"{name}: stopped after step {end.step}; checkpoint saved to "
+                f"{self.checkpoints / str(end.step)}",
+                exit_code=exit_codes.PREEMPTED if name == "SIGTERM" else exit_codes.OK,
+            )
 
 
 SIGNAL_CODES = {"SIGINT": 1, "SIGTERM": 2}  # SIGTERM wins: a preemption asks for a restart

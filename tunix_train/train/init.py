@@ -22,26 +22,35 @@ from tunix_train.state import TrainState
 from tunix_train.train.weights import FULL_FINE_TUNING, Weights
 
 
-
-def _fresh_state(model_params: nnx.State, optimizer: optax.GradientTransformation, weights: Weights) -> TrainState:
+def _fresh_state(
+    model_params: nnx.State, optimizer: optax.GradientTransformation, weights: Weights
+) -> TrainState:
     """Step 0 and a new optimizer state around the trainable part of `model_params`."""
     zero = jnp.zeros((), jnp.int32)
     params, frozen = weights.split(model_params)
-    return TrainState(step=zero, params=params, opt_state=optimizer.init(params), nonfinite_steps=zero, frozen=frozen)
+    return TrainState(
+        step=zero, params=params, opt_state=optimizer.init(params), nonfinite_steps=zero, frozen=frozen
+    )
 
 
 def _model_params(model_cfg: ModelConfig, key: jax.Array, weights: Weights) -> nnx.State:
     return nnx.state(Gemma(model_cfg, nnx.Rngs(key), lora=weights.lora), nnx.Param)
 
 
-def train_state_initializer(model_cfg: ModelConfig, optimizer: optax.GradientTransformation,
-                            weights: Weights = FULL_FINE_TUNING):
+def train_state_initializer(
+    model_cfg: ModelConfig, optimizer: optax.GradientTransformation, weights: Weights = FULL_FINE_TUNING
+):
     """key -> a fresh TrainState; for jax.eval_shape (shapes only) or a sharded jit."""
     return lambda key: _fresh_state(_model_params(model_cfg, key, weights), optimizer, weights)
 
 
-def _state_around_base(base: nnx.State, key: jax.Array, model_cfg: ModelConfig,
-                       optimizer: optax.GradientTransformation, weights: Weights) -> TrainState:
+def _state_around_base(
+    base: nnx.State,
+    key: jax.Array,
+    model_cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    weights: Weights,
+) -> TrainState:
     """A fresh state whose base weights are `base` (adapters, if any, new from `key`; the compiler
     drops the unused fresh base)."""
     adapters = nnx.split_state(_model_params(model_cfg, key, weights), Adapter, ...)[0]
@@ -73,10 +82,17 @@ class StatePlan:
         return self._from_params(params, self._key)
 
 
-def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
-                     seed: int, strategy: ShardingStrategy = ShardingStrategy.full_shard,
-                     rules: Rules = LOGICAL_RULES, offload_optimizer_state: bool = False,
-                     offload_master_weights: bool = False, weights: Weights = FULL_FINE_TUNING) -> StatePlan:
+def plan_train_state(
+    model_cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    seed: int,
+    strategy: ShardingStrategy = ShardingStrategy.full_shard,
+    rules: Rules = LOGICAL_RULES,
+    offload_optimizer_state: bool = False,
+    offload_master_weights: bool = False,
+    weights: Weights = FULL_FINE_TUNING,
+) -> StatePlan:
     """Shapes from jax.eval_shape, shardings from the parameters' logical axes and the sharding
     strategy, and an init jitted with those out_shardings, so the whole model never sits on one
     device. An offloaded optimizer state or float32 master copy of the parameters is sharded
@@ -88,25 +104,43 @@ def plan_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransforma
     replicated = state_shardings(shapes, mesh, replicated_over=("fsdp",), rules=rules)
     full = strategy is ShardingStrategy.full_shard
     no_shard = strategy is ShardingStrategy.no_shard
-    shardings = sharded.replace(params=sharded.params if full else replicated.params,
-                                opt_state=replicated.opt_state if no_shard else sharded.opt_state,
-                                frozen=sharded.frozen if full else replicated.frozen)
+    shardings = sharded.replace(
+        params=sharded.params if full else replicated.params,
+        opt_state=replicated.opt_state if no_shard else sharded.opt_state,
+        frozen=sharded.frozen if full else replicated.frozen,
+    )
     grad_shardings = replicated.params if no_shard else sharded.params
     on_device = shardings
-    on_host = lambda tree: jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree)
+
+    def on_host(tree):
+        return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree)
+
     if offload_optimizer_state:
         shardings = shardings.replace(opt_state=on_host(shardings.opt_state))
     if offload_master_weights:
         shardings = shardings.replace(params=on_host(shardings.params))
     abstract = _abstract(shapes, shardings)
-    from_params = functools.partial(_state_around_base, model_cfg=model_cfg, optimizer=optimizer, weights=weights)
+    from_params = functools.partial(
+        _state_around_base, model_cfg=model_cfg, optimizer=optimizer, weights=weights
+    )
     base_shapes = jax.eval_shape(
-        lambda k: weights.as_loaded(nnx.split_state(_model_params(model_cfg, k, weights), Adapter, ...)[1]), key)
+        lambda k: weights.as_loaded(nnx.split_state(_model_params(model_cfg, k, weights), Adapter, ...)[1]),
+        key,
+    )
     base_shardings = state_shardings(base_shapes, mesh, () if full else ("fsdp",), rules)
     # a GGUF base loads as the run holds it, its blocks quantized
     base = abstract.frozen if weights.loads_quantized else _abstract(base_shapes, base_shardings)
-    return StatePlan(shardings, grad_shardings, abstract, rules, on_device, base,
-                     jax.jit(init, out_shardings=shardings), key, jax.jit(from_params, out_shardings=shardings))
+    return StatePlan(
+        shardings,
+        grad_shardings,
+        abstract,
+        rules,
+        on_device,
+        base,
+        jax.jit(init, out_shardings=shardings),
+        key,
+        jax.jit(from_params, out_shardings=shardings),
+    )
 
 
 @dataclasses.dataclass
@@ -125,18 +159,31 @@ class ParamsPlan:
         return self._fresh_frozen(self._key)
 
 
-def plan_params(model_cfg: ModelConfig, mesh: Mesh, seed: int, weights: Weights = FULL_FINE_TUNING,
-                rules: Rules = LOGICAL_RULES) -> ParamsPlan:
+def plan_params(
+    model_cfg: ModelConfig,
+    mesh: Mesh,
+    seed: int,
+    weights: Weights = FULL_FINE_TUNING,
+    rules: Rules = LOGICAL_RULES,
+) -> ParamsPlan:
     """Shapes from jax.eval_shape and shardings from the parameters' logical axes (fsdp-sharded),
     nothing allocated."""
     key = jax.random.key(seed)
-    with_shardings = lambda shapes: _abstract(shapes, state_shardings(shapes, mesh, rules=rules))
-    model = lambda k: _model_params(model_cfg, k, weights)
+
+    def with_shardings(shapes):
+        return _abstract(shapes, state_shardings(shapes, mesh, rules=rules))
+
+    def model(k):
+        return _model_params(model_cfg, k, weights)
+
     shapes = jax.eval_shape(model, key)  # traced once; its parts split from it
     abstract = with_shardings(shapes)
     adapters, base = (with_shardings(part) for part in nnx.split_state(shapes, Adapter, ...))
     trainable = abstract if weights.lora is None else adapters
-    frozen = lambda k: weights.split(model(k))[1]
+
+    def frozen(k):
+        return weights.split(model(k))[1]
+
     frozen_shapes = jax.eval_shape(frozen, key)
     frozen_shardings = state_shardings(frozen_shapes, mesh, rules=rules)
     if weights.loads_quantized:  # a GGUF base loads as the run holds it, its blocks quantized
@@ -146,12 +193,18 @@ def plan_params(model_cfg: ModelConfig, mesh: Mesh, seed: int, weights: Weights 
 
 def _abstract(shapes, shardings):
     """ShapeDtypeStructs of `shapes` carrying `shardings` (a prefix tree of them)."""
-    return jax.tree.map(lambda sharding, subtree: jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree), shardings, shapes)
+    return jax.tree.map(
+        lambda sharding, subtree: jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree
+        ),
+        shardings,
+        shapes,
+    )
 
 
-def create_train_state(model_cfg: ModelConfig, optimizer: optax.GradientTransformation,
-                       mesh: Mesh, seed: int) -> tuple[TrainState, Any]:
+def create_train_state(
+    model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh, seed: int
+) -> tuple[TrainState, Any]:
     """The initialized state and its shardings."""
     plan = plan_train_state(model_cfg, optimizer, mesh, seed)
     return plan.create(), plan.shardings

@@ -14,23 +14,36 @@ from tunix_train.config import BaseQuantization, Config, NanPolicy
 from tunix_train.data import Data
 from tunix_train.generate import Engine, Request
 from tunix_train.observe.comms import CommunicationProfile
+from tunix_train.observe.memory import MemoryErrors
 from tunix_train.observe.metrics import MetricsWriter, setup_logging
 from tunix_train.observe.mfu import Peak, train_flops_per_token
-from tunix_train.observe.memory import MemoryErrors
 from tunix_train.sharding import data_parallel_size, describe_mesh, process_rows, to_global_batch
 from tunix_train.state import TrainState
 from tunix_train.train import hooks as h
 from tunix_train.train.init import count_params
 from tunix_train.train.objectives import make_objective
-from tunix_train.train.setup import check_same_run, data_state, frozen_record, initial_state, save_config, setup
+from tunix_train.train.setup import (
+    check_same_run,
+    data_state,
+    frozen_record,
+    initial_state,
+    save_config,
+    setup,
+)
 from tunix_train.train.signals import StopRequest
 
 # logged with experts: the load-balancing loss, and the busiest and idlest experts' tokens over the even share
 MOE_METRICS = ("moe_aux_loss", "moe_load_max", "moe_load_min")
 
 
-def run_steps(state: TrainState, step_fn, first_batch, next_batch: Callable[[TrainState], dict],
-              hooks: Sequence[h.Hook], max_steps: int) -> TrainState:
+def run_steps(
+    state: TrainState,
+    step_fn,
+    first_batch,
+    next_batch: Callable[[TrainState], dict],
+    hooks: Sequence[h.Hook],
+    max_steps: int,
+) -> TrainState:
     """Steps from state.step to max_steps: a batch (made knowing the state: an RL objective samples
     with it), the compiled step, the hooks in order."""
     start = h.StepEnd(int(state.step), state, {})
@@ -52,9 +65,14 @@ def run_steps(state: TrainState, step_fn, first_batch, next_batch: Callable[[Tra
     return state
 
 
-def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
-          devices: list[jax.Device] | None = None, processes: str = "single process",
-          extra_hooks: Sequence[h.Hook] = ()) -> TrainState:
+def train(
+    cfg: Config,
+    run_dir: Path,
+    overrides: list[str] = (),
+    devices: list[jax.Device] | None = None,
+    processes: str = "single process",
+    extra_hooks: Sequence[h.Hook] = (),
+) -> TrainState:
     """Trains until cfg.training.max_steps on `devices` (default: all), resuming from the run
     directory's latest checkpoint when there is one; returns the final state. `extra_hooks` run
     after the built-in ones that measure and evaluate, before the report: their scalars are logged.
@@ -77,8 +95,11 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
     try:
         with memory:
             state, origin, skipped = initial_state(cfg, run, checkpoints, train_batches)
-            eval_batches = ([to_global_batch(b, mesh) for b in objective.eval_batches(data, run.micro_batch, rows)]
-                            if t.eval_every else [])
+            eval_batches = (
+                [to_global_batch(b, mesh) for b in objective.eval_batches(data, run.micro_batch, rows)]
+                if t.eval_every
+                else []
+            )
             frozen = frozen_record(cfg, state)
     except BaseException:
         train_batches.close()
@@ -101,16 +122,22 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
     say(f"mesh: {describe_mesh(mesh)}; {processes}")
     say(f"model: {cfg.model.name}, {_describe_parameters(run, state)}; {origin}")
     say(f"objective: {t.objective.value}")
-    say(f"global batch: {t.gradient_accumulation_steps * run.micro_batch} sequences "
+    say(
+        f"global batch: {t.gradient_accumulation_steps * run.micro_batch} sequences "
         f"({t.micro_batch_size} per data-parallel shard x {data_parallel_size(mesh)} shards x "
-        f"{t.gradient_accumulation_steps} accumulation steps) = {tokens_per_step:,} tokens")
+        f"{t.gradient_accumulation_steps} accumulation steps) = {tokens_per_step:,} tokens"
+    )
     for line in run.parallel.describe() if run.parallel else ():
         say(line)
-    say(f"MFU basis: {flops_per_token / 1e9:.3f} GFLOP per token, peak {peak.value / 1e12:.3f} TFLOP/s "
-        f"per device ({peak.source}) x {mesh.devices.size} devices")
+    say(
+        f"MFU basis: {flops_per_token / 1e9:.3f} GFLOP per token, peak {peak.value / 1e12:.3f} TFLOP/s "
+        f"per device ({peak.source}) x {mesh.devices.size} devices"
+    )
     if not data.synthetic:
-        say(f"data: {len(data.train_docs):,} training and {len(data.eval_docs):,} held-out documents, "
-            f"tokenizer {data.tokenizer.path.name} ({data.tokenizer.vocab_size} tokens)")
+        say(
+            f"data: {len(data.train_docs):,} training and {len(data.eval_docs):,} held-out documents, "
+            f"tokenizer {data.tokenizer.path.name} ({data.tokenizer.vocab_size} tokens)"
+        )
 
     checkpointer = Checkpointer(checkpoints, cfg.checkpoint)
     objective.connect(run, writer.write_samples if writer else lambda *_: None)
@@ -121,7 +148,10 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
     try:
         with memory, jax.set_mesh(mesh), StopRequest() as stop:
             start = time.perf_counter()
-            next_batch = lambda state: to_global_batch(objective.prepare(train_batches, state), mesh)
+
+            def next_batch(state):
+                return to_global_batch(objective.prepare(train_batches, state), mesh)
+
             batch = next_batch(state)
             step_fn = memory.compiled = run.step_fn.lower(state, batch).compile()
             say(f"compiled the train step in {time.perf_counter() - start:.1f} s")
@@ -130,11 +160,22 @@ def train(cfg: Config, run_dir: Path, overrides: list[str] = (),
                 *objective.hooks(),  # first: GRPO draws rollouts on its own mesh while the step runs
                 *_profile_hook(cfg, run_dir, int(state.step), step_fn, mesh, say, is_chief),
                 *([h.StopOnNonFinite(save, checkpoints)] if t.nan_policy is NanPolicy.stop else []),
-                h.TrainMetrics(interval, t.log_every, t.max_steps, tokens_per_step, flops_per_token, peak,
-                               mesh.devices.size,
-                               objective.metric_names + (MOE_METRICS if cfg.model.num_experts else ()), say),
-                *([h.Evaluate(run.eval_fn, eval_batches, t.eval_every, t.max_steps, objective.perplexity)]
-                  if eval_batches else []),
+                h.TrainMetrics(
+                    interval,
+                    t.log_every,
+                    t.max_steps,
+                    tokens_per_step,
+                    flops_per_token,
+                    peak,
+                    mesh.devices.size,
+                    objective.metric_names + (MOE_METRICS if cfg.model.num_experts else ()),
+                    say,
+                ),
+                *(
+                    [h.Evaluate(run.eval_fn, eval_batches, t.eval_every, t.max_steps, objective.perplexity)]
+                    if eval_batches
+                    else []
+                ),
                 *_samples_hook(cfg, run, data, writer, say),
                 *extra_hooks,
                 h.Report(writer, log, interval, t.max_steps),
@@ -162,8 +203,11 @@ def _describe_parameters(run, state: TrainState) -> str:
     trainable = f"{count_params(state.params):,} parameters"
     if run.weights.lora is not None:
         lora = run.weights.lora
-        return (f"{trainable} in LoRA adapters (rank {lora.rank}, alpha {lora.alpha:g}, on {', '.join(lora.targets)}) "
-                f"over a frozen {_base_format(lora)} base of {count_params(state.frozen):,}")
+        return (
+            f"{trainable} in LoRA adapters (rank {lora.rank}, alpha {lora.alpha:g}, on "
+            f"{', '.join(lora.targets)}) "
+            f"over a frozen {_base_format(lora)} base of {count_params(state.frozen):,}"
+        )
     if state.frozen is not None:
         return f"{trainable}, and a frozen reference copy of them"
     return trainable
@@ -181,8 +225,10 @@ def _samples_hook(cfg: Config, run, data: Data, writer: MetricsWriter | None, sa
 
     def generate(state, prompts: list[str]) -> list[str]:
         params = merged(jax.device_put(state.params, run.plan.on_device.params), state.frozen)
-        done = engine.generate(params, [Request((tokenizer.bos_id, *tokenizer.encode(p)), t.sample_max_new_tokens)
-                                        for p in prompts])
+        done = engine.generate(
+            params,
+            [Request((tokenizer.bos_id, *tokenizer.encode(p)), t.sample_max_new_tokens) for p in prompts],
+        )
         return [tokenizer.decode(c.tokens) for c in done]
 
     def write(step: int, samples: list[tuple[str, str]]) -> None:
@@ -200,5 +246,8 @@ def _profile_hook(cfg: Config, run_dir: Path, start: int, step_fn, mesh, say, is
     if not (t.profile_communication and is_chief):
         return []
     first = max(min(start + 2, t.max_steps - t.profile_steps), start)
-    return [h.ProfileCommunication(CommunicationProfile(run_dir, first, t.profile_steps, step_fn,
-                                                                    dict(mesh.shape)), say, t.max_steps)]
+    return [
+        h.ProfileCommunication(
+            CommunicationProfile(run_dir, first, t.profile_steps, step_fn, dict(mesh.shape)), say, t.max_steps
+        )
+    ]

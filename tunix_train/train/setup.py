@@ -16,10 +16,24 @@ from omegaconf import OmegaConf
 
 from tunix_train import parallel, platform
 from tunix_train.checkpoint import restore_from, restore_latest, set_aside
-from tunix_train.config import Config, ConfigError, Objective as Kind, changeable_on_resume, without_retired_keys
+from tunix_train.config import (
+    Config,
+    ConfigError,
+    changeable_on_resume,
+    without_retired_keys,
+)
+from tunix_train.config import (
+    Objective as Kind,
+)
 from tunix_train.files import write_text
 from tunix_train.interop import importer
-from tunix_train.sharding import LOGICAL_RULES, data_parallel_size, make_mesh, split_devices, validate_model_for_mesh
+from tunix_train.sharding import (
+    LOGICAL_RULES,
+    data_parallel_size,
+    make_mesh,
+    split_devices,
+    validate_model_for_mesh,
+)
 from tunix_train.state import TrainState
 from tunix_train.train.init import StatePlan, plan_train_state
 from tunix_train.train.objectives import make_objective
@@ -51,11 +65,15 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
     t = cfg.training
     devices = list(jax.devices() if devices is None else devices)
     objective = objective or make_objective(cfg)
-    weights = Weights.for_run(cfg, objective.needs_reference)  # reads a GGUF base's layout: before the devices start
+    weights = Weights.for_run(
+        cfg, objective.needs_reference
+    )  # reads a GGUF base's layout: before the devices start
     rollout_mesh = None
     if t.objective is Kind.grpo and t.grpo.rollout_mesh_shape is not None:
         key = "training.grpo.rollout_mesh_shape"
-        devices, rollout_devices = split_devices(devices, cfg.model.mesh_shape, t.grpo.rollout_mesh_shape, key)
+        devices, rollout_devices = split_devices(
+            devices, cfg.model.mesh_shape, t.grpo.rollout_mesh_shape, key
+        )
         rollout_mesh = make_mesh(t.grpo.rollout_mesh_shape, rollout_devices, key)
         validate_model_for_mesh(cfg.model, rollout_mesh)
     mesh = make_mesh(cfg.model.mesh_shape, devices)
@@ -63,14 +81,42 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
     layout = parallel.for_run(mesh, cfg.model, t, cfg.data.seq_len)
     platform.prepare(t, mesh)
     optimizer, schedule = make_optimizer(t)
-    plan = plan_train_state(cfg.model, optimizer, mesh, t.seed, t.sharding_strategy, LOGICAL_RULES,
-                            t.offload_optimizer_state, t.offload_master_weights, weights)
-    step_fn = compile_train_step(plan, mesh, model_cfg=cfg.model, optimizer=optimizer, schedule=schedule, training=t,
-                                 parallel=layout, objective=objective, weights=weights)
-    eval_fn = compile_eval_step(plan, mesh, model_cfg=cfg.model, training=t, parallel=layout, objective=objective,
-                                weights=weights)
-    return Setup(mesh, rollout_mesh, plan, step_fn, eval_fn, t.micro_batch_size * data_parallel_size(mesh), layout,
-                 objective, weights)
+    plan = plan_train_state(
+        cfg.model,
+        optimizer,
+        mesh,
+        t.seed,
+        t.sharding_strategy,
+        LOGICAL_RULES,
+        t.offload_optimizer_state,
+        t.offload_master_weights,
+        weights,
+    )
+    step_fn = compile_train_step(
+        plan,
+        mesh,
+        model_cfg=cfg.model,
+        optimizer=optimizer,
+        schedule=schedule,
+        training=t,
+        parallel=layout,
+        objective=objective,
+        weights=weights,
+    )
+    eval_fn = compile_eval_step(
+        plan, mesh, model_cfg=cfg.model, training=t, parallel=layout, objective=objective, weights=weights
+    )
+    return Setup(
+        mesh,
+        rollout_mesh,
+        plan,
+        step_fn,
+        eval_fn,
+        t.micro_batch_size * data_parallel_size(mesh),
+        layout,
+        objective,
+        weights,
+    )
 
 
 def save_config(cfg: Config, overrides: list[str], run_dir: Path) -> None:
@@ -95,8 +141,10 @@ def check_same_run(run_dir: Path, cfg: Config) -> None:
         if key not in saved and current.get(key) == defaults.get(key):
             continue  # a key added since the run was saved, at its default: what the run did
         if saved.get(key) != current.get(key) and not changeable.get(key, False):
-            raise ConfigError(f"hydra.run.dir={run_dir} holds a run with {key}={saved.get(key)!r}, not "
-                              f"{current.get(key)!r}; resume it with the same settings or choose a new hydra.run.dir")
+            raise ConfigError(
+                f"hydra.run.dir={run_dir} holds a run with {key}={saved.get(key)!r}, not "
+                f"{current.get(key)!r}; resume it with the same settings or choose a new hydra.run.dir"
+            )
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -107,7 +155,11 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def starting_point(cfg: Config) -> str:
     """Where a run without a checkpoint starts, and its frozen weights always come from."""
-    return f"model.init_from={cfg.model.init_from}" if cfg.model.init_from else f"training.seed={cfg.training.seed}"
+    return (
+        f"model.init_from={cfg.model.init_from}"
+        if cfg.model.init_from
+        else f"training.seed={cfg.training.seed}"
+    )
 
 
 def starting_state(cfg: Config, run: Setup) -> tuple[TrainState, str]:
@@ -116,13 +168,16 @@ def starting_state(cfg: Config, run: Setup) -> tuple[TrainState, str]:
     training.seed; and where it came from."""
     plan = run.plan
     if cfg.model.init_from:
-        params = importer(cfg.model.init_from).load_params(Path(cfg.model.init_from), cfg.model, plan.base,
-                                                           run.weights.layer_by_layer(plan.abstract.frozen))
+        params = importer(cfg.model.init_from).load_params(
+            Path(cfg.model.init_from), cfg.model, plan.base, run.weights.layer_by_layer(plan.abstract.frozen)
+        )
         return plan.from_params(params), starting_point(cfg)
     return plan.create(), starting_point(cfg)
 
 
-def initial_state(cfg: Config, run: Setup, checkpoints: Path, train_batches) -> tuple[TrainState, str, list[str]]:
+def initial_state(
+    cfg: Config, run: Setup, checkpoints: Path, train_batches
+) -> tuple[TrainState, str, list[str]]:
     """The run directory's latest checkpoint, else checkpoint.resume_from, else the Hugging Face
     checkpoint model.init_from, else a fresh state. A restored checkpoint also restores the data
     iterator's position into `train_batches`; frozen weights (LoRA's base, a reference model) are
@@ -132,10 +187,12 @@ def initial_state(cfg: Config, run: Setup, checkpoints: Path, train_batches) -> 
     restored, damaged = restore_latest(checkpoints, run.plan.abstract)
     if damaged and restored is None and not cfg.checkpoint.start_over_if_unreadable:
         steps = ", ".join(map(str, sorted(damaged)))
-        raise ConfigError(f"{checkpoints} holds checkpoints of which none can be read (steps {steps}: "
-                          f"{damaged[max(damaged)]}); rather than start over at step 0 beside them, this run stops: "
-                          f"repair or move them, or set checkpoint.start_over_if_unreadable=true (they are then kept "
-                          f"as unreadable-<step>)")
+        raise ConfigError(
+            f"{checkpoints} holds checkpoints of which none can be read (steps {steps}: "
+            f"{damaged[max(damaged)]}); rather than start over at step 0 beside them, this run stops: "
+            f"repair or move them, or set checkpoint.start_over_if_unreadable=true (they are then kept "
+            f"as unreadable-<step>)"
+        )
     skipped = set_aside(checkpoints, damaged)
     origin = f"resumed from {checkpoints}"
     if restored is None and cfg.checkpoint.resume_from:
@@ -146,12 +203,17 @@ def initial_state(cfg: Config, run: Setup, checkpoints: Path, train_batches) -> 
         return state, f"initialized from {source}", skipped
     state, data_state = restored
     if data_state["global_micro_batch"] != run.micro_batch:
-        raise ConfigError(f"the checkpoint was written with {data_state['global_micro_batch']} rows per "
-                          f"micro-step (training.micro_batch_size x dp x fsdp), this run has {run.micro_batch}; "
-                          f"set training.micro_batch_size so that the global batch is the same")
+        raise ConfigError(
+            f"the checkpoint was written with {data_state['global_micro_batch']} rows per "
+            f"micro-step (training.micro_batch_size x dp x fsdp), this run has {run.micro_batch}; "
+            f"set training.micro_batch_size so that the global batch is the same"
+        )
     if run.plan.abstract.frozen is not None:
-        state = state.replace(frozen=frozen_as_recorded(cfg, data_state.get("frozen"),
-                                                        lambda: starting_state(cfg, run)[0].frozen))
+        state = state.replace(
+            frozen=frozen_as_recorded(
+                cfg, data_state.get("frozen"), lambda: starting_state(cfg, run)[0].frozen
+            )
+        )
     train_batches.set_state(data_state["iterator"])
     return state, f"{origin} at step {int(state.step)}", skipped
 
@@ -160,17 +222,23 @@ def frozen_as_recorded(cfg: Config, record: dict[str, Any] | None, rebuild: Call
     """The frozen weights rebuilt from where the run started (by `rebuild`), checked against the
     checkpoint's record."""
     if record is None:
-        raise ConfigError("the checkpoint holds no frozen weights' record (it was written without LoRA or a "
-                          "reference model): to start LoRA, DPO or GRPO from it, export it with "
-                          "`python -m tunix_train.export CHECKPOINT DIR` and set model.init_from=DIR")
+        raise ConfigError(
+            "the checkpoint holds no frozen weights' record (it was written without LoRA or a "
+            "reference model): to start LoRA, DPO or GRPO from it, export it with "
+            "`python -m tunix_train.export CHECKPOINT DIR` and set model.init_from=DIR"
+        )
     source = starting_point(cfg)
     if source != record["source"]:
-        raise ConfigError(f"the checkpoint's frozen weights came from {record['source']}, this run's from {source}")
+        raise ConfigError(
+            f"the checkpoint's frozen weights came from {record['source']}, this run's from {source}"
+        )
     frozen = rebuild()
     checksum = frozen_checksum(frozen)
     if not math.isclose(checksum, record["checksum"], rel_tol=1e-5):
-        raise ConfigError(f"the frozen weights from {source} have changed since the checkpoint was written "
-                          f"(checksum {checksum:.9g}, recorded {record['checksum']:.9g}); restore the original files")
+        raise ConfigError(
+            f"the frozen weights from {source} have changed since the checkpoint was written "
+            f"(checksum {checksum:.9g}, recorded {record['checksum']:.9g}); restore the original files"
+        )
     return frozen
 
 

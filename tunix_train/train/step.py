@@ -5,6 +5,8 @@ names (train/objectives/): for the next-token loss `inputs`, `targets`, `loss_ma
 `segment_ids`. The objective computes each micro-batch's loss from the model's per-token losses;
 gradients of the trainable parameters (train/weights.py) accumulate inside the compiled step, over
 a scan of the A micro-batches, in float32 and sharded like the parameters.
+
+One file: the step and the loss it differentiates are read together.
 """
 
 from __future__ import annotations
@@ -16,17 +18,23 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tunix_train.config import MixedPrecision, ModelConfig, TrainingConfig
 from tunix_train.model import quant
 from tunix_train.model.gemma import output_logits
 from tunix_train.model.moe import load_balancing_loss
-from tunix_train.parallel import Parallelism
-from tunix_train.sharding import (Rules, batch_sharding, data_axes, data_parallel_size, per_shard_rules,
-                                  per_shard_shardings)
+from tunix_train.parallel import Parallelism, model_graphdef
+from tunix_train.sharding import (
+    Rules,
+    batch_sharding,
+    data_axes,
+    data_parallel_size,
+    per_shard_rules,
+    per_shard_shardings,
+)
 from tunix_train.state import TrainState
-from tunix_train.parallel import model_graphdef
 from tunix_train.train.init import StatePlan
 from tunix_train.train.objectives.lm import BATCH_DTYPES, LanguageModeling
 from tunix_train.train.weights import FULL_FINE_TUNING, Weights
@@ -34,11 +42,15 @@ from tunix_train.train.weights import FULL_FINE_TUNING, Weights
 COMPUTE_DTYPES = {MixedPrecision.fp32: jnp.float32, MixedPrecision.bf16: jnp.bfloat16}
 
 
-def abstract_batch(mesh: Mesh, accumulation: int, rows: int, seq_len: int,
-                   dtypes: dict[str, Any] = BATCH_DTYPES) -> dict[str, jax.ShapeDtypeStruct]:
-    """The step's input (`dtypes`: the objective's fields) as sharded shapes, for ahead-of-time compilation."""
-    return {name: jax.ShapeDtypeStruct((accumulation, rows, seq_len), dtype, sharding=batch_sharding(mesh))
-            for name, dtype in dtypes.items()}
+def abstract_batch(
+    mesh: Mesh, accumulation: int, rows: int, seq_len: int, dtypes: dict[str, Any] = BATCH_DTYPES
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """The step's input (`dtypes`: the objective's fields) as sharded shapes, for ahead-of-time
+    compilation."""
+    return {
+        name: jax.ShapeDtypeStruct((accumulation, rows, seq_len), dtype, sharding=batch_sharding(mesh))
+        for name, dtype in dtypes.items()
+    }
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -57,9 +69,16 @@ def _in_compute_dtype(tree: Any, compute_dtype: Any, shardings: Any) -> Any:
     return jax.lax.with_sharding_constraint(tree, quant.retyped(shardings, compute_dtype))
 
 
-def token_losses(graphdef: nnx.GraphDef, params: tuple[nnx.State, ...], micro: dict[str, jax.Array],
-                 compute_dtype=jnp.float32, chunk: int = 0, param_shardings: Any = None,
-                 seq_shards: int = 1, temperature: float = 1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+def token_losses(
+    graphdef: nnx.GraphDef,
+    params: tuple[nnx.State, ...],
+    micro: dict[str, jax.Array],
+    compute_dtype=jnp.float32,
+    chunk: int = 0,
+    param_shardings: Any = None,
+    seq_shards: int = 1,
+    temperature: float = 1.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Per-token loss [B, T] of one micro-batch (with `token_index` when it comes reordered), under
     the model nnx.merge makes of `params` (one state, or the frozen base and the adapters), and
     the experts' statistics per layer (Gemma.hidden_and_stats; {} without experts).
@@ -73,8 +92,9 @@ def token_losses(graphdef: nnx.GraphDef, params: tuple[nnx.State, ...], micro: d
     if compute_dtype != jnp.float32:
         params = _in_compute_dtype(params, compute_dtype, param_shardings)
     model = nnx.merge(graphdef, *params)
-    x_BTD, stats = model.hidden_and_stats(micro["inputs"], micro["positions"], micro["segment_ids"],
-                                          micro.get("token_index"))
+    x_BTD, stats = model.hidden_and_stats(
+        micro["inputs"], micro["positions"], micro["segment_ids"], micro.get("token_index")
+    )
     table_VD, softcap, rules = model.output_table(), model.cfg.final_logit_softcap, model.rules
 
     def logits(x_BTD):
@@ -91,15 +111,34 @@ def token_losses(graphdef: nnx.GraphDef, params: tuple[nnx.State, ...], micro: d
 
     # scan step n takes positions [n·chunk, (n+1)·chunk) of each of the sequence's parts
     parts, N = seq_shards, T // (seq_shards * chunk)
-    by_step = lambda x: jnp.moveaxis(x.reshape(B, parts, N, chunk, *x.shape[2:]), 2, 0).reshape(
-        N, B, parts * chunk, *x.shape[2:])
-    _, losses_NBC = jax.lax.scan(lambda _, xs: (None, chunk_losses(*xs)), None,
-                                 (by_step(x_BTD), by_step(micro["targets"])))
+
+    def by_step(x):
+        return jnp.moveaxis(x.reshape(B, parts, N, chunk, *x.shape[2:]), 2, 0).reshape(
+            N, B, parts * chunk, *x.shape[2:]
+        )
+
+    _, losses_NBC = jax.lax.scan(
+        lambda _, xs: (None, chunk_losses(*xs)), None, (by_step(x_BTD), by_step(micro["targets"]))
+    )
     return jnp.moveaxis(losses_NBC.reshape(N, B, parts, chunk), 0, 2).reshape(B, T), stats
 
 
-def _objective_loss(objective, weights: Weights, graphdef, params, frozen, micro, weight, *, compute_dtype,
-                    chunk, param_shardings, frozen_shardings, seq_shards, moe_aux_loss_coef: float = 0.0):
+def _objective_loss(
+    objective,
+    weights: Weights,
+    graphdef,
+    params,
+    frozen,
+    micro,
+    weight,
+    *,
+    compute_dtype,
+    chunk,
+    param_shardings,
+    frozen_shardings,
+    seq_shards,
+    moe_aux_loss_coef: float = 0.0,
+):
     """The objective's (loss, metrics) of one micro-batch: its per-token losses come from the
     trained model (policy) and, without gradient, from the reference. With experts, the policy's
     load-balancing loss times moe_aux_loss_coef is added, weighted by the micro-batch's share of
@@ -107,19 +146,30 @@ def _objective_loss(objective, weights: Weights, graphdef, params, frozen, micro
     policy_stats = []
 
     def losses(states, shardings, keep_stats=False):
-        token_loss, stats = token_losses(graphdef, states, micro, compute_dtype, chunk, shardings, seq_shards,
-                                         objective.temperature)
+        token_loss, stats = token_losses(
+            graphdef, states, micro, compute_dtype, chunk, shardings, seq_shards, objective.temperature
+        )
         if keep_stats:
             policy_stats.append(stats)
         return token_loss
 
-    shardings = lambda compose, **kw: None if param_shardings is None else compose(param_shardings, frozen_shardings, **kw)
-    policy = lambda: losses(weights.policy(params, frozen), shardings(weights.policy), keep_stats=True)
-    reference = lambda: jax.lax.stop_gradient(losses(
-        weights.reference(params, frozen), shardings(weights.reference, switch_off=lambda s: s)))
+    def shardings(compose, **kw):
+        return None if param_shardings is None else compose(param_shardings, frozen_shardings, **kw)
+
+    def policy():
+        return losses(weights.policy(params, frozen), shardings(weights.policy), keep_stats=True)
+
+    def reference():
+        return jax.lax.stop_gradient(
+            losses(weights.reference(params, frozen), shardings(weights.reference, switch_off=lambda s: s))
+        )
+
     loss, metrics = objective.loss(policy, reference, micro, weight)
     if policy_stats and policy_stats[0]:
-        first = lambda w: jax.tree.leaves(w)[0]  # one of the objective's normalizers
+
+        def first(w):
+            return jax.tree.leaves(w)[0]  # one of the objective's normalizers
+
         stats, share = policy_stats[0], first(objective.weight(micro)) / first(weight)
         aux = load_balancing_loss(stats["expert_tokens"], stats["router_probs"]) * share
         loss = loss + moe_aux_loss_coef * aux
@@ -127,13 +177,26 @@ def _objective_loss(objective, weights: Weights, graphdef, params, frozen, micro
     return loss, metrics
 
 
-def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
-               optimizer: optax.GradientTransformation, schedule: optax.Schedule, compute_dtype: Any,
-               param_shardings: Any, grad_shardings: Any, loss_chunk_size: int = 0,
-               reduce_gradients_in_compute_dtype: bool = True, sync_every: int = 1, home: Any,
-               on_device: Any, parallel: Parallelism | None = None, objective: Any = None,
-               weights: Weights = FULL_FINE_TUNING,
-               moe_aux_loss_coef: float = 0.0) -> tuple[TrainState, dict[str, jax.Array]]:
+def train_step(
+    state: TrainState,
+    batch: dict[str, jax.Array],
+    *,
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    compute_dtype: Any,
+    param_shardings: Any,
+    grad_shardings: Any,
+    loss_chunk_size: int = 0,
+    reduce_gradients_in_compute_dtype: bool = True,
+    sync_every: int = 1,
+    home: Any,
+    on_device: Any,
+    parallel: Parallelism | None = None,
+    objective: Any = None,
+    weights: Weights = FULL_FINE_TUNING,
+    moe_aux_loss_coef: float = 0.0,
+) -> tuple[TrainState, dict[str, jax.Array]]:
     """`home` and `on_device`: the state's shardings between steps and where it is computed with
     (they differ in memory kind for an offloaded part, which is moved to the devices and back).
     `parallel`: the model's pp/cp layout, which may reorder the batch's positions. `objective`:
@@ -151,24 +214,40 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     # syncs the copy is always made here, outside the per-shard vmap, and what is reduced is the
     # float32 sums.
     delayed_sync = sync_every > 1
-    to_device = lambda part: _moved(getattr(state, part), getattr(home, part), getattr(on_device, part))
+
+    def to_device(part):
+        return _moved(getattr(state, part), getattr(home, part), getattr(on_device, part))
+
     wrt = to_device("params")
     if compute_dtype != jnp.float32 and (reduce_gradients_in_compute_dtype or delayed_sync):
-        wrt = jax.lax.with_sharding_constraint(jax.tree.map(lambda p: p.astype(compute_dtype), wrt),
-                                               param_shardings)
+        wrt = jax.lax.with_sharding_constraint(
+            jax.tree.map(lambda p: p.astype(compute_dtype), wrt), param_shardings
+        )
     frozen = to_device("frozen")
     if compute_dtype != jnp.float32 and frozen is not None:  # cast once per step, not per micro-batch
         frozen = _in_compute_dtype(frozen, compute_dtype, on_device.frozen)
     weighted_loss_sum = functools.partial(
-        _objective_loss, objective, weights, graphdef, frozen=frozen, weight=total_weight,
-        compute_dtype=compute_dtype, chunk=loss_chunk_size, seq_shards=seq_shards, moe_aux_loss_coef=moe_aux_loss_coef,
+        _objective_loss,
+        objective,
+        weights,
+        graphdef,
+        frozen=frozen,
+        weight=total_weight,
+        compute_dtype=compute_dtype,
+        chunk=loss_chunk_size,
+        seq_shards=seq_shards,
+        moe_aux_loss_coef=moe_aux_loss_coef,
         param_shardings=None if delayed_sync else param_shardings,
-        frozen_shardings=None if delayed_sync else on_device.frozen)
+        frozen_shardings=None if delayed_sync else on_device.frozen,
+    )
 
-    add = lambda grads, new: jax.tree.map(lambda g, n: g + n.astype(jnp.float32), grads, new)
+    def add(grads, new):
+        return jax.tree.map(lambda g, n: g + n.astype(jnp.float32), grads, new)
+
     zeros = jax.tree.map(jnp.zeros_like, to_device("params"))  # in device memory, like the gradients
 
     if not delayed_sync:
+
         def accumulate(grads, micro):
             (loss, aux), micro_grads = jax.value_and_grad(weighted_loss_sum, has_aux=True)(wrt, micro=micro)
             micro_grads = jax.lax.with_sharding_constraint(micro_grads, grad_shardings)  # the reduction
@@ -177,7 +256,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         grads, (losses, aux) = jax.lax.scan(accumulate, zeros, batch)
     else:
         grads, (losses, aux) = _accumulate_with_delayed_sync(
-            weighted_loss_sum, wrt, batch, zeros, add, sync_every, grad_shardings)
+            weighted_loss_sum, wrt, batch, zeros, add, sync_every, grad_shardings
+        )
     loss, grad_norm = jnp.sum(losses), optax.tree.norm(grads)
     # A non-finite loss or gradient drops the whole update: parameters and optimizer state stay (as
     # they do for a batch the objective says may not update).
@@ -190,14 +270,22 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    params, opt_state = jax.lax.cond(update, apply_update, lambda unchanged: unchanged,
-                                     (to_device("params"), to_device("opt_state")))
+    params, opt_state = jax.lax.cond(
+        update, apply_update, lambda unchanged: unchanged, (to_device("params"), to_device("opt_state"))
+    )
     params = _moved(params, on_device.params, home.params)
     opt_state = _moved(opt_state, on_device.opt_state, home.opt_state)
-    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                           nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32), frozen=state.frozen)
+    new_state = TrainState(
+        step=state.step + 1,
+        params=params,
+        opt_state=opt_state,
+        nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
+        frozen=state.frozen,
+    )
     aux = reduce_metrics(aux)  # the objective's, over micro-batches
-    if "expert_tokens" in aux:  # expert utilisation: the busiest's and the idlest's tokens over the even share
+    if (
+        "expert_tokens" in aux
+    ):  # expert utilisation: the busiest's and the idlest's tokens over the even share
         tokens_E = aux.pop("expert_tokens")
         load_E = tokens_E / jnp.maximum(jnp.mean(tokens_E), 1.0)
         aux.update(moe_load_max=jnp.max(load_E), moe_load_min=jnp.min(load_E))
@@ -216,7 +304,10 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
 def reduce_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """An objective's metrics over their leading axis (micro-batches, data shards): a sum, since each
     is already divided by the batch's weight, or a maximum for those whose name ends in `_max`."""
-    return {name: (jnp.max if name.endswith("_max") else jnp.sum)(value, axis=0) for name, value in metrics.items()}
+    return {
+        name: (jnp.max if name.endswith("_max") else jnp.sum)(value, axis=0)
+        for name, value in metrics.items()
+    }
 
 
 def _moved(tree: Any, source: Any, target: Any) -> Any:
@@ -237,54 +328,95 @@ def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, syn
     S = data_parallel_size(mesh)
     local_grad_shardings = per_shard_shardings(grad_shardings, mesh)
     groups = jax.tree.map(lambda x: x.reshape(A // sync_every, sync_every, S, B // S, *x.shape[2:]), batch)
-    per_shard = jax.vmap(jax.value_and_grad(lambda p, m: weighted_loss_sum(p, micro=m), has_aux=True),
-                         in_axes=(None, 0), spmd_axis_name=data_axes(mesh))
+    per_shard = jax.vmap(
+        jax.value_and_grad(lambda p, m: weighted_loss_sum(p, micro=m), has_aux=True),
+        in_axes=(None, 0),
+        spmd_axis_name=data_axes(mesh),
+    )
     local_zeros = jax.tree.map(lambda z: jnp.zeros((S, *z.shape), jnp.float32), zeros)
 
     def accumulate_locally(local, micro):
         losses_S, grads_S = per_shard(wrt, micro)
-        return (jax.lax.with_sharding_constraint(add(local, grads_S), local_grad_shardings),
-                (jnp.sum(losses_S[0]), reduce_metrics(losses_S[1])))
+        return (
+            jax.lax.with_sharding_constraint(add(local, grads_S), local_grad_shardings),
+            (jnp.sum(losses_S[0]), reduce_metrics(losses_S[1])),
+        )
 
     def sync(grads, group):
         local, losses = jax.lax.scan(accumulate_locally, local_zeros, group)
-        reduced = jax.lax.with_sharding_constraint(jax.tree.map(lambda l: jnp.sum(l, axis=0), local),
-                                                   grad_shardings)  # the reduction
+        reduced = jax.lax.with_sharding_constraint(
+            jax.tree.map(lambda leaf: jnp.sum(leaf, axis=0), local), grad_shardings
+        )  # the reduction
         return jax.lax.with_sharding_constraint(add(grads, reduced), grad_shardings), losses
 
     grads, (losses, aux) = jax.lax.scan(sync, zeros, groups)
     return grads, (losses.reshape(A), jax.tree.map(lambda x: x.reshape(A, *x.shape[2:]), aux))
 
 
-def _graphdef(model_cfg: ModelConfig, training: TrainingConfig, rules: Rules, parallel, weights: Weights) -> nnx.GraphDef:
-    return model_graphdef(model_cfg, training.remat, training.scan_unroll, training.attention, rules, parallel,
-                          weights.lora)
+def _graphdef(
+    model_cfg: ModelConfig, training: TrainingConfig, rules: Rules, parallel, weights: Weights
+) -> nnx.GraphDef:
+    return model_graphdef(
+        model_cfg, training.remat, training.scan_unroll, training.attention, rules, parallel, weights.lora
+    )
 
 
-def compile_train_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig,
-                       optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                       training: TrainingConfig, parallel: Parallelism | None = None, objective: Any = None,
-                       weights: Weights = FULL_FINE_TUNING):
+def compile_train_step(
+    plan: StatePlan,
+    mesh: Mesh,
+    *,
+    model_cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    training: TrainingConfig,
+    parallel: Parallelism | None = None,
+    objective: Any = None,
+    weights: Weights = FULL_FINE_TUNING,
+):
     """jit with explicit in/out shardings; the input state is donated. Call under jax.set_mesh(mesh).
     The model's activation constraints follow plan.rules (per shard when gradient syncs are delayed)."""
     sync_every = training.sync_gradients_every if data_parallel_size(mesh) > 1 else 1
     rules = per_shard_rules(plan.rules) if sync_every > 1 else plan.rules
-    step = functools.partial(train_step, graphdef=_graphdef(model_cfg, training, rules, parallel, weights),
-                             optimizer=optimizer, schedule=schedule,
-                             compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
-                             param_shardings=plan.on_device.params, grad_shardings=plan.grad_shardings,
-                             loss_chunk_size=training.loss_chunk_size,
-                             reduce_gradients_in_compute_dtype=training.reduce_gradients_in_compute_dtype,
-                             sync_every=sync_every, home=plan.shardings, on_device=plan.on_device, parallel=parallel,
-                             objective=objective, weights=weights, moe_aux_loss_coef=training.moe_aux_loss_coef)
-    return jax.jit(step, in_shardings=(plan.shardings, batch_sharding(mesh)),
-                   out_shardings=(plan.shardings, NamedSharding(mesh, P())), donate_argnums=0)
+    step = functools.partial(
+        train_step,
+        graphdef=_graphdef(model_cfg, training, rules, parallel, weights),
+        optimizer=optimizer,
+        schedule=schedule,
+        compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
+        param_shardings=plan.on_device.params,
+        grad_shardings=plan.grad_shardings,
+        loss_chunk_size=training.loss_chunk_size,
+        reduce_gradients_in_compute_dtype=training.reduce_gradients_in_compute_dtype,
+        sync_every=sync_every,
+        home=plan.shardings,
+        on_device=plan.on_device,
+        parallel=parallel,
+        objective=objective,
+        weights=weights,
+        moe_aux_loss_coef=training.moe_aux_loss_coef,
+    )
+    return jax.jit(
+        step,
+        in_shardings=(plan.shardings, batch_sharding(mesh)),
+        out_shardings=(plan.shardings, NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )
 
 
-def eval_step(params: nnx.State, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
-              compute_dtype: Any, chunk: int = 0, param_shardings: Any = None, frozen: nnx.State | None = None,
-              frozen_shardings: Any = None, parallel: Parallelism | None = None, objective: Any = None,
-              weights: Weights = FULL_FINE_TUNING) -> dict[str, jax.Array]:
+def eval_step(
+    params: nnx.State,
+    batch: dict[str, jax.Array],
+    *,
+    graphdef: nnx.GraphDef,
+    compute_dtype: Any,
+    chunk: int = 0,
+    param_shardings: Any = None,
+    frozen: nnx.State | None = None,
+    frozen_shardings: Any = None,
+    parallel: Parallelism | None = None,
+    objective: Any = None,
+    weights: Weights = FULL_FINE_TUNING,
+) -> dict[str, jax.Array]:
     """The objective's summed loss and weight (for the next-token loss: summed token loss and
     token count) of a [1, B, T] held-out batch; `frozen`: the state's frozen weights. An objective
     with several normalizers (ORPO) gives its batch's mean loss, of weight 1."""
@@ -292,25 +424,51 @@ def eval_step(params: nnx.State, batch: dict[str, jax.Array], *, graphdef: nnx.G
     micro = jax.tree.map(lambda x: x[0], parallel.reorder(batch) if parallel else batch)
     weight = objective.weight(micro)
     several = isinstance(weight, dict)
-    loss_sum, _ = _objective_loss(objective, weights, graphdef, params, frozen, micro,
-                                  jax.tree.map(lambda w: jnp.maximum(w, 1.0), weight) if several else 1.0,
-                                  compute_dtype=compute_dtype, chunk=chunk, param_shardings=param_shardings,
-                                  frozen_shardings=frozen_shardings, seq_shards=parallel.seq_shards if parallel else 1)
+    loss_sum, _ = _objective_loss(
+        objective,
+        weights,
+        graphdef,
+        params,
+        frozen,
+        micro,
+        jax.tree.map(lambda w: jnp.maximum(w, 1.0), weight) if several else 1.0,
+        compute_dtype=compute_dtype,
+        chunk=chunk,
+        param_shardings=param_shardings,
+        frozen_shardings=frozen_shardings,
+        seq_shards=parallel.seq_shards if parallel else 1,
+    )
     return {"loss_sum": loss_sum, "weight": jnp.float32(1.0) if several else weight}
 
 
-def compile_eval_step(plan: StatePlan, mesh: Mesh, *, model_cfg: ModelConfig, training: TrainingConfig,
-                      parallel: Parallelism | None = None, objective: Any = None,
-                      weights: Weights = FULL_FINE_TUNING):
+def compile_eval_step(
+    plan: StatePlan,
+    mesh: Mesh,
+    *,
+    model_cfg: ModelConfig,
+    training: TrainingConfig,
+    parallel: Parallelism | None = None,
+    objective: Any = None,
+    weights: Weights = FULL_FINE_TUNING,
+):
     """(params, frozen, batch) -> the eval_step sums."""
-    step = functools.partial(eval_step, graphdef=_graphdef(model_cfg, training, plan.rules, parallel, weights),
-                             compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
-                             chunk=training.loss_chunk_size, param_shardings=plan.on_device.params,
-                             frozen_shardings=plan.on_device.frozen, parallel=parallel, objective=objective,
-                             weights=weights)
+    step = functools.partial(
+        eval_step,
+        graphdef=_graphdef(model_cfg, training, plan.rules, parallel, weights),
+        compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
+        chunk=training.loss_chunk_size,
+        param_shardings=plan.on_device.params,
+        frozen_shardings=plan.on_device.frozen,
+        parallel=parallel,
+        objective=objective,
+        weights=weights,
+    )
 
     def evaluate(params, frozen, batch):  # offloaded parameters are moved to the devices
         return step(_moved(params, plan.shardings.params, plan.on_device.params), batch, frozen=frozen)
 
-    return jax.jit(evaluate, in_shardings=(plan.shardings.params, plan.shardings.frozen, batch_sharding(mesh)),
-                   out_shardings=NamedSharding(mesh, P()))
+    return jax.jit(
+        evaluate,
+        in_shardings=(plan.shardings.params, plan.shardings.frozen, batch_sharding(mesh)),
+        out_shardings=NamedSharding(mesh, P()),
+    )

@@ -35,8 +35,10 @@ def _quantized(kind: BaseQuantization, path: tuple, weight: nnx.Param, dtype) ->
     assert axes[0] == "layers", (path, axes)
     block = next(i for i, a in enumerate(axes) if a in BLOCK_AXES) - len(axes)
     if kind is BaseQuantization.nf4 and x.shape[block] % quant.NF4_BLOCK:
-        raise ConfigError(f"training.lora.base_quantization=nf4: {'.'.join(map(str, path))} has {axes[block]} "
-                          f"{x.shape[block]}, not a multiple of the block size {quant.NF4_BLOCK}; use int8 or none")
+        raise ConfigError(
+            f"training.lora.base_quantization=nf4: {'.'.join(map(str, path))} has {axes[block]} "
+            f"{x.shape[block]}, not a multiple of the block size {quant.NF4_BLOCK}; use int8 or none"
+        )
     return weight.replace(jax.lax.map(_layer_quantizer(kind, path[-1], block, dtype), x))
 
 
@@ -60,9 +62,17 @@ def _gguf_stand_in(tensor: GgufTensor, weight: nnx.Param, dtype) -> nnx.Param:
     out, in_, _ = tensor.layout
     width = max(quant.row_bytes(quant.Q(t), math.prod(in_)) for t in tensor.types)
     layers = weight.shape[0]
-    return weight.replace(quant.Quantized(jnp.zeros((layers, math.prod(out), width), jnp.uint8),
-                                          jnp.zeros((layers,), jnp.int32), "gguf", 0, jnp.dtype(dtype),
-                                          tuple(sorted(set(tensor.types))), tensor.layout))
+    return weight.replace(
+        quant.Quantized(
+            jnp.zeros((layers, math.prod(out), width), jnp.uint8),
+            jnp.zeros((layers,), jnp.int32),
+            "gguf",
+            0,
+            jnp.dtype(dtype),
+            tuple(sorted(set(tensor.types))),
+            tensor.layout,
+        )
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +128,10 @@ class Weights:
         """For model.init_from under int8 or nf4: quantizes each projection as its layers are read
         into stacks in `frozen`'s shardings (the plan's abstract), so that no projection is ever
         whole and dense on the devices (gemma3_27b's bf16 base is 54 GB); None for other runs."""
-        if self.lora is None or self.lora.base_quantization not in (BaseQuantization.int8, BaseQuantization.nf4):
+        if self.lora is None or self.lora.base_quantization not in (
+            BaseQuantization.int8,
+            BaseQuantization.nf4,
+        ):
             return None
         kind, dtype = self.lora.base_quantization, self._base_dtype
         targets = {".".join(path): w.get_value() for path, w in nnx.to_flat_state(frozen)}
@@ -128,13 +141,20 @@ class Weights:
             if not quant.is_quantized(target):
                 return None
             shardings = jax.tree.map(lambda a: a.sharding, target)
-            quantize = jax.jit(_layer_quantizer(kind, path.split(".")[-1], target.axis, dtype),
-                               out_shardings=jax.tree.map(layer_sharding, shardings))
-            put = jax.jit(lambda stack, layer, r: jax.tree.map(
-                lambda s, x: jax.lax.dynamic_update_index_in_dim(s, x, r, 0), stack, layer),
-                donate_argnums=0, out_shardings=shardings)
-            stack = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), target),
-                            out_shardings=shardings)()
+            quantize = jax.jit(
+                _layer_quantizer(kind, path.split(".")[-1], target.axis, dtype),
+                out_shardings=jax.tree.map(layer_sharding, shardings),
+            )
+            put = jax.jit(
+                lambda stack, layer, r: jax.tree.map(
+                    lambda s, x: jax.lax.dynamic_update_index_in_dim(s, x, r, 0), stack, layer
+                ),
+                donate_argnums=0,
+                out_shardings=shardings,
+            )
+            stack = jax.jit(
+                lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), target), out_shardings=shardings
+            )()
             for r in range(leaf.shape[0]):
                 stack = put(stack, quantize(read_layer(r)), r)
             return stack
@@ -180,8 +200,9 @@ class Weights:
         for path in {p[:-1] for p in adapters}:
             weight_path = (*path[:-1], ADAPTED_WEIGHTS[path[-1]])
             base = flat[weight_path]
-            flat[weight_path] = base.replace(merged(base[...], adapters[(*path, "a")][...],
-                                                   adapters[(*path, "b")][...], scale))
+            flat[weight_path] = base.replace(
+                merged(base[...], adapters[(*path, "a")][...], adapters[(*path, "b")][...], scale)
+            )
         return nnx.from_flat_state(flat)
 
 

@@ -27,7 +27,8 @@ knows which one runs:
 
 from __future__ import annotations
 
-from tunix_train.config import Config, Objective as Kind
+from tunix_train.config import Config
+from tunix_train.config import Objective as Kind
 from tunix_train.train.objectives import dpo, grpo, lm
 from tunix_train.train.objectives.base import Objective
 
@@ -36,5 +37,6 @@ __all__ = ["Objective", "make_objective"]
 
 def make_objective(cfg: Config, tokenizer=None):
     """The objective training.objective names."""
-    return {Kind.lm: lm.LanguageModeling, Kind.dpo: dpo.DirectPreference,
-            Kind.grpo: grpo.GroupRelative}[cfg.training.objective](cfg)
+    return {Kind.lm: lm.LanguageModeling, Kind.dpo: dpo.DirectPreference, Kind.grpo: grpo.GroupRelative}[
+        cfg.training.objective
+    ](cfg)

@@ -14,7 +14,8 @@ tokens (and its EOS), |y| its token count, and avg(y) = log pi(y) / |y|:
 
 A pair is two rows, chosen then rejected, each [BOS] prompt completion [EOS] unpacked and padded
 to data.seq_len (a prompt in messages: the chat template's rendering of the prompt with the
-generation prompt, then of the answer through its end of turn, data/chat.py); a micro-batch of B rows holds B/2 whole pairs, and no pair is ever split across
+generation prompt, then of the answer through its end of turn, data/chat.py); a micro-batch of B rows holds
+B/2 whole pairs, and no pair is ever split across
 micro-batches or devices (data/pipeline.GroupBatches).
 """
 
@@ -33,8 +34,11 @@ from tunix_train.train.objectives.lm import BATCH_DTYPES
 FIELDS = ("prompt", "chosen", "rejected")
 
 
-def pair_losses(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, beta: float, label_smoothing: float):
-    """DPO: the loss of each pair and its implicit rewards beta · (log pi - log ref) of chosen and rejected."""
+def pair_losses(
+    chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, beta: float, label_smoothing: float
+):
+    """DPO: the loss of each pair and its implicit rewards beta · (log pi - log ref) of chosen and
+    rejected."""
     chosen_reward = beta * (chosen_logp - ref_chosen_logp)
     rejected_reward = beta * (rejected_logp - ref_rejected_logp)
     return _smoothed(chosen_reward - rejected_reward, label_smoothing), chosen_reward, rejected_reward
@@ -55,7 +59,9 @@ def preference_losses(kind: PreferenceLoss, logp_P2, ref_logp_P2, tokens_P2, cfg
     for the losses without one) and the completions' token counts."""
     beta = cfg.beta
     if kind is PreferenceLoss.sigmoid:
-        return pair_losses(logp_P2[:, 0], logp_P2[:, 1], ref_logp_P2[:, 0], ref_logp_P2[:, 1], beta, cfg.label_smoothing)
+        return pair_losses(
+            logp_P2[:, 0], logp_P2[:, 1], ref_logp_P2[:, 0], ref_logp_P2[:, 1], beta, cfg.label_smoothing
+        )
     if kind is PreferenceLoss.ipo:
         ratio_P2 = logp_P2 - ref_logp_P2
         per_token = ratio_P2 / jnp.maximum(tokens_P2, 1.0)
@@ -91,31 +97,52 @@ class DirectPreference(Objective):
 
     def loss(self, policy, reference, micro, weight):
         mask = micro["loss_mask"]
-        pair_sums = lambda x_BT: jnp.sum(x_BT * mask, axis=-1).reshape(-1, 2)
+
+        def pair_sums(x_BT):
+            return jnp.sum(x_BT * mask, axis=-1).reshape(-1, 2)
+
         nll_BT = policy()
         logp_P2, tokens_P2 = -pair_sums(nll_BT), jnp.sum(mask, axis=-1).reshape(-1, 2)
         ref_logp_P2 = -pair_sums(reference()) if self.needs_reference else None
-        loss_P, chosen_P, rejected_P = preference_losses(self.dpo.loss, logp_P2, ref_logp_P2, tokens_P2, self.dpo)
+        loss_P, chosen_P, rejected_P = preference_losses(
+            self.dpo.loss, logp_P2, ref_logp_P2, tokens_P2, self.dpo
+        )
         pairs = weight["pairs"] if isinstance(weight, dict) else weight
-        mean = lambda x: jnp.sum(x) / pairs
+
+        def mean(x):
+            return jnp.sum(x) / pairs
+
         loss, metrics = mean(loss_P), {}
         if self.dpo.loss is PreferenceLoss.orpo:
             metrics["nll"] = -jnp.sum(logp_P2[:, 0]) / weight["chosen_tokens"]
             loss = loss + metrics["nll"]
-        return loss, {**metrics, "reward_chosen": mean(chosen_P), "reward_rejected": mean(rejected_P),
-                      "reward_margin": mean(chosen_P - rejected_P),
-                      "reward_accuracy": mean((chosen_P > rejected_P).astype(jnp.float32))}
+        return loss, {
+            **metrics,
+            "reward_chosen": mean(chosen_P),
+            "reward_rejected": mean(rejected_P),
+            "reward_margin": mean(chosen_P - rejected_P),
+            "reward_accuracy": mean((chosen_P > rejected_P).astype(jnp.float32)),
+        }
 
     def read(self, data) -> None:
         """Tokenizes every pair once, before any device work: a pair too long is a ConfigError."""
-        self._pairs = {split: [self._pair(data, doc, what, i) for i, doc in enumerate(docs)]
-                       for split, docs, what in (("train", data.train_docs, "data.train_files"),
-                                                 ("eval", data.eval_docs, "the held-out pairs"))}
+        self._pairs = {
+            split: [self._pair(data, doc, what, i) for i, doc in enumerate(docs)]
+            for split, docs, what in (
+                ("train", data.train_docs, "data.train_files"),
+                ("eval", data.eval_docs, "the held-out pairs"),
+            )
+        }
 
     def _batches(self, split: str, global_rows: int, rows: range, accumulation: int, seed):
-        return GroupBatches(self._pairs[split], accumulation_steps=accumulation, groups_per_micro_batch=global_rows // 2,
-                            seed=seed, slots=range(rows.start // 2, rows.stop // 2),
-                            prefetch=self.cfg.data.prefetch_batches)
+        return GroupBatches(
+            self._pairs[split],
+            accumulation_steps=accumulation,
+            groups_per_micro_batch=global_rows // 2,
+            seed=seed,
+            slots=range(rows.start // 2, rows.stop // 2),
+            prefetch=self.cfg.data.prefetch_batches,
+        )
 
     def _pair(self, data, doc, what: str, index: int):
         seq_len, tok = self.cfg.data.seq_len, data.tokenizer
@@ -125,8 +152,10 @@ class DirectPreference(Objective):
         for field in ("chosen", "rejected"):
             completion = completion_ids(doc["prompt"], doc[field], tok, chat)
             if len(prompt) + len(completion) - 1 > seq_len:
-                raise ConfigError(f"{what}: pair {index + 1} ({field}) is {len(prompt) + len(completion) - 1} tokens, "
-                                  f"longer than data.seq_len={seq_len}; raise data.seq_len or shorten it")
+                raise ConfigError(
+                    f"{what}: pair {index + 1} ({field}) is {len(prompt) + len(completion) - 1} tokens, "
+                    f"longer than data.seq_len={seq_len}; raise data.seq_len or shorten it"
+                )
             rows.append(padded_row(prompt, completion, seq_len))
         return {name: np.stack([r[name] for r in rows]) for name in rows[0]}
 

@@ -1,5 +1,7 @@
 """Group relative policy optimization (Shao et al. 2024, DeepSeekMath) with verifiable rewards.
 
+One file: the objective and its rollouts (until the rollout becomes its own component).
+
 A rollout (`prepare`, before the compiled step runs): every prompt of a batch is completed G times
 by the engine (generate/engine.py) on the training mesh, at training.grpo.temperature, each token
 with its log-probability; the reward functions score each completion and their weighted rewards
@@ -9,7 +11,8 @@ device holds whole groups (training.micro_batch_size is a multiple of G), so no 
 
 The loss, over every completion token (its EOS included, nothing after it) of the whole batch:
 
-    -mean[ min(rho A, clip(rho, 1 - eps, 1 + eps_high) A) - beta KL ],  rho = min(pi / pi_old, importance_cap),
+    -mean[ min(rho A, clip(rho, 1 - eps, 1 + eps_high) A) - beta KL ],  rho = min(pi / pi_old,
+    importance_cap),
     KL = exp(ref - logp) - (ref - logp) - 1      (the k3 estimator, against the reference model)
 
 with pi, pi_old and ref the probabilities of the logits divided by the temperature, as sampled
@@ -64,6 +67,7 @@ from tunix_train.train.objectives.base import Objective
 from tunix_train.train.objectives.grpo_rewards import Rewards
 from tunix_train.train.objectives.lm import BATCH_DTYPES
 
+
 @dataclasses.dataclass
 class Rollout:
     """One rollout batch, as plain lists (a checkpoint keeps the queued ones as JSON): rollout
@@ -108,8 +112,13 @@ class Rollouts:
 
     def get_state(self) -> dict[str, Any]:
         self.draw_deferred()
-        return {"prompts": self.prompts.get_state(), "next_index": self.next_index,
-                "rollouts": [dataclasses.asdict(r) for r in ([self.current] if self.current else []) + [*self.queued]]}
+        return {
+            "prompts": self.prompts.get_state(),
+            "next_index": self.next_index,
+            "rollouts": [
+                dataclasses.asdict(r) for r in ([self.current] if self.current else []) + [*self.queued]
+            ],
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
         if "prompts" not in state:  # written before off-policy steps: on-policy, only the prompts' position
@@ -126,8 +135,11 @@ class Rollouts:
 
 
 class GroupRelative(Objective):
-    batch_dtypes = {**BATCH_DTYPES, "advantages": jnp.float32,  # each row's, on every position
-                    "behaviour_logp": jnp.float32}  # the engine's log-probability of each target token
+    batch_dtypes = {
+        **BATCH_DTYPES,
+        "advantages": jnp.float32,  # each row's, on every position
+        "behaviour_logp": jnp.float32,
+    }  # the engine's log-probability of each target token
     record_fields = ("prompt",)
 
     def __init__(self, cfg: Config):
@@ -142,7 +154,10 @@ class GroupRelative(Objective):
             from tunix_train.envs.tools import load_tools
 
             self._environment_class = environment_class(self.grpo.environment)
-            self._tools = {**dict(getattr(self._environment_class, "tools", {}) or {}), **load_tools(self.grpo.tools)}
+            self._tools = {
+                **dict(getattr(self._environment_class, "tools", {}) or {}),
+                **load_tools(self.grpo.tools),
+            }
         self.metric_names = ("kl", "clip_fraction", "logprob_mismatch_mean", "logprob_mismatch_max")
         self._rollout = None
 
@@ -164,14 +179,28 @@ class GroupRelative(Objective):
         behaviour = micro["behaviour_logp"]
         old_logp = behaviour if self.off_policy else jax.lax.stop_gradient(logp)
         objective, kl, clipped = family.token_objective(
-            logp, old_logp, ref_logp, micro["advantages"], mask, epsilon=g.epsilon,
-            epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high, beta=g.beta,
-            cap=g.importance_cap, level=g.importance_sampling_level)
-        mean = lambda x: jnp.sum(x * mask) / weight["tokens"]
+            logp,
+            old_logp,
+            ref_logp,
+            micro["advantages"],
+            mask,
+            epsilon=g.epsilon,
+            epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high,
+            beta=g.beta,
+            cap=g.importance_cap,
+            level=g.importance_sampling_level,
+        )
+
+        def mean(x):
+            return jnp.sum(x * mask) / weight["tokens"]
+
         mismatch = jnp.abs(jax.lax.stop_gradient(logp) - behaviour) * mask
         return -family.aggregate(objective, mask, weight, g.loss_aggregation), {
-            "kl": mean(kl), "clip_fraction": mean(clipped.astype(jnp.float32)),
-            "logprob_mismatch_mean": mean(mismatch), "logprob_mismatch_max": jnp.max(mismatch)}
+            "kl": mean(kl),
+            "clip_fraction": mean(clipped.astype(jnp.float32)),
+            "logprob_mismatch_mean": mean(mismatch),
+            "logprob_mismatch_max": jnp.max(mismatch),
+        }
 
     # the batches, on the host
 
@@ -183,12 +212,26 @@ class GroupRelative(Objective):
             from tunix_train.envs.rollout import Turns
 
             g = self.grpo
-            self._turns = Turns(data.chat, self._tools, g.max_new_tokens, g.max_turns, self.cfg.data.seq_len,
-                                g.tool_timeout_s, g.max_tool_calls, g.max_tool_result_tokens, g.tool_processes)
-        self._docs, self._prompts = data.train_docs, self._tokenized(data, data.train_docs, "data.train_files")
+            self._turns = Turns(
+                data.chat,
+                self._tools,
+                g.max_new_tokens,
+                g.max_turns,
+                self.cfg.data.seq_len,
+                g.tool_timeout_s,
+                g.max_tool_calls,
+                g.max_tool_result_tokens,
+                g.tool_processes,
+            )
+        self._docs, self._prompts = (
+            data.train_docs,
+            self._tokenized(data, data.train_docs, "data.train_files"),
+        )
         self._eval_docs = data.eval_docs if self.cfg.training.eval_every else []
         self._eval_prompts = self._tokenized(data, self._eval_docs, "the held-out prompts")
-        if self.multi_turn or any(isinstance(doc["prompt"], list) for doc in data.train_docs):  # answers in turns
+        if self.multi_turn or any(
+            isinstance(doc["prompt"], list) for doc in data.train_docs
+        ):  # answers in turns
             self._stop_ids.append(data.chat.end_of_turn_id())
 
     def _tokenized(self, data, docs, what: str) -> list:
@@ -202,11 +245,15 @@ class GroupRelative(Objective):
             return [self._turns.start(Environment(), doc, "Environment").prompt for doc in docs]
         limit, prompts = self.cfg.data.seq_len - self.grpo.max_new_tokens, []
         for number, doc in enumerate(docs, start=1):
-            ids = prompt_ids(doc["prompt"], data.tokenizer, data.chat if isinstance(doc["prompt"], list) else None)
+            ids = prompt_ids(
+                doc["prompt"], data.tokenizer, data.chat if isinstance(doc["prompt"], list) else None
+            )
             if len(ids) > limit:
-                raise ConfigError(f"{what}: prompt {number} is {len(ids)} tokens; with "
-                                  f"training.grpo.max_new_tokens={self.grpo.max_new_tokens} it needs "
-                                  f"data.seq_len >= {len(ids) + self.grpo.max_new_tokens}")
+                raise ConfigError(
+                    f"{what}: prompt {number} is {len(ids)} tokens; with "
+                    f"training.grpo.max_new_tokens={self.grpo.max_new_tokens} it needs "
+                    f"data.seq_len >= {len(ids) + self.grpo.max_new_tokens}"
+                )
             prompts.append(ids)
         return prompts
 
@@ -214,10 +261,16 @@ class GroupRelative(Objective):
         G = self.grpo.num_generations
         indices = [{"index": np.array([[i]], np.int32)} for i in range(len(self._prompts))]
         self._rows, self._global_rows = rows, global_rows
-        return Rollouts(GroupBatches(indices, accumulation_steps=self.cfg.training.gradient_accumulation_steps,
-                                     groups_per_micro_batch=global_rows // G, seed=self.cfg.training.seed,
-                                     slots=range(rows.start // G, rows.stop // G),
-                                     prefetch=self.cfg.data.prefetch_batches))
+        return Rollouts(
+            GroupBatches(
+                indices,
+                accumulation_steps=self.cfg.training.gradient_accumulation_steps,
+                groups_per_micro_batch=global_rows // G,
+                seed=self.cfg.training.seed,
+                slots=range(rows.start // G, rows.stop // G),
+                prefetch=self.cfg.data.prefetch_batches,
+            )
+        )
 
     def connect(self, run, write_samples: Callable[[int, list[tuple[str, str]]], None]) -> None:
         """What sampling needs of the run: the engine on its mesh (the rollout mesh, else the
@@ -228,30 +281,45 @@ class GroupRelative(Objective):
         self._run, self._write_samples = run, write_samples
         to_engine = run.weights.for_engine
         if self.grpo.rollout_dtype is RolloutDtype.bf16:  # the engine computes in bf16
-            to_engine = lambda p, f, merge=run.weights.for_engine: quant.cast(merge(p, f), jnp.bfloat16)
+
+            def to_engine(p, f, merge=run.weights.for_engine):
+                return quant.cast(merge(p, f), jnp.bfloat16)
+
         self._merged = jax.jit(to_engine)  # LoRA: the adapters merged into the base, compiled once
         self._mesh = run.rollout_mesh or run.mesh
         # every completion of a rollout at once, in one batch of slots, or rollout_slots at a time
-        self._engine = Engine(self.cfg.model, self._mesh, stop_ids=self._stop_ids, slots=self.grpo.rollout_slots,
-                              lora=run.weights.engine_lora)
+        self._engine = Engine(
+            self.cfg.model,
+            self._mesh,
+            stop_ids=self._stop_ids,
+            slots=self.grpo.rollout_slots,
+            lora=run.weights.engine_lora,
+        )
         if run.rollout_mesh is not None:
             self._copy = cross_mesh_copier(run.mesh, run.rollout_mesh)
-            parts = ("params", "frozen") if run.weights.lora else ("params",)  # full fine-tuning: the reference stays
-            self._rollout_shardings = {part: state_shardings(getattr(run.plan.abstract, part), run.rollout_mesh)
-                                       for part in parts}
+            parts = (
+                ("params", "frozen") if run.weights.lora else ("params",)
+            )  # full fine-tuning: the reference stays
+            self._rollout_shardings = {
+                part: state_shardings(getattr(run.plan.abstract, part), run.rollout_mesh) for part in parts
+            }
             self._frozen_copy = None
 
     def _rollout_params(self, state):
         """The merged parameters the engine draws with, on its mesh (the time and bytes copied there
         are added to the step's figures)."""
-        on_device = jax.device_put(state.params, self._run.plan.on_device.params)  # from host memory if offloaded
+        on_device = jax.device_put(
+            state.params, self._run.plan.on_device.params
+        )  # from host memory if offloaded
         if self._run.rollout_mesh is None:
             return self._merged(on_device, state.frozen)
         start = time.perf_counter()
         params = jax.block_until_ready(self._copy(on_device, self._rollout_shardings["params"]))
         moved = sum(x.nbytes for x in jax.tree.leaves(params))
         if "frozen" in self._rollout_shardings and self._frozen_copy is None:  # LoRA's base, once per process
-            self._frozen_copy = jax.block_until_ready(self._copy(state.frozen, self._rollout_shardings["frozen"]))
+            self._frozen_copy = jax.block_until_ready(
+                self._copy(state.frozen, self._rollout_shardings["frozen"])
+            )
             moved += sum(x.nbytes for x in jax.tree.leaves(self._frozen_copy))
         frozen = self._frozen_copy
         self._syncs["weight_sync_s"] += time.perf_counter() - start
@@ -266,7 +334,9 @@ class GroupRelative(Objective):
         their parameters are copied now, before the step takes the state."""
         step, start = int(state.step), time.perf_counter()
         index = step // self.grpo.iterations
-        self._syncs = dict.fromkeys(("weight_sync_s", "weight_sync_bytes"), 0.0) if self._run.rollout_mesh else {}
+        self._syncs = (
+            dict.fromkeys(("weight_sync_s", "weight_sync_bytes"), 0.0) if self._run.rollout_mesh else {}
+        )
         if rollouts.current is None or rollouts.current.index != index:
             rollouts.draw_deferred()
             if rollouts.next_index is None:
@@ -274,9 +344,13 @@ class GroupRelative(Objective):
             params = None  # copied once for the rollouts this step draws
             while rollouts.next_index <= index + self.grpo.max_staleness:
                 params = self._rollout_params(state) if params is None else params
-                more_prompts = lambda: self._gathered(next(rollouts.prompts)["index"][..., 0])
-                draw = functools.partial(self._roll_out, more_prompts(), more_prompts, rollouts.next_index, params,
-                                         step)
+
+                def more_prompts():
+                    return self._gathered(next(rollouts.prompts)["index"][..., 0])
+
+                draw = functools.partial(
+                    self._roll_out, more_prompts(), more_prompts, rollouts.next_index, params, step
+                )
                 if rollouts.next_index > index and self._run.rollout_mesh is not None:
                     rollouts.deferred.append(draw)
                 else:
@@ -301,8 +375,9 @@ class GroupRelative(Objective):
         starts = np.asarray(multihost_utils.process_allgather(np.array(self._rows.start)))
         return np.concatenate([per_process[p] for p in np.argsort(starts)], axis=1)
 
-    def _roll_out(self, indices: np.ndarray, more_prompts: Callable[[], np.ndarray], index: int, params,
-                  version: int) -> Rollout:
+    def _roll_out(
+        self, indices: np.ndarray, more_prompts: Callable[[], np.ndarray], index: int, params, version: int
+    ) -> Rollout:
         """Rollout number `index` of the prompts `indices` [A, prompts], drawn with `params` (those
         of step `version`, on the engine's mesh), scored. Under dynamic sampling, the groups without
         signal are set aside and more_prompts() are rolled out in their place."""
@@ -313,19 +388,41 @@ class GroupRelative(Objective):
             for group in groups:
                 (kept if self.rewards.informative(group["rewards"]) else spare).append(group)
             if len(kept) >= wanted or rounds == self.grpo.dynamic_sampling_rounds:
-                groups = kept[:wanted] + spare[:wanted - len(kept)]
+                groups = kept[:wanted] + spare[: wanted - len(kept)]
                 break
-            (groups, seconds), rounds = self._sample(more_prompts().reshape(-1), index, rounds, params), rounds + 1
+            (groups, seconds), rounds = (
+                self._sample(more_prompts().reshape(-1), index, rounds, params),
+                rounds + 1,
+            )
             sampling_s += seconds
-        rows = lambda field: None if groups[0][field] is None else [row for g in groups for row in g[field]]
-        total = lambda field: sum(g[field] for g in groups)
-        return Rollout(index, version, int(indices.shape[0]), [g["prompt"] for g in groups], rows("completions"),
-                       rows("logprobs"), np.concatenate([g["rewards"] for g in groups], 1).tolist(), sampling_s,
-                       rounds=rounds, filler_groups=max(wanted - len(kept), 0) if self.grpo.dynamic_sampling else 0,
-                       prompt_ids=rows("prompt_ids"), own=rows("own"), tool_calls=total("tool_calls"),
-                       tool_errors=total("tool_errors"), turns=total("turns"))
 
-    def _sample(self, order: np.ndarray, index: int, round_: int, params) -> tuple[list[dict[str, Any]], float]:
+        def rows(field):
+            return None if groups[0][field] is None else [row for g in groups for row in g[field]]
+
+        def total(field):
+            return sum(g[field] for g in groups)
+
+        return Rollout(
+            index,
+            version,
+            int(indices.shape[0]),
+            [g["prompt"] for g in groups],
+            rows("completions"),
+            rows("logprobs"),
+            np.concatenate([g["rewards"] for g in groups], 1).tolist(),
+            sampling_s,
+            rounds=rounds,
+            filler_groups=max(wanted - len(kept), 0) if self.grpo.dynamic_sampling else 0,
+            prompt_ids=rows("prompt_ids"),
+            own=rows("own"),
+            tool_calls=total("tool_calls"),
+            tool_errors=total("tool_errors"),
+            turns=total("turns"),
+        )
+
+    def _sample(
+        self, order: np.ndarray, index: int, round_: int, params
+    ) -> tuple[list[dict[str, Any]], float]:
         """The G completions of each prompt of `order`, scored: one dict per group, and the seconds
         spent generating. Round r of a rollout draws from the streams after round r - 1's."""
         from tunix_train.generate import Sampling
@@ -333,44 +430,81 @@ class GroupRelative(Objective):
         G, order = self.grpo.num_generations, [int(i) for i in order]
         docs = [self._docs[i] for i in order for _ in range(G)]
         prompts = [self._prompts[i] for i in order for _ in range(G)]
-        out = self._complete(docs, prompts, params, Sampling(temperature=self.grpo.temperature),
-                             self.cfg.training.seed * 1_000_003 + index, round_ * len(docs) * self.grpo.max_turns)
-        group = lambda field, i: out[field][i * G:(i + 1) * G] if out[field] is not None else None
-        return [{"prompt": p, **{f: group(f, i) for f in ("completions", "logprobs", "prompt_ids", "own")},
-                 "rewards": out["rewards"][:, i * G:(i + 1) * G],
-                 **{f: sum(group(f, i)) for f in ("tool_calls", "tool_errors", "turns")}}
-                for i, p in enumerate(order)], out["sampling_s"]
+        out = self._complete(
+            docs,
+            prompts,
+            params,
+            Sampling(temperature=self.grpo.temperature),
+            self.cfg.training.seed * 1_000_003 + index,
+            round_ * len(docs) * self.grpo.max_turns,
+        )
 
-    def _complete(self, docs: list[dict], prompts: list, params, sampling, seed: int, stream: int) -> dict[str, Any]:
+        def group(field, i):
+            return out[field][i * G : (i + 1) * G] if out[field] is not None else None
+
+        return [
+            {
+                "prompt": p,
+                **{f: group(f, i) for f in ("completions", "logprobs", "prompt_ids", "own")},
+                "rewards": out["rewards"][:, i * G : (i + 1) * G],
+                **{f: sum(group(f, i)) for f in ("tool_calls", "tool_errors", "turns")},
+            }
+            for i, p in enumerate(order)
+        ], out["sampling_s"]
+
+    def _complete(
+        self, docs: list[dict], prompts: list, params, sampling, seed: int, stream: int
+    ) -> dict[str, Any]:
         """Each record's completion, scored: its prompt's ids continued by the engine (request i from
         stream + i), or with turns its conversation (envs/rollout.py; streams from `stream` on); and
         the seconds it took (`sampling_s`)."""
         from tunix_train.generate import Request
 
-        T, start, request = self.cfg.data.seq_len, time.perf_counter(), lambda ids, n, k: Request(
-            tuple(ids), n, sampling, seed, stream + k)
+        T, start, request = (
+            self.cfg.data.seq_len,
+            time.perf_counter(),
+            lambda ids, n, k: Request(tuple(ids), n, sampling, seed, stream + k),
+        )
         if self.multi_turn:
             environments = [self._environment_class() for _ in docs]
             name = self.grpo.environment or "Environment"
             trajectories = self._turns.roll_out(
                 lambda requests: self._engine.generate(params, [request(*r) for r in requests], max_len=T),
-                [self._turns.start(e, d, name) for e, d in zip(environments, docs)], environments)
-            out = {"prompt_ids": [tr.prompt for tr in trajectories], "completions": [tr.tokens for tr in trajectories],
-                   "logprobs": [tr.logprobs for tr in trajectories], "own": [tr.own for tr in trajectories],
-                   **{f: [getattr(tr, f) for tr in trajectories] for f in ("tool_calls", "tool_errors", "turns")}}
-            texts, extra = [tr.last_turn for tr in trajectories], {"trajectories": [tr.messages for tr in trajectories],
-                                                                   "environment": [tr.reward for tr in trajectories]}
+                [self._turns.start(e, d, name) for e, d in zip(environments, docs)],
+                environments,
+            )
+            out = {
+                "prompt_ids": [tr.prompt for tr in trajectories],
+                "completions": [tr.tokens for tr in trajectories],
+                "logprobs": [tr.logprobs for tr in trajectories],
+                "own": [tr.own for tr in trajectories],
+                **{
+                    f: [getattr(tr, f) for tr in trajectories] for f in ("tool_calls", "tool_errors", "turns")
+                },
+            }
+            texts, extra = (
+                [tr.last_turn for tr in trajectories],
+                {
+                    "trajectories": [tr.messages for tr in trajectories],
+                    "environment": [tr.reward for tr in trajectories],
+                },
+            )
         else:
             requests = [request(p, self.grpo.max_new_tokens, i) for i, p in enumerate(prompts)]
             done = self._engine.generate(params, requests, max_len=T)
             stopped = [c.stop_token is not None for c in done]  # then the stop token is trained on too
-            out = {"prompt_ids": None, "own": None,
-                   "completions": [c.tokens + [c.stop_token] * s for c, s in zip(done, stopped)],
-                   "logprobs": [c.logprobs + [c.stop_logprob] * s for c, s in zip(done, stopped)],
-                   **dict.fromkeys(("tool_calls", "tool_errors", "turns"), [0] * len(done))}
+            out = {
+                "prompt_ids": None,
+                "own": None,
+                "completions": [c.tokens + [c.stop_token] * s for c, s in zip(done, stopped)],
+                "logprobs": [c.logprobs + [c.stop_logprob] * s for c, s in zip(done, stopped)],
+                **dict.fromkeys(("tool_calls", "tool_errors", "turns"), [0] * len(done)),
+            }
             texts, extra = [self._tokenizer.decode(c.tokens) for c in done], {}
         out["sampling_s"] = time.perf_counter() - start  # the engine's time (and the tools')
-        out["rewards"] = self.rewards.score([d["prompt"] for d in docs], texts, docs, out["completions"], **extra)
+        out["rewards"] = self.rewards.score(
+            [d["prompt"] for d in docs], texts, docs, out["completions"], **extra
+        )
         return out
 
     def _rows_of(self, rollout: Rollout) -> dict[str, np.ndarray]:
@@ -382,43 +516,76 @@ class GroupRelative(Objective):
         full = {name: np.stack([r[name] for r in rows]) for name in rows[0]}
         full["behaviour_logp"] = np.zeros((len(rows), T), np.float32)
         for row, (prompt, logprobs) in enumerate(zip(prompts, rollout.logprobs)):  # targets[i] = ids[i + 1]
-            full["behaviour_logp"][row, len(prompt) - 1:len(prompt) - 1 + len(logprobs)] = logprobs
+            full["behaviour_logp"][row, len(prompt) - 1 : len(prompt) - 1 + len(logprobs)] = logprobs
             if rollout.own:  # the tool results and the environment's text are not the model's: no loss
-                full["loss_mask"][row, len(prompt) - 1:len(prompt) - 1 + len(logprobs)] *= rollout.own[row]
-        advantages = family.advantages(np.asarray(rollout.rewards), G, self.rewards.weights, g.scale_rewards,
-                                       g.multi_reward_normalization)
+                full["loss_mask"][row, len(prompt) - 1 : len(prompt) - 1 + len(logprobs)] *= rollout.own[row]
+        advantages = family.advantages(
+            np.asarray(rollout.rewards),
+            G,
+            self.rewards.weights,
+            g.scale_rewards,
+            g.multi_reward_normalization,
+        )
         if rollout.filler_groups:  # the equal groups that filled the batch teach nothing
-            advantages[len(advantages) - rollout.filler_groups * G:] = 0.0
+            advantages[len(advantages) - rollout.filler_groups * G :] = 0.0
         full["advantages"] = np.broadcast_to(advantages[:, None], (len(rows), T)).astype(np.float32)
-        if g.overlong is Overlong.filter:  # a completion cut at max_new_tokens: no loss (TRL mask_truncated_completions)
+        if (
+            g.overlong is Overlong.filter
+        ):  # a completion cut at max_new_tokens: no loss (TRL mask_truncated_completions)
             cut = np.array([not c or c[-1] not in self._stop_ids for c in rollout.completions])
             full["loss_mask"][cut] = 0.0
         local = self._rows
-        return {name: np.ascontiguousarray(x.reshape(A, -1, T)[:, local.start:local.stop]) for name, x in full.items()}
+        return {
+            name: np.ascontiguousarray(x.reshape(A, -1, T)[:, local.start : local.stop])
+            for name, x in full.items()
+        }
 
     def _figures(self, rollout: Rollout, step: int, rollout_s: float) -> dict[str, Any]:
         """What the log shows of the step's rollout; its samples (the first group) at its first step."""
         G, rewards = self.grpo.num_generations, np.asarray(rollout.rewards)
         weighted = self.rewards.total(rewards)
         first_use = step == rollout.index * self.grpo.iterations
-        text = lambda c: self._tokenizer.decode(c[:-1] if c and c[-1] in self._stop_ids else c)
+
+        def text(c):
+            return self._tokenizer.decode(c[:-1] if c and c[-1] in self._stop_ids else c)
+
         prompt = self._docs[rollout.order[0]]["prompt"]
         return {
             **{f"reward_{name}": float(r.mean()) for name, r in zip(self.rewards.names, rewards)},
             **{f"reward_{name}_std": float(r.std()) for name, r in zip(self.rewards.names, rewards)},
             "reward": float(weighted.mean()),
-            **({"dynamic_sampling_rounds": rollout.rounds, "groups_without_signal": rollout.filler_groups}
-               if self.grpo.dynamic_sampling else {}),
-            **({"tool_calls": rollout.tool_calls / len(rollout.completions), "tool_errors": rollout.tool_errors,
-                "turns": rollout.turns / len(rollout.completions), "tool_timeouts": self._turns.toolbox.hung}
-               if self.multi_turn else {}),
+            **(
+                {"dynamic_sampling_rounds": rollout.rounds, "groups_without_signal": rollout.filler_groups}
+                if self.grpo.dynamic_sampling
+                else {}
+            ),
+            **(
+                {
+                    "tool_calls": rollout.tool_calls / len(rollout.completions),
+                    "tool_errors": rollout.tool_errors,
+                    "turns": rollout.turns / len(rollout.completions),
+                    "tool_timeouts": self._turns.toolbox.hung,
+                }
+                if self.multi_turn
+                else {}
+            ),
             "completion_tokens": float(np.mean([len(c) for c in rollout.completions])),
-            "sampling_s": rollout.sampling_s, "rollout_s": rollout_s, "rollout_staleness": step - rollout.version,
+            "sampling_s": rollout.sampling_s,
+            "rollout_s": rollout_s,
+            "rollout_staleness": step - rollout.version,
             **self._syncs,  # the weights copied to the rollout mesh for the rollouts this step drew
-            "samples": [(prompt if isinstance(prompt, str) else self._tokenizer.decode(
-                (rollout.prompt_ids or [self._prompts[rollout.order[0]]])[0]),
-                         text(rollout.completions[i]),
-                         float(weighted[i])) for i in range(G)] if first_use else [],
+            "samples": [
+                (
+                    prompt
+                    if isinstance(prompt, str)
+                    else self._tokenizer.decode((rollout.prompt_ids or [self._prompts[rollout.order[0]]])[0]),
+                    text(rollout.completions[i]),
+                    float(weighted[i]),
+                )
+                for i in range(G)
+            ]
+            if first_use
+            else [],
         }
 
     def hooks(self) -> list:
@@ -427,7 +594,10 @@ class GroupRelative(Objective):
         from tunix_train.train.objectives.grpo_eval import RewardEvaluation
 
         t = self.cfg.training
-        return [_RolloutMetrics(self), *([RewardEvaluation(self, t.eval_every, t.max_steps)] if t.eval_every else [])]
+        return [
+            _RolloutMetrics(self),
+            *([RewardEvaluation(self, t.eval_every, t.max_steps)] if t.eval_every else []),
+        ]
 
 
 class _RolloutMetrics(Hook):
@@ -446,4 +616,6 @@ class _RolloutMetrics(Hook):
         samples = rollout.pop("samples", [])
         end.scalars.update(rollout)
         if samples:
-            self.objective._write_samples(end.step, [(p, f"{text}  [reward {r:g}]") for p, text, r in samples])
+            self.objective._write_samples(
+                end.step, [(p, f"{text}  [reward {r:g}]") for p, text, r in samples]
+            )

@@ -28,14 +28,26 @@ class RewardEvaluation(Hook):
         count = min(len(o._eval_prompts), o.cfg.training.eval_batches * o._global_rows // g.num_generations)
         if not count:
             return {}
-        n, seed, params = g.eval_samples, o.cfg.training.seed * 1_000_003 + EVAL_SEED, o._rollout_params(state)
+        n, seed, params = (
+            g.eval_samples,
+            o.cfg.training.seed * 1_000_003 + EVAL_SEED,
+            o._rollout_params(state),
+        )
         docs, prompts = [o._eval_docs[i] for i in range(count)], o._eval_prompts[:count]
         greedy = o.rewards.total(o._complete(docs, prompts, params, Sampling(), seed, 0)["rewards"])
-        sampled = o._complete([d for d in docs for _ in range(n)], [p for p in prompts for _ in range(n)], params,
-                              Sampling(temperature=g.temperature), seed, count * g.max_turns)
+        sampled = o._complete(
+            [d for d in docs for _ in range(n)],
+            [p for p in prompts for _ in range(n)],
+            params,
+            Sampling(temperature=g.temperature),
+            seed,
+            count * g.max_turns,
+        )
         passed = (o.rewards.total(sampled["rewards"]) >= g.eval_pass_reward).reshape(count, n).sum(axis=1)
-        return {"eval_reward": float(greedy.mean()),
-                f"eval_pass@{g.eval_k}": float(np.mean([family.pass_at_k(n, int(c), g.eval_k) for c in passed]))}
+        return {
+            "eval_reward": float(greedy.mean()),
+            f"eval_pass@{g.eval_k}": float(np.mean([family.pass_at_k(n, int(c), g.eval_k) for c in passed])),
+        }
 
     def at_start(self, start: StepEnd) -> None:
         start.scalars.update(self.evaluate(start.state))

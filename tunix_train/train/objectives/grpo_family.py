@@ -28,14 +28,21 @@ from tunix_train.config import GrpoAggregation, ImportanceLevel, RewardNormaliza
 STD_EPS = 1e-4
 
 
-def advantages(rewards_FN: np.ndarray, G: int, weights=None, scale: ScaleRewards = ScaleRewards.group,
-               normalization: RewardNormalization = RewardNormalization.sum) -> np.ndarray:
+def advantages(
+    rewards_FN: np.ndarray,
+    G: int,
+    weights=None,
+    scale: ScaleRewards = ScaleRewards.group,
+    normalization: RewardNormalization = RewardNormalization.sum,
+) -> np.ndarray:
     """Each completion's advantage [N] from every reward function's rewards [functions, N] (N = groups
     of G consecutive completions)."""
     weights = np.ones(len(rewards_FN)) if weights is None else np.asarray(weights, np.float64)
     if normalization is RewardNormalization.per_reward:
         grouped = rewards_FN.T.reshape(-1, G, len(rewards_FN))
-        each = (grouped - grouped.mean(axis=1, keepdims=True)) / (grouped.std(axis=1, ddof=1, keepdims=True) + STD_EPS)
+        each = (grouped - grouped.mean(axis=1, keepdims=True)) / (
+            grouped.std(axis=1, ddof=1, keepdims=True) + STD_EPS
+        )
         total = (each * weights).sum(axis=-1).reshape(-1)
         return (total - total.mean()) / (total.std(ddof=1) + STD_EPS)
     total = (weights[:, None] * rewards_FN).sum(axis=0)
@@ -48,8 +55,19 @@ def advantages(rewards_FN: np.ndarray, G: int, weights=None, scale: ScaleRewards
     return centred.reshape(-1)
 
 
-def token_objective(logp, old_logp, ref_logp, advantages, mask, *, epsilon: float, epsilon_high: float,
-                    beta: float, cap: float = math.inf, level: ImportanceLevel = ImportanceLevel.token):
+def token_objective(
+    logp,
+    old_logp,
+    ref_logp,
+    advantages,
+    mask,
+    *,
+    epsilon: float,
+    epsilon_high: float,
+    beta: float,
+    cap: float = math.inf,
+    level: ImportanceLevel = ImportanceLevel.token,
+):
     """Per token [B, T]: the clipped surrogate minus beta KL (to maximize), the KL (k3, against the
     reference; ref_logp None: none), and whether the clip bites. The ratio (per token, or its
     sequence's under GSPO) is clipped to [1 - epsilon, 1 + epsilon_high], and where it is not
@@ -57,7 +75,8 @@ def token_objective(logp, old_logp, ref_logp, advantages, mask, *, epsilon: floa
     log_ratio = logp - old_logp
     if level is ImportanceLevel.sequence:
         log_ratio = jnp.sum(log_ratio * mask, axis=-1, keepdims=True) / jnp.maximum(
-            jnp.sum(mask, axis=-1, keepdims=True), 1.0)
+            jnp.sum(mask, axis=-1, keepdims=True), 1.0
+        )
     ratio = jnp.exp(log_ratio)
     clipped_ratio = jnp.clip(ratio, 1 - epsilon, 1 + epsilon_high)
     surrogate = jnp.minimum(jnp.minimum(ratio, cap) * advantages, clipped_ratio * advantages)

@@ -29,21 +29,35 @@ class Rewards:
         self.functions = {name: load_reward(name) for name in grpo.reward}
         self.names = [name.rpartition(":")[2] for name in grpo.reward]
         self.weights = list(grpo.reward_weights) or [1.0] * len(self.functions)
-        for added, wanted in (("overlong", grpo.overlong is Overlong.soft), ("environment", grpo.environment)):
+        for added, wanted in (
+            ("overlong", grpo.overlong is Overlong.soft),
+            ("environment", grpo.environment),
+        ):
             if wanted:
                 self.names.append(added)
                 self.weights.append(1.0)
 
-    def score(self, prompts: list, completions: list[str], records: list[dict[str, Any]], token_ids: list[list[int]],
-              environment: list[float | None] | None = None, **extra) -> np.ndarray:
+    def score(
+        self,
+        prompts: list,
+        completions: list[str],
+        records: list[dict[str, Any]],
+        token_ids: list[list[int]],
+        environment: list[float | None] | None = None,
+        **extra,
+    ) -> np.ndarray:
         """[rows, completions]: each function's reward of every completion, then the added rows."""
         fields = {**{k: [r.get(k) for r in records] for k in records[0] if k != "prompt"}, **extra}
-        scores = [self._call(name, function, prompts, completions, fields, records)
-                  for name, function in self.functions.items()]
+        scores = [
+            self._call(name, function, prompts, completions, fields, records)
+            for name, function in self.functions.items()
+        ]
         g = self.grpo
         if g.overlong is Overlong.soft:
             buffer = g.overlong_buffer or max(g.max_new_tokens // 5, 1)
-            scores.append(np.array([family.overlong_penalty(len(c), g.max_new_tokens, buffer) for c in token_ids]))
+            scores.append(
+                np.array([family.overlong_penalty(len(c), g.max_new_tokens, buffer) for c in token_ids])
+            )
         if g.environment:
             scores.append(np.array([r or 0.0 for r in environment], np.float64))
         return np.stack(scores)
@@ -52,19 +66,42 @@ class Rewards:
         try:
             values = function(prompts, completions, **fields)
         except Exception as err:  # the first record it fails on, found by calling it on each
-            record = next((r for i, r in enumerate(records) if _fails(function, prompts[i:i + 1], completions[i:i + 1],
-                                                                       {k: v[i:i + 1] for k, v in fields.items()})),
-                          None)
-            where = f"the record {str(record)[:120]}" if record else f"a batch from the record {str(records[0])[:120]}"
-            raise ConfigError(f"training.grpo.reward {name!r} raised {type(err).__name__}: {err} (on {where})") from None
+            record = next(
+                (
+                    r
+                    for i, r in enumerate(records)
+                    if _fails(
+                        function,
+                        prompts[i : i + 1],
+                        completions[i : i + 1],
+                        {k: v[i : i + 1] for k, v in fields.items()},
+                    )
+                ),
+                None,
+            )
+            where = (
+                f"the record {str(record)[:120]}"
+                if record
+                else f"a batch from the record {str(records[0])[:120]}"
+            )
+            raise ConfigError(
+                f"training.grpo.reward {name!r} raised {type(err).__name__}: {err} (on {where})"
+            ) from None
         if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != len(completions):
-            raise ConfigError(f"training.grpo.reward {name!r} returned "
-                              f"{len(values) if hasattr(values, '__len__') else type(values).__name__} values for "
-                              f"{len(completions)} completions; it must return one number per completion")
-        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float, np.number))
-               or not np.isfinite(v)]
+            raise ConfigError(
+                f"training.grpo.reward {name!r} returned "
+                f"{len(values) if hasattr(values, '__len__') else type(values).__name__} values for "
+                f"{len(completions)} completions; it must return one number per completion"
+            )
+        bad = [
+            v
+            for v in values
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not np.isfinite(v)
+        ]
         if bad:
-            raise ConfigError(f"training.grpo.reward {name!r} returned {bad[0]!r}; it must return finite numbers")
+            raise ConfigError(
+                f"training.grpo.reward {name!r} returned {bad[0]!r}; it must return finite numbers"
+            )
         return np.asarray(values, np.float64)
 
     def total(self, rewards: np.ndarray) -> np.ndarray:

@@ -6,8 +6,13 @@ import jax.numpy as jnp
 
 from tunix_train.train.objectives.base import Objective
 
-BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32,
-                "positions": jnp.int32, "segment_ids": jnp.int32}  # [A, B, T] each
+BATCH_DTYPES = {
+    "inputs": jnp.int32,
+    "targets": jnp.int32,
+    "loss_mask": jnp.float32,
+    "positions": jnp.int32,
+    "segment_ids": jnp.int32,
+}  # [A, B, T] each
 
 
 class LanguageModeling(Objective):
