@@ -7,6 +7,7 @@ import pytest
 from conftest import config
 from omegaconf import OmegaConf
 
+from tunix_train.compose import load_config
 from tunix_train.config import Config, ConfigError, _changeable, _fixed, changeable_on_resume
 from tunix_train.train.setup import _flatten, check_same_run, save_config
 
@@ -70,3 +71,18 @@ def test_a_run_saved_with_a_retired_key_still_loads_and_resumes(tmp_path):
     OmegaConf.save(saved, tmp_path / ".hydra" / "config.yaml")
     with pytest.raises(ConfigError, match="training.lora.dropout=0.1, a key this version no longer has"):
         check_same_run(tmp_path, cfg)
+
+
+def test_a_users_config_dir_is_searched_before_the_package_configs(tmp_path):
+    """--config-dir DIR: DIR/model/mine.yaml starts from a shipped model and is found as model=mine;
+    the package's groups (data, objective) are still there; a missing folder is a one-line error."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "mine.yaml").write_text("defaults:\n  - gemma3_tiny\nname: mine\nnum_layers: 3\n")
+    cfg, _ = load_config(["--config-dir", str(tmp_path), "model=mine", "data=synthetic"])
+    tiny, _ = load_config(["model=gemma3_tiny"])
+    assert (cfg.model.name, cfg.model.num_layers, cfg.model.embed_dim) == ("mine", 3, tiny.model.embed_dim)
+    assert cfg.data.source.value == "synthetic"
+    same, _ = load_config([f"--config-dir={tmp_path}", "model=mine"])
+    assert same.model == cfg.model
+    with pytest.raises(ConfigError, match="--config-dir '/no/such/folder' is not a directory"):
+        load_config(["--config-dir", "/no/such/folder"])

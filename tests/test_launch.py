@@ -199,7 +199,7 @@ def test_the_launcher_reports_a_config_error_it_finds_itself_in_one_line(tmp_pat
     assert result.returncode == exit_codes.CONFIG_ERROR
     assert result.stderr.strip() == (
         "tunix_train.launch: error: unknown config key 'training.no_such_key': "
-        "check its spelling against configs/"
+        "check its spelling against tunix_train/configs/"
     )
     assert result.stdout == "" and not any(tmp_path.iterdir())
 

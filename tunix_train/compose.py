@@ -1,7 +1,9 @@
 """The configuration as a run gets it: composed by hydra, validated once at start-up.
 
-`load_config(overrides)` composes `configs/config.yaml` with command-line overrides into the
-schema's dataclasses (tunix_train.config).
+`load_config(overrides)` composes the package's `configs/config.yaml` (package data, found through
+importlib.resources) with command-line overrides into the schema's dataclasses (tunix_train.config);
+`--config-dir DIR` puts a directory of the user's own configs before the package's, as hydra's own
+command line does.
 OmegaConf rejects unknown keys and wrongly typed values against the schema;
 the semantic checks that need no devices live in `validate`, which asks each concern to check its
 own keys (the model's: model.layout.validate_model; the mesh's: tunix_train.sharding and
@@ -11,7 +13,9 @@ the key.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +40,7 @@ from tunix_train.config import (
 )
 from tunix_train.model.layout import validate_model
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = resources.files("tunix_train") / "configs"
 
 
 def validate(cfg: Config) -> None:
@@ -312,24 +316,64 @@ def _describe_omegaconf_error(exc: BaseException) -> str:
             key = getattr(err, "full_key", None)
             msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
             if "not in struct" in msg or "Key '" in msg and "not" in msg:
-                return f"unknown config key '{key}': check its spelling against configs/"
+                return f"unknown config key '{key}': check its spelling against tunix_train/configs/"
             return f"config key '{key}': {msg}" if key else msg
     return str(exc).strip().splitlines()[0]
 
 
-def load_config(overrides: list[str]) -> tuple[Config, dict[str, Any]]:
-    """Composes configs/config.yaml with hydra overrides.
+def _user_config_dir(args: list[str]) -> tuple[Path | None, list[str]]:
+    """`--config-dir DIR` (or `--config-dir=DIR`) taken out of the arguments: (DIR, the rest)."""
+    rest, found = list(args), None
+    for i, arg in enumerate(rest):
+        if arg == "--config-dir" or arg.startswith("--config-dir="):
+            value = arg.partition("=")[2] if "=" in arg else (rest[i + 1] if i + 1 < len(rest) else "")
+            del rest[i : i + (1 if "=" in arg else 2)]
+            found = Path(value).expanduser().resolve()
+            if not value or not found.is_dir():
+                raise ConfigError(
+                    f"--config-dir {value!r} is not a directory: name a folder of hydra configs"
+                )
+            break
+    return found, rest
+
+
+@contextlib.contextmanager
+def _hydra(user_dir: Path | None):
+    """Hydra's global state for one composition: the package's configs, after `user_dir` if given.
+    The search path is built as hydra.main builds it for --config-dir (hydra._internal: hydra is
+    pinned below 1.4)."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+
+    backup = get_gh_backup()
+    try:
+        search_path = create_config_search_path(f"file://{CONFIG_DIR}")
+        if user_dir is not None:
+            search_path.prepend("command-line", f"file://{user_dir}", anchor=SearchPathQuery(provider="main"))
+        GlobalHydra.instance().clear()
+        Hydra.create_main_hydra2(task_name="app", config_search_path=search_path)
+        yield
+    finally:
+        restore_gh_from_backup(backup)
+
+
+def load_config(args: list[str]) -> tuple[Config, dict[str, Any]]:
+    """Composes configs/config.yaml with hydra overrides (and `--config-dir DIR`, the user's configs).
 
     Returns the validated Config and the run's hydra facts: `run_dir` and `overrides`.
     """
-    from hydra import compose, initialize_config_dir
+    from hydra import compose
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     _register_schema()
+    user_dir, overrides = _user_config_dir(args)
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        with _hydra(user_dir):
             raw = compose("config", overrides=overrides, return_hydra_config=True)
         run_info = {
             "run_dir": str(raw.hydra.run.dir),

@@ -137,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         "devices: no accelerator needed.",
     )
     parser.add_argument(
-        "overrides", nargs="*", help="hydra overrides of configs/config.yaml, as for run_training.py"
+        "overrides",
+        nargs="*",
+        help="hydra overrides of tunix_train/configs/config.yaml, as for run_training.py",
     )
+    parser.add_argument("--config-dir", metavar="DIR", help="a folder of your own configs, searched first")
     parser.add_argument(
         "--device_memory",
         "--device-memory",
@@ -148,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         help="memory per device, e.g. 80GB or 24GiB: say whether the run fits and what would help",
     )
     args = parser.parse_args(argv)
+    if args.config_dir:
+        args.overrides = ["--config-dir", args.config_dir, *args.overrides]
     try:
         devices = _device_count(args.overrides)
         if "jax" not in sys.modules:
