@@ -1,18 +1,35 @@
 """The import graph of tunix_train, read from the source with ast: no circle between files, and
-imports flow one way (launch/api -> train -> generate/data/interop/observe -> parallel -> model ->
-sharding/config)."""
+imports flow one way, down the layers of LAYERS (entry points, api, train, generate/envs, data,
+interop/observe, parallel/compose, model, sharding/checkpoint/platform, config and the leaves);
+a unit (a top-level module, or a package with everything in it) may import only units in layers
+below its own."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tunix_train"
 
-# package (or module) -> the packages it must not import
-FORBIDDEN = {
-    "tunix_train.model": ("tunix_train.parallel", "tunix_train.generate", "tunix_train.train"),
-    "tunix_train.generate": ("tunix_train.train",),
-    "tunix_train": ("tunix_train.plan",),  # the planner is a command-line tool: nothing imports it
-}
+# The layers, top first. A unit is named without its tunix_train prefix; a package's files are one unit.
+LAYERS = (
+    ("run", "export", "serve", "plan"),  # entry points: nothing imports them
+    ("launch",),  # the launchers, and jax.distributed's set-up that run uses
+    ("api",),  # the notebook surface
+    ("train",),
+    ("rewards",),
+    ("generate", "envs"),
+    ("data",),
+    ("interop", "observe"),
+    ("parallel", "compose"),
+    ("model",),
+    ("sharding", "checkpoint", "platform"),
+    ("config",),
+    ("config_objectives",),
+    ("config_fields", "exit_codes", "files", "state", "cpu_devices"),
+)
+LAYER = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}
+# Known upward imports, each to be removed (none may be added): the generation CLI loads through
+# api.load until loading has one home below generate (issue 52, item 3).
+KNOWN_UPWARD = {("tunix_train.generate.__main__", "tunix_train.api")}
 MESH_WORDS = ("shard_map", "all_to_all", "ppermute")  # what the model leaves to tunix_train.parallel
 
 
@@ -75,15 +92,24 @@ def test_no_file_imports_itself_through_others():
             visit(name, [name])
 
 
+def _unit(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def test_every_unit_has_a_layer():
+    missing = {_unit(name) for name in MODULES} - set(LAYER) - {""}
+    assert not missing, f"add {sorted(missing)} to LAYERS"
+
+
 def test_imports_flow_one_way():
+    """Every import between units goes down LAYERS; the package's own __init__ imports nothing."""
     wrong = [
         f"{name} imports {dep}"
         for name, deps in GRAPH.items()
         for dep in deps
-        for package, banned in FORBIDDEN.items()
-        if _within(name, package)
-        for b in banned
-        if _within(dep, b) and not _within(name, b)
+        if _unit(name) != _unit(dep)
+        and (name, dep) not in KNOWN_UPWARD
+        and (_unit(name) == "" or LAYER[_unit(dep)] <= LAYER[_unit(name)])
     ]
     assert not wrong, wrong
 
