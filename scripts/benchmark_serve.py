@@ -199,9 +199,8 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
-SOAK_SPECS = (
-    64  # distinct valid requests; each valid request is one of them, its text checked against its solo text
-)
+# distinct valid requests; each valid request is one of them, its text checked against its solo text
+SOAK_SPECS = 64
 INVALID = [
     b"{not json",
     b"[1]",

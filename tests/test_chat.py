@@ -279,9 +279,8 @@ def test_dpo_pairs_and_grpo_prompts_in_messages_are_rendered_with_the_template(t
     prompt, _ = template.encode(question, add_generation_prompt=True)
     for row, answer in enumerate(("A Montague.", "A Capulet.")):
         full, mask = template.encode([*question, {"role": "assistant", "content": answer}])
-        n = (
-            len(full) - 1 if ours.decode(full[-1:]) == "\n" else len(full)
-        )  # without the newline after the turn
+        # without the newline after the turn
+        n = len(full) - 1 if ours.decode(full[-1:]) == "\n" else len(full)
         np.testing.assert_array_equal(rows["inputs"][row][: n - 1], full[: n - 1])
         with_loss = rows["targets"][row][rows["loss_mask"][row] > 0].tolist()
         assert with_loss == [i for i, m in zip(full[:n], mask[:n]) if m][-len(with_loss) :]

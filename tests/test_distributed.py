@@ -106,9 +106,8 @@ def test_checkpoints_move_between_one_and_two_processes(tmp_path, one_process):
     params = [k for k in written_by_one if "params" in k]
     assert len(params) > 10
     for key in params:
-        np.testing.assert_array_equal(
-            written_by_two[key], written_by_one[key], err_msg=key
-        )  # 1 -> 2 processes
+        # 1 -> 2 processes
+        np.testing.assert_array_equal(written_by_two[key], written_by_one[key], err_msg=key)
         np.testing.assert_array_equal(reloaded_by_one[key], written_by_two[key], err_msg=key)  # 2 -> 1
 
 

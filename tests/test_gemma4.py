@@ -530,6 +530,7 @@ def test_pipelined_experts_give_the_losses_and_expert_statistics_of_one_device(t
 
 @pytest.mark.slow
 def test_moe_training_on_ep_resumes_bit_identically_and_logs_the_experts(tmp_path):
+    # the same at any max_steps
     cfg = config(
         "model=gemma4_moe_tiny",
         "data.seq_len=32",
@@ -540,7 +541,7 @@ def test_moe_training_on_ep_resumes_bit_identically_and_logs_the_experts(tmp_pat
         "training.warmup_steps=0",
         "training.learning_rate=0.01",
         "training.lr_schedule=constant",
-    )  # the same at any max_steps
+    )
     cfg.model.mesh_shape = [[2, 2], ["ep", "fsdp"]]
     straight, resumed = straight_and_resumed(cfg, tmp_path, 6, 3, jax.devices()[:4])
     assert train_losses(resumed) == train_losses(straight)

@@ -235,9 +235,8 @@ def test_a_resumed_run_draws_the_same_completions_and_losses(tmp_path, staleness
     # rollout r trains steps r*mu .. r*mu + mu - 1, drawn at step (r - k)*mu (at 0 for the first k)
     expected = [step - max(step // iterations - staleness, 0) * iterations for step in range(5)]
     assert [m["rollout_staleness"] for m in metrics(straight)] == expected
-    assert len(_samples(straight)) == 4 * len(
-        range(0, 5, iterations)
-    )  # a rollout's samples at its first step
+    # a rollout's samples at its first step
+    assert len(_samples(straight)) == 4 * len(range(0, 5, iterations))
     if staleness:  # off-policy: the ratio moves away from 1 once the parameters have
         assert metrics(straight)[-1]["logprob_mismatch_max"] > 1e-3
 

@@ -29,6 +29,7 @@ REWARD = "tunix_train.rewards.arithmetic:exact_match"
 
 
 def _cfg(*overrides):
+    # off-policy: pi_old is the recorded logp
     cfg, _ = load_config(
         [
             "objective=grpo",
@@ -40,7 +41,7 @@ def _cfg(*overrides):
             "training.grpo.max_staleness=1",
             *overrides,
         ]
-    )  # off-policy: pi_old is the recorded logp
+    )
     return cfg
 
 
@@ -267,9 +268,8 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path):
     train(cfg, tmp_path / "run", devices=jax.devices()[:4])
     steps = [m for m in read_metrics(tmp_path / "run") if "loss" in m]
     assert all(m["groups_without_signal"] == 0 for m in steps), steps
-    assert (
-        max(m["dynamic_sampling_rounds"] for m in steps) >= 2
-    )  # 4 groups per batch, about 2 informative per round
+    # 4 groups per batch, about 2 informative per round
+    assert max(m["dynamic_sampling_rounds"] for m in steps) >= 2
     assert all(m["reward_length_for_even_answers_std"] > 0 for m in steps)
 
 
@@ -339,9 +339,8 @@ def test_evaluation_logs_reward_and_pass_at_k(tmp_path):
     evals = [m for m in read_metrics(tmp_path / "run") if "eval_reward" in m]
     assert [m["step"] for m in evals] == [0, 2, 4]
     assert all(0 <= m["eval_pass@2"] <= 1 and np.isfinite(m["eval_reward"]) for m in evals)
-    assert (
-        len({m["eval_pass@2"] for m in evals} | {m["eval_reward"] for m in evals}) > 1
-    )  # they move with the weights
+    # they move with the weights
+    assert len({m["eval_pass@2"] for m in evals} | {m["eval_reward"] for m in evals}) > 1
 
 
 @pytest.mark.parametrize(

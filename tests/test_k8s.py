@@ -66,9 +66,8 @@ def test_the_manifest_renders_for_4_pods_of_8_gpus(manifest):
     port = service["spec"]["ports"][0]["port"]
     assert env["MASTER_PORT"]["value"] == str(port) and container["ports"][0]["containerPort"] == port
     assert "LOCAL_RANK" not in env  # it would pin the process to one of its 8 GPUs
-    assert all(
-        isinstance(e["value"], str) for e in container["env"] if "value" in e
-    )  # Kubernetes wants strings
+    # Kubernetes wants strings
+    assert all(isinstance(e["value"], str) for e in container["env"] if "value" in e)
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     # restarts: the run directory on the shared volume; the launchers' exit codes decide
     assert container["command"] == ["python", "run_training.py"]

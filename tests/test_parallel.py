@@ -37,11 +37,12 @@ RING = "model.context_parallel_strategy=ring"
 RUNS = {  # name: (mesh_shape, rows per data-parallel shard, overrides); 16 rows a step in all
     "pp2": ([[2], ["pp"]], 8, ["training.pipeline_microbatches=2"]),
     "pp4": ([[4], ["pp"]], 8, ["training.pipeline_microbatches=4"]),
+    # remat inside the stages
     "pp2_repeats2": (
         [[2], ["pp"]],
         8,
         ["training.pipeline_microbatches=4", "training.pipeline_repeats=2", "training.remat=full"],
-    ),  # remat inside the stages
+    ),
     "cp2": ([[2], ["cp"]], 8, []),
     "cp2_ring": ([[2], ["cp"]], 8, [RING]),
     "cp4": ([[4], ["cp"]], 8, []),
@@ -196,9 +197,8 @@ def test_the_balanced_order_evens_out_causal_work():
         assert max(plain) / min(plain) > 2, plain
         # the ring skips only what the mask hides: both orders compute every causal pair once
         assert sum(balanced) == sum(plain) < (2 * cp) ** 2
-    order = context.balanced_order(
-        16, 2
-    )  # 4 chunks of 4: shard 0 holds chunks 0 and 3, shard 1 chunks 1 and 2
+    # 4 chunks of 4: shard 0 holds chunks 0 and 3, shard 1 chunks 1 and 2
+    order = context.balanced_order(16, 2)
     np.testing.assert_array_equal(order, [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11])
 
 

@@ -358,9 +358,8 @@ def test_stops_at_every_position_of_the_first_chunk(live):
             status, reply, _ = live.send(TEXT, {**NORMAL, "max_tokens": 12, "stop": piece})
             assert status == 200 and reply["choices"][0]["text"] == before_stop(full, [piece], True)[0]
             assert reply["choices"][0]["finish_reason"] == "stop"
-        engine.stop_ids = frozenset(
-            {reference[k]}
-        )  # read by the host between chunks: the next request's stop
+        # read by the host between chunks: the next request's stop
+        engine.stop_ids = frozenset({reference[k]})
         try:
             status, reply, _ = live.send(TEXT, {**NORMAL, "max_tokens": 12})
         finally:

@@ -174,9 +174,8 @@ def test_calls_run_and_their_results_continue_the_conversation(tokenizer):
     )
     rendered = tokenizer.encode_with_offsets(turns.render(trajectory.messages))[0]
     assert prompt + trajectory.tokens == rendered[: len(prompt) + len(trajectory.tokens)]
-    assert rendered[len(prompt) + len(trajectory.tokens) :] == tokenizer.encode(
-        "\n"
-    )  # after the last end of turn
+    # after the last end of turn
+    assert rendered[len(prompt) + len(trajectory.tokens) :] == tokenizer.encode("\n")
     own = [tok for tok, mine in zip(trajectory.tokens, trajectory.own) if mine]
     assert tokenizer.decode(own) == "<end_of_turn>".join(script) + "<end_of_turn>"
     others = tokenizer.decode([tok for tok, mine in zip(trajectory.tokens, trajectory.own) if not mine])
@@ -373,9 +372,8 @@ def test_grpo_with_tools_and_an_environment_trains_and_resumes_bit_identically(t
         assert [m[key] for m in metrics(resumed)] == [m[key] for m in metrics(straight)], key
     steps = metrics(straight)
     assert sum(m["tool_calls"] for m in steps) > 0 and max(m["turns"] for m in steps) > 2
-    assert (
-        sum(m["reward_environment"] for m in steps) > 0 and max(m["grad_norm"] for m in steps) > 0.01
-    )  # it learns
+    # it learns
+    assert sum(m["reward_environment"] for m in steps) > 0 and max(m["grad_norm"] for m in steps) > 0.01
     samples = [json.loads(line) for line in (straight / "samples.jsonl").read_text().splitlines()]
     assert any("<tool_response>" in s["text"] for s in samples)
 
@@ -393,9 +391,8 @@ def test_the_parser_bounds_what_the_model_writes():
         '<tool_call>{"name": "multiply", "arguments": {"a": ' + "[" * 20_000 + "]" * 20_000 + "}}</tool_call>"
     )
     assert "nested more than 32" in t.parse_calls(deep, "tagged")[0].error  # json's RecursionError
-    assert (
-        len(t.parse_calls("".join(call(i, 2) for i in range(300)), "tagged")) == 300
-    )  # a turn runs max_calls
+    # a turn runs max_calls
+    assert len(t.parse_calls("".join(call(i, 2) for i in range(300)), "tagged")) == 300
     deep33 = '<tool_call>{"name": "multiply", "arguments": {"a": ' + "[" * 33 + "]" * 33 + "}}</tool_call>"
     assert "nested more than 32" in t.parse_calls(deep33, "tagged")[0].error
     gemma4_deep = "<|tool_call>call:f{a:" + "[" * 20_000 + "]" * 20_000 + "}<tool_call|>"

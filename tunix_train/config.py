@@ -105,9 +105,8 @@ class DataSource(enum.Enum):
     shakespeare = "shakespeare"  # the bundled corpus and tokenizer
     text = "text"  # plain-text files
     jsonl = "jsonl"  # one JSON object per line: a text field, or prompt and completion fields
-    parquet = (
-        "parquet"  # the same records as Parquet rows (a .parquet file is read as Parquet under jsonl too)
-    )
+    # the same records as Parquet rows (a .parquet file is read as Parquet under jsonl too)
+    parquet = "parquet"
     array_record = "array_record"  # pre-tokenized documents (scripts/pretokenize.py writes them)
     synthetic = "synthetic"  # learnable random sequences, no tokenizer
 
@@ -173,9 +172,8 @@ class ModelConfig:
     num_experts_per_token: int = _fixed(0)  # top-k
     moe_hidden_dim: int = _fixed(0)  # each expert's MLP width
     moe_dispatch: MoeDispatch = _changeable(MoeDispatch.dropless)
-    moe_capacity_factor: float = _changeable(
-        1.25
-    )  # moe_dispatch=capacity: slots per expert over the even share
+    # moe_dispatch=capacity: slots per expert over the even share
+    moe_capacity_factor: float = _changeable(1.25)
     # With a cp mesh axis: how attention reaches the other shards' keys and values.
     context_parallel_strategy: ContextParallelStrategy = _changeable(ContextParallelStrategy.all_gather)
     # The longest sequence (prompt and generated tokens) the model was trained for; null: no limit.
@@ -224,9 +222,8 @@ class LoraConfig:
     rank: Optional[int] = _fixed(None)  # null: no adapters (every parameter trains)
     alpha: float = _fixed(16.0)
     targets: List[str] = _fixed(factory=lambda: ["q", "k", "v", "o"])  # among LORA_TARGETS
-    base_dtype: BaseDtype = _fixed(
-        BaseDtype.fp32
-    )  # how the frozen base is held (and computes, when quantized)
+    # how the frozen base is held (and computes, when quantized)
+    base_dtype: BaseDtype = _fixed(BaseDtype.fp32)
     # The base's projections (q k v o gate up down) held quantized, each layer dequantized in the step
     base_quantization: BaseQuantization = _fixed(BaseQuantization.none)
 

@@ -14,9 +14,8 @@ class PreferenceLoss(enum.Enum):  # training.dpo.loss (docs/objectives/dpo.md)
     sigmoid = "sigmoid"  # DPO (Rafailov et al. 2023), with cDPO's label smoothing
     ipo = "ipo"  # IPO (Azar et al. 2023): squared, on per-token log-ratios
     orpo = "orpo"  # ORPO (Hong et al. 2024): the chosen answer's NLL plus an odds-ratio term; no reference
-    simpo = (
-        "simpo"  # SimPO (Meng et al. 2024): length-normalized log-probabilities with a margin; no reference
-    )
+    # SimPO (Meng et al. 2024): length-normalized log-probabilities with a margin; no reference
+    simpo = "simpo"
 
 
 class GrpoAggregation(enum.Enum):  # training.grpo.loss_aggregation: the per-token objective -> the loss
@@ -45,9 +44,8 @@ class Overlong(enum.Enum):
 
 class RewardNormalization(enum.Enum):
     sum = "sum"  # the weighted sum of the rewards, normalized (TRL "sum_then_normalize")
-    per_reward = (
-        "per_reward"  # each reward normalized in its group, then weighted (GDPO, TRL "normalize_then_sum")
-    )
+    # each reward normalized in its group, then weighted (GDPO, TRL "normalize_then_sum")
+    per_reward = "per_reward"
 
 
 class RolloutDtype(enum.Enum):  # training.grpo.rollout_dtype: the engine's weights, activations and KV cache
@@ -61,9 +59,8 @@ class DpoConfig:
     # sigmoid: the strength of the implicit KL constraint to the reference; ipo: its tau; orpo: lambda,
     # the odds-ratio term's weight; simpo: the reward scale (TRL's beta in each)
     beta: float = _fixed(0.1)
-    label_smoothing: float = _fixed(
-        0.0
-    )  # the assumed probability that a pair's preference is flipped (sigmoid, simpo)
+    # the assumed probability that a pair's preference is flipped (sigmoid, simpo)
+    label_smoothing: float = _fixed(0.0)
     simpo_gamma: float = _fixed(0.5)  # SimPO's target reward margin (gamma; TRL's simpo_gamma)
 
 
@@ -98,9 +95,8 @@ class GrpoConfig:
     epsilon_high: Optional[float] = _fixed(None)  # the clip's upper side, 1 + epsilon_high; null: epsilon
     importance_sampling_level: ImportanceLevel = _fixed(ImportanceLevel.token)
     overlong: Overlong = _fixed(Overlong.none)
-    overlong_buffer: Optional[int] = _fixed(
-        None
-    )  # soft: the penalized last tokens; null: max_new_tokens // 5
+    # soft: the penalized last tokens; null: max_new_tokens // 5
+    overlong_buffer: Optional[int] = _fixed(None)
     # Groups whose rewards are all equal are replaced by more prompts' (at most this many rollouts of a
     # batch's prompts; short of that they fill it, and a batch without signal does not update: DAPO).
     dynamic_sampling: bool = _fixed(False)

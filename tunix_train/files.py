@@ -23,9 +23,8 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """write(temporary path) fills the file; then it replaces `path` whole."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.{secrets.token_hex(6)}.partial")
-    os.close(
-        os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    )  # the umask applies, as to any new file
+    # the umask applies, as to any new file
+    os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
         write(partial)
         with open(partial, "rb+") as written:

@@ -43,6 +43,7 @@ def render(
             "hydra.run.dir is set by the manifest (/runs/NAME, on the shared volume): leave it out"
         )
     args = [*overrides, f"hydra.run.dir=/runs/{name}"]
+    # a JSON list is a YAML flow sequence
     return string.Template(TEMPLATE.read_text()).substitute(
         NAME=name,
         WORKERS=workers,
@@ -55,7 +56,7 @@ def render(
         BACKOFF_LIMIT=max(1, workers * max_restarts),
         GRACE_S=grace_s,
         ARGS=json.dumps(args),
-    )  # a JSON list is a YAML flow sequence
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -228,12 +228,14 @@ def gguf_tokenizer(reader, path: Path) -> HFTokenizer:
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     )
     types = field("tokenizer.ggml.token_type") or []
+    # CONTROL
     backend.add_special_tokens(
         [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, types) if kind == 3]
-    )  # CONTROL
+    )
+    # USER_DEFINED
     backend.add_tokens(
         [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, types) if kind == 4]
-    )  # USER_DEFINED
+    )
 
     def special(key, default):
         return field(f"tokenizer.ggml.{key}") if field(f"tokenizer.ggml.{key}") is not None else default

@@ -155,9 +155,8 @@ class Session:
         self.seeds = np.zeros((slots, *_seed_key(0).shape), np.uint32)
         self._on_device = None  # the rows' arrays on the devices, while the host has not changed them
         e.stats["cache_bytes"] = sum(x.nbytes for c in self.caches if c is not None for x in c.values())
-        self._prefixes: collections.OrderedDict = (
-            collections.OrderedDict()
-        )  # prompt -> (entries, logits, row)
+        # prompt -> (entries, logits, row)
+        self._prefixes: collections.OrderedDict = collections.OrderedDict()
 
     @property
     def busy_slots(self) -> bool:

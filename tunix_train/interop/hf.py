@@ -66,6 +66,7 @@ _SPECS = {
 }
 
 
+# as transformers' Gemma 4
 GEMMA4_FIELDS = dict(
     use_qk_norm=True,
     use_v_norm=True,
@@ -74,7 +75,7 @@ GEMMA4_FIELDS = dict(
     use_layer_scalar=True,
     use_post_attn_norm=True,
     use_post_ffw_norm=True,
-)  # as transformers' Gemma 4
+)
 
 
 def _family(cfg: ModelConfig) -> str:

@@ -173,9 +173,10 @@ def _connect(ray, address: str) -> None:
     unreachable address for many minutes."""
     import logging
 
+    # "auto": RAY_ADDRESS, or this node's cluster
     from ray._private.services import (
         canonicalize_bootstrap_address,
-    )  # "auto": RAY_ADDRESS, or this node's cluster
+    )
 
     try:
         target = canonicalize_bootstrap_address(address)

@@ -65,9 +65,8 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
     t = cfg.training
     devices = list(jax.devices() if devices is None else devices)
     objective = objective or make_objective(cfg)
-    weights = Weights.for_run(
-        cfg, objective.needs_reference
-    )  # reads a GGUF base's layout: before the devices start
+    # reads a GGUF base's layout: before the devices start
+    weights = Weights.for_run(cfg, objective.needs_reference)
     rollout_mesh = None
     if t.objective is Kind.grpo and t.grpo.rollout_mesh_shape is not None:
         key = "training.grpo.rollout_mesh_shape"

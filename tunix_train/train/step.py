@@ -344,9 +344,10 @@ def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, syn
 
     def sync(grads, group):
         local, losses = jax.lax.scan(accumulate_locally, local_zeros, group)
+        # the reduction
         reduced = jax.lax.with_sharding_constraint(
             jax.tree.map(lambda leaf: jnp.sum(leaf, axis=0), local), grad_shardings
-        )  # the reduction
+        )
         return jax.lax.with_sharding_constraint(add(grads, reduced), grad_shardings), losses
 
     grads, (losses, aux) = jax.lax.scan(sync, zeros, groups)

@@ -297,9 +297,8 @@ class GroupRelative(Objective):
         )
         if run.rollout_mesh is not None:
             self._copy = cross_mesh_copier(run.mesh, run.rollout_mesh)
-            parts = (
-                ("params", "frozen") if run.weights.lora else ("params",)
-            )  # full fine-tuning: the reference stays
+            # full fine-tuning: the reference stays
+            parts = ("params", "frozen") if run.weights.lora else ("params",)
             self._rollout_shardings = {
                 part: state_shardings(getattr(run.plan.abstract, part), run.rollout_mesh) for part in parts
             }
@@ -308,9 +307,8 @@ class GroupRelative(Objective):
     def _rollout_params(self, state):
         """The merged parameters the engine draws with, on its mesh (the time and bytes copied there
         are added to the step's figures)."""
-        on_device = jax.device_put(
-            state.params, self._run.plan.on_device.params
-        )  # from host memory if offloaded
+        # from host memory if offloaded
+        on_device = jax.device_put(state.params, self._run.plan.on_device.params)
         if self._run.rollout_mesh is None:
             return self._merged(on_device, state.frozen)
         start = time.perf_counter()
