@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tunix_train.config import ConfigError, DataConfig, DataSource, TextUnit
 from tunix_train.data.sources import read_documents, write_pretokenized
-from tunix_train.data.tokenizer import load_tokenizer
+from tunix_train.data.tokenizer import load_tokenizer, with_bos
 
 
 def main() -> int:
@@ -38,7 +38,7 @@ def main() -> int:
         if args.output.exists():
             raise ConfigError(f"--output {args.output} exists; choose a new path")
         write_pretokenized(
-            args.output, ([tokenizer.bos_id, *tokenizer.encode(d["text"]), tokenizer.eos_id] for d in docs)
+            args.output, ([*with_bos(tokenizer, tokenizer.encode(d["text"])), tokenizer.eos_id] for d in docs)
         )
     except ConfigError as err:
         print(f"pretokenize: error: {err}", file=sys.stderr)

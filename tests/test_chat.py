@@ -20,7 +20,7 @@ from tunix_train.config import ConfigError  # noqa: E402
 from tunix_train.data import Data  # noqa: E402
 from tunix_train.data.chat import GEMMA_TEMPLATE, ChatTemplate, find_template  # noqa: E402
 from tunix_train.data.tokenizer import load_tokenizer  # noqa: E402
-from tunix_train.model.gemma import Gemma  # noqa: E402
+from tunix_train.model.decoder import Decoder  # noqa: E402
 from tunix_train.parallel import model_graphdef  # noqa: E402
 from tunix_train.train.loop import train  # noqa: E402
 from tunix_train.train.objectives import make_objective  # noqa: E402
@@ -153,7 +153,7 @@ def test_conversations_put_the_loss_on_the_assistant_only(tmp_path):
     with_loss = batch["targets"][batch["loss_mask"] > 0]
     assert len(with_loss) > 20 and set(with_loss.tolist()) <= answers
     graphdef = model_graphdef(config("model.vocab_size=4096").model, data.cfg.training.remat)
-    params = nnx.state(Gemma(config("model.vocab_size=4096").model, nnx.Rngs(0)), nnx.Param)
+    params = nnx.state(Decoder(config("model.vocab_size=4096").model, nnx.Rngs(0)), nnx.Param)
 
     def loss(batch):
         sums = eval_step(

@@ -15,7 +15,7 @@ from tunix_train.config import ConfigError
 from tunix_train.data import Data
 from tunix_train.data.pipeline import DocumentFeatures, PackedBatches
 from tunix_train.data.sources import read_documents, write_pretokenized
-from tunix_train.model.gemma import Gemma
+from tunix_train.model.decoder import Decoder
 from tunix_train.parallel import model_graphdef
 from tunix_train.train.step import cross_entropy, eval_step
 
@@ -71,7 +71,7 @@ def test_a_document_in_a_packed_row_sees_only_itself(shakespeare):
     inputs, segments, positions = (flat[k][row : row + 1] for k in ("inputs", "segment_ids", "positions"))
     first = segments == 1
     changed = np.where(first, (inputs + 7) % cfg.model.vocab_size, inputs)
-    model = Gemma(cfg.model, nnx.Rngs(0))
+    model = Decoder(cfg.model, nnx.Rngs(0))
     logits = [
         np.asarray(model(jnp.asarray(x), jnp.asarray(positions), jnp.asarray(segments)))
         for x in (inputs, changed)
@@ -170,11 +170,11 @@ def test_sft_puts_the_loss_on_the_completion_only(tmp_path):
     # The loss is the mean cross-entropy over completion tokens only.
     batch = next(iter(data.train_batches(global_micro_batch=2)))
     model_cfg = config("model.vocab_size=4096").model
-    params = nnx.state(Gemma(model_cfg, nnx.Rngs(0)), nnx.Param)
+    params = nnx.state(Decoder(model_cfg, nnx.Rngs(0)), nnx.Param)
     graphdef = model_graphdef(model_cfg, cfg.training.remat)
     sums = eval_step(params, jax.tree.map(jnp.asarray, batch), graphdef=graphdef, compute_dtype=jnp.float32)
     micro = {k: v[0] for k, v in batch.items()}
-    logits = Gemma(model_cfg, nnx.Rngs(0))(
+    logits = Decoder(model_cfg, nnx.Rngs(0))(
         jnp.asarray(micro["inputs"]), jnp.asarray(micro["positions"]), jnp.asarray(micro["segment_ids"])
     )
     token_loss = np.asarray(cross_entropy(logits, jnp.asarray(micro["targets"])))

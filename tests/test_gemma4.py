@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from tunix_train import api, platform
 from tunix_train.config import ConfigError, MoeDispatch, Remat
-from tunix_train.model.gemma import Gemma
+from tunix_train.model.decoder import Decoder
 from tunix_train.model.layout import layer_groups
 from tunix_train.model.moe import MoE, apply_experts, dropless_places, load_balancing_loss
 from tunix_train.parallel import model_graphdef
@@ -249,7 +249,7 @@ def _loss_and_grads(cfg, params, mesh_shape, tokens):
     validate_model_for_mesh(cfg, mesh)
     graphdef = model_graphdef(cfg, Remat.none)
     with jax.set_mesh(mesh):
-        shardings = state_shardings(nnx.eval_shape(lambda: nnx.state(Gemma(cfg, nnx.Rngs(0)))), mesh)
+        shardings = state_shardings(nnx.eval_shape(lambda: nnx.state(Decoder(cfg, nnx.Rngs(0)))), mesh)
         params = jax.device_put(params, shardings)
         rows = NamedSharding(mesh, P(data_axes(mesh)))
         micro = {
@@ -282,7 +282,7 @@ def test_loss_and_gradients_are_equal_for_every_ep_and_the_experts_are_split():
         "model.num_layers=3",  # one (local, local, global)
         "model.layer_types=[sliding_attention,sliding_attention,full_attention]",
     ).model
-    host_params = nnx.state(Gemma(cfg, nnx.Rngs(0)))
+    host_params = nnx.state(Decoder(cfg, nnx.Rngs(0)))
     value, grads, _, text = _loss_and_grads(cfg, host_params, [[1], ["ep"]], tokens)
     assert "all-to-all" not in text
     for ep in (2, 4, 8):

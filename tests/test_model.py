@@ -9,7 +9,7 @@ from conftest import config
 from flax import nnx
 
 from tunix_train.compose import load_config
-from tunix_train.model.gemma import Gemma
+from tunix_train.model.decoder import Decoder
 from tunix_train.model.layout import layer_windows
 from tunix_train.sharding import make_mesh, state_shardings
 from tunix_train.train.init import count_params, train_state_initializer
@@ -24,7 +24,7 @@ LAYOUTS = {
 
 
 def _logits(cfg, tokens, **kwargs):
-    return np.asarray(Gemma(cfg.model, nnx.Rngs(0))(jnp.asarray(tokens), **kwargs))
+    return np.asarray(Decoder(cfg.model, nnx.Rngs(0))(jnp.asarray(tokens), **kwargs))
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

@@ -37,7 +37,7 @@ from tunix_train.config import (
     without_retired_keys,
 )
 from tunix_train.data.chat import ChatTemplate, check_messages, find_template
-from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer
+from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer, with_bos
 from tunix_train.files import write_text
 from tunix_train.generate import Completion, Engine, Request, Sampling
 from tunix_train.generate.session import before_stop
@@ -208,7 +208,7 @@ class LoadedModel:
 
     def _encode(self, text: str) -> list[int]:
         tokenizer = self._need_tokenizer()
-        return [tokenizer.bos_id, *tokenizer.encode(text)]
+        return with_bos(tokenizer, tokenizer.encode(text))
 
     def _decode(self, ids: list[int]) -> str:
         return self._need_tokenizer().decode(ids)

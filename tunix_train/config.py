@@ -121,6 +121,10 @@ class TextUnit(enum.Enum):
 
 @dataclasses.dataclass
 class ModelConfig:
+    # The family whose checkpoints this model reads and writes (gemma, gemma2, gemma3, gemma4, or one
+    # registered with tunix_train.interop.families): the name interop maps to transformers' model_type
+    # and llama.cpp's architecture. The decoder itself reads only the fields below.
+    family: str = _fixed(MISSING)
     name: str = _fixed(MISSING)
     # [[sizes...], [axis names...]]; axis names from tunix_train.sharding.MESH_AXES, one size may be -1.
     mesh_shape: Any = _changeable(factory=lambda: [[-1], ["fsdp"]])
@@ -146,6 +150,8 @@ class ModelConfig:
     rope_base_local: float = _fixed(10_000.0)
     rope_scale_global: float = _fixed(1.0)  # linear position scaling of global layers (Gemma 3 4b+)
     rms_norm_eps: float = _fixed(1e-6)
+    tie_embeddings: bool = _fixed(True)  # the output layer is the embedding table; false: its own [V, D]
+    scale_embeddings: bool = _fixed(True)  # embeddings multiplied by sqrt(embed_dim), as Gemma does
     # Gemma 4 (docs/models.md). Each field off gives Gemma 1-3.
     # Per layer: sliding_attention or full_attention; null: from local_layers_per_global.
     layer_types: Optional[List[str]] = _fixed(None)
@@ -361,9 +367,26 @@ def reads_text(data: DataConfig) -> bool:
 RETIRED_KEYS = {"training.lora.dropout": 0.0}  # was refused unless 0; adapters take no dropout
 
 
+def _family_before_it_was_declared(model: dict) -> str:
+    """The family of a model saved before model.family existed (every one a Gemma), from its flags."""
+    if (
+        model.get("use_v_norm")
+        or model.get("use_layer_scalar")
+        or model.get("norm_weight_offset", 1.0) != 1.0
+    ):
+        return "gemma4"
+    if model.get("use_qk_norm"):
+        return "gemma3"
+    return "gemma2" if model.get("use_post_attn_norm") or model.get("use_post_ffw_norm") else "gemma"
+
+
 def without_retired_keys(saved: dict) -> dict:
-    """A saved config (nested dicts) without RETIRED_KEYS."""
+    """A saved config (nested dicts) without RETIRED_KEYS, and with model.family where it was saved
+    before the key existed."""
     saved = copy.deepcopy(saved)
+    model = saved.get("model")
+    if isinstance(model, dict) and "family" not in model:
+        model["family"] = _family_before_it_was_declared(model)
     for key, only_value in RETIRED_KEYS.items():
         *path, last = key.split(".")
         node = saved

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 from tunix_train.config import CHAT_ROLES as ROLES
 from tunix_train.config import ConfigError
+from tunix_train.data.tokenizer import with_bos
 
 # Gemma's turn format (Gemma 1-3 "-it" models): a system message opens the first user turn, the
 # assistant speaks as "model", each turn ends with <end_of_turn>. The assistant's text and its
@@ -334,7 +335,7 @@ def prompt_ids(prompt: str | list[dict], tokenizer, chat: "ChatTemplate | None")
     """A prompt's token ids: text as [BOS] text; a conversation as the chat template renders it
     with the generation prompt (the assistant's turn opened)."""
     if isinstance(prompt, str):
-        return [tokenizer.bos_id, *tokenizer.encode(prompt)]
+        return with_bos(tokenizer, tokenizer.encode(prompt))
     return chat.encode(prompt, add_generation_prompt=True)[0]
 
 

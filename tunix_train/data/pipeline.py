@@ -18,7 +18,7 @@ import numpy as np
 from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchIterDataset, ZipIterDataset
 
 from tunix_train.config import ConfigError
-from tunix_train.data.tokenizer import Tokenizer
+from tunix_train.data.tokenizer import Tokenizer, with_bos
 
 PACKED = ("inputs", "targets", "loss_mask")
 
@@ -73,11 +73,11 @@ class DocumentFeatures:
         else:
             tok = self.tokenizer
             if "prompt" in doc:
-                prompt = tok.encode(doc["prompt"])
-                ids = [tok.bos_id, *prompt, *tok.encode(doc["completion"]), tok.eos_id]
-                first_loss_target = len(prompt)  # targets[i] is ids[i + 1]: the first completion token
+                start = with_bos(tok, tok.encode(doc["prompt"]))
+                ids = [*start, *tok.encode(doc["completion"]), tok.eos_id]
+                first_loss_target = len(start) - 1  # targets[i] is ids[i + 1]: the first completion token
             else:
-                ids = [tok.bos_id, *tok.encode(doc["text"]), tok.eos_id]
+                ids = [*with_bos(tok, tok.encode(doc["text"])), tok.eos_id]
             ids = np.asarray(ids, np.int32)
         loss_mask = (np.arange(len(ids) - 1) >= first_loss_target).astype(np.float32)
         return {"inputs": ids[:-1], "targets": ids[1:], "loss_mask": loss_mask}

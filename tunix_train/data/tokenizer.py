@@ -5,7 +5,9 @@
 - the vocabulary embedded in a GGUF file (`tokenizer.ggml.*`), rebuilt as a `tokenizers` BPE the way
   transformers' GGUF conversion builds Gemma's (integrations/gguf/gguf_tokenizer_mapping.py).
 
-`encode` never adds BOS or EOS; callers add `bos_id` where a sequence starts.
+`encode` never adds BOS or EOS. BOS is the tokenizer's property: `with_bos` puts it in front of a
+sequence where the tokenizer's family starts sequences with one (`add_bos`; Qwen's tokenizers have
+none); EOS (`eos_id`) is required.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ BUNDLED_TOKENIZER = Path(__file__).parent / "corpus" / "shakespeare_4k.model"
 class Tokenizer(Protocol):
     path: Path
     vocab_size: int
-    bos_id: int
+    bos_id: int  # -1: none
     eos_id: int
-    pad_id: int
+    pad_id: int  # -1: none
+    add_bos: bool  # whether a sequence starts with BOS (with_bos)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -43,6 +46,11 @@ class Tokenizer(Protocol):
     def save(self, directory: Path) -> None: ...
 
 
+def with_bos(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
+    """The ids of a sequence from its start: BOS first where the tokenizer adds one."""
+    return [tokenizer.bos_id, *ids] if tokenizer.add_bos and tokenizer.bos_id >= 0 else list(ids)
+
+
 class SentencePieceTokenizer:
     def __init__(self, path: Path):
         import sentencepiece as spm
@@ -51,6 +59,7 @@ class SentencePieceTokenizer:
         self._sp = spm.SentencePieceProcessor(model_file=str(path))
         self.vocab_size = self._sp.vocab_size()
         self.bos_id, self.eos_id, self.pad_id = self._sp.bos_id(), self._sp.eos_id(), self._sp.pad_id()
+        self.add_bos = self.bos_id >= 0
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
@@ -109,10 +118,11 @@ class SentencePieceTokenizer:
 class HFTokenizer:
     """A `tokenizers.Tokenizer` (from tokenizer.json or a GGUF vocabulary) and its special ids."""
 
-    def __init__(self, tokenizer, path: Path, bos_id: int, eos_id: int, pad_id: int):
+    def __init__(self, tokenizer, path: Path, bos_id: int, eos_id: int, pad_id: int, add_bos: bool = True):
         self._tokenizer, self.path = tokenizer, path
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+        self.add_bos = add_bos and bos_id >= 0
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -159,43 +169,44 @@ class HFTokenizer:
 
         saved = Backend.from_str(self._tokenizer.to_str())
         bos = name(self.bos_id)
-        saved.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_id)]
-        )
+        if self.add_bos:
+            saved.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_id)]
+            )
         write_atomically(directory / "tokenizer.json", lambda partial: saved.save(str(partial)))
         config = {
             "bos_token": name(self.bos_id),
             "eos_token": name(self.eos_id),
             "pad_token": name(self.pad_id),
-            "add_bos_token": True,
+            "add_bos_token": self.add_bos,
             "tokenizer_class": "GemmaTokenizer",
         }
         write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
 
 def tokenizer_json(path: Path) -> HFTokenizer:
-    """tokenizer.json, its special tokens named by tokenizer_config.json beside it, else Gemma's
-    (<bos>, <eos>, <pad>)."""
+    """tokenizer.json, its special tokens named by tokenizer_config.json beside it (a null one: none),
+    else Gemma's (<bos>, <eos>, <pad>); BOS is added unless the config's add_bos_token is false."""
     from tokenizers import Tokenizer as Backend
 
     backend = Backend.from_file(str(path))
     names = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
     config = path.parent / "tokenizer_config.json"
-    if config.is_file():
-        for key, value in json.loads(config.read_text()).items():
-            if key in names and value:
-                names[key] = value["content"] if isinstance(value, dict) else value
-    ids = {key: backend.token_to_id(name) for key, name in names.items()}
-    if ids["bos_token"] is None or ids["eos_token"] is None:
-        raise ConfigError(
-            f"{path}: no BOS or EOS token ({names['bos_token']!r}, {names['eos_token']!r}) in its vocabulary"
-        )
+    settings = json.loads(config.read_text()) if config.is_file() else {}
+    for key in names:
+        if key in settings:
+            value = settings[key]
+            names[key] = value["content"] if isinstance(value, dict) else value
+    ids = {key: backend.token_to_id(name) if name else None for key, name in names.items()}
+    if ids["eos_token"] is None:
+        raise ConfigError(f"{path}: no EOS token ({names['eos_token']!r}) in its vocabulary")
     return HFTokenizer(
         backend,
         path,
-        ids["bos_token"],
+        ids["bos_token"] if ids["bos_token"] is not None else -1,
         ids["eos_token"],
         ids["pad_token"] if ids["pad_token"] is not None else -1,
+        add_bos=settings.get("add_bos_token", True) is not False,
     )
 
 
@@ -241,7 +252,12 @@ def gguf_tokenizer(reader, path: Path) -> HFTokenizer:
         return field(f"tokenizer.ggml.{key}") if field(f"tokenizer.ggml.{key}") is not None else default
 
     return HFTokenizer(
-        backend, path, special("bos_token_id", 2), special("eos_token_id", 1), special("padding_token_id", 0)
+        backend,
+        path,
+        special("bos_token_id", 2),
+        special("eos_token_id", 1),
+        special("padding_token_id", 0),
+        add_bos=special("add_bos_token", True) is not False,
     )
 
 
@@ -313,6 +329,6 @@ def load_tokenizer(path: str | Path | None, vocab_size: int, key: str = "data.to
             f"{key}: {file} has {tokenizer.vocab_size} tokens but model.vocab_size={vocab_size}; "
             f"set model.vocab_size >= {tokenizer.vocab_size} or use the model's own tokenizer"
         )
-    if min(tokenizer.bos_id, tokenizer.eos_id) < 0:
-        raise ConfigError(f"{key}: {file} defines no BOS or EOS token")
+    if tokenizer.eos_id < 0:
+        raise ConfigError(f"{key}: {file} defines no EOS token")
     return tokenizer

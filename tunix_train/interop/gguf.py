@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from tunix_train.config import ConfigError, ModelConfig
-from tunix_train.interop import hf
+from tunix_train.interop import families, hf
 from tunix_train.model import quant
 from tunix_train.model.lora import INPUT_DIMS
 
@@ -140,6 +140,7 @@ def model_fields(reader, path: Path) -> dict[str, Any]:
     )
     scaling = key("rope.scaling.factor") if key("rope.scaling.type") == "linear" else None
     return {
+        "family": families.of_gguf(arch).name,
         "num_layers": layers,
         "embed_dim": embed,
         "hidden_dim": key("feed_forward_length"),
@@ -165,6 +166,7 @@ def model_fields(reader, path: Path) -> dict[str, Any]:
         "rope_scale_global": float(scaling or 1.0),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         "context_length": key("context_length"),
+        "tie_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
     }
 
 

@@ -34,22 +34,23 @@ import numpy as np
 
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.files import write_atomically
+from tunix_train.interop import families, hf
 from tunix_train.interop import gguf as gguf_import
-from tunix_train.interop import hf
 
 DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 ADAPTER_DTYPES = ("f32", "f16", "bf16", "q8_0")  # convert_lora_to_gguf.py's --outtype
 
 
 def _arch(cfg: ModelConfig) -> str:
-    family = hf._family(cfg)
-    arch = {"gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}.get(family)
-    if arch is None:
+    """llama.cpp's architecture for cfg.family, the model checked against what the family fixes."""
+    family = families.named(cfg.family)
+    if family.gguf_architecture is None:
         raise ConfigError(
-            f"GGUF export of {family} is not supported yet (llama.cpp's converter defines gemma, "
-            f"gemma2 and gemma3 here); export a Hugging Face checkpoint instead"
+            f"GGUF export of {family.name} is not supported yet (this package writes "
+            f"{', '.join(families.gguf_architectures())}); export a Hugging Face checkpoint instead"
         )
-    return arch
+    family.hf_config(cfg)  # a ConfigError where the model is not one of the family's
+    return family.gguf_architecture
 
 
 def export(
@@ -171,11 +172,12 @@ def _vocabulary(writer, tokenizer, vocab_size: int, chat_template: str | None) -
     writer.add_token_list([*tokens, *(f"<unused_row{i}>" for i in padding)])
     writer.add_token_scores([*scores, *(-float(i) for i in padding)])
     writer.add_token_types([*types, *(5 for _ in padding)])  # 5: UNUSED
-    writer.add_bos_token_id(tokenizer.bos_id)
+    if tokenizer.bos_id >= 0:
+        writer.add_bos_token_id(tokenizer.bos_id)
     writer.add_eos_token_id(tokenizer.eos_id)
     if tokenizer.pad_id >= 0:
         writer.add_pad_token_id(tokenizer.pad_id)
-    writer.add_add_bos_token(True)
+    writer.add_add_bos_token(tokenizer.add_bos)
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(tokenizer.adds_space_prefix)
     if chat_template:

@@ -1,11 +1,12 @@
-"""Hugging Face interop: Gemma 1 to 4 safetensors checkpoints (text decoders), both directions.
+"""Hugging Face interop: safetensors checkpoints of the registered families (Gemma 1 to 4 text
+decoders; interop/families.py), both directions.
 
 Import reads transformers' tensor names and layouts straight into the sharded parameters: every
 array is built with jax.make_array_from_callback, so each process reads from the safetensors files
 only the slices its devices hold. Export writes model.safetensors and config.json that
-transformers' Gemma*ForCausalLM loads. No pickle is involved: safetensors and JSON only.
-
-One file: import and export read the same tables of names and layouts.
+transformers' *ForCausalLM of the model's family loads. No pickle is involved: safetensors and
+JSON only. The tensor names and layouts are one table for every family (a family may rename a
+tensor: Family.hf_names); config.json is the family's (families.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from flax import nnx
 
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.files import write_atomically, write_text
-from tunix_train.model.layout import layer_groups, layer_shapes, layer_types
+from tunix_train.interop import families
+from tunix_train.model.layout import layer_groups, layer_shapes
 from tunix_train.sharding import layer_sharding
 
 # (our path, the stacked leaf's ShapeDtypeStruct, read_layer) -> the leaf built layer by layer, or None
@@ -33,6 +35,7 @@ ByLayer = Callable[[str, jax.ShapeDtypeStruct, Callable[[int], jax.Array]], Any]
 # input width, W per-layer vocab, E experts, M expert width, C the 2 of a fused gate/up, O one.
 _SPECS = {
     "embedding_VD": ("model.embed_tokens.weight", ("V", "D"), (0, 1)),
+    "output_VD": ("lm_head.weight", ("V", "D"), (0, 1)),  # untied output layers only
     "final_norm.scale": ("model.norm.weight", ("D",), (0,)),
     "layers.pre_attn_norm.scale": ("input_layernorm.weight", ("D",), (0,)),
     "layers.attn.q_DNH": ("self_attn.q_proj.weight", ("NH", "D"), (2, 0, 1)),
@@ -66,30 +69,8 @@ _SPECS = {
 }
 
 
-# as transformers' Gemma 4
-GEMMA4_FIELDS = dict(
-    use_qk_norm=True,
-    use_v_norm=True,
-    norm_weight_offset=0.0,
-    query_pre_attn_scalar=1.0,
-    use_layer_scalar=True,
-    use_post_attn_norm=True,
-    use_post_ffw_norm=True,
-)
-
-
-def _family(cfg: ModelConfig) -> str:
-    if cfg.use_v_norm or cfg.use_layer_scalar or cfg.norm_weight_offset != 1.0:
-        return "gemma4_text"
-    if cfg.use_qk_norm:
-        return "gemma3_text"
-    return "gemma2" if cfg.use_post_attn_norm or cfg.use_post_ffw_norm else "gemma"
-
-
 def _hf_name(path: str, layer: int | None, cfg: ModelConfig, prefix: str = "model.") -> str:
-    name = _SPECS[path][0]
-    if path == "layers.pre_ffw_norm.scale" and _family(cfg) == "gemma":
-        name = "post_attention_layernorm.weight"  # Gemma 1 names its pre-MLP norm this way
+    name = families.named(cfg.family).hf_names.get(path, _SPECS[path][0])
     if layer is None:
         return prefix + name.removeprefix("model.") if name.startswith("model.") else name
     return f"{prefix}layers.{layer}.{name}"
@@ -214,136 +195,13 @@ def other_towers(directory: Path) -> list[str]:
 
 
 def model_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig fields equivalent to a transformers Gemma 1 to 4 config.json."""
-    model_type = hf.get("model_type")
-    if model_type in ("gemma4_text", "gemma4"):
-        return _gemma4_fields(hf)
-    if model_type not in ("gemma", "gemma2", "gemma3_text", "gemma3"):
-        raise ConfigError(f"model.init_from: model_type {model_type!r} is not Gemma, Gemma 2, 3 or 4")
-    n_layers = hf["num_hidden_layers"]
-    layer_types = hf.get("layer_types") or ["full_attention"] * n_layers
-    local = [t == "sliding_attention" for t in layer_types]
-    per_global = local.index(False) if False in local else n_layers
-    if local != [(i + 1) % (per_global + 1) != 0 for i in range(n_layers)]:
-        raise ConfigError(
-            f"model.init_from: layer_types {layer_types} is not N local layers then a global one"
-        )
-    rope = hf.get("rope_parameters") or {}
-    full, sliding = rope.get("full_attention", rope), rope.get("sliding_attention", rope)
-    theta = full.get("rope_theta", hf.get("rope_theta", 10_000.0))
-    scaling = full if full.get("rope_type") == "linear" else (hf.get("rope_scaling") or {})
-    gemma3 = model_type.startswith("gemma3")
-    return {
-        "num_layers": n_layers,
-        "embed_dim": hf["hidden_size"],
-        "hidden_dim": hf["intermediate_size"],
-        "num_heads": hf["num_attention_heads"],
-        "num_kv_heads": hf["num_key_value_heads"],
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-        "vocab_size": hf["vocab_size"],
-        "query_pre_attn_scalar": hf.get("query_pre_attn_scalar"),
-        "attn_logit_softcap": hf.get("attn_logit_softcapping"),
-        "final_logit_softcap": hf.get("final_logit_softcapping"),
-        "use_post_attn_norm": model_type != "gemma",
-        "use_post_ffw_norm": model_type != "gemma",
-        "use_qk_norm": gemma3,
-        "local_layers_per_global": per_global if per_global < n_layers else 0,
-        "sliding_window": hf.get("sliding_window") if any(local) else None,
-        "rope_base_global": float(theta),
-        "rope_base_local": float(sliding.get("rope_theta", hf.get("rope_local_base_freq", theta))),
-        "rope_scale_global": float(scaling.get("factor", 1.0))
-        if scaling.get("rope_type", "linear") == "linear"
-        else 1.0,
-        "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "context_length": hf.get("max_position_embeddings"),
-        **GEMMA4_ONLY_OFF,
-    }
+    """ModelConfig fields equivalent to a transformers config.json (its text_config), by its family."""
+    return families.of_hf(hf).fields_from_hf(hf)
 
 
-# Gemma 4's fields as Gemma 1-3 have them: a config that sets one cannot load a Gemma 1-3 checkpoint
-GEMMA4_ONLY_OFF = dict(
-    layer_types=None,
-    global_head_dim=None,
-    num_global_kv_heads=None,
-    attention_k_eq_v=False,
-    rope_partial_factor_global=1.0,
-    norm_weight_offset=1.0,
-    use_v_norm=False,
-    num_kv_shared_layers=0,
-    double_wide_mlp=False,
-    per_layer_input_dim=0,
-    per_layer_input_vocab_size=None,
-    use_layer_scalar=False,
-    num_experts=0,
-    num_experts_per_token=0,
-    moe_hidden_dim=0,
-)
-
-
-def _gemma4_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig fields of a transformers Gemma 4 text config (as Gemma4TextConfig reads it)."""
-    n_layers = hf["num_hidden_layers"]
-    types = list(
-        hf.get("layer_types")
-        or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)]
-    )
-    types[-1] = "full_attention"  # transformers forces it
-    k_eq_v = bool(hf.get("attention_k_eq_v", False))
-    per_layer = hf.get("per_layer_config")  # what save_pretrained writes instead of global_head_dim
-    if per_layer is not None:  # only what differs from the text config's sizes
-        first_global = per_layer.get(str(types.index("full_attention")), {})
-        global_head_dim = first_global.get("head_dim", hf.get("head_dim", 256))
-        global_kv_heads = first_global.get("num_key_value_heads")
-    else:
-        global_head_dim = hf.get("global_head_dim", 512)
-        global_kv_heads = hf.get("num_global_key_value_heads") if k_eq_v else None
-    rope = hf.get("rope_parameters") or {}
-    full = rope.get(
-        "full_attention", {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}
-    )
-    sliding = rope.get("sliding_attention", {"rope_theta": 10_000.0})
-    if full.get("rope_type", "default") not in ("default", "proportional", "linear"):
-        raise ConfigError(f"model.init_from: global RoPE type {full.get('rope_type')!r} is not supported")
-    if hf.get("use_bidirectional_attention"):
-        raise ConfigError(
-            "model.init_from: use_bidirectional_attention is for the vision tokens; the text decoder "
-            "trains causally"
-        )
-    ple = hf.get("hidden_size_per_layer_input", 256) or 0
-    moe = bool(hf.get("enable_moe_block"))
-    return {
-        "num_layers": n_layers,
-        "embed_dim": hf["hidden_size"],
-        "hidden_dim": hf["intermediate_size"],
-        "num_heads": hf["num_attention_heads"],
-        "num_kv_heads": hf["num_key_value_heads"],
-        "head_dim": hf.get("head_dim", 256),
-        "vocab_size": hf["vocab_size"],
-        **GEMMA4_FIELDS,
-        "attn_logit_softcap": None,
-        "final_logit_softcap": hf.get("final_logit_softcapping"),
-        "local_layers_per_global": 0,
-        "layer_types": types,
-        "sliding_window": hf.get("sliding_window", 512) if "sliding_attention" in types else None,
-        "global_head_dim": global_head_dim,
-        "num_global_kv_heads": global_kv_heads,
-        "attention_k_eq_v": k_eq_v,
-        "rope_base_global": float(full.get("rope_theta", 1e6)),
-        "rope_base_local": float(sliding.get("rope_theta", 10_000.0)),
-        "rope_scale_global": float(full.get("factor", 1.0)),
-        "rope_partial_factor_global": float(full.get("partial_rotary_factor", 1.0))
-        if full.get("rope_type") == "proportional"
-        else 1.0,
-        "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "num_kv_shared_layers": hf.get("num_kv_shared_layers", 0),
-        "double_wide_mlp": bool(hf.get("use_double_wide_mlp")) and hf.get("num_kv_shared_layers", 0) > 0,
-        "per_layer_input_dim": ple,
-        "per_layer_input_vocab_size": hf.get("vocab_size_per_layer_input", 262_144) if ple else None,
-        "num_experts": hf.get("num_experts") or 0 if moe else 0,
-        "num_experts_per_token": hf.get("top_k_experts") or 0 if moe else 0,
-        "moe_hidden_dim": hf.get("moe_intermediate_size") or 0 if moe else 0,
-        "context_length": hf.get("max_position_embeddings"),
-    }
+def hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json for transformers' model of cfg.family."""
+    return families.named(cfg.family).hf_config(cfg)
 
 
 def check_matches(cfg: ModelConfig, directory: Path) -> None:
@@ -427,136 +285,6 @@ def load_params_from(
         return jax.make_array_from_callback(leaf.shape, leaf.sharding, block)
 
     return jax.tree_util.tree_map_with_path(load, abstract_params)
-
-
-def _gemma4_config(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json for transformers' Gemma4ForCausalLM, or a ConfigError naming what it cannot hold."""
-    differs = [key for key, value in GEMMA4_FIELDS.items() if getattr(cfg, key) != value]
-    types = layer_types(cfg)
-    if differs or cfg.attn_logit_softcap is not None:
-        raise ConfigError(
-            f"model.{(differs or ['attn_logit_softcap'])[0]}: transformers' Gemma 4 fixes it "
-            f"(as {GEMMA4_FIELDS}, no attention soft-cap); this model cannot be exported as gemma4"
-        )
-    if types[-1] != "full_attention":
-        raise ConfigError(
-            "model.layer_types: transformers' Gemma 4 makes the last layer full_attention; this model "
-            "cannot be exported as gemma4"
-        )
-    if cfg.num_global_kv_heads not in (None, cfg.num_kv_heads) and not cfg.attention_k_eq_v:
-        raise ConfigError(
-            "model.num_global_kv_heads: transformers' Gemma 4 reads it only with attention_k_eq_v"
-        )
-    full = {
-        "rope_type": "proportional",
-        "partial_rotary_factor": cfg.rope_partial_factor_global,
-        "rope_theta": cfg.rope_base_global,
-        "factor": cfg.rope_scale_global,
-    }
-    return {
-        "architectures": ["Gemma4ForCausalLM"],
-        "model_type": "gemma4_text",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.embed_dim,
-        "intermediate_size": cfg.hidden_dim,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "global_head_dim": cfg.global_head_dim or cfg.head_dim,
-        "num_global_key_value_heads": cfg.num_global_kv_heads,
-        "attention_k_eq_v": cfg.attention_k_eq_v,
-        "layer_types": types,
-        "sliding_window": cfg.sliding_window or 512,
-        "rope_parameters": {
-            "full_attention": full,
-            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_base_local},
-        },
-        "final_logit_softcapping": cfg.final_logit_softcap,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "num_kv_shared_layers": cfg.num_kv_shared_layers,
-        "use_double_wide_mlp": cfg.double_wide_mlp,
-        "hidden_size_per_layer_input": cfg.per_layer_input_dim,
-        "vocab_size_per_layer_input": cfg.per_layer_input_vocab_size or cfg.vocab_size,
-        "enable_moe_block": bool(cfg.num_experts),
-        "num_experts": cfg.num_experts or None,
-        "top_k_experts": cfg.num_experts_per_token or None,
-        "moe_intermediate_size": cfg.moe_hidden_dim or None,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "tie_word_embeddings": True,
-        "max_position_embeddings": cfg.context_length or 8192,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
-        "torch_dtype": "float32",
-    }
-
-
-def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json for transformers' Gemma, Gemma 2, Gemma 3 or Gemma 4 text model."""
-    family = _family(cfg)
-    if family == "gemma4_text":
-        return _gemma4_config(cfg)
-    windows = [(i + 1) % (cfg.local_layers_per_global + 1) != 0 for i in range(cfg.num_layers)]
-    types = ["sliding_attention" if local else "full_attention" for local in windows]
-    rope_global = {"rope_type": "default", "rope_theta": cfg.rope_base_global}
-    if cfg.rope_scale_global != 1.0:
-        rope_global = {
-            "rope_type": "linear",
-            "rope_theta": cfg.rope_base_global,
-            "factor": cfg.rope_scale_global,
-        }
-    config = {
-        "architectures": [
-            {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[
-                family
-            ]
-        ],
-        "model_type": family,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.embed_dim,
-        "intermediate_size": cfg.hidden_dim,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "hidden_act": "gelu_pytorch_tanh",
-        "tie_word_embeddings": True,
-        "max_position_embeddings": cfg.context_length or 8192,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
-        "torch_dtype": "float32",
-        "rope_theta": cfg.rope_base_global,
-        "rope_parameters": rope_global,
-    }
-    if family != "gemma":
-        scalar = cfg.query_pre_attn_scalar or cfg.head_dim  # transformers 5 takes an int where it is one
-        config.update(
-            query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
-            attn_logit_softcapping=cfg.attn_logit_softcap,
-            final_logit_softcapping=cfg.final_logit_softcap,
-            sliding_window=cfg.sliding_window or 4096,
-            layer_types=types,
-        )
-    if family == "gemma3_text":
-        config["rope_parameters"] = {
-            "full_attention": rope_global,
-            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_base_local},
-        }
-        config["rope_local_base_freq"] = cfg.rope_base_local
-    elif (
-        cfg.rope_base_local != cfg.rope_base_global
-        or cfg.rope_scale_global != 1.0
-        or (family == "gemma" and cfg.local_layers_per_global)
-    ):
-        raise ConfigError(
-            f"{family} checkpoints have no per-layer-type RoPE or sliding windows; "
-            f"this model cannot be exported as {family}"
-        )
-    return config
 
 
 def hf_tensors(params: nnx.State, cfg: ModelConfig) -> dict[str, np.ndarray]:

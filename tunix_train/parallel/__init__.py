@@ -1,7 +1,7 @@
 """What needs shard_map: the pipeline (pp) schedules, context-parallel (cp) attention and the
 experts' dispatch (ep); and `model_graphdef`, the model as it runs on a mesh.
 
-`Parallelism` is the one seam between them and the model: Gemma.hidden hands it the function that
+`Parallelism` is the one seam between them and the model: Decoder.hidden hands it the function that
 applies a run of layers, and it runs that function as written, in a shard_map over cp, or stage by
 stage through the pipeline. Nothing else in the model knows pp or cp exists; the rules table
 (tunix_train.sharding) shards the stacked layers over pp and the sequence over cp.
@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tunix_train.config import AttentionImpl, ConfigError, LoraConfig, ModelConfig, Remat, TrainingConfig
-from tunix_train.model.gemma import Gemma
+from tunix_train.model.factory import model_structure
 from tunix_train.model.layout import layer_groups, layer_types
 from tunix_train.parallel import context, pipeline
 from tunix_train.parallel import float32_reductions as reductions
@@ -38,20 +38,15 @@ def model_graphdef(
 ) -> nnx.GraphDef:
     """The model's static structure as it runs on a mesh (its experts dispatched by
     experts.MeshDispatch), without allocating any parameter."""
-    return nnx.graphdef(
-        nnx.eval_shape(
-            lambda: Gemma(
-                model_cfg,
-                nnx.Rngs(0),
-                remat,
-                scan_unroll,
-                attention,
-                rules,
-                parallel,
-                lora,
-                MeshDispatch(rules),
-            )
-        )
+    return model_structure(
+        model_cfg,
+        remat=remat,
+        scan_unroll=scan_unroll,
+        attention=attention,
+        rules=rules,
+        parallel=parallel,
+        lora=lora,
+        experts=MeshDispatch(rules),
     )
 
 

@@ -108,6 +108,7 @@ class Api:
     def prepare(self, data: bytes, chat: bool):
         """(the checked request, its n engine requests, the texts after which a reply ends)."""
         from tunix_train.config import ConfigError
+        from tunix_train.data.tokenizer import with_bos
         from tunix_train.generate import Request, Sampling
 
         ask = schema.read(schema.parse_json(data), chat, self.name)
@@ -127,7 +128,7 @@ class Api:
                 end = self.model.chat.end_of_turn()
                 ends = [end] if end and len(tokenizer.encode(end)) > 1 else []
             else:
-                prompt = [tokenizer.bos_id, *tokenizer.encode(ask.prompt)]
+                prompt = with_bos(tokenizer, tokenizer.encode(ask.prompt))
         except ConfigError as err:
             raise BadRequest(str(err), "messages" if chat else None) from None
         max_tokens = ask.max_tokens or max(limit - len(prompt), 1)

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from tunix_train.config import ModelConfig, ShardingStrategy
 from tunix_train.model import quant
-from tunix_train.model.gemma import Gemma
+from tunix_train.model.factory import build_model
 from tunix_train.model.lora import Adapter
 from tunix_train.sharding import LOGICAL_RULES, Rules, state_shardings
 from tunix_train.state import TrainState
@@ -34,7 +34,7 @@ def _fresh_state(
 
 
 def _model_params(model_cfg: ModelConfig, key: jax.Array, weights: Weights) -> nnx.State:
-    return nnx.state(Gemma(model_cfg, nnx.Rngs(key), lora=weights.lora), nnx.Param)
+    return nnx.state(build_model(model_cfg, nnx.Rngs(key), lora=weights.lora), nnx.Param)
 
 
 def train_state_initializer(

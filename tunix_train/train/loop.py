@@ -12,6 +12,7 @@ import jax
 from tunix_train.checkpoint import Checkpointer
 from tunix_train.config import BaseQuantization, Config, NanPolicy
 from tunix_train.data import Data
+from tunix_train.data.tokenizer import with_bos
 from tunix_train.generate import Engine, Request
 from tunix_train.observe.comms import CommunicationProfile
 from tunix_train.observe.memory import MemoryErrors
@@ -227,7 +228,10 @@ def _samples_hook(cfg: Config, run, data: Data, writer: MetricsWriter | None, sa
         params = merged(jax.device_put(state.params, run.plan.on_device.params), state.frozen)
         done = engine.generate(
             params,
-            [Request((tokenizer.bos_id, *tokenizer.encode(p)), t.sample_max_new_tokens) for p in prompts],
+            [
+                Request(tuple(with_bos(tokenizer, tokenizer.encode(p))), t.sample_max_new_tokens)
+                for p in prompts
+            ],
         )
         return [tokenizer.decode(c.tokens) for c in done]
 

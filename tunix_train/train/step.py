@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from tunix_train.config import MixedPrecision, ModelConfig, TrainingConfig
 from tunix_train.model import quant
-from tunix_train.model.gemma import output_logits
+from tunix_train.model.decoder import output_logits
 from tunix_train.model.moe import load_balancing_loss
 from tunix_train.parallel import Parallelism, model_graphdef
 from tunix_train.sharding import (
@@ -81,7 +81,7 @@ def token_losses(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Per-token loss [B, T] of one micro-batch (with `token_index` when it comes reordered), under
     the model nnx.merge makes of `params` (one state, or the frozen base and the adapters), and
-    the experts' statistics per layer (Gemma.hidden_and_stats; {} without experts).
+    the experts' statistics per layer (Decoder.hidden_and_stats; {} without experts).
 
     Parameters are cast to the compute dtype where they are stored (the master copy is untouched),
     so fsdp gathers them already in that dtype. With 0 < chunk < T the logits are computed

@@ -1,4 +1,7 @@
-"""The Gemma decoder family (Gemma 1 to 4) in Flax NNX, one implementation behind config fields.
+"""The decoder (Gemma 1 to 4 today) in Flax NNX: one implementation, whose differences between model
+families are config fields (norm placement, QK norm, soft-capping, the sliding-window pattern, RoPE,
+the embedding's scale, a tied or separate output layer, experts); model.family only names the
+family for the files (tunix_train.interop.families).
 
 Axis letters: B batch, T query positions, S key positions, D embed, N query heads, K key/value
 heads, G query heads per key/value head (N = K * G), H head dim, F MLP width, V vocab, L layers.
@@ -92,7 +95,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTD, rope, attend, shared_kv=None):
         """`attend(q, k, v, softcap) -> (out, extra)`: attention over the keys this pass may see
-        (Gemma.hidden: the masked positions of the pass; the engine: its KV cache, returned as extra).
+        (Decoder.hidden: the masked positions of the pass; the engine: its KV cache, returned as extra).
         shared_kv: the keys and values of the layer this one reuses. Returns (out, extra, (k, v))."""
 
         def adapted(y, lora):
@@ -241,8 +244,9 @@ def _stacked_blocks(
     return nnx.merge(graphdef, state)
 
 
-class Gemma(nnx.Module):
-    """Token ids [B, T] -> float32 next-token logits [B, T, V]; embeddings tied to the output."""
+class Decoder(nnx.Module):
+    """Token ids [B, T] -> float32 next-token logits [B, T, V]; the output layer is the embedding
+    table (tie_embeddings) or its own [V, D]."""
 
     def __init__(
         self,
@@ -294,6 +298,8 @@ class Gemma(nnx.Module):
             )
             self.per_layer_proj_DLP = param(rngs, (D, L, P), ("embed", None, None), D)
             self.per_layer_proj_norm = RMSNorm(P, cfg.rms_norm_eps, cfg.norm_weight_offset)
+        # drawn last: the other parameters are the same tied or not
+        self.output_VD = None if cfg.tie_embeddings else param(rngs, (V, D), ("vocab", "embed"), D)
 
     def stacks(self) -> list[tuple[LayerGroup, list[Block]]]:
         """Each group and the stacked Block of each position of its period."""
@@ -318,13 +324,17 @@ class Gemma(nnx.Module):
         return output_logits(x_BTD, self.output_table(), self.cfg.final_logit_softcap, self.rules)
 
     def output_table(self):
-        """The tied embedding, gathered over fsdp: used by the lookup and the logits."""
-        return constrain(self.embedding_VD[...], ("act_vocab", None), self.rules)
+        """The output layer [V, D] (the embedding table when tied), gathered over fsdp: the one
+        place the logits' weights come from (output_logits; the step's chunked loss; the engine)."""
+        table = self.embedding_VD if self.output_VD is None else self.output_VD
+        return constrain(table[...], ("act_vocab", None), self.rules)
 
     def embed(self, tokens_BT):
-        """Token embeddings [B, T, D], scaled by sqrt(D)."""
-        table_VD = self.output_table()
-        x_BTD = table_VD[tokens_BT] * jnp.sqrt(jnp.float32(self.cfg.embed_dim)).astype(table_VD.dtype)
+        """Token embeddings [B, T, D], scaled by sqrt(D) where the family does (scale_embeddings)."""
+        table_VD = constrain(self.embedding_VD[...], ("act_vocab", None), self.rules)
+        x_BTD = table_VD[tokens_BT]
+        if self.cfg.scale_embeddings:
+            x_BTD = x_BTD * jnp.sqrt(jnp.float32(self.cfg.embed_dim)).astype(table_VD.dtype)
         return constrain(x_BTD, ("batch", "seq", "act_embed"), self.rules)
 
     def per_layer_inputs(self, tokens_BT, x_BTD):
@@ -534,7 +544,7 @@ def _with_latest_kv(shared: dict, shape: LayerShape, kv) -> dict:
 
 
 def output_logits(x_BTD, table_VD, softcap: float | None, rules: Rules = LOGICAL_RULES):
-    """float32 next-token logits [B, T, V] from final hidden states and the tied embedding."""
+    """float32 next-token logits [B, T, V] from final hidden states and the output layer."""
     logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, table_VD.astype(x_BTD.dtype)).astype(jnp.float32)
     logits_BTV = kernels.soft_cap(logits_BTV, softcap)
     return constrain(logits_BTV, ("batch", "seq", "act_vocab"), rules)

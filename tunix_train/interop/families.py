@@ -1,0 +1,114 @@
+"""Model families as checkpoint files name them. The decoder reads only ModelConfig's fields; a
+family is what the files need beside them: transformers' model_type and architecture, the
+translation of config.json both ways, the fields every checkpoint of the family fixes, llama.cpp's
+architecture name, and the tensor names where the family departs from the shared table (hf.py).
+
+A new family is a `register(Family(...))` call and its config translations: nothing else in the
+package changes (tests/test_families.py registers a toy one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping
+
+from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.interop import gemma
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str  # model.family
+    hf_model_types: tuple[str, ...]  # config.json model_type values read as this family; the first is written
+    hf_architecture: str  # config.json architectures[0], as written
+    from_hf: Callable[[dict], dict]  # a config.json (its text_config) -> ModelConfig fields
+    to_hf: Callable[[ModelConfig], dict]  # ModelConfig -> config.json after architectures and model_type
+    fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # fields its checkpoints all have
+    gguf_architecture: str | None = None  # llama.cpp's general.architecture; None: no GGUF export
+    hf_names: Mapping[str, str] = dataclasses.field(default_factory=dict)  # our path -> transformers' name
+
+    def fields_from_hf(self, hf: dict) -> dict[str, Any]:
+        return {"family": self.name, **self.from_hf(hf), **self.fixed}
+
+    def hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
+        """config.json for this family's transformers model, or a ConfigError naming the first
+        model key its checkpoints cannot hold."""
+        for key, value in self.fixed.items():
+            if getattr(cfg, key) != value:
+                raise ConfigError(
+                    f"model.{key}={getattr(cfg, key)!r}: every {self.name} checkpoint (model.family) has "
+                    f"{key}={value!r}; this model cannot be written as {self.name}"
+                )
+        return {
+            "architectures": [self.hf_architecture],
+            "model_type": self.hf_model_types[0],
+            **self.to_hf(cfg),
+        }
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    _FAMILIES[family.name] = family
+    return family
+
+
+def named(name: str) -> Family:
+    if name not in _FAMILIES:
+        raise ConfigError(
+            f"model.family={name!r} is no family this package knows ({', '.join(_FAMILIES)}); declare one "
+            f"of them, or register yours with tunix_train.interop.families.register"
+        )
+    return _FAMILIES[name]
+
+
+def of_hf(hf: dict, source: str = "model.init_from") -> Family:
+    """The family of a config.json (its text_config), by its model_type."""
+    model_type = hf.get("model_type")
+    for family in _FAMILIES.values():
+        if model_type in family.hf_model_types:
+            return family
+    known = ", ".join(t for f in _FAMILIES.values() for t in f.hf_model_types)
+    raise ConfigError(f"{source}: model_type {model_type!r} is not one this package reads ({known})")
+
+
+def of_gguf(architecture: str) -> Family | None:
+    return next((f for f in _FAMILIES.values() if f.gguf_architecture == architecture), None)
+
+
+def gguf_architectures() -> list[str]:
+    return [f.gguf_architecture for f in _FAMILIES.values() if f.gguf_architecture]
+
+
+for _name, _model_types, _architecture in (
+    ("gemma", ("gemma",), "GemmaForCausalLM"),
+    ("gemma2", ("gemma2",), "Gemma2ForCausalLM"),
+    ("gemma3", ("gemma3_text", "gemma3"), "Gemma3ForCausalLM"),
+):
+    register(
+        Family(
+            _name,
+            _model_types,
+            _architecture,
+            functools.partial(gemma.gemma_from_hf, family=_name),
+            functools.partial(gemma.gemma_to_hf, family=_name),
+            gemma.FIXED[_name],
+            gguf_architecture=_name,
+            # Gemma 1 names its pre-MLP norm as the later ones name the norm after attention
+            hf_names={"layers.pre_ffw_norm.scale": "post_attention_layernorm.weight"}
+            if _name == "gemma"
+            else {},
+        )
+    )
+register(
+    Family(
+        "gemma4",
+        ("gemma4_text", "gemma4"),
+        "Gemma4ForCausalLM",
+        gemma.gemma4_from_hf,
+        gemma.gemma4_to_hf,
+        gemma.FIXED["gemma4"],
+    )
+)
