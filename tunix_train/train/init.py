@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -14,6 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tunix_train.config import ModelConfig, ShardingStrategy
+from tunix_train.interop import importer
 from tunix_train.model import quant
 from tunix_train.model.factory import build_model
 from tunix_train.model.lora import Adapter
@@ -189,6 +191,46 @@ def plan_params(
     if weights.loads_quantized:  # a GGUF base loads as the run holds it, its blocks quantized
         base = _abstract(frozen_shapes, frozen_shardings)
     return ParamsPlan(abstract, trainable, base, jax.jit(frozen, out_shardings=frozen_shardings), key)
+
+
+@dataclasses.dataclass
+class FrozenModels:
+    """An objective's extra models (Objective.extra_models) on the run's mesh: each one's graphdef,
+    its parameters' abstract shapes with shardings, and the parameters, loaded when first asked."""
+
+    specs: dict
+    graphdefs: dict
+    abstract: dict
+    _params: dict | None = None
+
+    def params(self) -> dict:
+        if self._params is None:
+            self._params = {
+                name: _load_frozen(spec, self.abstract[name]) for name, spec in self.specs.items()
+            }
+        return self._params
+
+
+def plan_frozen_models(specs: dict, mesh: Mesh, rules: Rules, graphdef_of) -> FrozenModels | None:
+    """FrozenModels of `specs` (None when there are none); graphdef_of(model config) -> graphdef."""
+    if not specs:
+        return None
+    abstract = {}
+    for name, spec in specs.items():
+        shapes = jax.eval_shape(
+            lambda k, cfg=spec.model: _model_params(cfg, k, FULL_FINE_TUNING), jax.random.key(0)
+        )
+        abstract[name] = _abstract(shapes, state_shardings(shapes, mesh, rules=rules))
+    return FrozenModels(specs, {name: graphdef_of(spec.model) for name, spec in specs.items()}, abstract)
+
+
+def _load_frozen(spec, abstract) -> nnx.State:
+    if spec.source is not None:
+        return importer(spec.source).load_params(Path(spec.source), spec.model, abstract)
+    shardings = jax.tree.map(lambda x: x.sharding, abstract)
+    return jax.jit(lambda k: _model_params(spec.model, k, FULL_FINE_TUNING), out_shardings=shardings)(
+        jax.random.key(spec.seed)
+    )
 
 
 def _abstract(shapes, shardings):

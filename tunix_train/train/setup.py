@@ -35,7 +35,7 @@ from tunix_train.sharding import (
     validate_model_for_mesh,
 )
 from tunix_train.state import TrainState
-from tunix_train.train.init import StatePlan, plan_train_state
+from tunix_train.train.init import StatePlan, plan_frozen_models, plan_train_state
 from tunix_train.train.objectives import make_objective
 from tunix_train.train.optimizer import make_optimizer
 from tunix_train.train.step import compile_eval_step, compile_train_step
@@ -91,6 +91,12 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
         t.offload_master_weights,
         weights,
     )
+    extras = plan_frozen_models(
+        objective.extra_models(),
+        mesh,
+        plan.rules,
+        lambda model_cfg: parallel.model_graphdef(model_cfg, t.remat, t.scan_unroll, t.attention, plan.rules),
+    )
     step_fn = compile_train_step(
         plan,
         mesh,
@@ -101,9 +107,17 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
         parallel=layout,
         objective=objective,
         weights=weights,
+        extras=extras,
     )
     eval_fn = compile_eval_step(
-        plan, mesh, model_cfg=cfg.model, training=t, parallel=layout, objective=objective, weights=weights
+        plan,
+        mesh,
+        model_cfg=cfg.model,
+        training=t,
+        parallel=layout,
+        objective=objective,
+        weights=weights,
+        extras=extras,
     )
     return Setup(
         mesh,

@@ -22,8 +22,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tunix_train.config import MixedPrecision, ModelConfig, TrainingConfig
-from tunix_train.model import quant
-from tunix_train.model.decoder import output_logits
 from tunix_train.model.moe import load_balancing_loss
 from tunix_train.parallel import Parallelism, model_graphdef
 from tunix_train.sharding import (
@@ -35,7 +33,8 @@ from tunix_train.sharding import (
     per_shard_shardings,
 )
 from tunix_train.state import TrainState
-from tunix_train.train.init import StatePlan
+from tunix_train.train.forward import Forward, in_compute_dtype
+from tunix_train.train.init import FrozenModels, StatePlan
 from tunix_train.train.objectives.lm import BATCH_DTYPES, LanguageModeling
 from tunix_train.train.weights import FULL_FINE_TUNING, Weights
 
@@ -53,76 +52,6 @@ def abstract_batch(
     }
 
 
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Per-token next-token cross-entropy, in float32."""
-    logits_BTV = logits_BTV.astype(jnp.float32)
-    target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    return jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit_BT
-
-
-def _in_compute_dtype(tree: Any, compute_dtype: Any, shardings: Any) -> Any:
-    """`tree` cast to the compute dtype (quantized weights: dequantized to it where read), kept on
-    `shardings` (None: unconstrained), which a quantized weight's static dtype must match."""
-    tree = quant.cast(tree, compute_dtype)
-    if shardings is None:
-        return tree
-    return jax.lax.with_sharding_constraint(tree, quant.retyped(shardings, compute_dtype))
-
-
-def token_losses(
-    graphdef: nnx.GraphDef,
-    params: tuple[nnx.State, ...],
-    micro: dict[str, jax.Array],
-    compute_dtype=jnp.float32,
-    chunk: int = 0,
-    param_shardings: Any = None,
-    seq_shards: int = 1,
-    temperature: float = 1.0,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Per-token loss [B, T] of one micro-batch (with `token_index` when it comes reordered), under
-    the model nnx.merge makes of `params` (one state, or the frozen base and the adapters), and
-    the experts' statistics per layer (Decoder.hidden_and_stats; {} without experts).
-
-    Parameters are cast to the compute dtype where they are stored (the master copy is untouched),
-    so fsdp gathers them already in that dtype. With 0 < chunk < T the logits are computed
-    `chunk` positions at a time and recomputed in the backward pass, so the [B, T, V] logits
-    (4 GiB in float32 for one 4096-token row of a 262k vocabulary) never exist whole; with the
-    sequence split in `seq_shards` parts (cp), every part computes its own chunks at once. The
-    logits are divided by `temperature` (the distribution an RL objective sampled from)."""
-    if compute_dtype != jnp.float32:
-        params = _in_compute_dtype(params, compute_dtype, param_shardings)
-    model = nnx.merge(graphdef, *params)
-    x_BTD, stats = model.hidden_and_stats(
-        micro["inputs"], micro["positions"], micro["segment_ids"], micro.get("token_index")
-    )
-    table_VD, softcap, rules = model.output_table(), model.cfg.final_logit_softcap, model.rules
-
-    def logits(x_BTD):
-        logits_BTV = output_logits(x_BTD, table_VD, softcap, rules)
-        return logits_BTV if temperature == 1.0 else logits_BTV / temperature
-
-    B, T, D = x_BTD.shape
-    if not chunk or chunk >= T:
-        return cross_entropy(logits(x_BTD), micro["targets"]), stats
-
-    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
-    def chunk_losses(x_BCD, targets_BC):
-        return cross_entropy(logits(x_BCD), targets_BC)
-
-    # scan step n takes positions [n·chunk, (n+1)·chunk) of each of the sequence's parts
-    parts, N = seq_shards, T // (seq_shards * chunk)
-
-    def by_step(x):
-        return jnp.moveaxis(x.reshape(B, parts, N, chunk, *x.shape[2:]), 2, 0).reshape(
-            N, B, parts * chunk, *x.shape[2:]
-        )
-
-    _, losses_NBC = jax.lax.scan(
-        lambda _, xs: (None, chunk_losses(*xs)), None, (by_step(x_BTD), by_step(micro["targets"]))
-    )
-    return jnp.moveaxis(losses_NBC.reshape(N, B, parts, chunk), 0, 2).reshape(B, T), stats
-
-
 def _objective_loss(
     objective,
     weights: Weights,
@@ -138,39 +67,58 @@ def _objective_loss(
     frozen_shardings,
     seq_shards,
     moe_aux_loss_coef: float = 0.0,
+    extras: FrozenModels | None = None,
+    models: dict | None = None,
 ):
-    """The objective's (loss, metrics) of one micro-batch: its per-token losses come from the
-    trained model (policy) and, without gradient, from the reference. With experts, the policy's
+    """The objective's (loss, metrics) of one micro-batch, from Forwards (train/forward.py) of the
+    trained model (policy), of the reference and of the objective's extra models (`extras`, their
+    parameters `models`), the last two without gradient. With experts, the policy's
     load-balancing loss times moe_aux_loss_coef is added, weighted by the micro-batch's share of
     the batch, and logged (moe_aux_loss; expert_tokens, the copies each expert received)."""
-    policy_stats = []
 
-    def losses(states, shardings, keep_stats=False):
-        token_loss, stats = token_losses(
-            graphdef, states, micro, compute_dtype, chunk, shardings, seq_shards, objective.temperature
+    def forward(states, shardings, frozen=False):
+        return Forward(
+            graphdef,
+            states,
+            micro,
+            compute_dtype=compute_dtype,
+            chunk=chunk,
+            param_shardings=shardings,
+            seq_shards=seq_shards,
+            temperature=objective.temperature,
+            frozen=frozen,
         )
-        if keep_stats:
-            policy_stats.append(stats)
-        return token_loss
 
     def shardings(compose, **kw):
         return None if param_shardings is None else compose(param_shardings, frozen_shardings, **kw)
 
-    def policy():
-        return losses(weights.policy(params, frozen), shardings(weights.policy), keep_stats=True)
-
-    def reference():
-        return jax.lax.stop_gradient(
-            losses(weights.reference(params, frozen), shardings(weights.reference, switch_off=lambda s: s))
-        )
-
-    loss, metrics = objective.loss(policy, reference, micro, weight)
-    if policy_stats and policy_stats[0]:
+    policy = forward(weights.policy(params, frozen), shardings(weights.policy))
+    reference = forward(
+        weights.reference(params, frozen), shardings(weights.reference, switch_off=lambda s: s), frozen=True
+    )
+    if extras is None:
+        loss, metrics = objective.loss(policy, reference, micro, weight)
+    else:
+        others = {
+            name: Forward(
+                extras.graphdefs[name],
+                (models[name],),
+                micro,
+                compute_dtype=COMPUTE_DTYPES[spec.precision],
+                chunk=chunk,
+                seq_shards=seq_shards,
+                temperature=objective.temperature,
+                frozen=True,
+            )
+            for name, spec in extras.specs.items()
+        }
+        loss, metrics = objective.loss(policy, reference, micro, weight, models=others)
+    if policy.ran and policy.stats:
 
         def first(w):
             return jax.tree.leaves(w)[0]  # one of the objective's normalizers
 
-        stats, share = policy_stats[0], first(objective.weight(micro)) / first(weight)
+        stats, share = policy.stats, first(objective.weight(micro)) / first(weight)
         aux = load_balancing_loss(stats["expert_tokens"], stats["router_probs"]) * share
         loss = loss + moe_aux_loss_coef * aux
         metrics = {**metrics, "moe_aux_loss": aux, "expert_tokens": jnp.sum(stats["expert_tokens"], axis=0)}
@@ -180,6 +128,7 @@ def _objective_loss(
 def train_step(
     state: TrainState,
     batch: dict[str, jax.Array],
+    models: dict | None = None,
     *,
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
@@ -196,12 +145,14 @@ def train_step(
     objective: Any = None,
     weights: Weights = FULL_FINE_TUNING,
     moe_aux_loss_coef: float = 0.0,
+    extras: FrozenModels | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """`home` and `on_device`: the state's shardings between steps and where it is computed with
     (they differ in memory kind for an offloaded part, which is moved to the devices and back).
     `parallel`: the model's pp/cp layout, which may reorder the batch's positions. `objective`:
     the loss (default: next-token); `weights`: which parameters train and what is frozen;
-    moe_aux_loss_coef: the weight of the experts' load-balancing loss (the logged loss leaves it out)."""
+    moe_aux_loss_coef: the weight of the experts' load-balancing loss (the logged loss leaves it out);
+    extras, models: the objective's extra models and their parameters."""
     objective = objective or LanguageModeling(None)
     batch = parallel.reorder(batch) if parallel else batch
     seq_shards = parallel.seq_shards if parallel else 1
@@ -225,7 +176,7 @@ def train_step(
         )
     frozen = to_device("frozen")
     if compute_dtype != jnp.float32 and frozen is not None:  # cast once per step, not per micro-batch
-        frozen = _in_compute_dtype(frozen, compute_dtype, on_device.frozen)
+        frozen = in_compute_dtype(frozen, compute_dtype, on_device.frozen)
     weighted_loss_sum = functools.partial(
         _objective_loss,
         objective,
@@ -237,6 +188,8 @@ def train_step(
         chunk=loss_chunk_size,
         seq_shards=seq_shards,
         moe_aux_loss_coef=moe_aux_loss_coef,
+        extras=extras,
+        models=models,
         param_shardings=None if delayed_sync else param_shardings,
         frozen_shardings=None if delayed_sync else on_device.frozen,
     )
@@ -373,9 +326,12 @@ def compile_train_step(
     parallel: Parallelism | None = None,
     objective: Any = None,
     weights: Weights = FULL_FINE_TUNING,
+    extras: FrozenModels | None = None,
 ):
     """jit with explicit in/out shardings; the input state is donated. Call under jax.set_mesh(mesh).
-    The model's activation constraints follow plan.rules (per shard when gradient syncs are delayed)."""
+    The model's activation constraints follow plan.rules (per shard when gradient syncs are delayed).
+    With `extras` (the objective's extra models) the step takes their parameters as a third
+    argument, which the returned function passes itself."""
     sync_every = training.sync_gradients_every if data_parallel_size(mesh) > 1 else 1
     rules = per_shard_rules(plan.rules) if sync_every > 1 else plan.rules
     step = functools.partial(
@@ -395,13 +351,31 @@ def compile_train_step(
         objective=objective,
         weights=weights,
         moe_aux_loss_coef=training.moe_aux_loss_coef,
+        extras=extras,
     )
-    return jax.jit(
-        step,
-        in_shardings=(plan.shardings, batch_sharding(mesh)),
-        out_shardings=(plan.shardings, NamedSharding(mesh, P())),
-        donate_argnums=0,
+    in_shardings = (plan.shardings, batch_sharding(mesh))
+    out_shardings = (plan.shardings, NamedSharding(mesh, P()))
+    if extras is None:
+        return jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=0)
+    shardings = jax.tree.map(lambda x: x.sharding, extras.abstract)
+    jitted = jax.jit(
+        step, in_shardings=(*in_shardings, shardings), out_shardings=out_shardings, donate_argnums=0
     )
+    return WithModels(jitted, extras)
+
+
+class WithModels:
+    """A jitted step whose last argument, the objective's extra models' parameters, it passes
+    itself: called and lowered as the step without them is."""
+
+    def __init__(self, jitted, extras: FrozenModels):
+        self.jitted, self.extras = jitted, extras
+
+    def __call__(self, *args):
+        return self.jitted(*args, self.extras.params())
+
+    def lower(self, *args):
+        return self.jitted.lower(*args, self.extras.abstract)
 
 
 def eval_step(
@@ -417,6 +391,8 @@ def eval_step(
     parallel: Parallelism | None = None,
     objective: Any = None,
     weights: Weights = FULL_FINE_TUNING,
+    extras: FrozenModels | None = None,
+    models: dict | None = None,
 ) -> dict[str, jax.Array]:
     """The objective's summed loss and weight (for the next-token loss: summed token loss and
     token count) of a [1, B, T] held-out batch; `frozen`: the state's frozen weights. An objective
@@ -438,6 +414,8 @@ def eval_step(
         param_shardings=param_shardings,
         frozen_shardings=frozen_shardings,
         seq_shards=parallel.seq_shards if parallel else 1,
+        extras=extras,
+        models=models,
     )
     return {"loss_sum": loss_sum, "weight": jnp.float32(1.0) if several else weight}
 
@@ -451,6 +429,7 @@ def compile_eval_step(
     parallel: Parallelism | None = None,
     objective: Any = None,
     weights: Weights = FULL_FINE_TUNING,
+    extras: FrozenModels | None = None,
 ):
     """(params, frozen, batch) -> the eval_step sums."""
     step = functools.partial(
@@ -463,13 +442,18 @@ def compile_eval_step(
         parallel=parallel,
         objective=objective,
         weights=weights,
+        extras=extras,
     )
 
-    def evaluate(params, frozen, batch):  # offloaded parameters are moved to the devices
-        return step(_moved(params, plan.shardings.params, plan.on_device.params), batch, frozen=frozen)
+    def evaluate(params, frozen, batch, models=None):  # offloaded parameters are moved to the devices
+        on_device = _moved(params, plan.shardings.params, plan.on_device.params)
+        return step(on_device, batch, frozen=frozen, models=models)
 
-    return jax.jit(
-        evaluate,
-        in_shardings=(plan.shardings.params, plan.shardings.frozen, batch_sharding(mesh)),
-        out_shardings=NamedSharding(mesh, P()),
+    in_shardings = (plan.shardings.params, plan.shardings.frozen, batch_sharding(mesh))
+    if extras is None:
+        return jax.jit(evaluate, in_shardings=in_shardings, out_shardings=NamedSharding(mesh, P()))
+    shardings = jax.tree.map(lambda x: x.sharding, extras.abstract)
+    jitted = jax.jit(
+        evaluate, in_shardings=(*in_shardings, shardings), out_shardings=NamedSharding(mesh, P())
     )
+    return WithModels(jitted, extras)

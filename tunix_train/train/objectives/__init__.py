@@ -9,9 +9,14 @@ knows which one runs:
   micro-batches give exactly the full batch's loss and gradient;
 - `loss(policy, reference, micro, weight)`: the micro-batch's loss and metrics, both already
   divided by `weight` (so they add up over micro-batches; a metric named `..._max` is a maximum
-  instead). `policy()` and `reference()` return the per-token negative log-likelihood of
-  `micro["targets"]` [B, T] under the trained model and under the frozen reference (no gradient),
-  their logits divided by `temperature`; an objective calls only what it needs;
+  instead). `policy` and `reference` are Forwards (train/forward.py) of the trained model and of
+  the frozen reference (no gradient) on the micro-batch: `policy()` is the per-token negative
+  log-likelihood of `micro["targets"]` [B, T], `policy.hidden()` the final hidden states,
+  `policy.per_token(fn, *others)` any per-token function of the logits of several models,
+  computed in chunks; their logits are divided by `temperature`. Only what is asked is computed;
+- `extra_models()`: the frozen models the loss reads beside them (objectives/base.ExtraModel: a
+  teacher of another size from its checkpoint, ...), each sharded on the run's mesh in its own
+  dtype; loss() then also gets `models`, a Forward of each by name;
 - `updates(batch)`: whether the batch may update the weights (GRPO's dynamic sampling: not one
   without signal);
 - `needs_reference`: whether it reads the reference model (train/weights.py keeps one);

@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
-from tunix_train.config import Config
+import dataclasses
+
+from tunix_train.config import Config, MixedPrecision, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtraModel:
+    """A frozen model an objective reads beside the one it trains (a teacher, a reward model): its
+    config (any size; the vocabulary the objective needs), where its weights come from (a Hugging
+    Face directory or GGUF file; None: fresh from `seed`) and the dtype it computes in. It is
+    sharded by the same rules table on the run's mesh, and never updated or checkpointed."""
+
+    model: ModelConfig
+    source: str | None = None
+    seed: int = 0
+    precision: MixedPrecision = MixedPrecision.fp32
 
 
 class Objective:
@@ -35,3 +50,8 @@ class Objective:
 
     def hooks(self) -> list:
         return []
+
+    def extra_models(self) -> dict[str, ExtraModel]:
+        """The models its loss reads beside the policy and the reference, by name: loss() then
+        gets `models`, a Forward (train/forward.py) of each on the same micro-batch."""
+        return {}
