@@ -14,7 +14,6 @@ the key.
 from __future__ import annotations
 
 import contextlib
-import math
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -31,10 +30,6 @@ from tunix_train.config import (
     MixedPrecision,
     ModelConfig,
     Objective,
-    Overlong,
-    PreferenceLoss,
-    RewardNormalization,
-    ScaleRewards,
     TrainingConfig,
     reads_text,
 )
@@ -133,8 +128,9 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) -> None:
-    """LoRA, DPO and GRPO settings."""
-    lora, dpo, grpo = t.lora, t.dpo, t.grpo
+    """LoRA's settings, and what every objective but lm needs of the data; the objectives' own
+    sections check themselves (config_objectives.py: DpoConfig.check, GrpoConfig.check)."""
+    lora = t.lora
     if lora.rank is not None:
         if lora.rank <= 0:
             raise ConfigError(f"training.lora.rank={lora.rank} must be positive (or null for no adapters)")
@@ -185,117 +181,7 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
             f"data.prompt_field and data.completion_field are for training.objective=lm; {name} "
             f"reads the fields it names"
         )
-    if t.objective is Objective.dpo:
-        if dpo.beta <= 0 or not 0.0 <= dpo.label_smoothing < 0.5:
-            raise ConfigError(
-                f"training.dpo.beta={dpo.beta} must be positive and training.dpo.label_smoothing="
-                f"{dpo.label_smoothing} in [0, 0.5)"
-            )
-        if dpo.label_smoothing and dpo.loss in (PreferenceLoss.ipo, PreferenceLoss.orpo):
-            raise ConfigError(
-                f"training.dpo.label_smoothing={dpo.label_smoothing}: the {dpo.loss.value} loss has "
-                f"none; set it to 0 or use training.dpo.loss=sigmoid or simpo"
-            )
-        if t.micro_batch_size % 2:
-            raise ConfigError(
-                f"training.micro_batch_size={t.micro_batch_size} must be even under {name}: each pair "
-                f"is two rows (chosen, rejected) kept on one device"
-            )
-    if t.objective is Objective.grpo:
-        G = grpo.num_generations
-        if G < 2:
-            raise ConfigError(
-                f"training.grpo.num_generations={G} must be at least 2 (advantages compare a "
-                f"completion with the others of its group)"
-            )
-        if t.micro_batch_size % G:
-            raise ConfigError(
-                f"training.micro_batch_size={t.micro_batch_size} must be a multiple of "
-                f"training.grpo.num_generations={G}: a group never spans micro-batches or devices"
-            )
-        if not grpo.reward:
-            raise ConfigError(
-                "training.grpo.reward is empty: name at least one reward function, module:function"
-            )
-        if (
-            not 0 < grpo.temperature < math.inf
-            or grpo.epsilon <= 0
-            or grpo.beta < 0
-            or grpo.max_new_tokens < 1
-        ):
-            raise ConfigError(
-                "training.grpo.temperature (finite) and epsilon must be positive, beta >= 0 and "
-                "max_new_tokens >= 1"
-            )
-        if grpo.max_staleness < 0 or grpo.iterations < 1:
-            raise ConfigError(
-                f"training.grpo.max_staleness={grpo.max_staleness} must be >= 0 and "
-                f"training.grpo.iterations={grpo.iterations} >= 1"
-            )
-        if grpo.importance_cap < 1:
-            raise ConfigError(
-                f"training.grpo.importance_cap={grpo.importance_cap} must be at least 1 (it truncates "
-                f"the probability ratio, which is 1 on-policy)"
-            )
-        _check_grpo_family(grpo)
-
-
-def _check_grpo_family(grpo) -> None:
-    """The GRPO family's settings (docs/objectives/grpo-family.md)."""
-    if grpo.epsilon_high is not None and grpo.epsilon_high < grpo.epsilon:
-        raise ConfigError(
-            f"training.grpo.epsilon_high={grpo.epsilon_high} must be >= training.grpo.epsilon="
-            f"{grpo.epsilon} (clip-higher widens the upper side)"
-        )
-    if grpo.reward_weights and len(grpo.reward_weights) != len(grpo.reward):
-        raise ConfigError(
-            f"training.grpo.reward_weights has {len(grpo.reward_weights)} weights for "
-            f"{len(grpo.reward)} reward functions; give one per function, or none"
-        )
-    if (
-        grpo.multi_reward_normalization is RewardNormalization.per_reward
-        and grpo.scale_rewards is not ScaleRewards.group
-    ):
-        raise ConfigError(
-            f"training.grpo.scale_rewards={grpo.scale_rewards.value}: under multi_reward_normalization="
-            f"per_reward each reward is scaled in its group and the sum over the batch (GDPO); "
-            f"leave scale_rewards=group"
-        )
-    if grpo.overlong_buffer is not None and (
-        grpo.overlong is not Overlong.soft or not 1 <= grpo.overlong_buffer <= grpo.max_new_tokens
-    ):
-        raise ConfigError(
-            f"training.grpo.overlong_buffer={grpo.overlong_buffer} needs training.grpo.overlong=soft "
-            f"and a value in [1, max_new_tokens={grpo.max_new_tokens}]"
-        )
-    if grpo.rollout_slots is not None and grpo.rollout_slots < 1:
-        raise ConfigError(
-            f"training.grpo.rollout_slots={grpo.rollout_slots} must be >= 1 (null: every completion at once)"
-        )
-    if grpo.max_tool_calls < 1 or grpo.max_tool_result_tokens < 1:
-        raise ConfigError(
-            f"training.grpo.max_tool_calls={grpo.max_tool_calls} and training.grpo.max_tool_result_tokens="
-            f"{grpo.max_tool_result_tokens} must be positive"
-        )
-    if grpo.max_turns < 1 or grpo.tool_timeout_s <= 0:
-        raise ConfigError(
-            f"training.grpo.max_turns={grpo.max_turns} must be >= 1 and training.grpo.tool_timeout_s="
-            f"{grpo.tool_timeout_s} positive"
-        )
-    if (grpo.tools or grpo.environment) and grpo.overlong is Overlong.soft:
-        raise ConfigError(
-            "training.grpo.overlong=soft penalizes one completion's length; with tools or an "
-            "environment a trajectory has several turns: use overlong=filter or none"
-        )
-    if grpo.dynamic_sampling_rounds < 1:
-        raise ConfigError(
-            f"training.grpo.dynamic_sampling_rounds={grpo.dynamic_sampling_rounds} must be >= 1"
-        )
-    if not 1 <= grpo.eval_k <= grpo.eval_samples:
-        raise ConfigError(
-            f"training.grpo.eval_samples={grpo.eval_samples} must be >= training.grpo.eval_k="
-            f"{grpo.eval_k} >= 1 (pass@k needs at least k samples per prompt)"
-        )
+    {Objective.dpo: t.dpo, Objective.grpo: t.grpo}[t.objective].check(t.micro_batch_size)
 
 
 def _register_schema() -> None:

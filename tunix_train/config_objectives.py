@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any, List, Optional
 
-from tunix_train.config_fields import _changeable, _fixed
+from tunix_train.config_fields import ConfigError, _changeable, _fixed
 
 
 class PreferenceLoss(enum.Enum):  # training.dpo.loss (docs/objectives/dpo.md)
@@ -63,6 +64,24 @@ class DpoConfig:
     label_smoothing: float = _fixed(0.0)
     simpo_gamma: float = _fixed(0.5)  # SimPO's target reward margin (gamma; TRL's simpo_gamma)
 
+    def check(self, micro_batch_size: int) -> None:
+        """A ConfigError naming the first bad key of training.dpo (and the micro-batch it needs)."""
+        if self.beta <= 0 or not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError(
+                f"training.dpo.beta={self.beta} must be positive and training.dpo.label_smoothing="
+                f"{self.label_smoothing} in [0, 0.5)"
+            )
+        if self.label_smoothing and self.loss in (PreferenceLoss.ipo, PreferenceLoss.orpo):
+            raise ConfigError(
+                f"training.dpo.label_smoothing={self.label_smoothing}: the {self.loss.value} loss has "
+                f"none; set it to 0 or use training.dpo.loss=sigmoid or simpo"
+            )
+        if micro_batch_size % 2:
+            raise ConfigError(
+                f"training.micro_batch_size={micro_batch_size} must be even under training.objective=dpo: "
+                f"each pair is two rows (chosen, rejected) kept on one device"
+            )
+
 
 @dataclasses.dataclass
 class GrpoConfig:
@@ -117,3 +136,101 @@ class GrpoConfig:
     eval_samples: int = _changeable(4)
     eval_k: int = _changeable(1)
     eval_pass_reward: float = _changeable(1.0)
+
+    def check(self, micro_batch_size: int) -> None:
+        """A ConfigError naming the first bad key of training.grpo (and the micro-batch it needs)."""
+        G = self.num_generations
+        if G < 2:
+            raise ConfigError(
+                f"training.grpo.num_generations={G} must be at least 2 (advantages compare a "
+                f"completion with the others of its group)"
+            )
+        if micro_batch_size % G:
+            raise ConfigError(
+                f"training.micro_batch_size={micro_batch_size} must be a multiple of "
+                f"training.grpo.num_generations={G}: a group never spans micro-batches or devices"
+            )
+        if not self.reward:
+            raise ConfigError(
+                "training.grpo.reward is empty: name at least one reward function, module:function"
+            )
+        if (
+            not 0 < self.temperature < math.inf
+            or self.epsilon <= 0
+            or self.beta < 0
+            or self.max_new_tokens < 1
+        ):
+            raise ConfigError(
+                "training.grpo.temperature (finite) and epsilon must be positive, beta >= 0 and "
+                "max_new_tokens >= 1"
+            )
+        if self.max_staleness < 0 or self.iterations < 1:
+            raise ConfigError(
+                f"training.grpo.max_staleness={self.max_staleness} must be >= 0 and "
+                f"training.grpo.iterations={self.iterations} >= 1"
+            )
+        if self.importance_cap < 1:
+            raise ConfigError(
+                f"training.grpo.importance_cap={self.importance_cap} must be at least 1 (it truncates "
+                f"the probability ratio, which is 1 on-policy)"
+            )
+        self._check_family()
+
+    def _check_family(self) -> None:
+        """The GRPO family's settings (docs/objectives/grpo-family.md)."""
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise ConfigError(
+                f"training.grpo.epsilon_high={self.epsilon_high} must be >= training.grpo.epsilon="
+                f"{self.epsilon} (clip-higher widens the upper side)"
+            )
+        if self.reward_weights and len(self.reward_weights) != len(self.reward):
+            raise ConfigError(
+                f"training.grpo.reward_weights has {len(self.reward_weights)} weights for "
+                f"{len(self.reward)} reward functions; give one per function, or none"
+            )
+        if (
+            self.multi_reward_normalization is RewardNormalization.per_reward
+            and self.scale_rewards is not ScaleRewards.group
+        ):
+            raise ConfigError(
+                f"training.grpo.scale_rewards={self.scale_rewards.value}: under multi_reward_normalization="
+                f"per_reward each reward is scaled in its group and the sum over the batch (GDPO); "
+                f"leave scale_rewards=group"
+            )
+        if self.overlong_buffer is not None and (
+            self.overlong is not Overlong.soft or not 1 <= self.overlong_buffer <= self.max_new_tokens
+        ):
+            raise ConfigError(
+                f"training.grpo.overlong_buffer={self.overlong_buffer} needs training.grpo.overlong=soft "
+                f"and a value in [1, max_new_tokens={self.max_new_tokens}]"
+            )
+        if self.rollout_slots is not None and self.rollout_slots < 1:
+            raise ConfigError(
+                f"training.grpo.rollout_slots={self.rollout_slots} must be >= 1 (null: every completion at "
+                f"once)"
+            )
+        if self.max_tool_calls < 1 or self.max_tool_result_tokens < 1:
+            raise ConfigError(
+                f"training.grpo.max_tool_calls={self.max_tool_calls} and "
+                f"training.grpo.max_tool_result_tokens="
+                f"{self.max_tool_result_tokens} must be positive"
+            )
+        if self.max_turns < 1 or self.tool_timeout_s <= 0:
+            raise ConfigError(
+                f"training.grpo.max_turns={self.max_turns} must be >= 1 and training.grpo.tool_timeout_s="
+                f"{self.tool_timeout_s} positive"
+            )
+        if (self.tools or self.environment) and self.overlong is Overlong.soft:
+            raise ConfigError(
+                "training.grpo.overlong=soft penalizes one completion's length; with tools or an "
+                "environment a trajectory has several turns: use overlong=filter or none"
+            )
+        if self.dynamic_sampling_rounds < 1:
+            raise ConfigError(
+                f"training.grpo.dynamic_sampling_rounds={self.dynamic_sampling_rounds} must be >= 1"
+            )
+        if not 1 <= self.eval_k <= self.eval_samples:
+            raise ConfigError(
+                f"training.grpo.eval_samples={self.eval_samples} must be >= training.grpo.eval_k="
+                f"{self.eval_k} >= 1 (pass@k needs at least k samples per prompt)"
+            )
