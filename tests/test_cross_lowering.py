@@ -77,10 +77,10 @@ def _lowered(target: str, *overrides: str) -> dict[str, str]:
                 abstract_batch(run.mesh, 1, run.micro_batch, seq),
             ),
             "prefill": lower(
-                engine._prefill, params, per_layer, i32(rows, prompt), i32(rows), max_len=max_len
+                engine.prefill_step, params, per_layer, i32(rows, prompt), i32(rows), max_len=max_len
             ),
             "insert": lower(
-                engine._insert,
+                engine.insert_step,
                 caches,
                 entries,
                 logits,
@@ -92,7 +92,7 @@ def _lowered(target: str, *overrides: str) -> dict[str, str]:
                 kinds=Kinds(True, True, True),
             ),
             "decode": lower(
-                engine._decode,
+                engine.decode_step,
                 params,
                 per_layer,
                 caches,

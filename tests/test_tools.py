@@ -265,7 +265,8 @@ def test_the_loss_mask_covers_the_model_tokens_only(tmp_path):
     """A rollout's rows: the tokens the model did not write (tool results) carry no loss, and the
     engine's log-probabilities sit under the model's tokens."""
     from tunix_train.compose import load_config
-    from tunix_train.train.objectives.grpo import GroupRelative, Rollout
+    from tunix_train.train.objectives.grpo import GroupRelative
+    from tunix_train.train.rollout import Rollout
 
     (tmp_path / "p.jsonl").write_text('{"prompt": "x", "answer": "1"}\n')
     cfg, _ = load_config(
@@ -281,7 +282,7 @@ def test_the_loss_mask_covers_the_model_tokens_only(tmp_path):
         ]
     )
     objective = GroupRelative(cfg)
-    objective._rows = range(0, 2)
+    objective.sampler.rows = range(0, 2)
     rollout = Rollout(
         0,
         0,

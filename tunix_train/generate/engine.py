@@ -33,7 +33,7 @@ from tunix_train.config import ConfigError, LoraConfig, ModelConfig, Remat
 from tunix_train.generate import cache as kv
 from tunix_train.generate.sampling import Kinds, Rules, draw
 from tunix_train.generate.session import Completion, Request, Session  # noqa: F401 (Completion: the API)
-from tunix_train.model import kernels
+from tunix_train.model.decoder import output_logits
 from tunix_train.model.layout import kv_sources, layer_windows
 from tunix_train.parallel import model_graphdef
 from tunix_train.sharding import LOGICAL_RULES, constrain, data_parallel_size
@@ -74,9 +74,9 @@ class Engine:
         self.graphdef = model_graphdef(cfg, Remat.none, rules=self.rules, lora=lora)
         self.windows = tuple(int(w) for w in layer_windows(cfg))
         self.source = kv_sources(cfg)
-        self._prefill = jax.jit(self._prefill_fn, static_argnames=("max_len",))
-        self._insert = jax.jit(self._insert_fn, static_argnames=("kinds",), donate_argnums=(0,))
-        self._decode = jax.jit(self._decode_fn, static_argnames=("kinds",), donate_argnums=(2,))
+        self.prefill_step = jax.jit(self._prefill_fn, static_argnames=("max_len",))
+        self.insert_step = jax.jit(self._insert_fn, static_argnames=("kinds",), donate_argnums=(0,))
+        self.decode_step = jax.jit(self._decode_fn, static_argnames=("kinds",), donate_argnums=(2,))
         self._unstack = jax.jit(lambda params: nnx.merge(self.graphdef, params).layer_states())
         self._empty_caches: dict = {}
         # prefill_s, prefills, prefix_hits, decode_s, steps, tokens, and the last session's cache_bytes
@@ -89,19 +89,8 @@ class Engine:
         (None for a layer that reuses an earlier one's keys and values)."""
         model = nnx.merge(self.graphdef, params)
         x_BD, caches = model.unrolled_layers(per_layer, tokens_BT, positions_BT, attend_of_layer, last_B)
-        return self._logits(x_BD, model.output_table()), kv.constrained(
-            caches, self.cfg, self.mesh, self.rules
-        )
-
-    def _logits(self, x_BD, table_VD):
-        """float32 logits [B, V], as gemma.output_logits computes them for training, but with the
-        vocabulary as the dot's rows. Why: XLA:CPU's dot runs [V, D] x [D, B] about twice as fast as
-        [B, D] x [D, V] at a decoding batch (performance-history.md); the barrier keeps XLA from
-        folding the transpose back into the dot."""
-        logits_VB = jnp.einsum("vd,bd->vb", table_VD.astype(x_BD.dtype), x_BD).astype(jnp.float32)
-        logits_BV = jax.lax.optimization_barrier(logits_VB).T
-        logits_BV = kernels.soft_cap(logits_BV, self.cfg.final_logit_softcap)
-        return constrain(logits_BV, ("batch", "act_vocab"), self.rules)
+        logits_BV = output_logits(x_BD, model.output_table(), self.cfg.final_logit_softcap, self.rules)
+        return logits_BV, kv.constrained(caches, self.cfg, self.mesh, self.rules)
 
     def _prefill_fn(self, params, per_layer, tokens_NP, length_N, *, max_len: int):
         """Right-padded prompts -> each producing layer's cache entries [N*K, slots, H] and the

@@ -230,7 +230,7 @@ class Session:
             for row in range(N):
                 prompt = group[min(row, len(group) - 1)][1]
                 tokens[row, : len(prompt)], lengths[row] = prompt, len(prompt)
-            entries, logits = e._prefill(
+            entries, logits = e.prefill_step(
                 self.params, self.per_layer, self._rows(tokens), self._rows(lengths), max_len=self.max_len
             )
             found.update({k: (entries, logits, row) for row, (k, _) in enumerate(group)})
@@ -270,7 +270,7 @@ class Session:
             # padded with the last one repeated, which writes it again
             pairs += [pairs[-1]] * (_batch_rows(len(pairs), data_parallel_size(e.mesh)) - len(pairs))
             rows_n, slots_n = (np.asarray(x, np.int32) for x in zip(*pairs))
-            self.caches, token_n, logprob_n = e._insert(
+            self.caches, token_n, logprob_n = e.insert_step(
                 self.caches,
                 entries,
                 logits,
@@ -299,7 +299,7 @@ class Session:
         if self._on_device is None:  # the rows changed on the host (a request started): upload them
             self._on_device = ({name: self._rows(x) for name, x in row.items()}, self._rows(self.seeds))
         rows, seeds = self._on_device
-        self.caches, token_B, position_B, count_B, drawn_BC, logprob_BC = e._decode(
+        self.caches, token_B, position_B, count_B, drawn_BC, logprob_BC = e.decode_step(
             self.params,
             self.per_layer,
             self.caches,

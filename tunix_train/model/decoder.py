@@ -543,8 +543,21 @@ def _with_latest_kv(shared: dict, shape: LayerShape, kv) -> dict:
     return {**shared, shape.layer_type: kv}
 
 
-def output_logits(x_BTD, table_VD, softcap: float | None, rules: Rules = LOGICAL_RULES):
-    """float32 next-token logits [B, T, V] from final hidden states and the output layer."""
-    logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, table_VD.astype(x_BTD.dtype)).astype(jnp.float32)
-    logits_BTV = kernels.soft_cap(logits_BTV, softcap)
-    return constrain(logits_BTV, ("batch", "seq", "act_vocab"), rules)
+def output_logits(x, table_VD, softcap: float | None, rules: Rules = LOGICAL_RULES):
+    """float32 next-token logits from final hidden states and the output layer: the one place
+    logits are computed (the model, the step's chunked loss, the engine).
+
+    x [B, T, D] -> [B, T, V]; x [B, D] (the engine's one position per row) -> [B, V], with the
+    vocabulary as the dot's rows, then transposed. Why: XLA:CPU's dot runs [V, D] x [D, B] about
+    twice as fast as [B, D] x [D, V] at a decoding batch (performance-history.md); the barrier keeps
+    XLA from folding the transpose back into the dot."""
+    table_VD = table_VD.astype(x.dtype)
+    if x.ndim == 2:
+        logits_VB = jnp.einsum("vd,bd->vb", table_VD, x).astype(jnp.float32)
+        logits, axes = jax.lax.optimization_barrier(logits_VB).T, ("batch", "act_vocab")
+    else:
+        logits, axes = (
+            jnp.einsum("btd,vd->btv", x, table_VD).astype(jnp.float32),
+            ("batch", "seq", "act_vocab"),
+        )
+    return constrain(kernels.soft_cap(logits, softcap), axes, rules)

@@ -24,18 +24,20 @@ class RewardEvaluation(Hook):
     def evaluate(self, state) -> dict[str, float]:
         from tunix_train.generate import Sampling
 
-        o, g = self.objective, self.objective.grpo
-        count = min(len(o._eval_prompts), o.cfg.training.eval_batches * o._global_rows // g.num_generations)
+        o, g, sampler = self.objective, self.objective.grpo, self.objective.sampler
+        count = min(
+            len(sampler.eval_prompts), o.cfg.training.eval_batches * sampler.global_rows // g.num_generations
+        )
         if not count:
             return {}
         n, seed, params = (
             g.eval_samples,
             o.cfg.training.seed * 1_000_003 + EVAL_SEED,
-            o._rollout_params(state),
+            sampler.params(state),
         )
-        docs, prompts = [o._eval_docs[i] for i in range(count)], o._eval_prompts[:count]
-        greedy = o.rewards.total(o._complete(docs, prompts, params, Sampling(), seed, 0)["rewards"])
-        sampled = o._complete(
+        docs, prompts = [sampler.eval_docs[i] for i in range(count)], sampler.eval_prompts[:count]
+        greedy = o.rewards.total(sampler.complete(docs, prompts, params, Sampling(), seed, 0)["rewards"])
+        sampled = sampler.complete(
             [d for d in docs for _ in range(n)],
             [p for p in prompts for _ in range(n)],
             params,

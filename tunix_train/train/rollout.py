@@ -1,0 +1,400 @@
+"""The rollout component: prompts completed by the engine with the policy's current parameters and
+scored, for on-policy objectives (GRPO and its family today; on-policy distillation and PPO would
+draw theirs here too). It owns the engine on its mesh (the rollout mesh, else the training mesh)
+and the parameters copied there, the prompts and held-out prompts, groups of completions per
+prompt, conversations with tools or an environment (envs/rollout.py), the rewards' scores,
+dynamic sampling, and the queue of rollouts drawn ahead for off-policy steps (`Rollouts`, part of
+a checkpoint). Its settings are training.grpo's (num_generations, temperature, max_new_tokens,
+max_staleness, iterations, rollout_*, tools, environment, dynamic_sampling).
+
+The objective turns a Rollout into its batch rows (GRPO: advantages, train/objectives/grpo.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tunix_train.config import Config, ConfigError, RolloutDtype
+from tunix_train.data.chat import prompt_ids
+from tunix_train.data.pipeline import GroupBatches
+from tunix_train.model import quant
+from tunix_train.sharding import cross_mesh_copier, state_shardings
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One rollout batch, as plain lists (a checkpoint keeps the queued ones as JSON): rollout
+    number `index`, drawn by the parameters of step `version`, for the prompts `order` (every
+    process's, A accumulation steps of them); per row (G consecutive rows per prompt) the
+    completion (EOS included where it stopped) and the engine's log-probability of each token; the
+    rewards [reward functions][rows]."""
+
+    index: int
+    version: int
+    accumulation: int
+    order: list[int]
+    completions: list[list[int]]
+    logprobs: list[list[float]]
+    rewards: list[list[float]]
+    sampling_s: float
+    rounds: int = 1  # dynamic sampling: the rollouts of prompt batches it took
+    filler_groups: int = 0  # dynamic sampling: groups without signal that filled the batch (last)
+    # with turns (tools, an environment): each row's first prompt, which of its tokens the model
+    # wrote, and the rollout's tool calls, failed calls and turns
+    prompt_ids: list[list[int]] | None = None
+    own: list[list[int]] | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0
+    turns: int = 0
+
+
+class Rollouts:
+    """GRPO's host batches: the prompt batches, and the rollouts drawn from them that have not yet
+    been trained on for the last time (`current`, then `queued`), some of them perhaps still to be
+    drawn (`deferred`: callables giving them). Checkpointed whole, the deferred ones drawn first."""
+
+    def __init__(self, prompts: GroupBatches):
+        self.prompts, self.next_index = prompts, 0
+        self.current: Rollout | None = None
+        self.queued: collections.deque[Rollout] = collections.deque()
+        self.deferred: list[Callable[[], Rollout]] = []
+
+    def draw_deferred(self) -> None:
+        self.queued.extend(draw() for draw in self.deferred)
+        self.deferred.clear()
+
+    def get_state(self) -> dict[str, Any]:
+        self.draw_deferred()
+        return {
+            "prompts": self.prompts.get_state(),
+            "next_index": self.next_index,
+            "rollouts": [
+                dataclasses.asdict(r) for r in ([self.current] if self.current else []) + [*self.queued]
+            ],
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if "prompts" not in state:  # written before off-policy steps: on-policy, only the prompts' position
+            self.prompts.set_state(state)
+            self.next_index = None  # the restored step's rollout comes next
+            return
+        self.prompts.set_state(state["prompts"])
+        self.next_index = state["next_index"]
+        rollouts = [Rollout(**r) for r in state["rollouts"]]
+        self.current, self.queued = (rollouts[0] if rollouts else None), collections.deque(rollouts[1:])
+
+    def close(self) -> None:
+        self.prompts.close()
+
+
+class Sampler:
+    """Completes and scores prompts for an on-policy objective (the module docstring); `rewards`
+    scores completions (train/objectives/grpo_rewards.Rewards)."""
+
+    def __init__(self, cfg: Config, rewards):
+        self.cfg, self.grpo, self.rewards = cfg, cfg.training.grpo, rewards
+        self.multi_turn = bool(self.grpo.tools) or self.grpo.environment is not None
+        if self.multi_turn:  # conversations with tools or an environment (tunix_train/envs/)
+            from tunix_train.envs.environment import environment_class
+            from tunix_train.envs.tools import load_tools
+
+            self.environment_class = environment_class(self.grpo.environment)
+            self.tools = {
+                **dict(getattr(self.environment_class, "tools", {}) or {}),
+                **load_tools(self.grpo.tools),
+            }
+        self.syncs: dict[str, float] = {}
+        self.rows, self.global_rows = range(0), 0
+
+    def read(self, data) -> None:
+        """Tokenizes the prompts once (the held-out ones too, for training.eval_every); a prompt with
+        no room for max_new_tokens is a ConfigError."""
+        self.tokenizer, self.stop_ids = data.tokenizer, [data.tokenizer.eos_id]
+        if self.multi_turn:
+            from tunix_train.envs.rollout import Turns
+
+            g = self.grpo
+            self.turns = Turns(
+                data.chat,
+                self.tools,
+                g.max_new_tokens,
+                g.max_turns,
+                self.cfg.data.seq_len,
+                g.tool_timeout_s,
+                g.max_tool_calls,
+                g.max_tool_result_tokens,
+                g.tool_processes,
+            )
+        self.docs, self.prompts = (
+            data.train_docs,
+            self._tokenized(data, data.train_docs, "data.train_files"),
+        )
+        self.eval_docs = data.eval_docs if self.cfg.training.eval_every else []
+        self.eval_prompts = self._tokenized(data, self.eval_docs, "the held-out prompts")
+        if self.multi_turn or any(
+            isinstance(doc["prompt"], list) for doc in data.train_docs
+        ):  # answers in turns
+            self.stop_ids.append(data.chat.end_of_turn_id())
+
+    def _tokenized(self, data, docs, what: str) -> list:
+        """Each prompt's ids (with turns: of the conversation's start, None where an environment
+        makes it: at the rollout)."""
+        if self.multi_turn:
+            from tunix_train.envs.environment import Environment
+
+            if self.grpo.environment is not None:
+                return [None] * len(docs)
+            return [self.turns.start(Environment(), doc, "Environment").prompt for doc in docs]
+        limit, prompts = self.cfg.data.seq_len - self.grpo.max_new_tokens, []
+        for number, doc in enumerate(docs, start=1):
+            ids = prompt_ids(
+                doc["prompt"], data.tokenizer, data.chat if isinstance(doc["prompt"], list) else None
+            )
+            if len(ids) > limit:
+                raise ConfigError(
+                    f"{what}: prompt {number} is {len(ids)} tokens; with "
+                    f"training.grpo.max_new_tokens={self.grpo.max_new_tokens} it needs "
+                    f"data.seq_len >= {len(ids) + self.grpo.max_new_tokens}"
+                )
+            prompts.append(ids)
+        return prompts
+
+    def connect(self, run) -> None:
+        """What sampling needs of the run: the engine on its mesh (the rollout mesh, else the
+        training mesh), and the parameters there: under LoRA the base is copied once and only the
+        adapters for each rollout, merged on the rollout side."""
+        from tunix_train.generate import Engine
+
+        self.run = run
+        to_engine = run.weights.for_engine
+        if self.grpo.rollout_dtype is RolloutDtype.bf16:  # the engine computes in bf16
+
+            def to_engine(p, f, merge=run.weights.for_engine):
+                return quant.cast(merge(p, f), jnp.bfloat16)
+
+        self._merged = jax.jit(to_engine)  # LoRA: the adapters merged into the base, compiled once
+        self.mesh = run.rollout_mesh or run.mesh
+        # every completion of a rollout at once, in one batch of slots, or rollout_slots at a time
+        self.engine = Engine(
+            self.cfg.model,
+            self.mesh,
+            stop_ids=self.stop_ids,
+            slots=self.grpo.rollout_slots,
+            lora=run.weights.engine_lora,
+        )
+        if run.rollout_mesh is not None:
+            self._copy = cross_mesh_copier(run.mesh, run.rollout_mesh)
+            # full fine-tuning: the reference stays
+            parts = ("params", "frozen") if run.weights.lora else ("params",)
+            self._rollout_shardings = {
+                part: state_shardings(getattr(run.plan.abstract, part), run.rollout_mesh) for part in parts
+            }
+            self._frozen_copy = None
+
+    def params(self, state):
+        """The merged parameters the engine draws with, on its mesh (the time and bytes copied there
+        are added to the step's figures)."""
+        # from host memory if offloaded
+        on_device = jax.device_put(state.params, self.run.plan.on_device.params)
+        if self.run.rollout_mesh is None:
+            return self._merged(on_device, state.frozen)
+        start = time.perf_counter()
+        params = jax.block_until_ready(self._copy(on_device, self._rollout_shardings["params"]))
+        moved = sum(x.nbytes for x in jax.tree.leaves(params))
+        if "frozen" in self._rollout_shardings and self._frozen_copy is None:  # LoRA's base, once per process
+            self._frozen_copy = jax.block_until_ready(
+                self._copy(state.frozen, self._rollout_shardings["frozen"])
+            )
+            moved += sum(x.nbytes for x in jax.tree.leaves(self._frozen_copy))
+        frozen = self._frozen_copy
+        self.syncs["weight_sync_s"] += time.perf_counter() - start
+        self.syncs["weight_sync_bytes"] += moved
+        with jax.set_mesh(self.mesh):
+            return self._merged(params, frozen)
+
+    def rollout_for(self, rollouts: Rollouts, state) -> tuple[Rollout, float]:
+        """The rollout of `state`'s step, step // iterations, drawing the rollouts up to
+        max_staleness ahead of it that are not drawn yet, by the current parameters; and the
+        seconds it took. With a rollout mesh, those this step does not train on are drawn once the
+        step is running (the objective's hook calls rollouts.draw_deferred): their parameters are
+        copied now, before the step takes the state."""
+        step, start = int(state.step), time.perf_counter()
+        index = step // self.grpo.iterations
+        self.syncs = (
+            dict.fromkeys(("weight_sync_s", "weight_sync_bytes"), 0.0) if self.run.rollout_mesh else {}
+        )
+        if rollouts.current is None or rollouts.current.index != index:
+            rollouts.draw_deferred()
+            if rollouts.next_index is None:
+                rollouts.next_index = index
+            params = None  # copied once for the rollouts this step draws
+            while rollouts.next_index <= index + self.grpo.max_staleness:
+                params = self.params(state) if params is None else params
+
+                def more_prompts():
+                    return self.gathered(next(rollouts.prompts)["index"][..., 0])
+
+                draw = functools.partial(
+                    self.roll_out, more_prompts(), more_prompts, rollouts.next_index, params, step
+                )
+                if rollouts.next_index > index and self.run.rollout_mesh is not None:
+                    rollouts.deferred.append(draw)
+                else:
+                    rollouts.queued.append(draw())
+                rollouts.next_index += 1
+            rollouts.current = rollouts.queued.popleft()
+        rollout = rollouts.current
+        if rollout.index != index:
+            raise RuntimeError(f"step {step} needs rollout {index}, the queue holds {rollout.index}")
+        return rollout, time.perf_counter() - start
+
+    def gathered(self, indices: np.ndarray) -> np.ndarray:
+        """This process's prompt indices [A, prompts] -> every process's, in row order: every
+        process samples every prompt (the engine is one program)."""
+        if jax.process_count() == 1:
+            return indices
+        from jax.experimental import multihost_utils
+
+        per_process = np.asarray(multihost_utils.process_allgather(indices))  # [processes, A, prompts]
+        starts = np.asarray(multihost_utils.process_allgather(np.array(self.rows.start)))
+        return np.concatenate([per_process[p] for p in np.argsort(starts)], axis=1)
+
+    def roll_out(
+        self, indices: np.ndarray, more_prompts: Callable[[], np.ndarray], index: int, params, version: int
+    ) -> Rollout:
+        """Rollout number `index` of the prompts `indices` [A, prompts], drawn with `params` (those
+        of step `version`, on the engine's mesh), scored. Under dynamic sampling, the groups without
+        signal are set aside and more_prompts() are rolled out in their place."""
+        wanted = indices.size
+        groups, sampling_s = self.sample(indices.reshape(-1), index, 0, params)
+        kept, spare, rounds = [], [], 1
+        while self.grpo.dynamic_sampling:
+            for group in groups:
+                (kept if self.rewards.informative(group["rewards"]) else spare).append(group)
+            if len(kept) >= wanted or rounds == self.grpo.dynamic_sampling_rounds:
+                groups = kept[:wanted] + spare[: wanted - len(kept)]
+                break
+            (groups, seconds), rounds = (
+                self.sample(more_prompts().reshape(-1), index, rounds, params),
+                rounds + 1,
+            )
+            sampling_s += seconds
+
+        def rows(field):
+            return None if groups[0][field] is None else [row for g in groups for row in g[field]]
+
+        def total(field):
+            return sum(g[field] for g in groups)
+
+        return Rollout(
+            index,
+            version,
+            int(indices.shape[0]),
+            [g["prompt"] for g in groups],
+            rows("completions"),
+            rows("logprobs"),
+            np.concatenate([g["rewards"] for g in groups], 1).tolist(),
+            sampling_s,
+            rounds=rounds,
+            filler_groups=max(wanted - len(kept), 0) if self.grpo.dynamic_sampling else 0,
+            prompt_ids=rows("prompt_ids"),
+            own=rows("own"),
+            tool_calls=total("tool_calls"),
+            tool_errors=total("tool_errors"),
+            turns=total("turns"),
+        )
+
+    def sample(
+        self, order: np.ndarray, index: int, round_: int, params
+    ) -> tuple[list[dict[str, Any]], float]:
+        """The G completions of each prompt of `order`, scored: one dict per group, and the seconds
+        spent generating. Round r of a rollout draws from the streams after round r - 1's."""
+        from tunix_train.generate import Sampling
+
+        G, order = self.grpo.num_generations, [int(i) for i in order]
+        docs = [self.docs[i] for i in order for _ in range(G)]
+        prompts = [self.prompts[i] for i in order for _ in range(G)]
+        out = self.complete(
+            docs,
+            prompts,
+            params,
+            Sampling(temperature=self.grpo.temperature),
+            self.cfg.training.seed * 1_000_003 + index,
+            round_ * len(docs) * self.grpo.max_turns,
+        )
+
+        def group(field, i):
+            return out[field][i * G : (i + 1) * G] if out[field] is not None else None
+
+        return [
+            {
+                "prompt": p,
+                **{f: group(f, i) for f in ("completions", "logprobs", "prompt_ids", "own")},
+                "rewards": out["rewards"][:, i * G : (i + 1) * G],
+                **{f: sum(group(f, i)) for f in ("tool_calls", "tool_errors", "turns")},
+            }
+            for i, p in enumerate(order)
+        ], out["sampling_s"]
+
+    def complete(
+        self, docs: list[dict], prompts: list, params, sampling, seed: int, stream: int
+    ) -> dict[str, Any]:
+        """Each record's completion, scored: its prompt's ids continued by the engine (request i from
+        stream + i), or with turns its conversation (envs/rollout.py; streams from `stream` on); and
+        the seconds it took (`sampling_s`)."""
+        from tunix_train.generate import Request
+
+        T, start, request = (
+            self.cfg.data.seq_len,
+            time.perf_counter(),
+            lambda ids, n, k: Request(tuple(ids), n, sampling, seed, stream + k),
+        )
+        if self.multi_turn:
+            environments = [self.environment_class() for _ in docs]
+            name = self.grpo.environment or "Environment"
+            trajectories = self.turns.roll_out(
+                lambda requests: self.engine.generate(params, [request(*r) for r in requests], max_len=T),
+                [self.turns.start(e, d, name) for e, d in zip(environments, docs)],
+                environments,
+            )
+            out = {
+                "prompt_ids": [tr.prompt for tr in trajectories],
+                "completions": [tr.tokens for tr in trajectories],
+                "logprobs": [tr.logprobs for tr in trajectories],
+                "own": [tr.own for tr in trajectories],
+                **{
+                    f: [getattr(tr, f) for tr in trajectories] for f in ("tool_calls", "tool_errors", "turns")
+                },
+            }
+            texts, extra = (
+                [tr.last_turn for tr in trajectories],
+                {
+                    "trajectories": [tr.messages for tr in trajectories],
+                    "environment": [tr.reward for tr in trajectories],
+                },
+            )
+        else:
+            requests = [request(p, self.grpo.max_new_tokens, i) for i, p in enumerate(prompts)]
+            done = self.engine.generate(params, requests, max_len=T)
+            stopped = [c.stop_token is not None for c in done]  # then the stop token is trained on too
+            out = {
+                "prompt_ids": None,
+                "own": None,
+                "completions": [c.tokens + [c.stop_token] * s for c, s in zip(done, stopped)],
+                "logprobs": [c.logprobs + [c.stop_logprob] * s for c, s in zip(done, stopped)],
+                **dict.fromkeys(("tool_calls", "tool_errors", "turns"), [0] * len(done)),
+            }
+            texts, extra = [self.tokenizer.decode(c.tokens) for c in done], {}
+        out["sampling_s"] = time.perf_counter() - start  # the engine's time (and the tools')
+        out["rewards"] = self.rewards.score(
+            [d["prompt"] for d in docs], texts, docs, out["completions"], **extra
+        )
+        return out
