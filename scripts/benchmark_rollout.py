@@ -10,12 +10,17 @@ axis: tp by default, the layout to decode with (each step reads every weight onc
 gathers all of them onto every device; the rollout mesh's choice, docs/generation.md). Requests
 have prompt lengths and max_new_tokens drawn uniformly from the given ranges, and no stop token, so
 every request produces exactly its max_new_tokens: the useful tokens.
-- static: every request in one batch of slots, the batch running until its longest request ends
-  (how the sampler before the engine ran them);
+- static: the requests in arrival order, in batches of --slots, each batch running until its
+  longest request ends before the next starts: the same rows per decode step as the engine, so
+  the ratio is what refilling a slot as soon as its request ends buys (the scheduling's);
+- static, one batch: every request in one batch of --requests rows (how the sampler before the
+  engine ran them). Its ratio to the engine mixes the scheduling with the step's width: on this
+  CPU a decode step's cost grows with its rows, so fewer rows per step win on their own; on a GPU,
+  where a 64-row decode step costs about what a 16-row one does, it could go the other way;
 - engine: --slots slots, each refilled from the queue when its request ends (Engine.generate: the
   requests with the most max_new_tokens first); --fifo adds the same in the order the requests
   came (as a server admits them).
-Both are the same engine (same kernels, same prefills), so the ratio is the scheduling's alone.
+All are the same engine (same kernels, same prefills).
 Each timed run follows a warm-up that compiles every shape it meets: the same requests, shortened
 to one chunk for static (whose one admission meets the same shapes), whole for the engine (whose
 admissions depend on when slots free); `compiles` counts XLA compilations inside the timed runs.
@@ -42,7 +47,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", default="gemma3_270m")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--axis", default="tp", choices=["tp", "fsdp", "dp"])
-    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=64, help="at least 4 x --slots is the point")
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=[16, 128])
     parser.add_argument("--new-tokens", type=int, nargs=2, default=[8, 256])
@@ -93,20 +98,26 @@ def main(argv: list[str]) -> int:
         )
     )
 
-    def timed(engine: Engine, requests: list[Request], warm_whole: bool = True, fifo: bool = False) -> float:
-        """Seconds of the requests through the engine, after a warm-up of the same shapes."""
+    def timed(
+        engine: Engine, requests: list[Request], warm_whole: bool = True, fifo: bool = False, batch: int = 0
+    ) -> float:
+        """Seconds of the requests through the engine, after a warm-up of the same shapes; batch > 0:
+        static batches of that many requests, one after another (the engine then has no more
+        slots than a batch's requests, all admitted at once)."""
         max_len = engine.max_len_for(requests)
         run = functools.partial(engine.generate, params, longest_first=not fifo)
-        run(
-            requests
-            if warm_whole
-            else [dataclasses.replace(r, max_new_tokens=engine.chunk + 1) for r in requests],
-            max_len=max_len,
-        )
+        batches = [requests[i : i + batch] for i in range(0, len(requests), batch)] if batch else [requests]
+        for part in batches:
+            run(
+                part
+                if warm_whole
+                else [dataclasses.replace(r, max_new_tokens=engine.chunk + 1) for r in part],
+                max_len=max_len,
+            )
         engine.stats.clear()
         before = len(compiles)
         start = time.perf_counter()
-        done = run(requests, max_len=max_len)
+        done = [c for part in batches for c in run(part, max_len=max_len)]
         seconds = time.perf_counter() - start
         assert [len(c.tokens) for c in done] == [r.max_new_tokens for r in requests]
         figures["compiles"] += len(compiles) - before
@@ -122,8 +133,10 @@ def main(argv: list[str]) -> int:
         "compiles": 0,
     }
     static = Engine(cfg.model, mesh, slots=None)
-    figures["static_s"] = timed(static, requests, warm_whole=False)
+    figures["static_s"] = timed(static, requests, warm_whole=False, batch=args.slots)
     figures["static_decode_steps"] = static.stats["steps"]
+    figures["static_one_batch_s"] = timed(static, requests, warm_whole=False)
+    figures["static_one_batch_decode_steps"] = static.stats["steps"]
     engine = Engine(cfg.model, mesh, slots=args.slots)
     figures["engine_s"] = timed(engine, requests)
     figures["engine_decode_steps"] = engine.stats["steps"]
@@ -133,14 +146,19 @@ def main(argv: list[str]) -> int:
         figures["engine_fifo_decode_steps"] = engine.stats["steps"]
         figures["engine_fifo_tokens_per_s"] = useful / figures["engine_fifo_s"]
     figures["static_tokens_per_s"] = useful / figures["static_s"]
+    figures["static_one_batch_tokens_per_s"] = useful / figures["static_one_batch_s"]
     figures["engine_tokens_per_s"] = useful / figures["engine_s"]
     figures["engine_vs_static"] = figures["engine_tokens_per_s"] / figures["static_tokens_per_s"]
-    print(
-        json.dumps(
-            {k: figures[k] for k in ("static_tokens_per_s", "engine_tokens_per_s", "engine_vs_static")}
-        ),
-        flush=True,
+    figures["engine_vs_static_one_batch"] = (
+        figures["engine_tokens_per_s"] / figures["static_one_batch_tokens_per_s"]
     )
+    shown = (
+        "static_tokens_per_s",
+        "static_one_batch_tokens_per_s",
+        "engine_tokens_per_s",
+        "engine_vs_static",
+    )
+    print(json.dumps({k: figures[k] for k in (*shown, "engine_vs_static_one_batch")}), flush=True)
 
     prompts = [
         tuple(

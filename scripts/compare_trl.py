@@ -1,7 +1,7 @@
 """One GRPO step, ours against TRL's GRPOTrainer, side by side on this machine's CPU.
 
-    python scripts/compare_trl.py [--model tiny] [--steps 3] [--prompts 16] [--generations 8]
-    [--max-new-tokens 32]
+    python scripts/compare_trl.py [--model tiny] [--rounds 3] [--steps 3] [--prompts 16]
+    [--generations 8] [--max-new-tokens 32]
 
 Both train the same random Gemma 3 (--model: tiny, gemma3_tiny; small, the CPU architecture of
 compare_tunix.py), written once as a Hugging Face checkpoint and loaded by both, with the same
@@ -12,9 +12,13 @@ temperature, in float32. TRL: use_vllm=False (its only way on a CPU), its token-
 ours), no gradient checkpointing, rows padded to the longest of the batch. Ours: its defaults
 (remat save_matmul_outputs), rows padded to data.seq_len = the longest prompt (8 tokens with BOS)
 plus the max completion length. A step is the whole of it: sampling, scoring, the reference's and
-the policy's forward passes, backward, the update. Each side's figure is the median wall time of
---steps steps after one warm-up step (ours: the logged step_time_s; TRL: the time between
-consecutive on_step_end callbacks). The last line is JSON.
+the policy's forward passes, backward, the update, and the step's logging. Both are timed the same
+way: the wall time between the ends of consecutive steps (TRL: its on_step_end callback; ours: a
+hook's after_step), after one warm-up step, so each interval holds one step and one step's
+logging on both sides; no evaluation runs (ours: training.eval_every=0) and both train on every
+prompt (ours: data.eval_fraction=0). The sides alternate, --rounds times each (ours, TRL, ours,
+TRL, ...), each run a fresh trainer in this process; the figures are the median and the spread
+(min, max) of every timed step of each side, and the ratio of the medians. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -121,13 +125,22 @@ def run_ours(checkpoint: Path, prompts: Path, out: Path, args) -> list[float]:
             f"training.grpo.epsilon={args.epsilon}",
             f"training.grpo.reward=[{REWARD}]",
             "checkpoint.every_steps=1000000",
+            "training.eval_every=0",
+            "data.eval_fraction=0",
         ]
     )
     import jax
 
-    train(cfg, out, overrides, devices=jax.devices()[:1])
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["step_time_s"] for r in records if "step_time_s" in r][1:]
+    from tunix_train.train.hooks import Hook
+
+    ends: list[float] = []
+
+    class StepEnds(Hook):
+        def after_step(self, end) -> None:
+            ends.append(time.perf_counter())
+
+    train(cfg, out, overrides, devices=jax.devices()[:1], extra_hooks=[StepEnds()])
+    return [b - a for a, b in zip(ends, ends[1:])]
 
 
 def run_trl(checkpoint: Path, rows: list[dict], out: Path, args) -> list[float]:
@@ -186,7 +199,8 @@ def run_trl(checkpoint: Path, rows: list[dict], out: Path, args) -> list[float]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps, after one warm-up step")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each side, alternating")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps of a run, after one warm-up step")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
     parser.add_argument("--generations", type=int, default=8, help="G completions per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="max completion length")
@@ -206,11 +220,16 @@ def main(argv: list[str]) -> int:
         rows = problems(args.prompts * (args.steps + 1), seed=0)
         prompts = tmp / "prompts.jsonl"
         prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        ours = run_ours(checkpoint, prompts, tmp / "ours", args)
-        print(f"ours: step times {[round(t, 3) for t in ours]} s", flush=True)
-        trl = run_trl(checkpoint, rows, tmp / "trl", args)
-        print(f"TRL:  step times {[round(t, 3) for t in trl]} s", flush=True)
-    ours_s, trl_s = statistics.median(ours), statistics.median(trl)
+        ours, trl = [], []
+        for round_ in range(args.rounds):
+            times = run_ours(checkpoint, prompts, tmp / f"ours{round_}", args)
+            print(f"round {round_ + 1} ours: step times {[round(t, 3) for t in times]} s", flush=True)
+            ours.append(times)
+            times = run_trl(checkpoint, rows, tmp / f"trl{round_}", args)
+            print(f"round {round_ + 1} TRL:  step times {[round(t, 3) for t in times]} s", flush=True)
+            trl.append(times)
+    ours_all, trl_all = [t for r in ours for t in r], [t for r in trl for t in r]
+    ours_s, trl_s = statistics.median(ours_all), statistics.median(trl_all)
     from importlib.metadata import version
 
     print(
@@ -219,6 +238,11 @@ def main(argv: list[str]) -> int:
                 "ours_step_s": ours_s,
                 "trl_step_s": trl_s,
                 "ratio": trl_s / ours_s,
+                "ours_spread_s": [min(ours_all), max(ours_all)],
+                "trl_spread_s": [min(trl_all), max(trl_all)],
+                "ratio_per_round": [statistics.median(t) / statistics.median(o) for o, t in zip(ours, trl)],
+                "rounds": args.rounds,
+                "steps_per_round": args.steps,
                 "model": args.model,
                 "prompts": args.prompts,
                 "generations": args.generations,
