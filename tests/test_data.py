@@ -17,7 +17,8 @@ from tunix_train.data.pipeline import DocumentFeatures, PackedBatches
 from tunix_train.data.sources import read_documents, write_pretokenized
 from tunix_train.model.decoder import Decoder
 from tunix_train.parallel import model_graphdef
-from tunix_train.train.step import cross_entropy, eval_step
+from tunix_train.train.forward import cross_entropy
+from tunix_train.train.step import eval_step
 
 
 @pytest.fixture(scope="module")

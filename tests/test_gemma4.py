@@ -25,9 +25,9 @@ from tunix_train.model.moe import MoE, apply_experts, dropless_places, load_bala
 from tunix_train.parallel import model_graphdef
 from tunix_train.parallel.experts import _expert_parallel
 from tunix_train.sharding import LOGICAL_RULES, data_axes, make_mesh, state_shardings, validate_model_for_mesh
+from tunix_train.train.forward import token_losses
 from tunix_train.train.loop import train
 from tunix_train.train.setup import setup
-from tunix_train.train.step import token_losses
 
 MESHES = {"1": [[1], ["fsdp"]], "fsdp2_tp2": [[2, 2], ["fsdp", "tp"]]}
 EP_MESHES = {"ep2_fsdp2": [[2, 2], ["ep", "fsdp"]], "ep2_fsdp2_tp2": [[2, 2, 2], ["ep", "fsdp", "tp"]]}

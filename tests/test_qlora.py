@@ -16,8 +16,8 @@ from tunix_train.config import Remat
 from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.model import quant
 from tunix_train.parallel import model_graphdef
+from tunix_train.train.forward import token_losses
 from tunix_train.train.setup import setup
-from tunix_train.train.step import token_losses
 
 QLORA = ("training.lora.rank=4", ALL, "model.head_dim=64")  # nf4 blocks of 64 along head_dim and mlp (128)
 
