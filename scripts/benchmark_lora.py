@@ -115,10 +115,10 @@ def _random_params(cfg):
     """The model of `cfg`'s parameters as a run from training.seed=0 starts them (no optimizer state)."""
     import jax
 
-    from tunix_train.train.init import _model_params
-    from tunix_train.train.weights import FULL_FINE_TUNING
+    from tunix_train.model.params import model_params
+    from tunix_train.model.weights import FULL_FINE_TUNING
 
-    return jax.jit(lambda key: _model_params(cfg.model, key, FULL_FINE_TUNING))(jax.random.key(0))
+    return jax.jit(lambda key: model_params(cfg.model, key, FULL_FINE_TUNING))(jax.random.key(0))
 
 
 def _random_gguf(overrides, path, dtype):

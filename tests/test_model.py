@@ -122,12 +122,12 @@ GEMMA4_E2B_EFFECTIVE = 2.3e9
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_GEMMA4))
 def test_gemma4_sizes_have_their_published_parameter_counts(name):
+    from tunix_train.model.params import model_params
+    from tunix_train.model.weights import FULL_FINE_TUNING
     from tunix_train.plan import parameter_counts
-    from tunix_train.train.init import _model_params
-    from tunix_train.train.weights import FULL_FINE_TUNING
 
     cfg, _ = load_config([f"model={name}"])
-    shapes = jax.eval_shape(lambda k: _model_params(cfg.model, k, FULL_FINE_TUNING), jax.random.key(0))
+    shapes = jax.eval_shape(lambda k: model_params(cfg.model, k, FULL_FINE_TUNING), jax.random.key(0))
     total, active = parameter_counts(cfg, shapes)
     want_total, want_active = PUBLISHED_GEMMA4[name]
     if want_total:

@@ -156,8 +156,8 @@ def test_a_loaded_base_is_quantized_layer_by_layer_into_the_whole_stacks_codes(t
     (never whole and dense on the devices), into the codes and shardings quantizing it whole gives."""
     pytest.importorskip("transformers")
     from tunix_train.interop import hf
+    from tunix_train.model.weights import Weights
     from tunix_train.train.setup import starting_state
-    from tunix_train.train.weights import Weights
 
     built, layer_by_layer = [], Weights.layer_by_layer
 
@@ -269,8 +269,8 @@ def test_peft_loads_a_qlora_runs_adapters_on_the_dequantized_base_with_our_logit
 
     from tunix_train import api
     from tunix_train.interop import hf
+    from tunix_train.model.weights import Weights
     from tunix_train.train.loop import train
-    from tunix_train.train.weights import Weights
 
     cfg = _hf_base_config(tmp_path / "base", "training.lora.alpha=8", "training.lora.base_quantization=nf4")
     cfg.model.mesh_shape = [[2, 2], ["fsdp", "tp"]]
@@ -495,7 +495,7 @@ def test_no_dequantized_layer_is_kept_for_the_backward_pass(remat, monkeypatch):
     from tunix_train.config import Remat
     from tunix_train.model import kernels
     from tunix_train.model.decoder import Decoder
-    from tunix_train.train.weights import Weights
+    from tunix_train.model.weights import Weights
 
     def kept(kind):
         cfg = config(*QLORA, f"training.lora.base_quantization={kind}")

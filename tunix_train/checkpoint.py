@@ -18,15 +18,16 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from tunix_train.config import CheckpointConfig, ConfigError
+from tunix_train.config import CheckpointConfig, Config, ConfigError
 from tunix_train.state import TrainState
 
 log = logging.getLogger("tunix_train")
@@ -273,3 +274,57 @@ def restore_from(path: str, target: TrainState) -> tuple[TrainState, dict[str, A
         ) from None
     finally:
         manager.close()
+
+
+# The frozen weights a checkpoint leaves out (LoRA's base, a reference model): where they came from
+# and a checksum, so that a resumed run or a loaded checkpoint rebuilds the same ones.
+
+
+def starting_point(cfg: Config) -> str:
+    """Where a run without a checkpoint starts, and its frozen weights always come from."""
+    return (
+        f"model.init_from={cfg.model.init_from}"
+        if cfg.model.init_from
+        else f"training.seed={cfg.training.seed}"
+    )
+
+
+def frozen_as_recorded(cfg: Config, record: dict[str, Any] | None, rebuild: Callable[[], Any]):
+    """The frozen weights rebuilt from where the run started (by `rebuild`), checked against the
+    checkpoint's record."""
+    if record is None:
+        raise ConfigError(
+            "the checkpoint holds no frozen weights' record (it was written without LoRA or a "
+            "reference model): to start LoRA, DPO or GRPO from it, export it with "
+            "`python -m tunix_train.export CHECKPOINT DIR` and set model.init_from=DIR"
+        )
+    source = starting_point(cfg)
+    if source != record["source"]:
+        raise ConfigError(
+            f"the checkpoint's frozen weights came from {record['source']}, this run's from {source}"
+        )
+    frozen = rebuild()
+    checksum = frozen_checksum(frozen)
+    if not math.isclose(checksum, record["checksum"], rel_tol=1e-5):
+        raise ConfigError(
+            f"the frozen weights from {source} have changed since the checkpoint was written "
+            f"(checksum {checksum:.9g}, recorded {record['checksum']:.9g}); restore the original files"
+        )
+    return frozen
+
+
+@jax.jit
+def _sum_of_magnitudes(tree) -> jax.Array:
+    return sum(jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
+
+
+def frozen_checksum(frozen) -> float:
+    """A fingerprint of the frozen weights (the sum of their magnitudes), to tell a changed base."""
+    return float(_sum_of_magnitudes(frozen))
+
+
+def frozen_record(cfg: Config, state) -> dict[str, Any] | None:
+    """What a checkpoint records of the frozen weights it leaves out: where they came from, their checksum."""
+    if state.frozen is None:
+        return None
+    return {"source": starting_point(cfg), "checksum": frozen_checksum(state.frozen)}

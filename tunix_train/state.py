@@ -15,7 +15,7 @@ class TrainState:
     params: nnx.State  # float32 master weights, Variables carrying logical `axes`
     opt_state: optax.OptState
     nonfinite_steps: jax.Array  # int32 scalar: steps whose update was dropped (non-finite loss/grads)
-    # Weights the step reads but never changes (tunix_train/train/weights.py): LoRA's base, or the
+    # Weights the step reads but never changes (tunix_train/model/weights.py): LoRA's base, or the
     # reference copy of the starting weights that DPO and GRPO compare with; None when there are
     # none. Checkpoints leave them out: a run rebuilds them from where it started.
     frozen: nnx.State | None = None

@@ -57,11 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tunix_train.generate: error: {err}", file=sys.stderr)
         return exit_codes.CONFIG_ERROR
 
-    from tunix_train import api
     from tunix_train.config import ConfigError
+    from tunix_train.generate import loaded
 
     try:
-        model = api.load(args.path, mesh_shape)
+        model = loaded.load(args.path, mesh_shape)
         sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         if args.chat:
             _chat(model, args.system, args.max_new_tokens, sampling)

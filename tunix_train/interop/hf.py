@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,10 +24,8 @@ from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.files import write_atomically, write_text
 from tunix_train.interop import families
 from tunix_train.model.layout import layer_groups, layer_shapes
+from tunix_train.model.weights import ByLayer
 from tunix_train.sharding import layer_sharding
-
-# (our path, the stacked leaf's ShapeDtypeStruct, read_layer) -> the leaf built layer by layer, or None
-ByLayer = Callable[[str, jax.ShapeDtypeStruct, Callable[[int], jax.Array]], Any]
 
 # Our parameter path -> (transformers name, [per transformers dim: the sizes it splits into], the
 # permutation of that split view giving our layout). Names under model.layers.{i}. are per layer.

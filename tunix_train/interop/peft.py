@@ -3,7 +3,7 @@
 
 PEFT's adapted projection computes W x + (alpha / r) · lora_B(lora_A(x)), with lora_A.weight [r, in]
 and lora_B.weight [out, in]'s row count [out, r]. Ours are A [*in, r] and B [r, *out] in the
-weight's own layout (train/weights.py); flattening the input and output dimensions in the order
+weight's own layout (model/weights.py); flattening the input and output dimensions in the order
 transformers' weights use (hf.py: q_proj's rows are heads-major) gives lora_A = A.reshape(in, r).T
 and lora_B = B.reshape(r, out).T.
 """

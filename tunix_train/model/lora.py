@@ -3,7 +3,7 @@
 A maps the projection's input dimensions to r, B maps r to its output dimensions. A carries the
 input's logical axes and B the output's, so both shard like the weight they adapt; the rank axis is
 never split. B starts at zero, so an adapted model begins exactly as its base. The factors are
-`Adapter` variables: the trainer differentiates and optimizes only those (train/weights.py).
+`Adapter` variables: the trainer differentiates and optimizes only those (model/weights.py).
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ from jax.sharding import Mesh
 from tunix_train.config import ModelConfig, ShardingStrategy
 from tunix_train.interop import importer
 from tunix_train.model import quant
-from tunix_train.model.factory import build_model
 from tunix_train.model.lora import Adapter
+from tunix_train.model.params import abstract_of, model_params
+from tunix_train.model.weights import FULL_FINE_TUNING, Weights
 from tunix_train.sharding import LOGICAL_RULES, Rules, state_shardings
 from tunix_train.state import TrainState
-from tunix_train.train.weights import FULL_FINE_TUNING, Weights
 
 
 def _fresh_state(
@@ -35,15 +35,11 @@ def _fresh_state(
     )
 
 
-def _model_params(model_cfg: ModelConfig, key: jax.Array, weights: Weights) -> nnx.State:
-    return nnx.state(build_model(model_cfg, nnx.Rngs(key), lora=weights.lora), nnx.Param)
-
-
 def train_state_initializer(
     model_cfg: ModelConfig, optimizer: optax.GradientTransformation, weights: Weights = FULL_FINE_TUNING
 ):
     """key -> a fresh TrainState; for jax.eval_shape (shapes only) or a sharded jit."""
-    return lambda key: _fresh_state(_model_params(model_cfg, key, weights), optimizer, weights)
+    return lambda key: _fresh_state(model_params(model_cfg, key, weights), optimizer, weights)
 
 
 def _state_around_base(
@@ -55,7 +51,7 @@ def _state_around_base(
 ) -> TrainState:
     """A fresh state whose base weights are `base` (adapters, if any, new from `key`; the compiler
     drops the unused fresh base)."""
-    adapters = nnx.split_state(_model_params(model_cfg, key, weights), Adapter, ...)[0]
+    adapters = nnx.split_state(model_params(model_cfg, key, weights), Adapter, ...)[0]
     return _fresh_state(nnx.merge_state(base, adapters), optimizer, weights)
 
 
@@ -121,17 +117,17 @@ def plan_train_state(
         shardings = shardings.replace(opt_state=on_host(shardings.opt_state))
     if offload_master_weights:
         shardings = shardings.replace(params=on_host(shardings.params))
-    abstract = _abstract(shapes, shardings)
+    abstract = abstract_of(shapes, shardings)
     from_params = functools.partial(
         _state_around_base, model_cfg=model_cfg, optimizer=optimizer, weights=weights
     )
     base_shapes = jax.eval_shape(
-        lambda k: weights.as_loaded(nnx.split_state(_model_params(model_cfg, k, weights), Adapter, ...)[1]),
+        lambda k: weights.as_loaded(nnx.split_state(model_params(model_cfg, k, weights), Adapter, ...)[1]),
         key,
     )
     base_shardings = state_shardings(base_shapes, mesh, () if full else ("fsdp",), rules)
     # a GGUF base loads as the run holds it, its blocks quantized
-    base = abstract.frozen if weights.loads_quantized else _abstract(base_shapes, base_shardings)
+    base = abstract.frozen if weights.loads_quantized else abstract_of(base_shapes, base_shardings)
     return StatePlan(
         shardings,
         grad_shardings,
@@ -143,54 +139,6 @@ def plan_train_state(
         key,
         jax.jit(from_params, out_shardings=shardings),
     )
-
-
-@dataclasses.dataclass
-class ParamsPlan:
-    """A model's parameters alone, sharded over a mesh: what loading a model for inference needs
-    (no optimizer state, no training plan)."""
-
-    abstract: Any  # every parameter, adapters included: ShapeDtypeStructs carrying their shardings
-    trainable: Any  # the part a checkpoint's `params` holds: all of `abstract`, or LoRA's adapters
-    base: Any  # the base alone (no adapters): what a Hugging Face or GGUF checkpoint loads into
-    _fresh_frozen: Any
-    _key: jax.Array
-
-    def fresh_frozen(self) -> nnx.State:
-        """LoRA's frozen base as a run without model.init_from starts it (from training.seed)."""
-        return self._fresh_frozen(self._key)
-
-
-def plan_params(
-    model_cfg: ModelConfig,
-    mesh: Mesh,
-    seed: int,
-    weights: Weights = FULL_FINE_TUNING,
-    rules: Rules = LOGICAL_RULES,
-) -> ParamsPlan:
-    """Shapes from jax.eval_shape and shardings from the parameters' logical axes (fsdp-sharded),
-    nothing allocated."""
-    key = jax.random.key(seed)
-
-    def with_shardings(shapes):
-        return _abstract(shapes, state_shardings(shapes, mesh, rules=rules))
-
-    def model(k):
-        return _model_params(model_cfg, k, weights)
-
-    shapes = jax.eval_shape(model, key)  # traced once; its parts split from it
-    abstract = with_shardings(shapes)
-    adapters, base = (with_shardings(part) for part in nnx.split_state(shapes, Adapter, ...))
-    trainable = abstract if weights.lora is None else adapters
-
-    def frozen(k):
-        return weights.split(model(k))[1]
-
-    frozen_shapes = jax.eval_shape(frozen, key)
-    frozen_shardings = state_shardings(frozen_shapes, mesh, rules=rules)
-    if weights.loads_quantized:  # a GGUF base loads as the run holds it, its blocks quantized
-        base = _abstract(frozen_shapes, frozen_shardings)
-    return ParamsPlan(abstract, trainable, base, jax.jit(frozen, out_shardings=frozen_shardings), key)
 
 
 @dataclasses.dataclass
@@ -218,9 +166,9 @@ def plan_frozen_models(specs: dict, mesh: Mesh, rules: Rules, graphdef_of) -> Fr
     abstract = {}
     for name, spec in specs.items():
         shapes = jax.eval_shape(
-            lambda k, cfg=spec.model: _model_params(cfg, k, FULL_FINE_TUNING), jax.random.key(0)
+            lambda k, cfg=spec.model: model_params(cfg, k, FULL_FINE_TUNING), jax.random.key(0)
         )
-        abstract[name] = _abstract(shapes, state_shardings(shapes, mesh, rules=rules))
+        abstract[name] = abstract_of(shapes, state_shardings(shapes, mesh, rules=rules))
     return FrozenModels(specs, {name: graphdef_of(spec.model) for name, spec in specs.items()}, abstract)
 
 
@@ -228,19 +176,8 @@ def _load_frozen(spec, abstract) -> nnx.State:
     if spec.source is not None:
         return importer(spec.source).load_params(Path(spec.source), spec.model, abstract)
     shardings = jax.tree.map(lambda x: x.sharding, abstract)
-    return jax.jit(lambda k: _model_params(spec.model, k, FULL_FINE_TUNING), out_shardings=shardings)(
+    return jax.jit(lambda k: model_params(spec.model, k, FULL_FINE_TUNING), out_shardings=shardings)(
         jax.random.key(spec.seed)
-    )
-
-
-def _abstract(shapes, shardings):
-    """ShapeDtypeStructs of `shapes` carrying `shardings` (a prefix tree of them)."""
-    return jax.tree.map(
-        lambda sharding, subtree: jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree
-        ),
-        shardings,
-        shapes,
     )
 
 

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 
 import jax
 
-from tunix_train.checkpoint import Checkpointer
+from tunix_train.checkpoint import Checkpointer, frozen_record
 from tunix_train.config import BaseQuantization, Config, NanPolicy
 from tunix_train.data import Data
 from tunix_train.data.tokenizer import with_bos
@@ -26,7 +26,6 @@ from tunix_train.train.objectives import make_objective
 from tunix_train.train.setup import (
     check_same_run,
     data_state,
-    frozen_record,
     initial_state,
     save_config,
     setup,

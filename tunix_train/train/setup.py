@@ -5,17 +5,15 @@ it starts from (`initial_state`: resumed, started from a checkpoint, imported or
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
 from tunix_train import parallel, platform
-from tunix_train.checkpoint import restore_from, restore_latest, set_aside
+from tunix_train.checkpoint import frozen_as_recorded, restore_from, restore_latest, set_aside, starting_point
 from tunix_train.config import (
     Config,
     ConfigError,
@@ -26,7 +24,8 @@ from tunix_train.config import (
     Objective as Kind,
 )
 from tunix_train.files import write_text
-from tunix_train.interop import importer
+from tunix_train.interop import loader
+from tunix_train.model.weights import Weights
 from tunix_train.sharding import (
     LOGICAL_RULES,
     data_parallel_size,
@@ -39,7 +38,6 @@ from tunix_train.train.init import StatePlan, plan_frozen_models, plan_train_sta
 from tunix_train.train.objectives import make_objective
 from tunix_train.train.optimizer import make_optimizer
 from tunix_train.train.step import compile_eval_step, compile_train_step
-from tunix_train.train.weights import Weights
 
 
 @dataclasses.dataclass
@@ -66,7 +64,7 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
     devices = list(jax.devices() if devices is None else devices)
     objective = objective or make_objective(cfg)
     # reads a GGUF base's layout: before the devices start
-    weights = Weights.for_run(cfg, objective.needs_reference)
+    weights = loader.weights_for_run(cfg, objective.needs_reference)
     rollout_mesh = None
     if t.objective is Kind.grpo and t.grpo.rollout_mesh_shape is not None:
         key = "training.grpo.rollout_mesh_shape"
@@ -166,24 +164,13 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
-def starting_point(cfg: Config) -> str:
-    """Where a run without a checkpoint starts, and its frozen weights always come from."""
-    return (
-        f"model.init_from={cfg.model.init_from}"
-        if cfg.model.init_from
-        else f"training.seed={cfg.training.seed}"
-    )
-
-
 def starting_state(cfg: Config, run: Setup) -> tuple[TrainState, str]:
     """The state a run starts from without a checkpoint: the Hugging Face or GGUF checkpoint
     model.init_from (a QLoRA base quantized as its layers are read), else fresh from
     training.seed; and where it came from."""
     plan = run.plan
     if cfg.model.init_from:
-        params = importer(cfg.model.init_from).load_params(
-            Path(cfg.model.init_from), cfg.model, plan.base, run.weights.layer_by_layer(plan.abstract.frozen)
-        )
+        params = loader.init_from(cfg, plan.base, run.weights.layer_by_layer(plan.abstract.frozen))
         return plan.from_params(params), starting_point(cfg)
     return plan.create(), starting_point(cfg)
 
@@ -229,47 +216,6 @@ def initial_state(
         )
     train_batches.set_state(data_state["iterator"])
     return state, f"{origin} at step {int(state.step)}", skipped
-
-
-def frozen_as_recorded(cfg: Config, record: dict[str, Any] | None, rebuild: Callable[[], Any]):
-    """The frozen weights rebuilt from where the run started (by `rebuild`), checked against the
-    checkpoint's record."""
-    if record is None:
-        raise ConfigError(
-            "the checkpoint holds no frozen weights' record (it was written without LoRA or a "
-            "reference model): to start LoRA, DPO or GRPO from it, export it with "
-            "`python -m tunix_train.export CHECKPOINT DIR` and set model.init_from=DIR"
-        )
-    source = starting_point(cfg)
-    if source != record["source"]:
-        raise ConfigError(
-            f"the checkpoint's frozen weights came from {record['source']}, this run's from {source}"
-        )
-    frozen = rebuild()
-    checksum = frozen_checksum(frozen)
-    if not math.isclose(checksum, record["checksum"], rel_tol=1e-5):
-        raise ConfigError(
-            f"the frozen weights from {source} have changed since the checkpoint was written "
-            f"(checksum {checksum:.9g}, recorded {record['checksum']:.9g}); restore the original files"
-        )
-    return frozen
-
-
-@jax.jit
-def _sum_of_magnitudes(tree) -> jax.Array:
-    return sum(jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
-
-
-def frozen_checksum(frozen) -> float:
-    """A fingerprint of the frozen weights (the sum of their magnitudes), to tell a changed base."""
-    return float(_sum_of_magnitudes(frozen))
-
-
-def frozen_record(cfg: Config, state: TrainState) -> dict[str, Any] | None:
-    """What a checkpoint records of the frozen weights it leaves out: where they came from, their checksum."""
-    if state.frozen is None:
-        return None
-    return {"source": starting_point(cfg), "checksum": frozen_checksum(state.frozen)}
 
 
 def data_state(train_batches, run: Setup, frozen: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 A batch is a dict of [A, B, ...] arrays (A accumulation steps of B rows), the fields the objective
 names (train/objectives/): for the next-token loss `inputs`, `targets`, `loss_mask`, `positions`,
 `segment_ids`. The objective computes each micro-batch's loss from the model's per-token losses;
-gradients of the trainable parameters (train/weights.py) accumulate inside the compiled step, over
+gradients of the trainable parameters (model/weights.py) accumulate inside the compiled step, over
 a scan of the A micro-batches, in float32 and sharded like the parameters.
 
 One file: the step and the loss it differentiates are read together.
@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from tunix_train.config import MixedPrecision, ModelConfig, TrainingConfig
 from tunix_train.model.moe import load_balancing_loss
+from tunix_train.model.weights import FULL_FINE_TUNING, Weights
 from tunix_train.parallel import Parallelism, model_graphdef
 from tunix_train.sharding import (
     Rules,
@@ -36,7 +37,6 @@ from tunix_train.state import TrainState
 from tunix_train.train.forward import Forward, in_compute_dtype
 from tunix_train.train.init import FrozenModels, StatePlan
 from tunix_train.train.objectives.lm import BATCH_DTYPES, LanguageModeling
-from tunix_train.train.weights import FULL_FINE_TUNING, Weights
 
 COMPUTE_DTYPES = {MixedPrecision.fp32: jnp.float32, MixedPrecision.bf16: jnp.bfloat16}
 

@@ -19,7 +19,7 @@ knows which one runs:
   dtype; loss() then also gets `models`, a Forward of each by name;
 - `updates(batch)`: whether the batch may update the weights (GRPO's dynamic sampling: not one
   without signal);
-- `needs_reference`: whether it reads the reference model (train/weights.py keeps one);
+- `needs_reference`: whether it reads the reference model (model/weights.py keeps one);
 - `metric_names`: what its loss reports beside the loss; `perplexity`: whether exp(eval loss) is one;
 - `record_fields`: the JSON-lines fields every record must hold (None: the data config's);
 - `read(data)`: reads what it needs of the data (tokenizes, checks) before any device work;

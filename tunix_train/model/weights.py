@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from tunix_train.config import BaseDtype, BaseQuantization, Config, ConfigError, LoraConfig
-from tunix_train.interop import hf
 from tunix_train.model import quant
 from tunix_train.model.lora import ADAPTED_WEIGHTS, INPUT_DIMS, Adapter, merged
 from tunix_train.sharding import layer_sharding
+
+# (our path, the stacked leaf's ShapeDtypeStruct, read_layer) -> the leaf built layer by layer, or
+# None (what interop's loaders call as their layers are read: interop/hf.py load_params_from)
+ByLayer = Callable[[str, jax.ShapeDtypeStruct, Callable[[int], jax.Array]], Any]
 
 _BASE_DTYPES = {BaseDtype.fp32: jnp.float32, BaseDtype.bf16: jnp.bfloat16}
 BLOCK_AXES = ("head_dim", "mlp")  # nf4's blocks run along a projection's feature axis, never fsdp's embed
@@ -82,15 +85,15 @@ class Weights:
     gguf: tuple[GgufTensor, ...] = ()  # base_quantization=gguf: the file's projections
 
     @classmethod
-    def for_run(cls, cfg: Config, keeps_reference: bool) -> Weights:
+    def for_run(cls, cfg: Config, keeps_reference: bool, gguf_projections=()) -> Weights:
+        """gguf_projections: under base_quantization=gguf, the file's projection types
+        (interop/loader.weights_for_run reads them)."""
         lora = cfg.training.lora
         if lora.rank is None:
             return cls(None, keeps_reference)
         if lora.base_quantization is not BaseQuantization.gguf:
             return cls(lora, keeps_reference)
-        from tunix_train.interop import gguf
-
-        return cls(lora, keeps_reference, tuple(GgufTensor(*t) for t in gguf.projection_types(cfg.model)))
+        return cls(lora, keeps_reference, tuple(GgufTensor(*t) for t in gguf_projections))
 
     def split(self, model_params: nnx.State) -> tuple[nnx.State, nnx.State | None]:
         """A model's parameters (with its adapters, if any) -> (trainable, frozen)."""
@@ -124,7 +127,7 @@ class Weights:
 
         return nnx.from_flat_state([(path, frozen(path, w)) for path, w in nnx.to_flat_state(base)])
 
-    def layer_by_layer(self, frozen: nnx.State) -> hf.ByLayer | None:
+    def layer_by_layer(self, frozen: nnx.State) -> ByLayer | None:
         """For model.init_from under int8 or nf4: quantizes each projection as its layers are read
         into stacks in `frozen`'s shardings (the plan's abstract), so that no projection is ever
         whole and dense on the devices (gemma3_27b's bf16 base is 54 GB); None for other runs."""

@@ -1,0 +1,261 @@
+"""A model loaded for generation: its parameters on a mesh (interop/loader.py), its tokenizer and
+chat template, and the engine (engine.py) behind generate, stream, reply and logits. The notebook
+API (tunix_train/api.py), the generation CLI, the server and export use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from tunix_train.config import (
+    ConfigError,
+    LoraConfig,
+    ModelConfig,
+    Remat,
+    reads_text,
+)
+from tunix_train.data.chat import ChatTemplate, check_messages, find_template
+from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer, with_bos
+from tunix_train.files import write_text
+from tunix_train.generate.engine import Completion, Engine, Request
+from tunix_train.generate.sampling import Sampling
+from tunix_train.generate.session import before_stop
+from tunix_train.interop import hf, loader, peft
+from tunix_train.observe.memory import MemoryErrors
+from tunix_train.parallel import model_graphdef
+from tunix_train.sharding import LOGICAL_RULES, make_mesh, validate_model_for_mesh
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    mesh: Mesh
+    params: nnx.State  # sharded over `mesh`
+    tokenizer: Optional[Tokenizer] = None  # the checkpoint's, where it carries one
+    stop_ids: tuple[int, ...] = ()  # tokens that end a generated sequence (EOS)
+    # A LoRA run's adapters and their settings; `params` then holds them merged into the base.
+    adapters: Optional[nnx.State] = None
+    lora: Optional[LoraConfig] = None
+    chat: Optional[ChatTemplate] = None  # the chat template, where the model has a tokenizer
+
+    def __post_init__(self):
+        # one forward pass of the whole stack on every device: positions whole, layers not pipelined
+        graphdef = model_graphdef(self.config, Remat.none, rules=LOGICAL_RULES.replace(seq=()))
+        self._forward = jax.jit(
+            lambda params, micro: nnx.merge(graphdef, params)(
+                micro["inputs"], micro["positions"], micro["segment_ids"]
+            )
+        )
+        self.engine = Engine(
+            self.config,
+            self.mesh,
+            self.stop_ids,
+            decode=None if self.tokenizer is None else self.tokenizer.decode,
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        seed: int = 0,
+        on_tokens: Optional[Callable[[int, list[int]], None]] = None,
+    ) -> list[list[int]]:
+        """New token ids for each prompt (token ids, or text encoded with BOS by the tokenizer),
+        without the stop token: greedy at temperature 0, else sampled (prompt i draws from
+        fold_in(key(seed), i): same seed, same tokens on any mesh and beside any other prompt).
+        on_tokens(prompt index, new tokens) as they are produced."""
+        return [
+            c.tokens
+            for c in self.complete(
+                self.requests(prompts, max_new_tokens, temperature, top_k, top_p, seed), on_tokens
+            )
+        ]
+
+    def requests(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        seed: int = 0,
+    ) -> list[Request]:
+        """The engine's requests for `prompts` (see generate)."""
+        sampling = Sampling(temperature, top_k, top_p)
+        return [
+            Request(tuple(self._encode(p) if isinstance(p, str) else p), max_new_tokens, sampling, seed, i)
+            for i, p in enumerate(prompts)
+        ]
+
+    def complete(
+        self, requests: Sequence[Request], on_tokens: Optional[Callable[[int, list[int]], None]] = None
+    ) -> list[Completion]:
+        """Each request's completion: its tokens, their log-probabilities, why it ended."""
+        with MemoryErrors(None, self.mesh, training=False, first_tips=self._memory_tips(requests)):
+            return self.engine.generate(self.params, requests, on_tokens=on_tokens)
+
+    def stream(
+        self, prompt: Sequence[int] | str, max_new_tokens: int, **sampling: Any
+    ) -> Iterator[list[int]]:
+        """The new tokens of one prompt, a chunk at a time, as they are produced."""
+        (request,) = self.requests([prompt], max_new_tokens, **sampling)
+        with MemoryErrors(None, self.mesh, training=False, first_tips=self._memory_tips([request])):
+            yield from self.engine.stream(self.params, request)
+
+    def _memory_tips(self, requests: Sequence[Request]) -> list[str]:
+        return [
+            f"fewer prompts at once ({len(requests)} now)",
+            f"shorter prompts (the longest has {max((len(r.prompt) for r in requests), default=0)} tokens)",
+            f"max_new_tokens={max(max((r.max_new_tokens for r in requests), default=2) // 2, 1)}",
+        ]
+
+    def reply(self, messages: Sequence[dict], max_new_tokens: int, **sampling: Any) -> Iterator[str]:
+        """The assistant's reply to a conversation ([{role, content}], rendered with the chat
+        template and its generation prompt), as pieces of text while it is produced; it ends at
+        the template's end of turn (not included). Keyword arguments as for generate."""
+        chat = self._need_chat()
+        end = chat.end_of_turn()
+        prompt, _ = chat.encode(
+            check_messages(list(messages), "the conversation"), add_generation_prompt=True
+        )
+        (request,) = self.requests([prompt], max_new_tokens, **sampling)
+        if end and len(self.tokenizer.encode(end)) > 1:  # not one token: the engine stops at its text
+            request = dataclasses.replace(request, stop_strings=(end,))
+        ids, shown = [], ""
+        with MemoryErrors(None, self.mesh, training=False, first_tips=self._memory_tips([request])):
+            for new in self.engine.stream(self.params, request):
+                ids.extend(new)
+                text, _ = before_stop(self.tokenizer.decode(ids), [end] if end else [], final=False)
+                if len(text) > len(shown):
+                    yield text[len(shown) :]
+                    shown = text
+
+    def _need_chat(self) -> ChatTemplate:
+        self._need_tokenizer()
+        return self.chat
+
+    def generate_text(self, texts: Sequence[str], max_new_tokens: int, **sampling: Any) -> list[str]:
+        """The continuation of each text, decoded; keyword arguments as for generate."""
+        return [self._decode(ids) for ids in self.generate(list(texts), max_new_tokens, **sampling)]
+
+    def export(self, directory: Path) -> None:
+        """A Hugging Face checkpoint: config.json, model.safetensors (float32) and the tokenizer
+        (tokenizer.json or tokenizer.model) with its chat template (chat_template.jinja, where
+        transformers reads it), where the model has one."""
+        hf.export(self.params, self.config, directory)
+        if self.tokenizer is not None and jax.process_index() == 0:
+            self.tokenizer.save(directory)
+            write_text(directory / "chat_template.jinja", self.chat.template)
+
+    def export_gguf(self, path: Path, dtype: str = "f16", overwrite: bool = False) -> None:
+        """A GGUF file that llama.cpp, Ollama and LM Studio run: the weights in `dtype` (f32, f16,
+        bf16, q8_0, q4_0), the tokenizer and the chat template (interop/gguf_export.py)."""
+        from tunix_train.interop import gguf_export
+
+        gguf_export.export(
+            self.params,
+            self.config,
+            self.tokenizer,
+            self.chat and self.chat.template,
+            Path(path),
+            dtype,
+            overwrite,
+        )
+
+    def export_adapters(
+        self, path: Path, format: str = "peft", dtype: str = "f16", overwrite: bool = False
+    ) -> None:
+        """A LoRA run's adapters, for the base its run started from: in PEFT's format (a directory:
+        interop/peft.py), or as a llama.cpp LoRA adapter GGUF (format="gguf": interop/gguf_export.py)."""
+        if self.adapters is None:
+            raise ConfigError(
+                "this checkpoint has no LoRA adapters (training.lora.rank was null): export the "
+                "whole model instead"
+            )
+        if format == "gguf":
+            from tunix_train.interop import gguf_export
+
+            gguf_export.export_adapters(self.adapters, self.config, self.lora, Path(path), dtype, overwrite)
+        else:
+            peft.export(self.adapters, self.config, self.lora, Path(path))
+
+    def _encode(self, text: str) -> list[int]:
+        tokenizer = self._need_tokenizer()
+        return with_bos(tokenizer, tokenizer.encode(text))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._need_tokenizer().decode(ids)
+
+    def _need_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ConfigError("this checkpoint carries no tokenizer: pass token ids instead of text")
+        return self.tokenizer
+
+    def logits(self, tokens: Any, positions: Any = None, segment_ids: Any = None) -> np.ndarray:
+        """float32 next-token logits [B, T, V] for token ids [B, T] (one document per row by default)."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        B, T = tokens.shape
+        micro = {
+            "inputs": tokens,
+            "positions": jnp.broadcast_to(jnp.arange(T), (B, T))
+            if positions is None
+            else jnp.asarray(positions),
+            "segment_ids": jnp.ones((B, T), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids),
+        }
+        with jax.set_mesh(self.mesh):
+            return np.asarray(self._forward(self.params, micro))
+
+
+def load(path: str | Path, mesh_shape: Any = None, devices: list[jax.Device] | None = None) -> LoadedModel:
+    """Parameters of a Hugging Face, GGUF or native checkpoint (interop/loader.py), sharded over
+    `mesh_shape` (default: all devices on fsdp), with the checkpoint's tokenizer and chat template."""
+    src = loader.source(path)
+    cfg = src.cfg
+    mesh = make_mesh(mesh_shape or [[-1], ["fsdp"]], devices)
+    validate_model_for_mesh(cfg.model, mesh)
+    with MemoryErrors(cfg, mesh, training=False):
+        loaded = loader.load(src, mesh)
+    tokenizer, stop_ids = _tokenizer_and_stops(src)
+    chat = None
+    if tokenizer is not None:
+        template_source = run_tokenizer(cfg)[0] if src.kind == "run" else src.path
+        chat = ChatTemplate(*find_template(cfg.data.chat_template, template_source), tokenizer)
+        end = tokenizer.encode(chat.end_of_turn())
+        if len(end) == 1:  # as an instruction-tuned Gemma's generation_config lists <end_of_turn>
+            stop_ids = tuple(dict.fromkeys((*stop_ids, *end)))
+    return LoadedModel(
+        cfg.model, mesh, loaded.params, tokenizer, stop_ids, loaded.adapters, loaded.lora, chat
+    )
+
+
+def _tokenizer_and_stops(src: loader.Source) -> tuple[Optional[Tokenizer], tuple[int, ...]]:
+    """A GGUF's or a Hugging Face directory's own tokenizer and EOS ids (config.json and
+    generation_config.json add theirs); a run's tokenizer (as its training read text) and its EOS."""
+    path, cfg = src.path, src.cfg
+    if src.kind != "run":
+        tokenizer = (
+            load_tokenizer(path, cfg.model.vocab_size, "tokenizer") if carries_tokenizer(path) else None
+        )
+        stops: list[int] = [tokenizer.eos_id] if tokenizer else []
+        for name in ("config.json", "generation_config.json"):
+            if (path / name).is_file():
+                eos = json.loads((path / name).read_text()).get("eos_token_id")
+                stops += [eos] if isinstance(eos, int) else list(eos or [])
+        return tokenizer, tuple(dict.fromkeys(stops))
+    if not reads_text(cfg.data):
+        return None, ()
+    source, key = run_tokenizer(cfg)
+    tokenizer = load_tokenizer(source, cfg.model.vocab_size, key)
+    return tokenizer, (tokenizer.eos_id,)
