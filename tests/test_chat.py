@@ -319,4 +319,4 @@ def test_dpo_pairs_and_grpo_prompts_in_messages_are_rendered_with_the_template(t
     assert len([m for m in read_metrics(tmp_path / "grpo") if "loss" in m]) == 2
     grpo = make_objective(cfg)
     grpo.read(Data(cfg, grpo.record_fields))
-    assert grpo._stop_ids == [ours.eos_id, *ours.encode("<end_of_turn>")]
+    assert grpo.sampler.stop_ids == [ours.eos_id, *ours.encode("<end_of_turn>")]
