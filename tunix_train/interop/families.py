@@ -31,15 +31,18 @@ class Family:
     def fields_from_hf(self, hf: dict) -> dict[str, Any]:
         return {"family": self.name, **self.from_hf(hf), **self.fixed}
 
-    def hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
-        """config.json for this family's transformers model, or a ConfigError naming the first
-        model key its checkpoints cannot hold."""
+    def check(self, cfg: ModelConfig) -> None:
+        """A ConfigError naming the first field of `cfg` that this family's checkpoints cannot hold."""
         for key, value in self.fixed.items():
             if getattr(cfg, key) != value:
                 raise ConfigError(
                     f"model.{key}={getattr(cfg, key)!r}: every {self.name} checkpoint (model.family) has "
                     f"{key}={value!r}; this model cannot be written as {self.name}"
                 )
+
+    def hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
+        """config.json for this family's transformers model (check first)."""
+        self.check(cfg)
         return {
             "architectures": [self.hf_architecture],
             "model_type": self.hf_model_types[0],

@@ -159,6 +159,23 @@ def gemma4_from_hf(hf: dict[str, Any], family: str = "gemma4") -> dict[str, Any]
     }
 
 
+# Gemma's special tokens and the dtype every exported config.json names
+_SPECIAL_IDS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "torch_dtype": "float32"}
+
+
+def _sizes(cfg: ModelConfig) -> dict[str, int]:
+    """The dimensions every transformers text config names alike."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.embed_dim,
+        "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+    }
+
+
 def gemma4_to_hf(cfg: ModelConfig, family: str = "gemma4") -> dict[str, Any]:
     """config.json for transformers' Gemma4ForCausalLM (after its architectures and model_type), or a
     ConfigError naming what it cannot hold."""
@@ -184,13 +201,7 @@ def gemma4_to_hf(cfg: ModelConfig, family: str = "gemma4") -> dict[str, Any]:
         "factor": cfg.rope_scale_global,
     }
     return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.embed_dim,
-        "intermediate_size": cfg.hidden_dim,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
+        **_sizes(cfg),
         "global_head_dim": cfg.global_head_dim or cfg.head_dim,
         "num_global_key_value_heads": cfg.num_global_kv_heads,
         "attention_k_eq_v": cfg.attention_k_eq_v,
@@ -213,10 +224,7 @@ def gemma4_to_hf(cfg: ModelConfig, family: str = "gemma4") -> dict[str, Any]:
         "hidden_activation": "gelu_pytorch_tanh",
         "tie_word_embeddings": cfg.tie_embeddings,
         "max_position_embeddings": cfg.context_length or 8192,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
-        "torch_dtype": "float32",
+        **_SPECIAL_IDS,
     }
 
 
@@ -233,22 +241,13 @@ def gemma_to_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
             "factor": cfg.rope_scale_global,
         }
     config = {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.embed_dim,
-        "intermediate_size": cfg.hidden_dim,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
+        **_sizes(cfg),
         "rms_norm_eps": cfg.rms_norm_eps,
         "hidden_activation": "gelu_pytorch_tanh",
         "hidden_act": "gelu_pytorch_tanh",
         "tie_word_embeddings": cfg.tie_embeddings,
         "max_position_embeddings": cfg.context_length or 8192,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
-        "torch_dtype": "float32",
+        **_SPECIAL_IDS,
         "rope_theta": cfg.rope_base_global,
         "rope_parameters": rope_global,
     }

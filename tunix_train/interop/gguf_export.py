@@ -49,7 +49,7 @@ def _arch(cfg: ModelConfig) -> str:
             f"GGUF export of {family.name} is not supported yet (this package writes "
             f"{', '.join(families.gguf_architectures())}); export a Hugging Face checkpoint instead"
         )
-    family.hf_config(cfg)  # a ConfigError where the model is not one of the family's
+    family.check(cfg)
     return family.gguf_architecture
 
 
