@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from tunix_train.config import ModelConfig, ShardingStrategy
+from tunix_train.config import MixedPrecision, ModelConfig, ShardingStrategy
 from tunix_train.interop import importer
 from tunix_train.model import quant
 from tunix_train.model.lora import Adapter
@@ -22,6 +22,8 @@ from tunix_train.model.params import abstract_of, model_params
 from tunix_train.model.weights import FULL_FINE_TUNING, Weights
 from tunix_train.sharding import LOGICAL_RULES, Rules, state_shardings
 from tunix_train.state import TrainState
+
+COMPUTE_DTYPES = {MixedPrecision.fp32: jnp.float32, MixedPrecision.bf16: jnp.bfloat16}
 
 
 def _fresh_state(
@@ -148,8 +150,12 @@ class FrozenModels:
 
     specs: dict
     graphdefs: dict
-    abstract: dict
+    abstract: dict  # in each model's compute dtype: loaded once in it, never cast in the step
     _params: dict | None = None
+
+    @property
+    def shardings(self) -> dict:
+        return jax.tree.map(lambda x: x.sharding, self.abstract)
 
     def params(self) -> dict:
         if self._params is None:
@@ -168,17 +174,21 @@ def plan_frozen_models(specs: dict, mesh: Mesh, rules: Rules, graphdef_of) -> Fr
         shapes = jax.eval_shape(
             lambda k, cfg=spec.model: model_params(cfg, k, FULL_FINE_TUNING), jax.random.key(0)
         )
-        abstract[name] = abstract_of(shapes, state_shardings(shapes, mesh, rules=rules))
+        dtype = COMPUTE_DTYPES[spec.precision]
+        abstract[name] = jax.tree.map(
+            lambda x, dtype=dtype: jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding),
+            abstract_of(shapes, state_shardings(shapes, mesh, rules=rules)),
+        )
     return FrozenModels(specs, {name: graphdef_of(spec.model) for name, spec in specs.items()}, abstract)
 
 
 def _load_frozen(spec, abstract) -> nnx.State:
     if spec.source is not None:
         return importer(spec.source).load_params(Path(spec.source), spec.model, abstract)
-    shardings = jax.tree.map(lambda x: x.sharding, abstract)
-    return jax.jit(lambda k: model_params(spec.model, k, FULL_FINE_TUNING), out_shardings=shardings)(
-        jax.random.key(spec.seed)
-    )
+    dtype, shardings = COMPUTE_DTYPES[spec.precision], jax.tree.map(lambda x: x.sharding, abstract)
+    return jax.jit(
+        lambda k: quant.cast(model_params(spec.model, k, FULL_FINE_TUNING), dtype), out_shardings=shardings
+    )(jax.random.key(spec.seed))
 
 
 def create_train_state(

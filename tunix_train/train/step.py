@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tunix_train.config import MixedPrecision, ModelConfig, TrainingConfig
+from tunix_train.config import ModelConfig, TrainingConfig
 from tunix_train.model.moe import load_balancing_loss
 from tunix_train.model.weights import FULL_FINE_TUNING, Weights
 from tunix_train.parallel import Parallelism, model_graphdef
@@ -35,10 +35,8 @@ from tunix_train.sharding import (
 )
 from tunix_train.state import TrainState
 from tunix_train.train.forward import Forward, in_compute_dtype
-from tunix_train.train.init import FrozenModels, StatePlan
+from tunix_train.train.init import COMPUTE_DTYPES, FrozenModels, StatePlan
 from tunix_train.train.objectives.lm import BATCH_DTYPES, LanguageModeling
-
-COMPUTE_DTYPES = {MixedPrecision.fp32: jnp.float32, MixedPrecision.bf16: jnp.bfloat16}
 
 
 def abstract_batch(
@@ -76,7 +74,7 @@ def _objective_loss(
     load-balancing loss times moe_aux_loss_coef is added, weighted by the micro-batch's share of
     the batch, and logged (moe_aux_loss; expert_tokens, the copies each expert received)."""
 
-    def forward(states, shardings, frozen=False):
+    def forward(states, shardings, frozen=False, graphdef=graphdef, compute_dtype=compute_dtype):
         return Forward(
             graphdef,
             states,
@@ -99,17 +97,8 @@ def _objective_loss(
     if extras is None:
         loss, metrics = objective.loss(policy, reference, micro, weight)
     else:
-        others = {
-            name: Forward(
-                extras.graphdefs[name],
-                (models[name],),
-                micro,
-                compute_dtype=COMPUTE_DTYPES[spec.precision],
-                chunk=chunk,
-                seq_shards=seq_shards,
-                temperature=objective.temperature,
-                frozen=True,
-            )
+        others = {  # held in their compute dtype (train/init.py): nothing to cast
+            name: forward((models[name],), None, True, extras.graphdefs[name], COMPUTE_DTYPES[spec.precision])
             for name, spec in extras.specs.items()
         }
         loss, metrics = objective.loss(policy, reference, micro, weight, models=others)
@@ -357,9 +346,8 @@ def compile_train_step(
     out_shardings = (plan.shardings, NamedSharding(mesh, P()))
     if extras is None:
         return jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=0)
-    shardings = jax.tree.map(lambda x: x.sharding, extras.abstract)
     jitted = jax.jit(
-        step, in_shardings=(*in_shardings, shardings), out_shardings=out_shardings, donate_argnums=0
+        step, in_shardings=(*in_shardings, extras.shardings), out_shardings=out_shardings, donate_argnums=0
     )
     return WithModels(jitted, extras)
 
@@ -452,8 +440,7 @@ def compile_eval_step(
     in_shardings = (plan.shardings.params, plan.shardings.frozen, batch_sharding(mesh))
     if extras is None:
         return jax.jit(evaluate, in_shardings=in_shardings, out_shardings=NamedSharding(mesh, P()))
-    shardings = jax.tree.map(lambda x: x.sharding, extras.abstract)
     jitted = jax.jit(
-        evaluate, in_shardings=(*in_shardings, shardings), out_shardings=NamedSharding(mesh, P())
+        evaluate, in_shardings=(*in_shardings, extras.shardings), out_shardings=NamedSharding(mesh, P())
     )
     return WithModels(jitted, extras)
