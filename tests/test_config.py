@@ -86,3 +86,7 @@ def test_a_users_config_dir_is_searched_before_the_package_configs(tmp_path):
     assert same.model == cfg.model
     with pytest.raises(ConfigError, match="--config-dir '/no/such/folder' is not a directory"):
         load_config(["--config-dir", "/no/such/folder"])
+    (tmp_path / "model" / "broken.yaml").write_text("defaults: [gemma3_tiny]\nname: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"not a YAML config: .*broken\.yaml\", line 3") as err:
+        load_config(["--config-dir", str(tmp_path), "model=broken"])
+    assert "\n" not in str(err.value)

@@ -251,6 +251,7 @@ def load_config(args: list[str]) -> tuple[Config, dict[str, Any]]:
 
     Returns the validated Config and the run's hydra facts: `run_dir` and `overrides`.
     """
+    import yaml
     from hydra import compose
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -270,5 +271,7 @@ def load_config(args: list[str]) -> tuple[Config, dict[str, Any]]:
         cfg = OmegaConf.to_object(raw)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_describe_omegaconf_error(exc)) from None
+    except yaml.YAMLError as exc:  # a config file that is not YAML (--config-dir's are the user's)
+        raise ConfigError(f"not a YAML config: {' '.join(str(exc).split())}") from None
     validate(cfg)
     return cfg, run_info
