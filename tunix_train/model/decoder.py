@@ -408,7 +408,7 @@ class Decoder(nnx.Module):
         parameters per position], windows [repeats, period]). In the scan body a period's windows
         are [period], or a scalar for the one stack.
         make_attend: rows -> window -> attend, the attention over the keys of this pass."""
-        rope_global, rope_local = self.rope_tables(rows["positions"])
+        period = self._period_runner(rows["positions"], lambda window, layer: attend_within(window))
         attend_within = make_attend(rows)
         per_layer_BTLP = rows.get("per_layer_inputs")
         if self.homogeneous:
@@ -419,17 +419,6 @@ class Decoder(nnx.Module):
                 (group, [nnx.graphdef(b) for b in blocks], states, windows)
                 for (group, blocks), (states, windows) in zip(self.stacks(), layer_xs)
             ]
-
-        def apply(graphdef, shape, x_BTD, state, window, per_layer_BTP, shared_kv):
-            rope = _layer_rope(shape, window, rope_global, rope_local)
-            x_BTD, _, side = nnx.merge(graphdef, state)(
-                x_BTD, rope, attend_within(window), per_layer_BTP, shared_kv
-            )
-            return x_BTD, side["kv"], side.get("moe", {})
-
-        policy = kernels.remat_policy(self.remat, self.quantized_base)
-        if policy is not None:
-            apply = jax.checkpoint(apply, policy=policy, prevent_cse=False, static_argnums=(0, 1))
         # keys and values each KV-sharing layer reuses: the latest of each layer type so far
         shared = (
             {}
@@ -443,27 +432,12 @@ class Decoder(nnx.Module):
                 index = np.stack([group.layers(j) for j in range(len(group.period))], 1)
                 per_layer = jnp.moveaxis(per_layer_BTLP[:, :, index], (2, 3), (0, 1))
 
-            def period(carry, xs, group=group, graphdefs=graphdefs):
-                x_BTD, shared = carry
-                states, windows, per_layer = xs
-                layer_stats = []
-                for j, (graphdef, shape) in enumerate(zip(graphdefs, group.period)):
-                    kind = shape.layer_type
-                    x_BTD, kv, moe = apply(
-                        graphdef,
-                        shape,
-                        x_BTD,
-                        states[j],
-                        windows[j] if windows.ndim else windows,
-                        None if per_layer is None else per_layer[j],
-                        shared[kind] if shape.shares_kv else None,
-                    )
-                    shared = _with_latest_kv(shared, shape, kv)
-                    layer_stats.append(moe)
-                return (x_BTD, shared), layer_stats
+            def scanned(carry, xs, group=group, graphdefs=graphdefs):
+                carry, layer_stats, _ = period(group, graphdefs, carry, *xs)
+                return carry, layer_stats
 
             (x_BTD, shared), group_stats = jax.lax.scan(
-                period, (x_BTD, shared), (states, windows, per_layer), unroll=self.scan_unroll
+                scanned, (x_BTD, shared), (states, windows, per_layer), unroll=self.scan_unroll
             )
             stats += [s for s in group_stats if s]  # per position of the period: [repeats, ...]
         return x_BTD, (jax.tree.map(lambda *s: jnp.concatenate(s), *stats) if stats else {})
@@ -477,31 +451,77 @@ class Decoder(nnx.Module):
     ):
         """The final normed hidden state at index last_B of each row (default: the last) [B, D], and
         what each layer's attend returned beside its output (the engine: the layer's KV cache). The
-        layers run one after another, each with its own parameters (layer_states) and
-        attend_of_layer(i): how the engine runs them, each reading and writing its own cache."""
+        periods of _layers run one after another instead of scanned, each layer with its own
+        parameters (layer_states) and attend_of_layer(i): how the engine runs them, each layer
+        reading and writing its own cache."""
         cfg = self.cfg
         x_BTD = self.embed(tokens_BT)
         per_layer_BTLP = self.per_layer_inputs(tokens_BT, x_BTD) if cfg.per_layer_input_dim else None
-        rope_global, rope_local = self.rope_tables(positions_BT)
-        extras, shared = [], dict.fromkeys(self._kv_producers())
-        layers = zip(self.layer_blocks(), layer_shapes(cfg), layer_windows(cfg))
-        for i, ((stack, _), shape, window) in enumerate(layers):
-            block = nnx.merge(nnx.graphdef(stack), layer_states[i])
-            x_BTD, extra, side = block(
-                x_BTD,
-                _layer_rope(shape, int(window), rope_global, rope_local),
-                attend_of_layer(i),
-                None if per_layer_BTLP is None else per_layer_BTLP[:, :, i],
-                shared.get(shape.layer_type) if shape.shares_kv else None,
-            )
-            shared = _with_latest_kv(shared, shape, side["kv"])
-            extras.append(extra)
+        period = self._period_runner(positions_BT, lambda window, layer: attend_of_layer(layer))
+        windows = layer_windows(cfg)
+        carry, extras = (x_BTD, dict.fromkeys(self._kv_producers())), []
+        for group, blocks in self.stacks():
+            graphdefs = [nnx.graphdef(b) for b in blocks]
+            for r in range(group.repeats):
+                layers = [int(group.layers(j)[r]) for j in range(len(blocks))]
+                carry, _, period_extras = period(
+                    group,
+                    graphdefs,
+                    carry,
+                    [layer_states[i] for i in layers],
+                    [int(windows[i]) for i in layers],
+                    None if per_layer_BTLP is None else [per_layer_BTLP[:, :, i] for i in layers],
+                    layers,
+                )
+                extras += period_extras
+        x_BTD = carry[0]
         x_BD = (
             x_BTD[:, -1]
             if last_B is None
             else jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)[:, 0]
         )
         return self.final_norm(x_BD), extras
+
+    def _period_runner(self, positions_BT, attend_of: Callable):
+        """The one layer loop, over the positions of a group's period; _layers scans it over the
+        repeats, unrolled_layers calls it once per repeat. Returns
+        period(group, graphdefs, (x, shared), states, windows, per_layer, layers=None)
+        -> ((x, shared), the experts' statistics and what attend returned, per position), where
+        `shared` holds the latest keys and values of each layer type that KV-sharing layers reuse,
+        and attend_of(window, layer) gives a layer's attention (layer: its index, given when unrolled)."""
+        rope_global, rope_local = self.rope_tables(positions_BT)
+
+        def apply(graphdef, shape, layer, x_BTD, state, window, per_layer_BTP, shared_kv):
+            rope = _layer_rope(shape, window, rope_global, rope_local)
+            x_BTD, extra, side = nnx.merge(graphdef, state)(
+                x_BTD, rope, attend_of(window, layer), per_layer_BTP, shared_kv
+            )
+            return x_BTD, extra, side["kv"], side.get("moe", {})
+
+        policy = kernels.remat_policy(self.remat, self.quantized_base)
+        if policy is not None:
+            apply = jax.checkpoint(apply, policy=policy, prevent_cse=False, static_argnums=(0, 1, 2))
+
+        def period(group, graphdefs, carry, states, windows, per_layer, layers=None):
+            x_BTD, shared = carry
+            layer_stats, extras = [], []
+            for j, (graphdef, shape) in enumerate(zip(graphdefs, group.period)):
+                x_BTD, extra, kv, moe = apply(
+                    graphdef,
+                    shape,
+                    None if layers is None else layers[j],
+                    x_BTD,
+                    states[j],
+                    windows if getattr(windows, "ndim", 1) == 0 else windows[j],
+                    None if per_layer is None else per_layer[j],
+                    shared[shape.layer_type] if shape.shares_kv else None,
+                )
+                shared = _with_latest_kv(shared, shape, kv)
+                layer_stats.append(moe)
+                extras.append(extra)
+            return (x_BTD, shared), layer_stats, extras
+
+        return period
 
     def _kv_producers(self) -> dict[str, LayerShape]:
         """The shape of the layers whose keys and values KV-sharing layers reuse, per layer type."""
