@@ -1,6 +1,9 @@
 """Hugging Face interop: export/import round trips that transformers loads, sliced reads, init_from
 (logits parity with transformers: test_hf_parity.py)."""
 
+import dataclasses
+import enum
+
 import jax
 import numpy as np
 import pytest
@@ -52,10 +55,29 @@ def test_each_device_reads_only_its_slice(tmp_path, monkeypatch):
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == {(q_rows // 2, SIZES["hidden_size"] // 2)}
 
 
+def model_overrides(fields: dict) -> list[str]:
+    """Command-line overrides setting ModelConfig fields (an enum by its value, a section key by key)."""
+
+    def text(value):
+        return value.value if isinstance(value, enum.Enum) else value
+
+    overrides = []
+    for key, value in fields.items():
+        if dataclasses.is_dataclass(value):
+            overrides += [
+                f"model.{key}.{f.name}={text(getattr(value, f.name))}"
+                for f in dataclasses.fields(value)
+                if getattr(value, f.name) is not None
+            ]
+        elif value is not None:
+            overrides.append(f"model.{key}={text(value)}")
+    return overrides
+
+
 def test_init_from_starts_training_from_the_checkpoint(tmp_path):
     hf_reference.build("gemma3", tmp_path / "hf")
     fields = hf.model_fields_from_hf(hf.read_hf_config(tmp_path / "hf"))
-    overrides = [f"model.{k}={v}" for k, v in fields.items() if v is not None]
+    overrides = model_overrides(fields)
     # learning rate 0: the step leaves the parameters as they were loaded
     cfg = config(
         *overrides, f"model.init_from={tmp_path / 'hf'}", "training.max_steps=1", "training.learning_rate=0"

@@ -2,6 +2,9 @@
 
 Every field says whether a resumed run may change it: `_changeable` (how the run executes, logs
 or saves) or `_fixed` (what it computes); `changeable_on_resume` reads the marks.
+
+One file: every section's keys but the objectives' (config_objectives.py), so that a key's type,
+default, meaning and mark read in one place.
 """
 
 from __future__ import annotations
@@ -86,6 +89,48 @@ class MoeDispatch(enum.Enum):
     capacity = "capacity"  # fixed slots per expert (capacity_factor x the even share); overflow is dropped
 
 
+class MoeRouter(enum.Enum):
+    """How a mixture-of-experts layer scores its experts (tunix_train/model/moe.py)."""
+
+    # Gemma 4: the residual stream normed with a learned scale; the top k renormalised, then each
+    # multiplied by its expert's learned scale
+    gemma4 = "gemma4"
+    # Qwen 3 MoE, Mixtral: a linear gate on the layer's normed input; the top k renormalised where
+    # moe_norm_topk_prob
+    softmax = "softmax"
+
+
+class Activation(enum.Enum):
+    """The MLP's (and the experts') gate activation: act(gate(x)) * up(x)."""
+
+    gelu_tanh = "gelu_tanh"  # GeGLU with tanh-approximated GELU (transformers' gelu_pytorch_tanh): Gemma
+    silu = "silu"  # SwiGLU: Llama, Qwen
+
+
+class RopeScalingType(enum.Enum):
+    """Long-context RoPE frequency schedules (transformers' ROPE_INIT_FUNCTIONS of the same names)."""
+
+    none = "none"
+    llama3 = "llama3"  # Llama 3.1+: low frequencies divided by factor, a smooth band between
+    yarn = "yarn"  # YaRN (arXiv 2309.00071): per-frequency interpolation ramp and an attention factor
+
+
+@dataclasses.dataclass
+class RopeScaling:
+    """model.rope_scaling: how the global layers' rotary frequencies stretch past the context the
+    model was pre-trained on (Gemma 3's linear factor is model.rope_scale_global)."""
+
+    type: RopeScalingType = _fixed(RopeScalingType.none)
+    factor: float = _fixed(1.0)  # how many times longer the context becomes
+    original_context: int = _fixed(0)  # the pre-training context (original_max_position_embeddings)
+    low_freq_factor: float = _fixed(1.0)  # llama3
+    high_freq_factor: float = _fixed(4.0)  # llama3
+    beta_fast: float = _fixed(32.0)  # yarn: the ramp's extrapolation bound, in rotations
+    beta_slow: float = _fixed(1.0)  # yarn: the ramp's interpolation bound, in rotations
+    attention_factor: Optional[float] = _fixed(None)  # yarn: cos and sin scale; null: 0.1 ln(factor) + 1
+    truncate: bool = _fixed(True)  # yarn: the ramp's bounds rounded outward to whole dimensions
+
+
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names, as in layer_types
 
 
@@ -149,9 +194,12 @@ class ModelConfig:
     rope_base_global: float = _fixed(10_000.0)
     rope_base_local: float = _fixed(10_000.0)
     rope_scale_global: float = _fixed(1.0)  # linear position scaling of global layers (Gemma 3 4b+)
+    rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)  # global layers: llama3, yarn
     rms_norm_eps: float = _fixed(1e-6)
     tie_embeddings: bool = _fixed(True)  # the output layer is the embedding table; false: its own [V, D]
     scale_embeddings: bool = _fixed(True)  # embeddings multiplied by sqrt(embed_dim), as Gemma does
+    qkv_bias: bool = _fixed(False)  # the query, key and value projections add a bias (Qwen 2)
+    mlp_activation: Activation = _fixed(Activation.gelu_tanh)
     # Gemma 4 (docs/models.md). Each field off gives Gemma 1-3.
     # Per layer: sliding_attention or full_attention; null: from local_layers_per_global.
     layer_types: Optional[List[str]] = _fixed(None)
@@ -177,6 +225,11 @@ class ModelConfig:
     num_experts: int = _fixed(0)
     num_experts_per_token: int = _fixed(0)  # top-k
     moe_hidden_dim: int = _fixed(0)  # each expert's MLP width
+    moe_router: MoeRouter = _fixed(MoeRouter.gemma4)
+    moe_norm_topk_prob: bool = _fixed(True)  # moe_router=softmax: the top k weights renormalised to sum to 1
+    # Whether a layer with experts keeps its dense MLP beside them (Gemma 4); false: the experts
+    # take the MLP's place, reading its normed input (Qwen 3 MoE, Mixtral).
+    dense_mlp: bool = _fixed(True)
     moe_dispatch: MoeDispatch = _changeable(MoeDispatch.dropless)
     # moe_dispatch=capacity: slots per expert over the even share
     moe_capacity_factor: float = _changeable(1.25)

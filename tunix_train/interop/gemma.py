@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.config import Activation, ConfigError, ModelConfig, MoeRouter, RopeScaling
 from tunix_train.model.layout import layer_types
 
 # as transformers' Gemma 4 has them
@@ -23,14 +23,20 @@ GEMMA4_FIELDS = dict(
 
 
 # What each family's checkpoints fix: set on import, checked on export (families.Family.fixed).
-GEMMA_1_TO_3_FIXED = dict(
-    norm_weight_offset=1.0, use_v_norm=False, use_layer_scalar=False, scale_embeddings=True
+GEMMA_FIXED = dict(
+    scale_embeddings=True,
+    qkv_bias=False,
+    mlp_activation=Activation.gelu_tanh,
+    rope_scaling=RopeScaling(),
+    moe_router=MoeRouter.gemma4,
+    dense_mlp=True,
 )
+GEMMA_1_TO_3_FIXED = dict(GEMMA_FIXED, norm_weight_offset=1.0, use_v_norm=False, use_layer_scalar=False)
 FIXED = {
     "gemma": dict(GEMMA_1_TO_3_FIXED, use_post_attn_norm=False, use_post_ffw_norm=False, use_qk_norm=False),
     "gemma2": dict(GEMMA_1_TO_3_FIXED, use_post_attn_norm=True, use_post_ffw_norm=True, use_qk_norm=False),
     "gemma3": dict(GEMMA_1_TO_3_FIXED, use_post_attn_norm=True, use_post_ffw_norm=True, use_qk_norm=True),
-    "gemma4": dict(GEMMA4_FIELDS, scale_embeddings=True),
+    "gemma4": dict(GEMMA4_FIELDS, **GEMMA_FIXED),
 }
 
 

@@ -1,10 +1,12 @@
-"""Building blocks the decoder (gemma.py) and the experts (moe.py) share."""
+"""Building blocks the decoder (decoder.py) and the experts (moe.py) share."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from tunix_train.config import Activation
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], fan_in: int) -> nnx.Param:
@@ -30,3 +32,10 @@ class RMSNorm(nnx.Module):
             scale = self.scale[...].astype(jnp.float32)
             normed = normed * (self.offset + scale if self.offset else scale)
         return normed.astype(x.dtype)
+
+
+def gelu_tanh(x):
+    return jax.nn.gelu(x, approximate=True)
+
+
+ACTIVATIONS = {Activation.gelu_tanh: gelu_tanh, Activation.silu: jax.nn.silu}  # model.mlp_activation

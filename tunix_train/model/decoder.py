@@ -29,7 +29,7 @@ from flax import nnx
 
 from tunix_train.config import AttentionImpl, BaseQuantization, LoraConfig, ModelConfig, Remat
 from tunix_train.model import kernels
-from tunix_train.model.common import RMSNorm, param
+from tunix_train.model.common import ACTIVATIONS, RMSNorm, param
 from tunix_train.model.layout import (
     GLOBAL_WINDOW,
     LayerGroup,
@@ -41,6 +41,7 @@ from tunix_train.model.layout import (
 )
 from tunix_train.model.lora import Adapt, adapter, no_adapter
 from tunix_train.model.moe import Dispatch, LocalDispatch, MoE
+from tunix_train.model.rope import rope_table
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
 
 
@@ -49,18 +50,6 @@ class LayerRunner(Protocol):
     the model hands it the function that applies a run of layers."""
 
     def run_layers(self, layers: Callable, layer_xs, x_BTD, rows: dict, make_attend: Callable): ...
-
-
-def rope_table(positions_BT, base: float, scale: float, head_dim: int, fraction: float = 1.0):
-    """(sin, cos) [B, T, 1, 1, H/2] of the rotary angles at positions divided by `scale`, for
-    kernels.apply_rope; only the first `fraction` of the pairs turn (proportional RoPE, Gemma 4's
-    global layers), the others keep angle 0. Computed once per forward pass, not per layer."""
-    half = head_dim // 2
-    timescale = base ** (2.0 * jnp.arange(half, dtype=jnp.float32) / head_dim)
-    angle_BTh = positions_BT[..., None].astype(jnp.float32) / scale / timescale
-    if fraction < 1.0:
-        angle_BTh = jnp.where(jnp.arange(half) < int(fraction * head_dim // 2), angle_BTh, 0.0)
-    return jnp.sin(angle_BTh)[:, :, None, None, :], jnp.cos(angle_BTh)[:, :, None, None, :]
 
 
 class Attention(nnx.Module):
@@ -85,6 +74,16 @@ class Attention(nnx.Module):
             for name, w in (("q", self.q_DNH), ("k", self.k_DKH), ("v", self.v_DKH))
         )
         self.o_lora = adapt("o", self.o_NHD, 2)
+        if cfg.qkv_bias:  # Qwen 2
+            self.q_bias_NH = nnx.Param(jnp.zeros((N, H), jnp.float32), axes=("heads", "head_dim"))
+            self.k_bias_KH, self.v_bias_KH = (
+                nnx.Param(jnp.zeros((K, H), jnp.float32), axes=("kv_heads", "head_dim"))
+                if computes_kv and (name == "k" or not shape.k_eq_v)
+                else None
+                for name in ("k", "v")
+            )
+        else:
+            self.q_bias_NH = self.k_bias_KH = self.v_bias_KH = None
         norm = functools.partial(RMSNorm, H, cfg.rms_norm_eps, cfg.norm_weight_offset)
         self.q_norm = norm() if cfg.use_qk_norm else None
         self.k_norm = norm() if cfg.use_qk_norm and computes_kv else None
@@ -98,21 +97,30 @@ class Attention(nnx.Module):
         (Decoder.hidden: the masked positions of the pass; the engine: its KV cache, returned as extra).
         shared_kv: the keys and values of the layer this one reuses. Returns (out, extra, (k, v))."""
 
-        def adapted(y, lora):
-            return y if lora is None else y + lora(x_BTD)
+        def adapted(y, lora, bias=None):
+            y = y if lora is None else y + lora(x_BTD)
+            return y if bias is None else y + bias[...].astype(y.dtype)
 
         if self.k_DKH is not None and self.v_DKH is not None:
             q_BTNH, k_BSKH, v_BSKH = kernels.qkv_projection(
                 x_BTD, self.q_DNH[...], self.k_DKH[...], self.v_DKH[...]
             )
             q_BTNH, k_BSKH, v_BSKH = (
-                adapted(y, lora)
-                for y, lora in ((q_BTNH, self.q_lora), (k_BSKH, self.k_lora), (v_BSKH, self.v_lora))
+                adapted(y, lora, bias)
+                for y, lora, bias in (
+                    (q_BTNH, self.q_lora, self.q_bias_NH),
+                    (k_BSKH, self.k_lora, self.k_bias_KH),
+                    (v_BSKH, self.v_lora, self.v_bias_KH),
+                )
             )
         else:
-            q_BTNH = adapted(kernels.dense("btd,dnh->btnh", x_BTD, self.q_DNH[...]), self.q_lora)
+            q_BTNH = adapted(
+                kernels.dense("btd,dnh->btnh", x_BTD, self.q_DNH[...]), self.q_lora, self.q_bias_NH
+            )
         if self.k_DKH is not None and self.v_DKH is None:  # keys as values
-            k_BSKH = adapted(kernels.dense("bsd,dkh->bskh", x_BTD, self.k_DKH[...]), self.k_lora)
+            k_BSKH = adapted(
+                kernels.dense("bsd,dkh->bskh", x_BTD, self.k_DKH[...]), self.k_lora, self.k_bias_KH
+            )
             v_BSKH = k_BSKH
         if self.q_norm is not None:
             q_BTNH = self.q_norm(q_BTNH)
@@ -133,7 +141,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """GeGLU: down(gelu(gate(x)) * up(x))."""
+    """down(act(gate(x)) * up(x)): GeGLU (Gemma) or SwiGLU (Llama, Qwen), by model.mlp_activation."""
 
     def __init__(self, cfg: ModelConfig, width: int, rngs: nnx.Rngs, rules: Rules, adapt: Adapt = no_adapter):
         D, F = cfg.embed_dim, width
@@ -144,7 +152,7 @@ class MLP(nnx.Module):
             adapt(name, w, 1)
             for name, w in (("gate", self.gate_DF), ("up", self.up_DF), ("down", self.down_FD))
         )
-        self.rules = rules
+        self.activation, self.rules = ACTIVATIONS[cfg.mlp_activation], rules
 
     def __call__(self, x_BTD):
         gate_BTF = kernels.dense("btd,df->btf", x_BTD, self.gate_DF[...])
@@ -153,16 +161,15 @@ class MLP(nnx.Module):
             gate_BTF = gate_BTF + self.gate_lora(x_BTD)
         if self.up_lora is not None:
             up_BTF = up_BTF + self.up_lora(x_BTD)
-        h_BTF = constrain(
-            jax.nn.gelu(gate_BTF, approximate=True) * up_BTF, ("batch", "seq", "act_mlp"), self.rules
-        )
+        h_BTF = constrain(self.activation(gate_BTF) * up_BTF, ("batch", "seq", "act_mlp"), self.rules)
         y_BTD = jnp.einsum("btf,fd->btd", h_BTF, self.down_FD[...])
         return y_BTD if self.down_lora is None else y_BTD + self.down_lora(h_BTF)
 
 
 class Block(nnx.Module):
-    """Pre-norm attention and MLP, each optionally followed by a post-norm (Gemma 2 to 4); Gemma 4
-    adds experts beside the MLP, a per-layer input and an output scalar."""
+    """Pre-norm attention and MLP, each optionally followed by a post-norm (Gemma 2 to 4); experts
+    beside the MLP (Gemma 4) or in its place (Qwen 3 MoE); Gemma 4's per-layer input and output
+    scalar."""
 
     def __init__(
         self,
@@ -179,13 +186,12 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, shape, rngs, rules, adapt)
         self.post_attn_norm = norm() if cfg.use_post_attn_norm else None
         self.pre_ffw_norm = norm()
-        self.mlp = MLP(cfg, shape.mlp_dim, rngs, rules, adapt)
+        # experts beside the dense MLP (Gemma 4) or in its place (mlp_dim 0: Qwen 3 MoE)
+        self.mlp = MLP(cfg, shape.mlp_dim, rngs, rules, adapt) if shape.mlp_dim else None
         self.post_ffw_norm = norm() if cfg.use_post_ffw_norm else None
-        if cfg.num_experts:
-            self.moe = MoE(cfg, rngs, rules, experts)
+        self.moe = MoE(cfg, rngs, rules, experts) if cfg.num_experts else None
+        if self.mlp is not None and self.moe is not None:
             self.pre_moe_norm, self.post_moe_norm, self.post_mlp_norm = norm(), norm(), norm()
-        else:
-            self.moe = None
         if P:
             self.per_layer_gate_DP = param(rngs, (D, P), ("embed", None), D)
             self.per_layer_proj_PD = param(rngs, (P, D), (None, "embed"), P)
@@ -202,9 +208,14 @@ class Block(nnx.Module):
         if self.post_attn_norm is not None:
             h_BTD = self.post_attn_norm(h_BTD)
         x_BTD = x_BTD + h_BTD
-        h_BTD = self.mlp(self.pre_ffw_norm(x_BTD))
         side = {"kv": kv}
-        if self.moe is not None:  # routed on the residual stream itself, the experts reading it normed
+        if self.mlp is None:  # the experts in the MLP's place, routed on its normed input
+            normed_BTD = self.pre_ffw_norm(x_BTD)
+            h_BTD, side["moe"] = self.moe(normed_BTD, normed_BTD)
+        else:
+            h_BTD = self.mlp(self.pre_ffw_norm(x_BTD))
+        if self.mlp is not None and self.moe is not None:
+            # routed on the residual stream itself, the experts reading it normed
             experts_BTD, side["moe"] = self.moe(x_BTD, self.pre_moe_norm(x_BTD))
             h_BTD = self.post_mlp_norm(h_BTD) + self.post_moe_norm(experts_BTD)
         if self.post_ffw_norm is not None:
@@ -361,6 +372,7 @@ class Decoder(nnx.Module):
                 cfg.rope_scale_global,
                 cfg.global_head_dim or cfg.head_dim,
                 cfg.rope_partial_factor_global,
+                cfg.rope_scaling,
             ),
             rope_table(positions_BT, cfg.rope_base_local, 1.0, cfg.head_dim),
         )

@@ -76,7 +76,7 @@ def qkv_projection(x_BTD, q_DNH, k_DKH, v_DKH):
 
 def apply_rope(x_BTNH, sin, cos):
     """Rotary embedding: the halves (x1, x2) of each head become (x1 cos - x2 sin, x2 cos + x1 sin),
-    with gemma.rope_table's (sin, cos) [B, T, 1, 1, H/2]. Why a flip of a size-2 axis instead of
+    with rope.rope_table's (sin, cos) [B, T, 1, 1, H/2]. Why a flip of a size-2 axis instead of
     split and concatenate: their gradients (pads and slices) cost more than the rotation on CPU."""
     B, T, N, H = x_BTNH.shape
     signs_2 = jnp.array([-1.0, 1.0])[:, None]

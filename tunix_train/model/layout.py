@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 
 from tunix_train.config import LAYER_TYPES, ConfigError, ModelConfig
+from tunix_train.model.rope import validate_rope_scaling
 
 GLOBAL_WINDOW = np.iinfo(np.int32).max  # a global layer's "window" covers every position
 
@@ -47,7 +48,10 @@ def layer_shapes(cfg: ModelConfig) -> list[LayerShape]:
                 num_kv_heads=global_kv_heads if is_global else cfg.num_kv_heads,
                 k_eq_v=cfg.attention_k_eq_v and is_global,
                 shares_kv=shares,
-                mlp_dim=cfg.hidden_dim * (2 if cfg.double_wide_mlp and shares else 1),
+                # 0: no dense MLP, the experts in its place
+                mlp_dim=0
+                if cfg.num_experts and not cfg.dense_mlp
+                else cfg.hidden_dim * (2 if cfg.double_wide_mlp and shares else 1),
                 layer_type=kind if static_type else None,
             )
         )
@@ -141,6 +145,7 @@ def validate_model(m: ModelConfig) -> None:
     if m.local_layers_per_global and not (m.sliding_window and m.sliding_window > 0):
         raise ConfigError("model.sliding_window must be positive when model.local_layers_per_global > 0")
     _validate_gemma4(m)
+    validate_rope_scaling(m.rope_scaling)
 
 
 def _validate_gemma4(m: ModelConfig) -> None:
@@ -197,6 +202,8 @@ def _validate_gemma4(m: ModelConfig) -> None:
         raise ConfigError(
             "model.per_layer_input_dim must be >= 0 and model.per_layer_input_vocab_size positive"
         )
+    if not m.dense_mlp and not m.num_experts:
+        raise ConfigError("model.dense_mlp=false leaves the layers no MLP: it needs model.num_experts > 0")
     if m.num_experts:
         E, k = m.num_experts, m.num_experts_per_token
         if E < 0 or m.moe_hidden_dim <= 0:

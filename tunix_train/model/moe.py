@@ -26,15 +26,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from functools import partial
-from typing import Protocol
+from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_train.config import ModelConfig, MoeDispatch
+from tunix_train.config import ModelConfig, MoeDispatch, MoeRouter
 from tunix_train.model import kernels
-from tunix_train.model.common import RMSNorm, param
+from tunix_train.model.common import ACTIVATIONS, RMSNorm, gelu_tanh, param
 from tunix_train.sharding import Rules, constrain
 
 
@@ -45,7 +45,15 @@ class Dispatch(Protocol):
     def top_k(self, probs_XE, k: int): ...
 
     def __call__(
-        self, x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind: MoeDispatch, capacity_factor: float
+        self,
+        x_XD,
+        weights_XK,
+        experts_XK,
+        gate_up_EDCM,
+        down_EMD,
+        kind: MoeDispatch,
+        capacity_factor: float,
+        act: Callable,
     ): ...
 
 
@@ -58,9 +66,9 @@ class LocalDispatch:
     def top_k(self, probs_XE, k: int):
         return jax.lax.top_k(probs_XE, k)
 
-    def __call__(self, x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor):
+    def __call__(self, x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, act):
         return apply_experts(
-            x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, self.ragged
+            x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, self.ragged, act=act
         )
 
 
@@ -72,12 +80,15 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules, dispatch: Dispatch = LocalDispatch()):
         D, E, M = cfg.embed_dim, cfg.num_experts, cfg.moe_hidden_dim
-        self.router_norm = RMSNorm(D, cfg.rms_norm_eps, with_scale=False)
-        self.router_scale = nnx.Param(jnp.ones((D,), jnp.float32), axes=("norm",))
+        gemma4 = cfg.moe_router is MoeRouter.gemma4
+        self.router_norm = RMSNorm(D, cfg.rms_norm_eps, with_scale=False) if gemma4 else None
+        self.router_scale = nnx.Param(jnp.ones((D,), jnp.float32), axes=("norm",)) if gemma4 else None
         # small (D x E) and replicated: split over fsdp, its gradient made XLA reshard every token's
         # activations to meet it ("involuntary full rematerialization")
         self.router_DE = param(rngs, (D, E), (None, None), D)
-        self.expert_scale = nnx.Param(jnp.ones((E,), jnp.float32), axes=(None,))
+        self.expert_scale = nnx.Param(jnp.ones((E,), jnp.float32), axes=(None,)) if gemma4 else None
+        self.norm_topk_prob = gemma4 or cfg.moe_norm_topk_prob
+        self.act = ACTIVATIONS[cfg.mlp_activation]
         # gate and up of each expert side by side (C = 2), one matmul for both
         self.gate_up_EDCM = param(rngs, (E, D, 2, M), ("experts", "embed", None, "moe_mlp"), D)
         self.down_EMD = param(rngs, (E, M, D), ("experts", "moe_mlp", "embed"), M)
@@ -91,14 +102,19 @@ class MoE(nnx.Module):
     def route(self, route_XD):
         """(weights [X, k], experts [X, k], probabilities [X, E]) of the router."""
         D = route_XD.shape[-1]
-        h_XD = self.router_norm(route_XD) * self.router_scale[...].astype(route_XD.dtype)
-        h_XD = h_XD * jnp.asarray(D**-0.5, route_XD.dtype)
+        h_XD = route_XD
+        if self.router_norm is not None:
+            h_XD = self.router_norm(route_XD) * self.router_scale[...].astype(route_XD.dtype)
+            h_XD = h_XD * jnp.asarray(D**-0.5, route_XD.dtype)
         probs_XE = jax.nn.softmax(
             jnp.einsum("xd,de->xe", h_XD, self.router_DE[...]).astype(jnp.float32), axis=-1
         )
         top_XK, experts_XK = self.dispatch.top_k(probs_XE, self.top_k)
-        top_XK = top_XK / jnp.sum(top_XK, axis=-1, keepdims=True)
-        return top_XK * self.expert_scale[...].astype(jnp.float32)[experts_XK], experts_XK, probs_XE
+        if self.norm_topk_prob:
+            top_XK = top_XK / jnp.sum(top_XK, axis=-1, keepdims=True)
+        if self.expert_scale is not None:
+            top_XK = top_XK * self.expert_scale[...].astype(jnp.float32)[experts_XK]
+        return top_XK, experts_XK, probs_XE
 
     def __call__(self, route_BTD, x_BTD):
         B, T, D = x_BTD.shape
@@ -116,6 +132,7 @@ class MoE(nnx.Module):
             self.down_EMD[...],
             self.kind,
             self.capacity_factor,
+            self.act,
         )
         return constrain(y_XD.reshape(B, T, D), ("batch", "seq", "act_embed"), self.rules), stats
 
@@ -130,8 +147,8 @@ def load_balancing_loss(expert_tokens_LE, router_probs_LE):
     return jnp.mean(E * jnp.sum((expert_tokens_LE / tokens_L1) * (router_probs_LE / tokens_L1), axis=-1))
 
 
-def _geglu(h_AC2M):
-    return jax.nn.gelu(h_AC2M[..., 0, :], approximate=True) * h_AC2M[..., 1, :]
+def _glu(h_AC2M, act):
+    return act(h_AC2M[..., 0, :]) * h_AC2M[..., 1, :]
 
 
 def apply_experts(
@@ -144,50 +161,60 @@ def apply_experts(
     capacity_factor: float,
     ragged: bool = False,
     may_choose: bool = True,
+    act: Callable = gelu_tanh,
 ):
     """Σ_k weight_k · expert_k(x) for every token, the experts all held here (ragged, may_choose:
-    as for dropless_experts)."""
+    as for dropless_experts; act: the experts' gate activation, model.mlp_activation's)."""
     X, K = experts_XK.shape
     x_AD, expert_A = jnp.repeat(x_XD, K, axis=0), experts_XK.reshape(-1)  # copy a is token a // K
     E = gate_up_EDCM.shape[0]
     if dispatch is MoeDispatch.dropless:
-        y_AD = dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, X * K, ragged, may_choose)
+        y_AD = dropless_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, X * K, ragged, may_choose, act)
     else:
-        y_AD = capacity_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, slots_for(X * K, E, capacity_factor))
+        y_AD = capacity_experts(
+            x_AD, expert_A, gate_up_EDCM, down_EMD, slots_for(X * K, E, capacity_factor), act
+        )
     return jnp.einsum("xkd,xk->xd", y_AD.reshape(X, K, -1), weights_XK.astype(y_AD.dtype))
 
 
-def ragged_experts(x_AD, group_sizes_E, gate_up_EDCM, down_EMD):
+def ragged_experts(x_AD, group_sizes_E, gate_up_EDCM, down_EMD, act: Callable = gelu_tanh):
     """Rows of x sorted by expert, group_sizes_E of them per expert (rows past their sum give 0):
     each row through its expert's GeGLU by two jax.lax.ragged_dot (megablox on TPUs)."""
     E, D, _, M = gate_up_EDCM.shape
     h_AF = jax.lax.ragged_dot(x_AD, gate_up_EDCM.reshape(E, D, 2 * M), group_sizes_E)
-    h_AM = kernels.projection_output(_geglu(h_AF.reshape(-1, 2, M)))
+    h_AM = kernels.projection_output(_glu(h_AF.reshape(-1, 2, M), act))
     return jax.lax.ragged_dot(h_AM, down_EMD, group_sizes_E)
 
 
-def slotted_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, slots: kernels.Slots):
+def slotted_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, slots: kernels.Slots, act: Callable = gelu_tanh):
     """Rows of x in any order, expert_A each row's expert (an id >= E goes nowhere), through their
     experts' GeGLU in the places kernels.Slots describes; a row that finds no place gives 0 (is
     dropped). One gather of the rows into their places and one back: the rows are never sorted."""
     source_R, dest_A, group_J = kernels.slotting(expert_A, gate_up_EDCM.shape[0], slots)
     y_RD = experts_in_places(
-        kernels.take_rows(x_AD, source_R, dest_A), group_J, gate_up_EDCM, down_EMD, slots
+        kernels.take_rows(x_AD, source_R, dest_A), group_J, gate_up_EDCM, down_EMD, slots, act
     )
     return kernels.take_rows(y_RD, dest_A, source_R)
 
 
-def experts_in_places(x_RD, group_J, gate_up_EDCM, down_EMD, slots: kernels.Slots):
+def experts_in_places(x_RD, group_J, gate_up_EDCM, down_EMD, slots: kernels.Slots, act: Callable = gelu_tanh):
     """The experts' GeGLU on rows already in kernels.slotting's places (group_J: its pool blocks'
     experts)."""
     E, D, _, M = gate_up_EDCM.shape
     h_RF = kernels.slotted_matmul(x_RD, gate_up_EDCM.reshape(E, D, 2 * M), group_J, slots)
-    h_RM = kernels.projection_output(_geglu(h_RF.reshape(-1, 2, M)))
+    h_RM = kernels.projection_output(_glu(h_RF.reshape(-1, 2, M), act))
     return kernels.slotted_matmul(h_RM, down_EMD, group_J, slots)
 
 
 def dropless_experts(
-    x_AD, expert_A, gate_up_EDCM, down_EMD, typical_rows: int, ragged: bool = False, may_choose: bool = True
+    x_AD,
+    expert_A,
+    gate_up_EDCM,
+    down_EMD,
+    typical_rows: int,
+    ragged: bool = False,
+    may_choose: bool = True,
+    act: Callable = gelu_tanh,
 ):
     """Rows of x in any order, expert_A each row's expert (an id >= E: in no expert, gives 0), each
     through its expert, none dropped. typical_rows: how many rows hold a copy when routing is even
@@ -202,7 +229,7 @@ def dropless_experts(
         order_A, position_A = _sorting(expert_A)  # rows in no expert last
 
         def ragged(x):
-            return ragged_experts(x, sizes_E, gate_up_EDCM, down_EMD)
+            return ragged_experts(x, sizes_E, gate_up_EDCM, down_EMD, act)
 
         y_AD = _on_filled_rows(
             ragged,
@@ -213,9 +240,9 @@ def dropless_experts(
         return kernels.take_rows(y_AD, position_A, order_A)
     places = dropless_places(typical_rows, x_AD.shape[0], E)
     if not may_choose:
-        return slotted_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, places[-1])
+        return slotted_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, places[-1], act)
     first = jnp.argmax(jnp.stack([slots.fit(sizes_E) for slots in places[:-1]] + [jnp.array(True)]))
-    return _slotted_in_one_of(places, first, x_AD, expert_A, gate_up_EDCM, down_EMD)
+    return _slotted_in_one_of(places, act, first, x_AD, expert_A, gate_up_EDCM, down_EMD)
 
 
 def _sorting(ids):
@@ -239,15 +266,15 @@ def dropless_places(typical_rows: int, rows: int, experts: int) -> tuple[kernels
     return tuple(dict.fromkeys(places))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _slotted_in_one_of(places, index, x_AD, expert_A, gate_up_EDCM, down_EMD):
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _slotted_in_one_of(places, act, index, x_AD, expert_A, gate_up_EDCM, down_EMD):
     """slotted_experts in places[index] (jax.lax.switch). Why its own backward pass: autodiff of a
     switch makes every branch return every branch's residuals, zeros for those not taken (under the
     layer's remat on CPU, a two-way switch cost 3x the slots it chose); this one saves the inputs
     alone and runs the chosen branch's forward again inside its backward."""
     return jax.lax.switch(
         index,
-        [partial(slotted_experts, slots=slots) for slots in places],
+        [partial(slotted_experts, slots=slots, act=act) for slots in places],
         x_AD,
         expert_A,
         gate_up_EDCM,
@@ -255,20 +282,20 @@ def _slotted_in_one_of(places, index, x_AD, expert_A, gate_up_EDCM, down_EMD):
     )
 
 
-def _slotted_in_one_of_fwd(places, index, x_AD, expert_A, gate_up_EDCM, down_EMD):
+def _slotted_in_one_of_fwd(places, act, index, x_AD, expert_A, gate_up_EDCM, down_EMD):
     return (
-        _slotted_in_one_of(places, index, x_AD, expert_A, gate_up_EDCM, down_EMD),
+        _slotted_in_one_of(places, act, index, x_AD, expert_A, gate_up_EDCM, down_EMD),
         (index, x_AD, expert_A, gate_up_EDCM, down_EMD),
     )
 
 
-def _slotted_in_one_of_bwd(places, residuals, g_AD):
+def _slotted_in_one_of_bwd(places, act, residuals, g_AD):
     index, x_AD, expert_A, gate_up_EDCM, down_EMD = residuals
 
     def backward(slots):
-        return lambda *args: jax.vjp(lambda x, g, d: slotted_experts(x, expert_A, g, d, slots), *args)[1](
-            g_AD
-        )
+        return lambda *args: jax.vjp(lambda x, g, d: slotted_experts(x, expert_A, g, d, slots, act), *args)[
+            1
+        ](g_AD)
 
     grads = jax.lax.switch(index, [backward(slots) for slots in places], x_AD, gate_up_EDCM, down_EMD)
     return None, grads[0], None, grads[1], grads[2]
@@ -282,10 +309,10 @@ def slots_for(rows: int, experts: int, factor: float) -> int:
     return max(1, math.ceil(factor * rows / experts))
 
 
-def capacity_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, C: int):
+def capacity_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, C: int, act: Callable = gelu_tanh):
     """Rows of x in any order (expert_A each row's expert; an id >= E goes nowhere) through their
     experts in C fixed slots per expert; a row past its expert's first C gives 0 (it is dropped)."""
-    return slotted_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, kernels.Slots(C, 1, 0))
+    return slotted_experts(x_AD, expert_A, gate_up_EDCM, down_EMD, kernels.Slots(C, 1, 0), act)
 
 
 # A shard receives A copies on average (S x A in the worst case): the experts run in places for 2A

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from tunix_train import platform
 from tunix_train.config import MoeDispatch
 from tunix_train.model import kernels
+from tunix_train.model.common import gelu_tanh
 from tunix_train.model.moe import apply_experts, capacity_experts, dropless_experts, slots_for
 from tunix_train.sharding import BATCH_AXES, Rules, constrain, data_axes, manual_axes
 
@@ -50,14 +52,22 @@ class MeshDispatch:
         )(probs_XE)
 
     def __call__(
-        self, x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind: MoeDispatch, capacity_factor: float
+        self,
+        x_XD,
+        weights_XK,
+        experts_XK,
+        gate_up_EDCM,
+        down_EMD,
+        kind: MoeDispatch,
+        capacity_factor: float,
+        act: Callable = gelu_tanh,
     ):
         mesh = jax.sharding.get_abstract_mesh()
         ragged = platform.ragged_dot_is_native()
         manual = manual_axes()
         if not manual and not mesh.empty and any(mesh.shape.get(a, 1) > 1 for a in BATCH_AXES):
             return _expert_parallel(
-                x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, ragged
+                x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, ragged, act
             )
         if manual:
             # the experts enter split over ep alone: split over fsdp or tp as well, they crashed jax
@@ -74,11 +84,12 @@ class MeshDispatch:
             capacity_factor,
             ragged,
             may_choose=not any(a not in BATCH_AXES for a in manual),
+            act=act,
         )
 
 
 def _expert_parallel(
-    x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, ragged=False
+    x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, ragged=False, act=gelu_tanh
 ):
     """moe.apply_experts with the experts split over the ep mesh axis (and the tokens with them: ep
     is one of the batch's axes), in a shard_map manual over the data axes (dp, fsdp, ep).
@@ -96,7 +107,7 @@ def _expert_parallel(
         gate_up_EDCM, down_EMD = jax.lax.pcast((gate_up_EDCM, down_EMD), whole, to="varying")
         if S == 1:  # every expert here: no exchange
             return apply_experts(
-                x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, ragged
+                x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, ragged, act=act
             )
         X, K = experts_XK.shape
         E_local, D = gate_up_EDCM.shape[0], x_XD.shape[1]
@@ -111,10 +122,10 @@ def _expert_parallel(
         recv_SA = jax.lax.all_to_all(send_SA, AXIS, 0, 0, tiled=False)
         x_RD, local_R = recv_SAD.reshape(S * A, D), recv_SA.reshape(-1)
         if kind is MoeDispatch.dropless:
-            y_RD = dropless_experts(x_RD, local_R, gate_up_EDCM, down_EMD, A, ragged)
+            y_RD = dropless_experts(x_RD, local_R, gate_up_EDCM, down_EMD, A, ragged, act=act)
         else:
             y_RD = capacity_experts(
-                x_RD, local_R, gate_up_EDCM, down_EMD, slots_for(A, E_local, capacity_factor)
+                x_RD, local_R, gate_up_EDCM, down_EMD, slots_for(A, E_local, capacity_factor), act
             )
         back_SAD = jax.lax.all_to_all(y_RD.reshape(S, A, D), AXIS, 0, 0, tiled=False)
         y_AD = kernels.take_rows(back_SAD.reshape(S * A, D), slot_A, source_R)  # in token order
