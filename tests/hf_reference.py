@@ -89,6 +89,47 @@ GEMMA4 = {
         final_logit_softcapping=30.0,
     ),
 }
+# Tiny Llama 3 and Qwen 2.5 / 3 models: (transformers' config and model class, config values).
+# The rope variants rotate positions past a pre-training context shorter than SEQ.
+LLAMA_QWEN = {
+    "llama": ("Llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 5e5})),
+    "llama_tied": ("Llama", dict(tie_word_embeddings=True)),
+    "llama_rope": (
+        "Llama",
+        dict(
+            max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 5e5,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8,
+            },
+        ),
+    ),
+    "qwen2": (
+        "Qwen2",
+        dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    ),
+    "qwen3": ("Qwen3", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen3_yarn": (
+        "Qwen3",
+        dict(
+            max_position_embeddings=32,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 1e6,
+                "factor": 4.0,
+                "original_max_position_embeddings": 8,
+            },
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3Moe",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    ),
+}
 REFERENCE_PYTHON = "TUNIX_TRAIN_REFERENCE_PYTHON"
 
 
@@ -112,6 +153,10 @@ def _config_and_class(family: str, for_gguf: bool = False):
             ),
             transformers.Gemma3ForCausalLM,
         )
+    if family in LLAMA_QWEN:
+        prefix, values = LLAMA_QWEN[family]
+        config_class = getattr(transformers, f"{prefix}Config")
+        return config_class(**SIZES, **values), getattr(transformers, f"{prefix}ForCausalLM")
     if family in GEMMA4:
         return (
             transformers.Gemma4TextConfig(

@@ -87,5 +87,5 @@ def test_a_model_unlike_its_family_is_not_written_as_one():
     cfg = _toy("model.scale_embeddings=true").model
     with pytest.raises(ConfigError, match="model.scale_embeddings=True: every toy checkpoint"):
         TOY.hf_config(cfg)
-    with pytest.raises(ConfigError, match="model.family='llama' is no family this package knows"):
-        families.named("llama")
+    with pytest.raises(ConfigError, match="model.family='mistral' is no family this package knows"):
+        families.named("mistral")

@@ -90,6 +90,24 @@ SHIPPED = [
     "gemma3_27b",
     "gemma3_small",
     "gemma3_tiny",
+    "llama3_2_1b",
+    "llama3_2_3b",
+    "llama3_1_8b",
+    "llama3_3_70b",
+    "qwen2_5_0_5b",
+    "qwen2_5_1_5b",
+    "qwen2_5_7b",
+    "qwen3_0_6b",
+    "qwen3_1_7b",
+    "qwen3_4b",
+    "qwen3_8b",
+    "qwen3_32b",
+    "qwen3_30b_a3b",
+    "qwen3_235b_a22b",
+    "llama_tiny",
+    "qwen2_tiny",
+    "qwen3_tiny",
+    "qwen3_moe_tiny",
 ]
 # Published parameter counts of the text decoders, within 1%: Hugging Face model cards / safetensors
 # metadata (gemma-2b 2,506,172,416; gemma-7b 8,537,680,896; gemma-2-2b 2,614,341,888; gemma-2-9b
@@ -107,6 +125,15 @@ PUBLISHED = {
     "gemma3_4b": 3_884_000_000,
     "gemma3_12b": 11_771_000_000,
     "gemma3_27b": 27_016_000_000,
+    # the safetensors totals of meta-llama/Llama-3.2-1B, -3.2-3B, -3.1-8B, -3.3-70B-Instruct and
+    # Qwen/Qwen2.5-0.5B, -1.5B, -7B on Hugging Face
+    "llama3_2_1b": 1_235_814_400,
+    "llama3_2_3b": 3_212_749_824,
+    "llama3_1_8b": 8_030_261_248,
+    "llama3_3_70b": 70_553_706_496,
+    "qwen2_5_0_5b": 494_032_768,
+    "qwen2_5_1_5b": 1_543_714_304,
+    "qwen2_5_7b": 7_615_616_512,
 }
 # Gemma 4's model card gives counts rounded to 0.1B (so within 0.05B): 31B 30.7B; 26B A4B 25.2B in
 # all and 3.8B active per token; E2B 2.3B "effective" (without its per-layer embedding table).
@@ -142,6 +169,35 @@ def test_gemma4_sizes_have_their_published_parameter_counts(name):
         assert abs(total - per_layer_table - GEMMA4_E2B_EFFECTIVE) <= 0.05e9, (
             f"{name}: {total - per_layer_table:,}"
         )
+
+
+# Qwen 3's model cards give counts rounded to 0.1B (within 0.05B): total, and active per token.
+PUBLISHED_QWEN3 = {
+    "qwen3_0_6b": (0.6e9, None),
+    "qwen3_1_7b": (1.7e9, None),
+    "qwen3_4b": (4.0e9, None),
+    "qwen3_8b": (8.2e9, None),
+    "qwen3_32b": (32.8e9, None),
+    "qwen3_30b_a3b": (30.5e9, 3.3e9),
+    "qwen3_235b_a22b": (235e9, 22e9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_QWEN3))
+def test_qwen3_sizes_have_their_published_parameter_counts(name):
+    from tunix_train.model.params import model_params
+    from tunix_train.model.weights import FULL_FINE_TUNING
+    from tunix_train.plan import parameter_counts
+
+    cfg, _ = load_config([f"model={name}"])
+    shapes = jax.eval_shape(lambda k: model_params(cfg.model, k, FULL_FINE_TUNING), jax.random.key(0))
+    total, active = parameter_counts(cfg, shapes)
+    want_total, want_active = PUBLISHED_QWEN3[name]
+    # 235B is given to the billion
+    assert abs(total - want_total) <= (0.5e9 if want_total > 100e9 else 0.05e9), f"{name}: {total:,}"
+    if want_active:  # 30B-A3B: ours 3.35B with the embedding and output tables both counted; the
+        # card's 3.3B may leave some of them out or truncate, so within 0.1B
+        assert abs(active - want_active) <= (0.5e9 if want_active > 10e9 else 0.1e9), f"{name}: {active:,}"
 
 
 @pytest.mark.parametrize("name", SHIPPED)

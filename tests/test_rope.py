@@ -12,7 +12,8 @@ transformers = pytest.importorskip("transformers", reason="needs transformers: p
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from tunix_train.config import ConfigError, RopeScaling, RopeScalingType  # noqa: E402
-from tunix_train.model.rope import rope_table, scaled_frequencies, validate_rope_scaling  # noqa: E402
+from tunix_train.model.layout import validate_rope_scaling  # noqa: E402
+from tunix_train.model.rope import rope_table, scaled_frequencies  # noqa: E402
 
 # name -> (rope_theta, head_dim, transformers' rope_parameters, ours)
 CASES = {

@@ -14,7 +14,7 @@ import functools
 from typing import Any, Callable, Mapping
 
 from tunix_train.config import ConfigError, ModelConfig
-from tunix_train.interop import gemma
+from tunix_train.interop import gemma, llama
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +27,8 @@ class Family:
     fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # fields its checkpoints all have
     gguf_architecture: str | None = None  # llama.cpp's general.architecture; None: no GGUF export
     hf_names: Mapping[str, str] = dataclasses.field(default_factory=dict)  # our path -> transformers' name
+    # checkpoints store each expert's gate, up and down as tensors of their own (hf._PerExpertFiles)
+    split_experts: bool = False
 
     def fields_from_hf(self, hf: dict) -> dict[str, Any]:
         return {"family": self.name, **self.from_hf(hf), **self.fixed}
@@ -115,3 +117,30 @@ register(
         gemma.FIXED["gemma4"],
     )
 )
+
+# Llama names its pre-MLP norm as Gemma 2-4 name the norm after attention
+_PRE_MLP_NORM = {"layers.pre_ffw_norm.scale": "post_attention_layernorm.weight"}
+for _name, _architecture in (
+    ("llama", "LlamaForCausalLM"),
+    ("qwen2", "Qwen2ForCausalLM"),
+    ("qwen3", "Qwen3ForCausalLM"),
+    ("qwen3_moe", "Qwen3MoeForCausalLM"),
+):
+    register(
+        Family(
+            _name,
+            (_name,),
+            _architecture,
+            functools.partial(llama.llama_from_hf, family=_name),
+            functools.partial(llama.llama_to_hf, family=_name),
+            llama.FIXED[_name],
+            gguf_architecture=None,  # GGUF export of these families: not yet
+            hf_names={
+                **_PRE_MLP_NORM,
+                "layers.moe.router_DE": "mlp.gate.weight",
+                "layers.moe.gate_up_EDCM": "mlp.experts.gate_up_proj",
+                "layers.moe.down_EMD": "mlp.experts.down_proj",
+            },
+            split_experts=True,
+        )
+    )

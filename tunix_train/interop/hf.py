@@ -40,6 +40,9 @@ _SPECS = {
     "layers.attn.k_DKH": ("self_attn.k_proj.weight", ("KH", "D"), (2, 0, 1)),
     "layers.attn.v_DKH": ("self_attn.v_proj.weight", ("KH", "D"), (2, 0, 1)),
     "layers.attn.o_NHD": ("self_attn.o_proj.weight", ("D", "NH"), (1, 2, 0)),
+    "layers.attn.q_bias_NH": ("self_attn.q_proj.bias", ("NH",), (0, 1)),  # Qwen 2
+    "layers.attn.k_bias_KH": ("self_attn.k_proj.bias", ("KH",), (0, 1)),
+    "layers.attn.v_bias_KH": ("self_attn.v_proj.bias", ("KH",), (0, 1)),
     "layers.attn.q_norm.scale": ("self_attn.q_norm.weight", ("H",), (0,)),
     "layers.attn.k_norm.scale": ("self_attn.k_norm.weight", ("H",), (0,)),
     "layers.post_attn_norm.scale": ("post_attention_layernorm.weight", ("D",), (0,)),
@@ -178,6 +181,49 @@ class _SafetensorsFiles:
         return self._handles[self._where[name]].get_slice(name)[tuple(slices)]
 
 
+class _PerExpertFiles:
+    """Experts as transformers holds them in memory, `experts.gate_up_proj` [E, 2M, D] and
+    `experts.down_proj` [E, D, M], read from checkpoints that store each expert's gate, up and down
+    projections as tensors of their own (`experts.{e}.gate_proj.weight` [M, D]; Qwen 3 MoE)."""
+
+    def __init__(self, files: Any, num_experts: int):
+        self.files, self.num_experts = files, num_experts
+
+    @staticmethod
+    def _parts(name: str) -> tuple[str, tuple[str, ...]] | None:
+        base, _, kind = name.rpartition(".")
+        return {"gate_up_proj": (base, ("gate_proj", "up_proj")), "down_proj": (base, ("down_proj",))}.get(
+            kind
+        )
+
+    def has(self, name: str) -> bool:
+        parts = self._parts(name)
+        return self.files.has(name) or (
+            parts is not None and all(self.files.has(f"{parts[0]}.0.{k}.weight") for k in parts[1])
+        )
+
+    def read(self, name: str, slices: list[slice]) -> np.ndarray:
+        if self.files.has(name):
+            return self.files.read(name, slices)
+        base, kinds = self._parts(name)
+        whole = [slice(None), slice(None)]
+        experts = [
+            np.concatenate([self.files.read(f"{base}.{e}.{k}.weight", whole) for k in kinds])
+            for e in range(*slices[0].indices(self.num_experts))
+        ]
+        return np.stack(experts)[(slice(None), *slices[1:])]
+
+
+def per_expert_tensors(name: str, fused: np.ndarray) -> dict[str, np.ndarray]:
+    """_PerExpertFiles' inverse: a fused experts tensor as one tensor per expert and projection."""
+    base, kinds = _PerExpertFiles._parts(name)
+    return {
+        f"{base}.{e}.{kind}.weight": np.ascontiguousarray(part)
+        for e, expert in enumerate(fused)
+        for kind, part in zip(kinds, np.split(expert, len(kinds)))
+    }
+
+
 def read_hf_config(directory: Path) -> dict[str, Any]:
     file = directory / "config.json"
     if not file.is_file():
@@ -232,7 +278,10 @@ def load_params(
             f"{' and '.join(t.removesuffix('_config') for t in towers)} "
             f"tower; loading the text decoder, ignoring the rest"
         )
-    return load_params_from(_SafetensorsFiles(directory), cfg, abstract_params, str(directory), by_layer)
+    files = _SafetensorsFiles(directory)
+    if cfg.num_experts:
+        files = _PerExpertFiles(files, cfg.num_experts)
+    return load_params_from(files, cfg, abstract_params, str(directory), by_layer)
 
 
 def load_params_from(
@@ -290,12 +339,17 @@ def hf_tensors(params: nnx.State, cfg: ModelConfig) -> dict[str, np.ndarray]:
     from jax.experimental import multihost_utils
 
     tensors = {}
+    split_experts = families.named(cfg.family).split_experts
     for key_path, array in jax.tree_util.tree_flatten_with_path(params)[0]:
         path = jax.tree_util.keystr(key_path, simple=True, separator=".").removesuffix(".value")
         spec, layer_of = stack_layers(path, cfg)
         full = np.asarray(multihost_utils.process_allgather(array, tiled=True), np.float32)
         for layer, ours in [(layer_of(r), row) for r, row in enumerate(full)] if layer_of else [(None, full)]:
-            tensors[_hf_name(spec, layer, cfg)] = np.ascontiguousarray(_to_hf(ours, spec, cfg, layer))
+            name, theirs = _hf_name(spec, layer, cfg), _to_hf(ours, spec, cfg, layer)
+            if split_experts and spec in ("layers.moe.gate_up_EDCM", "layers.moe.down_EMD"):
+                tensors.update(per_expert_tensors(name, theirs))
+            else:
+                tensors[name] = np.ascontiguousarray(theirs)
     return tensors
 
 

@@ -9,8 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from tunix_train.config import LAYER_TYPES, ConfigError, ModelConfig
-from tunix_train.model.rope import validate_rope_scaling
+from tunix_train.config import LAYER_TYPES, ConfigError, ModelConfig, RopeScaling, RopeScalingType
 
 GLOBAL_WINDOW = np.iinfo(np.int32).max  # a global layer's "window" covers every position
 
@@ -214,3 +213,26 @@ def _validate_gemma4(m: ModelConfig) -> None:
             raise ConfigError(f"model.num_experts_per_token={k} must be between 1 and model.num_experts={E}")
         if m.moe_capacity_factor <= 0:
             raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} must be positive")
+
+
+def validate_rope_scaling(scaling: RopeScaling) -> None:
+    """model.rope_scaling's checks."""
+    if scaling.type is RopeScalingType.none:
+        return
+    name = f"model.rope_scaling (type {scaling.type.value})"
+    if scaling.original_context <= 0:
+        raise ConfigError(
+            f"{name}: set original_context, the context the model was pre-trained on "
+            f"(config.json's original_max_position_embeddings)"
+        )
+    if scaling.factor < 1:
+        raise ConfigError(f"{name}: factor={scaling.factor} must be >= 1")
+    if scaling.type is RopeScalingType.llama3 and not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
+        raise ConfigError(
+            f"{name}: needs 0 < low_freq_factor ({scaling.low_freq_factor}) < high_freq_factor "
+            f"({scaling.high_freq_factor})"
+        )
+    if scaling.type is RopeScalingType.yarn and not scaling.beta_fast > scaling.beta_slow > 0:
+        raise ConfigError(
+            f"{name}: needs beta_fast ({scaling.beta_fast}) > beta_slow ({scaling.beta_slow}) > 0"
+        )

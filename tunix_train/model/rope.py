@@ -11,7 +11,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_train.config import ConfigError, RopeScaling, RopeScalingType
+from tunix_train.config import RopeScaling, RopeScalingType
 
 
 def rope_table(
@@ -78,26 +78,3 @@ def scaled_frequencies(base: float, head_dim: int, scaling: RopeScaling) -> tupl
             attention = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
         return inv_freq, float(attention)
     raise ValueError(f"no frequency schedule for {scaling.type}")
-
-
-def validate_rope_scaling(scaling: RopeScaling) -> None:
-    """model.rope_scaling's checks (layout.validate_model asks for them)."""
-    if scaling.type is RopeScalingType.none:
-        return
-    name = f"model.rope_scaling (type {scaling.type.value})"
-    if scaling.original_context <= 0:
-        raise ConfigError(
-            f"{name}: set original_context, the context the model was pre-trained on "
-            f"(config.json's original_max_position_embeddings)"
-        )
-    if scaling.factor < 1:
-        raise ConfigError(f"{name}: factor={scaling.factor} must be >= 1")
-    if scaling.type is RopeScalingType.llama3 and not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
-        raise ConfigError(
-            f"{name}: needs 0 < low_freq_factor ({scaling.low_freq_factor}) < high_freq_factor "
-            f"({scaling.high_freq_factor})"
-        )
-    if scaling.type is RopeScalingType.yarn and not scaling.beta_fast > scaling.beta_slow > 0:
-        raise ConfigError(
-            f"{name}: needs beta_fast ({scaling.beta_fast}) > beta_slow ({scaling.beta_slow}) > 0"
-        )

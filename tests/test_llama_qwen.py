@@ -1,0 +1,176 @@
+"""Llama 3 and Qwen 2.5 / 3 (dense and MoE) through the Gemma decoder as data: tiny random
+transformers models load through our Hugging Face import with transformers' logits (float32, 1e-4)
+on one device, fsdp2 x tp2 and (MoE) ep2 x fsdp2, with llama3 and yarn RoPE at positions past the
+pre-training context; greedy tokens equal transformers' generate; our export loads back in
+transformers with the same logits. transformers runs in this process or in
+TUNIX_TRAIN_REFERENCE_PYTHON's (hf_reference.py)."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from hf_reference import LLAMA_QWEN, SEQ, SIZES, checkpoint_and_logits
+
+from tunix_train import api
+from tunix_train.config import ConfigError, RopeScalingType
+from tunix_train.interop import hf
+
+MESHES = {
+    "one": ([[1, 1], ["fsdp", "tp"]], 1),
+    "fsdp2_tp2": ([[2, 2], ["fsdp", "tp"]], 4),
+    "ep2_fsdp2": ([[2, 2], ["ep", "fsdp"]], 4),
+}
+GREEDY = 16
+
+
+def _tokens():
+    return np.random.default_rng(0).integers(0, SIZES["vocab_size"], (2, SEQ))
+
+
+@pytest.mark.parametrize("variant", LLAMA_QWEN)
+def test_logits_match_transformers(tmp_path, variant):
+    reference = checkpoint_and_logits(variant, tmp_path / "checkpoint", _tokens())
+    meshes = ["one", "fsdp2_tp2"] + (["ep2_fsdp2"] if variant == "qwen3_moe" else [])
+    for mesh in meshes:
+        shape, devices = MESHES[mesh]
+        model = api.load(tmp_path / "checkpoint", mesh_shape=shape, devices=jax.devices()[:devices])
+        np.testing.assert_allclose(model.logits(_tokens()), reference, atol=1e-4, rtol=0, err_msg=mesh)
+    cfg = model.config
+    assert cfg.family == LLAMA_QWEN[variant][0].lower().replace("qwen3moe", "qwen3_moe")
+    assert not cfg.scale_embeddings and cfg.norm_weight_offset == 0.0
+    assert cfg.tie_embeddings == (variant in ("llama_tied", "qwen2"))
+    assert cfg.qkv_bias == (variant == "qwen2") and cfg.use_qk_norm == variant.startswith("qwen3")
+    scaling = {"llama_rope": RopeScalingType.llama3, "qwen3_yarn": RopeScalingType.yarn}
+    assert cfg.rope_scaling.type is scaling.get(variant, RopeScalingType.none)
+    if variant in scaling:  # SEQ runs past the pre-training context the schedule stretches
+        assert cfg.rope_scaling.original_context < SEQ
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3_yarn", "qwen3_moe"])
+def test_greedy_generation_matches_transformers(tmp_path, variant):
+    prompt = np.random.default_rng(2).integers(3, SIZES["vocab_size"], (1, 6))
+    reference = checkpoint_and_logits(variant, tmp_path / "checkpoint", prompt, greedy_tokens=GREEDY)
+    model = api.load(tmp_path / "checkpoint", mesh_shape=MESHES["fsdp2_tp2"][0], devices=jax.devices()[:4])
+    assert len(reference) == GREEDY and len(set(reference.tolist())) > 3  # not one repeated token
+    assert model.generate(prompt.tolist(), max_new_tokens=GREEDY) == [reference.tolist()]
+
+
+@pytest.mark.parametrize("variant", ["llama_rope", "qwen2", "qwen3_moe"])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, variant):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    reference = checkpoint_and_logits(variant, tmp_path / "checkpoint", _tokens())
+    model = api.load(tmp_path / "checkpoint", mesh_shape=MESHES["fsdp2_tp2"][0], devices=jax.devices()[:4])
+    model.export(tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == [
+        transformers.AutoConfig.from_pretrained(tmp_path / "checkpoint").architectures[0]
+    ]
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        logits = back(torch.tensor(_tokens())).logits.numpy()
+    np.testing.assert_allclose(logits, reference, atol=1e-5, rtol=0)
+    if variant == "qwen3_moe":  # each expert's projections as tensors of their own, as published
+        from safetensors import safe_open
+
+        names = set(safe_open(str(tmp_path / "out" / "model.safetensors"), "np").keys())
+        assert "model.layers.0.mlp.experts.7.gate_proj.weight" in names
+        assert not any(n.endswith("experts.gate_up_proj") for n in names)
+
+
+def _config(**changes):
+    base = {
+        "model_type": "llama",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    return {**base, **changes}
+
+
+def test_what_the_decoder_cannot_hold_is_one_line_naming_the_key():
+    for changes, words in (
+        (
+            {"model_type": "mistral"},
+            "model_type 'mistral' is not one this package reads .*llama, qwen2, qwen3",
+        ),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling type 'longrope'"),
+        ({"attention_bias": True}, "attention_bias=True is not supported for llama"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        (
+            {
+                "model_type": "qwen3_moe",
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 8,
+                "mlp_only_layers": [0],
+            },
+            "mlp_only_layers",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            hf.model_fields_from_hf(_config(**changes))
+
+
+def test_published_config_keys_read_as_transformers_5_writes_them():
+    """Llama 3.1's config.json carries rope_theta and rope_scaling (transformers 4's keys)."""
+    fields = hf.model_fields_from_hf(
+        _config(
+            rope_theta=500000.0,
+            rope_scaling={
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+                "rope_type": "llama3",
+            },
+            tie_word_embeddings=False,
+        )
+    )
+    assert fields["rope_base_global"] == 500000.0 and not fields["tie_embeddings"]
+    scaling = fields["rope_scaling"]
+    assert (scaling.type, scaling.factor, scaling.original_context) == (RopeScalingType.llama3, 8.0, 8192)
+
+
+@pytest.mark.slow  # 50 steps each
+@pytest.mark.parametrize("name", ["llama_tiny", "qwen3_tiny"])
+def test_tiny_llama_and_qwen3_learn_the_bundled_corpus(tmp_path, name):
+    from conftest import read_metrics
+
+    from tunix_train.compose import load_config
+    from tunix_train.train.loop import train
+
+    cfg, _ = load_config(
+        [f"model={name}", "model.vocab_size=4096", "training.max_steps=50", "training.eval_every=25"]
+    )
+    train(cfg, tmp_path / "run", devices=jax.devices()[:1])
+    held_out = [m["eval_loss"] for m in read_metrics(tmp_path / "run") if "eval_loss" in m]
+    # at steps 0, 25 and 50: from about ln(4096) = 8.3 down, by more than 2 nats
+    assert len(held_out) == 3 and held_out[2] < held_out[1] < held_out[0] - 1, held_out
+    assert held_out[2] < held_out[0] - 2, held_out
+
+
+@pytest.mark.parametrize("name, mesh", [("qwen2_tiny", "fsdp2_tp2"), ("qwen3_moe_tiny", "ep2_fsdp2")])
+def test_training_on_a_mesh_equals_one_device(tmp_path, name, mesh):
+    from conftest import config, train_losses
+
+    from tunix_train.train.loop import train
+
+    runs = {}
+    for run, (shape, devices) in (("one", MESHES["one"]), (mesh, MESHES[mesh])):
+        rows = 8 // (shape[0][shape[1].index("fsdp")] * (shape[0][0] if shape[1][0] == "ep" else 1))
+        cfg = config(
+            f"model={name}",
+            f"model.mesh_shape={json.dumps(shape)}",
+            f"training.micro_batch_size={rows}",  # the same 8 rows a step: rows per data shard
+            "training.max_steps=3",
+            "training.log_every=1",
+        )
+        train(cfg, tmp_path / run, devices=jax.devices()[:devices])
+        runs[run] = np.array(train_losses(tmp_path / run))
+    assert len(runs["one"]) == 3 and np.all(np.isfinite(runs["one"]))
+    np.testing.assert_allclose(runs[mesh], runs["one"], rtol=1e-5)
