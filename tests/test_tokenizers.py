@@ -1,6 +1,7 @@
 """The three tokenizer sources against transformers, token for token: a SentencePiece model, a
 tokenizer.json, and a GGUF file's vocabulary (the bundled 4,096-piece BPE, written into each)."""
 
+import json
 import shutil
 
 import gguf
@@ -8,7 +9,8 @@ import pytest
 
 transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[reference]'")
 
-from tunix_train.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer  # noqa: E402
+from tunix_train.config import ConfigError  # noqa: E402
+from tunix_train.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer, with_bos  # noqa: E402
 
 PROBES = [
     "To be, or not to be: that is the question.",
@@ -136,3 +138,42 @@ def test_offsets_and_chat_encoding_take_linear_time():
         return min(runs)
 
     assert seconds(400_000) < 8 * seconds(100_000)
+
+
+@pytest.mark.parametrize("kind", ["qwen", "llama"])
+def test_a_byte_level_bpe_tokenizes_like_transformers_and_saves_as_it_came(tmp_path, kind):
+    """Qwen's and Llama 3's tokenizer.json: byte-level BPE; BOS only where the tokenizer has one."""
+    from bpe_files import byte_level_bpe
+
+    directory = byte_level_bpe(tmp_path / kind, kind)
+    ours, reference = load_tokenizer(directory, 600), transformers.AutoTokenizer.from_pretrained(directory)
+    for text in PROBES:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text, add_special_tokens=False) and ours.decode(ids) == text, text
+        # what training and generation feed the model: transformers' own encoding, BOS and all
+        assert with_bos(ours, ids) == reference(text).input_ids, text
+    assert ours.eos_id == reference.eos_token_id
+    if kind == "qwen":  # no BOS: nothing prepended
+        assert reference.bos_token_id is None and not ours.add_bos
+    else:
+        assert ours.add_bos and ours.bos_id == reference.bos_token_id is not None
+    (tmp_path / "saved").mkdir()
+    ours.save(tmp_path / "saved")
+    again = transformers.AutoTokenizer.from_pretrained(tmp_path / "saved")
+    assert type(again) is type(reference)
+    for text in PROBES:
+        assert again(text).input_ids == with_bos(ours, ours.encode(text)), text
+
+
+def test_a_tokenizer_json_that_does_not_parse_is_one_line(tmp_path):
+    from bpe_files import byte_level_bpe
+
+    directory = byte_level_bpe(tmp_path / "qwen", "qwen")
+    broken = json.loads((directory / "tokenizer.json").read_text())
+    broken["model"]["merges"] = [["a"]] + broken["model"]["merges"]  # a merge of one piece
+    (directory / "tokenizer.json").write_text(json.dumps(broken))
+    with pytest.raises(
+        ConfigError, match=f"data.tokenizer: {directory / 'tokenizer.json'} is not a tokenizer.json"
+    ) as err:
+        load_tokenizer(directory, 600)
+    assert "\n" not in str(err.value)

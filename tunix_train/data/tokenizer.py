@@ -118,8 +118,19 @@ class SentencePieceTokenizer:
 class HFTokenizer:
     """A `tokenizers.Tokenizer` (from tokenizer.json or a GGUF vocabulary) and its special ids."""
 
-    def __init__(self, tokenizer, path: Path, bos_id: int, eos_id: int, pad_id: int, add_bos: bool = True):
-        self._tokenizer, self.path = tokenizer, path
+    def __init__(
+        self,
+        tokenizer,
+        path: Path,
+        bos_id: int,
+        eos_id: int,
+        pad_id: int,
+        add_bos: bool = True,
+        tokenizer_class: str | None = None,
+    ):
+        """tokenizer_class: transformers' class its tokenizer_config.json names (saved as it came);
+        None: GemmaTokenizer for a SentencePiece-style vocabulary, the generic one for byte-level BPE."""
+        self._tokenizer, self.path, self.tokenizer_class = tokenizer, path, tokenizer_class
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.add_bos = add_bos and bos_id >= 0
@@ -179,9 +190,13 @@ class HFTokenizer:
             "eos_token": name(self.eos_id),
             "pad_token": name(self.pad_id),
             "add_bos_token": self.add_bos,
-            "tokenizer_class": "GemmaTokenizer",
+            "tokenizer_class": self.tokenizer_class or self._default_class(),
         }
         write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+
+    def _default_class(self) -> str:
+        byte_level = '"ByteLevel"' in json.dumps(json.loads(self._tokenizer.to_str()).get("pre_tokenizer"))
+        return "PreTrainedTokenizerFast" if byte_level else "GemmaTokenizer"
 
 
 def tokenizer_json(path: Path) -> HFTokenizer:
@@ -207,6 +222,7 @@ def tokenizer_json(path: Path) -> HFTokenizer:
         ids["eos_token"],
         ids["pad_token"] if ids["pad_token"] is not None else -1,
         add_bos=settings.get("add_bos_token", True) is not False,
+        tokenizer_class=settings.get("tokenizer_class"),
     )
 
 

@@ -1,0 +1,61 @@
+"""Byte-level BPE tokenizer.json files as Llama 3 and Qwen ship them, trained here with `tokenizers`
+on the bundled corpus (600 tokens): Qwen's without BOS, Llama 3's with BOS put in front by its
+post-processor."""
+
+import json
+import lzma
+from pathlib import Path
+
+from tunix_train.data.sources import BUNDLED_CORPUS
+
+SPECIAL = {
+    "qwen": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    "llama": [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+    ],
+}
+SETTINGS = {
+    "qwen": {
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "add_bos_token": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+    },
+    "llama": {
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    },
+}
+
+
+def byte_level_bpe(directory: Path, kind: str, vocab_size: int = 600) -> Path:
+    """tokenizer.json and tokenizer_config.json of `kind` (qwen, llama) in `directory`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL[kind],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    with lzma.open(BUNDLED_CORPUS, "rt") as f:
+        texts = [json.loads(line)["text"] for _, line in zip(range(200), f)]
+    tokenizer.train_from_iterator(texts, trainer)
+    if kind == "llama":
+        bos = "<|begin_of_text|>"
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.token_to_id(bos))]
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(SETTINGS[kind]))
+    return directory
