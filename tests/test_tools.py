@@ -468,3 +468,38 @@ def test_a_hanging_tool_is_killed_in_a_process_and_counted_in_a_thread(tmp_path,
     in_thread = t.Toolbox({"hang": hang}, 0.2)
     assert in_thread.call(t.Call("hang", {"seconds": 2})) == ("error: timed out after 0.2 s", True)
     assert in_thread.hung == 1
+
+
+def test_llama3_1_calls_parse_as_its_template_writes_them():
+    """Llama 3.1's template (TRL's copy of the model's own) writes a call as the whole turn,
+    {"name": ..., "parameters": {...}}; what it renders parses back to the call."""
+    trl = pytest.importorskip("trl", reason="needs TRL (its chat templates): pip install -e '.[reference]'")
+    from pathlib import Path
+
+    from tunix_train.data.chat import ChatTemplate
+
+    template = (Path(trl.__file__).parent / "chat_templates" / "llama3_1.jinja").read_text()
+    assert t.call_style(template) == "llama3"
+
+    class Tokens:  # what ChatTemplate reads of a tokenizer to name its special tokens
+        bos_id = eos_id = pad_id = -1
+
+    chat = ChatTemplate(template, "llama3_1.jinja", Tokens())
+    arguments = {"a": 347, "b": 812}
+    call_turn = {
+        "role": "assistant",
+        "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": arguments}}],
+    }
+    before, _ = chat.render([{"role": "user", "content": "347 * 812?"}], add_generation_prompt=True)
+    through, _ = chat.render([{"role": "user", "content": "347 * 812?"}, call_turn])
+    written = through[len(before) :].removesuffix("<|eot_id|>")
+    assert t.parse_calls(written, "llama3") == [t.Call("multiply", arguments)]
+    assert t.parse_calls("<|python_tag|>" + written, "llama3") == [t.Call("multiply", arguments)]
+    assert t.parse_calls("The answer is 281,764.", "llama3") == []
+    assert t.parse_calls('{"name": "multiply", "arguments": {"a": 1}}', "llama3") == [
+        t.Call("multiply", {"a": 1})
+    ]
+    assert t.parse_calls('{"name": "multiply", "parameters": [1]}', "llama3")[0].error == (
+        'a call is {"name": "...", "parameters": {...}}'
+    )
+    assert t.parse_calls("{" + "[" * 20_000 + "]" * 20_000 + "}", "llama3")[0].error

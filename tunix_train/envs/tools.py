@@ -10,6 +10,9 @@ Calls are parsed in the format the chat template defines:
 - `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, a JSON object between tags (Hermes,
   Qwen 2.5, and the Gemma turn format built in here, data/chat.py: Gemma 3 has no tool format of its
   own, so this one is defined and documented in docs/objectives/tools.md);
+- Llama 3.1's, where the template asks for `{"name": ..., "parameters": ...}`: the whole turn is
+  one JSON object (after an optional `<|python_tag|>`), its arguments under "parameters" (or
+  "arguments");
 - Gemma 4's, where the template writes `<|tool_call>`: `<|tool_call>call:NAME{key:value,...}<tool_call|>`,
   keys bare and strings between `<|"|>` delimiters (ai.google.dev/gemma/docs/capabilities/text/
   function-calling-gemma4).
@@ -92,14 +95,23 @@ def schema(function: Callable, name: str = "") -> dict:
 
 
 def call_style(template: str) -> str:
-    """Which call format a chat template defines: 'gemma4' or 'tagged'."""
-    return "gemma4" if "<|tool_call>" in template else "tagged"
+    """Which call format a chat template defines: 'gemma4', 'llama3' or 'tagged'."""
+    if "<|tool_call>" in template:
+        return "gemma4"
+    if "<|start_header_id|>" in template and '"parameters": ' in template:
+        return "llama3"
+    return "tagged"
 
 
 def parse_calls(text: str, style: str) -> list[Call]:
     """The tool calls a model's turn writes, in order; each written wrong carries its error."""
     if style == "gemma4":
         return [_bounded(body, lambda: _gemma4_call(name, body)) for name, body in GEMMA4.findall(text)]
+    if style == "llama3":  # a turn that is one JSON object is a call; any other text is a reply
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not (body.startswith("{") and body.endswith("}")):
+            return []
+        return [_bounded(body, lambda: _tagged_call(body, "parameters"))]
     return [_bounded(body, lambda: _tagged_call(body)) for body in TAGGED.findall(text)]
 
 
@@ -129,18 +141,20 @@ def _depth(value) -> int:
     return depth
 
 
-def _tagged_call(body: str) -> Call:
+def _tagged_call(body: str, key: str = "arguments") -> Call:
+    """A JSON call, its arguments under `key` (Llama 3.1's "parameters"; "arguments" is read too)."""
     try:
         value = json.loads(body)
     except json.JSONDecodeError as err:
         return Call("", {}, f"the call is not JSON ({err.msg})")
+    arguments = value.get(key, value.get("arguments", {})) if isinstance(value, dict) else None
     if (
         not isinstance(value, dict)
         or not isinstance(value.get("name"), str)
-        or not isinstance(value.get("arguments", {}), dict)
+        or not isinstance(arguments, dict)
     ):
-        return Call("", {}, 'a call is {"name": "...", "arguments": {...}}')
-    return Call(value["name"], value.get("arguments", {}))
+        return Call("", {}, f'a call is {{"name": "...", "{key}": {{...}}}}')
+    return Call(value["name"], arguments)
 
 
 def _gemma4_call(name: str, body: str) -> Call:
