@@ -174,3 +174,70 @@ def test_training_on_a_mesh_equals_one_device(tmp_path, name, mesh):
         runs[run] = np.array(train_losses(tmp_path / run))
     assert len(runs["one"]) == 3 and np.all(np.isfinite(runs["one"]))
     np.testing.assert_allclose(runs[mesh], runs["one"], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "variant, quantization", [("llama", "none"), ("qwen2", "nf4"), ("qwen3_moe", "int8")]
+)
+def test_lora_and_qlora_over_a_transformers_base_equal_peft(tmp_path, variant, quantization):
+    """LoRA on every projection over a Llama, Qwen 2 (q/k/v biases) or Qwen 3 MoE base, plain or
+    over a quantized base: peft puts the exported adapters on the base as the run held it (for a
+    quantized base: dequantized, exported) and gives our logits; the merged export gives them too."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    import transformers
+    from conftest import config
+    from hf_reference import build
+    from peft import PeftModel
+    from test_hf import model_overrides
+
+    from tunix_train.model import quant
+    from tunix_train.model.weights import Weights
+    from tunix_train.train.loop import train
+
+    # nf4 blocks of 64 along head_dim and the MLP
+    build(variant, tmp_path / "base", head_dim=64, intermediate_size=128, moe_intermediate_size=64)
+    fields = hf.model_fields_from_hf(hf.read_hf_config(tmp_path / "base"))
+    mesh, devices = MESHES["fsdp2_tp2"]
+    tiny = {"llama": "llama_tiny", "qwen2": "qwen2_tiny", "qwen3_moe": "qwen3_moe_tiny"}[variant]
+    cfg = config(
+        f"model={tiny}",
+        *model_overrides(fields),
+        f"model.init_from={tmp_path / 'base'}",
+        f"model.mesh_shape={json.dumps(mesh)}",
+        "training.lora.rank=4",
+        "training.lora.alpha=8",
+        "training.lora.targets=[q,k,v,o,gate,up,down]",
+        f"training.lora.base_quantization={quantization}",
+        "training.max_steps=3",
+        "training.warmup_steps=0",
+        "training.learning_rate=1e-2",
+        "training.eval_every=0",
+    )
+    train(cfg, tmp_path / "run", devices=jax.devices()[:devices])
+    model = api.load(tmp_path / "run", mesh_shape=mesh, devices=jax.devices()[:devices])
+    model.export_adapters(tmp_path / "adapters")
+    model.export(tmp_path / "merged")
+    base_dir = tmp_path / "base"
+    if quantization != "none":  # the base as the run held it
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), model.params
+        )
+        frozen = Weights(model.lora, keeps_reference=False).frozen_base(
+            hf.load_params(base_dir, model.config, abstract)
+        )
+        hf.export(quant.dense(frozen), model.config, tmp_path / "held")
+        base_dir = tmp_path / "held"
+    tokens = _tokens()
+    ours = model.logits(tokens)
+    with torch.no_grad():
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_dir).eval()
+        plain = base(torch.tensor(tokens)).logits.numpy()
+        theirs = (
+            PeftModel.from_pretrained(base, tmp_path / "adapters").eval()(torch.tensor(tokens)).logits.numpy()
+        )
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        merged = merged(torch.tensor(tokens)).logits.numpy()
+    assert np.abs(theirs - plain).max() > 1e-2  # the adapters change the model
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(merged, theirs, atol=1e-4, rtol=0)
