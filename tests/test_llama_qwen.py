@@ -154,7 +154,10 @@ def test_tiny_llama_and_qwen3_learn_the_bundled_corpus(tmp_path, name):
     assert held_out[2] < held_out[0] - 2, held_out
 
 
-@pytest.mark.parametrize("name, mesh", [("qwen2_tiny", "fsdp2_tp2"), ("qwen3_moe_tiny", "ep2_fsdp2")])
+@pytest.mark.parametrize(
+    "name, mesh",
+    [("qwen2_tiny", "fsdp2_tp2"), pytest.param("qwen3_moe_tiny", "ep2_fsdp2", marks=pytest.mark.slow)],
+)
 def test_training_on_a_mesh_equals_one_device(tmp_path, name, mesh):
     from conftest import config, train_losses
 
