@@ -244,3 +244,24 @@ def test_lora_and_qlora_over_a_transformers_base_equal_peft(tmp_path, variant, q
     assert np.abs(theirs - plain).max() > 1e-2  # the adapters change the model
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
     np.testing.assert_allclose(merged, theirs, atol=1e-4, rtol=0)
+
+
+def test_a_qwen_directory_with_its_tokenizer_exports_its_special_ids(tmp_path):
+    """A Qwen 3 checkpoint beside its byte-level BPE tokenizer (no BOS): loaded, it prepends nothing
+    and stops at <|im_end|>; exported, config.json names the tokenizer's ids and transformers reads
+    the tokenizer back the same."""
+    transformers = pytest.importorskip("transformers")
+    from bpe_files import byte_level_bpe
+    from hf_reference import build
+
+    build("qwen3", tmp_path / "qwen3", vocab_size=640)
+    byte_level_bpe(tmp_path / "qwen3", "qwen")
+    model = api.load(tmp_path / "qwen3", mesh_shape=MESHES["one"][0], devices=jax.devices()[:1])
+    end = model.tokenizer.encode("<|im_end|>")
+    assert len(end) == 1 and end[0] in model.stop_ids and not model.tokenizer.add_bos
+    model.export(tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (None, end[0])
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    text = "To be, or not to be"
+    assert theirs(text).input_ids == model.tokenizer.encode(text)

@@ -154,7 +154,15 @@ class LoadedModel:
         """A Hugging Face checkpoint: config.json, model.safetensors (float32) and the tokenizer
         (tokenizer.json or tokenizer.model) with its chat template (chat_template.jinja, where
         transformers reads it), where the model has one."""
-        hf.export(self.params, self.config, directory)
+        tokenizer = self.tokenizer
+        special = None
+        if tokenizer is not None:
+            special = {
+                "bos_token_id": tokenizer.bos_id if tokenizer.bos_id >= 0 else None,
+                "eos_token_id": list(self.stop_ids) if len(self.stop_ids) > 1 else tokenizer.eos_id,
+                "pad_token_id": tokenizer.pad_id if tokenizer.pad_id >= 0 else None,
+            }
+        hf.export(self.params, self.config, directory, special)
         if self.tokenizer is not None and jax.process_index() == 0:
             self.tokenizer.save(directory)
             write_text(directory / "chat_template.jinja", self.chat.template)

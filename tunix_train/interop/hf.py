@@ -353,11 +353,15 @@ def hf_tensors(params: nnx.State, cfg: ModelConfig) -> dict[str, np.ndarray]:
     return tensors
 
 
-def export(params: nnx.State, cfg: ModelConfig, directory: Path) -> None:
-    """Writes config.json and model.safetensors (float32) into `directory` (process 0 writes)."""
+def export(params: nnx.State, cfg: ModelConfig, directory: Path, special_ids: dict | None = None) -> None:
+    """Writes config.json and model.safetensors (float32) into `directory` (process 0 writes).
+    special_ids (bos_token_id, eos_token_id, pad_token_id: the tokenizer's) fill config.json where
+    the family does not fix them (Gemma's are fixed)."""
     from safetensors.numpy import save_file
 
     config, tensors = hf_config(cfg), hf_tensors(params, cfg)
+    for key, value in (special_ids or {}).items():
+        config.setdefault(key, value)
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)
         write_atomically(
