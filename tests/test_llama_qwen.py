@@ -265,3 +265,35 @@ def test_a_qwen_directory_with_its_tokenizer_exports_its_special_ids(tmp_path):
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     text = "To be, or not to be"
     assert theirs(text).input_ids == model.tokenizer.encode(text)
+
+
+def test_a_context_extension_fine_tune_sets_rope_scaling_on_a_model_trained_without_it(tmp_path, capsys):
+    from conftest import config, train_losses
+    from hf_reference import build
+    from test_hf import model_overrides
+
+    from tunix_train.train.loop import train
+
+    build("llama", tmp_path / "base")
+    fields = hf.model_fields_from_hf(hf.read_hf_config(tmp_path / "base"))
+    assert fields["rope_scaling"].type is RopeScalingType.none
+    fields.pop("rope_scaling")
+    cfg = config(
+        "model=llama_tiny",  # llama3 scaling x4 from a 64-token context
+        *model_overrides(fields),
+        f"model.init_from={tmp_path / 'base'}",
+        "model.mesh_shape=[[1],[fsdp]]",
+        "training.max_steps=2",
+        "training.log_every=1",
+    )
+    train(cfg, tmp_path / "run", devices=jax.devices()[:1])
+    assert (
+        "has rope_scaling none; this run uses llama3 (factor 4.0): a context extension"
+        in capsys.readouterr().out
+    )
+    assert len(train_losses(tmp_path / "run")) == 2
+    model = api.load(tmp_path / "run", devices=jax.devices()[:1])
+    assert (model.config.rope_scaling.type, model.config.rope_scaling.original_context) == (
+        RopeScalingType.llama3,
+        64,
+    )

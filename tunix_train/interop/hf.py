@@ -254,6 +254,13 @@ def check_matches(cfg: ModelConfig, directory: Path) -> None:
         ours = getattr(cfg, key)
         if key == "context_length":  # what the engine allows, not what training computes
             continue
+        if key == "rope_scaling" and ours != value:  # a context extension: said, not refused
+            if jax.process_index() == 0:
+                print(
+                    f"model.init_from: {directory} has rope_scaling {value.type.value}; this run uses "
+                    f"{ours.type.value} (factor {ours.factor}): a context extension"
+                )
+            continue
         if ours != value and not (
             key == "query_pre_attn_scalar" and (ours or cfg.head_dim) == (value or cfg.head_dim)
         ):
