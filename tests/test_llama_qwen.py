@@ -182,8 +182,9 @@ def test_training_on_a_mesh_equals_one_device(tmp_path, name, mesh):
 @pytest.mark.parametrize("variant, quantization", [("qwen2", "nf4"), ("qwen3_moe", "int8")])
 def test_lora_and_qlora_over_a_transformers_base_equal_peft(tmp_path, variant, quantization):
     """LoRA on every projection over a quantized Qwen 2 (q/k/v biases) or Qwen 3 MoE base (no
-    LoRA code is a family's own; quantizing their bases is the new part): peft puts the exported adapters on the base as the run held it (for a
-    quantized base: dequantized, exported) and gives our logits; the merged export gives them too."""
+    LoRA code is a family's own; quantizing their bases is the new part): peft puts the exported
+    adapters on the base as the run held it (dequantized, exported) and gives our logits; the
+    merged export gives them too."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("peft")
     import transformers
