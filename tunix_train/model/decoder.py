@@ -1,6 +1,7 @@
-"""The decoder (Gemma 1 to 4 today) in Flax NNX: one implementation, whose differences between model
-families are config fields (norm placement, QK norm, soft-capping, the sliding-window pattern, RoPE,
-the embedding's scale, a tied or separate output layer, experts); model.family only names the
+"""The decoder (Gemma 1 to 4, Llama 3, Qwen 2.5 and 3) in Flax NNX: one implementation, whose
+differences between model families are config fields (norm placement, QK norm, q/k/v biases, the
+MLP's activation, soft-capping, the sliding-window pattern, RoPE and its scaling, the embedding's
+scale, a tied or separate output layer, experts and their router); model.family only names the
 family for the files (tunix_train.interop.families).
 
 Axis letters: B batch, T query positions, S key positions, D embed, N query heads, K key/value

@@ -1,8 +1,12 @@
-"""Mixture of experts, as Gemma 4 has it: a router picks k of E GeGLU experts per token.
+"""Mixture of experts: a router picks k of E gated experts (GeGLU or SwiGLU, model.mlp_activation)
+per token.
 
-Router (transformers' Gemma4TextRouter): the token's residual stream, RMS-normed without a weight,
-times a learned scale and 1/sqrt(D), projected to E logits; softmax in float32; the top k
-probabilities renormalised to sum to one, then each multiplied by its expert's learned scale.
+Routers (model.moe_router):
+- gemma4 (transformers' Gemma4TextRouter): the token's residual stream, RMS-normed without a
+  weight, times a learned scale and 1/sqrt(D), projected to E logits; softmax in float32; the top
+  k probabilities renormalised to sum to one, then each multiplied by its expert's learned scale.
+- softmax (Qwen 3 MoE's Qwen3MoeTopKRouter, Mixtral's): the layer's normed input projected to E
+  logits; softmax in float32; the top k, renormalised where model.moe_norm_topk_prob.
 
 Dispatch (model.moe_dispatch):
 - dropless: the token copies (X tokens x k choices) through their experts' matmuls, each
