@@ -179,6 +179,7 @@ def test_training_on_a_mesh_equals_one_device(tmp_path, name, mesh):
     np.testing.assert_allclose(runs[mesh], runs["one"], rtol=1e-5)
 
 
+@pytest.mark.slow  # two trainings, each checked with peft
 @pytest.mark.parametrize("variant, quantization", [("qwen2", "nf4"), ("qwen3_moe", "int8")])
 def test_lora_and_qlora_over_a_transformers_base_equal_peft(tmp_path, variant, quantization):
     """LoRA on every projection over a quantized Qwen 2 (q/k/v biases) or Qwen 3 MoE base (no
