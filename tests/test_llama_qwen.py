@@ -297,3 +297,19 @@ def test_a_context_extension_fine_tune_sets_rope_scaling_on_a_model_trained_with
         RopeScalingType.llama3,
         64,
     )
+
+
+def test_every_shipped_model_config_can_be_written_as_its_family():
+    """What a run trained from a named config exports must pass its family's check (export runs it)."""
+    from importlib.resources import files
+
+    from tunix_train.compose import load_config
+    from tunix_train.interop import families
+
+    names = sorted(
+        p.name.removesuffix(".yaml") for p in files("tunix_train.configs").joinpath("model").iterdir()
+    )
+    assert "qwen3_tiny" in names and "llama3_1_8b" in names
+    for name in names:
+        cfg, _ = load_config([f"model={name}"])
+        families.named(cfg.model.family).check(cfg.model)

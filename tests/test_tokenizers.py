@@ -177,3 +177,17 @@ def test_a_tokenizer_json_that_does_not_parse_is_one_line(tmp_path):
     ) as err:
         load_tokenizer(directory, 600)
     assert "\n" not in str(err.value)
+
+
+def test_a_saved_sentencepiece_model_loads_in_transformers_as_it_tokenizes(tmp_path):
+    """Saved beside any family's config.json (a Qwen one would make transformers pick a BPE class),
+    the bundled model comes back through the class its tokenizer_config.json names, BOS in front."""
+    ours = load_tokenizer(BUNDLED_TOKENIZER, 4096)
+    (tmp_path / "saved").mkdir()
+    ours.save(tmp_path / "saved")
+    (tmp_path / "saved" / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path / "saved")
+    assert type(reference).__name__ == "LlamaTokenizer"
+    # as in test_a_sentencepiece_model_tokenizes_like_transformers: a leading run of spaces differs
+    for text in [p for p in PROBES if not p.startswith("  ")]:
+        assert reference(text).input_ids == with_bos(ours, ours.encode(text)), text

@@ -109,10 +109,30 @@ class SentencePieceTokenizer:
         return self._sp.decode(list(ids))
 
     def save(self, directory: Path) -> None:
-        """As tokenizer.model, where transformers and load_tokenizer find it."""
+        """As tokenizer.model, where transformers and load_tokenizer find it, with a
+        tokenizer_config.json naming its special tokens and the transformers class that reads it as
+        SentencePiece does: GemmaTokenizer for a model without a dummy prefix (Gemma's), else
+        LlamaTokenizer without its legacy handling (whatever the model's family: transformers would
+        otherwise pick the family's own class, a BPE one for Qwen)."""
         write_atomically(
             directory / "tokenizer.model", lambda partial: partial.write_bytes(self.path.read_bytes())
         )
+
+        def name(i):
+            return self.token(i) if i >= 0 else None
+
+        prefix = self.adds_space_prefix
+        config = {
+            "tokenizer_class": "LlamaTokenizer" if prefix else "GemmaTokenizer",
+            "bos_token": name(self.bos_id),
+            "eos_token": name(self.eos_id),
+            "pad_token": name(self.pad_id),
+            "unk_token": name(self._sp.unk_id()),
+            "add_bos_token": self.add_bos,
+            "add_eos_token": False,
+            **({"legacy": False} if prefix else {}),
+        }
+        write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
 
 class HFTokenizer:

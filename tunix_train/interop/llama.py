@@ -31,13 +31,14 @@ LLAMA_DECODER = dict(
     final_logit_softcap=None,
     local_layers_per_global=0,
     sliding_window=None,
-    moe_router=MoeRouter.softmax,
 )
 FIXED = {
-    "llama": dict(LLAMA_DECODER, use_qk_norm=False, qkv_bias=False, dense_mlp=True),
-    "qwen2": dict(LLAMA_DECODER, use_qk_norm=False, qkv_bias=True, dense_mlp=True),
-    "qwen3": dict(LLAMA_DECODER, use_qk_norm=True, qkv_bias=False, dense_mlp=True),
-    "qwen3_moe": dict(LLAMA_DECODER, use_qk_norm=True, qkv_bias=False, dense_mlp=False),
+    "llama": dict(LLAMA_DECODER, use_qk_norm=False, qkv_bias=False, num_experts=0),
+    "qwen2": dict(LLAMA_DECODER, use_qk_norm=False, qkv_bias=True, num_experts=0),
+    "qwen3": dict(LLAMA_DECODER, use_qk_norm=True, qkv_bias=False, num_experts=0),
+    "qwen3_moe": dict(
+        LLAMA_DECODER, use_qk_norm=True, qkv_bias=False, moe_router=MoeRouter.softmax, dense_mlp=False
+    ),
 }
 _ROPE_KEYS = {  # ours -> transformers' rope_parameters key
     "factor": "factor",
