@@ -147,15 +147,20 @@ PUBLISHED_GEMMA4 = {
 GEMMA4_E2B_EFFECTIVE = 2.3e9
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED_GEMMA4))
-def test_gemma4_sizes_have_their_published_parameter_counts(name):
+def _parameter_counts(name: str):
+    """(config, all parameters, those a token goes through) of a named model config, abstractly."""
     from tunix_train.model.params import model_params
     from tunix_train.model.weights import FULL_FINE_TUNING
     from tunix_train.plan import parameter_counts
 
     cfg, _ = load_config([f"model={name}"])
     shapes = jax.eval_shape(lambda k: model_params(cfg.model, k, FULL_FINE_TUNING), jax.random.key(0))
-    total, active = parameter_counts(cfg, shapes)
+    return (cfg, *parameter_counts(cfg, shapes))
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_GEMMA4))
+def test_gemma4_sizes_have_their_published_parameter_counts(name):
+    cfg, total, active = _parameter_counts(name)
     want_total, want_active = PUBLISHED_GEMMA4[name]
     if want_total:
         assert abs(total - want_total) <= 0.05e9, f"{name}: {total:,} parameters"
@@ -185,13 +190,7 @@ PUBLISHED_QWEN3 = {
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_QWEN3))
 def test_qwen3_sizes_have_their_published_parameter_counts(name):
-    from tunix_train.model.params import model_params
-    from tunix_train.model.weights import FULL_FINE_TUNING
-    from tunix_train.plan import parameter_counts
-
-    cfg, _ = load_config([f"model={name}"])
-    shapes = jax.eval_shape(lambda k: model_params(cfg.model, k, FULL_FINE_TUNING), jax.random.key(0))
-    total, active = parameter_counts(cfg, shapes)
+    cfg, total, active = _parameter_counts(name)
     want_total, want_active = PUBLISHED_QWEN3[name]
     # 235B is given to the billion
     assert abs(total - want_total) <= (0.5e9 if want_total > 100e9 else 0.05e9), f"{name}: {total:,}"

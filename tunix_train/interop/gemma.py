@@ -169,7 +169,7 @@ def gemma4_from_hf(hf: dict[str, Any], family: str = "gemma4") -> dict[str, Any]
 _SPECIAL_IDS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "torch_dtype": "float32"}
 
 
-def _sizes(cfg: ModelConfig) -> dict[str, int]:
+def hf_sizes(cfg: ModelConfig) -> dict[str, int]:
     """The dimensions every transformers text config names alike."""
     return {
         "vocab_size": cfg.vocab_size,
@@ -207,7 +207,7 @@ def gemma4_to_hf(cfg: ModelConfig, family: str = "gemma4") -> dict[str, Any]:
         "factor": cfg.rope_scale_global,
     }
     return {
-        **_sizes(cfg),
+        **hf_sizes(cfg),
         "global_head_dim": cfg.global_head_dim or cfg.head_dim,
         "num_global_key_value_heads": cfg.num_global_kv_heads,
         "attention_k_eq_v": cfg.attention_k_eq_v,
@@ -247,7 +247,7 @@ def gemma_to_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
             "factor": cfg.rope_scale_global,
         }
     config = {
-        **_sizes(cfg),
+        **hf_sizes(cfg),
         "rms_norm_eps": cfg.rms_norm_eps,
         "hidden_activation": "gelu_pytorch_tanh",
         "hidden_act": "gelu_pytorch_tanh",

@@ -17,7 +17,7 @@ from tunix_train.config import (
     RopeScaling,
     RopeScalingType,
 )
-from tunix_train.interop.gemma import GEMMA4_ONLY_OFF
+from tunix_train.interop.gemma import GEMMA4_ONLY_OFF, hf_sizes
 
 # The decoder as Llama has it: pre-norms alone, weights around 1, unscaled embeddings, SwiGLU.
 LLAMA_DECODER = dict(
@@ -147,13 +147,7 @@ def llama_to_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
             f"model.rope_base_local: {family} checkpoints have one RoPE base; set it to rope_base_global"
         )
     config = {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.embed_dim,
-        "intermediate_size": cfg.hidden_dim,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
+        **hf_sizes(cfg),
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_base_global,

@@ -421,6 +421,7 @@ class Decoder(nnx.Module):
         parameters per position], windows [repeats, period]). In the scan body a period's windows
         are [period], or a scalar for the one stack.
         make_attend: rows -> window -> attend, the attention over the keys of this pass."""
+        # the RoPE tables before the masks: the order the program was traced in before (same HLO)
         period = self._period_runner(rows["positions"], lambda window, layer: attend_within(window))
         attend_within = make_attend(rows)
         per_layer_BTLP = rows.get("per_layer_inputs")
