@@ -313,3 +313,10 @@ def test_every_shipped_model_config_can_be_written_as_its_family():
     for name in names:
         cfg, _ = load_config([f"model={name}"])
         families.named(cfg.model.family).check(cfg.model)
+
+
+def test_a_config_json_missing_a_key_or_with_a_wrong_value_is_one_line():
+    with pytest.raises(ConfigError, match="config.json of model_type 'qwen3' lacks 'num_hidden_layers'"):
+        hf.model_fields_from_hf({"model_type": "qwen3", "vocab_size": 10})
+    with pytest.raises(ConfigError, match="config.json holds a value of the wrong kind"):
+        hf.model_fields_from_hf(_config(hidden_size="x", head_dim=None))

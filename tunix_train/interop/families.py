@@ -31,7 +31,21 @@ class Family:
     split_experts: bool = False
 
     def fields_from_hf(self, hf: dict) -> dict[str, Any]:
-        return {"family": self.name, **self.from_hf(hf), **self.fixed}
+        """ModelConfig fields of a config.json; one that lacks a key the family needs, or holds a
+        value of the wrong kind, is a one-line ConfigError naming it."""
+        try:
+            fields = self.from_hf(hf)
+        except ConfigError:
+            raise
+        except KeyError as err:
+            raise ConfigError(
+                f"model.init_from: config.json of model_type {hf.get('model_type')!r} lacks {err.args[0]!r}"
+            ) from None
+        except (TypeError, ValueError, AttributeError) as err:
+            raise ConfigError(
+                f"model.init_from: config.json holds a value of the wrong kind ({err})"
+            ) from None
+        return {"family": self.name, **fields, **self.fixed}
 
     def check(self, cfg: ModelConfig) -> None:
         """A ConfigError naming the first field of `cfg` that this family's checkpoints cannot hold."""
