@@ -35,11 +35,33 @@ SETTINGS = {
 
 
 def byte_level_bpe(directory: Path, kind: str, vocab_size: int = 600) -> Path:
-    """tokenizer.json and tokenizer_config.json of `kind` (qwen, llama) in `directory`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """tokenizer.json and tokenizer_config.json of `kind` (qwen, llama) in `directory`, split as
+    their published tokenizer.json files split text (Qwen's pattern and NFC; Llama 3's pattern,
+    whole words in the vocabulary skipping the merges)."""
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    from tunix_train.data.byte_bpe import LLAMA3_SPLIT, QWEN2_SPLIT
+
+    tokenizer = Tokenizer(models.BPE(ignore_merges=kind == "llama"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(
+                Regex(LLAMA3_SPLIT if kind == "llama" else QWEN2_SPLIT), behavior="isolated"
+            ),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    if kind == "qwen":
+        tokenizer.normalizer = normalizers.NFC()
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -170,16 +170,17 @@ def test_bad_gguf_files_are_one_line_errors(tmp_path):
     good = gguf_files.write(tmp_path / "m.gguf", "gemma3", hf_config, tensors)
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(good.read_bytes()[:5000])
-    llama = tmp_path / "llama.gguf"
-    writer = gguf.GGUFWriter(str(llama), "llama")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
-    (
-        writer.write_header_to_file(),
-        writer.write_kv_data_to_file(),
-        writer.write_tensors_to_file(),
-        writer.close(),
-    )
+    for arch in ("falcon", "llama"):  # a family this package does not read; one whose sizes are missing
+        writer = gguf.GGUFWriter(str(tmp_path / f"{arch}.gguf"), arch)
+        writer.add_block_count(1)
+        writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+        (
+            writer.write_header_to_file(),
+            writer.write_kv_data_to_file(),
+            writer.write_tensors_to_file(),
+            writer.close(),
+        )
+    falcon, llama = tmp_path / "falcon.gguf", tmp_path / "llama.gguf"
     odd = gguf_files.write(
         tmp_path / "odd.gguf",
         "gemma3",
@@ -189,7 +190,12 @@ def test_bad_gguf_files_are_one_line_errors(tmp_path):
     )
     for path, message in (
         (truncated, f"{truncated}: not a readable GGUF file ("),
-        (llama, f"{llama}: a GGUF of architecture 'llama'; tunix_train reads gemma, gemma2, gemma3"),
+        (
+            falcon,
+            f"{falcon}: a GGUF of architecture 'falcon'; tunix_train reads gemma, gemma2, gemma3, llama, "
+            "qwen2, qwen3, qwen3moe",
+        ),
+        (llama, f"{llama}: the GGUF metadata lacks llama.block_count, embedding_length, feed_forward_length"),
         (odd, f"{odd}: tensor blk.0.attn_k.weight has type Q8_1, which gguf.quants cannot dequantize"),
         (tmp_path / "missing.gguf", "missing.gguf: no such GGUF file"),
     ):

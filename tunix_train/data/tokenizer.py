@@ -3,7 +3,8 @@
 - a SentencePiece model (`tokenizer.model`; the bundled Shakespeare tokenizer is one);
 - a Hugging Face `tokenizer.json`, read with the `tokenizers` package;
 - the vocabulary embedded in a GGUF file (`tokenizer.ggml.*`), rebuilt as a `tokenizers` BPE the way
-  transformers' GGUF conversion builds Gemma's (integrations/gguf/gguf_tokenizer_mapping.py).
+  transformers' GGUF conversion builds Gemma's (integrations/gguf/gguf_tokenizer_mapping.py), or a
+  byte-level BPE (Llama 3's, Qwen's: data/byte_bpe.py).
 
 `encode` never adds BOS or EOS. BOS is the tokenizer's property: `with_bos` puts it in front of a
 sequence where the tokenizer's family starts sequences with one (`add_bos`; Qwen's tokenizers have
@@ -20,6 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from tunix_train.config import ConfigError
+from tunix_train.data import byte_bpe
 from tunix_train.files import write_atomically, write_text
 
 BUNDLED_TOKENIZER = Path(__file__).parent / "corpus" / "shakespeare_4k.model"
@@ -184,6 +186,10 @@ class HFTokenizer:
         ]
         return tokens, [-float(i) for i in range(len(tokens))], types
 
+    def gguf_bpe(self) -> tuple[str, list[str], list[int], list[str]] | None:
+        """(pre, tokens, types, merges) of a byte-level BPE as a GGUF holds it; None for another kind."""
+        return byte_bpe.gguf_fields(self._tokenizer, self.vocab_size, self.path)
+
     adds_space_prefix = False  # Gemma's tokenizer.json adds none
 
     def decode(self, ids: list[int]) -> str:
@@ -257,10 +263,25 @@ def gguf_tokenizer(reader, path: Path) -> HFTokenizer:
     def field(key):
         return None if reader.get_field(key) is None else reader.get_field(key).contents()
 
-    if field("tokenizer.ggml.model") != "llama" or field("tokenizer.ggml.tokens") is None:
+    def special(key, default):
+        return field(f"tokenizer.ggml.{key}") if field(f"tokenizer.ggml.{key}") is not None else default
+
+    kind = field("tokenizer.ggml.model")
+    if kind not in ("llama", "gpt2") or field("tokenizer.ggml.tokens") is None:
         raise ConfigError(
-            f"{path}: no SentencePiece-style vocabulary (tokenizer.ggml.model="
-            f"{field('tokenizer.ggml.model')!r}); pass data.tokenizer"
+            f"{path}: no SentencePiece-style or byte-level BPE vocabulary (tokenizer.ggml.model="
+            f"{kind!r}); pass data.tokenizer"
+        )
+    if kind == "gpt2":  # Llama 3's and Qwen's byte-level BPE
+        backend, pre = byte_bpe.from_gguf(field, path)
+        return HFTokenizer(
+            backend,
+            path,
+            special("bos_token_id", -1),
+            special("eos_token_id", -1),
+            special("padding_token_id", -1),
+            add_bos=special("add_bos_token", pre == "llama-bpe") is not False,
+            tokenizer_class="PreTrainedTokenizerFast",
         )
     tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in field("tokenizer.ggml.tokens")]
     vocab = {token: index for index, token in enumerate(tokens)}
@@ -283,9 +304,6 @@ def gguf_tokenizer(reader, path: Path) -> HFTokenizer:
     backend.add_tokens(
         [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, types) if kind == 4]
     )
-
-    def special(key, default):
-        return field(f"tokenizer.ggml.{key}") if field(f"tokenizer.ggml.{key}") is not None else default
 
     return HFTokenizer(
         backend,

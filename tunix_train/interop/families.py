@@ -134,11 +134,11 @@ register(
 
 # Llama names its pre-MLP norm as Gemma 2-4 name the norm after attention
 _PRE_MLP_NORM = {"layers.pre_ffw_norm.scale": "post_attention_layernorm.weight"}
-for _name, _architecture in (
-    ("llama", "LlamaForCausalLM"),
-    ("qwen2", "Qwen2ForCausalLM"),
-    ("qwen3", "Qwen3ForCausalLM"),
-    ("qwen3_moe", "Qwen3MoeForCausalLM"),
+for _name, _architecture, _gguf in (
+    ("llama", "LlamaForCausalLM", "llama"),
+    ("qwen2", "Qwen2ForCausalLM", "qwen2"),
+    ("qwen3", "Qwen3ForCausalLM", "qwen3"),
+    ("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3moe"),
 ):
     register(
         Family(
@@ -148,7 +148,7 @@ for _name, _architecture in (
             functools.partial(llama.llama_from_hf, family=_name),
             functools.partial(llama.llama_to_hf, family=_name),
             llama.FIXED[_name],
-            gguf_architecture=None,  # GGUF export of these families: not yet
+            gguf_architecture=_gguf,  # their conventions: interop/gguf_llama.py
             hf_names={
                 **_PRE_MLP_NORM,
                 "layers.moe.router_DE": "mlp.gate.weight",

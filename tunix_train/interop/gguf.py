@@ -1,4 +1,5 @@
-"""GGUF import (llama.cpp, Ollama, LM Studio files): Gemma, Gemma 2 and Gemma 3 text weights.
+"""GGUF import (llama.cpp, Ollama, LM Studio files): Gemma, Gemma 2 and Gemma 3 text weights, and
+Llama 3, Qwen 2.5, Qwen 3 and Qwen 3 MoE ones (their conventions: interop/gguf_llama.py).
 
 The `gguf` package (llama.cpp's own reader) parses the file and dequantizes every type it knows
 (gguf.quants.dequantize); nothing here decodes a quantization format. transformers' GGUF loader
@@ -29,13 +30,14 @@ import numpy as np
 from flax import nnx
 
 from tunix_train.config import ConfigError, ModelConfig
-from tunix_train.interop import families, hf
+from tunix_train.interop import families, gguf_llama, hf
 from tunix_train.model import quant
 from tunix_train.model.lora import INPUT_DIMS
 
 log = logging.getLogger("tunix_train")
 
-ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+ARCHITECTURES = (*GEMMA_ARCHITECTURES, *gguf_llama.FAMILY_OF)
 # What transformers' config classes assume where a GGUF file is silent (Gemma2Config, Gemma3TextConfig).
 _DEFAULTS = {
     "gemma": dict(
@@ -118,23 +120,39 @@ def model_fields(reader, path: Path) -> dict[str, Any]:
     def key(name, default=None):
         return _field(reader, f"{arch}.{name}", default)
 
-    defaults = _DEFAULTS[arch]
     layers, embed, heads = key("block_count"), key("embedding_length"), key("attention.head_count")
     if None in (layers, embed, heads, key("feed_forward_length")):
         raise ConfigError(
             f"{path}: the GGUF metadata lacks {arch}.block_count, embedding_length, "
             f"feed_forward_length or attention.head_count"
         )
+    experts = arch == "qwen3moe"
     _check_sizes(
         reader,
         path,
         layers=layers,
         embed=embed,
-        hidden=key("feed_forward_length"),
+        hidden=key("expert_feed_forward_length") if experts else key("feed_forward_length"),
         heads=heads,
         kv_heads=key("attention.head_count_kv", heads),
         head_dim=key("attention.key_length", embed // heads),
+        mlp="blk.0.ffn_gate_exps.weight" if experts else "blk.0.ffn_gate.weight",
     )
+    if arch in gguf_llama.FAMILY_OF:
+        names = {t.name for t in reader.tensors}
+        rope_freqs = (
+            _tensor(reader, gguf_llama.ROPE_FREQS, path).data if gguf_llama.ROPE_FREQS in names else None
+        )
+        return gguf_llama.model_fields(
+            arch,
+            key,
+            lambda name: _tensor(reader, name, path).shape,
+            names,
+            rope_freqs,
+            families.of_gguf(arch).fixed,
+            path,
+        )
+    defaults = _DEFAULTS[arch]
     per_global = _local_per_global(
         key("attention.sliding_window_pattern"), defaults["local_per_global"], layers, path
     )
@@ -170,7 +188,7 @@ def model_fields(reader, path: Path) -> dict[str, Any]:
     }
 
 
-def _check_sizes(reader, path: Path, *, layers, embed, hidden, heads, kv_heads, head_dim) -> None:
+def _check_sizes(reader, path: Path, *, layers, embed, hidden, heads, kv_heads, head_dim, mlp) -> None:
     """The sizes the metadata declares, held against the tensors the file holds (GGML order: [in,
     out]) before anything is built from them: a file cannot ask for a model larger than itself."""
 
@@ -181,7 +199,7 @@ def _check_sizes(reader, path: Path, *, layers, embed, hidden, heads, kv_heads, 
     declared = {
         "block_count": (layers, len(blocks)),
         "embedding_length": (embed, shape("token_embd.weight")[0]),
-        "feed_forward_length": (hidden, shape("blk.0.ffn_gate.weight")[-1]),
+        "feed_forward_length": (hidden, shape(mlp)[1]),
         "attention.head_count x key_length": (heads * head_dim, shape("blk.0.attn_q.weight")[-1]),
         "attention.head_count_kv x key_length": (kv_heads * head_dim, shape("blk.0.attn_k.weight")[-1]),
     }
@@ -237,32 +255,45 @@ def check_matches(cfg: ModelConfig, fields: dict[str, Any], path: Path) -> None:
         )
 
 
+def gguf_name(names, hf_name: str) -> str | None:
+    """llama.cpp's name of a transformers tensor; one named without a suffix (transformers' fused
+    experts) as its .weight."""
+    if not hf_name.endswith((".weight", ".bias")):
+        hf_name += ".weight"
+    return names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+
+
 class _GGUFTensors:
-    """The file's text tensors under transformers' names, dequantized to float32, 1 taken off the
-    norms; `hf.load_params_from` reads them block by block."""
+    """The file's text tensors under transformers' names and in its layouts, dequantized to float32:
+    the norms' offset taken off (Gemma's 1 + w), Llama's Q and K rows un-permuted, the experts' gate
+    and up stacked as transformers' gate_up_proj; `hf.load_params_from` reads them block by block."""
 
     def __init__(self, reader, path: Path, cfg: ModelConfig):
         import gguf
 
-        self.path = path
-        arch = {
-            "gemma": gguf.MODEL_ARCH.GEMMA,
-            "gemma2": gguf.MODEL_ARCH.GEMMA2,
-            "gemma3": gguf.MODEL_ARCH.GEMMA3,
-        }[architecture(reader, path)]
-        self._names = gguf.get_tensor_name_map(arch, cfg.num_layers)
+        self.path, self.cfg = path, cfg
+        self._names = gguf.get_tensor_name_map(
+            gguf.MODEL_ARCH[architecture(reader, path).upper()], cfg.num_layers
+        )
         self._by_name = {t.name: t for t in reader.tensors if not t.name.startswith(_VISION_PREFIXES)}
         skipped = len(reader.tensors) - len(self._by_name)
         if skipped:
             log.info(f"{path.name}: {skipped} vision-tower tensors ignored (text weights only)")
         # One parameter's tensors (all its layers) at a time: each device's block is cut from them.
-        self._dequantized = functools.lru_cache(maxsize=cfg.num_layers + 1)(self._dequantize)
+        self._whole = functools.lru_cache(maxsize=cfg.num_layers + 1)(self._read_whole)
 
     def _gguf_name(self, hf_name: str) -> str | None:
-        return self._names.get_name(hf_name, try_suffixes=(".weight",))
+        return gguf_name(self._names, hf_name)
+
+    def _parts(self, hf_name: str) -> list[str | None]:
+        """The GGUF tensors one transformers tensor is read from (the experts' gate_up_proj: two)."""
+        if hf_name.endswith("mlp.experts.gate_up_proj"):
+            base = hf_name.removesuffix("gate_up_proj")
+            return [self._gguf_name(base + "gate_proj"), self._gguf_name(base + "up_proj")]
+        return [self._gguf_name(hf_name)]
 
     def has(self, hf_name: str) -> bool:
-        return self._gguf_name(hf_name) in self._by_name
+        return all(name in self._by_name for name in self._parts(hf_name))
 
     def _dequantize(self, name: str) -> np.ndarray:
         from gguf import quants
@@ -276,10 +307,16 @@ class _GGUFTensors:
                 f"gguf.quants cannot dequantize"
             ) from None
         weights = weights.astype(np.float32, copy=False)
-        return weights - 1.0 if name.endswith("norm.weight") else weights
+        return weights - np.float32(self.cfg.norm_weight_offset) if name.endswith("norm.weight") else weights
+
+    def _read_whole(self, hf_name: str) -> np.ndarray:
+        parts = [self._dequantize(name) for name in self._parts(hf_name)]
+        weights = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        heads = gguf_llama.qk_heads(hf_name, self.cfg)
+        return weights if heads is None else gguf_llama.unpermute_qk(weights, heads)
 
     def read(self, hf_name: str, slices: list[slice]) -> np.ndarray:
-        return self._dequantized(self._gguf_name(hf_name))[tuple(slices)]
+        return self._whole(hf_name)[tuple(slices)]
 
 
 def load_params(
@@ -337,6 +374,8 @@ def projection_types(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple
     tensors = _GGUFTensors(reader, path, cfg)
     found = []
     for spec in _PROJECTIONS:
+        if spec.startswith("layers.mlp.") and not cfg.dense_mlp:
+            continue  # the experts take the MLP's place, dequantized
         types = []
         for name in _projection_names(tensors, spec, cfg):
             qtype = tensors._by_name[name].tensor_type
@@ -359,11 +398,15 @@ def _blocks(tensors: _GGUFTensors, spec: str, q, cfg: ModelConfig):
 
     names = _projection_names(tensors, spec, cfg)
     width = q.data.shape[-1]
+    heads = gguf_llama.qk_heads(hf._hf_name(spec, 0, cfg), cfg)  # Llama's Q and K: rows un-permuted
 
     def rows(name: str, row_slice: slice, byte_slice: slice) -> np.ndarray:
         """One device's rows of one layer's tensor (read from the file's map: only those), padded."""
         raw = np.asarray(tensors._by_name[name].data)
-        raw = raw.view(np.uint8).reshape(raw.shape[0], -1)[row_slice]  # F16 and F32 rows as their bytes too
+        raw = raw.view(np.uint8).reshape(raw.shape[0], -1)  # F16 and F32 rows as their bytes too
+        if heads is not None:
+            row_slice = gguf_llama.unpermute_qk(np.arange(raw.shape[0]), heads)[row_slice]
+        raw = raw[row_slice]
         return np.pad(raw, ((0, 0), (0, width - raw.shape[1])))[:, byte_slice]
 
     def data(index):

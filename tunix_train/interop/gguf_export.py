@@ -1,4 +1,7 @@
-"""GGUF export: a Gemma, Gemma 2 or Gemma 3 as llama.cpp's convert_hf_to_gguf.py writes one.
+"""GGUF export: a Gemma, Gemma 2 or Gemma 3 as llama.cpp's convert_hf_to_gguf.py writes one; a
+Llama 3, Qwen 2.5, Qwen 3 or Qwen 3 MoE as well, with the differences interop/gguf_llama.py holds
+(its metadata, Llama's permuted Q and K, stacked experts, llama3's rope_freqs, norms as they are)
+and its byte-level BPE vocabulary (data/byte_bpe.py).
 
 What is written, as the converter's Gemma models write it:
 - metadata: general.architecture (gemma, gemma2, gemma3) and name, file_type; {arch}.context_length,
@@ -34,7 +37,7 @@ import numpy as np
 
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.files import write_atomically
-from tunix_train.interop import families, hf
+from tunix_train.interop import families, gguf_llama, hf
 from tunix_train.interop import gguf as gguf_import
 
 DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
@@ -50,7 +53,27 @@ def _arch(cfg: ModelConfig) -> str:
             f"{', '.join(families.gguf_architectures())}); export a Hugging Face checkpoint instead"
         )
     family.check(cfg)
+    if family.gguf_architecture in gguf_llama.FAMILY_OF:
+        gguf_llama.check_exportable(cfg)
     return family.gguf_architecture
+
+
+def _gguf_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """transformers' tensors as the converter turns them before naming them: Llama's Q and K rows
+    permuted, the experts' fused gate/up as two stacked tensors, llama3's rope_freqs added."""
+    tensors = {}
+    for name, array in hf.hf_tensors(params, cfg, split_experts=False).items():  # every process gathers
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            gate, up = np.split(array, 2, axis=1)
+            tensors[base + "gate_proj"], tensors[base + "up_proj"] = gate, up
+            continue
+        heads = gguf_llama.qk_heads(name, cfg)
+        tensors[name] = array if heads is None else gguf_llama.permute_qk(array, heads)
+    factors = gguf_llama.llama3_factors(cfg)
+    if factors is not None:
+        tensors[gguf_llama.ROPE_FREQS] = factors
+    return tensors
 
 
 def export(
@@ -71,13 +94,14 @@ def export(
     if tokenizer is None:
         raise ConfigError("this checkpoint carries no tokenizer, and a GGUF file needs one")
 
-    tensors = hf.hf_tensors(params, cfg)  # every process gathers its shards
+    tensors = _gguf_tensors(params, cfg)
 
     def write(writer, names):
         _metadata(writer, cfg, arch, dtype)
         _vocabulary(writer, tokenizer, cfg.vocab_size, chat_template)
         for name, array in tensors.items():
-            _add_tensor(writer, names.get_name(name, try_suffixes=(".weight",)), array, dtype)
+            gguf_name = name if name == gguf_llama.ROPE_FREQS else gguf_import.gguf_name(names, name)
+            _add_tensor(writer, gguf_name, array, dtype, cfg.norm_weight_offset)
 
     _write(path, arch, cfg, write, check=lambda partial: _check_readable_as(cfg, partial, path))
 
@@ -102,8 +126,14 @@ def export_adapters(
         writer.add_float32("adapter.lora.alpha", float(lora.alpha))
         for key, array in tensors.items():  # base_model.model.<name>.lora_A.weight
             name, factor = key.removeprefix("base_model.model.").rsplit(".lora_", 1)  # factor: "A.weight"
-            gguf_name = names.get_name(name + ".weight", try_suffixes=(".weight",))
-            _add_tensor(writer, f"{gguf_name}.lora_{factor[0].lower()}", array, dtype)
+            heads = gguf_llama.qk_heads(name, cfg) if factor[0] == "B" else None  # B's rows are W's
+            array = array if heads is None else gguf_llama.permute_qk(array, heads)
+            _add_tensor(
+                writer,
+                f"{gguf_import.gguf_name(names, name + '.weight')}.lora_{factor[0].lower()}",
+                array,
+                dtype,
+            )
 
     _write(path, arch, cfg, write)
 
@@ -143,6 +173,9 @@ def _metadata(writer, cfg: ModelConfig, arch: str, dtype: str) -> None:
             "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
         }[dtype]
     )
+    if arch in gguf_llama.FAMILY_OF:
+        gguf_llama.write_metadata(writer, cfg, arch)
+        return
     writer.add_context_length(cfg.context_length or 8192)
     writer.add_embedding_length(cfg.embed_dim)
     writer.add_block_count(cfg.num_layers)
@@ -165,13 +198,25 @@ def _metadata(writer, cfg: ModelConfig, arch: str, dtype: str) -> None:
 
 
 def _vocabulary(writer, tokenizer, vocab_size: int, chat_template: str | None) -> None:
-    """llama.cpp's SentencePiece vocabulary; the model's rows past the tokenizer's as unused tokens."""
-    tokens, scores, types = tokenizer.gguf_vocabulary()
-    padding = range(len(tokens), vocab_size)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([*tokens, *(f"<unused_row{i}>" for i in padding)])
-    writer.add_token_scores([*scores, *(-float(i) for i in padding)])
-    writer.add_token_types([*types, *(5 for _ in padding)])  # 5: UNUSED
+    """llama.cpp's SentencePiece vocabulary, or its byte-level BPE (gpt2: Llama 3's and Qwen's);
+    the model's rows past the tokenizer's as unused tokens."""
+    bpe = tokenizer.gguf_bpe() if hasattr(tokenizer, "gguf_bpe") else None
+    if bpe:
+        pre, tokens, types, merges = bpe
+        padding = range(len(tokens), vocab_size)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list([*tokens, *(f"[PAD{i}]" for i in padding)])  # as the converter pads
+        writer.add_token_types([*types, *(5 for _ in padding)])  # 5: UNUSED
+        writer.add_token_merges(merges)
+    else:
+        tokens, scores, types = tokenizer.gguf_vocabulary()
+        padding = range(len(tokens), vocab_size)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list([*tokens, *(f"<unused_row{i}>" for i in padding)])
+        writer.add_token_scores([*scores, *(-float(i) for i in padding)])
+        writer.add_token_types([*types, *(5 for _ in padding)])  # 5: UNUSED
+        writer.add_add_space_prefix(tokenizer.adds_space_prefix)
     if tokenizer.bos_id >= 0:
         writer.add_bos_token_id(tokenizer.bos_id)
     writer.add_eos_token_id(tokenizer.eos_id)
@@ -179,16 +224,15 @@ def _vocabulary(writer, tokenizer, vocab_size: int, chat_template: str | None) -
         writer.add_pad_token_id(tokenizer.pad_id)
     writer.add_add_bos_token(tokenizer.add_bos)
     writer.add_add_eos_token(False)
-    writer.add_add_space_prefix(tokenizer.adds_space_prefix)
     if chat_template:
         writer.add_chat_template(chat_template)
 
 
-def _add_tensor(writer, name: str, array: np.ndarray, dtype: str) -> None:
+def _add_tensor(writer, name: str, array: np.ndarray, dtype: str, norm_offset: float = 0.0) -> None:
     import gguf
 
-    if name.endswith("norm.weight"):
-        array = array + np.float32(1.0)  # llama.cpp's Gemma norms hold 1 + w
+    if name.endswith("norm.weight") and norm_offset:
+        array = array + np.float32(norm_offset)  # llama.cpp's Gemma norms hold 1 + w
     types = {
         "f32": gguf.GGMLQuantizationType.F32,
         "f16": gguf.GGMLQuantizationType.F16,

@@ -341,12 +341,17 @@ def load_params_from(
     return jax.tree_util.tree_map_with_path(load, abstract_params)
 
 
-def hf_tensors(params: nnx.State, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """The parameters as transformers names and lays them out, float32, on every process."""
+def hf_tensors(
+    params: nnx.State, cfg: ModelConfig, split_experts: bool | None = None
+) -> dict[str, np.ndarray]:
+    """The parameters as transformers names and lays them out, float32, on every process; the experts
+    one tensor per expert and projection where the family's checkpoints store them so (or as
+    `split_experts` says)."""
     from jax.experimental import multihost_utils
 
     tensors = {}
-    split_experts = families.named(cfg.family).split_experts
+    if split_experts is None:
+        split_experts = families.named(cfg.family).split_experts
     for key_path, array in jax.tree_util.tree_flatten_with_path(params)[0]:
         path = jax.tree_util.keystr(key_path, simple=True, separator=".").removesuffix(".value")
         spec, layer_of = stack_layers(path, cfg)
