@@ -23,6 +23,55 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tunix_train_jax_cache_")
 
+
+def _reuse_identical_compilations(capacity: int = 64) -> None:
+    """Tests train the same configuration again and again in one process (straight, stopped and
+    resumed runs; every mesh against one device), and each run compiles its programs anew. This
+    keeps the last `capacity` executables XLA built, keyed as JAX's compilation cache keys them
+    (the module's text, the devices, the compile options), and hands an identical compilation the
+    executable already built: in memory, never serialized (the on-disk cache is off above). The
+    programs a test runs are the ones it compiles; only XLA's second build of one is skipped."""
+    import collections
+    import inspect
+    import threading
+
+    from jax._src import compiler
+
+    build = getattr(compiler, "backend_compile_and_load", None)
+    expected = ["backend", "module", "executable_devices", "options", "host_callbacks"]
+    if build is None or list(inspect.signature(build).parameters) != expected:
+        return  # another jax: compile everything
+    built: collections.OrderedDict = collections.OrderedDict()
+    lock = threading.Lock()
+
+    def backend_compile_and_load(backend, module, executable_devices, options, host_callbacks):
+        try:
+            key = (
+                backend.platform,
+                str(module),
+                tuple(d.id for d in executable_devices),
+                options.SerializeAsString(),
+            )
+        except AttributeError:  # another jaxlib's objects: compile
+            key = None
+        if host_callbacks or key is None:
+            return build(backend, module, executable_devices, options, host_callbacks)
+        with lock:
+            if key in built:
+                built.move_to_end(key)
+                return built[key]
+        executable = build(backend, module, executable_devices, options, host_callbacks)
+        with lock:
+            built[key] = executable
+            while len(built) > capacity:
+                built.popitem(last=False)
+        return executable
+
+    compiler.backend_compile_and_load = backend_compile_and_load
+
+
+_reuse_identical_compilations()
+
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 

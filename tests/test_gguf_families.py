@@ -25,7 +25,47 @@ from tunix_train.config import ConfigError  # noqa: E402
 
 MESH = [[2, 2], ["fsdp", "tp"]]
 VOCAB = 320  # a byte-level BPE needs its 256 bytes; the tokenizer has 300 tokens, the rest is padding
-PROBES = ["Hello world, to be or not to be: 12345!", "  two spaces\n\nand newlines\tтекст"]
+
+
+def _probes(count: int = 200) -> list[str]:
+    """Seeded probe strings: corpus lines, Unicode (accents, Cyrillic, CJK, emoji and joiners),
+    whitespace runs, digit runs, contractions and code, cut and mixed."""
+    import json
+    import lzma
+
+    from tunix_train.data.sources import BUNDLED_CORPUS
+
+    with lzma.open(BUNDLED_CORPUS, "rt") as f:
+        lines = [json.loads(line)["text"][:80] for _, line in zip(range(60), f)]
+    pieces = lines + [
+        "naïve café",
+        "текст на русском",
+        "我想在apple工作",
+        "🦙🦙 🚀 😶\u200d🌫️",
+        "ÅΩ≈ç√∫",
+        "   ",
+        "\t\t",
+        "\n\n\n",
+        " \n \t ",
+        "3",
+        "33 333 3333 33333",
+        "3.14159",
+        "1,000,000",
+        "I've",
+        "'RE you sure?",
+        "We'Ve a'lL",
+        "def f(x):\n    return x ** 2",
+        "if (a && b) { c++; }",
+        '<tag attr="v">',
+        "x = [1, 2, 3]  # list",
+        "SELECT * FROM t;",
+        "e^{i\\pi} + 1 = 0",
+    ]
+    rng = np.random.default_rng(7)
+    return [" ".join(rng.choice(pieces, size=rng.integers(1, 4))) for _ in range(count)]
+
+
+PROBES = _probes()
 ARCH = {"llama_rope": "llama", "qwen2": "qwen2", "qwen3_yarn": "qwen3", "qwen3_moe": "qwen3moe"}
 # what transformers' GGUF loader assumes where these files are silent (its Qwen3Config's head_dim,
 # Qwen3MoeConfig's moe_intermediate_size): the sizes it reads the tensors at
@@ -122,8 +162,11 @@ def test_the_file_is_the_converters_and_transformers_reads_back_the_checkpoint(e
         if name in state:
             np.testing.assert_array_equal(tensor.numpy(), state[name], err_msg=name)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp, gguf_file=path.name)
+    original = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp / "hf" / "tokenizer.json"))
     for probe in PROBES:
-        assert tokenizer.encode(probe, add_special_tokens=False) == model.tokenizer.encode(probe), probe
+        want = original.encode(probe, add_special_tokens=False)
+        assert model.tokenizer.encode(probe) == want, probe
+        assert tokenizer.encode(probe, add_special_tokens=False) == want, probe
 
 
 def test_our_import_gives_the_logits_and_the_tokenizer_back(exported):
@@ -132,11 +175,57 @@ def test_our_import_gives_the_logits_and_the_tokenizer_back(exported):
     back = api.load(path, mesh_shape=MESH, devices=jax.devices()[:4])
     assert back.config.rope_scaling == model.config.rope_scaling
     np.testing.assert_allclose(back.logits(tokens), model.logits(tokens), atol=1e-6, rtol=0)
+    model.export_gguf(tmp / "f16.gguf", "f16")
+    half = api.load(tmp / "f16.gguf", mesh_shape=MESH, devices=jax.devices()[:4])
+    rounded = jax.tree_util.tree_map_with_path(  # norms and biases stay float32: 1-D tensors in a GGUF
+        lambda p, x: (
+            x
+            if "norm" in jax.tree_util.keystr(p) or "bias" in jax.tree_util.keystr(p)
+            else x.astype(np.float16).astype(np.float32)
+        ),
+        model.params,
+    )
+    np.testing.assert_allclose(
+        half.logits(tokens),
+        api.LoadedModel(model.config, model.mesh, rounded).logits(tokens),
+        atol=1e-5,
+        rtol=0,
+    )
+    if variant in ("qwen2", "qwen3_moe"):  # transformers' GGUF loader reads all of these two files
+        reference = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp, gguf_file="f16.gguf", dtype=torch.float32
+        )
+        np.testing.assert_allclose(
+            hf_reference.logits(reference.eval(), tokens), half.logits(tokens), atol=1e-3, rtol=0
+        )
     ours, theirs = back.tokenizer, model.tokenizer
     assert [ours.encode(p) for p in PROBES] == [theirs.encode(p) for p in PROBES]
     assert (ours.bos_id, ours.eos_id, ours.add_bos) == (theirs.bos_id, theirs.eos_id, theirs.add_bos)
     assert ours.add_bos == variant.startswith("llama")  # Qwen's have no BOS: nothing is prepended
     assert back.stop_ids == (model.tokenizer.eos_id,)  # config.json's other EOS ids: not in a GGUF
+
+
+def test_merges_that_do_not_parse_and_an_unknown_pre_are_one_line(tmp_path):
+    from tunix_train.data.tokenizer import load_tokenizer
+
+    for key, value, words in (
+        ("tokenizer.ggml.merges", ["a b", "ab"], r"tokenizer.ggml.merges\[1\] 'ab' is not two tokens"),
+        ("tokenizer.ggml.merges", ["a zz"], r"tokenizer.ggml.merges\[0\] 'a zz' is not two tokens"),
+        ("tokenizer.ggml.pre", "deepseek-llm", "tokenizer.ggml.pre='deepseek-llm' is a pre-tokenizer"),
+    ):
+        path = tmp_path / "t.gguf"
+        writer = gguf.GGUFWriter(str(path), "qwen2")
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(value if key == "tokenizer.ggml.pre" else "qwen2")
+        writer.add_token_list(["a", "b", "ab", "<|im_end|>"])
+        writer.add_token_types([1, 1, 1, 3])
+        writer.add_token_merges(value if key == "tokenizer.ggml.merges" else ["a b"])
+        writer.add_eos_token_id(3)
+        writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(ConfigError, match=words) as err:
+            load_tokenizer(path, 8)
+        assert "\n" not in str(err.value)
 
 
 def test_a_pre_tokenizer_llama_cpp_does_not_name_is_refused(tmp_path):

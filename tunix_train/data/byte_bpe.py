@@ -85,10 +85,15 @@ def from_gguf(field, path: Path):
         )
     pattern, ignore_merges = SPLITS[pre]
     tokens, types = list(field("tokenizer.ggml.tokens")), list(field("tokenizer.ggml.token_type") or [])
+    vocab = {t: i for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges") or []]
-    backend = Backend(
-        BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=ignore_merges)
-    )
+    for i, merge in enumerate(merges):
+        if len(merge) != 2 or merge[0] not in vocab or merge[1] not in vocab:
+            raise ConfigError(
+                f"{path}: tokenizer.ggml.merges[{i}] {' '.join(merge)!r} is not two tokens of its "
+                f"vocabulary separated by a space; the file is damaged"
+            )
+    backend = Backend(BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pattern is None)
     backend.pre_tokenizer = (
         byte_level
