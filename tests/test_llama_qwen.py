@@ -320,3 +320,48 @@ def test_a_config_json_missing_a_key_or_with_a_wrong_value_is_one_line():
         hf.model_fields_from_hf({"model_type": "qwen3", "vocab_size": 10})
     with pytest.raises(ConfigError, match="config.json holds a value of the wrong kind"):
         hf.model_fields_from_hf(_config(hidden_size="x", head_dim=None))
+
+
+@pytest.mark.parametrize(
+    "variant, kind, template", [("qwen3", "qwen", "qwen2_5"), ("llama", "llama", "llama3")]
+)
+def test_a_chat_reply_is_transformers_greedy_reply_to_the_templated_conversation(
+    tmp_path, variant, kind, template
+):
+    """A tiny model beside its byte-level BPE tokenizer and its family's chat template (TRL's copy
+    of Qwen's ChatML, Llama 3's): the prompt we render is transformers' apply_chat_template's, and
+    the reply (`LoadedModel.reply`, what `generate --chat` and the server stream) is transformers'
+    greedy continuation, decoded, up to the end of turn."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    trl = pytest.importorskip("trl")
+    from pathlib import Path
+
+    from bpe_files import byte_level_bpe
+    from hf_reference import build
+
+    reference = build(variant, tmp_path / "m", vocab_size=640)
+    byte_level_bpe(tmp_path / "m", kind)
+    settings = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    settings["chat_template"] = (
+        Path(trl.__file__).parent / "chat_templates" / f"{template}.jinja"
+    ).read_text()
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps(settings))
+    model = api.load(tmp_path / "m", mesh_shape=MESHES["fsdp2_tp2"][0], devices=jax.devices()[:4])
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is there?"}]
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
+    prompt = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    prompt = prompt["input_ids"]
+    assert model.chat.encode(messages, add_generation_prompt=True)[0] == prompt
+    end = tokenizer.convert_tokens_to_ids({"qwen": "<|im_end|>", "llama": "<|eot_id|>"}[kind])
+    with torch.no_grad():
+        out = reference.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=GREEDY, eos_token_id=end, pad_token_id=end
+        )
+    new = out[0, len(prompt) :].tolist()
+    new = new[: new.index(end)] if end in new else new
+    assert len(new) >= 4  # a reply of some length, not an immediate end of turn
+    assert "".join(model.reply(messages, max_new_tokens=GREEDY)) == tokenizer.decode(new)
