@@ -70,7 +70,8 @@ def _reuse_identical_compilations(capacity: int = 64) -> None:
     compiler.backend_compile_and_load = backend_compile_and_load
 
 
-_reuse_identical_compilations()
+if os.environ.get("TUNIX_TRAIN_TEST_REUSE_COMPILATIONS", "1") != "0":  # 0: compile every program anew
+    _reuse_identical_compilations()
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -401,20 +401,8 @@ def test_a_rollout_mesh_that_does_not_fit_is_a_config_error(tmp_path, mesh, roll
     assert message in str(error.value), error.value
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("rollout_mesh", [False, True])
-def test_two_processes_sample_and_train_like_one(tmp_path, rollout_mesh):
-    """Every process samples the step's prompts and keeps its own rows: 2 processes x 2 devices give
-    the completions and losses of 1 process x 4. With a rollout mesh, 2 processes x 4 devices, each
-    giving 2 to a [[4],["fsdp"]] rollout mesh, each copying its own shards of the weights there."""
-    import os
-    import subprocess
-    import sys
-
-    from conftest import REPO, cpu_env
-
-    prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
-    run = [
+def _two_process_run(prompts) -> list[str]:
+    return [
         "model=gemma3_tiny",
         "model.vocab_size=4096",
         "objective=grpo",
@@ -432,8 +420,25 @@ def test_two_processes_sample_and_train_like_one(tmp_path, rollout_mesh):
         'model.mesh_shape=[[4],["fsdp"]]',
         "distributed.initialization_timeout_s=60",
     ]
+
+
+@pytest.fixture(scope="module")
+def one_process_grpo(tmp_path_factory):
+    """The run both two-process tests compare with: 1 process x 4 devices; (its directory, prompts)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, cpu_env
+
+    tmp_path = tmp_path_factory.mktemp("one_process_grpo")
+    prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
     one = subprocess.run(
-        [sys.executable, str(REPO / "run_training.py"), *run, f"hydra.run.dir={tmp_path / 'one'}"],
+        [
+            sys.executable,
+            str(REPO / "run_training.py"),
+            *_two_process_run(prompts),
+            f"hydra.run.dir={tmp_path / 'one'}",
+        ],
         cwd=REPO,
         env=cpu_env(4),
         capture_output=True,
@@ -441,6 +446,24 @@ def test_two_processes_sample_and_train_like_one(tmp_path, rollout_mesh):
         timeout=300,
     )
     assert one.returncode == 0, one.stderr
+    return tmp_path / "one", prompts
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("one_process_grpo")  # one worker runs both: the reference run is shared
+@pytest.mark.parametrize("rollout_mesh", [False, True])
+def test_two_processes_sample_and_train_like_one(tmp_path, rollout_mesh, one_process_grpo):
+    """Every process samples the step's prompts and keeps its own rows: 2 processes x 2 devices give
+    the completions and losses of 1 process x 4. With a rollout mesh, 2 processes x 4 devices, each
+    giving 2 to a [[4],["fsdp"]] rollout mesh, each copying its own shards of the weights there."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    one_dir, prompts = one_process_grpo
+    run = _two_process_run(prompts)
     apart = ['training.grpo.rollout_mesh_shape=[[4],["fsdp"]]'] if rollout_mesh else []
     two = subprocess.run(
         [
@@ -461,14 +484,14 @@ def test_two_processes_sample_and_train_like_one(tmp_path, rollout_mesh):
         timeout=300,
     )
     assert two.returncode == 0, two.stdout
-    assert _samples(tmp_path / "two") == _samples(tmp_path / "one")
+    assert _samples(tmp_path / "two") == _samples(one_dir)
     assert all(
         ("weight_sync_bytes" in m) == rollout_mesh for m in read_metrics(tmp_path / "two") if "loss" in m
     )
     for key in ("loss", "reward", "kl"):
         np.testing.assert_allclose(
             [m[key] for m in read_metrics(tmp_path / "two") if "loss" in m],
-            [m[key] for m in read_metrics(tmp_path / "one") if "loss" in m],
+            [m[key] for m in read_metrics(one_dir) if "loss" in m],
             rtol=1e-5,
             atol=1e-7,
             err_msg=key,

@@ -437,8 +437,8 @@ def test_ray_without_a_cluster_is_a_one_line_error(tmp_path):
 
 @pytest.mark.slow
 def test_a_job_that_lost_a_host_resumes_on_fewer_with_the_mesh_adjusted_by_hand(tmp_path):
-    """4 workers, one lost: the same run directory restarted on 3, model.mesh_shape and
-    micro_batch_size changed by hand so the global batch (12) stays; the launcher guesses nothing."""
+    """3 workers, one lost: the same run directory restarted on 2, model.mesh_shape and
+    micro_batch_size changed by hand so the global batch (6) stays; the launcher guesses nothing."""
     run = [
         "model=gemma3_tiny",
         "data=synthetic",
@@ -447,8 +447,8 @@ def test_a_job_that_lost_a_host_resumes_on_fewer_with_the_mesh_adjusted_by_hand(
         "training.eval_every=0",
         "distributed.initialization_timeout_s=60",
     ]
-    four = [*run, 'model.mesh_shape=[[4],["dp"]]', "training.micro_batch_size=3"]
-    three = [*run, 'model.mesh_shape=[[3],["dp"]]', "training.micro_batch_size=4"]
+    three = [*run, 'model.mesh_shape=[[3],["dp"]]', "training.micro_batch_size=2"]
+    two = [*run, 'model.mesh_shape=[[2],["dp"]]', "training.micro_batch_size=3"]
 
     def launch(nprocs, overrides):
         return subprocess.run(
@@ -469,22 +469,22 @@ def test_a_job_that_lost_a_host_resumes_on_fewer_with_the_mesh_adjusted_by_hand(
             timeout=600,
         )
 
-    first = launch(4, [*four, "training.max_steps=4"])
+    first = launch(3, [*three, "training.max_steps=4"])
     assert first.returncode == 0, first.stdout
-    second = launch(3, [*three, "training.max_steps=8"])
+    second = launch(2, [*two, "training.max_steps=8"])
     assert second.returncode == 0, second.stdout
     assert f"resumed from {tmp_path / 'job' / 'checkpoints'} at step 4" in second.stdout
-    assert "process 0 of 3" in second.stdout
+    assert "process 0 of 2" in second.stdout
     reference = subprocess.run(
         [
             sys.executable,
             str(REPO / "run_training.py"),
-            *four,
+            *three,
             "training.max_steps=8",
             f"hydra.run.dir={tmp_path / 'reference'}",
         ],
         cwd=REPO,
-        env=cpu_env(4),
+        env=cpu_env(3),
         capture_output=True,
         text=True,
         timeout=600,

@@ -365,3 +365,69 @@ def test_a_chat_reply_is_transformers_greedy_reply_to_the_templated_conversation
     new = new[: new.index(end)] if end in new else new
     assert len(new) >= 4  # a reply of some length, not an immediate end of turn
     assert "".join(model.reply(messages, max_new_tokens=GREEDY)) == tokenizer.decode(new)
+
+
+@pytest.mark.slow  # four runs straight and resumed
+@pytest.mark.parametrize(
+    "name, kind, template", [("qwen3_tiny", "qwen", "qwen2_5"), ("llama_tiny", "llama", "llama3")]
+)
+def test_sft_on_conversations_and_qlora_dpo_resume_bit_identically_on_fsdp2_tp2(
+    tmp_path, name, kind, template
+):
+    """With the family's byte-level BPE tokenizer and chat template: SFT on conversations
+    (data=chat: the template's loss mask) and DPO over an nf4 base with LoRA, each stopped and
+    resumed, log the losses of a straight run bit for bit."""
+    trl = pytest.importorskip("trl")
+    from pathlib import Path
+
+    from bpe_files import byte_level_bpe
+    from conftest import straight_and_resumed, train_losses
+
+    from tunix_train.compose import load_config
+
+    tokenizer = byte_level_bpe(tmp_path / "tok", kind)
+    settings = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    settings["chat_template"] = (
+        Path(trl.__file__).parent / "chat_templates" / f"{template}.jinja"
+    ).read_text()
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(settings))
+    rng = np.random.default_rng(0)
+    words = ["king", "queen", "night", "day", "love", "sword"]
+    with open(tmp_path / "chat.jsonl", "w") as f, open(tmp_path / "pairs.jsonl", "w") as g:
+        for _ in range(48):
+            question, answer = " ".join(rng.choice(words, 3)), " ".join(rng.choice(words, 2))
+            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+            rejected = " " + " ".join(rng.choice(words, 4))
+            g.write(
+                json.dumps({"prompt": question + ":", "chosen": " " + answer, "rejected": rejected}) + "\n"
+            )
+    common = [
+        f"model={name}",
+        "model.vocab_size=640",
+        f"data.tokenizer={tokenizer}",
+        "data.seq_len=128",  # Qwen 2.5's template adds its default system prompt
+        "training.log_every=1",
+        "training.eval_every=0",
+        "training.learning_rate=1e-2",
+        "checkpoint.every_steps=2",
+    ]
+    runs = {
+        "sft": [*common, "data=chat", f"data.train_files=[{tmp_path / 'chat.jsonl'}]"],
+        "dpo": [
+            *common,
+            "objective=dpo",
+            "data=jsonl",
+            f"data.train_files=[{tmp_path / 'pairs.jsonl'}]",
+            "model.head_dim=64",  # nf4 blocks of 64
+            "training.lora.rank=4",
+            "training.lora.targets=[q,k,v,o,gate,up,down]",
+            "training.lora.base_quantization=nf4",
+        ],
+    }
+    for objective, overrides in runs.items():
+        cfg, _ = load_config(overrides)
+        cfg.model.mesh_shape = [[2, 2], ["fsdp", "tp"]]
+        straight, resumed = straight_and_resumed(cfg, tmp_path / objective, 4, 2, jax.devices()[:4])
+        assert train_losses(resumed) == train_losses(straight) and len(train_losses(straight)) == 4, objective
+        assert len(set(train_losses(straight))) > 1, objective  # it trains
