@@ -163,8 +163,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("xdist_group") is not None or getattr(item, "module", None) is None:
             continue
+        # pytest's table of the fixtures a test uses (private: where it is missing, nothing is grouped)
+        known = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
         for name in item.fixturenames:
-            defs = item._fixtureinfo.name2fixturedefs.get(name) or ()
+            defs = known.get(name) or ()
             if any(d.scope == "module" and d.func.__module__ == item.module.__name__ for d in defs):
                 item.add_marker(pytest.mark.xdist_group(item.module.__name__))
                 break
