@@ -152,21 +152,3 @@ def straight_and_resumed(cfg, tmp_path: Path, steps: int, stop_at: int, devices)
             cfg.training.max_steps = max_steps
             train(cfg, run_dir, devices=devices)
     return tmp_path / "straight", tmp_path / "resumed"
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(config, items):
-    """The tests of a module that use a module-scoped fixture of that module (a reference run, a
-    server) share one worker of the parallel suite and run one after another: otherwise each worker
-    builds the fixture again, and so does a worker that comes back to the module later. Tests
-    that name their own xdist_group keep it."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is not None or getattr(item, "module", None) is None:
-            continue
-        # pytest's table of the fixtures a test uses (private: where it is missing, nothing is grouped)
-        known = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        for name in item.fixturenames:
-            defs = known.get(name) or ()
-            if any(d.scope == "module" and d.func.__module__ == item.module.__name__ for d in defs):
-                item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-                break

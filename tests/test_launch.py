@@ -90,11 +90,6 @@ def _workers(launcher_pid) -> list[int]:
     ]
 
 
-# The tests that compare with the uninterrupted run share one worker of the parallel suite, so the
-# module's fixture runs once (a Ray test among them: RAY_TESTS are in the same group).
-UNINTERRUPTED = pytest.mark.xdist_group("launch")
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("uninterrupted")
@@ -142,7 +137,6 @@ def assert_same_losses(run_dir, uninterrupted):
 
 
 @pytest.mark.slow
-@UNINTERRUPTED
 def test_a_killed_worker_restarts_the_job_from_its_checkpoint(tmp_path, uninterrupted):
     proc = _start(tmp_path, "--max_restarts=2", "--restart_backoff_s=1")
     out = kill_after_checkpoint(proc, tmp_path, 8, lambda out: _workers(proc.pid)[1])
@@ -152,7 +146,6 @@ def test_a_killed_worker_restarts_the_job_from_its_checkpoint(tmp_path, uninterr
 
 
 @pytest.mark.slow
-@UNINTERRUPTED
 def test_sigterm_to_the_job_saves_and_exits_preempted_and_the_next_launch_resumes(tmp_path, uninterrupted):
     proc = _start(tmp_path, "--max_restarts=3")
     _wait_for(proc, "step 5/")
@@ -266,7 +259,7 @@ def test_the_restart_policy(tmp_path):
 
 # Ray ----------------------------------------------------------------------------------------------
 # One worker of the parallel suite runs every Ray test: one cluster (the module's fixture) at a time.
-RAY_TESTS = UNINTERRUPTED
+RAY_TESTS = pytest.mark.xdist_group("ray")
 LOOPBACK = {
     **ENV,
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
