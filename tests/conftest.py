@@ -52,7 +52,7 @@ def _reuse_identical_compilations(capacity: int = 64) -> None:
                 tuple(d.id for d in executable_devices),
                 options.SerializeAsString(),
             )
-        except AttributeError:  # another jaxlib's objects: compile
+        except (AttributeError, TypeError):  # another jaxlib's objects: compile
             key = None
         if host_callbacks or key is None:
             return build(backend, module, executable_devices, options, host_callbacks)
