@@ -173,9 +173,6 @@ def _metadata(writer, cfg: ModelConfig, arch: str, dtype: str) -> None:
             "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
         }[dtype]
     )
-    if arch in gguf_llama.FAMILY_OF:
-        gguf_llama.write_metadata(writer, cfg, arch)
-        return
     writer.add_context_length(cfg.context_length or 8192)
     writer.add_embedding_length(cfg.embed_dim)
     writer.add_block_count(cfg.num_layers)
@@ -186,15 +183,18 @@ def _metadata(writer, cfg: ModelConfig, arch: str, dtype: str) -> None:
     writer.add_value_length(cfg.head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_base_global)
+    if cfg.rope_scale_global != 1.0:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(cfg.rope_scale_global)
+    if arch in gguf_llama.FAMILY_OF:
+        gguf_llama.write_metadata(writer, cfg, arch)
+        return
     if arch != "gemma":
         writer.add_sliding_window(cfg.sliding_window or 4096)
     if arch == "gemma2" and cfg.attn_logit_softcap is not None:
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcap)
     if cfg.final_logit_softcap is not None:
         writer.add_final_logit_softcapping(cfg.final_logit_softcap)
-    if cfg.rope_scale_global != 1.0:
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(cfg.rope_scale_global)
 
 
 def _vocabulary(writer, tokenizer, vocab_size: int, chat_template: str | None) -> None:

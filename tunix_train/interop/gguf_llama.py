@@ -169,19 +169,10 @@ def llama3_scaling(factors: np.ndarray, base: float, head_dim: int, path) -> Rop
 
 
 def write_metadata(writer, cfg: ModelConfig, arch: str) -> None:
-    """The {arch}.* keys the converter writes for these families (module docstring)."""
+    """The {arch}.* keys the converter writes for these families beyond the sizes every family
+    writes (gguf_export._metadata): module docstring."""
     import gguf
 
-    writer.add_context_length(cfg.context_length or 8192)
-    writer.add_embedding_length(cfg.embed_dim)
-    writer.add_block_count(cfg.num_layers)
-    writer.add_feed_forward_length(cfg.hidden_dim)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_base_global)
     if arch == "llama":
         writer.add_rope_dimension_count(cfg.head_dim)
     writer.add_vocab_size(cfg.vocab_size)
@@ -190,10 +181,7 @@ def write_metadata(writer, cfg: ModelConfig, arch: str) -> None:
         writer.add_expert_used_count(cfg.num_experts_per_token)
         writer.add_expert_feed_forward_length(cfg.moe_hidden_dim)
     scaling = cfg.rope_scaling
-    if cfg.rope_scale_global != 1.0:
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(cfg.rope_scale_global)
-    elif scaling.type is RopeScalingType.yarn:
+    if cfg.rope_scale_global == 1.0 and scaling.type is RopeScalingType.yarn:  # linear: written by all
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(scaling.factor)
         writer.add_rope_scaling_orig_ctx_len(scaling.original_context)
