@@ -308,3 +308,19 @@ def test_qlora_over_a_gguf_llama_base_and_its_adapters_as_llama_cpp_applies_them
             atol=1e-5,
             err_msg=name,
         )
+
+
+def test_a_damaged_rope_freqs_or_yarn_key_is_one_line(tmp_path):
+    from tunix_train.interop import gguf_llama
+
+    for factors in (np.ones(3), np.array([1.0, -2.0, 8.0, 8.0]), np.array([1.0, np.nan, 8.0, 8.0])):
+        with pytest.raises(ConfigError, match="rope_freqs.weight holds .* the file is damaged"):
+            gguf_llama.llama3_scaling(factors, 5e5, 8, tmp_path / "m.gguf")
+
+    def key(name, default=None):
+        return {"embedding_length": 64, "attention.head_count": 4, "rope.scaling.type": "yarn"}.get(
+            name, default
+        )
+
+    with pytest.raises(ConfigError, match="yarn RoPE scaling without qwen3.rope.scaling.factor"):
+        gguf_llama.model_fields("qwen3", key, lambda n: [64, 320], set(), None, {}, tmp_path / "m.gguf")

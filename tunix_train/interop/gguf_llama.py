@@ -99,6 +99,11 @@ def model_fields(
     if kind == "linear":
         fields["rope_scale_global"] = float(key("rope.scaling.factor", 1.0))
     elif kind == "yarn":
+        if key("rope.scaling.factor") is None or key("rope.scaling.original_context_length") is None:
+            raise ConfigError(
+                f"{path}: yarn RoPE scaling without {arch}.rope.scaling.factor or "
+                f"original_context_length; the file is damaged"
+            )
         fields["rope_scaling"] = RopeScaling(
             type=RopeScalingType.yarn,
             factor=float(key("rope.scaling.factor")),
@@ -134,6 +139,11 @@ def llama3_scaling(factors: np.ndarray, base: float, head_dim: int, path) -> Rop
     llama3 schedule gives `factors`."""
     from tunix_train.model.rope import scaled_frequencies
 
+    if factors.shape != (head_dim // 2,) or not np.all(np.isfinite(factors)) or factors.min() <= 0:
+        raise ConfigError(
+            f"{path}: its {ROPE_FREQS} holds {factors.size} values, not {head_dim // 2} positive ones "
+            f"(one per rotary pair); the file is damaged"
+        )
     factor = float(factors.max())
     if np.allclose(factors, 1.0):
         return RopeScaling()
