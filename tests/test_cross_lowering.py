@@ -49,7 +49,7 @@ def _lowered(target: str, *overrides: str) -> dict[str, str]:
 
     with jax.set_mesh(run.mesh):
         per_layer = jax.eval_shape(engine._unstack, params)
-        entries, logits = jax.eval_shape(
+        entries, logits, _ = jax.eval_shape(
             lambda *a: engine._prefill_fn(*a, max_len=max_len),
             params,
             per_layer,

@@ -211,7 +211,7 @@ def _dense_reference(moe, route_XD, x_XD):
 def test_dropless_dispatch_equals_the_dense_reference():
     moe = _moe()
     route, x = (jax.random.normal(jax.random.key(i), (2, 24, 64)) for i in (1, 2))
-    y, stats = moe(route, x)
+    y, stats, experts = moe(route, x)
     expected = _dense_reference(moe, route.reshape(-1, 64), x.reshape(-1, 64))
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 64), expected, atol=1e-5, rtol=0)
     assert float(stats["expert_tokens"].sum()) == 2 * 24 * 2

@@ -8,6 +8,7 @@ import json
 import time
 
 import jax
+import numpy as np
 import pytest
 
 from tunix_train.config import ConfigError
@@ -114,6 +115,7 @@ class Done:  # what the engine returns for a request
     logprobs: list
     stop_token: int | None
     stop_logprob: float = -0.5
+    routes: object = None  # record_routes: [positions fed, layers, k]
 
 
 def test_calls_run_and_their_results_continue_the_conversation(tokenizer):
@@ -141,10 +143,12 @@ def test_calls_run_and_their_results_continue_the_conversation(tokenizer):
     def generate(requests):
         requests_seen.append(requests)
         out = []
-        for _ in requests:
-            text = script[len(requests_seen) - 1]
-            tokens = tokenizer.encode(text)
-            out.append(Done(tokens, [-0.1] * len(tokens), eot))
+        for ids, _, _ in requests:
+            turn = len(requests_seen) - 1
+            tokens = tokenizer.encode(script[turn])
+            # the "experts" of every position this turn fed: the prompt's and its tokens (not the stop)
+            routes = np.full((len(ids) + len(tokens), 2, 1), turn)
+            out.append(Done(tokens, [-0.1] * len(tokens), eot, routes=routes))
         return out
 
     trajectory = turns.start(Environment(), {"prompt": "What is 347 times 812?"}, "Environment")
@@ -183,6 +187,15 @@ def test_calls_run_and_their_results_continue_the_conversation(tokenizer):
     mine = [lp for lp, m in zip(trajectory.logprobs, trajectory.own) if m]
     assert all(lp == 0.0 for lp, m in zip(trajectory.logprobs, trajectory.own) if not m)
     assert mine.count(-0.5) == 4 and mine.count(-0.1) == len(mine) - 4  # the engine's, the stop token's last
+    # routing replay: each position keeps the experts of the turn that first fed it, every position
+    # but the final stop token's
+    ends = [len(r[0][0]) + len(tokenizer.encode(text)) for r, text in zip(requests_seen, script)]
+    expected = np.concatenate(
+        [np.full(end - start, k) for k, (start, end) in enumerate(zip([0, *ends], ends))]
+    )
+    assert len(expected) == len(prompt) + len(trajectory.tokens) - 1
+    np.testing.assert_array_equal(trajectory.routes[:, 0, 0], expected)
+    np.testing.assert_array_equal(trajectory.routes[:, 1, 0], expected)
 
 
 class Countdown(Environment):

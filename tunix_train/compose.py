@@ -182,6 +182,29 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
             f"reads the fields it names"
         )
     {Objective.dpo: t.dpo, Objective.grpo: t.grpo}[t.objective].check(t.micro_batch_size)
+    if t.objective is Objective.grpo and t.grpo.routing_replay:
+        _check_routing_replay(m)
+
+
+def _check_routing_replay(m: ModelConfig) -> None:
+    """What training.grpo.routing_replay needs: experts, each recorded in a byte, and no pp (a
+    pipeline stage holds a slice of the layers, the routes are the whole stack's)."""
+    if not m.num_experts:
+        raise ConfigError(
+            f"training.grpo.routing_replay replays the experts the engine chose: model {m.name} has "
+            f"none (model.num_experts=0); set it to false"
+        )
+    if m.num_experts > 256:
+        raise ConfigError(
+            f"training.grpo.routing_replay records each expert in a byte: model.num_experts="
+            f"{m.num_experts} is more than 256"
+        )
+    sizes, names = m.mesh_shape
+    if dict(zip(names, sizes)).get("pp", 1) != 1:
+        raise ConfigError(
+            "training.grpo.routing_replay does not run with the pp mesh axis yet: drop pp from "
+            "model.mesh_shape, or set routing_replay to false"
+        )
 
 
 def _register_schema() -> None:

@@ -103,6 +103,9 @@ class GrpoConfig:
     # What the engine computes in (bf16: half the bytes a decoded token reads, and a larger train-
     # inference mismatch, logged as logprob_mismatch_*); the trainer's forward is unchanged.
     rollout_dtype: RolloutDtype = _fixed(RolloutDtype.fp32)
+    # Mixture of experts: the engine records the experts each layer chose for every token, and the
+    # trainer's forward uses them instead of its router's top k (routing replay, train/rollout.py).
+    routing_replay: bool = _fixed(False)
     # Reward functions, `module:function`, each fn(prompts, completions, **fields) -> list of floats;
     # the reward of a completion is their sum, weighted by reward_weights (empty: all 1).
     reward: List[str] = _fixed(factory=list)

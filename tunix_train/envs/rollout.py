@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import numpy as np
+
 from tunix_train.config import ConfigError
 from tunix_train.data.chat import ChatTemplate, check_messages
 from tunix_train.envs import tools as t
@@ -38,6 +40,7 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0  # tool calls and environment steps that raised, timed out or were written wrong
     open: bool = True
+    routes: np.ndarray | None = None  # the engine's experts per position fed (its record_routes)
 
     @property
     def last_turn(self) -> str:
@@ -121,6 +124,9 @@ class Turns:
         tr.tokens += completion.tokens + [completion.stop_token] * stopped
         tr.own += [1] * (len(completion.tokens) + stopped)
         tr.logprobs += completion.logprobs + [completion.stop_logprob] * stopped
+        if completion.routes is not None:  # each position keeps the experts of the turn that first fed it
+            known = 0 if tr.routes is None else len(tr.routes)
+            tr.routes = np.concatenate([tr.routes, completion.routes[known:]]) if known else completion.routes
         tr.messages.append({"role": "assistant", "content": self.chat.tokenizer.decode(completion.tokens)})
         at_end_of_turn = completion.stop_token == self.end_of_turn_id
         if not at_end_of_turn or turn == self.max_turns - 1:

@@ -62,15 +62,19 @@ class Engine:
         prefix_cache: int = 4,
         decode: Optional[Callable[[list[int]], str]] = None,
         lora: Optional[LoraConfig] = None,
+        record_routes: bool = False,
     ):
         """stop_ids: the tokens that end a request (EOS, end of turn), excluded from its tokens.
         prefix_cache: how many recent prompts' prefills are kept for reuse (0: every request is
         prefilled on its own). decode: token ids -> text, for requests with stop strings. lora: the
-        model carries these adapters apart from its base (a quantized base, Weights.for_engine)."""
+        model carries these adapters apart from its base (a quantized base, Weights.for_engine).
+        record_routes: each completion keeps the experts every layer chose for each of its
+        positions (Completion.routes; a mixture-of-experts model), for routing replay."""
         # the engine keeps positions whole: a prompt or one decoded token is not split over cp
         self.cfg, self.mesh, self.rules, self.chunk = cfg, mesh, rules.replace(seq=()), chunk
         self.stop_ids, self.decode = frozenset(int(i) for i in stop_ids), decode
         self.slots, self.prefix_cache = slots, prefix_cache
+        self.record_routes = record_routes and bool(cfg.num_experts)
         self.graphdef = model_graphdef(cfg, Remat.none, rules=self.rules, lora=lora)
         self.windows = tuple(int(w) for w in layer_windows(cfg))
         self.source = kv_sources(cfg)
@@ -85,20 +89,24 @@ class Engine:
     # -- the compiled pieces -------------------------------------------------------------------
 
     def _forward(self, params, per_layer, tokens_BT, positions_BT, attend_of_layer, last_B=None):
-        """Next-token logits [B, V] at index last_B (default the last), and each layer's cache
-        (None for a layer that reuses an earlier one's keys and values)."""
+        """Next-token logits [B, V] at index last_B (default the last), each layer's cache (None for
+        a layer that reuses an earlier one's keys and values), and with record_routes each token's
+        experts in each layer [B, T, L, k] (else None)."""
         model = nnx.merge(self.graphdef, params)
-        x_BD, caches = model.unrolled_layers(per_layer, tokens_BT, positions_BT, attend_of_layer, last_B)
+        x_BD, caches, routes_BTLK = model.unrolled_layers(
+            per_layer, tokens_BT, positions_BT, attend_of_layer, last_B
+        )
         logits_BV = output_logits(x_BD, model.output_table(), self.cfg.final_logit_softcap, self.rules)
-        return logits_BV, kv.constrained(caches, self.cfg, self.mesh, self.rules)
+        routes_BTLK = routes_BTLK if self.record_routes else None
+        return logits_BV, kv.constrained(caches, self.cfg, self.mesh, self.rules), routes_BTLK
 
     def _prefill_fn(self, params, per_layer, tokens_NP, length_N, *, max_len: int):
-        """Right-padded prompts -> each producing layer's cache entries [N*K, slots, H] and the
-        logits [N, V] after each prompt's last token."""
+        """Right-padded prompts -> each producing layer's cache entries [N*K, slots, H], the logits
+        [N, V] after each prompt's last token, and the experts of their tokens (_forward)."""
         P_ = tokens_NP.shape[1]
         slots = kv.slots_per_layer(self.cfg, max_len)
         positions_NP = jnp.broadcast_to(jnp.arange(P_), tokens_NP.shape)
-        logits_NV, entries = self._forward(
+        logits_NV, entries, routes_NPLK = self._forward(
             params,
             per_layer,
             tokens_NP,
@@ -106,7 +114,7 @@ class Engine:
             lambda i: kv.prefill_attend(self.windows[i], slots[i], length_N, keep=self.source[i] == i),
             length_N - 1,
         )
-        return entries, logits_NV
+        return entries, logits_NV, routes_NPLK
 
     def _insert_fn(
         self, caches, entries, logits_NV, row_n, slot_n, rules: Rules, seeds_n, stream_n, *, kinds: Kinds
@@ -148,8 +156,9 @@ class Engine:
         kinds: Kinds,
     ):
         """`chunk` steps: each feeds a row's token at its position and draws its token number
-        count_B. Returns the caches, the next (token, position, count) and the [B, chunk] tokens
-        and their log-probabilities."""
+        count_B. Returns the caches, the next (token, position, count), the [B, chunk] tokens and
+        their log-probabilities, and with record_routes the experts of the tokens fed, [B, chunk,
+        L, k] (else None)."""
 
         def step(carry, _):
             caches, token_B, position_B, count_B = carry
@@ -162,16 +171,18 @@ class Engine:
                     caches[i], self.windows[i], position_B, on_write=lambda c: updated.__setitem__(i, c)
                 )
 
-            logits_BV, caches = self._forward(
+            logits_BV, caches, routes_B1LK = self._forward(
                 params, per_layer, token_B[:, None], position_B[:, None], attend_of_layer
             )
             drawn_B, logprob_B = _draw(logits_BV, rules, seeds_B, stream_B, count_B, kinds)
-            return (caches, drawn_B, position_B + 1, count_B + 1), (drawn_B, logprob_B)
+            routes_BLK = None if routes_B1LK is None else routes_B1LK[:, 0]
+            return (caches, drawn_B, position_B + 1, count_B + 1), (drawn_B, logprob_B, routes_BLK)
 
-        (caches, token_B, position_B, count_B), (drawn_CB, logprob_CB) = jax.lax.scan(
+        (caches, token_B, position_B, count_B), (drawn_CB, logprob_CB, routes_CBLK) = jax.lax.scan(
             step, (caches, token_B, position_B, count_B), None, length=self.chunk
         )
-        return caches, token_B, position_B, count_B, drawn_CB.T, logprob_CB.T
+        routes_BCLK = None if routes_CBLK is None else jnp.swapaxes(routes_CBLK, 0, 1)
+        return caches, token_B, position_B, count_B, drawn_CB.T, logprob_CB.T, routes_BCLK
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -44,13 +44,16 @@ class Request:
 class Completion:
     """The new tokens (without the stop token; with the one that completed a stop string), the
     log-probability of each (sampling.draw), why it ended: "stop" or "length", and the stop token
-    that ended it, if one did, with its log-probability."""
+    that ended it, if one did, with its log-probability. With the engine's record_routes, `routes`
+    [positions, L, k]: the experts each layer chose for every position whose token was fed to the
+    model, the prompt's and then each new token's but the last (whose successor was not drawn)."""
 
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finish: Optional[str] = None
     stop_token: Optional[int] = None
     stop_logprob: Optional[float] = None
+    routes: Optional[np.ndarray] = None
 
 
 def bucket(length: int) -> int:
@@ -155,8 +158,9 @@ class Session:
         self.seeds = np.zeros((slots, *_seed_key(0).shape), np.uint32)
         self._on_device = None  # the rows' arrays on the devices, while the host has not changed them
         e.stats["cache_bytes"] = sum(x.nbytes for c in self.caches if c is not None for x in c.values())
-        # prompt -> (entries, logits, row)
+        # prompt -> (entries, logits, routes, row)
         self._prefixes: collections.OrderedDict = collections.OrderedDict()
+        self._routes: dict[int, list[np.ndarray]] = {}  # record_routes: a running request's, in parts
 
     @property
     def busy_slots(self) -> bool:
@@ -188,6 +192,7 @@ class Session:
         self.queue = collections.deque((i, r) for i, r in self.queue if i != rid)
         self.running = [None if r is not None and r[0] == rid else r for r in self.running]
         self.completions.pop(rid, None)
+        self._routes.pop(rid, None)
 
     def step(self) -> list[tuple[int, list[int]]]:
         """Fills the free slots from the queue, decodes one chunk, and returns each running
@@ -210,8 +215,9 @@ class Session:
         return jax.device_put(x, NamedSharding(mesh, P(data_axes(mesh) or None, *[None] * (x.ndim - 1))))
 
     def _prefilled(self, starting: list[tuple[int, int, Request]]) -> list[tuple]:
-        """Each starting request's prefill (entries, logits, row): its prompt's kept one, or new
-        ones, the prompts of one bucket length prefilled in one batch."""
+        """Each starting request's prefill (entries, logits, routes, row): its prompt's kept one, or
+        new ones, the prompts of one bucket length prefilled in one batch (routes: the experts of
+        its tokens on the host, with record_routes)."""
         e = self.engine
 
         def key_of(i, r):
@@ -230,10 +236,11 @@ class Session:
             for row in range(N):
                 prompt = group[min(row, len(group) - 1)][1]
                 tokens[row, : len(prompt)], lengths[row] = prompt, len(prompt)
-            entries, logits = e.prefill_step(
+            entries, logits, routes = e.prefill_step(
                 self.params, self.per_layer, self._rows(tokens), self._rows(lengths), max_len=self.max_len
             )
-            found.update({k: (entries, logits, row) for row, (k, _) in enumerate(group)})
+            routes = None if routes is None else _fetch(routes)[0]
+            found.update({k: (entries, logits, routes, row) for row, (k, _) in enumerate(group)})
             e.stats["prefills"] += len(group)
         e.stats["prefix_hits"] += len(starting) - len(todo)
         if e.prefix_cache:
@@ -249,7 +256,11 @@ class Session:
         start = time.perf_counter()
         self._on_device = None
         by_source: dict[int, tuple] = {}
-        for (slot, rid, request), (entries, logits, prefill_row) in zip(starting, self._prefilled(starting)):
+        for (slot, rid, request), (entries, logits, routes, prefill_row) in zip(
+            starting, self._prefilled(starting)
+        ):
+            if routes is not None:
+                self._routes[rid] = [routes[prefill_row, : len(request.prompt)]]
             s = request.sampling
             settings = {
                 "token": 0,
@@ -299,7 +310,7 @@ class Session:
         if self._on_device is None:  # the rows changed on the host (a request started): upload them
             self._on_device = ({name: self._rows(x) for name, x in row.items()}, self._rows(self.seeds))
         rows, seeds = self._on_device
-        self.caches, token_B, position_B, count_B, drawn_BC, logprob_BC = e.decode_step(
+        self.caches, token_B, position_B, count_B, drawn_BC, logprob_BC, routes_BC = e.decode_step(
             self.params,
             self.per_layer,
             self.caches,
@@ -312,7 +323,9 @@ class Session:
             kinds=self.kinds,
         )
         rows.update(token=token_B, position=position_B, count=count_B)  # the next chunk's, on the devices
-        drawn_BC, logprob_BC = _fetch(drawn_BC, logprob_BC)
+        drawn_BC, logprob_BC, *routes_BC = _fetch(
+            drawn_BC, logprob_BC, *[r for r in [routes_BC] if r is not None]
+        )
         row["token"], row["position"], row["count"] = (
             drawn_BC[:, -1].copy(),
             row["position"] + e.chunk,
@@ -321,18 +334,28 @@ class Session:
         e.stats["decode_s"] += time.perf_counter() - start
         e.stats["steps"] += e.chunk
         return [
-            (self.running[slot][0], self._take(slot, drawn_BC[slot].tolist(), logprob_BC[slot].tolist()))
+            (
+                self.running[slot][0],
+                self._take(
+                    slot,
+                    drawn_BC[slot].tolist(),
+                    logprob_BC[slot].tolist(),
+                    routes_BC[0][slot] if routes_BC else None,
+                ),
+            )
             for slot in range(self.slots)
             if self.running[slot] is not None
         ]
 
-    def _take(self, slot: int, tokens: list[int], logprobs: list[float]) -> list[int]:
+    def _take(self, slot: int, tokens: list[int], logprobs: list[float], routes=None) -> list[int]:
         """Appends a slot's new tokens to its completion up to where the request stops; frees the
-        slot when it does. Returns the tokens taken."""
+        slot when it does. Returns the tokens taken. routes [C, L, k]: the experts of the token fed
+        at each decode step, that drew tokens[c] (record_routes)."""
         rid, request = self.running[slot]
         done = self.completions[rid]
-        taken = []
+        taken, fed = [], 0
         for token, logprob in zip(tokens, logprobs):
+            fed += 1
             if token in self.engine.stop_ids:
                 done.finish, done.stop_token, done.stop_logprob = "stop", token, logprob
                 break
@@ -347,7 +370,11 @@ class Session:
             if len(done.tokens) == request.max_new_tokens:
                 done.finish = "length"
                 break
+        if routes is not None:
+            self._routes[rid].append(routes[:fed])
         if done.finish is not None:
             self.running[slot] = None
+            if rid in self._routes:
+                done.routes = np.concatenate(self._routes.pop(rid))
         self.engine.stats["tokens"] += len(taken)
         return taken

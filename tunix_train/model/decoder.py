@@ -202,9 +202,10 @@ class Block(nnx.Module):
         )
         self.rules = rules
 
-    def __call__(self, x_BTD, rope, attend, per_layer_input_BTP=None, shared_kv=None):
+    def __call__(self, x_BTD, rope, attend, per_layer_input_BTP=None, shared_kv=None, replay_BTK=None):
         """The block's output, what `attend` returned beside attention's output, and side results:
-        "kv", this layer's keys and values; "moe", its experts' statistics (moe.MoE)."""
+        "kv", this layer's keys and values; "moe", its experts' statistics and "routes", each token's
+        experts [B, T, k] (moe.MoE; replay_BTK: the experts to replay, moe.MoE.route)."""
         h_BTD, extra, kv = self.attn(self.pre_attn_norm(x_BTD), rope, attend, shared_kv)
         if self.post_attn_norm is not None:
             h_BTD = self.post_attn_norm(h_BTD)
@@ -212,12 +213,12 @@ class Block(nnx.Module):
         side = {"kv": kv}
         if self.mlp is None:  # the experts in the MLP's place, routed on its normed input
             normed_BTD = self.pre_ffw_norm(x_BTD)
-            h_BTD, side["moe"] = self.moe(normed_BTD, normed_BTD)
+            h_BTD, side["moe"], side["routes"] = self.moe(normed_BTD, normed_BTD, replay_BTK)
         else:
             h_BTD = self.mlp(self.pre_ffw_norm(x_BTD))
         if self.mlp is not None and self.moe is not None:
             # routed on the residual stream itself, the experts reading it normed
-            experts_BTD, side["moe"] = self.moe(x_BTD, self.pre_moe_norm(x_BTD))
+            experts_BTD, side["moe"], side["routes"] = self.moe(x_BTD, self.pre_moe_norm(x_BTD), replay_BTK)
             h_BTD = self.post_mlp_norm(h_BTD) + self.post_moe_norm(experts_BTD)
         if self.post_ffw_norm is not None:
             h_BTD = self.post_ffw_norm(h_BTD)
@@ -382,9 +383,12 @@ class Decoder(nnx.Module):
         """The final normed hidden states [B, T, D], from which output_logits computes the logits."""
         return self.hidden_and_stats(tokens_BT, positions_BT, segment_ids_BT, token_index_BT)[0]
 
-    def hidden_and_stats(self, tokens_BT, positions_BT=None, segment_ids_BT=None, token_index_BT=None):
+    def hidden_and_stats(
+        self, tokens_BT, positions_BT=None, segment_ids_BT=None, token_index_BT=None, replay_BTLK=None
+    ):
         """hidden's states and the experts' statistics of every layer (moe.MoE, stacked [L, ...]; {}
-        without experts)."""
+        without experts). replay_BTLK: each token's experts in each layer to use instead of the
+        router's choice (routing replay; -1 where the router chooses, moe.MoE.route)."""
         B, T = tokens_BT.shape
         index_1T = jnp.arange(T, dtype=jnp.int32)[None]
         rows = {
@@ -392,6 +396,8 @@ class Decoder(nnx.Module):
             "segment_ids": jnp.ones((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT,
             "token_index": index_1T if token_index_BT is None else token_index_BT,
         }
+        if replay_BTLK is not None:
+            rows["replay"] = replay_BTLK
         x_BTD = self.embed(tokens_BT)
         if self.cfg.per_layer_input_dim:
             rows["per_layer_inputs"] = self.per_layer_inputs(tokens_BT, x_BTD)
@@ -424,7 +430,7 @@ class Decoder(nnx.Module):
         # the RoPE tables before the masks: the order the program was traced in before (same HLO)
         period = self._period_runner(rows["positions"], lambda window, layer: attend_within(window))
         attend_within = make_attend(rows)
-        per_layer_BTLP = rows.get("per_layer_inputs")
+        per_layer_BTLP, replay_BTLK = rows.get("per_layer_inputs"), rows.get("replay")
         if self.homogeneous:
             state, windows = layer_xs
             groups = [(self.layer_groups[0], [nnx.graphdef(self.layers)], [state], windows)]
@@ -441,17 +447,20 @@ class Decoder(nnx.Module):
         )
         stats = []
         for group, graphdefs, states, windows in groups:
-            per_layer = None
-            if per_layer_BTLP is not None:  # [repeats, period, B, T, P]
-                index = np.stack([group.layers(j) for j in range(len(group.period))], 1)
-                per_layer = jnp.moveaxis(per_layer_BTLP[:, :, index], (2, 3), (0, 1))
+            index = np.stack([group.layers(j) for j in range(len(group.period))], 1)
+
+            def by_layer(a_BTL):  # [B, T, L, ...] -> this group's [repeats, period, B, T, ...]
+                return None if a_BTL is None else jnp.moveaxis(a_BTL[:, :, index], (2, 3), (0, 1))
 
             def scanned(carry, xs, group=group, graphdefs=graphdefs):
-                carry, layer_stats, _ = period(group, graphdefs, carry, *xs)
+                carry, layer_stats, _, _ = period(group, graphdefs, carry, *xs)
                 return carry, layer_stats
 
             (x_BTD, shared), group_stats = jax.lax.scan(
-                scanned, (x_BTD, shared), (states, windows, per_layer), unroll=self.scan_unroll
+                scanned,
+                (x_BTD, shared),
+                (states, windows, by_layer(per_layer_BTLP), by_layer(replay_BTLK)),
+                unroll=self.scan_unroll,
             )
             stats += [s for s in group_stats if s]  # per position of the period: [repeats, ...]
         return x_BTD, (jax.tree.map(lambda *s: jnp.concatenate(s), *stats) if stats else {})
@@ -463,8 +472,9 @@ class Decoder(nnx.Module):
     def unrolled_layers(
         self, layer_states, tokens_BT, positions_BT, attend_of_layer: Callable[[int], Callable], last_B=None
     ):
-        """The final normed hidden state at index last_B of each row (default: the last) [B, D], and
-        what each layer's attend returned beside its output (the engine: the layer's KV cache). The
+        """The final normed hidden state at index last_B of each row (default: the last) [B, D],
+        what each layer's attend returned beside its output (the engine: the layer's KV cache), and
+        each token's experts in each layer [B, T, L, k] (None without experts). The
         periods of _layers run one after another instead of scanned, each layer with its own
         parameters (layer_states) and attend_of_layer(i): how the engine runs them, each layer
         reading and writing its own cache."""
@@ -473,54 +483,58 @@ class Decoder(nnx.Module):
         per_layer_BTLP = self.per_layer_inputs(tokens_BT, x_BTD) if cfg.per_layer_input_dim else None
         period = self._period_runner(positions_BT, lambda window, layer: attend_of_layer(layer))
         windows = layer_windows(cfg)
-        carry, extras = (x_BTD, dict.fromkeys(self._kv_producers())), []
+        carry, extras, routes = (x_BTD, dict.fromkeys(self._kv_producers())), [], {}
         for group, blocks in self.stacks():
             graphdefs = [nnx.graphdef(b) for b in blocks]
             for r in range(group.repeats):
                 layers = [int(group.layers(j)[r]) for j in range(len(blocks))]
-                carry, _, period_extras = period(
+                carry, _, period_extras, period_routes = period(
                     group,
                     graphdefs,
                     carry,
                     [layer_states[i] for i in layers],
                     [int(windows[i]) for i in layers],
                     None if per_layer_BTLP is None else [per_layer_BTLP[:, :, i] for i in layers],
+                    None,
                     layers,
                 )
                 extras += period_extras
+                routes.update(zip(layers, period_routes))
         x_BTD = carry[0]
         x_BD = (
             x_BTD[:, -1]
             if last_B is None
             else jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)[:, 0]
         )
-        return self.final_norm(x_BD), extras
+        routes_BTLK = jnp.stack([routes[i] for i in sorted(routes)], 2) if self.cfg.num_experts else None
+        return self.final_norm(x_BD), extras, routes_BTLK
 
     def _period_runner(self, positions_BT, attend_of: Callable):
         """The one layer loop, over the positions of a group's period; _layers scans it over the
         repeats, unrolled_layers calls it once per repeat. Returns
-        period(group, graphdefs, (x, shared), states, windows, per_layer, layers=None)
-        -> ((x, shared), the experts' statistics and what attend returned, per position), where
+        period(group, graphdefs, (x, shared), states, windows, per_layer, replay, layers=None)
+        -> ((x, shared), the experts' statistics, what attend returned and the experts chosen, per
+        position), where
         `shared` holds the latest keys and values of each layer type that KV-sharing layers reuse,
         and attend_of(window, layer) gives a layer's attention (layer: its index, given when unrolled)."""
         rope_global, rope_local = self.rope_tables(positions_BT)
 
-        def apply(graphdef, shape, layer, x_BTD, state, window, per_layer_BTP, shared_kv):
+        def apply(graphdef, shape, layer, x_BTD, state, window, per_layer_BTP, shared_kv, replay_BTK):
             rope = _layer_rope(shape, window, rope_global, rope_local)
             x_BTD, extra, side = nnx.merge(graphdef, state)(
-                x_BTD, rope, attend_of(window, layer), per_layer_BTP, shared_kv
+                x_BTD, rope, attend_of(window, layer), per_layer_BTP, shared_kv, replay_BTK
             )
-            return x_BTD, extra, side["kv"], side.get("moe", {})
+            return x_BTD, extra, side["kv"], side.get("moe", {}), side.get("routes")
 
         policy = kernels.remat_policy(self.remat, self.quantized_base)
         if policy is not None:
             apply = jax.checkpoint(apply, policy=policy, prevent_cse=False, static_argnums=(0, 1, 2))
 
-        def period(group, graphdefs, carry, states, windows, per_layer, layers=None):
+        def period(group, graphdefs, carry, states, windows, per_layer, replay, layers=None):
             x_BTD, shared = carry
-            layer_stats, extras = [], []
+            layer_stats, extras, routes = [], [], []
             for j, (graphdef, shape) in enumerate(zip(graphdefs, group.period)):
-                x_BTD, extra, kv, moe = apply(
+                x_BTD, extra, kv, moe, chosen = apply(
                     graphdef,
                     shape,
                     None if layers is None else layers[j],
@@ -529,11 +543,13 @@ class Decoder(nnx.Module):
                     windows if getattr(windows, "ndim", 1) == 0 else windows[j],
                     None if per_layer is None else per_layer[j],
                     shared[shape.layer_type] if shape.shares_kv else None,
+                    None if replay is None else replay[j],
                 )
                 shared = _with_latest_kv(shared, shape, kv)
                 layer_stats.append(moe)
                 extras.append(extra)
-            return (x_BTD, shared), layer_stats, extras
+                routes.append(chosen)
+            return (x_BTD, shared), layer_stats, extras, routes
 
         return period
 

@@ -77,10 +77,10 @@ class LocalDispatch:
 
 
 class MoE(nnx.Module):
-    """(route_x, x) [B, T, D] -> (y [B, T, D], statistics): y the weighted sum of each token's top-k
-    experts applied to x, routed by route_x; statistics per expert (sums over tokens, which add up
-    across shards): "expert_tokens" [E], the copies routed to it, and "router_probs" [E], its
-    router probability summed."""
+    """(route_x, x) [B, T, D] -> (y [B, T, D], statistics, experts [B, T, k]): y the weighted sum of
+    each token's top-k experts applied to x, routed by route_x (or replayed: route); statistics per
+    expert (sums over tokens, which add up across shards): "expert_tokens" [E], the copies routed
+    to it, and "router_probs" [E], its router probability summed; each token's experts."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules, dispatch: Dispatch = LocalDispatch()):
         D, E, M = cfg.embed_dim, cfg.num_experts, cfg.moe_hidden_dim
@@ -103,8 +103,11 @@ class MoE(nnx.Module):
         )
         self.rules, self.dispatch = rules, dispatch
 
-    def route(self, route_XD):
-        """(weights [X, k], experts [X, k], probabilities [X, E]) of the router."""
+    def route(self, route_XD, replay_XK=None):
+        """(weights [X, k], experts [X, k], probabilities [X, E]) of the router. replay_XK: experts
+        to use instead of the router's top k where a row's first is >= 0 (routing replay: those the
+        inference engine chose), weighted by this router's probabilities of them, as Megatron-Core's
+        RouterReplay does in REPLAY_FORWARD (`scores.gather(1, top_indices)`; verl's R3)."""
         D = route_XD.shape[-1]
         h_XD = route_XD
         if self.router_norm is not None:
@@ -114,15 +117,19 @@ class MoE(nnx.Module):
             jnp.einsum("xd,de->xe", h_XD, self.router_DE[...]).astype(jnp.float32), axis=-1
         )
         top_XK, experts_XK = self.dispatch.top_k(probs_XE, self.top_k)
+        if replay_XK is not None:
+            experts_XK = jnp.where(replay_XK[:, :1] >= 0, replay_XK, experts_XK)
+            top_XK = jnp.take_along_axis(probs_XE, experts_XK, axis=-1)
         if self.norm_topk_prob:
             top_XK = top_XK / jnp.sum(top_XK, axis=-1, keepdims=True)
         if self.expert_scale is not None:
             top_XK = top_XK * self.expert_scale[...].astype(jnp.float32)[experts_XK]
         return top_XK, experts_XK, probs_XE
 
-    def __call__(self, route_BTD, x_BTD):
+    def __call__(self, route_BTD, x_BTD, replay_BTK=None):
         B, T, D = x_BTD.shape
-        weights_XK, experts_XK, probs_XE = self.route(route_BTD.reshape(B * T, D))
+        replay_XK = None if replay_BTK is None else replay_BTK.reshape(B * T, -1)
+        weights_XK, experts_XK, probs_XE = self.route(route_BTD.reshape(B * T, D), replay_XK)
         E = probs_XE.shape[-1]
         stats = {
             "expert_tokens": jnp.sum(jax.nn.one_hot(experts_XK, E, dtype=jnp.float32), axis=(0, 1)),
@@ -138,7 +145,8 @@ class MoE(nnx.Module):
             self.capacity_factor,
             self.act,
         )
-        return constrain(y_XD.reshape(B, T, D), ("batch", "seq", "act_embed"), self.rules), stats
+        y_BTD = constrain(y_XD.reshape(B, T, D), ("batch", "seq", "act_embed"), self.rules)
+        return y_BTD, stats, experts_XK.reshape(B, T, -1)
 
 
 def load_balancing_loss(expert_tokens_LE, router_probs_LE):

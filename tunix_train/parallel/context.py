@@ -41,9 +41,9 @@ def balanced_order(seq_len: int, cp: int) -> np.ndarray:
 
 
 def reorder(batch: dict[str, jax.Array], cp: int) -> dict[str, jax.Array]:
-    """[..., T] arrays in balanced_order, with `token_index`: where each token stood in its row."""
-    order = balanced_order(batch["inputs"].shape[-1], cp)
-    reordered = {name: jnp.take(x, order, axis=-1) for name, x in batch.items()}
+    """[A, B, T, ...] arrays in balanced_order, with `token_index`: where each token stood in its row."""
+    order = balanced_order(batch["inputs"].shape[2], cp)
+    reordered = {name: jnp.take(x, order, axis=2) for name, x in batch.items()}
     reordered["token_index"] = jnp.broadcast_to(jnp.asarray(order, jnp.int32), batch["inputs"].shape)
     return reordered
 

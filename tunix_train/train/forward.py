@@ -80,7 +80,11 @@ class Forward:
             model = nnx.merge(self.graphdef, *params)
             micro = self.micro
             x_BTD, stats = model.hidden_and_stats(
-                micro["inputs"], micro["positions"], micro["segment_ids"], micro.get("token_index")
+                micro["inputs"],
+                micro["positions"],
+                micro["segment_ids"],
+                micro.get("token_index"),
+                micro.get("routes"),  # the engine's experts, replayed (GRPO's routing_replay)
             )
             head = (model.output_table(), model.cfg.final_logit_softcap, model.rules)
             self._computed = (x_BTD, stats, head)

@@ -12,6 +12,7 @@ The objective turns a Rollout into its batch rows (GRPO: advantages, train/objec
 
 from __future__ import annotations
 
+import base64
 import collections
 import dataclasses
 import functools
@@ -54,6 +55,19 @@ class Rollout:
     tool_calls: int = 0
     tool_errors: int = 0
     turns: int = 0
+    # with training.grpo.routing_replay: per row, the experts the engine chose (pack_routes)
+    routes: list[str] | None = None
+
+
+def pack_routes(routes_PLK: np.ndarray) -> str:
+    """A row's experts [positions, layers, k] as text for the checkpoint's JSON: one byte each
+    (routing_replay allows at most 256 experts), base64."""
+    return base64.b64encode(np.ascontiguousarray(routes_PLK, np.uint8).tobytes()).decode("ascii")
+
+
+def unpack_routes(text: str, layers: int, k: int) -> np.ndarray:
+    """pack_routes' [positions, layers, k], as int32."""
+    return np.frombuffer(base64.b64decode(text), np.uint8).reshape(-1, layers, k).astype(np.int32)
 
 
 class Rollouts:
@@ -97,7 +111,16 @@ class Rollouts:
 
 class Sampler:
     """Completes and scores prompts for an on-policy objective (the module docstring); `rewards`
-    scores completions (train/objectives/grpo_rewards.Rewards)."""
+    scores completions (train/objectives/grpo_rewards.Rewards).
+
+    Routing replay (training.grpo.routing_replay, a mixture of experts): the engine records the
+    experts each layer chose for every position it fed (Completion.routes), and the trainer's
+    forward uses them in place of its router's top k, weighted by its own router's probabilities
+    of them: the policy ratio is then computed on the experts that drew each token (R3, Ma et al.
+    2025, "Stabilizing MoE Reinforcement Learning by Aligning Training and Inference Routers"; as
+    Megatron-Core's RouterReplay does for verl). With turns, a position keeps the experts of the
+    turn that first fed it. The reference model replays them too; the completion's last token,
+    never fed, and the padding route freely."""
 
     def __init__(self, cfg: Config, rewards):
         self.cfg, self.grpo, self.rewards = cfg, cfg.training.grpo, rewards
@@ -189,6 +212,7 @@ class Sampler:
             stop_ids=self.stop_ids,
             slots=self.grpo.rollout_slots,
             lora=run.weights.engine_lora,
+            record_routes=self.grpo.routing_replay,
         )
         if run.rollout_mesh is not None:
             self._copy = cross_mesh_copier(run.mesh, run.rollout_mesh)
@@ -310,6 +334,7 @@ class Sampler:
             tool_calls=total("tool_calls"),
             tool_errors=total("tool_errors"),
             turns=total("turns"),
+            routes=rows("routes"),
         )
 
     def sample(
@@ -337,7 +362,7 @@ class Sampler:
         return [
             {
                 "prompt": p,
-                **{f: group(f, i) for f in ("completions", "logprobs", "prompt_ids", "own")},
+                **{f: group(f, i) for f in ("completions", "logprobs", "prompt_ids", "own", "routes")},
                 "rewards": out["rewards"][:, i * G : (i + 1) * G],
                 **{f: sum(group(f, i)) for f in ("tool_calls", "tool_errors", "turns")},
             }
@@ -370,6 +395,7 @@ class Sampler:
                 "completions": [tr.tokens for tr in trajectories],
                 "logprobs": [tr.logprobs for tr in trajectories],
                 "own": [tr.own for tr in trajectories],
+                "routes": [tr.routes for tr in trajectories],
                 **{
                     f: [getattr(tr, f) for tr in trajectories] for f in ("tool_calls", "tool_errors", "turns")
                 },
@@ -390,9 +416,11 @@ class Sampler:
                 "own": None,
                 "completions": [c.tokens + [c.stop_token] * s for c, s in zip(done, stopped)],
                 "logprobs": [c.logprobs + [c.stop_logprob] * s for c, s in zip(done, stopped)],
+                "routes": [c.routes for c in done],
                 **dict.fromkeys(("tool_calls", "tool_errors", "turns"), [0] * len(done)),
             }
             texts, extra = [self.tokenizer.decode(c.tokens) for c in done], {}
+        out["routes"] = [pack_routes(r) for r in out["routes"]] if self.engine.record_routes else None
         out["sampling_s"] = time.perf_counter() - start  # the engine's time (and the tools')
         out["rewards"] = self.rewards.score(
             [d["prompt"] for d in docs], texts, docs, out["completions"], **extra

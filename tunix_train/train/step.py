@@ -42,11 +42,12 @@ from tunix_train.train.objectives.lm import BATCH_DTYPES, LanguageModeling
 def abstract_batch(
     mesh: Mesh, accumulation: int, rows: int, seq_len: int, dtypes: dict[str, Any] = BATCH_DTYPES
 ) -> dict[str, jax.ShapeDtypeStruct]:
-    """The step's input (`dtypes`: the objective's fields) as sharded shapes, for ahead-of-time
-    compilation."""
+    """The step's input (`dtypes`: the objective's fields, objectives/__init__.py) as sharded
+    shapes, for ahead-of-time compilation."""
+    shaped = {name: kind if isinstance(kind, tuple) else (kind, ()) for name, kind in dtypes.items()}
     return {
-        name: jax.ShapeDtypeStruct((accumulation, rows, seq_len), dtype, sharding=batch_sharding(mesh))
-        for name, dtype in dtypes.items()
+        name: jax.ShapeDtypeStruct((accumulation, rows, seq_len, *more), dtype, sharding=batch_sharding(mesh))
+        for name, (dtype, more) in shaped.items()
     }
 
 

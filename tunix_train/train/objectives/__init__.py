@@ -3,7 +3,8 @@
 An objective is a small object the step and the loop call through one interface, so neither
 knows which one runs:
 
-- `batch_dtypes`: the fields of its batches, each [A, B, ...] (A accumulation steps of B rows);
+- `batch_dtypes`: the fields of its batches, each [A, B, T] (A accumulation steps of B rows of T
+  positions): a dtype, or (dtype, shape) for a field with more axes after T (GRPO's routes);
 - `weight(batch)`: the whole batch's normalizer (tokens, pairs, ...), or a dict of them for a loss
   with terms of different means (ORPO). Each micro-batch's loss is divided by it, so accumulated
   micro-batches give exactly the full batch's loss and gradient;

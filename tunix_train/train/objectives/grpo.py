@@ -58,7 +58,7 @@ from tunix_train.train.objectives import grpo_family as family
 from tunix_train.train.objectives.base import Objective
 from tunix_train.train.objectives.grpo_rewards import Rewards
 from tunix_train.train.objectives.lm import BATCH_DTYPES
-from tunix_train.train.rollout import Rollout, Rollouts, Sampler
+from tunix_train.train.rollout import Rollout, Rollouts, Sampler, unpack_routes
 
 
 class GroupRelative(Objective):
@@ -78,6 +78,10 @@ class GroupRelative(Objective):
         self.sampler = Sampler(cfg, self.rewards)  # the rollout component (train/rollout.py)
         self.metric_names = ("kl", "clip_fraction", "logprob_mismatch_mean", "logprob_mismatch_max")
         self._rollout = None
+        m = cfg.model
+        self.route_shape = (m.num_layers, m.num_experts_per_token) if self.grpo.routing_replay else None
+        if self.route_shape:  # the engine's experts of each position, replayed by the forward (rollout.py)
+            self.batch_dtypes = {**self.batch_dtypes, "routes": (jnp.int32, self.route_shape)}
 
     # the loss, inside the compiled step
 
@@ -171,6 +175,11 @@ class GroupRelative(Objective):
             g.scale_rewards,
             g.multi_reward_normalization,
         )
+        if self.route_shape:  # -1: the router chooses (the last token, the padding)
+            full["routes"] = np.full((len(rows), T, *self.route_shape), -1, np.int32)
+            for row, packed in enumerate(rollout.routes):
+                routes = unpack_routes(packed, *self.route_shape)
+                full["routes"][row, : len(routes)] = routes
         if rollout.filler_groups:  # the equal groups that filled the batch teach nothing
             advantages[len(advantages) - rollout.filler_groups * G :] = 0.0
         full["advantages"] = np.broadcast_to(advantages[:, None], (len(rows), T)).astype(np.float32)
@@ -181,7 +190,7 @@ class GroupRelative(Objective):
             full["loss_mask"][cut] = 0.0
         local = self.sampler.rows
         return {
-            name: np.ascontiguousarray(x.reshape(A, -1, T)[:, local.start : local.stop])
+            name: np.ascontiguousarray(x.reshape(A, -1, *x.shape[1:])[:, local.start : local.stop])
             for name, x in full.items()
         }
 
