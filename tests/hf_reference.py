@@ -136,10 +136,11 @@ REFERENCE_PYTHON = "TUNIX_TRAIN_REFERENCE_PYTHON"
 def _config_and_class(family: str, for_gguf: bool = False):
     import transformers
 
-    if (
-        for_gguf
-    ):  # what transformers' GGUF loader assumes where a file is silent; MLP rows of whole Q4_K blocks
+    if for_gguf:  # what GGUF readers assume where a file is silent (a query scale of 256: head_dim 256, as
+        # llama.cpp takes it, and transformers' default); MLP rows of whole Q4_K blocks
         sizes = dict(SIZES, intermediate_size=256, max_position_embeddings=64)
+        if family != "gemma":
+            sizes["head_dim"] = 256
         if family == "gemma":
             return transformers.GemmaConfig(**sizes), transformers.GemmaForCausalLM
         if family == "gemma2":

@@ -22,10 +22,12 @@ from tunix_train.train.loop import train
 from tunix_train.train.optimizer import make_optimizer
 
 MESH = [[2, 2], ["fsdp", "tp"]]
-# A Gemma 3 whose metadata a GGUF file can leave out (transformers' defaults: 5 local layers per
-# global, query scale 256), and whose MLP rows hold whole Q4_K blocks (256).
+# A Gemma 3 whose metadata a GGUF file can leave out (5 local layers per global, transformers'
+# default; the query scale 256, head_dim 256 as llama.cpp takes it), and whose MLP rows hold whole
+# Q4_K blocks (256).
 GEMMA3 = [
     "model.num_layers=6",
+    "model.head_dim=256",
     "model.local_layers_per_global=5",
     "model.sliding_window=5",
     "model.hidden_dim=256",
@@ -141,7 +143,7 @@ def test_quantized_weights_are_gguf_dequantize_exactly(tmp_path):
     np.testing.assert_array_equal(
         np.asarray(p["layers"]["mlp"]["up_DF"][...])[4], dequantized("blk.4.ffn_up.weight").T
     )
-    q = dequantized("blk.1.attn_q.weight").reshape(4, 16, 64).transpose(2, 0, 1)  # [N*H, D] -> [D, N, H]
+    q = dequantized("blk.1.attn_q.weight").reshape(4, 256, 64).transpose(2, 0, 1)  # [N*H, D] -> [D, N, H]
     np.testing.assert_array_equal(np.asarray(p["layers"]["attn"]["q_DNH"][...])[1], q)
     np.testing.assert_array_equal(
         np.asarray(p["layers"]["post_ffw_norm"]["scale"][...])[3],

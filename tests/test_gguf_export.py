@@ -137,7 +137,7 @@ def test_what_cannot_be_written_is_refused_and_nothing_is_left(source, tmp_path)
     family, tmp, model = source
     with pytest.raises(ConfigError, match="--dtype q4_k: GGUF export writes f32, f16, bf16, q8_0, q4_0"):
         model.export_gguf(tmp_path / "m.gguf", "q4_k")
-    # a query scale that GGUF readers do not assume (they take 256 for Gemma 2 and 3)
+    # a query scale that GGUF readers do not assume (llama.cpp takes head_dim, 256 here)
     odd = api.LoadedModel(
         model.config.__class__(**{**vars(model.config), "query_pre_attn_scalar": 24}),
         model.mesh,

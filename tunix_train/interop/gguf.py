@@ -38,11 +38,11 @@ log = logging.getLogger("tunix_train")
 
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 ARCHITECTURES = (*GEMMA_ARCHITECTURES, *gguf_llama.FAMILY_OF)
-# What transformers' config classes assume where a GGUF file is silent (Gemma2Config, Gemma3TextConfig).
+# What transformers' config classes assume where a GGUF file is silent (Gemma2Config, Gemma3TextConfig);
+# the attention scale, which no key holds, as llama.cpp takes it (_query_pre_attn_scalar).
 _DEFAULTS = {
     "gemma": dict(
         rope_base=10_000.0,
-        query_pre_attn_scalar=None,
         attn_softcap=None,
         final_softcap=None,
         local_per_global=0,
@@ -51,7 +51,6 @@ _DEFAULTS = {
     ),
     "gemma2": dict(
         rope_base=10_000.0,
-        query_pre_attn_scalar=256,
         attn_softcap=50.0,
         final_softcap=30.0,
         local_per_global=1,
@@ -60,7 +59,6 @@ _DEFAULTS = {
     ),
     "gemma3": dict(
         rope_base=1_000_000.0,
-        query_pre_attn_scalar=256,
         attn_softcap=None,
         final_softcap=None,
         local_per_global=5,
@@ -166,7 +164,9 @@ def model_fields(reader, path: Path) -> dict[str, Any]:
         "num_kv_heads": key("attention.head_count_kv", heads),
         "head_dim": key("attention.key_length", embed // heads),
         "vocab_size": int(_tensor(reader, "token_embd.weight", path).shape[-1]),  # GGML order: [D, V]
-        "query_pre_attn_scalar": defaults["query_pre_attn_scalar"],
+        "query_pre_attn_scalar": _query_pre_attn_scalar(
+            arch, layers, embed, heads, key("attention.key_length", embed // heads)
+        ),
         "attn_logit_softcap": key("attn_logit_softcapping", defaults["attn_softcap"]),
         "final_logit_softcap": key("final_logit_softcapping", defaults["final_softcap"]),
         "use_post_attn_norm": arch != "gemma",
@@ -186,6 +186,19 @@ def model_fields(reader, path: Path) -> dict[str, Any]:
         "context_length": key("context_length"),
         "tie_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
     }
+
+
+# Gemma's 27B models, which llama.cpp knows by their layer count
+_LAYERS_OF_27B = {"gemma2": 46, "gemma3": 62}
+
+
+def _query_pre_attn_scalar(arch: str, layers: int, embed: int, heads: int, head_dim: int) -> int:
+    """The attention's query scale of a Gemma GGUF as llama.cpp computes it (src/llama-model.cpp,
+    LLM_ARCH_GEMMA2 and LLM_ARCH_GEMMA3: f_attention_scale), the file holding no key for it:
+    1/sqrt(n_embd / n_head) for the 27B models (46 and 62 layers: Gemma 2's 144, Gemma 3's 168),
+    1/sqrt(head_dim) otherwise (256 for every other published size). Transformers' GGUF loader
+    assumes 256, which is wrong for the 27B files."""
+    return embed // heads if _LAYERS_OF_27B.get(arch) == layers else head_dim
 
 
 def _check_sizes(reader, path: Path, *, layers, embed, hidden, heads, kv_heads, head_dim, mlp) -> None:
