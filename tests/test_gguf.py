@@ -219,3 +219,28 @@ def test_sizes_in_the_metadata_are_held_against_the_tensors_before_anything_is_b
         with pytest.raises(ConfigError) as err:
             api.load(path, devices=jax.devices()[:1])
         assert f"{path}: its metadata says {key}={value} but its tensors hold {held}" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gemma2_2b",
+        "gemma2_9b",
+        "gemma2_27b",
+        "gemma3_270m",
+        "gemma3_1b",
+        "gemma3_4b",
+        "gemma3_12b",
+        "gemma3_27b",
+    ],
+)
+def test_the_query_scale_a_gguf_leaves_out_is_llama_cpps_and_each_published_models(name):
+    """llama.cpp's rule (head_dim, n_embd / n_head for the 27B models, which it knows by their layer
+    count) gives every published Gemma 2 and 3 its config.json's query_pre_attn_scalar (our named
+    configs hold those); transformers' GGUF loader's 256 misses the two 27B models."""
+    from tunix_train.interop.gguf import _query_pre_attn_scalar
+
+    m = config(f"model={name}").model
+    scale = _query_pre_attn_scalar(m.family, m.num_layers, m.embed_dim, m.num_heads, m.head_dim)
+    assert scale == m.query_pre_attn_scalar
+    assert (scale != 256) == name.endswith("27b")
