@@ -323,9 +323,10 @@ class Session:
             kinds=self.kinds,
         )
         rows.update(token=token_B, position=position_B, count=count_B)  # the next chunk's, on the devices
-        drawn_BC, logprob_BC, *routes_BC = _fetch(
-            drawn_BC, logprob_BC, *[r for r in [routes_BC] if r is not None]
-        )
+        if routes_BC is None:
+            drawn_BC, logprob_BC = _fetch(drawn_BC, logprob_BC)
+        else:  # record_routes: the experts of the tokens fed, [B, chunk, L, k]
+            drawn_BC, logprob_BC, routes_BC = _fetch(drawn_BC, logprob_BC, routes_BC)
         row["token"], row["position"], row["count"] = (
             drawn_BC[:, -1].copy(),
             row["position"] + e.chunk,
@@ -340,7 +341,7 @@ class Session:
                     slot,
                     drawn_BC[slot].tolist(),
                     logprob_BC[slot].tolist(),
-                    routes_BC[0][slot] if routes_BC else None,
+                    None if routes_BC is None else routes_BC[slot],
                 ),
             )
             for slot in range(self.slots)
