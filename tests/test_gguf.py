@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import config
 from safetensors.numpy import load_file
+from test_model import SHIPPED
 
 from tunix_train import api
 from tunix_train.config import ConfigError
@@ -221,25 +222,20 @@ def test_sizes_in_the_metadata_are_held_against_the_tensors_before_anything_is_b
         assert f"{path}: its metadata says {key}={value} but its tensors hold {held}" in str(err.value)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "gemma2_2b",
-        "gemma2_9b",
-        "gemma2_27b",
-        "gemma3_270m",
-        "gemma3_1b",
-        "gemma3_4b",
-        "gemma3_12b",
-        "gemma3_27b",
-    ],
-)
+# every published Gemma 2 and 3 among the named configs (the test-sized ones aside)
+PUBLISHED_GEMMA = [
+    n for n in SHIPPED if n.startswith(("gemma2_", "gemma3_")) and not n.endswith(("_small", "_tiny"))
+]
+
+
+@pytest.mark.parametrize("name", PUBLISHED_GEMMA)
 def test_the_query_scale_a_gguf_leaves_out_is_llama_cpps_and_each_published_models(name):
     """llama.cpp's rule (head_dim, n_embd / n_head for the 27B models, which it knows by their layer
     count) gives every published Gemma 2 and 3 its config.json's query_pre_attn_scalar (our named
     configs hold those); transformers' GGUF loader's 256 misses the two 27B models."""
     from tunix_train.interop.gguf import _query_pre_attn_scalar
 
+    assert len(PUBLISHED_GEMMA) == 8  # 2B, 9B, 27B; 270M, 1B, 4B, 12B, 27B
     m = config(f"model={name}").model
     scale = _query_pre_attn_scalar(m.family, m.num_layers, m.embed_dim, m.num_heads, m.head_dim)
     assert scale == m.query_pre_attn_scalar

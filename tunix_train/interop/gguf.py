@@ -124,7 +124,7 @@ def model_fields(reader, path: Path) -> dict[str, Any]:
             f"{path}: the GGUF metadata lacks {arch}.block_count, embedding_length, "
             f"feed_forward_length or attention.head_count"
         )
-    experts = arch == "qwen3moe"
+    experts, head_dim = arch == "qwen3moe", key("attention.key_length", embed // heads)
     _check_sizes(
         reader,
         path,
@@ -133,7 +133,7 @@ def model_fields(reader, path: Path) -> dict[str, Any]:
         hidden=key("expert_feed_forward_length") if experts else key("feed_forward_length"),
         heads=heads,
         kv_heads=key("attention.head_count_kv", heads),
-        head_dim=key("attention.key_length", embed // heads),
+        head_dim=head_dim,
         mlp="blk.0.ffn_gate_exps.weight" if experts else "blk.0.ffn_gate.weight",
     )
     if arch in gguf_llama.FAMILY_OF:
@@ -162,11 +162,9 @@ def model_fields(reader, path: Path) -> dict[str, Any]:
         "hidden_dim": key("feed_forward_length"),
         "num_heads": heads,
         "num_kv_heads": key("attention.head_count_kv", heads),
-        "head_dim": key("attention.key_length", embed // heads),
+        "head_dim": head_dim,
         "vocab_size": int(_tensor(reader, "token_embd.weight", path).shape[-1]),  # GGML order: [D, V]
-        "query_pre_attn_scalar": _query_pre_attn_scalar(
-            arch, layers, embed, heads, key("attention.key_length", embed // heads)
-        ),
+        "query_pre_attn_scalar": _query_pre_attn_scalar(arch, layers, embed, heads, head_dim),
         "attn_logit_softcap": key("attn_logit_softcapping", defaults["attn_softcap"]),
         "final_logit_softcap": key("final_logit_softcapping", defaults["final_softcap"]),
         "use_post_attn_norm": arch != "gemma",
