@@ -25,7 +25,6 @@ anything about a GPU or TPU, larger models, or MaxText's other remat policies an
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -33,6 +32,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from side_by_side import add_arguments, alternate, report, run_benchmark
 
 from tunix_train.config import Remat, TrainingConfig
 from tunix_train.platform import flags_for
@@ -129,22 +130,9 @@ def run_ours(python: Path, spec: dict, env: dict) -> dict:
         f"training.remat={spec['remat']}",
         *(f"model.{k}={v}" for k, v in ARCH.items()),
     ]
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [
-            str(python),
-            str(SCRIPTS / "benchmark.py"),
-            "--cpu-devices",
-            str(spec["fsdp"] * spec["tp"]),
-            "--steps",
-            str(spec["steps"]),
-            "--warmup",
-            str(spec["warmup"]),
-            "--json",
-            out.name,
-            *overrides,
-        ]
-        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
-        figures = json.load(open(out.name))
+    figures = run_benchmark(
+        str(python), overrides, spec["steps"], spec["warmup"], env, spec["fsdp"] * spec["tp"]
+    )
     return {"tokens_per_sec": figures["tokens_per_sec"], "compile_s": figures["compile_time_s"]}
 
 
@@ -215,16 +203,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--fsdp", type=int, default=2)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--global-batch", type=int, default=8)
+    add_arguments(parser, steps=12, warmup=4, venv="maxtext-venv")
     parser.add_argument("--remat", choices=list(REMAT), default=Remat.full.value)
-    parser.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "tunix_train" / "maxtext-venv")
-    parser.add_argument("--json", help="also write the rounds and the ratio here")
     args = parser.parse_args()
     spec = {
         "seq_len": args.seq_len,
@@ -241,29 +221,16 @@ def main() -> int:
     env["XLA_FLAGS"] = " ".join(
         [*flags_for(TrainingConfig()), f"--xla_force_host_platform_device_count={args.fsdp * args.tp}"]
     )
-    rounds = []
     with tempfile.TemporaryDirectory() as workdir:
-        for i in range(args.rounds):
-            ours, theirs = run_ours(python, spec, env), run_maxtext(python, spec, env, Path(workdir))
-            rounds.append({"tunix_train": ours["tokens_per_sec"], "maxtext": theirs["tokens_per_sec"]})
-            print(
-                f"round {i + 1}: tunix_train {ours['tokens_per_sec']:,.0f} tokens/s, "
-                f"MaxText {theirs['tokens_per_sec']:,.0f} tokens/s",
-                flush=True,
-            )
-    ours_median = statistics.median(r["tunix_train"] for r in rounds)
-    theirs_median = statistics.median(r["maxtext"] for r in rounds)
-    ratio = ours_median / theirs_median
-    print(
-        f"median over {args.rounds} rounds: tunix_train {ours_median:,.0f} tokens/s, MaxText "
-        f"{theirs_median:,.0f} tokens/s, ratio {ratio:.2f}x"
-    )
-    figures = {"spec": spec, "arch": ARCH, "maxtext": MAXTEXT_VERSION, "jax": JAX_VERSION, "rounds": rounds}
-    figures.update(tunix_train_tokens_per_sec=ours_median, maxtext_tokens_per_sec=theirs_median, ratio=ratio)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
-    print(json.dumps(figures))
+        rounds = alternate(
+            args.rounds,
+            {
+                "tunix_train": lambda: run_ours(python, spec, env),
+                "maxtext": lambda: run_maxtext(python, spec, env, Path(workdir)),
+            },
+        )
+    figures = {"spec": spec, "arch": ARCH, "maxtext_version": MAXTEXT_VERSION, "jax": JAX_VERSION}
+    report(rounds, "tunix_train", "maxtext", figures, args.json)
     return 0
 
 

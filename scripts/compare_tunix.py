@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import tempfile
 from importlib.metadata import version
 from pathlib import Path
+
+from side_by_side import add_arguments, alternate, report, run_benchmark
 
 from tunix_train.config import TrainingConfig
 from tunix_train.platform import flags_for
@@ -74,22 +74,9 @@ def run_ours(spec: dict, args, env: dict) -> dict:
         *(f"model.{k}={v}" for k, v in ARCH.items()),
         *args.ours,
     ]
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [
-            sys.executable,
-            str(SCRIPTS / "benchmark.py"),
-            "--steps",
-            str(spec["steps"]),
-            "--warmup",
-            str(spec["warmup"]),
-            "--json",
-            out.name,
-            *overrides,
-        ]
-        if not args.gpu:
-            command[2:2] = ["--cpu-devices", str(spec["fsdp"] * spec["tp"])]
-        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
-        return json.load(open(out.name))
+    devices = None if args.gpu else spec["fsdp"] * spec["tp"]
+    figures = run_benchmark(sys.executable, overrides, spec["steps"], spec["warmup"], env, devices)
+    return {"tokens_per_sec": figures["tokens_per_sec"], "compile_s": figures["compile_time_s"]}
 
 
 def run_tunix(python: Path, spec: dict, env: dict) -> dict:
@@ -100,24 +87,17 @@ def run_tunix(python: Path, spec: dict, env: dict) -> dict:
         capture_output=True,
         text=True,
     )
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    return {"tokens_per_sec": figures["tokens_per_sec"], "compile_s": figures["compile_time_s"]}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    add_arguments(parser, steps=10, warmup=2, venv="tunix-venv")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--fsdp", type=int, default=2)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--gpu", action="store_true", help="run both on the GPUs instead of fake CPU devices")
-    parser.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "tunix_train" / "tunix-venv")
-    parser.add_argument("--json", help="also write the rounds and the ratio here")
     parser.add_argument(
         "--same-xla-flags",
         action="store_true",
@@ -141,41 +121,11 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["JAX_PLATFORMS"] = "cuda" if args.gpu else "cpu"
     python = ensure_tunix_venv(args.venv, args.gpu)
-    rounds = []
-    for i in range(args.rounds):
-        ours, theirs = run_ours(spec, args, env), run_tunix(python, spec, env)
-        rounds.append(
-            {
-                "tunix_train": ours["tokens_per_sec"],
-                "tunix": theirs["tokens_per_sec"],
-                "tunix_train_compile_s": ours["compile_time_s"],
-                "tunix_compile_s": theirs["compile_time_s"],
-            }
-        )
-        print(
-            f"round {i + 1}: tunix_train {ours['tokens_per_sec']:,.0f} tokens/s, "
-            f"Tunix {theirs['tokens_per_sec']:,.0f} tokens/s",
-            flush=True,
-        )
-    ours_median = statistics.median(r["tunix_train"] for r in rounds)
-    theirs_median = statistics.median(r["tunix"] for r in rounds)
-    print(
-        f"median over {args.rounds} rounds: tunix_train {ours_median:,.0f} tokens/s, Tunix "
-        f"{theirs_median:,.0f} "
-        f"tokens/s, ratio {ours_median / theirs_median:.2f}x"
+    rounds = alternate(
+        args.rounds,
+        {"tunix_train": lambda: run_ours(spec, args, env), "tunix": lambda: run_tunix(python, spec, env)},
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "spec": spec,
-                    "extra_overrides": args.ours,
-                    "rounds": rounds,
-                    "ratio": ours_median / theirs_median,
-                },
-                f,
-                indent=1,
-            )
+    report(rounds, "tunix_train", "tunix", {"spec": spec, "extra_overrides": args.ours}, args.json)
     return 0
 
 
