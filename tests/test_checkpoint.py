@@ -260,6 +260,7 @@ def _mesh_run(tmp_path, name, max_steps, *extra):
     return train(cfg, run_dir, devices=jax.devices()[:n_devices]), run_dir
 
 
+@pytest.mark.slow  # four trainings, 24 s
 def test_restore_on_another_mesh_and_device_count(tmp_path):
     final, first = _mesh_run(tmp_path, "fsdp4", 3)
     _, continued = _mesh_run(tmp_path, "fsdp4", 6)  # the uninterrupted run

@@ -257,6 +257,7 @@ def _run_cfg(tmp_path, *overrides, reward="tests.rewards_for_tests:length_for_ev
     return cfg
 
 
+@pytest.mark.slow  # 18 s
 def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path):
     """Half the prompts (odd answers) give every completion the same reward: their groups are set
     aside and more prompts rolled out until the batch is full of groups whose rewards differ."""

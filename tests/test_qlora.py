@@ -358,6 +358,7 @@ def _gguf_runs(tmp_path, *overrides, kinds=("none", "gguf"), mesh=((2, 2), ("fsd
     return path, runs
 
 
+@pytest.mark.slow  # 31 s; .ci/python312 runs it too
 def test_gguf_base_keeps_the_files_blocks_and_starts_at_its_dequantized_models_loss(tmp_path):
     import gguf
 

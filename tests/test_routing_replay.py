@@ -105,6 +105,7 @@ def _first_step(run_dir):
     return next(m for m in read_metrics(run_dir) if "loss" in m)
 
 
+@pytest.mark.slow  # two GRPO runs, 31 s; the engine test stays in the README suite
 def test_grpo_with_routing_replay_trains_on_the_engines_experts(tmp_path):
     """Step 0 of both runs draws the same completions with a bf16 engine (recording changes no
     draw): only the trainer's forward differs, and with the engine's experts its mismatch falls."""

@@ -124,6 +124,7 @@ def test_accumulation_in_the_cli_config_matches_full_batch(tmp_path):
     np.testing.assert_allclose(losses[2], losses[8], rtol=1e-5)
 
 
+@pytest.mark.slow  # 20 s
 def test_bf16_computes_in_bfloat16_and_keeps_float32_master_weights(tmp_path):
     state = _train(tmp_path / "bf16", "fsdp4_tp2", "training.mixed_precision=bf16")
     assert {x.dtype for x in jax.tree.leaves((state.params, state.opt_state[1][0].mu))} == {
@@ -136,6 +137,7 @@ def test_bf16_computes_in_bfloat16_and_keeps_float32_master_weights(tmp_path):
     assert list(bf16) != list(fp32)
 
 
+@pytest.mark.slow  # 22 s
 def test_remat_policies_give_the_same_losses(tmp_path):
     reference = _losses(tmp_path, "fsdp4_tp2")  # the default, remat=save_matmul_outputs
     for policy in ("none", "full", "offload_matmul_outputs"):
