@@ -34,11 +34,19 @@ SETTINGS = {
 }
 
 
-def byte_level_bpe(directory: Path, kind: str, vocab_size: int = 600) -> Path:
+def byte_level_bpe(
+    directory: Path,
+    kind: str,
+    vocab_size: int = 600,
+    texts: tuple[str, ...] = (),
+    added: tuple[str, ...] = (),
+) -> Path:
     """tokenizer.json and tokenizer_config.json of `kind` (qwen, llama) in `directory`, split as
     their published tokenizer.json files split text (Qwen's pattern and NFC; Llama 3's pattern,
-    whole words in the vocabulary skipping the merges)."""
+    whole words in the vocabulary skipping the merges). `texts` are trained on with the corpus;
+    `added` become tokens of their own that are not special (as Qwen 2.5's <tool_call>)."""
     from tokenizers import (
+        AddedToken,
         Regex,
         Tokenizer,
         decoders,
@@ -70,8 +78,9 @@ def byte_level_bpe(directory: Path, kind: str, vocab_size: int = 600) -> Path:
         show_progress=False,
     )
     with lzma.open(BUNDLED_CORPUS, "rt") as f:
-        texts = [json.loads(line)["text"] for _, line in zip(range(200), f)]
-    tokenizer.train_from_iterator(texts, trainer)
+        corpus = [json.loads(line)["text"] for _, line in zip(range(200), f)]
+    tokenizer.train_from_iterator([*corpus, *texts], trainer)
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in added])
     if kind == "llama":
         bos = "<|begin_of_text|>"
         tokenizer.post_processor = processors.TemplateProcessing(

@@ -73,6 +73,28 @@ def _reuse_identical_compilations(capacity: int = 64) -> None:
 if os.environ.get("TUNIX_TRAIN_TEST_REUSE_COMPILATIONS", "1") != "0":  # 0: compile every program anew
     _reuse_identical_compilations()
 
+
+def _measure_the_cpu_peak_once() -> None:
+    """On CPU every train() measures MFU's peak anew (a matmul compiled and sampled five times,
+    0.3 s here), and the suite trains hundreds of times. A test process measures it once per
+    dtype and hands each later run that figure, with the sampler that revises it."""
+    from tunix_train.observe.mfu import Peak
+
+    measure, measured = Peak.for_run.__func__, {}
+
+    def for_run(cls, configured, dtype):
+        if configured:
+            return measure(cls, configured, dtype)
+        if dtype not in measured:
+            measured[dtype] = measure(cls, configured, dtype)
+        first = measured[dtype]
+        return cls(first.value, first.source, first._sample)
+
+    Peak.for_run = classmethod(for_run)
+
+
+_measure_the_cpu_peak_once()
+
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -82,6 +104,35 @@ from tunix_train.compose import load_config  # noqa: E402
 from tunix_train.cpu_devices import cpu_devices_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+# The slow suite's longest tests (30 to 80 s each on 2 cores, --durations), handed out first: the
+# workers take tests in collection order, and one of these last would keep one worker busy alone
+# for a minute after the other has finished.
+LONGEST = (
+    "test_tools.py::test_grpo_with_tools_and_an_environment",
+    "test_gemma4.py::test_context_parallel_gemma4",
+    "test_launch.py::test_sigterm_to_the_job",
+    "test_launch.py::test_a_killed_worker_restarts",
+    "test_launch.py::test_a_job_that_lost_a_host",
+    "test_chat.py::test_sft_on_the_bundled_conversations",
+    "test_gemma4.py::test_pipelined_experts",
+    "test_gemma4.py::test_loss_and_gradients_are_equal_for_every_ep",
+    "test_train.py::test_the_default_job_learns",
+    "test_gemma4.py::test_lora_on_gemma4_exports_adapters",
+    "test_parallel.py::test_a_pp2_checkpoint_resumes",
+    "test_distributed.py::test_checkpoints_move_between",
+    "test_qlora.py::test_gguf_base_keeps_the_files_blocks",
+    "test_routing_replay.py::test_a_resumed_grpo_run",
+    "test_gemma4.py::test_moe_training_on_ep_resumes",
+)
+
+
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist, LONGEST first (in a single process the order stays the files' own, so
+    that each module's fixtures are made once)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: not any(name in item.nodeid for name in LONGEST))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -140,6 +191,26 @@ def checkpoint_arrays(step_dir: Path) -> dict:
     return {
         jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(restored)[0]
     }
+
+
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """A directory that make(directory) fills once per test session: the first worker process to
+    ask makes it while the others wait, then all read it (a module-scoped fixture is made by every
+    worker that runs one of its tests)."""
+    import fcntl
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the workers' common folder
+    directory, made = root / name, root / f"{name}.made"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+            make(directory)
+            made.touch()
+    return directory
 
 
 def straight_and_resumed(cfg, tmp_path: Path, steps: int, stop_at: int, devices) -> tuple[Path, Path]:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import REPO, config, cpu_env, read_metrics, train_losses
+from conftest import REPO, config, cpu_env, made_once, read_metrics, train_losses
 
 from tunix_train import exit_codes
 from tunix_train.checkpoint import restore_from
@@ -82,9 +82,7 @@ def _assert_bit_identical(run_dir, reference_dir, step=12):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    _run(run_dir)
-    return run_dir
+    return made_once(tmp_path_factory, "checkpoint_reference", _run)
 
 
 # before the first checkpoint (in the slow suite: the rerun starts over) and after it

@@ -8,7 +8,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, checkpoint_arrays, config, cpu_env, train_losses, wait_until_gone
+from conftest import REPO, checkpoint_arrays, config, cpu_env, made_once, train_losses, wait_until_gone
 
 RUN = [
     "model=gemma3_tiny",
@@ -57,10 +57,11 @@ def _single(run_dir, *overrides, devices=4):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("one_process")
-    result = _single(run_dir, 'model.mesh_shape=[[4,1],["fsdp","tp"]]', "training.micro_batch_size=2")
-    assert result.returncode == 0, result.stdout + result.stderr
-    return run_dir
+    def run(run_dir):
+        result = _single(run_dir, 'model.mesh_shape=[[4,1],["fsdp","tp"]]', "training.micro_batch_size=2")
+        assert result.returncode == 0, result.stdout + result.stderr
+
+    return made_once(tmp_path_factory, "distributed_one_process", run)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from conftest import REPO, cpu_env, read_metrics, wait_until_gone
+from conftest import REPO, cpu_env, made_once, read_metrics, wait_until_gone
 
 from tunix_train import exit_codes
 
@@ -92,11 +92,12 @@ def _workers(launcher_pid) -> list[int]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("uninterrupted")
-    proc = _start(run_dir)
-    out = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 0, out
-    return losses_by_step(run_dir)
+    def run(run_dir):
+        proc = _start(run_dir)
+        out = proc.communicate(timeout=600)[0]
+        assert proc.returncode == 0, out
+
+    return losses_by_step(made_once(tmp_path_factory, "launch_uninterrupted", run))
 
 
 def kill_after_checkpoint(proc, run_dir, step: int, pid_of) -> str:

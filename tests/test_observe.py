@@ -260,3 +260,15 @@ def test_a_measured_peak_the_run_beats_is_measured_again_and_the_log_says_so():
     assert beaten.value == 0.25e12
     sheet = Peak(989e12, "data sheet, NVIDIA H100")
     assert sheet.revise(1000e12) is None and sheet.value == 989e12
+
+
+def test_the_metrics_writer_leaves_torch_unloaded_and_importable():
+    """tensorboardX imports torch where it is installed (1.7 s of each run's start); the trainer's
+    writer does without it, and torch imports as usual afterwards."""
+    pytest.importorskip("torch")
+    probe = (
+        "import sys; import tunix_train.observe.metrics as m; loaded = 'torch' in sys.modules; "
+        "import torch; print(loaded, m.SummaryWriter.__module__, torch.ones(2).sum().item())"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "tensorboardX.writer", "2.0"]

@@ -6,6 +6,7 @@ the model's own tokens under the loss; then GRPO with an environment end to end.
 import dataclasses
 import json
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -326,11 +327,38 @@ class Checker(Environment):
         return [{"role": "user", "content": "Sure?"}], float(messages[-1]["content"].strip().isdigit()), False
 
 
+def qwen_call(a: int, b: int) -> str:
+    """The calculator's call as Qwen 2.5's template writes a call."""
+    return (
+        "<tool_call>\n" + json.dumps({"name": "multiply", "arguments": {"a": a, "b": b}}) + "\n</tool_call>"
+    )
+
+
+def qwen_tokenizer(directory, sft) -> Path:
+    """A byte-level BPE tokenizer as Qwen's, trained with the task's conversations as Qwen 2.5's
+    template (TRL's copy) renders them, the tool tags tokens of their own, and that template."""
+    import jinja2
+    from bpe_files import byte_level_bpe
+
+    trl = pytest.importorskip("trl")
+    template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    render = jinja2.Environment()
+    render.filters["tojson"] = json.dumps
+    texts = [render.from_string(template).render(**json.loads(line)) for line in sft.read_text().splitlines()]
+    tags = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+    byte_level_bpe(directory, "qwen", vocab_size=1024, texts=tuple(texts), added=tags)
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**settings, "chat_template": template}))
+    return directory
+
+
 @pytest.mark.slow
-def test_grpo_with_tools_and_an_environment_trains_and_resumes_bit_identically(tmp_path):
-    """gemma3_tiny, warmed up on the calculator's conversations, then GRPO on fsdp2 x tp2 with the
-    multiply tool and an environment: calls happen and run, turns follow, and a resumed run equals
-    the straight one."""
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+def test_grpo_with_tools_and_an_environment_trains_and_resumes_bit_identically(tmp_path, family):
+    """A tiny model (Gemma 3 with the bundled template, Qwen 3 with Qwen 2.5's ChatML and its call
+    format), warmed up on the calculator's conversations, then GRPO on fsdp2 x tp2 with the multiply
+    tool and an environment: calls happen and run, turns follow, and a resumed run equals the
+    straight one."""
     from conftest import read_metrics, straight_and_resumed
 
     from tunix_train.compose import load_config
@@ -338,9 +366,14 @@ def test_grpo_with_tools_and_an_environment_trains_and_resumes_bit_identically(t
     from tunix_train.rewards.calculator import write_task
     from tunix_train.train.loop import train
 
-    prompts, sft = write_task(tmp_path / "task", count=256, seed=0)
-    tok = write_tokenizer(tmp_path / "tok" / "tokenizer.model")
-    model = ["model=gemma3_tiny", "model.vocab_size=4102", f"data.tokenizer={tok}", "data.seq_len=192"]
+    if family == "gemma3":
+        prompts, sft = write_task(tmp_path / "task", count=256, seed=0)
+        tok = write_tokenizer(tmp_path / "tok" / "tokenizer.model")
+        model = ["model=gemma3_tiny", "model.vocab_size=4102", f"data.tokenizer={tok}", "data.seq_len=192"]
+    else:
+        prompts, sft = write_task(tmp_path / "task", count=256, seed=0, call=qwen_call)
+        tok = qwen_tokenizer(tmp_path / "tok", sft)
+        model = ["model=qwen3_tiny", "model.vocab_size=1032", f"data.tokenizer={tok}", "data.seq_len=320"]
     cfg, _ = load_config(
         [
             *model,

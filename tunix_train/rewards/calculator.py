@@ -13,6 +13,7 @@ the tool tags as tokens of their own (a turn must end at one token).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -61,10 +62,12 @@ def call(a: int, b: int) -> str:
     )
 
 
-def write_task(directory: Path, count: int, seed: int, with_tool: float = 0.5) -> tuple[Path, Path]:
+def write_task(
+    directory: Path, count: int, seed: int, with_tool: float = 0.5, call: Callable[[int, int], str] = call
+) -> tuple[Path, Path]:
     """prompts.jsonl (prompt, answer) for GRPO and sft.jsonl (messages, tools) for a warm start, in which
-    a share `with_tool` of the conversations call the tool and the others answer at once (with a
-    guess: the product's leading digits, then zeros)."""
+    a share `with_tool` of the conversations call the tool (written by `call`, as the template asks)
+    and the others answer at once (with a guess: the product's leading digits, then zeros)."""
     from tunix_train.envs.tools import schema
 
     directory.mkdir(parents=True, exist_ok=True)
