@@ -46,7 +46,6 @@ def test_the_toy_family_has_its_own_output_layer_and_unscaled_embeddings():
     np.testing.assert_allclose(logits, jnp.einsum("btd,vd->btv", hidden, model.output_VD[...]), rtol=1e-6)
 
 
-@pytest.mark.slow  # 17 s
 def test_the_toy_family_trains_on_fsdp2_tp2_as_on_one_device(tmp_path):
     runs = {}
     for name, mesh, n, rows in (

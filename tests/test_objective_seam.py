@@ -10,7 +10,6 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from conftest import config
 from flax import nnx
 
@@ -60,7 +59,6 @@ def _numpy_logits(model_cfg, params, micro):
     return np.asarray(model(micro["inputs"][0], micro["positions"][0], micro["segment_ids"][0]), np.float64)
 
 
-@pytest.mark.slow  # 20 s
 def test_a_teacher_kl_through_chunks_equals_numpy_and_holds_no_tokens_by_vocab_array():
     cfg, run = _run(chunk=16)
     from tunix_train.data.synthetic import SyntheticBatches
