@@ -40,11 +40,13 @@ def byte_level_bpe(
     vocab_size: int = 600,
     texts: tuple[str, ...] = (),
     added: tuple[str, ...] = (),
+    template: str | None = None,
 ) -> Path:
     """tokenizer.json and tokenizer_config.json of `kind` (qwen, llama) in `directory`, split as
     their published tokenizer.json files split text (Qwen's pattern and NFC; Llama 3's pattern,
     whole words in the vocabulary skipping the merges). `texts` are trained on with the corpus;
-    `added` become tokens of their own that are not special (as Qwen 2.5's <tool_call>)."""
+    `added` become tokens of their own that are not special (as Qwen 2.5's <tool_call>);
+    `template` names the chat template tokenizer_config.json carries (trl_template)."""
     from tokenizers import (
         AddedToken,
         Regex,
@@ -88,5 +90,15 @@ def byte_level_bpe(
         )
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(SETTINGS[kind]))
+    settings = (
+        SETTINGS[kind] if template is None else {**SETTINGS[kind], "chat_template": trl_template(template)}
+    )
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
     return directory
+
+
+def trl_template(name: str) -> str:
+    """TRL's copy of a model's chat template (trl/chat_templates/NAME.jinja)."""
+    import trl
+
+    return (Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja").read_text()

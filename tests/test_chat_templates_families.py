@@ -3,21 +3,17 @@ byte-level BPE tokenizers: the token ids we train on equal transformers' apply_c
 the loss mask equals the assistant mask transformers computes from TRL's {% generation %}-marked
 training variants; each reply stops at the template's end of turn."""
 
-import json
-from pathlib import Path
-
 import pytest
 
 transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[reference]'")
 trl = pytest.importorskip("trl", reason="needs TRL (its chat templates): pip install -e '.[reference]'")
 
-from bpe_files import byte_level_bpe  # noqa: E402
+from bpe_files import byte_level_bpe, trl_template  # noqa: E402
 
 from tunix_train.config import ConfigError  # noqa: E402
 from tunix_train.data.chat import ChatTemplate, find_template  # noqa: E402
 from tunix_train.data.tokenizer import load_tokenizer  # noqa: E402
 
-TEMPLATES = Path(trl.__file__).parent / "chat_templates"
 CONVERSATION = [
     {"role": "system", "content": "Answer briefly."},
     {"role": "user", "content": "What is 2+2?"},
@@ -25,14 +21,6 @@ CONVERSATION = [
     {"role": "user", "content": "And 3+3?"},
     {"role": "assistant", "content": "Six."},
 ]
-
-
-def _tokenizer_with_template(directory: Path, kind: str, template: str) -> Path:
-    byte_level_bpe(directory, kind)
-    settings = json.loads((directory / "tokenizer_config.json").read_text())
-    settings["chat_template"] = (TEMPLATES / f"{template}.jinja").read_text()
-    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
-    return directory
 
 
 # (tokenizer, the template the tokenizer carries, TRL's generation-marked variant, end of turn)
@@ -46,14 +34,14 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_ids_and_loss_mask_equal_transformers(tmp_path, name):
     kind, template, marked, end_of_turn = CASES[name]
-    directory = _tokenizer_with_template(tmp_path / name, kind, template)
+    directory = byte_level_bpe(tmp_path / name, kind, template=template)
     tokenizer = load_tokenizer(directory, 600)
     chat = ChatTemplate(*find_template(None, directory), tokenizer)
     ids, mask = chat.encode(CONVERSATION)
 
     reference = transformers.AutoTokenizer.from_pretrained(directory).apply_chat_template(
         CONVERSATION,
-        chat_template=(TEMPLATES / f"{marked}.jinja").read_text(),
+        chat_template=trl_template(marked),
         tokenize=True,
         return_dict=True,
         return_assistant_tokens_mask=True,
@@ -78,7 +66,7 @@ def test_ids_and_loss_mask_equal_transformers(tmp_path, name):
 def test_a_template_that_rewrites_earlier_turns_is_one_line_naming_the_fix(tmp_path):
     """Qwen 3's own template drops the reasoning of earlier turns, so a message's tokens cannot be
     found by rendering the conversation's start; its generation-marked variant can."""
-    directory = _tokenizer_with_template(tmp_path / "qwen3", "qwen", "qwen3")
+    directory = byte_level_bpe(tmp_path / "qwen3", "qwen", template="qwen3")
     chat = ChatTemplate(*find_template(None, directory), load_tokenizer(directory, 600))
     with pytest.raises(ConfigError, match=r"use a template with \{% generation %\} markers"):
         chat.encode(CONVERSATION)

@@ -334,19 +334,13 @@ def test_a_chat_reply_is_transformers_greedy_reply_to_the_templated_conversation
     greedy continuation, decoded, up to the end of turn."""
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
-    trl = pytest.importorskip("trl")
-    from pathlib import Path
+    pytest.importorskip("trl")
 
     from bpe_files import byte_level_bpe
     from hf_reference import build
 
     reference = build(variant, tmp_path / "m", vocab_size=640)
-    byte_level_bpe(tmp_path / "m", kind)
-    settings = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
-    settings["chat_template"] = (
-        Path(trl.__file__).parent / "chat_templates" / f"{template}.jinja"
-    ).read_text()
-    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps(settings))
+    byte_level_bpe(tmp_path / "m", kind, template=template)
     model = api.load(tmp_path / "m", mesh_shape=MESHES["fsdp2_tp2"][0], devices=jax.devices()[:4])
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is there?"}]
 
@@ -377,20 +371,14 @@ def test_sft_on_conversations_and_qlora_dpo_resume_bit_identically_on_fsdp2_tp2(
     """With the family's byte-level BPE tokenizer and chat template: SFT on conversations
     (data=chat: the template's loss mask) and DPO over an nf4 base with LoRA, each stopped and
     resumed, log the losses of a straight run bit for bit."""
-    trl = pytest.importorskip("trl")
-    from pathlib import Path
+    pytest.importorskip("trl")
 
     from bpe_files import byte_level_bpe
     from conftest import straight_and_resumed, train_losses
 
     from tunix_train.compose import load_config
 
-    tokenizer = byte_level_bpe(tmp_path / "tok", kind)
-    settings = json.loads((tokenizer / "tokenizer_config.json").read_text())
-    settings["chat_template"] = (
-        Path(trl.__file__).parent / "chat_templates" / f"{template}.jinja"
-    ).read_text()
-    (tokenizer / "tokenizer_config.json").write_text(json.dumps(settings))
+    tokenizer = byte_level_bpe(tmp_path / "tok", kind, template=template)
     rng = np.random.default_rng(0)
     words = ["king", "queen", "night", "day", "love", "sword"]
     with open(tmp_path / "chat.jsonl", "w") as f, open(tmp_path / "pairs.jsonl", "w") as g:

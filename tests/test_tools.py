@@ -337,19 +337,15 @@ def qwen_call(a: int, b: int) -> str:
 def qwen_tokenizer(directory, sft) -> Path:
     """A byte-level BPE tokenizer as Qwen's, trained with the task's conversations as Qwen 2.5's
     template (TRL's copy) renders them, the tool tags tokens of their own, and that template."""
-    import jinja2
-    from bpe_files import byte_level_bpe
+    from bpe_files import byte_level_bpe, trl_template
 
-    trl = pytest.importorskip("trl")
-    template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
-    render = jinja2.Environment()
-    render.filters["tojson"] = json.dumps
-    texts = [render.from_string(template).render(**json.loads(line)) for line in sft.read_text().splitlines()]
+    from tunix_train.data.chat import _compiled
+
+    pytest.importorskip("trl")
+    render = _compiled(trl_template("qwen2_5"))[0].render  # compiled as transformers compiles it
+    texts = tuple(render(**json.loads(line)) for line in sft.read_text().splitlines())
     tags = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
-    byte_level_bpe(directory, "qwen", vocab_size=1024, texts=tuple(texts), added=tags)
-    settings = json.loads((directory / "tokenizer_config.json").read_text())
-    (directory / "tokenizer_config.json").write_text(json.dumps({**settings, "chat_template": template}))
-    return directory
+    return byte_level_bpe(directory, "qwen", vocab_size=1024, texts=texts, added=tags, template="qwen2_5")
 
 
 @pytest.mark.slow

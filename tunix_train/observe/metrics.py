@@ -14,15 +14,14 @@ def _without_torch():
     """tensorboardX's SummaryWriter. Where torch is installed (transformers' users), tensorboardX
     imports it, 1.7 s of every run's start here, only to accept torch tensors as values; we log
     floats, so unless torch is already loaded its import is refused for that moment."""
-    if "torch" in sys.modules or "tensorboardX" in sys.modules:
-        from tensorboardX import SummaryWriter
-
-        return SummaryWriter
-    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects
+    refuse = "torch" not in sys.modules
+    if refuse:
+        sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects
     try:
         from tensorboardX import SummaryWriter
     finally:
-        del sys.modules["torch"]
+        if refuse:
+            del sys.modules["torch"]
     return SummaryWriter
 
 
