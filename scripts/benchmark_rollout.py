@@ -3,9 +3,10 @@ mixed lengths, and the prefill time of a GRPO rollout with and without shared pr
 
     python scripts/benchmark_rollout.py [--model gemma3_270m] [--devices 4] [--axis tp] [--requests 64]
         [--slots 16] [--prompt-len 16 128] [--new-tokens 8 256] [--prompts 16 --group 8 --group-new 32]
-        [--fifo]
+        [--fifo] [--dtype fp32|bf16]
 
-Random weights of the named model config, float32, on --devices fake CPU devices along one mesh
+Random weights of the named model config, float32 or (--dtype bf16) the bf16 engine of
+`training.grpo.rollout_dtype=bf16`, on --devices fake CPU devices (or accelerators) along one mesh
 axis: tp by default, the layout to decode with (each step reads every weight once, where fsdp
 gathers all of them onto every device; the rollout mesh's choice, docs/generation.md). Requests
 have prompt lengths and max_new_tokens drawn uniformly from the given ranges, and no stop token, so
@@ -56,6 +57,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--group-new", type=int, default=32, help="max_new_tokens of the GRPO rollout")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fifo", action="store_true", help="also time the engine admitting in arrival order")
+    parser.add_argument(
+        "--dtype", default="fp32", choices=["fp32", "bf16"], help="the engine's weights and cache"
+    )
     args = parser.parse_args(argv)
     if "jax" not in sys.modules:
         os.environ["XLA_FLAGS"] = (
@@ -67,6 +71,7 @@ def main(argv: list[str]) -> int:
 
     from tunix_train.compose import load_config
     from tunix_train.generate import Engine, Request, Sampling
+    from tunix_train.model import quant
     from tunix_train.sharding import make_mesh
     from tunix_train.train.init import plan_train_state
     from tunix_train.train.optimizer import make_optimizer
@@ -74,6 +79,8 @@ def main(argv: list[str]) -> int:
     cfg, _ = load_config([f"model={args.model}", "data=synthetic", "model.context_length=null"])
     mesh = make_mesh([[args.devices], [args.axis]], jax.devices()[: args.devices])
     params = plan_train_state(cfg.model, make_optimizer(cfg.training)[0], mesh, seed=0).create().params
+    if args.dtype == "bf16":
+        params = quant.cast(params, jax.numpy.bfloat16)
     rng = np.random.default_rng(args.seed)
     requests = [
         Request(
@@ -127,6 +134,8 @@ def main(argv: list[str]) -> int:
         "model": args.model,
         "devices": args.devices,
         "axis": args.axis,
+        "dtype": args.dtype,
+        "device": jax.devices()[0].device_kind,
         "requests": args.requests,
         "slots": args.slots,
         "useful_tokens": useful,

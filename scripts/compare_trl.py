@@ -1,23 +1,25 @@
-"""One GRPO step, ours against TRL's GRPOTrainer, side by side on this machine's CPU.
+"""One GRPO step, ours against TRL's GRPOTrainer, side by side on this machine's CPU or GPU.
 
     python scripts/compare_trl.py [--model tiny] [--rounds 3] [--steps 3] [--prompts 16]
-    [--generations 8] [--max-new-tokens 32]
+    [--generations 8] [--max-new-tokens 32] [--dtype float32|bf16]
 
 Both train the same random Gemma 3 (--model: tiny, gemma3_tiny; small, the CPU architecture of
 compare_tunix.py), written once as a Hugging Face checkpoint and loaded by both, with the same
 tokenizer (a character-level tokenizer.json, made here with the `tokenizers` package), on the same
-arithmetic prompts (tunix_train/rewards/arithmetic.py), with the same reward function
-(exact_match), G completions per prompt, max completion length, beta, epsilon, learning rate and
-temperature, in float32. TRL: use_vllm=False (its only way on a CPU), its token-mean loss ("bnpo",
-ours), no gradient checkpointing, rows padded to the longest of the batch. Ours: its defaults
-(remat save_matmul_outputs), rows padded to data.seq_len = the longest prompt (8 tokens with BOS)
-plus the max completion length. A step is the whole of it: sampling, scoring, the reference's and
-the policy's forward passes, backward, the update, and the step's logging. Both are timed the same
-way: the wall time between the ends of consecutive steps (TRL: its on_step_end callback; ours: a
-hook's after_step), after one warm-up step, so each interval holds one step and one step's
-logging on both sides; no evaluation runs (ours: training.eval_every=0) and both train on every
-prompt (ours: data.eval_fraction=0). The sides alternate, --rounds times each (ours, TRL, ours,
-TRL, ...), each run a fresh trainer in this process; the figures are the median and the spread
+arithmetic prompts (tunix_train/rewards/arithmetic.py), with the same reward function (exact_match),
+G completions per prompt, max completion length, beta, epsilon, learning rate and temperature, in
+float32 or (--dtype bf16) each side's bf16 mixed precision over float32 weights (ours:
+training.mixed_precision=bf16 and rollout_dtype=bf16; TRL: bf16=True, torch's autocast), on one GPU
+where there is one, else the CPU. TRL: use_vllm=False (its only way on a CPU), its token-mean loss
+("bnpo", ours), no gradient checkpointing, rows padded to the longest of the batch. Ours: its
+defaults (remat save_matmul_outputs), rows padded to data.seq_len = the longest prompt (8 tokens
+with BOS) plus the max completion length. A step is the whole of it: sampling, scoring, the
+reference's and the policy's forward passes, backward, the update, and the step's logging. Both are
+timed the same way: the wall time between the ends of consecutive steps (TRL: its on_step_end
+callback; ours: a hook's after_step), after one warm-up step, so each interval holds one step and
+one step's logging on both sides; no evaluation runs (ours: training.eval_every=0) and both train on
+every prompt (ours: data.eval_fraction=0). The sides alternate, --rounds times each (ours, TRL,
+ours, TRL, ...), each run a fresh trainer in this process; the figures are the median and the spread
 (min, max) of every timed step of each side, and the ratio of the medians. The last line is JSON.
 """
 
@@ -127,6 +129,11 @@ def run_ours(checkpoint: Path, prompts: Path, out: Path, args) -> list[float]:
             "checkpoint.every_steps=1000000",
             "training.eval_every=0",
             "data.eval_fraction=0",
+            *(
+                ["training.mixed_precision=bf16", "training.grpo.rollout_dtype=bf16"]
+                if args.dtype == "bf16"
+                else []
+            ),
         ]
     )
     import jax
@@ -176,8 +183,8 @@ def run_trl(checkpoint: Path, rows: list[dict], out: Path, args) -> list[float]:
         logging_steps=1,
         report_to="none",
         save_strategy="no",
-        bf16=False,
-        use_cpu=True,
+        bf16=args.dtype == "bf16",
+        use_cpu=not torch.cuda.is_available(),
         gradient_checkpointing=False,
         seed=0,
         dataloader_num_workers=0,
@@ -207,7 +214,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--epsilon", type=float, default=0.2)
     parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--dtype", choices=["float32", "bf16"], default="float32")
     args = parser.parse_args(argv)
+    # both frameworks share one GPU in this process: JAX takes memory as it needs it, not 75% up front
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
 
     from tunix_train.rewards.arithmetic import problems
 
@@ -247,6 +258,8 @@ def main(argv: list[str]) -> int:
                 "prompts": args.prompts,
                 "generations": args.generations,
                 "max_new_tokens": args.max_new_tokens,
+                "dtype": args.dtype,
+                "device": jax.devices()[0].device_kind,
                 "trl_version": version("trl"),
                 "torch_threads": os.cpu_count(),
             }

@@ -14,7 +14,8 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" -d "$out" \
   "hydra-core>=1.3.2,<1.4" "omegaconf>=2.2,<2.4" "tensorboardX>=2.6,<3" "grain>=0.2.18,<0.3" \
-  "array-record>=0.8.1" portpicker importlib-resources "gguf>=0.17,<1"
+  "array-record>=0.8.1" portpicker importlib-resources "gguf>=0.17,<1" \
+  "trl>=1.0,<2" "datasets>=3,<6" dill multiprocess  # compare_trl.py's side (the image has accelerate)
 # hydra's parser runtime is published as a source archive only: build its (pure Python) wheel here.
 python3 -m pip wheel -q --no-deps -w "$out" "antlr4-python3-runtime==4.9.3"
 ls "$out"

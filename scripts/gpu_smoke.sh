@@ -34,6 +34,15 @@ done
 # The engine's bf16 decode at 1, 8 and 64 requests against the measured memory bandwidth
 python3 scripts/benchmark_generate.py --model gemma3_1b --dtype bf16 --no-transformers --batches 1 8 64 \
   --prompt-len 64 --new-tokens 128 --json "$out/gemma3_1b_decode.json" || true
+# Rollouts at 16, 64 and 256 slots (a decode step's cost grows little with its rows on a GPU), and
+# one GRPO step against TRL's (carried as a wheel) in float32 and bf16
+for slots in 16 64 256; do
+  python3 scripts/benchmark_rollout.py --devices 1 --dtype bf16 --slots $slots --requests $((4 * slots)) \
+    > "$out/rollout_$slots.txt" || true
+done
+for dtype in float32 bf16; do
+  python3 scripts/compare_trl.py --model small --rounds 2 --dtype $dtype > "$out/grpo_trl_$dtype.txt" || true
+done
 # The planner's prediction for the same step, to compare with the benchmark's measured peak memory.
 JAX_PLATFORMS=cpu python3 -m tunix_train.plan "${gemma[@]}" training.micro_batch_size=1 --device_memory=80GB
 # Host offload: the moments, then the moments and the float32 master weights, against neither above

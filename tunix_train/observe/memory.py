@@ -57,7 +57,10 @@ def advice(cfg, mesh, training: bool = True) -> list[str]:
         and "pinned_host" in {m.kind for m in device.addressable_memories()}
     ):
         if not t.offload_optimizer_state:
-            tips.append("training.offload_optimizer_state=true (AdamW's moments in host memory)")
+            tips.append(
+                "training.offload_optimizer_state=true (AdamW's moments in host memory between steps: "
+                "lowers the peak where activations, not the update, set it)"
+            )
         if t.mixed_precision.value == "bf16" and not t.offload_master_weights:
             tips.append("training.offload_master_weights=true (the float32 parameters in host memory)")
     if training and t.mixed_precision.value != "bf16":
