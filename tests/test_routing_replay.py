@@ -77,6 +77,41 @@ def test_the_engine_records_the_experts_and_replaying_them_gives_its_logprobs(na
             assert Engine(cfg, mesh).generate(params, requests[:1])[0].routes is None
 
 
+def test_replayed_experts_reach_every_pipeline_stage_and_repeat():
+    """Under pp each stage runs a chunk of the layers, twice with pipeline_repeats=2 (stage 0 layers
+    0 and 2, stage 1 layers 1 and 3): given the same routes, the replayed forward equals one
+    device's within 1e-5, and other routes change it there too."""
+    from tunix_train import parallel
+
+    cfg = config(*MODELS["qwen3_moe"], "model.num_layers=4", "training.micro_batch_size=4")
+    cfg.training.pipeline_microbatches, cfg.training.pipeline_repeats = 2, 2
+    m = cfg.model
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, m.vocab_size, (4, 17)))
+    # each token's k distinct experts in each layer [4, 16, L, k]
+    routes = np.argsort(rng.random((4, 16, m.num_layers, m.num_experts)), -1)[..., : m.num_experts_per_token]
+
+    def logprobs(mesh_shape, routes):
+        mesh = make_mesh(mesh_shape, jax.devices()[: np.prod(mesh_shape[0])])
+        with jax.set_mesh(mesh):
+            params = plan_train_state(m, make_optimizer(cfg.training)[0], mesh, seed=0).create().params
+            model = model_graphdef(m, Remat.none, parallel=parallel.for_run(mesh, m, cfg.training, 16))
+
+            @jax.jit
+            def forward(params, replay):
+                decoder = nnx.merge(model, params)
+                x, _ = decoder.hidden_and_stats(tokens[:, :-1], replay_BTLK=replay)
+                logp = jax.nn.log_softmax(output_logits(x, decoder.output_table(), None), -1)
+                return jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+
+            return np.asarray(forward(params, jnp.asarray(routes, jnp.int32)))
+
+    one = logprobs([[1], ["fsdp"]], routes)
+    np.testing.assert_allclose(logprobs([[2], ["pp"]], routes), one, atol=1e-5, rtol=0)
+    other = logprobs([[2], ["pp"]], (routes + 1) % m.num_experts)
+    assert np.abs(other - one).max() > 1e-3
+
+
 def _grpo(tmp_path, *overrides, mesh=((2, 2), ("ep", "fsdp"))):
     prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
     cfg, _ = load_config(
@@ -108,7 +143,9 @@ def _first_step(run_dir):
 @pytest.mark.slow  # two GRPO runs, 31 s; the engine test stays in the README suite
 def test_grpo_with_routing_replay_trains_on_the_engines_experts(tmp_path):
     """Step 0 of both runs draws the same completions with a bf16 engine (recording changes no
-    draw): only the trainer's forward differs, and with the engine's experts its mismatch falls."""
+    draw): only the trainer's forward differs, and with the engine's experts its mismatch falls.
+    On pp2 x fsdp2, so the routes reach each pipeline stage's layers (ep2 x fsdp2: the resume
+    test's; one device: the engine test's)."""
     first = {}
     for replay in (False, True):
         cfg = _grpo(
@@ -117,9 +154,10 @@ def test_grpo_with_routing_replay_trains_on_the_engines_experts(tmp_path):
             "training.grpo.rollout_dtype=bf16",
             f"training.grpo.routing_replay={str(replay).lower()}",
             "training.micro_batch_size=16",
-            mesh=((1,), ("fsdp",)),  # one device (ep2 x fsdp2: the resume test's)
+            "training.pipeline_microbatches=2",
+            mesh=((2, 2), ("pp", "fsdp")),
         )
-        train(cfg, tmp_path / str(replay), devices=jax.devices()[:1])
+        train(cfg, tmp_path / str(replay), devices=jax.devices()[:4])
         first[replay] = _first_step(tmp_path / str(replay))
     for key in ("reward", "completion_tokens"):
         assert first[False][key] == first[True][key], key
@@ -157,7 +195,6 @@ def test_a_resumed_grpo_run_with_routing_replay_equals_the_straight_one(tmp_path
     "model, mesh, message",
     [
         (("model=gemma3_tiny",), "[[1], [fsdp]]", "model gemma3_tiny has none"),
-        (MODELS["qwen3_moe"], "[[2, 2], [pp, fsdp]]", "does not run with the pp mesh axis"),
         ((*MODELS["qwen3_moe"], "model.num_experts=300"), "[[1], [fsdp]]", "more than 256"),
     ],
 )

@@ -187,8 +187,7 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
 
 
 def _check_routing_replay(m: ModelConfig) -> None:
-    """What training.grpo.routing_replay needs: experts, each recorded in a byte, and no pp (a
-    pipeline stage holds a slice of the layers, the routes are the whole stack's)."""
+    """What training.grpo.routing_replay needs: experts, each recorded in a byte."""
     if not m.num_experts:
         raise ConfigError(
             f"training.grpo.routing_replay replays the experts the engine chose: model {m.name} has "
@@ -198,12 +197,6 @@ def _check_routing_replay(m: ModelConfig) -> None:
         raise ConfigError(
             f"training.grpo.routing_replay records each expert in a byte: model.num_experts="
             f"{m.num_experts} is more than 256"
-        )
-    sizes, names = m.mesh_shape
-    if dict(zip(names, sizes)).get("pp", 1) != 1:
-        raise ConfigError(
-            "training.grpo.routing_replay does not run with the pp mesh axis yet: drop pp from "
-            "model.mesh_shape, or set routing_replay to false"
         )
 
 

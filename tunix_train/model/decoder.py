@@ -20,6 +20,7 @@ One file: the decoder, read top to bottom as the math.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Protocol
 
@@ -447,6 +448,9 @@ class Decoder(nnx.Module):
         )
         stats = []
         for group, graphdefs, states, windows in groups:
+            repeats = jax.tree.leaves(states)[0].shape[0]
+            if repeats != group.repeats:  # a pipeline stage's chunk: its repeats, its rows' layers
+                group = dataclasses.replace(group, first=0, repeats=repeats)
             index = np.stack([group.layers(j) for j in range(len(group.period))], 1)
 
             def by_layer(a_BTL):  # [B, T, L, ...] -> this group's [repeats, period, B, T, ...]

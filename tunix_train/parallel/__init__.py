@@ -113,6 +113,7 @@ class Parallelism:
             jax.tree.map(split, rows),
             seq,
             x_dtype,
+            per_layer=("replay",) if "replay" in rows else (),  # routing replay: [B, T, L, k]
         )
         return x_MBTD.swapaxes(0, 1).reshape(x_BTD.shape).astype(x_dtype), stats
 

@@ -64,10 +64,13 @@ def run(
     rows: Any,
     seq_axis: str | None,
     dtype: Any,
+    per_layer: tuple[str, ...] = (),
 ) -> tuple[jax.Array, Any]:
     """stage_fn(layer_xs of one chunk [C, ...], x [B, T, D], rows [B, T]) -> (x, statistics), applied
     through every stage to each of the M micro-batches of x_MBTD (rows: their per-token data,
-    [M, B, T]); enter(layer_xs) makes a stage's layers what stage_fn takes, once per pass. The
+    [M, B, T], a dict; those named in per_layer [M, B, T, L, ...] carry every layer's, and a stage
+    gets its chunk's layers of them); enter(layer_xs) makes a stage's layers what stage_fn takes,
+    once per pass. The
     statistics (per layer [C, ...], sums over tokens; {} for none) come back summed over the
     micro-batches, per layer [L, ...] in no particular order.
     Runs in a shard_map manual over pp (and over `seq_axis`, which splits T, when given). x_MBTD
@@ -77,7 +80,7 @@ def run(
     chunks = jax.tree.map(lambda a: a.reshape(R, S, a.shape[0] // (R * S), *a.shape[1:]), layer_xs)
     data = P(None, None, seq_axis)
     stages = jax.shard_map(
-        lambda *args: _stages(schedule, stage_fn, enter, dtype, seq_axis, *args),
+        lambda *args: _stages(schedule, stage_fn, enter, dtype, seq_axis, per_layer, *args),
         in_specs=(P(None, AXIS), data, data),
         out_specs=(data, P(AXIS)),
         axis_names={AXIS} | ({seq_axis} if seq_axis else set()),
@@ -85,10 +88,11 @@ def run(
     return stages(chunks, x_MBTD, rows)
 
 
-def _stages(schedule: Schedule, stage_fn, enter, dtype, seq_axis, chunks, x_MBTD, rows):
+def _stages(schedule: Schedule, stage_fn, enter, dtype, seq_axis, per_layer, chunks, x_MBTD, rows):
     """One stage's part of the schedule (in the shard_map): a scan over the time steps."""
     S, R = schedule.stages, schedule.repeats
     stage = jax.lax.axis_index(AXIS)
+
     chunks = enter(jax.tree.map(lambda a: a[:, 0], chunks))  # this stage's chunk of each repeat
 
     def at(a, i):
@@ -96,6 +100,15 @@ def _stages(schedule: Schedule, stage_fn, enter, dtype, seq_axis, chunks, x_MBTD
 
     def put(a, x, i):
         return jax.lax.dynamic_update_index_in_dim(a, x, i, 0)
+
+    def rows_of(micro, repeat):
+        """A micro-batch's rows; of those per layer, the layers of this stage's chunk in `repeat`
+        (the chunks are the layers in order, repeat-major: layer_xs' reshape in run)."""
+        taken = {name: at(a, micro) for name, a in rows.items()}
+        for name in per_layer:
+            size = taken[name].shape[2] // (R * S)
+            taken[name] = jax.lax.dynamic_slice_in_dim(taken[name], (repeat * S + stage) * size, size, 2)
+        return taken
 
     # varying from here on: the input's gradient is summed over pp once, not at every time step
     x_MBTD = jax.lax.pcast(x_MBTD, AXIS, to="varying")
@@ -108,7 +121,7 @@ def _stages(schedule: Schedule, stage_fn, enter, dtype, seq_axis, chunks, x_MBTD
         y, stats = stage_fn(
             jax.tree.map(lambda a: at(a, repeat), chunks),
             jnp.where(stage == 0, first_input, received),
-            jax.tree.map(lambda a: at(a, micro), rows),
+            rows_of(micro, repeat),
         )
         y = y.astype(dtype)
         done = busy & (stage == S - 1) & (repeat == R - 1)
