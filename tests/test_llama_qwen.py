@@ -136,8 +136,7 @@ def test_published_config_keys_read_as_transformers_5_writes_them():
     assert (scaling.type, scaling.factor, scaling.original_context) == (RopeScalingType.llama3, 8.0, 8192)
 
 
-@pytest.mark.slow  # 50 steps (Llama trains in the context-extension test)
-@pytest.mark.parametrize("name", ["qwen3_tiny"])
+@pytest.mark.parametrize("name", ["qwen3_tiny"])  # 50 steps (Llama trains in the context-extension test)
 def test_tiny_qwen3_learns_the_bundled_corpus(tmp_path, name):
     from conftest import read_metrics
 

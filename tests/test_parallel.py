@@ -52,7 +52,7 @@ RUNS = {  # name: (mesh_shape, rows per data-parallel shard, overrides); 16 rows
     "pp2_cp2_fsdp2": ([[2, 2, 2], ["pp", "cp", "fsdp"]], 4, ["training.pipeline_microbatches=2"]),
     "pp2_cp2_fsdp2_ring": ([[2, 2, 2], ["pp", "cp", "fsdp"]], 4, ["training.pipeline_microbatches=2", RING]),
 }
-FAST = ("pp2", "pp2_repeats2", "cp2_ring", "cp4")  # pp2_cp2_fsdp2 (20 s) with the slow ones
+FAST = ("pp2", "pp2_repeats2", "cp2", "cp2_ring", "cp4", "pp4")  # pp2_cp2_fsdp2 (20 s): slow
 _REFERENCE: list = []
 
 

@@ -94,7 +94,6 @@ def test_int8_scales_are_per_output_channel_and_never_split_along_inputs():
     assert o.scale.shape == (2, 1, 1, 64) and tuple(o.scale.sharding.spec) == (None, None, None, "fsdp")
 
 
-@pytest.mark.slow
 def test_nf4_trains_within_5_percent_of_a_bf16_base():
     steps = ("training.max_steps=50", "training.learning_rate=3e-3", "model.mesh_shape=[[1],[fsdp]]")
     final = {}
