@@ -72,8 +72,8 @@ def test_the_tower_and_projector_equal_transformers(tmp_path, mesh_shape):
     with jax.set_mesh(mesh):
         state = jax.device_put(state, state_shardings(state, mesh))
         if mesh.size > 1:  # the attention and MLP weights are split over tp, the rest over fsdp
-            up = state["layers"][0]["up"][...]
-            assert {s.data.shape for s in up.addressable_shards} == {(16, 32)}
+            up = state["layers"]["up"][...]  # [layers, embed, mlp]
+            assert {s.data.shape for s in up.addressable_shards} == {(2, 16, 32)}
 
         @jax.jit
         def run(state, pixels):

@@ -43,22 +43,38 @@ def load_tower(
     def heads(name):  # q, k, v: [H*K, D] -> [D, H, K]; their biases [H, K]
         return t(name + ".weight").T.reshape(D, H, -1), t(name + ".bias").reshape(H, -1)
 
-    def norm(module, name):
-        module.scale[...], module.bias[...] = t(name + ".weight"), t(name + ".bias")
-
     tower.patch[...] = t("embeddings.patch_embedding.weight").transpose(2, 3, 1, 0).reshape(-1, D)
     tower.patch_bias[...] = t("embeddings.patch_embedding.bias")
     tower.position[...] = t("embeddings.position_embedding.weight")
-    for i, layer in enumerate(tower.layers):
+
+    def layer(i):  # one layer's tensors, named as the EncoderLayer's parameters
         p = f"encoder.layers.{i}."
-        norm(layer.norm1, p + "layer_norm1")
-        norm(layer.norm2, p + "layer_norm2")
+        named = {
+            "norm1.scale": t(p + "layer_norm1.weight"),
+            "norm1.bias": t(p + "layer_norm1.bias"),
+            "norm2.scale": t(p + "layer_norm2.weight"),
+            "norm2.bias": t(p + "layer_norm2.bias"),
+            "out": t(p + "self_attn.out_proj.weight").T.reshape(H, -1, D),
+            "out_bias": t(p + "self_attn.out_proj.bias"),
+            "up": t(p + "mlp.fc1.weight").T,
+            "up_bias": t(p + "mlp.fc1.bias"),
+            "down": t(p + "mlp.fc2.weight").T,
+            "down_bias": t(p + "mlp.fc2.bias"),
+        }
         for x in "qkv":
-            getattr(layer, x)[...], getattr(layer, x + "_bias")[...] = heads(p + f"self_attn.{x}_proj")
-        layer.out[...] = t(p + "self_attn.out_proj.weight").T.reshape(H, -1, D)
-        layer.out_bias[...] = t(p + "self_attn.out_proj.bias")
-        layer.up[...], layer.up_bias[...] = t(p + "mlp.fc1.weight").T, t(p + "mlp.fc1.bias")
-        layer.down[...], layer.down_bias[...] = t(p + "mlp.fc2.weight").T, t(p + "mlp.fc2.bias")
-    norm(tower.final_norm, "post_layernorm")
+            named[x], named[x + "_bias"] = heads(p + f"self_attn.{x}_proj")
+        return named
+
+    layers = [layer(i) for i in range(cfg.num_layers)]
+    for name in layers[0]:  # the stack: each parameter [L, ...]
+        module = tower.layers
+        *parents, leaf = name.split(".")
+        for parent in parents:
+            module = getattr(module, parent)
+        getattr(module, leaf)[...] = np.stack([named[name] for named in layers])
+    tower.final_norm.scale[...], tower.final_norm.bias[...] = (
+        t("post_layernorm.weight"),
+        t("post_layernorm.bias"),
+    )
     tower.soft_norm.scale[...] = np.asarray(tensors[projector_prefix + "mm_soft_emb_norm.weight"], np.float32)
     tower.projection[...] = np.asarray(tensors[projector_prefix + "mm_input_projection_weight"], np.float32)

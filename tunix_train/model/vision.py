@@ -2,11 +2,12 @@
 
 An image's pixel values [C, H, W] (as transformers' image processors give them) are cut into P x P
 patches, each embedded by one matmul (SigLIP's stride-P convolution) plus a learned position per
-patch; then L pre-norm encoder layers, each bidirectional multi-head attention and a gelu-tanh MLP
-(LayerNorms and every projection with a bias), and a final LayerNorm. The projector averages the
-patch grid down to tokens_per_image tokens, RMS-normalises them (Gemma's 1 + scale) and projects
-them to the text model's width: the embeddings that take the place of an image's placeholder
-tokens. Equal to transformers' SiglipVisionModel and Gemma3MultiModalProjector (test_vision.py).
+patch; then L pre-norm encoder layers (stacked and scanned), each bidirectional multi-head attention
+and a gelu-tanh MLP (LayerNorms and every projection with a bias), and a final LayerNorm. The
+projector averages the patch grid down to tokens_per_image tokens, RMS-normalises them (Gemma's 1 +
+scale) and projects them to the text model's width: the embeddings that take the place of an image's
+placeholder tokens. Equal to transformers' SiglipVisionModel and Gemma3MultiModalProjector
+(test_vision.py).
 """
 
 from __future__ import annotations
@@ -95,6 +96,17 @@ class EncoderLayer(nnx.Module):
         return x_NSD + h @ self.down[...] + self.down_bias[...]
 
 
+def _stacked_layers(cfg: VisionConfig, keys) -> EncoderLayer:
+    """One EncoderLayer whose parameters have a leading axis of cfg.num_layers (one per key), for
+    jax.lax.scan. The axis is not `layers`, which pp splits: the tower runs whole before the text
+    model's stages."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: EncoderLayer(cfg, nnx.Rngs(0))))
+    state = jax.vmap(lambda key: nnx.state(EncoderLayer(cfg, nnx.Rngs(key))))(keys)
+    for variable in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        variable.set_metadata(axes=(None, *variable.get_metadata()["axes"]))
+    return nnx.merge(graphdef, state)
+
+
 class VisionTower(nnx.Module):
     """Pixel values [N, C, H, W] -> the images' embeddings [N, tokens_per_image, text_dim]."""
 
@@ -104,7 +116,7 @@ class VisionTower(nnx.Module):
         self.patch = param(rngs, (P * P * C, D), (None, "embed"), P * P * C)  # rows: (y, x, channel)
         self.patch_bias = nnx.Param(jnp.zeros((D,), jnp.float32), axes=("norm",))
         self.position = param(rngs, (cfg.patches_per_side**2, D), (None, "embed"), 1)
-        self.layers = nnx.List([EncoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.layers = _stacked_layers(cfg, jax.random.split(rngs.params(), cfg.num_layers))
         self.final_norm = LayerNorm(D, cfg.layer_norm_eps)
         self.soft_norm = RMSNorm(D, cfg.layer_norm_eps)  # Gemma's: 1 + scale
         self.projection = param(rngs, (D, text_dim), (None, "embed"), D)
@@ -116,8 +128,8 @@ class VisionTower(nnx.Module):
         patches = pixels_NCHW.reshape(N, C, H // P, P, W // P, P).transpose(0, 2, 4, 3, 5, 1)
         x_NSD = patches.reshape(N, (H // P) * (W // P), P * P * C) @ self.patch[...] + self.patch_bias[...]
         x_NSD = constrain(x_NSD + self.position[...], ("batch", None, "act_embed"), self.rules)
-        for layer in self.layers:
-            x_NSD = layer(x_NSD)
+        graphdef, stacked = nnx.split(self.layers)
+        x_NSD, _ = jax.lax.scan(lambda x, layer: (nnx.merge(graphdef, layer)(x), None), x_NSD, stacked)
         return self.final_norm(x_NSD)
 
     def __call__(self, pixels_NCHW):
