@@ -3,6 +3,8 @@ Gemma3ForConditionalGeneration's SigLIP encoder output and projected image featu
 on one device and with the tower's parameters sharded over fsdp2 x tp2 and the images over the
 data axes."""
 
+import io
+
 import jax
 import numpy as np
 import pytest
@@ -91,3 +93,47 @@ def test_a_tower_whose_tokens_do_not_tile_its_patches_is_refused():
         VisionConfig(image_size=32, patch_size=4, tokens_per_image=15)
     with pytest.raises(ValueError, match="tokens_per_image=9 must be a square whose side divides the 8"):
         VisionConfig(image_size=32, patch_size=4, tokens_per_image=9)
+
+
+@pytest.mark.parametrize(
+    "width, height, mode",
+    [(32, 32, "RGB"), (45, 17, "RGB"), (30, 100, "RGBA"), (7, 5, "L"), (1200, 700, "RGB")],
+)
+def test_pixel_values_equal_transformers_gemma3_image_processor(width, height, mode):
+    """Five sizes and aspect ratios (one grey, one with alpha), up- and down-scaled to 64 and 896
+    pixels a side, against transformers' Gemma3ImageProcessor (its Pillow backend), pan-and-scan off."""
+    Image = pytest.importorskip("PIL.Image")
+    from tunix_train.data.images import pixel_values
+
+    rng = np.random.default_rng(width * height)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    array = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
+    image = Image.fromarray(array[..., 0] if mode == "L" else array, mode)
+    for size in (64, 896):
+        processor = transformers.Gemma3ImageProcessorPil(size={"height": size, "width": size})
+        expected = processor(images=[image], return_tensors="np")["pixel_values"][0]
+        ours = pixel_values(image, size)
+        assert ours.shape == expected.shape == (3, size, size) and ours.dtype == np.float32
+        np.testing.assert_allclose(ours, expected, atol=1e-6, rtol=0)
+
+
+def test_a_bad_image_file_is_one_line_naming_it(tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    from tunix_train.config import ConfigError
+    from tunix_train.data.images import MAX_PIXELS, open_image
+
+    good = tmp_path / "good.png"
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(good)
+    assert open_image(good).size == (8, 8)
+    (tmp_path / "truncated.png").write_bytes(good.read_bytes()[:40])
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "text.png").write_text("not an image")
+    for name in ("truncated.png", "empty.png", "text.png", "missing.png"):
+        with pytest.raises(ConfigError, match=f"image {tmp_path / name}: ") as err:
+            open_image(tmp_path / name)
+        assert "\n" not in str(err.value)
+    side = int(MAX_PIXELS**0.5) + 1  # a bomb is refused from its header, before decoding
+    big = io.BytesIO()
+    Image.new("L", (side, side)).save(big, "PNG")
+    with pytest.raises(ConfigError, match="an image's bytes: more than"):
+        open_image(big.getvalue())
