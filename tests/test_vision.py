@@ -117,6 +117,31 @@ def test_pixel_values_equal_transformers_gemma3_image_processor(width, height, m
         np.testing.assert_allclose(ours, expected, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("width, height", [(1200, 700), (300, 1000), (500, 480), (1300, 200), (700, 120)])
+def test_pan_and_scan_crops_equal_transformers(width, height):
+    """Landscape and portrait images cut into 2 to 4 crops (the last one short where the side does
+    not divide), one too square to cut, one whose crops would be too small; each crop's pixel values
+    after the image's own, as Gemma3ImageProcessorPil(do_pan_and_scan=True) gives them."""
+    Image = pytest.importorskip("PIL.Image")
+    from tunix_train.data.images import pan_and_scan, pixel_values
+
+    image = Image.fromarray(np.random.default_rng(width).integers(0, 256, (height, width, 3), dtype=np.uint8))
+    settings = dict(min_crop_size=128, max_crops=4, min_ratio=1.2)
+    processor = transformers.Gemma3ImageProcessorPil(size={"height": 64, "width": 64})
+    expected = processor(
+        images=[image],
+        do_pan_and_scan=True,
+        pan_and_scan_min_crop_size=settings["min_crop_size"],
+        pan_and_scan_max_num_crops=settings["max_crops"],
+        pan_and_scan_min_ratio_to_activate=settings["min_ratio"],
+        return_tensors="np",
+    )
+    crops = pan_and_scan(image, **settings)
+    assert len(crops) == expected["num_crops"][0] == {1200: 2, 300: 3, 1300: 4}.get(width, 0)
+    ours = np.stack([pixel_values(im, 64) for im in [image, *crops]])
+    np.testing.assert_allclose(ours, expected["pixel_values"], atol=1e-6, rtol=0)
+
+
 def test_a_bad_image_file_is_one_line_naming_it(tmp_path):
     Image = pytest.importorskip("PIL.Image")
     from tunix_train.config import ConfigError

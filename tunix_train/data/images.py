@@ -1,12 +1,13 @@
 """Images as Gemma 3's image processor prepares them: RGB, resized to the tower's square with
 Pillow's bilinear filter, scaled to [0, 1], then normalised with mean 0.5 and std 0.5 per channel:
 pixel values [3, size, size] in float32 (transformers' Gemma3ImageProcessor with its defaults,
-its Pillow backend; pan-and-scan is not here yet). Files are untrusted: an unreadable, truncated,
-empty or oversized image is one line naming the file."""
+its Pillow backend), and pan-and-scan's crops of a long image. Files are untrusted: an unreadable,
+truncated, empty or oversized image is one line naming the file."""
 
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
 import numpy as np
@@ -55,3 +56,24 @@ def pixel_values(image, size: int) -> np.ndarray:
     rgb = image.convert("RGB").resize((size, size), resample=Image.Resampling.BILINEAR)
     scaled = (np.asarray(rgb).astype(np.float64) * (1 / 255)).astype(np.float32)  # as transformers rescales
     return ((scaled - np.float32(0.5)) / np.float32(0.5)).transpose(2, 0, 1)
+
+
+def pan_and_scan(image, min_crop_size: int, max_crops: int, min_ratio: float) -> list:
+    """Gemma 3's pan-and-scan: an image at least `min_ratio` times wider than tall (or taller than
+    wide) cut into 2 to `max_crops` equal crops along its long side, about one per its aspect
+    ratio (rounded half up), each at least `min_crop_size` pixels a side; else none. The crops
+    follow the image itself, each prepared as an image of its own (pixel_values)."""
+    width, height = image.size
+    long, short = max(width, height), min(width, height)
+    if long / short < min_ratio:
+        return []
+    crops = min(max_crops, max(2, min(math.floor(long / min_crop_size), math.floor(long / short + 0.5))))
+    across, down = (crops, 1) if width >= height else (1, crops)
+    crop_w, crop_h = math.ceil(width / across), math.ceil(height / down)
+    if min(crop_w, crop_h) < min_crop_size:
+        return []
+    return [  # the last crop stops at the image's edge
+        image.crop((x, y, min(x + crop_w, width), min(y + crop_h, height)))
+        for y in range(0, crop_h * down, crop_h)
+        for x in range(0, crop_w * across, crop_w)
+    ]
