@@ -65,7 +65,8 @@ def gemma_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
         "query_pre_attn_scalar": hf.get("query_pre_attn_scalar"),
         "attn_logit_softcap": hf.get("attn_logit_softcapping"),
         "final_logit_softcap": hf.get("final_logit_softcapping"),
-        "local_layers_per_global": per_global if per_global < n_layers else 0,
+        # every layer local (a model shorter than one period): as many local per global as layers
+        "local_layers_per_global": per_global,
         "sliding_window": hf.get("sliding_window") if any(local) else None,
         "rope_base_global": float(theta),
         "rope_base_local": float(sliding.get("rope_theta", hf.get("rope_local_base_freq", theta))),

@@ -299,8 +299,16 @@ def load_params_from(
     by_layer(path, leaf, read_layer) may build a stacked leaf from its layers itself (read_layer(r):
     layer r on the devices, sharded as the leaf along its other axes), or return None."""
 
-    # a multimodal checkpoint keeps its text decoder under model.language_model.
-    prefix = "model.language_model." if files.has("model.language_model.embed_tokens.weight") else "model."
+    # a multimodal checkpoint keeps its text decoder under model.language_model. (transformers 5's
+    # names in memory) or language_model.model. (what transformers 5's save_pretrained writes)
+    prefix = next(
+        (
+            p
+            for p in ("model.language_model.", "language_model.model.")
+            if files.has(p + "embed_tokens.weight")
+        ),
+        "model.",
+    )
 
     def load(key_path, leaf: jax.ShapeDtypeStruct):
         path = jax.tree_util.keystr(key_path, simple=True, separator=".").removesuffix(".value")
