@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from hf_reference import SIZES
 
 from tunix_train.interop.vision import load_tower, vision_from_hf
 from tunix_train.model.vision import VisionConfig, VisionTower
@@ -33,15 +34,7 @@ def _reference():
     projector's weights drawn too (transformers starts them at zero)."""
     torch.manual_seed(0)
     config = transformers.Gemma3Config(
-        text_config=dict(
-            hidden_size=48,
-            intermediate_size=96,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            vocab_size=300,
-        ),
+        text_config=SIZES,  # the parity tests' tiny text model: 4 layers, every one sliding-window
         vision_config=VISION,
         mm_tokens_per_image=16,
     )
@@ -63,9 +56,9 @@ def test_the_tower_and_projector_equal_transformers(tmp_path, mesh_shape):
     with torch.no_grad():
         out = model.model.get_image_features(torch.from_numpy(pixels))
     expected_hidden, expected = out.last_hidden_state.numpy(), out.pooler_output.numpy()
-    assert expected.shape == (4, 16, 48)
+    assert expected.shape == (4, 16, SIZES["hidden_size"])
 
-    tower = VisionTower(cfg, text_dim=48, rngs=nnx.Rngs(1))
+    tower = VisionTower(cfg, text_dim=SIZES["hidden_size"], rngs=nnx.Rngs(1))
     model.save_pretrained(tmp_path)  # the names in the file, which an importer reads
     tensors = load_file(tmp_path / "model.safetensors")
     load_tower(tower, tensors, "vision_tower.", "multi_modal_projector.")
@@ -172,7 +165,7 @@ def test_the_text_model_of_a_saved_multimodal_gemma3_loads_with_transformers_log
 
     _, model = _reference()
     model.save_pretrained(tmp_path)
-    tokens = np.random.default_rng(0).integers(0, 300, (2, 12))
+    tokens = np.random.default_rng(0).integers(0, SIZES["vocab_size"], (2, 12))
     with torch.no_grad():
         expected = model(input_ids=torch.from_numpy(tokens)).logits.numpy()
     loaded = api.load(tmp_path, mesh_shape=[[1], ["fsdp"]], devices=jax.devices()[:1])
