@@ -90,6 +90,7 @@ SHIPPED = [
     "gemma3_27b",
     "gemma3_small",
     "gemma3_tiny",
+    "gemma3_vision_tiny",
     "llama3_2_1b",
     "llama3_2_3b",
     "llama3_1_8b",
@@ -208,5 +209,11 @@ def test_shipped_configs_build_abstract_sharded_state(name):
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
     state_shardings(abstract, make_mesh([[8], ["fsdp"]]))  # every parameter divides over fsdp=8
     if name in PUBLISHED:
-        n = count_params(abstract.params)
+        text = {k: v for k, v in abstract.params.items() if k != "vision"}
+        n = count_params(text)
         assert abs(n - PUBLISHED[name]) / PUBLISHED[name] < 0.01, f"{name}: {n:,} parameters"
+    if (
+        name in PUBLISHED and cfg.model.vision is not None
+    ):  # the Gemma 3 report's Table 1: a 417M vision encoder (SigLIP)
+        tower = {k: v for k, v in abstract.params["vision"].items() if k not in ("soft_norm", "projection")}
+        assert abs(count_params(tower) - 417e6) / 417e6 < 0.01, f"{name}: {count_params(tower):,}"

@@ -1,7 +1,7 @@
-"""Gemma 3's image tower (model/vision.py, interop/vision.py) against transformers: a random tiny
-Gemma3ForConditionalGeneration's SigLIP encoder output and projected image features, read into ours,
-on one device and with the tower's parameters sharded over fsdp2 x tp2 and the images over the
-data axes."""
+"""Gemma 3's image tower and its merge into the text model (model/vision.py, interop/vision.py)
+against transformers: a random tiny Gemma3ForConditionalGeneration's SigLIP encoder output,
+projected image features and whole-model logits on conversations with images, read into ours, on
+one device and sharded (fsdp2 x tp2, dp2 x fsdp2); the image processor against transformers'."""
 
 import io
 
@@ -11,8 +11,10 @@ import pytest
 from flax import nnx
 from hf_reference import SIZES
 
-from tunix_train.interop.vision import load_tower, vision_from_hf
-from tunix_train.model.vision import VisionConfig, VisionTower
+from tunix_train.config import ConfigError, ModelConfig, VisionConfig
+from tunix_train.interop.vision import tower_arrays, vision_from_hf
+from tunix_train.model.layout import validate_model
+from tunix_train.model.vision import VisionTower
 from tunix_train.sharding import make_mesh, state_shardings
 
 torch = pytest.importorskip("torch")
@@ -29,14 +31,22 @@ VISION = dict(
 )
 
 
-def _reference():
+IMAGE, BOI, EOI = 127, 125, 126  # the image placeholder, start and end of image: in the vocabulary
+TEXT = dict(SIZES, sliding_window=6, sliding_window_pattern=2)  # sliding, global, sliding, global
+
+
+def _reference(text=SIZES):
     """A random tiny Gemma 3 with an image tower (8 x 8 patches pooled to 4 x 4 tokens), its
-    projector's weights drawn too (transformers starts them at zero)."""
+    projector's weights drawn too (transformers starts them at zero). text: the parity tests' tiny
+    text model (4 layers, every one sliding-window), or TEXT."""
     torch.manual_seed(0)
     config = transformers.Gemma3Config(
-        text_config=SIZES,  # the parity tests' tiny text model: 4 layers, every one sliding-window
+        text_config=text,
         vision_config=VISION,
         mm_tokens_per_image=16,
+        image_token_index=IMAGE,
+        boi_token_index=BOI,
+        eoi_token_index=EOI,
     )
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -50,8 +60,8 @@ def test_the_tower_and_projector_equal_transformers(tmp_path, mesh_shape):
     from safetensors.numpy import load_file
 
     config, model = _reference()
-    cfg = vision_from_hf(config.vision_config.to_dict(), config.mm_tokens_per_image)
-    assert cfg == VisionConfig(32, 4, 3, 32, 64, 2, 4, 1e-6, 16)
+    cfg = vision_from_hf(config.to_dict())
+    assert cfg == VisionConfig(32, 4, 3, 32, 64, 2, 4, 1e-6, 16, IMAGE)
     pixels = np.random.default_rng(0).standard_normal((4, 3, 32, 32)).astype(np.float32)
     with torch.no_grad():
         out = model.model.get_image_features(torch.from_numpy(pixels))
@@ -61,7 +71,13 @@ def test_the_tower_and_projector_equal_transformers(tmp_path, mesh_shape):
     tower = VisionTower(cfg, text_dim=SIZES["hidden_size"], rngs=nnx.Rngs(1))
     model.save_pretrained(tmp_path)  # the names in the file, which an importer reads
     tensors = load_file(tmp_path / "model.safetensors")
-    load_tower(tower, tensors, "vision_tower.", "multi_modal_projector.")
+    for path, array in tower_arrays(
+        cfg, tensors.__getitem__, "vision_tower.", "multi_modal_projector."
+    ).items():
+        variable = tower
+        for name in path.split("."):
+            variable = getattr(variable, name)
+        variable[...] = array
     mesh = make_mesh(mesh_shape, jax.devices()[: np.prod(mesh_shape[0])])
     graphdef, state = nnx.split(tower)
     with jax.set_mesh(mesh):
@@ -82,10 +98,22 @@ def test_the_tower_and_projector_equal_transformers(tmp_path, mesh_shape):
 
 
 def test_a_tower_whose_tokens_do_not_tile_its_patches_is_refused():
-    with pytest.raises(ValueError, match="tokens_per_image=15 must be a square"):
-        VisionConfig(image_size=32, patch_size=4, tokens_per_image=15)
-    with pytest.raises(ValueError, match="tokens_per_image=9 must be a square whose side divides the 8"):
-        VisionConfig(image_size=32, patch_size=4, tokens_per_image=9)
+    def model(**vision):
+        return ModelConfig(
+            family="gemma3", name="t", num_layers=1, embed_dim=8, hidden_dim=8, num_heads=1, num_kv_heads=1,
+            head_dim=8, vocab_size=16, vision=VisionConfig(**{"image_token_id": 15, **vision}),
+        )  # fmt: skip
+
+    validate_model(model(image_size=32, patch_size=4, tokens_per_image=16))
+    square = "tokens_per_image=9 must be a square whose side divides the 8"
+    for vision, message in [
+        (dict(image_size=32, patch_size=4, tokens_per_image=15), "tokens_per_image=15 must be a square"),
+        (dict(image_size=32, patch_size=4, tokens_per_image=9), square),
+        (dict(image_size=30, patch_size=4, tokens_per_image=4), "image_size=30 must be a multiple of"),
+        (dict(image_size=32, patch_size=4, tokens_per_image=16, image_token_id=16), "image_token_id=16"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate_model(model(**vision))
 
 
 @pytest.mark.parametrize(
@@ -170,3 +198,155 @@ def test_the_text_model_of_a_saved_multimodal_gemma3_loads_with_transformers_log
         expected = model(input_ids=torch.from_numpy(tokens)).logits.numpy()
     loaded = api.load(tmp_path, mesh_shape=[[1], ["fsdp"]], devices=jax.devices()[:1])
     np.testing.assert_allclose(loaded.logits(tokens), expected, atol=1e-4, rtol=0)
+
+
+def _conversations(rng, rows: int, T: int):
+    """Token rows with one or two images each (BOI, 16 placeholders, EOI amid text) and each row's
+    images in order, zeros past a row's own: [rows, T] ids, [rows, 2, 3, 32, 32] pixels."""
+    image = [BOI, *[IMAGE] * 16, EOI]
+    tokens, images = [], np.zeros((rows, 2, 3, 32, 32), np.float32)
+    for r in range(rows):
+        splits = [(5, 7), (10,), (0, 3), (20,)][r % 4]  # text between the images (a row's first: 1 or 2)
+        row = [2]
+        for i, text in enumerate(splits):
+            row += [*rng.integers(3, 120, text), *image]
+            images[r, i] = rng.standard_normal((3, 32, 32))
+        tokens.append(row + list(rng.integers(3, 120, T - len(row))))
+    return np.array(tokens), images
+
+
+@pytest.mark.parametrize(
+    "mesh_shape",
+    [[[1, 1], ["fsdp", "tp"]], [[2, 2], ["fsdp", "tp"]], [[2, 2], ["dp", "fsdp"]]],
+)
+def test_logits_with_images_equal_transformers(tmp_path, mesh_shape):
+    """A saved Gemma3ForConditionalGeneration (sliding window 6, shorter than an image) read whole by
+    model.init_from's importer: logits of rows with one and two images equal transformers' (its
+    token types mark the images, whose tokens attend to each other both ways). The bidirectional
+    mask matters: transformers' logits without it differ."""
+    from tunix_train import api
+
+    _, model = _reference(TEXT)
+    model.save_pretrained(tmp_path)
+    tokens, images = _conversations(np.random.default_rng(0), 4, 64)
+    per_row = [2, 1, 2, 1]
+    pixels = np.concatenate([images[r, :n] for r, n in enumerate(per_row)])
+    with torch.no_grad():
+        ids = torch.from_numpy(tokens)
+        expected, causal = (
+            model(input_ids=ids, pixel_values=torch.from_numpy(pixels), token_type_ids=types).logits.numpy()
+            for types in ((ids == IMAGE).long(), None)
+        )
+    assert np.abs(expected - causal).max() > 1e-2
+
+    loaded = api.load(tmp_path, mesh_shape=mesh_shape, devices=jax.devices()[: np.prod(mesh_shape[0])])
+    assert loaded.config.vision == VisionConfig(32, 4, 3, 32, 64, 2, 4, 1e-6, 16, IMAGE)
+    np.testing.assert_allclose(loaded.logits(tokens, images=images), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, overrides",
+    [
+        ([[2], ["cp"]], []),
+        ([[2], ["cp"]], ["model.context_parallel_strategy=ring"]),
+        ([[2], ["pp"]], ["training.pipeline_microbatches=2"]),
+    ],
+)
+def test_images_under_cp_and_pp_give_one_devices_loss_and_gradients(mesh_shape, overrides):
+    """gemma3_vision_tiny (tower trainable) on rows whose images straddle the cp chunks' edges (64
+    tokens, 4 chunks of 16): the loss and every gradient, the tower's included, equal one device's.
+    Under cp the rows come reordered and the images' tokens are found in the rows' own order."""
+    from tunix_train import parallel
+    from tunix_train.compose import load_config
+    from tunix_train.model.decoder import output_logits
+    from tunix_train.train.forward import cross_entropy
+
+    cfg, _ = load_config(
+        ["model=gemma3_vision_tiny", "model.vision.trainable=true", "data.seq_len=64", *overrides]
+    )
+    image = [254, *[255] * 16, 253]  # each image's tokens cross a chunk edge (16, 32, 48)
+    rng = np.random.default_rng(0)
+    tokens = np.stack(
+        [[2, *rng.integers(3, 250, 9), *image, *rng.integers(3, 250, 7), *image, *rng.integers(3, 250, 11)]]
+        + [[2, *rng.integers(3, 250, 39), *image, *rng.integers(3, 250, 6)]]
+    ).astype(np.int32)
+    batch = {
+        "inputs": tokens[None],
+        "targets": np.roll(tokens, -1, axis=1)[None],
+        "positions": np.broadcast_to(np.arange(64), (1, 2, 64)),
+        "images": rng.standard_normal((1, 2, 2, 3, 32, 32)).astype(np.float32),
+    }
+
+    def loss_and_grads(mesh_shape):
+        mesh = make_mesh(mesh_shape, jax.devices()[: np.prod(mesh_shape[0])])
+        layout = parallel.for_run(mesh, cfg.model, cfg.training, 64)
+        graphdef = parallel.model_graphdef(cfg.model, cfg.training.remat, parallel=layout)
+        params = nnx.state(_init(cfg.model))
+        micro = jax.tree.map(lambda x: x[0], layout.reorder(batch) if layout else batch)
+
+        def loss(params):
+            m = nnx.merge(graphdef, params)
+            x = m.hidden(micro["inputs"], micro["positions"], None, micro.get("token_index"), micro["images"])
+            return cross_entropy(output_logits(x, m.output_table(), None), micro["targets"]).sum()
+
+        with jax.set_mesh(mesh):
+            params = jax.device_put(params, state_shardings(params, mesh))
+            value, grads = jax.jit(jax.value_and_grad(loss))(params)
+        return float(value), jax.tree.map(np.asarray, grads)
+
+    expected_loss, expected = loss_and_grads([[1], ["fsdp"]])
+    loss, grads = loss_and_grads(mesh_shape)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(grads)):
+        # the keys' bias shifts every score of a query alike: its gradient is zero up to rounding
+        scale = 1.0 if path[-2].key == "k_bias" else np.abs(want).max()
+        assert scale > 0, path
+        np.testing.assert_allclose(
+            got, want, rtol=1e-4, atol=1e-4 * scale, err_msg=jax.tree_util.keystr(path)
+        )
+
+
+def _init(model_cfg):
+    from tunix_train.model.factory import build_model
+
+    return build_model(model_cfg, nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_a_frozen_tower_gets_no_gradient_update_or_optimizer_state(trainable):
+    """model.vision.trainable=false (the default): the images' embeddings carry no gradient into
+    the tower, and AdamW keeps no moments for it nor decays it; true: it trains like the rest."""
+    from tunix_train.compose import load_config
+    from tunix_train.model.decoder import output_logits
+    from tunix_train.train.forward import cross_entropy
+    from tunix_train.train.optimizer import make_optimizer
+
+    cfg, _ = load_config(
+        ["model=gemma3_vision_tiny", f"model.vision.trainable={trainable}", "training.warmup_steps=0"]
+    )
+    model = _init(cfg.model)
+    graphdef, params = nnx.split(model)
+    tokens = np.array([[2, 254, *[255] * 16, 253, 7, 9, 11]])
+    images = np.random.default_rng(0).standard_normal((1, 1, 3, 32, 32)).astype(np.float32)
+
+    def loss(params):
+        m = nnx.merge(graphdef, params)
+        return cross_entropy(
+            output_logits(m.hidden(tokens, images=images), m.output_table(), None), tokens
+        ).sum()
+
+    grads = jax.jit(jax.grad(loss))(params)
+    optimizer, _ = make_optimizer(cfg.training, cfg.model)
+    opt_state = optimizer.init(params)
+    updates, _ = optimizer.update(grads, opt_state, params)
+    tower_grad = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads["vision"]))
+    tower_update = max(float(np.abs(u).max()) for u in jax.tree.leaves(updates["vision"]))
+    text_update = float(np.abs(updates["embedding_VD"][...]).max())
+    moments = sum(x.size for x in jax.tree.leaves(opt_state))
+    tower_size = sum(x.size for x in jax.tree.leaves(params["vision"]))
+    text_size = sum(x.size for x in jax.tree.leaves(params)) - tower_size
+    assert text_update > 0
+    if trainable:
+        assert tower_grad > 0 and tower_update > 0 and moments >= 2 * (text_size + tower_size)
+    else:
+        assert tower_grad == tower_update == 0 and moments < 2 * text_size + tower_size

@@ -131,6 +131,28 @@ class RopeScaling:
     truncate: bool = _fixed(True)  # yarn: the ramp's bounds rounded outward to whole dimensions
 
 
+@dataclasses.dataclass
+class VisionConfig:
+    """model.vision: Gemma 3's image tower (tunix_train/model/vision.py, docs/vision.md); the defaults
+    are Gemma 3's (SigLIP so400m at 896 pixels, 14-pixel patches, pooled to 256 tokens an image)."""
+
+    image_size: int = _fixed(896)  # pixels a side; every image is resized to this square
+    patch_size: int = _fixed(14)
+    num_channels: int = _fixed(3)
+    embed_dim: int = _fixed(1152)
+    hidden_dim: int = _fixed(4304)  # the encoder layers' MLP width
+    num_layers: int = _fixed(27)
+    num_heads: int = _fixed(16)
+    layer_norm_eps: float = _fixed(1e-6)
+    tokens_per_image: int = _fixed(256)  # the patch grid averaged down to this many (a square)
+    image_token_id: int = _fixed(262144)  # the placeholder token an image's embeddings replace
+    trainable: bool = _fixed(False)  # false: the tower and its projector stay as loaded
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names, as in layer_types
 
 
@@ -238,6 +260,8 @@ class ModelConfig:
     # The longest sequence (prompt and generated tokens) the model was trained for; null: no limit.
     # The engine refuses longer ones. Training does not read it.
     context_length: Optional[int] = _changeable(None)
+    # An image tower before the decoder (Gemma 3 4B and up); null: text only.
+    vision: Optional[VisionConfig] = _fixed(None)
     # A Hugging Face Gemma checkpoint directory (config.json + safetensors) to start from; its sizes
     # must match this config's.
     init_from: Optional[str] = _fixed(None)

@@ -75,6 +75,7 @@ LOGICAL_RULES = Rules(
         "kv_heads": ("tp",),
         "head_dim": (),
         "layers": ("pp",),  # the stacked layers: each pipeline stage holds its own
+        "vision_layers": (),  # the image tower's stacked layers: it runs whole, before the stages
         "gguf_rows": (
             "tp",
             "fsdp",

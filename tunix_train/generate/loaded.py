@@ -52,7 +52,7 @@ class LoadedModel:
         graphdef = model_graphdef(self.config, Remat.none, rules=LOGICAL_RULES.replace(seq=()))
         self._forward = jax.jit(
             lambda params, micro: nnx.merge(graphdef, params)(
-                micro["inputs"], micro["positions"], micro["segment_ids"]
+                micro["inputs"], micro["positions"], micro["segment_ids"], images=micro.get("images")
             )
         )
         self.engine = Engine(
@@ -211,8 +211,12 @@ class LoadedModel:
             raise ConfigError("this checkpoint carries no tokenizer: pass token ids instead of text")
         return self.tokenizer
 
-    def logits(self, tokens: Any, positions: Any = None, segment_ids: Any = None) -> np.ndarray:
-        """float32 next-token logits [B, T, V] for token ids [B, T] (one document per row by default)."""
+    def logits(
+        self, tokens: Any, positions: Any = None, segment_ids: Any = None, images: Any = None
+    ) -> np.ndarray:
+        """float32 next-token logits [B, T, V] for token ids [B, T] (one document per row by default);
+        images: each row's pixel values [B, I, C, H, W] (data/images.py), in the order of its image
+        placeholders (a row with fewer images leaves the rest unread)."""
         tokens = jnp.asarray(tokens, jnp.int32)
         B, T = tokens.shape
         micro = {
@@ -222,6 +226,10 @@ class LoadedModel:
             else jnp.asarray(positions),
             "segment_ids": jnp.ones((B, T), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids),
         }
+        if images is not None:
+            if self.config.vision is None:
+                raise ConfigError("images given to a text-only model (its model.vision is null)")
+            micro["images"] = jnp.asarray(images, jnp.float32)
         with jax.set_mesh(self.mesh):
             return np.asarray(self._forward(self.params, micro))
 

@@ -22,7 +22,7 @@ from flax import nnx
 
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.files import write_atomically, write_text
-from tunix_train.interop import families
+from tunix_train.interop import families, vision
 from tunix_train.model.layout import layer_groups, layer_shapes
 from tunix_train.model.weights import ByLayer
 from tunix_train.sharding import layer_sharding
@@ -238,6 +238,11 @@ def other_towers(directory: Path) -> list[str]:
     return [tower for tower in ("vision_config", "audio_config") if hf.get(tower)]
 
 
+def vision_from_directory(directory: Path):
+    """model.vision of a checkpoint directory's config.json (None: it has no image tower)."""
+    return vision.vision_from_hf(json.loads((Path(directory) / "config.json").read_text()))
+
+
 def model_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig fields equivalent to a transformers config.json (its text_config), by its family."""
     return families.of_hf(hf).fields_from_hf(hf)
@@ -250,6 +255,19 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
 
 def check_matches(cfg: ModelConfig, directory: Path) -> None:
     """A one-line ConfigError naming the first model key that differs from the checkpoint's."""
+    if cfg.vision is not None:
+        theirs = vision_from_directory(directory)
+        if theirs is None:
+            raise ConfigError(
+                f"model.init_from: {directory} has no image tower but model.vision is set; set "
+                f"model.vision=null or start from a multimodal checkpoint"
+            )
+        for key, value in vars(theirs).items():
+            if key != "trainable" and getattr(cfg.vision, key) != value:
+                raise ConfigError(
+                    f"model.init_from: {directory} has vision {key}={value!r} but "
+                    f"model.vision.{key}={getattr(cfg.vision, key)!r}; set model.vision.{key}={value!r}"
+                )
     for key, value in model_fields_from_hf(read_hf_config(directory)).items():
         ours = getattr(cfg, key)
         if key == "context_length":  # what the engine allows, not what training computes
@@ -278,7 +296,7 @@ def load_params(
     load_params_from."""
     directory = Path(directory)
     check_matches(cfg, directory)
-    towers = other_towers(directory)
+    towers = [t for t in other_towers(directory) if not (t == "vision_config" and cfg.vision is not None)]
     if towers and jax.process_index() == 0:
         print(
             f"model.init_from: {directory} also holds a "
@@ -310,8 +328,19 @@ def load_params_from(
         "model.",
     )
 
+    tower = {}  # the image tower's parameters, read whole (at most a few hundred million)
+
+    def load_tower_leaf(path: str, leaf: jax.ShapeDtypeStruct):
+        if not tower:
+            prefixes = vision.tower_prefixes(files.has, source)
+            tower.update(vision.tower_arrays(cfg.vision, lambda n: files.read(n, [slice(None)]), *prefixes))
+        whole = tower[path.removeprefix("vision.")]
+        return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda i: whole[i].astype(leaf.dtype))
+
     def load(key_path, leaf: jax.ShapeDtypeStruct):
         path = jax.tree_util.keystr(key_path, simple=True, separator=".").removesuffix(".value")
+        if path.startswith("vision."):
+            return load_tower_leaf(path, leaf)
         spec, layer_of = stack_layers(path, cfg)
         rows = range(leaf.shape[0]) if layer_of else [None]
 

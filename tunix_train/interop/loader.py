@@ -50,7 +50,8 @@ def source(path: str | Path) -> Source:
     if kind == "gguf":
         cfg = Config(model=ModelConfig(name=path.stem, **gguf.model_fields(gguf.open_gguf(path), path)))
     elif kind == "hf":
-        cfg = Config(model=ModelConfig(name=path.name, **hf.model_fields_from_hf(hf.read_hf_config(path))))
+        fields = hf.model_fields_from_hf(hf.read_hf_config(path))
+        cfg = Config(model=ModelConfig(name=path.name, vision=hf.vision_from_directory(path), **fields))
     else:
         resolve_resume_path(str(path))
         cfg = run_config(path)

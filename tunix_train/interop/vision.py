@@ -1,20 +1,34 @@
-"""Gemma 3's image tower as transformers names it: the SigLIP vision config and tensors (the
-published checkpoints' `vision_tower.vision_model.*`, transformers 5's save_pretrained's
-`vision_tower.*`) and the multimodal projector's (`multi_modal_projector.*`), read into
-model/vision.py's VisionTower."""
+"""Gemma 3's image tower as transformers names it: the config.json keys (`vision_config`,
+`mm_tokens_per_image`, `image_token_index`) and the tensors of the SigLIP model (the published
+checkpoints' `vision_tower.vision_model.*`, transformers 5's save_pretrained's `vision_tower.*`)
+and of the multimodal projector (`multi_modal_projector.*`), as model/vision.py's VisionTower
+holds them."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from tunix_train.model.vision import VisionConfig, VisionTower
+from tunix_train.config import ConfigError, VisionConfig
+
+# where checkpoints keep the SigLIP model and the projector (the first a file has is read)
+TOWER_PREFIXES = (
+    "vision_tower.vision_model.",
+    "model.vision_tower.vision_model.",
+    "vision_tower.",
+    "model.vision_tower.",
+)
+PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
 
 
-def vision_from_hf(vision: Mapping[str, Any], mm_tokens_per_image: int) -> VisionConfig:
-    """VisionConfig from a Gemma 3 config.json's `vision_config` and its `mm_tokens_per_image`."""
+def vision_from_hf(config: Mapping[str, Any]) -> VisionConfig | None:
+    """model.vision from a Gemma 3 config.json (the whole file, not its text_config); None for a
+    text-only checkpoint."""
+    vision = config.get("vision_config")
+    if not vision:
+        return None
     return VisionConfig(
         image_size=vision["image_size"],
         patch_size=vision["patch_size"],
@@ -24,30 +38,37 @@ def vision_from_hf(vision: Mapping[str, Any], mm_tokens_per_image: int) -> Visio
         num_layers=vision["num_hidden_layers"],
         num_heads=vision["num_attention_heads"],
         layer_norm_eps=vision.get("layer_norm_eps", 1e-6),
-        tokens_per_image=mm_tokens_per_image,
+        tokens_per_image=config.get("mm_tokens_per_image", 256),
+        image_token_id=config.get("image_token_index", config.get("image_token_id", 262144)),
     )
 
 
-def load_tower(
-    tower: VisionTower, tensors: Mapping[str, np.ndarray], tower_prefix: str, projector_prefix: str
-) -> None:
-    """Sets `tower`'s parameters from transformers' tensors: the SigLIP model's under `tower_prefix`,
-    the projector's under `projector_prefix`. torch's Linear weights are [out, in]; the patch
-    convolution's [D, C, P, P] becomes rows in (y, x, channel) order."""
-    cfg = tower.cfg
+def tower_prefixes(has: Callable[[str], bool], source: str) -> tuple[str, str]:
+    """The (tower, projector) prefixes of the checkpoint whose tensor names `has` knows."""
+    tower = next((p for p in TOWER_PREFIXES if has(p + "post_layernorm.weight")), None)
+    projector = next((p for p in PROJECTOR_PREFIXES if has(p + "mm_input_projection_weight")), None)
+    if tower is None or projector is None:
+        what, names = ("image tower", TOWER_PREFIXES) if tower is None else ("projector", PROJECTOR_PREFIXES)
+        raise ConfigError(
+            f"model.init_from: {source} has no {what} tensors ({names[0]}*); set model.vision=null to "
+            f"load its text decoder alone"
+        )
+    return tower, projector
+
+
+def tower_arrays(
+    cfg: VisionConfig, read: Callable[[str], np.ndarray], tower_prefix: str, projector_prefix: str
+) -> dict[str, np.ndarray]:
+    """The tower's parameters in our layout, float32, by their path in VisionTower (`layers.q`,
+    `final_norm.scale`, ...), from transformers' tensors (read(name) -> the whole tensor). torch's
+    Linear weights are [out, in]; the patch convolution's [D, C, P, P] becomes rows in (y, x,
+    channel) order; the encoder layers are stacked on a leading axis."""
     D, H = cfg.embed_dim, cfg.num_heads
 
     def t(name):
-        return np.asarray(tensors[tower_prefix + name], np.float32)
+        return np.asarray(read(tower_prefix + name), np.float32)
 
-    def heads(name):  # q, k, v: [H*K, D] -> [D, H, K]; their biases [H, K]
-        return t(name + ".weight").T.reshape(D, H, -1), t(name + ".bias").reshape(H, -1)
-
-    tower.patch[...] = t("embeddings.patch_embedding.weight").transpose(2, 3, 1, 0).reshape(-1, D)
-    tower.patch_bias[...] = t("embeddings.patch_embedding.bias")
-    tower.position[...] = t("embeddings.position_embedding.weight")
-
-    def layer(i):  # one layer's tensors, named as the EncoderLayer's parameters
+    def layer(i):
         p = f"encoder.layers.{i}."
         named = {
             "norm1.scale": t(p + "layer_norm1.weight"),
@@ -61,20 +82,22 @@ def load_tower(
             "down": t(p + "mlp.fc2.weight").T,
             "down_bias": t(p + "mlp.fc2.bias"),
         }
-        for x in "qkv":
-            named[x], named[x + "_bias"] = heads(p + f"self_attn.{x}_proj")
+        for x in "qkv":  # [H*K, D] -> [D, H, K]; the biases [H, K]
+            named[x] = t(p + f"self_attn.{x}_proj.weight").T.reshape(D, H, -1)
+            named[x + "_bias"] = t(p + f"self_attn.{x}_proj.bias").reshape(H, -1)
         return named
 
     layers = [layer(i) for i in range(cfg.num_layers)]
-    for name in layers[0]:  # the stack: each parameter [L, ...]
-        module = tower.layers
-        *parents, leaf = name.split(".")
-        for parent in parents:
-            module = getattr(module, parent)
-        getattr(module, leaf)[...] = np.stack([named[name] for named in layers])
-    tower.final_norm.scale[...], tower.final_norm.bias[...] = (
-        t("post_layernorm.weight"),
-        t("post_layernorm.bias"),
+    arrays = {"layers." + name: np.stack([named[name] for named in layers]) for name in layers[0]}
+    arrays.update(
+        {
+            "patch": t("embeddings.patch_embedding.weight").transpose(2, 3, 1, 0).reshape(-1, D),
+            "patch_bias": t("embeddings.patch_embedding.bias"),
+            "position": t("embeddings.position_embedding.weight"),
+            "final_norm.scale": t("post_layernorm.weight"),
+            "final_norm.bias": t("post_layernorm.bias"),
+            "soft_norm.scale": np.asarray(read(projector_prefix + "mm_soft_emb_norm.weight"), np.float32),
+            "projection": np.asarray(read(projector_prefix + "mm_input_projection_weight"), np.float32),
+        }
     )
-    tower.soft_norm.scale[...] = np.asarray(tensors[projector_prefix + "mm_soft_emb_norm.weight"], np.float32)
-    tower.projection[...] = np.asarray(tensors[projector_prefix + "mm_input_projection_weight"], np.float32)
+    return arrays

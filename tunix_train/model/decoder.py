@@ -44,6 +44,7 @@ from tunix_train.model.layout import (
 from tunix_train.model.lora import Adapt, adapter, no_adapter
 from tunix_train.model.moe import Dispatch, LocalDispatch, MoE
 from tunix_train.model.rope import rope_table
+from tunix_train.model.vision import VisionTower, image_ids, image_slots, merged_embeddings
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
 
 
@@ -314,6 +315,8 @@ class Decoder(nnx.Module):
             self.per_layer_proj_norm = RMSNorm(P, cfg.rms_norm_eps, cfg.norm_weight_offset)
         # drawn last: the other parameters are the same tied or not
         self.output_VD = None if cfg.tie_embeddings else param(rngs, (V, D), ("vocab", "embed"), D)
+        # after the text model's: its parameters are the same with a tower or without
+        self.vision = None if cfg.vision is None else VisionTower(cfg.vision, D, rngs, rules)
 
     def stacks(self) -> list[tuple[LayerGroup, list[Block]]]:
         """Each group and the stacked Block of each position of its period."""
@@ -330,11 +333,13 @@ class Decoder(nnx.Module):
                     where[int(layer)] = (stack, r)
         return [where[i] for i in range(self.cfg.num_layers)]
 
-    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, token_index_BT=None):
+    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, token_index_BT=None, images=None):
         """positions restart at 0 and segment ids change at each packed document; by default one
         document per row. Attention never crosses documents or looks ahead. token_index: where each
-        token stands in its row (default 0, 1, ...); the masks read it, so a row may come reordered."""
-        x_BTD = self.hidden(tokens_BT, positions_BT, segment_ids_BT, token_index_BT)
+        token stands in its row (default 0, 1, ...); the masks read it, so a row may come reordered.
+        images: each row's images [B, I, C, H, W] (model.vision), in the order of the row's image
+        placeholders (model.vision.image_token_id), whose embeddings they become."""
+        x_BTD = self.hidden(tokens_BT, positions_BT, segment_ids_BT, token_index_BT, images)
         return output_logits(x_BTD, self.output_table(), self.cfg.final_logit_softcap, self.rules)
 
     def output_table(self):
@@ -343,13 +348,26 @@ class Decoder(nnx.Module):
         table = self.embedding_VD if self.output_VD is None else self.output_VD
         return constrain(table[...], ("act_vocab", None), self.rules)
 
-    def embed(self, tokens_BT):
-        """Token embeddings [B, T, D], scaled by sqrt(D) where the family does (scale_embeddings)."""
+    def embed(self, tokens_BT, images=None, slots_BT=None):
+        """Token embeddings [B, T, D], scaled by sqrt(D) where the family does (scale_embeddings);
+        with images [B, I, C, H, W], the image tower's embeddings at the image slots (vision.image_slots)."""
         table_VD = constrain(self.embedding_VD[...], ("act_vocab", None), self.rules)
         x_BTD = table_VD[tokens_BT]
         if self.cfg.scale_embeddings:
             x_BTD = x_BTD * jnp.sqrt(jnp.float32(self.cfg.embed_dim)).astype(table_VD.dtype)
+        if images is not None:
+            x_BTD = merged_embeddings(x_BTD, self.image_embeddings(images), slots_BT)
         return constrain(x_BTD, ("batch", "seq", "act_embed"), self.rules)
+
+    def image_embeddings(self, images_BICHW):
+        """The images' embeddings [B, I x tokens_per_image, D], in the text model's dtype; without
+        gradient unless model.vision.trainable."""
+        if self.vision is None:
+            raise ValueError("images given to a text-only model (model.vision is null)")
+        B, per_row = images_BICHW.shape[:2]
+        features = self.vision(images_BICHW.reshape(B * per_row, *images_BICHW.shape[2:]))
+        features = features.reshape(B, per_row * features.shape[1], -1).astype(self.embedding_VD[...].dtype)
+        return features if self.cfg.vision.trainable else jax.lax.stop_gradient(features)
 
     def per_layer_inputs(self, tokens_BT, x_BTD):
         """Gemma 4's per-layer inputs [B, T, L, P]: the token's row of the per-layer table (scaled by
@@ -380,16 +398,25 @@ class Decoder(nnx.Module):
             rope_table(positions_BT, cfg.rope_base_local, 1.0, cfg.head_dim),
         )
 
-    def hidden(self, tokens_BT, positions_BT=None, segment_ids_BT=None, token_index_BT=None):
+    def hidden(self, tokens_BT, positions_BT=None, segment_ids_BT=None, token_index_BT=None, images=None):
         """The final normed hidden states [B, T, D], from which output_logits computes the logits."""
-        return self.hidden_and_stats(tokens_BT, positions_BT, segment_ids_BT, token_index_BT)[0]
+        return self.hidden_and_stats(tokens_BT, positions_BT, segment_ids_BT, token_index_BT, images=images)[
+            0
+        ]
 
     def hidden_and_stats(
-        self, tokens_BT, positions_BT=None, segment_ids_BT=None, token_index_BT=None, replay_BTLK=None
+        self,
+        tokens_BT,
+        positions_BT=None,
+        segment_ids_BT=None,
+        token_index_BT=None,
+        replay_BTLK=None,
+        images=None,
     ):
         """hidden's states and the experts' statistics of every layer (moe.MoE, stacked [L, ...]; {}
         without experts). replay_BTLK: each token's experts in each layer to use instead of the
-        router's choice (routing replay; -1 where the router chooses, moe.MoE.route)."""
+        router's choice (routing replay; -1 where the router chooses, moe.MoE.route). images: as
+        __call__ takes them."""
         B, T = tokens_BT.shape
         index_1T = jnp.arange(T, dtype=jnp.int32)[None]
         rows = {
@@ -399,7 +426,11 @@ class Decoder(nnx.Module):
         }
         if replay_BTLK is not None:
             rows["replay"] = replay_BTLK
-        x_BTD = self.embed(tokens_BT)
+        slots_BT = None
+        if images is not None:
+            slots_BT = image_slots(tokens_BT, self.cfg.vision.image_token_id, token_index_BT)
+            rows["image_ids"] = image_ids(slots_BT, self.cfg.vision.tokens_per_image)
+        x_BTD = self.embed(tokens_BT, images, slots_BT)
         if self.cfg.per_layer_input_dim:
             rows["per_layer_inputs"] = self.per_layer_inputs(tokens_BT, x_BTD)
         windows = jnp.asarray(layer_windows(self.cfg))
@@ -572,8 +603,8 @@ class Decoder(nnx.Module):
         """rows -> window -> attend: attention over the keys of the pass that kernels.visible_keys
         allows, its window-independent part computed once per pass."""
         fused = None if self.attention is AttentionImpl.xla else self.attention.value
-        index, segments = rows["token_index"], rows["segment_ids"]
-        visible = kernels.visible_keys(index, segments, index, segments)
+        index, segments, images = rows["token_index"], rows["segment_ids"], rows.get("image_ids")
+        visible = kernels.visible_keys(index, segments, index, segments, images, images)
         return lambda window: (
             lambda q, k, v, softcap: (kernels.attention(q, k, v, visible(window), softcap, fused), None)
         )

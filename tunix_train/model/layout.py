@@ -145,6 +145,43 @@ def validate_model(m: ModelConfig) -> None:
         raise ConfigError("model.sliding_window must be positive when model.local_layers_per_global > 0")
     _validate_gemma4(m)
     validate_rope_scaling(m.rope_scaling)
+    if m.vision is not None:
+        validate_vision(m)
+
+
+def validate_vision(m: ModelConfig) -> None:
+    """model.vision's sizes: whole patches, a square token grid that pools whole blocks of them."""
+    v = m.vision
+    for key in (
+        "image_size",
+        "patch_size",
+        "num_channels",
+        "embed_dim",
+        "hidden_dim",
+        "num_layers",
+        "num_heads",
+    ):
+        if getattr(v, key) <= 0:
+            raise ConfigError(f"model.vision.{key}={getattr(v, key)} must be positive")
+    side, tokens = v.patches_per_side, round(v.tokens_per_image**0.5)
+    if v.image_size % v.patch_size:
+        raise ConfigError(
+            f"model.vision.image_size={v.image_size} must be a multiple of patch_size={v.patch_size}"
+        )
+    if v.tokens_per_image <= 0 or tokens * tokens != v.tokens_per_image or side % tokens:
+        raise ConfigError(
+            f"model.vision.tokens_per_image={v.tokens_per_image} must be a square whose side divides the "
+            f"{side} patches a side"
+        )
+    if v.embed_dim % v.num_heads:
+        raise ConfigError(
+            f"model.vision.embed_dim={v.embed_dim} must be a multiple of model.vision.num_heads={v.num_heads}"
+        )
+    if not 0 <= v.image_token_id < m.vocab_size:
+        raise ConfigError(
+            f"model.vision.image_token_id={v.image_token_id} must be a token of the vocabulary "
+            f"(model.vocab_size={m.vocab_size})"
+        )
 
 
 def _validate_gemma4(m: ModelConfig) -> None:

@@ -8,45 +8,21 @@ projector averages the patch grid down to tokens_per_image tokens, RMS-normalise
 scale) and projects them to the text model's width: the embeddings that take the place of an image's
 placeholder tokens. Equal to transformers' SiglipVisionModel and Gemma3MultiModalProjector
 (test_vision.py).
+
+The merge: a row's images [I, C, H, W] give I x tokens_per_image embeddings, which take the places of
+the row's image placeholder tokens in order (`image_slots`), after the text embeddings' scaling.
+Attention is bidirectional among one image's tokens (`image_ids`, kernels.visible_keys).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tunix_train.config import VisionConfig
 from tunix_train.model.common import RMSNorm, gelu_tanh, param
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
-
-
-@dataclasses.dataclass(frozen=True)
-class VisionConfig:
-    """The tower's sizes; the defaults are Gemma 3's (SigLIP so400m at 896 pixels, 256 tokens)."""
-
-    image_size: int = 896
-    patch_size: int = 14
-    num_channels: int = 3
-    embed_dim: int = 1152
-    hidden_dim: int = 4304
-    num_layers: int = 27
-    num_heads: int = 16
-    layer_norm_eps: float = 1e-6
-    tokens_per_image: int = 256
-
-    @property
-    def patches_per_side(self) -> int:
-        return self.image_size // self.patch_size
-
-    def __post_init__(self):
-        side, tokens = self.patches_per_side, round(self.tokens_per_image**0.5)
-        if tokens * tokens != self.tokens_per_image or side % tokens or self.embed_dim % self.num_heads:
-            raise ValueError(
-                f"vision tower: tokens_per_image={self.tokens_per_image} must be a square whose side divides "
-                f"the {side} patches a side, and embed_dim={self.embed_dim} must divide by num_heads"
-            )
 
 
 class LayerNorm(nnx.Module):
@@ -98,12 +74,12 @@ class EncoderLayer(nnx.Module):
 
 def _stacked_layers(cfg: VisionConfig, keys) -> EncoderLayer:
     """One EncoderLayer whose parameters have a leading axis of cfg.num_layers (one per key), for
-    jax.lax.scan. The axis is not `layers`, which pp splits: the tower runs whole before the text
-    model's stages."""
+    jax.lax.scan. The axis is `vision_layers`, not `layers`, which pp splits: the tower runs whole
+    before the text model's stages."""
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: EncoderLayer(cfg, nnx.Rngs(0))))
     state = jax.vmap(lambda key: nnx.state(EncoderLayer(cfg, nnx.Rngs(key))))(keys)
     for variable in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-        variable.set_metadata(axes=(None, *variable.get_metadata()["axes"]))
+        variable.set_metadata(axes=("vision_layers", *variable.get_metadata()["axes"]))
     return nnx.merge(graphdef, state)
 
 
@@ -139,3 +115,32 @@ class VisionTower(nnx.Module):
         k = side // tokens  # each token averages a k x k block of patches
         pooled = x_NSD.reshape(N, tokens, k, tokens, k, D).mean((2, 4)).reshape(N, tokens * tokens, D)
         return self.soft_norm(pooled) @ self.projection[...]
+
+
+def image_slots(tokens_BT, image_token_id: int, token_index_BT=None):
+    """Each token's place among its row's image embeddings [B, T] (the n-th placeholder of a row takes
+    embedding n), -1 for text. token_index: where each token stood in its row, when the row comes
+    reordered (cp): the count runs in the row's own order."""
+    is_image_BT = tokens_BT == image_token_id
+    if token_index_BT is None:
+        before_BT = jnp.cumsum(is_image_BT, axis=1, dtype=jnp.int32)
+    else:  # count in the row's order: scatter to it, count, gather back
+        B, T = tokens_BT.shape
+        index_BT = jnp.broadcast_to(token_index_BT, (B, T))
+        in_order_BT = jnp.zeros((B, T), jnp.int32).at[jnp.arange(B)[:, None], index_BT].set(is_image_BT)
+        before_BT = jnp.take_along_axis(jnp.cumsum(in_order_BT, axis=1), index_BT, axis=1)
+    return jnp.where(is_image_BT, before_BT - 1, -1)
+
+
+def image_ids(slots_BT, tokens_per_image: int):
+    """Each token's image in its row [B, T] (-1 for text): attention is bidirectional within one."""
+    return jnp.where(slots_BT >= 0, slots_BT // tokens_per_image, -1)
+
+
+def merged_embeddings(x_BTD, features_BXD, slots_BT):
+    """x with each image placeholder's row replaced by its image embedding: features_BXD holds a
+    row's images' embeddings in order (X = images x tokens_per_image); a slot past them (more
+    placeholders than images: refused where the data is read) takes the last."""
+    X = features_BXD.shape[1]
+    taken_BTD = jnp.take_along_axis(features_BXD, jnp.clip(slots_BT, 0, X - 1)[:, :, None], axis=1)
+    return jnp.where((slots_BT >= 0)[:, :, None], taken_BTD.astype(x_BTD.dtype), x_BTD)

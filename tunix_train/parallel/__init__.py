@@ -230,5 +230,7 @@ def _context(cp: int, model: ModelConfig, training: TrainingConfig, seq_len: int
             f"set training.attention=xla"
         )
     window = model.sliding_window if "sliding_attention" in layer_types(model) else None
-    fits = window is not None and window <= seq_len // (2 * cp)
+    # with images, a window's keys may lie after the query (an image's later tokens) in the next
+    # chunk, which the neighbours' exchange does not fetch: the sliding layers take the global path
+    fits = window is not None and window <= seq_len // (2 * cp) and model.vision is None
     return context.ContextAttention(cp, model.context_parallel_strategy, window if fits else None)

@@ -40,10 +40,16 @@ def balanced_order(seq_len: int, cp: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * cp - 1 - i]]) for i in range(cp)])
 
 
+NOT_PER_TOKEN = ("images",)  # batch fields [A, B, ...] whose axis 2 is not the sequence
+
+
 def reorder(batch: dict[str, jax.Array], cp: int) -> dict[str, jax.Array]:
-    """[A, B, T, ...] arrays in balanced_order, with `token_index`: where each token stood in its row."""
+    """[A, B, T, ...] arrays in balanced_order, with `token_index`: where each token stood in its row
+    (the images stay as they are: the model places them by the tokens' order in their rows)."""
     order = balanced_order(batch["inputs"].shape[2], cp)
-    reordered = {name: jnp.take(x, order, axis=2) for name, x in batch.items()}
+    reordered = {
+        name: x if name in NOT_PER_TOKEN else jnp.take(x, order, axis=2) for name, x in batch.items()
+    }
     reordered["token_index"] = jnp.broadcast_to(jnp.asarray(order, jnp.int32), batch["inputs"].shape)
     return reordered
 
@@ -72,20 +78,24 @@ class ContextAttention:
     sliding_window: int | None  # the local layers' window, or None when it does not fit in a chunk
 
     def make_attend(self, rows):
-        """rows: this shard's `token_index` and `segment_ids` [B, 2c] -> window -> attend."""
-        q_index, q_segments = rows["token_index"], rows["segment_ids"]
+        """rows: this shard's `token_index` and `segment_ids` [B, 2c] (and `image_ids`, with images)
+        -> window -> attend."""
+        q_index, q_segments, q_images = rows["token_index"], rows["segment_ids"], rows.get("image_ids")
         gather = partial(_gather, cp=self.size)
         all_index, all_segments = gather(q_index), gather(q_segments)
+        all_images = None if q_images is None else gather(q_images)
         near = self._with_neighbours
 
         def gathered(q, k, v, softcap, window):
-            mask = kernels.visible_keys(q_index, q_segments, all_index, all_segments)(window)
+            mask = kernels.visible_keys(q_index, q_segments, all_index, all_segments, q_images, all_images)(
+                window
+            )
             return kernels.attention(q, gather(k), gather(v), mask, softcap)
 
         def ring(q, k, v, softcap, window):
-            return _ring(q, k, v, q_index, q_segments, window, softcap, self.size)
+            return _ring(q, k, v, q_index, q_segments, q_images, window, softcap, self.size)
 
-        def windowed(q, k, v, softcap, window):
+        def windowed(q, k, v, softcap, window):  # never with images (parallel._context)
             mask = kernels.visible_keys(q_index, q_segments, near(q_index), near(q_segments))(window)
             return kernels.attention(q, near(k), near(v), mask, softcap)
 
@@ -143,64 +153,79 @@ def _round_the_ring(x, cp):
     return jax.lax.ppermute(x, AXIS, [(i, (i + 1) % cp) for i in range(cp)])
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _ring(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, window, softcap, cp):
-    """Attention of this shard's queries to every shard's keys, passed round the ring.
+@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _ring(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, q_images, window, softcap, cp):
+    """Attention of this shard's queries to every shard's keys, passed round the ring (q_images:
+    each token's image, or None without images).
     Why its own backward pass: flash attention's, which keeps only the output and log-sum-exp of
     each query; autodiff of the forward ring kept every block's probabilities."""
-    return _ring_fwd(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, window, softcap, cp)[0]
+    return _ring_fwd(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, q_images, window, softcap, cp)[0]
 
 
-def _ring_fwd(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, window, softcap, cp):
+def _block_mask(qi, qs, q_img, k_index, k_segments, k_img, window):
+    """A (query chunk, key chunk) pair's mask and whether it is computed at all: any key not after
+    a query, or, with images, any key visible (an image's later tokens may lie in a later chunk)."""
+    mask = kernels.visible_keys(qi, qs, k_index, k_segments, q_img, k_img)(window)
+    return mask, (_needed(qi, k_index) if q_img is None else jnp.any(mask))
+
+
+def _image_halves(images):
+    return (None, None) if images is None else _halves(images)
+
+
+def _ring_fwd(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, q_images, window, softcap, cp):
     """Per query chunk, the output and log-sum-exp so far, merged as the key blocks come round."""
-    queries = list(zip(_halves(q_BTNH), _halves(q_index), _halves(q_segments)))
-    acc = [_nothing(q) for q, _, _ in queries]
-    block = (k_BSKH, v_BSKH, q_index, q_segments)
+    queries = list(zip(_halves(q_BTNH), _halves(q_index), _halves(q_segments), _image_halves(q_images)))
+    acc = [_nothing(q) for q, *_ in queries]
+    block = (k_BSKH, v_BSKH, q_index, q_segments, q_images)
     for step in range(cp):
         if step:
             block = _round_the_ring(block, cp)
-        for k, v, k_index, k_segments in zip(*map(_halves, block)):
-            for i, (q, qi, qs) in enumerate(queries):
-                mask = kernels.visible_keys(qi, qs, k_index, k_segments)(window)
+        for k, v, k_index, k_segments, k_img in zip(*map(_halves, block[:4]), _image_halves(block[4])):
+            for i, (q, qi, qs, q_img) in enumerate(queries):
+                mask, needed = _block_mask(qi, qs, q_img, k_index, k_segments, k_img, window)
 
                 def skipped(*_):
                     return _nothing(q)
 
                 out, lse = jax.lax.cond(
-                    _needed(qi, k_index), partial(_block_attention, softcap=softcap), skipped, q, k, v, mask
+                    needed, partial(_block_attention, softcap=softcap), skipped, q, k, v, mask
                 )
                 acc[i] = _merge(acc[i], (out, lse))
     out_BTNH = jnp.concatenate([out for out, _ in acc], axis=1)
     lse_BTN = jnp.concatenate([lse for _, lse in acc], axis=1)
-    residuals = (q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, window, out_BTNH, lse_BTN)
+    residuals = (q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, q_images, window, out_BTNH, lse_BTN)
     return out_BTNH.astype(q_BTNH.dtype), residuals
 
 
 def _ring_bwd(softcap, cp, residuals, d_out_BTNH):
     """The key blocks go round again, each with its key and value gradients, which every shard adds
     its queries' part to; one more step takes them home."""
-    q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, window, out_BTNH, lse_BTN = residuals
+    q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, q_images, window, out_BTNH, lse_BTN = residuals
     rowsum_BTN = jnp.sum(d_out_BTNH.astype(jnp.float32) * out_BTNH, axis=-1)
     queries = list(
         zip(
             _halves(q_BTNH),
             _halves(q_index),
             _halves(q_segments),
+            _image_halves(q_images),
             _halves(d_out_BTNH),
             _halves(lse_BTN),
             _halves(rowsum_BTN),
         )
     )
     d_q = [jnp.zeros_like(q, jnp.float32) for q, *_ in queries]
-    block = (k_BSKH, v_BSKH, q_index, q_segments)
+    block = (k_BSKH, v_BSKH, q_index, q_segments, q_images)
     d_kv = (jnp.zeros_like(k_BSKH, jnp.float32), jnp.zeros_like(v_BSKH, jnp.float32))
     for step in range(cp):
         if step:
             block, d_kv = _round_the_ring((block, d_kv), cp)
         d_k, d_v = map(list, map(_halves, d_kv))
-        for j, (k, v, k_index, k_segments) in enumerate(zip(*map(_halves, block))):
-            for i, (q, qi, qs, g, lse, rowsum) in enumerate(queries):
-                mask = kernels.visible_keys(qi, qs, k_index, k_segments)(window)
+        for j, (k, v, k_index, k_segments, k_img) in enumerate(
+            zip(*map(_halves, block[:4]), _image_halves(block[4]))
+        ):
+            for i, (q, qi, qs, q_img, g, lse, rowsum) in enumerate(queries):
+                mask, needed = _block_mask(qi, qs, q_img, k_index, k_segments, k_img, window)
 
                 def skipped(*_):
                     return (
@@ -210,7 +235,7 @@ def _ring_bwd(softcap, cp, residuals, d_out_BTNH):
                     )
 
                 dq, dk, dv = jax.lax.cond(
-                    _needed(qi, k_index),
+                    needed,
                     partial(_block_grads, softcap=softcap),
                     skipped,
                     q,
@@ -228,6 +253,7 @@ def _ring_bwd(softcap, cp, residuals, d_out_BTNH):
         jnp.concatenate(d_q, axis=1).astype(q_BTNH.dtype),
         d_k_BSKH.astype(k_BSKH.dtype),
         d_v_BSKH.astype(v_BSKH.dtype),
+        None,
         None,
         None,
         None,

@@ -6,7 +6,7 @@ import jax
 import optax
 from flax import nnx
 
-from tunix_train.config import LrSchedule, TrainingConfig
+from tunix_train.config import LrSchedule, ModelConfig, TrainingConfig
 
 
 def learning_rate_schedule(t: TrainingConfig) -> optax.Schedule:
@@ -24,20 +24,38 @@ def learning_rate_schedule(t: TrainingConfig) -> optax.Schedule:
     return optax.join_schedules([warmup, decay], [t.warmup_steps])
 
 
+STACK_AXES = ("layers", "vision_layers")  # a stack of layers' leading axis
+
+
 def _decay_mask(params):
-    """Decay matrices; not norm scales (one axis besides the stacked `layers` axis)."""
+    """Decay matrices; not norm scales (one axis besides a stack's axis)."""
 
     def decays(v: nnx.Variable):
-        return v.replace(sum(a != "layers" for a in v.get_metadata()["axes"]) >= 2)
+        return v.replace(sum(a not in STACK_AXES for a in v.get_metadata()["axes"]) >= 2)
 
     return jax.tree.map(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def make_optimizer(t: TrainingConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def _frozen_tower_labels(params):
+    """ "frozen" for the image tower's parameters (model.vision.trainable false), "train" for the rest."""
+
+    def label(path, v: nnx.Variable):
+        return v.replace("frozen" if getattr(path[0], "key", None) == "vision" else "train")
+
+    return jax.tree_util.tree_map_with_path(label, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def make_optimizer(
+    t: TrainingConfig, model: ModelConfig | None = None
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW as training configures it; with `model`'s image tower frozen, its parameters get no
+    update and no optimizer state (the model passes them no gradient either)."""
     schedule = learning_rate_schedule(t)
     adamw = optax.adamw(
         schedule, b1=t.adam_b1, b2=t.adam_b2, eps=t.adam_eps, weight_decay=t.weight_decay, mask=_decay_mask
     )
+    if model is not None and model.vision is not None and not model.vision.trainable:
+        adamw = optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, _frozen_tower_labels)
     if t.grad_clip_norm > 0:
         adamw = optax.chain(optax.clip_by_global_norm(t.grad_clip_norm), adamw)
     return adamw, schedule

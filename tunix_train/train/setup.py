@@ -77,7 +77,7 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
     validate_model_for_mesh(cfg.model, mesh)
     layout = parallel.for_run(mesh, cfg.model, t, cfg.data.seq_len)
     platform.prepare(t, mesh)
-    optimizer, schedule = make_optimizer(t)
+    optimizer, schedule = make_optimizer(t, cfg.model)
     plan = plan_train_state(
         cfg.model,
         optimizer,
