@@ -337,8 +337,8 @@ def test_a_frozen_tower_gets_no_gradient_update_or_optimizer_state(trainable):
 
     grads = jax.jit(jax.grad(loss))(params)
     optimizer, _ = make_optimizer(cfg.training, cfg.model)
-    opt_state = optimizer.init(params)
-    updates, _ = optimizer.update(grads, opt_state, params)
+    opt_state = jax.jit(optimizer.init)(params)
+    updates, _ = jax.jit(optimizer.update)(grads, opt_state, params)
     tower_grad = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads["vision"]))
     tower_update = max(float(np.abs(u).max()) for u in jax.tree.leaves(updates["vision"]))
     text_update = float(np.abs(updates["embedding_VD"][...]).max())
@@ -350,3 +350,80 @@ def test_a_frozen_tower_gets_no_gradient_update_or_optimizer_state(trainable):
         assert tower_grad > 0 and tower_update > 0 and moments >= 2 * (text_size + tower_size)
     else:
         assert tower_grad == tower_update == 0 and moments < 2 * text_size + tower_size
+
+
+def test_greedy_generation_with_images_equals_transformers_and_each_request_its_solo_tokens(tmp_path):
+    """16 greedy tokens after prompts with one and two images equal transformers' generate (its
+    prefill with the images and their token types); the engine with 8 slots, 12 requests (two
+    pairs alike, one pair the same prompt with other images) gives each the tokens it has alone."""
+    from tunix_train import api
+
+    _, model = _reference(TEXT)
+    model.save_pretrained(tmp_path)
+    tokens, images = _conversations(np.random.default_rng(1), 4, 56)
+    per_row = [2, 1, 2, 1]
+    expected = []
+    with torch.no_grad():
+        for r, n in enumerate(per_row):
+            ids = torch.from_numpy(tokens[r : r + 1])
+            out = model.generate(
+                input_ids=ids,
+                pixel_values=torch.from_numpy(images[r, :n]),
+                token_type_ids=(ids == IMAGE).long(),
+                max_new_tokens=16,
+                do_sample=False,
+            )
+            expected.append(out[0, tokens.shape[1] :].tolist())
+    loaded = api.load(tmp_path, mesh_shape=[[2], ["fsdp"]], devices=jax.devices()[:2])
+    own = [images[r, :n] for r, n in enumerate(per_row)]
+    solo = [loaded.generate([tokens[r]], 16, images=[own[r]])[0] for r in range(4)]
+    assert solo == expected
+
+    other = np.random.default_rng(9).standard_normal(own[1].shape).astype(np.float32)
+    prompts = [tokens[r % 4] for r in range(12)]
+    pictures = [own[r % 4] for r in range(12)]
+    pictures[5] = other  # row 1's prompt with another image: not the same prefill
+    alone = loaded.generate([prompts[5]], 16, images=[other])[0]
+    assert alone != solo[1]
+    loaded.engine.slots = 8
+    together = loaded.generate(prompts, 16, images=pictures)
+    assert together == [alone if r == 5 else solo[r % 4] for r in range(12)]
+    assert loaded.engine.stats["prefix_hits"] > 0
+
+
+def test_hf_export_of_a_vision_model_loads_in_transformers_with_its_logits(tmp_path):
+    """A saved Gemma3ForConditionalGeneration read in and written out by ours loads in transformers
+    (its published layout: language_model.model.*, vision_tower.vision_model.*); its logits with
+    images equal the original's within 1e-5, and every tensor round-trips."""
+    from safetensors.numpy import load_file
+
+    from tunix_train import api
+    from tunix_train.interop import hf
+
+    _, model = _reference(TEXT)
+    model.save_pretrained(tmp_path / "in")
+    loaded = api.load(tmp_path / "in", mesh_shape=[[2, 2], ["fsdp", "tp"]], devices=jax.devices()[:4])
+    hf.export(loaded.params, loaded.config, tmp_path / "out")
+    again = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
+    tokens, images = _conversations(np.random.default_rng(2), 2, 64)
+    pixels = torch.from_numpy(np.concatenate([images[0], images[1, :1]]))  # two images, then one
+    with torch.no_grad():
+        ids = torch.from_numpy(tokens)
+        expected, got = (
+            m(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long()).logits.numpy()
+            for m in (model, again)
+        )
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
+    written = load_file(tmp_path / "out" / "model.safetensors")
+
+    def published(name):  # transformers 5's names in memory -> the published checkpoints'
+        name = name.replace("model.language_model.", "language_model.model.").removeprefix("model.")
+        return name.replace("vision_tower.", "vision_tower.vision_model.", 1)
+
+    # the tied output layer, and SigLIP's pooling head, which Gemma 3 does not read (nor we keep)
+    state = {
+        published(n): t for n, t in model.state_dict().items() if n != "lm_head.weight" and ".head." not in n
+    }
+    assert set(state) == set(written)
+    for name, tensor in state.items():
+        np.testing.assert_array_equal(written[name], tensor.numpy(), err_msg=name)

@@ -35,6 +35,7 @@ from tunix_train.generate.sampling import Kinds, Rules, draw
 from tunix_train.generate.session import Completion, Request, Session  # noqa: F401 (Completion: the API)
 from tunix_train.model.decoder import output_logits
 from tunix_train.model.layout import kv_sources, layer_windows
+from tunix_train.model.vision import image_ids, image_slots
 from tunix_train.parallel import model_graphdef
 from tunix_train.sharding import LOGICAL_RULES, constrain, data_parallel_size
 from tunix_train.sharding import Rules as ShardingRules
@@ -88,31 +89,50 @@ class Engine:
 
     # -- the compiled pieces -------------------------------------------------------------------
 
-    def _forward(self, params, per_layer, tokens_BT, positions_BT, attend_of_layer, last_B=None):
+    def _forward(
+        self,
+        params,
+        per_layer,
+        tokens_BT,
+        positions_BT,
+        attend_of_layer,
+        last_B=None,
+        images=None,
+        slots_BT=None,
+    ):
         """Next-token logits [B, V] at index last_B (default the last), each layer's cache (None for
         a layer that reuses an earlier one's keys and values), and with record_routes each token's
-        experts in each layer [B, T, L, k] (else None)."""
+        experts in each layer [B, T, L, k] (else None). images, slots_BT: Decoder.embed's."""
         model = nnx.merge(self.graphdef, params)
         x_BD, caches, routes_BTLK = model.unrolled_layers(
-            per_layer, tokens_BT, positions_BT, attend_of_layer, last_B
+            per_layer, tokens_BT, positions_BT, attend_of_layer, last_B, images, slots_BT
         )
         logits_BV = output_logits(x_BD, model.output_table(), self.cfg.final_logit_softcap, self.rules)
         routes_BTLK = routes_BTLK if self.record_routes else None
         return logits_BV, kv.constrained(caches, self.cfg, self.mesh, self.rules), routes_BTLK
 
-    def _prefill_fn(self, params, per_layer, tokens_NP, length_N, *, max_len: int):
+    def _prefill_fn(self, params, per_layer, tokens_NP, length_N, images=None, *, max_len: int):
         """Right-padded prompts -> each producing layer's cache entries [N*K, slots, H], the logits
-        [N, V] after each prompt's last token, and the experts of their tokens (_forward)."""
+        [N, V] after each prompt's last token, and the experts of their tokens (_forward). images:
+        each prompt's [I, C, H, W] (model.vision; zeros past a prompt's own), or None."""
         P_ = tokens_NP.shape[1]
         slots = kv.slots_per_layer(self.cfg, max_len)
         positions_NP = jnp.broadcast_to(jnp.arange(P_), tokens_NP.shape)
+        slots_NP = ids_NP = None
+        if images is not None:
+            slots_NP = image_slots(tokens_NP, self.cfg.vision.image_token_id)
+            ids_NP = image_ids(slots_NP, self.cfg.vision.tokens_per_image)
         logits_NV, entries, routes_NPLK = self._forward(
             params,
             per_layer,
             tokens_NP,
             positions_NP,
-            lambda i: kv.prefill_attend(self.windows[i], slots[i], length_N, keep=self.source[i] == i),
+            lambda i: kv.prefill_attend(
+                self.windows[i], slots[i], length_N, keep=self.source[i] == i, images_BT=ids_NP
+            ),
             length_N - 1,
+            images,
+            slots_NP,
         )
         return entries, logits_NV, routes_NPLK
 
@@ -203,6 +223,7 @@ class Engine:
             raise ConfigError(
                 f"a prompt holds a token id outside the model's vocabulary [0, {self.cfg.vocab_size})"
             )
+        self._check_images(request)
         if request.stop_strings and self.decode is None:
             raise ConfigError(
                 "stop strings need a tokenizer: this model has none, pass stop token ids instead"
@@ -213,9 +234,36 @@ class Engine:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise ConfigError(f"{name}={value!r} must be an integer")
 
+    def _check_images(self, request: Request) -> None:
+        """A request's images: for a model with a tower, one per run of its prompt's placeholders."""
+        vision = self.cfg.vision
+        if request.images is None:
+            return
+        if vision is None:
+            raise ConfigError("this model reads no images (its model.vision is null): send text only")
+        shape = (vision.num_channels, vision.image_size, vision.image_size)
+        if request.images.ndim != 4 or request.images.shape[1:] != shape:
+            raise ConfigError(
+                f"a request's images must be pixel values [images, {', '.join(map(str, shape))}] "
+                f"(data/images.py), not {list(request.images.shape)}"
+            )
+        placeholders = request.prompt.count(vision.image_token_id)
+        if placeholders != len(request.images) * vision.tokens_per_image:
+            raise ConfigError(
+                f"a prompt with {placeholders} image placeholder tokens comes with {len(request.images)} "
+                f"images of {vision.tokens_per_image} tokens each: render it with the chat template"
+            )
+
     def _checked(self, requests: Sequence[Request]) -> list[Request]:
         """The requests with their prompts as tuples of ints, each checked."""
-        requests = [dataclasses.replace(r, prompt=tuple(int(i) for i in r.prompt)) for r in requests]
+        requests = [
+            dataclasses.replace(
+                r,
+                prompt=tuple(int(i) for i in r.prompt),
+                images=None if r.images is None else np.asarray(r.images, np.float32),
+            )
+            for r in requests
+        ]
         for r in requests:
             self.check(r)
         return requests

@@ -71,15 +71,17 @@ class LoadedModel:
         top_p: Optional[float] = None,
         seed: int = 0,
         on_tokens: Optional[Callable[[int, list[int]], None]] = None,
+        images: Optional[Sequence[Any]] = None,
     ) -> list[list[int]]:
         """New token ids for each prompt (token ids, or text encoded with BOS by the tokenizer),
         without the stop token: greedy at temperature 0, else sampled (prompt i draws from
         fold_in(key(seed), i): same seed, same tokens on any mesh and beside any other prompt).
-        on_tokens(prompt index, new tokens) as they are produced."""
+        on_tokens(prompt index, new tokens) as they are produced. images: per prompt, its images'
+        pixel values [I, C, H, W] in the order of its placeholders, or None."""
         return [
             c.tokens
             for c in self.complete(
-                self.requests(prompts, max_new_tokens, temperature, top_k, top_p, seed), on_tokens
+                self.requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, images), on_tokens
             )
         ]
 
@@ -91,12 +93,21 @@ class LoadedModel:
         top_k: Optional[int] = None,
         top_p: Optional[float] = None,
         seed: int = 0,
+        images: Optional[Sequence[Any]] = None,
     ) -> list[Request]:
         """The engine's requests for `prompts` (see generate)."""
         sampling = Sampling(temperature, top_k, top_p)
+        images = [None] * len(prompts) if images is None else images
         return [
-            Request(tuple(self._encode(p) if isinstance(p, str) else p), max_new_tokens, sampling, seed, i)
-            for i, p in enumerate(prompts)
+            Request(
+                tuple(self._encode(p) if isinstance(p, str) else p),
+                max_new_tokens,
+                sampling,
+                seed,
+                i,
+                images=None if pixels is None else np.asarray(pixels, np.float32),
+            )
+            for i, (p, pixels) in enumerate(zip(prompts, images, strict=True))
         ]
 
     def complete(

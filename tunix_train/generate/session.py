@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 import math
 import time
 from typing import Optional, Sequence
@@ -38,6 +39,14 @@ class Request:
     seed: int = 0
     stream: int = 0
     stop_strings: tuple[str, ...] = ()  # needs the engine's `decode`
+    # the prompt's images' pixel values [I, C, H, W] (model.vision), in the order of its placeholders
+    images: Optional[np.ndarray] = dataclasses.field(default=None, compare=False)
+
+    def prefix_key(self) -> tuple:
+        """What makes two requests' prefills the same: the prompt, and its images' bytes."""
+        if self.images is None:
+            return self.prompt
+        return self.prompt, hashlib.sha256(np.ascontiguousarray(self.images, np.float32).tobytes()).digest()
 
 
 @dataclasses.dataclass
@@ -92,6 +101,21 @@ def _prefill_batches(prompts: list[tuple], dp: int) -> list[tuple[int, list[tupl
             len(batches),
         ),
     )
+
+
+def _prefill_images(images: list[Optional[np.ndarray]], rows: int) -> Optional[np.ndarray]:
+    """A prefill batch's images [rows, I, C, H, W] (I: the most of any member; zeros past a row's
+    own), or None when no member has any (the text-only program)."""
+    if all(x is None for x in images):
+        return None
+    shape = next(x.shape[1:] for x in images if x is not None)
+    per_row = max(len(x) for x in images if x is not None)
+    batch = np.zeros((rows, per_row, *shape), np.float32)
+    for row in range(rows):
+        mine = images[min(row, len(images) - 1)]
+        if mine is not None:
+            batch[row, : len(mine)] = mine
+    return batch
 
 
 def before_stop(text: str, stops: Sequence[str], final: bool) -> tuple[str, bool]:
@@ -221,23 +245,29 @@ class Session:
         e = self.engine
 
         def key_of(i, r):
-            return r.prompt if e.prefix_cache else i
+            return r.prefix_key() if e.prefix_cache else i
 
         found = {}
         for i, (_, _, r) in enumerate(starting):
             if key_of(i, r) in self._prefixes:
                 self._prefixes.move_to_end(key_of(i, r))
                 found[key_of(i, r)] = self._prefixes[key_of(i, r)]
-        todo = {key_of(i, r): r.prompt for i, (_, _, r) in enumerate(starting) if key_of(i, r) not in found}
+        todo = {key_of(i, r): r for i, (_, _, r) in enumerate(starting) if key_of(i, r) not in found}
         dp = data_parallel_size(e.mesh)
-        for length, group in _prefill_batches([(k, p) for k, p in todo.items()], dp):
+        for length, group in _prefill_batches([(k, r.prompt) for k, r in todo.items()], dp):
             N = _batch_rows(len(group), dp)
             tokens, lengths = np.zeros((N, length), np.int32), np.zeros(N, np.int32)
             for row in range(N):
                 prompt = group[min(row, len(group) - 1)][1]
                 tokens[row, : len(prompt)], lengths[row] = prompt, len(prompt)
+            images = _prefill_images([todo[k].images for k, _ in group], N)
             entries, logits, routes = e.prefill_step(
-                self.params, self.per_layer, self._rows(tokens), self._rows(lengths), max_len=self.max_len
+                self.params,
+                self.per_layer,
+                self._rows(tokens),
+                self._rows(lengths),
+                None if images is None else self._rows(images),
+                max_len=self.max_len,
             )
             routes = None if routes is None else _fetch(routes)[0]
             found.update({k: (entries, logits, routes, row) for row, (k, _) in enumerate(group)})

@@ -249,8 +249,10 @@ def model_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json for transformers' model of cfg.family."""
-    return families.named(cfg.family).hf_config(cfg)
+    """config.json for transformers' model of cfg.family (with an image tower: its
+    Gemma3ForConditionalGeneration)."""
+    text = families.named(cfg.family).hf_config(cfg)
+    return text if cfg.vision is None else vision.multimodal_config(cfg.vision, text)
 
 
 def check_matches(cfg: ModelConfig, directory: Path) -> None:
@@ -386,19 +388,28 @@ def hf_tensors(
     `split_experts` says)."""
     from jax.experimental import multihost_utils
 
-    tensors = {}
+    tensors, tower = {}, {}
     if split_experts is None:
         split_experts = families.named(cfg.family).split_experts
+    # with an image tower, the text model is the multimodal checkpoints' language_model
+    prefix = "model." if cfg.vision is None else "language_model.model."
     for key_path, array in jax.tree_util.tree_flatten_with_path(params)[0]:
         path = jax.tree_util.keystr(key_path, simple=True, separator=".").removesuffix(".value")
-        spec, layer_of = stack_layers(path, cfg)
         full = np.asarray(multihost_utils.process_allgather(array, tiled=True), np.float32)
+        if path.startswith("vision."):
+            tower[path.removeprefix("vision.")] = full
+            continue
+        spec, layer_of = stack_layers(path, cfg)
         for layer, ours in [(layer_of(r), row) for r, row in enumerate(full)] if layer_of else [(None, full)]:
-            name, theirs = _hf_name(spec, layer, cfg), _to_hf(ours, spec, cfg, layer)
+            name, theirs = _hf_name(spec, layer, cfg, prefix), _to_hf(ours, spec, cfg, layer)
+            if cfg.vision is not None and name == "lm_head.weight":
+                name = "language_model." + name
             if split_experts and spec in ("layers.moe.gate_up_EDCM", "layers.moe.down_EMD"):
                 tensors.update(per_expert_tensors(name, theirs))
             else:
                 tensors[name] = np.ascontiguousarray(theirs)
+    if tower:
+        tensors.update(vision.tower_tensors(cfg.vision, tower))
     return tensors
 
 

@@ -101,3 +101,71 @@ def tower_arrays(
         }
     )
     return arrays
+
+
+def tower_tensors(cfg: VisionConfig, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """tower_arrays' inverse: transformers' tensors, float32, named as the published Gemma 3
+    checkpoints name them (vision_tower.vision_model.*, multi_modal_projector.*), from the tower's
+    parameters by path."""
+    D, C, P = cfg.embed_dim, cfg.num_channels, cfg.patch_size
+    tower, projector = TOWER_PREFIXES[0], PROJECTOR_PREFIXES[0]
+    out = {
+        tower + "embeddings.patch_embedding.weight": arrays["patch"]
+        .reshape(P, P, C, D)
+        .transpose(3, 2, 0, 1),
+        tower + "embeddings.patch_embedding.bias": arrays["patch_bias"],
+        tower + "embeddings.position_embedding.weight": arrays["position"],
+        tower + "post_layernorm.weight": arrays["final_norm.scale"],
+        tower + "post_layernorm.bias": arrays["final_norm.bias"],
+        projector + "mm_soft_emb_norm.weight": arrays["soft_norm.scale"],
+        projector + "mm_input_projection_weight": arrays["projection"],
+    }
+    for i in range(cfg.num_layers):
+        p = f"{tower}encoder.layers.{i}."
+
+        def at(name, i=i):
+            return arrays["layers." + name][i]
+
+        out.update(
+            {
+                p + "layer_norm1.weight": at("norm1.scale"),
+                p + "layer_norm1.bias": at("norm1.bias"),
+                p + "layer_norm2.weight": at("norm2.scale"),
+                p + "layer_norm2.bias": at("norm2.bias"),
+                p + "self_attn.out_proj.weight": at("out").reshape(-1, D).T,
+                p + "self_attn.out_proj.bias": at("out_bias"),
+                p + "mlp.fc1.weight": at("up").T,
+                p + "mlp.fc1.bias": at("up_bias"),
+                p + "mlp.fc2.weight": at("down").T,
+                p + "mlp.fc2.bias": at("down_bias"),
+            }
+        )
+        for x in "qkv":
+            out[p + f"self_attn.{x}_proj.weight"] = at(x).reshape(D, -1).T
+            out[p + f"self_attn.{x}_proj.bias"] = at(x + "_bias").reshape(-1)
+    return {name: np.ascontiguousarray(a, np.float32) for name, a in out.items()}
+
+
+def multimodal_config(cfg: VisionConfig, text_config: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json of transformers' Gemma3ForConditionalGeneration around a text model's config.json
+    (Gemma 3's own start and end of image tokens are transformers' defaults, not written)."""
+    text = {k: v for k, v in text_config.items() if k != "architectures"}
+    return {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": {**text, "model_type": "gemma3_text"},
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "image_size": cfg.image_size,
+            "patch_size": cfg.patch_size,
+            "num_channels": cfg.num_channels,
+            "hidden_size": cfg.embed_dim,
+            "intermediate_size": cfg.hidden_dim,
+            "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads,
+            "layer_norm_eps": cfg.layer_norm_eps,
+            "vision_use_head": False,
+        },
+        "mm_tokens_per_image": cfg.tokens_per_image,
+        "image_token_index": cfg.image_token_id,
+    }

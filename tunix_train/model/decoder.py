@@ -505,16 +505,23 @@ class Decoder(nnx.Module):
         return [jax.tree.map(lambda a: a[i], nnx.state(stack)) for stack, i in self.layer_blocks()]
 
     def unrolled_layers(
-        self, layer_states, tokens_BT, positions_BT, attend_of_layer: Callable[[int], Callable], last_B=None
+        self,
+        layer_states,
+        tokens_BT,
+        positions_BT,
+        attend_of_layer: Callable[[int], Callable],
+        last_B=None,
+        images=None,
+        slots_BT=None,
     ):
         """The final normed hidden state at index last_B of each row (default: the last) [B, D],
         what each layer's attend returned beside its output (the engine: the layer's KV cache), and
         each token's experts in each layer [B, T, L, k] (None without experts). The
         periods of _layers run one after another instead of scanned, each layer with its own
         parameters (layer_states) and attend_of_layer(i): how the engine runs them, each layer
-        reading and writing its own cache."""
+        reading and writing its own cache. images, slots_BT: as embed takes them."""
         cfg = self.cfg
-        x_BTD = self.embed(tokens_BT)
+        x_BTD = self.embed(tokens_BT, images, slots_BT)
         per_layer_BTLP = self.per_layer_inputs(tokens_BT, x_BTD) if cfg.per_layer_input_dim else None
         period = self._period_runner(positions_BT, lambda window, layer: attend_of_layer(layer))
         windows = layer_windows(cfg)
