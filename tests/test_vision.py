@@ -427,3 +427,357 @@ def test_hf_export_of_a_vision_model_loads_in_transformers_with_its_logits(tmp_p
     assert set(state) == set(written)
     for name, tensor in state.items():
         np.testing.assert_array_equal(written[name], tensor.numpy(), err_msg=name)
+
+
+def _vision_tokenizer(directory):
+    """The bundled SentencePiece model with Gemma's turn and image tokens as pieces of their own
+    (4096 to 4100, <image_soft_token> last), and a tokenizer_config.json naming the image tokens as
+    transformers' Gemma3Processor reads them."""
+    import json
+
+    from sentencepiece import sentencepiece_model_pb2
+
+    from tunix_train.data.tokenizer import BUNDLED_TOKENIZER
+
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(BUNDLED_TOKENIZER.read_bytes())
+    model.normalizer_spec.add_dummy_prefix = False
+    for symbol in (
+        "<start_of_turn>",
+        "<end_of_turn>",
+        "<start_of_image>",
+        "<end_of_image>",
+        "<image_soft_token>",
+    ):
+        piece = model.pieces.add()
+        piece.piece, piece.type = symbol, sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tokenizer.model").write_bytes(model.SerializeToString())
+    special = {
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>",
+    }
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "GemmaTokenizer",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "add_bos_token": True,
+                "extra_special_tokens": special,
+            }
+        )
+    )
+    return directory
+
+
+VISION_DATA = [
+    "model=gemma3_vision_tiny",
+    "model.vocab_size=4104",  # the tokenizer's 4101, padded to divide tp
+    "model.vision.image_token_id=4100",
+    "data=chat",
+    "data.seq_len=96",
+    "data.eval_fraction=0",
+    "data.images_per_row=2",
+]
+
+
+def _image_records(folder, rng):
+    """Conversations about small PNGs beside the data file: by path, by data: URI, and by the
+    record's `images` list (parts that name nothing), one or two images each, and one without."""
+    import base64
+
+    Image = pytest.importorskip("PIL.Image")
+    (folder / "pics").mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(3):
+        path = folder / "pics" / f"{i}.png"
+        Image.fromarray(rng.integers(0, 256, (20 + 5 * i, 30, 3), dtype=np.uint8)).save(path)
+        paths.append(path)
+    uri = "data:image/png;base64," + base64.b64encode(paths[2].read_bytes()).decode()
+
+    def ask(*parts, answer="A square."):
+        return [
+            {"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]},
+            {"role": "assistant", "content": answer},
+        ]
+
+    image = {"type": "image"}
+    return [
+        {"messages": ask({"type": "image", "image": "pics/0.png"})},
+        {
+            "messages": ask(
+                {"type": "image_url", "image_url": {"url": uri}}, {"type": "image", "path": "pics/1.png"}
+            )
+        },
+        {"messages": ask(image, image, answer="Two."), "images": ["pics/1.png", "pics/0.png"]},
+        {"messages": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."}]},
+    ], paths
+
+
+def test_conversations_with_images_become_rows_equal_to_transformers_processor(tmp_path):
+    """Rows of a JSON-lines file of conversations with images (paths relative to it, a data: URI, a
+    record's `images` list): each row's input ids and image token types equal transformers'
+    Gemma3Processor on the same rendered text and images; its images are the files' pixel values
+    in order (zeros past them); no image token carries loss; one conversation per row."""
+    import json
+
+    from PIL import Image
+
+    from tunix_train.compose import load_config
+    from tunix_train.data import Data
+    from tunix_train.data.chat import split_images
+    from tunix_train.data.images import pixel_values
+
+    records, paths = _image_records(tmp_path, np.random.default_rng(0))
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokenizer = _vision_tokenizer(tmp_path / "tok")
+    cfg, _ = load_config(
+        [*VISION_DATA, f"data.train_files=[{tmp_path / 'chats.jsonl'}]", f"data.tokenizer={tokenizer}"]
+    )
+    data = Data(cfg)
+    batches = data.train_batches(global_micro_batch=4)
+    batch = next(iter(batches))
+    batches.close()
+    assert batch["images"].shape == (1, 4, 2, 3, 32, 32)
+
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer)
+    processor = transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+        tokenizer=hf_tokenizer,
+        image_seq_length=16,
+    )
+    files = {0: [paths[0]], 1: [paths[2], paths[1]], 2: [paths[1], paths[0]], 3: []}
+    seen = set()
+    for row in range(4):
+        inputs = batch["inputs"][0, row]
+        n = int(batch["segment_ids"][0, row].sum())
+        record = next(
+            i
+            for i, r in enumerate(records)
+            if data.features(_doc(r, tmp_path))["inputs"].tolist() == inputs[:n].tolist()
+        )
+        seen.add(record)
+        text, _ = data.chat.render(split_images(records[record]["messages"])[0])
+        images = [Image.open(p) for p in files[record]]
+        expected = processor(
+            text=[text], images=[images] if images else None, add_special_tokens=False, return_tensors="np"
+        )
+        want = np.append(inputs[:n], batch["targets"][0, row, n - 1])
+        np.testing.assert_array_equal(want, expected["input_ids"][0])
+        np.testing.assert_array_equal(want == 4100, expected["token_type_ids"][0] == 1)
+        for i, p in enumerate(files[record]):
+            np.testing.assert_array_equal(batch["images"][0, row, i], pixel_values(Image.open(p), 32))
+        assert not batch["images"][0, row, len(files[record]) :].any()
+        assert not batch["loss_mask"][0, row][inputs == 4100].any() and batch["loss_mask"][0, row].any()
+    assert seen == {0, 1, 2, 3}
+
+
+def _doc(record, folder):
+    return {
+        "messages": record["messages"],
+        "where": "t",
+        "folder": str(folder),
+        **({"images": record["images"]} if "images" in record else {}),
+    }
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda r, f: r[0]["messages"][0]["content"].__setitem__(
+                0, {"type": "image", "image": "pics/none.png"}
+            ),
+            "no such file",
+        ),
+        (
+            lambda r, f: r[0]["messages"][0]["content"].__setitem__(
+                0, {"type": "image", "image": "../outside.png"}
+            ),
+            "outside the data file's folder",
+        ),
+        (
+            lambda r, f: (f / "pics" / "0.png").write_bytes((f / "pics" / "0.png").read_bytes()[:60]),
+            "cannot be read",
+        ),
+        (lambda r, f: (f / "pics" / "0.png").write_bytes(b""), "cannot be read"),
+        (
+            lambda r, f: r[0]["messages"][0]["content"].__setitem__(
+                0, {"type": "image", "image": "https://example.com/a.png"}
+            ),
+            "is a URL",
+        ),
+        (
+            lambda r, f: r[2]["images"].append("pics/2.png"),
+            "2 image parts name no image but its record's images field holds 3",
+        ),
+        (
+            lambda r, f: r[2]["images"].pop(),
+            "2 image parts name no image but its record's images field holds 1",
+        ),
+        (
+            lambda r, f: r[2]["messages"][0]["content"].insert(0, {"type": "image", "image": "pics/2.png"}),
+            "3 images, more than data.images_per_row=2",
+        ),
+        (
+            "data.seq_len=48",
+            "jsonl:2: a conversation of 67 tokens .its images' included. is longer than a row of data",
+        ),
+        ("model.vision=null", "a conversation with images, but this model reads none"),
+        ("template", "1 images but the chat template placed 0"),
+    ],
+)
+def test_bad_images_in_conversations_are_one_line_naming_the_record(tmp_path, change, message):
+    import json
+
+    from tunix_train.compose import load_config
+    from tunix_train.config import ConfigError
+    from tunix_train.data import Data
+
+    records, _ = _image_records(tmp_path, np.random.default_rng(0))
+    overrides = []
+    if change == "template":  # a template that ignores image parts
+        (tmp_path / "t.jinja").write_text(
+            "{% for m in messages %}"
+            "{{ m['content'] if m['content'] is string else m['content'][-1]['text'] }}{% endfor %}"
+        )
+        overrides = [f"data.chat_template={tmp_path / 't.jinja'}"]
+    elif isinstance(change, str):
+        overrides = [change]
+    else:
+        change(records, tmp_path)
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg, _ = load_config(
+        [
+            *VISION_DATA,
+            f"data.train_files=[{tmp_path / 'chats.jsonl'}]",
+            f"data.tokenizer={_vision_tokenizer(tmp_path / 'tok')}",
+            *overrides,
+        ]
+    )
+    with pytest.raises(ConfigError, match=message) as err:
+        Data(cfg)
+    assert "\n" not in str(err.value) and "chats.jsonl:" in str(err.value)
+
+
+@pytest.mark.slow
+def test_training_on_conversations_with_images_resumes_bit_identically(tmp_path):
+    """SFT of gemma3_vision_tiny on the image conversations over fsdp2 x tp2: stopped after 2 steps
+    and resumed, the 4th step's parameters equal an uninterrupted run's bit for bit (the image
+    rows' data position included); the frozen tower is where it started; the loss is finite."""
+    import json
+
+    import orbax.checkpoint as ocp
+    from conftest import train_losses
+
+    from tunix_train.compose import load_config
+    from tunix_train.train.loop import train
+
+    records, _ = _image_records(tmp_path, np.random.default_rng(0))
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records * 3))
+    tokenizer = _vision_tokenizer(tmp_path / "tok")
+
+    def run(run_dir, steps):
+        cfg, _ = load_config(
+            [
+                *VISION_DATA,
+                f"data.train_files=[{tmp_path / 'chats.jsonl'}]",
+                f"data.tokenizer={tokenizer}",
+                'model.mesh_shape=[[2,2],["fsdp","tp"]]',
+                "training.micro_batch_size=4",
+                f"training.max_steps={steps}",
+                "training.log_every=1",
+                "training.eval_every=0",
+                "checkpoint.every_steps=2",
+            ]
+        )
+        return train(cfg, run_dir, devices=jax.devices()[:4])
+
+    straight = run(tmp_path / "straight", 4)
+    run(tmp_path / "resumed", 2)
+    resumed = run(tmp_path / "resumed", 4)
+    for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    losses = train_losses(tmp_path / "straight")
+    assert len(losses) == 4 and np.isfinite(losses).all()
+    assert train_losses(tmp_path / "resumed")[-2:] == losses[-2:]
+    first = ocp.StandardCheckpointer().restore(
+        (tmp_path / "resumed" / "checkpoints" / "2" / "state").resolve()
+    )
+    np.testing.assert_array_equal(
+        np.asarray(first["params"]["vision"]["projection"]["value"]),
+        np.asarray(straight.params["vision"]["projection"][...]),
+    )
+
+
+def _vision_checkpoint(directory):
+    """A saved random Gemma3ForConditionalGeneration whose vocabulary is the vision tokenizer's
+    (written beside it), and that tokenizer as transformers reads it."""
+    torch.manual_seed(0)
+    config = transformers.Gemma3Config(
+        text_config=dict(TEXT, vocab_size=4104),
+        vision_config=VISION,
+        mm_tokens_per_image=16,
+        image_token_index=4100,
+        boi_token_index=4098,
+        eoi_token_index=4099,
+    )
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.model.multi_modal_projector.parameters():
+            p.normal_(0.0, 0.5)
+    model.save_pretrained(directory)
+    _vision_tokenizer(directory)
+    return model, transformers.AutoTokenizer.from_pretrained(directory)
+
+
+def _transformers_continuation(model, tokenizer, text, image, stops):
+    """transformers' 12 greedy tokens after `text` with `image` (Gemma3Processor's ids and token
+    types), up to the first of `stops`."""
+    processor = transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+        tokenizer=tokenizer,
+        image_seq_length=16,
+    )
+    inputs = processor(text=[text], images=[[image]], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    new = out[0, inputs["input_ids"].shape[1] :].tolist()
+    return next((new[:i] for i, t in enumerate(new) if t in stops), new)
+
+
+def test_generate_image_and_chat_image_give_transformers_tokens(tmp_path, monkeypatch, capsys):
+    """`python -m tunix_train.generate DIR --prompt "<start_of_image>..." --image FILE` prints the
+    prompt and the text of transformers' greedy tokens for the same prompt and image; in --chat,
+    `/image FILE` puts the image in the next turn, and the reply is transformers' tokens after the
+    chat template's prompt."""
+    import io
+
+    from PIL import Image
+
+    from tunix_train.data.chat import GEMMA_TEMPLATE, ChatTemplate
+    from tunix_train.data.tokenizer import load_tokenizer
+    from tunix_train.generate.__main__ import main
+
+    model, hf_tokenizer = _vision_checkpoint(tmp_path / "ckpt")
+    picture = tmp_path / "pic.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (40, 24, 3), dtype=np.uint8)).save(picture)
+    ours = load_tokenizer(tmp_path / "ckpt", 4104)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+    prompt = "<start_of_image>What is it?"
+    expected = _transformers_continuation(model, hf_tokenizer, prompt, Image.open(picture), {1})
+    args = [str(tmp_path / "ckpt"), "--max_new_tokens", "12"]
+    assert main([*args, "--prompt", prompt, "--image", str(picture)]) == 0
+    assert capsys.readouterr().out == prompt + ours.decode(expected) + "\n"
+
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]}]
+    chat_prompt = ChatTemplate(GEMMA_TEMPLATE, "t", ours).render(conversation, add_generation_prompt=True)[0]
+    expected = _transformers_continuation(
+        model, hf_tokenizer, chat_prompt.removeprefix("<s>"), Image.open(picture), {1, 4097}
+    )
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {picture}\nDescribe.\n"))
+    assert main([*args, "--chat"]) == 0
+    assert capsys.readouterr().out == ours.decode(expected) + "\n"

@@ -122,6 +122,8 @@ def validate(cfg: Config) -> None:
             "training.sample_every needs training.sample_prompts and text data with a tokenizer "
             "(not data=synthetic, nor array_record without data.tokenizer): set it to 0"
         )
+    if d.images_per_row < 1:
+        raise ConfigError(f"data.images_per_row={d.images_per_row} must be positive")
     if d.prefetch_batches < 0:
         raise ConfigError(f"data.prefetch_batches={d.prefetch_batches} must be >= 0")
     _validate_post_training(t, d, cfg.model)

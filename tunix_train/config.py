@@ -290,6 +290,9 @@ class DataConfig:
     messages_field: Optional[str] = _fixed(None)
     train_on_roles: List[str] = _fixed(factory=lambda: ["assistant"])
     chat_template: Optional[str] = _fixed(None)
+    # With model.vision and conversations: the most images one conversation (one row: rows with
+    # images are not packed) holds; a row's images pad to this many.
+    images_per_row: int = _fixed(1)
     prefetch_batches: int = _changeable(4)  # batches prepared ahead of the train step by a background thread
 
 

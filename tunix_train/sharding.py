@@ -336,6 +336,8 @@ def state_shardings(
             )
             return NamedSharding(mesh, P(*(_without(entry, replicated_over) for entry in spec)))
 
+        if not jax.tree.leaves(value):  # nothing held (optax's MaskedNode: a frozen part's moments)
+            return leaf
         if all(x is value for x in jax.tree.leaves(value)):  # an array
             return sharding(value.shape)
         # a quantized weight (model/quant.py): each of its arrays along the logical axes it names

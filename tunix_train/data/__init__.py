@@ -11,8 +11,8 @@ import itertools
 import numpy as np
 
 from tunix_train.config import Config, DataSource
-from tunix_train.data.chat import ChatTemplate, find_template
-from tunix_train.data.pipeline import DocumentFeatures, PackedBatches
+from tunix_train.data.chat import ChatTemplate, ImageTokens, find_template
+from tunix_train.data.pipeline import DocumentFeatures, PackedBatches, UnpackedBatches
 from tunix_train.data.sources import train_and_eval_documents
 from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.data.tokenizer import load_tokenizer, run_tokenizer
@@ -27,6 +27,8 @@ class Data:
         """required_fields: the JSON-lines fields an objective reads (records are kept whole)."""
         self.cfg = cfg
         self.synthetic = cfg.data.source is DataSource.synthetic
+        # conversations for a model with an image tower: rows of one conversation and its images
+        self.vision = cfg.model.vision if cfg.data.messages_field else None
         if not self.synthetic:
             source, key = run_tokenizer(cfg)
             self.tokenizer = load_tokenizer(source, cfg.model.vocab_size, key)
@@ -38,6 +40,8 @@ class Data:
                 self.chat if cfg.data.messages_field else None,
                 tuple(cfg.data.train_on_roles),
                 cfg.data.seq_len,
+                self.vision,
+                cfg.data.images_per_row,
             )
             if (
                 cfg.data.messages_field
@@ -50,8 +54,14 @@ class Data:
         """The chat template (data.chat_template, else the tokenizer's, else Gemma's turn format),
         read when first needed: a run without conversations never reads it."""
         if self._chat is None:
+            vision = self.cfg.model.vision
+            image_tokens = (
+                None
+                if vision is None
+                else ImageTokens.for_model(self.tokenizer, vision.image_token_id, vision.tokens_per_image)
+            )
             self._chat = ChatTemplate(
-                *find_template(self.cfg.data.chat_template, self._chat_source), self.tokenizer
+                *find_template(self.cfg.data.chat_template, self._chat_source), self.tokenizer, image_tokens
             )
         return self._chat
 
@@ -65,6 +75,18 @@ class Data:
                 global_micro_batch=global_micro_batch,
                 seed=seed,
                 rows=rows,
+            )
+        if self.vision is not None:
+            return UnpackedBatches(
+                docs,
+                self.features,
+                seq_len=d.seq_len,
+                images_per_row=d.images_per_row,
+                accumulation_steps=accumulation_steps,
+                global_micro_batch=global_micro_batch,
+                seed=seed if shuffle else None,
+                rows=rows,
+                prefetch=d.prefetch_batches,
             )
         return PackedBatches(
             docs,

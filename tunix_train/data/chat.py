@@ -21,6 +21,7 @@ separator after a turn's end token, which no model generates).
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import datetime
 import functools
 import json
@@ -37,8 +38,14 @@ from tunix_train.data.tokenizer import with_bos
 # assistant speaks as "model", each turn ends with <end_of_turn>. The assistant's text and its
 # <end_of_turn> are what it generates.
 GEMMA_TEMPLATE = """{{ bos_token }}
+{%- macro text_of(content) -%}
+{%- if content is string -%}{{ content | trim }}
+{%- else -%}{%- for part in content -%}
+{%- if part['type'] == 'image' -%}{{ '<start_of_image>' }}{%- elif part['type'] == 'text' -%}{{ part['text'] | trim }}{%- endif -%}
+{%- endfor -%}{%- endif -%}
+{%- endmacro -%}
 {%- if messages and messages[0]['role'] == 'system' -%}
-{%- set first_user_prefix = messages[0]['content'] | trim + '\n\n' -%}
+{%- set first_user_prefix = text_of(messages[0]['content']) + '\n\n' -%}
 {%- set turns = messages[1:] -%}
 {%- else -%}
 {%- set first_user_prefix = '' -%}
@@ -61,13 +68,13 @@ GEMMA_TEMPLATE = """{{ bos_token }}
 {%- endif -%}
 {%- if message['role'] == 'assistant' -%}
 <start_of_turn>model
-{% generation %}{{ message['content'] | trim }}<end_of_turn>{% endgeneration %}{{ '\n' }}
+{% generation %}{{ text_of(message['content']) }}<end_of_turn>{% endgeneration %}{{ '\n' }}
 {%- elif message['role'] == 'tool' -%}
 {{ '<start_of_turn>user\n' if previous != 'tool' else '' }}<tool_response>{{ message['content'] | trim }}</tool_response>
 {{- '<end_of_turn>\n' if loop.last or turns[loop.index0 + 1]['role'] != 'tool' else '\n' }}
 {%- else -%}
 <start_of_turn>user
-{{ (first_user_prefix if loop.first else '') + message['content'] | trim }}<end_of_turn>
+{{ (first_user_prefix if loop.first else '') + text_of(message['content']) }}<end_of_turn>
 {% endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
@@ -184,11 +191,58 @@ def _compiled(template: str):
     return env.from_string(template), Generation.tracked
 
 
-class ChatTemplate:
-    """A Jinja chat template and the tokenizer whose special tokens it writes."""
+@dataclasses.dataclass(frozen=True)
+class ImageTokens:
+    """How the images a template places become tokens, as transformers' Gemma3Processor makes them:
+    each start-of-image marker the template writes becomes "\n\n" + boi + `count` image tokens +
+    eoi + "\n\n", tokenized with the rest."""
 
-    def __init__(self, template: str, source: str, tokenizer):
+    image_id: int
+    count: int
+    boi: str = "<start_of_image>"
+    eoi: str = "<end_of_image>"
+    image: str = "<image_soft_token>"
+
+    @classmethod
+    def for_model(cls, tokenizer, image_token_id: int, count: int) -> ImageTokens:
+        """Gemma 3's markers, each one token of `tokenizer`, its image token model.vision's id."""
+        tokens = cls(image_token_id, count)
+        for name in ("boi", "eoi", "image"):
+            ids = tokenizer.encode_with_offsets(getattr(tokens, name))[0]
+            if len(ids) != 1:
+                raise ConfigError(
+                    f"data.tokenizer: {getattr(tokens, name)} is not one token of this tokenizer; a model "
+                    f"with model.vision needs Gemma 3's image tokens in its tokenizer"
+                )
+            if name == "image" and ids[0] != image_token_id:
+                raise ConfigError(
+                    f"model.vision.image_token_id={image_token_id} but the tokenizer's {tokens.image} is "
+                    f"token {ids[0]}; set model.vision.image_token_id={ids[0]}"
+                )
+        return tokens
+
+    def expand(self, text: str, spans: list[tuple[int, int]]) -> tuple[str, list[tuple[int, int]]]:
+        """The text with each boi expanded, and the character spans moved with it (a span holding
+        a boi holds its expansion)."""
+        starts = [m.start() for m in re.finditer(re.escape(self.boi), text)]
+        if not starts:
+            return text, spans
+        sequence = f"\n\n{self.boi}{self.image * self.count}{self.eoi}\n\n"
+        grown = len(sequence) - len(self.boi)
+
+        def moved(at: int) -> int:
+            return at + grown * sum(s < at for s in starts)
+
+        return text.replace(self.boi, sequence), [(moved(a), moved(b)) for a, b in spans]
+
+
+class ChatTemplate:
+    """A Jinja chat template and the tokenizer whose special tokens it writes; image_tokens: how
+    the images it places become tokens (a model with model.vision), else None."""
+
+    def __init__(self, template: str, source: str, tokenizer, image_tokens: ImageTokens | None = None):
         self.template, self.tokenizer, self.source = template, tokenizer, source
+        self.image_tokens = image_tokens
         self.has_generation_markers = re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
         try:
             self._compiled, self._tracked = _compiled(template)
@@ -277,27 +331,88 @@ class ChatTemplate:
         **variables,
     ) -> tuple[list[int], list[bool]]:
         """Token ids of the rendered conversation and, for each, whether a message of `roles` wrote
-        it; `variables` (tools=[schemas]) go to the template."""
+        it (never an image's token); `variables` (tools=[schemas]) go to the template. Image parts
+        should come as split_images leaves them; with image_tokens each becomes its tokens."""
         if add_generation_prompt:
             text, spans = self.render(messages, add_generation_prompt=True, **variables)[0], []
         else:
             text, spans = self.spans(messages, roles, **variables)
+        if self.image_tokens is not None:
+            text, spans = self.image_tokens.expand(text, spans)
         ids, offsets = self.tokenizer.encode_with_offsets(text)
-        return ids, [any(end > a and start < b for a, b in spans) for start, end in offsets]
+        mask = [any(end > a and start < b for a, b in spans) for start, end in offsets]
+        if self.image_tokens is not None:
+            mask = [m and i != self.image_tokens.image_id for m, i in zip(mask, ids)]
+        return ids, mask
 
 
-def check_messages(messages: Any, where: str, field: str = "messages") -> list[dict]:
-    """A conversation as a list of {role, content} dicts, or a one-line error naming `where`."""
+def check_messages(messages: Any, where: str, field: str = "messages", parts: bool = False) -> list[dict]:
+    """A conversation as a list of {role, content} dicts, or a one-line error naming `where`.
+    parts: a content may also be a list of parts as transformers' processors take them,
+    {"type": "text", "text": ...}, {"type": "image", ...} and {"type": "image_url", "image_url":
+    {"url": ...}} (split_images reads the images)."""
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f"{where}: {field!r} must be a non-empty list of {{role, content}} objects")
     for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, str) and not (parts and _content_parts(content, where)):
             raise ConfigError(
-                f"{where}: every message needs a string 'content' (got {json.dumps(message)[:80]})"
+                f"{where}: every message needs a string 'content'{' or a list of parts' if parts else ''} "
+                f"(got {json.dumps(message, default=str)[:80]})"
             )
         if message.get("role") not in ROLES:
             raise ConfigError(f"{where}: unknown role {message.get('role')!r} (roles: {', '.join(ROLES)})")
     return messages
+
+
+IMAGE_PART_TYPES = ("image", "image_url")
+
+
+def _content_parts(content: Any, where: str) -> bool:
+    """Whether `content` is a list of text and image parts; a one-line error for a malformed part."""
+    if not isinstance(content, list) or not content:
+        return False
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if kind == "image" or (kind == "image_url" and isinstance(part.get("image_url"), dict)):
+            continue
+        raise ConfigError(
+            f"{where}: a content part must be {{type: text, text}}, {{type: image, image}} or "
+            f"{{type: image_url, image_url: {{url}}}} (got {json.dumps(part, default=str)[:80]})"
+        )
+    return True
+
+
+def split_images(messages: Sequence[dict]) -> tuple[list[dict], list[Any]]:
+    """The conversation with each image part as {"type": "image"} (what templates read), and what
+    each named, in order: its `image` (or `url`, `path`), an image_url's url, or None for a part
+    that names nothing (the record's `images` list supplies it)."""
+    plain, found = [], []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part["type"] in IMAGE_PART_TYPES:
+                    if part["type"] == "image_url":
+                        found.append(part["image_url"].get("url"))
+                    else:
+                        found.append(next((part[k] for k in ("image", "url", "path") if part.get(k)), None))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append(part)
+            message = {**message, "content": parts}
+        plain.append(message)
+    return plain, found
+
+
+def has_images(messages: Sequence[dict]) -> bool:
+    return any(
+        isinstance(m["content"], list) and any(p["type"] in IMAGE_PART_TYPES for p in m["content"])
+        for m in messages
+    )
 
 
 def find_template(override: str | None, tokenizer_source: str | Path | None) -> tuple[str, str]:

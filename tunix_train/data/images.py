@@ -77,3 +77,51 @@ def pan_and_scan(image, min_crop_size: int, max_crops: int, min_ratio: float) ->
         for y in range(0, crop_h * down, crop_h)
         for x in range(0, crop_w * across, crop_w)
     ]
+
+
+MAX_IMAGE_BYTES = 20 * 1024 * 1024  # a larger encoded image (a file, a data: URI) is refused
+
+
+def image_bytes(payload, folder: Path | None, where: str) -> tuple[bytes | Path, str]:
+    """What an image part of a record names, as (bytes or a file, its name in messages): a file path
+    relative to `folder` (the data file's; none may lead outside it; None: any local path, as the
+    command line gives them), a `data:` URI, bytes, or a `datasets` Image ({bytes, path}). Remote
+    URLs and file: URLs are not read."""
+    if isinstance(payload, dict):  # datasets' Image feature as stored: its bytes, else its path
+        payload = payload.get("bytes") or payload.get("path")
+    if isinstance(payload, (bytes, bytearray)):
+        if len(payload) > MAX_IMAGE_BYTES:
+            raise ConfigError(f"{where}: an image of {len(payload):,} bytes; at most {MAX_IMAGE_BYTES:,}")
+        return bytes(payload), f"{where} (image bytes)"
+    if not isinstance(payload, str) or not payload:
+        raise ConfigError(
+            f"{where}: an image must be a path, a data: URI or bytes (got {str(payload)[:60]!r})"
+        )
+    if payload.startswith("data:"):
+        return data_uri_bytes(payload, where), f"{where} (a data: URI)"
+    if "://" in payload or payload.startswith("file:"):
+        raise ConfigError(
+            f"{where}: image {payload[:80]!r} is a URL; give a path relative to the data file or a data: URI"
+        )
+    path = (Path(payload) if folder is None else folder / payload).expanduser().resolve()
+    if folder is not None and not path.is_relative_to(folder.resolve()):
+        raise ConfigError(f"{where}: image {payload[:80]!r} lies outside the data file's folder {folder}")
+    if path.is_file() and path.stat().st_size > MAX_IMAGE_BYTES:
+        raise ConfigError(f"{where}: image {path} has more than {MAX_IMAGE_BYTES:,} bytes")
+    return path, f"{where}: image {path}"
+
+
+def data_uri_bytes(uri: str, where: str) -> bytes:
+    """The bytes of a base64 `data:image/...;base64,...` URI, or a one-line error."""
+    import base64
+    import binascii
+
+    head, _, body = uri.partition(",")
+    if not head.startswith("data:image/") or not head.endswith(";base64"):
+        raise ConfigError(f"{where}: a data: URI must be data:image/<type>;base64,<data> (got {head[:60]!r})")
+    if len(body) * 3 // 4 > MAX_IMAGE_BYTES:
+        raise ConfigError(f"{where}: a data: URI of more than {MAX_IMAGE_BYTES:,} bytes")
+    try:
+        return base64.b64decode(body, validate=True)
+    except (binascii.Error, ValueError):
+        raise ConfigError(f"{where}: a data: URI whose base64 cannot be decoded") from None

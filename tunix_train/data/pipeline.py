@@ -11,13 +11,15 @@ Host batches are dicts of [A, B_local, T] arrays: inputs, targets, loss_mask, po
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import grain
 import numpy as np
 from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchIterDataset, ZipIterDataset
 
-from tunix_train.config import ConfigError
+from tunix_train.config import ConfigError, VisionConfig
+from tunix_train.data.chat import has_images, split_images
 from tunix_train.data.tokenizer import Tokenizer, with_bos
 
 PACKED = ("inputs", "targets", "loss_mask")
@@ -30,6 +32,10 @@ class DocumentFeatures:
     with the loss on the completion and EOS only. A conversation is its chat template's rendering
     (BOS included where the template writes it), the loss on the tokens of `roles`, and must fit a
     row of seq_len. Pre-tokenized documents are used as stored.
+
+    With `vision` (model.vision), every document also gives its images' pixel values [n, C, H, W]
+    (`images`; n may be 0): a conversation's image parts, each as many image tokens as the tower
+    gives (the chat template's image_tokens), never in the loss; at most images_per_row of them.
     """
 
     def __init__(
@@ -39,6 +45,8 @@ class DocumentFeatures:
         chat=None,
         roles=("assistant",),
         seq_len: int | None = None,
+        vision: VisionConfig | None = None,
+        images_per_row: int = 1,
     ):
         self.tokenizer, self.vocab_size, self.chat, self.roles, self.seq_len = (
             tokenizer,
@@ -47,16 +55,31 @@ class DocumentFeatures:
             roles,
             seq_len,
         )
+        self.vision, self.images_per_row = vision, images_per_row
 
     def __call__(self, doc: dict[str, Any]) -> dict[str, np.ndarray]:
+        row = self._tokens(doc)
+        if self.vision is not None:
+            row["images"] = self._images(doc, row["inputs"])
+        return row
+
+    def _tokens(self, doc: dict[str, Any]) -> dict[str, np.ndarray]:
         first_loss_target = 0
         if "messages" in doc:
             tools = {"tools": doc["tools"]} if "tools" in doc else {}
-            ids, mask = self.chat.encode(doc["messages"], self.roles, **tools)
+            messages = doc["messages"]
+            if has_images(messages):
+                if self.vision is None:
+                    raise ConfigError(
+                        f"{doc['where']}: a conversation with images, but this model reads none "
+                        f"(model.vision is null): use a model with an image tower (gemma3_4b and up)"
+                    )
+                messages = split_images(messages)[0]
+            ids, mask = self.chat.encode(messages, self.roles, **tools)
             if self.seq_len is not None and len(ids) - 1 > self.seq_len:
                 raise ConfigError(
-                    f"{doc['where']}: a conversation of {len(ids)} tokens is longer than a row of "
-                    f"data.seq_len={self.seq_len}: raise data.seq_len or shorten it"
+                    f"{doc['where']}: a conversation of {len(ids)} tokens (its images' included) is "
+                    f"longer than a row of data.seq_len={self.seq_len}: raise data.seq_len or shorten it"
                 )
             return {
                 "inputs": np.asarray(ids[:-1], np.int32),
@@ -81,6 +104,37 @@ class DocumentFeatures:
             ids = np.asarray(ids, np.int32)
         loss_mask = (np.arange(len(ids) - 1) >= first_loss_target).astype(np.float32)
         return {"inputs": ids[:-1], "targets": ids[1:], "loss_mask": loss_mask}
+
+    def _images(self, doc: dict[str, Any], inputs: np.ndarray) -> np.ndarray:
+        """The document's images as the tower takes them [n, C, H, W], checked against the
+        placeholders its tokens hold (one line naming the record for each mismatch)."""
+        from tunix_train.data.images import image_bytes, open_image, pixel_values
+
+        v, where = self.vision, doc.get("where", "a document")
+        named = split_images(doc["messages"])[1] if "messages" in doc and has_images(doc["messages"]) else []
+        listed = list(doc.get("images", []))
+        if sum(p is None for p in named) != len(listed):
+            raise ConfigError(
+                f"{where}: {sum(p is None for p in named)} image parts name no image but its record's "
+                f"images field holds {len(listed)}: give each part its image, or list them in order"
+            )
+        payloads = [p if p is not None else listed.pop(0) for p in named]
+        # the last token of a document is a target only, so the row's inputs may end before it
+        placed = -(-int(np.sum(inputs == v.image_token_id)) // v.tokens_per_image)
+        if placed != len(payloads):
+            raise ConfigError(
+                f"{where}: {len(payloads)} images but the chat template placed {placed}: each image part "
+                f"must become one image (a template that writes <start_of_image> for it)"
+            )
+        if len(payloads) > self.images_per_row:
+            raise ConfigError(
+                f"{where}: {len(payloads)} images, more than data.images_per_row={self.images_per_row}: "
+                f"raise it"
+            )
+        folder = Path(doc.get("folder", "."))
+        pixels = [pixel_values(open_image(*image_bytes(p, folder, where)), v.image_size) for p in payloads]
+        shape = (0, v.num_channels, v.image_size, v.image_size)
+        return np.stack(pixels) if pixels else np.zeros(shape, np.float32)
 
 
 def _as_row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -167,6 +221,58 @@ class PackedBatches(_HostBatches):
             tokens = docs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
             slots.append(ConcatThenSplitIterDataset(tokens, length_struct={f: seq_len for f in PACKED}))
         self._start(ZipIterDataset(slots).map(_stack_rows).map(_as_row).batch(accumulation_steps), prefetch)
+
+
+class UnpackedBatches(_HostBatches):
+    """One document per row, padded to seq_len (positions past it a segment of their own, out of
+    the loss), with its images padded to images_per_row [I, C, H, W]: how rows with images are
+    batched, so that no image is split between rows. Row slots as PackedBatches'."""
+
+    def __init__(
+        self,
+        documents: Sequence[dict[str, Any]],
+        features: DocumentFeatures,
+        *,
+        seq_len: int,
+        images_per_row: int,
+        accumulation_steps: int,
+        global_micro_batch: int,
+        seed: int | None,
+        rows: range | None = None,
+        prefetch: int = 4,
+    ):
+        ordered = grain.MapDataset.source(documents)
+        if seed is not None:
+            ordered = ordered.shuffle(seed=seed)
+        ordered = ordered.repeat()
+        slots = []
+        for slot in range(global_micro_batch) if rows is None else rows:
+            docs = (
+                ordered[slot::global_micro_batch]
+                .map(features)
+                .map(lambda doc: _padded(doc, seq_len, images_per_row))
+            )
+            slots.append(docs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+        self._start(ZipIterDataset(slots).map(_stack_rows).batch(accumulation_steps), prefetch)
+
+
+def _padded(doc: dict[str, np.ndarray], seq_len: int, images_per_row: int) -> dict[str, np.ndarray]:
+    """A document's features as one row of seq_len positions and images_per_row images."""
+    n = len(doc["inputs"])
+    row = {
+        "inputs": np.zeros(seq_len, np.int32),
+        "targets": np.zeros(seq_len, np.int32),
+        "loss_mask": np.zeros(seq_len, np.float32),
+        "positions": np.arange(seq_len, dtype=np.int32),
+        "segment_ids": np.zeros(seq_len, np.int32),
+    }
+    for name in PACKED:
+        row[name][:n] = doc[name][:seq_len]
+    row["segment_ids"][:n] = 1
+    images = doc["images"]
+    row["images"] = np.zeros((images_per_row, *images.shape[1:]), np.float32)
+    row["images"][: len(images)] = images
+    return row
 
 
 class GroupBatches(_HostBatches):

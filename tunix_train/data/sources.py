@@ -70,8 +70,12 @@ def _record_documents(
                     record.get(data.messages_field) if isinstance(record, dict) else None,
                     f"{path}:{number}",
                     data.messages_field,
+                    parts=True,
                 ),
                 "where": f"{path}:{number}",
+                # image parts' files are relative to the data file; `images`: those the parts leave unnamed
+                "folder": str(path if path.is_dir() else path.parent),
+                **({"images": record["images"]} if isinstance(record.get("images"), list) else {}),
                 **_tools(record, f"{path}:{number}"),
             }
             for number, record in records

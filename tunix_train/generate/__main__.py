@@ -2,11 +2,14 @@
 
     python -m tunix_train.generate PATH --prompt "To be, or not" [--prompt ...] --max_new_tokens 64 \
         [--temperature 0.7 --top_k 64 --top_p 0.95 --seed 0] [--mesh_shape '[[2,2],["fsdp","tp"]]']
+    python -m tunix_train.generate PATH --prompt "<start_of_image>What is it?" --image cat.png
     python -m tunix_train.generate PATH --chat [--system "..."] [sampling flags]
 
 One prompt streams its continuation as it is produced; several print each continuation when all are
-done. --chat talks with the model in its chat template: each line read is a user turn, the reply
-streams, the conversation is kept (/reset forgets it, /exit or end of input ends). Bad input is a
+done. --image (repeatable, a model with an image tower): each <start_of_image> of the one prompt
+takes an image in order (with none, the images go in front). --chat talks with the model in its chat
+template: each line read is a user turn, the reply streams, the conversation is kept (/image PATH
+adds an image to the next turn, /reset forgets it, /exit or end of input ends). Bad input is a
 one-line error and exit status 2.
 """
 
@@ -33,6 +36,7 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--system", default=None, help="with --chat: a system message opening the conversation"
     )
+    parser.add_argument("--image", action="append", default=[], help="an image file for the prompt (repeat)")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top_k", type=int, default=None)
@@ -46,6 +50,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if bool(args.prompt) == args.chat:
         parser.error("give --prompt (one or more) or --chat")
+    if args.image and (args.chat or len(args.prompt) != 1):
+        parser.error("--image goes with one --prompt (in --chat, /image PATH)")
     return args
 
 
@@ -66,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.chat:
             _chat(model, args.system, args.max_new_tokens, sampling)
         elif len(args.prompt) == 1:
-            _stream(model, args.prompt[0], args.max_new_tokens, sampling)
+            _stream(model, args.prompt[0], args.max_new_tokens, sampling, args.image)
         else:
             for i, text in enumerate(model.generate_text(args.prompt, args.max_new_tokens, **sampling)):
                 print(f"[{i}] {args.prompt[i]}{text}")
@@ -76,12 +82,17 @@ def main(argv: list[str] | None = None) -> int:
     return exit_codes.OK
 
 
-def _stream(model, prompt: str, max_new_tokens: int, sampling: dict) -> None:
+def _stream(model, prompt: str, max_new_tokens: int, sampling: dict, images: list[str]) -> None:
     """Prints the prompt, then the continuation as each chunk of tokens arrives."""
     ids: list[int] = []
     shown = ""
+    request = prompt
+    kwargs = {}
+    if images:
+        request, pixels = model.image_prompt(prompt, images)
+        kwargs = {"images": pixels}
     print(prompt, end="", flush=True)
-    for new in model.stream(prompt, max_new_tokens, **sampling):
+    for new in model.stream(request, max_new_tokens, **kwargs, **sampling):
         ids.extend(new)
         text = model.tokenizer.decode(ids)
         print(text[len(shown) :], end="", flush=True)
@@ -93,6 +104,7 @@ def _chat(model, system: str | None, max_new_tokens: int, sampling: dict) -> Non
     """Reads user turns line by line and streams each reply; the conversation grows as it goes."""
     opening = [{"role": "system", "content": system}] if system else []
     messages = list(opening)
+    images: list[dict] = []  # /image PATH: parts for the next user turn
     interactive = sys.stdin.isatty()
     while True:
         if interactive:
@@ -101,11 +113,18 @@ def _chat(model, system: str | None, max_new_tokens: int, sampling: dict) -> Non
         if not line or line.strip() == "/exit":
             return
         if line.strip() == "/reset":
-            messages = list(opening)
+            messages, images = list(opening), []
+            continue
+        if line.strip().startswith("/image "):
+            images.append({"type": "image", "image": line.strip()[len("/image ") :].strip()})
             continue
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line.rstrip("\n")})
+        text = line.rstrip("\n")
+        messages.append(
+            {"role": "user", "content": [*images, {"type": "text", "text": text}] if images else text}
+        )
+        images = []
         reply = ""
         for piece in model.reply(messages, max_new_tokens, **sampling):
             print(piece, end="", flush=True)

@@ -23,7 +23,7 @@ from tunix_train.config import (
     Remat,
     reads_text,
 )
-from tunix_train.data.chat import ChatTemplate, check_messages, find_template
+from tunix_train.data.chat import ChatTemplate, ImageTokens, check_messages, find_template, split_images
 from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer, with_bos
 from tunix_train.files import write_text
 from tunix_train.generate.engine import Completion, Engine, Request
@@ -118,10 +118,11 @@ class LoadedModel:
             return self.engine.generate(self.params, requests, on_tokens=on_tokens)
 
     def stream(
-        self, prompt: Sequence[int] | str, max_new_tokens: int, **sampling: Any
+        self, prompt: Sequence[int] | str, max_new_tokens: int, images: Any = None, **sampling: Any
     ) -> Iterator[list[int]]:
-        """The new tokens of one prompt, a chunk at a time, as they are produced."""
-        (request,) = self.requests([prompt], max_new_tokens, **sampling)
+        """The new tokens of one prompt, a chunk at a time, as they are produced (images: its
+        pixel values [n, C, H, W], as generate takes them)."""
+        (request,) = self.requests([prompt], max_new_tokens, images=[images], **sampling)
         with MemoryErrors(None, self.mesh, training=False, first_tips=self._memory_tips([request])):
             yield from self.engine.stream(self.params, request)
 
@@ -132,16 +133,24 @@ class LoadedModel:
             f"max_new_tokens={max(max((r.max_new_tokens for r in requests), default=2) // 2, 1)}",
         ]
 
-    def reply(self, messages: Sequence[dict], max_new_tokens: int, **sampling: Any) -> Iterator[str]:
+    def reply(
+        self,
+        messages: Sequence[dict],
+        max_new_tokens: int,
+        images_from: Optional[Path] = None,
+        **sampling: Any,
+    ) -> Iterator[str]:
         """The assistant's reply to a conversation ([{role, content}], rendered with the chat
         template and its generation prompt), as pieces of text while it is produced; it ends at
-        the template's end of turn (not included). Keyword arguments as for generate."""
+        the template's end of turn (not included). Contents may hold image parts (a model with
+        model.vision): files relative to images_from (None: any local path), data: URIs or bytes.
+        Keyword arguments as for generate."""
         chat = self._need_chat()
         end = chat.end_of_turn()
-        prompt, _ = chat.encode(
-            check_messages(list(messages), "the conversation"), add_generation_prompt=True
-        )
-        (request,) = self.requests([prompt], max_new_tokens, **sampling)
+        plain, payloads = split_images(check_messages(list(messages), "the conversation", parts=True))
+        prompt, _ = chat.encode(plain, add_generation_prompt=True)
+        images = self.pixel_values(payloads, images_from, "the conversation") if payloads else None
+        (request,) = self.requests([prompt], max_new_tokens, images=[images], **sampling)
         if end and len(self.tokenizer.encode(end)) > 1:  # not one token: the engine stops at its text
             request = dataclasses.replace(request, stop_strings=(end,))
         ids, shown = [], ""
@@ -152,6 +161,35 @@ class LoadedModel:
                 if len(text) > len(shown):
                     yield text[len(shown) :]
                     shown = text
+
+    def pixel_values(self, payloads: Sequence[Any], folder: Optional[Path], where: str) -> np.ndarray:
+        """Images (paths, data: URIs, bytes) as the tower takes them [n, C, H, W]; a one-line error
+        for a model without a tower or a tokenizer without Gemma 3's image tokens."""
+        from tunix_train.data.images import image_bytes, open_image, pixel_values
+
+        vision = self.config.vision
+        if vision is None:
+            raise ConfigError("this model reads no images (its model.vision is null)")
+        if self.chat is None or self.chat.image_tokens is None:
+            raise ConfigError(
+                "this model's tokenizer lacks Gemma 3's image tokens (<start_of_image>, <image_soft_token>, "
+                "<end_of_image>), so a prompt cannot hold an image"
+            )
+        return np.stack(
+            [pixel_values(open_image(*image_bytes(p, folder, where)), vision.image_size) for p in payloads]
+        )
+
+    def image_prompt(self, text: str, images: Sequence[str]) -> tuple[list[int], np.ndarray]:
+        """A text prompt and image files: each <start_of_image> in the text takes an image in order
+        (with none, the images go in front of the text), expanded to the tower's tokens; [BOS] first."""
+        pixels = self.pixel_values(images, None, "--image")
+        tokens = self.chat.image_tokens
+        marks = text.count(tokens.boi)
+        if marks == 0:
+            text, marks = tokens.boi * len(images) + text, len(images)
+        if marks != len(images):
+            raise ConfigError(f"the prompt has {marks} {tokens.boi} but {len(images)} images were given")
+        return self._encode(tokens.expand(text, [])[0]), pixels
 
     def _need_chat(self) -> ChatTemplate:
         self._need_tokenizer()
@@ -258,13 +296,28 @@ def load(path: str | Path, mesh_shape: Any = None, devices: list[jax.Device] | N
     chat = None
     if tokenizer is not None:
         template_source = run_tokenizer(cfg)[0] if src.kind == "run" else src.path
-        chat = ChatTemplate(*find_template(cfg.data.chat_template, template_source), tokenizer)
+        chat = ChatTemplate(
+            *find_template(cfg.data.chat_template, template_source),
+            tokenizer,
+            _image_tokens(cfg.model, tokenizer),
+        )
         end = tokenizer.encode(chat.end_of_turn())
         if len(end) == 1:  # as an instruction-tuned Gemma's generation_config lists <end_of_turn>
             stop_ids = tuple(dict.fromkeys((*stop_ids, *end)))
     return LoadedModel(
         cfg.model, mesh, loaded.params, tokenizer, stop_ids, loaded.adapters, loaded.lora, chat
     )
+
+
+def _image_tokens(model: ModelConfig, tokenizer: Tokenizer) -> Optional[ImageTokens]:
+    """How the chat template's images become tokens, for a model with an image tower whose
+    tokenizer has Gemma 3's image tokens (else None: images are refused when given)."""
+    if model.vision is None:
+        return None
+    try:
+        return ImageTokens.for_model(tokenizer, model.vision.image_token_id, model.vision.tokens_per_image)
+    except ConfigError:
+        return None
 
 
 def _tokenizer_and_stops(src: loader.Source) -> tuple[Optional[Tokenizer], tuple[int, ...]]:

@@ -85,6 +85,7 @@ class Forward:
                 micro["segment_ids"],
                 micro.get("token_index"),
                 micro.get("routes"),  # the engine's experts, replayed (GRPO's routing_replay)
+                micro.get("images"),  # each row's images (model.vision)
             )
             head = (model.output_table(), model.cfg.final_logit_softcap, model.rules)
             self._computed = (x_BTD, stats, head)
