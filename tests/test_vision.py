@@ -781,3 +781,91 @@ def test_generate_image_and_chat_image_give_transformers_tokens(tmp_path, monkey
     monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {picture}\nDescribe.\n"))
     assert main([*args, "--chat"]) == 0
     assert capsys.readouterr().out == ours.decode(expected) + "\n"
+
+
+@pytest.mark.slow
+def test_the_server_answers_an_image_as_the_chat_does_and_refuses_remote_files_and_large_ones(tmp_path):
+    """The official openai client sends an image as a data: URI: the reply is the text the chat
+    (and `generate --chat` with /image) gives for the same conversation. A remote URL is a 400
+    (without --allow_remote_images), a file: URL too, and a 20 MB image a 413."""
+    import base64
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from conftest import REPO, cpu_env
+    from PIL import Image
+
+    openai = pytest.importorskip("openai")
+    from tunix_train import api
+
+    _vision_checkpoint(tmp_path / "ckpt")
+    picture = tmp_path / "pic.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (40, 24, 3), dtype=np.uint8)).save(picture)
+    uri = "data:image/png;base64," + base64.b64encode(picture.read_bytes()).decode()
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tunix_train.serve",
+            str(tmp_path / "ckpt"),
+            "--port",
+            str(port),
+            "--name",
+            "v",
+        ]
+        + ["--max_len", "96", "--max_body_bytes", str(64 << 20), "--mesh_shape", '[[1],["fsdp"]]'],
+        cwd=REPO,
+        env=cpu_env(1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=1)
+                break
+            except OSError:
+                assert process.poll() is None, process.stderr.read()[-2000:]
+                time.sleep(0.25)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(url):
+            content = [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "Describe."},
+            ]
+            return client.chat.completions.create(
+                model="v", messages=[{"role": "user", "content": content}], max_tokens=12, temperature=0
+            )
+
+        got = ask(uri).choices[0].message.content
+        model = api.load(tmp_path / "ckpt", mesh_shape=[[1], ["fsdp"]], devices=jax.devices()[:1])
+        conversation = [
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": str(picture)}, {"type": "text", "text": "Describe."}],
+            }
+        ]
+        assert got == "".join(model.reply(conversation, 12)) and got
+        for url, status in [
+            ("https://example.com/a.png", 400),
+            (f"file://{picture}", 400),
+            (str(picture), 400),
+        ]:
+            with pytest.raises(openai.APIStatusError) as err:
+                ask(url)
+            assert err.value.status_code == status
+        big = "data:image/png;base64," + base64.b64encode(b"\0" * 20_000_000).decode()
+        with pytest.raises(openai.APIStatusError) as err:
+            ask(big)
+        assert err.value.status_code == 413 and "--max_image_bytes" in str(err.value)
+        assert ask(uri).choices[0].message.content == got  # still serving
+    finally:
+        process.kill()

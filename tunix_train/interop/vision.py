@@ -25,9 +25,9 @@ PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
 
 def vision_from_hf(config: Mapping[str, Any]) -> VisionConfig | None:
     """model.vision from a Gemma 3 config.json (the whole file, not its text_config); None for a
-    text-only checkpoint."""
+    text-only checkpoint, and for other families' towers (Gemma 4's: not read yet)."""
     vision = config.get("vision_config")
-    if not vision:
+    if not vision or config.get("model_type") != "gemma3":
         return None
     return VisionConfig(
         image_size=vision["image_size"],

@@ -98,11 +98,73 @@ class Guard:
         await self.app(scope, receive, send)
 
 
+@dataclasses.dataclass(frozen=True)
+class Images:
+    """Which images a chat request may carry in its image_url parts: data: URIs of at most
+    max_bytes, and http(s) URLs only when allow_remote (fetched with a deadline and the same
+    bound); never a file."""
+
+    max_bytes: int = 10 << 20
+    allow_remote: bool = False
+    fetch_seconds: float = 10.0
+
+    def read(self, url) -> bytes:
+        """An image_url part's bytes, or a 400 / 413 naming what is wrong."""
+        from tunix_train.config import ConfigError
+        from tunix_train.data.images import data_uri_bytes
+
+        if not isinstance(url, str) or not url:
+            raise BadRequest("an image_url part needs a string 'url'", "messages")
+        if url.startswith("data:"):
+            if len(url.partition(",")[2]) * 3 // 4 > self.max_bytes:
+                raise self._too_large()
+            try:
+                return data_uri_bytes(url, "messages")
+            except ConfigError as err:
+                raise BadRequest(str(err), "messages") from None
+        if url.startswith(("http://", "https://")):
+            if not self.allow_remote:
+                raise BadRequest(
+                    "this server does not fetch remote images (--allow_remote_images): send the image "
+                    "as a data: URI",
+                    "messages",
+                    code="remote_image_refused",
+                )
+            return self._fetch(url)
+        raise BadRequest(
+            f"an image_url must be a data: URI{' or an http(s) URL' if self.allow_remote else ''}; "
+            f"this server reads no files (got {url[:40]!r})",
+            "messages",
+        )
+
+    def _too_large(self) -> BadRequest:
+        return BadRequest(
+            f"an image is larger than this server's {self.max_bytes} bytes (--max_image_bytes)",
+            "messages",
+            status=413,
+            code="image_too_large",
+        )
+
+    def _fetch(self, url: str) -> bytes:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(url, timeout=self.fetch_seconds) as response:
+                data = response.read(self.max_bytes + 1)
+        except Exception as err:  # noqa: BLE001 - any failure to fetch is the client's URL's
+            raise BadRequest(
+                f"the image at {url[:80]!r} cannot be fetched ({type(err).__name__})", "messages"
+            ) from None
+        if len(data) > self.max_bytes:
+            raise self._too_large()
+        return data
+
+
 class Api:
     """A request's engine requests (tokenized here, on a worker thread), and the responses' shapes."""
 
-    def __init__(self, model, generator: Generator, name: str):
-        self.model, self.generator, self.name = model, generator, name
+    def __init__(self, model, generator: Generator, name: str, images: Images = Images()):
+        self.model, self.generator, self.name, self.images = model, generator, name, images
         self.longest = schema.longest_token_chars(model.tokenizer)
 
     def prepare(self, data: bytes, chat: bool):
@@ -120,11 +182,16 @@ class Api:
                 "messages" if chat else "prompt",
                 code="context_length_exceeded",
             )
-        tokenizer, ends = self.model.tokenizer, []
+        tokenizer, ends, pixels = self.model.tokenizer, [], None
         try:
             sampling = Sampling(ask.temperature, ask.top_k, ask.top_p)
             if chat:
-                prompt, _ = self.model.chat.encode(ask.prompt, add_generation_prompt=True)
+                from tunix_train.data.chat import split_images
+
+                messages, urls = split_images(ask.prompt)
+                if urls:
+                    pixels = self.model.pixel_values([self.images.read(u) for u in urls], None, "messages")
+                prompt, _ = self.model.chat.encode(messages, add_generation_prompt=True)
                 end = self.model.chat.end_of_turn()
                 ends = [end] if end and len(tokenizer.encode(end)) > 1 else []
             else:
@@ -133,7 +200,7 @@ class Api:
             raise BadRequest(str(err), "messages" if chat else None) from None
         max_tokens = ask.max_tokens or max(limit - len(prompt), 1)
         requests = [
-            Request(tuple(prompt), max_tokens, sampling, ask.seed, i, ask.stop + tuple(ends))
+            Request(tuple(prompt), max_tokens, sampling, ask.seed, i, ask.stop + tuple(ends), pixels)
             for i in range(ask.n)
         ]
         for request in requests:
@@ -172,6 +239,7 @@ def app_for(
     access: Access = Access(),
     request_timeout_s: float = 600.0,
     max_preparing: int = 64,
+    images: Images = Images(),
 ):
     from fastapi import FastAPI
     from fastapi import Request as HttpRequest
@@ -180,7 +248,7 @@ def app_for(
     from tunix_train.generate.session import before_stop
 
     api, app = (
-        Api(model, generator, name),
+        Api(model, generator, name, images),
         FastAPI(title="tunix_train", docs_url=None, redoc_url=None, openapi_url=None),
     )
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")

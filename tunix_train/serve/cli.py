@@ -50,6 +50,17 @@ def _arguments(argv):
         "--request_timeout_s", type=float, default=600.0, help="a reply's time, at most (then 504)"
     )
     parser.add_argument(
+        "--max_image_bytes",
+        type=int,
+        default=10 << 20,
+        help="an image's size in a chat request, at most (then 413; the body must fit --max_body_bytes too)",
+    )
+    parser.add_argument(
+        "--allow_remote_images",
+        action="store_true",
+        help="fetch image_url parts' http(s) URLs (default: data: URIs only; files never)",
+    )
+    parser.add_argument(
         "--allowed_hosts",
         default=None,
         help="comma-separated Host names the server answers to, '*' for any (default: localhost "
@@ -101,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         ("--max_queue", args.max_queue + 1),
         ("--max_body_bytes", args.max_body_bytes),
         ("--request_timeout_s", args.request_timeout_s),
+        ("--max_image_bytes", args.max_image_bytes),
     ):
         if value <= 0:
             return fail(f"{flag}={value} must be positive")
@@ -109,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        from tunix_train.serve.app import Access, app_for
+        from tunix_train.serve.app import Access, Images, app_for
         from tunix_train.serve.worker import Generator
     except ImportError:
         return fail("serving needs FastAPI and uvicorn: pip install -e '.[serve]'")
@@ -141,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         _names(args.allowed_origins, Access.origins),
         args.max_body_bytes,
     )
-    app = app_for(model, generator, name, access, args.request_timeout_s)
+    images = Images(args.max_image_bytes, args.allow_remote_images)
+    app = app_for(model, generator, name, access, args.request_timeout_s, images=images)
     server = uvicorn.Server(
         uvicorn.Config(
             app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=args.drain_s

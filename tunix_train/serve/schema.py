@@ -162,7 +162,7 @@ def read(body: dict, chat: bool, name: str) -> Ask:
         if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
             raise BadRequest(f"'messages' holds more than {MAX_MESSAGES} messages", "messages")
         try:
-            prompt = check_messages(messages, "messages")
+            prompt = check_messages(messages, "messages", parts=True)
         except ConfigError as err:
             raise BadRequest(str(err), "messages") from None
     else:
@@ -221,7 +221,15 @@ def longest_token_chars(tokenizer) -> int:
 
 
 def prompt_chars(ask: Ask) -> int:
-    return len(ask.prompt) if isinstance(ask.prompt, str) else sum(len(m["content"]) for m in ask.prompt)
+    """The prompt's characters of text (an image's tokens are counted when it is read)."""
+    if isinstance(ask.prompt, str):
+        return len(ask.prompt)
+    return sum(
+        len(m["content"])
+        if isinstance(m["content"], str)
+        else sum(len(p.get("text", "")) for p in m["content"] if p["type"] == "text")
+        for m in ask.prompt
+    )
 
 
 def at_least_tokens(ask: Ask, longest: int) -> int:
