@@ -435,24 +435,12 @@ def _vision_tokenizer(directory):
     transformers' Gemma3Processor reads them."""
     import json
 
-    from sentencepiece import sentencepiece_model_pb2
+    from tunix_train.data.tokenizer import bundled_with_pieces
 
-    from tunix_train.data.tokenizer import BUNDLED_TOKENIZER
-
-    model = sentencepiece_model_pb2.ModelProto()
-    model.ParseFromString(BUNDLED_TOKENIZER.read_bytes())
-    model.normalizer_spec.add_dummy_prefix = False
-    for symbol in (
-        "<start_of_turn>",
-        "<end_of_turn>",
-        "<start_of_image>",
-        "<end_of_image>",
-        "<image_soft_token>",
-    ):
-        piece = model.pieces.add()
-        piece.piece, piece.type = symbol, sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "tokenizer.model").write_bytes(model.SerializeToString())
+    turns = ("<start_of_turn>", "<end_of_turn>")
+    bundled_with_pieces(
+        directory / "tokenizer.model", (*turns, "<start_of_image>", "<end_of_image>", "<image_soft_token>")
+    )
     special = {
         "boi_token": "<start_of_image>",
         "eoi_token": "<end_of_image>",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -386,3 +386,24 @@ def load_tokenizer(path: str | Path | None, vocab_size: int, key: str = "data.to
     if tokenizer.eos_id < 0:
         raise ConfigError(f"{key}: {file} defines no EOS token")
     return tokenizer
+
+
+def bundled_with_pieces(path: Path, pieces: Sequence[str]) -> Path:
+    """Writes the bundled SentencePiece model to `path` with `pieces` as user-defined pieces (one
+    token each, ids 4096 on) and, as Gemma's, no space put in front of a text: the demos' and
+    tests' tokenizer with Gemma's turn, tool or image tokens."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(BUNDLED_TOKENIZER.read_bytes())
+    model.normalizer_spec.add_dummy_prefix = False
+    for symbol in pieces:
+        piece = model.pieces.add()
+        piece.piece, piece.score, piece.type = (
+            symbol,
+            0.0,
+            sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED,
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(model.SerializeToString())
+    return path

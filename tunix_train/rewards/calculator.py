@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tunix_train.data.tokenizer import BUNDLED_TOKENIZER
+from tunix_train.data.tokenizer import bundled_with_pieces
 
 SYMBOLS = (
     "<start_of_turn>",
@@ -96,20 +96,5 @@ def write_task(
 
 
 def write_tokenizer(path: Path) -> Path:
-    """The bundled SentencePiece model with SYMBOLS as user-defined pieces (one token each) and,
-    as Gemma's, no space put in front of a text."""
-    from sentencepiece import sentencepiece_model_pb2
-
-    model = sentencepiece_model_pb2.ModelProto()
-    model.ParseFromString(BUNDLED_TOKENIZER.read_bytes())
-    model.normalizer_spec.add_dummy_prefix = False
-    for symbol in SYMBOLS:
-        piece = model.pieces.add()
-        piece.piece, piece.score, piece.type = (
-            symbol,
-            0.0,
-            sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED,
-        )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(model.SerializeToString())
-    return path
+    """The bundled SentencePiece model with SYMBOLS as tokens of their own (bundled_with_pieces)."""
+    return bundled_with_pieces(path, SYMBOLS)
