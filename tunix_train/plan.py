@@ -56,6 +56,7 @@ def _shard_bytes(tree, shardings) -> int:
 
 def plan(overrides: list[str]):
     import jax
+    import jax.numpy as jnp
 
     from tunix_train.compose import load_config
     from tunix_train.sharding import batch_sharding
@@ -68,6 +69,14 @@ def plan(overrides: list[str]):
     batch = abstract_batch(
         run.mesh, t.gradient_accumulation_steps, run.micro_batch, cfg.data.seq_len, run.objective.batch_dtypes
     )
+    vision = cfg.model.vision
+    if vision is not None and cfg.data.messages_field:  # conversations with images: each row's
+        shape = (cfg.data.images_per_row, vision.num_channels, vision.image_size, vision.image_size)
+        batch["images"] = jax.ShapeDtypeStruct(
+            (t.gradient_accumulation_steps, run.micro_batch, *shape),
+            jnp.float32,
+            sharding=batch_sharding(run.mesh),
+        )
     with jax.set_mesh(run.mesh):
         compiled = run.step_fn.lower(run.plan.abstract, batch).compile()
     memory = compiled.memory_analysis()

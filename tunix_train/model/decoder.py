@@ -316,7 +316,11 @@ class Decoder(nnx.Module):
         # drawn last: the other parameters are the same tied or not
         self.output_VD = None if cfg.tie_embeddings else param(rngs, (V, D), ("vocab", "embed"), D)
         # after the text model's: its parameters are the same with a tower or without
-        self.vision = None if cfg.vision is None else VisionTower(cfg.vision, D, rngs, rules)
+        self.vision = (
+            None
+            if cfg.vision is None
+            else VisionTower(cfg.vision, D, rngs, rules, kernels.remat_policy(remat, quantized_base=False))
+        )
 
     def stacks(self) -> list[tuple[LayerGroup, list[Block]]]:
         """Each group and the stacked Block of each position of its period."""

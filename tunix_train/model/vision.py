@@ -86,9 +86,18 @@ def _stacked_layers(cfg: VisionConfig, keys) -> EncoderLayer:
 class VisionTower(nnx.Module):
     """Pixel values [N, C, H, W] -> the images' embeddings [N, tokens_per_image, text_dim]."""
 
-    def __init__(self, cfg: VisionConfig, text_dim: int, rngs: nnx.Rngs, rules: Rules = LOGICAL_RULES):
+    def __init__(
+        self,
+        cfg: VisionConfig,
+        text_dim: int,
+        rngs: nnx.Rngs,
+        rules: Rules = LOGICAL_RULES,
+        remat_policy=None,
+    ):
+        """remat_policy: what each encoder layer keeps for the backward pass (training.remat's, as
+        the text layers'); None: everything."""
         P, C, D = cfg.patch_size, cfg.num_channels, cfg.embed_dim
-        self.cfg, self.rules = cfg, rules
+        self.cfg, self.rules, self.remat_policy = cfg, rules, remat_policy
         self.patch = param(rngs, (P * P * C, D), (None, "embed"), P * P * C)  # rows: (y, x, channel)
         self.patch_bias = nnx.Param(jnp.zeros((D,), jnp.float32), axes=("norm",))
         self.position = param(rngs, (cfg.patches_per_side**2, D), (None, "embed"), 1)
@@ -105,7 +114,13 @@ class VisionTower(nnx.Module):
         x_NSD = patches.reshape(N, (H // P) * (W // P), P * P * C) @ self.patch[...] + self.patch_bias[...]
         x_NSD = constrain(x_NSD + self.position[...], ("batch", None, "act_embed"), self.rules)
         graphdef, stacked = nnx.split(self.layers)
-        x_NSD, _ = jax.lax.scan(lambda x, layer: (nnx.merge(graphdef, layer)(x), None), x_NSD, stacked)
+
+        def layer(x, state):
+            return nnx.merge(graphdef, state)(x), None
+
+        if self.remat_policy is not None:
+            layer = jax.checkpoint(layer, policy=self.remat_policy, prevent_cse=False)
+        x_NSD, _ = jax.lax.scan(layer, x_NSD, stacked)
         return self.final_norm(x_NSD)
 
     def __call__(self, pixels_NCHW):
