@@ -315,11 +315,18 @@ class Decoder(nnx.Module):
             self.per_layer_proj_norm = RMSNorm(P, cfg.rms_norm_eps, cfg.norm_weight_offset)
         # drawn last: the other parameters are the same tied or not
         self.output_VD = None if cfg.tie_embeddings else param(rngs, (V, D), ("vocab", "embed"), D)
-        # after the text model's: its parameters are the same with a tower or without
+        # its own stream, from a key drawn before the adapters': the text model's parameters are the
+        # same with a tower or without, the tower's the same with adapters or without
         self.vision = (
             None
             if cfg.vision is None
-            else VisionTower(cfg.vision, D, rngs, rules, kernels.remat_policy(remat, quantized_base=False))
+            else VisionTower(
+                cfg.vision,
+                D,
+                nnx.Rngs(jax.random.fold_in(keys[0], 1)),
+                rules,
+                kernels.remat_policy(remat, quantized_base=False),
+            )
         )
 
     def stacks(self) -> list[tuple[LayerGroup, list[Block]]]:
