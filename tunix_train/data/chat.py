@@ -451,7 +451,7 @@ def prompt_ids(prompt: str | list[dict], tokenizer, chat: "ChatTemplate | None")
     with the generation prompt (the assistant's turn opened)."""
     if isinstance(prompt, str):
         return with_bos(tokenizer, tokenizer.encode(prompt))
-    return chat.encode(prompt, add_generation_prompt=True)[0]
+    return chat.encode(split_images(prompt)[0], add_generation_prompt=True)[0]
 
 
 def completion_ids(
@@ -466,7 +466,7 @@ def completion_ids(
         return [*tokenizer.encode(completion), tokenizer.eos_id]
     turns = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
     start = prompt_ids(prompt, tokenizer, chat)
-    ids, mask = chat.encode([*prompt, *turns])
+    ids, mask = chat.encode(split_images([*prompt, *turns])[0])
     if ids[: len(start)] != start:
         raise ConfigError(
             f"{chat.source} does not render a prompt with its generation prompt as the start of the "

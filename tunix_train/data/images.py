@@ -82,6 +82,33 @@ def pan_and_scan(image, min_crop_size: int, max_crops: int, min_ratio: float) ->
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # a larger encoded image (a file, a data: URI) is refused
 
 
+def anchored(messages: list[dict], folder: Path, where: str) -> list[dict]:
+    """The conversation with each image part's relative path made absolute against `folder` (the
+    data file's: none may lead outside it), for records read later from elsewhere; other image
+    parts as they are."""
+    out = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            content = [
+                {
+                    **part,
+                    **{
+                        k: str(image_bytes(part[k], folder, where)[0])
+                        for k in ("image", "path")
+                        if part["type"] == "image" and _is_path(part.get(k))
+                    },
+                }
+                for part in content
+            ]
+        out.append({**message, "content": content})
+    return out
+
+
+def _is_path(payload) -> bool:
+    return isinstance(payload, str) and not payload.startswith("data:") and "://" not in payload
+
+
 def image_bytes(payload, folder: Path | None, where: str) -> tuple[bytes | Path, str]:
     """What an image part of a record names, as (bytes or a file, its name in messages): a file path
     relative to `folder` (the data file's; none may lead outside it; None: any local path, as the
@@ -109,6 +136,12 @@ def image_bytes(payload, folder: Path | None, where: str) -> tuple[bytes | Path,
     if path.is_file() and path.stat().st_size > MAX_IMAGE_BYTES:
         raise ConfigError(f"{where}: image {path} has more than {MAX_IMAGE_BYTES:,} bytes")
     return path, f"{where}: image {path}"
+
+
+def pixel_stack(payloads, size: int, channels: int, folder: Path | None, where: str) -> np.ndarray:
+    """Images (image_bytes' payloads) as the tower takes them: [n, channels, size, size] float32."""
+    pixels = [pixel_values(open_image(*image_bytes(p, folder, where)), size) for p in payloads]
+    return np.stack(pixels) if pixels else np.zeros((0, channels, size, size), np.float32)
 
 
 def data_uri_bytes(uri: str, where: str) -> bytes:

@@ -108,7 +108,7 @@ class DocumentFeatures:
     def _images(self, doc: dict[str, Any], inputs: np.ndarray) -> np.ndarray:
         """The document's images as the tower takes them [n, C, H, W], checked against the
         placeholders its tokens hold (one line naming the record for each mismatch)."""
-        from tunix_train.data.images import image_bytes, open_image, pixel_values
+        from tunix_train.data.images import pixel_stack
 
         v, where = self.vision, doc.get("where", "a document")
         named = split_images(doc["messages"])[1] if "messages" in doc and has_images(doc["messages"]) else []
@@ -131,10 +131,7 @@ class DocumentFeatures:
                 f"{where}: {len(payloads)} images, more than data.images_per_row={self.images_per_row}: "
                 f"raise it"
             )
-        folder = Path(doc.get("folder", "."))
-        pixels = [pixel_values(open_image(*image_bytes(p, folder, where)), v.image_size) for p in payloads]
-        shape = (0, v.num_channels, v.image_size, v.image_size)
-        return np.stack(pixels) if pixels else np.zeros(shape, np.float32)
+        return pixel_stack(payloads, v.image_size, v.num_channels, Path(doc.get("folder", ".")), where)
 
 
 def _as_row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

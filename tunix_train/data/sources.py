@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from tunix_train.config import ConfigError, DataConfig, DataSource, TextUnit
-from tunix_train.data.chat import check_messages
+from tunix_train.data.chat import check_messages, has_images
 
 BUNDLED_CORPUS = Path(__file__).parent / "corpus" / "shakespeare.jsonl.xz"
 EVAL_SPLIT_SEED = 0  # the held-out documents do not change with training.seed
@@ -147,7 +147,14 @@ def _whole_record(record: Any, path: Path, number: int, required: Sequence[str])
     for field in required:
         value = record.get(field) if isinstance(record, dict) else None
         if isinstance(value, list):
-            check_messages(value, f"{path}:{number}", field)
+            check_messages(value, f"{path}:{number}", field, parts=True)
+            if has_images(value):  # read later from elsewhere: each path made absolute, checked now
+                from tunix_train.data.images import anchored
+
+                record = {
+                    **record,
+                    field: anchored(value, path if path.is_dir() else path.parent, f"{path}:{number}"),
+                }
         elif not isinstance(value, str):
             raise ConfigError(
                 f"{path}:{number}: no string or messages field {field!r} (the objective reads "

@@ -165,7 +165,7 @@ class LoadedModel:
     def pixel_values(self, payloads: Sequence[Any], folder: Optional[Path], where: str) -> np.ndarray:
         """Images (paths, data: URIs, bytes) as the tower takes them [n, C, H, W]; a one-line error
         for a model without a tower or a tokenizer without Gemma 3's image tokens."""
-        from tunix_train.data.images import image_bytes, open_image, pixel_values
+        from tunix_train.data.images import pixel_stack
 
         vision = self.config.vision
         if vision is None:
@@ -175,9 +175,7 @@ class LoadedModel:
                 "this model's tokenizer lacks Gemma 3's image tokens (<start_of_image>, <image_soft_token>, "
                 "<end_of_image>), so a prompt cannot hold an image"
             )
-        return np.stack(
-            [pixel_values(open_image(*image_bytes(p, folder, where)), vision.image_size) for p in payloads]
-        )
+        return pixel_stack(payloads, vision.image_size, vision.num_channels, folder, where)
 
     def image_prompt(self, text: str, images: Sequence[str]) -> tuple[list[int], np.ndarray]:
         """A text prompt and image files: each <start_of_image> in the text takes an image in order

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_train.config import Config, ConfigError, RolloutDtype
-from tunix_train.data.chat import prompt_ids
+from tunix_train.data.chat import has_images, prompt_ids, split_images
 from tunix_train.data.pipeline import GroupBatches
 from tunix_train.model import quant
 from tunix_train.sharding import cross_mesh_copier, state_shardings
@@ -162,10 +162,44 @@ class Sampler:
         )
         self.eval_docs = data.eval_docs if self.cfg.training.eval_every else []
         self.eval_prompts = self._tokenized(data, self.eval_docs, "the held-out prompts")
+        # each prompt's images, opened now (a bad one stops the run before it starts)
+        self._images: dict[int, np.ndarray] = {}
+        for what, docs in (("data.train_files", self.docs), ("the held-out prompts", self.eval_docs)):
+            for number, doc in enumerate(docs, start=1):
+                if isinstance(doc["prompt"], list) and has_images(doc["prompt"]):
+                    self._images[id(doc)] = self._read_images(doc, f"{what}: prompt {number}")
+        self.has_images = bool(self._images)
         if self.multi_turn or any(
             isinstance(doc["prompt"], list) for doc in data.train_docs
         ):  # answers in turns
             self.stop_ids.append(data.chat.end_of_turn_id())
+
+    def _read_images(self, doc: dict, where: str) -> np.ndarray:
+        """A prompt's images [n, C, H, W]: its image parts', then its record's `images` list for
+        the parts that name none."""
+        from tunix_train.data.images import pixel_stack
+
+        vision = self.cfg.model.vision
+        if vision is None:
+            raise ConfigError(
+                f"{where}: a prompt with images, but this model reads none (model.vision is null)"
+            )
+        if self.multi_turn:
+            raise ConfigError(f"{where}: prompts with images do not yet combine with tools or an environment")
+        named, listed = split_images(doc["prompt"])[1], list(doc.get("images") or [])
+        if sum(p is None for p in named) != len(listed):
+            raise ConfigError(
+                f"{where}: its image parts that name no image and its images list differ in number"
+            )
+        payloads = [p if p is not None else listed.pop(0) for p in named]
+        if len(payloads) > self.cfg.data.images_per_row:
+            per_row = self.cfg.data.images_per_row
+            raise ConfigError(f"{where}: {len(payloads)} images, more than data.images_per_row={per_row}")
+        return pixel_stack(payloads, vision.image_size, vision.num_channels, None, where)
+
+    def images_of(self, doc: dict) -> np.ndarray | None:
+        """A prompt's images (read at start-up), or None."""
+        return self._images.get(id(doc))
 
     def _tokenized(self, data, docs, what: str) -> list:
         """Each prompt's ids (with turns: of the conversation's start, None where an environment
@@ -377,11 +411,12 @@ class Sampler:
         the seconds it took (`sampling_s`)."""
         from tunix_train.generate import Request
 
-        T, start, request = (
-            self.cfg.data.seq_len,
-            time.perf_counter(),
-            lambda ids, n, k: Request(tuple(ids), n, sampling, seed, stream + k),
-        )
+        T, start = self.cfg.data.seq_len, time.perf_counter()
+
+        def request(ids, n, k):
+            images = self.images_of(docs[k]) if not self.multi_turn else None
+            return Request(tuple(ids), n, sampling, seed, stream + k, images=images)
+
         if self.multi_turn:
             environments = [self.environment_class() for _ in docs]
             name = self.grpo.environment or "Environment"
