@@ -10,7 +10,11 @@ run_training.py on them: the first step (its learning rate is 0 in warm-up) leav
 parameters as initialized, then training goes on to --steps. Held-out accuracy is the share of
 questions whose right answer the model finds the likeliest among that question's candidates (its
 log-probability of each answer's tokens after the image and question): 1/3 to 1/4 by chance.
-The last line is JSON with the first and last accuracy.
+Then GRPO on the same questions (--grpo_steps, 0: none) with an exact-answer reward, from the
+supervised run after --grpo_warmup steps (exported to Hugging Face's format, read back with
+model.init_from): the held-out prompts' greedy reward before and after, and the sampled reward
+of the first and last 10 steps. Each run's directories are new (outputs/vision_demo/runs/TIME).
+The last line is JSON with the first and last accuracy and rewards.
 """
 
 from __future__ import annotations
@@ -124,8 +128,10 @@ def accuracy(run_dir: Path, eval_file: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="outputs/vision_demo")
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=600, help="supervised steps (0: only the GRPO part)")
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--grpo_steps", type=int, default=150, help="0: no GRPO run")
+    parser.add_argument("--grpo_warmup", type=int, default=50, help="supervised steps before GRPO")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -133,7 +139,10 @@ def main() -> None:
     from tunix_train.data.tokenizer import bundled_with_pieces
 
     tokenizer = bundled_with_pieces(out / "tokenizer" / "tokenizer.model", PIECES)
-    run_dir = out / "run"
+    # this run's directories, new each time (the pictures and conversations are kept)
+    runs = out / "runs" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    runs.mkdir(parents=True)
+    run_dir = runs / "supervised"
     overrides = [
         "model=gemma3_vision_tiny",
         "model.vocab_size=4104",  # the tokenizer's 4101, padded
@@ -155,7 +164,7 @@ def main() -> None:
     ]
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices}"}
     figures = {}
-    for steps in (1, args.steps):  # step 1's learning rate is 0: the initial parameters, saved
+    for steps in (1, args.steps) if args.steps else ():  # step 1's learning rate is 0: the initial parameters
         start = time.perf_counter()
         done = subprocess.run(
             [sys.executable, str(REPO / "run_training.py"), *overrides, f"training.max_steps={steps}"],
@@ -168,7 +177,80 @@ def main() -> None:
         name = "first_accuracy" if steps == 1 else "last_accuracy"
         figures[name] = round(accuracy(run_dir, eval_file), 3)
         print(f"after step {steps}: held-out accuracy {figures[name]}", flush=True)
+    if args.grpo_steps:
+        figures.update(grpo(runs, train_file, overrides, env, args))
     print(json.dumps({"steps": args.steps, "held_out": 120, **figures}))
+
+
+def grpo(out: Path, train_file: Path, overrides: list[str], env: dict, args) -> dict:  # out: this run's
+    """GRPO on the same questions with an exact-answer reward (1 for the right word, else 0), from
+    a model after --grpo_warmup steps of the supervised run above (exported to Hugging Face's
+    format and read back with model.init_from): the held-out prompts' greedy reward before and
+    after, and the sampled reward of the first and last 10 steps."""
+    prompts = {}
+    for name in ("train", "eval"):  # beside the pictures they name
+        records = [
+            json.loads(line) for line in (train_file.parent / f"{name}.jsonl").read_text().splitlines()
+        ]
+        prompts[name] = train_file.parent / f"grpo_{name}.jsonl"
+        prompts[name].write_text(
+            "".join(
+                json.dumps({"prompt": r["messages"][:1], "answer": r["messages"][1]["content"]}) + "\n"
+                for r in records
+            )
+        )
+    runs = {name: out / name for name in ("warmup", "warmup_hf", "grpo")}
+    steps = [f"training.max_steps={args.grpo_warmup}", f"hydra.run.dir={runs['warmup']}"]
+    for command in (
+        [str(REPO / "run_training.py"), *overrides[:-1], *steps],  # overrides[-1]: the run's directory
+        ["-m", "tunix_train.export", str(runs["warmup"]), str(runs["warmup_hf"])],
+    ):
+        subprocess.run([sys.executable, *command], env=env, cwd=REPO, check=True)
+    grpo_overrides = [
+        o
+        for o in overrides
+        if not o.startswith(("data=", "data.train_files", "data.eval_files", "data.tokenizer", "hydra."))
+    ]
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "run_training.py"),
+            *grpo_overrides,
+            "objective=grpo",
+            "data=jsonl",
+            f"data.train_files=[{prompts['train']}]",
+            f"data.eval_files=[{prompts['eval']}]",
+            f"training.eval_every={args.grpo_steps}",  # at the start and the end
+            "training.eval_batches=30",  # 30 x 32 rows / 8 completions: the 120 held-out prompts
+            f"model.init_from={runs['warmup_hf']}",
+            "training.grpo.num_generations=8",
+            "training.grpo.max_new_tokens=4",
+            "training.grpo.reward=[tunix_train.rewards.calculator:exact_answer]",
+            "training.learning_rate=0.005",
+            "training.warmup_steps=0",
+            f"training.max_steps={args.grpo_steps}",
+            "training.log_every=1",
+            f"hydra.run.dir={runs['grpo']}",
+        ],
+        env=env,
+        cwd=REPO,
+        check=True,
+    )
+    metrics = [json.loads(line) for line in (runs["grpo"] / "metrics.jsonl").read_text().splitlines()]
+    held_out = [m["eval_reward"] for m in metrics if "eval_reward" in m]
+    rewards = [m["reward"] for m in metrics if "reward" in m and "loss" in m]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(
+        f"GRPO: held-out greedy reward {held_out[0]:.3f} before, {held_out[-1]:.3f} after; sampled "
+        f"reward {first:.3f} over the first 10 steps, {last:.3f} over the last 10",
+        flush=True,
+    )
+    return {
+        "grpo_first_reward": round(held_out[0], 3),
+        "grpo_last_reward": round(held_out[-1], 3),
+        "grpo_sampled_reward_first_10": round(first, 3),
+        "grpo_sampled_reward_last_10": round(last, 3),
+    }
 
 
 if __name__ == "__main__":

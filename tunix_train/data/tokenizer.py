@@ -108,7 +108,9 @@ class SentencePieceTokenizer:
         return model.normalizer_spec.add_dummy_prefix
 
     def decode(self, ids: list[int]) -> str:
-        return self._sp.decode(list(ids))
+        """The text of `ids`; an id past the pieces (a model's vocabulary padded beyond its
+        tokenizer's, which sampling may still draw) is no text, as the tokenizers library does."""
+        return self._sp.decode([i for i in ids if 0 <= i < self.vocab_size])
 
     def save(self, directory: Path) -> None:
         """As tokenizer.model, where transformers and load_tokenizer find it, with a

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_train.config import Config, ConfigError, DpoConfig, PreferenceLoss
-from tunix_train.data.chat import completion_ids, prompt_ids
+from tunix_train.data.chat import completion_ids, has_images, prompt_ids
 from tunix_train.data.pipeline import GroupBatches, padded_row
 from tunix_train.train.objectives.base import Objective
 from tunix_train.train.objectives.lm import BATCH_DTYPES
@@ -147,6 +147,10 @@ class DirectPreference(Objective):
     def _pair(self, data, doc, what: str, index: int):
         seq_len, tok = self.cfg.data.seq_len, data.tokenizer
         chat = data.chat if isinstance(doc["prompt"], list) else None
+        if any(isinstance(doc[f], list) and has_images(doc[f]) for f in ("prompt", "chosen", "rejected")):
+            raise ConfigError(
+                f"{what}: pair {index + 1} holds images; preference pairs with images are not supported yet"
+            )
         prompt = prompt_ids(doc["prompt"], tok, chat)
         rows = []
         for field in ("chosen", "rejected"):
