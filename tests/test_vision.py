@@ -985,3 +985,12 @@ def test_grpo_samples_and_trains_on_prompts_with_images(tmp_path, images):
     assert len(steps) == 2 and all(np.isfinite(m["loss"]) for m in steps)
     mismatch = max(m["logprob_mismatch_max"] for m in steps)
     assert mismatch < 1e-4 if images else mismatch > 1e-2, mismatch
+
+
+def test_an_id_past_the_tokenizers_pieces_decodes_to_no_text():
+    """A model whose vocabulary is padded past its tokenizer's (4104 over 4101 here) may sample an id
+    the tokenizer lacks: it decodes to nothing (SentencePiece raised, and ended a GRPO run)."""
+    from tunix_train.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(None, 4096)
+    assert tokenizer.decode([400, 4100, 401, -1]) == tokenizer.decode([400, 401]) != ""

@@ -31,9 +31,11 @@ name blk.N.<tensor>.weight, `.weight.lora_a` = PEFT's lora_A [r, in] and `.weigh
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
+from flax import nnx
 
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.files import write_atomically
@@ -93,6 +95,10 @@ def export(
     arch = _arch(cfg)
     if tokenizer is None:
         raise ConfigError("this checkpoint carries no tokenizer, and a GGUF file needs one")
+    if cfg.vision is not None:  # llama.cpp reads an image tower from a file of its own (mmproj)
+        print(f"{path}: the text model only; the image tower's mmproj file is not written yet")
+        params = nnx.State({k: v for k, v in params.items() if k != "vision"})
+        cfg = dataclasses.replace(cfg, vision=None)
 
     tensors = _gguf_tensors(params, cfg)
 
