@@ -95,7 +95,7 @@ def accuracy(run_dir: Path, eval_file: Path) -> float:
     import numpy as np
 
     from tunix_train import api
-    from tunix_train.data.chat import split_images
+    from tunix_train.data.images import split_images
 
     model = api.load(run_dir, mesh_shape=[[1], ["fsdp"]], devices=None)
     chat, right = model.chat, 0

@@ -515,8 +515,7 @@ def test_conversations_with_images_become_rows_equal_to_transformers_processor(t
 
     from tunix_train.compose import load_config
     from tunix_train.data import Data
-    from tunix_train.data.chat import split_images
-    from tunix_train.data.images import pixel_values
+    from tunix_train.data.images import pixel_values, split_images
 
     records, paths = _image_records(tmp_path, np.random.default_rng(0))
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -863,7 +862,7 @@ def test_the_server_answers_an_image_as_the_chat_does_and_refuses_remote_files_a
 def test_lora_and_qlora_with_a_frozen_tower_start_at_the_base_loss_and_train(tmp_path):
     """On the image conversations over fsdp2 x tp2 (head_dim 64, so nf4's blocks fit): LoRA's first
     loss is the full model's (its adapters start at zero; the tower and base frozen), QLoRA nf4's
-    within 2% of it, and both fall over 8 steps."""
+    within 2% of it, and both fall over 5 steps."""
     import json
 
     from conftest import train_losses
@@ -884,7 +883,7 @@ def test_lora_and_qlora_with_a_frozen_tower_start_at_the_base_loss_and_train(tmp
                 'model.mesh_shape=[[2,2],["fsdp","tp"]]',
                 "model.head_dim=64",
                 "training.micro_batch_size=4",
-                "training.max_steps=8",
+                "training.max_steps=5",
                 "training.warmup_steps=0",
                 "training.learning_rate=0.01",
                 "training.log_every=1",
@@ -960,7 +959,7 @@ def test_grpo_samples_and_trains_on_prompts_with_images(tmp_path, images):
             "training.grpo.num_generations=4",
             "training.grpo.max_new_tokens=6",
             "training.grpo.reward=[test_vision:image_prompt_reward]",
-            "training.max_steps=2",
+            "training.max_steps=1",
             "training.log_every=1",
         ]
     )
@@ -982,7 +981,7 @@ def test_grpo_samples_and_trains_on_prompts_with_images(tmp_path, images):
         if not images:
             patch.stop()
     steps = [m for m in read_metrics(tmp_path / "run") if "logprob_mismatch_max" in m]
-    assert len(steps) == 2 and all(np.isfinite(m["loss"]) for m in steps)
+    assert len(steps) == 1 and all(np.isfinite(m["loss"]) for m in steps)
     mismatch = max(m["logprob_mismatch_max"] for m in steps)
     assert mismatch < 1e-4 if images else mismatch > 1e-2, mismatch
 

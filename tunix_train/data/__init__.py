@@ -11,7 +11,8 @@ import itertools
 import numpy as np
 
 from tunix_train.config import Config, DataSource
-from tunix_train.data.chat import ChatTemplate, ImageTokens, find_template
+from tunix_train.data.chat import ChatTemplate, find_template
+from tunix_train.data.images import ImageTokens
 from tunix_train.data.pipeline import DocumentFeatures, PackedBatches, UnpackedBatches
 from tunix_train.data.sources import train_and_eval_documents
 from tunix_train.data.synthetic import SyntheticBatches

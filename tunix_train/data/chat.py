@@ -21,7 +21,6 @@ separator after a turn's end token, which no model generates).
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import datetime
 import functools
 import json
@@ -32,6 +31,7 @@ from typing import Any, Sequence
 
 from tunix_train.config import CHAT_ROLES as ROLES
 from tunix_train.config import ConfigError
+from tunix_train.data.images import ImageTokens, content_parts, split_images
 from tunix_train.data.tokenizer import with_bos
 
 # Gemma's turn format (Gemma 1-3 "-it" models): a system message opens the first user turn, the
@@ -191,51 +191,6 @@ def _compiled(template: str):
     return env.from_string(template), Generation.tracked
 
 
-@dataclasses.dataclass(frozen=True)
-class ImageTokens:
-    """How the images a template places become tokens, as transformers' Gemma3Processor makes them:
-    each start-of-image marker the template writes becomes "\n\n" + boi + `count` image tokens +
-    eoi + "\n\n", tokenized with the rest."""
-
-    image_id: int
-    count: int
-    boi: str = "<start_of_image>"
-    eoi: str = "<end_of_image>"
-    image: str = "<image_soft_token>"
-
-    @classmethod
-    def for_model(cls, tokenizer, image_token_id: int, count: int) -> ImageTokens:
-        """Gemma 3's markers, each one token of `tokenizer`, its image token model.vision's id."""
-        tokens = cls(image_token_id, count)
-        for name in ("boi", "eoi", "image"):
-            ids = tokenizer.encode_with_offsets(getattr(tokens, name))[0]
-            if len(ids) != 1:
-                raise ConfigError(
-                    f"data.tokenizer: {getattr(tokens, name)} is not one token of this tokenizer; a model "
-                    f"with model.vision needs Gemma 3's image tokens in its tokenizer"
-                )
-            if name == "image" and ids[0] != image_token_id:
-                raise ConfigError(
-                    f"model.vision.image_token_id={image_token_id} but the tokenizer's {tokens.image} is "
-                    f"token {ids[0]}; set model.vision.image_token_id={ids[0]}"
-                )
-        return tokens
-
-    def expand(self, text: str, spans: list[tuple[int, int]]) -> tuple[str, list[tuple[int, int]]]:
-        """The text with each boi expanded, and the character spans moved with it (a span holding
-        a boi holds its expansion)."""
-        starts = [m.start() for m in re.finditer(re.escape(self.boi), text)]
-        if not starts:
-            return text, spans
-        sequence = f"\n\n{self.boi}{self.image * self.count}{self.eoi}\n\n"
-        grown = len(sequence) - len(self.boi)
-
-        def moved(at: int) -> int:
-            return at + grown * sum(s < at for s in starts)
-
-        return text.replace(self.boi, sequence), [(moved(a), moved(b)) for a, b in spans]
-
-
 class ChatTemplate:
     """A Jinja chat template and the tokenizer whose special tokens it writes; image_tokens: how
     the images it places become tokens (a model with model.vision), else None."""
@@ -355,7 +310,7 @@ def check_messages(messages: Any, where: str, field: str = "messages", parts: bo
         raise ConfigError(f"{where}: {field!r} must be a non-empty list of {{role, content}} objects")
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, str) and not (parts and _content_parts(content, where)):
+        if not isinstance(content, str) and not (parts and content_parts(content, where)):
             raise ConfigError(
                 f"{where}: every message needs a string 'content'{' or a list of parts' if parts else ''} "
                 f"(got {json.dumps(message, default=str)[:80]})"
@@ -363,56 +318,6 @@ def check_messages(messages: Any, where: str, field: str = "messages", parts: bo
         if message.get("role") not in ROLES:
             raise ConfigError(f"{where}: unknown role {message.get('role')!r} (roles: {', '.join(ROLES)})")
     return messages
-
-
-IMAGE_PART_TYPES = ("image", "image_url")
-
-
-def _content_parts(content: Any, where: str) -> bool:
-    """Whether `content` is a list of text and image parts; a one-line error for a malformed part."""
-    if not isinstance(content, list) or not content:
-        return False
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            continue
-        if kind == "image" or (kind == "image_url" and isinstance(part.get("image_url"), dict)):
-            continue
-        raise ConfigError(
-            f"{where}: a content part must be {{type: text, text}}, {{type: image, image}} or "
-            f"{{type: image_url, image_url: {{url}}}} (got {json.dumps(part, default=str)[:80]})"
-        )
-    return True
-
-
-def split_images(messages: Sequence[dict]) -> tuple[list[dict], list[Any]]:
-    """The conversation with each image part as {"type": "image"} (what templates read), and what
-    each named, in order: its `image` (or `url`, `path`), an image_url's url, or None for a part
-    that names nothing (the record's `images` list supplies it)."""
-    plain, found = [], []
-    for message in messages:
-        content = message["content"]
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part["type"] in IMAGE_PART_TYPES:
-                    if part["type"] == "image_url":
-                        found.append(part["image_url"].get("url"))
-                    else:
-                        found.append(next((part[k] for k in ("image", "url", "path") if part.get(k)), None))
-                    parts.append({"type": "image"})
-                else:
-                    parts.append(part)
-            message = {**message, "content": parts}
-        plain.append(message)
-    return plain, found
-
-
-def has_images(messages: Sequence[dict]) -> bool:
-    return any(
-        isinstance(m["content"], list) and any(p["type"] in IMAGE_PART_TYPES for p in m["content"])
-        for m in messages
-    )
 
 
 def find_template(override: str | None, tokenizer_source: str | Path | None) -> tuple[str, str]:

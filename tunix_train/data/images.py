@@ -2,13 +2,21 @@
 Pillow's bilinear filter, scaled to [0, 1], then normalised with mean 0.5 and std 0.5 per channel:
 pixel values [3, size, size] in float32 (transformers' Gemma3ImageProcessor with its defaults,
 its Pillow backend), and pan-and-scan's crops of a long image. Files are untrusted: an unreadable,
-truncated, empty or oversized image is one line naming the file."""
+truncated, empty or oversized image is one line naming the file.
+
+And images in conversations: the content parts that name them (transformers' processors' format),
+what each names (a path beside the data file, a data: URI, bytes), and the tokens each becomes
+in a rendered conversation (ImageTokens, as Gemma3Processor expands them)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 import math
+import re
 from pathlib import Path
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -158,3 +166,123 @@ def data_uri_bytes(uri: str, where: str) -> bytes:
         return base64.b64decode(body, validate=True)
     except (binascii.Error, ValueError):
         raise ConfigError(f"{where}: a data: URI whose base64 cannot be decoded") from None
+
+
+# -- images in conversations: the parts that name them, and the tokens they become --------------
+
+IMAGE_PART_TYPES = ("image", "image_url")
+
+
+def content_parts(content: Any, where: str) -> bool:
+    """Whether `content` is a list of text and image parts; a one-line error for a malformed part."""
+    if not isinstance(content, list) or not content:
+        return False
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if kind == "image" or (kind == "image_url" and isinstance(part.get("image_url"), dict)):
+            continue
+        raise ConfigError(
+            f"{where}: a content part must be {{type: text, text}}, {{type: image, image}} or "
+            f"{{type: image_url, image_url: {{url}}}} (got {json.dumps(part, default=str)[:80]})"
+        )
+    return True
+
+
+def split_images(messages: Sequence[dict]) -> tuple[list[dict], list[Any]]:
+    """The conversation with each image part as {"type": "image"} (what templates read), and what
+    each named, in order: its `image` (or `url`, `path`), an image_url's url, or None for a part
+    that names nothing (the record's `images` list supplies it)."""
+    plain, found = [], []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part["type"] in IMAGE_PART_TYPES:
+                    if part["type"] == "image_url":
+                        found.append(part["image_url"].get("url"))
+                    else:
+                        found.append(next((part[k] for k in ("image", "url", "path") if part.get(k)), None))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append(part)
+            message = {**message, "content": parts}
+        plain.append(message)
+    return plain, found
+
+
+def has_images(messages: Sequence[dict]) -> bool:
+    return any(
+        isinstance(m["content"], list) and any(p["type"] in IMAGE_PART_TYPES for p in m["content"])
+        for m in messages
+    )
+
+
+def image_payloads(messages: Sequence[dict], listed: Sequence[Any], where: str) -> list[Any]:
+    """What each image part of a conversation names, in order: its own image, else the next of
+    `listed` (its record's `images` field); one line naming `where` when their numbers differ."""
+    named, listed = split_images(messages)[1], list(listed)
+    if sum(p is None for p in named) != len(listed):
+        raise ConfigError(
+            f"{where}: {sum(p is None for p in named)} image parts name no image but its record's "
+            f"images field holds {len(listed)}: give each part its image, or list them in order"
+        )
+    return [p if p is not None else listed.pop(0) for p in named]
+
+
+def conversation_pixels(
+    messages, listed, vision, per_row: int, folder: Path | None, where: str
+) -> np.ndarray:
+    """A conversation's images as the tower takes them [n, C, H, W] (image_payloads'), at most
+    per_row (data.images_per_row) of them; vision: the model's VisionConfig."""
+    payloads = image_payloads(messages, listed, where) if has_images(messages) else []
+    if len(payloads) > per_row:
+        raise ConfigError(f"{where}: {len(payloads)} images, more than data.images_per_row={per_row}")
+    return pixel_stack(payloads, vision.image_size, vision.num_channels, folder, where)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageTokens:
+    """How the images a template places become tokens, as transformers' Gemma3Processor makes them:
+    each start-of-image marker the template writes becomes "\n\n" + boi + `count` image tokens +
+    eoi + "\n\n", tokenized with the rest."""
+
+    image_id: int
+    count: int
+    boi: str = "<start_of_image>"
+    eoi: str = "<end_of_image>"
+    image: str = "<image_soft_token>"
+
+    @classmethod
+    def for_model(cls, tokenizer, image_token_id: int, count: int) -> ImageTokens:
+        """Gemma 3's markers, each one token of `tokenizer`, its image token model.vision's id."""
+        tokens = cls(image_token_id, count)
+        for name in ("boi", "eoi", "image"):
+            ids = tokenizer.encode_with_offsets(getattr(tokens, name))[0]
+            if len(ids) != 1:
+                raise ConfigError(
+                    f"data.tokenizer: {getattr(tokens, name)} is not one token of this tokenizer; a model "
+                    f"with model.vision needs Gemma 3's image tokens in its tokenizer"
+                )
+            if name == "image" and ids[0] != image_token_id:
+                raise ConfigError(
+                    f"model.vision.image_token_id={image_token_id} but the tokenizer's {tokens.image} is "
+                    f"token {ids[0]}; set model.vision.image_token_id={ids[0]}"
+                )
+        return tokens
+
+    def expand(self, text: str, spans: list[tuple[int, int]]) -> tuple[str, list[tuple[int, int]]]:
+        """The text with each boi expanded, and the character spans moved with it (a span holding
+        a boi holds its expansion)."""
+        starts = [m.start() for m in re.finditer(re.escape(self.boi), text)]
+        if not starts:
+            return text, spans
+        sequence = f"\n\n{self.boi}{self.image * self.count}{self.eoi}\n\n"
+        grown = len(sequence) - len(self.boi)
+
+        def moved(at: int) -> int:
+            return at + grown * sum(s < at for s in starts)
+
+        return text.replace(self.boi, sequence), [(moved(a), moved(b)) for a, b in spans]

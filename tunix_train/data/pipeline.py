@@ -19,7 +19,7 @@ import numpy as np
 from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchIterDataset, ZipIterDataset
 
 from tunix_train.config import ConfigError, VisionConfig
-from tunix_train.data.chat import has_images, split_images
+from tunix_train.data.images import conversation_pixels, has_images, split_images
 from tunix_train.data.tokenizer import Tokenizer, with_bos
 
 PACKED = ("inputs", "targets", "loss_mask")
@@ -108,30 +108,23 @@ class DocumentFeatures:
     def _images(self, doc: dict[str, Any], inputs: np.ndarray) -> np.ndarray:
         """The document's images as the tower takes them [n, C, H, W], checked against the
         placeholders its tokens hold (one line naming the record for each mismatch)."""
-        from tunix_train.data.images import pixel_stack
-
         v, where = self.vision, doc.get("where", "a document")
-        named = split_images(doc["messages"])[1] if "messages" in doc and has_images(doc["messages"]) else []
-        listed = list(doc.get("images", []))
-        if sum(p is None for p in named) != len(listed):
-            raise ConfigError(
-                f"{where}: {sum(p is None for p in named)} image parts name no image but its record's "
-                f"images field holds {len(listed)}: give each part its image, or list them in order"
-            )
-        payloads = [p if p is not None else listed.pop(0) for p in named]
+        pixels = conversation_pixels(
+            doc.get("messages", []),
+            doc.get("images", []),
+            v,
+            self.images_per_row,
+            Path(doc.get("folder", ".")),
+            where,
+        )
         # the last token of a document is a target only, so the row's inputs may end before it
         placed = -(-int(np.sum(inputs == v.image_token_id)) // v.tokens_per_image)
-        if placed != len(payloads):
+        if placed != len(pixels):
             raise ConfigError(
-                f"{where}: {len(payloads)} images but the chat template placed {placed}: each image part "
+                f"{where}: {len(pixels)} images but the chat template placed {placed}: each image part "
                 f"must become one image (a template that writes <start_of_image> for it)"
             )
-        if len(payloads) > self.images_per_row:
-            raise ConfigError(
-                f"{where}: {len(payloads)} images, more than data.images_per_row={self.images_per_row}: "
-                f"raise it"
-            )
-        return pixel_stack(payloads, v.image_size, v.num_channels, Path(doc.get("folder", ".")), where)
+        return pixels
 
 
 def _as_row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -19,7 +19,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from tunix_train.config import ConfigError, DataConfig, DataSource, TextUnit
-from tunix_train.data.chat import check_messages, has_images
+from tunix_train.data.chat import check_messages
+from tunix_train.data.images import has_images
 
 BUNDLED_CORPUS = Path(__file__).parent / "corpus" / "shakespeare.jsonl.xz"
 EVAL_SPLIT_SEED = 0  # the held-out documents do not change with training.seed

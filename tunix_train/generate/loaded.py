@@ -23,7 +23,8 @@ from tunix_train.config import (
     Remat,
     reads_text,
 )
-from tunix_train.data.chat import ChatTemplate, ImageTokens, check_messages, find_template, split_images
+from tunix_train.data.chat import ChatTemplate, check_messages, find_template
+from tunix_train.data.images import ImageTokens, split_images
 from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer, with_bos
 from tunix_train.files import write_text
 from tunix_train.generate.engine import Completion, Engine, Request

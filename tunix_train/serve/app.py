@@ -186,7 +186,7 @@ class Api:
         try:
             sampling = Sampling(ask.temperature, ask.top_k, ask.top_p)
             if chat:
-                from tunix_train.data.chat import split_images
+                from tunix_train.data.images import split_images
 
                 messages, urls = split_images(ask.prompt)
                 if urls:

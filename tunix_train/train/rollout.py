@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_train.config import Config, ConfigError, RolloutDtype
-from tunix_train.data.chat import has_images, prompt_ids, split_images
+from tunix_train.data.chat import prompt_ids
+from tunix_train.data.images import has_images
 from tunix_train.data.pipeline import GroupBatches
 from tunix_train.model import quant
 from tunix_train.sharding import cross_mesh_copier, state_shardings
@@ -136,6 +137,7 @@ class Sampler:
             }
         self.syncs: dict[str, float] = {}
         self.rows, self.global_rows = range(0), 0
+        self.images: dict[int, np.ndarray] = {}  # each prompt's images, by id(doc) (read())
 
     def read(self, data) -> None:
         """Tokenizes the prompts once (the held-out ones too, for training.eval_every); a prompt with
@@ -163,43 +165,25 @@ class Sampler:
         self.eval_docs = data.eval_docs if self.cfg.training.eval_every else []
         self.eval_prompts = self._tokenized(data, self.eval_docs, "the held-out prompts")
         # each prompt's images, opened now (a bad one stops the run before it starts)
-        self._images: dict[int, np.ndarray] = {}
         for what, docs in (("data.train_files", self.docs), ("the held-out prompts", self.eval_docs)):
             for number, doc in enumerate(docs, start=1):
                 if isinstance(doc["prompt"], list) and has_images(doc["prompt"]):
-                    self._images[id(doc)] = self._read_images(doc, f"{what}: prompt {number}")
-        self.has_images = bool(self._images)
+                    self.images[id(doc)] = self._read_images(doc, f"{what}: prompt {number}")
         if self.multi_turn or any(
             isinstance(doc["prompt"], list) for doc in data.train_docs
         ):  # answers in turns
             self.stop_ids.append(data.chat.end_of_turn_id())
 
     def _read_images(self, doc: dict, where: str) -> np.ndarray:
-        """A prompt's images [n, C, H, W]: its image parts', then its record's `images` list for
-        the parts that name none."""
-        from tunix_train.data.images import pixel_stack
+        """A prompt's images [n, C, H, W] (conversation_pixels': its parts', then its record's list)."""
+        from tunix_train.data.images import conversation_pixels
 
-        vision = self.cfg.model.vision
-        if vision is None:
-            raise ConfigError(
-                f"{where}: a prompt with images, but this model reads none (model.vision is null)"
-            )
-        if self.multi_turn:
-            raise ConfigError(f"{where}: prompts with images do not yet combine with tools or an environment")
-        named, listed = split_images(doc["prompt"])[1], list(doc.get("images") or [])
-        if sum(p is None for p in named) != len(listed):
-            raise ConfigError(
-                f"{where}: its image parts that name no image and its images list differ in number"
-            )
-        payloads = [p if p is not None else listed.pop(0) for p in named]
-        if len(payloads) > self.cfg.data.images_per_row:
-            per_row = self.cfg.data.images_per_row
-            raise ConfigError(f"{where}: {len(payloads)} images, more than data.images_per_row={per_row}")
-        return pixel_stack(payloads, vision.image_size, vision.num_channels, None, where)
-
-    def images_of(self, doc: dict) -> np.ndarray | None:
-        """A prompt's images (read at start-up), or None."""
-        return self._images.get(id(doc))
+        if self.cfg.model.vision is None or self.multi_turn:
+            raise ConfigError(f"{where}: images need model.vision, and no tools or environment (not yet)")
+        per_row = self.cfg.data.images_per_row
+        return conversation_pixels(
+            doc["prompt"], doc.get("images") or [], self.cfg.model.vision, per_row, None, where
+        )
 
     def _tokenized(self, data, docs, what: str) -> list:
         """Each prompt's ids (with turns: of the conversation's start, None where an environment
@@ -414,7 +398,7 @@ class Sampler:
         T, start = self.cfg.data.seq_len, time.perf_counter()
 
         def request(ids, n, k):
-            images = self.images_of(docs[k]) if not self.multi_turn else None
+            images = self.images.get(id(docs[k])) if not self.multi_turn else None
             return Request(tuple(ids), n, sampling, seed, stream + k, images=images)
 
         if self.multi_turn:

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_train.config import Config, ConfigError, DpoConfig, PreferenceLoss
-from tunix_train.data.chat import completion_ids, has_images, prompt_ids
+from tunix_train.data.chat import completion_ids, prompt_ids
+from tunix_train.data.images import has_images
 from tunix_train.data.pipeline import GroupBatches, padded_row
 from tunix_train.train.objectives.base import Objective
 from tunix_train.train.objectives.lm import BATCH_DTYPES

@@ -175,13 +175,13 @@ class GroupRelative(Objective):
             g.scale_rewards,
             g.multi_reward_normalization,
         )
-        if self.sampler.has_images:  # each row its prompt's images, padded to data.images_per_row
+        if self.sampler.images:  # each row its prompt's images, padded to data.images_per_row
             v, per_row = self.cfg.model.vision, self.cfg.data.images_per_row
             full["images"] = np.zeros(
                 (len(rows), per_row, v.num_channels, v.image_size, v.image_size), np.float32
             )
             for row, i in enumerate(i for i in rollout.order for _ in range(G)):
-                images = self.sampler.images_of(self.sampler.docs[i])
+                images = self.sampler.images.get(id(self.sampler.docs[i]))
                 if images is not None:
                     full["images"][row, : len(images)] = images
         if self.route_shape:  # -1: the router chooses (the last token, the padding)
