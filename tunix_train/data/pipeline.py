@@ -201,10 +201,7 @@ class PackedBatches(_HostBatches):
     ):
         """rows: the micro-batch rows this process holds (default all); seed None keeps the document
         order (evaluation), otherwise it is reshuffled every epoch."""
-        ordered = grain.MapDataset.source(documents)
-        if seed is not None:
-            ordered = ordered.shuffle(seed=seed)
-        ordered = ordered.repeat()
+        ordered = _ordered(documents, seed)
         slots = []
         for slot in range(global_micro_batch) if rows is None else rows:
             docs = ordered[slot::global_micro_batch].map(features)
@@ -231,10 +228,7 @@ class UnpackedBatches(_HostBatches):
         rows: range | None = None,
         prefetch: int = 4,
     ):
-        ordered = grain.MapDataset.source(documents)
-        if seed is not None:
-            ordered = ordered.shuffle(seed=seed)
-        ordered = ordered.repeat()
+        ordered = _ordered(documents, seed)
         slots = []
         for slot in range(global_micro_batch) if rows is None else rows:
             docs = (
@@ -246,16 +240,26 @@ class UnpackedBatches(_HostBatches):
         self._start(ZipIterDataset(slots).map(_stack_rows).batch(accumulation_steps), prefetch)
 
 
-def _padded(doc: dict[str, np.ndarray], seq_len: int, images_per_row: int) -> dict[str, np.ndarray]:
-    """A document's features as one row of seq_len positions and images_per_row images."""
-    n = len(doc["inputs"])
-    row = {
+def _ordered(items: Sequence, seed: int | None):
+    """`items` endlessly, reshuffled every epoch from `seed` (None: in order)."""
+    ordered = grain.MapDataset.source(items)
+    return (ordered if seed is None else ordered.shuffle(seed=seed)).repeat()
+
+
+def _empty_row(seq_len: int) -> dict[str, np.ndarray]:
+    """A row of seq_len padding positions (segment 0, no loss), to fill from its start."""
+    return {
         "inputs": np.zeros(seq_len, np.int32),
         "targets": np.zeros(seq_len, np.int32),
         "loss_mask": np.zeros(seq_len, np.float32),
         "positions": np.arange(seq_len, dtype=np.int32),
         "segment_ids": np.zeros(seq_len, np.int32),
     }
+
+
+def _padded(doc: dict[str, np.ndarray], seq_len: int, images_per_row: int) -> dict[str, np.ndarray]:
+    """A document's features as one row of seq_len positions and images_per_row images."""
+    n, row = len(doc["inputs"]), _empty_row(seq_len)
     for name in PACKED:
         row[name][:n] = doc[name][:seq_len]
     row["segment_ids"][:n] = 1
@@ -282,10 +286,7 @@ class GroupBatches(_HostBatches):
         slots: range | None = None,
         prefetch: int = 4,
     ):
-        ordered = grain.MapDataset.source(groups)
-        if seed is not None:
-            ordered = ordered.shuffle(seed=seed)
-        ordered = ordered.repeat()
+        ordered = _ordered(groups, seed)
         streams = [
             ordered[slot::groups_per_micro_batch].to_iter_dataset(
                 grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
@@ -303,14 +304,7 @@ def padded_row(prompt: list[int], completion: list[int], seq_len: int) -> dict[s
     """[BOS] prompt completion [EOS] as one unpacked row of seq_len positions (prompt already
     holding BOS, completion EOS): the loss mask on the completion's tokens, padding after."""
     ids = np.asarray([*prompt, *completion], np.int32)
-    n = len(ids) - 1
-    row = {
-        "inputs": np.zeros(seq_len, np.int32),
-        "targets": np.zeros(seq_len, np.int32),
-        "loss_mask": np.zeros(seq_len, np.float32),
-        "positions": np.arange(seq_len, dtype=np.int32),
-        "segment_ids": np.zeros(seq_len, np.int32),
-    }
+    n, row = len(ids) - 1, _empty_row(seq_len)
     row["inputs"][:n], row["targets"][:n] = ids[:-1], ids[1:]
     row["loss_mask"][len(prompt) - 1 : n] = 1.0  # targets[i] = ids[i + 1]: from the first completion token
     row["segment_ids"][:n] = 1
