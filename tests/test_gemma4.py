@@ -141,7 +141,8 @@ def test_greedy_generation_matches_transformers(tmp_path, family):
     assert model.generate(prompt.tolist(), max_new_tokens=12) == [expected.tolist()]
 
 
-def test_a_multimodal_checkpoint_loads_its_text_decoder_and_says_the_rest_is_ignored(tmp_path, capsys):
+def test_a_multimodal_checkpoint_loads_with_its_tower_and_its_text_logits_equal(tmp_path):
+    """The tower comes with it (test_vision_gemma4.py tests it with images); text is the decoder's alone."""
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -163,7 +164,7 @@ def test_a_multimodal_checkpoint_loads_its_text_decoder_and_says_the_rest_is_ign
         head_dim=8,
     )
     full = transformers.Gemma4ForConditionalGeneration(
-        transformers.Gemma4Config(text_config=text, vision_config=vision)
+        transformers.Gemma4Config(text_config=text, vision_config=vision, image_token_id=127)
     ).eval()
     full.save_pretrained(tmp_path / "multimodal")
     text_only = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**text)).eval()
@@ -171,7 +172,7 @@ def test_a_multimodal_checkpoint_loads_its_text_decoder_and_says_the_rest_is_ign
     with torch.no_grad():
         expected = text_only(torch.tensor(TOKENS)).logits.numpy()
     model = api.load(tmp_path / "multimodal", mesh_shape=MESHES["1"], devices=jax.devices()[:1])
-    assert "also holds a vision tower; loading the text decoder, ignoring the rest" in capsys.readouterr().out
+    assert model.config.vision.encoder.value == "gemma4" and model.config.vision.image_token_id == 127
     np.testing.assert_allclose(model.logits(TOKENS), expected, atol=1e-4, rtol=0)
 
 

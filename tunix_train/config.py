@@ -131,12 +131,35 @@ class RopeScaling:
     truncate: bool = _fixed(True)  # yarn: the ramp's bounds rounded outward to whole dimensions
 
 
+class VisionEncoder(enum.Enum):
+    """model.vision.encoder: which image tower (docs/vision.md)."""
+
+    siglip = (
+        "siglip"  # Gemma 3: SigLIP on a fixed square, average-pooled to tokens_per_image (model/vision.py)
+    )
+    gemma4 = (
+        "gemma4"  # Gemma 4: any aspect ratio up to tokens_per_image tokens, 2-D RoPE (model/gemma4_vision.py)
+    )
+
+
+class ImageAttention(enum.Enum):
+    """model.vision.image_attention: where an image's tokens see each other (all later tokens of the
+    image too, not only the earlier ones)."""
+
+    all_layers = "all_layers"  # Gemma 3
+    sliding_layers = (
+        "sliding_layers"  # Gemma 4's use_bidirectional_attention="vision": global layers stay causal
+    )
+    causal = "causal"  # Gemma 4 without it (the E2B/E4B configs)
+
+
 @dataclasses.dataclass
 class VisionConfig:
-    """model.vision: Gemma 3's image tower (tunix_train/model/vision.py, docs/vision.md); the defaults
-    are Gemma 3's (SigLIP so400m at 896 pixels, 14-pixel patches, pooled to 256 tokens an image)."""
+    """model.vision: the image tower (tunix_train/model/vision.py, gemma4_vision.py; docs/vision.md);
+    the defaults are Gemma 3's (SigLIP so400m at 896 pixels, 14-pixel patches, pooled to 256 tokens
+    an image)."""
 
-    image_size: int = _fixed(896)  # pixels a side; every image is resized to this square
+    image_size: int = _fixed(896)  # siglip: pixels a side; every image is resized to this square
     patch_size: int = _fixed(14)
     num_channels: int = _fixed(3)
     embed_dim: int = _fixed(1152)
@@ -144,13 +167,33 @@ class VisionConfig:
     num_layers: int = _fixed(27)
     num_heads: int = _fixed(16)
     layer_norm_eps: float = _fixed(1e-6)
-    tokens_per_image: int = _fixed(256)  # the patch grid averaged down to this many (a square)
+    # siglip: the patch grid averaged down to this many (a square); gemma4: the most an image has
+    # (transformers' max_soft_tokens: 70, 140, 280, 560 or 1120)
+    tokens_per_image: int = _fixed(256)
     image_token_id: int = _fixed(262144)  # the placeholder token an image's embeddings replace
     trainable: bool = _fixed(False)  # false: the tower and its projector stay as loaded
+    encoder: VisionEncoder = _fixed(VisionEncoder.siglip)
+    image_attention: ImageAttention = _fixed(ImageAttention.all_layers)
+    pooling_kernel: int = _fixed(3)  # gemma4: each token averages a k x k block of patches
+    position_table_size: int = _fixed(10240)  # gemma4: learned positions per axis
+    rope_base: float = _fixed(100.0)  # gemma4: the 2-D RoPE's theta
+    standardize: bool = _fixed(False)  # gemma4: (x - bias) * scale after pooling (transformers' std_*)
 
     @property
     def patches_per_side(self) -> int:
         return self.image_size // self.patch_size
+
+    @property
+    def image_shape(self) -> tuple[int, ...]:
+        """One image as the model takes it: siglip's pixels [C, H, W]; gemma4's patches [S, C*P*P + 2],
+        each patch's pixels (rows y, x, channel) and then its (x, y) place in the patch grid, -1 for
+        the padding past an image's own (transformers' pixel_values beside image_position_ids)."""
+        if self.encoder is VisionEncoder.gemma4:
+            return (
+                self.tokens_per_image * self.pooling_kernel**2,
+                self.num_channels * self.patch_size**2 + 2,
+            )
+        return (self.num_channels, self.image_size, self.image_size)
 
 
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names, as in layer_types

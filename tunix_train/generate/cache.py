@@ -63,17 +63,26 @@ def _sharding(mesh: Mesh, rules: Rules, rows: int, kv_heads: int, slots: int, he
     return NamedSharding(mesh, P(merged or None, *rest))
 
 
-def prefill_attend(window: int, slots: int, length_B: jax.Array, keep: bool = True, images_BT=None):
+def prefill_attend(
+    window: int,
+    slots: int,
+    length_B: jax.Array,
+    keep: bool = True,
+    images_BT=None,
+    images_on_global: bool = True,
+):
     """For Attention over right-padded prompts of length_B tokens: attention over the prompt itself
     (causal, the window; the padding is a document of its own; images_BT: each token's image, -1
-    for text, within which it is bidirectional), and the layer's cache entry [B*K, slots, H]
-    holding the prompt's keys and values (None when not `keep`: a KV-sharing layer)."""
+    for text, within which it is bidirectional: kernels.visible_keys), and the layer's cache entry
+    [B*K, slots, H] holding the prompt's keys and values (None when not `keep`: a KV-sharing layer)."""
 
     def attend(q_BTNH, k_BTKH, v_BTKH, softcap):
         B, T = q_BTNH.shape[:2]
         index_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
         valid_BT = index_BT < length_B[:, None]
-        mask_BTS = kernels.visible_keys(index_BT, valid_BT, index_BT, valid_BT, images_BT, images_BT)(window)
+        mask_BTS = kernels.visible_keys(
+            index_BT, valid_BT, index_BT, valid_BT, images_BT, images_BT, images_on_global
+        )(window)
         out_BTNH = kernels.attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, softcap)
         return out_BTNH, (
             {"k": _entry(k_BTKH, slots, length_B), "v": _entry(v_BTKH, slots, length_B)} if keep else None

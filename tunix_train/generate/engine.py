@@ -29,13 +29,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from tunix_train.config import ConfigError, LoraConfig, ModelConfig, Remat
+from tunix_train.config import ConfigError, ImageAttention, LoraConfig, ModelConfig, Remat
 from tunix_train.generate import cache as kv
 from tunix_train.generate.sampling import Kinds, Rules, draw
 from tunix_train.generate.session import Completion, Request, Session  # noqa: F401 (Completion: the API)
 from tunix_train.model.decoder import output_logits
 from tunix_train.model.layout import kv_sources, layer_windows
-from tunix_train.model.vision import image_ids, image_slots
+from tunix_train.model.vision import image_slots, token_counts
 from tunix_train.parallel import model_graphdef
 from tunix_train.sharding import LOGICAL_RULES, constrain, data_parallel_size
 from tunix_train.sharding import Rules as ShardingRules
@@ -120,15 +120,22 @@ class Engine:
         positions_NP = jnp.broadcast_to(jnp.arange(P_), tokens_NP.shape)
         slots_NP = ids_NP = None
         if images is not None:
-            slots_NP = image_slots(tokens_NP, self.cfg.vision.image_token_id)
-            ids_NP = image_ids(slots_NP, self.cfg.vision.tokens_per_image)
+            slots_NP, ids_NP = image_slots(tokens_NP, self.cfg.vision, images)
+            if self.cfg.vision.image_attention is ImageAttention.causal:
+                ids_NP = None
         logits_NV, entries, routes_NPLK = self._forward(
             params,
             per_layer,
             tokens_NP,
             positions_NP,
             lambda i: kv.prefill_attend(
-                self.windows[i], slots[i], length_N, keep=self.source[i] == i, images_BT=ids_NP
+                self.windows[i],
+                slots[i],
+                length_N,
+                keep=self.source[i] == i,
+                images_BT=ids_NP,
+                images_on_global=self.cfg.vision is None
+                or self.cfg.vision.image_attention is ImageAttention.all_layers,
             ),
             length_N - 1,
             images,
@@ -241,17 +248,18 @@ class Engine:
             return
         if vision is None:
             raise ConfigError("this model reads no images (its model.vision is null): send text only")
-        shape = (vision.num_channels, vision.image_size, vision.image_size)
-        if request.images.ndim != 4 or request.images.shape[1:] != shape:
+        shape = vision.image_shape
+        if request.images.ndim != 1 + len(shape) or request.images.shape[1:] != shape:
             raise ConfigError(
-                f"a request's images must be pixel values [images, {', '.join(map(str, shape))}] "
-                f"(data/images.py), not {list(request.images.shape)}"
+                f"a request's images must be [images, {', '.join(map(str, shape))}] (data/images.py), "
+                f"not {list(request.images.shape)}"
             )
         placeholders = request.prompt.count(vision.image_token_id)
-        if placeholders != len(request.images) * vision.tokens_per_image:
+        tokens = int(np.sum(token_counts(vision, request.images)))
+        if placeholders != tokens:
             raise ConfigError(
                 f"a prompt with {placeholders} image placeholder tokens comes with {len(request.images)} "
-                f"images of {vision.tokens_per_image} tokens each: render it with the chat template"
+                f"images of {tokens} tokens: render it with the chat template"
             )
 
     def _checked(self, requests: Sequence[Request]) -> list[Request]:

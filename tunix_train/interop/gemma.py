@@ -124,10 +124,10 @@ def gemma4_from_hf(hf: dict[str, Any], family: str = "gemma4") -> dict[str, Any]
     sliding = rope.get("sliding_attention", {"rope_theta": 10_000.0})
     if full.get("rope_type", "default") not in ("default", "proportional", "linear"):
         raise ConfigError(f"model.init_from: global RoPE type {full.get('rope_type')!r} is not supported")
-    if hf.get("use_bidirectional_attention"):
+    if hf.get("use_bidirectional_attention") not in (None, "vision"):  # "vision": model.vision's
         raise ConfigError(
-            "model.init_from: use_bidirectional_attention is for the vision tokens; the text decoder "
-            "trains causally"
+            f"model.init_from: use_bidirectional_attention={hf['use_bidirectional_attention']!r} makes "
+            f"text attend ahead; this trainer's decoder is causal"
         )
     ple = hf.get("hidden_size_per_layer_input", 256) or 0
     moe = bool(hf.get("enable_moe_block"))

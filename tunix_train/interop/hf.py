@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.config import ConfigError, ModelConfig, VisionEncoder
 from tunix_train.files import write_atomically, write_text
 from tunix_train.interop import families, vision
 from tunix_train.model.layout import layer_groups, layer_shapes
@@ -252,7 +252,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """config.json for transformers' model of cfg.family (with an image tower: its
     Gemma3ForConditionalGeneration)."""
     text = families.named(cfg.family).hf_config(cfg)
-    return text if cfg.vision is None else vision.multimodal_config(cfg.vision, text)
+    return text if cfg.vision is None else vision.of(cfg.vision).multimodal_config(cfg.vision, text)
 
 
 def check_matches(cfg: ModelConfig, directory: Path) -> None:
@@ -265,7 +265,10 @@ def check_matches(cfg: ModelConfig, directory: Path) -> None:
                 f"model.vision=null or start from a multimodal checkpoint"
             )
         for key, value in vars(theirs).items():
-            if key != "trainable" and getattr(cfg.vision, key) != value:
+            # trainable is the run's; Gemma 4's tokens_per_image is its image processor's budget
+            if key == "trainable" or (key == "tokens_per_image" and theirs.encoder is VisionEncoder.gemma4):
+                continue
+            if getattr(cfg.vision, key) != value:
                 raise ConfigError(
                     f"model.init_from: {directory} has vision {key}={value!r} but "
                     f"model.vision.{key}={getattr(cfg.vision, key)!r}; set model.vision.{key}={value!r}"
@@ -334,8 +337,9 @@ def load_params_from(
 
     def load_tower_leaf(path: str, leaf: jax.ShapeDtypeStruct):
         if not tower:
-            prefixes = vision.tower_prefixes(files.has, source)
-            tower.update(vision.tower_arrays(cfg.vision, lambda n: files.read(n, [slice(None)]), *prefixes))
+            names = vision.of(cfg.vision)
+            prefixes = names.tower_prefixes(files.has, source)
+            tower.update(names.tower_arrays(cfg.vision, lambda n: files.read(n, [slice(None)]), *prefixes))
         whole = tower[path.removeprefix("vision.")]
         return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda i: whole[i].astype(leaf.dtype))
 
@@ -392,7 +396,8 @@ def hf_tensors(
     if split_experts is None:
         split_experts = families.named(cfg.family).split_experts
     # with an image tower, the text model is the multimodal checkpoints' language_model
-    prefix = "model." if cfg.vision is None else "language_model.model."
+    names = None if cfg.vision is None else vision.of(cfg.vision)
+    prefix = "model." if names is None else names.TEXT_PREFIX
     for key_path, array in jax.tree_util.tree_flatten_with_path(params)[0]:
         path = jax.tree_util.keystr(key_path, simple=True, separator=".").removesuffix(".value")
         full = np.asarray(multihost_utils.process_allgather(array, tiled=True), np.float32)
@@ -402,14 +407,14 @@ def hf_tensors(
         spec, layer_of = stack_layers(path, cfg)
         for layer, ours in [(layer_of(r), row) for r, row in enumerate(full)] if layer_of else [(None, full)]:
             name, theirs = _hf_name(spec, layer, cfg, prefix), _to_hf(ours, spec, cfg, layer)
-            if cfg.vision is not None and name == "lm_head.weight":
-                name = "language_model." + name
+            if names is not None and name == "lm_head.weight":
+                name = names.OUTPUT_NAME
             if split_experts and spec in ("layers.moe.gate_up_EDCM", "layers.moe.down_EMD"):
                 tensors.update(per_expert_tensors(name, theirs))
             else:
                 tensors[name] = np.ascontiguousarray(theirs)
     if tower:
-        tensors.update(vision.tower_tensors(cfg.vision, tower))
+        tensors.update(names.tower_tensors(cfg.vision, tower))
     return tensors
 
 

@@ -1,17 +1,19 @@
-"""Gemma 3's image tower as transformers names it: the config.json keys (`vision_config`,
-`mm_tokens_per_image`, `image_token_index`) and the tensors of the SigLIP model (the published
-checkpoints' `vision_tower.vision_model.*`, transformers 5's save_pretrained's `vision_tower.*`)
-and of the multimodal projector (`multi_modal_projector.*`), as model/vision.py's VisionTower
-holds them."""
+"""Gemma 3's image tower as transformers names it (Gemma 4's: gemma4_vision.py; `of` picks): the
+config.json keys (`vision_config`, `mm_tokens_per_image`, `image_token_index`) and the tensors of
+the SigLIP model (the published checkpoints' `vision_tower.vision_model.*`, transformers 5's
+save_pretrained's `vision_tower.*`) and of the multimodal projector (`multi_modal_projector.*`),
+as model/vision.py's VisionTower holds them."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any, Callable
 
 import numpy as np
 
-from tunix_train.config import ConfigError, VisionConfig
+from tunix_train.config import ConfigError, VisionConfig, VisionEncoder
+from tunix_train.interop import gemma4_vision
 
 # where checkpoints keep the SigLIP model and the projector (the first a file has is read)
 TOWER_PREFIXES = (
@@ -21,12 +23,23 @@ TOWER_PREFIXES = (
     "model.vision_tower.",
 )
 PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
+# where the exported Gemma3ForConditionalGeneration keeps its text model, and its output layer
+TEXT_PREFIX, OUTPUT_NAME = "language_model.model.", "language_model.lm_head.weight"
+
+
+def of(cfg: VisionConfig):
+    """The module that names this tower's config and tensors as transformers does (this one for
+    SigLIP, gemma4_vision for Gemma 4's): its tower_prefixes, tower_arrays, tower_tensors,
+    multimodal_config, TEXT_PREFIX and OUTPUT_NAME."""
+    return gemma4_vision if cfg.encoder is VisionEncoder.gemma4 else sys.modules[__name__]
 
 
 def vision_from_hf(config: Mapping[str, Any]) -> VisionConfig | None:
-    """model.vision from a Gemma 3 config.json (the whole file, not its text_config); None for a
-    text-only checkpoint, and for other families' towers (Gemma 4's: not read yet)."""
+    """model.vision from a Gemma 3 or 4 config.json (the whole file, not its text_config); None for
+    a text-only checkpoint, and for other families' towers."""
     vision = config.get("vision_config")
+    if vision and config.get("model_type") == "gemma4":
+        return gemma4_vision.vision_from_hf(config)
     if not vision or config.get("model_type") != "gemma3":
         return None
     return VisionConfig(

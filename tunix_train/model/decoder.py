@@ -29,9 +29,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_train.config import AttentionImpl, BaseQuantization, LoraConfig, ModelConfig, Remat
+from tunix_train.config import (
+    AttentionImpl,
+    BaseQuantization,
+    ImageAttention,
+    LoraConfig,
+    ModelConfig,
+    Remat,
+    VisionEncoder,
+)
 from tunix_train.model import kernels
 from tunix_train.model.common import ACTIVATIONS, RMSNorm, param
+from tunix_train.model.gemma4_vision import Gemma4VisionTower
 from tunix_train.model.layout import (
     GLOBAL_WINDOW,
     LayerGroup,
@@ -44,7 +53,7 @@ from tunix_train.model.layout import (
 from tunix_train.model.lora import Adapt, adapter, no_adapter
 from tunix_train.model.moe import Dispatch, LocalDispatch, MoE
 from tunix_train.model.rope import rope_table
-from tunix_train.model.vision import VisionTower, image_ids, image_slots, merged_embeddings
+from tunix_train.model.vision import VisionTower, image_slots, merged_embeddings
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
 
 
@@ -317,10 +326,11 @@ class Decoder(nnx.Module):
         self.output_VD = None if cfg.tie_embeddings else param(rngs, (V, D), ("vocab", "embed"), D)
         # its own stream, from a key drawn before the adapters': the text model's parameters are the
         # same with a tower or without, the tower's the same with adapters or without
+        self.images_on_global = cfg.vision is None or cfg.vision.image_attention is ImageAttention.all_layers
         self.vision = (
             None
             if cfg.vision is None
-            else VisionTower(
+            else (Gemma4VisionTower if cfg.vision.encoder is VisionEncoder.gemma4 else VisionTower)(
                 cfg.vision,
                 D,
                 nnx.Rngs(jax.random.fold_in(keys[0], 1)),
@@ -361,7 +371,8 @@ class Decoder(nnx.Module):
 
     def embed(self, tokens_BT, images=None, slots_BT=None):
         """Token embeddings [B, T, D], scaled by sqrt(D) where the family does (scale_embeddings);
-        with images [B, I, C, H, W], the image tower's embeddings at the image slots (vision.image_slots)."""
+        with images [B, I, *image_shape], the image tower's embeddings at the image slots
+        (vision.image_slots)."""
         table_VD = constrain(self.embedding_VD[...], ("act_vocab", None), self.rules)
         x_BTD = table_VD[tokens_BT]
         if self.cfg.scale_embeddings:
@@ -370,13 +381,23 @@ class Decoder(nnx.Module):
             x_BTD = merged_embeddings(x_BTD, self.image_embeddings(images), slots_BT)
         return constrain(x_BTD, ("batch", "seq", "act_embed"), self.rules)
 
-    def image_embeddings(self, images_BICHW):
+    def layer_inputs(self, tokens_BT, images=None, slots_BT=None):
+        """embed's embeddings and Gemma 4's per-layer inputs [B, T, L, P] (None without). An image
+        token's per-layer table row is the padding token's (id 0; transformers' Gemma4Model), its
+        projection the image embedding's."""
+        x_BTD = self.embed(tokens_BT, images, slots_BT)
+        if not self.cfg.per_layer_input_dim:
+            return x_BTD, None
+        rows_BT = tokens_BT if images is None else jnp.where(slots_BT >= 0, 0, tokens_BT)
+        return x_BTD, self.per_layer_inputs(rows_BT, x_BTD)
+
+    def image_embeddings(self, images_BI):
         """The images' embeddings [B, I x tokens_per_image, D], in the text model's dtype; without
         gradient unless model.vision.trainable."""
         if self.vision is None:
             raise ValueError("images given to a text-only model (model.vision is null)")
-        B, per_row = images_BICHW.shape[:2]
-        features = self.vision(images_BICHW.reshape(B * per_row, *images_BICHW.shape[2:]))
+        B, per_row = images_BI.shape[:2]
+        features = self.vision(images_BI.reshape(B * per_row, *images_BI.shape[2:]))
         features = features.reshape(B, per_row * features.shape[1], -1).astype(self.embedding_VD[...].dtype)
         return features if self.cfg.vision.trainable else jax.lax.stop_gradient(features)
 
@@ -439,11 +460,12 @@ class Decoder(nnx.Module):
             rows["replay"] = replay_BTLK
         slots_BT = None
         if images is not None:
-            slots_BT = image_slots(tokens_BT, self.cfg.vision.image_token_id, token_index_BT)
-            rows["image_ids"] = image_ids(slots_BT, self.cfg.vision.tokens_per_image)
-        x_BTD = self.embed(tokens_BT, images, slots_BT)
-        if self.cfg.per_layer_input_dim:
-            rows["per_layer_inputs"] = self.per_layer_inputs(tokens_BT, x_BTD)
+            slots_BT, ids_BT = image_slots(tokens_BT, self.cfg.vision, images, token_index_BT)
+            if self.cfg.vision.image_attention is not ImageAttention.causal:
+                rows["image_ids"] = ids_BT
+        x_BTD, per_layer_BTLP = self.layer_inputs(tokens_BT, images, slots_BT)
+        if per_layer_BTLP is not None:
+            rows["per_layer_inputs"] = per_layer_BTLP
         windows = jnp.asarray(layer_windows(self.cfg))
         if self.homogeneous:
             layer_xs = (nnx.split(self.layers)[1], windows)
@@ -532,8 +554,7 @@ class Decoder(nnx.Module):
         parameters (layer_states) and attend_of_layer(i): how the engine runs them, each layer
         reading and writing its own cache. images, slots_BT: as embed takes them."""
         cfg = self.cfg
-        x_BTD = self.embed(tokens_BT, images, slots_BT)
-        per_layer_BTLP = self.per_layer_inputs(tokens_BT, x_BTD) if cfg.per_layer_input_dim else None
+        x_BTD, per_layer_BTLP = self.layer_inputs(tokens_BT, images, slots_BT)
         period = self._period_runner(positions_BT, lambda window, layer: attend_of_layer(layer))
         windows = layer_windows(cfg)
         carry, extras, routes = (x_BTD, dict.fromkeys(self._kv_producers())), [], {}
@@ -622,7 +643,9 @@ class Decoder(nnx.Module):
         allows, its window-independent part computed once per pass."""
         fused = None if self.attention is AttentionImpl.xla else self.attention.value
         index, segments, images = rows["token_index"], rows["segment_ids"], rows.get("image_ids")
-        visible = kernels.visible_keys(index, segments, index, segments, images, images)
+        visible = kernels.visible_keys(
+            index, segments, index, segments, images, images, images_on_global=self.images_on_global
+        )
         return lambda window: (
             lambda q, k, v, softcap: (kernels.attention(q, k, v, visible(window), softcap, fused), None)
         )

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from tunix_train.config import Remat
+from tunix_train.model.layout import GLOBAL_WINDOW
 
 PROJECTION = "projection"  # checkpoint name of projections' outputs: saved like matmul outputs
 ATTENTION = "attention"  # checkpoint name of attention's output and log-sum-exp: saved likewise
@@ -85,19 +86,33 @@ def apply_rope(x_BTNH, sin, cos):
     return rotated.reshape(B, T, N, H).astype(x_BTNH.dtype)
 
 
-def visible_keys(q_index_BT, q_segments_BT, k_index_BS, k_segments_BS, q_images_BT=None, k_images_BS=None):
+def visible_keys(
+    q_index_BT,
+    q_segments_BT,
+    k_index_BS,
+    k_segments_BS,
+    q_images_BT=None,
+    k_images_BS=None,
+    images_on_global: bool = True,
+):
     """The one definition of which keys a query sees: window -> [B, T, S], same document (segment),
     not ahead, fewer than `window` positions back, from the queries' and keys' indices in their
-    rows and segment ids. With image ids (Gemma 3: each token's image in its row, -1 for text), a
-    query in an image also sees the image's later tokens (bidirectional within an image, as
-    transformers' blockwise overlay). The part that does not depend on the window is computed once."""
+    rows and segment ids. With image ids (each token's image in its row, -1 for text), a query in
+    an image also sees the image's later tokens (bidirectional within an image, as transformers'
+    blockwise overlay): in every layer, or with images_on_global=False in the sliding ones only
+    (Gemma 4). The part that does not depend on the window is computed once."""
     distance_BTS = q_index_BT[:, :, None] - k_index_BS[:, None, :]
-    ahead_ok_BTS = distance_BTS >= 0
-    if q_images_BT is not None:
-        same_image_BTS = (q_images_BT[:, :, None] == k_images_BS[:, None, :]) & (q_images_BT[:, :, None] >= 0)
-        ahead_ok_BTS = ahead_ok_BTS | same_image_BTS
-    causal_BTS = (q_segments_BT[:, :, None] == k_segments_BS[:, None, :]) & ahead_ok_BTS
-    return lambda window: causal_BTS & (distance_BTS < window)
+    same_doc_BTS = q_segments_BT[:, :, None] == k_segments_BS[:, None, :]
+    causal_BTS = same_doc_BTS & (distance_BTS >= 0)
+    if q_images_BT is None:
+        return lambda window: causal_BTS & (distance_BTS < window)
+    same_image_BTS = (q_images_BT[:, :, None] == k_images_BS[:, None, :]) & (q_images_BT[:, :, None] >= 0)
+    widened_BTS = causal_BTS | (same_doc_BTS & same_image_BTS)
+    if images_on_global:
+        return lambda window: widened_BTS & (distance_BTS < window)
+    return lambda window: (
+        jnp.where(window == GLOBAL_WINDOW, causal_BTS, widened_BTS) & (distance_BTS < window)
+    )
 
 
 def grouped(q_BTNH, kv_heads: int):

@@ -9,7 +9,15 @@ import dataclasses
 
 import numpy as np
 
-from tunix_train.config import LAYER_TYPES, ConfigError, ModelConfig, RopeScaling, RopeScalingType
+from tunix_train.config import (
+    LAYER_TYPES,
+    ConfigError,
+    ImageAttention,
+    ModelConfig,
+    RopeScaling,
+    RopeScalingType,
+    VisionEncoder,
+)
 
 GLOBAL_WINDOW = np.iinfo(np.int32).max  # a global layer's "window" covers every position
 
@@ -150,7 +158,7 @@ def validate_model(m: ModelConfig) -> None:
 
 
 def validate_vision(m: ModelConfig) -> None:
-    """model.vision's sizes: whole patches, a square token grid that pools whole blocks of them."""
+    """model.vision's sizes: whole patches, a token grid that pools whole blocks of them."""
     v = m.vision
     for key in (
         "image_size",
@@ -163,16 +171,19 @@ def validate_vision(m: ModelConfig) -> None:
     ):
         if getattr(v, key) <= 0:
             raise ConfigError(f"model.vision.{key}={getattr(v, key)} must be positive")
-    side, tokens = v.patches_per_side, round(v.tokens_per_image**0.5)
-    if v.image_size % v.patch_size:
-        raise ConfigError(
-            f"model.vision.image_size={v.image_size} must be a multiple of patch_size={v.patch_size}"
-        )
-    if v.tokens_per_image <= 0 or tokens * tokens != v.tokens_per_image or side % tokens:
-        raise ConfigError(
-            f"model.vision.tokens_per_image={v.tokens_per_image} must be a square whose side divides the "
-            f"{side} patches a side"
-        )
+    if v.encoder is VisionEncoder.gemma4:
+        _validate_gemma4_vision(m)
+    else:
+        side, tokens = v.patches_per_side, round(v.tokens_per_image**0.5)
+        if v.image_size % v.patch_size:
+            raise ConfigError(
+                f"model.vision.image_size={v.image_size} must be a multiple of patch_size={v.patch_size}"
+            )
+        if v.tokens_per_image <= 0 or tokens * tokens != v.tokens_per_image or side % tokens:
+            raise ConfigError(
+                f"model.vision.tokens_per_image={v.tokens_per_image} must be a square whose side divides "
+                f"the {side} patches a side"
+            )
     if v.embed_dim % v.num_heads:
         raise ConfigError(
             f"model.vision.embed_dim={v.embed_dim} must be a multiple of model.vision.num_heads={v.num_heads}"
@@ -181,6 +192,24 @@ def validate_vision(m: ModelConfig) -> None:
         raise ConfigError(
             f"model.vision.image_token_id={v.image_token_id} must be a token of the vocabulary "
             f"(model.vocab_size={m.vocab_size})"
+        )
+    if v.image_attention is ImageAttention.sliding_layers and "sliding_attention" not in layer_types(m):
+        raise ConfigError(
+            "model.vision.image_attention=sliding_layers needs sliding layers (model.layer_types or "
+            "model.local_layers_per_global)"
+        )
+
+
+def _validate_gemma4_vision(m: ModelConfig) -> None:
+    v = m.vision
+    if v.tokens_per_image <= 0 or v.pooling_kernel <= 0 or v.position_table_size <= 0:
+        raise ConfigError(
+            "model.vision.tokens_per_image, pooling_kernel and position_table_size must be positive"
+        )
+    if (v.embed_dim // v.num_heads) % 4:
+        raise ConfigError(
+            f"model.vision: the head width embed_dim / num_heads = {v.embed_dim // v.num_heads} must be a "
+            f"multiple of 4 (gemma4's 2-D RoPE rotates pairs in each half)"
         )
 
 

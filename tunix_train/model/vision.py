@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_train.config import VisionConfig
+from tunix_train.config import VisionConfig, VisionEncoder
 from tunix_train.model.common import RMSNorm, gelu_tanh, param
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
 
@@ -72,12 +72,12 @@ class EncoderLayer(nnx.Module):
         return x_NSD + h @ self.down[...] + self.down_bias[...]
 
 
-def _stacked_layers(cfg: VisionConfig, keys) -> EncoderLayer:
-    """One EncoderLayer whose parameters have a leading axis of cfg.num_layers (one per key), for
-    jax.lax.scan. The axis is `vision_layers`, not `layers`, which pp splits: the tower runs whole
-    before the text model's stages."""
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: EncoderLayer(cfg, nnx.Rngs(0))))
-    state = jax.vmap(lambda key: nnx.state(EncoderLayer(cfg, nnx.Rngs(key))))(keys)
+def stacked_layers(layer_class, cfg: VisionConfig, keys):
+    """One layer_class(cfg) whose parameters have a leading axis of cfg.num_layers (one per key),
+    for jax.lax.scan. The axis is `vision_layers`, not `layers`, which pp splits: the tower runs
+    whole before the text model's stages."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: layer_class(cfg, nnx.Rngs(0))))
+    state = jax.vmap(lambda key: nnx.state(layer_class(cfg, nnx.Rngs(key))))(keys)
     for variable in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         variable.set_metadata(axes=("vision_layers", *variable.get_metadata()["axes"]))
     return nnx.merge(graphdef, state)
@@ -101,7 +101,7 @@ class VisionTower(nnx.Module):
         self.patch = param(rngs, (P * P * C, D), (None, "embed"), P * P * C)  # rows: (y, x, channel)
         self.patch_bias = nnx.Param(jnp.zeros((D,), jnp.float32), axes=("norm",))
         self.position = param(rngs, (cfg.patches_per_side**2, D), (None, "embed"), 1)
-        self.layers = _stacked_layers(cfg, jax.random.split(rngs.params(), cfg.num_layers))
+        self.layers = stacked_layers(EncoderLayer, cfg, jax.random.split(rngs.params(), cfg.num_layers))
         self.final_norm = LayerNorm(D, cfg.layer_norm_eps)
         self.soft_norm = RMSNorm(D, cfg.layer_norm_eps)  # Gemma's: 1 + scale
         self.projection = param(rngs, (D, text_dim), (None, "embed"), D)
@@ -132,10 +132,10 @@ class VisionTower(nnx.Module):
         return self.soft_norm(pooled) @ self.projection[...]
 
 
-def image_slots(tokens_BT, image_token_id: int, token_index_BT=None):
-    """Each token's place among its row's image embeddings [B, T] (the n-th placeholder of a row takes
-    embedding n), -1 for text. token_index: where each token stood in its row, when the row comes
-    reordered (cp): the count runs in the row's own order."""
+def placeholder_counts(tokens_BT, image_token_id: int, token_index_BT=None):
+    """Each token's place among its row's image placeholders [B, T] (the n-th of a row: n), -1 for
+    text. token_index: where each token stood in its row, when the row comes reordered (cp): the
+    count runs in the row's own order."""
     is_image_BT = tokens_BT == image_token_id
     if token_index_BT is None:
         before_BT = jnp.cumsum(is_image_BT, axis=1, dtype=jnp.int32)
@@ -147,15 +147,35 @@ def image_slots(tokens_BT, image_token_id: int, token_index_BT=None):
     return jnp.where(is_image_BT, before_BT - 1, -1)
 
 
-def image_ids(slots_BT, tokens_per_image: int):
-    """Each token's image in its row [B, T] (-1 for text): attention is bidirectional within one."""
-    return jnp.where(slots_BT >= 0, slots_BT // tokens_per_image, -1)
+def token_counts(cfg: VisionConfig, images):
+    """Each image's own tokens [..., I] of images [..., I, *image_shape] (numpy or jax): siglip's
+    are all tokens_per_image; a gemma4 image's are its patches over k^2."""
+    if cfg.encoder is VisionEncoder.gemma4:
+        return (images[..., -1] >= 0).sum(-1) // cfg.pooling_kernel**2
+    return jnp.full(images.shape[: images.ndim - 3], cfg.tokens_per_image, jnp.int32)
+
+
+def image_slots(tokens_BT, cfg: VisionConfig, images_BI, token_index_BT=None):
+    """(slots, image ids) [B, T]: each token's row among its row's image embeddings (image i's
+    tokens_per_image rows, its own first; -1 for text), and its image (-1 for text). The n-th
+    placeholder of a row belongs to the first image whose tokens, counted from the row's first
+    image, pass n. Attention is bidirectional within one image (kernels.visible_keys)."""
+    n_BT = placeholder_counts(tokens_BT, cfg.image_token_id, token_index_BT)
+    counts_BI = token_counts(cfg, images_BI).astype(jnp.int32)
+    ends_BI = jnp.cumsum(counts_BI, axis=1)
+    image_BT = jnp.sum(n_BT[:, :, None] >= ends_BI[:, None, :], -1, dtype=jnp.int32)
+    image_BT = jnp.minimum(image_BT, counts_BI.shape[1] - 1)
+    start_BT = jnp.take_along_axis(ends_BI - counts_BI, image_BT, axis=1)
+    text_BT = n_BT < 0
+    slots_BT = jnp.where(text_BT, -1, image_BT * cfg.tokens_per_image + n_BT - start_BT)
+    return slots_BT, jnp.where(text_BT, -1, image_BT)
 
 
 def merged_embeddings(x_BTD, features_BXD, slots_BT):
     """x with each image placeholder's row replaced by its image embedding: features_BXD holds a
-    row's images' embeddings in order (X = images x tokens_per_image); a slot past them (more
-    placeholders than images: refused where the data is read) takes the last."""
+    row's images' embeddings in order (X = images x tokens_per_image), slots_BT (image_slots) which
+    row each token takes; a slot past them (more placeholders than images: refused where the data
+    is read) takes the last."""
     X = features_BXD.shape[1]
     taken_BTD = jnp.take_along_axis(features_BXD, jnp.clip(slots_BT, 0, X - 1)[:, :, None], axis=1)
     return jnp.where((slots_BT >= 0)[:, :, None], taken_BTD.astype(x_BTD.dtype), x_BTD)

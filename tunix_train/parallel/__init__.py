@@ -18,7 +18,15 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tunix_train.config import AttentionImpl, ConfigError, LoraConfig, ModelConfig, Remat, TrainingConfig
+from tunix_train.config import (
+    AttentionImpl,
+    ConfigError,
+    ImageAttention,
+    LoraConfig,
+    ModelConfig,
+    Remat,
+    TrainingConfig,
+)
 from tunix_train.model.factory import model_structure
 from tunix_train.model.layout import layer_groups, layer_types
 from tunix_train.parallel import context, pipeline
@@ -228,6 +236,11 @@ def _context(cp: int, model: ModelConfig, training: TrainingConfig, seq_len: int
         raise ConfigError(
             f"training.attention={training.attention.value} does not combine with the cp mesh axis; "
             f"set training.attention=xla"
+        )
+    if model.vision is not None and model.vision.image_attention is ImageAttention.sliding_layers:
+        raise ConfigError(
+            "model.vision.image_attention=sliding_layers (Gemma 4) does not combine with the cp mesh "
+            "axis yet; drop cp from model.mesh_shape"
         )
     window = model.sliding_window if "sliding_attention" in layer_types(model) else None
     # with images, a window's keys may lie after the query (an image's later tokens) in the next

@@ -1,0 +1,227 @@
+"""Gemma 4's image tower and its merge into the text model (model/gemma4_vision.py,
+interop/gemma4_vision.py) against transformers: a random tiny Gemma4ForConditionalGeneration's
+image features and whole-model logits on rows with images of two aspect ratios (padded patches),
+read into ours, on one device and sharded (fsdp2 x tp2, dp2 x fsdp2); its export read back."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from tunix_train.config import ConfigError, ImageAttention, VisionConfig, VisionEncoder
+from tunix_train.interop.gemma4_vision import tower_arrays, vision_from_hf
+from tunix_train.model.gemma4_vision import Gemma4VisionTower
+from tunix_train.sharding import make_mesh, state_shardings
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+IMAGE, BOI, EOI = 127, 125, 126  # in the vocabulary of the tiny text model
+PATCH, KERNEL, MAX_TOKENS = 4, 2, 16  # 4-pixel patches pooled 2 x 2: an image of at most 64 patches
+VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=8,
+    patch_size=PATCH,
+    pooling_kernel_size=KERNEL,
+    position_embedding_size=32,
+    standardize=True,
+)
+S, F = "sliding_attention", "full_attention"
+TEXT = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=16,
+    layer_types=[S, F, S, F],
+    sliding_window=6,  # shorter than an image
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=128,
+)
+GRIDS = [(4, 6), (8, 8), (6, 2)]  # patches high x wide: 6, 16 and 3 tokens
+
+
+def _reference(bidirectional="vision"):
+    """A random tiny Gemma 4 with an image tower; its standardization and projector drawn too."""
+    torch.manual_seed(0)
+    config = transformers.Gemma4Config(
+        text_config={**TEXT, "use_bidirectional_attention": bidirectional},
+        vision_config=VISION,
+        audio_config=None,
+        image_token_id=IMAGE,
+        boi_token_id=BOI,
+        eoi_token_id=EOI,
+    )
+    model = transformers.Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.model.vision_tower.std_bias.normal_(0.0, 0.5)
+        model.model.vision_tower.std_scale.uniform_(0.5, 1.5)
+    return config, model
+
+
+def _image(rng, grid):
+    """One image as ours takes it [64, 3*4*4 + 2] (patches beside their x, y; -1 past its own) and
+    as transformers does (pixel_values [64, 48], image_position_ids [64, 2])."""
+    h, w = grid
+    pixels = np.zeros((KERNEL**2 * MAX_TOKENS, 3 * PATCH**2), np.float32)
+    places = np.full((KERNEL**2 * MAX_TOKENS, 2), -1, np.int64)
+    pixels[: h * w] = rng.uniform(0, 1, (h * w, 3 * PATCH**2))
+    xs, ys = np.meshgrid(np.arange(w), np.arange(h), indexing="xy")
+    places[: h * w] = np.stack([xs, ys], -1).reshape(-1, 2)
+    return np.concatenate([pixels, places.astype(np.float32)], -1), pixels, places
+
+
+def test_the_tower_and_projector_equal_transformers(tmp_path):
+    from safetensors.numpy import load_file
+
+    config, model = _reference()
+    cfg = vision_from_hf(config.to_dict(), tokens_per_image=MAX_TOKENS)
+    assert (cfg.encoder, cfg.image_attention, cfg.standardize) == (
+        VisionEncoder.gemma4,
+        ImageAttention.sliding_layers,
+        True,
+    )
+    assert cfg.image_shape == (64, 50)
+    rng = np.random.default_rng(0)
+    ours, pixels, places = zip(*(_image(rng, g) for g in GRIDS))
+    with torch.no_grad():
+        out = model.model.get_image_features(
+            torch.from_numpy(np.stack(pixels)), torch.from_numpy(np.stack(places))
+        )
+    expected = [e.numpy() for e in out.pooler_output]  # each image's own tokens
+    assert [len(e) for e in expected] == [6, 16, 3]
+
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for mesh_shape in ([[1, 1], ["fsdp", "tp"]], [[2, 2], ["fsdp", "tp"]]):
+        tower = Gemma4VisionTower(cfg, text_dim=TEXT["hidden_size"], rngs=nnx.Rngs(1))
+        for path, array in tower_arrays(
+            cfg, tensors.__getitem__, "model.vision_tower.", "model.embed_vision."
+        ).items():
+            variable = tower
+            for name in path.split("."):
+                variable = getattr(variable, name)
+            variable[...] = array
+        mesh = make_mesh(mesh_shape, jax.devices()[: np.prod(mesh_shape[0])])
+        graphdef, state = nnx.split(tower)
+        with jax.set_mesh(mesh):
+            state = jax.device_put(state, state_shardings(state, mesh))
+            features = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, np.stack(ours))
+        for image, want in zip(np.asarray(features), expected):
+            np.testing.assert_allclose(image[: len(want)], want, atol=1e-4, rtol=0)
+    assert min(np.abs(e).max() for e in expected) > 0.1
+
+
+def _rows(rng, T: int):
+    """Rows with images of GRIDS amid text (BOI, a placeholder per token, EOI), each row's images in
+    order (zeros past its own): [rows, T] ids, ours [rows, 2, 64, 50], transformers' pixels and places."""
+    per_row = [[0, 1], [2], [1, 2], [0]]
+    tokens, images, pixels, places = [], np.zeros((4, 2, 64, 50), np.float32), [], []
+    for r, grids in enumerate(per_row):
+        row = [2]
+        for i, g in enumerate(grids):
+            ours, p, q = _image(rng, GRIDS[g])
+            images[r, i] = ours
+            pixels.append(p)
+            places.append(q)
+            n = GRIDS[g][0] * GRIDS[g][1] // KERNEL**2
+            row += [*rng.integers(3, 120, 3 + r), BOI, *[IMAGE] * n, EOI]
+        tokens.append(row + list(rng.integers(3, 120, T - len(row))))
+    return np.array(tokens), images, np.stack(pixels), np.stack(places)
+
+
+def _transformers_logits(model, tokens, pixels, places):
+    ids = torch.from_numpy(tokens)
+    with torch.no_grad():
+        return model(
+            input_ids=ids,
+            pixel_values=torch.from_numpy(pixels),
+            image_position_ids=torch.from_numpy(places),
+            mm_token_type_ids=(ids == IMAGE).long(),
+        ).logits.numpy()
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, bidirectional",
+    [
+        ([[1, 1], ["fsdp", "tp"]], "vision"),
+        ([[2, 2], ["fsdp", "tp"]], "vision"),
+        ([[2, 2], ["dp", "fsdp"]], "vision"),
+        ([[1, 1], ["fsdp", "tp"]], None),
+    ],
+)
+def test_logits_with_images_equal_transformers(tmp_path, mesh_shape, bidirectional):
+    """A saved Gemma4ForConditionalGeneration read by model.init_from's importer: logits of rows
+    with one and two images of three aspect ratios equal transformers'. With
+    use_bidirectional_attention="vision" an image's tokens see each other in the sliding layers
+    (not the global ones), and the per-layer inputs of image tokens are the padding token's."""
+    from tunix_train import api
+
+    _, model = _reference(bidirectional)
+    model.save_pretrained(tmp_path)
+    tokens, images, pixels, places = _rows(np.random.default_rng(1), 48)
+    expected = _transformers_logits(model, tokens, pixels, places)
+    if bidirectional:  # the mask matters: transformers' without it differs
+        with torch.no_grad():
+            causal = model(
+                input_ids=torch.from_numpy(tokens),
+                pixel_values=torch.from_numpy(pixels),
+                image_position_ids=torch.from_numpy(places),
+            ).logits.numpy()
+        assert np.abs(expected - causal).max() > 1e-2
+    loaded = api.load(tmp_path, mesh_shape=mesh_shape, devices=jax.devices()[: np.prod(mesh_shape[0])])
+    attention = ImageAttention.sliding_layers if bidirectional else ImageAttention.causal
+    assert loaded.config.vision.image_attention is attention
+    np.testing.assert_allclose(loaded.logits(tokens, images=images), expected, atol=1e-4, rtol=0)
+
+
+def test_hf_export_loads_in_transformers_with_its_logits(tmp_path):
+    """Read in and written out by ours: transformers loads it, its logits with images equal the
+    original's within 1e-5, and every tensor round-trips."""
+    from safetensors.numpy import load_file
+
+    from tunix_train import api
+    from tunix_train.interop import hf
+
+    _, model = _reference()
+    model.save_pretrained(tmp_path / "in")
+    loaded = api.load(tmp_path / "in", mesh_shape=[[2, 2], ["fsdp", "tp"]], devices=jax.devices()[:4])
+    hf.export(loaded.params, loaded.config, tmp_path / "out")
+    again = transformers.Gemma4ForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
+    tokens, _, pixels, places = _rows(np.random.default_rng(2), 48)
+    np.testing.assert_allclose(
+        _transformers_logits(again, tokens, pixels, places),
+        _transformers_logits(model, tokens, pixels, places),
+        atol=1e-5,
+        rtol=0,
+    )
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    state = {n: t for n, t in model.state_dict().items() if n != "lm_head.weight"}  # tied
+    assert set(state) == set(written)
+    for name, tensor in state.items():
+        np.testing.assert_array_equal(written[name], tensor.numpy(), err_msg=name)
+
+
+def test_checkpoints_the_tower_cannot_read_are_one_line():
+    config, _ = _reference()
+    for change, message in [
+        ({"use_clipped_linears": True}, "use_clipped_linears=true"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads = num_attention_heads"),
+        ({"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+    ]:
+        whole = config.to_dict()
+        whole["vision_config"] = {**whole["vision_config"], **change}
+        with pytest.raises(ConfigError, match=message):
+            vision_from_hf(whole)
+    whole = config.to_dict()
+    whole["text_config"]["use_bidirectional_attention"] = "all"
+    with pytest.raises(ConfigError, match="use_bidirectional_attention='all' is not read"):
+        vision_from_hf(whole)
+    assert isinstance(vision_from_hf(config.to_dict()), VisionConfig)
