@@ -91,6 +91,7 @@ SHIPPED = [
     "gemma3_small",
     "gemma3_tiny",
     "gemma3_vision_tiny",
+    "gemma4_vision_tiny",
     "llama3_2_1b",
     "llama3_2_3b",
     "llama3_1_8b",
@@ -156,7 +157,20 @@ def _parameter_counts(name: str):
 
     cfg, _ = load_config([f"model={name}"])
     shapes = jax.eval_shape(lambda k: model_params(cfg.model, k, FULL_FINE_TUNING), jax.random.key(0))
-    return (cfg, *parameter_counts(cfg, shapes))
+    text = {k: v for k, v in shapes.items() if k != "vision"}  # the cards count the text decoder
+    return (cfg, *parameter_counts(cfg, text))
+
+
+def test_gemma4_31b_tower_has_the_published_encoders_parameters():
+    """The 31B's vision encoder as extracted on the Hugging Face hub (rnagabh/gemma4-vision-encoder):
+    569.6M parameters, without the projector into the text model."""
+    from tunix_train.model.params import model_params
+    from tunix_train.model.weights import FULL_FINE_TUNING
+
+    cfg, _ = load_config(["model=gemma4_31b"])
+    shapes = jax.eval_shape(lambda k: model_params(cfg.model, k, FULL_FINE_TUNING), jax.random.key(0))
+    tower = {k: v for k, v in shapes["vision"].items() if k != "projection"}
+    assert abs(count_params(tower) - 569.6e6) <= 0.1e6, f"{count_params(tower):,}"
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_GEMMA4))

@@ -225,3 +225,81 @@ def test_checkpoints_the_tower_cannot_read_are_one_line():
     with pytest.raises(ConfigError, match="use_bidirectional_attention='all' is not read"):
         vision_from_hf(whole)
     assert isinstance(vision_from_hf(config.to_dict()), VisionConfig)
+
+
+def _init(model_cfg):
+    from tunix_train.model.factory import build_model
+
+    return build_model(model_cfg, nnx.Rngs(0))
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, overrides",
+    [([[2, 2], ["fsdp", "tp"]], []), ([[2, 2], ["dp", "fsdp"]], [])],  # (pp does not run Gemma 4's
+    # per-layer inputs yet)
+)
+def test_gemma4_vision_tiny_gives_one_devices_loss_and_gradients(mesh_shape, overrides):
+    """gemma4_vision_tiny (tower trainable, per-layer inputs, KV sharing) on rows with images of
+    two aspect ratios: the loss and every gradient, the tower's included, equal one device's."""
+    from tunix_train import parallel
+    from tunix_train.compose import load_config
+    from tunix_train.model.decoder import output_logits
+    from tunix_train.train.forward import cross_entropy
+
+    cfg, _ = load_config(
+        ["model=gemma4_vision_tiny", "model.vision.trainable=true", "data.seq_len=48", *overrides]
+    )
+    rng = np.random.default_rng(0)
+    images = np.zeros((1, 2, 2, 64, 50), np.float32)
+    rows = []
+    for r, grids in enumerate([[(4, 6), (8, 8)], [(6, 2)]]):
+        row = [2]
+        for i, grid in enumerate(grids):
+            images[0, r, i] = _image(rng, grid)[0]
+            row += [*rng.integers(3, 250, 2), 253, *[255] * (grid[0] * grid[1] // 4), 254]
+        rows.append(row + list(rng.integers(3, 250, 48 - len(row))))
+    tokens = np.array(rows, np.int32)
+    batch = {
+        "inputs": tokens[None],
+        "targets": np.roll(tokens, -1, axis=1)[None],
+        "positions": np.broadcast_to(np.arange(48), (1, 2, 48)),
+        "images": images,
+    }
+
+    def loss_and_grads(mesh_shape):
+        mesh = make_mesh(mesh_shape, jax.devices()[: np.prod(mesh_shape[0])])
+        layout = parallel.for_run(mesh, cfg.model, cfg.training, 48)
+        graphdef = parallel.model_graphdef(cfg.model, cfg.training.remat, parallel=layout)
+        params = nnx.state(_init(cfg.model))
+        micro = jax.tree.map(lambda x: x[0], batch)
+
+        def loss(params):
+            m = nnx.merge(graphdef, params)
+            x = m.hidden(micro["inputs"], micro["positions"], None, None, micro["images"])
+            return cross_entropy(output_logits(x, m.output_table(), None), micro["targets"]).sum()
+
+        with jax.set_mesh(mesh):
+            params = jax.device_put(params, state_shardings(params, mesh))
+            value, grads = jax.jit(jax.value_and_grad(loss))(params)
+        return float(value), jax.tree.map(np.asarray, grads)
+
+    expected_loss, expected = loss_and_grads([[1], ["fsdp"]])
+    loss, grads = loss_and_grads(mesh_shape)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    tower = expected["vision"]["layers"]["q"][...]
+    assert np.abs(tower).max() > 0  # the tower learns
+    # within 1e-4 of each leaf's largest gradient; a leaf whose gradient sums to nearly nothing
+    # (a layer's scalar, 1e-5 where others reach 1e-1) within 1e-5 of the largest of all
+    largest = max(np.abs(g).max() for g in jax.tree.leaves(expected))
+    for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(grads)):
+        atol = max(1e-4 * np.abs(want).max(), 1e-5 * largest)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+def test_gemma4_image_attention_under_cp_is_refused_in_one_line():
+    from tunix_train import parallel
+    from tunix_train.compose import load_config
+
+    cfg, _ = load_config(["model=gemma4_vision_tiny", "data.seq_len=48"])
+    with pytest.raises(ConfigError, match="image_attention=sliding_layers .* does not combine with the cp"):
+        parallel.for_run(make_mesh([[2], ["cp"]], jax.devices()[:2]), cfg.model, cfg.training, 48)
