@@ -71,7 +71,7 @@ def plan(overrides: list[str]):
     )
     vision = cfg.model.vision
     if vision is not None and cfg.data.messages_field:  # conversations with images: each row's
-        shape = (cfg.data.images_per_row, vision.num_channels, vision.image_size, vision.image_size)
+        shape = (cfg.data.images_per_row, *vision.image_shape)
         batch["images"] = jax.ShapeDtypeStruct(
             (t.gradient_accumulation_steps, run.micro_batch, *shape),
             jnp.float32,

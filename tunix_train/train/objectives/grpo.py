@@ -177,9 +177,7 @@ class GroupRelative(Objective):
         )
         if self.sampler.images:  # each row its prompt's images, padded to data.images_per_row
             v, per_row = self.cfg.model.vision, self.cfg.data.images_per_row
-            full["images"] = np.zeros(
-                (len(rows), per_row, v.num_channels, v.image_size, v.image_size), np.float32
-            )
+            full["images"] = np.zeros((len(rows), per_row, *v.image_shape), np.float32)
             for row, i in enumerate(i for i in rollout.order for _ in range(G)):
                 images = self.sampler.images.get(id(self.sampler.docs[i]))
                 if images is not None:
