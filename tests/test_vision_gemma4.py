@@ -303,3 +303,28 @@ def test_gemma4_image_attention_under_cp_is_refused_in_one_line():
     cfg, _ = load_config(["model=gemma4_vision_tiny", "data.seq_len=48"])
     with pytest.raises(ConfigError, match="image_attention=sliding_layers .* does not combine with the cp"):
         parallel.for_run(make_mesh([[2], ["cp"]], jax.devices()[:2]), cfg.model, cfg.training, 48)
+
+
+@pytest.mark.parametrize(
+    "width, height, mode",
+    [(64, 64, "RGB"), (45, 17, "RGB"), (30, 100, "RGBA"), (7, 5, "L"), (1200, 700, "RGB"), (900, 20, "RGB")],
+)
+def test_patches_equal_transformers_gemma4_image_processor(width, height, mode):
+    """Six sizes and aspect ratios (one grey, one with alpha, one a strip), up- and down-scaled to
+    budgets of 70 and 280 tokens, against transformers' Gemma4ImageProcessor (its Pillow backend):
+    the patches, their places and the padding."""
+    Image = pytest.importorskip("PIL.Image")
+    from tunix_train.data.images import gemma4_patches
+
+    rng = np.random.default_rng(width * height)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    array = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
+    image = Image.fromarray(array[..., 0] if mode == "L" else array, mode)
+    for tokens in (70, 280):
+        processor = transformers.Gemma4ImageProcessorPil(max_soft_tokens=tokens)
+        out = processor(images=[image], return_tensors="np")
+        ours = gemma4_patches(image, 16, tokens, 3)
+        assert ours.shape == (tokens * 9, 16 * 16 * 3 + 2) and ours.dtype == np.float32
+        np.testing.assert_allclose(ours[:, :-2], out["pixel_values"][0], atol=1e-6, rtol=0)
+        np.testing.assert_array_equal(ours[:, -2:], out["image_position_ids"][0])
+        assert (ours[:, -1] >= 0).sum() // 9 == out["num_soft_tokens_per_image"][0]

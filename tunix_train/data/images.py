@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tunix_train.config import ConfigError
+from tunix_train.config import ConfigError, VisionEncoder
 
 MAX_PIXELS = 64 * 1024 * 1024  # a larger image is refused before it is decoded
 
@@ -58,12 +58,55 @@ def pixel_values(image, size: int) -> np.ndarray:
     """A PIL image as the tower takes it: [3, size, size] float32 in [-1, 1]; transparent pixels
     over white, as transformers converts them."""
     Image = _pillow()
-    if "A" in image.getbands() or image.info.get("transparency") is not None:  # onto white
-        rgba = image.convert("RGBA")
-        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
-    rgb = image.convert("RGB").resize((size, size), resample=Image.Resampling.BILINEAR)
+    rgb = _rgb(image).resize((size, size), resample=Image.Resampling.BILINEAR)
     scaled = (np.asarray(rgb).astype(np.float64) * (1 / 255)).astype(np.float32)  # as transformers rescales
     return ((scaled - np.float32(0.5)) / np.float32(0.5)).transpose(2, 0, 1)
+
+
+def gemma4_patches(image, patch: int, max_tokens: int, kernel: int) -> np.ndarray:
+    """A PIL image as Gemma 4's tower takes it (VisionConfig.image_shape): resized, its aspect ratio
+    kept, with Pillow's bicubic filter to the largest sides that are multiples of kernel x patch
+    pixels within max_tokens x kernel^2 patches; scaled to [0, 1]; cut into patches (rows y, x,
+    channel), each beside its (x, y) in the patch grid, padded with zeros at place -1 to
+    max_tokens x kernel^2 (transformers' Gemma4ImageProcessor, its Pillow backend)."""
+    Image = _pillow()
+    rgb = _rgb(image)
+    budget, side = max_tokens * kernel**2, kernel * patch
+    factor = math.sqrt(budget * patch**2 / (rgb.width * rgb.height))
+    height = int(math.floor(factor * rgb.height / side)) * side
+    width = int(math.floor(factor * rgb.width / side)) * side
+    longest = (budget // kernel**2) * side
+    if height == 0:  # a strip: one block high, as many wide as its ratio (transformers' rule)
+        height, width = side, min(int(math.floor(rgb.width / rgb.height)) * side, longest)
+    elif width == 0:
+        height, width = min(int(math.floor(rgb.height / rgb.width)) * side, longest), side
+    if (width, height) != rgb.size:
+        rgb = rgb.resize((width, height), resample=Image.Resampling.BICUBIC)
+    pixels = (np.asarray(rgb).astype(np.float64) * (1 / 255)).astype(np.float32)  # [H, W, C]
+    h, w = height // patch, width // patch
+    patches = pixels.reshape(h, patch, w, patch, 3).transpose(0, 2, 1, 3, 4).reshape(h * w, -1)
+    xs, ys = np.meshgrid(np.arange(w), np.arange(h), indexing="xy")
+    out = np.zeros((budget, patches.shape[1] + 2), np.float32)
+    out[:, -2:] = -1
+    out[: h * w, :-2] = patches
+    out[: h * w, -2:] = np.stack([xs, ys], -1).reshape(-1, 2)
+    return out
+
+
+def _rgb(image):
+    """RGB, transparent pixels over white (as transformers converts them)."""
+    Image = _pillow()
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+    return image.convert("RGB")
+
+
+def image_array(image, vision) -> np.ndarray:
+    """A PIL image as the model's tower takes it (vision: its VisionConfig, image_shape)."""
+    if vision.encoder is VisionEncoder.gemma4:
+        return gemma4_patches(image, vision.patch_size, vision.tokens_per_image, vision.pooling_kernel)
+    return pixel_values(image, vision.image_size)
 
 
 def pan_and_scan(image, min_crop_size: int, max_crops: int, min_ratio: float) -> list:
@@ -146,10 +189,10 @@ def image_bytes(payload, folder: Path | None, where: str) -> tuple[bytes | Path,
     return path, f"{where}: image {path}"
 
 
-def pixel_stack(payloads, size: int, channels: int, folder: Path | None, where: str) -> np.ndarray:
-    """Images (image_bytes' payloads) as the tower takes them: [n, channels, size, size] float32."""
-    pixels = [pixel_values(open_image(*image_bytes(p, folder, where)), size) for p in payloads]
-    return np.stack(pixels) if pixels else np.zeros((0, channels, size, size), np.float32)
+def pixel_stack(payloads, vision, folder: Path | None, where: str) -> np.ndarray:
+    """Images (image_bytes' payloads) as the tower takes them: [n, *vision.image_shape] float32."""
+    arrays = [image_array(open_image(*image_bytes(p, folder, where)), vision) for p in payloads]
+    return np.stack(arrays) if arrays else np.zeros((0, *vision.image_shape), np.float32)
 
 
 def data_uri_bytes(uri: str, where: str) -> bytes:
@@ -240,7 +283,7 @@ def conversation_pixels(
     payloads = image_payloads(messages, listed, where) if has_images(messages) else []
     if len(payloads) > per_row:
         raise ConfigError(f"{where}: {len(payloads)} images, more than data.images_per_row={per_row}")
-    return pixel_stack(payloads, vision.image_size, vision.num_channels, folder, where)
+    return pixel_stack(payloads, vision, folder, where)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -176,7 +176,7 @@ class LoadedModel:
                 "this model's tokenizer lacks Gemma 3's image tokens (<start_of_image>, <image_soft_token>, "
                 "<end_of_image>), so a prompt cannot hold an image"
             )
-        return pixel_stack(payloads, vision.image_size, vision.num_channels, folder, where)
+        return pixel_stack(payloads, vision, folder, where)
 
     def image_prompt(self, text: str, images: Sequence[str]) -> tuple[list[int], np.ndarray]:
         """A text prompt and image files: each <start_of_image> in the text takes an image in order
