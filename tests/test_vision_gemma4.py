@@ -328,3 +328,97 @@ def test_patches_equal_transformers_gemma4_image_processor(width, height, mode):
         np.testing.assert_allclose(ours[:, :-2], out["pixel_values"][0], atol=1e-6, rtol=0)
         np.testing.assert_array_equal(ours[:, -2:], out["image_position_ids"][0])
         assert (ours[:, -1] >= 0).sum() // 9 == out["num_soft_tokens_per_image"][0]
+
+
+def _gemma4_tokenizer(directory):
+    """The bundled SentencePiece model with Gemma's turn tokens and Gemma 4's image tokens as pieces
+    of their own (<|image|> last: 4100), named as Gemma 4's tokenizer_config.json names them."""
+    import json
+
+    from tunix_train.data.tokenizer import bundled_with_pieces
+
+    pieces = ("<start_of_turn>", "<end_of_turn>", "<|image>", "<image|>", "<|image|>")
+    bundled_with_pieces(directory / "tokenizer.model", pieces)
+    special = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>"}
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "GemmaTokenizer",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "add_bos_token": True,
+                "extra_special_tokens": special,
+            }
+        )
+    )
+    return directory
+
+
+def test_conversations_with_images_become_rows_equal_to_transformers_processor(tmp_path):
+    """Rows of conversations with images for gemma4_vision_tiny (a 70-token budget): each image
+    part becomes <|image> + its own count of <|image|> + <image|>, the count and the text as
+    transformers' Gemma4ImageProcessor and Gemma4Processor.replace_image_token make them (the
+    processor itself needs torchvision for its video half), tokenized as transformers does; the
+    images are the processor's patches and places; no image token carries loss."""
+    import json
+    import types
+
+    from PIL import Image
+    from test_vision import _doc, _image_records
+
+    from tunix_train.compose import load_config
+    from tunix_train.data import Data
+    from tunix_train.data.images import split_images
+
+    records, paths = _image_records(tmp_path, np.random.default_rng(0))
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokenizer = _gemma4_tokenizer(tmp_path / "tok")
+    cfg, _ = load_config(
+        [
+            "model=gemma4_vision_tiny",
+            "model.vocab_size=4104",
+            "model.vision.image_token_id=4100",
+            "model.vision.tokens_per_image=70",
+            "data=chat",
+            "data.seq_len=256",
+            "data.eval_fraction=0",
+            "data.images_per_row=2",
+            f"data.train_files=[{tmp_path / 'chats.jsonl'}]",
+            f"data.tokenizer={tokenizer}",
+        ]
+    )
+    data = Data(cfg)
+    batches = data.train_batches(global_micro_batch=4)
+    batch = next(iter(batches))
+    batches.close()
+    assert batch["images"].shape == (1, 4, 2, 280, 50)
+
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer)
+    images_of = transformers.Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=2)
+    processor = types.SimpleNamespace(boi_token="<|image>", image_token="<|image|>", eoi_token="<image|>")
+    files = {0: [paths[0]], 1: [paths[2], paths[1]], 2: [paths[1], paths[0]], 3: []}
+    seen = set()
+    for row in range(4):
+        inputs = batch["inputs"][0, row]
+        n = int(batch["segment_ids"][0, row].sum())
+        record = next(
+            i
+            for i, r in enumerate(records)
+            if data.features(_doc(r, tmp_path))["inputs"].tolist() == inputs[:n].tolist()
+        )
+        seen.add(record)
+        text, _ = data.chat.render(split_images(records[record]["messages"])[0])
+        parts = text.split("<|image|>")
+        if files[record]:
+            expected = images_of(images=[Image.open(p) for p in files[record]], return_tensors="np")
+            for i in range(len(files[record])):
+                parts[i] += transformers.Gemma4Processor.replace_image_token(processor, expected, i)
+                got = batch["images"][0, row, i]
+                np.testing.assert_allclose(got[:, :-2], expected["pixel_values"][i], atol=1e-6, rtol=0)
+                np.testing.assert_array_equal(got[:, -2:], expected["image_position_ids"][i])
+        want = np.append(inputs[:n], batch["targets"][0, row, n - 1])
+        ids = hf_tokenizer("".join(parts), add_special_tokens=False)["input_ids"]
+        np.testing.assert_array_equal(want, ids)
+        assert not batch["images"][0, row, len(files[record]) :].any()
+        assert not batch["loss_mask"][0, row][inputs == 4100].any() and batch["loss_mask"][0, row].any()
+    assert seen == {0, 1, 2, 3}

@@ -56,11 +56,7 @@ class Data:
         read when first needed: a run without conversations never reads it."""
         if self._chat is None:
             vision = self.cfg.model.vision
-            image_tokens = (
-                None
-                if vision is None
-                else ImageTokens.for_model(self.tokenizer, vision.image_token_id, vision.tokens_per_image)
-            )
+            image_tokens = None if vision is None else ImageTokens.for_model(self.tokenizer, vision)
             self._chat = ChatTemplate(
                 *find_template(self.cfg.data.chat_template, self._chat_source), self.tokenizer, image_tokens
             )

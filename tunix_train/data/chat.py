@@ -41,7 +41,7 @@ GEMMA_TEMPLATE = """{{ bos_token }}
 {%- macro text_of(content) -%}
 {%- if content is string -%}{{ content | trim }}
 {%- else -%}{%- for part in content -%}
-{%- if part['type'] == 'image' -%}{{ '<start_of_image>' }}{%- elif part['type'] == 'text' -%}{{ part['text'] | trim }}{%- endif -%}
+{%- if part['type'] == 'image' -%}{{ image_marker | default('<start_of_image>') }}{%- elif part['type'] == 'text' -%}{{ part['text'] | trim }}{%- endif -%}
 {%- endfor -%}{%- endif -%}
 {%- endmacro -%}
 {%- if messages and messages[0]['role'] == 'system' -%}
@@ -198,6 +198,8 @@ class ChatTemplate:
     def __init__(self, template: str, source: str, tokenizer, image_tokens: ImageTokens | None = None):
         self.template, self.tokenizer, self.source = template, tokenizer, source
         self.image_tokens = image_tokens
+        # Gemma's turn format writes this for an image part (a tokenizer's own template, its own)
+        self._image_marker = {} if image_tokens is None else {"image_marker": image_tokens.marker}
         self.has_generation_markers = re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
         try:
             self._compiled, self._tracked = _compiled(template)
@@ -224,7 +226,7 @@ class ChatTemplate:
             for block in self._compiled.generate(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
-                **{**self.variables, **variables},
+                **{**self.variables, **self._image_marker, **variables},
             ):
                 blocks.append(block)
                 rendering.grew(len(block))
@@ -283,17 +285,19 @@ class ChatTemplate:
         messages: Sequence[dict],
         roles: Sequence[str] = ("assistant",),
         add_generation_prompt: bool = False,
+        images=None,
         **variables,
     ) -> tuple[list[int], list[bool]]:
         """Token ids of the rendered conversation and, for each, whether a message of `roles` wrote
         it (never an image's token); `variables` (tools=[schemas]) go to the template. Image parts
-        should come as split_images leaves them; with image_tokens each becomes its tokens."""
+        should come as split_images leaves them; with image_tokens each becomes its tokens (images:
+        their arrays, which say how many where an image's count is its own)."""
         if add_generation_prompt:
             text, spans = self.render(messages, add_generation_prompt=True, **variables)[0], []
         else:
             text, spans = self.spans(messages, roles, **variables)
         if self.image_tokens is not None:
-            text, spans = self.image_tokens.expand(text, spans)
+            text, spans = self.image_tokens.expand(text, spans, images)
         ids, offsets = self.tokenizer.encode_with_offsets(text)
         mask = [any(end > a and start < b for a, b in spans) for start, end in offsets]
         if self.image_tokens is not None:
@@ -351,16 +355,21 @@ def find_template(override: str | None, tokenizer_source: str | Path | None) -> 
     return GEMMA_TEMPLATE, "Gemma's turn format"
 
 
-def prompt_ids(prompt: str | list[dict], tokenizer, chat: "ChatTemplate | None") -> list[int]:
+def prompt_ids(prompt: str | list[dict], tokenizer, chat: "ChatTemplate | None", images=None) -> list[int]:
     """A prompt's token ids: text as [BOS] text; a conversation as the chat template renders it
-    with the generation prompt (the assistant's turn opened)."""
+    with the generation prompt (the assistant's turn opened), its images' arrays saying how many
+    tokens each takes where that varies (Gemma 4)."""
     if isinstance(prompt, str):
         return with_bos(tokenizer, tokenizer.encode(prompt))
-    return chat.encode(split_images(prompt)[0], add_generation_prompt=True)[0]
+    return chat.encode(split_images(prompt)[0], add_generation_prompt=True, images=images)[0]
 
 
 def completion_ids(
-    prompt: str | list[dict], completion: str | list[dict], tokenizer, chat: "ChatTemplate | None"
+    prompt: str | list[dict],
+    completion: str | list[dict],
+    tokenizer,
+    chat: "ChatTemplate | None",
+    images=None,
 ) -> list[int]:
     """The tokens that follow the prompt's (prompt_ids) for a completion: after a text prompt, the
     text and EOS; after a conversation, the assistant's turn (a string, or assistant messages) as
@@ -370,8 +379,8 @@ def completion_ids(
             raise ConfigError("a completion in messages needs its prompt in messages too")
         return [*tokenizer.encode(completion), tokenizer.eos_id]
     turns = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
-    start = prompt_ids(prompt, tokenizer, chat)
-    ids, mask = chat.encode(split_images([*prompt, *turns])[0])
+    start = prompt_ids(prompt, tokenizer, chat, images)
+    ids, mask = chat.encode(split_images([*prompt, *turns])[0], images=images)
     if ids[: len(start)] != start:
         raise ConfigError(
             f"{chat.source} does not render a prompt with its generation prompt as the start of the "

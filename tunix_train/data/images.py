@@ -288,44 +288,77 @@ def conversation_pixels(
 
 @dataclasses.dataclass(frozen=True)
 class ImageTokens:
-    """How the images a template places become tokens, as transformers' Gemma3Processor makes them:
-    each start-of-image marker the template writes becomes "\n\n" + boi + `count` image tokens +
-    eoi + "\n\n", tokenized with the rest."""
+    """How the images a template places become tokens, as transformers' processors make them: each
+    `marker` the template writes becomes `around` + boi + n image tokens + eoi + `around`, where n is
+    `count` (Gemma 3: every image's) or each image's own (Gemma 4: its patches over kernel^2),
+    tokenized with the rest."""
 
     image_id: int
-    count: int
+    count: int | None  # None: each image's own (kernel)
     boi: str = "<start_of_image>"
     eoi: str = "<end_of_image>"
     image: str = "<image_soft_token>"
+    marker: str = "<start_of_image>"  # what the template writes for an image part
+    around: str = "\n\n"
+    kernel: int = 1
 
     @classmethod
-    def for_model(cls, tokenizer, image_token_id: int, count: int) -> ImageTokens:
-        """Gemma 3's markers, each one token of `tokenizer`, its image token model.vision's id."""
-        tokens = cls(image_token_id, count)
+    def for_model(cls, tokenizer, vision) -> ImageTokens:
+        """The markers of model.vision's family (Gemma 3's, or Gemma 4's: <|image> <|image|> <image|>,
+        as its tokenizer_config.json names them), each one token of `tokenizer`, the image token
+        model.vision's id."""
+        if vision.encoder is VisionEncoder.gemma4:
+            tokens = cls(
+                vision.image_token_id,
+                None,
+                "<|image>",
+                "<image|>",
+                "<|image|>",
+                "<|image|>",
+                "",
+                vision.pooling_kernel,
+            )
+        else:
+            tokens = cls(vision.image_token_id, vision.tokens_per_image)
         for name in ("boi", "eoi", "image"):
             ids = tokenizer.encode_with_offsets(getattr(tokens, name))[0]
             if len(ids) != 1:
                 raise ConfigError(
                     f"data.tokenizer: {getattr(tokens, name)} is not one token of this tokenizer; a model "
-                    f"with model.vision needs Gemma 3's image tokens in its tokenizer"
+                    f"with model.vision needs its family's image tokens ({tokens.boi}, {tokens.image}, "
+                    f"{tokens.eoi}) in its tokenizer"
                 )
-            if name == "image" and ids[0] != image_token_id:
+            if name == "image" and ids[0] != vision.image_token_id:
                 raise ConfigError(
-                    f"model.vision.image_token_id={image_token_id} but the tokenizer's {tokens.image} is "
-                    f"token {ids[0]}; set model.vision.image_token_id={ids[0]}"
+                    f"model.vision.image_token_id={vision.image_token_id} but the tokenizer's {tokens.image} "
+                    f"is token {ids[0]}; set model.vision.image_token_id={ids[0]}"
                 )
         return tokens
 
-    def expand(self, text: str, spans: list[tuple[int, int]]) -> tuple[str, list[tuple[int, int]]]:
-        """The text with each boi expanded, and the character spans moved with it (a span holding
-        a boi holds its expansion)."""
-        starts = [m.start() for m in re.finditer(re.escape(self.boi), text)]
+    def counts(self, images, n: int) -> list[int]:
+        """The tokens of each of n images (images: their arrays as the tower takes them)."""
+        if self.count is not None:
+            return [self.count] * n
+        if images is None or len(images) < n:
+            raise ConfigError(f"{n} images placed but {0 if images is None else len(images)} given")
+        return [int(c) for c in (np.asarray(images)[:n, :, -1] >= 0).sum(-1) // self.kernel**2]
+
+    def expand(
+        self, text: str, spans: list[tuple[int, int]], images=None
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """The text with each marker expanded (the i-th for images[i]), and the character spans moved
+        with it (a span holding a marker holds its expansion)."""
+        starts = [m.start() for m in re.finditer(re.escape(self.marker), text)]
         if not starts:
             return text, spans
-        sequence = f"\n\n{self.boi}{self.image * self.count}{self.eoi}\n\n"
-        grown = len(sequence) - len(self.boi)
+        pieces, grown, last = [], [], 0
+        for at, n in zip(starts, self.counts(images, len(starts))):
+            sequence = f"{self.around}{self.boi}{self.image * n}{self.eoi}{self.around}"
+            pieces += [text[last:at], sequence]
+            grown.append(len(sequence) - len(self.marker))
+            last = at + len(self.marker)
 
         def moved(at: int) -> int:
-            return at + grown * sum(s < at for s in starts)
+            return at + sum(g for s, g in zip(starts, grown) if s < at)
 
-        return text.replace(self.boi, sequence), [(moved(a), moved(b)) for a, b in spans]
+        return "".join(pieces) + text[last:], [(moved(a), moved(b)) for a, b in spans]

@@ -58,12 +58,13 @@ class DocumentFeatures:
         self.vision, self.images_per_row = vision, images_per_row
 
     def __call__(self, doc: dict[str, Any]) -> dict[str, np.ndarray]:
-        row = self._tokens(doc)
-        if self.vision is not None:
-            row["images"] = self._images(doc, row["inputs"])
+        images = self._pixels(doc) if self.vision is not None else None
+        row = self._tokens(doc, images)
+        if images is not None:
+            row["images"] = self._placed(doc, row["inputs"], images)
         return row
 
-    def _tokens(self, doc: dict[str, Any]) -> dict[str, np.ndarray]:
+    def _tokens(self, doc: dict[str, Any], images=None) -> dict[str, np.ndarray]:
         first_loss_target = 0
         if "messages" in doc:
             tools = {"tools": doc["tools"]} if "tools" in doc else {}
@@ -75,7 +76,7 @@ class DocumentFeatures:
                         f"(model.vision is null): use a model with an image tower (gemma3_4b and up)"
                     )
                 messages = split_images(messages)[0]
-            ids, mask = self.chat.encode(messages, self.roles, **tools)
+            ids, mask = self.chat.encode(messages, self.roles, images=images, **tools)
             if self.seq_len is not None and len(ids) - 1 > self.seq_len:
                 raise ConfigError(
                     f"{doc['where']}: a conversation of {len(ids)} tokens (its images' included) is "
@@ -105,26 +106,30 @@ class DocumentFeatures:
         loss_mask = (np.arange(len(ids) - 1) >= first_loss_target).astype(np.float32)
         return {"inputs": ids[:-1], "targets": ids[1:], "loss_mask": loss_mask}
 
-    def _images(self, doc: dict[str, Any], inputs: np.ndarray) -> np.ndarray:
-        """The document's images as the tower takes them [n, C, H, W], checked against the
-        placeholders its tokens hold (one line naming the record for each mismatch)."""
-        v, where = self.vision, doc.get("where", "a document")
-        pixels = conversation_pixels(
+    def _pixels(self, doc: dict[str, Any]) -> np.ndarray:
+        """The document's images as the tower takes them [n, *image_shape]."""
+        return conversation_pixels(
             doc.get("messages", []),
             doc.get("images", []),
-            v,
+            self.vision,
             self.images_per_row,
             Path(doc.get("folder", ".")),
-            where,
+            doc.get("where", "a document"),
         )
+
+    def _placed(self, doc: dict[str, Any], inputs: np.ndarray, images: np.ndarray) -> np.ndarray:
+        """The images, checked against the runs of image tokens the template placed (one line
+        naming the record for a mismatch)."""
+        is_image = inputs == self.vision.image_token_id
         # the last token of a document is a target only, so the row's inputs may end before it
-        placed = -(-int(np.sum(inputs == v.image_token_id)) // v.tokens_per_image)
-        if placed != len(pixels):
+        placed = int(np.sum(is_image[1:] & ~is_image[:-1]) + (is_image[:1].sum()))
+        if placed != len(images):
             raise ConfigError(
-                f"{where}: {len(pixels)} images but the chat template placed {placed}: each image part "
-                f"must become one image (a template that writes <start_of_image> for it)"
+                f"{doc.get('where', 'a document')}: {len(images)} images but the chat template placed "
+                f"{placed}: each image part must become one image (a template that writes "
+                f"{self.chat.image_tokens.marker} for it)"
             )
-        return pixels
+        return images
 
 
 def _as_row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

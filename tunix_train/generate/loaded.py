@@ -149,8 +149,8 @@ class LoadedModel:
         chat = self._need_chat()
         end = chat.end_of_turn()
         plain, payloads = split_images(check_messages(list(messages), "the conversation", parts=True))
-        prompt, _ = chat.encode(plain, add_generation_prompt=True)
         images = self.pixel_values(payloads, images_from, "the conversation") if payloads else None
+        prompt, _ = chat.encode(plain, add_generation_prompt=True, images=images)
         (request,) = self.requests([prompt], max_new_tokens, images=[images], **sampling)
         if end and len(self.tokenizer.encode(end)) > 1:  # not one token: the engine stops at its text
             request = dataclasses.replace(request, stop_strings=(end,))
@@ -183,12 +183,12 @@ class LoadedModel:
         (with none, the images go in front of the text), expanded to the tower's tokens; [BOS] first."""
         pixels = self.pixel_values(images, None, "--image")
         tokens = self.chat.image_tokens
-        marks = text.count(tokens.boi)
+        marks = text.count(tokens.marker)
         if marks == 0:
-            text, marks = tokens.boi * len(images) + text, len(images)
+            text, marks = tokens.marker * len(images) + text, len(images)
         if marks != len(images):
-            raise ConfigError(f"the prompt has {marks} {tokens.boi} but {len(images)} images were given")
-        return self._encode(tokens.expand(text, [])[0]), pixels
+            raise ConfigError(f"the prompt has {marks} {tokens.marker} but {len(images)} images were given")
+        return self._encode(tokens.expand(text, [], pixels)[0]), pixels
 
     def _need_chat(self) -> ChatTemplate:
         self._need_tokenizer()
@@ -314,7 +314,7 @@ def _image_tokens(model: ModelConfig, tokenizer: Tokenizer) -> Optional[ImageTok
     if model.vision is None:
         return None
     try:
-        return ImageTokens.for_model(tokenizer, model.vision.image_token_id, model.vision.tokens_per_image)
+        return ImageTokens.for_model(tokenizer, model.vision)
     except ConfigError:
         return None
 

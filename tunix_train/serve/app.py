@@ -191,7 +191,7 @@ class Api:
                 messages, urls = split_images(ask.prompt)
                 if urls:
                     pixels = self.model.pixel_values([self.images.read(u) for u in urls], None, "messages")
-                prompt, _ = self.model.chat.encode(messages, add_generation_prompt=True)
+                prompt, _ = self.model.chat.encode(messages, add_generation_prompt=True, images=pixels)
                 end = self.model.chat.end_of_turn()
                 ends = [end] if end and len(tokenizer.encode(end)) > 1 else []
             else:

@@ -158,24 +158,22 @@ class Sampler:
                 g.max_tool_result_tokens,
                 g.tool_processes,
             )
-        self.docs, self.prompts = (
-            data.train_docs,
-            self._tokenized(data, data.train_docs, "data.train_files"),
-        )
+        self.docs = data.train_docs
         self.eval_docs = data.eval_docs if self.cfg.training.eval_every else []
-        self.eval_prompts = self._tokenized(data, self.eval_docs, "the held-out prompts")
         # each prompt's images, opened now (a bad one stops the run before it starts)
         for what, docs in (("data.train_files", self.docs), ("the held-out prompts", self.eval_docs)):
             for number, doc in enumerate(docs, start=1):
                 if isinstance(doc["prompt"], list) and has_images(doc["prompt"]):
                     self.images[id(doc)] = self._read_images(doc, f"{what}: prompt {number}")
+        self.prompts = self._tokenized(data, self.docs, "data.train_files")
+        self.eval_prompts = self._tokenized(data, self.eval_docs, "the held-out prompts")
         if self.multi_turn or any(
             isinstance(doc["prompt"], list) for doc in data.train_docs
         ):  # answers in turns
             self.stop_ids.append(data.chat.end_of_turn_id())
 
     def _read_images(self, doc: dict, where: str) -> np.ndarray:
-        """A prompt's images [n, C, H, W] (conversation_pixels': its parts', then its record's list)."""
+        """A prompt's images [n, *image_shape] (conversation_pixels': its parts', then its record's list)."""
         from tunix_train.data.images import conversation_pixels
 
         if self.cfg.model.vision is None or self.multi_turn:
@@ -196,9 +194,8 @@ class Sampler:
             return [self.turns.start(Environment(), doc, "Environment").prompt for doc in docs]
         limit, prompts = self.cfg.data.seq_len - self.grpo.max_new_tokens, []
         for number, doc in enumerate(docs, start=1):
-            ids = prompt_ids(
-                doc["prompt"], data.tokenizer, data.chat if isinstance(doc["prompt"], list) else None
-            )
+            chat = data.chat if isinstance(doc["prompt"], list) else None
+            ids = prompt_ids(doc["prompt"], data.tokenizer, chat, self.images.get(id(doc)))
             if len(ids) > limit:
                 raise ConfigError(
                     f"{what}: prompt {number} is {len(ids)} tokens; with "
