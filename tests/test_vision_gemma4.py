@@ -422,3 +422,42 @@ def test_conversations_with_images_become_rows_equal_to_transformers_processor(t
         assert not batch["images"][0, row, len(files[record]) :].any()
         assert not batch["loss_mask"][0, row][inputs == 4100].any() and batch["loss_mask"][0, row].any()
     assert seen == {0, 1, 2, 3}
+
+
+def test_greedy_generation_with_images_equals_transformers(tmp_path):
+    """16 greedy tokens after prompts with one and two images of other aspect ratios equal
+    transformers' generate (its prefill with the images, their places and token types); the engine
+    with 8 slots gives each of 8 requests (pairs alike) the tokens it has alone."""
+    from tunix_train import api
+
+    _, model = _reference()
+    model.save_pretrained(tmp_path)
+    tokens, images, pixels, places = _rows(np.random.default_rng(3), 40)
+    per_row, expected, first = [2, 1, 2, 1], [], 0
+    with torch.no_grad():
+        for r, n in enumerate(per_row):
+            ids = torch.from_numpy(tokens[r : r + 1])
+            out = model.generate(
+                input_ids=ids,
+                pixel_values=torch.from_numpy(pixels[first : first + n]),
+                image_position_ids=torch.from_numpy(places[first : first + n]),
+                mm_token_type_ids=(ids == IMAGE).long(),
+                max_new_tokens=16,
+                do_sample=False,
+            )
+            first += n
+            new = out[0, tokens.shape[1] :].tolist()
+            expected.append(new[: new.index(1)] if 1 in new else new)  # ours ends before the EOS
+    assert len({tuple(e) for e in expected}) > 1
+    loaded = api.load(tmp_path, mesh_shape=[[2], ["fsdp"]], devices=jax.devices()[:2])
+    # loaded with the processor's default budget (280 tokens: 1120 patches), so padded to it
+    assert loaded.config.vision.image_shape == (1120, 50)
+    images = np.concatenate([images, np.zeros((4, 2, 1120 - 64, 50), np.float32)], axis=2)
+    images[:, :, 64:, -2:] = -1
+    own = [images[r, :n] for r, n in enumerate(per_row)]
+    solo = [loaded.generate([tokens[r]], 16, images=[own[r]])[0] for r in range(4)]
+    assert solo == expected
+    loaded.engine.slots = 8
+    assert loaded.generate([tokens[r % 4] for r in range(8)], 16, images=[own[r % 4] for r in range(8)]) == [
+        solo[r % 4] for r in range(8)
+    ]
