@@ -156,6 +156,11 @@ def anchored(messages: list[dict], folder: Path, where: str) -> list[dict]:
     return out
 
 
+def anchored_paths(payloads: list, folder: Path, where: str) -> list:
+    """A record's `images` list with each relative path made absolute against `folder` (as anchored)."""
+    return [str(image_bytes(p, folder, where)[0]) if _is_path(p) else p for p in payloads]
+
+
 def _is_path(payload) -> bool:
     return isinstance(payload, str) and not payload.startswith("data:") and "://" not in payload
 

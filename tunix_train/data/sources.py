@@ -161,6 +161,11 @@ def _whole_record(record: Any, path: Path, number: int, required: Sequence[str])
                 f"{path}:{number}: no string or messages field {field!r} (the objective reads "
                 f"{', '.join(required)} from every line)"
             )
+    if isinstance(record, dict) and isinstance(record.get("images"), list):  # the parts' images, in order
+        from tunix_train.data.images import anchored_paths
+
+        folder = path if path.is_dir() else path.parent
+        record = {**record, "images": anchored_paths(record["images"], folder, f"{path}:{number}")}
     return record
 
 

@@ -148,21 +148,41 @@ class DirectPreference(Objective):
     def _pair(self, data, doc, what: str, index: int):
         seq_len, tok = self.cfg.data.seq_len, data.tokenizer
         chat = data.chat if isinstance(doc["prompt"], list) else None
-        if any(isinstance(doc[f], list) and has_images(doc[f]) for f in ("prompt", "chosen", "rejected")):
-            raise ConfigError(
-                f"{what}: pair {index + 1} holds images; preference pairs with images are not supported yet"
-            )
-        prompt = prompt_ids(doc["prompt"], tok, chat)
+        images = self._images(doc, f"{what}: pair {index + 1}")
+        prompt = prompt_ids(doc["prompt"], tok, chat, images)
         rows = []
         for field in ("chosen", "rejected"):
-            completion = completion_ids(doc["prompt"], doc[field], tok, chat)
+            completion = completion_ids(doc["prompt"], doc[field], tok, chat, images)
             if len(prompt) + len(completion) - 1 > seq_len:
                 raise ConfigError(
                     f"{what}: pair {index + 1} ({field}) is {len(prompt) + len(completion) - 1} tokens, "
                     f"longer than data.seq_len={seq_len}; raise data.seq_len or shorten it"
                 )
             rows.append(padded_row(prompt, completion, seq_len))
-        return {name: np.stack([r[name] for r in rows]) for name in rows[0]}
+        pair = {name: np.stack([r[name] for r in rows]) for name in rows[0]}
+        if images is not None:  # both answers see the prompt's images, padded to data.images_per_row
+            pair["images"] = np.zeros((2, self.cfg.data.images_per_row, *images.shape[1:]), np.float32)
+            pair["images"][:, : len(images)] = images
+        return pair
+
+    def _images(self, doc, where: str):
+        """The prompt's images [n, *image_shape] (image-grounded pairs; None without a tower). The
+        answers are text: an image in one is a one-line error."""
+        from tunix_train.data.images import conversation_pixels
+
+        vision = self.cfg.model.vision
+        for field in ("prompt", "chosen", "rejected"):
+            if isinstance(doc[field], list) and has_images(doc[field]):
+                if field != "prompt" or vision is None:
+                    raise ConfigError(
+                        f"{where}: an image in its {field}; images belong in the prompt, for a model "
+                        f"with model.vision"
+                    )
+        if vision is None:
+            return None
+        prompt = doc["prompt"] if isinstance(doc["prompt"], list) else []
+        per_row = self.cfg.data.images_per_row
+        return conversation_pixels(prompt, doc.get("images") or [], vision, per_row, None, where)
 
     def train_batches(self, data, global_rows: int, rows: range):
         t = self.cfg.training
