@@ -3,6 +3,7 @@ against transformers: a random tiny Gemma3ForConditionalGeneration's SigLIP enco
 projected image features and whole-model logits on conversations with images, read into ours, on
 one device and sharded (fsdp2 x tp2, dp2 x fsdp2); the image processor against transformers'."""
 
+import dataclasses
 import io
 
 import jax
@@ -1067,3 +1068,61 @@ def test_dpo_on_image_grounded_pairs_reads_the_images_and_learns_them(tmp_path):
     cfg, _ = load_config([*overrides, f"data.train_files=[{tmp_path / 'bad.jsonl'}]"])
     with pytest.raises(ConfigError, match="pair 1: an image in its chosen; images belong in the prompt"):
         make_objective(cfg).read(Data(cfg, ("prompt", "chosen", "rejected")))
+
+
+def test_the_mmproj_gguf_reads_back_as_the_towers_tensors(tmp_path):
+    """The image tower of a loaded Gemma 3 written as llama.cpp's mmproj file, read back with the
+    gguf reader: its metadata as convert_hf_to_gguf.py --mmproj writes it for Gemma 3 (clip,
+    projector gemma3, the sizes, mean and std 0.5, the scale factor of a tower that pools other
+    than 4 x 4), and every tensor of transformers' tower under its mmproj name, equal (F32), or
+    equal as F16 (the input projection), the projector's norm as 1 + w."""
+    gguf = pytest.importorskip("gguf")
+    from tunix_train import api
+    from tunix_train.interop import gguf_mmproj
+
+    _, model = _reference()
+    model.save_pretrained(tmp_path / "hf")
+    loaded = api.load(tmp_path / "hf", mesh_shape=[[2], ["fsdp"]], devices=jax.devices()[:2])
+    gguf_mmproj.export(loaded.params, loaded.config, tmp_path / "mmproj.gguf", "f32")
+    reader = gguf.GGUFReader(tmp_path / "mmproj.gguf")
+
+    def field(key):
+        f = reader.fields[key]
+        return f.contents() if hasattr(f, "contents") else f.parts[f.data[0]]
+
+    assert field("general.architecture") == "clip" and field("general.type") == "mmproj"
+    assert field("clip.projector_type") == "gemma3" and field("clip.has_vision_encoder") is True
+    sizes = {"image_size": 32, "patch_size": 4, "embedding_length": 32, "feed_forward_length": 64}
+    for key, value in {**sizes, "block_count": 2, "projection_dim": SIZES["hidden_size"]}.items():
+        assert field(f"clip.vision.{key}") == value, key
+    assert field("clip.vision.attention.head_count") == 4
+    assert field("clip.vision.image_mean") == pytest.approx([0.5] * 3)
+    assert field("clip.vision.projector.scale_factor") == 2  # 8 patches a side pooled to 4 tokens
+
+    theirs = {  # SigLIP's pooling head, which Gemma 3 does not read, aside
+        n: t.numpy()
+        for n, t in model.state_dict().items()
+        if ("vision_tower" in n or "projector" in n) and ".head." not in n
+    }
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, 2)
+    read = {t.name: t for t in reader.tensors}
+    assert len(read) == len(theirs)
+    for name, want in theirs.items():
+        name = name.removeprefix("model.").replace("vision_tower.", "vision_tower.vision_model.", 1)
+        name = name.replace("mm_input_projection_weight", "mm_input_projection.weight")
+        tensor = read[names.get_name(name, try_suffixes=(".weight", ".bias"))]
+        got = np.asarray(tensor.data).reshape(want.shape)
+        if tensor.name == "mm.soft_emb_norm.weight":
+            want = want + 1
+        if tensor.name == "mm.input_projection.weight":
+            assert tensor.tensor_type == gguf.GGMLQuantizationType.F16
+            np.testing.assert_array_equal(got, want.astype(np.float16))
+        else:
+            assert tensor.tensor_type == gguf.GGMLQuantizationType.F32, tensor.name
+            np.testing.assert_array_equal(got, want)
+
+    with pytest.raises(ConfigError, match="mmproj.gguf exists: pass --overwrite"):
+        gguf_mmproj.export(loaded.params, loaded.config, tmp_path / "mmproj.gguf")
+    text_only = dataclasses.replace(loaded.config, vision=None)
+    with pytest.raises(ConfigError, match="--mmproj: this model has no image tower"):
+        gguf_mmproj.export(loaded.params, text_only, tmp_path / "other.gguf")

@@ -3,6 +3,7 @@ file that llama.cpp, Ollama and LM Studio run.
 
     python -m tunix_train.export RUN_DIR_OR_CHECKPOINT OUTPUT_DIR [--adapters]
     python -m tunix_train.export RUN_OR_PATH OUT.gguf --format gguf [--dtype f16] [--overwrite]
+        [--mmproj MMPROJ.gguf]
     python -m tunix_train.export LORA_RUN ADAPTER.gguf --format gguf --adapters [--dtype f16]
 
 Writes OUTPUT_DIR/config.json, OUTPUT_DIR/model.safetensors (float32) and the run's tokenizer
@@ -13,7 +14,8 @@ format (adapter_config.json, adapter_model.safetensors). --format gguf writes on
 in --dtype f32, f16, bf16, q8_0 or q4_0, the tokenizer, the chat template; a LoRA run merged),
 from a run or any checkpoint tunix_train reads; an existing file is replaced only with --overwrite.
 --format gguf --adapters writes a LoRA run's adapters alone as a llama.cpp LoRA adapter (--dtype f32,
-f16, bf16 or q8_0) to apply on top of the base's GGUF file.
+f16, bf16 or q8_0) to apply on top of the base's GGUF file. --mmproj writes a Gemma 3 model's image
+tower as llama.cpp's projector file beside it (f32 with --dtype f32, else f16).
 """
 
 import argparse
@@ -34,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", choices=["hf", "gguf"], default="hf")
     parser.add_argument("--dtype", default="f16", help="GGUF: f32, f16, bf16, q8_0 or q4_0")
     parser.add_argument("--overwrite", action="store_true", help="GGUF: replace an existing file")
+    parser.add_argument(
+        "--mmproj", type=Path, metavar="FILE", help="GGUF: also the image tower, as llama.cpp's mmproj file"
+    )
     args = parser.parse_args(argv)
     try:
         from tunix_train.interop.gguf_export import ADAPTER_DTYPES, DTYPES
@@ -47,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if args.output.exists() and not args.overwrite:
                 raise ConfigError(f"{args.output} exists: pass --overwrite to replace it")
+        elif args.mmproj is not None:
+            raise ConfigError("--mmproj goes with --format gguf")
         elif args.output.exists() and any(args.output.iterdir()):
             raise ConfigError(f"{args.output} is not empty; choose a new output directory")
         from tunix_train import api
@@ -57,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.output, args.format if args.format == "gguf" else "peft", args.dtype, args.overwrite
             )
         elif args.format == "gguf":
-            model.export_gguf(args.output, args.dtype, args.overwrite)
+            model.export_gguf(args.output, args.dtype, args.overwrite, args.mmproj)
         else:
             model.export(args.output)
     except ConfigError as err:

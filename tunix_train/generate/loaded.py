@@ -215,10 +215,18 @@ class LoadedModel:
             self.tokenizer.save(directory)
             write_text(directory / "chat_template.jinja", self.chat.template)
 
-    def export_gguf(self, path: Path, dtype: str = "f16", overwrite: bool = False) -> None:
+    def export_gguf(
+        self, path: Path, dtype: str = "f16", overwrite: bool = False, mmproj: Optional[Path] = None
+    ) -> None:
         """A GGUF file that llama.cpp, Ollama and LM Studio run: the weights in `dtype` (f32, f16,
-        bf16, q8_0, q4_0), the tokenizer and the chat template (interop/gguf_export.py)."""
-        from tunix_train.interop import gguf_export
+        bf16, q8_0, q4_0), the tokenizer and the chat template (interop/gguf_export.py); mmproj:
+        also the image tower as llama.cpp's projector file (interop/gguf_mmproj.py: f32 when dtype
+        is, else f16), checked before either is written."""
+        from tunix_train.interop import gguf_export, gguf_mmproj
+
+        tower_dtype = "f32" if dtype == "f32" else "f16"
+        if mmproj is not None:
+            gguf_mmproj.check(self.config, Path(mmproj), tower_dtype, overwrite)
 
         gguf_export.export(
             self.params,
@@ -229,6 +237,8 @@ class LoadedModel:
             dtype,
             overwrite,
         )
+        if mmproj is not None:
+            gguf_mmproj.export(self.params, self.config, Path(mmproj), tower_dtype, overwrite)
 
     def export_adapters(
         self, path: Path, format: str = "peft", dtype: str = "f16", overwrite: bool = False

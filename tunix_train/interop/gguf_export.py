@@ -96,7 +96,7 @@ def export(
     if tokenizer is None:
         raise ConfigError("this checkpoint carries no tokenizer, and a GGUF file needs one")
     if cfg.vision is not None:  # llama.cpp reads an image tower from a file of its own (mmproj)
-        print(f"{path}: the text model only; the image tower's mmproj file is not written yet")
+        print(f"{path}: the text model only; the image tower goes to its own mmproj file (--mmproj FILE)")
         params = nnx.State({k: v for k, v in params.items() if k != "vision"})
         cfg = dataclasses.replace(cfg, vision=None)
 

@@ -1,0 +1,103 @@
+"""Gemma 3's image tower as llama.cpp's multimodal projector file (mmproj), as its
+convert_hf_to_gguf.py --mmproj writes one (its MmprojModel and Gemma3VisionModel), to run beside
+the text model's GGUF: `llama-mtmd-cli -m model.gguf --mmproj mmproj.gguf --image cat.png`.
+
+- metadata: general.architecture = clip, general.type = mmproj, file_type; clip.has_vision_encoder,
+  clip.projector_type = gemma3, clip.vision.projection_dim (the text model's width), image_size,
+  patch_size, embedding_length, feed_forward_length, block_count, attention.head_count,
+  attention.layer_norm_epsilon, image_mean and image_std (Gemma 3's 0.5), use_gelu; the
+  projector's scale factor (patches a side over tokens a side) where it is not Gemma 3's 4;
+- tensors: transformers' (interop/vision.py's tower_tensors) named by gguf's TensorNameMap for
+  MODEL_ARCH.MMPROJ (v.patch_embd, v.position_embd, v.blk.N.attn_q, ..., v.post_ln,
+  mm.input_projection, mm.soft_emb_norm) in transformers' layout; the projector's RMSNorm weight
+  stored as 1 + w; the embeddings and 1-D tensors in F32, the input projection in F16 (as the
+  converter forces them), the rest in the chosen type.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+
+from tunix_train.config import ConfigError, ModelConfig, VisionEncoder
+from tunix_train.files import write_atomically
+
+DTYPES = ("f32", "f16")
+
+
+def mmproj_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The tower's tensors under their mmproj names, float32, as the file holds them (1 + w)."""
+    import gguf
+
+    from tunix_train.interop import hf
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, cfg.vision.num_layers)
+    out = {}
+    for name, array in hf.hf_tensors(nnx.State({"vision": params["vision"]}), cfg).items():
+        name = name.replace("mm_input_projection_weight", "mm_input_projection.weight")
+        mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if mapped is None:
+            raise ConfigError(f"the image tower's tensor {name} has no mmproj name")
+        out[mapped] = array + np.float32(1) if mapped == "mm.soft_emb_norm.weight" else array
+    return out
+
+
+def check(cfg: ModelConfig, path: Path, dtype: str, overwrite: bool) -> None:
+    """A ConfigError for what export would refuse, before anything is written."""
+    if cfg.vision is None:
+        raise ConfigError("--mmproj: this model has no image tower (model.vision is null)")
+    if cfg.vision.encoder is VisionEncoder.gemma4:
+        raise ConfigError("--mmproj: Gemma 4's image tower is not written as an mmproj file yet")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: the mmproj file is written in {' or '.join(DTYPES)}")
+    if path.exists() and not overwrite:
+        raise ConfigError(f"{path} exists: pass --overwrite to replace it")
+
+
+def export(params, cfg: ModelConfig, path: Path, dtype: str = "f16", overwrite: bool = False) -> None:
+    """Writes `path` (process 0): the image tower of a Gemma 3 model as an mmproj GGUF."""
+    import gguf
+    import jax
+
+    check(cfg, path, dtype, overwrite)
+    v = cfg.vision
+    tensors = mmproj_tensors(params, cfg)  # every process gathers
+    if jax.process_index() != 0:
+        return
+
+    def fill(partial: Path) -> None:
+        writer = gguf.GGUFWriter(partial, "clip")
+        writer.add_type(gguf.GGUFType.MMPROJ)
+        writer.add_name(f"{cfg.name} image tower")
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+        writer.add_clip_has_vision_encoder(True)
+        writer.add_vision_projection_dim(cfg.embed_dim)
+        writer.add_vision_image_size(v.image_size)
+        writer.add_vision_patch_size(v.patch_size)
+        writer.add_vision_embedding_length(v.embed_dim)
+        writer.add_vision_feed_forward_length(v.hidden_dim)
+        writer.add_vision_block_count(v.num_layers)
+        writer.add_vision_head_count(v.num_heads)
+        writer.add_vision_image_mean([0.5, 0.5, 0.5])
+        writer.add_vision_image_std([0.5, 0.5, 0.5])
+        writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
+        writer.add_vision_attention_layernorm_eps(v.layer_norm_eps)
+        writer.add_vision_use_gelu(True)
+        scale = v.patches_per_side // round(v.tokens_per_image**0.5)
+        if scale != 4:
+            writer.add_vision_projector_scale_factor(scale)
+        for name, array in tensors.items():
+            small = array.ndim == 1 or name in ("v.patch_embd.weight", "v.position_embd.weight")
+            if small or (dtype == "f32" and name != "mm.input_projection.weight"):
+                writer.add_tensor(name, array.astype(np.float32))
+            else:
+                writer.add_tensor(name, array.astype(np.float16))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, fill)
