@@ -918,7 +918,7 @@ def image_prompt_reward(prompts, completions, **_):
     return [float(len(c)) for c in completions]
 
 
-@pytest.mark.parametrize("images", [True, False])
+@pytest.mark.parametrize("images", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_grpo_samples_and_trains_on_prompts_with_images(tmp_path, images):
     """GRPO on prompts each with an image (fsdp2 x tp2): the engine samples with the image and the
     step computes the same log-probabilities (the train-inference mismatch under 1e-4). With the
@@ -1126,3 +1126,58 @@ def test_the_mmproj_gguf_reads_back_as_the_towers_tensors(tmp_path):
     text_only = dataclasses.replace(loaded.config, vision=None)
     with pytest.raises(ConfigError, match="--mmproj: this model has no image tower"):
         gguf_mmproj.export(loaded.params, text_only, tmp_path / "other.gguf")
+
+
+def test_grpo_turns_carry_the_prompts_images_in_every_request(tmp_path):
+    """GRPO with an environment (it asks again after the answer): the conversation's first prompt
+    holds its image's tokens, and every turn's request to the engine carries the prompt's image.
+    The engine is a stand-in that ends each turn at once (a random model rarely ends its turn)."""
+    import json
+
+    from tunix_train.compose import load_config
+    from tunix_train.data import Data
+    from tunix_train.generate.session import Completion
+    from tunix_train.train.objectives import make_objective
+
+    _image_records(tmp_path, np.random.default_rng(0))
+    question = {"type": "text", "text": "What is it?"}
+    prompts = [
+        {"prompt": [{"role": "user", "content": [{"type": "image", "image": f"pics/{i}.png"}, question]}]}
+        for i in range(3)
+    ]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
+    cfg, _ = load_config(
+        [
+            *[o for o in VISION_DATA if not o.startswith("data=")],
+            "objective=grpo",
+            "data=jsonl",
+            f"data.train_files=[{tmp_path / 'prompts.jsonl'}]",
+            f"data.tokenizer={_vision_tokenizer(tmp_path / 'tok')}",
+            "training.grpo.num_generations=2",
+            "training.grpo.max_new_tokens=6",
+            "training.grpo.reward=[test_vision:image_prompt_reward]",
+            "training.grpo.environment=tests.test_tools:Checker",
+            "training.grpo.max_turns=3",
+        ]
+    )
+    objective = make_objective(cfg)
+    data = Data(cfg, objective.record_fields)
+    objective.read(data)
+    sampler, seen = objective.sampler, []
+    end_of_turn = data.chat.end_of_turn_id()
+
+    class Engine:
+        record_routes = False
+
+        def generate(self, params, requests, max_len):
+            seen.extend(requests)
+            return [Completion([7, 8], [-1.0, -1.0], "stop", end_of_turn, -1.0) for _ in requests]
+
+    sampler.engine = Engine()
+    docs = sampler.docs
+    out = sampler.complete(docs, sampler.prompts, None, None, seed=0, stream=0)
+    assert out["turns"] == [2, 2, 2] and len(seen) == 6  # the answer, then once more after "Sure?"
+    for request in seen:
+        i = request.stream % 3
+        np.testing.assert_array_equal(request.images, sampler.images[id(docs[i])])
+        assert request.prompt.count(4100) == 16  # the image's tokens, in every turn's prompt

@@ -2,7 +2,8 @@
 tools or an environment: envs/environment.py).
 
 Each conversation starts as its environment's reset(record), rendered with the chat template, its
-tools' schemas and the generation prompt. Then, turn by turn, every conversation still open is
+tools' schemas and the generation prompt; its image parts (a model with model.vision) take the
+record's images, which every turn's request carries. Then, turn by turn, every conversation still open is
 continued by the engine in one batch of requests, up to max_new_tokens per turn and the context
 (data.seq_len) in all. A turn that ends at the template's end of turn is appended as the
 assistant's message; its tool calls are run (envs/tools.py) and their results appended as tool
@@ -25,6 +26,7 @@ import numpy as np
 
 from tunix_train.config import ConfigError
 from tunix_train.data.chat import ChatTemplate, check_messages
+from tunix_train.data.images import split_images
 from tunix_train.envs import tools as t
 
 
@@ -68,11 +70,16 @@ class Turns:
         self.end_of_turn, self.end_of_turn_id = self.chat.end_of_turn(), self.chat.end_of_turn_id()
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.chat.render(messages, add_generation_prompt, tools=self.schemas)[0]
+        plain = split_images(messages)[0]  # an image part as the template writes it (its marker)
+        return self.chat.render(plain, add_generation_prompt, tools=self.schemas)[0]
 
-    def start(self, environment, record: dict[str, Any], name: str) -> Trajectory:
+    def start(self, environment, record: dict[str, Any], name: str, images=None) -> Trajectory:
+        """reset's conversation and its first prompt; images: the record's prompt's, as the tower
+        takes them [n, *image_shape] (model.vision), which its image parts become."""
         try:
-            messages = check_messages(environment.reset(record), f"{name}.reset", "its return value")
+            messages = check_messages(
+                environment.reset(record), f"{name}.reset", "its return value", parts=True
+            )
         except ConfigError:
             raise
         except Exception as err:
@@ -80,7 +87,8 @@ class Turns:
                 f"training.grpo.environment {name}.reset failed on the record {str(record)[:80]} "
                 f"({type(err).__name__}: {err})"
             ) from None
-        prompt = self.chat.tokenizer.encode_with_offsets(self.render(messages, True))[0]
+        plain = split_images(messages)[0]
+        prompt = self.chat.encode(plain, add_generation_prompt=True, images=images, tools=self.schemas)[0]
         if len(prompt) >= self.max_len:
             raise ConfigError(
                 f"a conversation's start is {len(prompt)} tokens, not less than data.seq_len="

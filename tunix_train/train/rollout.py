@@ -176,8 +176,8 @@ class Sampler:
         """A prompt's images [n, *image_shape] (conversation_pixels': its parts', then its record's list)."""
         from tunix_train.data.images import conversation_pixels
 
-        if self.cfg.model.vision is None or self.multi_turn:
-            raise ConfigError(f"{where}: images need model.vision, and no tools or environment (not yet)")
+        if self.cfg.model.vision is None:
+            raise ConfigError(f"{where}: images need a model with an image tower (model.vision)")
         per_row = self.cfg.data.images_per_row
         return conversation_pixels(
             doc["prompt"], doc.get("images") or [], self.cfg.model.vision, per_row, None, where
@@ -191,7 +191,10 @@ class Sampler:
 
             if self.grpo.environment is not None:
                 return [None] * len(docs)
-            return [self.turns.start(Environment(), doc, "Environment").prompt for doc in docs]
+            return [
+                self.turns.start(Environment(), doc, "Environment", self.images.get(id(doc))).prompt
+                for doc in docs
+            ]
         limit, prompts = self.cfg.data.seq_len - self.grpo.max_new_tokens, []
         for number, doc in enumerate(docs, start=1):
             chat = data.chat if isinstance(doc["prompt"], list) else None
@@ -394,8 +397,8 @@ class Sampler:
 
         T, start = self.cfg.data.seq_len, time.perf_counter()
 
-        def request(ids, n, k):
-            images = self.images.get(id(docs[k])) if not self.multi_turn else None
+        def request(ids, n, k):  # with turns, k is turn * N + the conversation's index
+            images = self.images.get(id(docs[k % len(docs)]))
             return Request(tuple(ids), n, sampling, seed, stream + k, images=images)
 
         if self.multi_turn:
@@ -403,7 +406,7 @@ class Sampler:
             name = self.grpo.environment or "Environment"
             trajectories = self.turns.roll_out(
                 lambda requests: self.engine.generate(params, [request(*r) for r in requests], max_len=T),
-                [self.turns.start(e, d, name) for e, d in zip(environments, docs)],
+                [self.turns.start(e, d, name, self.images.get(id(d))) for e, d in zip(environments, docs)],
                 environments,
             )
             out = {
