@@ -4,6 +4,7 @@ image features and whole-model logits on rows with images of two aspect ratios (
 read into ours, on one device and sharded (fsdp2 x tp2, dp2 x fsdp2); its export read back."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -461,3 +462,69 @@ def test_greedy_generation_with_images_equals_transformers(tmp_path):
     assert loaded.generate([tokens[r % 4] for r in range(8)], 16, images=[own[r % 4] for r in range(8)]) == [
         solo[r % 4] for r in range(8)
     ]
+
+
+@pytest.mark.parametrize("model", ["gemma3_vision_tiny", "gemma4_vision_tiny"])
+def test_lora_in_the_tower_adapts_it_merges_and_trains_only_its_adapters(model):
+    """LoRA on the tower's projections (vision_q, vision_out, vision_up, vision_down beside the text
+    model's q and v): with B drawn (not zero) the logits with images equal those of the merged
+    model without adapters (W + (alpha / r) A B, model/weights.py); the base model is the same
+    with adapters or without; the tower's adapters get gradients though the tower is frozen
+    (model.vision.trainable=false), and only adapters are trainable."""
+    from tunix_train.compose import load_config
+    from tunix_train.model.factory import build_model
+    from tunix_train.model.weights import Weights
+
+    targets = "[q,v,vision_q,vision_out,vision_up,vision_down]"
+    cfg, _ = load_config([f"model={model}", "training.lora.rank=4", f"training.lora.targets={targets}"])
+    lora = cfg.training.lora
+    adapted = build_model(cfg.model, nnx.Rngs(0), lora=lora)
+    plain = build_model(cfg.model, nnx.Rngs(0))
+    weights = Weights.for_run(cfg, keeps_reference=False)
+    trainable, frozen = weights.split(nnx.state(adapted, nnx.Param))
+    np.testing.assert_array_equal(
+        frozen["vision"]["layers"]["q"][...], nnx.state(plain)["vision"]["layers"]["q"][...]
+    )
+    names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(trainable)}
+    assert "vision.layers.q_lora.a" in names and "vision.layers.down_lora.b" in names
+    assert all(n.endswith((".a", ".b")) for n in names)
+    rng = np.random.default_rng(0)
+    trainable = jax.tree.map(lambda x: x + 0.3 * rng.standard_normal(x.shape).astype(np.float32), trainable)
+
+    rng = np.random.default_rng(1)
+    if model == "gemma4_vision_tiny":
+        images = np.stack([[_image(rng, (4, 6))[0], _image(rng, (8, 8))[0]]])
+        count = [6, 16]
+        image_tokens = [[253, *[255] * n, 254] for n in count]
+    else:
+        images = rng.standard_normal((1, 2, 3, 32, 32)).astype(np.float32)
+        image_tokens = [[253, *[255] * 16, 254]] * 2
+    row = [2, *rng.integers(3, 250, 3), *image_tokens[0], *rng.integers(3, 250, 2), *image_tokens[1]]
+    tokens = np.array([row + list(rng.integers(3, 250, 48 - len(row)))], np.int32)
+    graph = nnx.graphdef(adapted)
+
+    @jax.jit
+    def logits(trainable):
+        return nnx.merge(graph, frozen, trainable)(tokens, images=images)
+
+    with_adapters = logits(trainable)
+    merged = jax.jit(lambda p: nnx.merge(nnx.graphdef(plain), p)(tokens, images=images))(
+        weights.merged(trainable, frozen)
+    )
+    np.testing.assert_allclose(with_adapters, merged, atol=1e-4, rtol=0)  # logits of about 2
+    base = logits(jax.tree.map(jnp.zeros_like, trainable))
+    assert np.abs(np.asarray(with_adapters) - np.asarray(base)).max() > 1e-2
+    grads = jax.jit(jax.grad(lambda t: jnp.mean(logits(t) ** 2)))(trainable)
+    assert np.abs(grads["vision"]["layers"]["q_lora"]["a"][...]).max() > 0
+
+
+def test_tower_lora_targets_are_checked_in_one_line():
+    from tunix_train.compose import load_config
+
+    for overrides, message in [
+        (["model=gemma3_tiny", "training.lora.targets=[q,vision_q]"], "unknown projection 'vision_q'"),
+        (["model=gemma3_vision_tiny", "training.lora.targets=[vision_gate]"], "vision_gate is Gemma 4's"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(["training.lora.rank=4", *overrides])
+    load_config(["model=gemma4_vision_tiny", "training.lora.rank=4", "training.lora.targets=[vision_gate]"])

@@ -21,6 +21,7 @@ from typing import Any
 from tunix_train.config import (
     CHAT_ROLES,
     LORA_TARGETS,
+    VISION_LORA_TARGETS,
     AttentionImpl,
     BaseQuantization,
     Config,
@@ -31,6 +32,7 @@ from tunix_train.config import (
     ModelConfig,
     Objective,
     TrainingConfig,
+    VisionEncoder,
     reads_text,
 )
 from tunix_train.model.layout import validate_model
@@ -136,12 +138,17 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
     if lora.rank is not None:
         if lora.rank <= 0:
             raise ConfigError(f"training.lora.rank={lora.rank} must be positive (or null for no adapters)")
-        unknown = [x for x in lora.targets if x not in LORA_TARGETS]
+        known = LORA_TARGETS + (VISION_LORA_TARGETS if m.vision is not None else ())
+        unknown = [x for x in lora.targets if x not in known]
         if unknown or not lora.targets:
             raise ConfigError(
                 f"training.lora.targets={list(lora.targets)}: "
                 f"{'unknown projection ' + repr(unknown[0]) if unknown else 'empty'}; "
-                f"choose from {', '.join(LORA_TARGETS)}"
+                f"choose from {', '.join(known)}"
+            )
+        if "vision_gate" in lora.targets and m.vision.encoder is not VisionEncoder.gemma4:
+            raise ConfigError(
+                "training.lora.targets: vision_gate is Gemma 4's tower's; SigLIP's MLP has no gate"
             )
     elif lora.base_quantization is not BaseQuantization.none:
         raise ConfigError(

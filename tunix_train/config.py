@@ -342,6 +342,16 @@ class DataConfig:
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles a conversation's messages may have
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections an adapter can attach to
+# and in the image tower (model.vision; vision_gate: Gemma 4's)
+VISION_LORA_TARGETS = (
+    "vision_q",
+    "vision_k",
+    "vision_v",
+    "vision_out",
+    "vision_gate",
+    "vision_up",
+    "vision_down",
+)
 
 
 @dataclasses.dataclass
@@ -350,7 +360,7 @@ class LoraConfig:
 
     rank: Optional[int] = _fixed(None)  # null: no adapters (every parameter trains)
     alpha: float = _fixed(16.0)
-    targets: List[str] = _fixed(factory=lambda: ["q", "k", "v", "o"])  # among LORA_TARGETS
+    targets: List[str] = _fixed(factory=lambda: ["q", "k", "v", "o"])  # among (VISION_)LORA_TARGETS
     # how the frozen base is held (and computes, when quantized)
     base_dtype: BaseDtype = _fixed(BaseDtype.fp32)
     # The base's projections (q k v o gate up down) held quantized, each layer dequantized in the step

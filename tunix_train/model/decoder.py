@@ -336,7 +336,12 @@ class Decoder(nnx.Module):
                 nnx.Rngs(jax.random.fold_in(keys[0], 1)),
                 rules,
                 kernels.remat_policy(remat, quantized_base=False),
+                lora,
             )
+        )
+        # the images' embeddings carry gradient into the tower when it trains or has adapters
+        self.tower_learns = cfg.vision is not None and (
+            cfg.vision.trainable or (lora is not None and any(t.startswith("vision_") for t in lora.targets))
         )
 
     def stacks(self) -> list[tuple[LayerGroup, list[Block]]]:
@@ -393,13 +398,13 @@ class Decoder(nnx.Module):
 
     def image_embeddings(self, images_BI):
         """The images' embeddings [B, I x tokens_per_image, D], in the text model's dtype; without
-        gradient unless model.vision.trainable."""
+        gradient unless model.vision.trainable or the tower has adapters."""
         if self.vision is None:
             raise ValueError("images given to a text-only model (model.vision is null)")
         B, per_row = images_BI.shape[:2]
         features = self.vision(images_BI.reshape(B * per_row, *images_BI.shape[2:]))
         features = features.reshape(B, per_row * features.shape[1], -1).astype(self.embedding_VD[...].dtype)
-        return features if self.cfg.vision.trainable else jax.lax.stop_gradient(features)
+        return features if self.tower_learns else jax.lax.stop_gradient(features)
 
     def per_layer_inputs(self, tokens_BT, x_BTD):
         """Gemma 4's per-layer inputs [B, T, L, P]: the token's row of the per-layer table (scaled by

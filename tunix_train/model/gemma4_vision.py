@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_train.config import VisionConfig
+from tunix_train.config import LoraConfig, VisionConfig
 from tunix_train.model.common import RMSNorm, gelu_tanh, param
-from tunix_train.model.vision import stacked_layers
+from tunix_train.model.lora import Adapt, no_adapter
+from tunix_train.model.vision import adapted, stacked_layers
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
 
 # a masked score: finite, so that an image of no patches gives no NaN
@@ -57,7 +58,7 @@ def rope_2d(x_NSHK, places_NS2, base: float):
 
 
 class EncoderLayer(nnx.Module):
-    def __init__(self, cfg: VisionConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: VisionConfig, rngs: nnx.Rngs, adapt: Adapt = no_adapter):
         D, F, H = cfg.embed_dim, cfg.hidden_dim, cfg.num_heads
         K, eps = D // H, cfg.layer_norm_eps
         self.rope_base = cfg.rope_base
@@ -68,10 +69,19 @@ class EncoderLayer(nnx.Module):
         self.down = param(rngs, (F, D), ("mlp", "embed"), F)
         self.pre_attn_norm, self.post_attn_norm = _norm(D, eps), _norm(D, eps)
         self.pre_mlp_norm, self.post_mlp_norm = _norm(D, eps), _norm(D, eps)
+        self.q_lora, self.k_lora, self.v_lora = (
+            adapt(f"vision_{x}", getattr(self, x), 1) for x in ("q", "k", "v")
+        )
+        self.out_lora = adapt("vision_out", self.out, 2)
+        self.gate_lora, self.up_lora = adapt("vision_gate", self.gate, 1), adapt("vision_up", self.up, 1)
+        self.down_lora = adapt("vision_down", self.down, 1)
 
     def __call__(self, x_NSD, places_NS2, valid_NS):
         h = self.pre_attn_norm(x_NSD)
-        q_NSHK, k_NSHK, v_NSHK = (jnp.einsum("nsd,dhk->nshk", h, w[...]) for w in (self.q, self.k, self.v))
+        q_NSHK, k_NSHK, v_NSHK = (
+            adapted(h, w, lora, "nsd,dhk->nshk")
+            for w, lora in ((self.q, self.q_lora), (self.k, self.k_lora), (self.v, self.v_lora))
+        )
         q_NSHK = rope_2d(self.q_norm(q_NSHK), places_NS2, self.rope_base)
         k_NSHK = rope_2d(self.k_norm(k_NSHK), places_NS2, self.rope_base)
         v_NSHK = self.v_norm(v_NSHK)
@@ -79,9 +89,12 @@ class EncoderLayer(nnx.Module):
         scores_NHST = jnp.where(valid_NS[:, None, None, :], scores_NHST, NEVER)  # keys: the image's own
         probs_NHST = jax.nn.softmax(scores_NHST, -1).astype(x_NSD.dtype)
         attended_NSHK = jnp.einsum("nhst,nthk->nshk", probs_NHST, v_NSHK)
-        x_NSD = x_NSD + self.post_attn_norm(jnp.einsum("nshk,hkd->nsd", attended_NSHK, self.out[...]))
+        x_NSD = x_NSD + self.post_attn_norm(adapted(attended_NSHK, self.out, self.out_lora, "nshk,hkd->nsd"))
         h = self.pre_mlp_norm(x_NSD)
-        h = (gelu_tanh(h @ self.gate[...]) * (h @ self.up[...])) @ self.down[...]
+        gate = gelu_tanh(adapted(h, self.gate, self.gate_lora, "nsd,df->nsf"))
+        h = adapted(
+            gate * adapted(h, self.up, self.up_lora, "nsd,df->nsf"), self.down, self.down_lora, "nsf,fd->nsd"
+        )
         return x_NSD + self.post_mlp_norm(h)
 
 
@@ -96,13 +109,14 @@ class Gemma4VisionTower(nnx.Module):
         rngs: nnx.Rngs,
         rules: Rules = LOGICAL_RULES,
         remat_policy=None,
+        lora: LoraConfig | None = None,
     ):
-        """remat_policy: as VisionTower's."""
+        """remat_policy, lora: as VisionTower's."""
         D, patch = cfg.embed_dim, cfg.num_channels * cfg.patch_size**2
         self.cfg, self.rules, self.remat_policy = cfg, rules, remat_policy
         self.patch = param(rngs, (patch, D), (None, "embed"), patch)
         self.position = param(rngs, (2, cfg.position_table_size, D), (None, None, "embed"), 1)
-        self.layers = stacked_layers(EncoderLayer, cfg, jax.random.split(rngs.params(), cfg.num_layers))
+        self.layers = stacked_layers(EncoderLayer, cfg, jax.random.split(rngs.params(), cfg.num_layers), lora)
         if cfg.standardize:
             self.std_bias = nnx.Param(jnp.zeros((D,), jnp.float32), axes=("norm",))
             self.std_scale = nnx.Param(jnp.ones((D,), jnp.float32), axes=("norm",))

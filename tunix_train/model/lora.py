@@ -73,6 +73,8 @@ ADAPTED_WEIGHTS = {
     "up_lora": "up_DF",
     "down_lora": "down_FD",
 }
+# The image tower's (model/vision.py, gemma4_vision.py: under `vision.layers`)
+TOWER_ADAPTED_WEIGHTS = {f"{x}_lora": x for x in ("q", "k", "v", "out", "gate", "up", "down")}
 # The number of input dimensions (after a stack's layers axis) of each adapted weight.
 INPUT_DIMS = {"q_DNH": 1, "k_DKH": 1, "v_DKH": 1, "o_NHD": 2, "gate_DF": 1, "up_DF": 1, "down_FD": 1}
 Adapt = Callable[[str, nnx.Param, int], LoRA | None]  # (target, weight, input dims) -> its adapter or None

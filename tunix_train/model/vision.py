@@ -16,12 +16,15 @@ Attention is bidirectional among one image's tokens (`image_ids`, kernels.visibl
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_train.config import VisionConfig, VisionEncoder
+from tunix_train.config import LoraConfig, VisionConfig, VisionEncoder
 from tunix_train.model.common import RMSNorm, gelu_tanh, param
+from tunix_train.model.lora import Adapt, adapter, no_adapter
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
 
 
@@ -43,7 +46,7 @@ class LayerNorm(nnx.Module):
 class EncoderLayer(nnx.Module):
     """x + attention(norm1(x)), then + mlp(norm2(x)); every token of an image sees every other."""
 
-    def __init__(self, cfg: VisionConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: VisionConfig, rngs: nnx.Rngs, adapt: Adapt = no_adapter):
         D, F, H = cfg.embed_dim, cfg.hidden_dim, cfg.num_heads
         K = D // H
         self.norm1, self.norm2 = LayerNorm(D, cfg.layer_norm_eps), LayerNorm(D, cfg.layer_norm_eps)
@@ -57,30 +60,52 @@ class EncoderLayer(nnx.Module):
         self.up_bias = nnx.Param(jnp.zeros((F,), jnp.float32), axes=("mlp",))
         self.down = param(rngs, (F, D), ("mlp", "embed"), F)
         self.down_bias = nnx.Param(jnp.zeros((D,), jnp.float32), axes=("norm",))
+        self.q_lora, self.k_lora, self.v_lora = (
+            adapt(f"vision_{x}", getattr(self, x), 1) for x in ("q", "k", "v")
+        )
+        self.out_lora = adapt("vision_out", self.out, 2)
+        self.up_lora, self.down_lora = adapt("vision_up", self.up, 1), adapt("vision_down", self.down, 1)
 
     def __call__(self, x_NSD):
         h = self.norm1(x_NSD)
         q_NSHK, k_NSHK, v_NSHK = (
-            jnp.einsum("nsd,dhk->nshk", h, w[...]) + b[...]
-            for w, b in ((self.q, self.q_bias), (self.k, self.k_bias), (self.v, self.v_bias))
+            adapted(h, w, lora, "nsd,dhk->nshk") + b[...]
+            for w, b, lora in (
+                (self.q, self.q_bias, self.q_lora),
+                (self.k, self.k_bias, self.k_lora),
+                (self.v, self.v_bias, self.v_lora),
+            )
         )
         scores_NHST = jnp.einsum("nshk,nthk->nhst", q_NSHK, k_NSHK) * q_NSHK.shape[-1] ** -0.5
         probs_NHST = jax.nn.softmax(scores_NHST.astype(jnp.float32), -1).astype(x_NSD.dtype)
         attended_NSHK = jnp.einsum("nhst,nthk->nshk", probs_NHST, v_NSHK)
-        x_NSD = x_NSD + jnp.einsum("nshk,hkd->nsd", attended_NSHK, self.out[...]) + self.out_bias[...]
-        h = gelu_tanh(self.norm2(x_NSD) @ self.up[...] + self.up_bias[...])
-        return x_NSD + h @ self.down[...] + self.down_bias[...]
+        x_NSD = x_NSD + adapted(attended_NSHK, self.out, self.out_lora, "nshk,hkd->nsd") + self.out_bias[...]
+        h = gelu_tanh(adapted(self.norm2(x_NSD), self.up, self.up_lora, "nsd,df->nsf") + self.up_bias[...])
+        return x_NSD + adapted(h, self.down, self.down_lora, "nsf,fd->nsd") + self.down_bias[...]
 
 
-def stacked_layers(layer_class, cfg: VisionConfig, keys):
-    """One layer_class(cfg) whose parameters have a leading axis of cfg.num_layers (one per key),
-    for jax.lax.scan. The axis is `vision_layers`, not `layers`, which pp splits: the tower runs
-    whole before the text model's stages."""
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: layer_class(cfg, nnx.Rngs(0))))
-    state = jax.vmap(lambda key: nnx.state(layer_class(cfg, nnx.Rngs(key))))(keys)
+def stacked_layers(layer_class, cfg: VisionConfig, keys, lora: LoraConfig | None = None):
+    """One layer_class(cfg, rngs, adapt) whose parameters have a leading axis of cfg.num_layers
+    (one per key), for jax.lax.scan. The axis is `vision_layers`, not `layers`, which pp splits:
+    the tower runs whole before the text model's stages. lora: adapters on the vision_* targets,
+    drawn from their own keys (the tower is the same with adapters or without)."""
+
+    def layer(key, adapter_key):
+        adapt = no_adapter if lora is None else functools.partial(adapter, lora, nnx.Rngs(adapter_key))
+        return layer_class(cfg, nnx.Rngs(key), adapt)
+
+    adapter_keys = jax.random.split(jax.random.fold_in(keys[0], 1), len(keys))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: layer(jax.random.key(0), jax.random.key(0))))
+    state = jax.vmap(lambda key, adapter_key: nnx.state(layer(key, adapter_key)))(keys, adapter_keys)
     for variable in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         variable.set_metadata(axes=("vision_layers", *variable.get_metadata()["axes"]))
     return nnx.merge(graphdef, state)
+
+
+def adapted(x, weight, lora, spec: str):
+    """einsum(spec, x, weight), plus the adapter's delta when there is one."""
+    y = jnp.einsum(spec, x, weight[...])
+    return y if lora is None else y + lora(x)
 
 
 class VisionTower(nnx.Module):
@@ -93,15 +118,16 @@ class VisionTower(nnx.Module):
         rngs: nnx.Rngs,
         rules: Rules = LOGICAL_RULES,
         remat_policy=None,
+        lora: LoraConfig | None = None,
     ):
         """remat_policy: what each encoder layer keeps for the backward pass (training.remat's, as
-        the text layers'); None: everything."""
+        the text layers'); None: everything. lora: adapters on its vision_* targets."""
         P, C, D = cfg.patch_size, cfg.num_channels, cfg.embed_dim
         self.cfg, self.rules, self.remat_policy = cfg, rules, remat_policy
         self.patch = param(rngs, (P * P * C, D), (None, "embed"), P * P * C)  # rows: (y, x, channel)
         self.patch_bias = nnx.Param(jnp.zeros((D,), jnp.float32), axes=("norm",))
         self.position = param(rngs, (cfg.patches_per_side**2, D), (None, "embed"), 1)
-        self.layers = stacked_layers(EncoderLayer, cfg, jax.random.split(rngs.params(), cfg.num_layers))
+        self.layers = stacked_layers(EncoderLayer, cfg, jax.random.split(rngs.params(), cfg.num_layers), lora)
         self.final_norm = LayerNorm(D, cfg.layer_norm_eps)
         self.soft_norm = RMSNorm(D, cfg.layer_norm_eps)  # Gemma's: 1 + scale
         self.projection = param(rngs, (D, text_dim), (None, "embed"), D)

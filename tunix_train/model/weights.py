@@ -19,7 +19,7 @@ from flax import nnx
 
 from tunix_train.config import BaseDtype, BaseQuantization, Config, ConfigError, LoraConfig
 from tunix_train.model import quant
-from tunix_train.model.lora import ADAPTED_WEIGHTS, INPUT_DIMS, Adapter, merged
+from tunix_train.model.lora import ADAPTED_WEIGHTS, INPUT_DIMS, TOWER_ADAPTED_WEIGHTS, Adapter, merged
 from tunix_train.sharding import layer_sharding
 
 # (our path, the stacked leaf's ShapeDtypeStruct, read_layer) -> the leaf built layer by layer, or
@@ -201,7 +201,8 @@ class Weights:
         adapters = dict(nnx.to_flat_state(params))
         scale = self.lora.alpha / self.lora.rank
         for path in {p[:-1] for p in adapters}:
-            weight_path = (*path[:-1], ADAPTED_WEIGHTS[path[-1]])
+            names = TOWER_ADAPTED_WEIGHTS if path[0] == "vision" else ADAPTED_WEIGHTS
+            weight_path = (*path[:-1], names[path[-1]])
             base = flat[weight_path]
             flat[weight_path] = base.replace(
                 merged(base[...], adapters[(*path, "a")][...], adapters[(*path, "b")][...], scale)

@@ -54,7 +54,8 @@ def make_optimizer(
     adamw = optax.adamw(
         schedule, b1=t.adam_b1, b2=t.adam_b2, eps=t.adam_eps, weight_decay=t.weight_decay, mask=_decay_mask
     )
-    if model is not None and model.vision is not None and not model.vision.trainable:
+    # (under LoRA only adapters train, the tower's among them when it is targeted)
+    if model is not None and model.vision is not None and not model.vision.trainable and t.lora.rank is None:
         adamw = optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, _frozen_tower_labels)
     if t.grad_clip_norm > 0:
         adamw = optax.chain(optax.clip_by_global_norm(t.grad_clip_norm), adamw)
