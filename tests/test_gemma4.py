@@ -274,7 +274,7 @@ def _loss_and_grads(cfg, params, mesh_shape, tokens):
         return float(value), jax.tree.map(np.asarray, grads), params, step.as_text()
 
 
-@pytest.mark.slow  # four compilations, about 40 s
+@pytest.mark.slow  # three compilations
 def test_loss_and_gradients_are_equal_for_every_ep_and_the_experts_are_split():
     tokens = np.random.default_rng(3).integers(0, 256, (8, 33))
     cfg = config(
@@ -286,7 +286,7 @@ def test_loss_and_gradients_are_equal_for_every_ep_and_the_experts_are_split():
     host_params = nnx.state(Decoder(cfg, nnx.Rngs(0)))
     value, grads, _, text = _loss_and_grads(cfg, host_params, [[1], ["ep"]], tokens)
     assert "all-to-all" not in text
-    for ep in (2, 4, 8):
+    for ep in (2, 4):  # (8 as 4: each of 8 experts on its own device adds no new path)
         ep_value, ep_grads, params, text = _loss_and_grads(cfg, host_params, [[ep], ["ep"]], tokens)
         assert ep_value == pytest.approx(value, abs=1e-5)
         for (path, g), ep_g in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ep_grads)):

@@ -996,6 +996,7 @@ def test_an_id_past_the_tokenizers_pieces_decodes_to_no_text():
     assert tokenizer.decode([400, 4100, 401, -1]) == tokenizer.decode([400, 401]) != ""
 
 
+@pytest.mark.slow  # 12 steps, about a minute
 def test_dpo_on_image_grounded_pairs_reads_the_images_and_learns_them(tmp_path):
     """DPO of gemma3_vision_tiny (tower trainable) on pairs whose right answer is the colour of the
     prompt's image (the same words either way): the rows carry each pair's image (a part's own, or

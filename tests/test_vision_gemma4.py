@@ -154,8 +154,8 @@ def _transformers_logits(model, tokens, pixels, places):
     [
         ([[1, 1], ["fsdp", "tp"]], "vision"),
         ([[2, 2], ["fsdp", "tp"]], "vision"),
-        ([[2, 2], ["dp", "fsdp"]], "vision"),
-        ([[1, 1], ["fsdp", "tp"]], None),
+        pytest.param([[2, 2], ["dp", "fsdp"]], "vision", marks=pytest.mark.slow),
+        pytest.param([[1, 1], ["fsdp", "tp"]], None, marks=pytest.mark.slow),
     ],
 )
 def test_logits_with_images_equal_transformers(tmp_path, mesh_shape, bidirectional):
@@ -236,8 +236,8 @@ def _init(model_cfg):
 
 @pytest.mark.parametrize(
     "mesh_shape, overrides",
-    [([[2, 2], ["fsdp", "tp"]], []), ([[2, 2], ["dp", "fsdp"]], [])],  # (pp does not run Gemma 4's
-    # per-layer inputs yet)
+    # (pp does not run Gemma 4's per-layer inputs yet)
+    [([[2, 2], ["fsdp", "tp"]], []), pytest.param([[2, 2], ["dp", "fsdp"]], [], marks=pytest.mark.slow)],
 )
 def test_gemma4_vision_tiny_gives_one_devices_loss_and_gradients(mesh_shape, overrides):
     """gemma4_vision_tiny (tower trainable, per-layer inputs, KV sharing) on rows with images of
