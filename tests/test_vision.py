@@ -1182,3 +1182,44 @@ def test_grpo_turns_carry_the_prompts_images_in_every_request(tmp_path):
         i = request.stream % 3
         np.testing.assert_array_equal(request.images, sampler.images[id(docs[i])])
         assert request.prompt.count(4100) == 16  # the image's tokens, in every turn's prompt
+
+
+def test_peft_applies_adapters_in_the_tower_and_the_text_model_with_our_logits(tmp_path):
+    """LoRA adapters on a loaded Gemma3ForConditionalGeneration (q and v of the text model, q, out,
+    up and down of SigLIP; B drawn, not zero) written in PEFT's format: PeftModel on transformers'
+    model gives the logits with images ours give (the text modules under model.language_model,
+    the tower's under model.vision_tower; target_modules a pattern, as the tower's modules share
+    the text model's names)."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+
+    from tunix_train import api
+    from tunix_train.config import LoraConfig
+    from tunix_train.interop import peft as our_peft
+    from tunix_train.model.factory import build_model
+    from tunix_train.model.weights import Weights
+
+    _, model = _reference(TEXT)
+    model.save_pretrained(tmp_path / "base")
+    loaded = api.load(tmp_path / "base", mesh_shape=[[1], ["fsdp"]], devices=jax.devices()[:1])
+    lora = LoraConfig(
+        rank=4, alpha=8.0, targets=["q", "v", "vision_q", "vision_out", "vision_up", "vision_down"]
+    )
+    adapted = build_model(loaded.config, nnx.Rngs(0), lora=lora)
+    adapters, _ = Weights(lora, False).split(nnx.state(adapted, nnx.Param))
+    rng = np.random.default_rng(0)
+    adapters = jax.tree.map(lambda x: x + 0.2 * rng.standard_normal(x.shape).astype(np.float32), adapters)
+    tokens, images = _conversations(np.random.default_rng(4), 2, 64)
+    ours = nnx.merge(nnx.graphdef(adapted), loaded.params, adapters)(tokens, images=images)
+
+    our_peft.export(adapters, loaded.config, lora, tmp_path / "adapters")
+    pixels = torch.from_numpy(np.concatenate([images[0], images[1, :1]]))  # two images, then one
+    with torch.no_grad():
+        ids = torch.from_numpy(tokens)
+        plain = model(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long()).logits.numpy()
+        peft_model = PeftModel.from_pretrained(model, tmp_path / "adapters").eval()
+        theirs = peft_model(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long()).logits
+    tower_adapted = [n for n, _ in peft_model.named_modules() if "vision_tower" in n and n.endswith("lora_A")]
+    assert len(tower_adapted) == 2 * 4  # two layers, four projections
+    assert np.abs(theirs.numpy() - plain).max() > 1e-2  # the adapters change the model
+    np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), atol=1e-4, rtol=0)

@@ -11,13 +11,14 @@ and lora_B = B.reshape(r, out).T.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
 
-from tunix_train.config import LoraConfig, ModelConfig
+from tunix_train.config import LoraConfig, ModelConfig, VisionEncoder
 from tunix_train.files import write_atomically, write_text
 from tunix_train.interop import hf
 
@@ -33,24 +34,70 @@ _MODULES = {
 }
 
 
+# the image tower's adapters -> transformers' modules under its encoder layers, per tower
+_TOWER_MODULES = {
+    VisionEncoder.siglip: (
+        "model.vision_tower.encoder.layers",  # transformers 5's names in memory, which PEFT reads
+        {"q_lora": "self_attn.q_proj", "k_lora": "self_attn.k_proj", "v_lora": "self_attn.v_proj",
+         "out_lora": "self_attn.out_proj", "up_lora": "mlp.fc1", "down_lora": "mlp.fc2"},
+    ),
+    VisionEncoder.gemma4: (
+        "model.vision_tower.encoder.layers",
+        {"q_lora": "self_attn.q_proj.linear", "k_lora": "self_attn.k_proj.linear",
+         "v_lora": "self_attn.v_proj.linear", "out_lora": "self_attn.o_proj.linear",
+         "gate_lora": "mlp.gate_proj.linear", "up_lora": "mlp.up_proj.linear",
+         "down_lora": "mlp.down_proj.linear"},
+    ),
+}  # fmt: skip
+
+
+def _text_layers(cfg: ModelConfig) -> str:
+    """Where transformers keeps the text model's layers: under language_model in a multimodal model."""
+    return "model.layers" if cfg.vision is None else "model.language_model.layers"
+
+
+def _modules(path: tuple, cfg: ModelConfig, layers: int) -> list[str]:
+    """Each layer's transformers module for the adapter at `path` (a stacked leaf of `layers` rows)."""
+    *_, adapter, _factor = path  # ("layers", "attn", "q_lora", "a"), ("groups", g, j, ...) or ("vision", ...)
+    if path[0] == "vision":
+        prefix, names = _TOWER_MODULES[cfg.vision.encoder]
+        return [f"{prefix}.{i}.{names[adapter]}" for i in range(layers)]
+    _, layer_of = hf.stack_layers(".".join(map(str, path)), cfg)
+    return [f"{_text_layers(cfg)}.{layer_of(r)}.{_MODULES[adapter]}" for r in range(layers)]
+
+
 def tensors(adapters: nnx.State, cfg: ModelConfig, lora: LoraConfig) -> dict[str, np.ndarray]:
-    """PEFT's tensors (every process gathers them): base_model.model.model.layers.{i}.<module>.lora_A.weight
-    [r, in] and .lora_B.weight [out, r], float32."""
+    """PEFT's tensors (every process gathers them): base_model.model.<module>.lora_A.weight [r, in]
+    and .lora_B.weight [out, r], float32, for each adapted module (model.layers.{i}.self_attn.q_proj,
+    ...; in a multimodal model model.language_model.layers.{i}... and the tower's)."""
     from jax.experimental import multihost_utils
 
     tensors = {}
     for path, variable in nnx.to_flat_state(adapters):
-        *_, adapter, factor = path  # ("layers", "attn", "q_lora", "a") or ("groups", g, j, "attn", ...)
-        _, layer_of = hf.stack_layers(".".join(map(str, path)), cfg)
         full = np.asarray(multihost_utils.process_allgather(variable[...], tiled=True), np.float32)
-        for layer, ours in ((layer_of(r), row) for r, row in enumerate(full)):
-            if factor == "a":
+        for module, ours in zip(_modules(path, cfg, len(full)), full):
+            if path[-1] == "a":
                 name, tensor = "lora_A", ours.reshape(-1, lora.rank).T
             else:
                 name, tensor = "lora_B", ours.reshape(lora.rank, -1).T
-            key = f"base_model.model.model.layers.{layer}.{_MODULES[adapter]}.{name}.weight"
-            tensors[key] = np.ascontiguousarray(tensor)
+            tensors[f"base_model.model.{module}.{name}.weight"] = np.ascontiguousarray(tensor)
     return tensors
+
+
+def target_modules(cfg: ModelConfig, lora: LoraConfig):
+    """adapter_config.json's target_modules: the modules' last names, or in a multimodal model (whose
+    tower has modules of the same names) a regular expression PEFT matches whole against each name."""
+    text = [_MODULES[f"{t}_lora"] for t in lora.targets if not t.startswith("vision_")]
+    if cfg.vision is None:
+        return sorted(m.split(".")[-1] for m in text)
+    prefix, names = _TOWER_MODULES[cfg.vision.encoder]
+    tower = [names[f"{t.removeprefix('vision_')}_lora"] for t in lora.targets if t.startswith("vision_")]
+    alternatives = [
+        rf"{re.escape(p)}\.\d+\.({'|'.join(re.escape(m) for m in ms)})"
+        for p, ms in ((_text_layers(cfg), text), (prefix, tower))
+        if ms
+    ]
+    return "|".join(f"(?:{a})" for a in alternatives)
 
 
 def export(
@@ -68,7 +115,7 @@ def export(
         "lora_alpha": lora.alpha,
         "lora_dropout": 0.0,
         "bias": "none",
-        "target_modules": sorted(_MODULES[f"{t}_lora"].split(".")[-1] for t in lora.targets),
+        "target_modules": target_modules(cfg, lora),
         "fan_in_fan_out": False,
         "use_rslora": False,
         "init_lora_weights": True,
