@@ -528,3 +528,48 @@ def test_tower_lora_targets_are_checked_in_one_line():
         with pytest.raises(ConfigError, match=message):
             load_config(["training.lora.rank=4", *overrides])
     load_config(["model=gemma4_vision_tiny", "training.lora.rank=4", "training.lora.targets=[vision_gate]"])
+
+
+def test_the_mmproj_gguf_reads_back_as_the_towers_tensors(tmp_path):
+    """Gemma 4's tower as llama.cpp's mmproj file (--dtype f32), read back with the gguf reader:
+    clip.vision.projector_type gemma4v and the tower's sizes, and every tensor of transformers'
+    tower and projector under the name convert_hf_to_gguf.py's Gemma4VisionAudioModel gives it,
+    equal (the patch embedding as a convolution [D, 3, P, P], rows from (y, x, channel))."""
+    gguf = pytest.importorskip("gguf")
+    from tunix_train import api
+    from tunix_train.interop import gguf_mmproj
+
+    _, model = _reference()
+    model.save_pretrained(tmp_path / "hf")
+    loaded = api.load(tmp_path / "hf", mesh_shape=[[2], ["fsdp"]], devices=jax.devices()[:2])
+    gguf_mmproj.export(loaded.params, loaded.config, tmp_path / "mmproj.gguf", "f32")
+    reader = gguf.GGUFReader(tmp_path / "mmproj.gguf")
+
+    def field(key):
+        return reader.fields[key].contents()
+
+    assert field("general.architecture") == "clip" and field("clip.vision.projector_type") == "gemma4v"
+    for key, value in {
+        "patch_size": 4,
+        "embedding_length": 32,
+        "block_count": 2,
+        "projection_dim": 64,
+    }.items():
+        assert field(f"clip.vision.{key}") == value, key
+    assert field("clip.vision.image_std") == pytest.approx([1.0] * 3)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, 2)
+    read = {t.name: t for t in reader.tensors}
+    theirs = {n: t.numpy() for n, t in model.state_dict().items() if "vision" in n}
+    assert len(read) == len(theirs) == 2 + 2 + 2 * 13 + 1  # patch, positions, std, 13 a layer, projection
+    for name, want in theirs.items():
+        name = name.replace("model.vision_tower.encoder.", "vision_model.model.").replace(
+            ".linear.weight", ".weight"
+        )
+        if name.endswith("position_embedding_table"):
+            name += ".weight"
+        if name.endswith("input_proj.weight"):
+            want = want.reshape(32, 4, 4, 3).transpose(0, 3, 1, 2)
+        tensor = read[names.get_name(name, try_suffixes=(".weight", ".bias"))]
+        assert tensor.tensor_type == gguf.GGMLQuantizationType.F32, tensor.name
+        np.testing.assert_array_equal(np.asarray(tensor.data).reshape(want.shape), want, err_msg=tensor.name)

@@ -1,6 +1,13 @@
-"""Gemma 3's image tower as llama.cpp's multimodal projector file (mmproj), as its
-convert_hf_to_gguf.py --mmproj writes one (its MmprojModel and Gemma3VisionModel), to run beside
-the text model's GGUF: `llama-mtmd-cli -m model.gguf --mmproj mmproj.gguf --image cat.png`.
+"""Gemma 3's or Gemma 4's image tower as llama.cpp's multimodal projector file (mmproj), as its
+convert_hf_to_gguf.py --mmproj writes one (its MmprojModel, Gemma3VisionModel and
+Gemma4VisionAudioModel), to run beside the text model's GGUF:
+`llama-mtmd-cli -m model.gguf --mmproj mmproj.gguf --image cat.png`.
+
+Gemma 4's differs: clip.vision.projector_type = gemma4v, image_size 224 (unused), mean 0 and
+std 1 (its processor does not normalize); its encoder's tensors renamed vision_model.model.* and
+.linear dropped before the name map (v.blk.N.attn_q, attn_q_norm, attn_post_norm, ffn_gate,
+ffn_post_norm, v.std_bias, v.std_scale, ...), the patch embedding [D, 3 P P] in (y, x, channel)
+rows as a convolution [D, 3, P, P], its norms as they are, the position table in F32.
 
 - metadata: general.architecture = clip, general.type = mmproj, file_type; clip.has_vision_encoder,
   clip.projector_type = gemma3, clip.vision.projection_dim (the text model's width), image_size,
@@ -27,15 +34,33 @@ from tunix_train.files import write_atomically
 DTYPES = ("f32", "f16")
 
 
+def _gemma4_tensor(name: str, array: np.ndarray) -> tuple[str, np.ndarray]:
+    """A Gemma 4 tower tensor renamed as the converter's Gemma4VisionAudioModel renames it before
+    gguf's name map, the patch embedding's rows (y, x, channel) as a convolution [D, C, P, P]."""
+    name = name.replace("model.vision_tower.encoder.", "vision_model.model.").replace(
+        ".linear.weight", ".weight"
+    )
+    if name.endswith("position_embedding_table"):
+        name += ".weight"
+    if name.endswith("patch_embedder.input_proj.weight"):
+        patch = int(round((array.shape[1] // 3) ** 0.5))
+        array = array.reshape(array.shape[0], patch, patch, 3).transpose(0, 3, 1, 2)
+    return name, array
+
+
 def mmproj_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """The tower's tensors under their mmproj names, float32, as the file holds them (1 + w)."""
+    """The tower's tensors under their mmproj names, float32, as the file holds them (Gemma 3's
+    projector norm as 1 + w)."""
     import gguf
 
     from tunix_train.interop import hf
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, cfg.vision.num_layers)
+    gemma4 = cfg.vision.encoder is VisionEncoder.gemma4
     out = {}
     for name, array in hf.hf_tensors(nnx.State({"vision": params["vision"]}), cfg).items():
+        if gemma4:
+            name, array = _gemma4_tensor(name, array)
         name = name.replace("mm_input_projection_weight", "mm_input_projection.weight")
         mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if mapped is None:
@@ -48,8 +73,6 @@ def check(cfg: ModelConfig, path: Path, dtype: str, overwrite: bool) -> None:
     """A ConfigError for what export would refuse, before anything is written."""
     if cfg.vision is None:
         raise ConfigError("--mmproj: this model has no image tower (model.vision is null)")
-    if cfg.vision.encoder is VisionEncoder.gemma4:
-        raise ConfigError("--mmproj: Gemma 4's image tower is not written as an mmproj file yet")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: the mmproj file is written in {' or '.join(DTYPES)}")
     if path.exists() and not overwrite:
@@ -57,12 +80,13 @@ def check(cfg: ModelConfig, path: Path, dtype: str, overwrite: bool) -> None:
 
 
 def export(params, cfg: ModelConfig, path: Path, dtype: str = "f16", overwrite: bool = False) -> None:
-    """Writes `path` (process 0): the image tower of a Gemma 3 model as an mmproj GGUF."""
+    """Writes `path` (process 0): the model's image tower as an mmproj GGUF."""
     import gguf
     import jax
 
     check(cfg, path, dtype, overwrite)
     v = cfg.vision
+    gemma4 = v.encoder is VisionEncoder.gemma4
     tensors = mmproj_tensors(params, cfg)  # every process gathers
     if jax.process_index() != 0:
         return
@@ -74,23 +98,32 @@ def export(params, cfg: ModelConfig, path: Path, dtype: str = "f16", overwrite: 
         writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
         writer.add_clip_has_vision_encoder(True)
         writer.add_vision_projection_dim(cfg.embed_dim)
-        writer.add_vision_image_size(v.image_size)
+        writer.add_vision_image_size(224 if gemma4 else v.image_size)  # Gemma 4's: unused (the converter's)
         writer.add_vision_patch_size(v.patch_size)
         writer.add_vision_embedding_length(v.embed_dim)
         writer.add_vision_feed_forward_length(v.hidden_dim)
         writer.add_vision_block_count(v.num_layers)
         writer.add_vision_head_count(v.num_heads)
-        writer.add_vision_image_mean([0.5, 0.5, 0.5])
-        writer.add_vision_image_std([0.5, 0.5, 0.5])
-        writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
+        # the image processors' normalization: Gemma 3's mean and std 0.5, Gemma 4's none (0 and 1)
+        writer.add_vision_image_mean([0.0] * 3 if gemma4 else [0.5] * 3)
+        writer.add_vision_image_std([1.0] * 3 if gemma4 else [0.5] * 3)
+        if gemma4:
+            writer.add_clip_vision_projector_type(gguf.VisionProjectorType.GEMMA4V)
+        else:
+            writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
         writer.add_vision_attention_layernorm_eps(v.layer_norm_eps)
-        writer.add_vision_use_gelu(True)
-        scale = v.patches_per_side // round(v.tokens_per_image**0.5)
-        if scale != 4:
-            writer.add_vision_projector_scale_factor(scale)
+        if not gemma4:
+            writer.add_vision_use_gelu(True)
+            scale = v.patches_per_side // round(v.tokens_per_image**0.5)
+            if scale != 4:
+                writer.add_vision_projector_scale_factor(scale)
+        # F32: 1-D tensors, the position tables; Gemma 3's patch embedding too, while the input
+        # projection is always F16 (as its converter forces them); the rest in `dtype`
+        always_f32 = ("v.position_embd.weight",) + (() if gemma4 else ("v.patch_embd.weight",))
+        always_f16 = () if gemma4 else ("mm.input_projection.weight",)
         for name, array in tensors.items():
-            small = array.ndim == 1 or name in ("v.patch_embd.weight", "v.position_embd.weight")
-            if small or (dtype == "f32" and name != "mm.input_projection.weight"):
+            small = array.ndim == 1 or name in always_f32
+            if small or (dtype == "f32" and name not in always_f16):
                 writer.add_tensor(name, array.astype(np.float32))
             else:
                 writer.add_tensor(name, array.astype(np.float16))
