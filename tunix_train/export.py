@@ -14,8 +14,8 @@ format (adapter_config.json, adapter_model.safetensors). --format gguf writes on
 in --dtype f32, f16, bf16, q8_0 or q4_0, the tokenizer, the chat template; a LoRA run merged),
 from a run or any checkpoint tunix_train reads; an existing file is replaced only with --overwrite.
 --format gguf --adapters writes a LoRA run's adapters alone as a llama.cpp LoRA adapter (--dtype f32,
-f16, bf16 or q8_0) to apply on top of the base's GGUF file. --mmproj writes a Gemma 3 model's image
-tower as llama.cpp's projector file beside it (f32 with --dtype f32, else f16).
+f16, bf16 or q8_0) to apply on top of the base's GGUF file. --mmproj writes a Gemma 3 or 4 model's
+image tower as llama.cpp's projector file beside it (f32 with --dtype f32, else f16).
 """
 
 import argparse
