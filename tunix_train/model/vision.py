@@ -9,9 +9,12 @@ scale) and projects them to the text model's width: the embeddings that take the
 placeholder tokens. Equal to transformers' SiglipVisionModel and Gemma3MultiModalProjector
 (test_vision.py).
 
-The merge: a row's images [I, C, H, W] give I x tokens_per_image embeddings, which take the places of
-the row's image placeholder tokens in order (`image_slots`), after the text embeddings' scaling.
-Attention is bidirectional among one image's tokens (`image_ids`, kernels.visible_keys).
+The merge, for this tower and Gemma 4's (gemma4_vision.py): a row's images [I, *image_shape] give
+I x tokens_per_image embeddings, each image's own first (all of them, here); the n-th image
+placeholder of a row takes the n-th of the images' own embeddings in order (`image_slots`), after
+the text embeddings' scaling. Attention is bidirectional among one image's tokens where
+model.vision.image_attention says (kernels.visible_keys). Adapters (training.lora.targets
+vision_*) sit beside the encoder layers' projections (`stacked_layers`, `adapted`).
 """
 
 from __future__ import annotations
