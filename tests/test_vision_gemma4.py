@@ -237,8 +237,9 @@ def _init(model_cfg):
 @pytest.mark.parametrize(
     "mesh_shape, overrides",
     # (pp does not run Gemma 4's per-layer inputs yet)
-    [([[2, 2], ["fsdp", "tp"]], []), pytest.param([[2, 2], ["dp", "fsdp"]], [], marks=pytest.mark.slow)],
+    [([[2, 2], ["fsdp", "tp"]], []), ([[2, 2], ["dp", "fsdp"]], [])],
 )
+@pytest.mark.slow  # two meshes, three compilations each
 def test_gemma4_vision_tiny_gives_one_devices_loss_and_gradients(mesh_shape, overrides):
     """gemma4_vision_tiny (tower trainable, per-layer inputs, KV sharing) on rows with images of
     two aspect ratios: the loss and every gradient, the tower's included, equal one device's."""
@@ -464,7 +465,9 @@ def test_greedy_generation_with_images_equals_transformers(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("model", ["gemma3_vision_tiny", "gemma4_vision_tiny"])
+@pytest.mark.parametrize(
+    "model", ["gemma3_vision_tiny", pytest.param("gemma4_vision_tiny", marks=pytest.mark.slow)]
+)
 def test_lora_in_the_tower_adapts_it_merges_and_trains_only_its_adapters(model):
     """LoRA on the tower's projections (vision_q, vision_out, vision_up, vision_down beside the text
     model's q and v): with B drawn (not zero) the logits with images equal those of the merged
