@@ -1223,3 +1223,65 @@ def test_peft_applies_adapters_in_the_tower_and_the_text_model_with_our_logits(t
     assert len(tower_adapted) == 2 * 4  # two layers, four projections
     assert np.abs(theirs.numpy() - plain).max() > 1e-2  # the adapters change the model
     np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), atol=1e-4, rtol=0)
+
+
+def test_pan_and_scan_rows_equal_transformers_processor(tmp_path):
+    """data.pan_and_scan_crops=4: a 900 x 300 image is followed by its three crops, introduced in
+    Gemma3Processor's words; the row's ids and image token types equal transformers' processor
+    with do_pan_and_scan, and its images equal the processor's pixel values (the image, then its
+    crops, then the square image, which has none)."""
+    import json
+
+    from PIL import Image
+
+    from tunix_train.compose import load_config
+    from tunix_train.data import Data
+    from tunix_train.data.images import split_images
+
+    rng = np.random.default_rng(0)
+    (tmp_path / "pics").mkdir()
+    for name, size in (("long", (900, 300)), ("square", (40, 40))):
+        array = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+        Image.fromarray(array).save(tmp_path / "pics" / f"{name}.png")
+    parts = [{"type": "image", "image": "pics/long.png"}, {"type": "image", "image": "pics/square.png"}]
+    record = {
+        "messages": [
+            {"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]},
+            {"role": "assistant", "content": "Two."},
+        ]
+    }
+    (tmp_path / "chats.jsonl").write_text(json.dumps(record) + "\n")
+    tokenizer = _vision_tokenizer(tmp_path / "tok")
+    cfg, _ = load_config(
+        [
+            *VISION_DATA,
+            "data.seq_len=160",
+            "data.images_per_row=6",
+            "data.pan_and_scan_crops=4",
+            f"data.train_files=[{tmp_path / 'chats.jsonl'}]",
+            f"data.tokenizer={tokenizer}",
+        ]
+    )
+    data = Data(cfg)
+    row = data.features({"messages": record["messages"], "where": "t", "folder": str(tmp_path)})
+    processor = transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+        tokenizer=transformers.AutoTokenizer.from_pretrained(tokenizer),
+        image_seq_length=16,
+    )
+    text, _ = data.chat.render(split_images(record["messages"])[0])
+    images = [Image.open(tmp_path / "pics" / n) for n in ("long.png", "square.png")]
+    expected = processor(
+        text=[text], images=[images], do_pan_and_scan=True, add_special_tokens=False, return_tensors="np"
+    )
+    assert expected["pixel_values"].shape == (5, 3, 32, 32)  # the long image, its 3 crops, the square
+    ids = np.append(row["inputs"], row["targets"][-1])
+    np.testing.assert_array_equal(ids, expected["input_ids"][0])
+    np.testing.assert_array_equal(ids == 4100, expected["token_type_ids"][0] == 1)
+    assert row["images"].shape == (5, 3, 32, 32)
+    np.testing.assert_allclose(row["images"], expected["pixel_values"], atol=1e-6, rtol=0)
+    cfg.data.images_per_row = 3  # checked at start-up, naming the record
+    with pytest.raises(
+        ConfigError, match=r"chats.jsonl:1: 2 images and their 3 crops, more than data.images_per_row=3"
+    ):
+        Data(cfg)

@@ -126,6 +126,10 @@ def validate(cfg: Config) -> None:
         )
     if d.images_per_row < 1:
         raise ConfigError(f"data.images_per_row={d.images_per_row} must be positive")
+    if d.pan_and_scan_crops < 0 or d.pan_and_scan_crops == 1:
+        raise ConfigError(f"data.pan_and_scan_crops={d.pan_and_scan_crops} must be 0 (off) or at least 2")
+    if d.pan_and_scan_crops and (m.vision is None or m.vision.encoder is not VisionEncoder.siglip):
+        raise ConfigError("data.pan_and_scan_crops is Gemma 3's (model.vision.encoder=siglip); set it to 0")
     if d.prefetch_batches < 0:
         raise ConfigError(f"data.prefetch_batches={d.prefetch_batches} must be >= 0")
     _validate_post_training(t, d, cfg.model)

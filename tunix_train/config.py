@@ -336,6 +336,10 @@ class DataConfig:
     # With model.vision and conversations: the most images one conversation (one row: rows with
     # images are not packed) holds; a row's images pad to this many.
     images_per_row: int = _fixed(1)
+    # Gemma 3's pan-and-scan (model.vision's siglip tower): a long image also gives up to this many
+    # crops, each an image of its own after it (transformers' do_pan_and_scan with max_num_crops;
+    # crops of at least 256 pixels, images at least 1.2 times longer than wide); 0: off
+    pan_and_scan_crops: int = _fixed(0)
     prefetch_batches: int = _changeable(4)  # batches prepared ahead of the train step by a background thread
 
 

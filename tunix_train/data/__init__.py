@@ -43,6 +43,7 @@ class Data:
                 cfg.data.seq_len,
                 self.vision,
                 cfg.data.images_per_row,
+                cfg.data.pan_and_scan_crops,
             )
             if (
                 cfg.data.messages_field

@@ -286,18 +286,20 @@ class ChatTemplate:
         roles: Sequence[str] = ("assistant",),
         add_generation_prompt: bool = False,
         images=None,
+        crops=None,
         **variables,
     ) -> tuple[list[int], list[bool]]:
         """Token ids of the rendered conversation and, for each, whether a message of `roles` wrote
         it (never an image's token); `variables` (tools=[schemas]) go to the template. Image parts
         should come as split_images leaves them; with image_tokens each becomes its tokens (images:
-        their arrays, which say how many where an image's count is its own)."""
+        their arrays, which say how many where an image's count is its own; crops: pan-and-scan's
+        crops after each image, ImageTokens.expand)."""
         if add_generation_prompt:
             text, spans = self.render(messages, add_generation_prompt=True, **variables)[0], []
         else:
             text, spans = self.spans(messages, roles, **variables)
         if self.image_tokens is not None:
-            text, spans = self.image_tokens.expand(text, spans, images)
+            text, spans = self.image_tokens.expand(text, spans, images, crops)
         ids, offsets = self.tokenizer.encode_with_offsets(text)
         mask = [any(end > a and start < b for a, b in spans) for start, end in offsets]
         if self.image_tokens is not None:

@@ -283,12 +283,33 @@ def image_payloads(messages: Sequence[dict], listed: Sequence[Any], where: str) 
 def conversation_pixels(
     messages, listed, vision, per_row: int, folder: Path | None, where: str
 ) -> np.ndarray:
-    """A conversation's images as the tower takes them [n, C, H, W] (image_payloads'), at most
-    per_row (data.images_per_row) of them; vision: the model's VisionConfig."""
+    """A conversation's images as the tower takes them [n, *image_shape] (image_payloads'), at
+    most per_row (data.images_per_row) of them; vision: the model's VisionConfig."""
+    return conversation_images(messages, listed, vision, per_row, folder, where)[0]
+
+
+PAN_AND_SCAN = dict(min_crop_size=256, min_ratio=1.2)  # transformers' Gemma3ImageProcessor defaults
+
+
+def conversation_images(
+    messages, listed, vision, per_row: int, folder: Path | None, where: str, crops: int = 0
+) -> tuple[np.ndarray, list[int]]:
+    """conversation_pixels' images and each one's pan-and-scan crops: with crops > 0 (Gemma 3's
+    data.pan_and_scan_crops) a long image is followed by up to that many crops of it, each an
+    image of its own; the second list says how many followed each image."""
     payloads = image_payloads(messages, listed, where) if has_images(messages) else []
-    if len(payloads) > per_row:
-        raise ConfigError(f"{where}: {len(payloads)} images, more than data.images_per_row={per_row}")
-    return pixel_stack(payloads, vision, folder, where)
+    arrays, counts = [], []
+    for payload in payloads:
+        image = open_image(*image_bytes(payload, folder, where))
+        pieces = [image, *(pan_and_scan(image, max_crops=crops, **PAN_AND_SCAN) if crops else [])]
+        arrays += [image_array(piece, vision) for piece in pieces]
+        counts.append(len(pieces) - 1)
+    if len(arrays) > per_row:
+        crops_said = f" and their {sum(counts)} crops" if sum(counts) else ""
+        raise ConfigError(
+            f"{where}: {len(payloads)} images{crops_said}, more than data.images_per_row={per_row}"
+        )
+    return (np.stack(arrays) if arrays else np.zeros((0, *vision.image_shape), np.float32)), counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,16 +370,22 @@ class ImageTokens:
         return [int(c) for c in (np.asarray(images)[:n, :, -1] >= 0).sum(-1) // self.kernel**2]
 
     def expand(
-        self, text: str, spans: list[tuple[int, int]], images=None
+        self, text: str, spans: list[tuple[int, int]], images=None, crops=None
     ) -> tuple[str, list[tuple[int, int]]]:
         """The text with each marker expanded (the i-th for images[i]), and the character spans moved
-        with it (a span holding a marker holds its expansion)."""
+        with it (a span holding a marker holds its expansion). crops: how many pan-and-scan crops
+        follow each image (Gemma 3), which Gemma3Processor introduces in words."""
         starts = [m.start() for m in re.finditer(re.escape(self.marker), text)]
         if not starts:
             return text, spans
         pieces, grown, last = [], [], 0
-        for at, n in zip(starts, self.counts(images, len(starts))):
+        for i, (at, n) in enumerate(zip(starts, self.counts(images, len(starts)))):
             sequence = f"{self.around}{self.boi}{self.image * n}{self.eoi}{self.around}"
+            if crops and crops[i]:  # the words of transformers' Gemma3Processor.replace_image_token
+                sequence = (
+                    f"Here is the original image {sequence} and here are some crops to help you see better "
+                    + " ".join([sequence] * crops[i])
+                )
             pieces += [text[last:at], sequence]
             grown.append(len(sequence) - len(self.marker))
             last = at + len(self.marker)

@@ -19,7 +19,7 @@ import numpy as np
 from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchIterDataset, ZipIterDataset
 
 from tunix_train.config import ConfigError, VisionConfig
-from tunix_train.data.images import conversation_pixels, has_images, split_images
+from tunix_train.data.images import conversation_images, has_images, split_images
 from tunix_train.data.tokenizer import Tokenizer, with_bos
 
 PACKED = ("inputs", "targets", "loss_mask")
@@ -47,6 +47,7 @@ class DocumentFeatures:
         seq_len: int | None = None,
         vision: VisionConfig | None = None,
         images_per_row: int = 1,
+        pan_and_scan_crops: int = 0,
     ):
         self.tokenizer, self.vocab_size, self.chat, self.roles, self.seq_len = (
             tokenizer,
@@ -55,16 +56,16 @@ class DocumentFeatures:
             roles,
             seq_len,
         )
-        self.vision, self.images_per_row = vision, images_per_row
+        self.vision, self.images_per_row, self.pan_and_scan_crops = vision, images_per_row, pan_and_scan_crops
 
     def __call__(self, doc: dict[str, Any]) -> dict[str, np.ndarray]:
-        images = self._pixels(doc) if self.vision is not None else None
-        row = self._tokens(doc, images)
+        images, crops = self._pixels(doc) if self.vision is not None else (None, None)
+        row = self._tokens(doc, images, crops)
         if images is not None:
             row["images"] = self._placed(doc, row["inputs"], images)
         return row
 
-    def _tokens(self, doc: dict[str, Any], images=None) -> dict[str, np.ndarray]:
+    def _tokens(self, doc: dict[str, Any], images=None, crops=None) -> dict[str, np.ndarray]:
         first_loss_target = 0
         if "messages" in doc:
             tools = {"tools": doc["tools"]} if "tools" in doc else {}
@@ -76,7 +77,7 @@ class DocumentFeatures:
                         f"(model.vision is null): use a model with an image tower (gemma3_4b and up)"
                     )
                 messages = split_images(messages)[0]
-            ids, mask = self.chat.encode(messages, self.roles, images=images, **tools)
+            ids, mask = self.chat.encode(messages, self.roles, images=images, crops=crops, **tools)
             if self.seq_len is not None and len(ids) - 1 > self.seq_len:
                 raise ConfigError(
                     f"{doc['where']}: a conversation of {len(ids)} tokens (its images' included) is "
@@ -106,15 +107,17 @@ class DocumentFeatures:
         loss_mask = (np.arange(len(ids) - 1) >= first_loss_target).astype(np.float32)
         return {"inputs": ids[:-1], "targets": ids[1:], "loss_mask": loss_mask}
 
-    def _pixels(self, doc: dict[str, Any]) -> np.ndarray:
-        """The document's images as the tower takes them [n, *image_shape]."""
-        return conversation_pixels(
+    def _pixels(self, doc: dict[str, Any]) -> tuple[np.ndarray, list[int]]:
+        """The document's images as the tower takes them [n, *image_shape] (each followed by its
+        pan-and-scan crops, with data.pan_and_scan_crops), and how many crops followed each."""
+        return conversation_images(
             doc.get("messages", []),
             doc.get("images", []),
             self.vision,
             self.images_per_row,
             Path(doc.get("folder", ".")),
             doc.get("where", "a document"),
+            self.pan_and_scan_crops,
         )
 
     def _placed(self, doc: dict[str, Any], inputs: np.ndarray, images: np.ndarray) -> np.ndarray:
