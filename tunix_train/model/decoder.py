@@ -324,9 +324,9 @@ class Decoder(nnx.Module):
             self.per_layer_proj_norm = RMSNorm(P, cfg.rms_norm_eps, cfg.norm_weight_offset)
         # drawn last: the other parameters are the same tied or not
         self.output_VD = None if cfg.tie_embeddings else param(rngs, (V, D), ("vocab", "embed"), D)
+        self.images_on_global = cfg.vision is None or cfg.vision.image_attention is ImageAttention.all_layers
         # its own stream, from a key drawn before the adapters': the text model's parameters are the
         # same with a tower or without, the tower's the same with adapters or without
-        self.images_on_global = cfg.vision is None or cfg.vision.image_attention is ImageAttention.all_layers
         self.vision = (
             None
             if cfg.vision is None
