@@ -177,7 +177,9 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
                     f"training.lora.base_quantization=nf4: {name} has {axis} {size}, not a multiple of "
                     f"the block size 64; use int8 or none"
                 )
-    if t.objective is Objective.lm:
+    if t.objective is Objective.distill:
+        t.distill.check(t.micro_batch_size)
+    if t.objective in (Objective.lm, Objective.distill):  # both read the data's tokens
         return
     name = f"training.objective={t.objective.value}"
     if d.source not in (DataSource.jsonl, DataSource.parquet):

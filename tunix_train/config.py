@@ -19,6 +19,7 @@ from omegaconf import MISSING
 
 from tunix_train.config_fields import _RESUME, ConfigError, _changeable, _fixed
 from tunix_train.config_objectives import (  # noqa: F401  (re-exported: the schema's one import)
+    DistillConfig,
     DpoConfig,
     GrpoAggregation,
     GrpoConfig,
@@ -80,6 +81,7 @@ class Objective(enum.Enum):
     lm = "lm"  # next-token cross-entropy: pre-training and supervised fine-tuning
     dpo = "dpo"  # direct preference optimization on (prompt, chosen, rejected) pairs
     grpo = "grpo"  # group relative policy optimization: sampled completions scored by reward functions
+    distill = "distill"  # the trained model learns a frozen teacher's distributions on the data
 
 
 class MoeDispatch(enum.Enum):
@@ -435,6 +437,7 @@ class TrainingConfig:
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     dpo: DpoConfig = dataclasses.field(default_factory=DpoConfig)
     grpo: GrpoConfig = dataclasses.field(default_factory=GrpoConfig)
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
 
 
 @dataclasses.dataclass

@@ -237,3 +237,31 @@ class GrpoConfig:
                 f"training.grpo.eval_samples={self.eval_samples} must be >= training.grpo.eval_k="
                 f"{self.eval_k} >= 1 (pass@k needs at least k samples per prompt)"
             )
+
+
+@dataclasses.dataclass
+class DistillConfig:
+    """training.distill (objective=distill, docs/objectives/distill.md): the trained model (the
+    student) learns a frozen teacher's next-token distributions on the data's tokens."""
+
+    teacher: Optional[str] = _fixed(None)  # a Hugging Face directory, a .gguf or a run: its weights
+    # GKD's generalized Jensen-Shannon divergence (Agarwal et al. 2024; TRL's generalized_jsd_loss):
+    # 0 is the forward KL(teacher || student), 1 the reverse KL(student || teacher)
+    beta: float = _fixed(0.5)
+    temperature: float = _fixed(1.0)  # both models' logits are divided by it
+    ce_weight: float = _fixed(0.0)  # the data's cross-entropy, added with this weight
+    teacher_bf16: bool = _fixed(False)  # the teacher computes in bfloat16 (half its memory)
+
+    def check(self, micro_batch_size: int) -> None:
+        """A ConfigError naming the first bad key of training.distill."""
+        if not self.teacher:
+            raise ConfigError(
+                "training.objective=distill needs training.distill.teacher: a checkpoint to learn from"
+            )
+        if not 0.0 <= self.beta <= 1.0:
+            raise ConfigError(f"training.distill.beta={self.beta} must be in [0, 1]")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)) or self.ce_weight < 0:
+            raise ConfigError(
+                f"training.distill.temperature={self.temperature} must be positive and "
+                f"training.distill.ce_weight={self.ce_weight} >= 0"
+            )

@@ -364,7 +364,24 @@ class WithModels:
         return self.jitted(*args, self.extras.params())
 
     def lower(self, *args):
-        return self.jitted.lower(*args, self.extras.abstract)
+        return _WithModels(self.jitted.lower(*args, self.extras.abstract), self.extras)
+
+
+class _WithModels:
+    """A lowered or compiled step (what it wraps answers the rest: as_text, memory_analysis, ...)
+    whose compile() and call pass the extra models' parameters as WithModels does."""
+
+    def __init__(self, wrapped, extras: FrozenModels):
+        self.wrapped, self.extras = wrapped, extras
+
+    def compile(self, *args, **kwargs):
+        return _WithModels(self.wrapped.compile(*args, **kwargs), self.extras)
+
+    def __call__(self, *args):
+        return self.wrapped(*args, self.extras.params())
+
+    def __getattr__(self, name):
+        return getattr(self.wrapped, name)
 
 
 def eval_step(

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from tunix_train.config import Config
 from tunix_train.config import Objective as Kind
-from tunix_train.train.objectives import dpo, grpo, lm
+from tunix_train.train.objectives import distill, dpo, grpo, lm
 from tunix_train.train.objectives.base import Objective
 
 __all__ = ["Objective", "make_objective"]
@@ -43,6 +43,9 @@ __all__ = ["Objective", "make_objective"]
 
 def make_objective(cfg: Config, tokenizer=None):
     """The objective training.objective names."""
-    return {Kind.lm: lm.LanguageModeling, Kind.dpo: dpo.DirectPreference, Kind.grpo: grpo.GroupRelative}[
-        cfg.training.objective
-    ](cfg)
+    return {
+        Kind.lm: lm.LanguageModeling,
+        Kind.dpo: dpo.DirectPreference,
+        Kind.grpo: grpo.GroupRelative,
+        Kind.distill: distill.Distillation,
+    }[cfg.training.objective](cfg)
