@@ -1,7 +1,7 @@
 """Distillation (objective=distill, train/objectives/distill.py): the divergence equals TRL's
 GKDTrainer.generalized_jsd_loss and numpy's KLs; a student learns a teacher read from a Hugging
-Face checkpoint, its first divergence the same on fsdp2 x tp2 and with the teacher in bf16 within
-bf16's error; bad teachers are one line each."""
+Face checkpoint, its first divergence the same on fsdp2 x tp2, under LoRA, and with the teacher in bf16
+within bf16's error; bad teachers are one line each."""
 
 import jax
 import jax.numpy as jnp
@@ -67,8 +67,8 @@ DISTILL = [
 def test_a_student_learns_its_teacher_on_any_mesh_and_with_a_bf16_teacher(tmp_path):
     """gemma3_tiny learns a random Gemma 3 read from its Hugging Face directory (beta 0.5, loss
     chunks of 8 positions): the divergence falls by a tenth in 12 steps; its first value (the same
-    4 rows) is the same on one device and on fsdp2 x tp2 (1e-5), and with the teacher in bf16
-    within 2%."""
+    4 rows) is the same on one device and on fsdp2 x tp2 (1e-5), with the teacher in bf16 within
+    2%, and under LoRA exactly, whose divergence then falls too."""
     from tunix_train.train.loop import train
 
     teacher = _teacher(tmp_path / "teacher")
@@ -94,6 +94,16 @@ def test_a_student_learns_its_teacher_on_any_mesh_and_with_a_bf16_teacher(tmp_pa
     bf16 = losses("bf16", 1, 'model.mesh_shape=[[1],["fsdp"]]', "training.distill.teacher_bf16=true")
     np.testing.assert_allclose(bf16[0], one[0], rtol=2e-2)
     assert bf16[0] != one[0]
+    lora = losses(
+        "lora",
+        12,
+        'model.mesh_shape=[[1],["fsdp"]]',
+        "training.lora.rank=8",
+        "training.lora.targets=[q,k,v,o,gate,up,down]",
+        "training.learning_rate=3e-2",
+    )
+    np.testing.assert_allclose(lora[0], one[0], rtol=1e-6)  # the adapters start at zero
+    assert lora[-1] < 0.95 * lora[0], lora
 
 
 def test_bad_teachers_and_settings_are_one_line(tmp_path):
