@@ -128,3 +128,47 @@ def test_bad_teachers_and_settings_are_one_line(tmp_path):
         with pytest.raises(ConfigError, match=message):
             objective = make_objective(cfg)
             objective.read(Data(cfg))
+
+
+@pytest.mark.slow  # two compilations at a vocabulary of 8192 (the seam's own test runs in the first leg)
+def test_the_chunked_divergence_equals_the_whole_and_holds_no_tokens_by_vocab_array(tmp_path):
+    """objective=distill on fsdp2 x tp2 with a vocabulary of 8192 and 256 positions: the first loss
+    with chunks of 16 positions equals the one without chunks (1e-6), and no array of the chunked
+    compiled step (per device) is as large as one [tokens, vocab] array; the unchunked step has one."""
+    import math
+    import re
+
+    from tunix_train.data.synthetic import SyntheticBatches
+    from tunix_train.sharding import to_global_batch
+    from tunix_train.train.objectives.distill import Distillation
+    from tunix_train.train.setup import setup
+    from tunix_train.train.step import abstract_batch
+
+    V, T, ROWS = 8192, 256, 8
+    teacher = _teacher(tmp_path / "teacher", vocab=V)
+    host = next(
+        SyntheticBatches(seq_len=T, vocab_size=V, accumulation_steps=1, global_micro_batch=ROWS, seed=0)
+    )
+
+    def run(chunk):
+        cfg = config(
+            *DISTILL,
+            f"model.vocab_size={V}",
+            f"data.seq_len={T}",
+            f"training.micro_batch_size={ROWS // 2}",
+            f"training.loss_chunk_size={chunk}",
+            f"training.distill.teacher={teacher}",
+            'model.mesh_shape=[[2,2],["fsdp","tp"]]',
+        )
+        run = setup(cfg, jax.devices()[:4], objective=Distillation(cfg))
+        with jax.set_mesh(run.mesh):
+            _, metrics = run.step_fn(run.plan.create(), to_global_batch(host, run.mesh))
+            batch = abstract_batch(run.mesh, 1, ROWS, T, run.objective.batch_dtypes)
+            hlo = run.step_fn.lower(run.plan.abstract, batch).compile().as_text()
+        shapes = re.findall(r"\b(?:f32|bf16|f16)\[([\d,]+)\]", hlo)
+        return float(metrics["loss"]), max(math.prod(int(n) for n in s.split(",")) for s in shapes)
+
+    (chunked, chunked_largest), (whole, whole_largest) = run(16), run(0)
+    assert chunked == pytest.approx(whole, rel=1e-6) and chunked > 0
+    one_array = (ROWS // 2) * T * (V // 2)  # a device's rows' tokens by the vocabulary's tp shard
+    assert chunked_largest < one_array <= whole_largest, (chunked_largest, one_array, whole_largest)
