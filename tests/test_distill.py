@@ -172,3 +172,39 @@ def test_the_chunked_divergence_equals_the_whole_and_holds_no_tokens_by_vocab_ar
     assert chunked == pytest.approx(whole, rel=1e-6) and chunked > 0
     one_array = (ROWS // 2) * T * (V // 2)  # a device's rows' tokens by the vocabulary's tp shard
     assert chunked_largest < one_array <= whole_largest, (chunked_largest, one_array, whole_largest)
+
+
+@pytest.mark.slow
+def test_a_distillation_run_resumes_bit_identically(tmp_path):
+    """Stopped after 2 steps and resumed (fsdp2 x tp2, the teacher read again from its checkpoint,
+    never saved with the student), the 4th step's parameters and every logged divergence equal an
+    uninterrupted run's bit for bit."""
+    from conftest import read_metrics
+
+    from tunix_train.train.loop import train
+
+    cfg = config(
+        *DISTILL,
+        f"training.distill.teacher={_teacher(tmp_path / 'teacher')}",
+        "training.distill.ce_weight=0.5",
+        "training.micro_batch_size=2",
+        "checkpoint.every_steps=2",
+        "training.lr_schedule=constant",  # the schedule must not depend on max_steps, which changes
+        'model.mesh_shape=[[2,2],["fsdp","tp"]]',
+    )
+
+    def run(run_dir, steps):
+        cfg.training.max_steps = steps
+        return train(cfg, run_dir, devices=jax.devices()[:4])
+
+    straight = run(tmp_path / "straight", 4)
+    run(tmp_path / "resumed", 2)
+    resumed = run(tmp_path / "resumed", 4)
+    for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    def logged(run_dir):
+        return [(m["loss"], m["divergence"], m["ce"]) for m in read_metrics(run_dir) if "loss" in m]
+
+    assert len(logged(tmp_path / "straight")) == 4
+    assert logged(tmp_path / "resumed")[-2:] == logged(tmp_path / "straight")[-2:]
