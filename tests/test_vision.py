@@ -430,23 +430,16 @@ def test_hf_export_of_a_vision_model_loads_in_transformers_with_its_logits(tmp_p
         np.testing.assert_array_equal(written[name], tensor.numpy(), err_msg=name)
 
 
-def _vision_tokenizer(directory):
-    """The bundled SentencePiece model with Gemma's turn and image tokens as pieces of their own
-    (4096 to 4100, <image_soft_token> last), and a tokenizer_config.json naming the image tokens as
-    transformers' Gemma3Processor reads them."""
+def _vision_tokenizer(directory, images=("<start_of_image>", "<end_of_image>", "<image_soft_token>")):
+    """The bundled SentencePiece model with Gemma's turn tokens and the image tokens (boi, eoi,
+    image: Gemma 3's by default) as pieces of their own (4096 to 4100, the image token last), and a
+    tokenizer_config.json naming the image tokens as transformers' processors read them."""
     import json
 
     from tunix_train.data.tokenizer import bundled_with_pieces
 
-    turns = ("<start_of_turn>", "<end_of_turn>")
-    bundled_with_pieces(
-        directory / "tokenizer.model", (*turns, "<start_of_image>", "<end_of_image>", "<image_soft_token>")
-    )
-    special = {
-        "boi_token": "<start_of_image>",
-        "eoi_token": "<end_of_image>",
-        "image_token": "<image_soft_token>",
-    }
+    bundled_with_pieces(directory / "tokenizer.model", ("<start_of_turn>", "<end_of_turn>", *images))
+    special = dict(zip(("boi_token", "eoi_token", "image_token"), images))
     (directory / "tokenizer_config.json").write_text(
         json.dumps(
             {
@@ -908,6 +901,35 @@ def test_lora_and_qlora_with_a_frozen_tower_start_at_the_base_loss_and_train(tmp
     assert lora[-1] < 0.8 * lora[0] and nf4[-1] < 0.8 * nf4[0], (lora, nf4)
 
 
+def _grpo_on_image_prompts(tmp_path, n: int, *overrides):
+    """The config of a GRPO run on n prompts, each with one of the _image_records pictures (in turn),
+    6 new tokens and image_prompt_reward."""
+    import json
+
+    from tunix_train.compose import load_config
+
+    _image_records(tmp_path, np.random.default_rng(0))
+    question = {"type": "text", "text": "What is it?"}
+    prompts = [
+        {"prompt": [{"role": "user", "content": [{"type": "image", "image": f"pics/{i % 3}.png"}, question]}]}
+        for i in range(n)
+    ]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
+    cfg, _ = load_config(
+        [
+            *[o for o in VISION_DATA if not o.startswith("data=")],
+            "objective=grpo",
+            "data=jsonl",
+            f"data.train_files=[{tmp_path / 'prompts.jsonl'}]",
+            f"data.tokenizer={_vision_tokenizer(tmp_path / 'tok')}",
+            "training.grpo.max_new_tokens=6",
+            "training.grpo.reward=[test_vision:image_prompt_reward]",
+            *overrides,
+        ]
+    )
+    return cfg
+
+
 def image_prompt_reward(prompts, completions, **_):
     """A GRPO reward that checks it receives each prompt with its image (an absolute path)."""
     from pathlib import Path
@@ -924,45 +946,20 @@ def test_grpo_samples_and_trains_on_prompts_with_images(tmp_path, images):
     step computes the same log-probabilities (the train-inference mismatch under 1e-4). With the
     step's images removed from the rows (images=False: the rows as if images were lost) the
     mismatch is large: the images reach both sides."""
-    import json
 
     from conftest import read_metrics
 
-    from tunix_train.compose import load_config
     from tunix_train.train.loop import train
     from tunix_train.train.objectives import grpo
 
-    records, _ = _image_records(tmp_path, np.random.default_rng(0))
-    prompts = [
-        {
-            "prompt": [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "image", "image": f"pics/{i % 3}.png"},
-                        {"type": "text", "text": "What is it?"},
-                    ],
-                }
-            ]
-        }
-        for i in range(8)
-    ]
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
-    cfg, _ = load_config(
-        [
-            *[o for o in VISION_DATA if not o.startswith("data=")],
-            "objective=grpo",
-            "data=jsonl",
-            f"data.train_files=[{tmp_path / 'prompts.jsonl'}]",
-            f"data.tokenizer={_vision_tokenizer(tmp_path / 'tok')}",
-            'model.mesh_shape=[[2,2],["fsdp","tp"]]',
-            "training.micro_batch_size=4",
-            "training.grpo.num_generations=4",
-            "training.grpo.max_new_tokens=6",
-            "training.grpo.reward=[test_vision:image_prompt_reward]",
-            "training.max_steps=1",
-            "training.log_every=1",
-        ]
+    cfg = _grpo_on_image_prompts(
+        tmp_path,
+        8,
+        'model.mesh_shape=[[2,2],["fsdp","tp"]]',
+        "training.micro_batch_size=4",
+        "training.grpo.num_generations=4",
+        "training.max_steps=1",
+        "training.log_every=1",
     )
     if not images:
         real = grpo.GroupRelative._rows_of
@@ -1071,6 +1068,20 @@ def test_dpo_on_image_grounded_pairs_reads_the_images_and_learns_them(tmp_path):
         make_objective(cfg).read(Data(cfg, ("prompt", "chosen", "rejected")))
 
 
+def written_mmproj(model, tmp_path):
+    """transformers' `model` saved, loaded by ours (fsdp 2), its tower written as an mmproj GGUF
+    (f32): (model, the LoadedModel, a gguf reader of the file)."""
+    import gguf
+
+    from tunix_train import api
+    from tunix_train.interop import gguf_mmproj
+
+    model.save_pretrained(tmp_path / "hf")
+    loaded = api.load(tmp_path / "hf", mesh_shape=[[2], ["fsdp"]], devices=jax.devices()[:2])
+    gguf_mmproj.export(loaded.params, loaded.config, tmp_path / "mmproj.gguf", "f32")
+    return model, loaded, gguf.GGUFReader(tmp_path / "mmproj.gguf")
+
+
 def test_the_mmproj_gguf_reads_back_as_the_towers_tensors(tmp_path):
     """The image tower of a loaded Gemma 3 written as llama.cpp's mmproj file, read back with the
     gguf reader: its metadata as convert_hf_to_gguf.py --mmproj writes it for Gemma 3 (clip,
@@ -1078,18 +1089,12 @@ def test_the_mmproj_gguf_reads_back_as_the_towers_tensors(tmp_path):
     than 4 x 4), and every tensor of transformers' tower under its mmproj name, equal (F32), or
     equal as F16 (the input projection), the projector's norm as 1 + w."""
     gguf = pytest.importorskip("gguf")
-    from tunix_train import api
     from tunix_train.interop import gguf_mmproj
 
-    _, model = _reference()
-    model.save_pretrained(tmp_path / "hf")
-    loaded = api.load(tmp_path / "hf", mesh_shape=[[2], ["fsdp"]], devices=jax.devices()[:2])
-    gguf_mmproj.export(loaded.params, loaded.config, tmp_path / "mmproj.gguf", "f32")
-    reader = gguf.GGUFReader(tmp_path / "mmproj.gguf")
+    model, loaded, reader = written_mmproj(_reference()[1], tmp_path)
 
     def field(key):
-        f = reader.fields[key]
-        return f.contents() if hasattr(f, "contents") else f.parts[f.data[0]]
+        return reader.fields[key].contents()
 
     assert field("general.architecture") == "clip" and field("general.type") == "mmproj"
     assert field("clip.projector_type") == "gemma3" and field("clip.has_vision_encoder") is True
@@ -1133,33 +1138,17 @@ def test_grpo_turns_carry_the_prompts_images_in_every_request(tmp_path):
     """GRPO with an environment (it asks again after the answer): the conversation's first prompt
     holds its image's tokens, and every turn's request to the engine carries the prompt's image.
     The engine is a stand-in that ends each turn at once (a random model rarely ends its turn)."""
-    import json
 
-    from tunix_train.compose import load_config
     from tunix_train.data import Data
     from tunix_train.generate.session import Completion
     from tunix_train.train.objectives import make_objective
 
-    _image_records(tmp_path, np.random.default_rng(0))
-    question = {"type": "text", "text": "What is it?"}
-    prompts = [
-        {"prompt": [{"role": "user", "content": [{"type": "image", "image": f"pics/{i}.png"}, question]}]}
-        for i in range(3)
-    ]
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
-    cfg, _ = load_config(
-        [
-            *[o for o in VISION_DATA if not o.startswith("data=")],
-            "objective=grpo",
-            "data=jsonl",
-            f"data.train_files=[{tmp_path / 'prompts.jsonl'}]",
-            f"data.tokenizer={_vision_tokenizer(tmp_path / 'tok')}",
-            "training.grpo.num_generations=2",
-            "training.grpo.max_new_tokens=6",
-            "training.grpo.reward=[test_vision:image_prompt_reward]",
-            "training.grpo.environment=tests.test_tools:Checker",
-            "training.grpo.max_turns=3",
-        ]
+    cfg = _grpo_on_image_prompts(
+        tmp_path,
+        3,
+        "training.grpo.num_generations=2",
+        "training.grpo.environment=tests.test_tools:Checker",
+        "training.grpo.max_turns=3",
     )
     objective = make_objective(cfg)
     data = Data(cfg, objective.record_fields)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_reference import SIZES
 
 from tunix_train.config import ConfigError, ImageAttention, VisionConfig, VisionEncoder
 from tunix_train.interop.gemma4_vision import tower_arrays, vision_from_hf
@@ -33,13 +34,7 @@ VISION = dict(
 )
 S, F = "sliding_attention", "full_attention"
 TEXT = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
+    SIZES,
     global_head_dim=16,
     layer_types=[S, F, S, F],
     sliding_window=6,  # shorter than an image
@@ -332,30 +327,6 @@ def test_patches_equal_transformers_gemma4_image_processor(width, height, mode):
         assert (ours[:, -1] >= 0).sum() // 9 == out["num_soft_tokens_per_image"][0]
 
 
-def _gemma4_tokenizer(directory):
-    """The bundled SentencePiece model with Gemma's turn tokens and Gemma 4's image tokens as pieces
-    of their own (<|image|> last: 4100), named as Gemma 4's tokenizer_config.json names them."""
-    import json
-
-    from tunix_train.data.tokenizer import bundled_with_pieces
-
-    pieces = ("<start_of_turn>", "<end_of_turn>", "<|image>", "<image|>", "<|image|>")
-    bundled_with_pieces(directory / "tokenizer.model", pieces)
-    special = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>"}
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "GemmaTokenizer",
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "add_bos_token": True,
-                "extra_special_tokens": special,
-            }
-        )
-    )
-    return directory
-
-
 def test_conversations_with_images_become_rows_equal_to_transformers_processor(tmp_path):
     """Rows of conversations with images for gemma4_vision_tiny (a 70-token budget): each image
     part becomes <|image> + its own count of <|image|> + <image|>, the count and the text as
@@ -366,7 +337,7 @@ def test_conversations_with_images_become_rows_equal_to_transformers_processor(t
     import types
 
     from PIL import Image
-    from test_vision import _doc, _image_records
+    from test_vision import _doc, _image_records, _vision_tokenizer
 
     from tunix_train.compose import load_config
     from tunix_train.data import Data
@@ -374,7 +345,7 @@ def test_conversations_with_images_become_rows_equal_to_transformers_processor(t
 
     records, paths = _image_records(tmp_path, np.random.default_rng(0))
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    tokenizer = _gemma4_tokenizer(tmp_path / "tok")
+    tokenizer = _vision_tokenizer(tmp_path / "tok", ("<|image>", "<image|>", "<|image|>"))  # Gemma 4's
     cfg, _ = load_config(
         [
             "model=gemma4_vision_tiny",
@@ -539,14 +510,9 @@ def test_the_mmproj_gguf_reads_back_as_the_towers_tensors(tmp_path):
     tower and projector under the name convert_hf_to_gguf.py's Gemma4VisionAudioModel gives it,
     equal (the patch embedding as a convolution [D, 3, P, P], rows from (y, x, channel))."""
     gguf = pytest.importorskip("gguf")
-    from tunix_train import api
-    from tunix_train.interop import gguf_mmproj
+    from test_vision import written_mmproj
 
-    _, model = _reference()
-    model.save_pretrained(tmp_path / "hf")
-    loaded = api.load(tmp_path / "hf", mesh_shape=[[2], ["fsdp"]], devices=jax.devices()[:2])
-    gguf_mmproj.export(loaded.params, loaded.config, tmp_path / "mmproj.gguf", "f32")
-    reader = gguf.GGUFReader(tmp_path / "mmproj.gguf")
+    model, _, reader = written_mmproj(_reference()[1], tmp_path)
 
     def field(key):
         return reader.fields[key].contents()

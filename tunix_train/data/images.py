@@ -316,17 +316,19 @@ def conversation_images(
 class ImageTokens:
     """How the images a template places become tokens, as transformers' processors make them: each
     `marker` the template writes becomes `around` + boi + n image tokens + eoi + `around`, where n is
-    `count` (Gemma 3: every image's) or each image's own (Gemma 4: its patches over kernel^2),
-    tokenized with the rest."""
+    the image's token count (model.vision's: Gemma 3's are all tokens_per_image, a Gemma 4 image's
+    its own), tokenized with the rest."""
 
-    image_id: int
-    count: int | None  # None: each image's own (kernel)
+    vision: Any  # model.vision (a VisionConfig)
     boi: str = "<start_of_image>"
     eoi: str = "<end_of_image>"
     image: str = "<image_soft_token>"
     marker: str = "<start_of_image>"  # what the template writes for an image part
     around: str = "\n\n"
-    kernel: int = 1
+
+    @property
+    def image_id(self) -> int:
+        return self.vision.image_token_id
 
     @classmethod
     def for_model(cls, tokenizer, vision) -> ImageTokens:
@@ -334,18 +336,9 @@ class ImageTokens:
         as its tokenizer_config.json names them), each one token of `tokenizer`, the image token
         model.vision's id."""
         if vision.encoder is VisionEncoder.gemma4:
-            tokens = cls(
-                vision.image_token_id,
-                None,
-                "<|image>",
-                "<image|>",
-                "<|image|>",
-                "<|image|>",
-                "",
-                vision.pooling_kernel,
-            )
+            tokens = cls(vision, "<|image>", "<image|>", "<|image|>", "<|image|>", "")
         else:
-            tokens = cls(vision.image_token_id, vision.tokens_per_image)
+            tokens = cls(vision)
         for name in ("boi", "eoi", "image"):
             ids = tokenizer.encode_with_offsets(getattr(tokens, name))[0]
             if len(ids) != 1:
@@ -363,11 +356,13 @@ class ImageTokens:
 
     def counts(self, images, n: int) -> list[int]:
         """The tokens of each of n images (images: their arrays as the tower takes them)."""
-        if self.count is not None:
-            return [self.count] * n
+        from tunix_train.model.vision import token_counts
+
+        if self.vision.encoder is not VisionEncoder.gemma4:
+            return [self.vision.tokens_per_image] * n
         if images is None or len(images) < n:
             raise ConfigError(f"{n} images placed but {0 if images is None else len(images)} given")
-        return [int(c) for c in (np.asarray(images)[:n, :, -1] >= 0).sum(-1) // self.kernel**2]
+        return [int(c) for c in token_counts(self.vision, np.asarray(images)[:n])]
 
     def expand(
         self, text: str, spans: list[tuple[int, int]], images=None, crops=None

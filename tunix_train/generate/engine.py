@@ -29,13 +29,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from tunix_train.config import ConfigError, ImageAttention, LoraConfig, ModelConfig, Remat
+from tunix_train.config import ConfigError, LoraConfig, ModelConfig, Remat
 from tunix_train.generate import cache as kv
 from tunix_train.generate.sampling import Kinds, Rules, draw
 from tunix_train.generate.session import Completion, Request, Session  # noqa: F401 (Completion: the API)
 from tunix_train.model.decoder import output_logits
 from tunix_train.model.layout import kv_sources, layer_windows
-from tunix_train.model.vision import image_slots, token_counts
+from tunix_train.model.vision import image_slots, images_on_global, token_counts
 from tunix_train.parallel import model_graphdef
 from tunix_train.sharding import LOGICAL_RULES, constrain, data_parallel_size
 from tunix_train.sharding import Rules as ShardingRules
@@ -121,8 +121,6 @@ class Engine:
         slots_NP = ids_NP = None
         if images is not None:
             slots_NP, ids_NP = image_slots(tokens_NP, self.cfg.vision, images)
-            if self.cfg.vision.image_attention is ImageAttention.causal:
-                ids_NP = None
         logits_NV, entries, routes_NPLK = self._forward(
             params,
             per_layer,
@@ -134,8 +132,7 @@ class Engine:
                 length_N,
                 keep=self.source[i] == i,
                 images_BT=ids_NP,
-                images_on_global=self.cfg.vision is None
-                or self.cfg.vision.image_attention is ImageAttention.all_layers,
+                images_on_global=images_on_global(self.cfg.vision),
             ),
             length_N - 1,
             images,

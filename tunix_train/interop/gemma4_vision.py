@@ -83,15 +83,14 @@ def vision_from_hf(config: Mapping[str, Any], tokens_per_image: int = 280) -> Vi
 
 def tower_prefixes(has: Callable[[str], bool], source: str) -> tuple[str, str]:
     """The (tower, projector) prefixes of the checkpoint whose tensor names `has` knows."""
-    tower = next((p for p in TOWER_PREFIXES if has(p + "patch_embedder.input_proj.weight")), None)
-    projector = next((p for p in PROJECTOR_PREFIXES if has(p + "embedding_projection.weight")), None)
-    if tower is None or projector is None:
-        what, names = ("image tower", TOWER_PREFIXES) if tower is None else ("projector", PROJECTOR_PREFIXES)
-        raise ConfigError(
-            f"model.init_from: {source} has no {what} tensors ({names[0]}*); set model.vision=null to "
-            f"load its text decoder alone"
-        )
-    return tower, projector
+    from tunix_train.interop.vision import found_prefixes  # (it imports this module)
+
+    return found_prefixes(
+        has,
+        source,
+        (TOWER_PREFIXES, "patch_embedder.input_proj.weight"),
+        (PROJECTOR_PREFIXES, "embedding_projection.weight"),
+    )
 
 
 def _layouts(cfg: VisionConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -58,15 +58,27 @@ def vision_from_hf(config: Mapping[str, Any]) -> VisionConfig | None:
 
 def tower_prefixes(has: Callable[[str], bool], source: str) -> tuple[str, str]:
     """The (tower, projector) prefixes of the checkpoint whose tensor names `has` knows."""
-    tower = next((p for p in TOWER_PREFIXES if has(p + "post_layernorm.weight")), None)
-    projector = next((p for p in PROJECTOR_PREFIXES if has(p + "mm_input_projection_weight")), None)
-    if tower is None or projector is None:
-        what, names = ("image tower", TOWER_PREFIXES) if tower is None else ("projector", PROJECTOR_PREFIXES)
-        raise ConfigError(
-            f"model.init_from: {source} has no {what} tensors ({names[0]}*); set model.vision=null to "
-            f"load its text decoder alone"
-        )
-    return tower, projector
+    return found_prefixes(
+        has,
+        source,
+        (TOWER_PREFIXES, "post_layernorm.weight"),
+        (PROJECTOR_PREFIXES, "mm_input_projection_weight"),
+    )
+
+
+def found_prefixes(has: Callable[[str], bool], source: str, tower, projector) -> tuple[str, str]:
+    """The first of each (prefixes, a tensor below them) that the checkpoint holds, or a one-line
+    error naming what it lacks."""
+    found = []
+    for what, (prefixes, probe) in (("image tower", tower), ("projector", projector)):
+        prefix = next((p for p in prefixes if has(p + probe)), None)
+        if prefix is None:
+            raise ConfigError(
+                f"model.init_from: {source} has no {what} tensors ({prefixes[0]}*); set model.vision=null "
+                f"to load its text decoder alone"
+            )
+        found.append(prefix)
+    return found[0], found[1]
 
 
 def tower_arrays(

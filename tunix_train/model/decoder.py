@@ -32,7 +32,6 @@ from flax import nnx
 from tunix_train.config import (
     AttentionImpl,
     BaseQuantization,
-    ImageAttention,
     LoraConfig,
     ModelConfig,
     Remat,
@@ -53,7 +52,7 @@ from tunix_train.model.layout import (
 from tunix_train.model.lora import Adapt, adapter, no_adapter
 from tunix_train.model.moe import Dispatch, LocalDispatch, MoE
 from tunix_train.model.rope import rope_table
-from tunix_train.model.vision import VisionTower, image_slots, merged_embeddings
+from tunix_train.model.vision import VisionTower, image_slots, images_on_global, merged_embeddings
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
 
 
@@ -324,7 +323,6 @@ class Decoder(nnx.Module):
             self.per_layer_proj_norm = RMSNorm(P, cfg.rms_norm_eps, cfg.norm_weight_offset)
         # drawn last: the other parameters are the same tied or not
         self.output_VD = None if cfg.tie_embeddings else param(rngs, (V, D), ("vocab", "embed"), D)
-        self.images_on_global = cfg.vision is None or cfg.vision.image_attention is ImageAttention.all_layers
         # its own stream, from a key drawn before the adapters': the text model's parameters are the
         # same with a tower or without, the tower's the same with adapters or without
         self.vision = (
@@ -466,7 +464,7 @@ class Decoder(nnx.Module):
         slots_BT = None
         if images is not None:
             slots_BT, ids_BT = image_slots(tokens_BT, self.cfg.vision, images, token_index_BT)
-            if self.cfg.vision.image_attention is not ImageAttention.causal:
+            if ids_BT is not None:
                 rows["image_ids"] = ids_BT
         x_BTD, per_layer_BTLP = self.layer_inputs(tokens_BT, images, slots_BT)
         if per_layer_BTLP is not None:
@@ -649,7 +647,13 @@ class Decoder(nnx.Module):
         fused = None if self.attention is AttentionImpl.xla else self.attention.value
         index, segments, images = rows["token_index"], rows["segment_ids"], rows.get("image_ids")
         visible = kernels.visible_keys(
-            index, segments, index, segments, images, images, images_on_global=self.images_on_global
+            index,
+            segments,
+            index,
+            segments,
+            images,
+            images,
+            images_on_global=images_on_global(self.cfg.vision),
         )
         return lambda window: (
             lambda q, k, v, softcap: (kernels.attention(q, k, v, visible(window), softcap, fused), None)

@@ -24,7 +24,7 @@ from flax import nnx
 from tunix_train.config import LoraConfig, VisionConfig
 from tunix_train.model.common import RMSNorm, gelu_tanh, param
 from tunix_train.model.lora import Adapt, no_adapter
-from tunix_train.model.vision import adapted, stacked_layers
+from tunix_train.model.vision import adapted, scan_layers, stacked_layers
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
 
 # a masked score: finite, so that an image of no patches gives no NaN
@@ -120,10 +120,11 @@ class Gemma4VisionTower(nnx.Module):
         if cfg.standardize:
             self.std_bias = nnx.Param(jnp.zeros((D,), jnp.float32), axes=("norm",))
             self.std_scale = nnx.Param(jnp.ones((D,), jnp.float32), axes=("norm",))
+        self.soft_norm = _norm(D, cfg.layer_norm_eps, with_scale=False)  # no parameters
         self.projection = param(rngs, (D, text_dim), (None, "embed"), D)
 
     def __call__(self, images_NSF):
-        k, eps = self.cfg.pooling_kernel, self.cfg.layer_norm_eps
+        k = self.cfg.pooling_kernel
         pixels_NSF, places_NS2 = images_NSF[..., :-2], images_NSF[..., -2:].astype(jnp.int32)
         valid_NS = jnp.all(places_NS2 >= 0, -1)
         places_NS2 = jnp.maximum(places_NS2, 0)
@@ -131,14 +132,7 @@ class Gemma4VisionTower(nnx.Module):
         x_NSD = (2 * pixels_NSF - 1).astype(self.patch.dtype) @ self.patch[...]
         x_NSD = x_NSD + jnp.where(valid_NS[..., None], position_NSD, 0)
         x_NSD = constrain(x_NSD, ("batch", None, "act_embed"), self.rules)
-        graphdef, stacked = nnx.split(self.layers)
-
-        def layer(x, state):
-            return nnx.merge(graphdef, state)(x, places_NS2, valid_NS), None
-
-        if self.remat_policy is not None:
-            layer = jax.checkpoint(layer, policy=self.remat_policy, prevent_cse=False)
-        x_NSD, _ = jax.lax.scan(layer, x_NSD, stacked)
+        x_NSD = scan_layers(self.layers, x_NSD, self.remat_policy, places_NS2, valid_NS)
         # the pooler: block (x // k, y // k) of a grid w patches wide is token x // k + (w // k) (y // k)
         width_N1 = jnp.max(places_NS2[..., 0], axis=1, keepdims=True) + 1
         block_NS = places_NS2[..., 0] // k + (width_N1 // k) * (places_NS2[..., 1] // k)
@@ -148,4 +142,4 @@ class Gemma4VisionTower(nnx.Module):
         pooled_NXD = pooled_NXD * self.cfg.embed_dim**0.5
         if self.cfg.standardize:
             pooled_NXD = (pooled_NXD - self.std_bias[...]) * self.std_scale[...]
-        return _norm(self.cfg.embed_dim, eps, with_scale=False)(pooled_NXD) @ self.projection[...]
+        return self.soft_norm(pooled_NXD) @ self.projection[...]

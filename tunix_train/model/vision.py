@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_train.config import LoraConfig, VisionConfig, VisionEncoder
+from tunix_train.config import ImageAttention, LoraConfig, VisionConfig, VisionEncoder
 from tunix_train.model.common import RMSNorm, gelu_tanh, param
 from tunix_train.model.lora import Adapt, adapter, no_adapter
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
@@ -105,6 +105,19 @@ def stacked_layers(layer_class, cfg: VisionConfig, keys, lora: LoraConfig | None
     return nnx.merge(graphdef, state)
 
 
+def scan_layers(layers, x, remat_policy, *args):
+    """x through a stack of layers (stacked_layers'), each called as layer(x, *args), scanned;
+    remat_policy: what each keeps for the backward pass (None: everything)."""
+    graphdef, stacked = nnx.split(layers)
+
+    def layer(x, state):
+        return nnx.merge(graphdef, state)(x, *args), None
+
+    if remat_policy is not None:
+        layer = jax.checkpoint(layer, policy=remat_policy, prevent_cse=False)
+    return jax.lax.scan(layer, x, stacked)[0]
+
+
 def adapted(x, weight, lora, spec: str):
     """einsum(spec, x, weight), plus the adapter's delta when there is one."""
     y = jnp.einsum(spec, x, weight[...])
@@ -142,15 +155,7 @@ class VisionTower(nnx.Module):
         patches = pixels_NCHW.reshape(N, C, H // P, P, W // P, P).transpose(0, 2, 4, 3, 5, 1)
         x_NSD = patches.reshape(N, (H // P) * (W // P), P * P * C) @ self.patch[...] + self.patch_bias[...]
         x_NSD = constrain(x_NSD + self.position[...], ("batch", None, "act_embed"), self.rules)
-        graphdef, stacked = nnx.split(self.layers)
-
-        def layer(x, state):
-            return nnx.merge(graphdef, state)(x), None
-
-        if self.remat_policy is not None:
-            layer = jax.checkpoint(layer, policy=self.remat_policy, prevent_cse=False)
-        x_NSD, _ = jax.lax.scan(layer, x_NSD, stacked)
-        return self.final_norm(x_NSD)
+        return self.final_norm(scan_layers(self.layers, x_NSD, self.remat_policy))
 
     def __call__(self, pixels_NCHW):
         x_NSD = self.encode(pixels_NCHW)
@@ -186,9 +191,10 @@ def token_counts(cfg: VisionConfig, images):
 
 def image_slots(tokens_BT, cfg: VisionConfig, images_BI, token_index_BT=None):
     """(slots, image ids) [B, T]: each token's row among its row's image embeddings (image i's
-    tokens_per_image rows, its own first; -1 for text), and its image (-1 for text). The n-th
-    placeholder of a row belongs to the first image whose tokens, counted from the row's first
-    image, pass n. Attention is bidirectional within one image (kernels.visible_keys)."""
+    tokens_per_image rows, its own first; -1 for text), and its image (-1 for text), which the
+    attention masks read (kernels.visible_keys; None where model.vision.image_attention is causal).
+    The n-th placeholder of a row belongs to the first image whose tokens, counted from the row's
+    first image, pass n."""
     n_BT = placeholder_counts(tokens_BT, cfg.image_token_id, token_index_BT)
     counts_BI = token_counts(cfg, images_BI).astype(jnp.int32)
     ends_BI = jnp.cumsum(counts_BI, axis=1)
@@ -197,7 +203,13 @@ def image_slots(tokens_BT, cfg: VisionConfig, images_BI, token_index_BT=None):
     start_BT = jnp.take_along_axis(ends_BI - counts_BI, image_BT, axis=1)
     text_BT = n_BT < 0
     slots_BT = jnp.where(text_BT, -1, image_BT * cfg.tokens_per_image + n_BT - start_BT)
-    return slots_BT, jnp.where(text_BT, -1, image_BT)
+    ids_BT = None if cfg.image_attention is ImageAttention.causal else jnp.where(text_BT, -1, image_BT)
+    return slots_BT, ids_BT
+
+
+def images_on_global(cfg: VisionConfig | None) -> bool:
+    """Whether an image's tokens see each other in the global layers too (kernels.visible_keys)."""
+    return cfg is None or cfg.image_attention is ImageAttention.all_layers
 
 
 def merged_embeddings(x_BTD, features_BXD, slots_BT):
