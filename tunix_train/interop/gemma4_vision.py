@@ -10,6 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tunix_train.config import ConfigError, ImageAttention, VisionConfig, VisionEncoder
+from tunix_train.interop import found_prefixes
 
 TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
 PROJECTOR_PREFIXES = ("model.embed_vision.", "embed_vision.")
@@ -83,8 +84,6 @@ def vision_from_hf(config: Mapping[str, Any], tokens_per_image: int = 280) -> Vi
 
 def tower_prefixes(has: Callable[[str], bool], source: str) -> tuple[str, str]:
     """The (tower, projector) prefixes of the checkpoint whose tensor names `has` knows."""
-    from tunix_train.interop.vision import found_prefixes  # (it imports this module)
-
     return found_prefixes(
         has,
         source,

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tunix_train.config import ConfigError, VisionConfig, VisionEncoder
-from tunix_train.interop import gemma4_vision
+from tunix_train.config import VisionConfig, VisionEncoder
+from tunix_train.interop import found_prefixes, gemma4_vision
 
 # where checkpoints keep the SigLIP model and the projector (the first a file has is read)
 TOWER_PREFIXES = (
@@ -64,21 +64,6 @@ def tower_prefixes(has: Callable[[str], bool], source: str) -> tuple[str, str]:
         (TOWER_PREFIXES, "post_layernorm.weight"),
         (PROJECTOR_PREFIXES, "mm_input_projection_weight"),
     )
-
-
-def found_prefixes(has: Callable[[str], bool], source: str, tower, projector) -> tuple[str, str]:
-    """The first of each (prefixes, a tensor below them) that the checkpoint holds, or a one-line
-    error naming what it lacks."""
-    found = []
-    for what, (prefixes, probe) in (("image tower", tower), ("projector", projector)):
-        prefix = next((p for p in prefixes if has(p + probe)), None)
-        if prefix is None:
-            raise ConfigError(
-                f"model.init_from: {source} has no {what} tensors ({prefixes[0]}*); set model.vision=null "
-                f"to load its text decoder alone"
-            )
-        found.append(prefix)
-    return found[0], found[1]
 
 
 def tower_arrays(
