@@ -111,10 +111,14 @@ def test_bad_teachers_and_settings_are_one_line(tmp_path):
     from tunix_train.train.objectives import make_objective
 
     for overrides, message in [
-        ([], "training.objective=distill needs training.distill.teacher"),
+        ([], "training.objective=distill needs one of training.distill.teacher"),
         (
             ["training.distill.teacher=x", "training.distill.beta=1.5"],
             r"training.distill.beta=1.5 must be in \[0, 1\]",
+        ),
+        (
+            ["training.distill.teacher=x", "training.distill.top_k=5000"],
+            r"training.distill.top_k=5000 must be in \[0, model.vocab_size=4096\]",
         ),
     ]:
         with pytest.raises(ConfigError, match=message):
@@ -208,3 +212,100 @@ def test_a_distillation_run_resumes_bit_identically(tmp_path):
 
     assert len(logged(tmp_path / "straight")) == 4
     assert logged(tmp_path / "resumed")[-2:] == logged(tmp_path / "straight")[-2:]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_the_top_k_divergence_equals_numpy_and_the_whole_at_k_equal_to_the_vocabulary(beta):
+    """Over the teacher's top 4 of 11 tokens, both renormalized there (the numpy transcription,
+    temperature 2); at k = 11 the top-k divergence is the whole vocabulary's."""
+    from tunix_train.train.objectives.distill import top_k_jsd
+
+    rng = np.random.default_rng(1)
+    student, teacher = (rng.standard_normal((2, 5, 11)).astype(np.float32) * 3 for _ in range(2))
+    k, temperature = 4, 2.0
+    ids = np.argsort(-teacher, axis=-1)[..., :k]
+    top = np.take_along_axis(teacher, ids, -1)
+    s = _log_softmax(np.take_along_axis(student, ids, -1) / temperature)
+    t = _log_softmax(top / temperature)
+
+    def kl(p, q):
+        return (np.exp(p) * (p - q)).sum(-1)
+
+    m = np.logaddexp(s + np.log1p(-beta), t + np.log(beta)) if 0 < beta < 1 else None
+    expected = kl(t, s) if beta == 0 else kl(s, t) if beta == 1 else beta * kl(t, m) + (1 - beta) * kl(s, m)
+    ours = top_k_jsd(jnp.asarray(student), jnp.asarray(top), jnp.asarray(ids), beta, temperature)
+    np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-6)
+    # the teacher's log-probabilities (what teacher_logits.py keeps) renormalize as its logits do
+    top_log_probs = np.take_along_axis(_log_softmax(teacher), ids, -1)
+    ours_lp = top_k_jsd(jnp.asarray(student), jnp.asarray(top_log_probs), jnp.asarray(ids), beta, 1.0)
+    ours_lg = top_k_jsd(jnp.asarray(student), jnp.asarray(top), jnp.asarray(ids), beta, 1.0)
+    np.testing.assert_allclose(np.asarray(ours_lp), np.asarray(ours_lg), atol=1e-6)
+    every = np.broadcast_to(np.arange(11), (2, 5, 11))
+    np.testing.assert_allclose(
+        np.asarray(
+            top_k_jsd(jnp.asarray(student), jnp.asarray(teacher), jnp.asarray(every), beta, temperature)
+        ),
+        np.asarray(generalized_jsd(jnp.asarray(student), jnp.asarray(teacher), beta, temperature)),
+        atol=1e-6,
+    )
+
+
+def test_stored_top_k_log_probabilities_train_as_the_live_teacher_does(tmp_path):
+    """scripts/teacher_logits.py stores a Hugging Face teacher's top 16 log-probabilities over two
+    steps' and one evaluation's batches (fsdp 4); a run reading them (training.distill.
+    teacher_logits) has the same two losses and evaluation losses as the run with the live teacher
+    and top_k=16 (1e-6). A run longer than the store, or with another batch, is one line."""
+    import sys
+    from pathlib import Path
+
+    from conftest import read_metrics
+
+    from tunix_train.train.loop import train
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    import teacher_logits
+
+    teacher = _teacher(tmp_path / "teacher")
+    common = [
+        "data=synthetic",  # as config() sets it
+        *DISTILL,
+        'model.mesh_shape=[[4],["fsdp"]]',
+        "training.micro_batch_size=1",
+        "training.eval_every=2",
+        "training.eval_batches=1",
+    ]
+    devices = jax.devices()[:4]
+
+    def run(name, *overrides):
+        train(config(*common, "training.max_steps=2", *overrides), tmp_path / name, devices=devices)
+        metrics = read_metrics(tmp_path / name)
+        return [m["loss"] for m in metrics if "loss" in m] + [
+            m["eval_loss"] for m in metrics if "eval_loss" in m
+        ]
+
+    store = tmp_path / "store16"
+    figures = teacher_logits.write(
+        store, 2, [*common, f"training.distill.teacher={teacher}", "training.distill.top_k=16"], devices
+    )
+    assert figures["steps"] == 2 and figures["eval_batches"] == 1, figures
+    assert teacher_logits.main(["--out", str(store), "--steps", "1", *common]) == 2  # it exists; no top_k
+    live = run("live", f"training.distill.teacher={teacher}", "training.distill.top_k=16")
+    offline = run("offline", f"training.distill.teacher_logits={store}")
+    assert len(live) == 4, live  # two losses, the evaluations at steps 0 and 2
+    np.testing.assert_allclose(offline, live, rtol=1e-6)
+    for overrides, message in [
+        (["training.max_steps=3"], "holds 2 steps, fewer than training.max_steps=3"),
+        (["training.gradient_accumulation_steps=2"], "was written with accumulation_steps=1"),
+        (["training.distill.top_k=32"], "training.distill.top_k=32 is more than the 16"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            train(
+                config(
+                    *common,
+                    "training.max_steps=2",
+                    f"training.distill.teacher_logits={tmp_path / 'store16'}",
+                    *overrides,
+                ),
+                tmp_path / "bad",
+                devices=devices,
+            )

@@ -178,7 +178,7 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
                     f"the block size 64; use int8 or none"
                 )
     if t.objective is Objective.distill:
-        t.distill.check(t.micro_batch_size)
+        t.distill.check(m.vocab_size)
     if t.objective in (Objective.lm, Objective.distill):  # both read the data's tokens
         return
     name = f"training.objective={t.objective.value}"

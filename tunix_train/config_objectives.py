@@ -245,18 +245,25 @@ class DistillConfig:
     student) learns a frozen teacher's next-token distributions on the data's tokens."""
 
     teacher: Optional[str] = _fixed(None)  # a Hugging Face directory, a .gguf or a run: its weights
+    # or: a directory of the teacher's top-k log-probabilities and their batches, written once by
+    # scripts/teacher_logits.py, read instead of running a teacher (offline distillation)
+    teacher_logits: Optional[str] = _fixed(None)
     # GKD's generalized Jensen-Shannon divergence (Agarwal et al. 2024; TRL's generalized_jsd_loss):
     # 0 is the forward KL(teacher || student), 1 the reverse KL(student || teacher)
     beta: float = _fixed(0.5)
     temperature: float = _fixed(1.0)  # both models' logits are divided by it
     ce_weight: float = _fixed(0.0)  # the data's cross-entropy, added with this weight
     teacher_bf16: bool = _fixed(False)  # the teacher computes in bfloat16 (half its memory)
+    # 0: the divergence over the whole vocabulary; k: over the teacher's k likeliest tokens at each
+    # position, both distributions renormalized over them
+    top_k: int = _fixed(0)
 
-    def check(self, micro_batch_size: int) -> None:
+    def check(self, vocab_size: int) -> None:
         """A ConfigError naming the first bad key of training.distill."""
-        if not self.teacher:
+        if bool(self.teacher) == bool(self.teacher_logits):
             raise ConfigError(
-                "training.objective=distill needs training.distill.teacher: a checkpoint to learn from"
+                "training.objective=distill needs one of training.distill.teacher (a checkpoint to "
+                "learn from) and training.distill.teacher_logits (its stored top-k log-probabilities)"
             )
         if not 0.0 <= self.beta <= 1.0:
             raise ConfigError(f"training.distill.beta={self.beta} must be in [0, 1]")
@@ -264,4 +271,9 @@ class DistillConfig:
             raise ConfigError(
                 f"training.distill.temperature={self.temperature} must be positive and "
                 f"training.distill.ce_weight={self.ce_weight} >= 0"
+            )
+        if not 0 <= self.top_k <= vocab_size:
+            raise ConfigError(
+                f"training.distill.top_k={self.top_k} must be in [0, model.vocab_size={vocab_size}] "
+                f"(0: the whole vocabulary)"
             )

@@ -8,7 +8,8 @@ and once:
 - `forward()`: the per-token negative log-likelihood of micro["targets"], [B, T];
 - `forward.hidden()`: the final normed hidden states [B, T, D] (for a head of one's own);
 - `forward.per_token(fn, *others, fields=...)`: fn over the logits of this model and of `others`
-  (Forwards of the same micro-batch) and micro's `fields`, position by position, [B, T]. With
+  (Forwards of the same micro-batch) and micro's `fields`, position by position, [B, T] (or any
+  arrays with more axes after T: a teacher's top k). With
   0 < chunk < T it runs `chunk` positions at a time and is recomputed in the backward pass, so the
   [B, T, V] logits of no model exist whole: a KL to a teacher over a 262k vocabulary costs a
   chunk's logits, as the cross-entropy does.
@@ -118,9 +119,10 @@ class Forward:
         """The per-token negative log-likelihood of micro["targets"], [B, T]."""
         return self.per_token(cross_entropy, fields=("targets",))
 
-    def per_token(self, fn: Callable, *others: Forward, fields: Sequence[str] = ()) -> jax.Array:
-        """fn(logits [B, C, V] of this model, of each of `others`, then micro[f] [B, C] for f in
-        fields) -> [B, C], over every position: [B, T] (see the module docstring for chunks)."""
+    def per_token(self, fn: Callable, *others: Forward, fields: Sequence[str] = ()) -> Any:
+        """fn(logits [B, C, V] of this model, of each of `others`, then micro[f] [B, C, ...] for f in
+        fields) -> [B, C] (or arrays [B, C, ...]), over every position: [B, T] (see the module
+        docstring for chunks)."""
         passes = (self, *others)
         x_list = [p._run()[0] for p in passes]
         field_list = [self.micro[f] for f in fields]
@@ -141,12 +143,15 @@ class Forward:
                 N, B, parts * chunk, *x.shape[2:]
             )
 
-        _, values_NBC = jax.lax.scan(
+        def by_position(v):
+            return jnp.moveaxis(v.reshape(N, B, parts, chunk, *v.shape[3:]), 0, 2).reshape(B, T, *v.shape[3:])
+
+        _, values_N = jax.lax.scan(
             lambda _, xs: (None, chunk_values(*xs)),
             None,
             ([by_step(x) for x in x_list], [by_step(f) for f in field_list]),
         )
-        return self._out(jnp.moveaxis(values_NBC.reshape(N, B, parts, chunk), 0, 2).reshape(B, T))
+        return self._out(jax.tree.map(by_position, values_N))
 
 
 def token_losses(

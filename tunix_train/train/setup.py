@@ -53,6 +53,7 @@ class Setup:
     parallel: parallel.Parallelism | None  # how the layer stack runs over pp and cp
     objective: Any  # what the step minimizes (train/objectives/)
     weights: Weights  # which parameters train and which are frozen
+    extras: Any = None  # the objective's extra models (FrozenModels: a teacher, ...), None without
 
 
 def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any = None) -> Setup:
@@ -127,6 +128,7 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
         layout,
         objective,
         weights,
+        extras,
     )
 
 

@@ -10,6 +10,10 @@ log-probabilities and m the mixture (1 - beta) p_s + beta p_t,
     beta = 0:  KL(t || s)  (forward)      beta = 1:  KL(s || t)  (reverse)
     else:      beta KL(t || m) + (1 - beta) KL(s || m)
 
+With training.distill.top_k = k, the divergence is of the two distributions over the teacher's k
+likeliest tokens of each position, each renormalized over them (k-way distributions: any beta
+stays a divergence); the student's logits are gathered there from its whole row.
+
 The loss is its mean over the masked tokens, plus training.distill.ce_weight times the data's
 cross-entropy. The teacher is any checkpoint the loader reads (a Hugging Face directory, a .gguf,
 a run), frozen, sharded on the run's mesh by the same rules, in float32 or bfloat16; it must share
@@ -19,11 +23,13 @@ the student's vocabulary and tokenizer.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
 
 from tunix_train.config import Config, ConfigError, MixedPrecision
+from tunix_train.data import teacher_logits
 from tunix_train.train.objectives.base import ExtraModel
 from tunix_train.train.objectives.lm import LanguageModeling
 
@@ -34,6 +40,19 @@ def generalized_jsd(student_logits, teacher_logits, beta: float, temperature: fl
     """Each position's divergence [...] from the two models' logits [..., V] (the module docstring)."""
     s = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
     t = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature, axis=-1)
+    return jsd_of_log_probs(s, t, beta)
+
+
+def top_k_jsd(student_logits, teacher_top, top_ids, beta: float, temperature: float = 1.0):
+    """generalized_jsd over the k tokens `top_ids` [..., k] of each position: the student's logits
+    there [..., V] -> [..., k] and the teacher's `teacher_top` [..., k] (logits or log-probabilities:
+    either renormalizes alike) each renormalized over them."""
+    student = jnp.take_along_axis(student_logits.astype(jnp.float32), top_ids, axis=-1)
+    return generalized_jsd(student, teacher_top, beta, temperature)
+
+
+def jsd_of_log_probs(s, t, beta: float):
+    """The divergence of the module docstring from the student's and teacher's log-probabilities."""
 
     def kl(p, q):  # KL(p || q) from log-probabilities
         return jnp.sum(jnp.exp(p) * (p - q), axis=-1)
@@ -51,9 +70,18 @@ class Distillation(LanguageModeling):
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
-        self.distill = cfg.training.distill
-        self.metric_names = ("divergence", "ce") if self.distill.ce_weight else ("divergence",)
+        self.distill = d = cfg.training.distill
+        self.metric_names = ("divergence", "ce") if d.ce_weight else ("divergence",)
         self._teacher = None
+        self.stored = None if d.teacher_logits is None else teacher_logits.read_meta(d.teacher_logits)
+        if self.stored is not None:  # the batches come with the teacher's top k
+            self.top_k = self._stored_k()
+            k = self.stored["top_k"]
+            self.batch_dtypes = {
+                **self.batch_dtypes,
+                "top_ids": (jnp.int32, (k,)),
+                "top_log_probs": (jnp.float32, (k,)),
+            }
 
     def teacher(self):
         """The teacher as an ExtraModel, its config read from its checkpoint, checked against the student."""
@@ -77,12 +105,47 @@ class Distillation(LanguageModeling):
             self._teacher = ExtraModel(model, str(source.path), precision=precision)
         return self._teacher
 
+    def _stored_k(self) -> int:
+        """The k of the divergence over stored top-k log-probabilities, checked against the run."""
+        meta, c, key = self.stored, self.cfg, teacher_logits.KEY
+        want = {
+            "vocab_size": c.model.vocab_size,
+            "seq_len": c.data.seq_len,
+            "accumulation_steps": c.training.gradient_accumulation_steps,
+        }
+        for name, value in want.items():
+            if meta[name] != value:
+                raise ConfigError(
+                    f"{key}: {self.distill.teacher_logits} was written with {name}={meta[name]} but "
+                    f"this run has {value}; rewrite it with scripts/teacher_logits.py for this run"
+                )
+        if meta["steps"] < c.training.max_steps:
+            raise ConfigError(
+                f"{key}: {self.distill.teacher_logits} holds {meta['steps']} steps, fewer than "
+                f"training.max_steps={c.training.max_steps}"
+            )
+        if self.distill.top_k > meta["top_k"]:
+            raise ConfigError(
+                f"training.distill.top_k={self.distill.top_k} is more than the {meta['top_k']} "
+                f"log-probabilities per token {self.distill.teacher_logits} holds"
+            )
+        return self.distill.top_k or meta["top_k"]  # the stored k, sorted: the first top_k of them
+
     def read(self, data) -> None:
-        """The teacher's checkpoint and tokenizer, checked before any device work."""
+        """The teacher's checkpoint and tokenizer (or the stored log-probabilities' tokenizer),
+        checked before any device work."""
         from tunix_train.data.tokenizer import carries_tokenizer, load_tokenizer
 
-        teacher = self.teacher()
         tokenizer = getattr(data, "tokenizer", None)  # none for pre-tokenized data
+        if self.stored is not None:
+            probe = self.stored.get("probe")
+            if tokenizer is not None and probe is not None and tokenizer.encode(PROBE) != probe:
+                raise ConfigError(
+                    f"{teacher_logits.KEY}: {self.distill.teacher_logits} was written with another "
+                    f"tokenizer than the run's (data.tokenizer)"
+                )
+            return
+        teacher = self.teacher()
         if tokenizer is not None and carries_tokenizer(teacher.source):
             theirs = load_tokenizer(teacher.source, teacher.model.vocab_size, "training.distill.teacher")
             if theirs.encode(PROBE) != tokenizer.encode(PROBE):
@@ -92,13 +155,53 @@ class Distillation(LanguageModeling):
                 )
 
     def extra_models(self):
-        return {"teacher": self.teacher()}
+        return {} if self.stored is not None else {"teacher": self.teacher()}
 
-    def loss(self, policy, reference, micro, weight, models):
+    def _stored_batches(self, split: str, global_rows: int, rows: range):
+        if self.stored["global_micro_batch"] != global_rows:
+            raise ConfigError(
+                f"{teacher_logits.KEY}: {self.distill.teacher_logits} holds batches of "
+                f"{self.stored['global_micro_batch']} rows per micro-step but this run takes {global_rows} "
+                f"(training.micro_batch_size times the data-parallel shards)"
+            )
+        return teacher_logits.StoredBatches(self.distill.teacher_logits, split, rows, self.stored)
+
+    def train_batches(self, data, global_rows: int, rows: range):
+        if self.stored is None:
+            return super().train_batches(data, global_rows, rows)
+        return self._stored_batches("train", global_rows, rows)
+
+    def eval_batches(self, data, global_rows: int, rows: range):
+        if self.stored is None:
+            return super().eval_batches(data, global_rows, rows)
+        wanted = self.cfg.training.eval_batches
+        if self.stored["eval_batches"] < wanted:
+            raise ConfigError(
+                f"{teacher_logits.KEY}: {self.distill.teacher_logits} holds {self.stored['eval_batches']} "
+                f"evaluation batches, fewer than training.eval_batches={wanted}"
+            )
+        return list(itertools.islice(self._stored_batches("eval", global_rows, rows), wanted))
+
+    def divergence(self, student, teacher):
+        """Each position's divergence from the two models' logits (over the teacher's top k if set)."""
+        d = self.distill
+        if not d.top_k:
+            return generalized_jsd(student, teacher, d.beta, d.temperature)
+        teacher_top, top_ids = jax.lax.top_k(teacher, d.top_k)
+        return top_k_jsd(student, teacher_top, top_ids, d.beta, d.temperature)
+
+    def loss(self, policy, reference, micro, weight, models=None):
         d, mask = self.distill, micro["loss_mask"]
-        divergence = policy.per_token(
-            lambda s, t: generalized_jsd(s, t, d.beta, d.temperature), models["teacher"]
-        )
+        if self.stored is None:
+            divergence = policy.per_token(self.divergence, models["teacher"])
+        else:
+            k = self.top_k
+            divergence = policy.per_token(
+                lambda s, log_probs, ids: top_k_jsd(
+                    s, log_probs[..., :k], ids[..., :k], d.beta, d.temperature
+                ),
+                fields=("top_log_probs", "top_ids"),
+            )
         divergence = jnp.sum(divergence * mask) / weight
         metrics = {"divergence": divergence}
         loss = divergence

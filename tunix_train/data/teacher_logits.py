@@ -1,0 +1,135 @@
+"""A teacher's top-k log-probabilities, stored beside the batches they were computed on
+(scripts/teacher_logits.py writes them; objective=distill with training.distill.teacher_logits
+reads them instead of running the teacher: MaxText's offline distillation).
+
+A directory holds `teacher_logits.json` (what was computed: the teacher, k, the batch shape, the
+number of steps) and, per process p, `train-{p:05d}.parquet` and `eval-{p:05d}.parquet`: one row
+group per step (an evaluation batch), one row per (accumulation step, global row) with the row's
+tokens (`inputs`, `targets`, `loss_mask`, `positions`, `segment_ids`, T each) and the teacher's
+`top_ids` and `top_log_probs` (T x k each, flattened). A reader takes the rows its process holds
+from every file, so a run may read them on another number of hosts than wrote them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from tunix_train.config import ConfigError
+
+META = "teacher_logits.json"
+TOKEN_FIELDS = ("inputs", "targets", "loss_mask", "positions", "segment_ids")
+TOP_FIELDS = {"top_ids": np.int32, "top_log_probs": np.float32}
+KEY = "training.distill.teacher_logits"
+
+
+def _parquet():
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"{KEY}: reading and writing them needs pyarrow: pip install pyarrow") from None
+    return pa, pq
+
+
+class Writer:
+    """One process's files: `add(split, batch)` appends a host batch (the data's fields [A, B, T],
+    top_ids and top_log_probs [A, B, T, k]) whose rows are `rows` of the global batch."""
+
+    def __init__(self, directory: Path, process: int, rows: range):
+        self.directory, self.rows = Path(directory), rows
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.names = {split: self.directory / f"{split}-{process:05d}.parquet" for split in ("train", "eval")}
+        self._writers: dict[str, Any] = {}
+        self.counts = {"train": 0, "eval": 0}
+
+    def add(self, split: str, batch: dict[str, np.ndarray]) -> None:
+        pa, pq = _parquet()
+        A, B, T = batch["inputs"].shape
+        columns = {
+            "micro": np.repeat(np.arange(A, dtype=np.int32), B),
+            "row": np.tile(np.arange(self.rows.start, self.rows.start + B, dtype=np.int32), A),
+        }
+        for name in TOKEN_FIELDS:
+            columns[name] = list(batch[name].reshape(A * B, T))
+        for name, dtype in TOP_FIELDS.items():
+            columns[name] = list(batch[name].astype(dtype).reshape(A * B, -1))
+        table = pa.table(columns)
+        if split not in self._writers:
+            self._writers[split] = pq.ParquetWriter(self.names[split], table.schema)
+        self._writers[split].write_table(table, row_group_size=A * B)  # one row group per batch
+        self.counts[split] += 1
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+
+
+def write_meta(directory: Path, meta: dict[str, Any]) -> None:
+    (Path(directory) / META).write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def read_meta(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / META
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"{KEY}: cannot read {path} ({type(err).__name__}); write the directory with "
+            f"scripts/teacher_logits.py"
+        ) from None
+
+
+class StoredBatches:
+    """The host batches of one split, in the order they were written, with the teacher's top k:
+    [A, this process's rows, T] (and T x k); checkpointable (get_state: the next batch's number)."""
+
+    def __init__(self, directory: str | Path, split: str, rows: range, meta: dict[str, Any]):
+        _, pq = _parquet()
+        self.rows, self.meta = rows, meta
+        self.files = [pq.ParquetFile(p) for p in sorted(Path(directory).glob(f"{split}-*.parquet"))]
+        self.count = meta["steps" if split == "train" else "eval_batches"]
+        self.next = 0
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self.next >= self.count:
+            raise StopIteration
+        batch = self.read(self.next)
+        self.next += 1
+        return batch
+
+    def read(self, n: int) -> dict[str, np.ndarray]:
+        pa, _ = _parquet()
+        A, T = self.meta["accumulation_steps"], self.meta["seq_len"]
+        table = pa.concat_tables([f.read_row_group(n) for f in self.files if n < f.num_row_groups])
+        micro, row = (table.column(c).to_numpy() for c in ("micro", "row"))
+        keep = (row >= self.rows.start) & (row < self.rows.stop)
+        order = np.lexsort((row[keep], micro[keep]))
+        picked = np.flatnonzero(keep)[order]
+        B = len(self.rows)
+        if len(picked) != A * B:
+            raise ConfigError(
+                f"{KEY}: batch {n} holds {len(picked)} of this process's {A * B} rows; the "
+                f"directory is incomplete (rewrite it with scripts/teacher_logits.py)"
+            )
+        taken = table.take(picked)
+        batch = {}
+        for name in (*TOKEN_FIELDS, *TOP_FIELDS):
+            values = np.stack(taken.column(name).to_numpy(zero_copy_only=False))
+            batch[name] = values.reshape(A, B, T, -1) if name in TOP_FIELDS else values.reshape(A, B, T)
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        return {"stored_batch": self.next}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.next = state["stored_batch"]
+
+    def close(self) -> None:
+        self.files = []
