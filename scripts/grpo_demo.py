@@ -1,6 +1,7 @@
 """GRPO on a verifiable task, end to end on a CPU: the reward rises.
 
     python scripts/grpo_demo.py [--out DIR] [--sft-steps 8] [--grpo-steps 150] [--largest 5]
+        [--objective grpo|rloo|reinforce_pp|dr_grpo|...]
 
 1. Writes the bundled arithmetic task (tunix_train/rewards/arithmetic.py): sums a+b, 0 <= a, b <= --largest
 (5).
@@ -8,7 +9,9 @@
    prompt/completion pairs, for a few steps: it learns the format (a number, then EOS), few of the sums.
 3. Exports it (python -m tunix_train.export) and trains it with objective=grpo from there, the reward
    being exact_match of the sum; G completions per prompt at temperature 1.
-4. Prints the mean reward per block of steps, and GRPO's time split between sampling and the step.
+   (--objective: another of the family, e.g. RLOO's or REINFORCE++'s advantages, on the same task.)
+4. Prints the mean reward per block of steps, and GRPO's time split between sampling and the step;
+   its last line is JSON (the first and last blocks' mean reward).
 
 Every stage is the real command line (run_training.py), so its logs and metrics.jsonl are in DIR.
 """
@@ -53,6 +56,7 @@ def main() -> int:
     parser.add_argument("--beta", type=float, default=0.04, help="KL weight (0: no reference model)")
     parser.add_argument("--largest", type=int, default=5, help="the sums' terms go from 0 to this")
     parser.add_argument("--block", type=int, default=15, help="steps per row of the reward table")
+    parser.add_argument("--objective", default="grpo", help="grpo or another of its family (rloo, ...)")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="grpo_demo_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -79,7 +83,7 @@ def main() -> int:
     run(
         "run_training.py",
         "model=gemma3_small",
-        "objective=grpo",
+        f"objective={args.objective}",
         "data=jsonl",
         f"data.train_files=[{prompts}]",
         f"model.init_from={out / 'sft_hf'}",
@@ -101,17 +105,19 @@ def main() -> int:
     steps = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in steps if "reward" in m]
     print(
-        f"\nGRPO: {len(steps)} steps, G={G}, {args.prompts_per_step} prompts per step (mean reward of the "
-        f"step's {args.prompts_per_step * G} completions, sampled at temperature 1)\n"
+        f"\n{args.objective}: {len(steps)} steps, G={G}, {args.prompts_per_step} prompts per step "
+        f"(mean reward of the step's {args.prompts_per_step * G} completions, sampled at temperature 1)\n"
     )
     print("| steps | mean reward | KL | completion tokens |")
     print("|---|---|---|---|")
+    rewards = []
     for first in range(0, len(steps), args.block):
         block = steps[first : first + args.block]
 
         def mean(key):
             return sum(m[key] for m in block) / len(block)
 
+        rewards.append(round(mean("reward"), 4))
         print(
             f"| {block[0]['step']}-{block[-1]['step']} | {mean('reward'):.3f} | {mean('kl'):.4f} | "
             f"{mean('completion_tokens'):.2f} |"
@@ -122,6 +128,17 @@ def main() -> int:
     print(
         f"\ntime per GRPO step: rollout (sampling + rewards) {sampling * 1e3:.0f} ms, train step "
         f"{step * 1e3:.0f} ms: sampling takes {sampling / (sampling + step):.0%} of it"
+    )
+    print(
+        json.dumps(
+            {
+                "objective": args.objective,
+                "steps": len(steps),
+                "first_block_reward": rewards[0],
+                "last_block_reward": rewards[-1],
+                "block_rewards": rewards,
+            }
+        )
     )
     return 0
 

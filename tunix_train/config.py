@@ -19,6 +19,7 @@ from omegaconf import MISSING
 
 from tunix_train.config_fields import _RESUME, ConfigError, _changeable, _fixed
 from tunix_train.config_objectives import (  # noqa: F401  (re-exported: the schema's one import)
+    AdvantageEstimator,
     DistillConfig,
     DpoConfig,
     GrpoAggregation,

@@ -32,6 +32,15 @@ class ScaleRewards(enum.Enum):
     none = "none"  # not divided (Dr. GRPO)
 
 
+class AdvantageEstimator(enum.Enum):  # training.grpo.advantage: rewards -> each completion token's advantage
+    grpo = "grpo"  # r minus its group's mean, scaled by scale_rewards (GRPO)
+    rloo = "rloo"  # r minus the mean of the group's other completions (RLOO; TRL RLOOTrainer)
+    # r on every token, whitened over the batch's tokens (REINFORCE++; OpenRLHF "reinforce")
+    reinforce_pp = "reinforce_pp"
+    # r minus its group's mean, then whitened so (REINFORCE++-baseline; OpenRLHF "reinforce_baseline")
+    reinforce_pp_baseline = "reinforce_pp_baseline"
+
+
 class ImportanceLevel(enum.Enum):
     token = "token"  # a ratio per token (GRPO)
     sequence = "sequence"  # one per completion, exp of its mean log-ratio (GSPO)
@@ -112,6 +121,10 @@ class GrpoConfig:
     reward_weights: List[float] = _fixed(factory=list)
     # The GRPO family (docs/objectives/grpo-family.md; objective=dapo, dr_grpo, gspo set them):
     loss_aggregation: GrpoAggregation = _fixed(GrpoAggregation.token_mean)
+    # rewards -> advantages (objective=rloo, reinforce_pp set it); scale_rewards is grpo's alone,
+    # normalize_advantages rloo's (TRL RLOOConfig's: over the batch, std unbiased, + 1e-4)
+    advantage: AdvantageEstimator = _fixed(AdvantageEstimator.grpo)
+    normalize_advantages: bool = _fixed(False)
     scale_rewards: ScaleRewards = _fixed(ScaleRewards.group)
     multi_reward_normalization: RewardNormalization = _fixed(RewardNormalization.sum)
     epsilon_high: Optional[float] = _fixed(None)  # the clip's upper side, 1 + epsilon_high; null: epsilon
@@ -181,6 +194,21 @@ class GrpoConfig:
 
     def _check_family(self) -> None:
         """The GRPO family's settings (docs/objectives/grpo-family.md)."""
+        estimator = self.advantage
+        if estimator is not AdvantageEstimator.grpo and (
+            self.scale_rewards is not ScaleRewards.group
+            or self.multi_reward_normalization is not RewardNormalization.sum
+        ):
+            raise ConfigError(
+                f"training.grpo.scale_rewards and multi_reward_normalization are GRPO's advantage; "
+                f"training.grpo.advantage={estimator.value} has its own (leave them at their defaults)"
+            )
+        if self.normalize_advantages and estimator is not AdvantageEstimator.rloo:
+            own = "whitens its advantages" if "reinforce" in estimator.value else "scales by scale_rewards"
+            raise ConfigError(
+                f"training.grpo.normalize_advantages is RLOO's; training.grpo.advantage="
+                f"{estimator.value} {own}"
+            )
         if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
             raise ConfigError(
                 f"training.grpo.epsilon_high={self.epsilon_high} must be >= training.grpo.epsilon="

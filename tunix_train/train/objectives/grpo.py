@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_train.config import Config, Overlong
+from tunix_train.config import AdvantageEstimator, Config, Overlong
 from tunix_train.data.pipeline import GroupBatches, padded_row
 from tunix_train.train.hooks import Hook
 from tunix_train.train.objectives import grpo_family as family
@@ -174,6 +174,8 @@ class GroupRelative(Objective):
             self.rewards.weights,
             g.scale_rewards,
             g.multi_reward_normalization,
+            g.advantage,
+            g.normalize_advantages,
         )
         if self.sampler.images:  # each row its prompt's images, padded to data.images_per_row
             v, per_row = self.cfg.model.vision, self.cfg.data.images_per_row
@@ -187,14 +189,18 @@ class GroupRelative(Objective):
             for row, packed in enumerate(rollout.routes):
                 routes = unpack_routes(packed, *self.route_shape)
                 full["routes"][row, : len(routes)] = routes
-        if rollout.filler_groups:  # the equal groups that filled the batch teach nothing
-            advantages[len(advantages) - rollout.filler_groups * G :] = 0.0
-        full["advantages"] = np.broadcast_to(advantages[:, None], (len(rows), T)).astype(np.float32)
         if (
             g.overlong is Overlong.filter
         ):  # a completion cut at max_new_tokens: no loss (TRL mask_truncated_completions)
             cut = np.array([not c or c[-1] not in self.sampler.stop_ids for c in rollout.completions])
             full["loss_mask"][cut] = 0.0
+        teaching = np.ones(len(rows), bool)
+        if rollout.filler_groups:  # the equal groups that filled the batch teach nothing
+            teaching[len(rows) - rollout.filler_groups * G :] = False
+        if g.advantage in (AdvantageEstimator.reinforce_pp, AdvantageEstimator.reinforce_pp_baseline):
+            advantages = family.whitened(advantages, full["loss_mask"].sum(axis=1) * teaching)
+        advantages = np.where(teaching, advantages, 0.0)
+        full["advantages"] = np.broadcast_to(advantages[:, None], (len(rows), T)).astype(np.float32)
         local = self.sampler.rows
         return {
             name: np.ascontiguousarray(x.reshape(A, -1, *x.shape[1:])[:, local.start : local.stop])

@@ -5,6 +5,12 @@ and its aggregation inside the compiled step, DAPO's overlong penalty, and pass@
 - scale_rewards: the advantage r - mean(group) divided by the group's std (GRPO), the whole
   batch's (batch; Liu et al. 2025 note the group's biases toward easy and hard prompts) or not at
   all (none; Dr. GRPO), each std unbiased, + 1e-4 (TRL's `scale_rewards`);
+- advantage: GRPO's (above); RLOO's leave-one-out baseline r - mean(the group's others), then
+  optionally normalized over the batch (TRL RLOOTrainer, `normalize_advantages`); REINFORCE++'s
+  return (gamma 1: the reward on every token of its completion), with or without its group's mean
+  subtracted first, whitened over the batch's completion tokens (OpenRLHF's "reinforce" and
+  "reinforce_baseline"). A KL to the reference (beta) stays a term of the loss, as GRPO's and
+  OpenRLHF's `use_kl_loss`: not subtracted from the reward as TRL's RLOO does;
 - multi_reward_normalization: the reward functions' weighted sum normalized as above (sum; TRL
   "sum_then_normalize"), or each function normalized within its group first, their weighted sum
   then over the batch (per_reward; GDPO, TRL "normalize_then_sum");
@@ -23,7 +29,13 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_train.config import GrpoAggregation, ImportanceLevel, RewardNormalization, ScaleRewards
+from tunix_train.config import (
+    AdvantageEstimator,
+    GrpoAggregation,
+    ImportanceLevel,
+    RewardNormalization,
+    ScaleRewards,
+)
 
 STD_EPS = 1e-4
 
@@ -34,9 +46,11 @@ def advantages(
     weights=None,
     scale: ScaleRewards = ScaleRewards.group,
     normalization: RewardNormalization = RewardNormalization.sum,
+    estimator: AdvantageEstimator = AdvantageEstimator.grpo,
+    normalize: bool = False,
 ) -> np.ndarray:
     """Each completion's advantage [N] from every reward function's rewards [functions, N] (N = groups
-    of G consecutive completions)."""
+    of G consecutive completions); REINFORCE++'s still to be whitened over tokens (`whitened`)."""
     weights = np.ones(len(rewards_FN)) if weights is None else np.asarray(weights, np.float64)
     if normalization is RewardNormalization.per_reward:
         grouped = rewards_FN.T.reshape(-1, G, len(rewards_FN))
@@ -47,12 +61,30 @@ def advantages(
         return (total - total.mean()) / (total.std(ddof=1) + STD_EPS)
     total = (weights[:, None] * rewards_FN).sum(axis=0)
     grouped = total.reshape(-1, G)
+    if estimator is AdvantageEstimator.reinforce_pp:
+        return total
+    if estimator is AdvantageEstimator.rloo:  # TRL RLOOTrainer: the others' mean, then optionally the batch's
+        leave_one_out = grouped - (grouped.sum(axis=1, keepdims=True) - grouped) / (G - 1)
+        out = leave_one_out.reshape(-1)
+        return (out - out.mean()) / (out.std(ddof=1) + STD_EPS) if normalize else out
     centred = grouped - grouped.mean(axis=1, keepdims=True)
-    if scale is ScaleRewards.group:
+    if scale is ScaleRewards.group and estimator is AdvantageEstimator.grpo:
         centred = centred / (grouped.std(axis=1, ddof=1, keepdims=True) + STD_EPS)
     elif scale is ScaleRewards.batch:
         centred = centred / (total.std(ddof=1) + STD_EPS)
     return centred.reshape(-1)
+
+
+def whitened(returns_N: np.ndarray, tokens_N: np.ndarray) -> np.ndarray:
+    """REINFORCE++'s advantages (OpenRLHF's compute_advantages_and_returns at gamma 1, the reward on
+    a completion's last token): each completion's return is on each of its tokens, whitened over
+    the batch's tokens: less their mean, times rsqrt of their biased variance (at least 1e-8)."""
+    tokens = np.asarray(tokens_N, np.float64)
+    if not tokens.sum():
+        return np.zeros_like(returns_N)
+    mean = (returns_N * tokens).sum() / tokens.sum()
+    variance = ((returns_N - mean) ** 2 * tokens).sum() / tokens.sum()
+    return (returns_N - mean) / math.sqrt(max(variance, 1e-8))
 
 
 def token_objective(
