@@ -3,6 +3,8 @@ GKDTrainer.generalized_jsd_loss and numpy's KLs; a student learns a teacher read
 Face checkpoint, its first divergence the same on fsdp2 x tp2, under LoRA, and with the teacher in bf16
 within bf16's error; bad teachers are one line each."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -309,3 +311,78 @@ def test_stored_top_k_log_probabilities_train_as_the_live_teacher_does(tmp_path)
                 tmp_path / "bad",
                 devices=devices,
             )
+
+
+def _on_policy(tmp_path, *overrides):
+    from tunix_train.rewards.arithmetic import write_task
+
+    prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
+    return config(
+        "model.vocab_size=4096",
+        "objective=distill_on_policy",
+        "data=jsonl",
+        f"data.train_files=[{prompts}]",
+        "data.seq_len=16",
+        "training.log_every=1",
+        "training.eval_every=0",
+        "checkpoint.every_steps=0",
+        "training.grpo.num_generations=4",
+        "training.grpo.max_new_tokens=4",
+        "training.grpo.temperature=1.5",
+        "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match]",
+        "training.learning_rate=3e-3",
+        *overrides,
+    )
+
+
+def _on_policy_run(tmp_path, teacher, name, steps, *overrides, devices=1, model=None):
+    """The losses logged by an on-policy distillation run."""
+    from conftest import read_metrics
+
+    from tunix_train.train.loop import train
+
+    cfg = _on_policy(
+        tmp_path, f"training.distill.teacher={teacher}", f"training.max_steps={steps}", *overrides
+    )
+    if model is not None:  # the teacher's architecture, started from its weights
+        cfg.model = dataclasses.replace(model, mesh_shape=cfg.model.mesh_shape, init_from=str(teacher))
+    train(cfg, tmp_path / name, devices=jax.devices()[:devices])
+    return [m for m in read_metrics(tmp_path / name) if "loss" in m]
+
+
+def test_on_policy_distillation_from_the_students_own_weights_has_no_advantage(tmp_path):
+    """objective=distill_on_policy (GRPO's rollouts; training.grpo.advantage=distill): each sampled
+    token's advantage is the teacher's log-probability less the sampling policy's. With the student
+    started from the teacher's own checkpoint, their reverse KL on the sampled tokens is 0 at the
+    first step (the engine's and the trainer's float noise: < 1e-4), and so is the loss."""
+    from tunix_train.interop import loader
+
+    teacher = _teacher(tmp_path / "teacher")
+    itself = _on_policy_run(
+        tmp_path, teacher, "itself", 1, "training.micro_batch_size=8", model=loader.source(teacher).cfg.model
+    )
+    assert abs(itself[0]["teacher_reverse_kl"]) < 1e-4 and abs(itself[0]["loss"]) < 1e-4, itself
+
+
+@pytest.mark.slow  # two runs (the exactness check above runs in the first leg)
+def test_on_policy_distillation_is_the_same_on_any_mesh(tmp_path):
+    """With a random teacher, the sampled tokens' reverse KL is positive; the first two steps (loss,
+    KL, reward) are the same on one device and on fsdp2 x tp2 (1e-5)."""
+    teacher = _teacher(tmp_path / "teacher")
+    one = _on_policy_run(
+        tmp_path, teacher, "one", 2, "training.micro_batch_size=8", 'model.mesh_shape=[[1],["fsdp"]]'
+    )
+    sharded = _on_policy_run(
+        tmp_path,
+        teacher,
+        "sharded",
+        2,
+        "training.micro_batch_size=4",
+        'model.mesh_shape=[[2,2],["fsdp","tp"]]',
+        devices=4,
+    )
+    for key in ("loss", "teacher_reverse_kl", "reward"):
+        np.testing.assert_allclose(
+            [m[key] for m in sharded], [m[key] for m in one[:2]], rtol=1e-5, err_msg=key
+        )
+    assert all(m["teacher_reverse_kl"] > 0.1 for m in one), one

@@ -22,6 +22,7 @@ from tunix_train.config import (
     CHAT_ROLES,
     LORA_TARGETS,
     VISION_LORA_TARGETS,
+    AdvantageEstimator,
     AttentionImpl,
     BaseQuantization,
     Config,
@@ -197,6 +198,17 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
             f"reads the fields it names"
         )
     {Objective.dpo: t.dpo, Objective.grpo: t.grpo}[t.objective].check(t.micro_batch_size)
+    if t.objective is Objective.grpo and t.grpo.advantage is AdvantageEstimator.distill:
+        if not t.distill.teacher:
+            raise ConfigError(
+                "training.grpo.advantage=distill needs training.distill.teacher: the checkpoint whose "
+                "log-probabilities of the sampled tokens make the advantages"
+            )
+        if t.grpo.dynamic_sampling or t.grpo.routing_replay:
+            raise ConfigError(
+                "training.grpo.dynamic_sampling and routing_replay are for rewards and the student's "
+                "experts; under training.grpo.advantage=distill set them to false"
+            )
     if t.objective is Objective.grpo and t.grpo.routing_replay:
         _check_routing_replay(m)
 

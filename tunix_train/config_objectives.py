@@ -39,6 +39,9 @@ class AdvantageEstimator(enum.Enum):  # training.grpo.advantage: rewards -> each
     reinforce_pp = "reinforce_pp"
     # r minus its group's mean, then whitened so (REINFORCE++-baseline; OpenRLHF "reinforce_baseline")
     reinforce_pp_baseline = "reinforce_pp_baseline"
+    # each token's: the teacher's log-probability of it less the sampling policy's (on-policy
+    # distillation; the teacher: training.distill.teacher)
+    distill = "distill"
 
 
 class ImportanceLevel(enum.Enum):

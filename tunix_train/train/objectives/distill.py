@@ -65,6 +65,39 @@ def jsd_of_log_probs(s, t, beta: float):
     return beta * kl(t, m) + (1 - beta) * kl(s, m)
 
 
+def teacher_model(cfg: Config) -> ExtraModel:
+    """training.distill.teacher as an ExtraModel, its config read from its checkpoint, on the run's
+    mesh; a one-line error when it cannot be read or has another vocabulary than the student."""
+    from tunix_train.interop import loader
+
+    path, student = cfg.training.distill.teacher, cfg.model
+    try:
+        source = loader.source(path)
+    except ConfigError as err:
+        raise ConfigError(f"training.distill.teacher: {err}") from None
+    model = dataclasses.replace(source.cfg.model, name="teacher", mesh_shape=student.mesh_shape)
+    if model.vocab_size != student.vocab_size:
+        raise ConfigError(
+            f"training.distill.teacher: {path} has vocab_size {model.vocab_size} but the student "
+            f"model.vocab_size={student.vocab_size}: a teacher must share its vocabulary"
+        )
+    precision = MixedPrecision.bf16 if cfg.training.distill.teacher_bf16 else MixedPrecision.fp32
+    return ExtraModel(model, str(source.path), precision=precision)
+
+
+def check_tokenizer(teacher: ExtraModel, tokenizer) -> None:
+    """A one-line error when the teacher carries a tokenizer that cuts text unlike the run's."""
+    from tunix_train.data.tokenizer import carries_tokenizer, load_tokenizer
+
+    if tokenizer is not None and carries_tokenizer(teacher.source):
+        theirs = load_tokenizer(teacher.source, teacher.model.vocab_size, "training.distill.teacher")
+        if theirs.encode(PROBE) != tokenizer.encode(PROBE):
+            raise ConfigError(
+                f"training.distill.teacher: {teacher.source}'s tokenizer cuts text unlike the run's "
+                f"(data.tokenizer): a teacher must share the student's tokenizer"
+            )
+
+
 class Distillation(LanguageModeling):
     perplexity = False  # the eval loss is the divergence, not the cross-entropy
 
@@ -84,25 +117,9 @@ class Distillation(LanguageModeling):
             }
 
     def teacher(self):
-        """The teacher as an ExtraModel, its config read from its checkpoint, checked against the student."""
+        """The teacher as an ExtraModel (teacher_model)."""
         if self._teacher is None:
-            from tunix_train.interop import loader
-
-            path = self.distill.teacher
-            try:
-                source = loader.source(path)
-            except ConfigError as err:
-                raise ConfigError(f"training.distill.teacher: {err}") from None
-            model = dataclasses.replace(
-                source.cfg.model, name="teacher", mesh_shape=self.cfg.model.mesh_shape
-            )
-            if model.vocab_size != self.cfg.model.vocab_size:
-                raise ConfigError(
-                    f"training.distill.teacher: {path} has vocab_size {model.vocab_size} but the student "
-                    f"model.vocab_size={self.cfg.model.vocab_size}: a teacher must share its vocabulary"
-                )
-            precision = MixedPrecision.bf16 if self.distill.teacher_bf16 else MixedPrecision.fp32
-            self._teacher = ExtraModel(model, str(source.path), precision=precision)
+            self._teacher = teacher_model(self.cfg)
         return self._teacher
 
     def _stored_k(self) -> int:
@@ -134,8 +151,6 @@ class Distillation(LanguageModeling):
     def read(self, data) -> None:
         """The teacher's checkpoint and tokenizer (or the stored log-probabilities' tokenizer),
         checked before any device work."""
-        from tunix_train.data.tokenizer import carries_tokenizer, load_tokenizer
-
         tokenizer = getattr(data, "tokenizer", None)  # none for pre-tokenized data
         if self.stored is not None:
             probe = self.stored.get("probe")
@@ -145,14 +160,7 @@ class Distillation(LanguageModeling):
                     f"tokenizer than the run's (data.tokenizer)"
                 )
             return
-        teacher = self.teacher()
-        if tokenizer is not None and carries_tokenizer(teacher.source):
-            theirs = load_tokenizer(teacher.source, teacher.model.vocab_size, "training.distill.teacher")
-            if theirs.encode(PROBE) != tokenizer.encode(PROBE):
-                raise ConfigError(
-                    f"training.distill.teacher: {teacher.source}'s tokenizer cuts text unlike the run's "
-                    f"(data.tokenizer): a teacher must share the student's tokenizer"
-                )
+        check_tokenizer(self.teacher(), tokenizer)
 
     def extra_models(self):
         return {} if self.stored is not None else {"teacher": self.teacher()}

@@ -54,6 +54,7 @@ import numpy as np
 from tunix_train.config import AdvantageEstimator, Config, Overlong
 from tunix_train.data.pipeline import GroupBatches, padded_row
 from tunix_train.train.hooks import Hook
+from tunix_train.train.objectives import distill
 from tunix_train.train.objectives import grpo_family as family
 from tunix_train.train.objectives.base import Objective
 from tunix_train.train.objectives.grpo_rewards import Rewards
@@ -77,6 +78,10 @@ class GroupRelative(Objective):
         self.rewards = Rewards(self.grpo)
         self.sampler = Sampler(cfg, self.rewards)  # the rollout component (train/rollout.py)
         self.metric_names = ("kl", "clip_fraction", "logprob_mismatch_mean", "logprob_mismatch_max")
+        self.distill = self.grpo.advantage is AdvantageEstimator.distill  # on-policy distillation
+        if self.distill:
+            self.metric_names += ("teacher_reverse_kl",)
+        self._teacher = None
         self._rollout = None
         m = cfg.model
         self.route_shape = (m.num_layers, m.num_experts_per_token) if self.grpo.routing_replay else None
@@ -94,17 +99,29 @@ class GroupRelative(Objective):
             return True
         return jnp.any((batch["advantages"] != 0) & (batch["loss_mask"] > 0))
 
-    def loss(self, policy, reference, micro, weight):
+    def teacher(self):
+        if self._teacher is None:
+            self._teacher = distill.teacher_model(self.cfg)
+        return self._teacher
+
+    def extra_models(self):
+        return {"teacher": self.teacher()} if self.distill else {}
+
+    def loss(self, policy, reference, micro, weight, models=None):
         g, mask = self.grpo, micro["loss_mask"]
         logp = -policy()
         ref_logp = -reference() if self.needs_reference else None
         behaviour = micro["behaviour_logp"]
         old_logp = behaviour if self.off_policy else jax.lax.stop_gradient(logp)
+        advantages, extra = micro["advantages"], {}
+        if self.distill:  # each token's: log p_teacher - log p_sampling, the negative reverse KL's sample
+            advantages = jax.lax.stop_gradient(-models["teacher"]() - behaviour)
+            extra["teacher_reverse_kl"] = -jnp.sum(advantages * mask) / weight["tokens"]
         objective, kl, clipped = family.token_objective(
             logp,
             old_logp,
             ref_logp,
-            micro["advantages"],
+            advantages,
             mask,
             epsilon=g.epsilon,
             epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high,
@@ -122,6 +139,7 @@ class GroupRelative(Objective):
             "clip_fraction": mean(clipped.astype(jnp.float32)),
             "logprob_mismatch_mean": mean(mismatch),
             "logprob_mismatch_max": jnp.max(mismatch),
+            **extra,
         }
 
     # the batches, on the host
@@ -129,6 +147,8 @@ class GroupRelative(Objective):
     def read(self, data) -> None:
         """The prompts, tokenized once by the sampler (the held-out ones too, for eval_every)."""
         self.sampler.read(data)
+        if self.distill:
+            distill.check_tokenizer(self.teacher(), getattr(data, "tokenizer", None))
 
     def train_batches(self, data, global_rows: int, rows: range) -> Rollouts:
         G = self.grpo.num_generations
