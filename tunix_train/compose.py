@@ -186,7 +186,7 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
     if d.source not in (DataSource.jsonl, DataSource.parquet):
         fields = (
             "prompt, chosen and rejected"
-            if t.objective is Objective.dpo
+            if t.objective in (Objective.dpo, Objective.reward)
             else "prompt (and what the rewards read)"
         )
         raise ConfigError(
@@ -197,6 +197,13 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
             f"data.prompt_field and data.completion_field are for training.objective=lm; {name} "
             f"reads the fields it names"
         )
+    if t.objective is Objective.reward:
+        if t.micro_batch_size % 2:
+            raise ConfigError(
+                f"training.micro_batch_size={t.micro_batch_size} must be even: a pair's two answers "
+                f"are two rows of one micro-batch"
+            )
+        return
     {Objective.dpo: t.dpo, Objective.grpo: t.grpo}[t.objective].check(t.micro_batch_size)
     if t.objective is Objective.grpo and t.grpo.advantage is AdvantageEstimator.distill:
         if not t.distill.teacher:

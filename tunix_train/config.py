@@ -27,6 +27,7 @@ from tunix_train.config_objectives import (  # noqa: F401  (re-exported: the sch
     ImportanceLevel,
     Overlong,
     PreferenceLoss,
+    RewardConfig,
     RewardNormalization,
     RolloutDtype,
     ScaleRewards,
@@ -83,6 +84,7 @@ class Objective(enum.Enum):
     dpo = "dpo"  # direct preference optimization on (prompt, chosen, rejected) pairs
     grpo = "grpo"  # group relative policy optimization: sampled completions scored by reward functions
     distill = "distill"  # the trained model learns a frozen teacher's distributions on the data
+    reward = "reward"  # a scalar head learns to score the chosen answer of each pair above the rejected
 
 
 class MoeDispatch(enum.Enum):
@@ -308,6 +310,9 @@ class ModelConfig:
     context_length: Optional[int] = _changeable(None)
     # An image tower before the decoder (Gemma 3 4B and up); null: text only.
     vision: Optional[VisionConfig] = _fixed(None)
+    # A scalar head on the final hidden states (a reward model, objective=reward; transformers'
+    # ...ForSequenceClassification with one label, its `score`): score_D [D].
+    score_head: bool = _fixed(False)
     # A Hugging Face Gemma checkpoint directory (config.json + safetensors) to start from; its sizes
     # must match this config's.
     init_from: Optional[str] = _fixed(None)
@@ -439,6 +444,7 @@ class TrainingConfig:
     dpo: DpoConfig = dataclasses.field(default_factory=DpoConfig)
     grpo: GrpoConfig = dataclasses.field(default_factory=GrpoConfig)
     distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
 
 
 @dataclasses.dataclass

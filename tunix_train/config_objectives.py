@@ -271,6 +271,15 @@ class GrpoConfig:
 
 
 @dataclasses.dataclass
+class RewardConfig:
+    """training.reward (objective=reward, docs/objectives/reward.md): a scalar head learns to score
+    the chosen answer of each pair above the rejected (Bradley-Terry; TRL's RewardTrainer)."""
+
+    # + this times mean((r_chosen + r_rejected)^2): keeps the rewards centred (Eisenstein et al. 2023)
+    center_rewards_coefficient: Optional[float] = _fixed(None)
+
+
+@dataclasses.dataclass
 class DistillConfig:
     """training.distill (objective=distill, docs/objectives/distill.md): the trained model (the
     student) learns a frozen teacher's next-token distributions on the data's tokens."""

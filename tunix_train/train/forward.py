@@ -7,6 +7,7 @@ and once:
 
 - `forward()`: the per-token negative log-likelihood of micro["targets"], [B, T];
 - `forward.hidden()`: the final normed hidden states [B, T, D] (for a head of one's own);
+- `forward.scores()`: the scalar head's value at each position [B, T] (model.score_head);
 - `forward.per_token(fn, *others, fields=...)`: fn over the logits of this model and of `others`
   (Forwards of the same micro-batch) and micro's `fields`, position by position, [B, T] (or any
   arrays with more axes after T: a teacher's top k). With
@@ -89,7 +90,8 @@ class Forward:
                 micro.get("images"),  # each row's images (model.vision)
             )
             head = (model.output_table(), model.cfg.final_logit_softcap, model.rules)
-            self._computed = (x_BTD, stats, head)
+            score = None if model.score_D is None else model.score_D[...]
+            self._computed = (x_BTD, stats, head, score)
         return self._computed
 
     @property
@@ -99,6 +101,11 @@ class Forward:
 
     def _out(self, x):
         return jax.lax.stop_gradient(x) if self.frozen else x
+
+    def scores(self) -> jax.Array:
+        """The scalar head's value at every position [B, T], float32 (model.score_head)."""
+        x_BTD, _, _, score_D = self._run()
+        return self._out(jnp.einsum("btd,d->bt", x_BTD.astype(jnp.float32), score_D.astype(jnp.float32)))
 
     def hidden(self) -> jax.Array:
         """The final normed hidden states [B, T, D]."""

@@ -129,7 +129,8 @@ class TrainMetrics(Hook):
 
 
 class Evaluate(Hook):
-    """Held-out loss and perplexity at the start (a reference for the first evaluation), every
+    """Held-out loss and perplexity, and the objective's metrics (eval_<name>: DPO's and the
+    reward model's accuracy, ...), at the start (a reference for the first evaluation), every
     `every` steps and at the last, over a fixed set of batches."""
 
     def __init__(self, eval_fn, batches: list, every: int, max_steps: int, perplexity: bool = True):
@@ -141,9 +142,17 @@ class Evaluate(Hook):
         sums = [self.eval_fn(state.params, state.frozen, batch) for batch in self.batches]
         loss_sum, weight = (sum(float(s[k]) for s in sums) for k in ("loss_sum", "weight"))
         loss = loss_sum / max(weight, 1.0)
+        metrics = {}
+        for key in sums[0] if sums else ():
+            if key.startswith("metric_"):
+                name, values = key.removeprefix("metric_"), [float(s[key]) for s in sums]
+                metrics[f"eval_{name}"] = (
+                    max(values) if name.endswith("_max") else sum(values) / max(weight, 1.0)
+                )
         return {
             "eval_loss": loss,
             **({"eval_perplexity": math.exp(min(loss, 700.0))} if self.perplexity else {}),
+            **metrics,
         }
 
     def at_start(self, start: StepEnd) -> None:

@@ -401,13 +401,14 @@ def eval_step(
     models: dict | None = None,
 ) -> dict[str, jax.Array]:
     """The objective's summed loss and weight (for the next-token loss: summed token loss and
-    token count) of a [1, B, T] held-out batch; `frozen`: the state's frozen weights. An objective
-    with several normalizers (ORPO) gives its batch's mean loss, of weight 1."""
+    token count) of a [1, B, T] held-out batch, and its metrics summed alike (`metric_<name>`);
+    `frozen`: the state's frozen weights. An objective with several normalizers (ORPO) gives its
+    batch's mean loss, of weight 1, and no metrics."""
     objective = objective or LanguageModeling(None)
     micro = jax.tree.map(lambda x: x[0], parallel.reorder(batch) if parallel else batch)
     weight = objective.weight(micro)
     several = isinstance(weight, dict)
-    loss_sum, _ = _objective_loss(
+    loss_sum, metrics = _objective_loss(
         objective,
         weights,
         graphdef,
@@ -423,7 +424,11 @@ def eval_step(
         extras=extras,
         models=models,
     )
-    return {"loss_sum": loss_sum, "weight": jnp.float32(1.0) if several else weight}
+    if several:
+        return {"loss_sum": loss_sum, "weight": jnp.float32(1.0)}
+    # the objective's metrics, summed as the loss is (a `..._max` one: the batch's maximum)
+    scalars = {f"metric_{k}": v for k, v in metrics.items() if jnp.ndim(v) == 0}
+    return {"loss_sum": loss_sum, "weight": weight, **scalars}
 
 
 def compile_eval_step(

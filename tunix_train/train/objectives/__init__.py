@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from tunix_train.config import Config
 from tunix_train.config import Objective as Kind
-from tunix_train.train.objectives import distill, dpo, grpo, lm
+from tunix_train.train.objectives import distill, dpo, grpo, lm, reward
 from tunix_train.train.objectives.base import Objective
 
 __all__ = ["Objective", "make_objective"]
@@ -48,4 +48,5 @@ def make_objective(cfg: Config, tokenizer=None):
         Kind.dpo: dpo.DirectPreference,
         Kind.grpo: grpo.GroupRelative,
         Kind.distill: distill.Distillation,
+        Kind.reward: reward.RewardModeling,
     }[cfg.training.objective](cfg)

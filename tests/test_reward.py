@@ -1,0 +1,95 @@
+"""Reward models (objective=reward, train/objectives/reward.py): the loss equals TRL's
+RewardTrainer.compute_loss (margins, centering); a reward model learns a synthetic preference
+(answers naming the requested word) to >= 90% held-out accuracy; bad input is one line."""
+
+import json
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import config, read_metrics
+
+from tunix_train.config import ConfigError
+from tunix_train.train.objectives.reward import pair_loss
+
+WORDS = ["king", "love", "night", "blood", "crown", "heart", "death", "sword", "queen", "fool"]
+
+
+@pytest.mark.parametrize("center", [None, 0.01])
+def test_the_loss_equals_trls_reward_trainer(center):
+    """Six pairs' rewards and margins: our mean pair loss equals TRL's RewardTrainer.compute_loss
+    (its model replaced by the rewards, chosen rows then rejected) within 1e-6."""
+    torch = pytest.importorskip("torch")
+    from trl import RewardTrainer
+
+    rng = np.random.default_rng(0)
+    chosen, rejected, margin = (rng.standard_normal(6).astype(np.float32) for _ in range(3))
+    stub = types.SimpleNamespace(
+        model=types.SimpleNamespace(training=False),
+        args=types.SimpleNamespace(center_rewards_coefficient=center),
+        accelerator=types.SimpleNamespace(gather_for_metrics=lambda x: x, gather=lambda x: x),
+        _metrics={"eval": __import__("collections").defaultdict(list)},
+        _total_train_tokens=0,
+    )
+    logits = torch.from_numpy(np.concatenate([chosen, rejected]))[:, None]
+    inputs = {"margin": torch.from_numpy(margin), "attention_mask": torch.ones(12, 3)}
+    theirs = RewardTrainer.compute_loss(stub, lambda **kw: types.SimpleNamespace(logits=logits), inputs)
+    ours = jnp.mean(pair_loss(jnp.asarray(chosen), jnp.asarray(rejected), jnp.asarray(margin), center))
+    assert float(ours) == pytest.approx(float(theirs), abs=1e-6)
+
+
+def _pairs(path, count, seed):
+    """Pairs whose chosen answer names the prompt's word and the rejected another of WORDS."""
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for _ in range(count):
+            word, other = rng.choice(WORDS, 2, replace=False)
+            answer = "Then speak of {} and be gone."
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": f"Speak of {word}.",
+                        "chosen": answer.format(word),
+                        "rejected": answer.format(other),
+                    }
+                )
+                + "\n"
+            )
+    return path
+
+
+REWARD = [
+    "model=gemma3_tiny",
+    "model.vocab_size=4096",
+    "objective=reward",
+    "data=jsonl",
+    "data.seq_len=32",
+    "training.micro_batch_size=16",
+    "training.log_every=1",
+    "training.warmup_steps=0",
+    "checkpoint.every_steps=0",
+]
+
+
+def test_a_reward_model_learns_which_answer_names_the_requested_word(tmp_path):
+    """gemma3_tiny with a scalar head, from scratch, on 512 pairs: after 60 steps the held-out
+    pairs (other draws) are ranked right at least 90% of the time (eval_accuracy), from about
+    half at the start."""
+    from tunix_train.train.loop import train
+
+    cfg = config(
+        *REWARD,
+        f"data.train_files=[{_pairs(tmp_path / 'train.jsonl', 512, 0)}]",
+        f"data.eval_files=[{_pairs(tmp_path / 'eval.jsonl', 64, 1)}]",
+        "training.max_steps=60",
+        "training.learning_rate=3e-3",
+        "training.eval_every=60",
+        "training.eval_batches=4",
+        'model.mesh_shape=[[1],["fsdp"]]',
+    )
+    train(cfg, tmp_path / "run", devices=jax.devices()[:1])
+    evals = [m for m in read_metrics(tmp_path / "run") if "eval_accuracy" in m]
+    print([(m["step"], m["eval_accuracy"], m["eval_loss"]) for m in evals])
+    assert evals[0]["eval_accuracy"] < 0.75 and evals[-1]["eval_accuracy"] >= 0.9, evals

@@ -1,0 +1,115 @@
+"""Reward modeling (objective=reward): a scalar head on the final hidden states (model.score_head),
+trained on (prompt, chosen, rejected) pairs with the Bradley-Terry loss, as TRL's RewardTrainer
+computes it:
+
+    loss = -mean over pairs of log sig(r(chosen) - r(rejected) - margin)
+           + center_rewards_coefficient * mean((r(chosen) + r(rejected))^2)
+
+r(y) is the head's value at the last token of [BOS] prompt y [EOS], the EOS: where transformers'
+...ForSequenceClassification pools (its last token that is not padding). `margin` is the record's
+field of that name when it has one (TRL's), else 0; the coefficient's term (Eisenstein et al. 2023)
+keeps the rewards centred on zero. Every mean is the whole batch's, so accumulation is exact.
+
+A pair is two rows, chosen then rejected, each unpacked and padded to data.seq_len (the EOS an
+input here, unlike a language-model row); a micro-batch holds whole pairs (DPO's batches).
+Evaluation (training.eval_every) reports the held-out pairs' loss and accuracy, the fraction whose
+chosen answer scores higher.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tunix_train.config import Config, ConfigError
+from tunix_train.data.chat import completion_ids, prompt_ids
+from tunix_train.train.objectives.dpo import DirectPreference
+from tunix_train.train.objectives.lm import BATCH_DTYPES
+
+
+def pair_loss(chosen_P, rejected_P, margin_P, center_coefficient: float | None):
+    """Each pair's loss: the Bradley-Terry term and TRL's centering term."""
+    loss = -jax.nn.log_sigmoid(chosen_P - rejected_P - margin_P)
+    if center_coefficient is not None:
+        loss = loss + center_coefficient * (chosen_P + rejected_P) ** 2
+    return loss
+
+
+class RewardModeling(DirectPreference):
+    batch_dtypes = {**BATCH_DTYPES, "margin": jnp.float32}  # each pair's margin, on its chosen row
+    metric_names = ("accuracy", "margin", "reward_chosen", "reward_rejected")
+    needs_reference = False
+    perplexity = False
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.reward = cfg, cfg.training.reward
+        if not cfg.model.score_head:
+            raise ConfigError(
+                "training.objective=reward trains a scalar head: set model.score_head=true (objective=reward "
+                "sets it)"
+            )
+        if cfg.model.vision is not None:
+            raise ConfigError(
+                "training.objective=reward reads text pairs; a model with an image tower (model.vision) "
+                "is not supported yet"
+            )
+
+    def weight(self, batch):
+        return jnp.float32(np.prod(batch["inputs"].shape[:-1]) // 2)  # pairs
+
+    def loss(self, policy, reference, micro, weight):
+        # loss_mask is 1 at each row's EOS, the position scored
+        rewards_P2 = jnp.sum(policy.scores() * micro["loss_mask"], axis=-1).reshape(-1, 2)
+        margin_P = micro["margin"][:, 0].reshape(-1, 2)[:, 0]
+        chosen, rejected = rewards_P2[:, 0], rewards_P2[:, 1]
+        loss = pair_loss(chosen, rejected, margin_P, self.reward.center_rewards_coefficient)
+
+        def mean(x):
+            return jnp.sum(x) / weight
+
+        return mean(loss), {
+            "accuracy": mean((chosen > rejected).astype(jnp.float32)),
+            "margin": mean(chosen - rejected),
+            "reward_chosen": mean(chosen),
+            "reward_rejected": mean(rejected),
+        }
+
+    def _pair(self, data, doc, what: str, index: int):
+        seq_len, tok = self.cfg.data.seq_len, data.tokenizer
+        chat = data.chat if isinstance(doc["prompt"], list) else None
+        prompt = prompt_ids(doc["prompt"], tok, chat, None)
+        margin = doc.get("margin", 0.0)
+        if not isinstance(margin, (int, float)) or isinstance(margin, bool):
+            raise ConfigError(f"{what}: pair {index + 1}'s margin is {margin!r}, not a number")
+        rows = []
+        for field in ("chosen", "rejected"):
+            ids = [*prompt, *completion_ids(doc["prompt"], doc[field], tok, chat, None)]
+            if len(ids) > seq_len:
+                raise ConfigError(
+                    f"{what}: pair {index + 1} ({field}) is {len(ids)} tokens, longer than "
+                    f"data.seq_len={seq_len}; raise data.seq_len or shorten it"
+                )
+            rows.append(scored_row(ids, seq_len))
+        pair = {name: np.stack([r[name] for r in rows]) for name in rows[0]}
+        pair["margin"] = np.zeros((2, seq_len), np.float32)
+        pair["margin"][0, 0] = margin
+        return pair
+
+
+def scored_row(ids: list[int], seq_len: int) -> dict[str, np.ndarray]:
+    """[BOS] prompt answer [EOS] as one row whose inputs hold every token, padded; loss_mask marks
+    the last (the EOS), where the head is read; targets are unused (0)."""
+    n = len(ids)
+    row = {
+        "inputs": np.zeros(seq_len, np.int32),
+        "targets": np.zeros(seq_len, np.int32),
+        "loss_mask": np.zeros(seq_len, np.float32),
+        "positions": np.zeros(seq_len, np.int32),
+        "segment_ids": np.zeros(seq_len, np.int32),
+    }
+    row["inputs"][:n] = ids
+    row["positions"][:n] = np.arange(n)
+    row["segment_ids"][:n] = 1
+    row["loss_mask"][n - 1] = 1.0
+    return row
