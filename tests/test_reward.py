@@ -93,3 +93,73 @@ def test_a_reward_model_learns_which_answer_names_the_requested_word(tmp_path):
     evals = [m for m in read_metrics(tmp_path / "run") if "eval_accuracy" in m]
     print([(m["step"], m["eval_accuracy"], m["eval_loss"]) for m in evals])
     assert evals[0]["eval_accuracy"] < 0.75 and evals[-1]["eval_accuracy"] >= 0.9, evals
+
+
+def test_a_reward_model_trains_alike_on_fsdp2_tp2_and_exports_for_transformers(tmp_path):
+    """Two steps on one device and on fsdp2 x tp2 log the same losses (1e-5). The one device's run
+    exports as Gemma3TextForSequenceClassification: transformers' scores of the 8 held-out pairs
+    (at their last token) average to our evaluation's eval_reward_chosen and eval_reward_rejected,
+    and rank them as eval_accuracy says; the export reads back as a model with a scalar head."""
+    import transformers
+
+    from tunix_train import export
+    from tunix_train.data.tokenizer import load_tokenizer
+    from tunix_train.interop import loader
+    from tunix_train.train.loop import train
+
+    pairs = _pairs(tmp_path / "eval.jsonl", 8, 1)
+    common = [
+        *REWARD,
+        f"data.train_files=[{_pairs(tmp_path / 'train.jsonl', 64, 0)}]",
+        f"data.eval_files=[{pairs}]",
+        "training.max_steps=2",
+        "training.learning_rate=3e-3",
+        "training.eval_every=2",
+        "training.eval_batches=1",
+    ]
+    runs = {}
+    for name, mesh, devices, rows in (
+        ("one", '[[1],["fsdp"]]', 1, 16),
+        ("sharded", '[[2,2],["fsdp","tp"]]', 4, 8),  # 8 rows per data shard: the same 16
+    ):
+        cfg = config(*common, f"model.mesh_shape={mesh}", f"training.micro_batch_size={rows}")
+        train(cfg, tmp_path / name, devices=jax.devices()[:devices])
+        runs[name] = read_metrics(tmp_path / name)
+    losses = {name: [m["loss"] for m in metrics if "loss" in m] for name, metrics in runs.items()}
+    np.testing.assert_allclose(losses["sharded"], losses["one"], rtol=1e-5)
+
+    assert export.main([str(tmp_path / "one"), str(tmp_path / "hf")]) == 0
+    assert loader.source(tmp_path / "hf").cfg.model.score_head
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+    assert type(model).__name__ == "Gemma3TextForSequenceClassification"
+    import torch
+
+    tokenizer = load_tokenizer(None, 4096, "data.tokenizer")
+    scores = []
+    for line in pairs.read_text().splitlines():
+        pair = json.loads(line)
+        prompt = [tokenizer.bos_id, *tokenizer.encode(pair["prompt"])]
+        row = []
+        for field in ("chosen", "rejected"):
+            ids = [*prompt, *tokenizer.encode(pair[field]), tokenizer.eos_id]
+            with torch.no_grad():
+                row.append(float(model(torch.tensor([ids])).logits[0, 0]))
+        scores.append(row)
+    scores = np.array(scores)
+    last = [m for m in runs["one"] if "eval_reward_chosen" in m][-1]
+    assert last["eval_reward_chosen"] == pytest.approx(scores[:, 0].mean(), abs=1e-4)
+    assert last["eval_reward_rejected"] == pytest.approx(scores[:, 1].mean(), abs=1e-4)
+    assert last["eval_accuracy"] == pytest.approx((scores[:, 0] > scores[:, 1]).mean())
+
+
+def test_bad_reward_settings_are_one_line(tmp_path):
+    from tunix_train.train.objectives import make_objective
+
+    for overrides, message in [
+        (["training.micro_batch_size=3"], "training.micro_batch_size=3 must be even"),
+        (["data=synthetic"], "training.objective=reward reads records with prompt, chosen and rejected"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            config(*REWARD, "data.train_files=[x.jsonl]", *overrides)
+    with pytest.raises(ConfigError, match="set model.score_head=true"):
+        make_objective(config(*REWARD, "data.train_files=[x.jsonl]", "model.score_head=false"))

@@ -311,7 +311,7 @@ class ModelConfig:
     # An image tower before the decoder (Gemma 3 4B and up); null: text only.
     vision: Optional[VisionConfig] = _fixed(None)
     # A scalar head on the final hidden states (a reward model, objective=reward; transformers'
-    # ...ForSequenceClassification with one label, its `score`): score_D [D].
+    # ...ForSequenceClassification with one label, its `score`): score_DO [D, 1].
     score_head: bool = _fixed(False)
     # A Hugging Face Gemma checkpoint directory (config.json + safetensors) to start from; its sizes
     # must match this config's.

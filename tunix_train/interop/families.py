@@ -29,6 +29,9 @@ class Family:
     hf_names: Mapping[str, str] = dataclasses.field(default_factory=dict)  # our path -> transformers' name
     # checkpoints store each expert's gate, up and down as tensors of their own (hf._PerExpertFiles)
     split_experts: bool = False
+    # transformers' class of this family with a scalar head (model.score_head: a reward model);
+    # "": its ForCausalLM's name with ForSequenceClassification; None: transformers has none
+    hf_sequence_classifier: str | None = ""
 
     def fields_from_hf(self, hf: dict) -> dict[str, Any]:
         """ModelConfig fields of a config.json; one that lacks a key the family needs, or holds a
@@ -45,6 +48,8 @@ class Family:
             raise ConfigError(
                 f"model.init_from: config.json holds a value of the wrong kind ({err})"
             ) from None
+        if any("ForSequenceClassification" in a for a in hf.get("architectures") or ()):
+            fields["score_head"] = True  # a reward model's checkpoint
         return {"family": self.name, **fields, **self.fixed}
 
     def check(self, cfg: ModelConfig) -> None:
@@ -57,12 +62,30 @@ class Family:
                 )
 
     def hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
-        """config.json for this family's transformers model (check first)."""
+        """config.json for this family's transformers model (check first); with model.score_head
+        its ...ForSequenceClassification of one label."""
         self.check(cfg)
+        if not cfg.score_head:
+            return {
+                "architectures": [self.hf_architecture],
+                "model_type": self.hf_model_types[0],
+                **self.to_hf(cfg),
+            }
+        if self.hf_sequence_classifier is None:
+            raise ConfigError(
+                f"model.score_head: transformers has no {self.name} model with a scalar head to write "
+                f"this reward model as"
+            )
+        architecture = self.hf_sequence_classifier or self.hf_architecture.replace(
+            "ForCausalLM", "ForSequenceClassification"
+        )
         return {
-            "architectures": [self.hf_architecture],
+            "architectures": [architecture],
             "model_type": self.hf_model_types[0],
             **self.to_hf(cfg),
+            "num_labels": 1,
+            "id2label": {"0": "LABEL_0"},
+            "label2id": {"LABEL_0": 0},
         }
 
 
@@ -115,6 +138,7 @@ for _name, _model_types, _architecture in (
             functools.partial(gemma.gemma_to_hf, family=_name),
             gemma.FIXED[_name],
             gguf_architecture=_name,
+            hf_sequence_classifier="Gemma3TextForSequenceClassification" if _name == "gemma3" else "",
             # Gemma 1 names its pre-MLP norm as the later ones name the norm after attention
             hf_names={"layers.pre_ffw_norm.scale": "post_attention_layernorm.weight"}
             if _name == "gemma"
@@ -129,6 +153,7 @@ register(
         gemma.gemma4_from_hf,
         gemma.gemma4_to_hf,
         gemma.FIXED["gemma4"],
+        hf_sequence_classifier=None,
     )
 )
 

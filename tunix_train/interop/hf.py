@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -34,6 +35,7 @@ from tunix_train.sharding import layer_sharding
 _SPECS = {
     "embedding_VD": ("model.embed_tokens.weight", ("V", "D"), (0, 1)),
     "output_VD": ("lm_head.weight", ("V", "D"), (0, 1)),  # untied output layers only
+    "score_DO": ("score.weight", ("O", "D"), (1, 0)),  # a reward model's head (...ForSequenceClassification)
     "final_norm.scale": ("model.norm.weight", ("D",), (0,)),
     "layers.pre_attn_norm.scale": ("input_layernorm.weight", ("D",), (0,)),
     "layers.attn.q_DNH": ("self_attn.q_proj.weight", ("NH", "D"), (2, 0, 1)),
@@ -348,6 +350,10 @@ def load_params_from(
         if path.startswith("vision."):
             return load_tower_leaf(path, leaf)
         spec, layer_of = stack_layers(path, cfg)
+        if spec == "score_DO" and not files.has("score.weight"):  # a language model's checkpoint
+            if jax.process_index() == 0:
+                print(f"model.init_from: {source} has no score.weight; the scalar head starts at zero")
+            return jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype), out_shardings=leaf.sharding)()
         rows = range(leaf.shape[0]) if layer_of else [None]
 
         def name(r):

@@ -338,8 +338,10 @@ class Decoder(nnx.Module):
             )
         )
         # a reward model's scalar head, from a stream of its own: the other parameters are the same
-        self.score_D = (
-            param(nnx.Rngs(jax.random.fold_in(keys[0], 2)), (D,), ("embed",), D) if cfg.score_head else None
+        self.score_DO = (
+            param(nnx.Rngs(jax.random.fold_in(keys[0], 2)), (D, 1), ("embed", None), D)
+            if cfg.score_head
+            else None
         )
         # the images' embeddings carry gradient into the tower when it trains or has adapters
         self.tower_learns = cfg.vision is not None and (

@@ -90,7 +90,7 @@ class Forward:
                 micro.get("images"),  # each row's images (model.vision)
             )
             head = (model.output_table(), model.cfg.final_logit_softcap, model.rules)
-            score = None if model.score_D is None else model.score_D[...]
+            score = None if model.score_DO is None else model.score_DO[...]
             self._computed = (x_BTD, stats, head, score)
         return self._computed
 
@@ -104,8 +104,10 @@ class Forward:
 
     def scores(self) -> jax.Array:
         """The scalar head's value at every position [B, T], float32 (model.score_head)."""
-        x_BTD, _, _, score_D = self._run()
-        return self._out(jnp.einsum("btd,d->bt", x_BTD.astype(jnp.float32), score_D.astype(jnp.float32)))
+        x_BTD, _, _, score_DO = self._run()
+        return self._out(
+            jnp.einsum("btd,d->bt", x_BTD.astype(jnp.float32), score_DO[:, 0].astype(jnp.float32))
+        )
 
     def hidden(self) -> jax.Array:
         """The final normed hidden states [B, T, D]."""
