@@ -35,7 +35,8 @@ def write(out: Path, steps: int, overrides: list[str], devices=None) -> dict:
     from tunix_train.sharding import batch_sharding, process_rows, to_global_batch
     from tunix_train.train.forward import Forward
     from tunix_train.train.init import COMPUTE_DTYPES
-    from tunix_train.train.objectives.distill import PROBE, Distillation
+    from tunix_train.train.objectives.base import PROBE
+    from tunix_train.train.objectives.distill import Distillation
     from tunix_train.train.setup import setup
 
     cfg, _ = load_config(["objective=distill", *overrides, f"training.max_steps={steps}"])

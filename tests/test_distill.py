@@ -127,7 +127,7 @@ def test_bad_teachers_and_settings_are_one_line(tmp_path):
             config(*DISTILL, *overrides)
     other = _teacher(tmp_path / "other", vocab=512)
     for teacher, message in [
-        (other, "has vocab_size 512 but the student model.vocab_size=4096"),
+        (other, "has vocab_size 512 but the trained model.s model.vocab_size=4096"),
         (tmp_path / "nothing", "training.distill.teacher: "),
     ]:
         cfg = config(*DISTILL, f"training.distill.teacher={teacher}")

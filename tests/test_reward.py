@@ -163,3 +163,105 @@ def test_bad_reward_settings_are_one_line(tmp_path):
             config(*REWARD, "data.train_files=[x.jsonl]", *overrides)
     with pytest.raises(ConfigError, match="set model.score_head=true"):
         make_objective(config(*REWARD, "data.train_files=[x.jsonl]", "model.score_head=false"))
+
+
+def test_grpo_reward_models_score_as_transformers_does(tmp_path):
+    """A random Gemma3TextForSequenceClassification as GRPO's reward model, planned on fsdp2 x tp2:
+    its rewards of three token sequences of different lengths equal transformers' logits at their
+    last token (1e-5); a checkpoint without a head, and one of another vocabulary, are one line."""
+    import torch
+    import transformers
+    from hf_reference import SIZES, WINDOW, build
+
+    from tunix_train.rewards.arithmetic import write_task
+    from tunix_train.train.objectives.grpo import GroupRelative
+    from tunix_train.train.setup import setup
+
+    hf_config = transformers.Gemma3TextConfig(
+        **{**SIZES, "vocab_size": 4096}, sliding_window=WINDOW, num_labels=1, pad_token_id=0
+    )
+    torch.manual_seed(0)
+    theirs = transformers.Gemma3TextForSequenceClassification(hf_config).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    theirs.save_pretrained(tmp_path / "rm")
+    prompts, _ = write_task(tmp_path / "task", count=8, seed=0)
+
+    def grpo(model):
+        return config(
+            "model.vocab_size=4096",
+            "objective=grpo",
+            "data=jsonl",
+            f"data.train_files=[{prompts}]",
+            "data.seq_len=16",
+            "training.micro_batch_size=4",
+            "training.grpo.num_generations=4",
+            "training.grpo.reward=[]",
+            f"training.grpo.reward_models=[{model}]",
+            'model.mesh_shape=[[2,2],["fsdp","tp"]]',
+        )
+
+    cfg = grpo(tmp_path / "rm")
+    objective = GroupRelative(cfg)
+    run = setup(cfg, jax.devices()[:4], objective)
+    models = objective.rewards.models
+    models.connect(run, run.mesh)
+    sequences = [[2, 17, 300, 41, 1], [2, 5, 6], [2, 9, 10, 11, 12, 13, 14, 15, 16, 1]]
+    ours = models.score(sequences)
+    assert ours.shape == (1, 3) and objective.rewards.names == ["reward_model_0"]
+    with torch.no_grad():
+        expected = [float(theirs(torch.tensor([s])).logits[0, 0]) for s in sequences]
+    np.testing.assert_allclose(ours[0], expected, rtol=1e-5, atol=1e-5)
+
+    build("gemma3", tmp_path / "lm", vocab_size=4096)
+    build("gemma3", tmp_path / "small", vocab_size=512)
+    for model, message in [
+        (tmp_path / "lm", "has no scalar head"),
+        (tmp_path / "small", "has vocab_size 512 but the trained model's model.vocab_size=4096"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            GroupRelative(grpo(model))
+
+
+@pytest.mark.slow  # a GRPO run (the scoring itself is checked above, in the first leg)
+def test_grpo_trains_with_a_reward_model_as_its_only_reward(tmp_path):
+    """objective=reward's export as GRPO's only reward: two steps run, each logging the reward
+    model's mean reward (reward_reward_model_0) as the reward; the policy's loss is finite."""
+    from tunix_train import export
+    from tunix_train.rewards.arithmetic import write_task
+    from tunix_train.train.loop import train
+
+    train(
+        config(
+            *REWARD,
+            f"data.train_files=[{_pairs(tmp_path / 'pairs.jsonl', 64, 0)}]",
+            "training.max_steps=1",
+            "training.eval_every=0",
+            'model.mesh_shape=[[1],["fsdp"]]',
+        ),
+        tmp_path / "rm_run",
+        devices=jax.devices()[:1],
+    )
+    assert export.main([str(tmp_path / "rm_run"), str(tmp_path / "rm")]) == 0
+    prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
+    cfg = config(
+        "model.vocab_size=4096",
+        "objective=grpo",
+        "data=jsonl",
+        f"data.train_files=[{prompts}]",
+        "data.seq_len=16",
+        "training.micro_batch_size=8",
+        "training.max_steps=2",
+        "training.log_every=1",
+        "training.grpo.num_generations=4",
+        "training.grpo.max_new_tokens=4",
+        "training.grpo.reward=[]",
+        f"training.grpo.reward_models=[{tmp_path / 'rm'}]",
+        'model.mesh_shape=[[2],["fsdp"]]',
+    )
+    train(cfg, tmp_path / "grpo", devices=jax.devices()[:2])
+    steps = [m for m in read_metrics(tmp_path / "grpo") if "loss" in m]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["reward"] == pytest.approx(m["reward_reward_model_0"]) and np.isfinite(m["loss"]), m

@@ -121,6 +121,10 @@ class GrpoConfig:
     # Reward functions, `module:function`, each fn(prompts, completions, **fields) -> list of floats;
     # the reward of a completion is their sum, weighted by reward_weights (empty: all 1).
     reward: List[str] = _fixed(factory=list)
+    # Reward models (objective=reward's exports, or any ...ForSequenceClassification checkpoint the
+    # loader reads), each scoring [BOS] prompt completion at its last token; their rewards follow
+    # the functions', and reward_weights weighs functions then models.
+    reward_models: List[str] = _fixed(factory=list)
     reward_weights: List[float] = _fixed(factory=list)
     # The GRPO family (docs/objectives/grpo-family.md; objective=dapo, dr_grpo, gspo set them):
     loss_aggregation: GrpoAggregation = _fixed(GrpoAggregation.token_mean)
@@ -169,9 +173,10 @@ class GrpoConfig:
                 f"training.micro_batch_size={micro_batch_size} must be a multiple of "
                 f"training.grpo.num_generations={G}: a group never spans micro-batches or devices"
             )
-        if not self.reward:
+        if not self.reward and not self.reward_models:
             raise ConfigError(
-                "training.grpo.reward is empty: name at least one reward function, module:function"
+                "training.grpo.reward is empty: name at least one reward function, module:function "
+                "(or a reward model in training.grpo.reward_models)"
             )
         if (
             not 0 < self.temperature < math.inf
@@ -217,10 +222,12 @@ class GrpoConfig:
                 f"training.grpo.epsilon_high={self.epsilon_high} must be >= training.grpo.epsilon="
                 f"{self.epsilon} (clip-higher widens the upper side)"
             )
-        if self.reward_weights and len(self.reward_weights) != len(self.reward):
+        scorers = len(self.reward) + len(self.reward_models)
+        if self.reward_weights and len(self.reward_weights) != scorers:
             raise ConfigError(
-                f"training.grpo.reward_weights has {len(self.reward_weights)} weights for "
-                f"{len(self.reward)} reward functions; give one per function, or none"
+                f"training.grpo.reward_weights has {len(self.reward_weights)} weights for {len(self.reward)} "
+                f"reward functions and {len(self.reward_models)} reward models; give one per function "
+                f"then model, or none"
             )
         if (
             self.multi_reward_normalization is RewardNormalization.per_reward

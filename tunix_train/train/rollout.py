@@ -223,6 +223,8 @@ class Sampler:
 
         self._merged = jax.jit(to_engine)  # LoRA: the adapters merged into the base, compiled once
         self.mesh = run.rollout_mesh or run.mesh
+        if self.rewards.models:  # GRPO's reward models, on the engine's mesh
+            self.rewards.models.connect(run, self.mesh)
         # every completion of a rollout at once, in one batch of slots, or rollout_slots at a time
         self.engine = Engine(
             self.cfg.model,
@@ -441,7 +443,8 @@ class Sampler:
             texts, extra = [self.tokenizer.decode(c.tokens) for c in done], {}
         out["routes"] = [pack_routes(r) for r in out["routes"]] if self.engine.record_routes else None
         out["sampling_s"] = time.perf_counter() - start  # the engine's time (and the tools')
+        whole = [[*p, *c] for p, c in zip(out["prompt_ids"] or prompts, out["completions"])]
         out["rewards"] = self.rewards.score(
-            [d["prompt"] for d in docs], texts, docs, out["completions"], **extra
+            [d["prompt"] for d in docs], texts, docs, out["completions"], sequences=whole, **extra
         )
         return out

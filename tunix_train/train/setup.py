@@ -54,6 +54,7 @@ class Setup:
     objective: Any  # what the step minimizes (train/objectives/)
     weights: Weights  # which parameters train and which are frozen
     extras: Any = None  # the objective's extra models (FrozenModels: a teacher, ...), None without
+    plan_frozen: Any = None  # (ExtraModel specs, mesh) -> their FrozenModels (GRPO's reward models)
 
 
 def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any = None) -> Setup:
@@ -90,12 +91,19 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
         t.offload_master_weights,
         weights,
     )
-    extras = plan_frozen_models(
-        objective.extra_models(),
-        mesh,
-        plan.rules,
-        lambda model_cfg: parallel.model_graphdef(model_cfg, t.remat, t.scan_unroll, t.attention, plan.rules),
-    )
+
+    def plan_frozen(specs: dict, on_mesh: Mesh):
+        """Frozen models (ExtraModel specs) on a mesh, sharded and compiled as the trained one."""
+        return plan_frozen_models(
+            specs,
+            on_mesh,
+            plan.rules,
+            lambda model_cfg: parallel.model_graphdef(
+                model_cfg, t.remat, t.scan_unroll, t.attention, plan.rules
+            ),
+        )
+
+    extras = plan_frozen(objective.extra_models(), mesh)
     step_fn = compile_train_step(
         plan,
         mesh,
@@ -129,6 +137,7 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
         objective,
         weights,
         extras,
+        plan_frozen,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tunix_train.config import Config, MixedPrecision, ModelConfig
+from tunix_train.config import Config, ConfigError, MixedPrecision, ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +18,43 @@ class ExtraModel:
     source: str | None = None
     seed: int = 0
     precision: MixedPrecision = MixedPrecision.fp32
+
+
+PROBE = "The quick brown fox, 12 + 30 = 42.\nWhat's next?"  # tokenizers that must agree cut it alike
+
+
+def checkpoint_model(
+    cfg: Config, path: str, key: str, name: str, precision: MixedPrecision = MixedPrecision.fp32
+) -> ExtraModel:
+    """The checkpoint at `path` (config key `key`) as an ExtraModel named `name` on the run's mesh,
+    its config read from the checkpoint; a one-line error when it cannot be read or has another
+    vocabulary than the trained model."""
+    from tunix_train.interop import loader
+
+    try:
+        source = loader.source(path)
+    except ConfigError as err:
+        raise ConfigError(f"{key}: {err}") from None
+    model = dataclasses.replace(source.cfg.model, name=name, mesh_shape=cfg.model.mesh_shape)
+    if model.vocab_size != cfg.model.vocab_size:
+        raise ConfigError(
+            f"{key}: {path} has vocab_size {model.vocab_size} but the trained model's "
+            f"model.vocab_size={cfg.model.vocab_size}: it must share its vocabulary"
+        )
+    return ExtraModel(model, str(source.path), precision=precision)
+
+
+def check_tokenizer(model: ExtraModel, tokenizer, key: str) -> None:
+    """A one-line error when `model` carries a tokenizer that cuts text unlike the run's."""
+    from tunix_train.data.tokenizer import carries_tokenizer, load_tokenizer
+
+    if tokenizer is not None and carries_tokenizer(model.source):
+        theirs = load_tokenizer(model.source, model.model.vocab_size, key)
+        if theirs.encode(PROBE) != tokenizer.encode(PROBE):
+            raise ConfigError(
+                f"{key}: {model.source}'s tokenizer cuts text unlike the run's (data.tokenizer): it "
+                f"must share the trained model's tokenizer"
+            )
 
 
 class Objective:

@@ -22,7 +22,6 @@ the student's vocabulary and tokenizer.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import jax
@@ -30,10 +29,8 @@ import jax.numpy as jnp
 
 from tunix_train.config import Config, ConfigError, MixedPrecision
 from tunix_train.data import teacher_logits
-from tunix_train.train.objectives.base import ExtraModel
+from tunix_train.train.objectives.base import PROBE, ExtraModel, check_tokenizer, checkpoint_model
 from tunix_train.train.objectives.lm import LanguageModeling
-
-PROBE = "The quick brown fox, 12 + 30 = 42.\nWhat's next?"  # the tokenizers must cut it alike
 
 
 def generalized_jsd(student_logits, teacher_logits, beta: float, temperature: float = 1.0):
@@ -66,36 +63,11 @@ def jsd_of_log_probs(s, t, beta: float):
 
 
 def teacher_model(cfg: Config) -> ExtraModel:
-    """training.distill.teacher as an ExtraModel, its config read from its checkpoint, on the run's
-    mesh; a one-line error when it cannot be read or has another vocabulary than the student."""
-    from tunix_train.interop import loader
-
-    path, student = cfg.training.distill.teacher, cfg.model
-    try:
-        source = loader.source(path)
-    except ConfigError as err:
-        raise ConfigError(f"training.distill.teacher: {err}") from None
-    model = dataclasses.replace(source.cfg.model, name="teacher", mesh_shape=student.mesh_shape)
-    if model.vocab_size != student.vocab_size:
-        raise ConfigError(
-            f"training.distill.teacher: {path} has vocab_size {model.vocab_size} but the student "
-            f"model.vocab_size={student.vocab_size}: a teacher must share its vocabulary"
-        )
+    """training.distill.teacher as an ExtraModel on the run's mesh (base.checkpoint_model)."""
     precision = MixedPrecision.bf16 if cfg.training.distill.teacher_bf16 else MixedPrecision.fp32
-    return ExtraModel(model, str(source.path), precision=precision)
-
-
-def check_tokenizer(teacher: ExtraModel, tokenizer) -> None:
-    """A one-line error when the teacher carries a tokenizer that cuts text unlike the run's."""
-    from tunix_train.data.tokenizer import carries_tokenizer, load_tokenizer
-
-    if tokenizer is not None and carries_tokenizer(teacher.source):
-        theirs = load_tokenizer(teacher.source, teacher.model.vocab_size, "training.distill.teacher")
-        if theirs.encode(PROBE) != tokenizer.encode(PROBE):
-            raise ConfigError(
-                f"training.distill.teacher: {teacher.source}'s tokenizer cuts text unlike the run's "
-                f"(data.tokenizer): a teacher must share the student's tokenizer"
-            )
+    return checkpoint_model(
+        cfg, cfg.training.distill.teacher, "training.distill.teacher", "teacher", precision
+    )
 
 
 class Distillation(LanguageModeling):
@@ -160,7 +132,7 @@ class Distillation(LanguageModeling):
                     f"tokenizer than the run's (data.tokenizer)"
                 )
             return
-        check_tokenizer(self.teacher(), tokenizer)
+        check_tokenizer(self.teacher(), tokenizer, "training.distill.teacher")
 
     def extra_models(self):
         return {} if self.stored is not None else {"teacher": self.teacher()}

@@ -56,9 +56,10 @@ from tunix_train.data.pipeline import GroupBatches, padded_row
 from tunix_train.train.hooks import Hook
 from tunix_train.train.objectives import distill
 from tunix_train.train.objectives import grpo_family as family
-from tunix_train.train.objectives.base import Objective
+from tunix_train.train.objectives.base import Objective, check_tokenizer
 from tunix_train.train.objectives.grpo_rewards import Rewards
 from tunix_train.train.objectives.lm import BATCH_DTYPES
+from tunix_train.train.objectives.reward_models import RewardModels
 from tunix_train.train.rollout import Rollout, Rollouts, Sampler, unpack_routes
 
 
@@ -75,7 +76,8 @@ class GroupRelative(Objective):
         self.needs_reference = self.grpo.beta > 0
         self.temperature = self.grpo.temperature
         self.off_policy = self.grpo.max_staleness > 0 or self.grpo.iterations > 1
-        self.rewards = Rewards(self.grpo)
+        models = RewardModels(cfg) if self.grpo.reward_models else None
+        self.rewards = Rewards(self.grpo, models)
         self.sampler = Sampler(cfg, self.rewards)  # the rollout component (train/rollout.py)
         self.metric_names = ("kl", "clip_fraction", "logprob_mismatch_mean", "logprob_mismatch_max")
         self.distill = self.grpo.advantage is AdvantageEstimator.distill  # on-policy distillation
@@ -147,8 +149,10 @@ class GroupRelative(Objective):
     def read(self, data) -> None:
         """The prompts, tokenized once by the sampler (the held-out ones too, for eval_every)."""
         self.sampler.read(data)
+        if self.rewards.models:
+            self.rewards.models.check_tokenizer(getattr(data, "tokenizer", None))
         if self.distill:
-            distill.check_tokenizer(self.teacher(), getattr(data, "tokenizer", None))
+            check_tokenizer(self.teacher(), getattr(data, "tokenizer", None), "training.distill.teacher")
 
     def train_batches(self, data, global_rows: int, rows: range) -> Rollouts:
         G = self.grpo.num_generations

@@ -1,6 +1,7 @@
 """GRPO's rewards: the reward functions of training.grpo.reward (`fn(prompts, completions,
 **fields) -> one number per completion`, fields being the records' other fields; with turns, also
-`trajectories`, each conversation's messages), then DAPO's overlong penalty (overlong=soft) and
+`trajectories`, each conversation's messages), the reward models of training.grpo.reward_models
+(train/reward_models.py), then DAPO's overlong penalty (overlong=soft) and
 the environment's reward (with training.grpo.environment), each a row of weight reward_weights'
 (the added ones 1)."""
 
@@ -24,11 +25,12 @@ def load_reward(name: str) -> Callable:
 
 
 class Rewards:
-    def __init__(self, grpo: GrpoConfig):
-        self.grpo = grpo
+    def __init__(self, grpo: GrpoConfig, models=None):
+        """models: the reward models (train/reward_models.RewardModels), scored after the functions."""
+        self.grpo, self.models = grpo, models
         self.functions = {name: load_reward(name) for name in grpo.reward}
-        self.names = [name.rpartition(":")[2] for name in grpo.reward]
-        self.weights = list(grpo.reward_weights) or [1.0] * len(self.functions)
+        self.names = [name.rpartition(":")[2] for name in grpo.reward] + (models.names if models else [])
+        self.weights = list(grpo.reward_weights) or [1.0] * len(self.names)
         for added, wanted in (
             ("overlong", grpo.overlong is Overlong.soft),
             ("environment", grpo.environment),
@@ -44,14 +46,18 @@ class Rewards:
         records: list[dict[str, Any]],
         token_ids: list[list[int]],
         environment: list[float | None] | None = None,
+        sequences: list[list[int]] | None = None,
         **extra,
     ) -> np.ndarray:
-        """[rows, completions]: each function's reward of every completion, then the added rows."""
+        """[rows, completions]: each function's reward of every completion, each reward model's of
+        its whole sequence (`sequences`: [BOS] prompt completion ids), then the added rows."""
         fields = {**{k: [r.get(k) for r in records] for k in records[0] if k != "prompt"}, **extra}
         scores = [
             self._call(name, function, prompts, completions, fields, records)
             for name, function in self.functions.items()
         ]
+        if self.models:
+            scores.extend(self.models.score(sequences))
         g = self.grpo
         if g.overlong is Overlong.soft:
             buffer = g.overlong_buffer or max(g.max_new_tokens // 5, 1)
