@@ -163,6 +163,8 @@ def test_bad_reward_settings_are_one_line(tmp_path):
             config(*REWARD, "data.train_files=[x.jsonl]", *overrides)
     with pytest.raises(ConfigError, match="set model.score_head=true"):
         make_objective(config(*REWARD, "data.train_files=[x.jsonl]", "model.score_head=false"))
+    with pytest.raises(ConfigError, match="the scalar head would stay frozen"):
+        make_objective(config(*REWARD, "data.train_files=[x.jsonl]", "training.lora.rank=4"))
 
 
 def test_grpo_reward_models_score_as_transformers_does(tmp_path):
