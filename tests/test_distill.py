@@ -386,3 +386,30 @@ def test_on_policy_distillation_is_the_same_on_any_mesh(tmp_path):
             [m[key] for m in sharded], [m[key] for m in one[:2]], rtol=1e-5, err_msg=key
         )
     assert all(m["teacher_reverse_kl"] > 0.1 for m in one), one
+
+
+@pytest.mark.slow  # three runs and an export
+def test_a_run_directory_teaches_as_its_export_does(tmp_path):
+    """A teacher given as a tunix_train run (its saved parameters) gives the first divergence that
+    its Hugging Face export gives (1e-6)."""
+    from tunix_train import export
+    from tunix_train.train.loop import train
+
+    lm = [o for o in DISTILL if o != "objective=distill"]
+    train(
+        config(*lm, "training.max_steps=2", 'model.mesh_shape=[[1],["fsdp"]]'),
+        tmp_path / "teacher",
+        devices=jax.devices()[:1],
+    )
+    assert export.main([str(tmp_path / "teacher"), str(tmp_path / "teacher_hf")]) == 0
+    first = {}
+    for name in ("teacher", "teacher_hf"):
+        cfg = config(
+            *DISTILL,
+            f"training.distill.teacher={tmp_path / name}",
+            "training.max_steps=1",
+            'model.mesh_shape=[[2],["fsdp"]]',
+        )
+        train(cfg, tmp_path / f"student_{name}", devices=jax.devices()[:2])
+        first[name] = train_losses(tmp_path / f"student_{name}")[0]
+    assert first["teacher"] == pytest.approx(first["teacher_hf"], rel=1e-6) and first["teacher"] > 0, first

@@ -11,7 +11,7 @@ from tunix_train.config import Config, ConfigError, MixedPrecision, ModelConfig
 class ExtraModel:
     """A frozen model an objective reads beside the one it trains (a teacher, a reward model): its
     config (any size; the vocabulary the objective needs), where its weights come from (a Hugging
-    Face directory or GGUF file; None: fresh from `seed`) and the dtype it computes in. It is
+    Face directory, a GGUF file or a run; None: fresh from `seed`) and the dtype it computes in. It is
     sharded by the same rules table on the run's mesh, and never updated or checkpointed."""
 
     model: ModelConfig
