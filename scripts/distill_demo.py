@@ -14,7 +14,8 @@ by the data alone, and on-policy distillation moves a student's reward toward it
    the sums, a student (gemma3_tiny) fine-tuned briefly (it learns the format, few sums); then
    objective=distill_on_policy for --on-policy-steps: the student samples, the teacher scores
    each sampled token. Each model's greedy reward on the held-out prompts (eval_reward) is reported:
-   the teacher's, and the student's before and after.
+   the teacher's, and the student's before and after; and over the first and last quarters of the
+   steps, the sampled tokens' reverse KL to the teacher and the sampled completions' reward.
 
 Every stage is the real command line (run_training.py), so its logs and metrics.jsonl are in DIR.
 The last line is JSON with every figure.
@@ -66,7 +67,7 @@ def logit_distillation(out: Path, args) -> dict:
         "run_training.py",
         "model=gemma3_small",
         f"training.max_steps={args.teacher_steps}",
-        "training.eval_every=0",
+        f"training.eval_every={args.teacher_steps}",
         f"hydra.run.dir={out / 'teacher'}",
         log=out / "teacher.log",
     )
@@ -122,6 +123,13 @@ def on_policy(out: Path, args) -> dict:
             f"hydra.run.dir={out / name}",
             log=out / f"{name}.log",
         )
+        run(
+            "-m",
+            "tunix_train.export",
+            str(out / name),
+            str(out / f"{name}_hf"),
+            log=out / f"{name}_export.log",
+        )
     rl = [
         "data=jsonl",
         f"data.train_files=[{prompts}]",
@@ -138,7 +146,7 @@ def on_policy(out: Path, args) -> dict:
         "model=gemma3_small",
         "objective=grpo",
         *rl,
-        f"model.init_from={out / 'sft_teacher'}",
+        f"model.init_from={out / 'sft_teacher_hf'}",
         "training.max_steps=1",
         "training.learning_rate=0",
         "training.eval_every=1",
@@ -152,8 +160,8 @@ def on_policy(out: Path, args) -> dict:
         *STUDENT,
         "objective=distill_on_policy",
         *rl,
-        f"model.init_from={out / 'sft_student'}",
-        f"training.distill.teacher={out / 'sft_teacher'}",
+        f"model.init_from={out / 'sft_student_hf'}",
+        f"training.distill.teacher={out / 'sft_teacher_hf'}",
         f"training.max_steps={args.on_policy_steps}",
         f"training.eval_every={args.on_policy_steps}",
         f"training.learning_rate={args.learning_rate}",
@@ -163,6 +171,7 @@ def on_policy(out: Path, args) -> dict:
         log=out / "on_policy.log",
     )
     kl = [m["teacher_reverse_kl"] for m in metrics(out / "on_policy") if "teacher_reverse_kl" in m]
+    sampled = [m["reward"] for m in metrics(out / "on_policy") if "teacher_reverse_kl" in m]
     block = max(len(kl) // 4, 1)
     figures = {
         "teacher_eval_reward": first(out / "teacher_reward", "eval_reward"),
@@ -170,13 +179,16 @@ def on_policy(out: Path, args) -> dict:
         "student_eval_reward_after": last(out / "on_policy", "eval_reward"),
         "reverse_kl_first_quarter": sum(kl[:block]) / block,
         "reverse_kl_last_quarter": sum(kl[-block:]) / block,
+        "sampled_reward_first_quarter": sum(sampled[:block]) / block,
+        "sampled_reward_last_quarter": sum(sampled[-block:]) / block,
     }
     print(
         f"\non-policy distillation, {args.on_policy_steps} steps: the student's greedy held-out reward "
         f"{figures['student_eval_reward_before']:.3f} -> {figures['student_eval_reward_after']:.3f} "
         f"(the teacher's {figures['teacher_eval_reward']:.3f}); the sampled tokens' reverse KL to the "
         f"teacher {figures['reverse_kl_first_quarter']:.3f} (first quarter) -> "
-        f"{figures['reverse_kl_last_quarter']:.3f} (last)"
+        f"{figures['reverse_kl_last_quarter']:.3f} (last); its sampled completions' reward (temperature 1) "
+        f"{figures['sampled_reward_first_quarter']:.3f} -> {figures['sampled_reward_last_quarter']:.3f}"
     )
     return figures
 
@@ -191,7 +203,7 @@ def main() -> int:
     parser.add_argument("--teacher-steps", type=int, default=600)
     parser.add_argument("--student-steps", type=int, default=300)
     parser.add_argument("--teacher-sft-steps", type=int, default=300)
-    parser.add_argument("--student-sft-steps", type=int, default=8)
+    parser.add_argument("--student-sft-steps", type=int, default=60)
     parser.add_argument("--on-policy-steps", type=int, default=60)
     parser.add_argument("--prompts-per-step", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
