@@ -151,27 +151,36 @@ def test_bad_reward_settings_are_one_line(tmp_path):
         make_objective(config(*REWARD, "data.train_files=[x.jsonl]", "training.lora.rank=4"))
 
 
-def test_grpo_reward_models_score_as_transformers_does(tmp_path):
-    """A random Gemma3TextForSequenceClassification as GRPO's reward model, planned on fsdp2 x tp2:
-    its rewards of three token sequences of different lengths equal transformers' logits at their
-    last token (1e-5); a checkpoint without a head, and one of another vocabulary, are one line."""
+def _random_reward_model(directory):
+    """A seeded random Gemma3TextForSequenceClassification (one label) at the test sizes, saved."""
     import torch
     import transformers
-    from hf_reference import SIZES, WINDOW, build
-
-    from tunix_train.rewards.arithmetic import write_task
-    from tunix_train.train.objectives.grpo import GroupRelative
-    from tunix_train.train.setup import setup
+    from hf_reference import SIZES, WINDOW
 
     hf_config = transformers.Gemma3TextConfig(
         **{**SIZES, "vocab_size": 4096}, sliding_window=WINDOW, num_labels=1, pad_token_id=0
     )
     torch.manual_seed(0)
-    theirs = transformers.Gemma3TextForSequenceClassification(hf_config).eval()
+    model = transformers.Gemma3TextForSequenceClassification(hf_config).eval()
     with torch.no_grad():
-        for p in theirs.parameters():
+        for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    theirs.save_pretrained(tmp_path / "rm")
+    model.save_pretrained(directory)
+    return model
+
+
+def test_grpo_reward_models_score_as_transformers_does(tmp_path):
+    """A random Gemma3TextForSequenceClassification as GRPO's reward model, planned on fsdp2 x tp2:
+    its rewards of three token sequences of different lengths equal transformers' logits at their
+    last token (1e-5); a checkpoint without a head, and one of another vocabulary, are one line."""
+    import torch
+    from hf_reference import build
+
+    from tunix_train.rewards.arithmetic import write_task
+    from tunix_train.train.objectives.grpo import GroupRelative
+    from tunix_train.train.setup import setup
+
+    theirs = _random_reward_model(tmp_path / "rm")
     prompts, _ = write_task(tmp_path / "task", count=8, seed=0)
 
     def grpo(model):
@@ -212,24 +221,13 @@ def test_grpo_reward_models_score_as_transformers_does(tmp_path):
 
 @pytest.mark.slow  # a GRPO run (the scoring itself is checked above, in the first leg)
 def test_grpo_trains_with_a_reward_model_as_its_only_reward(tmp_path):
-    """objective=reward's export as GRPO's only reward: two steps run, each logging the reward
-    model's mean reward (reward_reward_model_0) as the reward; the policy's loss is finite."""
-    from tunix_train import export
+    """A reward model (transformers' Gemma3TextForSequenceClassification) as GRPO's only reward:
+    two steps run, each logging the model's mean reward (reward_reward_model_0) as the reward; the
+    policy's loss is finite."""
     from tunix_train.rewards.arithmetic import write_task
     from tunix_train.train.loop import train
 
-    train(
-        config(
-            *REWARD,
-            f"data.train_files=[{_pairs(tmp_path / 'pairs.jsonl', 64, 0)}]",
-            "training.max_steps=1",
-            "training.eval_every=0",
-            'model.mesh_shape=[[1],["fsdp"]]',
-        ),
-        tmp_path / "rm_run",
-        devices=jax.devices()[:1],
-    )
-    assert export.main([str(tmp_path / "rm_run"), str(tmp_path / "rm")]) == 0
+    _random_reward_model(tmp_path / "rm")
     prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
     cfg = config(
         "model.vocab_size=4096",
