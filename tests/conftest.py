@@ -193,6 +193,17 @@ def checkpoint_arrays(step_dir: Path) -> dict:
     }
 
 
+def assert_same_parameters(run_a: Path, run_b: Path, step: int) -> None:
+    """The parameters two run directories saved at `step` are equal, bit for bit."""
+    import numpy as np
+
+    a, b = (checkpoint_arrays(run / "checkpoints" / str(step)) for run in (run_a, run_b))
+    params = [key for key in a if "params" in key]
+    assert params and params == [key for key in b if "params" in key], (list(a), list(b))
+    for key in params:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
 def made_once(tmp_path_factory, name: str, make) -> Path:
     """A directory that make(directory) fills once per test session: the first worker process to
     ask makes it while the others wait, then all read it (a module-scoped fixture is made by every

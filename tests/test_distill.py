@@ -185,9 +185,7 @@ def test_a_distillation_run_resumes_bit_identically(tmp_path):
     """Stopped after 2 steps and resumed (fsdp2 x tp2, the teacher read again from its checkpoint,
     never saved with the student), the 4th step's parameters and every logged divergence equal an
     uninterrupted run's bit for bit."""
-    from conftest import read_metrics
-
-    from tunix_train.train.loop import train
+    from conftest import assert_same_parameters, read_metrics, straight_and_resumed
 
     cfg = config(
         *DISTILL,
@@ -199,21 +197,14 @@ def test_a_distillation_run_resumes_bit_identically(tmp_path):
         'model.mesh_shape=[[2,2],["fsdp","tp"]]',
     )
 
-    def run(run_dir, steps):
-        cfg.training.max_steps = steps
-        return train(cfg, run_dir, devices=jax.devices()[:4])
-
-    straight = run(tmp_path / "straight", 4)
-    run(tmp_path / "resumed", 2)
-    resumed = run(tmp_path / "resumed", 4)
-    for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    straight, resumed = straight_and_resumed(cfg, tmp_path, 4, 2, jax.devices()[:4])
+    assert_same_parameters(straight, resumed, 4)
 
     def logged(run_dir):
         return [(m["loss"], m["divergence"], m["ce"]) for m in read_metrics(run_dir) if "loss" in m]
 
-    assert len(logged(tmp_path / "straight")) == 4
-    assert logged(tmp_path / "resumed")[-2:] == logged(tmp_path / "straight")[-2:]
+    assert len(logged(straight)) == 4
+    assert logged(resumed)[-2:] == logged(straight)[-2:]
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])

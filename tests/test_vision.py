@@ -509,7 +509,7 @@ def test_conversations_with_images_become_rows_equal_to_transformers_processor(t
 
     from tunix_train.compose import load_config
     from tunix_train.data import Data
-    from tunix_train.data.images import pixel_values, split_images
+    from tunix_train.data.images import pixel_values
 
     records, paths = _image_records(tmp_path, np.random.default_rng(0))
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -531,16 +531,8 @@ def test_conversations_with_images_become_rows_equal_to_transformers_processor(t
     )
     files = {0: [paths[0]], 1: [paths[2], paths[1]], 2: [paths[1], paths[0]], 3: []}
     seen = set()
-    for row in range(4):
-        inputs = batch["inputs"][0, row]
-        n = int(batch["segment_ids"][0, row].sum())
-        record = next(
-            i
-            for i, r in enumerate(records)
-            if data.features(_doc(r, tmp_path))["inputs"].tolist() == inputs[:n].tolist()
-        )
+    for row, inputs, n, record, text in _batch_rows(batch, records, data, tmp_path):
         seen.add(record)
-        text, _ = data.chat.render(split_images(records[record]["messages"])[0])
         images = [Image.open(p) for p in files[record]]
         expected = processor(
             text=[text], images=[images] if images else None, add_special_tokens=False, return_tensors="np"
@@ -553,6 +545,23 @@ def test_conversations_with_images_become_rows_equal_to_transformers_processor(t
         assert not batch["images"][0, row, len(files[record]) :].any()
         assert not batch["loss_mask"][0, row][inputs == 4100].any() and batch["loss_mask"][0, row].any()
     assert seen == {0, 1, 2, 3}
+
+
+def _batch_rows(batch, records, data, folder):
+    """Each row of a batch's first micro-batch: (row, its inputs, its token count, the index of the
+    record it holds, that record's text as the chat template renders it)."""
+    from tunix_train.data.images import split_images
+
+    for row in range(batch["inputs"].shape[1]):
+        inputs = batch["inputs"][0, row]
+        n = int(batch["segment_ids"][0, row].sum())
+        record = next(
+            i
+            for i, r in enumerate(records)
+            if data.features(_doc(r, folder))["inputs"].tolist() == inputs[:n].tolist()
+        )
+        text, _ = data.chat.render(split_images(records[record]["messages"])[0])
+        yield row, inputs, n, record, text
 
 
 def _doc(record, folder):
@@ -651,45 +660,38 @@ def test_training_on_conversations_with_images_resumes_bit_identically(tmp_path)
     import json
 
     import orbax.checkpoint as ocp
-    from conftest import train_losses
+    from conftest import assert_same_parameters, straight_and_resumed, train_losses
 
     from tunix_train.compose import load_config
-    from tunix_train.train.loop import train
 
     records, _ = _image_records(tmp_path, np.random.default_rng(0))
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records * 3))
     tokenizer = _vision_tokenizer(tmp_path / "tok")
 
-    def run(run_dir, steps):
-        cfg, _ = load_config(
-            [
-                *VISION_DATA,
-                f"data.train_files=[{tmp_path / 'chats.jsonl'}]",
-                f"data.tokenizer={tokenizer}",
-                'model.mesh_shape=[[2,2],["fsdp","tp"]]',
-                "training.micro_batch_size=4",
-                f"training.max_steps={steps}",
-                "training.log_every=1",
-                "training.eval_every=0",
-                "checkpoint.every_steps=2",
-            ]
-        )
-        return train(cfg, run_dir, devices=jax.devices()[:4])
-
-    straight = run(tmp_path / "straight", 4)
-    run(tmp_path / "resumed", 2)
-    resumed = run(tmp_path / "resumed", 4)
-    for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    losses = train_losses(tmp_path / "straight")
+    cfg, _ = load_config(
+        [
+            *VISION_DATA,
+            f"data.train_files=[{tmp_path / 'chats.jsonl'}]",
+            f"data.tokenizer={tokenizer}",
+            'model.mesh_shape=[[2,2],["fsdp","tp"]]',
+            "training.micro_batch_size=4",
+            "training.log_every=1",
+            "training.eval_every=0",
+            "checkpoint.every_steps=2",
+        ]
+    )
+    straight, resumed = straight_and_resumed(cfg, tmp_path, 4, 2, jax.devices()[:4])
+    assert_same_parameters(straight, resumed, 4)
+    losses = train_losses(straight)
     assert len(losses) == 4 and np.isfinite(losses).all()
-    assert train_losses(tmp_path / "resumed")[-2:] == losses[-2:]
-    first = ocp.StandardCheckpointer().restore(
-        (tmp_path / "resumed" / "checkpoints" / "2" / "state").resolve()
+    assert train_losses(resumed)[-2:] == losses[-2:]
+    first, last = (
+        ocp.StandardCheckpointer().restore((run / "checkpoints" / str(step) / "state").resolve())
+        for run, step in ((resumed, 2), (straight, 4))
     )
     np.testing.assert_array_equal(
         np.asarray(first["params"]["vision"]["projection"]["value"]),
-        np.asarray(straight.params["vision"]["projection"][...]),
+        np.asarray(last["params"]["vision"]["projection"]["value"]),
     )
 
 

@@ -337,11 +337,10 @@ def test_conversations_with_images_become_rows_equal_to_transformers_processor(t
     import types
 
     from PIL import Image
-    from test_vision import _doc, _image_records, _vision_tokenizer
+    from test_vision import _batch_rows, _image_records, _vision_tokenizer
 
     from tunix_train.compose import load_config
     from tunix_train.data import Data
-    from tunix_train.data.images import split_images
 
     records, paths = _image_records(tmp_path, np.random.default_rng(0))
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -371,16 +370,8 @@ def test_conversations_with_images_become_rows_equal_to_transformers_processor(t
     processor = types.SimpleNamespace(boi_token="<|image>", image_token="<|image|>", eoi_token="<image|>")
     files = {0: [paths[0]], 1: [paths[2], paths[1]], 2: [paths[1], paths[0]], 3: []}
     seen = set()
-    for row in range(4):
-        inputs = batch["inputs"][0, row]
-        n = int(batch["segment_ids"][0, row].sum())
-        record = next(
-            i
-            for i, r in enumerate(records)
-            if data.features(_doc(r, tmp_path))["inputs"].tolist() == inputs[:n].tolist()
-        )
+    for row, inputs, n, record, text in _batch_rows(batch, records, data, tmp_path):
         seen.add(record)
-        text, _ = data.chat.render(split_images(records[record]["messages"])[0])
         parts = text.split("<|image|>")
         if files[record]:
             expected = images_of(images=[Image.open(p) for p in files[record]], return_tensors="np")
