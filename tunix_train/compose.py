@@ -197,15 +197,17 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
             f"data.prompt_field and data.completion_field are for training.objective=lm; {name} "
             f"reads the fields it names"
         )
-    if t.objective is Objective.reward:
+    if t.objective in (Objective.dpo, Objective.reward):  # preference pairs
         if t.micro_batch_size % 2:
             raise ConfigError(
-                f"training.micro_batch_size={t.micro_batch_size} must be even: a pair's two answers "
-                f"are two rows of one micro-batch"
+                f"training.micro_batch_size={t.micro_batch_size} must be even under {name}: each pair "
+                f"is two rows (chosen, rejected) kept on one device"
             )
+        if t.objective is Objective.dpo:
+            t.dpo.check()
         return
-    {Objective.dpo: t.dpo, Objective.grpo: t.grpo}[t.objective].check(t.micro_batch_size)
-    if t.objective is Objective.grpo and t.grpo.advantage is AdvantageEstimator.distill:
+    t.grpo.check(t.micro_batch_size)  # GRPO and its family, the one objective left
+    if t.grpo.advantage is AdvantageEstimator.distill:
         if not t.distill.teacher:
             raise ConfigError(
                 "training.grpo.advantage=distill needs training.distill.teacher: the checkpoint whose "
@@ -216,7 +218,7 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
                 "training.grpo.dynamic_sampling and routing_replay are for rewards and the student's "
                 "experts; under training.grpo.advantage=distill set them to false"
             )
-    if t.objective is Objective.grpo and t.grpo.routing_replay:
+    if t.grpo.routing_replay:
         _check_routing_replay(m)
 
 

@@ -76,8 +76,8 @@ class DpoConfig:
     label_smoothing: float = _fixed(0.0)
     simpo_gamma: float = _fixed(0.5)  # SimPO's target reward margin (gamma; TRL's simpo_gamma)
 
-    def check(self, micro_batch_size: int) -> None:
-        """A ConfigError naming the first bad key of training.dpo (and the micro-batch it needs)."""
+    def check(self) -> None:
+        """A ConfigError naming the first bad key of training.dpo."""
         if self.beta <= 0 or not 0.0 <= self.label_smoothing < 0.5:
             raise ConfigError(
                 f"training.dpo.beta={self.beta} must be positive and training.dpo.label_smoothing="
@@ -87,11 +87,6 @@ class DpoConfig:
             raise ConfigError(
                 f"training.dpo.label_smoothing={self.label_smoothing}: the {self.loss.value} loss has "
                 f"none; set it to 0 or use training.dpo.loss=sigmoid or simpo"
-            )
-        if micro_batch_size % 2:
-            raise ConfigError(
-                f"training.micro_batch_size={micro_batch_size} must be even under training.objective=dpo: "
-                f"each pair is two rows (chosen, rejected) kept on one device"
             )
 
 
