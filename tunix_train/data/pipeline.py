@@ -308,6 +308,16 @@ def _concatenate_groups(groups: tuple[dict[str, np.ndarray], ...]) -> dict[str, 
     return {name: np.concatenate([g[name] for g in groups]) for name in groups[0]}
 
 
+def scored_row(ids: list[int], seq_len: int) -> dict[str, np.ndarray]:
+    """[BOS] prompt answer [EOS] as one padded row whose inputs hold every token (a
+    scalar head reads the last, the EOS: loss_mask marks it); targets are unused."""
+    row, n = _empty_row(seq_len), len(ids)
+    row["inputs"][:n] = ids
+    row["segment_ids"][:n] = 1
+    row["loss_mask"][n - 1] = 1.0
+    return row
+
+
 def padded_row(prompt: list[int], completion: list[int], seq_len: int) -> dict[str, np.ndarray]:
     """[BOS] prompt completion [EOS] as one unpacked row of seq_len positions (prompt already
     holding BOS, completion EOS): the loss mask on the completion's tokens, padding after."""

@@ -24,6 +24,7 @@ import numpy as np
 
 from tunix_train.config import Config, ConfigError
 from tunix_train.data.chat import completion_ids, prompt_ids
+from tunix_train.data.pipeline import scored_row
 from tunix_train.train.objectives.dpo import DirectPreference
 from tunix_train.train.objectives.lm import BATCH_DTYPES
 
@@ -100,21 +101,3 @@ class RewardModeling(DirectPreference):
         pair["margin"] = np.zeros((2, seq_len), np.float32)
         pair["margin"][0, 0] = margin
         return pair
-
-
-def scored_row(ids: list[int], seq_len: int) -> dict[str, np.ndarray]:
-    """[BOS] prompt answer [EOS] as one row whose inputs hold every token, padded; loss_mask marks
-    the last (the EOS), where the head is read; targets are unused (0)."""
-    n = len(ids)
-    row = {
-        "inputs": np.zeros(seq_len, np.int32),
-        "targets": np.zeros(seq_len, np.int32),
-        "loss_mask": np.zeros(seq_len, np.float32),
-        "positions": np.zeros(seq_len, np.int32),
-        "segment_ids": np.zeros(seq_len, np.int32),
-    }
-    row["inputs"][:n] = ids
-    row["positions"][:n] = np.arange(n)
-    row["segment_ids"][:n] = 1
-    row["loss_mask"][n - 1] = 1.0
-    return row

@@ -49,13 +49,12 @@ class RewardModels:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        from tunix_train.sharding import data_axes
+        from tunix_train.sharding import data_axes, data_parallel_size
         from tunix_train.train.forward import Forward
 
         self._frozen = run.plan_frozen(self.specs, mesh)
-        axes = data_axes(mesh)
-        self.shards = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-        self._rows = NamedSharding(mesh, P(axes or None, None))
+        self.shards = data_parallel_size(mesh)
+        self._rows = NamedSharding(mesh, P(data_axes(mesh) or None, None))
         graphdefs = self._frozen.graphdefs
 
         def scores(params, micro):
@@ -71,16 +70,18 @@ class RewardModels:
         """[models, rows]: each model's reward of each token sequence ([BOS] prompt completion)."""
         import jax
 
-        from tunix_train.train.objectives.reward import scored_row
+        from tunix_train.data.pipeline import scored_row
 
         T = self.cfg.data.seq_len
         rows = [scored_row(ids[:T], T) for ids in sequences]
         rows += [scored_row([0], T)] * (-len(rows) % self.shards)  # padding rows, scored and dropped
-        batch = {
-            name: jax.make_array_from_callback(
-                (len(rows), T), self._rows, lambda index, name=name: np.stack([r[name] for r in rows])[index]
-            )
+        stacked = {
+            name: np.stack([r[name] for r in rows])
             for name in ("inputs", "loss_mask", "positions", "segment_ids")
+        }
+        batch = {  # every process holds the whole rollout: each device takes its rows of it
+            name: jax.make_array_from_callback(x.shape, self._rows, lambda index, x=x: x[index])
+            for name, x in stacked.items()
         }
         with jax.set_mesh(self._rows.mesh):
             out = jax.device_get(self._scores(self._frozen.params(), batch))
