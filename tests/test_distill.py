@@ -247,7 +247,8 @@ def test_stored_top_k_log_probabilities_train_as_the_live_teacher_does(tmp_path)
     """scripts/teacher_logits.py stores a Hugging Face teacher's top 16 log-probabilities over two
     steps' and one evaluation's batches (fsdp 4); a run reading them (training.distill.
     teacher_logits) has the same two losses and evaluation losses as the run with the live teacher
-    and top_k=16 (1e-6). A run longer than the store, or with another batch, is one line."""
+    and top_k=16 (1e-6). A run longer than the store, or with another batch, is one line, and so
+    is a damaged store."""
     import sys
     from pathlib import Path
 
@@ -302,6 +303,35 @@ def test_stored_top_k_log_probabilities_train_as_the_live_teacher_does(tmp_path)
                 tmp_path / "bad",
                 devices=devices,
             )
+    _damaged_stores_are_one_line(store, tmp_path)
+
+
+def _damaged_stores_are_one_line(store, tmp_path):
+    """Copies of a store with a meta file lacking a count, a file that is not Parquet, token ids
+    outside the vocabulary, and too few rows: each a one-line ConfigError where it is read."""
+    import json
+    import shutil
+
+    from tunix_train.data import teacher_logits as stored
+
+    meta = stored.read_meta(store)
+    lacking = shutil.copytree(store, tmp_path / "lacking")
+    (lacking / stored.META).write_text(json.dumps({k: v for k, v in meta.items() if k != "steps"}))
+    with pytest.raises(ConfigError, match="has no whole number steps"):
+        stored.read_meta(lacking)
+    junk = shutil.copytree(store, tmp_path / "junk")
+    (junk / "train-00000.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(ConfigError, match="is not a Parquet file"):
+        stored.StoredBatches(junk, "train", range(0, 4), meta)
+    batch = next(stored.StoredBatches(store, "train", range(0, 4), meta))
+    outside = tmp_path / "outside"
+    writer = stored.Writer(outside, 0, range(0, 4))
+    writer.add("train", {**batch, "top_ids": batch["top_ids"] + meta["vocab_size"]})
+    writer.close()
+    with pytest.raises(ConfigError, match="token ids outside the vocabulary"):
+        next(stored.StoredBatches(outside, "train", range(0, 4), meta))
+    with pytest.raises(ConfigError, match="holds 4 of this process's 8 rows"):
+        next(stored.StoredBatches(store, "train", range(0, 8), meta))
 
 
 def _on_policy(tmp_path, *overrides):

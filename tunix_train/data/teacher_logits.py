@@ -72,15 +72,36 @@ def write_meta(directory: Path, meta: dict[str, Any]) -> None:
     (Path(directory) / META).write_text(json.dumps(meta, indent=1) + "\n")
 
 
+# what teacher_logits.json must hold: each a whole number of at least 1 (k, the batch's shape)
+COUNTS = (
+    "top_k",
+    "vocab_size",
+    "seq_len",
+    "global_micro_batch",
+    "accumulation_steps",
+    "steps",
+    "eval_batches",
+)
+
+
 def read_meta(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / META
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise ConfigError(
             f"{KEY}: cannot read {path} ({type(err).__name__}); write the directory with "
             f"scripts/teacher_logits.py"
         ) from None
+    bad = next(
+        (c for c in COUNTS if not isinstance(meta, dict) or type(meta.get(c)) is not int or meta[c] < 0),
+        None,
+    )
+    if bad is not None:
+        raise ConfigError(
+            f"{KEY}: {path} has no whole number {bad}; rewrite it with scripts/teacher_logits.py"
+        )
+    return meta
 
 
 class StoredBatches:
@@ -90,7 +111,12 @@ class StoredBatches:
     def __init__(self, directory: str | Path, split: str, rows: range, meta: dict[str, Any]):
         _, pq = _parquet()
         self.rows, self.meta = rows, meta
-        self.files = [pq.ParquetFile(p) for p in sorted(Path(directory).glob(f"{split}-*.parquet"))]
+        self.files = []
+        for path in sorted(Path(directory).glob(f"{split}-*.parquet")):
+            try:
+                self.files.append(pq.ParquetFile(path))
+            except Exception as err:  # pyarrow's errors for a file that is not Parquet
+                raise ConfigError(f"{KEY}: {path} is not a Parquet file ({type(err).__name__})") from None
         self.count = meta["steps" if split == "train" else "eval_batches"]
         self.next = 0
 
@@ -105,14 +131,35 @@ class StoredBatches:
         return batch
 
     def read(self, n: int) -> dict[str, np.ndarray]:
+        A, T, B = self.meta["accumulation_steps"], self.meta["seq_len"], len(self.rows)
+        try:
+            batch = self._rows_of(n, A, B, T)
+        except ConfigError:
+            raise
+        except (
+            KeyError,
+            ValueError,
+            TypeError,
+            IndexError,
+            OSError,
+        ) as err:  # a damaged file, another layout
+            raise ConfigError(
+                f"{KEY}: batch {n} cannot be read ({type(err).__name__}); rewrite the directory with "
+                f"scripts/teacher_logits.py"
+            ) from None
+        ids = [batch[f] for f in ("inputs", "targets", "top_ids")]
+        if any(x.size and (x.min() < 0 or x.max() >= self.meta["vocab_size"]) for x in ids):
+            raise ConfigError(
+                f"{KEY}: batch {n} holds token ids outside the vocabulary; rewrite the directory"
+            )
+        return batch
+
+    def _rows_of(self, n: int, A: int, B: int, T: int) -> dict[str, np.ndarray]:
         pa, _ = _parquet()
-        A, T = self.meta["accumulation_steps"], self.meta["seq_len"]
         table = pa.concat_tables([f.read_row_group(n) for f in self.files if n < f.num_row_groups])
         micro, row = (table.column(c).to_numpy() for c in ("micro", "row"))
         keep = (row >= self.rows.start) & (row < self.rows.stop)
-        order = np.lexsort((row[keep], micro[keep]))
-        picked = np.flatnonzero(keep)[order]
-        B = len(self.rows)
+        picked = np.flatnonzero(keep)[np.lexsort((row[keep], micro[keep]))]
         if len(picked) != A * B:
             raise ConfigError(
                 f"{KEY}: batch {n} holds {len(picked)} of this process's {A * B} rows; the "
@@ -122,7 +169,9 @@ class StoredBatches:
         batch = {}
         for name in (*TOKEN_FIELDS, *TOP_FIELDS):
             values = np.stack(taken.column(name).to_numpy(zero_copy_only=False))
-            batch[name] = values.reshape(A, B, T, -1) if name in TOP_FIELDS else values.reshape(A, B, T)
+            batch[name] = (
+                values.reshape(A, B, T, self.meta["top_k"]) if name in TOP_FIELDS else values.reshape(A, B, T)
+            )
         return batch
 
     def get_state(self) -> dict[str, Any]:
