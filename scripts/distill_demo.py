@@ -25,28 +25,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from grpo_demo import run  # noqa: E402  (a stage as the command line, its log in DIR)
+
 from tunix_train.rewards.arithmetic import write_task  # noqa: E402
 
 STUDENT = ["model=gemma3_tiny", "model.vocab_size=4096"]
 EXACT = "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match]"
-
-
-def run(*args: str, log: Path) -> None:
-    start = time.perf_counter()
-    with open(log, "w") as out:
-        result = subprocess.run([sys.executable, *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    if result.returncode:
-        sys.exit(f"{' '.join(args[:2])} failed; see {log}")
-    print(f"  {log.name}: {time.perf_counter() - start:.0f} s")
 
 
 def metrics(run_dir: Path) -> list[dict]:
