@@ -153,17 +153,25 @@ class DirectPreference(Objective):
         rows = []
         for field in ("chosen", "rejected"):
             completion = completion_ids(doc["prompt"], doc[field], tok, chat, images)
-            if len(prompt) + len(completion) - 1 > seq_len:
+            length = self._positions(prompt, completion)
+            if length > seq_len:
                 raise ConfigError(
-                    f"{what}: pair {index + 1} ({field}) is {len(prompt) + len(completion) - 1} tokens, "
+                    f"{what}: pair {index + 1} ({field}) is {length} tokens, "
                     f"longer than data.seq_len={seq_len}; raise data.seq_len or shorten it"
                 )
-            rows.append(padded_row(prompt, completion, seq_len))
+            rows.append(self._row(prompt, completion))
         pair = {name: np.stack([r[name] for r in rows]) for name in rows[0]}
         if images is not None:  # both answers see the prompt's images, padded to data.images_per_row
             pair["images"] = np.zeros((2, self.cfg.data.images_per_row, *images.shape[1:]), np.float32)
             pair["images"][:, : len(images)] = images
         return pair
+
+    def _positions(self, prompt: list[int], completion: list[int]) -> int:
+        """The positions [BOS] prompt completion [EOS] takes as a row (its inputs and targets)."""
+        return len(prompt) + len(completion) - 1
+
+    def _row(self, prompt: list[int], completion: list[int]) -> dict[str, np.ndarray]:
+        return padded_row(prompt, completion, self.cfg.data.seq_len)
 
     def _images(self, doc, where: str):
         """The prompt's images [n, *image_shape] (image-grounded pairs; None without a tower). The

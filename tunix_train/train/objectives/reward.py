@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_train.config import Config, ConfigError
-from tunix_train.data.chat import completion_ids, prompt_ids
 from tunix_train.data.pipeline import scored_row
 from tunix_train.train.objectives.dpo import DirectPreference
 from tunix_train.train.objectives.lm import BATCH_DTYPES
@@ -81,23 +80,17 @@ class RewardModeling(DirectPreference):
             "reward_rejected": mean(rejected),
         }
 
+    def _positions(self, prompt: list[int], completion: list[int]) -> int:
+        return len(prompt) + len(completion)  # the EOS is an input here, where the head is read
+
+    def _row(self, prompt: list[int], completion: list[int]) -> dict[str, np.ndarray]:
+        return scored_row([*prompt, *completion], self.cfg.data.seq_len)
+
     def _pair(self, data, doc, what: str, index: int):
-        seq_len, tok = self.cfg.data.seq_len, data.tokenizer
-        chat = data.chat if isinstance(doc["prompt"], list) else None
-        prompt = prompt_ids(doc["prompt"], tok, chat, None)
         margin = doc.get("margin", 0.0)
         if not isinstance(margin, (int, float)) or isinstance(margin, bool):
             raise ConfigError(f"{what}: pair {index + 1}'s margin is {margin!r}, not a number")
-        rows = []
-        for field in ("chosen", "rejected"):
-            ids = [*prompt, *completion_ids(doc["prompt"], doc[field], tok, chat, None)]
-            if len(ids) > seq_len:
-                raise ConfigError(
-                    f"{what}: pair {index + 1} ({field}) is {len(ids)} tokens, longer than "
-                    f"data.seq_len={seq_len}; raise data.seq_len or shorten it"
-                )
-            rows.append(scored_row(ids, seq_len))
-        pair = {name: np.stack([r[name] for r in rows]) for name in rows[0]}
-        pair["margin"] = np.zeros((2, seq_len), np.float32)
+        pair = super()._pair(data, doc, what, index)
+        pair["margin"] = np.zeros_like(pair["loss_mask"])
         pair["margin"][0, 0] = margin
         return pair
