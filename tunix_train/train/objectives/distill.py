@@ -22,6 +22,7 @@ the student's vocabulary and tokenizer.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -77,7 +78,6 @@ class Distillation(LanguageModeling):
         super().__init__(cfg)
         self.distill = d = cfg.training.distill
         self.metric_names = ("divergence", "ce") if d.ce_weight else ("divergence",)
-        self._teacher = None
         self.stored = None if d.teacher_logits is None else teacher_logits.read_meta(d.teacher_logits)
         if self.stored is not None:  # the batches come with the teacher's top k
             self.top_k = self._stored_k()
@@ -88,11 +88,10 @@ class Distillation(LanguageModeling):
                 "top_log_probs": (jnp.float32, (k,)),
             }
 
-    def teacher(self):
-        """The teacher as an ExtraModel (teacher_model)."""
-        if self._teacher is None:
-            self._teacher = teacher_model(self.cfg)
-        return self._teacher
+    @functools.cached_property
+    def teacher(self) -> ExtraModel:
+        """The teacher as an ExtraModel (teacher_model), read once."""
+        return teacher_model(self.cfg)
 
     def _stored_k(self) -> int:
         """The k of the divergence over stored top-k log-probabilities, checked against the run."""
@@ -132,10 +131,10 @@ class Distillation(LanguageModeling):
                     f"tokenizer than the run's (data.tokenizer)"
                 )
             return
-        check_tokenizer(self.teacher(), tokenizer, "training.distill.teacher")
+        check_tokenizer(self.teacher, tokenizer, "training.distill.teacher")
 
     def extra_models(self):
-        return {} if self.stored is not None else {"teacher": self.teacher()}
+        return {} if self.stored is not None else {"teacher": self.teacher}
 
     def _stored_batches(self, split: str, global_rows: int, rows: range):
         if self.stored["global_micro_batch"] != global_rows:

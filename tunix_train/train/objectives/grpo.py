@@ -45,6 +45,7 @@ a checkpoint (Rollouts.get_state), so a resumed run trains on exactly the same c
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -83,7 +84,6 @@ class GroupRelative(Objective):
         self.distill = self.grpo.advantage is AdvantageEstimator.distill  # on-policy distillation
         if self.distill:
             self.metric_names += ("teacher_reverse_kl",)
-        self._teacher = None
         self._rollout = None
         m = cfg.model
         self.route_shape = (m.num_layers, m.num_experts_per_token) if self.grpo.routing_replay else None
@@ -101,13 +101,13 @@ class GroupRelative(Objective):
             return True
         return jnp.any((batch["advantages"] != 0) & (batch["loss_mask"] > 0))
 
+    @functools.cached_property
     def teacher(self):
-        if self._teacher is None:
-            self._teacher = distill.teacher_model(self.cfg)
-        return self._teacher
+        """On-policy distillation's teacher (distill.teacher_model), read once."""
+        return distill.teacher_model(self.cfg)
 
     def extra_models(self):
-        return {"teacher": self.teacher()} if self.distill else {}
+        return {"teacher": self.teacher} if self.distill else {}
 
     def loss(self, policy, reference, micro, weight, models=None):
         g, mask = self.grpo, micro["loss_mask"]
@@ -152,7 +152,7 @@ class GroupRelative(Objective):
         if self.rewards.models:
             self.rewards.models.check_tokenizer(getattr(data, "tokenizer", None))
         if self.distill:
-            check_tokenizer(self.teacher(), getattr(data, "tokenizer", None), "training.distill.teacher")
+            check_tokenizer(self.teacher, getattr(data, "tokenizer", None), "training.distill.teacher")
 
     def train_batches(self, data, global_rows: int, rows: range) -> Rollouts:
         G = self.grpo.num_generations
