@@ -218,8 +218,30 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
                 "training.grpo.dynamic_sampling and routing_replay are for rewards and the student's "
                 "experts; under training.grpo.advantage=distill set them to false"
             )
+    if t.grpo.advantage is AdvantageEstimator.gae:
+        _check_ppo(t, m)
     if t.grpo.routing_replay:
         _check_routing_replay(m)
+
+
+def _check_ppo(t: TrainingConfig, m: ModelConfig) -> None:
+    """What PPO (training.grpo.advantage=gae) needs: its critic, the value head, trained with the policy."""
+    t.ppo.check()
+    if not m.score_head:
+        raise ConfigError(
+            "training.grpo.advantage=gae reads a critic: set model.score_head=true, the value head on the "
+            "policy's trunk (objective=ppo sets it)"
+        )
+    if t.lora.rank is not None:
+        raise ConfigError(
+            "training.grpo.advantage=gae under training.lora: the value head would stay frozen with the "
+            "base; train in full (training.lora.rank=null)"
+        )
+    if t.grpo.dynamic_sampling:
+        raise ConfigError(
+            "training.grpo.dynamic_sampling replaces groups whose rewards are equal; PPO's critic "
+            "learns from them: set it to false under training.grpo.advantage=gae"
+        )
 
 
 def _check_routing_replay(m: ModelConfig) -> None:

@@ -25,7 +25,9 @@ from tunix_train.config_objectives import (  # noqa: F401  (re-exported: the sch
     GrpoAggregation,
     GrpoConfig,
     ImportanceLevel,
+    KlEstimator,
     Overlong,
+    PpoConfig,
     PreferenceLoss,
     RewardConfig,
     RewardNormalization,
@@ -445,6 +447,7 @@ class TrainingConfig:
     grpo: GrpoConfig = dataclasses.field(default_factory=GrpoConfig)
     distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    ppo: PpoConfig = dataclasses.field(default_factory=PpoConfig)
 
 
 @dataclasses.dataclass

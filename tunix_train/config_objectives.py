@@ -42,6 +42,14 @@ class AdvantageEstimator(enum.Enum):  # training.grpo.advantage: rewards -> each
     # each token's: the teacher's log-probability of it less the sampling policy's (on-policy
     # distillation; the teacher: training.distill.teacher)
     distill = "distill"
+    # each token's: GAE over the value head's estimates, the reward on the last token less a KL to the
+    # reference on every token (PPO; training.ppo)
+    gae = "gae"
+
+
+class KlEstimator(enum.Enum):  # training.ppo.kl_estimator: the KL sample of a token in PPO's reward
+    k1 = "k1"  # log pi - log pi_ref
+    k3 = "k3"  # exp(log pi_ref - log pi) - 1 - (log pi_ref - log pi)
 
 
 class ImportanceLevel(enum.Enum):
@@ -158,11 +166,13 @@ class GrpoConfig:
     def check(self, micro_batch_size: int) -> None:
         """A ConfigError naming the first bad key of training.grpo (and the micro-batch it needs)."""
         G = self.num_generations
-        if G < 2:
+        if G < 2 and self.advantage is not AdvantageEstimator.gae:
             raise ConfigError(
                 f"training.grpo.num_generations={G} must be at least 2 (advantages compare a "
-                f"completion with the others of its group)"
+                f"completion with the others of its group; PPO's critic needs no group)"
             )
+        if G < 1:
+            raise ConfigError(f"training.grpo.num_generations={G} must be at least 1")
         if micro_batch_size % G:
             raise ConfigError(
                 f"training.micro_batch_size={micro_batch_size} must be a multiple of "
@@ -269,6 +279,37 @@ class GrpoConfig:
             raise ConfigError(
                 f"training.grpo.eval_samples={self.eval_samples} must be >= training.grpo.eval_k="
                 f"{self.eval_k} >= 1 (pass@k needs at least k samples per prompt)"
+            )
+
+
+@dataclasses.dataclass
+class PpoConfig:
+    """training.ppo (objective=ppo, docs/objectives/ppo.md): a critic (the value head on the policy's
+    trunk) and GAE make each token's advantage; the defaults are TRL's PPOConfig's."""
+
+    gamma: float = _fixed(1.0)  # the discount
+    gae_lambda: float = _fixed(0.95)  # GAE's lambda (TRL's lam, OpenRLHF's lambd)
+    vf_coef: float = _fixed(0.1)  # the value loss's weight in the loss
+    # a value moves at most this far from the rollout's estimate before its loss stops pulling it
+    # (TRL's cliprange_value, OpenRLHF's value_clip); null: no clip
+    value_clip: Optional[float] = _fixed(0.2)
+    kl_coef: float = _fixed(0.05)  # the KL to the reference, subtracted from each token's reward
+    kl_estimator: KlEstimator = _fixed(KlEstimator.k1)
+    # the per-token rewards scaled by their std over the batch's completion tokens (TRL's whiten_rewards)
+    whiten_rewards: bool = _fixed(False)
+    # the advantages less their mean, over their std, over the batch's completion tokens
+    whiten_advantages: bool = _fixed(True)
+
+    def check(self) -> None:
+        """A ConfigError naming the first bad key of training.ppo."""
+        if not 0.0 <= self.gae_lambda <= 1.0:
+            raise ConfigError(f"training.ppo.gae_lambda={self.gae_lambda} must be in [0, 1]")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ConfigError(f"training.ppo.gamma={self.gamma} must be in [0, 1]")
+        if self.vf_coef < 0 or self.kl_coef < 0 or (self.value_clip is not None and self.value_clip <= 0):
+            raise ConfigError(
+                f"training.ppo.vf_coef={self.vf_coef} and kl_coef={self.kl_coef} must be >= 0 and "
+                f"value_clip={self.value_clip} positive (or null)"
             )
 
 

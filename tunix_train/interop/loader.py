@@ -25,11 +25,13 @@ from omegaconf import OmegaConf
 
 from tunix_train.checkpoint import frozen_as_recorded, resolve_resume_path, restore_params
 from tunix_train.config import (
+    AdvantageEstimator,
     BaseQuantization,
     Config,
     ConfigError,
     LoraConfig,
     ModelConfig,
+    Objective,
     without_retired_keys,
 )
 from tunix_train.interop import checkpoint_format, gguf, hf, importer
@@ -42,6 +44,9 @@ class Source:
     path: Path
     kind: str  # "gguf", "hf" or "run"
     cfg: Config  # a file's model fields (the rest defaults), or a run's whole saved config
+    # a PPO run's checkpoint holds its critic (the value head, model.score_head), which is not part of
+    # the language model it trained: cfg says score_head=false, and load() leaves the head out
+    critic: bool = False
 
 
 def source(path: str | Path) -> Source:
@@ -55,6 +60,10 @@ def source(path: str | Path) -> Source:
     else:
         resolve_resume_path(str(path))
         cfg = run_config(path)
+        t = cfg.training
+        if t.objective is Objective.grpo and t.grpo.advantage is AdvantageEstimator.gae:
+            model = dataclasses.replace(cfg.model, score_head=False)
+            return Source(path, kind, dataclasses.replace(cfg, model=model), critic=True)
     return Source(path, kind, cfg)
 
 
@@ -97,10 +106,13 @@ def load(src: Source, mesh: Mesh) -> Loaded:
     """The parameters of `src` on `mesh` (see the module docstring)."""
     cfg = src.cfg
     weights = weights_for_run(cfg, keeps_reference=False)  # a run's LoRA adapters, if it had them
-    plan = plan_params(cfg.model, mesh, cfg.training.seed, weights)
+    model = dataclasses.replace(cfg.model, score_head=True) if src.critic else cfg.model
+    plan = plan_params(model, mesh, cfg.training.seed, weights)
     if src.kind != "run":
         return Loaded(src, importer(src.path).load_params(src.path, cfg.model, plan.abstract), None, None)
     params, record = restore_params(str(src.path), plan.trainable)
+    if src.critic:
+        params = nnx.State({name: leaf for name, leaf in params.items() if name != "score_DO"})
     if weights.lora is None:
         return Loaded(src, params, None, None)
     with jax.set_mesh(mesh):  # the base comes from where the run started

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import jax
 
 from tunix_train.checkpoint import Checkpointer, frozen_record
-from tunix_train.config import BaseQuantization, Config, NanPolicy
+from tunix_train.config import BaseQuantization, Config, NanPolicy, Objective
 from tunix_train.data import Data
 from tunix_train.data.tokenizer import with_bos
 from tunix_train.generate import Engine, Request
@@ -121,7 +121,8 @@ def train(
     say(f"run directory: {run_dir}")
     say(f"mesh: {describe_mesh(mesh)}; {processes}")
     say(f"model: {cfg.model.name}, {_describe_parameters(run, state)}; {origin}")
-    say(f"objective: {t.objective.value}")
+    family = f" (advantage {t.grpo.advantage.value})" if t.objective is Objective.grpo else ""
+    say(f"objective: {t.objective.value}{family}")
     say(
         f"global batch: {t.gradient_accumulation_steps * run.micro_batch} sequences "
         f"({t.micro_batch_size} per data-parallel shard x {data_parallel_size(mesh)} shards x "

@@ -1,13 +1,12 @@
 """The rollout component: prompts completed by the engine with the policy's current parameters and
-scored, for on-policy objectives (GRPO and its family today; on-policy distillation and PPO would
-draw theirs here too). It owns the engine on its mesh (the rollout mesh, else the training mesh)
-and the parameters copied there, the prompts and held-out prompts, groups of completions per
-prompt, conversations with tools or an environment (envs/rollout.py), the rewards' scores,
-dynamic sampling, and the queue of rollouts drawn ahead for off-policy steps (`Rollouts`, part of
-a checkpoint). Its settings are training.grpo's (num_generations, temperature, max_new_tokens,
-max_staleness, iterations, rollout_*, tools, environment, dynamic_sampling).
-
-The objective turns a Rollout into its batch rows (GRPO: advantages, train/objectives/grpo.py).
+scored, for on-policy objectives (GRPO and its family, on-policy distillation, PPO). It owns the
+engine on its mesh (the rollout mesh, else the training mesh) and the parameters copied there, the
+prompts and held-out prompts, groups of completions per prompt, conversations with tools or an
+environment (envs/rollout.py), the rewards' scores, dynamic sampling, and the queue of rollouts
+drawn ahead for off-policy steps (`Rollouts`, part of a checkpoint). Its settings are
+training.grpo's (num_generations, temperature, max_new_tokens, max_staleness, iterations,
+rollout_*, tools, environment, dynamic_sampling). The objective turns a Rollout into its batch
+rows (GRPO: advantages, train/objectives/grpo.py; PPO: objectives/ppo.py).
 """
 
 from __future__ import annotations
@@ -56,8 +55,9 @@ class Rollout:
     tool_calls: int = 0
     tool_errors: int = 0
     turns: int = 0
-    # with training.grpo.routing_replay: per row, the experts the engine chose (pack_routes)
-    routes: list[str] | None = None
+    routes: list[str] | None = None  # routing_replay: per row, the experts the engine chose (pack_routes)
+    # PPO: per row, its completion tokens' values, logp and ref_logp at its first step (ppo.py)
+    critique: dict[str, list[list[float]]] | None = None
 
 
 def pack_routes(routes_PLK: np.ndarray) -> str:

@@ -37,6 +37,7 @@ from tunix_train.state import TrainState
 from tunix_train.train.init import StatePlan, plan_frozen_models, plan_train_state
 from tunix_train.train.objectives import make_objective
 from tunix_train.train.optimizer import make_optimizer
+from tunix_train.train.scoring import compile_score_step
 from tunix_train.train.step import compile_eval_step, compile_train_step
 
 
@@ -55,6 +56,7 @@ class Setup:
     weights: Weights  # which parameters train and which are frozen
     extras: Any = None  # the objective's extra models (FrozenModels: a teacher, ...), None without
     plan_frozen: Any = None  # (ExtraModel specs, mesh) -> their FrozenModels (GRPO's reward models)
+    score_fn: Any = None  # (params, frozen, batch) -> the objective's per-token figures (PPO's critic)
 
 
 def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any = None) -> Setup:
@@ -126,6 +128,9 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
         weights=weights,
         extras=extras,
     )
+    score_fn = compile_score_step(  # jitted, compiled on its first call: only objectives that score do
+        plan, mesh, model_cfg=cfg.model, training=t, parallel=layout, objective=objective, weights=weights
+    )
     return Setup(
         mesh,
         rollout_mesh,
@@ -138,6 +143,7 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
         weights,
         extras,
         plan_frozen,
+        score_fn,
     )
 
 

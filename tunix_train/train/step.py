@@ -51,29 +51,25 @@ def abstract_batch(
     }
 
 
-def _objective_loss(
+def forwards(
     objective,
     weights: Weights,
     graphdef,
     params,
     frozen,
     micro,
-    weight,
     *,
     compute_dtype,
     chunk,
     param_shardings,
     frozen_shardings,
     seq_shards,
-    moe_aux_loss_coef: float = 0.0,
     extras: FrozenModels | None = None,
     models: dict | None = None,
 ):
-    """The objective's (loss, metrics) of one micro-batch, from Forwards (train/forward.py) of the
-    trained model (policy), of the reference and of the objective's extra models (`extras`, their
-    parameters `models`), the last two without gradient. With experts, the policy's
-    load-balancing loss times moe_aux_loss_coef is added, weighted by the micro-batch's share of
-    the batch, and logged (moe_aux_loss; expert_tokens, the copies each expert received)."""
+    """Forwards (train/forward.py) of one micro-batch: of the trained model (policy), of the
+    reference and of the objective's extra models by name (`extras`, their parameters `models`;
+    None without), the last two without gradient."""
 
     def forward(states, shardings, frozen=False, graphdef=graphdef, compute_dtype=compute_dtype):
         return Forward(
@@ -95,13 +91,37 @@ def _objective_loss(
     reference = forward(
         weights.reference(params, frozen), shardings(weights.reference, switch_off=lambda s: s), frozen=True
     )
-    if extras is None:
-        loss, metrics = objective.loss(policy, reference, micro, weight)
-    else:
+    others = None
+    if extras is not None:
         others = {  # held in their compute dtype (train/init.py): nothing to cast
             name: forward((models[name],), None, True, extras.graphdefs[name], COMPUTE_DTYPES[spec.precision])
             for name, spec in extras.specs.items()
         }
+    return policy, reference, others
+
+
+def _objective_loss(
+    objective,
+    weights: Weights,
+    graphdef,
+    params,
+    frozen,
+    micro,
+    weight,
+    *,
+    moe_aux_loss_coef: float = 0.0,
+    **forward_settings,
+):
+    """The objective's (loss, metrics) of one micro-batch, from its Forwards (`forwards`, which
+    `forward_settings` go to). With experts, the policy's
+    load-balancing loss times moe_aux_loss_coef is added, weighted by the micro-batch's share of
+    the batch, and logged (moe_aux_loss; expert_tokens, the copies each expert received)."""
+    policy, reference, others = forwards(
+        objective, weights, graphdef, params, frozen, micro, **forward_settings
+    )
+    if others is None:
+        loss, metrics = objective.loss(policy, reference, micro, weight)
+    else:
         loss, metrics = objective.loss(policy, reference, micro, weight, models=others)
     if policy.ran and policy.stats:
 
@@ -157,7 +177,7 @@ def train_step(
     delayed_sync = sync_every > 1
 
     def to_device(part):
-        return _moved(getattr(state, part), getattr(home, part), getattr(on_device, part))
+        return moved(getattr(state, part), getattr(home, part), getattr(on_device, part))
 
     wrt = to_device("params")
     if compute_dtype != jnp.float32 and (reduce_gradients_in_compute_dtype or delayed_sync):
@@ -216,8 +236,8 @@ def train_step(
     params, opt_state = jax.lax.cond(
         update, apply_update, lambda unchanged: unchanged, (to_device("params"), to_device("opt_state"))
     )
-    params = _moved(params, on_device.params, home.params)
-    opt_state = _moved(opt_state, on_device.opt_state, home.opt_state)
+    params = moved(params, on_device.params, home.params)
+    opt_state = moved(opt_state, on_device.opt_state, home.opt_state)
     new_state = TrainState(
         step=state.step + 1,
         params=params,
@@ -253,7 +273,7 @@ def reduce_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
     }
 
 
-def _moved(tree: Any, source: Any, target: Any) -> Any:
+def moved(tree: Any, source: Any, target: Any) -> Any:
     """`tree`, laid out by the shardings `source`, put where `target` says (an offloaded part of the
     state between host and device memory); itself where they are the same."""
     return tree if jax.tree.leaves(source) == jax.tree.leaves(target) else jax.device_put(tree, target)
@@ -297,9 +317,10 @@ def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, syn
     return grads, (losses.reshape(A), jax.tree.map(lambda x: x.reshape(A, *x.shape[2:]), aux))
 
 
-def _graphdef(
+def graphdef_for(
     model_cfg: ModelConfig, training: TrainingConfig, rules: Rules, parallel, weights: Weights
 ) -> nnx.GraphDef:
+    """The trained model's graph as the steps trace it (remat, attention, layout, adapters)."""
     return model_graphdef(
         model_cfg, training.remat, training.scan_unroll, training.attention, rules, parallel, weights.lora
     )
@@ -326,7 +347,7 @@ def compile_train_step(
     rules = per_shard_rules(plan.rules) if sync_every > 1 else plan.rules
     step = functools.partial(
         train_step,
-        graphdef=_graphdef(model_cfg, training, rules, parallel, weights),
+        graphdef=graphdef_for(model_cfg, training, rules, parallel, weights),
         optimizer=optimizer,
         schedule=schedule,
         compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
@@ -445,7 +466,7 @@ def compile_eval_step(
     """(params, frozen, batch) -> the eval_step sums."""
     step = functools.partial(
         eval_step,
-        graphdef=_graphdef(model_cfg, training, plan.rules, parallel, weights),
+        graphdef=graphdef_for(model_cfg, training, plan.rules, parallel, weights),
         compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
         chunk=training.loss_chunk_size,
         param_shardings=plan.on_device.params,
@@ -457,7 +478,7 @@ def compile_eval_step(
     )
 
     def evaluate(params, frozen, batch, models=None):  # offloaded parameters are moved to the devices
-        on_device = _moved(params, plan.shardings.params, plan.on_device.params)
+        on_device = moved(params, plan.shardings.params, plan.on_device.params)
         return step(on_device, batch, frozen=frozen, models=models)
 
     in_shardings = (plan.shardings.params, plan.shardings.frozen, batch_sharding(mesh))

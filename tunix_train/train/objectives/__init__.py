@@ -28,21 +28,25 @@ knows which one runs:
 - `connect(run, write_samples)`: what it needs of the run once set up (GRPO: the engine);
 - `prepare(batches, state)`: the next step's batch from the host batches (GRPO samples and scores
   here, and may reuse a batch or draw ahead);
-- `hooks()`: hooks it adds to the loop (GRPO: the rollout's rewards in the log).
+- `hooks()`: hooks it adds to the loop (GRPO: the rollout's rewards in the log);
+- `score(policy, reference, micro)`: per-token figures the run's scoring pass (`Setup.score_fn`,
+  without gradient) computes of a batch before the steps that train on it (PPO's critic values).
 """
 
 from __future__ import annotations
 
-from tunix_train.config import Config
+from tunix_train.config import AdvantageEstimator, Config
 from tunix_train.config import Objective as Kind
-from tunix_train.train.objectives import distill, dpo, grpo, lm, reward
+from tunix_train.train.objectives import distill, dpo, grpo, lm, ppo, reward
 from tunix_train.train.objectives.base import Objective
 
 __all__ = ["Objective", "make_objective"]
 
 
 def make_objective(cfg: Config, tokenizer=None):
-    """The objective training.objective names."""
+    """The objective training.objective names (PPO: GRPO's with training.grpo.advantage=gae)."""
+    if cfg.training.objective is Kind.grpo and cfg.training.grpo.advantage is AdvantageEstimator.gae:
+        return ppo.ProximalPolicy(cfg)
     return {
         Kind.lm: lm.LanguageModeling,
         Kind.dpo: dpo.DirectPreference,

@@ -88,6 +88,10 @@ class Objective:
     def hooks(self) -> list:
         return []
 
+    def score(self, policy, reference, micro) -> dict:
+        """Per-token figures [B, T] of a micro-batch for the scoring pass (objectives/__init__.py)."""
+        raise NotImplementedError(f"{type(self).__name__} has no scoring pass")
+
     def extra_models(self) -> dict[str, ExtraModel]:
         """The models its loss reads beside the policy and the reference, by name: loss() then
         gets `models`, a Forward (train/forward.py) of each on the same micro-batch."""

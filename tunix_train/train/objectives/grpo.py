@@ -112,9 +112,9 @@ class GroupRelative(Objective):
     def loss(self, policy, reference, micro, weight, models=None):
         g, mask = self.grpo, micro["loss_mask"]
         logp = -policy()
-        ref_logp = -reference() if self.needs_reference else None
+        ref_logp = -reference() if g.beta > 0 else None
         behaviour = micro["behaviour_logp"]
-        old_logp = behaviour if self.off_policy else jax.lax.stop_gradient(logp)
+        old_logp = self._old_logp(micro, logp)
         advantages, extra = micro["advantages"], {}
         if self.distill:  # each token's: log p_teacher - log p_sampling, the negative reverse KL's sample
             advantages = jax.lax.stop_gradient(-models["teacher"]() - behaviour)
@@ -143,6 +143,10 @@ class GroupRelative(Objective):
             "logprob_mismatch_max": jnp.max(mismatch),
             **extra,
         }
+
+    def _old_logp(self, micro, logp):
+        """pi_old: the engine's log-probabilities off-policy; on-policy, the policy's, without gradient."""
+        return micro["behaviour_logp"] if self.off_policy else jax.lax.stop_gradient(logp)
 
     # the batches, on the host
 
@@ -178,12 +182,26 @@ class GroupRelative(Objective):
         rollout, seconds = self.sampler.rollout_for(rollouts, state)
         self._rollouts = rollouts
         self._rollout = self._figures(rollout, int(state.step), seconds)
-        return self._rows_of(rollout)
+        return self._rows_of(rollout, state)
 
-    def _rows_of(self, rollout: Rollout) -> dict[str, np.ndarray]:
-        """The rollout's rows of this process, [A, rows, seq_len] each."""
+    def _rows_of(self, rollout: Rollout, state=None) -> dict[str, np.ndarray]:
+        """The rollout's rows of this process, [A, rows, seq_len] each (`state`: the step's)."""
+        full = self._rows(rollout)
+        full.update(self._advantages(rollout, full, state))
+        return self._local(full, rollout.accumulation)
+
+    def _local(self, full: dict[str, np.ndarray], A: int) -> dict[str, np.ndarray]:
+        """Every process's rows [A x rows, ...] -> this process's [A, rows, ...]."""
+        local = self.sampler.rows
+        return {
+            name: np.ascontiguousarray(x.reshape(A, -1, *x.shape[1:])[:, local.start : local.stop])
+            for name, x in full.items()
+        }
+
+    def _rows(self, rollout: Rollout) -> dict[str, np.ndarray]:
+        """Every process's rows of the rollout but their advantages, [A x rows, seq_len] each."""
         g = self.grpo
-        G, T, A = g.num_generations, self.cfg.data.seq_len, rollout.accumulation
+        G, T = g.num_generations, self.cfg.data.seq_len
         prompts = rollout.prompt_ids or [self.sampler.prompts[i] for i in rollout.order for _ in range(G)]
         rows = [padded_row(p, c, T) for p, c in zip(prompts, rollout.completions)]
         full = {name: np.stack([r[name] for r in rows]) for name in rows[0]}
@@ -192,15 +210,6 @@ class GroupRelative(Objective):
             full["behaviour_logp"][row, len(prompt) - 1 : len(prompt) - 1 + len(logprobs)] = logprobs
             if rollout.own:  # the tool results and the environment's text are not the model's: no loss
                 full["loss_mask"][row, len(prompt) - 1 : len(prompt) - 1 + len(logprobs)] *= rollout.own[row]
-        advantages = family.advantages(
-            np.asarray(rollout.rewards),
-            G,
-            self.rewards.weights,
-            g.scale_rewards,
-            g.multi_reward_normalization,
-            g.advantage,
-            g.normalize_advantages,
-        )
         if self.sampler.images:  # each row its prompt's images, padded to data.images_per_row
             v, per_row = self.cfg.model.vision, self.cfg.data.images_per_row
             full["images"] = np.zeros((len(rows), per_row, *v.image_shape), np.float32)
@@ -218,18 +227,28 @@ class GroupRelative(Objective):
         ):  # a completion cut at max_new_tokens: no loss (TRL mask_truncated_completions)
             cut = np.array([not c or c[-1] not in self.sampler.stop_ids for c in rollout.completions])
             full["loss_mask"][cut] = 0.0
-        teaching = np.ones(len(rows), bool)
+        return full
+
+    def _advantages(self, rollout: Rollout, full: dict[str, np.ndarray], state=None) -> dict[str, np.ndarray]:
+        """The rows' advantages [rows, seq_len] from the rollout's rewards (each row's on every position)."""
+        g = self.grpo
+        rows, T = full["loss_mask"].shape
+        advantages = family.advantages(
+            np.asarray(rollout.rewards),
+            g.num_generations,
+            self.rewards.weights,
+            g.scale_rewards,
+            g.multi_reward_normalization,
+            g.advantage,
+            g.normalize_advantages,
+        )
+        teaching = np.ones(rows, bool)
         if rollout.filler_groups:  # the equal groups that filled the batch teach nothing
-            teaching[len(rows) - rollout.filler_groups * G :] = False
+            teaching[rows - rollout.filler_groups * g.num_generations :] = False
         if g.advantage in (AdvantageEstimator.reinforce_pp, AdvantageEstimator.reinforce_pp_baseline):
             advantages = family.whitened(advantages, full["loss_mask"].sum(axis=1) * teaching)
         advantages = np.where(teaching, advantages, 0.0)
-        full["advantages"] = np.broadcast_to(advantages[:, None], (len(rows), T)).astype(np.float32)
-        local = self.sampler.rows
-        return {
-            name: np.ascontiguousarray(x.reshape(A, -1, *x.shape[1:])[:, local.start : local.stop])
-            for name, x in full.items()
-        }
+        return {"advantages": np.broadcast_to(advantages[:, None], (rows, T)).astype(np.float32)}
 
     def _figures(self, rollout: Rollout, step: int, rollout_s: float) -> dict[str, Any]:
         """What the log shows of the step's rollout; its samples (the first group) at its first step."""
