@@ -1,7 +1,7 @@
 """GRPO on a verifiable task, end to end on a CPU: the reward rises.
 
     python scripts/grpo_demo.py [--out DIR] [--sft-steps 8] [--grpo-steps 150] [--largest 5]
-        [--objective grpo|rloo|reinforce_pp|dr_grpo|...]
+        [--objective grpo|rloo|reinforce_pp|dr_grpo|ppo|...] [OVERRIDE ...]
 
 1. Writes the bundled arithmetic task (tunix_train/rewards/arithmetic.py): sums a+b, 0 <= a, b <= --largest
 (5).
@@ -9,7 +9,8 @@
    prompt/completion pairs, for a few steps: it learns the format (a number, then EOS), few of the sums.
 3. Exports it (python -m tunix_train.export) and trains it with objective=grpo from there, the reward
    being exact_match of the sum; G completions per prompt at temperature 1.
-   (--objective: another of the family, e.g. RLOO's or REINFORCE++'s advantages, on the same task.)
+   (--objective: another of the family, e.g. RLOO's or REINFORCE++'s advantages, or PPO's critic,
+   on the same task; OVERRIDEs go to this run, e.g. training.grpo.iterations=2.)
 4. Prints the mean reward per block of steps, and GRPO's time split between sampling and the step;
    its last line is JSON (the first and last blocks' mean reward).
 
@@ -57,6 +58,7 @@ def main() -> int:
     parser.add_argument("--largest", type=int, default=5, help="the sums' terms go from 0 to this")
     parser.add_argument("--block", type=int, default=15, help="steps per row of the reward table")
     parser.add_argument("--objective", default="grpo", help="grpo or another of its family (rloo, ...)")
+    parser.add_argument("overrides", nargs="*", help="more overrides of the RL run")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="grpo_demo_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -96,9 +98,11 @@ def main() -> int:
         "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match]",
         "training.lr_schedule=constant",
         f"training.learning_rate={args.learning_rate}",
-        f"training.grpo.beta={args.beta}",
+        # PPO's KL is in its reward (training.ppo.kl_coef), not a term of the loss
+        f"training.{'ppo.kl_coef' if args.objective == 'ppo' else 'grpo.beta'}={args.beta}",
         "checkpoint.every_steps=0",
         f"hydra.run.dir={out / 'grpo'}",
+        *args.overrides,
         log=out / "grpo.log",
     )
 
@@ -115,7 +119,7 @@ def main() -> int:
         block = steps[first : first + args.block]
 
         def mean(key):
-            return sum(m[key] for m in block) / len(block)
+            return sum(m.get(key, m.get("kl_reward")) for m in block) / len(block)  # PPO: kl_reward
 
         rewards.append(round(mean("reward"), 4))
         print(

@@ -147,8 +147,54 @@ def test_bad_reward_settings_are_one_line(tmp_path):
             config(*REWARD, "data.train_files=[x.jsonl]", *overrides)
     with pytest.raises(ConfigError, match="set model.score_head=true"):
         make_objective(config(*REWARD, "data.train_files=[x.jsonl]", "model.score_head=false"))
-    with pytest.raises(ConfigError, match="the scalar head would stay frozen"):
-        make_objective(config(*REWARD, "data.train_files=[x.jsonl]", "training.lora.rank=4"))
+
+
+def test_under_lora_the_head_trains_beside_the_adapters(tmp_path):
+    """LoRA (rank 4): two steps log the same losses on one device and on fsdp2 x tp2 (1e-5); the
+    head trains (it moved in step 2), and besides it only the adapters do; the merged export carries
+    the trained head as score.weight, and exporting the adapters alone (which would lose it) is one
+    line."""
+    from conftest import checkpoint_arrays
+
+    from tunix_train import api
+    from tunix_train.train.loop import train
+
+    train_files = _pairs(tmp_path / "train.jsonl", 64, 0)
+    losses = {}
+    for name, mesh, devices, rows in (
+        ("one", '[[1],["fsdp"]]', 1, 8),
+        ("sharded", '[[2,2],["fsdp","tp"]]', 4, 4),
+    ):
+        cfg = config(
+            *REWARD,
+            f"data.train_files=[{train_files}]",
+            f"model.mesh_shape={mesh}",
+            f"training.micro_batch_size={rows}",
+            "training.max_steps=2",
+            "training.eval_every=0",
+            "training.lora.rank=4",
+            "training.learning_rate=1e-2",
+            "checkpoint.every_steps=1",
+        )
+        train(cfg, tmp_path / name, devices=jax.devices()[:devices])
+        losses[name] = [m["loss"] for m in read_metrics(tmp_path / name)]
+    np.testing.assert_allclose(losses["sharded"], losses["one"], rtol=1e-5)
+
+    first, last = (checkpoint_arrays(tmp_path / "one" / "checkpoints" / str(s)) for s in (1, 2))
+    head = next(k for k in last if k.startswith("['params']") and "score_DO" in k)
+    assert not np.array_equal(first[head], last[head])  # trained, with the adapters
+    trained = [k for k in last if k.startswith("['params']")]
+    assert all("_lora" in k or k == head for k in trained), trained  # the base is frozen
+
+    model = api.load(tmp_path / "one")
+    model.export(tmp_path / "hf")
+    from safetensors.numpy import load_file
+
+    np.testing.assert_array_equal(
+        load_file(tmp_path / "hf" / "model.safetensors")["score.weight"], last[head].T
+    )
+    with pytest.raises(ConfigError, match="trained a scalar head beside its adapters"):
+        model.export_adapters(tmp_path / "peft")
 
 
 def _random_reward_model(directory):

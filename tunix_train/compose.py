@@ -232,11 +232,6 @@ def _check_ppo(t: TrainingConfig, m: ModelConfig) -> None:
             "training.grpo.advantage=gae reads a critic: set model.score_head=true, the value head on the "
             "policy's trunk (objective=ppo sets it)"
         )
-    if t.lora.rank is not None:
-        raise ConfigError(
-            "training.grpo.advantage=gae under training.lora: the value head would stay frozen with the "
-            "base; train in full (training.lora.rank=null)"
-        )
     if t.grpo.dynamic_sampling:
         raise ConfigError(
             "training.grpo.dynamic_sampling replaces groups whose rewards are equal; PPO's critic "

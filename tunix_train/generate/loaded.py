@@ -250,6 +250,11 @@ class LoadedModel:
                 "this checkpoint has no LoRA adapters (training.lora.rank was null): export the "
                 "whole model instead"
             )
+        if "score_DO" in self.adapters:
+            raise ConfigError(
+                "this LoRA run trained a scalar head beside its adapters (a reward model): adapters alone "
+                "would lose it; export the merged model instead (without --adapters)"
+            )
         if format == "gguf":
             from tunix_train.interop import gguf_export
 

@@ -111,7 +111,7 @@ def load(src: Source, mesh: Mesh) -> Loaded:
     if src.kind != "run":
         return Loaded(src, importer(src.path).load_params(src.path, cfg.model, plan.abstract), None, None)
     params, record = restore_params(str(src.path), plan.trainable)
-    if src.critic:
+    if src.critic:  # trained whole, or beside LoRA's adapters: either way among `params`
         params = nnx.State({name: leaf for name, leaf in params.items() if name != "score_DO"})
     if weights.lora is None:
         return Loaded(src, params, None, None)

@@ -49,7 +49,7 @@ from tunix_train.model.layout import (
     layer_windows,
     one_stack,
 )
-from tunix_train.model.lora import Adapt, adapter, no_adapter
+from tunix_train.model.lora import Adapt, Adapter, adapter, no_adapter
 from tunix_train.model.moe import Dispatch, LocalDispatch, MoE
 from tunix_train.model.rope import rope_table
 from tunix_train.model.vision import VisionTower, image_slots, images_on_global, merged_embeddings
@@ -337,12 +337,15 @@ class Decoder(nnx.Module):
                 lora,
             )
         )
-        # a reward model's scalar head, from a stream of its own: the other parameters are the same
-        self.score_DO = (
+        # a reward model's or PPO's scalar head, from a stream of its own: the other parameters are
+        # the same; under LoRA it trains beside the adapters (an Adapter: PEFT's modules_to_save)
+        score = (
             param(nnx.Rngs(jax.random.fold_in(keys[0], 2)), (D, 1), ("embed", None), D)
             if cfg.score_head
             else None
         )
+        under_lora = score is not None and lora is not None
+        self.score_DO = Adapter(score.get_value(), axes=("embed", None)) if under_lora else score
         # the images' embeddings carry gradient into the tower when it trains or has adapters
         self.tower_learns = cfg.vision is not None and (
             cfg.vision.trainable or (lora is not None and any(t.startswith("vision_") for t in lora.targets))

@@ -18,7 +18,8 @@ from tunix_train.config import LoraConfig
 
 
 class Adapter(nnx.Param):
-    """A LoRA factor: a parameter that trains while the base weights stay frozen."""
+    """A parameter that trains while the base weights stay frozen: a LoRA factor, or a head the
+    base lacks (a reward model's or PPO's value head, `score_DO`: PEFT's modules_to_save)."""
 
 
 class LoRA(nnx.Module):

@@ -200,6 +200,9 @@ class Weights:
         flat = dict(nnx.to_flat_state(quant.dense(frozen)))
         adapters = dict(nnx.to_flat_state(params))
         scale = self.lora.alpha / self.lora.rank
+        for path in [p for p in adapters if p[-1] not in ("a", "b")]:  # a head: trained whole
+            head = adapters.pop(path)
+            flat[path] = nnx.Param(head.get_value(), axes=head.get_metadata()["axes"])
         for path in {p[:-1] for p in adapters}:
             names = TOWER_ADAPTED_WEIGHTS if path[0] == "vision" else ADAPTED_WEIGHTS
             weight_path = (*path[:-1], names[path[-1]])

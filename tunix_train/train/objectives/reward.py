@@ -49,11 +49,6 @@ class RewardModeling(DirectPreference):
                 "training.objective=reward trains a scalar head: set model.score_head=true (objective=reward "
                 "sets it)"
             )
-        if cfg.training.lora.rank is not None:
-            raise ConfigError(
-                "training.objective=reward under training.lora: the scalar head would stay frozen with "
-                "the base; train the reward model in full (training.lora.rank=null)"
-            )
         if cfg.model.vision is not None:
             raise ConfigError(
                 "training.objective=reward reads text pairs; a model with an image tower (model.vision) "
