@@ -50,6 +50,7 @@ def main() -> int:
     parser.add_argument("--sft-steps", type=int, default=30)
     parser.add_argument("--grpo-steps", type=int, default=40)
     parser.add_argument("--block", type=int, default=10, help="steps per row of the rate table")
+    parser.add_argument("--missing-eos-penalty", type=float, default=4.0)
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="reward_demo_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -118,6 +119,8 @@ def main() -> int:
         "training.grpo.reward=[tunix_train.rewards.words:names_the_word]",
         f"training.grpo.reward_models=[{out / 'reward_model_hf'}]",
         "training.grpo.reward_weights=[0,1]",  # the function measures; the reward model rewards
+        # the model reads a completion at its last token, trained on endings: not ending is penalized
+        f"training.grpo.missing_eos_penalty={args.missing_eos_penalty}",
         "training.lr_schedule=constant",
         "training.learning_rate=2e-4",
         "checkpoint.every_steps=0",

@@ -440,3 +440,19 @@ def test_a_rollout_in_few_slots_gives_the_same_completions_and_losses(tmp_path):
             (tmp_path / slots / "samples.jsonl").read_text(),
         )
     assert runs["4"] == runs["null"] and len(runs["null"][0]) == 2
+
+
+def test_missing_eos_penalty_is_a_reward_row_for_completions_that_did_not_stop():
+    """training.grpo.missing_eos_penalty=2: a row `missing_eos` of weight 1 after the functions',
+    -2 for each completion whose last token is not a stop token (TRL's missing_eos_penalty), 0
+    for the others; the total subtracts it."""
+    from tunix_train.train.objectives.grpo_rewards import Rewards
+
+    cfg = _cfg("training.grpo.missing_eos_penalty=2", f"training.grpo.reward=[{REWARD}]")
+    rewards = Rewards(cfg.training.grpo)
+    rewards.stop_ids = [1]
+    records = [{"prompt": "1+1=", "answer": "2"}] * 3
+    scores = rewards.score(["1+1="] * 3, ["2", "2", "3"], records, [[5, 1], [5, 6], []])
+    assert rewards.names[-1] == "missing_eos" and rewards.weights[-1] == 1.0
+    np.testing.assert_array_equal(scores[-1], [0.0, -2.0, -2.0])
+    np.testing.assert_array_equal(rewards.total(scores), [1.0, -1.0, -2.0])

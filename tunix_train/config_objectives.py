@@ -129,6 +129,10 @@ class GrpoConfig:
     # the functions', and reward_weights weighs functions then models.
     reward_models: List[str] = _fixed(factory=list)
     reward_weights: List[float] = _fixed(factory=list)
+    # Subtracted from the reward of a completion that did not stop (its EOS or end of turn), as an
+    # added reward row `missing_eos` (TRL's missing_eos_penalty): a reward model reads a completion
+    # at its last token, trained on endings, and a policy can find higher scores by never ending.
+    missing_eos_penalty: Optional[float] = _fixed(None)
     # The GRPO family (docs/objectives/grpo-family.md; objective=dapo, dr_grpo, gspo set them):
     loss_aggregation: GrpoAggregation = _fixed(GrpoAggregation.token_mean)
     # rewards -> advantages (objective=rloo, reinforce_pp set it); scale_rewards is grpo's alone,

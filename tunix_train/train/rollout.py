@@ -143,6 +143,7 @@ class Sampler:
         """Tokenizes the prompts once (the held-out ones too, for training.eval_every); a prompt with
         no room for max_new_tokens is a ConfigError."""
         self.tokenizer, self.stop_ids = data.tokenizer, [data.tokenizer.eos_id]
+        self.rewards.stop_ids = self.stop_ids  # the same list: an end of turn appended below counts
         if self.multi_turn:
             from tunix_train.envs.rollout import Turns
 
@@ -167,10 +168,8 @@ class Sampler:
                     self.images[id(doc)] = self._read_images(doc, f"{what}: prompt {number}")
         self.prompts = self._tokenized(data, self.docs, "data.train_files")
         self.eval_prompts = self._tokenized(data, self.eval_docs, "the held-out prompts")
-        if self.multi_turn or any(
-            isinstance(doc["prompt"], list) for doc in data.train_docs
-        ):  # answers in turns
-            self.stop_ids.append(data.chat.end_of_turn_id())
+        if self.multi_turn or any(isinstance(doc["prompt"], list) for doc in data.train_docs):
+            self.stop_ids.append(data.chat.end_of_turn_id())  # answers in turns
 
     def _read_images(self, doc: dict, where: str) -> np.ndarray:
         """A prompt's images [n, *image_shape] (conversation_pixels': its parts', then its record's list)."""

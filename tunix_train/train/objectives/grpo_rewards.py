@@ -31,9 +31,11 @@ class Rewards:
         self.functions = {name: load_reward(name) for name in grpo.reward}
         self.names = [name.rpartition(":")[2] for name in grpo.reward] + (models.names if models else [])
         self.weights = list(grpo.reward_weights) or [1.0] * len(self.names)
+        self.stop_ids: list[int] = []  # the sampler's (train/rollout.py), for missing_eos_penalty
         for added, wanted in (
             ("overlong", grpo.overlong is Overlong.soft),
             ("environment", grpo.environment),
+            ("missing_eos", grpo.missing_eos_penalty is not None),
         ):
             if wanted:
                 self.names.append(added)
@@ -66,6 +68,9 @@ class Rewards:
             )
         if g.environment:
             scores.append(np.array([r or 0.0 for r in environment], np.float64))
+        if g.missing_eos_penalty is not None:
+            stopped = [bool(c) and c[-1] in self.stop_ids for c in token_ids]
+            scores.append(np.array([0.0 if s else -g.missing_eos_penalty for s in stopped]))
         return np.stack(scores)
 
     def _call(self, name: str, function: Callable, prompts, completions, fields, records) -> np.ndarray:

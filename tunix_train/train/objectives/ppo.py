@@ -6,7 +6,7 @@ final hidden state at the position that predicts completion token t), trained wi
 one loss, so it costs a vector of D parameters, not a second model (TRL and OpenRLHF keep a
 separate value model; a shared trunk is their `PolicyAndValueWrapper` with one backbone).
 
-At a rollout's first step a scoring pass (step.compile_score_step, without gradient) computes, for
+At a rollout's first step a scoring pass (train/scoring.py, without gradient) computes, for
 every completion token, the critic's value, the policy's log-probability and the reference's; they
 are kept with the rollout (so every step trained on it, a resumed one too, reads the same). On the
 host, per completion, as OpenRLHF's experience maker computes them
@@ -120,7 +120,7 @@ class ProximalPolicy(GroupRelative):
             self.metric_names = tuple(m for m in self.metric_names if m != "kl")  # kl_reward instead
 
     def score(self, policy, reference, micro) -> dict:
-        """The scoring pass's figures of each position (step.score_step)."""
+        """The scoring pass's figures of each position (train/scoring.py)."""
         figures = {"values": policy.scores(), "logp": -policy()}
         figures["ref_logp"] = -reference() if self.ppo.kl_coef > 0 else figures["logp"]
         return figures
