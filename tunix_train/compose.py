@@ -180,9 +180,14 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
                 )
     if t.objective is Objective.distill:
         t.distill.check(m.vocab_size)
+    name = f"training.objective={t.objective.value}"
+    if d.padding_free and (t.objective not in (Objective.dpo, Objective.reward) or m.vision is not None):
+        raise ConfigError(
+            f"data.padding_free packs preference pairs (objective=dpo or reward, text only); "
+            f"{name}{' with model.vision' if m.vision is not None else ''} is not packed yet: set it to false"
+        )
     if t.objective in (Objective.lm, Objective.distill):  # both read the data's tokens
         return
-    name = f"training.objective={t.objective.value}"
     if d.source not in (DataSource.jsonl, DataSource.parquet):
         fields = (
             "prompt, chosen and rejected"
@@ -198,7 +203,7 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
             f"reads the fields it names"
         )
     if t.objective in (Objective.dpo, Objective.reward):  # preference pairs
-        if t.micro_batch_size % 2:
+        if t.micro_batch_size % 2 and not d.padding_free:
             raise ConfigError(
                 f"training.micro_batch_size={t.micro_batch_size} must be even under {name}: each pair "
                 f"is two rows (chosen, rejected) kept on one device"

@@ -16,7 +16,12 @@ from typing import Any, Iterator, Sequence
 
 import grain
 import numpy as np
-from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchIterDataset, ZipIterDataset
+from grain.experimental import (
+    ConcatThenSplitIterDataset,
+    FirstFitPackIterDataset,
+    ThreadPrefetchIterDataset,
+    ZipIterDataset,
+)
 
 from tunix_train.config import ConfigError, VisionConfig
 from tunix_train.data.images import conversation_images, has_images, split_images
@@ -302,6 +307,60 @@ class GroupBatches(_HostBatches):
             for slot in (range(groups_per_micro_batch) if slots is None else slots)
         ]
         self._start(ZipIterDataset(streams).map(_concatenate_groups).batch(accumulation_steps), prefetch)
+
+
+class PackedPairs(_HostBatches):
+    """Preference pairs packed whole into rows of seq_len (data.padding_free): a pair (its two padded
+    rows, chosen then rejected, as DirectPreference builds them) is one sequence of its rows' used
+    positions, each row keeping its own positions; grain's first-fit packing fills `bins` rows at a
+    time per row slot (slots as PackedBatches'). In a row, pair j's chosen answer is segment 2j + 1
+    and its rejected one 2j + 2 (so no answer attends to another, and segment - 1 is the answer's
+    index in the row: even chosen, odd rejected)."""
+
+    def __init__(
+        self,
+        pairs: Sequence[dict[str, np.ndarray]],
+        *,
+        seq_len: int,
+        accumulation_steps: int,
+        global_micro_batch: int,
+        seed: int | None,
+        rows: range | None = None,
+        prefetch: int = 4,
+        bins: int = 4,
+    ):
+        examples = [pair_sequence(p) for p in pairs]
+        ordered, lengths = _ordered(examples, seed), {name: seq_len for name in examples[0]}
+        slots = []
+        for slot in range(global_micro_batch) if rows is None else rows:
+            stream = ordered[slot::global_micro_batch].to_iter_dataset(
+                grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+            )
+            packed = FirstFitPackIterDataset(
+                stream, length_struct=lengths, num_packing_bins=bins, shuffle_bins=False
+            )
+            slots.append(packed.map(_pair_row))
+        self._start(ZipIterDataset(slots).map(_stack_rows).batch(accumulation_steps), prefetch)
+
+
+def pair_sequence(pair: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A pair's two rows [2, T] as one sequence of their used positions (segment_ids > 0), with
+    `answer` 0 on the chosen one's and 1 on the rejected one's."""
+    used = [int((pair["segment_ids"][k] > 0).sum()) for k in (0, 1)]
+    sequence = {
+        name: np.concatenate([x[k, : used[k]] for k in (0, 1)])
+        for name, x in pair.items()
+        if name != "segment_ids"
+    }
+    sequence["answer"] = np.repeat(np.arange(2, dtype=np.int32), used)
+    return sequence
+
+
+def _pair_row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    pair = packed["inputs_segment_ids"]  # 1, 2, ...: the row's pairs; 0: padding
+    row = {name: x for name, x in packed.items() if not name.endswith(("_segment_ids", "_positions"))}
+    row["segment_ids"] = np.where(pair > 0, 2 * pair - 1 + row.pop("answer"), 0).astype(np.int32)
+    return row
 
 
 def _concatenate_groups(groups: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:

@@ -97,8 +97,11 @@ class TrainMetrics(Hook):
         devices: int,
         objective_metrics: tuple[str, ...] = (),
         say: Callable[[str], None] = lambda line: None,
+        batch_figures: dict[str, float] | None = None,
     ):
-        """peak: per device, of `devices` devices; say: where a revised peak is told."""
+        """peak: per device, of `devices` devices; say: where a revised peak is told; batch_figures:
+        what the loop measured of the step's host batch (pad_fraction: its padding positions' share)."""
+        self.batch_figures = batch_figures if batch_figures is not None else {}
         self.interval, self.every, self.max_steps = interval, every, max_steps
         self.objective_metrics, self.say = objective_metrics, say
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
@@ -123,6 +126,7 @@ class TrainMetrics(Hook):
             mfu=per_device / self.peak.value,
             nonfinite_steps=metrics["nonfinite_steps"],
             **{name: metrics[name] for name in self.objective_metrics},
+            **self.batch_figures,
         )
         if (memory := device_memory_in_use()) is not None:
             end.scalars["device_memory_gb"] = memory / 1e9

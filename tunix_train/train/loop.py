@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
+import numpy as np
 
 from tunix_train.checkpoint import Checkpointer, frozen_record
 from tunix_train.config import BaseQuantization, Config, NanPolicy, Objective
@@ -150,8 +151,12 @@ def train(
         with memory, jax.set_mesh(mesh), StopRequest() as stop:
             start = time.perf_counter()
 
+            batch_figures = {}  # of this process's rows of the step's batch
+
             def next_batch(state):
-                return to_global_batch(objective.prepare(train_batches, state), mesh)
+                host = objective.prepare(train_batches, state)
+                batch_figures["pad_fraction"] = float(np.mean(host["segment_ids"] == 0))
+                return to_global_batch(host, mesh)
 
             batch = next_batch(state)
             step_fn = memory.compiled = run.step_fn.lower(state, batch).compile()
@@ -171,6 +176,7 @@ def train(
                     mesh.devices.size,
                     objective.metric_names + (MOE_METRICS if cfg.model.num_experts else ()),
                     say,
+                    batch_figures,
                 ),
                 *(
                     [h.Evaluate(run.eval_fn, eval_batches, t.eval_every, t.max_steps, objective.perplexity)]

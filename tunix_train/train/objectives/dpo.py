@@ -28,7 +28,7 @@ import numpy as np
 from tunix_train.config import Config, ConfigError, DpoConfig, PreferenceLoss
 from tunix_train.data.chat import completion_ids, prompt_ids
 from tunix_train.data.images import has_images
-from tunix_train.data.pipeline import GroupBatches, padded_row
+from tunix_train.data.pipeline import GroupBatches, PackedPairs, padded_row
 from tunix_train.train.objectives.base import Objective
 from tunix_train.train.objectives.lm import BATCH_DTYPES
 
@@ -88,34 +88,70 @@ class DirectPreference(Objective):
         if self.dpo.loss is PreferenceLoss.orpo:
             self.metric_names += ("nll",)
 
+    @property
+    def packed(self) -> bool:
+        return self.cfg.data.padding_free
+
+    def _chosen(self, batch):
+        """1 on the chosen answers' positions: even rows, or packed, odd segments."""
+        if self.packed:
+            return (batch["segment_ids"] % 2 == 1).astype(jnp.float32)
+        return jnp.broadcast_to(
+            jnp.arange(batch["inputs"].shape[-2])[:, None] % 2 == 0, batch["inputs"].shape
+        )
+
+    def _pair_count(self, batch):
+        """The batch's pairs: half its rows, or packed, the chosen answers that start in it."""
+        if self.packed:
+            return jnp.sum(self._chosen(batch) * (batch["positions"] == 0))
+        return jnp.float32(np.prod(batch["inputs"].shape[:-1]) // 2)
+
     def weight(self, batch):
         """The number of pairs; under ORPO also the chosen answers' tokens (its NLL's normalizer)."""
-        pairs = jnp.float32(np.prod(batch["inputs"].shape[:-1]) // 2)
+        pairs = self._pair_count(batch)
         if self.dpo.loss is not PreferenceLoss.orpo:
             return pairs
-        mask = batch["loss_mask"]
-        return {"pairs": pairs, "chosen_tokens": jnp.sum(mask.reshape(-1, 2, mask.shape[-1])[:, 0])}
+        return {"pairs": pairs, "chosen_tokens": jnp.sum(batch["loss_mask"] * self._chosen(batch))}
+
+    def _pair_sums(self, x_BT, micro):
+        """Sums of x over each pair's answers [pair slots, (chosen, rejected)]: a pair is two rows,
+        or packed, two segments of a row (data/pipeline.PackedPairs), its row holding T // 2 slots."""
+        if not self.packed:
+            return jnp.sum(x_BT, axis=-1).reshape(-1, 2)
+        segments = micro["segment_ids"]
+        B, T = segments.shape
+        S = T + T % 2  # answer slots per row
+        answer = jnp.where(segments > 0, jnp.arange(B)[:, None] * S + segments - 1, B * S)
+        sums = jax.ops.segment_sum(x_BT.reshape(-1), answer.reshape(-1), num_segments=B * S + 1)
+        return sums[:-1].reshape(-1, 2)
+
+    def _pairs_in(self, micro):
+        """Which pair slots hold a pair (all, unpacked)."""
+        if not self.packed:
+            return jnp.ones(micro["inputs"].shape[0] // 2, bool)
+        return self._pair_sums((micro["positions"] == 0).astype(jnp.float32), micro)[:, 0] > 0
 
     def loss(self, policy, reference, micro, weight):
         mask = micro["loss_mask"]
+        held = self._pairs_in(micro)[:, None]
 
-        def pair_sums(x_BT):
-            return jnp.sum(x_BT * mask, axis=-1).reshape(-1, 2)
+        def pair_sums(x_BT, empty=-1.0):  # an empty slot's: a finite stand-in, out of every mean
+            return jnp.where(held, self._pair_sums(x_BT * mask, micro), empty)
 
         nll_BT = policy()
-        logp_P2, tokens_P2 = -pair_sums(nll_BT), jnp.sum(mask, axis=-1).reshape(-1, 2)
-        ref_logp_P2 = -pair_sums(reference()) if self.needs_reference else None
+        logp_P2, tokens_P2 = -pair_sums(nll_BT, 1.0), pair_sums(jnp.ones_like(mask), 1.0)
+        ref_logp_P2 = -pair_sums(reference(), 1.0) if self.needs_reference else None
         loss_P, chosen_P, rejected_P = preference_losses(
             self.dpo.loss, logp_P2, ref_logp_P2, tokens_P2, self.dpo
         )
         pairs = weight["pairs"] if isinstance(weight, dict) else weight
 
         def mean(x):
-            return jnp.sum(x) / pairs
+            return jnp.sum(jnp.where(held[:, 0], x, 0.0)) / pairs
 
         loss, metrics = mean(loss_P), {}
         if self.dpo.loss is PreferenceLoss.orpo:
-            metrics["nll"] = -jnp.sum(logp_P2[:, 0]) / weight["chosen_tokens"]
+            metrics["nll"] = -jnp.sum(jnp.where(held[:, 0], logp_P2[:, 0], 0.0)) / weight["chosen_tokens"]
             loss = loss + metrics["nll"]
         return loss, {
             **metrics,
@@ -136,6 +172,16 @@ class DirectPreference(Objective):
         }
 
     def _batches(self, split: str, global_rows: int, rows: range, accumulation: int, seed):
+        if self.packed:
+            return PackedPairs(
+                self._pairs[split],
+                seq_len=self.cfg.data.seq_len,
+                accumulation_steps=accumulation,
+                global_micro_batch=global_rows,
+                seed=seed,
+                rows=rows,
+                prefetch=self.cfg.data.prefetch_batches,
+            )
         return GroupBatches(
             self._pairs[split],
             accumulation_steps=accumulation,
@@ -154,9 +200,12 @@ class DirectPreference(Objective):
         for field in ("chosen", "rejected"):
             completion = completion_ids(doc["prompt"], doc[field], tok, chat, images)
             length = self._positions(prompt, completion)
+            if self.packed:  # both answers in one row
+                length += sum(int((r["segment_ids"] > 0).sum()) for r in rows)
             if length > seq_len:
                 raise ConfigError(
-                    f"{what}: pair {index + 1} ({field}) is {length} tokens, "
+                    f"{what}: pair {index + 1} ({field}) is {length} tokens"
+                    f"{' with its chosen answer (data.padding_free: one row)' if self.packed else ''}, "
                     f"longer than data.seq_len={seq_len}; raise data.seq_len or shorten it"
                 )
             rows.append(self._row(prompt, completion))

@@ -56,17 +56,18 @@ class RewardModeling(DirectPreference):
             )
 
     def weight(self, batch):
-        return jnp.float32(np.prod(batch["inputs"].shape[:-1]) // 2)  # pairs
+        return self._pair_count(batch)
 
     def loss(self, policy, reference, micro, weight):
-        # loss_mask is 1 at each row's EOS, the position scored
-        rewards_P2 = jnp.sum(policy.scores() * micro["loss_mask"], axis=-1).reshape(-1, 2)
-        margin_P = micro["margin"][:, 0].reshape(-1, 2)[:, 0]
+        # loss_mask is 1 at each answer's EOS, the position scored; the margin is on the chosen one's first
+        held = self._pairs_in(micro)
+        rewards_P2 = self._pair_sums(policy.scores() * micro["loss_mask"], micro)
+        margin_P = self._pair_sums(micro["margin"], micro)[:, 0]
         chosen, rejected = rewards_P2[:, 0], rewards_P2[:, 1]
         loss = pair_loss(chosen, rejected, margin_P, self.reward.center_rewards_coefficient)
 
         def mean(x):
-            return jnp.sum(x) / weight
+            return jnp.sum(jnp.where(held, x, 0.0)) / weight
 
         return mean(loss), {
             "accuracy": mean((chosen > rejected).astype(jnp.float32)),
