@@ -16,7 +16,9 @@ A pair is two rows, chosen then rejected, each [BOS] prompt completion [EOS] unp
 to data.seq_len (a prompt in messages: the chat template's rendering of the prompt with the
 generation prompt, then of the answer through its end of turn, data/chat.py); a micro-batch of B rows holds
 B/2 whole pairs, and no pair is ever split across
-micro-batches or devices (data/pipeline.GroupBatches).
+micro-batches or devices (data/pipeline.GroupBatches). With data.padding_free the pairs are packed
+whole into the rows instead, each answer a segment (data/pipeline.PackedPairs), and a pair's sums
+are taken by segment: a micro-batch then holds as many pairs as fit.
 """
 
 from __future__ import annotations
