@@ -88,9 +88,9 @@ def _sums_and_grads(cfg, objective, batch):
     "overrides",
     [
         ("objective=dpo",),
-        ("objective=dpo", "training.dpo.loss=ipo"),
-        ("objective=dpo", "training.dpo.loss=simpo"),
-        ("objective=dpo", "training.dpo.loss=orpo"),
+        pytest.param(("objective=dpo", "training.dpo.loss=ipo"), marks=pytest.mark.slow),
+        pytest.param(("objective=dpo", "training.dpo.loss=simpo"), marks=pytest.mark.slow),
+        pytest.param(("objective=dpo", "training.dpo.loss=orpo"), marks=pytest.mark.slow),
         ("objective=reward", "training.reward.center_rewards_coefficient=0.01"),
     ],
 )

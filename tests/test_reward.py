@@ -149,6 +149,7 @@ def test_bad_reward_settings_are_one_line(tmp_path):
         make_objective(config(*REWARD, "data.train_files=[x.jsonl]", "model.score_head=false"))
 
 
+@pytest.mark.slow
 def test_under_lora_the_head_trains_beside_the_adapters(tmp_path):
     """LoRA (rank 4): two steps log the same losses on one device and on fsdp2 x tp2 (1e-5); the
     head trains (it moved in step 2), and besides it only the adapters do; the merged export carries

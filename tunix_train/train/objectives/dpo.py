@@ -98,15 +98,14 @@ class DirectPreference(Objective):
         """1 on the chosen answers' positions: even rows, or packed, odd segments."""
         if self.packed:
             return (batch["segment_ids"] % 2 == 1).astype(jnp.float32)
-        return jnp.broadcast_to(
-            jnp.arange(batch["inputs"].shape[-2])[:, None] % 2 == 0, batch["inputs"].shape
-        )
+        shape = batch["loss_mask"].shape
+        return jnp.broadcast_to(jnp.arange(shape[-2])[:, None] % 2 == 0, shape)
 
     def _pair_count(self, batch):
         """The batch's pairs: half its rows, or packed, the chosen answers that start in it."""
         if self.packed:
             return jnp.sum(self._chosen(batch) * (batch["positions"] == 0))
-        return jnp.float32(np.prod(batch["inputs"].shape[:-1]) // 2)
+        return jnp.float32(np.prod(batch["loss_mask"].shape[:-1]) // 2)
 
     def weight(self, batch):
         """The number of pairs; under ORPO also the chosen answers' tokens (its NLL's normalizer)."""
@@ -130,7 +129,7 @@ class DirectPreference(Objective):
     def _pairs_in(self, micro):
         """Which pair slots hold a pair (all, unpacked)."""
         if not self.packed:
-            return jnp.ones(micro["inputs"].shape[0] // 2, bool)
+            return jnp.ones(micro["loss_mask"].shape[0] // 2, bool)
         return self._pair_sums((micro["positions"] == 0).astype(jnp.float32), micro)[:, 0] > 0
 
     def loss(self, policy, reference, micro, weight):
