@@ -214,12 +214,10 @@ class PackedBatches(_HostBatches):
     ):
         """rows: the micro-batch rows this process holds (default all); seed None keeps the document
         order (evaluation), otherwise it is reshuffled every epoch."""
-        ordered = _ordered(documents, seed)
-        slots = []
-        for slot in range(global_micro_batch) if rows is None else rows:
-            docs = ordered[slot::global_micro_batch].map(features)
-            tokens = docs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-            slots.append(ConcatThenSplitIterDataset(tokens, length_struct={f: seq_len for f in PACKED}))
+        streams = _slot_streams(
+            _ordered(documents, seed), global_micro_batch, rows, lambda d: d.map(features)
+        )
+        slots = [ConcatThenSplitIterDataset(s, length_struct={f: seq_len for f in PACKED}) for s in streams]
         self._start(ZipIterDataset(slots).map(_stack_rows).map(_as_row).batch(accumulation_steps), prefetch)
 
 
@@ -241,16 +239,24 @@ class UnpackedBatches(_HostBatches):
         rows: range | None = None,
         prefetch: int = 4,
     ):
-        ordered = _ordered(documents, seed)
-        slots = []
-        for slot in range(global_micro_batch) if rows is None else rows:
-            docs = (
-                ordered[slot::global_micro_batch]
-                .map(features)
-                .map(lambda doc: _padded(doc, seq_len, images_per_row))
-            )
-            slots.append(docs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+        slots = _slot_streams(
+            _ordered(documents, seed),
+            global_micro_batch,
+            rows,
+            lambda docs: docs.map(features).map(lambda doc: _padded(doc, seq_len, images_per_row)),
+        )
         self._start(ZipIterDataset(slots).map(_stack_rows).batch(accumulation_steps), prefetch)
+
+
+def _slot_streams(ordered, per_micro_batch: int, slots: range | None, prepare=lambda items: items) -> list:
+    """Slot j's stream for each slot this process holds (default all): items j, j + N, j + 2N, ...
+    of `ordered` (N slots per global micro-batch), `prepare`d, read in the calling thread."""
+    return [
+        prepare(ordered[slot::per_micro_batch]).to_iter_dataset(
+            grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+        )
+        for slot in (range(per_micro_batch) if slots is None else slots)
+    ]
 
 
 def _ordered(items: Sequence, seed: int | None):
@@ -299,13 +305,7 @@ class GroupBatches(_HostBatches):
         slots: range | None = None,
         prefetch: int = 4,
     ):
-        ordered = _ordered(groups, seed)
-        streams = [
-            ordered[slot::groups_per_micro_batch].to_iter_dataset(
-                grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
-            )
-            for slot in (range(groups_per_micro_batch) if slots is None else slots)
-        ]
+        streams = _slot_streams(_ordered(groups, seed), groups_per_micro_batch, slots)
         self._start(ZipIterDataset(streams).map(_concatenate_groups).batch(accumulation_steps), prefetch)
 
 
@@ -330,16 +330,13 @@ class PackedPairs(_HostBatches):
         bins: int = 4,
     ):
         examples = [pair_sequence(p) for p in pairs]
-        ordered, lengths = _ordered(examples, seed), {name: seq_len for name in examples[0]}
-        slots = []
-        for slot in range(global_micro_batch) if rows is None else rows:
-            stream = ordered[slot::global_micro_batch].to_iter_dataset(
-                grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+        lengths = {name: seq_len for name in examples[0]}
+        slots = [
+            FirstFitPackIterDataset(s, length_struct=lengths, num_packing_bins=bins, shuffle_bins=False).map(
+                _pair_row
             )
-            packed = FirstFitPackIterDataset(
-                stream, length_struct=lengths, num_packing_bins=bins, shuffle_bins=False
-            )
-            slots.append(packed.map(_pair_row))
+            for s in _slot_streams(_ordered(examples, seed), global_micro_batch, rows)
+        ]
         self._start(ZipIterDataset(slots).map(_stack_rows).batch(accumulation_steps), prefetch)
 
 

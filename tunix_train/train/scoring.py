@@ -17,8 +17,8 @@ from tunix_train.model.weights import FULL_FINE_TUNING, Weights
 from tunix_train.parallel import Parallelism
 from tunix_train.sharding import batch_sharding
 from tunix_train.train.forward import in_compute_dtype
-from tunix_train.train.init import COMPUTE_DTYPES, StatePlan
-from tunix_train.train.step import forwards, graphdef_for, moved
+from tunix_train.train.init import StatePlan
+from tunix_train.train.step import forwards, moved, pass_settings
 
 
 def score_step(
@@ -77,15 +77,7 @@ def compile_score_step(
 ):
     """(params, frozen, batch) -> score_step's figures, sharded as the batch."""
     step = functools.partial(
-        score_step,
-        graphdef=graphdef_for(model_cfg, training, plan.rules, parallel, weights),
-        compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
-        chunk=training.loss_chunk_size,
-        param_shardings=plan.on_device.params,
-        frozen_shardings=plan.on_device.frozen,
-        parallel=parallel,
-        objective=objective,
-        weights=weights,
+        score_step, **pass_settings(plan, model_cfg, training, parallel, objective, weights)
     )
 
     def score(params, frozen, batch):  # offloaded parameters are moved to the devices

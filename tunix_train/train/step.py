@@ -452,6 +452,23 @@ def eval_step(
     return {"loss_sum": loss_sum, "weight": weight, **scalars}
 
 
+def pass_settings(
+    plan: StatePlan, model_cfg: ModelConfig, training: TrainingConfig, parallel, objective, weights
+):
+    """What a pass without gradient (evaluation, train/scoring.py) is traced with: the train step's
+    model, compute dtype, logit chunks, parameter shardings and layout."""
+    return dict(
+        graphdef=graphdef_for(model_cfg, training, plan.rules, parallel, weights),
+        compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
+        chunk=training.loss_chunk_size,
+        param_shardings=plan.on_device.params,
+        frozen_shardings=plan.on_device.frozen,
+        parallel=parallel,
+        objective=objective,
+        weights=weights,
+    )
+
+
 def compile_eval_step(
     plan: StatePlan,
     mesh: Mesh,
@@ -466,14 +483,7 @@ def compile_eval_step(
     """(params, frozen, batch) -> the eval_step sums."""
     step = functools.partial(
         eval_step,
-        graphdef=graphdef_for(model_cfg, training, plan.rules, parallel, weights),
-        compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
-        chunk=training.loss_chunk_size,
-        param_shardings=plan.on_device.params,
-        frozen_shardings=plan.on_device.frozen,
-        parallel=parallel,
-        objective=objective,
-        weights=weights,
+        **pass_settings(plan, model_cfg, training, parallel, objective, weights),
         extras=extras,
     )
 

@@ -154,8 +154,10 @@ class ProximalPolicy(GroupRelative):
         (scored now when the rollout has not been)."""
         if rollout.critique is None:
             rollout.critique = self._critique(rollout, full, state)
-        p, mask = self.ppo, full["loss_mask"].astype(np.float64)
-        values, logp, ref_logp = (self._spread(rollout, name, mask.shape) for name in FIGURES)
+        p, mask, starts = self.ppo, full["loss_mask"].astype(np.float64), self._starts(rollout)
+        values, logp, ref_logp = (
+            self._spread(rollout.critique[name], starts, mask.shape) for name in FIGURES
+        )
         kl = kl_samples(logp, ref_logp, p.kl_estimator) if p.kl_coef > 0 else np.zeros_like(logp)
         rewards = token_rewards(self.rewards.total(np.asarray(rollout.rewards)), kl, mask, p.kl_coef)
         if self._rollout is not None:  # the log's: the KL in the reward, per completion token
@@ -192,9 +194,10 @@ class ProximalPolicy(GroupRelative):
         prompts = rollout.prompt_ids or [self.sampler.prompts[i] for i in rollout.order for _ in range(G)]
         return [len(prompt) - 1 for prompt in prompts]
 
-    def _spread(self, rollout: Rollout, name: str, shape) -> np.ndarray:
-        """The critique's `name` [rows, seq_len], float64, 0 off the completions."""
+    @staticmethod
+    def _spread(per_row: list[list[float]], starts: list[int], shape) -> np.ndarray:
+        """A critique's figure (per row, its completion's) [rows, seq_len], float64, 0 elsewhere."""
         out = np.zeros(shape)
-        for row, (start, values) in enumerate(zip(self._starts(rollout), rollout.critique[name])):
+        for row, (start, values) in enumerate(zip(starts, per_row)):
             out[row, start : start + len(values)] = values
         return out
