@@ -388,7 +388,7 @@ def test_on_policy_distillation_from_the_students_own_weights_has_no_advantage(t
 @pytest.mark.slow  # two runs (the exactness check above runs in the first leg)
 def test_on_policy_distillation_is_the_same_on_any_mesh(tmp_path):
     """With a random teacher, the sampled tokens' reverse KL is positive; the first two steps (loss,
-    KL, reward) are the same on one device and on fsdp2 x tp2 (1e-5)."""
+    KL, reward) are the same on one device and on fsdp2 x tp2 (3e-5)."""
     teacher = _teacher(tmp_path / "teacher")
     one = _on_policy_run(
         tmp_path, teacher, "one", 2, "training.micro_batch_size=8", 'model.mesh_shape=[[1],["fsdp"]]'
@@ -402,9 +402,10 @@ def test_on_policy_distillation_is_the_same_on_any_mesh(tmp_path):
         'model.mesh_shape=[[2,2],["fsdp","tp"]]',
         devices=4,
     )
+    # Step 2 follows an Adam step from gradients summed in another order: 1.1e-5 was seen on loss.
     for key in ("loss", "teacher_reverse_kl", "reward"):
         np.testing.assert_allclose(
-            [m[key] for m in sharded], [m[key] for m in one[:2]], rtol=1e-5, err_msg=key
+            [m[key] for m in sharded], [m[key] for m in one[:2]], rtol=3e-5, err_msg=key
         )
     assert all(m["teacher_reverse_kl"] > 0.1 for m in one), one
 

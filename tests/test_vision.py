@@ -966,8 +966,8 @@ def test_grpo_samples_and_trains_on_prompts_with_images(tmp_path, images):
     if not images:
         real = grpo.GroupRelative._rows_of
 
-        def without_images(self, rollout):
-            rows = real(self, rollout)
+        def without_images(self, rollout, state=None):
+            rows = real(self, rollout, state)
             rows["images"] = np.zeros_like(rows["images"])
             return rows
 
