@@ -1,17 +1,23 @@
-"""Padding-free preference pairs against padded ones: the DPO step's time per pair.
+"""Padding-free batches against padded ones: the train step's time per sequence.
 
-    python scripts/benchmark_packing.py [--rounds 4] [--steps 6] [--seq-len 128] [--rows 8] overrides...
+    python scripts/benchmark_packing.py [--objective dpo|grpo] [--rounds 4] [--steps 6]
+        [--seq-len 128] [--rows 8] [--accumulation 1] overrides...
 
-Writes pairs whose prompt and answers each run from 1 to --max-words words (so rows of very
-different lengths), then compiles the DPO train step twice on one device: padded (data.padding_free
-false: --rows rows, --rows / 2 pairs a step) and packed (true: --rows rows of pairs packed whole).
+dpo: writes pairs whose prompt and answers each run from 1 to --max-words words (rows of very
+different lengths) and compiles the DPO train step twice on one device: padded (data.padding_free
+false: --rows rows, --rows / 2 pairs a micro-batch) and packed (true: --rows rows of pairs packed
+whole). grpo: rollouts made by hand (the bundled arithmetic prompts, G=4, completions of 1 to
+--max-words tokens), laid out by the GRPO objective padded (one row each) and packed (into the
+front micro-batches, the step skipping the empty rest; use --accumulation > 1).
+
 In alternating rounds it times --steps steps of each on batches already on the device, counting
-the pairs each batch holds. Reported: each layout's median time per step and per pair, its padding
-fraction, and the ratio of the time per pair (packed / padded) beside what the padding predicts,
-(1 - pad_padded) / (1 - pad_packed): the share of positions that hold tokens, if a step's time
-were proportional to its positions. Attention costs the square of a row's length, and a packed
-row is full where a padded row is short, so the prediction is not exact either way. The last
-line is JSON.
+the sequences each batch holds (pairs, or completions). Reported: each layout's median time per
+step and per sequence, its padding fraction over the micro-batches it computes, and the ratio of
+the time per sequence (packed / padded) beside what the padding predicts,
+(1 - pad_padded) / (1 - pad_packed): the share of computed positions that hold tokens, if a
+step's time were proportional to the positions it computes. Attention costs the square of a
+row's length, and a packed row is full where a padded row is short, so the prediction is not
+exact either way. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -40,64 +46,139 @@ def write_pairs(path: Path, count: int, max_words: int, seed: int = 0) -> Path:
     return path
 
 
-def layout(overrides: list[str], packed: bool, steps: int):
-    """(the compiled step, its state, `steps` batches on the device, pairs in each)."""
+def compiled(run, host: list[dict]):
+    """(the compiled step, its state, the batches on the device)."""
     import jax
+
+    from tunix_train.sharding import to_global_batch
+
+    with jax.set_mesh(run.mesh):
+        device = [to_global_batch(b, run.mesh) for b in host]
+        state = run.plan.create()
+        step = run.step_fn.lower(state, device[0]).compile()
+    return step, state, device
+
+
+def live_padding(host: list[dict]) -> tuple[float, float]:
+    """The batches' mean padding over the micro-batches they compute, and those micro-batches'
+    share of all."""
     import numpy as np
 
+    from tunix_train.train.loop import pad_fraction
+
+    live = [float(b["segment_ids"].reshape(len(b["segment_ids"]), -1).any(axis=1).mean()) for b in host]
+    return float(np.mean([pad_fraction(b["segment_ids"]) for b in host])), float(np.mean(live))
+
+
+def dpo_layout(overrides: list[str], packed: bool, steps: int):
+    """(the run, its host batches, the pairs in each)."""
     from tunix_train.compose import load_config
-    from tunix_train.data import Data
-    from tunix_train.sharding import to_global_batch
     from tunix_train.train.setup import setup
 
     cfg, _ = load_config([*overrides, f"data.padding_free={str(packed).lower()}"])
     run = setup(cfg)
     objective = run.objective
-    data = Data(cfg, objective.record_fields)
-    objective.read(data)
-    batches = objective.train_batches(data, run.micro_batch, range(run.micro_batch))
+    batches = objective.train_batches(objective_data(objective, cfg), run.micro_batch, range(run.micro_batch))
     host = [next(batches) for _ in range(steps)]
     batches.close()
     if packed:
         pairs = [int(((b["segment_ids"] % 2 == 1) & (b["positions"] == 0)).sum()) for b in host]
     else:
         pairs = [b["inputs"].shape[0] * b["inputs"].shape[1] // 2 for b in host]
-    pad = float(np.mean([(b["segment_ids"] == 0).mean() for b in host]))
-    with jax.set_mesh(run.mesh):
-        device = [to_global_batch(b, run.mesh) for b in host]
-        state = run.plan.create()
-        step = run.step_fn.lower(state, device[0]).compile()
-    return run.mesh, step, state, device, pairs, pad
+    return run, host, pairs
+
+
+def objective_data(objective, cfg):
+    from tunix_train.data import Data
+
+    data = Data(cfg, objective.record_fields)
+    objective.read(data)
+    return data
+
+
+def grpo_layout(overrides: list[str], packed: bool, steps: int, max_tokens: int):
+    """(the run, its host batches: rollouts made by hand, the same ones for either layout, and the
+    completions in each)."""
+    import numpy as np
+
+    from tunix_train.compose import load_config
+    from tunix_train.train.rollout import Rollout
+    from tunix_train.train.setup import setup
+
+    cfg, _ = load_config([*overrides, f"data.padding_free={str(packed).lower()}"])
+    run = setup(cfg)
+    objective, G = run.objective, cfg.training.grpo.num_generations
+    objective_data(objective, cfg)
+    objective.sampler.rows = range(run.micro_batch)
+    A = cfg.training.gradient_accumulation_steps
+    rng, host = np.random.default_rng(0), []
+    for index in range(steps):
+        order = rng.choice(len(objective.sampler.prompts), A * run.micro_batch // G, replace=False).tolist()
+        completions = [
+            rng.integers(5, 4000, rng.integers(1, max_tokens + 1)).tolist()
+            for _ in range(A * run.micro_batch)
+        ]
+        logprobs = [[-1.0] * len(c) for c in completions]
+        rewards = [rng.normal(size=len(completions)).tolist()]
+        host.append(objective._rows_of(Rollout(index, index, A, order, completions, logprobs, rewards, 0.0)))
+    return run, host, [A * run.micro_batch] * steps
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--objective", choices=("dpo", "grpo"), default="dpo")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rows", type=int, default=8)
-    parser.add_argument("--max-words", type=int, default=20)
+    parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument(
+        "--max-words", type=int, default=20, help="dpo: words a part; grpo: completion tokens"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     import jax
 
-    pairs_file = write_pairs(Path(tempfile.mkdtemp()) / "pairs.jsonl", 2000, args.max_words)
-    overrides = [
+    common = [
         "model=gemma3_small",
-        "objective=dpo",
+        f"objective={args.objective}",
         "data=jsonl",
-        f"data.train_files=[{pairs_file}]",
         f"data.seq_len={args.seq_len}",
         f"training.micro_batch_size={args.rows}",
+        f"training.gradient_accumulation_steps={args.accumulation}",
         "model.mesh_shape=[[1],[fsdp]]",
-        *args.overrides,
     ]
-    layouts = {name: layout(overrides, name == "packed", args.steps) for name in ("padded", "packed")}
+    folder = Path(tempfile.mkdtemp())
+    if args.objective == "dpo":
+        pairs_file = write_pairs(folder / "pairs.jsonl", 2000, args.max_words)
+        overrides = [*common, f"data.train_files=[{pairs_file}]", *args.overrides]
+
+        def make(packed):
+            return dpo_layout(overrides, packed, args.steps)
+    else:
+        from tunix_train.rewards.arithmetic import write_task
+
+        prompts, _ = write_task(folder / "task", count=512, seed=0)
+        overrides = [
+            *common,
+            f"data.train_files=[{prompts}]",
+            "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match]",
+            f"training.grpo.max_new_tokens={args.max_words}",
+            *args.overrides,
+        ]
+
+        def make(packed):
+            return grpo_layout(overrides, packed, args.steps, args.max_words)
+
+    layouts = {}
+    for name in ("padded", "packed"):
+        run, host, sequences = make(name == "packed")
+        layouts[name] = (run.mesh, *compiled(run, host), sequences, *live_padding(host))
     times = {name: [] for name in layouts}
     for _ in range(args.rounds):
-        for name, (mesh, step, state, device, _, _) in layouts.items():
+        for name, (mesh, step, state, device, *_) in layouts.items():
             with jax.set_mesh(mesh):
                 state, metrics = step(state, device[0])  # warm, not timed
                 jax.block_until_ready(metrics)
@@ -108,22 +189,29 @@ def main() -> int:
                     times[name].append(time.perf_counter() - start)
             layouts[name] = (mesh, step, state, device, *layouts[name][4:])
     figures = {}
-    for name, (_, _, _, _, pairs, pad) in layouts.items():
-        step_s = statistics.median(times[name])
+    for name, (_, _, _, _, sequences, pad, live) in layouts.items():
+        step_s, per_step = statistics.median(times[name]), statistics.mean(sequences)
         figures[name] = {
             "step_s": step_s,
-            "pairs_per_step": statistics.mean(pairs),
-            "pair_ms": 1e3 * step_s / statistics.mean(pairs),
+            "sequences_per_step": per_step,
+            "sequence_ms": 1e3 * step_s / per_step,
             "pad_fraction": pad,
+            "computed_micro_batches": live,
         }
         print(
-            f"{name}: {step_s * 1e3:.0f} ms a step, {statistics.mean(pairs):.1f} pairs a step, "
-            f"{figures[name]['pair_ms']:.1f} ms a pair, padding {pad:.1%}"
+            f"{name}: {step_s * 1e3:.0f} ms a step, {per_step:.1f} sequences a step, "
+            f"{figures[name]['sequence_ms']:.2f} ms a sequence, padding {pad:.1%} over the "
+            f"{live:.0%} of micro-batches computed"
         )
-    measured = figures["packed"]["pair_ms"] / figures["padded"]["pair_ms"]
-    predicted = (1 - figures["padded"]["pad_fraction"]) / (1 - figures["packed"]["pad_fraction"])
-    print(f"time per pair, packed / padded: {measured:.3f} (the padding predicts {predicted:.3f})")
-    print(json.dumps({**figures, "pair_time_ratio": measured, "predicted_ratio": predicted}))
+    packed, padded = figures["packed"], figures["padded"]
+    measured = packed["sequence_ms"] / padded["sequence_ms"]
+    predicted = (1 - padded["pad_fraction"]) / (1 - packed["pad_fraction"])
+    print(f"time per sequence, packed / padded: {measured:.3f} (the padding predicts {predicted:.3f})")
+    print(
+        json.dumps(
+            {"objective": args.objective, **figures, "time_ratio": measured, "predicted_ratio": predicted}
+        )
+    )
     return 0
 
 

@@ -68,7 +68,7 @@ def test_off_policy_ratios_use_the_recorded_logprobs(tmp_path):
     }
     eps, beta, cap = 0.2, 0.04, 3.0
     kl = np.exp(ref - logp) - (ref - logp) - 1
-    weight = {"tokens": mask.sum(), "rows": 4.0, "rows_x_max_new_tokens": 16.0}
+    weight = {"tokens": mask.sum(), "sequences": 4.0, "sequences_x_max_new_tokens": 16.0}
     for staleness, ratio in ((0, np.ones_like(logp)), (1, np.minimum(np.exp(logp - behaviour), cap))):
         objective = GroupRelative(
             _cfg(tmp_path, [[1], ["fsdp"]], 4, f"training.grpo.max_staleness={staleness}")

@@ -1,6 +1,7 @@
 """The GRPO family (loss_aggregation, scale_rewards, multi_reward_normalization, epsilon_high,
 importance_sampling_level, overlong, and the dapo / dr_grpo / gspo presets) against TRL 1.16's
-GRPOTrainer on the same log-probabilities, masks and rewards, and exact under accumulation."""
+GRPOTrainer on the same log-probabilities, masks and rewards, and exact under accumulation and
+with the completions packed into shared rows (data.padding_free)."""
 
 import collections
 import types
@@ -12,6 +13,7 @@ import pytest
 
 from tunix_train.compose import load_config
 from tunix_train.config import GrpoAggregation, ImportanceLevel, RewardNormalization, ScaleRewards
+from tunix_train.data.packed_rows import Packing
 from tunix_train.train.objectives import grpo_family as family
 from tunix_train.train.objectives.grpo import GroupRelative
 
@@ -125,22 +127,35 @@ def _data(seed):
     ref = (logp + rng.normal(0, 0.2, (B, T))).astype(np.float32)
     mask = np.zeros((B, T), np.float32)
     for row in range(B):
-        mask[row, : rng.integers(2, T + 1)] = 1.0
+        mask[row, : rng.integers(2, T // 2 + 2)] = 1.0  # 2 to 6 tokens: packed, a row holds several
     rewards = rng.integers(0, 3, (2, B)).astype(np.float64)  # two reward functions
     return logp, old, ref, mask, rewards
 
 
-def _ours(cfg, logp, old, ref, mask, advantages, accumulation=1) -> float:
+def _ours(cfg, logp, old, ref, mask, advantages, accumulation=1, packed=False) -> float:
+    """Our loss over `accumulation` micro-batches of the rows (each a completion from position 0),
+    padded, or packed as data.padding_free packs a rollout (data/packed_rows.py)."""
     objective = GroupRelative(cfg)
     A = accumulation
-    adv = np.broadcast_to(np.asarray(advantages, np.float32)[:, None], (B, T))
-    batch = {"loss_mask": mask.reshape(A, -1, T), "inputs": np.zeros((A, B // A, T), np.int32)}
+    rows = {
+        "loss_mask": mask,
+        "advantages": np.broadcast_to(np.asarray(advantages, np.float32)[:, None], (B, T)),
+        "behaviour_logp": old,
+        "logp": logp,
+        "ref_logp": ref,
+        "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)),
+        "segment_ids": (mask > 0).astype(np.int32),
+    }
+    if packed:
+        packing = Packing.first_fit(rows["segment_ids"], B)
+        assert packing.used_rows < B  # rows of 2 to T tokens: some share a row
+        rows = packing.pack(rows)
+    batch = {name: jnp.asarray(x.reshape(A, B // A, T)) for name, x in rows.items()}
     weight = jax.tree.map(lambda w: jnp.maximum(w, 1.0), objective.weight(batch))
     total = 0.0
     for a in range(A):
-        rows = slice(a * B // A, (a + 1) * B // A)
-        micro = {"loss_mask": mask[rows], "advantages": adv[rows], "behaviour_logp": old[rows]}
-        total += float(objective.loss(lambda: -logp[rows], lambda: -ref[rows], micro, weight)[0])
+        micro = {name: x[a] for name, x in batch.items()}
+        total += float(objective.loss(lambda: -micro["logp"], lambda: -micro["ref_logp"], micro, weight)[0])
     return total
 
 
@@ -185,9 +200,10 @@ def test_loss_equals_trl_grpo_trainer(overrides):
         np.testing.assert_allclose(advantages, expected_adv, rtol=1e-7, atol=1e-12)
         expected = _trl_loss(cfg, logp, old, ref, mask, advantages)
         for accumulation in (1, 2, 4):
-            assert _ours(cfg, logp, old, ref, mask, advantages, accumulation) == pytest.approx(
-                expected, abs=1e-6
-            ), (seed, accumulation)
+            for packed in (False, True):
+                assert _ours(cfg, logp, old, ref, mask, advantages, accumulation, packed) == pytest.approx(
+                    expected, abs=1e-6
+                ), (seed, accumulation, packed)
 
 
 def test_the_presets_set_what_their_papers_do():

@@ -156,8 +156,9 @@ def test_padding_free_dpo_trains_alike_on_fsdp2_tp2_and_logs_its_padding(tmp_pat
 
 def test_bad_padding_free_settings_are_one_line(tmp_path):
     for overrides, message in [
-        (("objective=grpo", "training.grpo.reward=[m:f]"), "is not packed yet"),
-        (("data=synthetic",), "data.padding_free packs preference pairs"),
+        (("objective=lm",), "objective=lm always packs its documents"),
+        (("data=synthetic",), "data.padding_free packs preference pairs and rollouts"),
+        (("objective=grpo", "training.grpo.reward=[m:f]", "model=gemma3_vision_tiny"), "rows with images"),
     ]:
         with pytest.raises(ConfigError, match=message):
             config(*overrides, "data=jsonl", "data.train_files=[x.jsonl]", "data.padding_free=true")

@@ -148,7 +148,7 @@ def test_the_loss_and_its_gradient_equal_openrlhfs_policy_and_value_losses(tmp_p
         "old_logp": f32["old_logp"],
         "behaviour_logp": f32["old_logp"],
     }
-    weight = {"tokens": jnp.float32(mask.sum()), "rows": 4.0, "rows_x_max_new_tokens": 16.0}
+    weight = {"tokens": jnp.float32(mask.sum()), "sequences": 4.0, "sequences_x_max_new_tokens": 16.0}
 
     def ours(logp, values):
         return objective.loss(_Policy(logp, values), None, micro, weight)[0]

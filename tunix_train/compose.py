@@ -181,10 +181,14 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
     if t.objective is Objective.distill:
         t.distill.check(m.vocab_size)
     name = f"training.objective={t.objective.value}"
-    if d.padding_free and (t.objective not in (Objective.dpo, Objective.reward) or m.vision is not None):
+    if d.padding_free and m.vision is not None:
         raise ConfigError(
-            f"data.padding_free packs preference pairs (objective=dpo or reward, text only); "
-            f"{name}{' with model.vision' if m.vision is not None else ''} is not packed yet: set it to false"
+            "data.padding_free: rows with images are not packed (model.vision): set it to false"
+        )
+    if d.padding_free and t.objective not in (Objective.dpo, Objective.reward, Objective.grpo):
+        raise ConfigError(
+            f"data.padding_free packs preference pairs and rollouts (objective=dpo, reward, grpo and "
+            f"its family); {name} always packs its documents: set it to false"
         )
     if t.objective in (Objective.lm, Objective.distill):  # both read the data's tokens
         return

@@ -345,7 +345,9 @@ class DataConfig:
     chat_template: Optional[str] = _fixed(None)
     # Preference pairs (objective=dpo, reward) packed whole into rows of seq_len, first fit, each
     # answer a segment of its own, instead of two padded rows per pair (TRL's padding_free): a
-    # micro-batch then holds as many pairs as its rows fit. The next-token objective always packs.
+    # micro-batch then holds as many pairs as its rows fit. A rollout's completions (grpo, its
+    # family, ppo, on-policy distillation) packed likewise, with their prompts, into the front
+    # micro-batches; the step skips those left empty. The next-token objective always packs.
     padding_free: bool = _fixed(False)
     # With model.vision and conversations: the most images one conversation (one row: rows with
     # images are not packed) holds; a row's images pad to this many.

@@ -155,7 +155,7 @@ def train(
 
             def next_batch(state):
                 host = objective.prepare(train_batches, state)
-                batch_figures["pad_fraction"] = float(np.mean(host["segment_ids"] == 0))
+                batch_figures["pad_fraction"] = pad_fraction(host["segment_ids"])
                 return to_global_batch(host, mesh)
 
             batch = next_batch(state)
@@ -198,6 +198,13 @@ def train(
             writer.close()
     say(f"done: step {int(state.step)}, final checkpoint in {checkpoints / str(int(state.step))}")
     return state
+
+
+def pad_fraction(segment_ids_ABT: np.ndarray) -> float:
+    """The share of padding among the positions of this process's micro-batches that hold a
+    sequence (a packed rollout's empty micro-batches are skipped, not computed)."""
+    live = segment_ids_ABT.reshape(len(segment_ids_ABT), -1).any(axis=1)
+    return float(np.mean(segment_ids_ABT[live] == 0)) if live.any() else 1.0
 
 
 def _base_format(lora) -> str:

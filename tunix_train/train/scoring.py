@@ -18,7 +18,7 @@ from tunix_train.parallel import Parallelism
 from tunix_train.sharding import batch_sharding
 from tunix_train.train.forward import in_compute_dtype
 from tunix_train.train.init import StatePlan
-from tunix_train.train.step import forwards, moved, pass_settings
+from tunix_train.train.step import forwards, moved, pass_settings, unless_empty
 
 
 def score_step(
@@ -42,7 +42,12 @@ def score_step(
     if compute_dtype != jnp.float32 and frozen is not None:
         frozen = in_compute_dtype(frozen, compute_dtype, frozen_shardings)
 
-    def micro_step(_, micro):
+    def micro_step(carry, micro):
+        if objective.skips_empty_micro_batches:
+            return unless_empty(functools.partial(figures_of, micro=micro), carry, micro)
+        return figures_of(carry, micro)
+
+    def figures_of(carry, micro):
         policy, reference, _ = forwards(
             objective,
             weights,
@@ -56,7 +61,7 @@ def score_step(
             frozen_shardings=frozen_shardings,
             seq_shards=parallel.seq_shards if parallel else 1,
         )
-        return None, jax.lax.stop_gradient(objective.score(policy, reference, micro))
+        return carry, jax.lax.stop_gradient(objective.score(policy, reference, micro))
 
     _, figures = jax.lax.scan(micro_step, None, reordered)
     if "token_index" in reordered:  # cp: back to each row's order

@@ -212,9 +212,14 @@ def train_step(
     if not delayed_sync:
 
         def accumulate(grads, micro):
-            (loss, aux), micro_grads = jax.value_and_grad(weighted_loss_sum, has_aux=True)(wrt, micro=micro)
-            micro_grads = jax.lax.with_sharding_constraint(micro_grads, grad_shardings)  # the reduction
-            return jax.lax.with_sharding_constraint(add(grads, micro_grads), grad_shardings), (loss, aux)
+            def compute(grads):
+                (loss, aux), new = jax.value_and_grad(weighted_loss_sum, has_aux=True)(wrt, micro=micro)
+                new = jax.lax.with_sharding_constraint(new, grad_shardings)  # the reduction
+                return jax.lax.with_sharding_constraint(add(grads, new), grad_shardings), (loss, aux)
+
+            return (
+                unless_empty(compute, grads, micro) if objective.skips_empty_micro_batches else compute(grads)
+            )
 
         grads, (losses, aux) = jax.lax.scan(accumulate, zeros, batch)
     else:
@@ -262,6 +267,19 @@ def train_step(
         **aux,
     }
     return new_state, metrics
+
+
+def unless_empty(compute, carry, micro):
+    """compute(carry) -> (carry, out); for a micro-batch without a sequence (segment_ids all 0: a
+    packed batch's empty tail) carry and zeros instead, by a cond, so it costs no forward or
+    backward. (Under delayed gradient syncs the micro-batches are vmapped, and this is not used:
+    an empty micro-batch's loss, metrics and gradient are 0 anyway.)"""
+    out = jax.eval_shape(compute, carry)[1]
+
+    def skip(carry):
+        return carry, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out)
+
+    return jax.lax.cond(jnp.any(micro["segment_ids"] > 0), compute, skip, carry)
 
 
 def reduce_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:

@@ -30,7 +30,9 @@ knows which one runs:
   here, and may reuse a batch or draw ahead);
 - `hooks()`: hooks it adds to the loop (GRPO: the rollout's rewards in the log);
 - `score(policy, reference, micro)`: per-token figures the run's scoring pass (`Setup.score_fn`,
-  without gradient) computes of a batch before the steps that train on it (PPO's critic values).
+  without gradient) computes of a batch before the steps that train on it (PPO's critic values);
+- `skips_empty_micro_batches`: whether its batches may end in micro-batches without a sequence
+  (GRPO's packed rollouts), which the step and the scoring pass then skip by a cond.
 """
 
 from __future__ import annotations

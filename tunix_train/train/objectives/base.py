@@ -65,6 +65,7 @@ class Objective:
     perplexity = False
     metric_names: tuple[str, ...] = ()
     temperature = 1.0  # the logits of policy() and reference() are divided by it
+    skips_empty_micro_batches = False
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

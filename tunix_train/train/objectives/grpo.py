@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_train.config import AdvantageEstimator, Config, Overlong
+from tunix_train.data.packed_rows import Packing
 from tunix_train.data.pipeline import GroupBatches, padded_row
 from tunix_train.train.hooks import Hook
 from tunix_train.train.objectives import distill
@@ -77,6 +78,7 @@ class GroupRelative(Objective):
         self.needs_reference = self.grpo.beta > 0
         self.temperature = self.grpo.temperature
         self.off_policy = self.grpo.max_staleness > 0 or self.grpo.iterations > 1
+        self.packed = self.skips_empty_micro_batches = cfg.data.padding_free
         models = RewardModels(cfg) if self.grpo.reward_models else None
         self.rewards = Rewards(self.grpo, models)
         self.sampler = Sampler(cfg, self.rewards)  # the rollout component (train/rollout.py)
@@ -93,7 +95,7 @@ class GroupRelative(Objective):
     # the loss, inside the compiled step
 
     def weight(self, batch):
-        return family.normalizers(batch["loss_mask"], self.grpo.max_new_tokens)
+        return family.normalizers(batch, self.grpo.max_new_tokens)
 
     def updates(self, batch):
         """Under dynamic sampling, a batch without one informative group does not update the weights."""
@@ -130,13 +132,14 @@ class GroupRelative(Objective):
             beta=g.beta,
             cap=g.importance_cap,
             level=g.importance_sampling_level,
+            segment_ids=micro.get("segment_ids"),
         )
 
         def mean(x):
             return jnp.sum(x * mask) / weight["tokens"]
 
         mismatch = jnp.abs(jax.lax.stop_gradient(logp) - behaviour) * mask
-        return -family.aggregate(objective, mask, weight, g.loss_aggregation), {
+        return -family.aggregate(objective, mask, weight, g.loss_aggregation, micro), {
             "kl": mean(kl),
             "clip_fraction": mean(clipped.astype(jnp.float32)),
             "logprob_mismatch_mean": mean(mismatch),
@@ -188,7 +191,16 @@ class GroupRelative(Objective):
         """The rollout's rows of this process, [A, rows, seq_len] each (`state`: the step's)."""
         full = self._rows(rollout)
         full.update(self._advantages(rollout, full, state))
-        return self._local(full, rollout.accumulation)
+        return self._local(self._laid_out(full), rollout.accumulation)
+
+    def _packing(self, full: dict[str, np.ndarray]) -> Packing | None:
+        """data.padding_free: where each padded row's sequence goes among as many packed rows."""
+        return Packing.first_fit(full["segment_ids"], len(full["segment_ids"])) if self.packed else None
+
+    def _laid_out(self, full: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The padded rows as the step reads them: packed under data.padding_free."""
+        packing = self._packing(full)
+        return packing.pack(full) if packing else full
 
     def _local(self, full: dict[str, np.ndarray], A: int) -> dict[str, np.ndarray]:
         """Every process's rows [A x rows, ...] -> this process's [A, rows, ...]."""

@@ -18,14 +18,20 @@ and its aggregation inside the compiled step, DAPO's overlong penalty, and pass@
   mean log-ratio over its tokens (GSPO, Zheng et al. 2025);
 - the clip: [1 - epsilon, 1 + epsilon_high] (clip-higher, DAPO; TRL's epsilon, epsilon_high);
 - loss_aggregation: the masked per-token objective summed over the whole batch, divided by its
-  tokens (token_mean; TRL "bnpo" with one micro-batch, "dapo" with any), by rows x max_new_tokens
-  (dr_grpo), or each row's token mean averaged over rows (sequence_mean; TRL "grpo").
+  tokens (token_mean; TRL "bnpo" with one micro-batch, "dapo" with any), by completions x
+  max_new_tokens (dr_grpo), or each completion's token mean averaged over completions
+  (sequence_mean; TRL "grpo").
+
+A completion is a row, or a segment of a packed row (data.padding_free, data/packed_rows.py): the
+per-sequence means (GSPO's ratio, sequence_mean) are taken by segment and the sequences counted by
+their first positions, so both layouts give the same loss.
 """
 
 from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -99,16 +105,15 @@ def token_objective(
     beta: float,
     cap: float = math.inf,
     level: ImportanceLevel = ImportanceLevel.token,
+    segment_ids=None,
 ):
     """Per token [B, T]: the clipped surrogate minus beta KL (to maximize), the KL (k3, against the
     reference; ref_logp None: none), and whether the clip bites. The ratio (per token, or its
-    sequence's under GSPO) is clipped to [1 - epsilon, 1 + epsilon_high], and where it is not
-    clipped, truncated at `cap` (TRL's `delta`)."""
+    sequence's under GSPO; `segment_ids` as `sequence_means`) is clipped to
+    [1 - epsilon, 1 + epsilon_high], and where it is not clipped, truncated at `cap` (TRL's `delta`)."""
     log_ratio = logp - old_logp
     if level is ImportanceLevel.sequence:
-        log_ratio = jnp.sum(log_ratio * mask, axis=-1, keepdims=True) / jnp.maximum(
-            jnp.sum(mask, axis=-1, keepdims=True), 1.0
-        )
+        log_ratio = sequence_means(log_ratio, mask, segment_ids)
     ratio = jnp.exp(log_ratio)
     clipped_ratio = jnp.clip(ratio, 1 - epsilon, 1 + epsilon_high)
     surrogate = jnp.minimum(jnp.minimum(ratio, cap) * advantages, clipped_ratio * advantages)
@@ -117,18 +122,44 @@ def token_objective(
     return surrogate - beta * kl, kl, jnp.broadcast_to(clipped, logp.shape)
 
 
-def normalizers(mask, max_new_tokens: int) -> dict:
-    """The whole batch's normalizers: its completion tokens and its rows (and dr_grpo's)."""
-    rows = jnp.float32(np.prod(mask.shape[:-1]))
-    return {"tokens": jnp.sum(mask), "rows": rows, "rows_x_max_new_tokens": rows * max_new_tokens}
+def sequence_means(x, mask, segment_ids=None):
+    """Each position's masked mean of x over its sequence [B, T]: its row's positions of its
+    segment id (packed rows, data.padding_free), or its whole row (segment_ids None)."""
+    if segment_ids is None:
+        return jnp.sum(x * mask, axis=-1, keepdims=True) / jnp.maximum(
+            jnp.sum(mask, axis=-1, keepdims=True), 1.0
+        )
+    B, T = x.shape
+    ids = (jnp.arange(B)[:, None] * (T + 1) + segment_ids).reshape(-1)  # one id per (row, segment)
+
+    def totals(y):
+        return jax.ops.segment_sum(y.reshape(-1), ids, num_segments=B * (T + 1))[ids].reshape(B, T)
+
+    return totals(x * mask) / jnp.maximum(totals(mask), 1.0)
 
 
-def aggregate(per_token, mask, weight: dict, how: GrpoAggregation):
-    """A micro-batch's share of the batch's loss (its terms add up over micro-batches exactly)."""
+def sequence_starts(batch):
+    """1 on each sequence's first position (packed or not: position 0 of a segment), 0 elsewhere."""
+    return ((batch["positions"] == 0) & (batch["segment_ids"] > 0)).astype(jnp.float32)
+
+
+def normalizers(batch, max_new_tokens: int) -> dict:
+    """The whole batch's normalizers: its completion tokens and its sequences (and dr_grpo's)."""
+    sequences = jnp.sum(sequence_starts(batch))
+    return {
+        "tokens": jnp.sum(batch["loss_mask"]),
+        "sequences": sequences,
+        "sequences_x_max_new_tokens": sequences * max_new_tokens,
+    }
+
+
+def aggregate(per_token, mask, weight: dict, how: GrpoAggregation, micro=None):
+    """A micro-batch's share of the batch's loss (its terms add up over micro-batches exactly);
+    sequence_mean reads the sequences of `micro` (its positions and segment_ids)."""
     if how is GrpoAggregation.sequence_mean:
-        per_row = jnp.sum(per_token * mask, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
-        return jnp.sum(per_row) / weight["rows"]
-    denominator = weight["rows_x_max_new_tokens"] if how is GrpoAggregation.dr_grpo else weight["tokens"]
+        means = sequence_means(per_token, mask, micro["segment_ids"])
+        return jnp.sum(means * sequence_starts(micro)) / weight["sequences"]
+    denominator = weight["sequences_x_max_new_tokens"] if how is GrpoAggregation.dr_grpo else weight["tokens"]
     return jnp.sum(per_token * mask) / denominator
 
 

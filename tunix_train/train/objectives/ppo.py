@@ -173,13 +173,17 @@ class ProximalPolicy(GroupRelative):
     def _critique(self, rollout: Rollout, full: dict[str, np.ndarray], state) -> dict[str, list[list[float]]]:
         """The scoring pass over the rollout's rows by `state`'s parameters: each row's FIGURES at its
         completion's positions (those of behaviour_logp), as lists for the checkpoint's JSON."""
+        packing = self._packing(full)
         with jax.set_mesh(self._run.mesh):
-            batch = to_global_batch(self._local(full, rollout.accumulation), self._run.mesh)
+            rows = packing.pack(full) if packing else full
+            batch = to_global_batch(self._local(rows, rollout.accumulation), self._run.mesh)
             figures = self._run.score_fn(state.params, state.frozen, batch)
             figures = {
                 name: np.asarray(multihost_utils.process_allgather(x, tiled=True)).reshape(-1, x.shape[-1])
                 for name, x in figures.items()
             }
+        if packing:  # back to each completion's padded row
+            figures = {name: packing.unpack(x) for name, x in figures.items()}
         return {
             name: [
                 figures[name][row, start : start + len(c)].tolist()
