@@ -11,7 +11,7 @@ whole). grpo: rollouts made by hand (the bundled arithmetic prompts, G=4, comple
 front micro-batches, the step skipping the empty rest; use --accumulation > 1).
 
 In alternating rounds it times --steps steps of each on batches already on the device, counting
-the sequences each batch holds (pairs, or completions). Reported: each layout's median time per
+the sequences each batch holds (pairs, or completions). Reported: each layout's mean time per
 step and per sequence, its padding fraction over the micro-batches it computes, and the ratio of
 the time per sequence (packed / padded) beside what the padding predicts,
 (1 - pad_padded) / (1 - pad_packed): the share of computed positions that hold tokens, if a
@@ -60,14 +60,14 @@ def compiled(run, host: list[dict]):
 
 
 def live_padding(host: list[dict]) -> tuple[float, float]:
-    """The batches' mean padding over the micro-batches they compute, and those micro-batches'
-    share of all."""
+    """The batches' padding over all the positions of the micro-batches they compute, and those
+    micro-batches' share of all."""
     import numpy as np
 
-    from tunix_train.train.loop import pad_fraction
-
-    live = [float(b["segment_ids"].reshape(len(b["segment_ids"]), -1).any(axis=1).mean()) for b in host]
-    return float(np.mean([pad_fraction(b["segment_ids"]) for b in host])), float(np.mean(live))
+    segments = [b["segment_ids"].reshape(len(b["segment_ids"]), -1) for b in host]
+    live = [s[s.any(axis=1)] for s in segments]
+    pad = sum(int((s == 0).sum()) for s in live) / sum(s.size for s in live)
+    return pad, float(np.mean([len(s) / len(all_) for s, all_ in zip(live, segments)]))
 
 
 def dpo_layout(overrides: list[str], packed: bool, steps: int):
@@ -190,7 +190,8 @@ def main() -> int:
             layouts[name] = (mesh, step, state, device, *layouts[name][4:])
     figures = {}
     for name, (_, _, _, _, sequences, pad, live) in layouts.items():
-        step_s, per_step = statistics.median(times[name]), statistics.mean(sequences)
+        # the mean: a packed rollout's steps compute different numbers of micro-batches
+        step_s, per_step = statistics.mean(times[name]), statistics.mean(sequences)
         figures[name] = {
             "step_s": step_s,
             "sequences_per_step": per_step,
