@@ -151,16 +151,23 @@ def test_bad_reward_settings_are_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_under_lora_the_head_trains_beside_the_adapters(tmp_path):
-    """LoRA (rank 4): two steps log the same losses on one device and on fsdp2 x tp2 (1e-5); the
-    head trains (it moved in step 2), and besides it only the adapters do; the merged export carries
-    the trained head as score.weight, and exporting the adapters alone (which would lose it) is one
-    line."""
+    """LoRA (rank 4) over a transformers reward model: two steps log the same losses on one device
+    and on fsdp2 x tp2 (1e-5); the head trains (it moved in step 2), and besides it only the
+    adapters do; the merged export carries the trained head as score.weight; the adapters export
+    in PEFT's format with the head (modules_to_save), and PEFT's model on the base scores as the
+    merged export does (1e-4), unlike the base; a llama.cpp adapter, which cannot hold the head, is
+    one line."""
+    import torch
+    import transformers
     from conftest import checkpoint_arrays
+    from peft import PeftModel
+    from test_lora import hf_base_overrides
 
     from tunix_train import api
     from tunix_train.train.loop import train
 
     train_files = _pairs(tmp_path / "train.jsonl", 64, 0)
+    _random_reward_model(tmp_path / "base")
     losses = {}
     for name, mesh, devices, rows in (
         ("one", '[[1],["fsdp"]]', 1, 8),
@@ -176,6 +183,7 @@ def test_under_lora_the_head_trains_beside_the_adapters(tmp_path):
             "training.lora.rank=4",
             "training.learning_rate=1e-2",
             "checkpoint.every_steps=1",
+            *hf_base_overrides(tmp_path / "base"),
         )
         train(cfg, tmp_path / name, devices=jax.devices()[:devices])
         losses[name] = [m["loss"] for m in read_metrics(tmp_path / name)]
@@ -194,8 +202,20 @@ def test_under_lora_the_head_trains_beside_the_adapters(tmp_path):
     np.testing.assert_array_equal(
         load_file(tmp_path / "hf" / "model.safetensors")["score.weight"], last[head].T
     )
-    with pytest.raises(ConfigError, match="trained a scalar head beside its adapters"):
-        model.export_adapters(tmp_path / "peft")
+    model.export_adapters(tmp_path / "peft")
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["modules_to_save"] == ["score"]
+    tokens = torch.tensor(np.random.default_rng(0).integers(1, 4096, (3, 12)))
+    with torch.no_grad():
+        base = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "base").eval()
+        plain = base(tokens).logits.numpy()
+        adapted = PeftModel.from_pretrained(base, tmp_path / "peft").eval()(tokens).logits.numpy()
+        merged = (
+            transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()(tokens)
+        ).logits.numpy()
+    assert np.abs(adapted - plain).max() > 1e-3  # the adapters and the head changed the scores
+    np.testing.assert_allclose(adapted, merged, atol=1e-4, rtol=0)
+    with pytest.raises(ConfigError, match="which a llama.cpp adapter cannot hold"):
+        model.export_adapters(tmp_path / "adapter.gguf", format="gguf")
 
 
 def _random_reward_model(directory):

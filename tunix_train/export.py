@@ -10,9 +10,10 @@ Writes OUTPUT_DIR/config.json, OUTPUT_DIR/model.safetensors (float32) and the ru
 (tokenizer.json or tokenizer.model) with its chat template (chat_template.jinja); the latest
 checkpoint of a run or checkpoints/ folder, or the given step's folder. A LoRA run exports its
 adapters merged into the base it started from, or with --adapters only the adapters, in PEFT's
-format (adapter_config.json, adapter_model.safetensors). --format gguf writes one file (the weights
-in --dtype f32, f16, bf16, q8_0 or q4_0, the tokenizer, the chat template; a LoRA run merged),
-from a run or any checkpoint tunix_train reads; an existing file is replaced only with --overwrite.
+format (adapter_config.json, adapter_model.safetensors; a reward model's head in
+modules_to_save). --format gguf writes one file (the weights in --dtype f32, f16, bf16, q8_0 or
+q4_0, the tokenizer, the chat template; a LoRA run merged), from a run or any checkpoint
+tunix_train reads; an existing file is replaced only with --overwrite.
 --format gguf --adapters writes a LoRA run's adapters alone as a llama.cpp LoRA adapter (--dtype f32,
 f16, bf16 or q8_0) to apply on top of the base's GGUF file. --mmproj writes a Gemma 3 or 4 model's
 image tower as llama.cpp's projector file beside it (f32 with --dtype f32, else f16).

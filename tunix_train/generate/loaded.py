@@ -244,16 +244,17 @@ class LoadedModel:
         self, path: Path, format: str = "peft", dtype: str = "f16", overwrite: bool = False
     ) -> None:
         """A LoRA run's adapters, for the base its run started from: in PEFT's format (a directory:
-        interop/peft.py), or as a llama.cpp LoRA adapter GGUF (format="gguf": interop/gguf_export.py)."""
+        interop/peft.py; a reward model's head with them), or as a llama.cpp LoRA adapter GGUF
+        (format="gguf": interop/gguf_export.py)."""
         if self.adapters is None:
             raise ConfigError(
                 "this checkpoint has no LoRA adapters (training.lora.rank was null): export the "
                 "whole model instead"
             )
-        if "score_DO" in self.adapters:
+        if "score_DO" in self.adapters and format == "gguf":
             raise ConfigError(
-                "this LoRA run trained a scalar head beside its adapters (a reward model): adapters alone "
-                "would lose it; export the merged model instead (without --adapters)"
+                "this LoRA run trained a scalar head beside its adapters (a reward model), which a "
+                "llama.cpp adapter cannot hold: export the adapters in PEFT's format or the merged model"
             )
         if format == "gguf":
             from tunix_train.interop import gguf_export

@@ -1,5 +1,6 @@
 """LoRA adapters in PEFT's format: adapter_config.json and adapter_model.safetensors, which
-`peft.PeftModel.from_pretrained` loads onto transformers' Gemma (the base exported by hf.py).
+`peft.PeftModel.from_pretrained` loads onto transformers' Gemma (the base exported by hf.py); a
+reward model's head, trained whole beside the adapters, as PEFT's modules_to_save.
 
 PEFT's adapted projection computes W x + (alpha / r) · lora_B(lora_A(x)), with lora_A.weight [r, in]
 and lora_B.weight [out, in]'s row count [out, r]. Ours are A [*in, r] and B [r, *out] in the
@@ -33,6 +34,8 @@ _MODULES = {
     "down_lora": "mlp.down_proj",
 }
 
+
+HEAD = "score"  # a reward model's (or critic's) head in transformers' ...ForSequenceClassification
 
 # the image tower's adapters -> transformers' modules under its encoder layers, per tower
 _TOWER_MODULES = {
@@ -75,6 +78,9 @@ def tensors(adapters: nnx.State, cfg: ModelConfig, lora: LoraConfig) -> dict[str
     tensors = {}
     for path, variable in nnx.to_flat_state(adapters):
         full = np.asarray(multihost_utils.process_allgather(variable[...], tiled=True), np.float32)
+        if path == ("score_DO",):  # a scalar head trained beside the adapters: PEFT's modules_to_save
+            tensors[f"base_model.model.{HEAD}.weight"] = np.ascontiguousarray(full.T)  # [1, D]
+            continue
         for module, ours in zip(_modules(path, cfg, len(full)), full):
             if path[-1] == "a":
                 name, tensor = "lora_A", ours.reshape(-1, lora.rank).T
@@ -103,13 +109,15 @@ def target_modules(cfg: ModelConfig, lora: LoraConfig):
 def export(
     adapters: nnx.State, cfg: ModelConfig, lora: LoraConfig, directory: Path, base_model: str = ""
 ) -> None:
-    """Writes the adapters (process 0) in PEFT's format."""
+    """Writes the adapters (process 0) in PEFT's format; with a scalar head (a reward model's), for
+    a ...ForSequenceClassification of one label: task SEQ_CLS, the head whole in modules_to_save."""
     from safetensors.numpy import save_file
 
     weights = tensors(adapters, cfg, lora)
+    head = "score_DO" in adapters
     config = {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "SEQ_CLS" if head else "CAUSAL_LM",
         "base_model_name_or_path": base_model,
         "r": lora.rank,
         "lora_alpha": lora.alpha,
@@ -120,7 +128,7 @@ def export(
         "use_rslora": False,
         "init_lora_weights": True,
         "inference_mode": True,
-        "modules_to_save": None,
+        "modules_to_save": [HEAD] if head else None,
     }
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)
