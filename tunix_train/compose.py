@@ -216,17 +216,24 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
             t.dpo.check()
         return
     t.grpo.check(t.micro_batch_size)  # GRPO and its family, the one objective left
-    if t.grpo.advantage is AdvantageEstimator.distill:
-        if not t.distill.teacher:
+    if t.grpo.advantage is AdvantageEstimator.distill and not t.distill.teacher:
+        raise ConfigError(
+            "training.grpo.advantage=distill needs training.distill.teacher: the checkpoint whose "
+            "log-probabilities of the sampled tokens make the advantages"
+        )
+    if t.grpo.advantage is AdvantageEstimator.gkd:
+        t.distill.check_gkd()
+        t.distill.check(m.vocab_size)
+        if t.grpo.beta:
             raise ConfigError(
-                "training.grpo.advantage=distill needs training.distill.teacher: the checkpoint whose "
-                "log-probabilities of the sampled tokens make the advantages"
+                f"training.grpo.beta={t.grpo.beta}: GKD's loss has no KL to a reference; set it to 0"
             )
-        if t.grpo.dynamic_sampling or t.grpo.routing_replay:
-            raise ConfigError(
-                "training.grpo.dynamic_sampling and routing_replay are for rewards and the student's "
-                "experts; under training.grpo.advantage=distill set them to false"
-            )
+    advantage = t.grpo.advantage.value
+    if advantage in ("distill", "gkd") and (t.grpo.dynamic_sampling or t.grpo.routing_replay):
+        raise ConfigError(
+            f"training.grpo.dynamic_sampling and routing_replay are for rewards and the student's "
+            f"experts; under training.grpo.advantage={advantage} set them to false"
+        )
     if t.grpo.advantage is AdvantageEstimator.gae:
         _check_ppo(t, m)
     if t.grpo.routing_replay:

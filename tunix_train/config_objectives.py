@@ -42,6 +42,9 @@ class AdvantageEstimator(enum.Enum):  # training.grpo.advantage: rewards -> each
     # each token's: the teacher's log-probability of it less the sampling policy's (on-policy
     # distillation; the teacher: training.distill.teacher)
     distill = "distill"
+    # none: GKD (Agarwal et al. 2024; TRL's GKDTrainer): the loss is training.distill's divergence
+    # from the teacher on the completions, the student's own with probability training.distill.lmbda
+    gkd = "gkd"
     # each token's: GAE over the value head's estimates, the reward on the last token less a KL to the
     # reference on every token (PPO; training.ppo)
     gae = "gae"
@@ -170,10 +173,10 @@ class GrpoConfig:
     def check(self, micro_batch_size: int) -> None:
         """A ConfigError naming the first bad key of training.grpo (and the micro-batch it needs)."""
         G = self.num_generations
-        if G < 2 and self.advantage is not AdvantageEstimator.gae:
+        if G < 2 and self.advantage not in (AdvantageEstimator.gae, AdvantageEstimator.gkd):
             raise ConfigError(
                 f"training.grpo.num_generations={G} must be at least 2 (advantages compare a "
-                f"completion with the others of its group; PPO's critic needs no group)"
+                f"completion with the others of its group; PPO's critic and GKD need no group)"
             )
         if G < 1:
             raise ConfigError(f"training.grpo.num_generations={G} must be at least 1")
@@ -344,6 +347,25 @@ class DistillConfig:
     # 0: the divergence over the whole vocabulary; k: over the teacher's k likeliest tokens at each
     # position, both distributions renormalized over them
     top_k: int = _fixed(0)
+    # objective=gkd: the share of rollouts whose completions the student samples (TRL's lmbda); the
+    # others are the records' completion_field, as written
+    lmbda: float = _fixed(0.5)
+    completion_field: str = _fixed("completion")
+
+    def check_gkd(self) -> None:
+        """What objective=gkd (training.grpo.advantage=gkd) reads of training.distill."""
+        if not self.teacher:
+            raise ConfigError(
+                "training.grpo.advantage=gkd needs training.distill.teacher: the checkpoint whose "
+                "distributions the student learns on the completions"
+            )
+        if not 0.0 <= self.lmbda <= 1.0:
+            raise ConfigError(f"training.distill.lmbda={self.lmbda} must be in [0, 1]")
+        if self.ce_weight:
+            raise ConfigError(
+                f"training.distill.ce_weight={self.ce_weight} is objective=distill's; GKD's loss is the "
+                f"divergence alone (TRL's GKDTrainer): set it to 0"
+            )
 
     def check(self, vocab_size: int) -> None:
         """A ConfigError naming the first bad key of training.distill."""

@@ -39,16 +39,19 @@ from __future__ import annotations
 
 from tunix_train.config import AdvantageEstimator, Config
 from tunix_train.config import Objective as Kind
-from tunix_train.train.objectives import distill, dpo, grpo, lm, ppo, reward
+from tunix_train.train.objectives import distill, dpo, gkd, grpo, lm, ppo, reward
 from tunix_train.train.objectives.base import Objective
 
 __all__ = ["Objective", "make_objective"]
 
 
 def make_objective(cfg: Config, tokenizer=None):
-    """The objective training.objective names (PPO: GRPO's with training.grpo.advantage=gae)."""
+    """The objective training.objective names (PPO: GRPO's with training.grpo.advantage=gae; GKD:
+    with gkd)."""
     if cfg.training.objective is Kind.grpo and cfg.training.grpo.advantage is AdvantageEstimator.gae:
         return ppo.ProximalPolicy(cfg)
+    if cfg.training.objective is Kind.grpo and cfg.training.grpo.advantage is AdvantageEstimator.gkd:
+        return gkd.GeneralizedKnowledgeDistillation(cfg)
     return {
         Kind.lm: lm.LanguageModeling,
         Kind.dpo: dpo.DirectPreference,

@@ -63,6 +63,15 @@ def jsd_of_log_probs(s, t, beta: float):
     return beta * kl(t, m) + (1 - beta) * kl(s, m)
 
 
+def divergence(student, teacher, d) -> jnp.ndarray:
+    """Each position's divergence of training.distill `d` from the two models' logits (over the
+    teacher's top k if set)."""
+    if not d.top_k:
+        return generalized_jsd(student, teacher, d.beta, d.temperature)
+    teacher_top, top_ids = jax.lax.top_k(teacher, d.top_k)
+    return top_k_jsd(student, teacher_top, top_ids, d.beta, d.temperature)
+
+
 def teacher_model(cfg: Config) -> ExtraModel:
     """training.distill.teacher as an ExtraModel on the run's mesh (base.checkpoint_model)."""
     precision = MixedPrecision.bf16 if cfg.training.distill.teacher_bf16 else MixedPrecision.fp32
@@ -161,29 +170,21 @@ class Distillation(LanguageModeling):
             )
         return list(itertools.islice(self._stored_batches("eval", global_rows, rows), wanted))
 
-    def divergence(self, student, teacher):
-        """Each position's divergence from the two models' logits (over the teacher's top k if set)."""
-        d = self.distill
-        if not d.top_k:
-            return generalized_jsd(student, teacher, d.beta, d.temperature)
-        teacher_top, top_ids = jax.lax.top_k(teacher, d.top_k)
-        return top_k_jsd(student, teacher_top, top_ids, d.beta, d.temperature)
-
     def loss(self, policy, reference, micro, weight, models=None):
         d, mask = self.distill, micro["loss_mask"]
         if self.stored is None:
-            divergence = policy.per_token(self.divergence, models["teacher"])
+            per_token = policy.per_token(lambda s, t: divergence(s, t, d), models["teacher"])
         else:
             k = self.top_k
-            divergence = policy.per_token(
+            per_token = policy.per_token(
                 lambda s, log_probs, ids: top_k_jsd(
                     s, log_probs[..., :k], ids[..., :k], d.beta, d.temperature
                 ),
                 fields=("top_log_probs", "top_ids"),
             )
-        divergence = jnp.sum(divergence * mask) / weight
-        metrics = {"divergence": divergence}
-        loss = divergence
+        mean = jnp.sum(per_token * mask) / weight
+        metrics = {"divergence": mean}
+        loss = mean
         if d.ce_weight:
             metrics["ce"] = jnp.sum(policy() * mask) / weight
             loss = loss + d.ce_weight * metrics["ce"]

@@ -1,0 +1,178 @@
+"""GKD (objective=gkd, train/objectives/gkd.py): a micro-batch's loss equals TRL's
+GKDTrainer.generalized_jsd_loss; a rollout is the student's samples with probability lmbda (seeded
+per rollout), else the records' completions; a student that is its teacher has no divergence on
+either; the runs are the same on fsdp2 x tp2; bad settings and records are one line each."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import config, read_metrics
+from hf_reference import build
+
+from tunix_train.config import ConfigError
+from tunix_train.rewards.arithmetic import write_task
+from tunix_train.train.objectives import make_objective
+
+
+def _gkd(tmp_path, *overrides):
+    prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
+    return config(
+        "model.vocab_size=4096",
+        "objective=gkd",
+        "data=jsonl",
+        f"data.train_files=[{prompts}]",
+        "data.seq_len=16",
+        "training.log_every=1",
+        "training.eval_every=0",
+        "checkpoint.every_steps=0",
+        "training.micro_batch_size=8",
+        "training.grpo.max_new_tokens=4",
+        "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match]",
+        "training.distill.completion_field=answer",
+        "training.learning_rate=3e-3",
+        *overrides,
+    )
+
+
+class _Student:
+    """A Forward's per_token over given logits [B, T, V]."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+    def per_token(self, fn, other):
+        return fn(self.logits, other.logits)
+
+
+@pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 2.0), (1.0, 1.0)])
+def test_the_loss_of_a_micro_batch_equals_trls_generalized_jsd_loss(tmp_path, beta, temperature):
+    """Random logits [2, 6, 11] whose completion tokens are masked in: the loss (divergence over
+    the batch's completion tokens) equals TRL's on labels -100 off them, within 1e-6."""
+    torch = pytest.importorskip("torch")
+    gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
+    cfg = _gkd(
+        tmp_path,
+        "training.distill.teacher=unread",
+        f"training.distill.beta={beta}",
+        f"training.distill.temperature={temperature}",
+    )
+    rng = np.random.default_rng(0)
+    student, teacher = (rng.standard_normal((2, 6, 11)).astype(np.float32) * 3 for _ in range(2))
+    mask = np.zeros((2, 6), np.float32)
+    mask[0, 2:5] = mask[1, 1:6] = 1.0
+    labels = np.where(mask > 0, rng.integers(0, 11, (2, 6)), -100)
+    loss, metrics = make_objective(cfg).loss(
+        _Student(jnp.asarray(student)),
+        None,
+        {"loss_mask": jnp.asarray(mask)},
+        {"tokens": jnp.float32(mask.sum())},
+        models={"teacher": _Student(jnp.asarray(teacher))},
+    )
+    theirs = gkd.GKDTrainer.generalized_jsd_loss(
+        torch.from_numpy(student), torch.from_numpy(teacher), torch.from_numpy(labels), beta, temperature
+    )
+    assert float(loss) == pytest.approx(float(theirs), abs=1e-6)
+    assert float(metrics["divergence"]) == float(loss)
+
+
+def _run(tmp_path, name, steps, *overrides, devices=1, model=None):
+    """A GKD run's logged steps and samples; `model`: the student's config (started from its
+    init_from)."""
+    import dataclasses
+
+    from tunix_train.train.loop import train
+
+    cfg = _gkd(tmp_path, f"training.max_steps={steps}", *overrides)
+    if model is not None:
+        cfg.model = dataclasses.replace(model, mesh_shape=cfg.model.mesh_shape, init_from=model.init_from)
+    train(cfg, tmp_path / name, devices=jax.devices()[:devices])
+    samples = [json.loads(line) for line in (tmp_path / name / "samples.jsonl").read_text().splitlines()]
+    return [m for m in read_metrics(tmp_path / name) if "loss" in m], samples
+
+
+def test_a_student_that_is_its_teacher_has_no_divergence_on_its_samples_or_the_records(tmp_path):
+    """lmbda 0.5, seed 0: rollout r is the student's samples where a generator seeded (0, r) draws
+    below 0.5 (logged as on_policy), else the records' answers, which the samples file shows. With
+    the student started from its teacher's checkpoint (and kept there), the divergence of every
+    step is 0 (below 1e-5: the loss in float32) on either kind."""
+    import dataclasses
+
+    from tunix_train.interop import loader
+
+    build("gemma3", tmp_path / "teacher", vocab_size=4096)
+    teacher = tmp_path / "teacher"
+    model = dataclasses.replace(loader.source(teacher).cfg.model, init_from=str(teacher))
+    # learning rate 0: Adam would turn the float noise of a zero gradient into steps of the full rate
+    metrics, samples = _run(
+        tmp_path, "itself", 4, f"training.distill.teacher={teacher}", "training.learning_rate=0", model=model
+    )
+    expected = [float(np.random.default_rng([0, r]).random() < 0.5) for r in range(4)]
+    assert [m["on_policy"] for m in metrics] == expected and 0 < sum(expected) < 4
+    answers = {
+        r["prompt"]: r["answer"] for r in map(json.loads, (tmp_path / "task" / "prompts.jsonl").open())
+    }
+    for sample in samples:
+        if not expected[sample["step"] - 1]:
+            assert sample["text"] == f"{answers[sample['prompt']]}  [reward 1]", sample  # exact match
+    assert all(abs(m["divergence"]) < 1e-5 for m in metrics), metrics
+
+
+@pytest.mark.slow  # two runs
+def test_gkd_is_the_same_on_one_device_and_fsdp2_tp2(tmp_path):
+    """A random student and teacher: the first two steps' divergence and reward on one device and
+    on fsdp2 x tp2 (3e-5; the second follows an Adam step); the divergence is well above 0."""
+    build("gemma3", tmp_path / "teacher", vocab_size=4096)
+    teacher = tmp_path / "teacher"
+    runs = {
+        name: _run(
+            tmp_path,
+            name,
+            2,
+            f"training.distill.teacher={teacher}",
+            f"training.micro_batch_size={rows}",
+            f"model.mesh_shape={mesh}",
+            "training.distill.lmbda=1.0",
+            devices=devices,
+        )[0]
+        for name, rows, mesh, devices in (
+            ("one", 8, '[[1],["fsdp"]]', 1),
+            ("sharded", 4, '[[2,2],["fsdp","tp"]]', 4),
+        )
+    }
+    for key in ("divergence", "reward"):
+        np.testing.assert_allclose(
+            [m[key] for m in runs["sharded"]], [m[key] for m in runs["one"]], rtol=3e-5, err_msg=key
+        )
+    assert all(m["divergence"] > 0.1 and m["on_policy"] == 1.0 for m in runs["one"])
+
+
+def test_bad_gkd_settings_and_records_are_one_line(tmp_path):
+    from tunix_train.data import Data
+
+    for overrides, message in [
+        ([], "training.grpo.advantage=gkd needs training.distill.teacher"),
+        (["training.distill.teacher=x", "training.distill.lmbda=1.5"], r"lmbda=1.5 must be in \[0, 1\]"),
+        (
+            ["training.distill.teacher=x", "training.distill.ce_weight=0.1"],
+            "GKD's loss is the divergence alone",
+        ),
+        (["training.distill.teacher=x", "training.grpo.beta=0.1"], "GKD's loss has no KL to a reference"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            _gkd(tmp_path, *overrides)
+    build("gemma3", tmp_path / "teacher", vocab_size=4096)
+    teacher = tmp_path / "teacher"
+    for overrides, message in [
+        (["training.distill.completion_field=missing"], "record 1 has no string 'missing'"),
+        (
+            ["training.grpo.max_new_tokens=1"],
+            r"record 1's answer is \d+ tokens with its stop token, more than",
+        ),
+    ]:
+        cfg = _gkd(tmp_path, f"training.distill.teacher={teacher}", *overrides)
+        objective = make_objective(cfg)
+        with pytest.raises(ConfigError, match=message):
+            objective.read(Data(cfg, objective.record_fields))

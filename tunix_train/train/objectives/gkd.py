@@ -1,0 +1,127 @@
+"""GKD (Agarwal et al. 2024, "On-Policy Distillation of Language Models"; TRL's GKDTrainer):
+objective=gkd, training.grpo.advantage=gkd.
+
+On the records' prompts the student learns the teacher's next-token distributions over the
+completion tokens: training.distill's divergence (generalized Jensen-Shannon with beta, at its
+temperature, over the whole vocabulary in chunks or the teacher's top k; distill.py), its mean over
+the batch's completion tokens. The completions are the student's own samples (the rollout
+component, grpo.py: the engine at training.grpo.temperature, max_new_tokens) for a rollout with
+probability training.distill.lmbda, else the records' training.distill.completion_field, ended
+by a stop token (TRL's lmbda: the fraction of on-policy student outputs; seq_kd, the teacher's
+samples, is not built). Rollout r's draw is seeded by training.seed and r, so a resumed run makes
+the same choice. The loss is supervised: its gradient flows through the student's distribution at
+every position, unlike on-policy distillation's advantages (training.grpo.advantage=distill). The
+reward functions score the completions for the log, and make no advantage.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from tunix_train.config import Config, ConfigError
+from tunix_train.train.objectives import distill
+from tunix_train.train.objectives.base import check_tokenizer
+from tunix_train.train.objectives.grpo import GroupRelative
+from tunix_train.train.rollout import Rollout, Sampler
+
+
+class GkdSampler(Sampler):
+    """The rollout component, whose rollouts are the student's samples with probability lmbda
+    and otherwise the records' completions."""
+
+    def __init__(self, cfg: Config, rewards):
+        super().__init__(cfg, rewards)
+        self.lmbda, self.field = cfg.training.distill.lmbda, cfg.training.distill.completion_field
+
+    def on_policy(self, index: int) -> bool:
+        """Whether rollout `index` is sampled (seeded by training.seed and the rollout's number)."""
+        return bool(np.random.default_rng([self.cfg.training.seed, index]).random() < self.lmbda)
+
+    def read(self, data) -> None:
+        """The prompts (Sampler.read), and with lmbda < 1 each record's completion, tokenized and
+        ended by the stop token; a record without one, or too long, is a one-line error."""
+        super().read(data)
+        self.completions = []
+        if self.lmbda == 1:
+            return
+        limit = self.grpo.max_new_tokens
+        for number, doc in enumerate(self.docs, start=1):
+            text = doc.get(self.field)
+            if not isinstance(text, str):
+                raise ConfigError(
+                    f"data.train_files: record {number} has no string '{self.field}' (training.distill."
+                    f"completion_field): with training.distill.lmbda={self.lmbda} < 1 GKD trains on it"
+                )
+            ids = [*self.tokenizer.encode(text), self.stop_ids[-1]]
+            if len(ids) > limit:
+                raise ConfigError(
+                    f"data.train_files: record {number}'s {self.field} is {len(ids)} tokens with its "
+                    f"stop token, more than training.grpo.max_new_tokens={limit}"
+                )
+            self.completions.append(ids)
+
+    def sample(
+        self, order: np.ndarray, index: int, round_: int, params
+    ) -> tuple[list[dict[str, Any]], float]:
+        if self.on_policy(index):
+            return super().sample(order, index, round_, params)
+        start, G = time.perf_counter(), self.grpo.num_generations
+        order = [int(i) for i in order]
+        rows = [i for i in order for _ in range(G)]
+        docs, completions = [self.docs[i] for i in rows], [self.completions[i] for i in rows]
+        rewards = self.rewards.score(
+            [d["prompt"] for d in docs],
+            [self.tokenizer.decode(c[:-1]) for c in completions],
+            docs,
+            completions,
+            sequences=[[*self.prompts[i], *c] for i, c in zip(rows, completions)],
+        )
+        return (
+            [
+                {
+                    "prompt": p,
+                    "completions": completions[k * G : (k + 1) * G],
+                    "logprobs": [[0.0] * len(c) for c in completions[k * G : (k + 1) * G]],  # not sampled
+                    **dict.fromkeys(("prompt_ids", "own", "routes")),
+                    "rewards": rewards[:, k * G : (k + 1) * G],
+                    **dict.fromkeys(("tool_calls", "tool_errors", "turns"), 0),
+                }
+                for k, p in enumerate(order)
+            ],
+            time.perf_counter() - start,
+        )
+
+
+class GeneralizedKnowledgeDistillation(GroupRelative):
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.sampler = GkdSampler(cfg, self.rewards)
+        self.temperature = 1.0  # the logits as they are: the divergence takes training.distill's
+        self.metric_names = ("divergence",)
+
+    def extra_models(self):
+        return {"teacher": self.teacher}
+
+    def read(self, data) -> None:
+        super().read(data)
+        check_tokenizer(self.teacher, getattr(data, "tokenizer", None), "training.distill.teacher")
+
+    def loss(self, policy, reference, micro, weight, models=None):
+        divergence = policy.per_token(
+            lambda s, t: distill.divergence(s, t, self.cfg.training.distill), models["teacher"]
+        )
+        divergence = jnp.sum(divergence * micro["loss_mask"]) / weight["tokens"]
+        return divergence, {"divergence": divergence}
+
+    def _advantages(self, rollout: Rollout, full: dict[str, np.ndarray], state=None) -> dict[str, np.ndarray]:
+        return {"advantages": np.zeros_like(full["loss_mask"])}  # none: the loss is supervised
+
+    def _figures(self, rollout: Rollout, step: int, rollout_s: float) -> dict[str, Any]:
+        return {
+            **super()._figures(rollout, step, rollout_s),
+            "on_policy": float(self.sampler.on_policy(rollout.index)),
+        }
