@@ -12,10 +12,12 @@ by the data alone, and on-policy distillation moves a student's reward toward it
    (eval_loss of the first, eval_ce of the second) over the same held-out batches.
 2. On-policy distillation on the bundled arithmetic task: a teacher (gemma3_small) fine-tuned on
    the sums, a student (gemma3_tiny) fine-tuned briefly (it learns the format, few sums); then
-   objective=distill_on_policy for --on-policy-steps: the student samples, the teacher scores
-   each sampled token. Each model's greedy reward on the held-out prompts (eval_reward) is reported:
+   --on-policy-objective for --on-policy-steps: objective=gkd (default; lmbda 1: the divergence of
+   the teacher's distributions on the student's samples) or objective=distill_on_policy (the
+   teacher's log-ratio of each sampled token as its advantage). Each model's greedy reward on the
+   held-out prompts (eval_reward) is reported:
    the teacher's, and the student's before and after; and over the first and last quarters of the
-   steps, the sampled tokens' reverse KL to the teacher and the sampled completions' reward.
+   steps, the divergence (GKD's JSD, or the sampled tokens' reverse KL) and the sampled reward.
 
 Every stage is the real command line (run_training.py), so its logs and metrics.jsonl are in DIR.
 The last line is JSON with every figure.
@@ -146,10 +148,11 @@ def on_policy(out: Path, args) -> dict:
         f"hydra.run.dir={out / 'teacher_reward'}",
         log=out / "teacher_reward.log",
     )
+    G = 8 if args.on_policy_objective == "distill_on_policy" else 1  # GKD samples one per prompt
     run(
         "run_training.py",
         *STUDENT,
-        "objective=distill_on_policy",
+        f"objective={args.on_policy_objective}",
         *rl,
         f"model.init_from={out / 'sft_student_hf'}",
         f"training.distill.teacher={out / 'sft_teacher_hf'}",
@@ -157,28 +160,30 @@ def on_policy(out: Path, args) -> dict:
         f"training.eval_every={args.on_policy_steps}",
         f"training.learning_rate={args.learning_rate}",
         f"training.micro_batch_size={args.prompts_per_step * 8}",
-        "training.grpo.num_generations=8",
+        f"training.grpo.num_generations={G}",
+        *(["training.distill.lmbda=1.0"] if G == 1 else []),  # GKD wholly on the student's samples
         f"hydra.run.dir={out / 'on_policy'}",
         log=out / "on_policy.log",
     )
-    kl = [m["teacher_reverse_kl"] for m in metrics(out / "on_policy") if "teacher_reverse_kl" in m]
-    sampled = [m["reward"] for m in metrics(out / "on_policy") if "teacher_reverse_kl" in m]
+    key = "teacher_reverse_kl" if G > 1 else "divergence"  # GKD's: its JSD (beta 0.5)
+    kl = [m[key] for m in metrics(out / "on_policy") if key in m]
+    sampled = [m["reward"] for m in metrics(out / "on_policy") if key in m]
     block = max(len(kl) // 4, 1)
     figures = {
         "teacher_eval_reward": first(out / "teacher_reward", "eval_reward"),
         "student_eval_reward_before": first(out / "on_policy", "eval_reward"),
         "student_eval_reward_after": last(out / "on_policy", "eval_reward"),
-        "reverse_kl_first_quarter": sum(kl[:block]) / block,
-        "reverse_kl_last_quarter": sum(kl[-block:]) / block,
+        "divergence_first_quarter": sum(kl[:block]) / block,
+        "divergence_last_quarter": sum(kl[-block:]) / block,
         "sampled_reward_first_quarter": sum(sampled[:block]) / block,
         "sampled_reward_last_quarter": sum(sampled[-block:]) / block,
     }
     print(
-        f"\non-policy distillation, {args.on_policy_steps} steps: the student's greedy held-out reward "
+        f"\n{args.on_policy_objective}, {args.on_policy_steps} steps: the student's greedy held-out reward "
         f"{figures['student_eval_reward_before']:.3f} -> {figures['student_eval_reward_after']:.3f} "
-        f"(the teacher's {figures['teacher_eval_reward']:.3f}); the sampled tokens' reverse KL to the "
-        f"teacher {figures['reverse_kl_first_quarter']:.3f} (first quarter) -> "
-        f"{figures['reverse_kl_last_quarter']:.3f} (last); its sampled completions' reward (temperature 1) "
+        f"(the teacher's {figures['teacher_eval_reward']:.3f}); {key} on the samples "
+        f"{figures['divergence_first_quarter']:.3f} (first quarter) -> "
+        f"{figures['divergence_last_quarter']:.3f} (last); its sampled completions' reward (temperature 1) "
         f"{figures['sampled_reward_first_quarter']:.3f} -> {figures['sampled_reward_last_quarter']:.3f}"
     )
     return figures
@@ -199,6 +204,13 @@ def main() -> int:
     parser.add_argument("--prompts-per-step", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--largest", type=int, default=5, help="the sums' terms go from 0 to this")
+    parser.add_argument(
+        "--on-policy-objective",
+        choices=["distill_on_policy", "gkd"],
+        default="gkd",
+        help="part 2's: the teacher's log-ratio as advantages (8 samples a prompt), or GKD at lmbda 1 "
+        "(the divergence on the student's samples, one a prompt, as many samples a step)",
+    )
     parser.add_argument("--skip", choices=["logit", "on_policy"], default=None, help="leave one part out")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="distill_demo_"))
