@@ -92,7 +92,11 @@ def test_a_rollouts_rows_pack_into_the_front_micro_batches_and_unpack_to_the_pad
 @pytest.mark.parametrize(
     "overrides",
     [
-        ("training.grpo.loss_aggregation=sequence_mean", "training.grpo.beta=0.04"),
+        # slow: the README's leg checks the packed loss against TRL's (test_grpo_family)
+        pytest.param(
+            ("training.grpo.loss_aggregation=sequence_mean", "training.grpo.beta=0.04"),
+            marks=pytest.mark.slow,
+        ),
         pytest.param(("objective=ppo", "training.grpo.iterations=2"), marks=pytest.mark.slow),
     ],
     ids=["grpo", "ppo"],
