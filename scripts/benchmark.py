@@ -166,6 +166,7 @@ def main() -> int:
         print(f"benchmark: error: {err}", file=sys.stderr)
         return 2
     print(table(result))
+    print(json.dumps(result))  # a benchmark's last line: its figures
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
