@@ -51,6 +51,8 @@ def main() -> int:
     parser.add_argument("--grpo-steps", type=int, default=40)
     parser.add_argument("--block", type=int, default=10, help="steps per row of the rate table")
     parser.add_argument("--missing-eos-penalty", type=float, default=4.0)
+    parser.add_argument("--learning-rate", type=float, default=2e-4, help="GRPO's")
+    parser.add_argument("--beta", type=float, default=0.04, help="GRPO's KL weight to the fine-tuned policy")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="reward_demo_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -122,7 +124,8 @@ def main() -> int:
         # the model reads a completion at its last token, trained on endings: not ending is penalized
         f"training.grpo.missing_eos_penalty={args.missing_eos_penalty}",
         "training.lr_schedule=constant",
-        "training.learning_rate=2e-4",
+        f"training.learning_rate={args.learning_rate}",
+        f"training.grpo.beta={args.beta}",
         "checkpoint.every_steps=0",
         f"hydra.run.dir={out / 'grpo'}",
         log=out / "grpo.log",
