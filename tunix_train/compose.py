@@ -228,11 +228,11 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
             raise ConfigError(
                 f"training.grpo.beta={t.grpo.beta}: GKD's loss has no KL to a reference; set it to 0"
             )
-    advantage = t.grpo.advantage.value
-    if advantage in ("distill", "gkd") and (t.grpo.dynamic_sampling or t.grpo.routing_replay):
+    teaching = (AdvantageEstimator.distill, AdvantageEstimator.gkd)
+    if t.grpo.advantage in teaching and (t.grpo.dynamic_sampling or t.grpo.routing_replay):
         raise ConfigError(
             f"training.grpo.dynamic_sampling and routing_replay are for rewards and the student's "
-            f"experts; under training.grpo.advantage={advantage} set them to false"
+            f"experts; under training.grpo.advantage={t.grpo.advantage.value} set them to false"
         )
     if t.grpo.advantage is AdvantageEstimator.gae:
         _check_ppo(t, m)

@@ -25,6 +25,7 @@ class Packing:
     row: np.ndarray  # [N]
     start: np.ndarray  # [N] its first position in that row
     length: np.ndarray  # [N] its positions
+    segment: np.ndarray  # [N] its segment id there: 1 + the sequences placed in the row before it
     rows: int
 
     @classmethod
@@ -33,16 +34,20 @@ class Packing:
         `rows` rows of T; an error when they do not fit."""
         N, T = segment_ids_NT.shape
         length = (segment_ids_NT > 0).sum(axis=1)
-        row, start, room = np.zeros(N, np.int64), np.zeros(N, np.int64), []
+        row, start, segment = (np.zeros(N, np.int64) for _ in range(3))
+        room, placed = [], []  # per opened row: its free positions, its sequences
         for i in np.argsort(-length, kind="stable"):
             r = next((r for r, free in enumerate(room) if free >= length[i]), len(room))
             if r == len(room):
                 room.append(T)
+                placed.append(0)
             row[i], start[i] = r, T - room[r]
             room[r] -= length[i]
+            placed[r] += 1
+            segment[i] = placed[r]
         if len(room) > rows:
             raise ValueError(f"{N} sequences need {len(room)} packed rows, more than {rows}")
-        return cls(row, start, length, rows)
+        return cls(row, start, length, segment, rows)
 
     @property
     def used_rows(self) -> int:
@@ -59,7 +64,7 @@ class Packing:
             for name, x in padded.items():
                 out[name][r, s : s + n] = x[i, :n]
             out["positions"][r, s : s + n] = np.arange(n)
-            out["segment_ids"][r, s : s + n] = 1 + np.sum((self.row == r) & (self.start < s))
+            out["segment_ids"][r, s : s + n] = self.segment[i]
         return out
 
     def unpack(self, packed_RT: np.ndarray) -> np.ndarray:

@@ -97,9 +97,10 @@ class GkdSampler(Sampler):
 
 
 class GeneralizedKnowledgeDistillation(GroupRelative):
+    sampler_class = GkdSampler
+
     def __init__(self, cfg: Config):
         super().__init__(cfg)
-        self.sampler = GkdSampler(cfg, self.rewards)
         self.temperature = 1.0  # the logits as they are: the divergence takes training.distill's
         self.metric_names = ("divergence",)
 

@@ -72,6 +72,7 @@ class GroupRelative(Objective):
         "behaviour_logp": jnp.float32,
     }  # the engine's log-probability of each target token
     record_fields = ("prompt",)
+    sampler_class = Sampler
 
     def __init__(self, cfg: Config):
         self.cfg, self.grpo = cfg, cfg.training.grpo
@@ -81,7 +82,7 @@ class GroupRelative(Objective):
         self.packed = self.skips_empty_micro_batches = cfg.data.padding_free
         models = RewardModels(cfg) if self.grpo.reward_models else None
         self.rewards = Rewards(self.grpo, models)
-        self.sampler = Sampler(cfg, self.rewards)  # the rollout component (train/rollout.py)
+        self.sampler = self.sampler_class(cfg, self.rewards)  # the rollout component (train/rollout.py)
         self.metric_names = ("kl", "clip_fraction", "logprob_mismatch_mean", "logprob_mismatch_max")
         self.distill = self.grpo.advantage is AdvantageEstimator.distill  # on-policy distillation
         if self.distill:
