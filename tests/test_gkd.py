@@ -160,6 +160,7 @@ def test_bad_gkd_settings_and_records_are_one_line(tmp_path):
             "GKD's loss is the divergence alone",
         ),
         (["training.distill.teacher=x", "training.grpo.beta=0.1"], "GKD's loss has no KL to a reference"),
+        (["training.distill.teacher=x", "training.grpo.environment=m:E"], "GKD's completions are one turn"),
     ]:
         with pytest.raises(ConfigError, match=message):
             _gkd(tmp_path, *overrides)

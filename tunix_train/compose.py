@@ -228,6 +228,11 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
             raise ConfigError(
                 f"training.grpo.beta={t.grpo.beta}: GKD's loss has no KL to a reference; set it to 0"
             )
+        if t.grpo.tools or t.grpo.environment is not None:
+            raise ConfigError(
+                "training.grpo.tools and environment: GKD's completions are one turn (the records' or "
+                "the student's); set them to [] and null"
+            )
     teaching = (AdvantageEstimator.distill, AdvantageEstimator.gkd)
     if t.grpo.advantage in teaching and (t.grpo.dynamic_sampling or t.grpo.routing_replay):
         raise ConfigError(
