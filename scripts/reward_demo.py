@@ -8,8 +8,11 @@ raises the rate of the answers it prefers.
 2. Trains a reward model (gemma3_tiny at the corpus's 4096 tokens, objective=reward) on 1024 pairs
    for --reward-steps; reports its held-out accuracy on 64 other pairs (eval_accuracy), at the start
    and at the end, and exports it (Gemma3TextForSequenceClassification).
-3. Fine-tunes the policy (gemma3_small) on the prompts with answers naming a word drawn at random:
-   it learns the form, not the preference (about 1 in 10 of its answers name the prompt's word).
+3. Fine-tunes the policy (gemma3_small) on the prompts with answers that name the prompt's word
+   with probability --sft-copy-rate (0.25) and otherwise a word drawn at random: it learns the form
+   and that copying the word is one thing an answer may do, not that it is preferred (about
+   0.25 + 0.75/10 of its answers name the prompt's word). At --sft-copy-rate 0 it never learns to
+   copy, and GRPO cannot teach it in 40 steps, even with the true reward (docs/objectives/reward.md).
 4. Trains it with objective=grpo for --grpo-steps, the reward model its only reward
    (training.grpo.reward_models; reward_weights 0 for the function names_the_word, which is
    logged to measure the rate and adds nothing to the advantages). Reports, per block of steps,
@@ -49,6 +52,7 @@ def main() -> int:
     parser.add_argument("--reward-steps", type=int, default=60)
     parser.add_argument("--sft-steps", type=int, default=30)
     parser.add_argument("--grpo-steps", type=int, default=40)
+    parser.add_argument("--sft-copy-rate", type=float, default=0.25)
     parser.add_argument("--block", type=int, default=10, help="steps per row of the rate table")
     parser.add_argument("--missing-eos-penalty", type=float, default=4.0)
     parser.add_argument("--learning-rate", type=float, default=2e-4, help="GRPO's")
@@ -56,7 +60,10 @@ def main() -> int:
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="reward_demo_"))
     out.mkdir(parents=True, exist_ok=True)
-    task, held_out = write_task(out / "task", 1024, 0), write_task(out / "held_out", 64, 1)
+    task, held_out = (
+        write_task(out / "task", 1024, 0, args.sft_copy_rate),
+        write_task(out / "held_out", 64, 1),
+    )
     print(f"runs in {out}")
 
     run(

@@ -7,8 +7,9 @@ preferred answer names it.
     {"prompt": "Speak of crown.", "completion": "Then speak of night and be gone."}  (sft)
 
 `write_task` writes the three: the pairs for objective=reward, prompt/completion records whose
-answer names a word drawn at random (a supervised start that learns the form, not the preference),
-and the prompts for GRPO. `names_the_word` is the preference as a reward function (1.0 when the
+answer names the prompt's word with probability `copy_rate` and otherwise a word drawn at random (a
+supervised start that learns the form, and, when copy_rate > 0, that copying the word is one thing
+an answer may do), and the prompts for GRPO. `names_the_word` is the preference as a reward function (1.0 when the
 completion names the prompt's word), for measuring what a reward model taught (scripts/reward_demo.py).
 """
 
@@ -28,7 +29,7 @@ def names_the_word(prompts: list[str], completions: list[str], word: list[str], 
     return [float(bool(re.search(rf"\b{re.escape(w)}\b", c))) for c, w in zip(completions, word)]
 
 
-def write_task(directory: Path, count: int, seed: int) -> dict[str, Path]:
+def write_task(directory: Path, count: int, seed: int, copy_rate: float = 0.0) -> dict[str, Path]:
     """pairs.jsonl, sft.jsonl and prompts.jsonl, `count` records each, drawn with `seed`."""
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -40,7 +41,9 @@ def write_task(directory: Path, count: int, seed: int) -> dict[str, Path]:
         rows["pairs"].append(
             {"prompt": prompt, "chosen": ANSWER.format(word), "rejected": ANSWER.format(other)}
         )
-        rows["sft"].append({"prompt": prompt, "completion": ANSWER.format(rng.choice(WORDS))})
+        copies = copy_rate > 0 and rng.random() < copy_rate  # no draw at 0: the same files as before
+        named = word if copies else str(rng.choice(WORDS))
+        rows["sft"].append({"prompt": prompt, "completion": ANSWER.format(named)})
         rows["prompts"].append({"prompt": prompt, "word": word})
     for name, path in files.items():
         path.write_text("".join(json.dumps(r) + "\n" for r in rows[name]))
