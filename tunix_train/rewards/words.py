@@ -9,8 +9,9 @@ preferred answer names it.
 `write_task` writes the three: the pairs for objective=reward, prompt/completion records whose
 answer names the prompt's word with probability `copy_rate` and otherwise a word drawn at random (a
 supervised start that learns the form, and, when copy_rate > 0, that copying the word is one thing
-an answer may do), and the prompts for GRPO. `names_the_word` is the preference as a reward function (1.0 when the
-completion names the prompt's word), for measuring what a reward model taught (scripts/reward_demo.py).
+an answer may do), and the prompts for GRPO. `names_the_word` is the preference as a reward
+function (1.0 when the completion names the prompt's word), for measuring what a reward model taught
+(scripts/reward_demo.py).
 """
 
 from __future__ import annotations
