@@ -34,6 +34,7 @@ def write_task(directory: Path, count: int, seed: int, copy_rate: float = 0.0) -
     """pairs.jsonl, sft.jsonl and prompts.jsonl, `count` records each, drawn with `seed`."""
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
+    copier = np.random.default_rng([seed, 1])  # its own draws: the pairs are the same at any copy_rate
     files = {name: directory / f"{name}.jsonl" for name in ("pairs", "sft", "prompts")}
     rows = {name: [] for name in files}
     for _ in range(count):
@@ -42,8 +43,8 @@ def write_task(directory: Path, count: int, seed: int, copy_rate: float = 0.0) -
         rows["pairs"].append(
             {"prompt": prompt, "chosen": ANSWER.format(word), "rejected": ANSWER.format(other)}
         )
-        copies = copy_rate > 0 and rng.random() < copy_rate  # no draw at 0: the same files as before
-        named = word if copies else str(rng.choice(WORDS))
+        drawn = str(rng.choice(WORDS))
+        named = word if copier.random() < copy_rate else drawn
         rows["sft"].append({"prompt": prompt, "completion": ANSWER.format(named)})
         rows["prompts"].append({"prompt": prompt, "word": word})
     for name, path in files.items():
