@@ -1,18 +1,19 @@
 """A reward model end to end on a CPU: it learns a preference, and GRPO with it as the only reward
 raises the rate of the answers it prefers.
 
-    python scripts/reward_demo.py [--out DIR] [--reward-steps 60] [--sft-steps 30] [--grpo-steps 40]
+    python scripts/reward_demo.py [--out DIR] [--reward-steps 60] [--sft-steps 100] [--grpo-steps 40]
 
 1. Writes the bundled preference task (tunix_train/rewards/words.py): prompts "Speak of W." whose
    preferred answer names W ("Then speak of W and be gone."), the rejected another word.
 2. Trains a reward model (gemma3_tiny at the corpus's 4096 tokens, objective=reward) on 1024 pairs
    for --reward-steps; reports its held-out accuracy on 64 other pairs (eval_accuracy), at the start
    and at the end, and exports it (Gemma3TextForSequenceClassification).
-3. Fine-tunes the policy (gemma3_small) on the prompts with answers that name the prompt's word
-   with probability --sft-copy-rate (0.25) and otherwise a word drawn at random: it learns the form
-   and that copying the word is one thing an answer may do, not that it is preferred (about
-   0.25 + 0.75/10 of its answers name the prompt's word). At --sft-copy-rate 0 it never learns to
-   copy, and GRPO cannot teach it in 40 steps, even with the true reward (docs/objectives/reward.md).
+3. Fine-tunes the policy (gemma3_small) for --sft-steps on the prompts with answers that name the
+   prompt's word with probability --sft-copy-rate (0.3), otherwise a word drawn at random: it
+   learns the form, and that copying the word is one thing an answer may do, not that it is the
+   preferred one (about 0.3 + 0.7/10 of its answers name the prompt's word). A start that has not
+   learned to copy (--sft-copy-rate 0, or too few steps) is one that GRPO does not teach in 40
+   steps, even with the true reward (docs/objectives/reward.md).
 4. Trains it with objective=grpo for --grpo-steps, the reward model its only reward
    (training.grpo.reward_models; reward_weights 0 for the function names_the_word, which is
    logged to measure the rate and adds nothing to the advantages). Reports, per block of steps,
@@ -50,9 +51,9 @@ def main() -> int:
         "--out", type=Path, default=None, help="where the runs go (default: a new temporary folder)"
     )
     parser.add_argument("--reward-steps", type=int, default=60)
-    parser.add_argument("--sft-steps", type=int, default=30)
+    parser.add_argument("--sft-steps", type=int, default=100)
     parser.add_argument("--grpo-steps", type=int, default=40)
-    parser.add_argument("--sft-copy-rate", type=float, default=0.25)
+    parser.add_argument("--sft-copy-rate", type=float, default=0.3)
     parser.add_argument("--block", type=int, default=10, help="steps per row of the rate table")
     parser.add_argument("--missing-eos-penalty", type=float, default=4.0)
     parser.add_argument("--learning-rate", type=float, default=2e-4, help="GRPO's")

@@ -186,6 +186,7 @@ LONG = frozenset(
     test_qlora.py::test_nf4_base_on_pp_cp_and_dp_equals_one_device[mesh1-extra1]
     test_qlora.py::test_nf4_trains_within_5_percent_of_a_bf16_base
     test_qlora.py::test_quantized_base_starts_at_its_dequantized_loss_and_stays_unchanged[int8-stored1]
+    test_reward.py::test_the_demos_grpo_raises_the_rate_of_the_answers_its_reward_model_prefers
     test_routing_replay.py::test_a_resumed_grpo_run_with_routing_replay_equals_the_straight_one
     test_routing_replay.py::test_grpo_with_routing_replay_trains_on_the_engines_experts
     test_routing_replay.py::test_the_engine_records_the_experts_and_replaying_them_gives_its_logprobs[gemma4_moe]

@@ -201,9 +201,20 @@ def test_bad_gkd_settings_and_records_are_one_line(tmp_path):
         ),
         (["training.distill.teacher=x", "training.grpo.beta=0.1"], "GKD's loss has no KL to a reference"),
         (["training.distill.teacher=x", "training.grpo.environment=m:E"], "GKD's completions are one turn"),
+        (
+            ["training.distill.teacher=x", "training.distill.teacher_logits=y"],
+            "teacher_logits is objective=distill's stored teacher; training.grpo.advantage=gkd",
+        ),
     ]:
         with pytest.raises(ConfigError, match=message):
             _gkd(tmp_path, *overrides)
+    with pytest.raises(ConfigError, match="advantage=distill scores the sampled tokens with the live"):
+        _gkd(
+            tmp_path,
+            "training.distill.teacher=x",
+            "training.distill.teacher_logits=y",
+            objective="distill_on_policy",
+        )
     build("gemma3", tmp_path / "teacher", vocab_size=4096)
     teacher = tmp_path / "teacher"
     for overrides, message in [

@@ -221,6 +221,13 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
             "training.grpo.advantage=distill needs training.distill.teacher: the checkpoint whose "
             "log-probabilities of the sampled tokens make the advantages"
         )
+    on_policy = t.grpo.advantage in (AdvantageEstimator.distill, AdvantageEstimator.gkd)
+    if on_policy and t.distill.teacher_logits:
+        raise ConfigError(
+            f"training.distill.teacher_logits is objective=distill's stored teacher; "
+            f"training.grpo.advantage={t.grpo.advantage.value} scores the sampled tokens with the live "
+            f"training.distill.teacher: unset teacher_logits"
+        )
     if t.grpo.advantage is AdvantageEstimator.gkd:
         t.distill.check_gkd()
         t.distill.check(m.vocab_size)
