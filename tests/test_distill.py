@@ -122,6 +122,10 @@ def test_bad_teachers_and_settings_are_one_line(tmp_path):
             ["training.distill.teacher=x", "training.distill.top_k=5000"],
             r"training.distill.top_k=5000 must be in \[0, model.vocab_size=4096\]",
         ),
+        (
+            ["training.distill.teacher_logits=x", "training.distill.teacher_offload=true"],
+            "teacher_offload=true keeps a live teacher in host memory, and training.distill.teacher_logits",
+        ),
     ]:
         with pytest.raises(ConfigError, match=message):
             config(*DISTILL, *overrides)
@@ -134,6 +138,40 @@ def test_bad_teachers_and_settings_are_one_line(tmp_path):
         with pytest.raises(ConfigError, match=message):
             objective = make_objective(cfg)
             objective.read(Data(cfg))
+
+
+def test_an_offloaded_teacher_waits_in_host_memory_and_changes_no_loss(tmp_path):
+    """training.distill.teacher_offload=true on fsdp2 x tp2: the teacher's parameters are in pinned
+    host memory between steps; the compiled step takes them there (as many of its arguments are in
+    the host's memory space, S(5), as the teacher has arrays; none without offload) and copies them
+    in; three steps log the losses of the same run without offload, bit for bit."""
+    from tunix_train.train.loop import train
+    from tunix_train.train.setup import setup
+    from tunix_train.train.step import abstract_batch
+
+    teacher = _teacher(tmp_path / "teacher")
+    devices = jax.devices()[:4]
+    losses = {}
+    for offload in (False, True):
+        cfg = config(
+            *DISTILL,
+            f"training.distill.teacher={teacher}",
+            f"training.distill.teacher_offload={str(offload).lower()}",
+            "training.max_steps=3",
+            "training.micro_batch_size=2",
+            'model.mesh_shape=[[2,2],["fsdp","tp"]]',
+        )
+        run = setup(cfg, devices)
+        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(run.extras.params())}
+        assert kinds == {"pinned_host" if offload else "device"}, kinds
+        with jax.set_mesh(run.mesh):
+            batch = abstract_batch(run.mesh, 1, 4, cfg.data.seq_len, run.objective.batch_dtypes)
+            compiled = run.step_fn.lower(run.plan.abstract, batch).compile().as_text()
+        on_host = len(jax.tree.leaves(run.extras.abstract)) if offload else 0
+        assert compiled.count("S(5)") == on_host, (offload, compiled.count("S(5)"))
+        train(cfg, tmp_path / f"offload_{offload}", devices=devices)
+        losses[offload] = train_losses(tmp_path / f"offload_{offload}")
+    assert len(losses[True]) == 3 and losses[True] == losses[False], losses
 
 
 @pytest.mark.slow  # two compilations at a vocabulary of 8192 (the seam's own test runs in the first leg)

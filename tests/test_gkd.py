@@ -160,9 +160,12 @@ def test_gkd_is_the_same_on_one_device_and_fsdp2_tp2(tmp_path):
 def test_on_policy_distillation_under_lora_resumes_bit_identically(tmp_path, objective, logged):
     """LoRA rank 4 on fsdp2 x tp2, a random teacher; GKD at lmbda 0.5, so the run stops between
     rollouts of both kinds (seed 0 draws on, on, off, on... as the test above checks). Stopped after
-    2 steps and resumed to 4: the 4th step's parameters (the adapters) and every logged figure equal
+    2 steps and resumed to 4 with the teacher offloaded (training.distill.teacher_offload, which a
+    resumed run may change): the 4th step's parameters (the adapters) and every logged figure equal
     an uninterrupted run's bit for bit; the adapters' b halves (zero at the start) have moved."""
-    from conftest import assert_same_parameters, checkpoint_arrays, straight_and_resumed
+    from conftest import assert_same_parameters, checkpoint_arrays
+
+    from tunix_train.train.loop import train
 
     build("gemma3", tmp_path / "teacher", vocab_size=4096)
     cfg = _gkd(
@@ -177,7 +180,10 @@ def test_on_policy_distillation_under_lora_resumes_bit_identically(tmp_path, obj
         *(["training.grpo.num_generations=4"] if objective == "distill_on_policy" else []),
         objective=objective,
     )
-    straight, resumed = straight_and_resumed(cfg, tmp_path, 4, 2, jax.devices()[:4])
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for run_dir, stops in ((straight, [(4, False)]), (resumed, [(2, False), (4, True)])):
+        for cfg.training.max_steps, cfg.training.distill.teacher_offload in stops:
+            train(cfg, run_dir, devices=jax.devices()[:4])
     assert_same_parameters(straight, resumed, 4)
 
     def figures(run_dir):

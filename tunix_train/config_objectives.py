@@ -344,6 +344,8 @@ class DistillConfig:
     temperature: float = _fixed(1.0)  # both models' logits are divided by it
     ce_weight: float = _fixed(0.0)  # the data's cross-entropy, added with this weight
     teacher_bf16: bool = _fixed(False)  # the teacher computes in bfloat16 (half its memory)
+    # the teacher waits in pinned host memory between the steps that use it (copied in for each)
+    teacher_offload: bool = _changeable(False)
     # 0: the divergence over the whole vocabulary; k: over the teacher's k likeliest tokens at each
     # position, both distributions renormalized over them
     top_k: int = _fixed(0)
@@ -373,6 +375,11 @@ class DistillConfig:
             raise ConfigError(
                 "training.objective=distill needs one of training.distill.teacher (a checkpoint to "
                 "learn from) and training.distill.teacher_logits (its stored top-k log-probabilities)"
+            )
+        if self.teacher_offload and not self.teacher:
+            raise ConfigError(
+                "training.distill.teacher_offload=true keeps a live teacher in host memory, and "
+                "training.distill.teacher_logits has none: set it to false"
             )
         if not 0.0 <= self.beta <= 1.0:
             raise ConfigError(f"training.distill.beta={self.beta} must be in [0, 1]")

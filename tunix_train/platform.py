@@ -130,8 +130,13 @@ def validate_training_for_mesh(training: TrainingConfig, mesh: jax.sharding.Mesh
             f"training.remat=offload_matmul_outputs needs pinned host memory, which "
             f"{device.platform} devices do not offer: choose another training.remat"
         )
-    for key in ("offload_optimizer_state", "offload_master_weights"):
-        if getattr(training, key) and "pinned_host" not in kinds:
+    offloads = {
+        "offload_optimizer_state": training.offload_optimizer_state,
+        "offload_master_weights": training.offload_master_weights,
+        "distill.teacher_offload": training.distill.teacher_offload,
+    }
+    for key, wanted in offloads.items():
+        if wanted and "pinned_host" not in kinds:
             raise ConfigError(
                 f"training.{key}=true needs pinned host memory, which {device.platform} "
                 f"devices do not offer (they have {sorted(kinds)}): set it to false"

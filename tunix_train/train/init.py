@@ -150,7 +150,9 @@ class FrozenModels:
 
     specs: dict
     graphdefs: dict
-    abstract: dict  # in each model's compute dtype: loaded once in it, never cast in the step
+    # in each model's compute dtype (loaded once in it, never cast in the step) and in the memory it
+    # lives in between steps: pinned host memory for an offloaded one (ExtraModel.offload)
+    abstract: dict
     _params: dict | None = None
 
     @property
@@ -158,11 +160,33 @@ class FrozenModels:
         return jax.tree.map(lambda x: x.sharding, self.abstract)
 
     def params(self) -> dict:
-        if self._params is None:
+        if self._params is None:  # loaded on the devices, then an offloaded one moved to the host
             self._params = {
-                name: _load_frozen(spec, self.abstract[name]) for name, spec in self.specs.items()
+                name: jax.device_put(_load_frozen(spec, _in_device_memory(self.abstract[name])), shardings)
+                if spec.offload
+                else _load_frozen(spec, self.abstract[name])
+                for (name, spec), shardings in zip(self.specs.items(), self.shardings.values())
             }
         return self._params
+
+    def on_devices(self, models: dict) -> dict:
+        """`models` (their parameters, inside a step) in device memory: an offloaded model is copied
+        there for the step that uses it, and the copy lives only as long as the step needs it."""
+        return {
+            name: jax.device_put(
+                params, jax.tree.map(lambda x: x.sharding, _in_device_memory(self.abstract[name]))
+            )
+            if self.specs[name].offload
+            else params
+            for name, params in models.items()
+        }
+
+
+def _in_device_memory(abstract):
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding.with_memory_kind("device")),
+        abstract,
+    )
 
 
 def plan_frozen_models(specs: dict, mesh: Mesh, rules: Rules, graphdef_of) -> FrozenModels | None:
@@ -174,9 +198,11 @@ def plan_frozen_models(specs: dict, mesh: Mesh, rules: Rules, graphdef_of) -> Fr
         shapes = jax.eval_shape(
             lambda k, cfg=spec.model: model_params(cfg, k, FULL_FINE_TUNING), jax.random.key(0)
         )
-        dtype = COMPUTE_DTYPES[spec.precision]
+        dtype, memory = COMPUTE_DTYPES[spec.precision], "pinned_host" if spec.offload else "device"
         abstract[name] = jax.tree.map(
-            lambda x, dtype=dtype: jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding),
+            lambda x, dtype=dtype, memory=memory: jax.ShapeDtypeStruct(
+                x.shape, dtype, sharding=x.sharding.with_memory_kind(memory)
+            ),
             abstract_of(shapes, state_shardings(shapes, mesh, rules=rules)),
         )
     return FrozenModels(specs, {name: graphdef_of(spec.model) for name, spec in specs.items()}, abstract)

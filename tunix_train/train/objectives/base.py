@@ -11,20 +11,27 @@ from tunix_train.config import Config, ConfigError, MixedPrecision, ModelConfig
 class ExtraModel:
     """A frozen model an objective reads beside the one it trains (a teacher, a reward model): its
     config (any size; the vocabulary the objective needs), where its weights come from (a Hugging
-    Face directory, a GGUF file or a run; None: fresh from `seed`) and the dtype it computes in. It is
-    sharded by the same rules table on the run's mesh, and never updated or checkpointed."""
+    Face directory, a GGUF file or a run; None: fresh from `seed`), the dtype it computes in, and
+    whether it waits in pinned host memory between the steps that use it (offload). It is sharded by
+    the same rules table on the run's mesh, and never updated or checkpointed."""
 
     model: ModelConfig
     source: str | None = None
     seed: int = 0
     precision: MixedPrecision = MixedPrecision.fp32
+    offload: bool = False
 
 
 PROBE = "The quick brown fox, 12 + 30 = 42.\nWhat's next?"  # tokenizers that must agree cut it alike
 
 
 def checkpoint_model(
-    cfg: Config, path: str, key: str, name: str, precision: MixedPrecision = MixedPrecision.fp32
+    cfg: Config,
+    path: str,
+    key: str,
+    name: str,
+    precision: MixedPrecision = MixedPrecision.fp32,
+    offload: bool = False,
 ) -> ExtraModel:
     """The checkpoint at `path` (config key `key`) as an ExtraModel named `name` on the run's mesh,
     its config read from the checkpoint; a one-line error when it cannot be read or has another
@@ -41,7 +48,7 @@ def checkpoint_model(
             f"{key}: {path} has vocab_size {model.vocab_size} but the trained model's "
             f"model.vocab_size={cfg.model.vocab_size}: it must share its vocabulary"
         )
-    return ExtraModel(model, str(source.path), precision=precision)
+    return ExtraModel(model, str(source.path), precision=precision, offload=offload)
 
 
 def check_tokenizer(model: ExtraModel, tokenizer, key: str) -> None:

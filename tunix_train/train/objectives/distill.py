@@ -75,8 +75,9 @@ def divergence(student, teacher, d) -> jnp.ndarray:
 def teacher_model(cfg: Config) -> ExtraModel:
     """training.distill.teacher as an ExtraModel on the run's mesh (base.checkpoint_model)."""
     precision = MixedPrecision.bf16 if cfg.training.distill.teacher_bf16 else MixedPrecision.fp32
+    distill = cfg.training.distill
     return checkpoint_model(
-        cfg, cfg.training.distill.teacher, "training.distill.teacher", "teacher", precision
+        cfg, distill.teacher, "training.distill.teacher", "teacher", precision, distill.teacher_offload
     )
 
 
