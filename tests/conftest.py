@@ -290,6 +290,15 @@ def assert_same_parameters(run_a: Path, run_b: Path, step: int) -> None:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
+def assert_adapters_moved(step_dir: Path) -> None:
+    """Every LoRA adapter's b half (zero at the start) saved at `step_dir` has moved from zero."""
+    import numpy as np
+
+    saved = checkpoint_arrays(step_dir)
+    b_halves = [key for key in saved if "params" in key and "lora" in key and key.endswith("['b']['value']")]
+    assert b_halves and all(np.abs(saved[key]).max() > 0 for key in b_halves), b_halves
+
+
 def made_once(tmp_path_factory, name: str, make) -> Path:
     """A directory that make(directory) fills once per test session: the first worker process to
     ask makes it while the others wait, then all read it (a module-scoped fixture is made by every

@@ -218,6 +218,32 @@ def test_under_lora_the_head_trains_beside_the_adapters(tmp_path):
         model.export_adapters(tmp_path / "adapter.gguf", format="gguf")
 
 
+@pytest.mark.slow  # two runs
+def test_a_reward_model_resumes_bit_identically(tmp_path):
+    """fsdp2 x tp2, centering on: stopped after 2 steps and resumed to 4, the 4th step's parameters
+    (the head's among them) and every logged loss and accuracy equal an uninterrupted run's bit for
+    bit."""
+    from conftest import assert_same_parameters, straight_and_resumed
+
+    cfg = config(
+        *REWARD,
+        f"data.train_files=[{_pairs(tmp_path / 'train.jsonl', 64, 0)}]",
+        'model.mesh_shape=[[2,2],["fsdp","tp"]]',
+        "training.micro_batch_size=4",
+        "training.eval_every=0",
+        "training.reward.center_rewards_coefficient=0.01",
+        "training.lr_schedule=constant",  # the schedule must not depend on max_steps, which changes
+        "checkpoint.every_steps=2",
+    )
+    straight, resumed = straight_and_resumed(cfg, tmp_path, 4, 2, jax.devices()[:4])
+    assert_same_parameters(straight, resumed, 4)
+
+    def logged(run_dir):
+        return [(m["loss"], m["accuracy"]) for m in read_metrics(run_dir) if "loss" in m]
+
+    assert len(logged(straight)) == 4 and logged(resumed)[-2:] == logged(straight)[-2:]
+
+
 def _random_reward_model(directory):
     """A seeded random Gemma3TextForSequenceClassification (one label) at the test sizes, saved."""
     import torch
