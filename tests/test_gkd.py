@@ -120,6 +120,41 @@ def test_a_student_that_is_its_teacher_has_no_divergence_on_its_samples_or_the_r
     assert all(abs(m["divergence"]) < 1e-5 for m in metrics), metrics
 
 
+def test_with_seq_kd_the_rollouts_not_the_students_are_the_teachers_samples(tmp_path):
+    """lmbda 0 with seq_kd: every rollout is sampled by the teacher's engine. A fresh student's
+    rollouts are then the very completions that a student started from the teacher samples itself
+    at lmbda 1 (the same weights, sampling settings and seeds), not those the fresh student samples
+    at lmbda 1; its divergence from the teacher is well above 0. The records' completion field is
+    not read (here it does not exist)."""
+    import dataclasses
+
+    from tunix_train.interop import loader
+
+    build("gemma3", tmp_path / "teacher", vocab_size=4096)
+    teacher = tmp_path / "teacher"
+    itself = dataclasses.replace(loader.source(teacher).cfg.model, init_from=str(teacher))
+    same = (
+        f"training.distill.teacher={teacher}",
+        "training.learning_rate=0",
+        "training.grpo.temperature=1.5",
+    )
+    seq_kd, by_teacher = _run(
+        tmp_path,
+        "seq_kd",
+        2,
+        *same,
+        "training.distill.lmbda=0",
+        "training.distill.seq_kd=true",
+        "training.distill.completion_field=missing",
+    )
+    _, teachers_own = _run(tmp_path, "teacher_on_policy", 2, *same, "training.distill.lmbda=1", model=itself)
+    _, students_own = _run(tmp_path, "student_on_policy", 2, *same, "training.distill.lmbda=1")
+    assert [m["on_policy"] for m in seq_kd] == [0.0, 0.0]
+    assert by_teacher == teachers_own and len({s["text"] for s in by_teacher}) > 1, by_teacher
+    assert by_teacher != students_own
+    assert all(m["divergence"] > 0.1 for m in seq_kd), seq_kd
+
+
 @pytest.mark.slow  # two runs
 def test_gkd_is_the_same_on_one_device_and_fsdp2_tp2(tmp_path):
     """A random student and teacher: the first two steps' divergence and reward on one device and
@@ -199,6 +234,10 @@ def test_bad_gkd_settings_and_records_are_one_line(tmp_path):
     for overrides, message in [
         ([], "training.grpo.advantage=gkd needs training.distill.teacher"),
         (["training.distill.teacher=x", "training.distill.lmbda=1.5"], r"lmbda=1.5 must be in \[0, 1\]"),
+        (
+            ["training.distill.teacher=x", "training.distill.lmbda=1", "training.distill.seq_kd=true"],
+            "training.distill.lmbda=1 leaves none",
+        ),
         (
             ["training.distill.teacher=x", "training.distill.ce_weight=0.1"],
             "GKD's loss is the divergence alone",

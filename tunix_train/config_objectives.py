@@ -353,6 +353,8 @@ class DistillConfig:
     # others are the records' completion_field, as written
     lmbda: float = _fixed(0.5)
     completion_field: str = _fixed("completion")
+    # objective=gkd: the other rollouts are the teacher's samples instead (TRL's seq_kd)
+    seq_kd: bool = _fixed(False)
 
     def check_gkd(self) -> None:
         """What objective=gkd (training.grpo.advantage=gkd) reads of training.distill."""
@@ -363,6 +365,11 @@ class DistillConfig:
             )
         if not 0.0 <= self.lmbda <= 1.0:
             raise ConfigError(f"training.distill.lmbda={self.lmbda} must be in [0, 1]")
+        if self.seq_kd and self.lmbda == 1.0:
+            raise ConfigError(
+                "training.distill.seq_kd=true samples the rollouts that are not the student's from the "
+                "teacher, and training.distill.lmbda=1 leaves none: lower lmbda or unset seq_kd"
+            )
         if self.ce_weight:
             raise ConfigError(
                 f"training.distill.ce_weight={self.ce_weight} is objective=distill's; GKD's loss is the "

@@ -4,14 +4,16 @@ objective=gkd, training.grpo.advantage=gkd.
 On the records' prompts the student learns the teacher's next-token distributions over the
 completion tokens: training.distill's divergence (generalized Jensen-Shannon with beta, at its
 temperature, over the whole vocabulary in chunks or the teacher's top k; distill.py), its mean over
-the batch's completion tokens. The completions are the student's own samples (the rollout
-component, grpo.py: the engine at training.grpo.temperature, max_new_tokens) for a rollout with
-probability training.distill.lmbda, else the records' training.distill.completion_field, ended
-by a stop token (TRL's lmbda: the fraction of on-policy student outputs; seq_kd, the teacher's
-samples, is not built). Rollout r's draw is seeded by training.seed and r, so a resumed run makes
-the same choice. The loss is supervised: its gradient flows through the student's distribution at
-every position, unlike on-policy distillation's advantages (training.grpo.advantage=distill). The
-reward functions score the completions for the log, and make no advantage.
+the batch's completion tokens. The completions are the student's own samples (the rollout component,
+grpo.py: the engine at training.grpo.temperature, max_new_tokens) for a rollout with probability
+training.distill.lmbda (TRL's lmbda: the fraction of on-policy student outputs). The others are the
+records' training.distill.completion_field, ended by a stop token, or with training.distill.seq_kd
+the teacher's samples, drawn as the student's would be (an engine of the teacher's model on the
+training mesh, the same sampling settings and seeds; TRL's seq_kd). Rollout r's draw is seeded by
+training.seed and r, so a resumed run makes the same choice. The loss is supervised: its gradient
+flows through the student's distribution at every position, unlike on-policy distillation's
+advantages (training.grpo.advantage=distill). The reward functions score the completions for the
+log, and make no advantage.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ from tunix_train.train.rollout import Rollout, Sampler
 
 class GkdSampler(Sampler):
     """The rollout component, whose rollouts are the student's samples with probability lmbda
-    and otherwise the records' completions."""
+    and otherwise the records' completions, or the teacher's samples (seq_kd)."""
 
     def __init__(self, cfg: Config, rewards):
         super().__init__(cfg, rewards)
         self.lmbda, self.field = cfg.training.distill.lmbda, cfg.training.distill.completion_field
+        self.seq_kd = cfg.training.distill.seq_kd
 
     def on_policy(self, index: int) -> bool:
         """Whether rollout `index` is sampled (seeded by training.seed and the rollout's number)."""
@@ -46,7 +49,7 @@ class GkdSampler(Sampler):
         ended by the stop token; a record without one, or too long, is a one-line error."""
         super().read(data)
         self.completions = []
-        if self.lmbda == 1:
+        if self.lmbda == 1 or self.seq_kd:
             return
         limit = self.grpo.max_new_tokens
         for number, doc in enumerate(self.docs, start=1):
@@ -64,11 +67,30 @@ class GkdSampler(Sampler):
                 )
             self.completions.append(ids)
 
+    def connect(self, run) -> None:
+        """The student's engine (Sampler.connect), and with seq_kd the teacher's, on the training
+        mesh where the teacher's parameters are."""
+        from tunix_train.generate import Engine
+
+        super().connect(run)
+        if self.seq_kd:
+            teacher = run.extras.specs["teacher"].model
+            self.teacher_engine = Engine(
+                teacher, run.mesh, stop_ids=self.stop_ids, slots=self.grpo.rollout_slots
+            )
+
     def sample(
         self, order: np.ndarray, index: int, round_: int, params
     ) -> tuple[list[dict[str, Any]], float]:
         if self.on_policy(index):
             return super().sample(order, index, round_, params)
+        if self.seq_kd:  # the student's sampling, with the teacher's engine and parameters
+            student, self.engine = self.engine, self.teacher_engine
+            try:  # an offloaded teacher is copied to the devices for the rollout
+                teacher = self.run.extras.on_devices(self.run.extras.params())["teacher"]
+                return super().sample(order, index, round_, teacher)
+            finally:
+                self.engine = student
         start, G = time.perf_counter(), self.grpo.num_generations
         order = [int(i) for i in order]
         rows = [i for i in order for _ in range(G)]
