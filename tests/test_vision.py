@@ -1070,6 +1070,102 @@ def test_dpo_on_image_grounded_pairs_reads_the_images_and_learns_them(tmp_path):
         make_objective(cfg).read(Data(cfg, ("prompt", "chosen", "rejected")))
 
 
+@pytest.mark.slow  # a training run and an export
+def test_a_reward_model_on_images_learns_them_and_exports_as_transformers_gemma3_with_a_head(tmp_path):
+    """objective=reward on gemma3_vision_tiny (tower trainable), pairs whose right answer is the
+    colour of the prompt's image: each answer is chosen as often as rejected, so only the image
+    tells them apart. The held-out pairs (other records, the same two colours) go from at most half
+    ranked right to all of them. The export is transformers' Gemma3ForSequenceClassification: it
+    loads with nothing missing, and its scores of the held-out pairs (their rows and images as
+    ours, read at the EOS) average to our evaluation's eval_reward_chosen and eval_reward_rejected
+    (1e-4) and rank them alike. As a GRPO reward model, which reads text only, it is one line."""
+    import json
+
+    from conftest import read_metrics
+    from PIL import Image
+
+    from tunix_train import export
+    from tunix_train.compose import load_config
+    from tunix_train.data import Data
+    from tunix_train.train.loop import train
+    from tunix_train.train.objectives import make_objective
+    from tunix_train.train.objectives.reward_models import RewardModels
+
+    (tmp_path / "pics").mkdir()
+    for name, rgb in {"red": (220, 30, 30), "blue": (30, 30, 220)}.items():
+        Image.new("RGB", (32, 32), rgb).save(tmp_path / "pics" / f"{name}.png")
+
+    def pairs(name, count, offset):
+        records = []
+        for i in range(offset, offset + count):
+            right, wrong = ("red", "blue") if i % 2 else ("blue", "red")
+            part = {"type": "image", "image": f"pics/{right}.png"}
+            prompt = [{"role": "user", "content": [part, {"type": "text", "text": f"Colour {i}?"}]}]
+            records.append({"prompt": prompt, "chosen": right, "rejected": wrong})
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+        return tmp_path / name
+
+    overrides = [
+        *VISION_DATA,
+        "data=jsonl",
+        "objective=reward",
+        "model.vision.trainable=true",
+        f"data.train_files=[{pairs('train.jsonl', 32, 0)}]",
+        f"data.eval_files=[{pairs('eval.jsonl', 8, 100)}]",
+        f"data.tokenizer={_vision_tokenizer(tmp_path / 'tok')}",
+        "data.images_per_row=1",
+        "training.micro_batch_size=8",
+        "training.max_steps=12",
+        "training.learning_rate=3e-3",
+        "training.warmup_steps=0",
+        "training.eval_every=12",
+        "training.eval_batches=1",
+        'model.mesh_shape=[[2],["fsdp"]]',
+    ]
+    cfg, _ = load_config(overrides)
+    train(cfg, tmp_path / "run", devices=jax.devices()[:2])
+    evals = [m for m in read_metrics(tmp_path / "run") if "eval_accuracy" in m]
+    assert evals[0]["eval_accuracy"] <= 0.5 and evals[-1]["eval_accuracy"] == 1.0, evals
+    assert export.main([str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    model, info = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "hf", output_loading_info=True
+    )
+    assert type(model).__name__ == "Gemma3ForSequenceClassification"
+    assert not any(info.values()), info
+
+    objective = make_objective(cfg)
+    objective.read(Data(cfg, objective.record_fields))
+    scores, image = [], cfg.model.vision.image_token_id
+    with torch.no_grad():
+        for pair in objective._pairs["eval"]:
+            for row in range(2):
+                end = int(np.argmax(pair["loss_mask"][row])) + 1  # through the EOS, where it is read
+                ids = torch.from_numpy(pair["inputs"][row, :end][None].astype(np.int64))
+                pixels = torch.from_numpy(pair["images"][row])
+                out = model.eval()(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == image).long())
+                scores.append(float(out.logits[0, 0]))
+    scores = np.array(scores).reshape(-1, 2)
+    assert scores[:, 0].mean() == pytest.approx(evals[-1]["eval_reward_chosen"], abs=1e-4)
+    assert scores[:, 1].mean() == pytest.approx(evals[-1]["eval_reward_rejected"], abs=1e-4)
+    assert (scores[:, 0] > scores[:, 1]).all()
+
+    grpo, _ = load_config(
+        [
+            *VISION_DATA,
+            "objective=grpo",
+            "data=jsonl",
+            "data.train_files=[x.jsonl]",
+            f"data.tokenizer={tmp_path / 'tok'}",
+            "training.grpo.reward=[]",
+            f"training.grpo.reward_models=[{tmp_path / 'hf'}]",
+        ]
+    )
+    with pytest.raises(
+        ConfigError, match="has an image tower .*GRPO's reward models read the completions' text"
+    ):
+        RewardModels(grpo)
+
+
 def written_mmproj(model, tmp_path):
     """transformers' `model` saved, loaded by ours (fsdp 2), its tower written as an mmproj GGUF
     (f32): (model, the LoadedModel, a gguf reader of the file)."""

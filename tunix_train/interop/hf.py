@@ -231,7 +231,10 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
     if not file.is_file():
         raise ConfigError(f"model.init_from: no config.json in {directory}")
     hf = json.loads(file.read_text())
-    return hf.get("text_config", hf)  # Gemma 3 and 4 multimodal checkpoints nest the text decoder
+    if "text_config" not in hf:
+        return hf
+    # Gemma 3 and 4 multimodal checkpoints nest the text decoder; the class (a scalar head?) is outside
+    return {**hf["text_config"], "architectures": hf.get("architectures") or []}
 
 
 def other_towers(directory: Path) -> list[str]:
@@ -252,9 +255,20 @@ def model_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """config.json for transformers' model of cfg.family (with an image tower: its
-    Gemma3ForConditionalGeneration)."""
+    Gemma3ForConditionalGeneration, and with a scalar head too, Gemma3ForSequenceClassification)."""
     text = families.named(cfg.family).hf_config(cfg)
-    return text if cfg.vision is None else vision.of(cfg.vision).multimodal_config(cfg.vision, text)
+    if cfg.vision is None:
+        return text
+    whole = vision.of(cfg.vision).multimodal_config(cfg.vision, text)
+    if not cfg.score_head:
+        return whole
+    if cfg.vision.encoder is not VisionEncoder.siglip:
+        raise ConfigError(
+            f"model.score_head: transformers has no model with a {cfg.vision.encoder.value} image tower "
+            f"and a scalar head to write this reward model as"
+        )
+    labels = {key: whole["text_config"].pop(key) for key in ("num_labels", "id2label", "label2id")}
+    return {**whole, "architectures": ["Gemma3ForSequenceClassification"], **labels}
 
 
 def check_matches(cfg: ModelConfig, directory: Path) -> None:

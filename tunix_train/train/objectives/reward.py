@@ -11,7 +11,8 @@ field of that name when it has one (TRL's), else 0; the coefficient's term (Eise
 keeps the rewards centred on zero. Every mean is the whole batch's, so accumulation is exact.
 
 A pair is two rows, chosen then rejected, each unpacked and padded to data.seq_len (the EOS an
-input here, unlike a language-model row); a micro-batch holds whole pairs (DPO's batches).
+input here, unlike a language-model row); a micro-batch holds whole pairs (DPO's batches). With an
+image tower (model.vision) both rows carry the prompt's images, as DPO's do.
 Evaluation (training.eval_every) reports the held-out pairs' loss and accuracy, the fraction whose
 chosen answer scores higher.
 """
@@ -48,11 +49,6 @@ class RewardModeling(DirectPreference):
             raise ConfigError(
                 "training.objective=reward trains a scalar head: set model.score_head=true (objective=reward "
                 "sets it)"
-            )
-        if cfg.model.vision is not None:
-            raise ConfigError(
-                "training.objective=reward reads text pairs; a model with an image tower (model.vision) "
-                "is not supported yet"
             )
 
     def weight(self, batch):

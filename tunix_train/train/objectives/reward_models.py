@@ -31,6 +31,11 @@ class RewardModels:
                     f"{KEY}: {path} has no scalar head (score.weight; a ...ForSequenceClassification "
                     f"checkpoint, or objective=reward's run); train one with objective=reward"
                 )
+            if spec.model.vision is not None:
+                raise ConfigError(
+                    f"{KEY}: {path} has an image tower (a reward model trained on images); GRPO's "
+                    f"reward models read the completions' text only: use one without a tower"
+                )
             self.specs[spec.model.name] = spec
         self.names = [f"reward_model_{i}" for i in range(len(self.specs))]
         self._frozen = None
