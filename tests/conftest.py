@@ -231,6 +231,12 @@ def cpu_env(devices: int) -> dict:
     return cpu_devices_env(devices, {**os.environ, "XLA_FLAGS": f"{FAST_COMPILE} {_USERS_XLA_FLAGS}"})
 
 
+def users_env() -> dict:
+    """The environment a user runs a script in: one CPU device, the compiler at its own level (the
+    user's XLA_FLAGS, not the suite's)."""
+    return {**os.environ, "XLA_FLAGS": _USERS_XLA_FLAGS}
+
+
 def config(*overrides: str):
     """The composed, validated Config for the test-sized model plus `overrides`."""
     cfg, _ = load_config(["model=gemma3_tiny", "data=synthetic", "data.seq_len=32", *overrides])
