@@ -1166,6 +1166,25 @@ def test_a_reward_model_on_images_learns_them_and_exports_as_transformers_gemma3
         RewardModels(grpo)
 
 
+def test_a_reward_models_config_json_is_gemma3s_sequence_classifier_and_gemma4s_is_one_line():
+    """With model.score_head, a Gemma 3 tower's config.json is transformers'
+    Gemma3ForSequenceClassification with one label at the top level (where transformers reads it);
+    Gemma 4 has no class with a scalar head, so its export is a one-line error."""
+    from tunix_train.compose import load_config
+    from tunix_train.interop import hf
+
+    gemma3 = dataclasses.replace(load_config(["model=gemma3_vision_tiny"])[0].model, score_head=True)
+    written = hf.hf_config(gemma3)
+    assert written["architectures"] == ["Gemma3ForSequenceClassification"] and written["num_labels"] == 1
+    assert "num_labels" not in written["text_config"]
+    assert hf.hf_config(dataclasses.replace(gemma3, score_head=False))["architectures"] == [
+        "Gemma3ForConditionalGeneration"
+    ]
+    gemma4 = dataclasses.replace(load_config(["model=gemma4_vision_tiny"])[0].model, score_head=True)
+    with pytest.raises(ConfigError, match="transformers has no gemma4 model with a scalar head"):
+        hf.hf_config(gemma4)
+
+
 def written_mmproj(model, tmp_path):
     """transformers' `model` saved, loaded by ours (fsdp 2), its tower written as an mmproj GGUF
     (f32): (model, the LoadedModel, a gguf reader of the file)."""

@@ -257,18 +257,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """config.json for transformers' model of cfg.family (with an image tower: its
     Gemma3ForConditionalGeneration, and with a scalar head too, Gemma3ForSequenceClassification)."""
     text = families.named(cfg.family).hf_config(cfg)
-    if cfg.vision is None:
-        return text
-    whole = vision.of(cfg.vision).multimodal_config(cfg.vision, text)
-    if not cfg.score_head:
-        return whole
-    if cfg.vision.encoder is not VisionEncoder.siglip:
-        raise ConfigError(
-            f"model.score_head: transformers has no model with a {cfg.vision.encoder.value} image tower "
-            f"and a scalar head to write this reward model as"
-        )
-    labels = {key: whole["text_config"].pop(key) for key in ("num_labels", "id2label", "label2id")}
-    return {**whole, "architectures": ["Gemma3ForSequenceClassification"], **labels}
+    return text if cfg.vision is None else vision.of(cfg.vision).multimodal_config(cfg.vision, text)
 
 
 def check_matches(cfg: ModelConfig, directory: Path) -> None:

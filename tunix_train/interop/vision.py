@@ -156,12 +156,18 @@ def tower_tensors(cfg: VisionConfig, arrays: Mapping[str, np.ndarray]) -> dict[s
     return {name: np.ascontiguousarray(a, np.float32) for name, a in out.items()}
 
 
+LABELS = ("num_labels", "id2label", "label2id")  # a text config.json's scalar head (a reward model)
+
+
 def multimodal_config(cfg: VisionConfig, text_config: Mapping[str, Any]) -> dict[str, Any]:
     """config.json of transformers' Gemma3ForConditionalGeneration around a text model's config.json
-    (Gemma 3's own start and end of image tokens are transformers' defaults, not written)."""
-    text = {k: v for k, v in text_config.items() if k != "architectures"}
+    (Gemma 3's own start and end of image tokens are transformers' defaults, not written); with a
+    scalar head (a reward model), its Gemma3ForSequenceClassification, the labels at the top."""
+    text = {k: v for k, v in text_config.items() if k != "architectures" and k not in LABELS}
+    labels = {k: text_config[k] for k in LABELS if k in text_config}
     return {
-        "architectures": ["Gemma3ForConditionalGeneration"],
+        "architectures": ["Gemma3ForSequenceClassification" if labels else "Gemma3ForConditionalGeneration"],
+        **labels,
         "model_type": "gemma3",
         "text_config": {**text, "model_type": "gemma3_text"},
         "vision_config": {
