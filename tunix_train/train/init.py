@@ -159,34 +159,23 @@ class FrozenModels:
     def shardings(self) -> dict:
         return jax.tree.map(lambda x: x.sharding, self.abstract)
 
+    @property
+    def device_shardings(self) -> dict:
+        """Where a step computes with them: the same shardings in device memory (step.moved copies an
+        offloaded model there for the step, and the copy lives only as long as the step needs it)."""
+        return jax.tree.map(lambda s: s.with_memory_kind("device"), self.shardings)
+
     def params(self) -> dict:
-        if self._params is None:  # loaded on the devices, then an offloaded one moved to the host
-            self._params = {
-                name: jax.device_put(_load_frozen(spec, _in_device_memory(self.abstract[name])), shardings)
-                if spec.offload
-                else _load_frozen(spec, self.abstract[name])
-                for (name, spec), shardings in zip(self.specs.items(), self.shardings.values())
-            }
-        return self._params
-
-    def on_devices(self, models: dict) -> dict:
-        """`models` (their parameters, inside a step) in device memory: an offloaded model is copied
-        there for the step that uses it, and the copy lives only as long as the step needs it."""
-        return {
-            name: jax.device_put(
-                params, jax.tree.map(lambda x: x.sharding, _in_device_memory(self.abstract[name]))
+        if self._params is None:  # loaded on the devices, then put where they live (offloaded: the host)
+            device = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                self.abstract,
+                self.device_shardings,
             )
-            if self.specs[name].offload
-            else params
-            for name, params in models.items()
-        }
-
-
-def _in_device_memory(abstract):
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding.with_memory_kind("device")),
-        abstract,
-    )
+            self._params = jax.device_put(
+                {name: _load_frozen(spec, device[name]) for name, spec in self.specs.items()}, self.shardings
+            )
+        return self._params
 
 
 def plan_frozen_models(specs: dict, mesh: Mesh, rules: Rules, graphdef_of) -> FrozenModels | None:

@@ -185,7 +185,7 @@ def train_step(
             jax.tree.map(lambda p: p.astype(compute_dtype), wrt), param_shardings
         )
     frozen = to_device("frozen")
-    models = extras.on_devices(models) if extras is not None else models  # once per step, as frozen
+    models = moved(models, extras.shardings, extras.device_shardings) if extras is not None else models
     if compute_dtype != jnp.float32 and frozen is not None:  # cast once per step, not per micro-batch
         frozen = in_compute_dtype(frozen, compute_dtype, on_device.frozen)
     weighted_loss_sum = functools.partial(
@@ -445,7 +445,7 @@ def eval_step(
     `frozen`: the state's frozen weights. An objective with several normalizers (ORPO) gives its
     batch's mean loss, of weight 1, and no metrics."""
     objective = objective or LanguageModeling(None)
-    models = extras.on_devices(models) if extras is not None else models
+    models = moved(models, extras.shardings, extras.device_shardings) if extras is not None else models
     micro = jax.tree.map(lambda x: x[0], parallel.reorder(batch) if parallel else batch)
     weight = objective.weight(micro)
     several = isinstance(weight, dict)

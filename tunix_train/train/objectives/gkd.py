@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -87,7 +88,8 @@ class GkdSampler(Sampler):
         if self.seq_kd:  # the student's sampling, with the teacher's engine and parameters
             student, self.engine = self.engine, self.teacher_engine
             try:  # an offloaded teacher is copied to the devices for the rollout
-                teacher = self.run.extras.on_devices(self.run.extras.params())["teacher"]
+                extras = self.run.extras
+                teacher = jax.device_put(extras.params()["teacher"], extras.device_shardings["teacher"])
                 return super().sample(order, index, round_, teacher)
             finally:
                 self.engine = student
