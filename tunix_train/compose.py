@@ -221,8 +221,8 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
             "training.grpo.advantage=distill needs training.distill.teacher: the checkpoint whose "
             "log-probabilities of the sampled tokens make the advantages"
         )
-    on_policy = t.grpo.advantage in (AdvantageEstimator.distill, AdvantageEstimator.gkd)
-    if on_policy and t.distill.teacher_logits:
+    teaching = t.grpo.advantage in (AdvantageEstimator.distill, AdvantageEstimator.gkd)  # a live teacher
+    if teaching and t.distill.teacher_logits:
         raise ConfigError(
             f"training.distill.teacher_logits is objective=distill's stored teacher; "
             f"training.grpo.advantage={t.grpo.advantage.value} scores the sampled tokens with the live "
@@ -240,8 +240,7 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
                 "training.grpo.tools and environment: GKD's completions are one turn (the records' or "
                 "the student's); set them to [] and null"
             )
-    teaching = (AdvantageEstimator.distill, AdvantageEstimator.gkd)
-    if t.grpo.advantage in teaching and (t.grpo.dynamic_sampling or t.grpo.routing_replay):
+    if teaching and (t.grpo.dynamic_sampling or t.grpo.routing_replay):
         raise ConfigError(
             f"training.grpo.dynamic_sampling and routing_replay are for rewards and the student's "
             f"experts; under training.grpo.advantage={t.grpo.advantage.value} set them to false"
