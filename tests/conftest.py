@@ -296,6 +296,20 @@ def assert_same_parameters(run_a: Path, run_b: Path, step: int) -> None:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
+def assert_resumes_bit_identically(cfg, tmp_path: Path, keys: tuple[str, ...], devices) -> Path:
+    """`cfg` trained 4 steps in one run, and stopped after 2 then resumed: the 4th step's parameters
+    and the last 2 steps' logged `keys` are the same bit for bit (checkpoint.every_steps=2, and a
+    schedule that does not depend on max_steps). The uninterrupted run's directory."""
+    straight, resumed = straight_and_resumed(cfg, tmp_path, 4, 2, devices)
+    assert_same_parameters(straight, resumed, 4)
+
+    def logged(run_dir):
+        return [tuple(m[key] for key in keys) for m in read_metrics(run_dir) if "loss" in m]
+
+    assert len(logged(straight)) == 4 and logged(resumed)[-2:] == logged(straight)[-2:]
+    return straight
+
+
 def assert_adapters_moved(step_dir: Path) -> None:
     """Every LoRA adapter's b half (zero at the start) saved at `step_dir` has moved from zero."""
     import numpy as np

@@ -145,13 +145,7 @@ def test_under_lora_on_fsdp2_tp2_a_run_resumes_bit_identically(tmp_path, objecti
     to 4, the 4th step's parameters and every logged loss, reward and KL equal an uninterrupted run's
     bit for bit; the adapters have moved."""
     import jax
-    from conftest import (
-        assert_adapters_moved,
-        assert_same_parameters,
-        config,
-        read_metrics,
-        straight_and_resumed,
-    )
+    from conftest import assert_adapters_moved, assert_resumes_bit_identically, config
 
     from tunix_train.rewards.arithmetic import write_task
 
@@ -175,11 +169,5 @@ def test_under_lora_on_fsdp2_tp2_a_run_resumes_bit_identically(tmp_path, objecti
         "training.lr_schedule=constant",  # the schedule must not depend on max_steps, which changes
         "checkpoint.every_steps=2",
     )
-    straight, resumed = straight_and_resumed(cfg, tmp_path, 4, 2, jax.devices()[:4])
-    assert_same_parameters(straight, resumed, 4)
-
-    def logged(run_dir):
-        return [(m["loss"], m["reward"], m["kl"]) for m in read_metrics(run_dir) if "loss" in m]
-
-    assert len(logged(straight)) == 4 and logged(resumed)[-2:] == logged(straight)[-2:]
+    straight = assert_resumes_bit_identically(cfg, tmp_path, ("loss", "reward", "kl"), jax.devices()[:4])
     assert_adapters_moved(straight / "checkpoints" / "4")

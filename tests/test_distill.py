@@ -223,7 +223,7 @@ def test_a_distillation_run_resumes_bit_identically(tmp_path):
     """Stopped after 2 steps and resumed (fsdp2 x tp2, the teacher read again from its checkpoint,
     never saved with the student), the 4th step's parameters and every logged divergence equal an
     uninterrupted run's bit for bit."""
-    from conftest import assert_same_parameters, read_metrics, straight_and_resumed
+    from conftest import assert_resumes_bit_identically
 
     cfg = config(
         *DISTILL,
@@ -235,14 +235,7 @@ def test_a_distillation_run_resumes_bit_identically(tmp_path):
         'model.mesh_shape=[[2,2],["fsdp","tp"]]',
     )
 
-    straight, resumed = straight_and_resumed(cfg, tmp_path, 4, 2, jax.devices()[:4])
-    assert_same_parameters(straight, resumed, 4)
-
-    def logged(run_dir):
-        return [(m["loss"], m["divergence"], m["ce"]) for m in read_metrics(run_dir) if "loss" in m]
-
-    assert len(logged(straight)) == 4
-    assert logged(resumed)[-2:] == logged(straight)[-2:]
+    assert_resumes_bit_identically(cfg, tmp_path, ("loss", "divergence", "ce"), jax.devices()[:4])
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])

@@ -223,7 +223,7 @@ def test_a_reward_model_resumes_bit_identically(tmp_path):
     """fsdp2 x tp2, centering on: stopped after 2 steps and resumed to 4, the 4th step's parameters
     (the head's among them) and every logged loss and accuracy equal an uninterrupted run's bit for
     bit."""
-    from conftest import assert_same_parameters, straight_and_resumed
+    from conftest import assert_resumes_bit_identically
 
     cfg = config(
         *REWARD,
@@ -235,13 +235,7 @@ def test_a_reward_model_resumes_bit_identically(tmp_path):
         "training.lr_schedule=constant",  # the schedule must not depend on max_steps, which changes
         "checkpoint.every_steps=2",
     )
-    straight, resumed = straight_and_resumed(cfg, tmp_path, 4, 2, jax.devices()[:4])
-    assert_same_parameters(straight, resumed, 4)
-
-    def logged(run_dir):
-        return [(m["loss"], m["accuracy"]) for m in read_metrics(run_dir) if "loss" in m]
-
-    assert len(logged(straight)) == 4 and logged(resumed)[-2:] == logged(straight)[-2:]
+    assert_resumes_bit_identically(cfg, tmp_path, ("loss", "accuracy"), jax.devices()[:4])
 
 
 def _random_reward_model(directory):
