@@ -349,3 +349,27 @@ def straight_and_resumed(cfg, tmp_path: Path, steps: int, stop_at: int, devices)
             cfg.training.max_steps = max_steps
             train(cfg, run_dir, devices=devices)
     return tmp_path / "straight", tmp_path / "resumed"
+
+
+def vision_tokenizer(directory, images=("<start_of_image>", "<end_of_image>", "<image_soft_token>")):
+    """The bundled SentencePiece model with Gemma's turn tokens and the image tokens (boi, eoi,
+    image: Gemma 3's by default) as pieces of their own (4096 to 4100, the image token last), and a
+    tokenizer_config.json naming the image tokens as transformers' processors read them."""
+    import json
+
+    from tunix_train.data.tokenizer import bundled_with_pieces
+
+    bundled_with_pieces(directory / "tokenizer.model", ("<start_of_turn>", "<end_of_turn>", *images))
+    special = dict(zip(("boi_token", "eoi_token", "image_token"), images))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "GemmaTokenizer",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "add_bos_token": True,
+                "extra_special_tokens": special,
+            }
+        )
+    )
+    return directory

@@ -21,10 +21,13 @@ import uvicorn  # noqa: E402
 from conftest import config  # noqa: E402
 
 from tunix_train import api  # noqa: E402
+from tunix_train.compose import load_config  # noqa: E402
 from tunix_train.data.chat import GEMMA_TEMPLATE, ChatTemplate  # noqa: E402
+from tunix_train.data.images import ImageTokens  # noqa: E402
 from tunix_train.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer  # noqa: E402
 from tunix_train.generate.session import before_stop  # noqa: E402
 from tunix_train.serve.app import Access, app_for  # noqa: E402
+from tunix_train.serve.connections import header_deadline  # noqa: E402
 from tunix_train.serve.worker import Generator  # noqa: E402
 from tunix_train.sharding import make_mesh  # noqa: E402
 from tunix_train.train.init import plan_train_state  # noqa: E402
@@ -38,10 +41,12 @@ USER = [{"role": "user", "content": "Who is there?"}]
 NORMAL = {"prompt": "To be, or not", "max_tokens": 8, "temperature": 0}
 
 
-def _model():
-    """gemma3_tiny with random weights (post-norms raised so that it does not repeat one token) and
-    the bundled tokenizer, in Gemma's turn format."""
-    cfg = config("model.vocab_size=4096").model
+def _model(*overrides, tokenizer=BUNDLED_TOKENIZER):
+    """gemma3_tiny (or `overrides`' model) with random weights (post-norms raised so that it does not
+    repeat one token) and `tokenizer`, in Gemma's turn format (with its image tokens, where the
+    model reads images)."""
+    cfg = load_config(["model=gemma3_tiny", "data=synthetic", *(overrides or ["model.vocab_size=4096"])])
+    cfg = cfg[0].model
     mesh = make_mesh([[1], ["fsdp"]], jax.devices()[:1])
     params = plan_train_state(cfg, make_optimizer(config().training)[0], mesh, seed=0).create().params
     rng = np.random.default_rng(0)
@@ -49,28 +54,38 @@ def _model():
         lambda path, x: x + (4 + rng.normal(size=x.shape) if "post" in jax.tree_util.keystr(path) else 0),
         params,
     )
-    tokenizer = load_tokenizer(BUNDLED_TOKENIZER, 4096)
+    tokenizer = load_tokenizer(tokenizer, cfg.vocab_size)
+    images = None if cfg.vision is None else ImageTokens.for_model(tokenizer, cfg.vision)
     return api.LoadedModel(
         cfg,
         mesh,
         params,
         tokenizer,
         (tokenizer.eos_id,),
-        chat=ChatTemplate(GEMMA_TEMPLATE, "Gemma's turn format", tokenizer),
+        chat=ChatTemplate(GEMMA_TEMPLATE, "Gemma's turn format", tokenizer, images),
     )
 
 
+HEADER_S = 2.0  # the servers' deadline for a request's headers
+
+
 class Live:
-    def __init__(self):
-        self.model = _model()
+    """A server in this process: a model's own, or another app on a running one's model and engine."""
+
+    def __init__(self, model=None, generator=None, timeout_s=60.0, body_bytes=1 << 20):
+        self.model = model or _model()
         self.died = threading.Event()
-        self.generator = Generator(self.model, 2, MAX_LEN, 4, on_death=self.died.set)
-        app = app_for(self.model, self.generator, "tiny", Access(api_key=KEY, max_body_bytes=1 << 20), 60.0)
+        self.own_engine = generator is None
+        self.generator = generator or Generator(self.model, 2, MAX_LEN, 4, on_death=self.died.set)
+        access = Access(api_key=KEY, max_body_bytes=body_bytes)
+        app = app_for(self.model, self.generator, "tiny", access, timeout_s)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical")
+            uvicorn.Config(
+                app, host="127.0.0.1", port=self.port, log_level="critical", http=header_deadline(HEADER_S)
+            )
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -107,7 +122,8 @@ class Live:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(30)
-        self.generator.stop()
+        if self.own_engine:
+            self.generator.stop()
 
 
 @pytest.fixture(scope="module")
@@ -464,6 +480,22 @@ def test_a_full_queue_gives_429_with_retry_after(live):
     live.still_serves()
 
 
+def test_connections_that_send_headers_slowly_are_closed(live):
+    """20 connections that never finish their headers are closed HEADER_S after they opened."""
+    clients = [socket.create_connection(("127.0.0.1", live.port)) for _ in range(20)]
+    try:
+        for client in clients:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: appl")
+        time.sleep(HEADER_S + 1.0)
+        for client in clients:
+            client.settimeout(2.0)
+            assert client.recv(1) == b""  # closed by the server, without a reply
+    finally:
+        for client in clients:
+            client.close()
+    live.still_serves()
+
+
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on_until_it_cannot(live):
     """A step that raises fails the requests in it (an error body; a stream's error event, then
     [DONE]) and the engine starts a new session. When even that fails, the thread ends: /health
@@ -496,3 +528,146 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on_until_it_canno
     assert status == 503 and "no memory left" in body["error"]
     status, reply, _ = live.send(TEXT, NORMAL)
     assert status == 503 and reply["error"]["code"] == "engine_stopped"
+
+
+# -- images: a server on a random gemma3_vision_tiny (32-pixel images of 16 tokens each) ----------
+
+
+def _png(width, height, blank=False) -> bytes:
+    """A PNG of random colours, or a blank grey one (which compresses to almost nothing)."""
+    import io
+
+    from PIL import Image
+
+    pixels = np.random.default_rng(width).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    (Image.new("L", (width, height)) if blank else Image.fromarray(pixels)).save(out, "PNG")
+    return out.getvalue()
+
+
+def _uri(data: bytes) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _look(*uris, text="What is it?"):
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in uris]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+class Seen(Live):
+    """The vision server: a normal request is a text completion and a chat about a picture, each
+    equal to the model's own answer (generate_text, reply)."""
+
+    def __init__(self, folder):
+        from conftest import vision_tokenizer
+
+        vision_tokenizer(folder)
+        overrides = ["model=gemma3_vision_tiny", "model.vocab_size=4104", "model.vision.image_token_id=4100"]
+        super().__init__(_model(*overrides, tokenizer=folder), body_bytes=4 << 20)
+        self.picture = _uri(_png(40, 24))
+        self.solo_image = "".join(self.model.reply(_look(self.picture), 4))
+
+    def still_serves(self):
+        super().still_serves()
+        status, body, _ = self.send(
+            CHAT, {"messages": _look(self.picture), "max_tokens": 4, "temperature": 0}
+        )
+        assert status == 200 and body["choices"][0]["message"]["content"] == self.solo_image, body
+
+
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory):
+    pytest.importorskip("PIL")
+    server = Seen(tmp_path_factory.mktemp("vision"))
+    yield server
+    server.stop()
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def test_images_are_counted_and_measured_before_any_is_decoded(seen):
+    """Too many images, more than the context holds, or more pixels than --max_image_pixels: a 400
+    within half a second, and the process's peak memory does not grow (nothing was decoded)."""
+    tiny, huge = _uri(_png(1, 1)), _uri(_png(8192, 8192, blank=True))  # 8192^2: 64 Mi pixels each
+    cases = [  # (images, the error's code, words of its message)
+        ([tiny] * 10_000, "too_many_images", "10000 images; this server takes at most 8"),
+        ([tiny] * 9, "too_many_images", "at most 8 a request (--max_images)"),
+        ([tiny] * 6, "context_length_exceeded", "6 images take at least 108 tokens"),
+        ([huge] * 8, "context_length_exceeded", "8 images take at least 144 tokens"),
+        ([huge] * 2, "image_too_large", "134,217,728 pixels; this server decodes at most 33,554,432"),
+    ]
+    before = _peak_rss_mb()
+    for uris, code, words in cases:
+        sent = json.dumps({"messages": _look(*uris), "max_tokens": 4}).encode()
+        start = time.perf_counter()
+        status, body, _ = seen.send(CHAT, sent)
+        assert time.perf_counter() - start < 0.5, code
+        assert status == 400 and body["error"]["code"] == code and words in body["error"]["message"], body
+    assert _peak_rss_mb() - before < 64
+    seen.still_serves()
+
+
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n{} loop\nshowpage\n"
+
+
+def test_postscript_and_other_formats_never_reach_their_decoders(seen, monkeypatch):
+    """EPS sent as a PNG reaches no EPS code (Pillow's plugin replaced by one that records calls)
+    and is a 400 naming the formats read; where Ghostscript is installed, the real plugin is not
+    reached either (a PostScript loop would hang it)."""
+    import shutil
+
+    from PIL import EpsImagePlugin
+
+    calls = []
+
+    def recording(image):
+        calls.append(image)
+        raise SyntaxError("recorded")
+
+    for patched in (True, False):
+        if not patched and shutil.which("gs") is None:
+            break
+        if patched:
+            monkeypatch.setattr(EpsImagePlugin.EpsImageFile, "_open", recording)
+        else:
+            monkeypatch.undo()
+        start = time.perf_counter()
+        status, body, _ = seen.send(CHAT, {"messages": _look(_uri(EPS)), "max_tokens": 4})
+        assert time.perf_counter() - start < 1.0
+        assert status == 400 and "not a PNG, JPEG, GIF, WEBP, BMP image" in body["error"]["message"], body
+        assert " at 0x" not in body["error"]["message"]
+    assert calls == []
+    seen.still_serves()
+
+
+def test_a_stuck_decoder_gives_504_in_time_and_health_503_until_it_returns(seen, monkeypatch):
+    """Another app on the same engine with --request_timeout_s 2, whose decoding blocks: the
+    request is a 504 after 2 s (reading counts toward the request's time), /health says 503 while
+    the thread is stuck and 200 once it returns; the first server answers throughout."""
+    from tunix_train.serve.images import Images
+
+    release, decode = threading.Event(), Images.decoded_pixels
+    monkeypatch.setattr(Images, "decoded_pixels", lambda *a: release.wait(30) and decode(*a))
+    quick = Live(seen.model, seen.generator, timeout_s=2.0)
+    try:
+        start = time.perf_counter()
+        status, body, _ = quick.send(CHAT, {"messages": _look(seen.picture), "max_tokens": 4})
+        assert status == 504 and body["error"]["code"] == "timeout", body
+        assert 2.0 <= time.perf_counter() - start < 3.5
+        status, body, _ = quick.send("/health", method="GET", headers={})
+        assert status == 503 and body["status"] == "worker stuck", body
+        assert seen.health_s() < 1.0
+        release.set()
+        time.sleep(0.5)
+        assert quick.health_s() < 1.0
+    finally:
+        release.set()
+        quick.stop()
+    monkeypatch.undo()
+    seen.still_serves()

@@ -9,6 +9,7 @@ import io
 import jax
 import numpy as np
 import pytest
+from conftest import vision_tokenizer
 from flax import nnx
 from hf_reference import SIZES
 
@@ -430,30 +431,6 @@ def test_hf_export_of_a_vision_model_loads_in_transformers_with_its_logits(tmp_p
         np.testing.assert_array_equal(written[name], tensor.numpy(), err_msg=name)
 
 
-def _vision_tokenizer(directory, images=("<start_of_image>", "<end_of_image>", "<image_soft_token>")):
-    """The bundled SentencePiece model with Gemma's turn tokens and the image tokens (boi, eoi,
-    image: Gemma 3's by default) as pieces of their own (4096 to 4100, the image token last), and a
-    tokenizer_config.json naming the image tokens as transformers' processors read them."""
-    import json
-
-    from tunix_train.data.tokenizer import bundled_with_pieces
-
-    bundled_with_pieces(directory / "tokenizer.model", ("<start_of_turn>", "<end_of_turn>", *images))
-    special = dict(zip(("boi_token", "eoi_token", "image_token"), images))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "GemmaTokenizer",
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "add_bos_token": True,
-                "extra_special_tokens": special,
-            }
-        )
-    )
-    return directory
-
-
 VISION_DATA = [
     "model=gemma3_vision_tiny",
     "model.vocab_size=4104",  # the tokenizer's 4101, padded to divide tp
@@ -513,7 +490,7 @@ def test_conversations_with_images_become_rows_equal_to_transformers_processor(t
 
     records, paths = _image_records(tmp_path, np.random.default_rng(0))
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    tokenizer = _vision_tokenizer(tmp_path / "tok")
+    tokenizer = vision_tokenizer(tmp_path / "tok")
     cfg, _ = load_config(
         [*VISION_DATA, f"data.train_files=[{tmp_path / 'chats.jsonl'}]", f"data.tokenizer={tokenizer}"]
     )
@@ -643,7 +620,7 @@ def test_bad_images_in_conversations_are_one_line_naming_the_record(tmp_path, ch
         [
             *VISION_DATA,
             f"data.train_files=[{tmp_path / 'chats.jsonl'}]",
-            f"data.tokenizer={_vision_tokenizer(tmp_path / 'tok')}",
+            f"data.tokenizer={vision_tokenizer(tmp_path / 'tok')}",
             *overrides,
         ]
     )
@@ -666,7 +643,7 @@ def test_training_on_conversations_with_images_resumes_bit_identically(tmp_path)
 
     records, _ = _image_records(tmp_path, np.random.default_rng(0))
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records * 3))
-    tokenizer = _vision_tokenizer(tmp_path / "tok")
+    tokenizer = vision_tokenizer(tmp_path / "tok")
 
     cfg, _ = load_config(
         [
@@ -712,7 +689,7 @@ def _vision_checkpoint(directory):
         for p in model.model.multi_modal_projector.parameters():
             p.normal_(0.0, 0.5)
     model.save_pretrained(directory)
-    _vision_tokenizer(directory)
+    vision_tokenizer(directory)
     return model, transformers.AutoTokenizer.from_pretrained(directory)
 
 
@@ -868,7 +845,7 @@ def test_lora_and_qlora_with_a_frozen_tower_start_at_the_base_loss_and_train(tmp
 
     records, _ = _image_records(tmp_path, np.random.default_rng(0))
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records * 4))
-    tokenizer = _vision_tokenizer(tmp_path / "tok")
+    tokenizer = vision_tokenizer(tmp_path / "tok")
 
     def losses(name, *overrides):
         cfg, _ = load_config(
@@ -923,7 +900,7 @@ def _grpo_on_image_prompts(tmp_path, n: int, *overrides):
             "objective=grpo",
             "data=jsonl",
             f"data.train_files=[{tmp_path / 'prompts.jsonl'}]",
-            f"data.tokenizer={_vision_tokenizer(tmp_path / 'tok')}",
+            f"data.tokenizer={vision_tokenizer(tmp_path / 'tok')}",
             "training.grpo.max_new_tokens=6",
             "training.grpo.reward=[test_vision:image_prompt_reward]",
             *overrides,
@@ -1030,7 +1007,7 @@ def test_dpo_on_image_grounded_pairs_reads_the_images_and_learns_them(tmp_path):
             record["images"] = [f"pics/{right}.png"]
         records.append(record)
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    tokenizer = _vision_tokenizer(tmp_path / "tok")
+    tokenizer = vision_tokenizer(tmp_path / "tok")
     overrides = [
         *VISION_DATA,
         "data=jsonl",
@@ -1112,7 +1089,7 @@ def test_a_reward_model_on_images_learns_them_and_exports_as_transformers_gemma3
         "model.vision.trainable=true",
         f"data.train_files=[{pairs('train.jsonl', 32, 0)}]",
         f"data.eval_files=[{pairs('eval.jsonl', 8, 100)}]",
-        f"data.tokenizer={_vision_tokenizer(tmp_path / 'tok')}",
+        f"data.tokenizer={vision_tokenizer(tmp_path / 'tok')}",
         "data.images_per_row=1",
         "training.micro_batch_size=8",
         "training.max_steps=12",
@@ -1357,7 +1334,7 @@ def test_pan_and_scan_rows_equal_transformers_processor(tmp_path):
         ]
     }
     (tmp_path / "chats.jsonl").write_text(json.dumps(record) + "\n")
-    tokenizer = _vision_tokenizer(tmp_path / "tok")
+    tokenizer = vision_tokenizer(tmp_path / "tok")
     cfg, _ = load_config(
         [
             *VISION_DATA,

@@ -336,15 +336,16 @@ def test_conversations_with_images_become_rows_equal_to_transformers_processor(t
     import json
     import types
 
+    from conftest import vision_tokenizer
     from PIL import Image
-    from test_vision import _batch_rows, _image_records, _vision_tokenizer
+    from test_vision import _batch_rows, _image_records
 
     from tunix_train.compose import load_config
     from tunix_train.data import Data
 
     records, paths = _image_records(tmp_path, np.random.default_rng(0))
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    tokenizer = _vision_tokenizer(tmp_path / "tok", ("<|image>", "<image|>", "<|image|>"))  # Gemma 4's
+    tokenizer = vision_tokenizer(tmp_path / "tok", ("<|image>", "<image|>", "<|image|>"))  # Gemma 4's
     cfg, _ = load_config(
         [
             "model=gemma4_vision_tiny",

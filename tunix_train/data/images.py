@@ -23,6 +23,9 @@ import numpy as np
 from tunix_train.config import ConfigError, VisionEncoder
 
 MAX_PIXELS = 64 * 1024 * 1024  # a larger image is refused before it is decoded
+# The formats decoded, each by Pillow's own code: never one that runs an external program (EPS and
+# PDF go to Ghostscript) or reads other files; an animated image gives its first frame.
+FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
 
 
 def _pillow():
@@ -33,24 +36,42 @@ def _pillow():
     return Image
 
 
-def open_image(source: str | Path | bytes, name: str = ""):
-    """The decoded image (a PIL.Image) of a file path or its bytes; `name` says where bytes came from."""
+def _said(err: BaseException) -> str:
+    """An error's words on one line, without the memory addresses of objects' reprs."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", " ".join(str(err).split()))[:200]
+
+
+def opened(source: str | Path | bytes, name: str = ""):
+    """An image (a PIL.Image) of a file path or its bytes with only its header read: its format
+    one of FORMATS, its size at most MAX_PIXELS; `name` says where bytes came from."""
     Image = _pillow()
     if not name:
         name = "an image's bytes" if isinstance(source, bytes) else str(source)
     if not isinstance(source, bytes) and not Path(source).is_file():
         raise ConfigError(f"image {name}: no such file")
     try:  # Pillow's own bomb check (a warning, then an error past twice its limit) stays as it is
-        image = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
-        if image.width * image.height > MAX_PIXELS:  # from the header, before decoding
+        image = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source, formats=FORMATS)
+        if image.width * image.height > MAX_PIXELS:
             raise Image.DecompressionBombError
-        image.load()  # decodes now: a truncated file fails here, not later
     except Image.DecompressionBombError:
         raise ConfigError(f"image {name}: more than {MAX_PIXELS:,} pixels; make it smaller") from None
+    except Image.UnidentifiedImageError:
+        raise ConfigError(f"image {name}: not a {', '.join(FORMATS)} image") from None
     except (OSError, SyntaxError, ValueError) as err:
-        raise ConfigError(f"image {name}: cannot be read ({' '.join(str(err).split())})") from None
+        raise ConfigError(f"image {name}: cannot be read ({_said(err)})") from None
     if 0 in image.size:
         raise ConfigError(f"image {name}: it has no pixels ({image.size[0]} x {image.size[1]})")
+    return image
+
+
+def open_image(source: str | Path | bytes, name: str = ""):
+    """The decoded image (opened's, its first frame) of a file path or its bytes."""
+    image = opened(source, name)
+    try:
+        image.load()  # decodes now: a truncated file fails here, not later
+    except (OSError, SyntaxError, ValueError) as err:
+        name = name or ("an image's bytes" if isinstance(source, bytes) else str(source))
+        raise ConfigError(f"image {name}: cannot be read ({_said(err)})") from None
     return image
 
 
@@ -310,6 +331,14 @@ def conversation_images(
             f"{where}: {len(payloads)} images{crops_said}, more than data.images_per_row={per_row}"
         )
     return (np.stack(arrays) if arrays else np.zeros((0, *vision.image_shape), np.float32)), counts
+
+
+def fewest_tokens(vision) -> int:
+    """The fewest tokens one image becomes in a prompt, its begin and end tokens included (Gemma 3's
+    are all tokens_per_image; a Gemma 4 image has at least one), counted before it is read."""
+    if vision is None:
+        raise ConfigError("this model reads no images (its model.vision is null)")
+    return 2 + (1 if vision.encoder is VisionEncoder.gemma4 else vision.tokens_per_image)
 
 
 @dataclasses.dataclass(frozen=True)

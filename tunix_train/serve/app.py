@@ -9,12 +9,14 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 from tunix_train.serve import schema
+from tunix_train.serve.images import Images
 from tunix_train.serve.schema import BadRequest
 from tunix_train.serve.worker import Generator
 
@@ -98,66 +100,43 @@ class Guard:
         await self.app(scope, receive, send)
 
 
-@dataclasses.dataclass(frozen=True)
-class Images:
-    """Which images a chat request may carry in its image_url parts: data: URIs of at most
-    max_bytes, and http(s) URLs only when allow_remote (fetched with a deadline and the same
-    bound); never a file."""
+class Preparer:
+    """Api.prepare on a pool of two threads, each call within the request's deadline (a 504 after
+    it). A thread cannot be stopped: one still busy past request_timeout_s is stuck, which
+    /health reports (503) so that a supervisor restarts the server."""
 
-    max_bytes: int = 10 << 20
-    allow_remote: bool = False
-    fetch_seconds: float = 10.0
+    def __init__(self, prepare, request_timeout_s: float):
+        self.prepare, self.timeout_s = prepare, request_timeout_s
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
+        self.started: dict[int, float] = {}  # calls running now: when each began
 
-    def read(self, url) -> bytes:
-        """An image_url part's bytes, or a 400 / 413 naming what is wrong."""
-        from tunix_train.config import ConfigError
-        from tunix_train.data.images import data_uri_bytes
-
-        if not isinstance(url, str) or not url:
-            raise BadRequest("an image_url part needs a string 'url'", "messages")
-        if url.startswith("data:"):
-            if len(url.partition(",")[2]) * 3 // 4 > self.max_bytes:
-                raise self._too_large()
-            try:
-                return data_uri_bytes(url, "messages")
-            except ConfigError as err:
-                raise BadRequest(str(err), "messages") from None
-        if url.startswith(("http://", "https://")):
-            if not self.allow_remote:
-                raise BadRequest(
-                    "this server does not fetch remote images (--allow_remote_images): send the image "
-                    "as a data: URI",
-                    "messages",
-                    code="remote_image_refused",
-                )
-            return self._fetch(url)
-        raise BadRequest(
-            f"an image_url must be a data: URI{' or an http(s) URL' if self.allow_remote else ''}; "
-            f"this server reads no files (got {url[:40]!r})",
-            "messages",
-        )
-
-    def _too_large(self) -> BadRequest:
-        return BadRequest(
-            f"an image is larger than this server's {self.max_bytes} bytes (--max_image_bytes)",
-            "messages",
-            status=413,
-            code="image_too_large",
-        )
-
-    def _fetch(self, url: str) -> bytes:
-        import urllib.request
-
+    def _timed(self, data: bytes, chat: bool):
+        thread = threading.get_ident()  # one call at a time on each
+        self.started[thread] = time.monotonic()
         try:
-            with urllib.request.urlopen(url, timeout=self.fetch_seconds) as response:
-                data = response.read(self.max_bytes + 1)
-        except Exception as err:  # noqa: BLE001 - any failure to fetch is the client's URL's
+            return self.prepare(data, chat)
+        finally:
+            del self.started[thread]
+
+    async def __call__(self, data: bytes, chat: bool, deadline: float):
+        future = asyncio.get_running_loop().run_in_executor(self.pool, self._timed, data, chat)
+        try:
+            return await asyncio.wait_for(future, max(deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
             raise BadRequest(
-                f"the image at {url[:80]!r} cannot be fetched ({type(err).__name__})", "messages"
+                f"reading the request took more than {self.timeout_s:g} s (--request_timeout_s)",
+                status=504,
+                code="timeout",
             ) from None
-        if len(data) > self.max_bytes:
-            raise self._too_large()
-        return data
+
+    def stuck_s(self) -> float:
+        """How long the oldest call has run, when that is past request_timeout_s; else 0."""
+        oldest = min(self.started.values(), default=None)
+        return (
+            0.0
+            if oldest is None or time.monotonic() - oldest <= self.timeout_s
+            else time.monotonic() - oldest
+        )
 
 
 class Api:
@@ -173,9 +152,12 @@ class Api:
         from tunix_train.data.tokenizer import with_bos
         from tunix_train.generate import Request, Sampling
 
+        if chat:  # before parsing: a body of 10,000 images would be 50,000 objects to collect
+            self.images.count_marks(data)
         ask = schema.read(schema.parse_json(data), chat, self.name)
         limit = self.generator.max_len
-        if schema.at_least_tokens(ask, self.longest) >= limit:
+        at_least = schema.at_least_tokens(ask, self.longest)
+        if at_least >= limit:
             raise BadRequest(
                 f"the prompt's {schema.prompt_chars(ask)} characters are more tokens than this server's "
                 f"{limit} (--max_len)",
@@ -186,11 +168,13 @@ class Api:
         try:
             sampling = Sampling(ask.temperature, ask.top_k, ask.top_p)
             if chat:
-                from tunix_train.data.images import split_images
+                from tunix_train.data.images import fewest_tokens, split_images
 
                 messages, urls = split_images(ask.prompt)
                 if urls:
-                    pixels = self.model.pixel_values([self.images.read(u) for u in urls], None, "messages")
+                    self.images.count(urls, at_least, fewest_tokens(self.model.config.vision), limit)
+                    blobs = [self.images.read(u) for u in urls]
+                    pixels = self.images.decoded_pixels(self.model, blobs)
                 prompt, _ = self.model.chat.encode(messages, add_generation_prompt=True, images=pixels)
                 end = self.model.chat.end_of_turn()
                 ends = [end] if end and len(tokenizer.encode(end)) > 1 else []
@@ -251,7 +235,7 @@ def app_for(
         Api(model, generator, name, images),
         FastAPI(title="tunix_train", docs_url=None, redoc_url=None, openapi_url=None),
     )
-    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+    preparer = Preparer(api.prepare, request_timeout_s)
     preparing = [0]  # requests being read and tokenized now
 
     def error(err: BadRequest) -> JSONResponse:
@@ -261,6 +245,9 @@ def app_for(
     def health():
         if not generator.alive:
             return JSONResponse({"status": "engine stopped", "model": name, "error": generator.error}, 503)
+        if stuck := preparer.stuck_s():
+            why = f"a request has been read and tokenized for {stuck:.0f} s (--request_timeout_s)"
+            return JSONResponse({"status": "worker stuck", "model": name, "error": why}, 503)
         return {"status": "ok", "model": name, **generator.occupancy()}
 
     @app.get("/metrics")
@@ -287,7 +274,7 @@ def app_for(
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def prepared(http: HttpRequest, chat: bool):
+    async def prepared(http: HttpRequest, chat: bool, deadline: float):
         if preparing[0] >= max_preparing:
             raise BadRequest(
                 f"{preparing[0]} requests are being read; retry later",
@@ -305,19 +292,19 @@ def app_for(
                     status=408,
                     code="request_timeout",
                 ) from None
-            return await asyncio.get_running_loop().run_in_executor(pool, api.prepare, data, chat)
+            return await preparer(data, chat, deadline)
         finally:
             preparing[0] -= 1
 
     async def complete(http: HttpRequest, chat: bool):
+        deadline = time.monotonic() + request_timeout_s  # reading, tokenizing and decoding count
         try:
-            ask, requests = await prepared(http, chat)
+            ask, requests = await prepared(http, chat, deadline)
             submitted = generator.submit(requests)
         except BadRequest as err:
             return error(err)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stops, tokenizer = list(requests[0].stop_strings), model.tokenizer
-        deadline = time.monotonic() + request_timeout_s
 
         async def choices():
             """(index, new visible text, finish or None, tokens so far) as each request produces."""

@@ -56,6 +56,16 @@ def _arguments(argv):
         help="an image's size in a chat request, at most (then 413; the body must fit --max_body_bytes too)",
     )
     parser.add_argument(
+        "--max_images", type=int, default=8, help="images in one chat request, at most (then 400)"
+    )
+    parser.add_argument(
+        "--max_image_pixels",
+        type=int,
+        default=32 << 20,
+        help="pixels of one request's images together, read from their headers before any is decoded, "
+        "at most (then 400)",
+    )
+    parser.add_argument(
         "--allow_remote_images",
         action="store_true",
         help="fetch image_url parts' http(s) URLs (default: data: URIs only; files never)",
@@ -113,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         ("--max_body_bytes", args.max_body_bytes),
         ("--request_timeout_s", args.request_timeout_s),
         ("--max_image_bytes", args.max_image_bytes),
+        ("--max_images", args.max_images + 1),
+        ("--max_image_pixels", args.max_image_pixels),
     ):
         if value <= 0:
             return fail(f"{flag}={value} must be positive")
@@ -121,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        from tunix_train.serve.app import Access, Images, app_for
+        from tunix_train.serve.app import Access, app_for
+        from tunix_train.serve.connections import header_deadline
+        from tunix_train.serve.images import Images
         from tunix_train.serve.worker import Generator
     except ImportError:
         return fail("serving needs FastAPI and uvicorn: pip install -e '.[serve]'")
@@ -153,11 +167,21 @@ def main(argv: list[str] | None = None) -> int:
         _names(args.allowed_origins, Access.origins),
         args.max_body_bytes,
     )
-    images = Images(args.max_image_bytes, args.allow_remote_images)
+    images = Images(
+        args.max_image_bytes,
+        args.allow_remote_images,
+        max_images=args.max_images,
+        max_pixels=args.max_image_pixels,
+    )
     app = app_for(model, generator, name, access, args.request_timeout_s, images=images)
     server = uvicorn.Server(
         uvicorn.Config(
-            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=args.drain_s
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=args.drain_s,
+            http=header_deadline(),
         )
     )
     print(
