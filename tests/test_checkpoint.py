@@ -1,6 +1,8 @@
 """Fault tolerance: kill -9 and rerun, SIGTERM, damaged checkpoints, another mesh, nan_policy."""
 
 import errno
+import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -208,14 +210,19 @@ def test_restore_retries_transient_errors_and_skips_damaged_checkpoints(monkeypa
     assert reads == [12, 9, 6]
 
 
+def _state(step, size=4):
+    """A small TrainState; size > 4: random weights (which do not compress) of size x size floats."""
+    from tunix_train.state import TrainState
+
+    w = jnp.ones(4) if size == 4 else jnp.asarray(np.random.default_rng(0).normal(size=(size, size)))
+    return TrainState(jnp.asarray(step, jnp.int32), {"w": w}, {}, jnp.asarray(0, jnp.int32))
+
+
 def test_a_save_orbax_refuses_is_an_error(tmp_path):
     from tunix_train.checkpoint import Checkpointer
     from tunix_train.config import CheckpointConfig
-    from tunix_train.state import TrainState
 
-    def state(step):
-        return TrainState(jnp.asarray(step, jnp.int32), {"w": jnp.ones(4)}, {}, jnp.asarray(0, jnp.int32))
-
+    state = _state
     first = Checkpointer(tmp_path, CheckpointConfig())
     first.save(state(9), {"iterator": {}})
     first.wait()
@@ -394,3 +401,137 @@ def test_a_checkpoint_written_before_frozen_weights_existed_restores(tmp_path):
     assert jax.tree.all(
         jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), restored.params, state.params)
     )
+
+
+def test_read_errors_are_classified_by_their_whole_chain():
+    """orbax wraps tensorstore's errors: the cause decides. Permission and other system errors
+    are never damage; only a missing, cut or unparsable record is."""
+    from tunix_train.checkpoint import damaged, denied, transient
+
+    def wrapped(cause):
+        try:
+            try:
+                raise cause
+            except BaseException as inner:
+                raise Exception("Failed to restore the checkpoint") from inner
+        except Exception as outer:
+            return outer
+
+    cases = {  # error: (denied, transient, damaged)
+        "permission, tensorstore's": (wrapped(ValueError("PERMISSION_DENIED: Error opening file")), 1, 0, 0),
+        "permission, the OS's": (wrapped(PermissionError(errno.EACCES, "Permission denied")), 1, 0, 0),
+        "unavailable": (wrapped(ValueError("UNAVAILABLE: bucket unreachable")), 0, 1, 0),
+        "deadline": (wrapped(ValueError("DEADLINE_EXCEEDED: read")), 0, 1, 0),
+        "too many files": (wrapped(OSError(errno.EMFILE, "Too many open files")), 0, 0, 0),
+        "a runtime error": (wrapped(RuntimeError("something else")), 0, 0, 0),
+        "cut": (wrapped(ValueError("DATA_LOSS: Error decoding manifest")), 0, 0, 1),
+        "missing": (wrapped(FileNotFoundError(errno.ENOENT, "No such file")), 0, 0, 1),
+    }
+    for name, (err, *expected) in cases.items():
+        assert [denied(err), transient(err), damaged(err)] == [bool(x) for x in expected], name
+
+
+def _dropped(*command):
+    """command run as root without the capabilities that let root read and write any file."""
+    if os.geteuid() != 0 or shutil.which("capsh") is None:
+        pytest.skip("needs root and capsh to drop root's file capabilities")
+    return ["capsh", "--drop=cap_dac_override,cap_dac_read_search", "--", "-c", shlex.join(command)]
+
+
+@pytest.mark.parametrize("unreadable", ["a folder", "its files"])
+def test_an_unreadable_checkpoint_is_an_error_and_nothing_is_renamed_or_deleted(
+    tmp_path, reference, unreadable
+):
+    """Step 12 intact but unreadable (its state folder, or every file of it, without read
+    permission, as root without its capabilities): one line naming it, exit 2, every checkpoint
+    where it was (none set aside, none deleted by retention)."""
+    shutil.copytree(reference, tmp_path / "run")
+    run_dir = tmp_path / "run"
+    state = run_dir / "checkpoints" / "12" / "state"
+    for path in [state] if unreadable == "a folder" else [p for p in state.rglob("*") if p.is_file()]:
+        path.chmod(0)
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    command = [sys.executable, str(REPO / "run_training.py"), *RUN, 'model.mesh_shape=[[2],["fsdp"]]']
+    proc = subprocess.run(
+        _dropped(*command, f"hydra.run.dir={run_dir}", "checkpoint.keep=2"),
+        env=cpu_env(2),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    state.chmod(0o755)
+    assert proc.returncode == exit_codes.CONFIG_ERROR, proc.stdout + proc.stderr
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("tunix_train: error:")]
+    assert (
+        f"checkpoint {(run_dir / 'checkpoints' / '12').resolve()} cannot be read: permission denied" in line
+    )
+    assert "nothing was renamed or deleted" in line and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+
+
+def _tmpfs(folder, *options):
+    """A tmpfs at folder (its options), or a skip where this machine may not mount one."""
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(folder)])
+    if mounted.returncode != 0:
+        pytest.skip("mounting a tmpfs needs root with CAP_SYS_ADMIN")
+    return folder
+
+
+def test_a_full_disk_a_read_only_folder_and_a_refused_one_are_one_line_each(tmp_path):
+    """Saves into a 256 KiB tmpfs (a 1 MiB state), a read-only tmpfs, and a folder this user may not
+    write (as root without its capabilities): each a ConfigError naming the folder and the cause."""
+    from tunix_train.checkpoint import Checkpointer
+    from tunix_train.config import CheckpointConfig
+
+    full = _tmpfs(tmp_path / "full", "size=256k")
+    try:
+        saver = Checkpointer(full / "checkpoints", CheckpointConfig())
+        with pytest.raises(ConfigError, match=r"in .*full/checkpoints: no space left on device: free space"):
+            saver.save(_state(2, 512), {"iterator": {}})
+            saver.wait()
+    finally:
+        subprocess.run(["umount", "-l", str(full)])
+    frozen = _tmpfs(tmp_path / "frozen", "ro", "size=1m")
+    try:
+        with pytest.raises(
+            ConfigError, match=r"cannot open .*frozen/checkpoints: the file system is read-only"
+        ):
+            Checkpointer(frozen / "checkpoints", CheckpointConfig())
+    finally:
+        subprocess.run(["umount", "-l", str(frozen)])
+    refused = tmp_path / "refused"
+    refused.mkdir(mode=0o555)
+    script = (
+        "from pathlib import Path; from tunix_train.checkpoint import Checkpointer; "
+        "from tunix_train.config import CheckpointConfig, ConfigError\n"
+        f"try: Checkpointer(Path({str(refused / 'checkpoints')!r}), CheckpointConfig())\n"
+        "except ConfigError as err: print(err)"
+    )
+    said = subprocess.run(
+        _dropped(sys.executable, "-c", script), env=cpu_env(1), capture_output=True, text=True
+    )
+    assert f"cannot open {refused / 'checkpoints'}: permission denied" in said.stdout, (
+        said.stdout + said.stderr
+    )
+
+
+def test_retention_pauses_while_a_checkpoint_is_set_aside(tmp_path, caplog):
+    """With unreadable-6 beside steps 2 and 4, checkpoint.keep=2 deletes nothing: 2, 4, 8 and 10
+    are all kept (a warning says why); without it, keep=2 keeps the last two."""
+    from tunix_train.checkpoint import Checkpointer
+    from tunix_train.config import CheckpointConfig
+
+    def saved(folder, steps):
+        saver = Checkpointer(folder, CheckpointConfig(keep=2))
+        for step in steps:
+            saver.save(_state(step), {"iterator": {}})
+            saver.wait()
+        saver.close()
+        return sorted(p.name for p in folder.iterdir())
+
+    assert saved(tmp_path / "a", [2, 4]) == ["2", "4"]
+    shutil.copytree(tmp_path / "a" / "4", tmp_path / "a" / "unreadable-6")  # as set_aside leaves one
+    assert saved(tmp_path / "a", [8, 10]) == ["10", "2", "4", "8", "unreadable-6"]
+    assert "checkpoint.keep=2 is paused" in caplog.text
+    assert saved(tmp_path / "b", [2, 4, 8, 10]) == ["10", "8"]

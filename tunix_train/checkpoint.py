@@ -15,10 +15,12 @@ data order from the iterator state.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -55,10 +57,18 @@ class Checkpointer:
 
     def __init__(self, directory: Path, cfg: CheckpointConfig):
         self.directory, self.cfg = directory.resolve(), cfg
+        keep = cfg.keep
+        if aside := sorted(p.name for p in self.directory.glob("unreadable-*")):
+            keep = None  # an older checkpoint may be all that is left if those prove lost
+            log.warning(
+                f"warning: {self.directory} holds checkpoints set aside as damaged ({', '.join(aside)}): "
+                f"checkpoint.keep={cfg.keep} is paused and every checkpoint is kept until they are removed"
+            )
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep, enable_async_checkpointing=True, cleanup_tmp_directories=True, create=True
+            max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True, create=True
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        with _writing(self.directory, "open"):
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._last_save_time = time.monotonic()
         self._last_saved_step = None
 
@@ -84,12 +94,13 @@ class Checkpointer:
             step in self._manager.all_steps()
         ):  # the checkpoint this run resumed from (damaged ones are set aside)
             return step
-        saved = self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(_saved(state)), data=ocp.args.JsonSave(data_state)
-            ),
-        )
+        with _writing(self.directory, f"save step {step} in"):
+            saved = self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(_saved(state)), data=ocp.args.JsonSave(data_state)
+                ),
+            )
         if not saved:
             raise ConfigError(
                 f"orbax refused to save step {step} in {self.directory} (its latest step is "
@@ -100,10 +111,30 @@ class Checkpointer:
         return step
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        with _writing(self.directory, "finish a save in"):
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
         self._manager.close()
+
+
+@contextlib.contextmanager
+def _writing(directory: Path, doing: str):
+    """A full disk, a read-only folder or a refused permission while writing checkpoints: one line
+    naming the folder (not memory advice, which a RESOURCE_EXHAUSTED would otherwise get)."""
+    try:
+        yield
+    except Exception as err:
+        numbers = _errnos(err)
+        if errno.ENOSPC in numbers or _says(err, ("No space left", "ENOSPC")):
+            why = "no space left on device: free space there or set hydra.run.dir on another disk"
+        elif errno.EROFS in numbers or _says(err, ("Read-only file system",)):
+            why = "the file system is read-only: make it writable or set hydra.run.dir elsewhere"
+        elif denied(err):
+            why = "permission denied: give this user write access to it"
+        else:
+            raise
+        raise ConfigError(f"cannot {doing} {directory}: {why}") from None
 
 
 def _saved(state: TrainState) -> dict[str, Any]:
@@ -142,21 +173,87 @@ TRANSIENT_ERRNOS = {
     errno.ECONNRESET,
     errno.ECONNREFUSED,
 }
+# RESOURCE_EXHAUSTED: a bucket's rate limit, on a read (a write's is a full disk: _write_error)
 TRANSIENT_WORDS = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "Connection reset", "timed out")
+DENIED_WORDS = ("PERMISSION_DENIED", "Permission denied", "Operation not permitted")
+# what proves a checkpoint's content damaged: a file or a record missing, cut or unparsable
+DAMAGE_TYPES = (ValueError, KeyError, TypeError, IndexError, EOFError, FileNotFoundError, NotADirectoryError)
+DAMAGE_WORDS = ("NOT_FOUND", "DATA_LOSS", "OUT_OF_RANGE", "INVALID_ARGUMENT", "FAILED_PRECONDITION")
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """The error and those it came from (__cause__, __context__), each once."""
+    chain, todo = [], [err]
+    while todo and len(chain) < 32:
+        e = todo.pop(0)
+        if e is not None and all(e is not seen for seen in chain):
+            chain.append(e)
+            todo += [e.__cause__, e.__context__]
+    return chain
+
+
+def _errnos(err: BaseException) -> set[int]:
+    return {e.errno for e in _chain(err) if isinstance(e, OSError) and e.errno is not None}
+
+
+def _says(err: BaseException, words) -> bool:
+    return any(word in str(e) for e in _chain(err) for word in words)
+
+
+def denied(err: BaseException) -> bool:
+    """Whether a read or write failed for want of permission, anywhere in the error's chain."""
+    return bool(_errnos(err) & {errno.EACCES, errno.EPERM}) or _says(err, DENIED_WORDS)
 
 
 def transient(err: BaseException) -> bool:
     """Whether an error reading a checkpoint may pass if retried (storage or network), rather than
-    say that the checkpoint is damaged."""
-    if isinstance(err, (TimeoutError, ConnectionError, InterruptedError, BlockingIOError)):
+    say that the checkpoint is damaged; the whole chain is read (orbax wraps tensorstore's)."""
+    kinds = (TimeoutError, ConnectionError, InterruptedError, BlockingIOError)
+    if any(isinstance(e, kinds) for e in _chain(err)) or _errnos(err) & TRANSIENT_ERRNOS:
         return True
-    if isinstance(err, OSError) and err.errno in TRANSIENT_ERRNOS:
-        return True
-    return any(word in str(err) for word in TRANSIENT_WORDS)
+    return _says(err, TRANSIENT_WORDS)
+
+
+def damaged(err: BaseException) -> bool:
+    """Whether a read's error proves the checkpoint's content damaged (a file or record missing,
+    cut or unparsable), rather than the storage refusing (permission, a transient error, another
+    system error): only then is a checkpoint skipped and set aside."""
+    if denied(err) or transient(err) or _errnos(err) - {errno.ENOENT, errno.ENOTDIR}:
+        return False
+    return any(isinstance(e, DAMAGE_TYPES) for e in _chain(err)) or _says(err, DAMAGE_WORDS)
+
+
+def _unreadable(folder: Path) -> Path | None:
+    """The first folder or file under `folder` (itself included) that this process may not read."""
+    try:
+        entries = list(os.scandir(folder))
+    except PermissionError:
+        return folder
+    except OSError:
+        return None
+    for entry in entries:
+        path = Path(entry.path)
+        if entry.is_dir(follow_symlinks=False):
+            if blocked := _unreadable(path):
+                return blocked
+            continue
+        try:
+            os.close(os.open(path, os.O_RDONLY))
+        except PermissionError:
+            return path
+        except OSError:
+            continue
+    return None
 
 
 def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+
+
+def _root_line(err: BaseException) -> str:
+    """The first line of the innermost error of the chain that says something."""
+    said = [e for e in _chain(err) if str(e).strip()]
+    return _first_line(said[-1] if said else err)
 
 
 def _restore_retried(manager: ocp.CheckpointManager, step: int, target, pause_s: float = 1.0):
@@ -164,7 +261,7 @@ def _restore_retried(manager: ocp.CheckpointManager, step: int, target, pause_s:
         try:
             return _restore_step(manager, step, target)
         except Exception as err:  # noqa: BLE001 - orbax/tensorstore raise many types
-            if not transient(err) or attempt == TRIES - 1:
+            if denied(err) or not transient(err) or attempt == TRIES - 1:
                 raise
             log.warning(
                 f"warning: reading checkpoint {step} failed ({_first_line(err)}); retrying "
@@ -179,23 +276,35 @@ def restore_latest(
     """The newest readable checkpoint in `directory` restored into `target`'s shapes and shardings
     (any mesh), or None; and the damaged ones newer than it (step -> why). A transient error that
     outlasts TRIES reads is a ConfigError: the checkpoint may be fine."""
-    directory, damaged = directory.resolve(), {}
+    directory, found = directory.resolve(), {}
     if not directory.is_dir():
-        return None, damaged
+        return None, found
     manager = _reader(directory)
     try:
         for step in sorted(manager.all_steps(), reverse=True):
             try:
-                return _restore_retried(manager, step, target), damaged
+                return _restore_retried(manager, step, target), found
             except Exception as err:  # noqa: BLE001 - orbax/tensorstore raise many types for missing or cut files
+                where = directory / str(step)
+                if denied(err) or (blocked := _unreadable(where)):  # a folder it cannot list looks empty
+                    said = _root_line(err) if denied(err) else f"{blocked} cannot be read"
+                    raise ConfigError(
+                        f"checkpoint {where} cannot be read: permission denied ({said}); nothing was "
+                        f"renamed or deleted: give this user read access to it"
+                    ) from None
                 if transient(err):
                     raise ConfigError(
-                        f"checkpoint {directory / str(step)} could not be read in {TRIES} tries "
+                        f"checkpoint {where} could not be read in {TRIES} tries "
                         f"({_first_line(err)}); it may be intact: rerun when the storage "
                         f"answers"
                     ) from None
-                damaged[step] = _first_line(err)
-        return None, damaged
+                if not damaged(err):
+                    raise ConfigError(
+                        f"checkpoint {where} could not be read ({_root_line(err)}), for a reason that does "
+                        f"not show it damaged; nothing was renamed or deleted"
+                    ) from None
+                found[step] = _first_line(err)
+        return None, found
     finally:
         manager.close()
 
@@ -209,7 +318,13 @@ def set_aside(directory: Path, damaged: dict[int, str]) -> list[str]:
         while aside.exists():
             aside = aside.with_name(aside.name + "-again")
         if jax.process_index() == 0:
-            (directory / str(step)).rename(aside)
+            try:
+                (directory / str(step)).rename(aside)
+            except OSError as err:
+                raise ConfigError(
+                    f"checkpoint {directory / str(step)} is damaged ({why}) but cannot be set aside as "
+                    f"{aside.name} ({err.strerror}): move it out of {directory} or make the folder writable"
+                ) from None
         warnings.append(
             f"checkpoint {directory / str(step)} is damaged ({why}): skipped, and kept as {aside}"
         )
@@ -270,7 +385,7 @@ def restore_from(path: str, target: TrainState) -> tuple[TrainState, dict[str, A
         return _restore_step(manager, step, target)
     except Exception as err:
         raise ConfigError(
-            f"checkpoint.resume_from: cannot restore {directory / str(step)} ({type(err).__name__})"
+            f"checkpoint.resume_from: cannot restore {directory / str(step)} ({_root_line(err)})"
         ) from None
     finally:
         manager.close()

@@ -133,9 +133,11 @@ class MemoryErrors:
         return self
 
     def __exit__(self, kind, err, traceback) -> bool:
+        said = str(err)
         if isinstance(err, MemoryError) or (
             err is not None
-            and any(sign in str(err) for sign in ("RESOURCE_EXHAUSTED", "Out of memory allocating"))
+            and any(sign in said for sign in ("RESOURCE_EXHAUSTED", "Out of memory allocating"))
+            and not any(sign in said for sign in ("No space left", "ENOSPC"))  # a disk's, not memory's
         ):
             raise OutOfMemory(
                 _explain(err, self.cfg, self.mesh, self.compiled, self.training, self.first_tips)
