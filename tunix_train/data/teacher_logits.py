@@ -104,6 +104,26 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
     return meta
 
 
+LOG_PROB_SLACK = 1e-4  # a log-probability above 0 by rounding
+
+
+def _check_log_probs(file, path: Path) -> None:
+    """Every stored log-probability finite and at most 0 (LOG_PROB_SLACK), read a row group at a
+    time: a file of NaN, infinities or positive values is refused when it is opened."""
+    for group in range(file.num_row_groups):
+        try:
+            column = file.read_row_group(group, columns=["top_log_probs"]).column(0)
+            values = column.combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        except Exception as err:  # noqa: BLE001 - pyarrow's errors for a damaged file or another layout
+            raise ConfigError(f"{KEY}: {path} has no readable top_log_probs ({type(err).__name__})") from None
+        bad = ~np.isfinite(values) | (values > LOG_PROB_SLACK)
+        if bad.any():
+            raise ConfigError(
+                f"{KEY}: {path} holds log-probabilities that are not finite numbers at most 0 (row "
+                f"group {group}: {values[bad][0]}); rewrite the directory with scripts/teacher_logits.py"
+            )
+
+
 class StoredBatches:
     """The host batches of one split, in the order they were written, with the teacher's top k:
     [A, this process's rows, T] (and T x k); checkpointable (get_state: the next batch's number)."""
@@ -117,6 +137,7 @@ class StoredBatches:
                 self.files.append(pq.ParquetFile(path))
             except Exception as err:  # pyarrow's errors for a file that is not Parquet
                 raise ConfigError(f"{KEY}: {path} is not a Parquet file ({type(err).__name__})") from None
+            _check_log_probs(self.files[-1], path)
         self.count = meta["steps" if split == "train" else "eval_batches"]
         self.next = 0
 

@@ -35,6 +35,7 @@ from tunix_train.config import (
     without_retired_keys,
 )
 from tunix_train.interop import checkpoint_format, gguf, hf, importer
+from tunix_train.interop.config_file import checked_fields
 from tunix_train.model.params import ParamsPlan, plan_params
 from tunix_train.model.weights import ByLayer, Weights
 
@@ -54,9 +55,16 @@ def source(path: str | Path) -> Source:
     kind = checkpoint_format(path)
     if kind == "gguf":
         cfg = Config(model=ModelConfig(name=path.stem, **gguf.model_fields(gguf.open_gguf(path), path)))
+        checked_fields(cfg.model, str(path))
     elif kind == "hf":
-        fields = hf.model_fields_from_hf(hf.read_hf_config(path))
+        config = hf.read_hf_config(path)
+        try:
+            fields = hf.model_fields_from_hf(config)
+        except (KeyError, TypeError, AttributeError, ValueError, ZeroDivisionError) as err:
+            said = f"has no {err.args[0]!r}" if isinstance(err, KeyError) else f"cannot be read ({err})"
+            raise ConfigError(f"model.init_from: {path / 'config.json'} {said}"[:300]) from None
         cfg = Config(model=ModelConfig(name=path.name, vision=hf.vision_from_directory(path), **fields))
+        checked_fields(cfg.model, str(path / "config.json"))
     else:
         resolve_resume_path(str(path))
         cfg = run_config(path)

@@ -1,0 +1,112 @@
+"""The JSON files handed over with a model (config.json, the safetensors index), read through one
+checked path: inside their folder (a symlink leading out is refused), of bounded size and depth,
+valid JSON without NaN or Infinity, an object; and the model fields read from them checked as a
+model needs them (whole numbers where counts go, positive sizes, finite numbers, the image token
+inside the vocabulary), so that a nonsense file is one line when it is opened, not a failure when
+an image arrives."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import typing
+from pathlib import Path
+from typing import Any
+
+from tunix_train.config import ConfigError, ModelConfig, VisionConfig
+
+MAX_BYTES = 64 << 20  # a safetensors index of a very large model is a few MB
+MAX_DEPTH = 64
+
+
+def read_json(path: Path, what: str = "model.init_from") -> dict[str, Any]:
+    """The JSON object in `path` (a file in a handed-over folder), or a one-line error naming it."""
+    path = Path(path)
+    folder = path.parent.resolve()
+    if not path.resolve().is_relative_to(folder):
+        raise ConfigError(
+            f"{what}: {path} is a link to {path.resolve()}, outside its folder; copy the file in"
+        )
+    if not path.is_file():
+        raise ConfigError(f"{what}: {path} is not a file")
+    if path.stat().st_size > MAX_BYTES:
+        raise ConfigError(f"{what}: {path} has more than {MAX_BYTES:,} bytes")
+
+    def no_constant(name):
+        raise ValueError(f"{name} is not a JSON number")
+
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"), parse_constant=no_constant)
+    except RecursionError:
+        raise ConfigError(f"{what}: {path} is nested more than {MAX_DEPTH} deep") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"{what}: {path} is not valid JSON ({' '.join(str(err).split())[:160]})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what}: {path} must hold a JSON object, not {type(value).__name__}")
+    if _depth(value) > MAX_DEPTH:
+        raise ConfigError(f"{what}: {path} is nested more than {MAX_DEPTH} deep")
+    return value
+
+
+def _depth(value: Any) -> int:
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        level = [
+            v
+            for x in level
+            for v in (x.values() if isinstance(x, dict) else x)
+            if isinstance(v, (dict, list))
+        ]
+    return depth
+
+
+# sizes that must be at least 1 (the rest of the whole-number fields at least 0)
+POSITIVE = {
+    "num_layers",
+    "embed_dim",
+    "hidden_dim",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "vocab_size",
+    "image_size",
+    "patch_size",
+    "num_channels",
+    "tokens_per_image",
+    "pooling_kernel",
+    "position_table_size",
+    "sliding_window",
+    "global_head_dim",
+    "num_global_kv_heads",
+    "per_layer_input_vocab_size",
+}
+
+
+def checked_fields(cfg: ModelConfig | VisionConfig, source: str) -> None:
+    """Each whole-number field of cfg (and of its model.vision) an int, at least 1 where it is a
+    size (POSITIVE) and 0 elsewhere; each number finite; the image token inside the vocabulary."""
+    hints = typing.get_type_hints(type(cfg))
+    for field in dataclasses.fields(cfg):
+        value, kind = getattr(cfg, field.name), hints[field.name]
+        if value is None or kind in (bool, typing.Optional[bool]):
+            continue
+        where = f"{source}: {'vision ' if isinstance(cfg, VisionConfig) else ''}{field.name}={value!r}"
+        if kind in (int, typing.Optional[int]):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{where[:160]} must be a whole number")
+            if value < (1 if field.name in POSITIVE else 0):
+                raise ConfigError(f"{where} must be {'positive' if field.name in POSITIVE else 'at least 0'}")
+        elif kind in (float, typing.Optional[float]):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"{where[:160]} must be a finite number")
+    if isinstance(cfg, ModelConfig) and cfg.vision is not None:
+        checked_fields(cfg.vision, source)
+        if not 0 <= cfg.vision.image_token_id < cfg.vocab_size:
+            raise ConfigError(
+                f"{source}: the image token {cfg.vision.image_token_id} lies outside the vocabulary of "
+                f"{cfg.vocab_size} tokens"
+            )
+        if cfg.vision.patch_size > cfg.vision.image_size:
+            raise ConfigError(f"{source}: vision patch_size {cfg.vision.patch_size} exceeds its image_size")
