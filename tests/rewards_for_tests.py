@@ -54,3 +54,14 @@ def echo(text: str) -> str:
         text: What to answer.
     """
     return text
+
+
+def hangs(prompts, completions, **fields):
+    """Never answers (until the test's process ends): a reward function stuck on a lock or a socket."""
+    import threading
+
+    threading.Event().wait()
+
+
+def nan_for_long(prompts, completions, **fields):
+    return [float("nan") if len(c) > 1 else 0.0 for c in completions]

@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 
 from tunix_train.compose import load_config
-from tunix_train.config import GrpoAggregation, ImportanceLevel, RewardNormalization, ScaleRewards
+from tunix_train.config import (
+    ConfigError,
+    GrpoAggregation,
+    ImportanceLevel,
+    RewardNormalization,
+    ScaleRewards,
+)
 from tunix_train.data.packed_rows import Packing
 from tunix_train.train.objectives import grpo_family as family
 from tunix_train.train.objectives.grpo import GroupRelative
@@ -472,3 +478,33 @@ def test_missing_eos_penalty_is_a_reward_row_for_completions_that_did_not_stop()
     assert rewards.names[-1] == "missing_eos" and rewards.weights[-1] == 1.0
     np.testing.assert_array_equal(scores[-1], [0.0, -2.0, -2.0])
     np.testing.assert_array_equal(rewards.total(scores), [1.0, -1.0, -2.0])
+
+
+def test_a_reward_that_hangs_raises_or_returns_nan_stops_the_run_with_one_line():
+    """A reward function that never answers stops after training.grpo.reward_timeout_s (its thread
+    left behind, a daemon's); one that raises or returns NaN stops at once; each a ConfigError
+    naming it (docs/objectives/grpo.md: the run stops rather than train on a reward it lacks)."""
+    import re
+    import time
+
+    from tunix_train.train.objectives.grpo_rewards import Rewards
+
+    records = [{"prompt": "1+1=", "answer": "2"}] * 2
+    for name, overrides, words in [
+        (
+            "hangs",
+            ["training.grpo.reward_timeout_s=0.5"],
+            "gave no answer in 0.5 s (training.grpo.reward_timeout_s)",
+        ),
+        ("nan_for_long", [], "returned nan; it must return finite numbers"),
+        ("divides", [], "raised ZeroDivisionError"),
+    ]:
+        rewards = Rewards(
+            _cfg(f"training.grpo.reward=[tests.rewards_for_tests:{name}]", *overrides).training.grpo
+        )
+        start = time.perf_counter()
+        with pytest.raises(
+            ConfigError, match=re.escape(f"training.grpo.reward 'tests.rewards_for_tests:{name}' {words}")
+        ):
+            rewards.score(["1+1="] * 2, ["2", "22"], records, [[5], [5, 5]])
+        assert time.perf_counter() - start < 5

@@ -344,7 +344,7 @@ def bpe_tokenizer(directory, sft, kind: str, template: str, added: tuple[str, ..
     `template` (TRL's copy) renders them, with `added` tokens of their own, and that template."""
     from bpe_files import byte_level_bpe, trl_template
 
-    from tunix_train.data.chat import _compiled
+    from tunix_train.data.jinja_sandbox import compiled_template as _compiled
 
     pytest.importorskip("trl")
     render = _compiled(trl_template(template))[0].render  # compiled as transformers compiles it

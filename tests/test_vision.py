@@ -569,7 +569,7 @@ def _doc(record, folder):
             lambda r, f: (f / "pics" / "0.png").write_bytes((f / "pics" / "0.png").read_bytes()[:60]),
             "cannot be read",
         ),
-        (lambda r, f: (f / "pics" / "0.png").write_bytes(b""), "cannot be read"),
+        (lambda r, f: (f / "pics" / "0.png").write_bytes(b""), "not a PNG, JPEG, GIF, WEBP, BMP image"),
         (
             lambda r, f: r[0]["messages"][0]["content"].__setitem__(
                 0, {"type": "image", "image": "https://example.com/a.png"}

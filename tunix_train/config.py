@@ -356,6 +356,9 @@ class DataConfig:
     # crops, each an image of its own after it (transformers' do_pan_and_scan with max_num_crops;
     # crops of at least 256 pixels, images at least 1.2 times longer than wide); 0: off
     pan_and_scan_crops: int = _fixed(0)
+    # Conversations whose messages' text may write the template's control tokens (<start_of_turn>,
+    # <start_of_image>, BOS ...) and have them read as such; false: such a record is a one-line error
+    control_tokens_in_messages: bool = _fixed(False)
     prefetch_batches: int = _changeable(4)  # batches prepared ahead of the train step by a background thread
 
 

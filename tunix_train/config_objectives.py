@@ -127,6 +127,10 @@ class GrpoConfig:
     # Reward functions, `module:function`, each fn(prompts, completions, **fields) -> list of floats;
     # the reward of a completion is their sum, weighted by reward_weights (empty: all 1).
     reward: List[str] = _fixed(factory=list)
+    # A reward function's seconds for one batch, on a thread of its own; one that takes longer (hung)
+    # stops the run with a line naming it, as one that raises or returns NaN does. 0: no bound, on
+    # the run's own thread (for a function that needs the main thread, e.g. for signals)
+    reward_timeout_s: float = _changeable(300.0)
     # Reward models (objective=reward's exports, or any ...ForSequenceClassification checkpoint the
     # loader reads), each scoring [BOS] prompt completion at its last token; their rewards follow
     # the functions', and reward_weights weighs functions then models.
@@ -199,6 +203,10 @@ class GrpoConfig:
             raise ConfigError(
                 "training.grpo.temperature (finite) and epsilon must be positive, beta >= 0 and "
                 "max_new_tokens >= 1"
+            )
+        if not self.reward_timeout_s >= 0:
+            raise ConfigError(
+                f"training.grpo.reward_timeout_s={self.reward_timeout_s} must be >= 0 (0: no bound)"
             )
         if self.max_staleness < 0 or self.iterations < 1:
             raise ConfigError(

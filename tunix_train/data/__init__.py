@@ -61,6 +61,7 @@ class Data:
             self._chat = ChatTemplate(
                 *find_template(self.cfg.data.chat_template, self._chat_source), self.tokenizer, image_tokens
             )
+            self._chat.allow_control_tokens = self.cfg.data.control_tokens_in_messages
         return self._chat
 
     def _batches(self, docs, *, accumulation_steps, global_micro_batch, seed, shuffle, rows):

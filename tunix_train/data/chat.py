@@ -20,18 +20,18 @@ separator after a turn's end token, which no model generates).
 
 from __future__ import annotations
 
-import contextvars
-import datetime
 import functools
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any, Sequence
+
+import numpy as np
 
 from tunix_train.config import CHAT_ROLES as ROLES
 from tunix_train.config import ConfigError
 from tunix_train.data.images import ImageTokens, content_parts, split_images
+from tunix_train.data.jinja_sandbox import Rendering, compiled_template
 from tunix_train.data.tokenizer import with_bos
 
 # Gemma's turn format (Gemma 1-3 "-it" models): a system message opens the first user turn, the
@@ -83,114 +83,6 @@ GEMMA_TEMPLATE = """{{ bos_token }}
 """  # noqa: E501 (a template: its lines are its text)
 
 
-# Bounds on one rendering: templates come from model files, untrusted (a GGUF, tokenizer_config.json)
-RENDER_SECONDS = 10.0
-RENDER_CHARS = 1 << 26
-
-
-class _Rendering:
-    """One rendering's progress: its text's length so far, its {% generation %} spans, its deadline."""
-
-    def __init__(self):
-        self.length, self.spans, self.deadline = 0, [], time.monotonic() + RENDER_SECONDS
-
-    def grew(self, chars: int) -> None:
-        self.length += chars
-        if self.length > RENDER_CHARS:
-            raise ConfigError(f"writes more than {RENDER_CHARS} characters")
-        self.on_time()
-
-    def on_time(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise ConfigError(f"takes more than {RENDER_SECONDS:g} s")
-
-
-_RENDERING: contextvars.ContextVar = contextvars.ContextVar("chat_rendering", default=None)
-
-
-@functools.cache
-def _bounded_environment():
-    """transformers' sandbox, and within each rendering a deadline checked at every call,
-    attribute, item and operator, and no string or list repeated past RENDER_CHARS."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Bounded(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset(["*", "**"])
-
-        def call_binop(self, context, operator, left, right):
-            self._on_time()
-            sized = next((len(x) for x in (left, right) if isinstance(x, (str, list, tuple))), None)
-            count = right if isinstance(right, int) else left
-            if (
-                operator == "*"
-                and sized is not None
-                and isinstance(count, int)
-                and sized * count > RENDER_CHARS
-            ):
-                raise ConfigError(f"repeats a string or list past {RENDER_CHARS} items")
-            if operator == "**" and isinstance(right, (int, float)) and abs(right) > 1024:
-                raise ConfigError("raises to a power above 1024")
-            return super().call_binop(context, operator, left, right)
-
-        def call(self, *args, **kwargs):
-            self._on_time()
-            return super().call(*args, **kwargs)
-
-        def getattr(self, obj, attribute):
-            self._on_time()
-            return super().getattr(obj, attribute)
-
-        def getitem(self, obj, argument):
-            self._on_time()
-            return super().getitem(obj, argument)
-
-        @staticmethod
-        def _on_time():
-            if (rendering := _RENDERING.get()) is not None:
-                rendering.on_time()
-
-    return Bounded
-
-
-@functools.lru_cache(maxsize=16)
-def _compiled(template: str):
-    """The template compiled as transformers compiles chat templates."""
-    import jinja2
-    from jinja2 import nodes
-    from jinja2.ext import Extension
-
-    class Generation(Extension):
-        """{% generation %} ... {% endgeneration %}: records where its text starts and ends."""
-
-        tags = {"generation"}
-        tracked = _RENDERING
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
-
-        def _mark(self, caller):
-            text = caller()
-            if (rendering := self.tracked.get()) is not None:
-                rendering.spans.append((rendering.length, rendering.length + len(text)))
-            return text
-
-    _Bounded = _bounded_environment()
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    env = _Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: (
-        json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-    )
-    env.globals.update(
-        raise_exception=raise_exception, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt)
-    )
-    return env.from_string(template), Generation.tracked
-
-
 class ChatTemplate:
     """A Jinja chat template and the tokenizer whose special tokens it writes; image_tokens: how
     the images it places become tokens (a model with model.vision), else None."""
@@ -198,11 +90,12 @@ class ChatTemplate:
     def __init__(self, template: str, source: str, tokenizer, image_tokens: ImageTokens | None = None):
         self.template, self.tokenizer, self.source = template, tokenizer, source
         self.image_tokens = image_tokens
+        self.allow_control_tokens = False  # may a message's text write control_tokens?
         # Gemma's turn format writes this for an image part (a tokenizer's own template, its own)
         self._image_marker = {} if image_tokens is None else {"image_marker": image_tokens.marker}
         self.has_generation_markers = re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
         try:
-            self._compiled, self._tracked = _compiled(template)
+            self._compiled, self._tracked = compiled_template(template)
         except Exception as err:
             raise ConfigError(f"{source}: not a Jinja template ({' '.join(str(err).split())})") from None
         self.variables = {
@@ -220,7 +113,7 @@ class ChatTemplate:
     ) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text and the character spans of its {% generation %} blocks."""
         blocks: list[str] = []
-        rendering = _Rendering()
+        rendering = Rendering()
         token = self._tracked.set(rendering)
         try:
             for block in self._compiled.generate(
@@ -259,6 +152,42 @@ class ChatTemplate:
             spans.append((len(before), len(through.rstrip())))
         return text, sorted(spans)
 
+    @functools.cached_property
+    def control_tokens(self) -> tuple[str, ...]:
+        """The tokens that structure a conversation, which a message's text may not write (it would
+        open a turn, or place an image, that the template did not): BOS, EOS, pad, the image
+        tokens, and each marker token (<...>) the template writes around a sample conversation."""
+        t = self.tokenizer
+        found = {t.token(i) for i in (t.bos_id, t.eos_id, t.pad_id) if i >= 0}
+        if self.image_tokens is not None:
+            it = self.image_tokens
+            found |= {it.boi, it.eoi, it.image, it.marker}
+        sample = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+        for messages in ([{"role": "system", "content": "s"}, *sample], sample):
+            try:
+                text = self.render(messages, add_generation_prompt=False)[0]
+            except ConfigError:  # a template without a system role
+                continue
+            found |= {t.token(i) or "" for i in t.encode_with_offsets(text)[0]}
+        return tuple(sorted(x for x in found if re.fullmatch(r"<[^<>\s]+>", x or "")))
+
+    def control_token_in(self, text: str) -> str | None:
+        """The first of control_tokens that `text` writes, or None."""
+        return next((c for c in self.control_tokens if c in text), None)
+
+    def refuse_control_tokens(self, messages: Sequence[dict]) -> None:
+        """A one-line error for a message whose text writes one of control_tokens."""
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            parts = [content] if isinstance(content, str) else [p.get("text") for p in content or []]
+            for text in (p for p in parts if isinstance(p, str)):
+                if found := self.control_token_in(text):
+                    raise ConfigError(
+                        f"message {i}'s text writes {found}, a control token of this template, which "
+                        f"a message may not: it would become a turn or an image the template did not "
+                        f"write (a data file that means it: data.control_tokens_in_messages=true)"
+                    )
+
     def end_of_turn(self) -> str:
         """The text the template writes after an assistant's message ('<end_of_turn>' in Gemma's
         format): where a reply stops."""
@@ -293,7 +222,10 @@ class ChatTemplate:
         it (never an image's token); `variables` (tools=[schemas]) go to the template. Image parts
         should come as split_images leaves them; with image_tokens each becomes its tokens (images:
         their arrays, which say how many where an image's count is its own; crops: pan-and-scan's
-        crops after each image, ImageTokens.expand)."""
+        crops after each image, ImageTokens.expand). A message's text may write control_tokens only
+        where the template allows it (allow_control_tokens: a data file's data.control_tokens_in_messages)."""
+        if not self.allow_control_tokens:
+            self.refuse_control_tokens(messages)
         if add_generation_prompt:
             text, spans = self.render(messages, add_generation_prompt=True, **variables)[0], []
         else:
@@ -301,10 +233,28 @@ class ChatTemplate:
         if self.image_tokens is not None:
             text, spans = self.image_tokens.expand(text, spans, images, crops)
         ids, offsets = self.tokenizer.encode_with_offsets(text)
-        mask = [any(end > a and start < b for a, b in spans) for start, end in offsets]
+        mask = _overlapping(offsets, spans)
         if self.image_tokens is not None:
             mask = [m and i != self.image_tokens.image_id for m, i in zip(mask, ids)]
         return ids, mask
+
+
+def _overlapping(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """For each token's (start, end), whether it overlaps one of `spans`: in n log n (a conversation
+    of 10,000 turns has as many spans)."""
+    merged: list[list[int]] = []
+    for a, b in sorted(spans):
+        if merged and a < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    if not merged or not offsets:
+        return [False] * len(offsets)
+    starts, ends = np.array(merged).T
+    token = np.asarray(offsets).reshape(-1, 2)
+    first = np.searchsorted(ends, token[:, 0], side="right")  # the first span ending after the start
+    inside = first < len(ends)
+    return (inside & (starts[np.minimum(first, len(ends) - 1)] < token[:, 1])).tolist()
 
 
 def check_messages(messages: Any, where: str, field: str = "messages", parts: bool = False) -> list[dict]:

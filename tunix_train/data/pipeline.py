@@ -75,6 +75,11 @@ class DocumentFeatures:
         if "messages" in doc:
             tools = {"tools": doc["tools"]} if "tools" in doc else {}
             messages = doc["messages"]
+            if self.seq_len is not None and len(messages) > self.seq_len:  # before rendering them
+                raise ConfigError(
+                    f"{doc['where']}: a conversation of {len(messages)} messages, each at least a token, "
+                    f"cannot fit a row of data.seq_len={self.seq_len}: shorten it or raise data.seq_len"
+                )
             if has_images(messages):
                 if self.vision is None:
                     raise ConfigError(
@@ -82,7 +87,10 @@ class DocumentFeatures:
                         f"(model.vision is null): use a model with an image tower (gemma3_4b and up)"
                     )
                 messages = split_images(messages)[0]
-            ids, mask = self.chat.encode(messages, self.roles, images=images, crops=crops, **tools)
+            try:
+                ids, mask = self.chat.encode(messages, self.roles, images=images, crops=crops, **tools)
+            except ConfigError as err:
+                raise ConfigError(f"{doc['where']}: {err}") from None
             if self.seq_len is not None and len(ids) - 1 > self.seq_len:
                 raise ConfigError(
                     f"{doc['where']}: a conversation of {len(ids)} tokens (its images' included) is "

@@ -179,6 +179,13 @@ class Api:
                 end = self.model.chat.end_of_turn()
                 ends = [end] if end and len(tokenizer.encode(end)) > 1 else []
             else:
+                if found := self.model.chat.control_token_in(ask.prompt):
+                    raise BadRequest(
+                        f"the prompt writes {found}, a control token of this model's template, which a "
+                        f"prompt's text may not; send a conversation to /v1/chat/completions",
+                        "prompt",
+                        code="control_token",
+                    )
                 prompt = with_bos(tokenizer, tokenizer.encode(ask.prompt))
         except ConfigError as err:
             raise BadRequest(str(err), "messages" if chat else None) from None

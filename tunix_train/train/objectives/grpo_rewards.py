@@ -7,6 +7,7 @@ the environment's reward (with training.grpo.environment), each a row of weight 
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -75,7 +76,13 @@ class Rewards:
 
     def _call(self, name: str, function: Callable, prompts, completions, fields, records) -> np.ndarray:
         try:
-            values = function(prompts, completions, **fields)
+            values = _timed(function, self.grpo.reward_timeout_s, prompts, completions, **fields)
+        except TimeoutError:
+            raise ConfigError(
+                f"training.grpo.reward {name!r} gave no answer in {self.grpo.reward_timeout_s:g} s "
+                f"(training.grpo.reward_timeout_s) on a batch from the record {str(records[0])[:120]}; "
+                f"it may hang: the run stops"
+            ) from None
         except Exception as err:  # the first record it fails on, found by calling it on each
             record = next(
                 (
@@ -128,7 +135,30 @@ class Rewards:
 
 def _fails(function, *args) -> bool:
     try:
-        function(*args[:2], **args[2])
+        _timed(function, 10.0, *args[:2], **args[2])
     except Exception:
         return True
     return False
+
+
+def _timed(function: Callable, seconds: float, *args, **kwargs):
+    """function(*args, **kwargs) on a daemon thread of its own (one that hangs does not keep the
+    process from exiting); TimeoutError after `seconds`. seconds 0: on this thread, unbounded."""
+    if not seconds:
+        return function(*args, **kwargs)
+    out: dict[str, Any] = {}
+
+    def run():
+        try:
+            out["value"] = function(*args, **kwargs)
+        except BaseException as err:  # noqa: BLE001 - raised again on the caller's thread
+            out["error"] = err
+
+    thread = threading.Thread(target=run, name="reward", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
