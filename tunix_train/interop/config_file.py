@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tunix_train.config import ConfigError, ModelConfig, VisionConfig
+from tunix_train.interop import vision
 
 MAX_BYTES = 64 << 20  # a safetensors index of a very large model is a few MB
 MAX_DEPTH = 64
@@ -110,3 +111,42 @@ def checked_fields(cfg: ModelConfig | VisionConfig, source: str) -> None:
             )
         if cfg.vision.patch_size > cfg.vision.image_size:
             raise ConfigError(f"{source}: vision patch_size {cfg.vision.patch_size} exceeds its image_size")
+
+
+def read_hf_config(directory: Path) -> dict[str, Any]:
+    file = directory / "config.json"
+    if not file.exists():
+        raise ConfigError(f"model.init_from: no config.json in {directory}")
+    hf = read_json(file)
+    if "text_config" not in hf:
+        return hf
+    if not isinstance(hf["text_config"], dict):
+        raise ConfigError(f"model.init_from: {file}'s text_config must be a JSON object")
+    # Gemma 3 and 4 multimodal checkpoints nest the text decoder; the class (a scalar head?) is outside
+    return {**hf["text_config"], "architectures": hf.get("architectures") or []}
+
+
+def other_towers(directory: Path) -> list[str]:
+    """The vision or audio towers a multimodal checkpoint holds beside its text decoder."""
+    hf = read_json(Path(directory) / "config.json")
+    return [tower for tower in ("vision_config", "audio_config") if hf.get(tower)]
+
+
+def vision_from_directory(directory: Path):
+    """model.vision of a checkpoint directory's config.json (None: it has no image tower)."""
+    file = Path(directory) / "config.json"
+    try:
+        return vision.vision_from_hf(read_json(file))
+    except KeyError as err:
+        raise ConfigError(f"model.init_from: {file}'s vision_config has no {err.args[0]!r}") from None
+    except (TypeError, AttributeError, ValueError, ZeroDivisionError) as err:
+        raise ConfigError(f"model.init_from: {file}'s vision_config cannot be read ({err})") from None
+
+
+def open_safetensors(safe_open, path: Path):
+    """safetensors' safe_open(path), or a one-line error naming the file."""
+    try:
+        return safe_open(str(path), framework="numpy")
+    except Exception as err:  # noqa: BLE001 - safetensors' own error types for a damaged header
+        said = " ".join(str(err).split())[:160]
+        raise ConfigError(f"model.init_from: {path} is not a readable safetensors file ({said})") from None

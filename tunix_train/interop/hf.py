@@ -24,7 +24,13 @@ from flax import nnx
 from tunix_train.config import ConfigError, ModelConfig, VisionEncoder
 from tunix_train.files import write_atomically, write_text
 from tunix_train.interop import families, vision
-from tunix_train.interop.config_file import read_json
+from tunix_train.interop.config_file import (
+    open_safetensors,
+    other_towers,
+    read_hf_config,
+    read_json,
+    vision_from_directory,
+)
 from tunix_train.model.layout import layer_groups, layer_shapes
 from tunix_train.model.weights import ByLayer
 from tunix_train.sharding import layer_sharding
@@ -151,14 +157,6 @@ def stack_layers(path: str, cfg: ModelConfig):
     return path, None
 
 
-def _opened(safe_open, path: Path):
-    try:
-        return safe_open(str(path), framework="numpy")
-    except Exception as err:  # noqa: BLE001 - safetensors' own error types for a damaged header
-        said = " ".join(str(err).split())[:160]
-        raise ConfigError(f"model.init_from: {path} is not a readable safetensors file ({said})") from None
-
-
 class _SafetensorsFiles:
     """Lazy access to the tensors of one checkpoint directory (single file or sharded with an index)."""
 
@@ -182,7 +180,7 @@ class _SafetensorsFiles:
             files, weight_map = ["model.safetensors"], None
         else:
             raise ConfigError(f"model.init_from: no model.safetensors(.index.json) in {directory}")
-        self._handles = {f: _opened(safe_open, directory / f) for f in files}
+        self._handles = {f: open_safetensors(safe_open, directory / f) for f in files}
         self._where = weight_map or {name: files[0] for name in self._handles[files[0]].keys()}
 
     def has(self, name: str) -> bool:
@@ -233,36 +231,6 @@ def per_expert_tensors(name: str, fused: np.ndarray) -> dict[str, np.ndarray]:
         for e, expert in enumerate(fused)
         for kind, part in zip(kinds, np.split(expert, len(kinds)))
     }
-
-
-def read_hf_config(directory: Path) -> dict[str, Any]:
-    file = directory / "config.json"
-    if not file.exists():
-        raise ConfigError(f"model.init_from: no config.json in {directory}")
-    hf = read_json(file)
-    if "text_config" not in hf:
-        return hf
-    if not isinstance(hf["text_config"], dict):
-        raise ConfigError(f"model.init_from: {file}'s text_config must be a JSON object")
-    # Gemma 3 and 4 multimodal checkpoints nest the text decoder; the class (a scalar head?) is outside
-    return {**hf["text_config"], "architectures": hf.get("architectures") or []}
-
-
-def other_towers(directory: Path) -> list[str]:
-    """The vision or audio towers a multimodal checkpoint holds beside its text decoder."""
-    hf = read_json(Path(directory) / "config.json")
-    return [tower for tower in ("vision_config", "audio_config") if hf.get(tower)]
-
-
-def vision_from_directory(directory: Path):
-    """model.vision of a checkpoint directory's config.json (None: it has no image tower)."""
-    file = Path(directory) / "config.json"
-    try:
-        return vision.vision_from_hf(read_json(file))
-    except KeyError as err:
-        raise ConfigError(f"model.init_from: {file}'s vision_config has no {err.args[0]!r}") from None
-    except (TypeError, AttributeError, ValueError, ZeroDivisionError) as err:
-        raise ConfigError(f"model.init_from: {file}'s vision_config cannot be read ({err})") from None
 
 
 def model_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
