@@ -3,6 +3,7 @@ after another, through the `openai` client on 127.0.0.1; or, with --soak, a soak
 
     python scripts/benchmark_serve.py [--model gemma3_tiny] [--requests 32] [--max-tokens 32] [--slots 32]
     python scripts/benchmark_serve.py --soak 600 [--clients 256]
+    python scripts/benchmark_serve.py --soak 600 --model gemma3_vision_tiny --images 0.3
 
 --soak SECONDS: --clients threads each send, in a loop, a valid request (70%, half of them
 streamed; one of 64 fixed requests, sampled with its seed), an invalid one (15%) or a stream they
@@ -10,7 +11,10 @@ leave after its first event (15%). At the end every valid reply must equal its r
 reply (sent again alone), /health must show nothing running or queued, and the server's RSS must
 be within 10% of its value after a warm-up of the same mix (a tenth of the time, 10 to 60 s); the JSON
 reports requests, outcomes by kind and
-status, p50/p99 latency of valid requests and their tokens/s, and ok (exit 1 when not).
+status, p50/p99 latency of valid requests and their tokens/s, and ok (exit 1 when not). --images
+SHARE (a model with an image tower): that share of the requests are chats with images instead,
+half a chat about one of 8 small pictures (checked against its solo reply like the rest), half a
+bomb that must be a 400 (two 8192² images, 10,000 tiny ones, or EPS sent as a PNG).
 
 A run of --model (random weights after 1 training step, the bundled tokenizer) is served on 2 fake
 CPU devices (fsdp); each request is a completion of max_tokens tokens (no stop: ignore_eos by
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import http.client
 import json
 import socket
@@ -55,7 +60,17 @@ def main(argv: list[str]) -> int:
         help="instead: --clients clients sending valid, invalid and departing requests for SECONDS",
     )
     parser.add_argument("--clients", type=int, default=256)
+    parser.add_argument(
+        "--images",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="with --soak and a model with an image tower (gemma3_vision_tiny): this share of the "
+        "requests are chats with images, half valid (checked against their solo reply), half bombs",
+    )
     args = parser.parse_args(argv)
+    if args.images and "vision" not in args.model:
+        parser.error("--images needs a model with an image tower (--model gemma3_vision_tiny)")
     with _served(args) as (port, pid):
         figures = _soak(port, pid, args) if args.soak else _throughput(port, args)
     print(json.dumps(figures), flush=True)
@@ -69,12 +84,26 @@ def _served(args):
 
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
+        vocabulary = ["model.vocab_size=4096"]
+        if "vision" in args.model:  # the bundled tokenizer with Gemma's turn and image tokens
+            from tunix_train.data.tokenizer import bundled_with_pieces
+
+            pieces = (
+                "<start_of_turn>",
+                "<end_of_turn>",
+                "<start_of_image>",
+                "<end_of_image>",
+                "<image_soft_token>",
+            )
+            bundled_with_pieces(Path(tmp) / "tokenizer" / "tokenizer.model", pieces)
+            tokenizer = f"data.tokenizer={Path(tmp) / 'tokenizer'}"
+            vocabulary = ["model.vocab_size=4104", "model.vision.image_token_id=4100", tokenizer]
         trained = subprocess.run(
             [
                 sys.executable,
                 str(REPO / "run_training.py"),
                 f"model={args.model}",
-                "model.vocab_size=4096",
+                *vocabulary,
                 "data.seq_len=64",
                 "training.max_steps=1",
                 'model.mesh_shape=[[1],["fsdp"]]',
@@ -180,12 +209,14 @@ def _get(port: int, path: str) -> dict:
     return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10).read())
 
 
-def _post(port: int, body: bytes, timeout: float = 120.0) -> tuple[int, str, float]:
-    """(status, body, seconds) of one POST to /v1/completions."""
+def _post(
+    port: int, body: bytes, timeout: float = 120.0, path: str = "/v1/completions"
+) -> tuple[int, str, float]:
+    """(status, body, seconds) of one POST to `path`."""
     start = time.perf_counter()
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
         response = connection.getresponse()
         return response.status, response.read().decode(), time.perf_counter() - start
     finally:
@@ -213,6 +244,52 @@ INVALID = [
     b"[" * 50_000 + b"]" * 50_000,
     json.dumps({"prompt": "a", "stream_options": "x"}).encode(),
 ]
+
+
+CHAT = "/v1/chat/completions"
+
+
+def _png(width: int, height: int, blank: bool = False) -> str:
+    """A data: URI of a PNG of random colours (seeded by its width), or a blank one."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(width).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    (Image.new("L", (width, height)) if blank else Image.fromarray(pixels)).save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def _look(*uris: str) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in uris]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}]
+
+
+@functools.cache
+def _image_bodies() -> tuple[list[bytes], list[bytes]]:
+    """(8 valid chats, each about a picture of its own; 3 bombs: two 8192^2 images, 10,000 tiny
+    ones, and EPS sent as a PNG), as request bodies."""
+    import base64
+
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n{} loop\n"
+    valid = [
+        json.dumps({"messages": _look(_png(20 + k, 24)), "max_tokens": 4 + k, "temperature": 0.9, "seed": k})
+        for k in range(8)
+    ]
+    huge, tiny = _png(8192, 8192, blank=True), _png(1, 1)
+    bombs = [
+        {"messages": _look(huge, huge)},
+        {"messages": _look(*[tiny] * 10_000)},
+        {"messages": _look("data:image/png;base64," + base64.b64encode(eps).decode())},
+    ]
+    return [v.encode() for v in valid], [json.dumps({**b, "max_tokens": 4}).encode() for b in bombs]
+
+
+def _chat_text(body: str) -> str:
+    return json.loads(body)["choices"][0]["message"]["content"]
 
 
 def _reply(body: str) -> tuple[str, int]:
@@ -244,7 +321,19 @@ def _soak(port: int, pid: int, args) -> dict:
         while time.monotonic() < deadline:
             roll, k = rng.random(), rng.randrange(SOAK_SPECS)
             try:
-                if roll < 0.7:
+                if rng.random() < args.images:
+                    valid, bombs = _image_bodies()
+                    if roll < 0.5:
+                        status, body, seconds = _post(port, valid[k % 8], path=CHAT)
+                        if status == 200:
+                            with lock:
+                                texts[("image", k % 8)].add(_chat_text(body))
+                                latencies.append(seconds)
+                        kind = f"image {status}"
+                    else:
+                        status, _, _ = _post(port, rng.choice(bombs), path=CHAT)
+                        kind = f"image bomb {status}"
+                elif roll < 0.7:
                     stream = (
                         {"stream": True, "stream_options": {"include_usage": True}} if roll < 0.35 else {}
                     )
@@ -302,7 +391,12 @@ def _soak(port: int, pid: int, args) -> dict:
     wall_s = time.perf_counter() - start
     time.sleep(2)  # the departed streams' cancellations reach the engine
     health = _get(port, "/health")
-    solo = {k: _reply(_post(port, json.dumps(_spec(k)).encode())[1])[0] for k in sorted(texts)}
+    solo = {
+        k: _chat_text(_post(port, _image_bodies()[0][k[1]], path=CHAT)[1])
+        if isinstance(k, tuple)
+        else _reply(_post(port, json.dumps(_spec(k)).encode())[1])[0]
+        for k in texts
+    }
     mismatched = sum(text != solo[k] for k in texts for text in texts[k])
     rss_end = _rss_bytes(pid)
     latencies.sort()
@@ -316,10 +410,12 @@ def _soak(port: int, pid: int, args) -> dict:
         and health["queued"] == 0
         and abs(rss_end - rss_start) <= 0.1 * rss_start
         and not any(k.startswith("client") for k in outcomes)
+        and not any(k.startswith("image bomb") and not k.endswith("400") for k in outcomes)
     )
     return {
         "soak_s": args.soak,
         "clients": args.clients,
+        "image_share": args.images,
         "slots": args.slots,
         "requests": sum(outcomes.values()),
         "outcomes": dict(sorted(outcomes.items())),

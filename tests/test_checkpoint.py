@@ -438,6 +438,7 @@ def _dropped(*command):
     return ["capsh", "--drop=cap_dac_override,cap_dac_read_search", "--", "-c", shlex.join(command)]
 
 
+@pytest.mark.slow  # two runs of the trainer in subprocesses
 @pytest.mark.parametrize("unreadable", ["a folder", "its files"])
 def test_an_unreadable_checkpoint_is_an_error_and_nothing_is_renamed_or_deleted(
     tmp_path, reference, unreadable

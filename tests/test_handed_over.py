@@ -83,12 +83,19 @@ def test_a_config_json_linked_outside_its_folder_is_not_followed(tmp_path):
         loader.source(folder)
 
 
-def test_a_damaged_safetensors_file_is_one_line_naming_it(tmp_path):
+def test_a_damaged_or_linked_safetensors_file_is_one_line_naming_it(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 8 + b"{not a header")
     with pytest.raises(ConfigError, match=r"model.safetensors is not a readable safetensors file"):
         hf._SafetensorsFiles(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "model.safetensors").symlink_to("/etc/passwd")
+    with pytest.raises(
+        ConfigError, match=r"model.safetensors is a link to /etc/passwd, outside its folder"
+    ):
+        hf._SafetensorsFiles(tmp_path)
 
 
+@pytest.mark.slow  # a subprocess
 def test_the_command_line_says_one_line_and_exits_2(tmp_path):
     """generate on a folder whose config.json gives a negative image size: exit 2, one line."""
     folder = _folder(tmp_path, "negative", _vision(image_size=-32))

@@ -144,7 +144,10 @@ def vision_from_directory(directory: Path):
 
 
 def open_safetensors(safe_open, path: Path):
-    """safetensors' safe_open(path), or a one-line error naming the file."""
+    """safetensors' safe_open(path), or a one-line error naming the file (a link leading out of its
+    folder is refused, as read_json refuses one)."""
+    if not path.resolve().is_relative_to(path.parent.resolve()):
+        raise ConfigError(f"model.init_from: {path} is a link to {path.resolve()}, outside its folder")
     try:
         return safe_open(str(path), framework="numpy")
     except Exception as err:  # noqa: BLE001 - safetensors' own error types for a damaged header
