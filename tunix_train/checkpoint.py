@@ -94,7 +94,7 @@ class Checkpointer:
             step in self._manager.all_steps()
         ):  # the checkpoint this run resumed from (damaged ones are set aside)
             return step
-        with _writing(self.directory, f"save step {step} in"):
+        with _writing(self.directory, f"save step {step} (or finish the save before it) in"):
             saved = self._manager.save(
                 step,
                 args=ocp.args.Composite(
@@ -116,6 +116,18 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+class _SaidOnce(logging.Filter):
+    """Drops orbax's own log records (with tracebacks, from its background threads) of a full disk,
+    a read-only folder or a refused permission: _writing and restore_latest say those in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
+        return not any(sign in text for sign in ("No space left", "Read-only file system", *DENIED_WORDS))
+
+
+logging.getLogger("absl").addFilter(_SaidOnce())
 
 
 @contextlib.contextmanager
