@@ -480,9 +480,10 @@ def _tmpfs(folder, *options):
 
 
 def test_a_full_disk_a_read_only_folder_and_a_refused_one_are_one_line_each(tmp_path):
-    """Saves into a 256 KiB tmpfs (a 1 MiB state), a read-only tmpfs, and a folder this user may not
-    write (as root without its capabilities): each a ConfigError naming the folder and the cause."""
-    from tunix_train.checkpoint import Checkpointer
+    """Saves into a 256 KiB tmpfs (a 1 MiB state), a read-only tmpfs (where a damaged checkpoint
+    cannot be set aside either), and a folder this user may not write (as root without its
+    capabilities): each a ConfigError naming the folder and the cause."""
+    from tunix_train.checkpoint import Checkpointer, set_aside
     from tunix_train.config import CheckpointConfig
 
     full = _tmpfs(tmp_path / "full", "size=256k")
@@ -493,12 +494,18 @@ def test_a_full_disk_a_read_only_folder_and_a_refused_one_are_one_line_each(tmp_
             saver.wait()
     finally:
         subprocess.run(["umount", "-l", str(full)])
-    frozen = _tmpfs(tmp_path / "frozen", "ro", "size=1m")
+    frozen = _tmpfs(tmp_path / "frozen", "size=1m")
     try:
+        (frozen / "checkpoints" / "12").mkdir(parents=True)
+        subprocess.run(["mount", "-o", "remount,ro", str(frozen)], check=True)
         with pytest.raises(
-            ConfigError, match=r"cannot open .*frozen/checkpoints: the file system is read-only"
+            ConfigError, match=r"cannot open .*frozen/new: the file system is read-only"
         ):
-            Checkpointer(frozen / "checkpoints", CheckpointConfig())
+            Checkpointer(frozen / "new", CheckpointConfig())
+        with pytest.raises(
+            ConfigError, match=r"checkpoints/12 is damaged \(cut\) but cannot be set aside as"
+        ):
+            set_aside(frozen / "checkpoints", {12: "cut"})
     finally:
         subprocess.run(["umount", "-l", str(frozen)])
     refused = tmp_path / "refused"
