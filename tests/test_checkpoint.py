@@ -498,9 +498,7 @@ def test_a_full_disk_a_read_only_folder_and_a_refused_one_are_one_line_each(tmp_
     try:
         (frozen / "checkpoints" / "12").mkdir(parents=True)
         subprocess.run(["mount", "-o", "remount,ro", str(frozen)], check=True)
-        with pytest.raises(
-            ConfigError, match=r"cannot open .*frozen/new: the file system is read-only"
-        ):
+        with pytest.raises(ConfigError, match=r"cannot open .*frozen/new: the file system is read-only"):
             Checkpointer(frozen / "new", CheckpointConfig())
         with pytest.raises(
             ConfigError, match=r"checkpoints/12 is damaged \(cut\) but cannot be set aside as"

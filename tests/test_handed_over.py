@@ -76,11 +76,19 @@ def test_a_crafted_config_json_is_one_line_naming_it(tmp_path, name, content, wo
 
 
 def test_a_config_json_linked_outside_its_folder_is_not_followed(tmp_path):
+    """A link to /etc/passwd is refused; a Hugging Face cache's links into its blobs are read."""
     folder = tmp_path / "linked"
     folder.mkdir()
     (folder / "config.json").symlink_to("/etc/passwd")
     with pytest.raises(ConfigError, match=r"config.json is a link to /etc/passwd, outside its folder"):
         loader.source(folder)
+    cache = tmp_path / "models--google--tiny"
+    (cache / "blobs").mkdir(parents=True)
+    (cache / "blobs" / "a1b2").write_text(json.dumps(_config()))
+    snapshot = cache / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").symlink_to("../../blobs/a1b2")
+    assert loader.source(snapshot).cfg.model.vision.image_size == 32
 
 
 def test_a_damaged_or_linked_safetensors_file_is_one_line_naming_it(tmp_path):
@@ -89,9 +97,7 @@ def test_a_damaged_or_linked_safetensors_file_is_one_line_naming_it(tmp_path):
         hf._SafetensorsFiles(tmp_path)
     (tmp_path / "model.safetensors").unlink()
     (tmp_path / "model.safetensors").symlink_to("/etc/passwd")
-    with pytest.raises(
-        ConfigError, match=r"model.safetensors is a link to /etc/passwd, outside its folder"
-    ):
+    with pytest.raises(ConfigError, match=r"model.safetensors is a link to /etc/passwd, outside its folder"):
         hf._SafetensorsFiles(tmp_path)
 
 

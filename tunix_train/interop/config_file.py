@@ -24,8 +24,7 @@ MAX_DEPTH = 64
 def read_json(path: Path, what: str = "model.init_from") -> dict[str, Any]:
     """The JSON object in `path` (a file in a handed-over folder), or a one-line error naming it."""
     path = Path(path)
-    folder = path.parent.resolve()
-    if not path.resolve().is_relative_to(folder):
+    if not inside(path):
         raise ConfigError(
             f"{what}: {path} is a link to {path.resolve()}, outside its folder; copy the file in"
         )
@@ -48,6 +47,15 @@ def read_json(path: Path, what: str = "model.init_from") -> dict[str, Any]:
     if _depth(value) > MAX_DEPTH:
         raise ConfigError(f"{what}: {path} is nested more than {MAX_DEPTH} deep")
     return value
+
+
+def inside(path: Path) -> bool:
+    """Whether `path` is its folder's own file: not a link leading out of the folder, except a
+    Hugging Face cache's (snapshots/<revision>/FILE -> ../../blobs/<hash>)."""
+    target, folder = path.resolve(), path.parent.resolve()
+    return target.is_relative_to(folder) or (
+        folder.parent.name == "snapshots" and target.parent == folder.parent.parent / "blobs"
+    )
 
 
 def _depth(value: Any) -> int:
@@ -146,7 +154,7 @@ def vision_from_directory(directory: Path):
 def open_safetensors(safe_open, path: Path):
     """safetensors' safe_open(path), or a one-line error naming the file (a link leading out of its
     folder is refused, as read_json refuses one)."""
-    if not path.resolve().is_relative_to(path.parent.resolve()):
+    if not inside(path):
         raise ConfigError(f"model.init_from: {path} is a link to {path.resolve()}, outside its folder")
     try:
         return safe_open(str(path), framework="numpy")
