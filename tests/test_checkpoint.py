@@ -522,11 +522,15 @@ def test_a_full_disk_a_read_only_folder_and_a_refused_one_are_one_line_each(tmp_
     )
 
 
-def test_retention_pauses_while_a_checkpoint_is_set_aside(tmp_path, caplog):
+def test_retention_pauses_while_a_checkpoint_is_set_aside(tmp_path, monkeypatch):
     """With unreadable-6 beside steps 2 and 4, checkpoint.keep=2 deletes nothing: 2, 4, 8 and 10
     are all kept (a warning says why); without it, keep=2 keeps the last two."""
+    from tunix_train import checkpoint
     from tunix_train.checkpoint import Checkpointer
     from tunix_train.config import CheckpointConfig
+
+    warned = []
+    monkeypatch.setattr(checkpoint.log, "warning", warned.append)
 
     def saved(folder, steps):
         saver = Checkpointer(folder, CheckpointConfig(keep=2))
@@ -539,5 +543,5 @@ def test_retention_pauses_while_a_checkpoint_is_set_aside(tmp_path, caplog):
     assert saved(tmp_path / "a", [2, 4]) == ["2", "4"]
     shutil.copytree(tmp_path / "a" / "4", tmp_path / "a" / "unreadable-6")  # as set_aside leaves one
     assert saved(tmp_path / "a", [8, 10]) == ["10", "2", "4", "8", "unreadable-6"]
-    assert "checkpoint.keep=2 is paused" in caplog.text
+    assert len(warned) == 1 and "unreadable-6): checkpoint.keep=2 is paused" in warned[0]
     assert saved(tmp_path / "b", [2, 4, 8, 10]) == ["10", "8"]

@@ -57,5 +57,5 @@ def test_a_safetensors_index_names_only_files_beside_it(tmp_path, name):
     with pytest.raises(ConfigError, match="its weight_map names .* not a file beside it"):
         _SafetensorsFiles(tmp_path)
     (tmp_path / "model.safetensors.index.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="not a safetensors index"):
+    with pytest.raises(ConfigError, match="model.safetensors.index.json is not valid JSON"):
         _SafetensorsFiles(tmp_path)

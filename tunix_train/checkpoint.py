@@ -174,18 +174,9 @@ def _reader(directory: Path) -> ocp.CheckpointManager:
 
 
 TRIES = 3  # reads of a checkpoint that fails with a transient error
-TRANSIENT_ERRNOS = {
-    errno.EAGAIN,
-    errno.EBUSY,
-    errno.EIO,
-    errno.ETIMEDOUT,
-    errno.ESTALE,
-    errno.ENETDOWN,
-    errno.ENETUNREACH,
-    errno.ECONNRESET,
-    errno.ECONNREFUSED,
-}
-# RESOURCE_EXHAUSTED: a bucket's rate limit, on a read (a write's is a full disk: _write_error)
+TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.ENETDOWN}
+TRANSIENT_ERRNOS |= {errno.ENETUNREACH, errno.ECONNRESET, errno.ECONNREFUSED}
+# RESOURCE_EXHAUSTED: a bucket's rate limit, on a read (a write's is a full disk: _writing)
 TRANSIENT_WORDS = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "Connection reset", "timed out")
 DENIED_WORDS = ("PERMISSION_DENIED", "Permission denied", "Operation not permitted")
 # what proves a checkpoint's content damaged: a file or a record missing, cut or unparsable
