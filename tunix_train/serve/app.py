@@ -131,12 +131,9 @@ class Preparer:
 
     def stuck_s(self) -> float:
         """How long the oldest call has run, when that is past request_timeout_s; else 0."""
-        oldest = min(self.started.values(), default=None)
-        return (
-            0.0
-            if oldest is None or time.monotonic() - oldest <= self.timeout_s
-            else time.monotonic() - oldest
-        )
+        now = time.monotonic()
+        age = now - min(tuple(self.started.values()), default=now)  # a copy: the pool's threads write it
+        return age if age > self.timeout_s else 0.0
 
 
 class Api:

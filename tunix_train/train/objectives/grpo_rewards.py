@@ -77,7 +77,7 @@ class Rewards:
     def _call(self, name: str, function: Callable, prompts, completions, fields, records) -> np.ndarray:
         try:
             values = _timed(function, self.grpo.reward_timeout_s, prompts, completions, **fields)
-        except TimeoutError:
+        except _NoAnswer:
             raise ConfigError(
                 f"training.grpo.reward {name!r} gave no answer in {self.grpo.reward_timeout_s:g} s "
                 f"(training.grpo.reward_timeout_s) on a batch from the record {str(records[0])[:120]}; "
@@ -90,6 +90,7 @@ class Rewards:
                     for i, r in enumerate(records)
                     if _fails(
                         function,
+                        self.grpo.reward_timeout_s,
                         prompts[i : i + 1],
                         completions[i : i + 1],
                         {k: v[i : i + 1] for k, v in fields.items()},
@@ -133,17 +134,21 @@ class Rewards:
         return bool(np.any(rewards != rewards[:, :1]))
 
 
-def _fails(function, *args) -> bool:
+def _fails(function, seconds: float, *args) -> bool:
     try:
-        _timed(function, 10.0, *args[:2], **args[2])
+        _timed(function, seconds, *args[:2], **args[2])
     except Exception:
         return True
     return False
 
 
+class _NoAnswer(Exception):
+    """A reward function still running at its deadline (not a TimeoutError it raised itself)."""
+
+
 def _timed(function: Callable, seconds: float, *args, **kwargs):
     """function(*args, **kwargs) on a daemon thread of its own (one that hangs does not keep the
-    process from exiting); TimeoutError after `seconds`. seconds 0: on this thread, unbounded."""
+    process from exiting); _NoAnswer after `seconds`. seconds 0: on this thread, unbounded."""
     if not seconds:
         return function(*args, **kwargs)
     out: dict[str, Any] = {}
@@ -158,7 +163,7 @@ def _timed(function: Callable, seconds: float, *args, **kwargs):
     thread.start()
     thread.join(seconds)
     if thread.is_alive():
-        raise TimeoutError
+        raise _NoAnswer
     if "error" in out:
         raise out["error"]
     return out["value"]
