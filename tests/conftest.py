@@ -221,6 +221,49 @@ def pytest_collection_modifyitems(items):
         items.sort(key=lambda item: not any(name in item.nodeid for name in LONGEST))
 
 
+# The fast tier (the README's `python -m pytest`) stays under 8 minutes on 2 cores only if each of its
+# tests stays cheap: one that takes longer than this (setup and call, in seconds) fails, saying so.
+# TUNIX_TRAIN_FAST_TEST_BUDGET_S changes it (0: no budget, for a machine much slower than CI's).
+FAST_TEST_BUDGET_S = float(os.environ.get("TUNIX_TRAIN_FAST_TEST_BUDGET_S", "30"))
+
+
+def _tier(keywords) -> str:
+    return "long" if "long" in keywords else "slow" if "slow" in keywords else "fast"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.when == "setup":
+        item.stash[_SETUP_S] = report.duration
+    elif report.when == "call" and report.passed and FAST_TEST_BUDGET_S and _tier(item.keywords) == "fast":
+        took = item.stash.get(_SETUP_S, 0.0) + report.duration
+        if took > FAST_TEST_BUDGET_S:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{item.nodeid} took {took:.1f} s, over the fast tier's {FAST_TEST_BUDGET_S:.0f} s a test: "
+                "make it cheaper or mark it @pytest.mark.slow"
+            )
+
+
+_SETUP_S = pytest.StashKey[float]()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The 15 slowest tests of each tier run (setup, call and teardown together)."""
+    took: dict[str, dict[str, float]] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                tier = took.setdefault(_tier(report.keywords), {})
+                tier[report.nodeid] = tier.get(report.nodeid, 0.0) + report.duration
+    for tier, tests in sorted(took.items()):
+        slowest = sorted(tests.items(), key=lambda test: -test[1])[:15]
+        terminalreporter.write_sep("=", f"the {len(slowest)} slowest of the {len(tests)} {tier} tests run")
+        for nodeid, seconds in slowest:
+            terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
     assert jax.device_count() == 8, "tests need XLA_FLAGS=--xla_force_host_platform_device_count=8"
@@ -229,6 +272,36 @@ def _eight_devices():
 def cpu_env(devices: int) -> dict:
     """The environment for a CLI subprocess on `devices` fake CPU devices."""
     return cpu_devices_env(devices, {**os.environ, "XLA_FLAGS": f"{FAST_COMPILE} {_USERS_XLA_FLAGS}"})
+
+
+def run_python(*args, devices: int = 1, env: dict | None = None, timeout: float = 300, **kwargs):
+    """`python ARGS...` run from the repository on `devices` fake CPU devices (or in `env`), its
+    output captured as text; kwargs go to subprocess.run (cwd, input, check)."""
+    import subprocess
+    import sys
+
+    kwargs.setdefault("cwd", REPO)
+    command = [sys.executable, *map(str, args)]
+    env = cpu_env(devices) if env is None else env
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def start_python(*args, devices: int = 1, env: dict | None = None):
+    """`python ARGS...` started from the repository as run_python runs it, its stdout and stderr
+    read together from the returned Popen's stdout."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, *map(str, args)]
+    env = cpu_env(devices) if env is None else env
+    return subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def run_training(*overrides, **kwargs):
+    """run_training.py with hydra `overrides`, as run_python runs it."""
+    return run_python(REPO / "run_training.py", *overrides, **kwargs)
 
 
 def users_env() -> dict:
@@ -241,6 +314,25 @@ def config(*overrides: str):
     """The composed, validated Config for the test-sized model plus `overrides`."""
     cfg, _ = load_config(["model=gemma3_tiny", "data=synthetic", "data.seq_len=32", *overrides])
     return cfg
+
+
+def rl_config(tmp_path: Path, *overrides: str, objective: str = "grpo"):
+    """config() for an RL `objective` over 64 prompts of the bundled arithmetic task (written under
+    `tmp_path`): 16 tokens, 4 new ones, learning rate 1e-3, logged every step; `overrides` last."""
+    from tunix_train.rewards.arithmetic import write_task
+
+    prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
+    return config(
+        "model.vocab_size=4096",
+        f"objective={objective}",
+        "data=jsonl",
+        f"data.train_files=[{prompts}]",
+        "data.seq_len=16",
+        "training.log_every=1",
+        "training.grpo.max_new_tokens=4",
+        "training.learning_rate=1e-3",
+        *overrides,
+    )
 
 
 def wait_until_gone(pids, timeout: float = 60.0) -> list[int]:
@@ -310,6 +402,12 @@ def assert_resumes_bit_identically(cfg, tmp_path: Path, keys: tuple[str, ...], d
     return straight
 
 
+def checkpoint_records(step_dir: Path) -> tuple[str, dict]:
+    """A saved step's state metadata (orbax's _METADATA, as text) and its data record."""
+    metadata = (step_dir / "state" / "_METADATA").read_text()
+    return metadata, json.loads((step_dir / "data" / "metadata").read_text())
+
+
 def assert_adapters_moved(step_dir: Path) -> None:
     """Every LoRA adapter's b half (zero at the start) saved at `step_dir` has moved from zero."""
     import numpy as np
@@ -339,6 +437,20 @@ def made_once(tmp_path_factory, name: str, make) -> Path:
     return directory
 
 
+def step_metrics(run_dir: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl that log a training step."""
+    return [m for m in read_metrics(run_dir) if "loss" in m]
+
+
+def assert_resumes_alike(cfg, tmp_path: Path, steps: int, stop_at: int, devices, keys=("loss",)) -> Path:
+    """`cfg` trained `steps` steps in one run and in two (stopped after `stop_at`) logs the same
+    `keys` at every step, bit for bit. The uninterrupted run's directory."""
+    straight, resumed = straight_and_resumed(cfg, tmp_path, steps, stop_at, devices)
+    for key in keys:
+        assert [m[key] for m in step_metrics(resumed)] == [m[key] for m in step_metrics(straight)], key
+    return straight
+
+
 def straight_and_resumed(cfg, tmp_path: Path, steps: int, stop_at: int, devices) -> tuple[Path, Path]:
     """Run directories of `cfg` trained for `steps` steps in one run, and in two (stopped after
     `stop_at`, then resumed from the run directory's checkpoint)."""
@@ -349,6 +461,55 @@ def straight_and_resumed(cfg, tmp_path: Path, steps: int, stop_at: int, devices)
             cfg.training.max_steps = max_steps
             train(cfg, run_dir, devices=devices)
     return tmp_path / "straight", tmp_path / "resumed"
+
+
+def sharded_tower(tower, arrays: dict, mesh_shape):
+    """`tower` (an image tower) with `arrays` (by dotted attribute path) set, split and placed on a
+    mesh of `mesh_shape` over the first devices: (mesh, graphdef, state)."""
+    import numpy as np
+    from flax import nnx
+
+    from tunix_train.sharding import make_mesh, state_shardings
+
+    for path, array in arrays.items():
+        variable = tower
+        for name in path.split("."):
+            variable = getattr(variable, name)
+        variable[...] = array
+    mesh = make_mesh(mesh_shape, jax.devices()[: np.prod(mesh_shape[0])])
+    graphdef, state = nnx.split(tower)
+    with jax.set_mesh(mesh):
+        return mesh, graphdef, jax.device_put(state, state_shardings(state, mesh))
+
+
+def image_loss_and_grads(cfg, batch, mesh_shape) -> tuple[float, dict]:
+    """The summed cross-entropy of `batch`'s first micro-batch (images included) under cfg.model,
+    initialized with seed 0, and its gradient as host arrays, on a mesh of `mesh_shape` (the rows
+    reordered as the mesh's pp or cp layout wants them)."""
+    import numpy as np
+    from flax import nnx
+
+    from tunix_train import parallel
+    from tunix_train.model.decoder import output_logits
+    from tunix_train.model.factory import build_model
+    from tunix_train.sharding import make_mesh, state_shardings
+    from tunix_train.train.forward import cross_entropy
+
+    mesh = make_mesh(mesh_shape, jax.devices()[: np.prod(mesh_shape[0])])
+    layout = parallel.for_run(mesh, cfg.model, cfg.training, cfg.data.seq_len)
+    graphdef = parallel.model_graphdef(cfg.model, cfg.training.remat, parallel=layout)
+    params = nnx.state(build_model(cfg.model, nnx.Rngs(0)))
+    micro = jax.tree.map(lambda x: x[0], layout.reorder(batch) if layout else batch)
+
+    def loss(params):
+        m = nnx.merge(graphdef, params)
+        x = m.hidden(micro["inputs"], micro["positions"], None, micro.get("token_index"), micro["images"])
+        return cross_entropy(output_logits(x, m.output_table(), None), micro["targets"]).sum()
+
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, state_shardings(params, mesh))
+        value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    return float(value), jax.tree.map(np.asarray, grads)
 
 
 def vision_tokenizer(directory, images=("<start_of_image>", "<end_of_image>", "<image_soft_token>")):

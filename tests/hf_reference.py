@@ -15,15 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-SIZES = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-)
+HEADS = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, **HEADS)
+# The image towers' tiny sizes (test_vision.py, test_vision_gemma4.py).
+TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 WINDOW, SEQ = 5, 16  # sequences longer than the sliding window
 FAMILIES = ("gemma", "gemma2", "gemma3")
 S, F = "sliding_attention", "full_attention"

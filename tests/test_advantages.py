@@ -4,6 +4,7 @@ experience maker does; and each trains the arithmetic task's rollouts through th
 
 import numpy as np
 import pytest
+from conftest import rl_config
 
 from tunix_train.compose import load_config
 from tunix_train.config import AdvantageEstimator, ConfigError
@@ -145,22 +146,13 @@ def test_under_lora_on_fsdp2_tp2_a_run_resumes_bit_identically(tmp_path, objecti
     to 4, the 4th step's parameters and every logged loss, reward and KL equal an uninterrupted run's
     bit for bit; the adapters have moved."""
     import jax
-    from conftest import assert_adapters_moved, assert_resumes_bit_identically, config
+    from conftest import assert_adapters_moved, assert_resumes_bit_identically
 
-    from tunix_train.rewards.arithmetic import write_task
-
-    prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
-    cfg = config(
-        "model.vocab_size=4096",
-        f"objective={objective}",
-        "data=jsonl",
-        f"data.train_files=[{prompts}]",
-        "data.seq_len=16",
-        "training.log_every=1",
+    cfg = rl_config(
+        tmp_path,
         "training.eval_every=0",
         "training.micro_batch_size=4",
         "training.grpo.num_generations=4",
-        "training.grpo.max_new_tokens=4",
         "training.grpo.temperature=1.5",
         "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match,tests.rewards_for_tests:length]",
         'model.mesh_shape=[[2,2],["fsdp","tp"]]',
@@ -168,6 +160,7 @@ def test_under_lora_on_fsdp2_tp2_a_run_resumes_bit_identically(tmp_path, objecti
         "training.learning_rate=3e-2",
         "training.lr_schedule=constant",  # the schedule must not depend on max_steps, which changes
         "checkpoint.every_steps=2",
+        objective=objective,
     )
     straight = assert_resumes_bit_identically(cfg, tmp_path, ("loss", "reward", "kl"), jax.devices()[:4])
     assert_adapters_moved(straight / "checkpoints" / "4")

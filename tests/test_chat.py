@@ -1,8 +1,6 @@
 """Chat templates against transformers' apply_chat_template: token ids and the assistant's mask."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -11,7 +9,7 @@ transformers = pytest.importorskip("transformers", reason="needs transformers: p
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from conftest import REPO, config, cpu_env, read_metrics  # noqa: E402
+from conftest import REPO, config, read_metrics, run_python, run_training  # noqa: E402
 from flax import nnx  # noqa: E402
 from test_tokenizers import _gguf_with_the_bundled_vocabulary  # noqa: E402
 
@@ -179,27 +177,20 @@ def test_sft_on_the_bundled_conversations_then_the_chat_cli_answers_as_trained(t
     """gemma3_tiny learns the bundled conversations on fsdp2 x tp2; the chat CLI, fed turns on a
     pipe, streams the trained answers (greedy), keeps the conversation, and /reset forgets it."""
     run_dir = tmp_path / "run"
-    trained = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "run_training.py"),
-            "model=gemma3_tiny",
-            "model.vocab_size=4096",
-            "data=chat",
-            f"data.train_files=[{CONVERSATIONS}]",
-            "data.eval_fraction=0",
-            "data.seq_len=128",
-            'model.mesh_shape=[[2,2],["fsdp","tp"]]',
-            "training.micro_batch_size=4",
-            f"training.max_steps={STEPS}",
-            "training.learning_rate=0.01",
-            "training.warmup_steps=10",
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=REPO,
-        env=cpu_env(4),
-        capture_output=True,
-        text=True,
+    trained = run_training(
+        "model=gemma3_tiny",
+        "model.vocab_size=4096",
+        "data=chat",
+        f"data.train_files=[{CONVERSATIONS}]",
+        "data.eval_fraction=0",
+        "data.seq_len=128",
+        'model.mesh_shape=[[2,2],["fsdp","tp"]]',
+        "training.micro_batch_size=4",
+        f"training.max_steps={STEPS}",
+        "training.learning_rate=0.01",
+        "training.warmup_steps=10",
+        f"hydra.run.dir={run_dir}",
+        devices=4,
         timeout=600,
     )
     assert trained.returncode == 0, trained.stderr[-2000:]
@@ -207,23 +198,17 @@ def test_sft_on_the_bundled_conversations_then_the_chat_cli_answers_as_trained(t
         "Name a tragedy.\nAnd a comedy?\n/reset\nWho is Prospero's daughter?\n\n"
         "How many witches meet Macbeth?\n"
     )
-    chat = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tunix_train.generate",
-            str(run_dir),
-            "--chat",
-            "--max_new_tokens",
-            "24",
-            "--mesh_shape",
-            '[[2],["fsdp"]]',
-        ],
+    chat = run_python(
+        "-m",
+        "tunix_train.generate",
+        str(run_dir),
+        "--chat",
+        "--max_new_tokens",
+        "24",
+        "--mesh_shape",
+        '[[2],["fsdp"]]',
         input=turns,
-        cwd=REPO,
-        env=cpu_env(2),
-        capture_output=True,
-        text=True,
+        devices=2,
         timeout=300,
     )
     assert chat.returncode == 0, chat.stderr[-2000:]

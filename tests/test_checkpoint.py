@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import REPO, config, cpu_env, made_once, read_metrics, train_losses
+from conftest import REPO, config, cpu_env, made_once, read_metrics, start_python, train_losses
 
 from tunix_train import exit_codes
 from tunix_train.checkpoint import restore_from
@@ -37,20 +37,8 @@ RUN = [
 
 
 def _start(run_dir, *extra):
-    return subprocess.Popen(
-        [
-            sys.executable,
-            str(REPO / "run_training.py"),
-            *RUN,
-            *extra,
-            'model.mesh_shape=[[2],["fsdp"]]',
-            f"hydra.run.dir={run_dir}",
-        ],
-        env=cpu_env(2),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    mesh = 'model.mesh_shape=[[2],["fsdp"]]'
+    return start_python(REPO / "run_training.py", *RUN, *extra, mesh, f"hydra.run.dir={run_dir}", devices=2)
 
 
 def _run(run_dir, *extra):

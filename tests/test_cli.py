@@ -8,7 +8,7 @@ import sys
 
 import jax
 import pytest
-from conftest import REPO, cpu_env
+from conftest import REPO, cpu_env, run_python, run_training
 from tensorboardX.proto import event_pb2
 
 from tunix_train import api
@@ -25,14 +25,7 @@ SMALL_MODEL = [
 
 
 def run_cli(*args, devices=4, cwd=REPO):
-    return subprocess.run(
-        [sys.executable, str(REPO / "run_training.py"), *args],
-        cwd=cwd,
-        env=cpu_env(devices),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_training(*args, devices=devices, cwd=cwd)
 
 
 def read_tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
@@ -369,14 +362,7 @@ def test_generate_cli_streams_the_continuation_and_rejects_bad_requests(tmp_path
     assert trained.returncode == 0, trained.stderr[-2000:]
 
     def generate(*args, devices=1):
-        return subprocess.run(
-            [sys.executable, "-m", "tunix_train.generate", str(run_dir), *args],
-            cwd=REPO,
-            env=cpu_env(devices),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        return run_python("-m", "tunix_train.generate", run_dir, *args, devices=devices)
 
     prompt = "To be, or not"
     result = generate(

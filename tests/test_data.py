@@ -27,9 +27,13 @@ def shakespeare():
     return Data(cfg)
 
 
-def _batches(data, n, **kwargs):
+def _packed(data, **kwargs):
     args = dict(seq_len=64, accumulation_steps=2, global_micro_batch=4, seed=0, prefetch=2) | kwargs
-    batches = PackedBatches(data.train_docs, data.features, **args)
+    return PackedBatches(data.train_docs, data.features, **args)
+
+
+def _batches(data, n, **kwargs):
+    batches = _packed(data, **kwargs)
     try:
         return [next(batches) for _ in range(n)]
     finally:
@@ -91,28 +95,12 @@ def test_same_seed_same_batches_and_another_seed_others(shakespeare):
 @pytest.mark.parametrize("k", [1, 5])
 def test_restored_iterator_continues_exactly(shakespeare, k):
     reference = _batches(shakespeare, k + 4)
-    batches = PackedBatches(
-        shakespeare.train_docs,
-        shakespeare.features,
-        seq_len=64,
-        accumulation_steps=2,
-        global_micro_batch=4,
-        seed=0,
-        prefetch=2,
-    )
+    batches = _packed(shakespeare)
     for _ in range(k):
         next(batches)
     state = json.loads(json.dumps(batches.get_state()))  # survives a round trip through JSON
     batches.close()
-    restored = PackedBatches(
-        shakespeare.train_docs,
-        shakespeare.features,
-        seq_len=64,
-        accumulation_steps=2,
-        global_micro_batch=4,
-        seed=0,
-        prefetch=2,
-    )
+    restored = _packed(shakespeare)
     restored.set_state(state)
     try:
         assert _equal([next(restored) for _ in range(4)], reference[k:])

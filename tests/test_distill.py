@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import config, train_losses
+from conftest import config, rl_config, train_losses
 from hf_reference import build
 
 from tunix_train.config import ConfigError
@@ -366,24 +366,17 @@ def _damaged_stores_are_one_line(store, tmp_path):
 
 
 def _on_policy(tmp_path, *overrides):
-    from tunix_train.rewards.arithmetic import write_task
 
-    prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
-    return config(
-        "model.vocab_size=4096",
-        "objective=distill_on_policy",
-        "data=jsonl",
-        f"data.train_files=[{prompts}]",
-        "data.seq_len=16",
-        "training.log_every=1",
+    return rl_config(
+        tmp_path,
         "training.eval_every=0",
         "checkpoint.every_steps=0",
         "training.grpo.num_generations=4",
-        "training.grpo.max_new_tokens=4",
         "training.grpo.temperature=1.5",
         "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match]",
         "training.learning_rate=3e-3",
         *overrides,
+        objective="distill_on_policy",
     )
 
 

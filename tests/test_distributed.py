@@ -8,7 +8,18 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, checkpoint_arrays, config, cpu_env, made_once, train_losses, wait_until_gone
+from conftest import (
+    REPO,
+    checkpoint_arrays,
+    config,
+    cpu_env,
+    made_once,
+    run_python,
+    run_training,
+    start_python,
+    train_losses,
+    wait_until_gone,
+)
 
 RUN = [
     "model=gemma3_tiny",
@@ -24,35 +35,22 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
 def _launch(run_dir, *overrides, nprocs=2, timeout=300):
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tunix_train.launch",
-            f"--nprocs={nprocs}",
-            "--cpu_devices_per_process=2",
-            str(REPO / "run_training.py"),
-            *RUN,
-            *overrides,
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=REPO,
+    return run_python(
+        "-m",
+        "tunix_train.launch",
+        f"--nprocs={nprocs}",
+        "--cpu_devices_per_process=2",
+        str(REPO / "run_training.py"),
+        *RUN,
+        *overrides,
+        f"hydra.run.dir={run_dir}",
         env=ENV,
-        capture_output=True,
-        text=True,
         timeout=timeout,
     )
 
 
 def _single(run_dir, *overrides, devices=4):
-    return subprocess.run(
-        [sys.executable, str(REPO / "run_training.py"), *RUN, *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=REPO,
-        env=cpu_env(devices),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_training(*RUN, *overrides, f"hydra.run.dir={run_dir}", devices=devices)
 
 
 @pytest.fixture(scope="module")
@@ -120,28 +118,21 @@ def test_tensor_parallelism_must_stay_within_a_host(tmp_path):
 
 @pytest.mark.slow
 def test_killing_one_process_stops_the_launcher(tmp_path):
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tunix_train.launch",
-            "--nprocs=2",
-            "--cpu_devices_per_process=2",
-            "--grace_period_s=5",
-            "--max_restarts=0",
-            str(REPO / "run_training.py"),
-            *RUN,
-            "training.max_steps=100000",
-            "training.eval_every=0",
-            "checkpoint.every_steps=0",
-            'model.mesh_shape=[[4,1],["fsdp","tp"]]',
-            f"hydra.run.dir={tmp_path}",
-        ],
-        cwd=REPO,
+    proc = start_python(
+        "-m",
+        "tunix_train.launch",
+        "--nprocs=2",
+        "--cpu_devices_per_process=2",
+        "--grace_period_s=5",
+        "--max_restarts=0",
+        str(REPO / "run_training.py"),
+        *RUN,
+        "training.max_steps=100000",
+        "training.eval_every=0",
+        "checkpoint.every_steps=0",
+        'model.mesh_shape=[[4,1],["fsdp","tp"]]',
+        f"hydra.run.dir={tmp_path}",
         env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
     )
     for line in proc.stdout:
         if "step 3/" in line:
@@ -158,18 +149,11 @@ def test_killing_one_process_stops_the_launcher(tmp_path):
 
 def test_unreachable_coordinator_is_a_clear_error_not_a_hang(tmp_path):
     env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9", "RANK": "1", "WORLD_SIZE": "2"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "run_training.py"),
-            *RUN,
-            "distributed.initialization_timeout_s=5",
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
-        cwd=REPO,
+    result = run_training(
+        *RUN,
+        "distributed.initialization_timeout_s=5",
+        f"hydra.run.dir={tmp_path / 'run'}",
         env=env,
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert result.returncode == 2

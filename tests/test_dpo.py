@@ -171,6 +171,29 @@ def test_first_step_loss_matches_trl_on_any_mesh(tmp_path, mesh_shape, devices, 
     }
 
 
+def dpo_cli(tmp_path, *overrides):
+    """A 12-step DPO run of run_training.py on 32 pairs, on fsdp2 x tp2: its directory and metrics."""
+    _write_pairs(tmp_path / "pairs.jsonl", n=32)
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "model=gemma3_tiny",
+        "model.vocab_size=4096",
+        "objective=dpo",
+        "data=jsonl",
+        f"data.train_files=[{tmp_path}/pairs.jsonl]",
+        "data.seq_len=16",
+        "training.max_steps=12",
+        "training.log_every=1",
+        "training.learning_rate=3e-3",
+        "training.warmup_steps=0",
+        'model.mesh_shape=[[2,2],["fsdp","tp"]]',
+        f"hydra.run.dir={run_dir}",
+        *overrides,
+    )
+    assert result.returncode == 0, result.stderr
+    return run_dir, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def _write_pairs(path, n=64, drop=None):
     rng = np.random.default_rng(0)
     words = ["king", "queen", "night", "day", "love", "sword"]
@@ -205,26 +228,7 @@ def _write_pairs(path, n=64, drop=None):
 def test_first_step_loss_is_log_2_and_training_separates_the_pairs(tmp_path, lora):
     """Without LoRA the reference is a frozen copy of the starting weights; with it, the base with
     the adapters off (no copy)."""
-    _write_pairs(tmp_path / "pairs.jsonl", n=32)
-    run_dir = tmp_path / "run"
-    result = run_cli(
-        "model=gemma3_tiny",
-        "model.vocab_size=4096",
-        "objective=dpo",
-        "data=jsonl",
-        *lora,
-        f"data.train_files=[{tmp_path}/pairs.jsonl]",
-        "data.seq_len=16",
-        "training.max_steps=12",
-        "training.log_every=1",
-        "training.eval_every=0",
-        "training.learning_rate=3e-3",
-        "training.warmup_steps=0",
-        'model.mesh_shape=[[2,2],["fsdp","tp"]]',
-        f"hydra.run.dir={run_dir}",
-    )
-    assert result.returncode == 0, result.stderr
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run_dir, metrics = dpo_cli(tmp_path, *lora, "training.eval_every=0")
     steps = [m for m in metrics if "loss" in m]
     assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert steps[0]["reward_margin"] == pytest.approx(0.0, abs=1e-6)

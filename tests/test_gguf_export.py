@@ -4,8 +4,6 @@ tokenizer and the chat template read back; what cannot be written is refused, an
 
 import json
 import os
-import subprocess
-import sys
 
 import gguf
 import jax
@@ -16,7 +14,7 @@ torch = pytest.importorskip("torch", reason="these tests need torch: pip install
 transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[reference]'")
 
 import hf_reference  # noqa: E402
-from conftest import REPO, cpu_env  # noqa: E402
+from conftest import run_python  # noqa: E402
 from hf_reference import SEQ, SIZES  # noqa: E402
 
 from tunix_train import api  # noqa: E402
@@ -148,43 +146,31 @@ def test_what_cannot_be_written_is_refused_and_nothing_is_left(source, tmp_path)
         odd.export_gguf(tmp_path / "m.gguf")
     assert list(tmp_path.iterdir()) == []  # no file, no partial one
     (tmp_path / "m.gguf").write_bytes(b"precious")
-    exported = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tunix_train.export",
-            str(tmp / "hf"),
-            str(tmp_path / "m.gguf"),
-            "--format",
-            "gguf",
-        ],
-        cwd=REPO,
-        env=cpu_env(1),
-        capture_output=True,
-        text=True,
+    exported = run_python(
+        "-m",
+        "tunix_train.export",
+        str(tmp / "hf"),
+        str(tmp_path / "m.gguf"),
+        "--format",
+        "gguf",
+        devices=1,
         timeout=300,
     )
     assert exported.returncode == 2 and (tmp_path / "m.gguf").read_bytes() == b"precious"
     assert exported.stderr.strip().splitlines() == [
         f"tunix_train.export: error: {tmp_path / 'm.gguf'} exists: pass --overwrite to replace it"
     ]
-    adapters = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tunix_train.export",
-            str(tmp / "hf"),
-            str(tmp_path / "a.gguf"),
-            "--format",
-            "gguf",
-            "--adapters",
-            "--dtype",
-            "q4_0",
-        ],
-        cwd=REPO,
-        env=cpu_env(1),
-        capture_output=True,
-        text=True,
+    adapters = run_python(
+        "-m",
+        "tunix_train.export",
+        str(tmp / "hf"),
+        str(tmp_path / "a.gguf"),
+        "--format",
+        "gguf",
+        "--adapters",
+        "--dtype",
+        "q4_0",
+        devices=1,
         timeout=300,
     )
     assert adapters.returncode == 2 and adapters.stderr.strip().splitlines() == [

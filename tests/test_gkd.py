@@ -9,31 +9,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import config, read_metrics
+from conftest import read_metrics, rl_config
 from hf_reference import build
 
 from tunix_train.config import ConfigError
-from tunix_train.rewards.arithmetic import write_task
 from tunix_train.train.objectives import make_objective
 
 
 def _gkd(tmp_path, *overrides, objective="gkd"):
-    prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
-    return config(
-        "model.vocab_size=4096",
-        f"objective={objective}",
-        "data=jsonl",
-        f"data.train_files=[{prompts}]",
-        "data.seq_len=16",
-        "training.log_every=1",
+    return rl_config(
+        tmp_path,
         "training.eval_every=0",
         "checkpoint.every_steps=0",
         "training.micro_batch_size=8",
-        "training.grpo.max_new_tokens=4",
         "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match]",
         "training.distill.completion_field=answer",
         "training.learning_rate=3e-3",
         *overrides,
+        objective=objective,
     )
 
 

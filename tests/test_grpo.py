@@ -7,10 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import read_metrics, straight_and_resumed
+from conftest import (
+    assert_resumes_alike,
+    read_metrics,
+    rl_config,
+    run_python,
+    run_training,
+    step_metrics,
+)
 from test_cli import run_cli
 
-from tunix_train.compose import load_config
 from tunix_train.rewards.arithmetic import write_task
 from tunix_train.train.loop import train
 from tunix_train.train.objectives.grpo_family import advantages, token_objective
@@ -85,23 +91,12 @@ def test_off_policy_ratios_use_the_recorded_logprobs(tmp_path):
 
 
 def _cfg(tmp_path, mesh_shape, micro_batch, *overrides, reward=REWARD):
-    prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
-    cfg, _ = load_config(
-        [
-            "model=gemma3_tiny",
-            "model.vocab_size=4096",
-            "objective=grpo",
-            "data=jsonl",
-            f"data.train_files=[{prompts}]",
-            "data.seq_len=16",
-            "training.log_every=1",
-            f"training.micro_batch_size={micro_batch}",
-            "training.grpo.num_generations=4",
-            "training.grpo.max_new_tokens=4",
-            f"training.grpo.reward=[{reward}]",
-            "training.learning_rate=1e-3",
-            *overrides,
-        ]
+    cfg = rl_config(
+        tmp_path,
+        f"training.micro_batch_size={micro_batch}",
+        "training.grpo.num_generations=4",
+        f"training.grpo.reward=[{reward}]",
+        *overrides,
     )
     cfg.model.mesh_shape = mesh_shape
     return cfg
@@ -187,6 +182,16 @@ def test_a_rollout_mesh_of_its_own_trains_like_the_training_mesh(tmp_path, stale
 def test_lora_copies_only_the_adapters_to_the_rollout_mesh(tmp_path):
     """Under LoRA the frozen base moves to the rollout mesh once, with the first rollout; then
     each rollout copies the adapters alone, and they are merged there."""
+    run, metrics = lora_rollouts(tmp_path)
+    assert _nbytes(run.plan.abstract.params) < _nbytes(run.plan.abstract.frozen) / 10
+    # the merged adapters reach the engine: the policy it samples from is the trained one
+    assert metrics[-1]["kl"] > 0 and all(m["logprob_mismatch_max"] < 1e-4 for m in metrics)
+
+
+def lora_rollouts(tmp_path, *overrides):
+    """3 GRPO steps under LoRA, the engine on a mesh of its own: the run's setup and logged steps.
+    The first rollout copies the frozen base and the adapters to the engine, the others the
+    adapters alone (weight_sync_bytes)."""
     cfg = _cfg(
         tmp_path,
         [[2, 2], ["fsdp", "tp"]],
@@ -196,16 +201,15 @@ def test_lora_copies_only_the_adapters_to_the_rollout_mesh(tmp_path):
         "training.lora.rank=4",
         'training.grpo.rollout_mesh_shape=[[2,2],["fsdp","tp"]]',
         "training.learning_rate=1e-2",
+        *overrides,
         reward=LENGTH,
     )
-    train(cfg, tmp_path / "lora", devices=jax.devices()[:8])
-    plan = setup(cfg, jax.devices()[:8]).plan.abstract
-    adapters, base = _nbytes(plan.params), _nbytes(plan.frozen)
-    metrics = [m for m in read_metrics(tmp_path / "lora") if "loss" in m]
+    train(cfg, tmp_path / "run", devices=jax.devices()[:8])
+    run = setup(cfg, jax.devices()[:8])
+    adapters, base = _nbytes(run.plan.abstract.params), _nbytes(run.plan.abstract.frozen)
+    metrics = step_metrics(tmp_path / "run")
     assert [m["weight_sync_bytes"] for m in metrics] == [adapters + base, adapters, adapters]
-    assert adapters < base / 10
-    # the merged adapters reach the engine: the policy it samples from is the trained one
-    assert metrics[-1]["kl"] > 0 and all(m["logprob_mismatch_max"] < 1e-4 for m in metrics)
+    return run, metrics
 
 
 @pytest.mark.slow
@@ -225,21 +229,16 @@ def test_a_resumed_run_draws_the_same_completions_and_losses(tmp_path, staleness
         f"training.grpo.iterations={iterations}",
         reward=LENGTH,
     )
-    straight, resumed = straight_and_resumed(cfg, tmp_path, 5, 3, jax.devices()[:4])
-
-    def metrics(d):
-        return [m for m in read_metrics(d) if "loss" in m]
-
-    for key in ("loss", "grad_norm", "reward", "logprob_mismatch_max", "rollout_staleness"):
-        assert [m[key] for m in metrics(resumed)] == [m[key] for m in metrics(straight)], key
-    assert _samples(resumed) == _samples(straight)
+    keys = ("loss", "grad_norm", "reward", "logprob_mismatch_max", "rollout_staleness")
+    straight = assert_resumes_alike(cfg, tmp_path, 5, 3, jax.devices()[:4], keys)
+    assert _samples(tmp_path / "resumed") == _samples(straight)
     # rollout r trains steps r*mu .. r*mu + mu - 1, drawn at step (r - k)*mu (at 0 for the first k)
     expected = [step - max(step // iterations - staleness, 0) * iterations for step in range(5)]
-    assert [m["rollout_staleness"] for m in metrics(straight)] == expected
+    assert [m["rollout_staleness"] for m in step_metrics(straight)] == expected
     # a rollout's samples at its first step
     assert len(_samples(straight)) == 4 * len(range(0, 5, iterations))
     if staleness:  # off-policy: the ratio moves away from 1 once the parameters have
-        assert metrics(straight)[-1]["logprob_mismatch_max"] > 1e-3
+        assert step_metrics(straight)[-1]["logprob_mismatch_max"] > 1e-3
 
 
 @pytest.mark.slow
@@ -426,24 +425,13 @@ def _two_process_run(prompts) -> list[str]:
 @pytest.fixture(scope="module")
 def one_process_grpo(tmp_path_factory):
     """The run both two-process tests compare with: 1 process x 4 devices; (its directory, prompts)."""
-    import subprocess
-    import sys
-
-    from conftest import REPO, cpu_env
 
     tmp_path = tmp_path_factory.mktemp("one_process_grpo")
     prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
-    one = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "run_training.py"),
-            *_two_process_run(prompts),
-            f"hydra.run.dir={tmp_path / 'one'}",
-        ],
-        cwd=REPO,
-        env=cpu_env(4),
-        capture_output=True,
-        text=True,
+    one = run_training(
+        *_two_process_run(prompts),
+        f"hydra.run.dir={tmp_path / 'one'}",
+        devices=4,
         timeout=300,
     )
     assert one.returncode == 0, one.stderr
@@ -458,30 +446,22 @@ def test_two_processes_sample_and_train_like_one(tmp_path, rollout_mesh, one_pro
     the completions and losses of 1 process x 4. With a rollout mesh, 2 processes x 4 devices, each
     giving 2 to a [[4],["fsdp"]] rollout mesh, each copying its own shards of the weights there."""
     import os
-    import subprocess
-    import sys
 
     from conftest import REPO
 
     one_dir, prompts = one_process_grpo
     run = _two_process_run(prompts)
     apart = ['training.grpo.rollout_mesh_shape=[[4],["fsdp"]]'] if rollout_mesh else []
-    two = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tunix_train.launch",
-            "--nprocs=2",
-            f"--cpu_devices_per_process={4 if rollout_mesh else 2}",
-            str(REPO / "run_training.py"),
-            *run,
-            *apart,
-            f"hydra.run.dir={tmp_path / 'two'}",
-        ],
-        cwd=REPO,
+    two = run_python(
+        "-m",
+        "tunix_train.launch",
+        "--nprocs=2",
+        f"--cpu_devices_per_process={4 if rollout_mesh else 2}",
+        str(REPO / "run_training.py"),
+        *run,
+        *apart,
+        f"hydra.run.dir={tmp_path / 'two'}",
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert two.returncode == 0, two.stdout

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_resumes_alike, rl_config
 
 from tunix_train.compose import load_config
 from tunix_train.config import (
@@ -254,26 +255,13 @@ def test_overlong_penalty_equals_trl_and_pass_at_k_the_estimator():
 
 
 def _run_cfg(tmp_path, *overrides, reward="tests.rewards_for_tests:length_for_even_answers"):
-    from tunix_train.rewards.arithmetic import write_task
-
-    prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
-    cfg, _ = load_config(
-        [
-            "model=gemma3_tiny",
-            "model.vocab_size=4096",
-            "objective=grpo",
-            "data=jsonl",
-            f"data.train_files=[{prompts}]",
-            "data.seq_len=16",
-            "training.log_every=1",
-            "training.micro_batch_size=8",
-            "training.grpo.num_generations=4",
-            "training.grpo.max_new_tokens=4",
-            f"training.grpo.reward=[{reward}]",
-            "training.grpo.temperature=1.5",
-            "training.learning_rate=1e-3",
-            *overrides,
-        ]
+    cfg = rl_config(
+        tmp_path,
+        "training.micro_batch_size=8",
+        "training.grpo.num_generations=4",
+        f"training.grpo.reward=[{reward}]",
+        "training.grpo.temperature=1.5",
+        *overrides,
     )
     cfg.model.mesh_shape = [[2, 2], ["fsdp", "tp"]]
     return cfg
@@ -326,7 +314,6 @@ def test_a_batch_without_signal_does_not_update_the_weights(tmp_path):
 
 @pytest.mark.slow
 def test_resume_is_bit_identical_with_dynamic_sampling(tmp_path):
-    from conftest import read_metrics, straight_and_resumed
 
     cfg = _run_cfg(
         tmp_path,
@@ -335,13 +322,8 @@ def test_resume_is_bit_identical_with_dynamic_sampling(tmp_path):
         "objective=dapo",
         "training.grpo.beta=0.04",
     )
-    straight, resumed = straight_and_resumed(cfg, tmp_path, 5, 3, jax.devices()[:4])
-
-    def metrics(d):
-        return [m for m in read_metrics(d) if "loss" in m]
-
-    for key in ("loss", "grad_norm", "reward", "dynamic_sampling_rounds", "reward_overlong"):
-        assert [m[key] for m in metrics(resumed)] == [m[key] for m in metrics(straight)], key
+    keys = ("loss", "grad_norm", "reward", "dynamic_sampling_rounds", "reward_overlong")
+    assert_resumes_alike(cfg, tmp_path, 5, 3, jax.devices()[:4], keys)
 
 
 def test_evaluation_logs_reward_and_pass_at_k(tmp_path):

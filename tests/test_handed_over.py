@@ -3,12 +3,10 @@ config.json, safetensors file and teacher file is one line naming it (a ConfigEr
 exit 2 without a traceback from the command line), never a traceback or a model that fails later."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, cpu_env
+from conftest import run_python
 
 from tunix_train.compose import load_config
 from tunix_train.config import ConfigError
@@ -105,14 +103,7 @@ def test_a_damaged_or_linked_safetensors_file_is_one_line_naming_it(tmp_path):
 def test_the_command_line_says_one_line_and_exits_2(tmp_path):
     """generate on a folder whose config.json gives a negative image size: exit 2, one line."""
     folder = _folder(tmp_path, "negative", _vision(image_size=-32))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tunix_train.generate", str(folder), "--prompt", "Hi"],
-        cwd=REPO,
-        env=cpu_env(1),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_python("-m", "tunix_train.generate", folder, "--prompt", "Hi", timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "vision image_size=-32 must be positive" in proc.stderr
 

@@ -2,12 +2,10 @@
 against what Kubernetes and tunix_train need (there is no cluster here)."""
 
 import importlib.util
-import subprocess
-import sys
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, run_python
 
 from tunix_train import exit_codes
 from tunix_train.compose import load_config
@@ -21,18 +19,13 @@ OVERRIDES = ["model=gemma3_4b", 'model.mesh_shape=[[4,8],["fsdp","tp"]]', "train
 
 @pytest.fixture(scope="module")
 def manifest():
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "k8s" / "render.py"),
-            "--name=gemma-ft",
-            "--workers=4",
-            "--gpus_per_pod=8",
-            "--image=registry.example/tunix-train:1",
-            *OVERRIDES,
-        ],
-        capture_output=True,
-        text=True,
+    out = run_python(
+        str(REPO / "scripts" / "k8s" / "render.py"),
+        "--name=gemma-ft",
+        "--workers=4",
+        "--gpus_per_pod=8",
+        "--image=registry.example/tunix-train:1",
+        *OVERRIDES,
         check=True,
     ).stdout
     return list(yaml.safe_load_all(out))

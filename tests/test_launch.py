@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from conftest import REPO, cpu_env, made_once, read_metrics, wait_until_gone
+from conftest import REPO, made_once, read_metrics, run_python, run_training, start_python, wait_until_gone
 
 from tunix_train import exit_codes
 
@@ -52,14 +52,7 @@ def _launcher(run_dir, *flags, overrides=()):
 
 
 def _start(run_dir, *flags, overrides=()):
-    return subprocess.Popen(
-        _launcher(run_dir, *flags, overrides=overrides),
-        cwd=REPO,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return start_python(*_launcher(run_dir, *flags, overrides=overrides)[1:], env=ENV)
 
 
 def losses_by_step(run_dir) -> dict[int, list[float]]:
@@ -181,20 +174,15 @@ def test_a_config_error_is_not_restarted(tmp_path):
 def test_the_launcher_reports_a_config_error_it_finds_itself_in_one_line(tmp_path):
     """Without hydra.run.dir the launcher composes the config to fix the run directory for every
     start, and so meets a bad key before starting anything."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tunix_train.launch",
-            "--nprocs=2",
-            str(REPO / "run_training.py"),
-            "model=gemma3_tiny",
-            "training.no_such_key=1",
-        ],
+    result = run_python(
+        "-m",
+        "tunix_train.launch",
+        "--nprocs=2",
+        str(REPO / "run_training.py"),
+        "model=gemma3_tiny",
+        "training.no_such_key=1",
         cwd=tmp_path,
         env=ENV,
-        capture_output=True,
-        text=True,
         timeout=60,
     )
     assert result.returncode == exit_codes.CONFIG_ERROR
@@ -317,26 +305,19 @@ def ray_cluster():
 
 
 def _ray_launcher(address, run_dir, *flags, run=RUN):
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tunix_train.launch.ray",
-            f"--address={address}",
-            "--num_workers=2",
-            "--cpus_per_worker=1",
-            "--cpu_devices_per_worker=2",
-            "--grace_period_s=5",
-            *flags,
-            str(REPO / "run_training.py"),
-            *run,
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=REPO,
+    return start_python(
+        "-m",
+        "tunix_train.launch.ray",
+        f"--address={address}",
+        "--num_workers=2",
+        "--cpus_per_worker=1",
+        "--cpu_devices_per_worker=2",
+        "--grace_period_s=5",
+        *flags,
+        str(REPO / "run_training.py"),
+        *run,
+        f"hydra.run.dir={run_dir}",
         env=LOOPBACK,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
     )
 
 
@@ -365,14 +346,7 @@ def test_ray_two_workers_give_the_losses_of_one_process(tmp_path, ray_cluster):
             for line in out.splitlines()
         ), out
     assert "process 0 of 2 (from MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE), coordinator 127.0.0.1:" in out
-    single = subprocess.run(
-        [sys.executable, str(REPO / "run_training.py"), *run, f"hydra.run.dir={tmp_path / 'one'}"],
-        cwd=REPO,
-        env=cpu_env(4),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    single = run_training(*run, f"hydra.run.dir={tmp_path / 'one'}", devices=4, timeout=600)
     assert single.returncode == 0, single.stdout + single.stderr
     got, want = losses_by_step(tmp_path / "ray"), losses_by_step(tmp_path / "one")
     assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5]
@@ -412,20 +386,14 @@ def test_ray_without_a_cluster_is_a_one_line_error(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens there
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tunix_train.launch.ray",
-            f"--address=127.0.0.1:{port}",
-            "--num_workers=2",
-            str(REPO / "run_training.py"),
-            f"hydra.run.dir={tmp_path}",
-        ],
-        cwd=REPO,
+    result = run_python(
+        "-m",
+        "tunix_train.launch.ray",
+        f"--address=127.0.0.1:{port}",
+        "--num_workers=2",
+        str(REPO / "run_training.py"),
+        f"hydra.run.dir={tmp_path}",
         env=LOOPBACK,
-        capture_output=True,
-        text=True,
         timeout=60,
     )
     assert result.returncode == exit_codes.CONFIG_ERROR
@@ -452,21 +420,15 @@ def test_a_job_that_lost_a_host_resumes_on_fewer_with_the_mesh_adjusted_by_hand(
     two = [*run, 'model.mesh_shape=[[2],["dp"]]', "training.micro_batch_size=3"]
 
     def launch(nprocs, overrides):
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tunix_train.launch",
-                f"--nprocs={nprocs}",
-                "--cpu_devices_per_process=1",
-                str(REPO / "run_training.py"),
-                *overrides,
-                f"hydra.run.dir={tmp_path / 'job'}",
-            ],
-            cwd=REPO,
+        return run_python(
+            "-m",
+            "tunix_train.launch",
+            f"--nprocs={nprocs}",
+            "--cpu_devices_per_process=1",
+            str(REPO / "run_training.py"),
+            *overrides,
+            f"hydra.run.dir={tmp_path / 'job'}",
             env=ENV,
-            capture_output=True,
-            text=True,
             timeout=600,
         )
 
@@ -476,18 +438,11 @@ def test_a_job_that_lost_a_host_resumes_on_fewer_with_the_mesh_adjusted_by_hand(
     assert second.returncode == 0, second.stdout
     assert f"resumed from {tmp_path / 'job' / 'checkpoints'} at step 4" in second.stdout
     assert "process 0 of 2" in second.stdout
-    reference = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "run_training.py"),
-            *three,
-            "training.max_steps=8",
-            f"hydra.run.dir={tmp_path / 'reference'}",
-        ],
-        cwd=REPO,
-        env=cpu_env(3),
-        capture_output=True,
-        text=True,
+    reference = run_training(
+        *three,
+        "training.max_steps=8",
+        f"hydra.run.dir={tmp_path / 'reference'}",
+        devices=3,
         timeout=600,
     )
     assert reference.returncode == 0, reference.stdout + reference.stderr

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FAST_COMPILE, REPO, config, cpu_env
+from conftest import FAST_COMPILE, REPO, config, run_python
 
 from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.observe.memory import advice
@@ -68,16 +68,18 @@ def test_peak_table_matches_jax_device_kinds():
     assert peak_flops_per_device("cpu", "fp32") is None
 
 
+GEMMA3_1B_ON_FSDP8 = (
+    "model=gemma3_1b",
+    'model.mesh_shape=[[8],["fsdp"]]',
+    "training.micro_batch_size=1",
+    "data=synthetic",
+    "data.seq_len=128",
+)
+
+
 def _plan(*args):
     env = {**os.environ, "XLA_FLAGS": FAST_COMPILE}  # the planner picks its device count
-    result = subprocess.run(
-        [sys.executable, "-m", "tunix_train.plan", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_python("-m", "tunix_train.plan", *args, env=env, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     figures = {}
     for line in result.stdout.splitlines():
@@ -89,11 +91,7 @@ def _plan(*args):
 
 def test_planner_counts_an_eighth_of_gemma3_1b_per_device_on_fsdp8():
     out, figures = _plan(
-        "model=gemma3_1b",
-        'model.mesh_shape=[[8],["fsdp"]]',
-        "training.micro_batch_size=1",
-        "data=synthetic",
-        "data.seq_len=128",
+        *GEMMA3_1B_ON_FSDP8,
         "--device_memory=80GB",
     )
     analytic = 999_885_952 * 4 * 3 / 8  # float32 parameters, Adam's two moments, over 8 devices
@@ -103,11 +101,7 @@ def test_planner_counts_an_eighth_of_gemma3_1b_per_device_on_fsdp8():
 
 def test_planner_counts_an_offloaded_optimizer_state_on_the_host():
     out, figures = _plan(
-        "model=gemma3_1b",
-        'model.mesh_shape=[[8],["fsdp"]]',
-        "training.micro_batch_size=1",
-        "data=synthetic",
-        "data.seq_len=128",
+        *GEMMA3_1B_ON_FSDP8,
         "training.offload_optimizer_state=true",
     )
     assert "optimizer state" not in figures  # only as (host)
@@ -124,11 +118,7 @@ def test_planner_counts_an_offloaded_optimizer_state_on_the_host():
 @pytest.mark.slow  # a whole CLI run or a script: the README's suite stays short
 def test_planner_counts_offloaded_master_weights_on_the_host():
     out, figures = _plan(
-        "model=gemma3_1b",
-        'model.mesh_shape=[[8],["fsdp"]]',
-        "training.micro_batch_size=1",
-        "data=synthetic",
-        "data.seq_len=128",
+        *GEMMA3_1B_ON_FSDP8,
         "training.mixed_precision=bf16",
         "training.offload_optimizer_state=true",
         "training.offload_master_weights=true",
@@ -193,24 +183,18 @@ def test_benchmark_reports_throughput_against_a_peak_sampled_between_steps(tmp_p
         'model.mesh_shape=[[2],["fsdp"]]',
         "training.micro_batch_size=2",
     ]
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "benchmark.py"),
-            "--cpu-devices",
-            "2",
-            "--steps",
-            "6",
-            "--warmup",
-            "1",
-            "--json",
-            str(tmp_path / "b.json"),
-            *overrides,
-        ],
-        cwd=REPO,
-        env=cpu_env(2),
-        capture_output=True,
-        text=True,
+    result = run_python(
+        str(REPO / "scripts" / "benchmark.py"),
+        "--cpu-devices",
+        "2",
+        "--steps",
+        "6",
+        "--warmup",
+        "1",
+        "--json",
+        str(tmp_path / "b.json"),
+        *overrides,
+        devices=2,
         timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr

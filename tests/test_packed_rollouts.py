@@ -6,11 +6,9 @@ TRL's in test_grpo_family.)"""
 import jax
 import numpy as np
 import pytest
-from conftest import read_metrics
+from conftest import read_metrics, rl_config
 
-from tunix_train.compose import load_config
 from tunix_train.data.packed_rows import Packing
-from tunix_train.rewards.arithmetic import write_task
 from tunix_train.train.loop import pad_fraction, train
 from tunix_train.train.objectives import make_objective
 from tunix_train.train.rollout import Rollout
@@ -19,25 +17,15 @@ REWARD = "tests.rewards_for_tests:length"
 
 
 def _cfg(tmp_path, *overrides):
-    prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
-    cfg, _ = load_config(
-        [
-            "model=gemma3_tiny",
-            "model.vocab_size=4096",
-            "objective=grpo",
-            "data=jsonl",
-            f"data.train_files=[{prompts}]",
-            "data.seq_len=64",
-            "training.log_every=1",
-            "training.grpo.num_generations=4",
-            "training.grpo.max_new_tokens=8",
-            "training.grpo.temperature=1.5",
-            f"training.grpo.reward=[{REWARD}]",
-            "training.learning_rate=1e-3",
-            *overrides,
-        ]
+    return rl_config(
+        tmp_path,
+        "data.seq_len=64",
+        "training.grpo.num_generations=4",
+        "training.grpo.max_new_tokens=8",
+        "training.grpo.temperature=1.5",
+        f"training.grpo.reward=[{REWARD}]",
+        *overrides,
     )
-    return cfg
 
 
 def test_a_rollouts_rows_pack_into_the_front_micro_batches_and_unpack_to_the_padded_rows(tmp_path):

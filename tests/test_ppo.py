@@ -11,11 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_same_parameters, read_metrics, straight_and_resumed
+from conftest import assert_same_parameters, read_metrics, rl_config, straight_and_resumed
 
-from tunix_train.compose import load_config
 from tunix_train.config import ConfigError, KlEstimator
-from tunix_train.rewards.arithmetic import write_task
 from tunix_train.train.loop import train
 from tunix_train.train.objectives import ppo
 
@@ -104,25 +102,14 @@ class _Policy:
 
 
 def _ppo_cfg(tmp_path, *overrides):
-    prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
-    cfg, _ = load_config(
-        [
-            "model=gemma3_tiny",
-            "model.vocab_size=4096",
-            "objective=ppo",
-            "data=jsonl",
-            f"data.train_files=[{prompts}]",
-            "data.seq_len=16",
-            "training.log_every=1",
-            "training.micro_batch_size=4",
-            "training.grpo.num_generations=2",
-            "training.grpo.max_new_tokens=4",
-            f"training.grpo.reward=[{REWARD}]",
-            "training.learning_rate=1e-3",
-            *overrides,
-        ]
+    return rl_config(
+        tmp_path,
+        "training.micro_batch_size=4",
+        "training.grpo.num_generations=2",
+        f"training.grpo.reward=[{REWARD}]",
+        *overrides,
+        objective="ppo",
     )
-    return cfg
 
 
 @pytest.mark.parametrize("value_clip", [0.2, None])

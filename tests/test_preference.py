@@ -2,7 +2,6 @@
 code on the same per-token log-probabilities, exact under accumulation, and trained end to end."""
 
 import collections
-import json
 import types
 
 import jax
@@ -10,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_cli import run_cli
-from test_dpo import _write_pairs
+from test_dpo import _write_pairs, dpo_cli
 
 from tunix_train.config import Config, DpoConfig, PreferenceLoss, TrainingConfig
 from tunix_train.train.objectives.dpo import DirectPreference
@@ -180,28 +179,13 @@ def test_ipo_and_sigmoid_equal_trl_dpo_trainer(kind):
 @pytest.mark.slow  # three training runs in subprocesses
 @pytest.mark.parametrize("loss", ["orpo", "simpo", "ipo"])
 def test_each_loss_trains_and_the_reference_free_ones_keep_no_copy(tmp_path, loss):
-    _write_pairs(tmp_path / "pairs.jsonl", n=32)
-    run_dir = tmp_path / "run"
-    result = run_cli(
-        "model=gemma3_tiny",
-        "model.vocab_size=4096",
-        "objective=dpo",
-        "data=jsonl",
+    run_dir, metrics = dpo_cli(
+        tmp_path,
         f"training.dpo.loss={loss}",
         "training.dpo.beta=0.5",
-        f"data.train_files=[{tmp_path}/pairs.jsonl]",
-        "data.seq_len=16",
-        "training.max_steps=12",
-        "training.log_every=1",
         "training.eval_every=6",
         "training.eval_batches=1",
-        "training.learning_rate=3e-3",
-        "training.warmup_steps=0",
-        'model.mesh_shape=[[2,2],["fsdp","tp"]]',
-        f"hydra.run.dir={run_dir}",
     )
-    assert result.returncode == 0, result.stderr
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "loss" in m]
     assert (
         steps[-1]["loss"] < steps[0]["loss"] - 0.05 and steps[-1]["reward_margin"] > steps[0]["reward_margin"]

@@ -1,13 +1,11 @@
 """QLoRA: LoRA over a quantized frozen base (training.lora.base_quantization): the first loss is the
 dequantized base's, the base stays bit-unchanged and small, meshes agree, resume is bit-identical."""
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import config, read_metrics, straight_and_resumed, train_losses
+from conftest import assert_resumes_alike, checkpoint_records, config, read_metrics
 from flax import nnx
 from test_cli import run_cli
 from test_lora import ALL, STEPS, _state_and_steps, hf_base_overrides
@@ -115,11 +113,9 @@ def test_qlora_resumes_bit_identically_and_checkpoints_no_base(tmp_path):
         "checkpoint.every_steps=2",
     )
     cfg.model.mesh_shape = [[2, 2], ["fsdp", "tp"]]
-    straight, resumed = straight_and_resumed(cfg, tmp_path, 6, 3, jax.devices()[:4])
-    assert train_losses(resumed) == train_losses(straight)
-    metadata = (tmp_path / "straight" / "checkpoints" / "6" / "state" / "_METADATA").read_text()
+    straight = assert_resumes_alike(cfg, tmp_path, 6, 3, jax.devices()[:4])
+    metadata, record = checkpoint_records(straight / "checkpoints" / "6")
     assert "q_lora" in metadata and "q_DNH" not in metadata
-    record = json.loads((tmp_path / "straight" / "checkpoints" / "6" / "data" / "metadata").read_text())
     assert record["frozen"]["source"] == "training.seed=0" and record["frozen"]["checksum"] > 0
 
 
@@ -229,29 +225,9 @@ def test_bad_quantized_base_settings_are_one_line(tmp_path, overrides, message):
 def test_grpo_samples_from_the_quantized_base_and_syncs_it_once(tmp_path):
     """The engine on its own mesh gets the quantized base once and the adapters each rollout, and
     samples with them apart (no dequantized copy): its log-probabilities are the trainer's."""
-    from test_grpo import LENGTH, _cfg, _nbytes
+    from test_grpo import lora_rollouts
 
-    from tunix_train.train.loop import train
-    from tunix_train.train.setup import setup
-
-    cfg = _cfg(
-        tmp_path,
-        [[2, 2], ["fsdp", "tp"]],
-        4,
-        "training.max_steps=3",
-        "training.grpo.temperature=1.5",
-        "training.lora.rank=4",
-        "training.lora.base_quantization=nf4",
-        "model.head_dim=64",
-        'training.grpo.rollout_mesh_shape=[[2,2],["fsdp","tp"]]',
-        "training.learning_rate=1e-2",
-        reward=LENGTH,
-    )
-    train(cfg, tmp_path / "run", devices=jax.devices()[:8])
-    run = setup(cfg, jax.devices()[:8])
-    adapters, base = _nbytes(run.plan.abstract.params), _nbytes(run.plan.abstract.frozen)
-    metrics = [m for m in read_metrics(tmp_path / "run") if "loss" in m]
-    assert [m["weight_sync_bytes"] for m in metrics] == [adapters + base, adapters, adapters]
+    run, metrics = lora_rollouts(tmp_path, "training.lora.base_quantization=nf4", "model.head_dim=64")
     assert run.weights.engine_lora is not None  # the engine's model carries the adapters beside the base
     assert metrics[-1]["kl"] > 0 and all(m["logprob_mismatch_max"] < 1e-4 for m in metrics)
 
@@ -422,11 +398,9 @@ def test_gguf_base_resumes_bit_identically_and_checkpoints_no_base(tmp_path):
         "checkpoint.every_steps=2",
     )
     cfg.model.mesh_shape = [[2, 2], ["fsdp", "tp"]]
-    straight, resumed = straight_and_resumed(cfg, tmp_path, 6, 3, jax.devices()[:4])
-    assert train_losses(resumed) == train_losses(straight)
-    metadata = (tmp_path / "straight" / "checkpoints" / "6" / "state" / "_METADATA").read_text()
+    straight = assert_resumes_alike(cfg, tmp_path, 6, 3, jax.devices()[:4])
+    metadata, record = checkpoint_records(straight / "checkpoints" / "6")
     assert "q_lora" in metadata and "q_DNH" not in metadata and "down_FD" not in metadata
-    record = json.loads((tmp_path / "straight" / "checkpoints" / "6" / "data" / "metadata").read_text())
     assert record["frozen"]["source"] == f"model.init_from={path}"
 
 

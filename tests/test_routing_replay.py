@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import config, read_metrics, straight_and_resumed
+from conftest import assert_resumes_alike, config, read_metrics
 from flax import nnx
 
 from tunix_train.compose import load_config
@@ -182,13 +182,8 @@ def test_a_resumed_grpo_run_with_routing_replay_equals_the_straight_one(tmp_path
         "training.grpo.rollout_dtype=bf16",
         "training.grpo.max_staleness=1",
     )
-    straight, resumed = straight_and_resumed(cfg, tmp_path, 4, 2, jax.devices()[:4])
-
-    def metrics(run_dir):
-        return [m for m in read_metrics(run_dir) if "loss" in m]
-
-    for key in ("loss", "grad_norm", "reward", "logprob_mismatch_max"):
-        assert [m[key] for m in metrics(resumed)] == [m[key] for m in metrics(straight)], key
+    keys = ("loss", "grad_norm", "reward", "logprob_mismatch_max")
+    assert_resumes_alike(cfg, tmp_path, 4, 2, jax.devices()[:4], keys)
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow  # a training run and a server in subprocesses: th
 openai = pytest.importorskip("openai", reason="needs the openai client: pip install -e '.[test]'")
 pytest.importorskip("fastapi", reason="needs FastAPI and uvicorn: pip install -e '.[serve]'")
 
-from conftest import REPO, cpu_env  # noqa: E402
+from conftest import REPO, cpu_env, run_training  # noqa: E402
 
 from tunix_train import api  # noqa: E402
 
@@ -39,21 +39,14 @@ def server(tmp_path_factory):
     """A 2-step run of gemma3_tiny on the bundled corpus, served with 8 slots on 2 devices."""
     tmp = tmp_path_factory.mktemp("serve")
     run_dir = tmp / "run"
-    trained = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "run_training.py"),
-            "model=gemma3_tiny",
-            "model.vocab_size=4096",
-            "data.seq_len=64",
-            "training.max_steps=2",
-            'model.mesh_shape=[[1],["fsdp"]]',
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=REPO,
-        env=cpu_env(1),
-        capture_output=True,
-        text=True,
+    trained = run_training(
+        "model=gemma3_tiny",
+        "model.vocab_size=4096",
+        "data.seq_len=64",
+        "training.max_steps=2",
+        'model.mesh_shape=[[1],["fsdp"]]',
+        f"hydra.run.dir={run_dir}",
+        devices=1,
         timeout=300,
     )
     assert trained.returncode == 0, trained.stderr[-2000:]

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import assert_resumes_alike, step_metrics
 
 from tunix_train.config import ConfigError
 from tunix_train.data.chat import GEMMA_TEMPLATE, ChatTemplate
@@ -374,7 +375,6 @@ def test_grpo_with_tools_and_an_environment_trains_and_resumes_bit_identically(t
     results come back as ipython turns), warmed up on the calculator's conversations, then GRPO on
     fsdp2 x tp2 with the multiply tool and an environment: calls happen and run, turns follow, and a
     resumed run equals the straight one."""
-    from conftest import read_metrics, straight_and_resumed
 
     from tunix_train.compose import load_config
     from tunix_train.export import main as export
@@ -433,14 +433,9 @@ def test_grpo_with_tools_and_an_environment_trains_and_resumes_bit_identically(t
         ]
     )
     cfg.model.mesh_shape = [[2, 2], ["fsdp", "tp"]]
-    straight, resumed = straight_and_resumed(cfg, tmp_path, 4, 2, jax.devices()[:4])
-
-    def metrics(d):
-        return [m for m in read_metrics(d) if "loss" in m]
-
-    for key in ("loss", "grad_norm", "reward", "tool_calls", "tool_errors", "turns", "reward_environment"):
-        assert [m[key] for m in metrics(resumed)] == [m[key] for m in metrics(straight)], key
-    steps = metrics(straight)
+    keys = ("loss", "grad_norm", "reward", "tool_calls", "tool_errors", "turns", "reward_environment")
+    straight = assert_resumes_alike(cfg, tmp_path, 4, 2, jax.devices()[:4], keys)
+    steps = step_metrics(straight)
     assert sum(m["tool_calls"] for m in steps) > 0 and max(m["turns"] for m in steps) > 2
     # it learns
     assert sum(m["reward_environment"] for m in steps) > 0 and max(m["grad_norm"] for m in steps) > 0.01
@@ -484,16 +479,8 @@ def test_a_turn_runs_at_most_max_calls_and_long_results_are_cut(tokenizer):
     from rewards_for_tests import echo
 
     chat = ChatTemplate(GEMMA_TEMPLATE, "Gemma's turn format", tokenizer)
-    turns = Turns(
-        chat,
-        {"multiply": multiply, "echo": echo},
-        max_new_tokens=48,
-        max_turns=2,
-        max_len=4096,
-        timeout_s=1.0,
-        max_calls=8,
-        max_result_tokens=20,
-    )
+    limits = dict(max_new_tokens=48, max_turns=2, max_len=4096, timeout_s=1.0)
+    turns = Turns(chat, {"multiply": multiply, "echo": echo}, **limits, max_calls=8, max_result_tokens=20)
     script = [
         "".join(call(i, 2) for i in range(40)),
         '<tool_call>{"name":"echo","arguments":{"text":"' + "Speak the speech " * 100 + '"}}</tool_call>',

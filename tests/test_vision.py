@@ -9,28 +9,19 @@ import io
 import jax
 import numpy as np
 import pytest
-from conftest import vision_tokenizer
+from conftest import image_loss_and_grads, sharded_tower, vision_tokenizer
 from flax import nnx
-from hf_reference import SIZES
+from hf_reference import SIZES, TOWER
 
 from tunix_train.config import ConfigError, ModelConfig, VisionConfig
 from tunix_train.interop.vision import tower_arrays, vision_from_hf
 from tunix_train.model.layout import validate_model
 from tunix_train.model.vision import VisionTower
-from tunix_train.sharding import make_mesh, state_shardings
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-VISION = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    image_size=32,
-    patch_size=4,
-    layer_norm_eps=1e-6,
-)
+VISION = dict(TOWER, image_size=32, patch_size=4, layer_norm_eps=1e-6)
 
 
 IMAGE, BOI, EOI = 127, 125, 126  # the image placeholder, start and end of image: in the vocabulary
@@ -73,17 +64,9 @@ def test_the_tower_and_projector_equal_transformers(tmp_path, mesh_shape):
     tower = VisionTower(cfg, text_dim=SIZES["hidden_size"], rngs=nnx.Rngs(1))
     model.save_pretrained(tmp_path)  # the names in the file, which an importer reads
     tensors = load_file(tmp_path / "model.safetensors")
-    for path, array in tower_arrays(
-        cfg, tensors.__getitem__, "vision_tower.", "multi_modal_projector."
-    ).items():
-        variable = tower
-        for name in path.split("."):
-            variable = getattr(variable, name)
-        variable[...] = array
-    mesh = make_mesh(mesh_shape, jax.devices()[: np.prod(mesh_shape[0])])
-    graphdef, state = nnx.split(tower)
+    arrays = tower_arrays(cfg, tensors.__getitem__, "vision_tower.", "multi_modal_projector.")
+    mesh, graphdef, state = sharded_tower(tower, arrays, mesh_shape)
     with jax.set_mesh(mesh):
-        state = jax.device_put(state, state_shardings(state, mesh))
         if mesh.size > 1:  # the attention and MLP weights are split over tp, the rest over fsdp
             up = state["layers"]["up"][...]  # [layers, embed, mlp]
             assert {s.data.shape for s in up.addressable_shards} == {(2, 16, 32)}
@@ -258,10 +241,7 @@ def test_images_under_cp_and_pp_give_one_devices_loss_and_gradients(mesh_shape, 
     """gemma3_vision_tiny (tower trainable) on rows whose images straddle the cp chunks' edges (64
     tokens, 4 chunks of 16): the loss and every gradient, the tower's included, equal one device's.
     Under cp the rows come reordered and the images' tokens are found in the rows' own order."""
-    from tunix_train import parallel
     from tunix_train.compose import load_config
-    from tunix_train.model.decoder import output_logits
-    from tunix_train.train.forward import cross_entropy
 
     cfg, _ = load_config(
         ["model=gemma3_vision_tiny", "model.vision.trainable=true", "data.seq_len=64", *overrides]
@@ -279,25 +259,8 @@ def test_images_under_cp_and_pp_give_one_devices_loss_and_gradients(mesh_shape, 
         "images": rng.standard_normal((1, 2, 2, 3, 32, 32)).astype(np.float32),
     }
 
-    def loss_and_grads(mesh_shape):
-        mesh = make_mesh(mesh_shape, jax.devices()[: np.prod(mesh_shape[0])])
-        layout = parallel.for_run(mesh, cfg.model, cfg.training, 64)
-        graphdef = parallel.model_graphdef(cfg.model, cfg.training.remat, parallel=layout)
-        params = nnx.state(_init(cfg.model))
-        micro = jax.tree.map(lambda x: x[0], layout.reorder(batch) if layout else batch)
-
-        def loss(params):
-            m = nnx.merge(graphdef, params)
-            x = m.hidden(micro["inputs"], micro["positions"], None, micro.get("token_index"), micro["images"])
-            return cross_entropy(output_logits(x, m.output_table(), None), micro["targets"]).sum()
-
-        with jax.set_mesh(mesh):
-            params = jax.device_put(params, state_shardings(params, mesh))
-            value, grads = jax.jit(jax.value_and_grad(loss))(params)
-        return float(value), jax.tree.map(np.asarray, grads)
-
-    expected_loss, expected = loss_and_grads([[1], ["fsdp"]])
-    loss, grads = loss_and_grads(mesh_shape)
+    expected_loss, expected = image_loss_and_grads(cfg, batch, [[1], ["fsdp"]])
+    loss, grads = image_loss_and_grads(cfg, batch, mesh_shape)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
     for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(grads)):
         # the keys' bias shifts every score of a query alike: its gradient is zero up to rounding

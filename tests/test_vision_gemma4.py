@@ -7,31 +7,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import image_loss_and_grads, sharded_tower
 from flax import nnx
-from hf_reference import SIZES
+from hf_reference import SIZES, TOWER
 
 from tunix_train.config import ConfigError, ImageAttention, VisionConfig, VisionEncoder
 from tunix_train.interop.gemma4_vision import tower_arrays, vision_from_hf
 from tunix_train.model.gemma4_vision import Gemma4VisionTower
-from tunix_train.sharding import make_mesh, state_shardings
+from tunix_train.sharding import make_mesh
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 IMAGE, BOI, EOI = 127, 125, 126  # in the vocabulary of the tiny text model
 PATCH, KERNEL, MAX_TOKENS = 4, 2, 16  # 4-pixel patches pooled 2 x 2: an image of at most 64 patches
-VISION = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    head_dim=8,
-    patch_size=PATCH,
-    pooling_kernel_size=KERNEL,
-    position_embedding_size=32,
-    standardize=True,
-)
+VISION = dict(TOWER, num_key_value_heads=4, head_dim=8, position_embedding_size=32, standardize=True)
+VISION |= dict(patch_size=PATCH, pooling_kernel_size=KERNEL)
 S, F = "sliding_attention", "full_attention"
 TEXT = dict(
     SIZES,
@@ -98,17 +89,9 @@ def test_the_tower_and_projector_equal_transformers(tmp_path):
     tensors = load_file(tmp_path / "model.safetensors")
     for mesh_shape in ([[1, 1], ["fsdp", "tp"]], [[2, 2], ["fsdp", "tp"]]):
         tower = Gemma4VisionTower(cfg, text_dim=TEXT["hidden_size"], rngs=nnx.Rngs(1))
-        for path, array in tower_arrays(
-            cfg, tensors.__getitem__, "model.vision_tower.", "model.embed_vision."
-        ).items():
-            variable = tower
-            for name in path.split("."):
-                variable = getattr(variable, name)
-            variable[...] = array
-        mesh = make_mesh(mesh_shape, jax.devices()[: np.prod(mesh_shape[0])])
-        graphdef, state = nnx.split(tower)
+        arrays = tower_arrays(cfg, tensors.__getitem__, "model.vision_tower.", "model.embed_vision.")
+        mesh, graphdef, state = sharded_tower(tower, arrays, mesh_shape)
         with jax.set_mesh(mesh):
-            state = jax.device_put(state, state_shardings(state, mesh))
             features = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, np.stack(ours))
         for image, want in zip(np.asarray(features), expected):
             np.testing.assert_allclose(image[: len(want)], want, atol=1e-4, rtol=0)
@@ -238,10 +221,7 @@ def _init(model_cfg):
 def test_gemma4_vision_tiny_gives_one_devices_loss_and_gradients(mesh_shape, overrides):
     """gemma4_vision_tiny (tower trainable, per-layer inputs, KV sharing) on rows with images of
     two aspect ratios: the loss and every gradient, the tower's included, equal one device's."""
-    from tunix_train import parallel
     from tunix_train.compose import load_config
-    from tunix_train.model.decoder import output_logits
-    from tunix_train.train.forward import cross_entropy
 
     cfg, _ = load_config(
         ["model=gemma4_vision_tiny", "model.vision.trainable=true", "data.seq_len=48", *overrides]
@@ -263,25 +243,8 @@ def test_gemma4_vision_tiny_gives_one_devices_loss_and_gradients(mesh_shape, ove
         "images": images,
     }
 
-    def loss_and_grads(mesh_shape):
-        mesh = make_mesh(mesh_shape, jax.devices()[: np.prod(mesh_shape[0])])
-        layout = parallel.for_run(mesh, cfg.model, cfg.training, 48)
-        graphdef = parallel.model_graphdef(cfg.model, cfg.training.remat, parallel=layout)
-        params = nnx.state(_init(cfg.model))
-        micro = jax.tree.map(lambda x: x[0], batch)
-
-        def loss(params):
-            m = nnx.merge(graphdef, params)
-            x = m.hidden(micro["inputs"], micro["positions"], None, None, micro["images"])
-            return cross_entropy(output_logits(x, m.output_table(), None), micro["targets"]).sum()
-
-        with jax.set_mesh(mesh):
-            params = jax.device_put(params, state_shardings(params, mesh))
-            value, grads = jax.jit(jax.value_and_grad(loss))(params)
-        return float(value), jax.tree.map(np.asarray, grads)
-
-    expected_loss, expected = loss_and_grads([[1], ["fsdp"]])
-    loss, grads = loss_and_grads(mesh_shape)
+    expected_loss, expected = image_loss_and_grads(cfg, batch, [[1], ["fsdp"]])
+    loss, grads = image_loss_and_grads(cfg, batch, mesh_shape)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
     tower = expected["vision"]["layers"]["q"][...]
     assert np.abs(tower).max() > 0  # the tower learns
