@@ -9,7 +9,8 @@ The slot s of a row at position p holds position p - ((p - s) mod S), its most r
 
 Why slots and kv heads share one dimension: with a separate kv-head dimension of size 1 (Gemma 3
 up to 1B), XLA:CPU fused each cache update into both of its readers (the attention's reshape and
-the loop's output) and copied every cache four times per decode step (performance-history.md).
+the loop's output) and copied every cache four times per decode step (git log --
+docs/performance-history.md).
 """
 
 from __future__ import annotations

@@ -693,8 +693,8 @@ def output_logits(x, table_VD, softcap: float | None, rules: Rules = LOGICAL_RUL
 
     x [B, T, D] -> [B, T, V]; x [B, D] (the engine's one position per row) -> [B, V], with the
     vocabulary as the dot's rows, then transposed. Why: XLA:CPU's dot runs [V, D] x [D, B] about
-    twice as fast as [B, D] x [D, V] at a decoding batch (performance-history.md); the barrier keeps
-    XLA from folding the transpose back into the dot."""
+    twice as fast as [B, D] x [D, V] at a decoding batch (git log -- docs/performance-history.md);
+    the barrier keeps XLA from folding the transpose back into the dot."""
     table_VD = table_VD.astype(x.dtype)
     if x.ndim == 2:
         logits_VB = jnp.einsum("vd,bd->vb", table_VD, x).astype(jnp.float32)
