@@ -117,90 +117,12 @@ LONGEST = (
 )
 
 
-# Marked `long` here, and run by hand (`python -m pytest -m long`), not by CI, whose two legs grew
-# past its time on a slower machine (November 2026): 25 to 140 s each on 2 cores. Most are variants
-# of a check CI makes in a cheaper form (another mesh, model, dtype or parameter of the same test);
-# some are end-to-end runs whose parts CI checks one by one (a launcher losing a host or a Ray
-# worker, tool-calling GRPO resumed, chat SFT then the chat CLI, routing replay in GRPO). A test
-# made cheaper comes back off this list. Ids are without xdist's group; one without parameters
-# covers them all.
+# Costlier variants of checks CI makes elsewhere, run by hand (`python -m pytest -m long`): the ids
+# in tests/long_tests.txt, which says why.
 LONG = frozenset(
     line.strip()
-    for line in """
-    test_chat.py::test_sft_on_the_bundled_conversations_then_the_chat_cli_answers_as_trained
-    test_checkpoint.py::test_kill_9_then_rerun_gives_bit_identical_parameters[step 7/]
-    test_comms.py::test_the_profile_names_pipeline_and_context_parallel_traffic
-    test_distill.py::test_a_run_directory_teaches_as_its_export_does
-    test_distill.py::test_on_policy_distillation_is_the_same_on_any_mesh
-    test_distill.py::test_the_chunked_divergence_equals_the_whole_and_holds_no_tokens_by_vocab_array
-    test_distributed.py::test_checkpoints_move_between_one_and_two_processes
-    test_distributed.py::test_killing_one_process_stops_the_launcher
-    test_distributed.py::test_two_processes_give_the_losses_of_one[[[2,2],["cp","fsdp"]]-4-extra3]
-    test_distributed.py::test_two_processes_give_the_losses_of_one[[[2,2],["fsdp","tp"]]-4-extra1]
-    test_distributed.py::test_two_processes_give_the_losses_of_one[[[2,2],["pp","fsdp"]]-4-extra2]
-    test_gemma4.py::test_context_parallel_gemma4_gives_the_losses_of_one_device
-    test_gemma4.py::test_greedy_generation_matches_transformers[gemma4_all]
-    test_gemma4.py::test_lora_on_gemma4_exports_adapters_that_peft_applies_with_our_logits
-    test_gemma4.py::test_loss_and_gradients_are_equal_for_every_ep_and_the_experts_are_split
-    test_gemma4.py::test_moe_training_on_ep_resumes_bit_identically_and_logs_the_experts
-    test_gemma4.py::test_pipelined_experts_give_the_losses_and_expert_statistics_of_one_device
-    test_gguf_families.py::test_qlora_over_a_gguf_llama_base_and_its_adapters_as_llama_cpp_applies_them
-    test_grpo.py::test_a_bf16_engine_samples_with_bf16_weights_and_logs_its_larger_mismatch
-    test_grpo.py::test_a_resumed_run_draws_the_same_completions_and_losses[1-2]
-    test_grpo.py::test_lora_copies_only_the_adapters_to_the_rollout_mesh
-    test_grpo.py::test_two_processes_sample_and_train_like_one[True]
-    test_grpo_family.py::test_a_batch_without_signal_does_not_update_the_weights
-    test_grpo_family.py::test_a_rollout_in_few_slots_gives_the_same_completions_and_losses
-    test_launch.py::test_a_job_that_lost_a_host_resumes_on_fewer_with_the_mesh_adjusted_by_hand
-    test_launch.py::test_ray_a_killed_worker_restarts_the_job_from_its_checkpoint
-    test_launch.py::test_ray_killing_a_worker_stops_the_job_and_names_its_rank
-    test_launch.py::test_sigterm_to_the_job_saves_and_exits_preempted_and_the_next_launch_resumes
-    test_llama_qwen.py::test_lora_and_qlora_over_a_transformers_base_equal_peft[qwen2-nf4]
-    test_llama_qwen.py::test_lora_and_qlora_over_a_transformers_base_equal_peft[qwen3_moe-int8]
-    test_llama_qwen.py::test_sft_on_conversations_and_qlora_dpo_resume_bit_identically_on_fsdp2_tp2
-    test_llama_qwen.py::test_tiny_qwen3_learns_the_bundled_corpus
-    test_llama_qwen.py::test_training_on_a_mesh_equals_one_device[qwen2_tiny-fsdp2_tp2]
-    test_llama_qwen.py::test_training_on_a_mesh_equals_one_device[qwen3_moe_tiny-ep2_fsdp2]
-    test_packing.py::test_packed_pairs_give_the_padded_loss_metrics_and_gradient[overrides1]
-    test_packing.py::test_padding_free_dpo_trains_alike_on_fsdp2_tp2_and_logs_its_padding
-    test_parallel.py::test_a_pp2_checkpoint_resumes_on_pp1_and_pp4_with_the_same_losses
-    test_parallel.py::test_bf16_runs_under_pp_and_cp_with_the_losses_of_one_device
-    test_parallel.py::test_every_pp_and_cp_combination_gives_the_losses_of_one_device[cp4_ring]
-    test_parallel.py::test_every_pp_and_cp_combination_gives_the_losses_of_one_device[pp2_cp2_fsdp2]
-    test_parallel.py::test_every_pp_and_cp_combination_gives_the_losses_of_one_device[pp2_cp2_fsdp2_ring]
-    test_parallel.py::test_every_pp_and_cp_combination_gives_the_losses_of_one_device[pp2_fsdp2_tp2]
-    test_parallel.py::test_pp_and_cp_give_the_losses_of_one_device[cp2_ring]
-    test_parallel.py::test_the_whole_gradient_equals_one_devices[mesh_shape1-overrides1-model1]
-    test_parallel.py::test_the_whole_gradient_equals_one_devices[mesh_shape2-overrides2-model2]
-    test_ppo.py::test_ppo_is_the_same_on_one_device_fsdp2_tp2_and_with_accumulation[True]
-    test_qlora.py::test_every_base_dtype_precision_and_quantization_trains_and_plans[int8-bf16-bf16]
-    test_qlora.py::test_every_base_dtype_precision_and_quantization_trains_and_plans[int8-fp32-fp32]
-    test_qlora.py::test_every_base_dtype_precision_and_quantization_trains_and_plans[nf4-bf16-fp32]
-    test_qlora.py::test_every_base_dtype_precision_and_quantization_trains_and_plans[none-bf16-fp32]
-    test_qlora.py::test_every_base_dtype_precision_and_quantization_trains_and_plans[none-fp32-bf16]
-    test_qlora.py::test_gguf_base_keeps_the_files_blocks_and_starts_at_its_dequantized_models_loss
-    test_qlora.py::test_gguf_base_on_fsdp4_tp2_equals_one_device
-    test_qlora.py::test_gguf_base_resumes_bit_identically_and_checkpoints_no_base
-    test_qlora.py::test_nf4_base_on_fsdp4_tp2_equals_one_device
-    test_qlora.py::test_nf4_base_on_pp_cp_and_dp_equals_one_device[mesh0-extra0]
-    test_qlora.py::test_nf4_base_on_pp_cp_and_dp_equals_one_device[mesh1-extra1]
-    test_qlora.py::test_nf4_trains_within_5_percent_of_a_bf16_base
-    test_qlora.py::test_quantized_base_starts_at_its_dequantized_loss_and_stays_unchanged[int8-stored1]
-    test_reward.py::test_the_demos_grpo_raises_the_rate_of_the_answers_its_reward_model_prefers
-    test_routing_replay.py::test_a_resumed_grpo_run_with_routing_replay_equals_the_straight_one
-    test_routing_replay.py::test_grpo_with_routing_replay_trains_on_the_engines_experts
-    test_routing_replay.py::test_the_engine_records_the_experts_and_replaying_them_gives_its_logprobs[gemma4_moe]
-    test_tools.py::test_grpo_with_tools_and_an_environment_trains_and_resumes_bit_identically
-    test_train.py::test_a_checkpoint_resumes_with_or_without_offload
-    test_train.py::test_an_offloaded_state_lives_in_pinned_host_memory_and_changes_no_loss[both]
-    test_train.py::test_sharding_strategies_give_the_same_losses_and_shard_what_they_say[shard_grad_op]
-    test_vision.py::test_dpo_on_image_grounded_pairs_reads_the_images_and_learns_them
-    test_vision.py::test_images_under_cp_and_pp_give_one_devices_loss_and_gradients[mesh_shape2-overrides2]
-    test_vision.py::test_lora_and_qlora_with_a_frozen_tower_start_at_the_base_loss_and_train
-    test_vision.py::test_training_on_conversations_with_images_resumes_bit_identically
-    test_vision_gemma4.py::test_gemma4_vision_tiny_gives_one_devices_loss_and_gradients[mesh_shape0-overrides0]
-    test_vision_gemma4.py::test_lora_in_the_tower_adapts_it_merges_and_trains_only_its_adapters[gemma4_vision_tiny]
-    """.strip().splitlines()
+    for line in (Path(__file__).parent / "long_tests.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
 )
 
 
@@ -361,6 +283,14 @@ def train_losses(run_dir: Path) -> list[float]:
     return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
 
 
+def synthetic_batches(cfg, micro_batch: int):
+    """The synthetic data of a run of `cfg` with `micro_batch` rows a micro-batch, seed 0."""
+    from tunix_train.data.synthetic import SyntheticBatches
+
+    sizes = dict(seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size)
+    return SyntheticBatches(**sizes, accumulation_steps=1, global_micro_batch=micro_batch, seed=0)
+
+
 def checkpoint_arrays(step_dir: Path) -> dict:
     """A saved TrainState as host arrays by path, whatever topology wrote it."""
     import numpy as np
@@ -386,6 +316,17 @@ def assert_same_parameters(run_a: Path, run_b: Path, step: int) -> None:
     assert params and params == [key for key in b if "params" in key], (list(a), list(b))
     for key in params:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+# LoRA on fsdp2 x tp2, saved every 2 steps, with a schedule that does not depend on max_steps (which
+# changes between a stopped run and its resumption): for assert_resumes_bit_identically.
+LORA_RESUMED = (
+    'model.mesh_shape=[[2,2],["fsdp","tp"]]',
+    "training.lora.rank=4",
+    "training.learning_rate=3e-2",
+    "training.lr_schedule=constant",
+    "checkpoint.every_steps=2",
+)
 
 
 def assert_resumes_bit_identically(cfg, tmp_path: Path, keys: tuple[str, ...], devices) -> Path:

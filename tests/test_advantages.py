@@ -4,7 +4,7 @@ experience maker does; and each trains the arithmetic task's rollouts through th
 
 import numpy as np
 import pytest
-from conftest import rl_config
+from conftest import LORA_RESUMED, rl_config
 
 from tunix_train.compose import load_config
 from tunix_train.config import AdvantageEstimator, ConfigError
@@ -155,11 +155,7 @@ def test_under_lora_on_fsdp2_tp2_a_run_resumes_bit_identically(tmp_path, objecti
         "training.grpo.num_generations=4",
         "training.grpo.temperature=1.5",
         "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match,tests.rewards_for_tests:length]",
-        'model.mesh_shape=[[2,2],["fsdp","tp"]]',
-        "training.lora.rank=4",
-        "training.learning_rate=3e-2",
-        "training.lr_schedule=constant",  # the schedule must not depend on max_steps, which changes
-        "checkpoint.every_steps=2",
+        *LORA_RESUMED,
         objective=objective,
     )
     straight = assert_resumes_bit_identically(cfg, tmp_path, ("loss", "reward", "kl"), jax.devices()[:4])

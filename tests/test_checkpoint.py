@@ -316,15 +316,17 @@ def poison_batch(monkeypatch):
     return poison
 
 
+EVERY_STEP_SAVED = (
+    "training.max_steps=5",
+    "training.log_every=1",
+    "checkpoint.every_steps=1",
+    "checkpoint.keep=10",
+)
+
+
 def test_nan_policy_skip_drops_the_update_and_counts_it(tmp_path, poison_batch):
     poison_batch(3)
-    cfg = config(
-        "training.max_steps=5",
-        "training.log_every=1",
-        "checkpoint.every_steps=1",
-        "checkpoint.keep=10",
-        "training.nan_policy=skip",
-    )
+    cfg = config(*EVERY_STEP_SAVED, "training.nan_policy=skip")
     state = train(cfg, tmp_path)
     assert int(state.nonfinite_steps) == 1 and int(state.step) == 5
     step = {s: _saved_arrays(tmp_path, s) for s in (2, 3, 4)}
@@ -339,13 +341,7 @@ def test_nan_policy_skip_drops_the_update_and_counts_it(tmp_path, poison_batch):
 
 def test_nan_policy_stop_saves_the_last_good_state_and_fails(tmp_path, poison_batch):
     poison_batch(3)
-    cfg = config(
-        "training.max_steps=5",
-        "training.log_every=1",
-        "checkpoint.every_steps=1",
-        "checkpoint.keep=10",
-        "training.nan_policy=stop",
-    )
+    cfg = config(*EVERY_STEP_SAVED, "training.nan_policy=stop")
     with pytest.raises(RunStopped, match="non-finite loss or gradient at step 3") as stopped:
         train(cfg, tmp_path)
     assert stopped.value.exit_code != 0

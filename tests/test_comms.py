@@ -29,10 +29,17 @@ def _compiled_volume(mesh_shape, *overrides):
     return collective_volume(compiled.as_text()), cfg, run
 
 
+FSDP4 = [[4], ["fsdp"]]
+LAYERS_DOMINATE = (
+    "model.num_layers=4",
+    "model.hidden_dim=512",
+)  # the layers' parameters are most of the model
+
+
 def test_fsdp_gathers_parameters_twice_and_reduces_gradients_once_per_micro_batch():
     # Four layers make the layers' parameters most of the model: the tied embedding is gathered
     # once per micro-batch (the forward's copy serves the backward), every layer twice.
-    volume, _, run = _compiled_volume([[4], ["fsdp"]], "model.num_layers=4", "model.hidden_dim=512")
+    volume, _, run = _compiled_volume(FSDP4, *LAYERS_DOMINATE)
     param_bytes = 4 * count_params(run.plan.abstract.params)
     assert volume.bytes["all-gather"] == pytest.approx(2 * ACCUMULATION * param_bytes, rel=0.10)
     # XLA's CPU backend lowers the gradients' reduce-scatter as an all-reduce and a slice.
@@ -43,10 +50,7 @@ def test_fsdp_gathers_parameters_twice_and_reduces_gradients_once_per_micro_batc
 
 def test_sync_gradients_every_k_reduces_once_per_k_micro_batches():
     volume, _, run = _compiled_volume(
-        [[4], ["fsdp"]],
-        "model.num_layers=4",
-        "model.hidden_dim=512",
-        f"training.sync_gradients_every={ACCUMULATION}",
+        FSDP4, *LAYERS_DOMINATE, f"training.sync_gradients_every={ACCUMULATION}"
     )
     param_bytes = 4 * count_params(run.plan.abstract.params)
     reduced = volume.bytes["reduce-scatter"] + volume.bytes["all-reduce"]
@@ -56,12 +60,7 @@ def test_sync_gradients_every_k_reduces_once_per_k_micro_batches():
 
 @pytest.mark.parametrize("strategy, gathered", [("shard_grad_op", 1), ("no_shard", 0)])
 def test_zero2_gathers_parameters_once_per_step_and_ddp_never(strategy, gathered):
-    volume, _, run = _compiled_volume(
-        [[4], ["fsdp"]],
-        "model.num_layers=4",
-        "model.hidden_dim=512",
-        f"training.sharding_strategy={strategy}",
-    )
+    volume, _, run = _compiled_volume(FSDP4, *LAYERS_DOMINATE, f"training.sharding_strategy={strategy}")
     param_bytes = 4 * count_params(run.plan.abstract.params)
     # shard_grad_op: the updated parameters, computed on their shards, are gathered after the update.
     assert volume.bytes["all-gather"] == pytest.approx(

@@ -171,16 +171,23 @@ def test_first_step_loss_matches_trl_on_any_mesh(tmp_path, mesh_shape, devices, 
     }
 
 
+def dpo_on(pairs) -> tuple[str, ...]:
+    """The overrides of a DPO run of gemma3_tiny on the pairs file `pairs`."""
+    return (
+        "model=gemma3_tiny",
+        "model.vocab_size=4096",
+        "objective=dpo",
+        "data=jsonl",
+        f"data.train_files=[{pairs}]",
+    )
+
+
 def dpo_cli(tmp_path, *overrides):
     """A 12-step DPO run of run_training.py on 32 pairs, on fsdp2 x tp2: its directory and metrics."""
     _write_pairs(tmp_path / "pairs.jsonl", n=32)
     run_dir = tmp_path / "run"
     result = run_cli(
-        "model=gemma3_tiny",
-        "model.vocab_size=4096",
-        "objective=dpo",
-        "data=jsonl",
-        f"data.train_files=[{tmp_path}/pairs.jsonl]",
+        *dpo_on(tmp_path / "pairs.jsonl"),
         "data.seq_len=16",
         "training.max_steps=12",
         "training.log_every=1",

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import read_metrics, rl_config
+from conftest import LORA_RESUMED, read_metrics, rl_config
 from hf_reference import build
 
 from tunix_train.config import ConfigError
@@ -200,11 +200,7 @@ def test_on_policy_distillation_under_lora_resumes_bit_identically(tmp_path, obj
         tmp_path,
         f"training.distill.teacher={tmp_path / 'teacher'}",
         "training.micro_batch_size=4",
-        'model.mesh_shape=[[2,2],["fsdp","tp"]]',
-        "training.lora.rank=4",
-        "training.learning_rate=3e-2",
-        "training.lr_schedule=constant",  # the schedule must not depend on max_steps, which changes
-        "checkpoint.every_steps=2",
+        *LORA_RESUMED,
         *(["training.grpo.num_generations=4"] if objective == "distill_on_policy" else []),
         objective=objective,
     )

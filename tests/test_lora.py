@@ -7,13 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_resumes_alike, checkpoint_records, config
+from conftest import assert_resumes_alike, checkpoint_records, config, synthetic_batches
 from flax import nnx
 from hf_reference import SIZES, build
 from test_cli import run_cli
 
 from tunix_train import api
-from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.interop import hf
 from tunix_train.sharding import to_global_batch
 from tunix_train.train.loop import train
@@ -36,13 +35,7 @@ def _state_and_steps(*overrides, steps=3, mesh=MESH):
     cfg = config(*STEPS, *overrides)
     cfg.model.mesh_shape = mesh
     run = setup(cfg, jax.devices()[: int(np.prod(mesh[0]))])
-    data = SyntheticBatches(
-        seq_len=32,
-        vocab_size=cfg.model.vocab_size,
-        accumulation_steps=1,
-        global_micro_batch=run.micro_batch,
-        seed=0,
-    )
+    data = synthetic_batches(cfg, run.micro_batch)
     with jax.set_mesh(run.mesh):
         state = run.plan.create()
         start = jax.tree.map(np.asarray, (state.params, state.frozen))

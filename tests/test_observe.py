@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FAST_COMPILE, REPO, config, run_python
+from conftest import FAST_COMPILE, REPO, config, run_python, synthetic_batches
 
-from tunix_train.data.synthetic import SyntheticBatches
 from tunix_train.observe.memory import advice
 from tunix_train.observe.mfu import mean_keys_attended, peak_flops_per_device, train_flops_per_token
 from tunix_train.sharding import to_global_batch
@@ -36,13 +35,7 @@ def test_flops_per_token_agree_with_xla_cost_analysis():
     )
     cfg.model.mesh_shape = [[1], ["fsdp"]]
     run = setup(cfg, jax.devices()[:1])
-    data = SyntheticBatches(
-        seq_len=64,
-        vocab_size=cfg.model.vocab_size,
-        accumulation_steps=1,
-        global_micro_batch=run.micro_batch,
-        seed=0,
-    )
+    data = synthetic_batches(cfg, run.micro_batch)
     with jax.set_mesh(run.mesh):
         compiled = run.step_fn.lower(run.plan.abstract, to_global_batch(next(data), run.mesh)).compile()
     xla = compiled.cost_analysis()["flops"] / (run.micro_batch * 64)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_cli import run_cli
-from test_dpo import _write_pairs, dpo_cli
+from test_dpo import _write_pairs, dpo_cli, dpo_on
 
 from tunix_train.config import Config, DpoConfig, PreferenceLoss, TrainingConfig
 from tunix_train.train.objectives.dpo import DirectPreference
@@ -198,11 +198,7 @@ def test_each_loss_trains_and_the_reference_free_ones_keep_no_copy(tmp_path, los
 def test_label_smoothing_without_a_meaning_is_refused(tmp_path):
     _write_pairs(tmp_path / "pairs.jsonl")
     result = run_cli(
-        "model=gemma3_tiny",
-        "model.vocab_size=4096",
-        "objective=dpo",
-        "data=jsonl",
-        f"data.train_files=[{tmp_path}/pairs.jsonl]",
+        *dpo_on(tmp_path / "pairs.jsonl"),
         "training.dpo.loss=orpo",
         "training.dpo.label_smoothing=0.1",
         f"hydra.run.dir={tmp_path}/run",
