@@ -117,13 +117,16 @@ LONGEST = (
 )
 
 
-# Costlier variants of checks CI makes elsewhere, run by hand (`python -m pytest -m long`): the ids
-# in tests/long_tests.txt, which says why.
-LONG = frozenset(
-    line.strip()
-    for line in (Path(__file__).parent / "long_tests.txt").read_text().splitlines()
-    if line.strip() and not line.startswith("#")
-)
+def _ids(name: str) -> frozenset:
+    """The test ids listed in tests/NAME (one a line; # comments), without xdist's group; an id
+    without parameters covers them all."""
+    lines = (Path(__file__).parent / name).read_text().splitlines()
+    return frozenset(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+
+
+# The tiers beyond the decorators: tests/slow_tests.txt (CI's second leg) and tests/long_tests.txt
+# (run by hand, `python -m pytest -m long`), each saying why and what covers its tests elsewhere.
+TIERS = {"long": _ids("long_tests.txt"), "slow": _ids("slow_tests.txt")}
 
 
 def _test_id(item) -> str:
@@ -133,12 +136,13 @@ def _test_id(item) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items):
-    """Marks LONG's tests `long`; under pytest-xdist, LONGEST first (in a single process the order
-    stays the files' own, so that each module's fixtures are made once)."""
+    """Marks the tests TIERS lists; under pytest-xdist, LONGEST first (in a single process the
+    order stays the files' own, so that each module's fixtures are made once)."""
     for item in items:
         test_id = _test_id(item)
-        if test_id in LONG or test_id.split("[", 1)[0] in LONG:
-            item.add_marker(pytest.mark.long)
+        for tier, ids in TIERS.items():
+            if test_id in ids or test_id.split("[", 1)[0] in ids:
+                item.add_marker(getattr(pytest.mark, tier))
     if os.environ.get("PYTEST_XDIST_WORKER"):
         items.sort(key=lambda item: not any(name in item.nodeid for name in LONGEST))
 

@@ -90,3 +90,21 @@ def test_a_users_config_dir_is_searched_before_the_package_configs(tmp_path):
     with pytest.raises(ConfigError, match=r"not a YAML config: .*broken\.yaml\", line 3") as err:
         load_config(["--config-dir", str(tmp_path), "model=broken"])
     assert "\n" not in str(err.value)
+
+
+def test_errors_read_the_same_under_a_tracer(monkeypatch):
+    """OC_CAUSE=1 (as a debugger or coverage does) makes OmegaConf chain its unformatted cause
+    ('$VALUE', no key) behind each error: the one line is the same."""
+    from tunix_train.compose import load_config
+
+    for cause in ("0", "1"):
+        monkeypatch.setenv("OC_CAUSE", cause)
+        with pytest.raises(ConfigError) as unknown:
+            load_config(["model.foo=1"])
+        with pytest.raises(ConfigError) as invalid:
+            load_config(["model.context_parallel_strategy=bogus"])
+        assert str(unknown.value).startswith("unknown config key 'model.foo': check its spelling")
+        assert str(invalid.value) == (
+            "config key 'model.context_parallel_strategy': "
+            "Invalid value 'bogus', expected one of [all_gather, ring]"
+        )

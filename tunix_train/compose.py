@@ -287,14 +287,15 @@ def _register_schema() -> None:
 
 
 def _describe_omegaconf_error(exc: BaseException) -> str:
-    """One line from hydra/OmegaConf's multi-line composition errors."""
+    """One line from hydra/OmegaConf's multi-line composition errors. Under a tracer (a debugger,
+    coverage) or OC_CAUSE=1, OmegaConf chains its unformatted cause ('$VALUE', no key): skipped."""
     from omegaconf.errors import OmegaConfBaseException
 
     causes = [exc]
     while causes[-1].__cause__ is not None:
         causes.append(causes[-1].__cause__)
     for err in reversed(causes):
-        if isinstance(err, OmegaConfBaseException):
+        if isinstance(err, OmegaConfBaseException) and getattr(err, "_initialized", True):
             key = getattr(err, "full_key", None)
             msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
             if "not in struct" in msg or "Key '" in msg and "not" in msg:
