@@ -71,12 +71,16 @@ BENCHMARKS = {
 
 
 def flat(figures, prefix: str = "") -> dict:
-    """Scalars by dotted key (lists of rounds and other sequences are left to the JSON)."""
+    """Scalars by dotted key; a list of records by its index (`runs[0].batch`). Lists of scalars
+    (samples, rounds, a config's overrides) are left to the JSON."""
     out = {}
     for key, value in figures.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
             out.update(flat(value, f"{name}."))
+        elif isinstance(value, list) and all(isinstance(v, dict) for v in value):
+            for i, record in enumerate(value):
+                out.update(flat(record, f"{name}[{i}]."))
         elif isinstance(value, (int, float, str, bool)) or value is None:
             out[name] = value
     return out

@@ -106,7 +106,7 @@ from tunix_train.cpu_devices import cpu_devices_env  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 
 
-# The slow suite's longest tests (30 to 80 s each on 2 cores, --durations), handed out first: the
+# The slow suite's longest tests (50 to 110 s each on 2 cores, --durations), handed out first: the
 # workers take tests in collection order, and one of these last would keep one worker busy alone
 # for a minute after the other has finished.
 LONGEST = (
@@ -114,6 +114,9 @@ LONGEST = (
     "test_train.py::test_the_default_job_learns",
     "test_launch.py::test_ray_two_workers_give",
     "test_grpo.py::test_two_processes_sample_and_train",
+    "test_checkpoint.py::test_kill_9_then_rerun",
+    "test_grpo.py::test_groups_are_the_same_on_every_mesh",
+    "test_checkpoint.py::test_sigterm_saves",
 )
 
 
