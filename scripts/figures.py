@@ -144,7 +144,9 @@ def run(name: str, device: str) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("action", choices=["run", "write", "list"])
     parser.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
