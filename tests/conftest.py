@@ -219,15 +219,20 @@ def cpu_env(devices: int) -> dict:
     return cpu_devices_env(devices, {**os.environ, "XLA_FLAGS": f"{FAST_COMPILE} {_USERS_XLA_FLAGS}"})
 
 
+def _python(args, devices: int, env: dict | None) -> tuple[list[str], dict]:
+    """The command `python ARGS...` and its environment: `env`, else `devices` fake CPU devices."""
+    import sys
+
+    return [sys.executable, *map(str, args)], cpu_env(devices) if env is None else env
+
+
 def run_python(*args, devices: int = 1, env: dict | None = None, timeout: float = 300, **kwargs):
     """`python ARGS...` run from the repository on `devices` fake CPU devices (or in `env`), its
     output captured as text; kwargs go to subprocess.run (cwd, input, check)."""
     import subprocess
-    import sys
 
     kwargs.setdefault("cwd", REPO)
-    command = [sys.executable, *map(str, args)]
-    env = cpu_env(devices) if env is None else env
+    command, env = _python(args, devices, env)
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
@@ -235,10 +240,8 @@ def start_python(*args, devices: int = 1, env: dict | None = None):
     """`python ARGS...` started from the repository as run_python runs it, its stdout and stderr
     read together from the returned Popen's stdout."""
     import subprocess
-    import sys
 
-    command = [sys.executable, *map(str, args)]
-    env = cpu_env(devices) if env is None else env
+    command, env = _python(args, devices, env)
     return subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

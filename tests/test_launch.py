@@ -36,8 +36,8 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
 def _launcher(run_dir, *flags, overrides=()):
+    """The local launcher's arguments after `python`."""
     return [
-        sys.executable,
         "-m",
         "tunix_train.launch",
         "--nprocs=2",
@@ -52,7 +52,7 @@ def _launcher(run_dir, *flags, overrides=()):
 
 
 def _start(run_dir, *flags, overrides=()):
-    return start_python(*_launcher(run_dir, *flags, overrides=overrides)[1:], env=ENV)
+    return start_python(*_launcher(run_dir, *flags, overrides=overrides), env=ENV)
 
 
 def losses_by_step(run_dir) -> dict[int, list[float]]:
