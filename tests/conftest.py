@@ -137,15 +137,31 @@ def _test_id(item) -> str:
     return item.nodeid.removeprefix("tests/").split("@", 1)[0]
 
 
+UNMATCHED = pytest.StashKey[dict]()  # tier -> the ids of whole files collected that name no test
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
-def pytest_collection_modifyitems(items):
-    """Marks the tests TIERS lists; under pytest-xdist, LONGEST first (in a single process the
-    order stays the files' own, so that each module's fixtures are made once)."""
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests TIERS lists (tests/test_tiers.py checks that each id names a test); under
+    pytest-xdist, LONGEST first (in a single process the order stays the files' own, so that each
+    module's fixtures are made once)."""
+    matched = set()
     for item in items:
         test_id = _test_id(item)
         for tier, ids in TIERS.items():
-            if test_id in ids or test_id.split("[", 1)[0] in ids:
+            for listed in {test_id, test_id.split("[", 1)[0]} & ids:
                 item.add_marker(getattr(pytest.mark, tier))
+                matched.add(listed)
+    if not any("::" in arg for arg in config.args):  # whole files were collected
+        collected = {_test_id(item).split("::", 1)[0] for item in items}
+
+        def checked(test_id):  # its file was collected whole, or is gone
+            file = test_id.split("::", 1)[0]
+            return file in collected or not (REPO / "tests" / file).exists()
+
+        config.stash[UNMATCHED] = {
+            tier: sorted(filter(checked, ids - matched)) for tier, ids in TIERS.items()
+        }
     if os.environ.get("PYTEST_XDIST_WORKER"):
         items.sort(key=lambda item: not any(name in item.nodeid for name in LONGEST))
 
