@@ -26,8 +26,9 @@ from tunix_train.data.chat import GEMMA_TEMPLATE, ChatTemplate  # noqa: E402
 from tunix_train.data.images import ImageTokens  # noqa: E402
 from tunix_train.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer  # noqa: E402
 from tunix_train.generate.session import before_stop  # noqa: E402
-from tunix_train.serve.app import Access, app_for  # noqa: E402
+from tunix_train.serve.app import Access, Preparer, app_for  # noqa: E402
 from tunix_train.serve.connections import header_deadline  # noqa: E402
+from tunix_train.serve.schema import BadRequest  # noqa: E402
 from tunix_train.serve.worker import Generator  # noqa: E402
 from tunix_train.sharding import make_mesh  # noqa: E402
 from tunix_train.train.init import plan_train_state  # noqa: E402
@@ -644,6 +645,24 @@ def test_postscript_and_other_formats_never_reach_their_decoders(seen, monkeypat
         assert " at 0x" not in body["error"]["message"]
     assert calls == []
     seen.still_serves()
+
+
+def test_a_call_still_running_when_its_504_is_given_is_stuck_at_once():
+    """The request's time starts when it arrives, before a thread takes it: once its 504 is given,
+    /health says stuck, however briefly that thread has run (it had run 0.1 s of the 0.5 s)."""
+    import asyncio
+
+    release = threading.Event()
+    preparer = Preparer(lambda data, chat: release.wait(10), request_timeout_s=0.5)
+    arrived = time.monotonic() - 0.4  # its body took 0.4 s to read
+    try:
+        with pytest.raises(BadRequest, match="more than 0.5 s"):
+            asyncio.run(preparer(b"{}", True, deadline=arrived + 0.5))
+        assert 0.0 < preparer.stuck_s() < 0.5
+    finally:
+        release.set()
+    preparer.pool.shutdown(wait=True)
+    assert preparer.stuck_s() == 0.0
 
 
 def test_a_stuck_decoder_gives_504_in_time_and_health_503_until_it_returns(seen, monkeypatch):

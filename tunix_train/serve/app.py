@@ -108,20 +108,20 @@ class Preparer:
     def __init__(self, prepare, request_timeout_s: float):
         self.prepare, self.timeout_s = prepare, request_timeout_s
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
-        self.started: dict[int, float] = {}  # calls running now: when each began
+        self.running: dict[int, tuple[float, float]] = {}  # calls running now: (began, their deadline)
 
-    def _timed(self, data: bytes, chat: bool):
+    def _timed(self, data: bytes, chat: bool, deadline: float):
         thread = threading.get_ident()  # one call at a time on each
-        self.started[thread] = time.monotonic()
+        self.running[thread] = (time.monotonic(), deadline)
         try:
             return self.prepare(data, chat)
         finally:
-            del self.started[thread]
+            del self.running[thread]
 
     async def __call__(self, data: bytes, chat: bool, deadline: float):
-        future = asyncio.get_running_loop().run_in_executor(self.pool, self._timed, data, chat)
+        call = asyncio.get_running_loop().run_in_executor(self.pool, self._timed, data, chat, deadline)
         try:
-            return await asyncio.wait_for(future, max(deadline - time.monotonic(), 0.0))
+            return await asyncio.wait_for(call, max(deadline - time.monotonic(), 0.0))
         except asyncio.TimeoutError:
             raise BadRequest(
                 f"reading the request took more than {self.timeout_s:g} s (--request_timeout_s)",
@@ -130,10 +130,10 @@ class Preparer:
             ) from None
 
     def stuck_s(self) -> float:
-        """How long the oldest call has run, when that is past request_timeout_s; else 0."""
+        """How long the oldest call past its request's deadline (its 504 given) has run; else 0."""
         now = time.monotonic()
-        age = now - min(tuple(self.started.values()), default=now)  # a copy: the pool's threads write it
-        return age if age > self.timeout_s else 0.0
+        calls = tuple(self.running.values())  # a copy: the pool's threads write it
+        return max((now - began for began, deadline in calls if now >= deadline), default=0.0)
 
 
 class Api:
