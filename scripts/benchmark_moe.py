@@ -216,9 +216,11 @@ def main() -> int:
         )
         for name, ms in k["ms"].items():
             print(f"  {name:<36}" + (f"{ms:>10.2f} ms" if isinstance(ms, float) else f"  {ms}"))
+    report = {"train": results, "dispatch": share, "kernels": kernels}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"train": results, "dispatch": share, "kernels": kernels}, f, indent=1)
+            json.dump(report, f, indent=1)
+    print(json.dumps(report))  # the last line: scripts/figures.py records it
     return 0
 
 

@@ -138,6 +138,7 @@ def main() -> None:
         report["context"] = context_runs(args.seq_len)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))  # the last line: scripts/figures.py records it
 
 
 if __name__ == "__main__":
