@@ -145,15 +145,15 @@ def pytest_collection_modifyitems(config, items):
     """Marks the tests TIERS lists (tests/test_tiers.py checks that each id names a test); under
     pytest-xdist, LONGEST first (in a single process the order stays the files' own, so that each
     module's fixtures are made once)."""
-    matched = set()
+    matched, collected = set(), set()
     for item in items:
         test_id = _test_id(item)
+        collected.add(test_id.split("::", 1)[0])
         for tier, ids in TIERS.items():
             for listed in {test_id, test_id.split("[", 1)[0]} & ids:
                 item.add_marker(getattr(pytest.mark, tier))
                 matched.add(listed)
     if not any("::" in arg for arg in config.args):  # whole files were collected
-        collected = {_test_id(item).split("::", 1)[0] for item in items}
 
         def checked(test_id):  # its file was collected whole, or is gone
             file = test_id.split("::", 1)[0]

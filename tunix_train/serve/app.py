@@ -101,14 +101,59 @@ class Guard:
 
 
 class Preparer:
-    """Api.prepare on a pool of two threads, each call within the request's deadline (a 504 after
-    it). A thread cannot be stopped: one still busy past request_timeout_s is stuck, which
-    /health reports (503) so that a supervisor restarts the server."""
+    """A request's body read (at most max_body_bytes within BODY_SECONDS, at most max_preparing at
+    once) and Api.prepare run on a pool of two threads, each call within the request's deadline (a
+    504 after it). A thread cannot be stopped: one still busy past its request's deadline is stuck,
+    which /health reports (503) so that a supervisor restarts the server."""
 
-    def __init__(self, prepare, request_timeout_s: float):
+    def __init__(
+        self,
+        prepare,
+        request_timeout_s: float,
+        max_body_bytes: int = Access.max_body_bytes,
+        max_preparing: int = 64,
+    ):
         self.prepare, self.timeout_s = prepare, request_timeout_s
+        self.max_body_bytes, self.max_preparing = max_body_bytes, max_preparing
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
         self.running: dict[int, tuple[float, float]] = {}  # calls running now: (began, their deadline)
+        self.preparing = 0  # requests being read and tokenized now
+
+    async def read(self, http, chat: bool, deadline: float):
+        """The request `http` read and prepared: Api.prepare's answer, or a BadRequest."""
+        if self.preparing >= self.max_preparing:
+            raise BadRequest(
+                f"{self.preparing} requests are being read; retry later",
+                status=429,
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            )
+        self.preparing += 1
+        try:
+            try:
+                data = await asyncio.wait_for(self._body(http), BODY_SECONDS)
+            except asyncio.TimeoutError:
+                raise BadRequest(
+                    f"the body took more than {BODY_SECONDS:g} s to arrive",
+                    status=408,
+                    code="request_timeout",
+                ) from None
+            return await self(data, chat, deadline)
+        finally:
+            self.preparing -= 1
+
+    async def _body(self, http) -> bytes:
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise BadRequest(
+                    f"the body is larger than this server's {self.max_body_bytes} bytes (--max_body_bytes)",
+                    status=413,
+                    code="body_too_large",
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _timed(self, data: bytes, chat: bool, deadline: float):
         thread = threading.get_ident()  # one call at a time on each
@@ -233,14 +278,11 @@ def app_for(
     from fastapi import Request as HttpRequest
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    from tunix_train.generate.session import before_stop
-
     api, app = (
         Api(model, generator, name, images),
         FastAPI(title="tunix_train", docs_url=None, redoc_url=None, openapi_url=None),
     )
-    preparer = Preparer(api.prepare, request_timeout_s)
-    preparing = [0]  # requests being read and tokenized now
+    preparer = Preparer(api.prepare, request_timeout_s, access.max_body_bytes, max_preparing)
 
     def error(err: BadRequest) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -265,103 +307,15 @@ def app_for(
             "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tunix_train"}],
         }
 
-    async def body_of(http: HttpRequest) -> bytes:
-        chunks, size = [], 0
-        async for chunk in http.stream():
-            size += len(chunk)
-            if size > access.max_body_bytes:
-                raise BadRequest(
-                    f"the body is larger than this server's {access.max_body_bytes} bytes (--max_body_bytes)",
-                    status=413,
-                    code="body_too_large",
-                )
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    async def prepared(http: HttpRequest, chat: bool, deadline: float):
-        if preparing[0] >= max_preparing:
-            raise BadRequest(
-                f"{preparing[0]} requests are being read; retry later",
-                status=429,
-                code="rate_limit_exceeded",
-                headers={"Retry-After": "1"},
-            )
-        preparing[0] += 1
-        try:
-            try:
-                data = await asyncio.wait_for(body_of(http), BODY_SECONDS)
-            except asyncio.TimeoutError:
-                raise BadRequest(
-                    f"the body took more than {BODY_SECONDS:g} s to arrive",
-                    status=408,
-                    code="request_timeout",
-                ) from None
-            return await preparer(data, chat, deadline)
-        finally:
-            preparing[0] -= 1
-
     async def complete(http: HttpRequest, chat: bool):
         deadline = time.monotonic() + request_timeout_s  # reading, tokenizing and decoding count
         try:
-            ask, requests = await prepared(http, chat, deadline)
+            ask, requests = await preparer.read(http, chat, deadline)
             submitted = generator.submit(requests)
         except BadRequest as err:
             return error(err)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stops, tokenizer = list(requests[0].stop_strings), model.tokenizer
-
-        async def choices():
-            """(index, new visible text, finish or None, tokens so far) as each request produces."""
-            ids: list[list[int]] = [[] for _ in requests]
-            shown = ["" for _ in requests]
-            pending = {asyncio.ensure_future(out.get()): i for i, (_, out) in enumerate(submitted)}
-            looked = time.monotonic()  # when the engine, the deadline and the client were last looked at
-            try:
-                while pending:
-                    finished, _ = await asyncio.wait(
-                        pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
-                    )
-                    if time.monotonic() - looked >= 1.0 or not finished:
-                        looked = time.monotonic()
-                        if not generator.alive:
-                            raise BadRequest(
-                                f"the engine has stopped ({generator.error})",
-                                status=503,
-                                code="engine_stopped",
-                            )
-                        if looked > deadline:
-                            raise BadRequest(
-                                f"the reply took more than {request_timeout_s:g} s (--request_timeout_s)",
-                                status=504,
-                                code="timeout",
-                            )
-                        if (
-                            not ask.stream and await http.is_disconnected()
-                        ):  # a stream's is noticed by starlette
-                            return
-                    for future in finished:
-                        i = pending.pop(future)
-                        tokens, finish = future.result()
-                        if finish is not None and finish.startswith("error"):
-                            raise BadRequest(
-                                f"the engine failed this request ({finish[7:]})",
-                                status=500,
-                                code="engine_error",
-                            )
-                        ids[i] += tokens
-                        text, stopped = before_stop(tokenizer.decode(ids[i]), stops, finish is not None)
-                        reason = (
-                            None if finish is None else ("stop" if stopped or finish == "stop" else "length")
-                        )
-                        yield i, text[len(shown[i]) :], reason, len(ids[i])
-                        shown[i] = text
-                        if finish is None:
-                            pending[asyncio.ensure_future(submitted[i][1].get())] = i
-            finally:
-                for future in pending:
-                    future.cancel()
-                for key, _ in submitted:  # a client gone, or done: either way the slots are free
-                    generator.cancel(key)
+        stops = list(requests[0].stop_strings)
 
         prompt_tokens = len(requests[0].prompt) * len(requests)
 
@@ -372,37 +326,16 @@ def app_for(
                 "total_tokens": prompt_tokens + completion_tokens,
             }
 
+        replies = _replies(
+            http, generator, model.tokenizer, ask, submitted, stops, deadline, request_timeout_s
+        )
         if ask.stream:
-
-            async def events():
-                counts = [0] * len(requests)
-                if chat:
-                    first = [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                        for i in range(len(requests))
-                    ]
-                    yield f"data: {json.dumps(api.envelope(chat, rid, first, True))}\n\n"
-                try:
-                    async for i, text, reason, count in choices():
-                        counts[i] = count
-                        if text or reason:
-                            choice = api.choice(chat, i, text, reason, True)
-                            yield f"data: {json.dumps(api.envelope(chat, rid, [choice], True))}\n\n"
-                    if ask.include_usage:
-                        yield f"data: {json.dumps(api.envelope(chat, rid, [], True, usage(sum(counts))))}\n\n"
-                except BadRequest as failed:  # the engine's failure, as OpenAI streams one: an event
-                    yield f"data: {json.dumps(failed.body())}\n\n"
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(
+                _events(api, chat, rid, ask, len(requests), replies, usage), media_type="text/event-stream"
+            )
         texts, reasons, counts = [""] * len(requests), [None] * len(requests), [0] * len(requests)
         try:
-            async for i, text, reason, count in choices():
+            async for i, text, reason, count in replies:
                 texts[i] += text
                 reasons[i], counts[i] = reason, count
         except BadRequest as failed:
@@ -430,3 +363,81 @@ def app_for(
         return error(BadRequest(f"internal error ({type(err).__name__})", status=500, code="internal_error"))
 
     return Guard(app, access)
+
+
+async def _replies(
+    http, generator: Generator, tokenizer, ask, submitted, stops, deadline: float, timeout_s: float
+):
+    """(index, new visible text, finish or None, tokens so far) as each submitted request produces;
+    a BadRequest when the engine stops or fails or the deadline passes; nothing more once a client
+    that waits for the whole reply has gone. The requests' slots are freed however it ends."""
+    from tunix_train.generate.session import before_stop
+
+    ids: list[list[int]] = [[] for _ in submitted]
+    shown = ["" for _ in submitted]
+    pending = {asyncio.ensure_future(out.get()): i for i, (_, out) in enumerate(submitted)}
+    looked = time.monotonic()  # when the engine, the deadline and the client were last looked at
+    try:
+        while pending:
+            finished, _ = await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            if time.monotonic() - looked >= 1.0 or not finished:
+                looked = time.monotonic()
+                if not generator.alive:
+                    raise BadRequest(
+                        f"the engine has stopped ({generator.error})", status=503, code="engine_stopped"
+                    )
+                if looked > deadline:
+                    raise BadRequest(
+                        f"the reply took more than {timeout_s:g} s (--request_timeout_s)",
+                        status=504,
+                        code="timeout",
+                    )
+                if not ask.stream and await http.is_disconnected():  # a stream's is noticed by starlette
+                    return
+            for future in finished:
+                i = pending.pop(future)
+                tokens, finish = future.result()
+                if finish is not None and finish.startswith("error"):
+                    raise BadRequest(
+                        f"the engine failed this request ({finish[7:]})", status=500, code="engine_error"
+                    )
+                ids[i] += tokens
+                text, stopped = before_stop(tokenizer.decode(ids[i]), stops, finish is not None)
+                reason = None if finish is None else ("stop" if stopped or finish == "stop" else "length")
+                yield i, text[len(shown[i]) :], reason, len(ids[i])
+                shown[i] = text
+                if finish is None:
+                    pending[asyncio.ensure_future(submitted[i][1].get())] = i
+    finally:
+        for future in pending:
+            future.cancel()
+        for key, _ in submitted:  # a client gone, or done: either way the slots are free
+            generator.cancel(key)
+
+
+async def _events(api: Api, chat: bool, rid: str, ask, n: int, replies, usage):
+    """A streamed reply's server-sent events: (for chat) each choice's role first, then each piece
+    of text and finish, the usage if asked, an engine's failure as one event, and [DONE]."""
+    counts = [0] * n
+    if chat:
+        first = [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(n)
+        ]
+        yield f"data: {json.dumps(api.envelope(chat, rid, first, True))}\n\n"
+    try:
+        async for i, text, reason, count in replies:
+            counts[i] = count
+            if text or reason:
+                choice = api.choice(chat, i, text, reason, True)
+                yield f"data: {json.dumps(api.envelope(chat, rid, [choice], True))}\n\n"
+        if ask.include_usage:
+            yield f"data: {json.dumps(api.envelope(chat, rid, [], True, usage(sum(counts))))}\n\n"
+    except BadRequest as failed:  # the engine's failure, as OpenAI streams one: an event
+        yield f"data: {json.dumps(failed.body())}\n\n"
+    yield "data: [DONE]\n\n"
