@@ -3,8 +3,9 @@ the same program:
 
     python scripts/step_hlo.py --cpu-devices 4 --out /tmp/hlo overrides...
 
-Writes train.hlo and eval.hlo (XLA's source locations and op names stripped: they name Python
-files and lines) and ends with one JSON line of their sha256 digests and instruction counts.
+Writes train.hlo and eval.hlo, and score.hlo for an objective with a scoring pass (PPO), XLA's
+source locations and op names stripped (they name Python files and lines), and ends with one JSON
+line of their sha256 digests and instruction counts.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main(argv: list[str]) -> None:
 
     from tunix_train.compose import load_config
     from tunix_train.platform import add_flags
+    from tunix_train.train.objectives import Objective
     from tunix_train.train.setup import setup
     from tunix_train.train.step import abstract_batch
 
@@ -62,6 +64,8 @@ def main(argv: list[str]) -> None:
             "train": run.step_fn.lower(run.plan.abstract, batch),
             "eval": run.eval_fn.lower(run.plan.abstract.params, run.plan.abstract.frozen, eval_batch),
         }
+        if type(run.objective).score is not Objective.score:  # a scoring pass (PPO's critic)
+            programs["score"] = run.score_fn.lower(run.plan.abstract.params, run.plan.abstract.frozen, batch)
         for name, lowered in programs.items():
             text = _stripped(lowered.compile().as_text())
             (args.out / f"{name}.hlo").write_text(text)

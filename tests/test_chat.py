@@ -22,6 +22,7 @@ from tunix_train.model.decoder import Decoder  # noqa: E402
 from tunix_train.parallel import model_graphdef  # noqa: E402
 from tunix_train.train.loop import train  # noqa: E402
 from tunix_train.train.objectives import make_objective  # noqa: E402
+from tunix_train.train.program import Program  # noqa: E402
 from tunix_train.train.step import eval_step  # noqa: E402
 
 TURNS = ["<start_of_turn>", "<end_of_turn>"]
@@ -154,9 +155,7 @@ def test_conversations_put_the_loss_on_the_assistant_only(tmp_path):
     params = nnx.state(Decoder(config("model.vocab_size=4096").model, nnx.Rngs(0)), nnx.Param)
 
     def loss(batch):
-        sums = eval_step(
-            params, jax.tree.map(jnp.asarray, batch), graphdef=graphdef, compute_dtype=jnp.float32
-        )
+        sums = eval_step(Program(graphdef), params, jax.tree.map(jnp.asarray, batch))
         return float(sums["loss_sum"]) / float(sums["weight"])
 
     follow_up = [_conversation("Who is there?", "Nay, answer me.", "Long live the queen!"), records[1]]

@@ -18,6 +18,7 @@ from tunix_train.data.sources import read_documents, write_pretokenized
 from tunix_train.model.decoder import Decoder
 from tunix_train.parallel import model_graphdef
 from tunix_train.train.forward import cross_entropy
+from tunix_train.train.program import Program
 from tunix_train.train.step import eval_step
 
 
@@ -190,7 +191,7 @@ def test_sft_puts_the_loss_on_the_completion_only(tmp_path):
     model_cfg = config("model.vocab_size=4096").model
     params = nnx.state(Decoder(model_cfg, nnx.Rngs(0)), nnx.Param)
     graphdef = model_graphdef(model_cfg, cfg.training.remat)
-    sums = eval_step(params, jax.tree.map(jnp.asarray, batch), graphdef=graphdef, compute_dtype=jnp.float32)
+    sums = eval_step(Program(graphdef), params, jax.tree.map(jnp.asarray, batch))
     micro = {k: v[0] for k, v in batch.items()}
     logits = Decoder(model_cfg, nnx.Rngs(0))(
         jnp.asarray(micro["inputs"]), jnp.asarray(micro["positions"]), jnp.asarray(micro["segment_ids"])

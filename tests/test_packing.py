@@ -18,6 +18,7 @@ from tunix_train.data.pipeline import PackedPairs
 from tunix_train.model.decoder import Decoder
 from tunix_train.parallel import model_graphdef
 from tunix_train.train.objectives import make_objective
+from tunix_train.train.program import Program
 from tunix_train.train.step import eval_step
 
 WORDS = ["king", "queen", "night", "day", "love", "sword", "crown", "fool"]
@@ -71,12 +72,7 @@ def _sums_and_grads(cfg, objective, batch):
 
     def sums(params):
         out = eval_step(
-            params,
-            jax.tree.map(jnp.asarray, batch),
-            graphdef=graphdef,
-            compute_dtype=jnp.float32,
-            frozen=frozen,
-            objective=objective,
+            Program(graphdef, objective=objective), params, jax.tree.map(jnp.asarray, batch), frozen=frozen
         )
         return out["loss_sum"] / out["weight"], out
 

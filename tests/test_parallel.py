@@ -16,6 +16,7 @@ from tunix_train.parallel import context, pipeline
 from tunix_train.sharding import make_mesh, process_rows, to_global_batch
 from tunix_train.train.init import plan_train_state
 from tunix_train.train.loop import train
+from tunix_train.train.program import program_for
 from tunix_train.train.setup import setup
 from tunix_train.train.step import abstract_batch, compile_train_step
 
@@ -117,14 +118,9 @@ def _gradients(mesh_shape, rows, *overrides):
         plan = plan_train_state(cfg.model, optimizer, mesh, 0)
         state = plan.create()
         before = jax.tree.map(np.asarray, state.params)
+        layout = parallel.for_run(mesh, cfg.model, cfg.training, cfg.data.seq_len)
         step = compile_train_step(
-            plan,
-            mesh,
-            model_cfg=cfg.model,
-            optimizer=optimizer,
-            schedule=schedule,
-            training=cfg.training,
-            parallel=parallel.for_run(mesh, cfg.model, cfg.training, cfg.data.seq_len),
+            program_for(plan, cfg.model, cfg.training, (optimizer, schedule), parallel=layout)
         )
         state, _ = step(state, to_global_batch(next(data), mesh))
     data.close()

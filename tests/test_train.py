@@ -14,6 +14,7 @@ from tunix_train.sharding import make_mesh, to_global_batch
 from tunix_train.train.hooks import Hook
 from tunix_train.train.init import plan_train_state
 from tunix_train.train.loop import train
+from tunix_train.train.program import program_for
 from tunix_train.train.setup import setup
 from tunix_train.train.step import compile_train_step
 
@@ -83,9 +84,7 @@ def _one_sgd_step(cfg, mesh_shape, n_devices, micro_batch, accumulation):
         plan = plan_train_state(cfg.model, optimizer, mesh, 0, cfg.training.sharding_strategy)
         state = plan.create()
         before = jax.tree.map(np.asarray, state.params)
-        step = compile_train_step(
-            plan, mesh, model_cfg=cfg.model, optimizer=optimizer, schedule=schedule, training=cfg.training
-        )
+        step = compile_train_step(program_for(plan, cfg.model, cfg.training, (optimizer, schedule)))
         state, metrics = step(state, to_global_batch(next(data), mesh))
     update = jax.tree.map(lambda new, old: np.asarray(new) - old, state.params, before)
     return update, float(metrics["loss"])

@@ -61,6 +61,7 @@ def _state_around_base(
 class StatePlan:
     """A train state's shardings and shapes, before (or instead of) allocating it."""
 
+    mesh: Mesh
     shardings: Any
     grad_shardings: Any  # of the gradient accumulator, like the parameters
     abstract: TrainState  # ShapeDtypeStructs carrying the shardings: what a checkpoint restores into
@@ -131,6 +132,7 @@ def plan_train_state(
     # a GGUF base loads as the run holds it, its blocks quantized
     base = abstract.frozen if weights.loads_quantized else abstract_of(base_shapes, base_shardings)
     return StatePlan(
+        mesh,
         shardings,
         grad_shardings,
         abstract,

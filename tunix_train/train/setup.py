@@ -37,6 +37,7 @@ from tunix_train.state import TrainState
 from tunix_train.train.init import StatePlan, plan_frozen_models, plan_train_state
 from tunix_train.train.objectives import make_objective
 from tunix_train.train.optimizer import make_optimizer
+from tunix_train.train.program import Program, program_for
 from tunix_train.train.scoring import compile_score_step
 from tunix_train.train.step import compile_eval_step, compile_train_step
 
@@ -48,15 +49,28 @@ class Setup:
     mesh: Mesh
     rollout_mesh: Mesh | None  # GRPO's engine's, on devices of its own (training.grpo.rollout_mesh_shape)
     plan: StatePlan
+    program: Program  # what the steps trace: the model, the objective, the layout (train/program.py)
     step_fn: Any
     eval_fn: Any
+    score_fn: Any  # (params, frozen, batch) -> the objective's per-token figures (PPO's critic)
     micro_batch: int  # rows per micro-step, over all data-parallel shards
-    parallel: parallel.Parallelism | None  # how the layer stack runs over pp and cp
-    objective: Any  # what the step minimizes (train/objectives/)
-    weights: Weights  # which parameters train and which are frozen
-    extras: Any = None  # the objective's extra models (FrozenModels: a teacher, ...), None without
-    plan_frozen: Any = None  # (ExtraModel specs, mesh) -> their FrozenModels (GRPO's reward models)
-    score_fn: Any = None  # (params, frozen, batch) -> the objective's per-token figures (PPO's critic)
+    plan_frozen: Any  # (ExtraModel specs, mesh) -> their FrozenModels (GRPO's reward models)
+
+    @property
+    def objective(self) -> Any:  # what the step minimizes (train/objectives/)
+        return self.program.objective
+
+    @property
+    def weights(self) -> Weights:  # which parameters train and which are frozen
+        return self.program.weights
+
+    @property
+    def parallel(self) -> parallel.Parallelism | None:  # how the layer stack runs over pp and cp
+        return self.program.parallel
+
+    @property
+    def extras(self) -> Any:  # the objective's extra models (FrozenModels: a teacher, ...), None without
+        return self.program.extras
 
 
 def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any = None) -> Setup:
@@ -106,44 +120,26 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
         )
 
     extras = plan_frozen(objective.extra_models(), mesh)
-    step_fn = compile_train_step(
+    program = program_for(
         plan,
-        mesh,
-        model_cfg=cfg.model,
-        optimizer=optimizer,
-        schedule=schedule,
-        training=t,
+        cfg.model,
+        t,
+        (optimizer, schedule),
         parallel=layout,
         objective=objective,
         weights=weights,
         extras=extras,
-    )
-    eval_fn = compile_eval_step(
-        plan,
-        mesh,
-        model_cfg=cfg.model,
-        training=t,
-        parallel=layout,
-        objective=objective,
-        weights=weights,
-        extras=extras,
-    )
-    score_fn = compile_score_step(  # jitted, compiled on its first call: only objectives that score do
-        plan, mesh, model_cfg=cfg.model, training=t, parallel=layout, objective=objective, weights=weights
     )
     return Setup(
         mesh,
         rollout_mesh,
         plan,
-        step_fn,
-        eval_fn,
+        program,
+        compile_train_step(program),
+        compile_eval_step(program),
+        compile_score_step(program),  # jitted, compiled on its first call: only objectives that score do
         t.micro_batch_size * data_parallel_size(mesh),
-        layout,
-        objective,
-        weights,
-        extras,
         plan_frozen,
-        score_fn,
     )
 
 

@@ -4,9 +4,8 @@ A batch is a dict of [A, B, ...] arrays (A accumulation steps of B rows), the fi
 names (train/objectives/): for the next-token loss `inputs`, `targets`, `loss_mask`, `positions`,
 `segment_ids`. The objective computes each micro-batch's loss from the model's per-token losses;
 gradients of the trainable parameters (model/weights.py) accumulate inside the compiled step, over
-a scan of the A micro-batches, in float32 and sharded like the parameters.
-
-One file: the step and the loss it differentiates are read together.
+a scan of the A micro-batches, in float32 and sharded like the parameters. Every step here and
+in scoring.py takes the run's Program (program.py) whole: what it traces, built once.
 """
 
 from __future__ import annotations
@@ -21,22 +20,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tunix_train.config import ModelConfig, TrainingConfig
 from tunix_train.model.moe import load_balancing_loss
-from tunix_train.model.weights import FULL_FINE_TUNING, Weights
-from tunix_train.parallel import Parallelism, model_graphdef
-from tunix_train.sharding import (
-    Rules,
-    batch_sharding,
-    data_axes,
-    data_parallel_size,
-    per_shard_rules,
-    per_shard_shardings,
-)
+from tunix_train.sharding import batch_sharding, data_axes, data_parallel_size, per_shard_shardings
 from tunix_train.state import TrainState
 from tunix_train.train.forward import Forward, in_compute_dtype
-from tunix_train.train.init import COMPUTE_DTYPES, FrozenModels, StatePlan
-from tunix_train.train.objectives.lm import BATCH_DTYPES, LanguageModeling
+from tunix_train.train.init import COMPUTE_DTYPES
+from tunix_train.train.objectives.lm import BATCH_DTYPES
+from tunix_train.train.program import Program, with_models
 
 
 def abstract_batch(
@@ -51,35 +41,25 @@ def abstract_batch(
     }
 
 
-def forwards(
-    objective,
-    weights: Weights,
-    graphdef,
-    params,
-    frozen,
-    micro,
-    *,
-    compute_dtype,
-    chunk,
-    param_shardings,
-    frozen_shardings,
-    seq_shards,
-    extras: FrozenModels | None = None,
-    models: dict | None = None,
-):
+def forwards(program: Program, params, frozen, micro, models: dict | None = None, *, training: bool = False):
     """Forwards (train/forward.py) of one micro-batch: of the trained model (policy), of the
-    reference and of the objective's extra models by name (`extras`, their parameters `models`;
-    None without), the last two without gradient."""
+    reference and of the objective's extra models by name (their parameters `models`; None
+    without), the last two without gradient. `training`: as the train step traces them (its
+    graph, and no sharding constraints on the parameters under delayed gradient syncs)."""
+    objective, weights, graphdef = program.objective, program.weights, program.graphdef
+    param_shardings, frozen_shardings = program.param_shardings, program.frozen_shardings
+    if training and program.train_graphdef is not None:
+        graphdef, param_shardings, frozen_shardings = program.train_graphdef, None, None
 
-    def forward(states, shardings, frozen=False, graphdef=graphdef, compute_dtype=compute_dtype):
+    def forward(states, shardings, frozen=False, graphdef=graphdef, compute_dtype=program.compute_dtype):
         return Forward(
             graphdef,
             states,
             micro,
             compute_dtype=compute_dtype,
-            chunk=chunk,
+            chunk=program.chunk,
             param_shardings=shardings,
-            seq_shards=seq_shards,
+            seq_shards=program.seq_shards,
             temperature=objective.temperature,
             frozen=frozen,
         )
@@ -91,8 +71,8 @@ def forwards(
     reference = forward(
         weights.reference(params, frozen), shardings(weights.reference, switch_off=lambda s: s), frozen=True
     )
-    others = None
-    if extras is not None:
+    others, extras = None, program.extras
+    if models is not None:  # (the scoring pass reads no extra model)
         others = {  # held in their compute dtype (train/init.py): nothing to cast
             name: forward((models[name],), None, True, extras.graphdefs[name], COMPUTE_DTYPES[spec.precision])
             for name, spec in extras.specs.items()
@@ -101,24 +81,14 @@ def forwards(
 
 
 def _objective_loss(
-    objective,
-    weights: Weights,
-    graphdef,
-    params,
-    frozen,
-    micro,
-    weight,
-    *,
-    moe_aux_loss_coef: float = 0.0,
-    **forward_settings,
+    program: Program, params, frozen, micro, weight, models: dict | None = None, *, training: bool = False
 ):
-    """The objective's (loss, metrics) of one micro-batch, from its Forwards (`forwards`, which
-    `forward_settings` go to). With experts, the policy's
-    load-balancing loss times moe_aux_loss_coef is added, weighted by the micro-batch's share of
-    the batch, and logged (moe_aux_loss; expert_tokens, the copies each expert received)."""
-    policy, reference, others = forwards(
-        objective, weights, graphdef, params, frozen, micro, **forward_settings
-    )
+    """The objective's (loss, metrics) of one micro-batch, from its Forwards (`forwards`). With
+    experts, the policy's load-balancing loss times the program's moe_aux_loss_coef (in the train
+    step; 0 elsewhere) is added, weighted by the micro-batch's share of the batch, and logged
+    (moe_aux_loss; expert_tokens, the copies each expert received)."""
+    objective = program.objective
+    policy, reference, others = forwards(program, params, frozen, micro, models, training=training)
     if others is None:
         loss, metrics = objective.loss(policy, reference, micro, weight)
     else:
@@ -130,103 +100,28 @@ def _objective_loss(
 
         stats, share = policy.stats, first(objective.weight(micro)) / first(weight)
         aux = load_balancing_loss(stats["expert_tokens"], stats["router_probs"]) * share
-        loss = loss + moe_aux_loss_coef * aux
+        loss = loss + (program.moe_aux_loss_coef if training else 0.0) * aux
         metrics = {**metrics, "moe_aux_loss": aux, "expert_tokens": jnp.sum(stats["expert_tokens"], axis=0)}
     return loss, metrics
 
 
 def train_step(
-    state: TrainState,
-    batch: dict[str, jax.Array],
-    models: dict | None = None,
-    *,
-    graphdef: nnx.GraphDef,
-    optimizer: optax.GradientTransformation,
-    schedule: optax.Schedule,
-    compute_dtype: Any,
-    param_shardings: Any,
-    grad_shardings: Any,
-    loss_chunk_size: int = 0,
-    reduce_gradients_in_compute_dtype: bool = True,
-    sync_every: int = 1,
-    home: Any,
-    on_device: Any,
-    parallel: Parallelism | None = None,
-    objective: Any = None,
-    weights: Weights = FULL_FINE_TUNING,
-    moe_aux_loss_coef: float = 0.0,
-    extras: FrozenModels | None = None,
+    program: Program, state: TrainState, batch: dict[str, jax.Array], models: dict | None = None
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """`home` and `on_device`: the state's shardings between steps and where it is computed with
-    (they differ in memory kind for an offloaded part, which is moved to the devices and back).
-    `parallel`: the model's pp/cp layout, which may reorder the batch's positions. `objective`:
-    the loss (default: next-token); `weights`: which parameters train and what is frozen;
-    moe_aux_loss_coef: the weight of the experts' load-balancing loss (the logged loss leaves it out);
-    extras, models: the objective's extra models and their parameters."""
-    objective = objective or LanguageModeling(None)
-    batch = parallel.reorder(batch) if parallel else batch
-    seq_shards = parallel.seq_shards if parallel else 1
+    """One update from the [A, B, ...] batch: gradients accumulated over its A micro-batches, then
+    the optimizer's step. The state lives where the plan's `shardings` say between steps and is
+    computed with where its `on_device` say (they differ in memory kind for an offloaded part,
+    which is moved to the devices and back); `models`: the objective's extra models' parameters."""
+    objective, plan = program.objective, program.plan
+    batch = program.parallel.reorder(batch) if program.parallel else batch
     # Dividing every micro-batch by the whole batch's weight makes the accumulated loss and
     # gradient exactly those of the mean over the full batch (token-weighted for next-token loss).
     total_weight = jax.tree.map(lambda w: jnp.maximum(w, 1.0), objective.weight(batch))
 
-    # Differentiating with respect to a compute-dtype copy makes the gradients, and so their
-    # reduction across devices, bf16 under mixed precision; they accumulate in float32. With delayed
-    # syncs the copy is always made here, outside the per-shard vmap, and what is reduced is the
-    # float32 sums.
-    delayed_sync = sync_every > 1
-
     def to_device(part):
-        return moved(getattr(state, part), getattr(home, part), getattr(on_device, part))
+        return moved(getattr(state, part), getattr(plan.shardings, part), getattr(plan.on_device, part))
 
-    wrt = to_device("params")
-    if compute_dtype != jnp.float32 and (reduce_gradients_in_compute_dtype or delayed_sync):
-        wrt = jax.lax.with_sharding_constraint(
-            jax.tree.map(lambda p: p.astype(compute_dtype), wrt), param_shardings
-        )
-    frozen = to_device("frozen")
-    models = moved(models, extras.shardings, extras.device_shardings) if extras is not None else models
-    if compute_dtype != jnp.float32 and frozen is not None:  # cast once per step, not per micro-batch
-        frozen = in_compute_dtype(frozen, compute_dtype, on_device.frozen)
-    weighted_loss_sum = functools.partial(
-        _objective_loss,
-        objective,
-        weights,
-        graphdef,
-        frozen=frozen,
-        weight=total_weight,
-        compute_dtype=compute_dtype,
-        chunk=loss_chunk_size,
-        seq_shards=seq_shards,
-        moe_aux_loss_coef=moe_aux_loss_coef,
-        extras=extras,
-        models=models,
-        param_shardings=None if delayed_sync else param_shardings,
-        frozen_shardings=None if delayed_sync else on_device.frozen,
-    )
-
-    def add(grads, new):
-        return jax.tree.map(lambda g, n: g + n.astype(jnp.float32), grads, new)
-
-    zeros = jax.tree.map(jnp.zeros_like, to_device("params"))  # in device memory, like the gradients
-
-    if not delayed_sync:
-
-        def accumulate(grads, micro):
-            def compute(grads):
-                (loss, aux), new = jax.value_and_grad(weighted_loss_sum, has_aux=True)(wrt, micro=micro)
-                new = jax.lax.with_sharding_constraint(new, grad_shardings)  # the reduction
-                return jax.lax.with_sharding_constraint(add(grads, new), grad_shardings), (loss, aux)
-
-            return (
-                unless_empty(compute, grads, micro) if objective.skips_empty_micro_batches else compute(grads)
-            )
-
-        grads, (losses, aux) = jax.lax.scan(accumulate, zeros, batch)
-    else:
-        grads, (losses, aux) = _accumulate_with_delayed_sync(
-            weighted_loss_sum, wrt, batch, zeros, add, sync_every, grad_shardings
-        )
+    grads, (losses, aux) = _gradients(program, to_device, batch, total_weight, models)
     loss, grad_norm = jnp.sum(losses), optax.tree.norm(grads)
     # A non-finite loss or gradient drops the whole update: parameters and optimizer state stay (as
     # they do for a batch the objective says may not update).
@@ -236,14 +131,14 @@ def train_step(
 
     def apply_update(params_and_opt_state):
         params, opt_state = params_and_opt_state
-        updates, opt_state = optimizer.update(grads, opt_state, params)
+        updates, opt_state = program.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
     params, opt_state = jax.lax.cond(
         update, apply_update, lambda unchanged: unchanged, (to_device("params"), to_device("opt_state"))
     )
-    params = moved(params, on_device.params, home.params)
-    opt_state = moved(opt_state, on_device.opt_state, home.opt_state)
+    params = moved(params, plan.on_device.params, plan.shardings.params)
+    opt_state = moved(opt_state, plan.on_device.opt_state, plan.shardings.opt_state)
     new_state = TrainState(
         step=state.step + 1,
         params=params,
@@ -252,22 +147,64 @@ def train_step(
         frozen=state.frozen,
     )
     aux = reduce_metrics(aux)  # the objective's, over micro-batches
-    if (
-        "expert_tokens" in aux
-    ):  # expert utilisation: the busiest's and the idlest's tokens over the even share
+    if "expert_tokens" in aux:  # expert use: the busiest and the idlest expert's tokens over the even share
         tokens_E = aux.pop("expert_tokens")
         load_E = tokens_E / jnp.maximum(jnp.mean(tokens_E), 1.0)
         aux.update(moe_load_max=jnp.max(load_E), moe_load_min=jnp.min(load_E))
     metrics = {
-        "loss": loss - moe_aux_loss_coef * aux.get("moe_aux_loss", 0.0),
+        "loss": loss - program.moe_aux_loss_coef * aux.get("moe_aux_loss", 0.0),
         "grad_norm": grad_norm,
-        "learning_rate": schedule(state.step),
+        "learning_rate": program.schedule(state.step),
         "tokens": jnp.sum(batch["loss_mask"]),
         "finite": finite,
         "nonfinite_steps": new_state.nonfinite_steps,
         **aux,
     }
     return new_state, metrics
+
+
+def _gradients(program: Program, to_device, batch, total_weight, models):
+    """The float32 gradients of the batch's loss, summed over its micro-batches, and each
+    micro-batch's (loss, metrics)."""
+    objective, compute_dtype = program.objective, program.compute_dtype
+    param_shardings, grad_shardings = program.plan.on_device.params, program.plan.grad_shardings
+    # Differentiating with respect to a compute-dtype copy makes the gradients, and so their
+    # reduction across devices, bf16 under mixed precision; they accumulate in float32. With delayed
+    # syncs the copy is always made here, outside the per-shard vmap, and what is reduced is the
+    # float32 sums.
+    delayed_sync = program.sync_every > 1
+    wrt = to_device("params")
+    if compute_dtype != jnp.float32 and (program.reduce_gradients_in_compute_dtype or delayed_sync):
+        wrt = jax.lax.with_sharding_constraint(
+            jax.tree.map(lambda p: p.astype(compute_dtype), wrt), param_shardings
+        )
+    frozen = to_device("frozen")
+    extras = program.extras
+    models = moved(models, extras.shardings, extras.device_shardings) if extras is not None else models
+    if compute_dtype != jnp.float32 and frozen is not None:  # cast once per step, not per micro-batch
+        frozen = in_compute_dtype(frozen, compute_dtype, program.plan.on_device.frozen)
+    weighted_loss_sum = functools.partial(
+        _objective_loss, program, frozen=frozen, weight=total_weight, models=models, training=True
+    )
+
+    def add(grads, new):
+        return jax.tree.map(lambda g, n: g + n.astype(jnp.float32), grads, new)
+
+    zeros = jax.tree.map(jnp.zeros_like, to_device("params"))  # in device memory, like the gradients
+    if delayed_sync:
+        return _accumulate_with_delayed_sync(
+            weighted_loss_sum, wrt, batch, zeros, add, program.sync_every, grad_shardings
+        )
+
+    def accumulate(grads, micro):
+        def compute(grads):
+            (loss, aux), new = jax.value_and_grad(weighted_loss_sum, has_aux=True)(wrt, micro=micro)
+            new = jax.lax.with_sharding_constraint(new, grad_shardings)  # the reduction
+            return jax.lax.with_sharding_constraint(add(grads, new), grad_shardings), (loss, aux)
+
+        return unless_empty(compute, grads, micro) if objective.skips_empty_micro_batches else compute(grads)
+
+    return jax.lax.scan(accumulate, zeros, batch)
 
 
 def unless_empty(compute, carry, micro):
@@ -336,135 +273,41 @@ def _accumulate_with_delayed_sync(weighted_loss_sum, wrt, batch, zeros, add, syn
     return grads, (losses.reshape(A), jax.tree.map(lambda x: x.reshape(A, *x.shape[2:]), aux))
 
 
-def graphdef_for(
-    model_cfg: ModelConfig, training: TrainingConfig, rules: Rules, parallel, weights: Weights
-) -> nnx.GraphDef:
-    """The trained model's graph as the steps trace it (remat, attention, layout, adapters)."""
-    return model_graphdef(
-        model_cfg, training.remat, training.scan_unroll, training.attention, rules, parallel, weights.lora
-    )
-
-
-def compile_train_step(
-    plan: StatePlan,
-    mesh: Mesh,
-    *,
-    model_cfg: ModelConfig,
-    optimizer: optax.GradientTransformation,
-    schedule: optax.Schedule,
-    training: TrainingConfig,
-    parallel: Parallelism | None = None,
-    objective: Any = None,
-    weights: Weights = FULL_FINE_TUNING,
-    extras: FrozenModels | None = None,
-):
-    """jit with explicit in/out shardings; the input state is donated. Call under jax.set_mesh(mesh).
-    The model's activation constraints follow plan.rules (per shard when gradient syncs are delayed).
-    With `extras` (the objective's extra models) the step takes their parameters as a third
-    argument, which the returned function passes itself."""
-    sync_every = training.sync_gradients_every if data_parallel_size(mesh) > 1 else 1
-    rules = per_shard_rules(plan.rules) if sync_every > 1 else plan.rules
-    step = functools.partial(
-        train_step,
-        graphdef=graphdef_for(model_cfg, training, rules, parallel, weights),
-        optimizer=optimizer,
-        schedule=schedule,
-        compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
-        param_shardings=plan.on_device.params,
-        grad_shardings=plan.grad_shardings,
-        loss_chunk_size=training.loss_chunk_size,
-        reduce_gradients_in_compute_dtype=training.reduce_gradients_in_compute_dtype,
-        sync_every=sync_every,
-        home=plan.shardings,
-        on_device=plan.on_device,
-        parallel=parallel,
-        objective=objective,
-        weights=weights,
-        moe_aux_loss_coef=training.moe_aux_loss_coef,
-        extras=extras,
-    )
-    in_shardings = (plan.shardings, batch_sharding(mesh))
-    out_shardings = (plan.shardings, NamedSharding(mesh, P()))
-    if extras is None:
-        return jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=0)
+def compile_train_step(program: Program):
+    """jit with explicit in/out shardings; the input state is donated. Call under
+    jax.set_mesh(program.plan.mesh). With extra models (program.extras) the step takes their
+    parameters as a third argument, which the returned function passes itself."""
+    plan = program.plan
+    in_shardings = (plan.shardings, batch_sharding(plan.mesh))
+    if program.extras is not None:
+        in_shardings = (*in_shardings, program.extras.shardings)
     jitted = jax.jit(
-        step, in_shardings=(*in_shardings, extras.shardings), out_shardings=out_shardings, donate_argnums=0
+        functools.partial(train_step, program),
+        in_shardings=in_shardings,
+        out_shardings=(plan.shardings, NamedSharding(plan.mesh, P())),
+        donate_argnums=0,
     )
-    return WithModels(jitted, extras)
-
-
-class WithModels:
-    """A jitted step whose last argument, the objective's extra models' parameters, it passes
-    itself: called and lowered as the step without them is."""
-
-    def __init__(self, jitted, extras: FrozenModels):
-        self.jitted, self.extras = jitted, extras
-
-    def __call__(self, *args):
-        return self.jitted(*args, self.extras.params())
-
-    def lower(self, *args):
-        return _WithModels(self.jitted.lower(*args, self.extras.abstract), self.extras)
-
-
-class _WithModels:
-    """A lowered or compiled step (what it wraps answers the rest: as_text, memory_analysis, ...)
-    whose compile() and call pass the extra models' parameters as WithModels does."""
-
-    def __init__(self, wrapped, extras: FrozenModels):
-        self.wrapped, self.extras = wrapped, extras
-
-    def compile(self, *args, **kwargs):
-        return _WithModels(self.wrapped.compile(*args, **kwargs), self.extras)
-
-    def __call__(self, *args):
-        return self.wrapped(*args, self.extras.params())
-
-    def __getattr__(self, name):
-        return getattr(self.wrapped, name)
+    return with_models(jitted, program.extras)
 
 
 def eval_step(
+    program: Program,
     params: nnx.State,
     batch: dict[str, jax.Array],
-    *,
-    graphdef: nnx.GraphDef,
-    compute_dtype: Any,
-    chunk: int = 0,
-    param_shardings: Any = None,
     frozen: nnx.State | None = None,
-    frozen_shardings: Any = None,
-    parallel: Parallelism | None = None,
-    objective: Any = None,
-    weights: Weights = FULL_FINE_TUNING,
-    extras: FrozenModels | None = None,
     models: dict | None = None,
 ) -> dict[str, jax.Array]:
     """The objective's summed loss and weight (for the next-token loss: summed token loss and
     token count) of a [1, B, T] held-out batch, and its metrics summed alike (`metric_<name>`);
     `frozen`: the state's frozen weights. An objective with several normalizers (ORPO) gives its
     batch's mean loss, of weight 1, and no metrics."""
-    objective = objective or LanguageModeling(None)
+    objective, extras = program.objective, program.extras
     models = moved(models, extras.shardings, extras.device_shardings) if extras is not None else models
-    micro = jax.tree.map(lambda x: x[0], parallel.reorder(batch) if parallel else batch)
+    micro = jax.tree.map(lambda x: x[0], program.parallel.reorder(batch) if program.parallel else batch)
     weight = objective.weight(micro)
     several = isinstance(weight, dict)
-    loss_sum, metrics = _objective_loss(
-        objective,
-        weights,
-        graphdef,
-        params,
-        frozen,
-        micro,
-        jax.tree.map(lambda w: jnp.maximum(w, 1.0), weight) if several else 1.0,
-        compute_dtype=compute_dtype,
-        chunk=chunk,
-        param_shardings=param_shardings,
-        frozen_shardings=frozen_shardings,
-        seq_shards=parallel.seq_shards if parallel else 1,
-        extras=extras,
-        models=models,
-    )
+    total = jax.tree.map(lambda w: jnp.maximum(w, 1.0), weight) if several else 1.0
+    loss_sum, metrics = _objective_loss(program, params, frozen, micro, total, models)
     if several:
         return {"loss_sum": loss_sum, "weight": jnp.float32(1.0)}
     # the objective's metrics, summed as the loss is (a `..._max` one: the batch's maximum)
@@ -472,49 +315,17 @@ def eval_step(
     return {"loss_sum": loss_sum, "weight": weight, **scalars}
 
 
-def pass_settings(
-    plan: StatePlan, model_cfg: ModelConfig, training: TrainingConfig, parallel, objective, weights
-):
-    """What a pass without gradient (evaluation, train/scoring.py) is traced with: the train step's
-    model, compute dtype, logit chunks, parameter shardings and layout."""
-    return dict(
-        graphdef=graphdef_for(model_cfg, training, plan.rules, parallel, weights),
-        compute_dtype=COMPUTE_DTYPES[training.mixed_precision],
-        chunk=training.loss_chunk_size,
-        param_shardings=plan.on_device.params,
-        frozen_shardings=plan.on_device.frozen,
-        parallel=parallel,
-        objective=objective,
-        weights=weights,
-    )
-
-
-def compile_eval_step(
-    plan: StatePlan,
-    mesh: Mesh,
-    *,
-    model_cfg: ModelConfig,
-    training: TrainingConfig,
-    parallel: Parallelism | None = None,
-    objective: Any = None,
-    weights: Weights = FULL_FINE_TUNING,
-    extras: FrozenModels | None = None,
-):
+def compile_eval_step(program: Program):
     """(params, frozen, batch) -> the eval_step sums."""
-    step = functools.partial(
-        eval_step,
-        **pass_settings(plan, model_cfg, training, parallel, objective, weights),
-        extras=extras,
-    )
+    plan = program.plan
+    step = functools.partial(eval_step, program)
 
     def evaluate(params, frozen, batch, models=None):  # offloaded parameters are moved to the devices
         on_device = moved(params, plan.shardings.params, plan.on_device.params)
         return step(on_device, batch, frozen=frozen, models=models)
 
-    in_shardings = (plan.shardings.params, plan.shardings.frozen, batch_sharding(mesh))
-    if extras is None:
-        return jax.jit(evaluate, in_shardings=in_shardings, out_shardings=NamedSharding(mesh, P()))
-    jitted = jax.jit(
-        evaluate, in_shardings=(*in_shardings, extras.shardings), out_shardings=NamedSharding(mesh, P())
-    )
-    return WithModels(jitted, extras)
+    in_shardings = (plan.shardings.params, plan.shardings.frozen, batch_sharding(plan.mesh))
+    if program.extras is not None:
+        in_shardings = (*in_shardings, program.extras.shardings)
+    jitted = jax.jit(evaluate, in_shardings=in_shardings, out_shardings=NamedSharding(plan.mesh, P()))
+    return with_models(jitted, program.extras)
