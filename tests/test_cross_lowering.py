@@ -48,7 +48,7 @@ def _lowered(target: str, *overrides: str) -> dict[str, str]:
         return jax.ShapeDtypeStruct(shape, jnp.int32)
 
     with jax.set_mesh(run.mesh):
-        per_layer = jax.eval_shape(engine._unstack, params)
+        per_layer = jax.eval_shape(engine.unstack, params)
         entries, logits, _ = jax.eval_shape(
             lambda *a: engine._prefill_fn(*a, max_len=max_len),
             params,

@@ -325,11 +325,12 @@ def test_a_bf16_engine_samples_with_bf16_weights_and_logs_its_larger_mismatch(tm
             "'json:dumps' is not a class with reset(record) and step(messages)",
         ),
         (["training.grpo.max_turns=0"], "training.grpo.max_turns=0 must be >= 1"),
-        (
+        pytest.param(  # named: pytest versions make different ids of this message
             ["training.grpo.reward=[tests.rewards_for_tests:divides]"],
             "training.grpo.reward 'tests.rewards_for_tests:divides' raised ZeroDivisionError: float "
             "division by zero (on the "
             "record {'prompt': '",
+            id="a_reward_raises",
         ),
         (["training.grpo.max_staleness=-1"], "training.grpo.max_staleness=-1 must be >= 0"),
         (["training.grpo.iterations=0"], "training.grpo.iterations=0 >= 1"),

@@ -288,7 +288,7 @@ def test_grpo_reward_models_score_as_transformers_does(tmp_path):
     objective = GroupRelative(cfg)
     run = setup(cfg, jax.devices()[:4], objective)
     models = objective.rewards.models
-    models.connect(run, run.mesh)
+    models.connect(run.plan_frozen, run.mesh)
     sequences = [[2, 17, 300, 41, 1], [2, 5, 6], [2, 9, 10, 11, 12, 13, 14, 15, 16, 1]]
     ours = models.score(sequences)
     assert ours.shape == (1, 3) and objective.rewards.names == ["reward_model_0"]

@@ -82,7 +82,7 @@ class Engine:
         self.prefill_step = jax.jit(self._prefill_fn, static_argnames=("max_len",))
         self.insert_step = jax.jit(self._insert_fn, static_argnames=("kinds",), donate_argnums=(0,))
         self.decode_step = jax.jit(self._decode_fn, static_argnames=("kinds",), donate_argnums=(2,))
-        self._unstack = jax.jit(lambda params: nnx.merge(self.graphdef, params).layer_states())
+        self.unstack = jax.jit(lambda params: nnx.merge(self.graphdef, params).layer_states())
         self._empty_caches: dict = {}
         # prefill_s, prefills, prefix_hits, decode_s, steps, tokens, and the last session's cache_bytes
         self.stats = collections.Counter()

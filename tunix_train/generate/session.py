@@ -165,7 +165,7 @@ class Session:
         self._next_id = 0
         e = engine
         with jax.set_mesh(e.mesh):
-            self.per_layer = e._unstack(params)
+            self.per_layer = e.unstack(params)
             self.caches = e.empty_caches(params, self.per_layer, max_len, slots)
         self.row = {
             name: np.zeros(slots, dtype)

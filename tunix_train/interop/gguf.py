@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from tunix_train.config import ConfigError, ModelConfig
-from tunix_train.interop import families, gguf_llama, hf
+from tunix_train.interop import families, gguf_llama, hf, tensor_names
 from tunix_train.model import quant
 from tunix_train.model.lora import INPUT_DIMS
 
@@ -360,14 +360,14 @@ def load_params(
     )
 
 
-# the projections a quantized base holds (model/lora.py's table), by their paths in hf.py's
+# the projections a quantized base holds (model/lora.py's table), by their paths in tensor_names.py's
 _PROJECTIONS = tuple(
-    path for path in hf._SPECS if path.startswith("layers.") and path.split(".")[-1] in INPUT_DIMS
+    path for path in tensor_names.SPECS if path.startswith("layers.") and path.split(".")[-1] in INPUT_DIMS
 )
 
 
 def _projection_names(tensors: _GGUFTensors, spec: str, cfg: ModelConfig) -> list[str]:
-    return [tensors._gguf_name(hf._hf_name(spec, layer, cfg)) for layer in range(cfg.num_layers)]
+    return [tensors._gguf_name(tensor_names.hf_name(spec, layer, cfg)) for layer in range(cfg.num_layers)]
 
 
 def projection_types(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple]]:
@@ -397,7 +397,7 @@ def projection_types(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple
                     f"training.lora.base_quantization=none, int8 or nf4"
                 )
             types.append(int(qtype))
-        split, perm = hf._split_view(spec, cfg, None)
+        split, perm = tensor_names.split_view(spec, cfg, None)
         found.append((spec, tuple(types), (split[0], split[1], perm)))
     return found
 
@@ -409,7 +409,7 @@ def _blocks(tensors: _GGUFTensors, spec: str, q, cfg: ModelConfig):
 
     names = _projection_names(tensors, spec, cfg)
     width = q.data.shape[-1]
-    heads = gguf_llama.qk_heads(hf._hf_name(spec, 0, cfg), cfg)  # Llama's Q and K: rows un-permuted
+    heads = gguf_llama.qk_heads(tensor_names.hf_name(spec, 0, cfg), cfg)  # Llama's Q and K: rows un-permuted
 
     def rows(name: str, row_slice: slice, byte_slice: slice) -> np.ndarray:
         """One device's rows of one layer's tensor (read from the file's map: only those), padded."""

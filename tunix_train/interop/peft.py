@@ -21,7 +21,7 @@ from flax import nnx
 
 from tunix_train.config import LoraConfig, ModelConfig, VisionEncoder
 from tunix_train.files import write_atomically, write_text
-from tunix_train.interop import hf
+from tunix_train.interop import tensor_names
 
 # our adapter -> transformers' module under model.layers.{i}.
 _MODULES = {
@@ -65,7 +65,7 @@ def _modules(path: tuple, cfg: ModelConfig, layers: int) -> list[str]:
     if path[0] == "vision":
         prefix, names = _TOWER_MODULES[cfg.vision.encoder]
         return [f"{prefix}.{i}.{names[adapter]}" for i in range(layers)]
-    _, layer_of = hf.stack_layers(".".join(map(str, path)), cfg)
+    _, layer_of = tensor_names.stack_layers(".".join(map(str, path)), cfg)
     return [f"{_text_layers(cfg)}.{layer_of(r)}.{_MODULES[adapter]}" for r in range(layers)]
 
 

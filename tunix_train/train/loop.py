@@ -142,7 +142,7 @@ def train(
         )
 
     checkpointer = Checkpointer(checkpoints, cfg.checkpoint)
-    objective.connect(run, writer.write_samples if writer else lambda *_: None)
+    objective.connect(run.connection(writer.write_samples if writer else lambda *_: None))
 
     def save(state: TrainState) -> None:
         checkpointer.save(state, data_state(train_batches, run, frozen))

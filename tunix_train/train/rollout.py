@@ -207,38 +207,38 @@ class Sampler:
             prompts.append(ids)
         return prompts
 
-    def connect(self, run) -> None:
-        """What sampling needs of the run: the engine on its mesh (the rollout mesh, else the
-        training mesh), and the parameters there: under LoRA the base is copied once and only the
-        adapters for each rollout, merged on the rollout side."""
+    def connect(self, link) -> None:
+        """What sampling needs of the run (train/setup.Connection): the engine on its mesh (the
+        rollout mesh, else the training mesh), and the parameters there: under LoRA the base is
+        copied once and only the adapters for each rollout, merged on the rollout side."""
         from tunix_train.generate import Engine
 
-        self.run = run
-        to_engine = run.weights.for_engine
+        self.link, weights, plan = link, link.program.weights, link.program.plan
+        to_engine = weights.for_engine
         if self.grpo.rollout_dtype is RolloutDtype.bf16:  # the engine computes in bf16
 
-            def to_engine(p, f, merge=run.weights.for_engine):
+            def to_engine(p, f, merge=weights.for_engine):
                 return quant.cast(merge(p, f), jnp.bfloat16)
 
         self._merged = jax.jit(to_engine)  # LoRA: the adapters merged into the base, compiled once
-        self.mesh = run.rollout_mesh or run.mesh
+        self.mesh = link.rollout_mesh or link.mesh
         if self.rewards.models:  # GRPO's reward models, on the engine's mesh
-            self.rewards.models.connect(run, self.mesh)
+            self.rewards.models.connect(link.plan_frozen, self.mesh)
         # every completion of a rollout at once, in one batch of slots, or rollout_slots at a time
         self.engine = Engine(
             self.cfg.model,
             self.mesh,
             stop_ids=self.stop_ids,
             slots=self.grpo.rollout_slots,
-            lora=run.weights.engine_lora,
+            lora=weights.engine_lora,
             record_routes=self.grpo.routing_replay,
         )
-        if run.rollout_mesh is not None:
-            self._copy = cross_mesh_copier(run.mesh, run.rollout_mesh)
+        if link.rollout_mesh is not None:
+            self._copy = cross_mesh_copier(link.mesh, link.rollout_mesh)
             # full fine-tuning: the reference stays
-            parts = ("params", "frozen") if run.weights.lora else ("params",)
+            parts = ("params", "frozen") if weights.lora else ("params",)
             self._rollout_shardings = {
-                part: state_shardings(getattr(run.plan.abstract, part), run.rollout_mesh) for part in parts
+                part: state_shardings(getattr(plan.abstract, part), link.rollout_mesh) for part in parts
             }
             self._frozen_copy = None
 
@@ -246,8 +246,8 @@ class Sampler:
         """The merged parameters the engine draws with, on its mesh (the time and bytes copied there
         are added to the step's figures)."""
         # from host memory if offloaded
-        on_device = jax.device_put(state.params, self.run.plan.on_device.params)
-        if self.run.rollout_mesh is None:
+        on_device = jax.device_put(state.params, self.link.program.plan.on_device.params)
+        if self.link.rollout_mesh is None:
             return self._merged(on_device, state.frozen)
         start = time.perf_counter()
         params = jax.block_until_ready(self._copy(on_device, self._rollout_shardings["params"]))
@@ -272,7 +272,7 @@ class Sampler:
         step, start = int(state.step), time.perf_counter()
         index = step // self.grpo.iterations
         self.syncs = (
-            dict.fromkeys(("weight_sync_s", "weight_sync_bytes"), 0.0) if self.run.rollout_mesh else {}
+            dict.fromkeys(("weight_sync_s", "weight_sync_bytes"), 0.0) if self.link.rollout_mesh else {}
         )
         if rollouts.current is None or rollouts.current.index != index:
             rollouts.draw_deferred()
@@ -288,7 +288,7 @@ class Sampler:
                 draw = functools.partial(
                     self.roll_out, more_prompts(), more_prompts, rollouts.next_index, params, step
                 )
-                if rollouts.next_index > index and self.run.rollout_mesh is not None:
+                if rollouts.next_index > index and self.link.rollout_mesh is not None:
                     rollouts.deferred.append(draw)
                 else:
                     rollouts.queued.append(draw())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from jax.sharding import Mesh
@@ -42,6 +42,20 @@ from tunix_train.train.scoring import compile_score_step
 from tunix_train.train.step import compile_eval_step, compile_train_step
 
 
+@dataclasses.dataclass(frozen=True)
+class Connection:
+    """What an objective may use of its run once the run is set up (Objective.connect), and
+    nothing more: the meshes, the program (what trains, the extra models, the state's shardings),
+    frozen models planned on a mesh, the scoring pass, and where samples are written."""
+
+    mesh: Mesh
+    rollout_mesh: Mesh | None  # the engine's, on devices of its own (training.grpo.rollout_mesh_shape)
+    program: Program
+    plan_frozen: Callable  # (ExtraModel specs, mesh) -> their FrozenModels (GRPO's reward models)
+    score: Callable  # (params, frozen, batch) -> the objective's per-token figures (PPO's critic)
+    write_samples: Callable[[int, list[tuple[str, str]]], None]  # to the log, samples.jsonl, TensorBoard
+
+
 @dataclasses.dataclass
 class Setup:
     """What a run is built from: the mesh, the planned state, and the jitted (uncompiled) steps."""
@@ -71,6 +85,11 @@ class Setup:
     @property
     def extras(self) -> Any:  # the objective's extra models (FrozenModels: a teacher, ...), None without
         return self.program.extras
+
+    def connection(self, write_samples: Callable[[int, list[tuple[str, str]]], None]) -> Connection:
+        return Connection(
+            self.mesh, self.rollout_mesh, self.program, self.plan_frozen, self.score_fn, write_samples
+        )
 
 
 def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any = None) -> Setup:

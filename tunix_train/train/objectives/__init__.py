@@ -25,7 +25,8 @@ knows which one runs:
 - `record_fields`: the JSON-lines fields every record must hold (None: the data config's);
 - `read(data)`: reads what it needs of the data (tokenizes, checks) before any device work;
 - `train_batches(data, global_rows, rows)` / `eval_batches(...)`: host batches, checkpointable;
-- `connect(run, write_samples)`: what it needs of the run once set up (GRPO: the engine);
+- `connect(link)`: what it needs of the run once set up, from a train/setup.Connection (the
+  meshes, the program, the scoring pass, where samples go; GRPO: its engine);
 - `prepare(batches, state)`: the next step's batch from the host batches (GRPO samples and scores
   here, and may reuse a batch or draw ahead);
 - `hooks()`: hooks it adds to the loop (GRPO: the rollout's rewards in the log);

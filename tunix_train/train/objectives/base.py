@@ -87,8 +87,8 @@ class Objective:
     def eval_batches(self, data, global_rows: int, rows: range) -> list:
         return []
 
-    def connect(self, run, write_samples) -> None:
-        pass
+    def connect(self, link) -> None:
+        """What it needs of the run once set up (train/setup.Connection): GRPO's engine, PPO's scoring."""
 
     def prepare(self, batches, state):
         return next(batches)

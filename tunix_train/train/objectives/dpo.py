@@ -101,7 +101,7 @@ class DirectPreference(Objective):
         shape = batch["loss_mask"].shape
         return jnp.broadcast_to(jnp.arange(shape[-2])[:, None] % 2 == 0, shape)
 
-    def _pair_count(self, batch):
+    def pair_count(self, batch):
         """The batch's pairs: half its rows, or packed, the chosen answers that start in it."""
         if self.packed:
             return jnp.sum(self._chosen(batch) * (batch["positions"] == 0))
@@ -109,12 +109,12 @@ class DirectPreference(Objective):
 
     def weight(self, batch):
         """The number of pairs; under ORPO also the chosen answers' tokens (its NLL's normalizer)."""
-        pairs = self._pair_count(batch)
+        pairs = self.pair_count(batch)
         if self.dpo.loss is not PreferenceLoss.orpo:
             return pairs
         return {"pairs": pairs, "chosen_tokens": jnp.sum(batch["loss_mask"] * self._chosen(batch))}
 
-    def _pair_sums(self, x_BT, micro):
+    def pair_sums(self, x_BT, micro):
         """Sums of x over each pair's answers [pair slots, (chosen, rejected)]: a pair is two rows,
         or packed, two segments of a row (data/pipeline.PackedPairs), its row holding T // 2 slots."""
         if not self.packed:
@@ -126,18 +126,18 @@ class DirectPreference(Objective):
         sums = jax.ops.segment_sum(x_BT.reshape(-1), answer.reshape(-1), num_segments=B * S + 1)
         return sums[:-1].reshape(-1, 2)
 
-    def _pairs_in(self, micro):
+    def pairs_in(self, micro):
         """Which pair slots hold a pair (all, unpacked)."""
         if not self.packed:
             return jnp.ones(micro["loss_mask"].shape[0] // 2, bool)
-        return self._pair_sums((micro["positions"] == 0).astype(jnp.float32), micro)[:, 0] > 0
+        return self.pair_sums((micro["positions"] == 0).astype(jnp.float32), micro)[:, 0] > 0
 
     def loss(self, policy, reference, micro, weight):
         mask = micro["loss_mask"]
-        held = self._pairs_in(micro)[:, None]
+        held = self.pairs_in(micro)[:, None]
 
         def pair_sums(x_BT, empty=-1.0):  # an empty slot's: a finite stand-in, out of every mean
-            return jnp.where(held, self._pair_sums(x_BT * mask, micro), empty)
+            return jnp.where(held, self.pair_sums(x_BT * mask, micro), empty)
 
         nll_BT = policy()
         logp_P2, tokens_P2 = -pair_sums(nll_BT, 1.0), pair_sums(jnp.ones_like(mask), 1.0)
@@ -165,7 +165,7 @@ class DirectPreference(Objective):
     def read(self, data) -> None:
         """Tokenizes every pair once, before any device work: a pair too long is a ConfigError."""
         self._pairs = {
-            split: [self._pair(data, doc, what, i) for i, doc in enumerate(docs)]
+            split: [self.read_pair(data, doc, what, i) for i, doc in enumerate(docs)]
             for split, docs, what in (
                 ("train", data.train_docs, "data.train_files"),
                 ("eval", data.eval_docs, "the held-out pairs"),
@@ -192,7 +192,7 @@ class DirectPreference(Objective):
             prefetch=self.cfg.data.prefetch_batches,
         )
 
-    def _pair(self, data, doc, what: str, index: int):
+    def read_pair(self, data, doc, what: str, index: int):
         seq_len, tok = self.cfg.data.seq_len, data.tokenizer
         chat = data.chat if isinstance(doc["prompt"], list) else None
         images = self._images(doc, f"{what}: pair {index + 1}")

@@ -68,16 +68,16 @@ class GkdSampler(Sampler):
                 )
             self.completions.append(ids)
 
-    def connect(self, run) -> None:
+    def connect(self, link) -> None:
         """The student's engine (Sampler.connect), and with seq_kd the teacher's, on the training
         mesh where the teacher's parameters are."""
         from tunix_train.generate import Engine
 
-        super().connect(run)
+        super().connect(link)
         if self.seq_kd:
-            teacher = run.extras.specs["teacher"].model
+            teacher = link.program.extras.specs["teacher"].model
             self.teacher_engine = Engine(
-                teacher, run.mesh, stop_ids=self.stop_ids, slots=self.grpo.rollout_slots
+                teacher, link.mesh, stop_ids=self.stop_ids, slots=self.grpo.rollout_slots
             )
 
     def sample(
@@ -88,7 +88,7 @@ class GkdSampler(Sampler):
         if self.seq_kd:  # the student's sampling, with the teacher's engine and parameters
             student, self.engine = self.engine, self.teacher_engine
             try:  # an offloaded teacher is copied to the devices for the rollout
-                extras = self.run.extras
+                extras = self.link.program.extras
                 teacher = jax.device_put(extras.params()["teacher"], extras.device_shardings["teacher"])
                 return super().sample(order, index, round_, teacher)
             finally:

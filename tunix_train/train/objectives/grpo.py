@@ -46,7 +46,7 @@ a checkpoint (Rollouts.get_state), so a resumed run trains on exactly the same c
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +87,7 @@ class GroupRelative(Objective):
         self.distill = self.grpo.advantage is AdvantageEstimator.distill  # on-policy distillation
         if self.distill:
             self.metric_names += ("teacher_reverse_kl",)
-        self._rollout = None
+        self.rollout_figures = None
         m = cfg.model
         self.route_shape = (m.num_layers, m.num_experts_per_token) if self.grpo.routing_replay else None
         if self.route_shape:  # the engine's experts of each position, replayed by the forward (rollout.py)
@@ -177,33 +177,33 @@ class GroupRelative(Objective):
             )
         )
 
-    def connect(self, run, write_samples: Callable[[int, list[tuple[str, str]]], None]) -> None:
-        self.sampler.connect(run)
-        self._write_samples = write_samples
+    def connect(self, link) -> None:
+        self.sampler.connect(link)
+        self.write_samples = link.write_samples
 
     def prepare(self, rollouts: Rollouts, state) -> dict[str, np.ndarray]:
         """The step's rows, from the sampler's rollout for it."""
         rollout, seconds = self.sampler.rollout_for(rollouts, state)
         self._rollouts = rollouts
-        self._rollout = self._figures(rollout, int(state.step), seconds)
+        self.rollout_figures = self._figures(rollout, int(state.step), seconds)
         return self._rows_of(rollout, state)
 
     def _rows_of(self, rollout: Rollout, state=None) -> dict[str, np.ndarray]:
         """The rollout's rows of this process, [A, rows, seq_len] each (`state`: the step's)."""
         full = self._rows(rollout)
         full.update(self._advantages(rollout, full, state))
-        return self._local(self._laid_out(full), rollout.accumulation)
+        return self.local_rows(self._laid_out(full), rollout.accumulation)
 
-    def _packing(self, full: dict[str, np.ndarray]) -> Packing | None:
+    def packing_of(self, full: dict[str, np.ndarray]) -> Packing | None:
         """data.padding_free: where each padded row's sequence goes among as many packed rows."""
         return Packing.first_fit(full["segment_ids"], len(full["segment_ids"])) if self.packed else None
 
     def _laid_out(self, full: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The padded rows as the step reads them: packed under data.padding_free."""
-        packing = self._packing(full)
+        packing = self.packing_of(full)
         return packing.pack(full) if packing else full
 
-    def _local(self, full: dict[str, np.ndarray], A: int) -> dict[str, np.ndarray]:
+    def local_rows(self, full: dict[str, np.ndarray], A: int) -> dict[str, np.ndarray]:
         """Every process's rows [A x rows, ...] -> this process's [A, rows, ...]."""
         local = self.sampler.rows
         return {
@@ -310,6 +310,19 @@ class GroupRelative(Objective):
             else [],
         }
 
+    def report(self, end) -> None:
+        """After a step: the deferred rollouts drawn, then on a logged step the rollout's figures
+        in the step's record and its samples written."""
+        self._rollouts.draw_deferred()
+        t = self.cfg.training
+        if end.step % t.log_every and end.step != t.max_steps:
+            return
+        rollout = dict(self.rollout_figures or {})
+        samples = rollout.pop("samples", [])
+        end.scalars.update(rollout)
+        if samples:
+            self.write_samples(end.step, [(p, f"{text}  [reward {r:g}]") for p, text, r in samples])
+
     def hooks(self) -> list:
         """The rollout's figures (rewards, completion length, sampling time) in each logged step's
         record; with training.eval_every, the held-out prompts' rewards and pass@k."""
@@ -323,21 +336,11 @@ class GroupRelative(Objective):
 
 
 class _RolloutMetrics(Hook):
-    """First of the hooks: draws the deferred rollouts while the step runs on the training mesh,
-    before any hook waits for it; then the figures."""
+    """First of the hooks: the objective's after_step (GroupRelative.report: it draws the
+    deferred rollouts while the step runs on the training mesh, before any hook waits for it)."""
 
     def __init__(self, objective: GroupRelative):
         self.objective = objective
 
     def after_step(self, end) -> None:
-        self.objective._rollouts.draw_deferred()
-        t = self.objective.cfg.training
-        if end.step % t.log_every and end.step != t.max_steps:
-            return
-        rollout = dict(self.objective._rollout or {})
-        samples = rollout.pop("samples", [])
-        end.scalars.update(rollout)
-        if samples:
-            self.objective._write_samples(
-                end.step, [(p, f"{text}  [reward {r:g}]") for p, text, r in samples]
-            )
+        self.objective.report(end)

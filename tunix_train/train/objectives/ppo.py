@@ -145,9 +145,9 @@ class ProximalPolicy(GroupRelative):
             "value_mean": mean(jax.lax.stop_gradient(values)),
         }
 
-    def connect(self, run, write_samples) -> None:
-        super().connect(run, write_samples)
-        self._run = run
+    def connect(self, link) -> None:
+        super().connect(link)
+        self._mesh, self._score = link.mesh, link.score
 
     def _advantages(self, rollout: Rollout, full: dict[str, np.ndarray], state=None) -> dict[str, np.ndarray]:
         """Per token: GAE's advantages and returns, and the scoring pass's values and log-probabilities
@@ -160,8 +160,8 @@ class ProximalPolicy(GroupRelative):
         )
         kl = kl_samples(logp, ref_logp, p.kl_estimator) if p.kl_coef > 0 else np.zeros_like(logp)
         rewards = token_rewards(self.rewards.total(np.asarray(rollout.rewards)), kl, mask, p.kl_coef)
-        if self._rollout is not None:  # the log's: the KL in the reward, per completion token
-            self._rollout["kl_reward"] = float((kl * mask).sum() / max(mask.sum(), 1.0))
+        if self.rollout_figures is not None:  # the log's: the KL in the reward, per completion token
+            self.rollout_figures["kl_reward"] = float((kl * mask).sum() / max(mask.sum(), 1.0))
         if p.whiten_rewards:
             rewards = whitened_rewards(rewards, mask)
         advantages, returns = gae(values, rewards, mask, p.gamma, p.gae_lambda)
@@ -173,11 +173,11 @@ class ProximalPolicy(GroupRelative):
     def _critique(self, rollout: Rollout, full: dict[str, np.ndarray], state) -> dict[str, list[list[float]]]:
         """The scoring pass over the rollout's rows by `state`'s parameters: each row's FIGURES at its
         completion's positions (those of behaviour_logp), as lists for the checkpoint's JSON."""
-        packing = self._packing(full)
-        with jax.set_mesh(self._run.mesh):
+        packing = self.packing_of(full)
+        with jax.set_mesh(self._mesh):
             rows = packing.pack(full) if packing else full
-            batch = to_global_batch(self._local(rows, rollout.accumulation), self._run.mesh)
-            figures = self._run.score_fn(state.params, state.frozen, batch)
+            batch = to_global_batch(self.local_rows(rows, rollout.accumulation), self._mesh)
+            figures = self._score(state.params, state.frozen, batch)
             figures = {
                 name: np.asarray(multihost_utils.process_allgather(x, tiled=True)).reshape(-1, x.shape[-1])
                 for name, x in figures.items()

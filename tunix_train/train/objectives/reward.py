@@ -52,13 +52,13 @@ class RewardModeling(DirectPreference):
             )
 
     def weight(self, batch):
-        return self._pair_count(batch)
+        return self.pair_count(batch)
 
     def loss(self, policy, reference, micro, weight):
         # loss_mask is 1 at each answer's EOS, the position scored; the margin is on the chosen one's first
-        held = self._pairs_in(micro)
-        rewards_P2 = self._pair_sums(policy.scores() * micro["loss_mask"], micro)
-        margin_P = self._pair_sums(micro["margin"], micro)[:, 0]
+        held = self.pairs_in(micro)
+        rewards_P2 = self.pair_sums(policy.scores() * micro["loss_mask"], micro)
+        margin_P = self.pair_sums(micro["margin"], micro)[:, 0]
         chosen, rejected = rewards_P2[:, 0], rewards_P2[:, 1]
         loss = pair_loss(chosen, rejected, margin_P, self.reward.center_rewards_coefficient)
 
@@ -78,11 +78,11 @@ class RewardModeling(DirectPreference):
     def _row(self, prompt: list[int], completion: list[int]) -> dict[str, np.ndarray]:
         return scored_row([*prompt, *completion], self.cfg.data.seq_len)
 
-    def _pair(self, data, doc, what: str, index: int):
+    def read_pair(self, data, doc, what: str, index: int):
         margin = doc.get("margin", 0.0)
         if not isinstance(margin, (int, float)) or isinstance(margin, bool):
             raise ConfigError(f"{what}: pair {index + 1}'s margin is {margin!r}, not a number")
-        pair = super()._pair(data, doc, what, index)
+        pair = super().read_pair(data, doc, what, index)
         pair["margin"] = np.zeros_like(pair["loss_mask"])
         pair["margin"][0, 0] = margin
         return pair

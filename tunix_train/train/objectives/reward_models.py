@@ -47,8 +47,9 @@ class RewardModels:
         for spec in self.specs.values():
             check_tokenizer(spec, tokenizer, KEY)
 
-    def connect(self, run, mesh) -> None:
-        """Plans the models on `mesh` (run.plan_frozen); their weights load at the first score."""
+    def connect(self, plan_frozen, mesh) -> None:
+        """Plans the models on `mesh` (plan_frozen: train/setup.Connection's); their weights load at
+        the first score."""
         import jax
         import jax.numpy as jnp
         from jax.sharding import NamedSharding
@@ -57,7 +58,7 @@ class RewardModels:
         from tunix_train.sharding import data_axes, data_parallel_size
         from tunix_train.train.forward import Forward
 
-        self._frozen = run.plan_frozen(self.specs, mesh)
+        self._frozen = plan_frozen(self.specs, mesh)
         self.shards = data_parallel_size(mesh)
         self._rows = NamedSharding(mesh, P(data_axes(mesh) or None, None))
         graphdefs = self._frozen.graphdefs
