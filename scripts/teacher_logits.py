@@ -33,7 +33,7 @@ def write(out: Path, steps: int, overrides: list[str], devices=None) -> dict:
     from tunix_train.launch import distributed
     from tunix_train.platform import add_flags
     from tunix_train.sharding import batch_sharding, process_rows, to_global_batch
-    from tunix_train.train.forward import Forward
+    from tunix_train.train.forward import Forward, ForwardOptions
     from tunix_train.train.init import COMPUTE_DTYPES
     from tunix_train.train.objectives.base import PROBE
     from tunix_train.train.objectives.distill import Distillation
@@ -60,14 +60,8 @@ def write(out: Path, steps: int, overrides: list[str], devices=None) -> dict:
     @jax.jit
     def top_k(params, batch):
         def one(micro):
-            forward = Forward(
-                graphdef,
-                (params,),
-                micro,
-                compute_dtype=COMPUTE_DTYPES[spec.precision],
-                chunk=cfg.training.loss_chunk_size,
-                frozen=True,
-            )
+            options = ForwardOptions(COMPUTE_DTYPES[spec.precision], cfg.training.loss_chunk_size)
+            forward = Forward(graphdef, (params,), micro, options, frozen=True)
             return forward.per_token(lambda logits: jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k))
 
         log_probs, ids = jax.lax.map(one, batch)

@@ -213,7 +213,7 @@ def test_a_measured_peak_the_run_beats_is_measured_again_and_the_log_says_so():
     """A peak measured low (a busy start: 0.099 TFLOP/s where the machine gives 0.3) is revised when
     the run's own FLOP/s exceed it, so MFU stays at most 1; a data sheet's is never revised."""
     from tunix_train.observe.mfu import Peak
-    from tunix_train.train.hooks import Interval, StepEnd, TrainMetrics
+    from tunix_train.train.hooks import Interval, StepEnd, TrainMetrics, Work
 
     quiet = 0.3e12
     peak = Peak(0.099e12, "measured fp32 matmul on cpu", sample=lambda seconds: quiet)
@@ -222,10 +222,7 @@ def test_a_measured_peak_the_run_beats_is_measured_again_and_the_log_says_so():
         Interval(),
         every=1,
         max_steps=10,
-        tokens_per_step=1000,
-        flops_per_token=0.5e9,
-        peak=peak,
-        devices=2,
+        work=Work(tokens_per_step=1000, flops_per_token=0.5e9, peak=peak, devices=2),
         say=said.append,
     )
     metrics = {name: jnp.float32(1.0) for name in ("loss", "learning_rate", "grad_norm", "nonfinite_steps")}

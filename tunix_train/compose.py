@@ -29,6 +29,7 @@ from tunix_train.config import (
     ConfigError,
     DataConfig,
     DataSource,
+    LoraConfig,
     MixedPrecision,
     ModelConfig,
     Objective,
@@ -139,7 +140,49 @@ def validate(cfg: Config) -> None:
 def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) -> None:
     """LoRA's settings, and what every objective but lm needs of the data; the objectives' own
     sections check themselves (config_objectives.py: DpoConfig.check, GrpoConfig.check)."""
-    lora = t.lora
+    _validate_lora(t.lora, m)
+    if t.objective is Objective.distill:
+        t.distill.check(m.vocab_size)
+    name = f"training.objective={t.objective.value}"
+    if d.padding_free and m.vision is not None:
+        raise ConfigError(
+            "data.padding_free: rows with images are not packed (model.vision): set it to false"
+        )
+    if d.padding_free and t.objective not in (Objective.dpo, Objective.reward, Objective.grpo):
+        raise ConfigError(
+            f"data.padding_free packs preference pairs and rollouts (objective=dpo, reward, grpo and "
+            f"its family); {name} always packs its documents: set it to false"
+        )
+    if t.objective in (Objective.lm, Objective.distill):  # both read the data's tokens
+        return
+    if d.source not in (DataSource.jsonl, DataSource.parquet):
+        fields = (
+            "prompt, chosen and rejected"
+            if t.objective in (Objective.dpo, Objective.reward)
+            else "prompt (and what the rewards read)"
+        )
+        raise ConfigError(
+            f"{name} reads records with {fields}: set data=jsonl (or parquet) data.train_files=[...]"
+        )
+    if d.prompt_field is not None:
+        raise ConfigError(
+            f"data.prompt_field and data.completion_field are for training.objective=lm; {name} "
+            f"reads the fields it names"
+        )
+    if t.objective in (Objective.dpo, Objective.reward):  # preference pairs
+        if t.micro_batch_size % 2 and not d.padding_free:
+            raise ConfigError(
+                f"training.micro_batch_size={t.micro_batch_size} must be even under {name}: each pair "
+                f"is two rows (chosen, rejected) kept on one device"
+            )
+        if t.objective is Objective.dpo:
+            t.dpo.check()
+        return
+    _validate_on_policy(t, m)  # GRPO and its family, the one objective left
+
+
+def _validate_lora(lora: LoraConfig, m: ModelConfig) -> None:
+    """LoRA's adapters and how its frozen base is held."""
     if lora.rank is not None:
         if lora.rank <= 0:
             raise ConfigError(f"training.lora.rank={lora.rank} must be positive (or null for no adapters)")
@@ -178,44 +221,11 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
                     f"training.lora.base_quantization=nf4: {name} has {axis} {size}, not a multiple of "
                     f"the block size 64; use int8 or none"
                 )
-    if t.objective is Objective.distill:
-        t.distill.check(m.vocab_size)
-    name = f"training.objective={t.objective.value}"
-    if d.padding_free and m.vision is not None:
-        raise ConfigError(
-            "data.padding_free: rows with images are not packed (model.vision): set it to false"
-        )
-    if d.padding_free and t.objective not in (Objective.dpo, Objective.reward, Objective.grpo):
-        raise ConfigError(
-            f"data.padding_free packs preference pairs and rollouts (objective=dpo, reward, grpo and "
-            f"its family); {name} always packs its documents: set it to false"
-        )
-    if t.objective in (Objective.lm, Objective.distill):  # both read the data's tokens
-        return
-    if d.source not in (DataSource.jsonl, DataSource.parquet):
-        fields = (
-            "prompt, chosen and rejected"
-            if t.objective in (Objective.dpo, Objective.reward)
-            else "prompt (and what the rewards read)"
-        )
-        raise ConfigError(
-            f"{name} reads records with {fields}: set data=jsonl (or parquet) data.train_files=[...]"
-        )
-    if d.prompt_field is not None:
-        raise ConfigError(
-            f"data.prompt_field and data.completion_field are for training.objective=lm; {name} "
-            f"reads the fields it names"
-        )
-    if t.objective in (Objective.dpo, Objective.reward):  # preference pairs
-        if t.micro_batch_size % 2 and not d.padding_free:
-            raise ConfigError(
-                f"training.micro_batch_size={t.micro_batch_size} must be even under {name}: each pair "
-                f"is two rows (chosen, rejected) kept on one device"
-            )
-        if t.objective is Objective.dpo:
-            t.dpo.check()
-        return
-    t.grpo.check(t.micro_batch_size)  # GRPO and its family, the one objective left
+
+
+def _validate_on_policy(t: TrainingConfig, m: ModelConfig) -> None:
+    """GRPO's section, and what its family's advantages (on-policy distillation, GKD, PPO) need."""
+    t.grpo.check(t.micro_batch_size)
     if t.grpo.advantage is AdvantageEstimator.distill and not t.distill.teacher:
         raise ConfigError(
             "training.grpo.advantage=distill needs training.distill.teacher: the checkpoint whose "

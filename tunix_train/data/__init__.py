@@ -80,7 +80,6 @@ class Data:
                 docs,
                 self.features,
                 seq_len=d.seq_len,
-                images_per_row=d.images_per_row,
                 accumulation_steps=accumulation_steps,
                 global_micro_batch=global_micro_batch,
                 seed=seed if shuffle else None,

@@ -231,8 +231,8 @@ class PackedBatches(_HostBatches):
 
 class UnpackedBatches(_HostBatches):
     """One document per row, padded to seq_len (positions past it a segment of their own, out of
-    the loss), with its images padded to images_per_row [I, C, H, W]: how rows with images are
-    batched, so that no image is split between rows. Row slots as PackedBatches'."""
+    the loss), with its images padded to the features' images_per_row [I, C, H, W]: how rows with
+    images are batched, so that no image is split between rows. Row slots as PackedBatches'."""
 
     def __init__(
         self,
@@ -240,7 +240,6 @@ class UnpackedBatches(_HostBatches):
         features: DocumentFeatures,
         *,
         seq_len: int,
-        images_per_row: int,
         accumulation_steps: int,
         global_micro_batch: int,
         seed: int | None,
@@ -251,7 +250,7 @@ class UnpackedBatches(_HostBatches):
             _ordered(documents, seed),
             global_micro_batch,
             rows,
-            lambda docs: docs.map(features).map(lambda doc: _padded(doc, seq_len, images_per_row)),
+            lambda docs: docs.map(features).map(lambda doc: _padded(doc, seq_len, features.images_per_row)),
         )
         self._start(ZipIterDataset(slots).map(_stack_rows).batch(accumulation_steps), prefetch)
 

@@ -125,17 +125,15 @@ def model_fields(reader, path: Path) -> dict[str, Any]:
             f"feed_forward_length or attention.head_count"
         )
     experts, head_dim = arch == "qwen3moe", key("attention.key_length", embed // heads)
-    _check_sizes(
-        reader,
-        path,
-        layers=layers,
-        embed=embed,
-        hidden=key("expert_feed_forward_length") if experts else key("feed_forward_length"),
-        heads=heads,
-        kv_heads=key("attention.head_count_kv", heads),
-        head_dim=head_dim,
-        mlp="blk.0.ffn_gate_exps.weight" if experts else "blk.0.ffn_gate.weight",
-    )
+    kv_heads = key("attention.head_count_kv", heads)
+    said = {
+        "block_count": layers,
+        "embedding_length": embed,
+        "feed_forward_length": key("expert_feed_forward_length") if experts else key("feed_forward_length"),
+        "attention.head_count x key_length": heads * head_dim,
+        "attention.head_count_kv x key_length": kv_heads * head_dim,
+    }
+    _check_sizes(reader, path, said, "blk.0.ffn_gate_exps.weight" if experts else "blk.0.ffn_gate.weight")
     if arch in gguf_llama.FAMILY_OF:
         names = {t.name for t in reader.tensors}
         rope_freqs = (
@@ -199,21 +197,23 @@ def _query_pre_attn_scalar(arch: str, layers: int, embed: int, heads: int, head_
     return embed // heads if _LAYERS_OF_27B.get(arch) == layers else head_dim
 
 
-def _check_sizes(reader, path: Path, *, layers, embed, hidden, heads, kv_heads, head_dim, mlp) -> None:
-    """The sizes the metadata declares, held against the tensors the file holds (GGML order: [in,
-    out]) before anything is built from them: a file cannot ask for a model larger than itself."""
+def _check_sizes(reader, path: Path, said: dict[str, int], mlp: str) -> None:
+    """The sizes the metadata declares (`said`, by their keys), held against the tensors the file
+    holds (GGML order: [in, out]; `mlp`: the first layer's MLP input tensor) before anything is
+    built from them: a file cannot ask for a model larger than itself."""
 
     def shape(name):
         return [int(n) for n in _tensor(reader, name, path).shape]
 
     blocks = {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")}
-    declared = {
-        "block_count": (layers, len(blocks)),
-        "embedding_length": (embed, shape("token_embd.weight")[0]),
-        "feed_forward_length": (hidden, shape(mlp)[1]),
-        "attention.head_count x key_length": (heads * head_dim, shape("blk.0.attn_q.weight")[-1]),
-        "attention.head_count_kv x key_length": (kv_heads * head_dim, shape("blk.0.attn_k.weight")[-1]),
+    held = {
+        "block_count": len(blocks),
+        "embedding_length": shape("token_embd.weight")[0],
+        "feed_forward_length": shape(mlp)[1],
+        "attention.head_count x key_length": shape("blk.0.attn_q.weight")[-1],
+        "attention.head_count_kv x key_length": shape("blk.0.attn_k.weight")[-1],
     }
+    declared = {name: (said[name], held[name]) for name in held}
     for name, (said, held) in declared.items():
         if said != held:
             raise ConfigError(

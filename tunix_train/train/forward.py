@@ -18,6 +18,7 @@ and once:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
@@ -44,6 +45,17 @@ def in_compute_dtype(tree: Any, compute_dtype: Any, shardings: Any) -> Any:
     return jax.lax.with_sharding_constraint(tree, quant.retyped(shardings, compute_dtype))
 
 
+@dataclasses.dataclass(frozen=True)
+class ForwardOptions:
+    """How a Forward computes: in `compute_dtype`, the logits `chunk` positions at a time (0: all),
+    over a sequence split in `seq_shards` parts (cp), the logits divided by `temperature`."""
+
+    compute_dtype: Any = jnp.float32
+    chunk: int = 0
+    seq_shards: int = 1
+    temperature: float = 1.0
+
+
 class Forward:
     """One model (its graphdef, and parameters: one state, or the frozen base and the adapters) on
     one micro-batch (with `token_index` when it comes reordered).
@@ -51,34 +63,29 @@ class Forward:
     Parameters are cast to the compute dtype where they are stored (the master copy is untouched),
     so fsdp gathers them already in that dtype. The logits are divided by `temperature` (the
     distribution an RL objective sampled from). With the sequence split in `seq_shards` parts
-    (cp), every part computes its own chunks at once."""
+    (cp), every part computes its own chunks at once (ForwardOptions)."""
 
     def __init__(
         self,
         graphdef: nnx.GraphDef,
         params: Sequence[nnx.State],
         micro: dict[str, jax.Array],
+        options: ForwardOptions = ForwardOptions(),
         *,
-        compute_dtype: Any = jnp.float32,
-        chunk: int = 0,
         param_shardings: Any = None,
-        seq_shards: int = 1,
-        temperature: float = 1.0,
         frozen: bool = False,
     ):
         """frozen: every result without gradient (the reference, a teacher)."""
         self.graphdef, self.params, self.micro = graphdef, tuple(params), micro
-        self.frozen = frozen
-        self.compute_dtype, self.chunk, self.param_shardings = compute_dtype, chunk, param_shardings
-        self.seq_shards, self.temperature = seq_shards, temperature
+        self.options, self.param_shardings, self.frozen = options, param_shardings, frozen
         self._computed = None
 
     def _run(self):
         """(hidden states, experts' statistics, the output layer and its soft-cap and rules)."""
         if self._computed is None:
             params = self.params
-            if self.compute_dtype != jnp.float32:
-                params = in_compute_dtype(params, self.compute_dtype, self.param_shardings)
+            if self.options.compute_dtype != jnp.float32:
+                params = in_compute_dtype(params, self.options.compute_dtype, self.param_shardings)
             model = nnx.merge(self.graphdef, *params)
             micro = self.micro
             x_BTD, stats = model.hidden_and_stats(
@@ -122,7 +129,7 @@ class Forward:
         """float32 logits of hidden states (some positions' of this model), divided by temperature."""
         table_VD, softcap, rules = self._run()[2]
         logits_BTV = output_logits(x_BTD, table_VD, softcap, rules)
-        return logits_BTV if self.temperature == 1.0 else logits_BTV / self.temperature
+        return logits_BTV if self.options.temperature == 1.0 else logits_BTV / self.options.temperature
 
     def __call__(self) -> jax.Array:
         """The per-token negative log-likelihood of micro["targets"], [B, T]."""
@@ -140,12 +147,12 @@ class Forward:
             return fn(*(p.logits(x) for p, x in zip(passes, x_list)), *field_list)
 
         B, T, _ = x_list[0].shape
-        chunk = self.chunk
+        chunk = self.options.chunk
         if not chunk or chunk >= T:
             return self._out(values(x_list, field_list))
         chunk_values = jax.checkpoint(values, policy=jax.checkpoint_policies.nothing_saveable)
         # scan step n takes positions [n·chunk, (n+1)·chunk) of each of the sequence's parts
-        parts, N = self.seq_shards, T // (self.seq_shards * chunk)
+        parts, N = self.options.seq_shards, T // (self.options.seq_shards * chunk)
 
         def by_step(x):
             return jnp.moveaxis(x.reshape(B, parts, N, chunk, *x.shape[2:]), 2, 0).reshape(
@@ -167,21 +174,9 @@ def token_losses(
     graphdef: nnx.GraphDef,
     params: tuple[nnx.State, ...],
     micro: dict[str, jax.Array],
-    compute_dtype=jnp.float32,
-    chunk: int = 0,
+    options: ForwardOptions = ForwardOptions(),
     param_shardings: Any = None,
-    seq_shards: int = 1,
-    temperature: float = 1.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Per-token loss [B, T] of one micro-batch and the experts' statistics (a Forward's)."""
-    forward = Forward(
-        graphdef,
-        params,
-        micro,
-        compute_dtype=compute_dtype,
-        chunk=chunk,
-        param_shardings=param_shardings,
-        seq_shards=seq_shards,
-        temperature=temperature,
-    )
+    forward = Forward(graphdef, params, micro, options, param_shardings=param_shardings)
     return forward(), forward.stats

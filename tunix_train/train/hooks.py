@@ -82,6 +82,17 @@ class StopOnNonFinite(Hook):
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """What a step's MFU is computed from: its tokens, the FLOPs of one, and the peak FLOP/s of
+    each of the devices."""
+
+    tokens_per_step: int
+    flops_per_token: float
+    peak: Peak
+    devices: int
+
+
 class TrainMetrics(Hook):
     """Every `every` steps and at the last: loss, learning rate, gradient norm, step time, tokens/s,
     MFU, non-finite steps skipped and device memory. Fetching the metrics waits for the step."""
@@ -91,21 +102,18 @@ class TrainMetrics(Hook):
         interval: Interval,
         every: int,
         max_steps: int,
-        tokens_per_step: int,
-        flops_per_token: float,
-        peak: Peak,
-        devices: int,
+        work: Work,
         objective_metrics: tuple[str, ...] = (),
         say: Callable[[str], None] = lambda line: None,
         batch_figures: dict[str, float] | None = None,
     ):
-        """peak: per device, of `devices` devices; say: where a revised peak is told; batch_figures:
-        what the loop measured of the step's host batch (pad_fraction: its padding positions' share)."""
+        """say: where a revised peak is told; batch_figures: what the loop measured of the step's
+        host batch (pad_fraction: its padding positions' share)."""
         self.batch_figures = batch_figures if batch_figures is not None else {}
         self.interval, self.every, self.max_steps = interval, every, max_steps
         self.objective_metrics, self.say = objective_metrics, say
-        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
-        self.peak, self.devices = peak, devices
+        self.tokens_per_step, self.flops_per_token = work.tokens_per_step, work.flops_per_token
+        self.peak, self.devices = work.peak, work.devices
 
     def after_step(self, end: StepEnd) -> None:
         self.interval.steps += 1

@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from tunix_train.config import MixedPrecision, ModelConfig, ShardingStrategy
+from tunix_train.config import MixedPrecision, ModelConfig, ShardingStrategy, TrainingConfig
 from tunix_train.interop import checkpoint_format, importer
 from tunix_train.model import quant
 from tunix_train.model.lora import Adapter
@@ -90,14 +90,14 @@ def plan_train_state(
     seed: int,
     strategy: ShardingStrategy = ShardingStrategy.full_shard,
     rules: Rules = LOGICAL_RULES,
-    offload_optimizer_state: bool = False,
-    offload_master_weights: bool = False,
+    offload: frozenset[str] = frozenset(),
     weights: Weights = FULL_FINE_TUNING,
 ) -> StatePlan:
     """Shapes from jax.eval_shape, shardings from the parameters' logical axes and the sharding
     strategy, and an init jitted with those out_shardings, so the whole model never sits on one
-    device. An offloaded optimizer state or float32 master copy of the parameters is sharded
-    alike, in pinned host memory. Frozen weights are sharded like the parameters they stand for."""
+    device. The state's parts named in `offload` ("opt_state", "params": the float32 master copy)
+    are sharded alike, in pinned host memory (offloaded_parts). Frozen weights are sharded like the
+    parameters they stand for."""
     init = train_state_initializer(model_cfg, optimizer, weights)
     key = jax.random.key(seed)
     shapes = jax.eval_shape(init, key)
@@ -116,9 +116,9 @@ def plan_train_state(
     def on_host(tree):
         return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree)
 
-    if offload_optimizer_state:
+    if "opt_state" in offload:
         shardings = shardings.replace(opt_state=on_host(shardings.opt_state))
-    if offload_master_weights:
+    if "params" in offload:
         shardings = shardings.replace(params=on_host(shardings.params))
     abstract = abstract_of(shapes, shardings)
     from_params = functools.partial(
@@ -142,6 +142,18 @@ def plan_train_state(
         jax.jit(init, out_shardings=shardings),
         key,
         jax.jit(from_params, out_shardings=shardings),
+    )
+
+
+def offloaded_parts(training: TrainingConfig) -> frozenset[str]:
+    """The parts of the train state kept in pinned host memory between steps."""
+    return frozenset(
+        part
+        for part, offloaded in (
+            ("opt_state", training.offload_optimizer_state),
+            ("params", training.offload_master_weights),
+        )
+        if offloaded
     )
 
 

@@ -3,9 +3,10 @@ periodic (logs, evaluation, checkpoints, signals, profiling) in hooks (hooks.py)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -25,6 +26,7 @@ from tunix_train.train import hooks as h
 from tunix_train.train.init import count_params
 from tunix_train.train.objectives import make_objective
 from tunix_train.train.setup import (
+    Setup,
     check_same_run,
     data_state,
     initial_state,
@@ -84,27 +86,10 @@ def train(
     """
     t = cfg.training
     check_same_run(run_dir, cfg)
-    objective = make_objective(cfg)
-    data = Data(cfg, objective.record_fields)
-    objective.read(data)
-    run = setup(cfg, devices, objective)
-    mesh = run.mesh
-    rows = process_rows(mesh, run.micro_batch)
-    train_batches = objective.train_batches(data, run.micro_batch, rows)
-    checkpoints = run_dir / "checkpoints"
+    start = _start(cfg, devices, run_dir / "checkpoints")
+    run, objective, data, train_batches = start.run, start.objective, start.data, start.train_batches
+    state, eval_batches, checkpoints, mesh = start.state, start.eval_batches, start.checkpoints, run.mesh
     memory = MemoryErrors(cfg, mesh)
-    try:
-        with memory:
-            state, origin, skipped = initial_state(cfg, run, checkpoints, train_batches)
-            eval_batches = (
-                [to_global_batch(b, mesh) for b in objective.eval_batches(data, run.micro_batch, rows)]
-                if t.eval_every
-                else []
-            )
-            frozen = frozen_record(cfg, state)
-    except BaseException:
-        train_batches.close()
-        raise
 
     run_dir.mkdir(parents=True, exist_ok=True)
     is_chief = jax.process_index() == 0
@@ -114,43 +99,31 @@ def train(
         save_config(cfg, list(overrides), run_dir)
     say = log.info if log else (lambda *_: None)
     if log:
-        for warning in skipped:
+        for warning in start.skipped:
             log.warning(f"warning: {warning}")
-    tokens_per_step = t.gradient_accumulation_steps * run.micro_batch * cfg.data.seq_len
-    flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
-    peak = Peak.for_run(t.peak_flops_per_device, t.mixed_precision.value)
-    say(f"run directory: {run_dir}")
-    say(f"mesh: {describe_mesh(mesh)}; {processes}")
-    say(f"model: {cfg.model.name}, {_describe_parameters(run, state)}; {origin}")
-    family = f" (advantage {t.grpo.advantage.value})" if t.objective is Objective.grpo else ""
-    say(f"objective: {t.objective.value}{family}")
-    say(
-        f"global batch: {t.gradient_accumulation_steps * run.micro_batch} sequences "
-        f"({t.micro_batch_size} per data-parallel shard x {data_parallel_size(mesh)} shards x "
-        f"{t.gradient_accumulation_steps} accumulation steps) = {tokens_per_step:,} tokens"
+    work = h.Work(
+        t.gradient_accumulation_steps * run.micro_batch * cfg.data.seq_len,
+        train_flops_per_token(cfg.model, cfg.data.seq_len),
+        Peak.for_run(t.peak_flops_per_device, t.mixed_precision.value),
+        mesh.devices.size,
     )
-    for line in run.parallel.describe() if run.parallel else ():
+    for line in (
+        f"run directory: {run_dir}",
+        f"mesh: {describe_mesh(mesh)}; {processes}",
+        f"model: {cfg.model.name}, {_describe_parameters(run, state)}; {start.origin}",
+        *_describe(cfg, run, data, work),
+    ):
         say(line)
-    say(
-        f"MFU basis: {flops_per_token / 1e9:.3f} GFLOP per token, peak {peak.value / 1e12:.3f} TFLOP/s "
-        f"per device ({peak.source}) x {mesh.devices.size} devices"
-    )
-    if not data.synthetic:
-        say(
-            f"data: {len(data.train_docs):,} training and {len(data.eval_docs):,} held-out documents, "
-            f"tokenizer {data.tokenizer.path.name} ({data.tokenizer.vocab_size} tokens)"
-        )
 
     checkpointer = Checkpointer(checkpoints, cfg.checkpoint)
     objective.connect(run.connection(writer.write_samples if writer else lambda *_: None))
 
     def save(state: TrainState) -> None:
-        checkpointer.save(state, data_state(train_batches, run, frozen))
+        checkpointer.save(state, data_state(train_batches, run, start.frozen))
 
     try:
         with memory, jax.set_mesh(mesh), StopRequest() as stop:
-            start = time.perf_counter()
-
+            began = time.perf_counter()
             batch_figures = {}  # of this process's rows of the step's batch
 
             def next_batch(state):
@@ -160,7 +133,7 @@ def train(
 
             batch = next_batch(state)
             step_fn = memory.compiled = run.step_fn.lower(state, batch).compile()
-            say(f"compiled the train step in {time.perf_counter() - start:.1f} s")
+            say(f"compiled the train step in {time.perf_counter() - began:.1f} s")
             interval = h.Interval()
             hooks = [
                 *objective.hooks(),  # first: GRPO draws rollouts on its own mesh while the step runs
@@ -170,10 +143,7 @@ def train(
                     interval,
                     t.log_every,
                     t.max_steps,
-                    tokens_per_step,
-                    flops_per_token,
-                    peak,
-                    mesh.devices.size,
+                    work,
                     objective.metric_names + (MOE_METRICS if cfg.model.num_experts else ()),
                     say,
                     batch_figures,
@@ -198,6 +168,69 @@ def train(
             writer.close()
     say(f"done: step {int(state.step)}, final checkpoint in {checkpoints / str(int(state.step))}")
     return state
+
+
+@dataclasses.dataclass
+class _Start:
+    """What a run starts from: its objective, data, set-up and state, before anything is written."""
+
+    objective: Any
+    data: Data
+    run: Setup
+    train_batches: Any
+    checkpoints: Path
+    state: TrainState
+    origin: str  # where the state came from
+    skipped: list[str]  # warnings about damaged checkpoints set aside
+    eval_batches: list
+    frozen: Any  # the record of the frozen weights a checkpoint keeps
+
+
+def _start(cfg: Config, devices: list[jax.Device] | None, checkpoints: Path) -> _Start:
+    """The objective reads the data, the run is set up on `devices`, and the state is restored
+    (or started) from `checkpoints`; the data's read-ahead stops if that fails."""
+    objective = make_objective(cfg)
+    data = Data(cfg, objective.record_fields)
+    objective.read(data)
+    run = setup(cfg, devices, objective)
+    rows = process_rows(run.mesh, run.micro_batch)
+    train_batches = objective.train_batches(data, run.micro_batch, rows)
+    try:
+        with MemoryErrors(cfg, run.mesh):
+            state, origin, skipped = initial_state(cfg, run, checkpoints, train_batches)
+            eval_batches = (
+                [to_global_batch(b, run.mesh) for b in objective.eval_batches(data, run.micro_batch, rows)]
+                if cfg.training.eval_every
+                else []
+            )
+            frozen = frozen_record(cfg, state)
+    except BaseException:
+        train_batches.close()
+        raise
+    return _Start(
+        objective, data, run, train_batches, checkpoints, state, origin, skipped, eval_batches, frozen
+    )
+
+
+def _describe(cfg: Config, run, data: Data, work: h.Work) -> list[str]:
+    """The log's lines on the objective, the batch, the layout, the MFU basis and the data."""
+    t = cfg.training
+    family = f" (advantage {t.grpo.advantage.value})" if t.objective is Objective.grpo else ""
+    lines = [
+        f"objective: {t.objective.value}{family}",
+        f"global batch: {t.gradient_accumulation_steps * run.micro_batch} sequences "
+        f"({t.micro_batch_size} per data-parallel shard x {data_parallel_size(run.mesh)} shards x "
+        f"{t.gradient_accumulation_steps} accumulation steps) = {work.tokens_per_step:,} tokens",
+        *(run.parallel.describe() if run.parallel else ()),
+        f"MFU basis: {work.flops_per_token / 1e9:.3f} GFLOP per token, peak "
+        f"{work.peak.value / 1e12:.3f} TFLOP/s per device ({work.peak.source}) x {work.devices} devices",
+    ]
+    if not data.synthetic:
+        lines.append(
+            f"data: {len(data.train_docs):,} training and {len(data.eval_docs):,} held-out documents, "
+            f"tokenizer {data.tokenizer.path.name} ({data.tokenizer.vocab_size} tokens)"
+        )
+    return lines
 
 
 def pad_fraction(segment_ids_ABT: np.ndarray) -> float:

@@ -34,7 +34,7 @@ from tunix_train.sharding import (
     validate_model_for_mesh,
 )
 from tunix_train.state import TrainState
-from tunix_train.train.init import StatePlan, plan_frozen_models, plan_train_state
+from tunix_train.train.init import StatePlan, offloaded_parts, plan_frozen_models, plan_train_state
 from tunix_train.train.objectives import make_objective
 from tunix_train.train.optimizer import make_optimizer
 from tunix_train.train.program import Program, program_for
@@ -122,8 +122,7 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
         t.seed,
         t.sharding_strategy,
         LOGICAL_RULES,
-        t.offload_optimizer_state,
-        t.offload_master_weights,
+        offloaded_parts(t),
         weights,
     )
 

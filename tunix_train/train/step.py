@@ -10,6 +10,7 @@ in scoring.py takes the run's Program (program.py) whole: what it traces, built 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -23,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from tunix_train.model.moe import load_balancing_loss
 from tunix_train.sharding import batch_sharding, data_axes, data_parallel_size, per_shard_shardings
 from tunix_train.state import TrainState
-from tunix_train.train.forward import Forward, in_compute_dtype
+from tunix_train.train.forward import Forward, ForwardOptions, in_compute_dtype
 from tunix_train.train.init import COMPUTE_DTYPES
 from tunix_train.train.objectives.lm import BATCH_DTYPES
 from tunix_train.train.program import Program, with_models
@@ -51,18 +52,10 @@ def forwards(program: Program, params, frozen, micro, models: dict | None = None
     if training and program.train_graphdef is not None:
         graphdef, param_shardings, frozen_shardings = program.train_graphdef, None, None
 
-    def forward(states, shardings, frozen=False, graphdef=graphdef, compute_dtype=program.compute_dtype):
-        return Forward(
-            graphdef,
-            states,
-            micro,
-            compute_dtype=compute_dtype,
-            chunk=program.chunk,
-            param_shardings=shardings,
-            seq_shards=program.seq_shards,
-            temperature=objective.temperature,
-            frozen=frozen,
-        )
+    options = ForwardOptions(program.compute_dtype, program.chunk, program.seq_shards, objective.temperature)
+
+    def forward(states, shardings, frozen=False, graphdef=graphdef, options=options):
+        return Forward(graphdef, states, micro, options, param_shardings=shardings, frozen=frozen)
 
     def shardings(compose, **kw):
         return None if param_shardings is None else compose(param_shardings, frozen_shardings, **kw)
@@ -74,7 +67,13 @@ def forwards(program: Program, params, frozen, micro, models: dict | None = None
     others, extras = None, program.extras
     if models is not None:  # (the scoring pass reads no extra model)
         others = {  # held in their compute dtype (train/init.py): nothing to cast
-            name: forward((models[name],), None, True, extras.graphdefs[name], COMPUTE_DTYPES[spec.precision])
+            name: forward(
+                (models[name],),
+                None,
+                True,
+                extras.graphdefs[name],
+                dataclasses.replace(options, compute_dtype=COMPUTE_DTYPES[spec.precision]),
+            )
             for name, spec in extras.specs.items()
         }
     return policy, reference, others
