@@ -19,7 +19,7 @@ from test_cli import run_cli
 
 from tunix_train.rewards.arithmetic import write_task
 from tunix_train.train.loop import train
-from tunix_train.train.objectives.grpo_family import advantages, token_objective
+from tunix_train.train.objectives.grpo_family import Clip, advantages, token_objective
 from tunix_train.train.setup import setup
 
 REWARD = "tunix_train.rewards.arithmetic:exact_match"
@@ -43,8 +43,7 @@ def test_advantages_and_the_clipped_loss_equal_numpy():
     ours, our_kl, clipped = token_objective(
         *(jnp.asarray(x, jnp.float32) for x in (logp, old, ref, adv)),
         jnp.ones((4, 6)),
-        epsilon=eps,
-        epsilon_high=eps,
+        clip=Clip(eps, eps),
         beta=beta,
     )
     np.testing.assert_allclose(np.asarray(ours), numpy, rtol=1e-5, atol=1e-6)

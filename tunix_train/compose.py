@@ -67,6 +67,16 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"training.warmup_steps={t.warmup_steps} must be >= 0")
     if t.eval_every < 0 or t.eval_batches <= 0:
         raise ConfigError("training.eval_every must be >= 0 and training.eval_batches positive")
+    _validate_data(d)
+    if c.every_steps < 0 or c.every_seconds < 0 or c.keep < 1:
+        raise ConfigError("checkpoint.every_steps and every_seconds must be >= 0 and checkpoint.keep >= 1")
+    _validate_step(t, d, m)
+    _validate_images(d, m)
+    _validate_post_training(t, d, cfg.model)
+
+
+def _validate_data(d: DataConfig) -> None:
+    """Where the data comes from and which fields it reads."""
     if not 0.0 <= d.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
     file_sources = (DataSource.text, DataSource.jsonl, DataSource.parquet, DataSource.array_record)
@@ -90,8 +100,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"data.train_on_roles={list(d.train_on_roles)} must name some of {', '.join(CHAT_ROLES)}"
         )
-    if c.every_steps < 0 or c.every_seconds < 0 or c.keep < 1:
-        raise ConfigError("checkpoint.every_steps and every_seconds must be >= 0 and checkpoint.keep >= 1")
+
+
+def _validate_step(t: TrainingConfig, d: DataConfig, m: ModelConfig) -> None:
+    """The step's settings that depend on each other: logit chunks, gradient syncs, attention,
+    offloading, samples."""
     if t.loss_chunk_size < 0 or (0 < t.loss_chunk_size < d.seq_len and d.seq_len % t.loss_chunk_size):
         raise ConfigError(
             f"training.loss_chunk_size={t.loss_chunk_size} must divide data.seq_len={d.seq_len} "
@@ -126,6 +139,10 @@ def validate(cfg: Config) -> None:
             "training.sample_every needs training.sample_prompts and text data with a tokenizer "
             "(not data=synthetic, nor array_record without data.tokenizer): set it to 0"
         )
+
+
+def _validate_images(d: DataConfig, m: ModelConfig) -> None:
+    """How rows hold images, and the read-ahead."""
     if d.images_per_row < 1:
         raise ConfigError(f"data.images_per_row={d.images_per_row} must be positive")
     if d.pan_and_scan_crops < 0 or d.pan_and_scan_crops == 1:
@@ -134,7 +151,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.pan_and_scan_crops is Gemma 3's (model.vision.encoder=siglip); set it to 0")
     if d.prefetch_batches < 0:
         raise ConfigError(f"data.prefetch_batches={d.prefetch_batches} must be >= 0")
-    _validate_post_training(t, d, cfg.model)
 
 
 def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) -> None:

@@ -46,6 +46,36 @@ def _no_wide_format(text: str) -> None:
         raise ConfigError("formats a field of more than 8 digits' width")
 
 
+def _check_binop(operator: str, left, right) -> None:
+    """An operator's result bounded before it is computed: % formats, + joins, * repeats, ** powers."""
+    if operator == "%" and isinstance(left, str):
+        _no_wide_format(left)
+    if operator == "+" and all(isinstance(x, (str, list, tuple)) for x in (left, right)):
+        if len(left) + len(right) > RENDER_CHARS:
+            raise ConfigError(f"joins a string or list past {RENDER_CHARS} items")
+    sized = next((len(x) for x in (left, right) if isinstance(x, (str, list, tuple))), None)
+    count = right if isinstance(right, int) else left
+    if operator == "*" and sized is not None and isinstance(count, int) and sized * count > RENDER_CHARS:
+        raise ConfigError(f"repeats a string or list past {RENDER_CHARS} items")
+    if operator == "**" and isinstance(right, (int, float)) and abs(right) > 1024:
+        raise ConfigError("raises to a power above 1024")
+
+
+def _check_call(args: tuple, kwargs: dict) -> None:
+    """A call's numbers and a str.replace's result bounded before it runs (args: the sandbox's
+    (context, function, *arguments))."""
+    numbers = [x for x in (*args[2:], *kwargs.values()) if isinstance(x, int)]
+    if any(abs(x) > RENDER_CHARS for x in numbers):  # "x".ljust(10**10), "x".center(...)
+        raise ConfigError(f"calls a function with a number past {RENDER_CHARS}")
+    function = args[1] if len(args) > 1 else None
+    text = getattr(function, "__self__", None)
+    if isinstance(text, str) and getattr(function, "__name__", "") == "replace" and len(args) > 3:
+        old, new = args[2], args[3]
+        if isinstance(old, str) and isinstance(new, str) and old:
+            if len(text) + text.count(old) * (len(new) - len(old)) > RENDER_CHARS:
+                raise ConfigError(f"makes a string past {RENDER_CHARS} characters")
+
+
 @functools.cache
 def _bounded_environment():
     """transformers' sandbox, and within each rendering a deadline checked at every call,
@@ -81,36 +111,12 @@ def _bounded_environment():
 
         def call_binop(self, context, operator, left, right):
             self._on_time()
-            if operator == "%" and isinstance(left, str):
-                _no_wide_format(left)
-            if operator == "+" and all(isinstance(x, (str, list, tuple)) for x in (left, right)):
-                if len(left) + len(right) > RENDER_CHARS:
-                    raise ConfigError(f"joins a string or list past {RENDER_CHARS} items")
-            sized = next((len(x) for x in (left, right) if isinstance(x, (str, list, tuple))), None)
-            count = right if isinstance(right, int) else left
-            if (
-                operator == "*"
-                and sized is not None
-                and isinstance(count, int)
-                and sized * count > RENDER_CHARS
-            ):
-                raise ConfigError(f"repeats a string or list past {RENDER_CHARS} items")
-            if operator == "**" and isinstance(right, (int, float)) and abs(right) > 1024:
-                raise ConfigError("raises to a power above 1024")
+            _check_binop(operator, left, right)
             return super().call_binop(context, operator, left, right)
 
         def call(self, *args, **kwargs):
             self._on_time()
-            numbers = [x for x in (*args[2:], *kwargs.values()) if isinstance(x, int)]
-            if any(abs(x) > RENDER_CHARS for x in numbers):  # "x".ljust(10**10), "x".center(...)
-                raise ConfigError(f"calls a function with a number past {RENDER_CHARS}")
-            function = args[1] if len(args) > 1 else None
-            text = getattr(function, "__self__", None)
-            if isinstance(text, str) and getattr(function, "__name__", "") == "replace" and len(args) > 3:
-                old, new = args[2], args[3]
-                if isinstance(old, str) and isinstance(new, str) and old:
-                    if len(text) + text.count(old) * (len(new) - len(old)) > RENDER_CHARS:
-                        raise ConfigError(f"makes a string past {RENDER_CHARS} characters")
+            _check_call(args, kwargs)
             out = super().call(*args, **kwargs)
             if isinstance(out, (str, list, tuple)) and len(out) > RENDER_CHARS:  # s.replace("x", s)
                 raise ConfigError(f"makes a string or list past {RENDER_CHARS} items")

@@ -271,7 +271,7 @@ class Decoder(nnx.Module):
     """Token ids [B, T] -> float32 next-token logits [B, T, V]; the output layer is the embedding
     table (tie_embeddings) or its own [V, D]."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (waived: issue 71)
         self,
         cfg: ModelConfig,
         rngs: nnx.Rngs,
@@ -605,7 +605,7 @@ class Decoder(nnx.Module):
         and attend_of(window, layer) gives a layer's attention (layer: its index, given when unrolled)."""
         rope_global, rope_local = self.rope_tables(positions_BT)
 
-        def apply(graphdef, shape, layer, x_BTD, state, window, per_layer_BTP, shared_kv, replay_BTK):
+        def apply(graphdef, shape, layer, x_BTD, state, window, per_layer_BTP, shared_kv, replay_BTK):  # noqa: PLR0913 (waived: issue 71)
             rope = _layer_rope(shape, window, rope_global, rope_local)
             x_BTD, extra, side = nnx.merge(graphdef, state)(
                 x_BTD, rope, attend_of(window, layer), per_layer_BTP, shared_kv, replay_BTK

@@ -163,7 +163,7 @@ def _glu(h_AC2M, act):
     return act(h_AC2M[..., 0, :]) * h_AC2M[..., 1, :]
 
 
-def apply_experts(
+def apply_experts(  # noqa: PLR0913 (waived: issue 71)
     x_XD,
     weights_XK,
     experts_XK,

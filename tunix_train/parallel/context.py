@@ -154,7 +154,7 @@ def _round_the_ring(x, cp):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _ring(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, q_images, window, softcap, cp):
+def _ring(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, q_images, window, softcap, cp):  # noqa: PLR0913 (waived: issue 71)
     """Attention of this shard's queries to every shard's keys, passed round the ring (q_images:
     each token's image, or None without images).
     Why its own backward pass: flash attention's, which keeps only the output and log-sum-exp of
@@ -173,7 +173,7 @@ def _image_halves(images):
     return (None, None) if images is None else _halves(images)
 
 
-def _ring_fwd(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, q_images, window, softcap, cp):
+def _ring_fwd(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, q_images, window, softcap, cp):  # noqa: PLR0913 (waived: issue 71)
     """Per query chunk, the output and log-sum-exp so far, merged as the key blocks come round."""
     queries = list(zip(_halves(q_BTNH), _halves(q_index), _halves(q_segments), _image_halves(q_images)))
     acc = [_nothing(q) for q, *_ in queries]

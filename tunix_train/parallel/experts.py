@@ -88,7 +88,7 @@ class MeshDispatch:
         )
 
 
-def _expert_parallel(
+def _expert_parallel(  # noqa: PLR0913 (waived: issue 71)
     x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, ragged=False, act=gelu_tanh
 ):
     """moe.apply_experts with the experts split over the ep mesh axis (and the tokens with them: ep

@@ -55,7 +55,7 @@ class Schedule:
         return 1.0 - busy / (self.steps * self.stages)
 
 
-def run(
+def run(  # noqa: PLR0913 (waived: issue 71)
     schedule: Schedule,
     stage_fn: Callable,
     enter: Callable,
@@ -88,7 +88,7 @@ def run(
     return stages(chunks, x_MBTD, rows)
 
 
-def _stages(schedule: Schedule, stage_fn, enter, dtype, seq_axis, per_layer, chunks, x_MBTD, rows):
+def _stages(schedule: Schedule, stage_fn, enter, dtype, seq_axis, per_layer, chunks, x_MBTD, rows):  # noqa: PLR0913 (waived: issue 71)
     """One stage's part of the schedule (in the shard_map): a scan over the time steps."""
     S, R = schedule.stages, schedule.repeats
     stage = jax.lax.axis_index(AXIS)

@@ -128,11 +128,13 @@ class GroupRelative(Objective):
             ref_logp,
             advantages,
             mask,
-            epsilon=g.epsilon,
-            epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high,
+            clip=family.Clip(
+                g.epsilon,
+                g.epsilon if g.epsilon_high is None else g.epsilon_high,
+                g.importance_cap,
+                g.importance_sampling_level,
+            ),
             beta=g.beta,
-            cap=g.importance_cap,
-            level=g.importance_sampling_level,
             segment_ids=micro.get("segment_ids"),
         )
 

@@ -29,6 +29,7 @@ their first positions, so both layouts give the same loss.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -93,24 +94,22 @@ def whitened(returns_N: np.ndarray, tokens_N: np.ndarray) -> np.ndarray:
     return (returns_N - mean) / math.sqrt(max(variance, 1e-8))
 
 
-def token_objective(
-    logp,
-    old_logp,
-    ref_logp,
-    advantages,
-    mask,
-    *,
-    epsilon: float,
-    epsilon_high: float,
-    beta: float,
-    cap: float = math.inf,
-    level: ImportanceLevel = ImportanceLevel.token,
-    segment_ids=None,
-):
-    """Per token [B, T]: the clipped surrogate minus beta KL (to maximize), the KL (k3, against the
-    reference; ref_logp None: none), and whether the clip bites. The ratio (per token, or its
-    sequence's under GSPO; `segment_ids` as `sequence_means`) is clipped to
+@dataclasses.dataclass(frozen=True)
+class Clip:
+    """The importance ratio's clip: per token, or its sequence's under GSPO (`level`), clipped to
     [1 - epsilon, 1 + epsilon_high], and where it is not clipped, truncated at `cap` (TRL's `delta`)."""
+
+    epsilon: float
+    epsilon_high: float
+    cap: float = math.inf
+    level: ImportanceLevel = ImportanceLevel.token
+
+
+def token_objective(logp, old_logp, ref_logp, advantages, mask, *, clip: Clip, beta: float, segment_ids=None):
+    """Per token [B, T]: the clipped surrogate minus beta KL (to maximize), the KL (k3, against the
+    reference; ref_logp None: none), and whether the clip bites (`clip`; `segment_ids` as
+    `sequence_means`)."""
+    epsilon, epsilon_high, cap, level = clip.epsilon, clip.epsilon_high, clip.cap, clip.level
     log_ratio = logp - old_logp
     if level is ImportanceLevel.sequence:
         log_ratio = sequence_means(log_ratio, mask, segment_ids)
