@@ -473,7 +473,7 @@ def image_loss_and_grads(cfg, batch, mesh_shape) -> tuple[float, dict]:
     from flax import nnx
 
     from tunix_train import parallel
-    from tunix_train.model.decoder import output_logits
+    from tunix_train.model.common import output_logits
     from tunix_train.model.factory import build_model
     from tunix_train.sharding import make_mesh, state_shardings
     from tunix_train.train.forward import cross_entropy

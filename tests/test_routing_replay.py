@@ -17,7 +17,7 @@ from flax import nnx
 from tunix_train.compose import load_config
 from tunix_train.config import ConfigError, Remat
 from tunix_train.generate import Engine, Request, Sampling
-from tunix_train.model.decoder import output_logits
+from tunix_train.model.common import output_logits
 from tunix_train.parallel import model_graphdef
 from tunix_train.rewards.arithmetic import write_task
 from tunix_train.sharding import make_mesh

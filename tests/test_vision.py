@@ -282,7 +282,7 @@ def test_a_frozen_tower_gets_no_gradient_update_or_optimizer_state(trainable):
     """model.vision.trainable=false (the default): the images' embeddings carry no gradient into
     the tower, and AdamW keeps no moments for it nor decays it; true: it trains like the rest."""
     from tunix_train.compose import load_config
-    from tunix_train.model.decoder import output_logits
+    from tunix_train.model.common import output_logits
     from tunix_train.train.forward import cross_entropy
     from tunix_train.train.optimizer import make_optimizer
 

@@ -155,7 +155,7 @@ def _validate_images(d: DataConfig, m: ModelConfig) -> None:
 
 def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) -> None:
     """LoRA's settings, and what every objective but lm needs of the data; the objectives' own
-    sections check themselves (config_objectives.py: DpoConfig.check, GrpoConfig.check)."""
+    sections check themselves (config/objectives.py: DpoConfig.check, GrpoConfig.check)."""
     _validate_lora(t.lora, m)
     if t.objective is Objective.distill:
         t.distill.check(m.vocab_size)

@@ -33,7 +33,7 @@ from tunix_train.config import ConfigError, LoraConfig, ModelConfig, Remat
 from tunix_train.generate import cache as kv
 from tunix_train.generate.sampling import Kinds, Rules, draw
 from tunix_train.generate.session import Completion, Request, Session  # noqa: F401 (Completion: the API)
-from tunix_train.model.decoder import output_logits
+from tunix_train.model.common import output_logits
 from tunix_train.model.layout import kv_sources, layer_windows
 from tunix_train.model.vision import image_slots, images_on_global, token_counts
 from tunix_train.parallel import model_graphdef

@@ -1,4 +1,5 @@
-"""Building blocks the decoder (decoder.py) and the experts (moe.py) share."""
+"""Building blocks the decoder (decoder.py, block.py, attention.py) and the experts (moe.py) share,
+and the output layer (`output_logits`) every path to logits goes through."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tunix_train.config import Activation
+from tunix_train.model import kernels
+from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], fan_in: int) -> nnx.Param:
@@ -39,3 +42,23 @@ def gelu_tanh(x):
 
 
 ACTIVATIONS = {Activation.gelu_tanh: gelu_tanh, Activation.silu: jax.nn.silu}  # model.mlp_activation
+
+
+def output_logits(x, table_VD, softcap: float | None, rules: Rules = LOGICAL_RULES):
+    """float32 next-token logits from final hidden states and the output layer: the one place
+    logits are computed (the model, the step's chunked loss, the engine).
+
+    x [B, T, D] -> [B, T, V]; x [B, D] (the engine's one position per row) -> [B, V], with the
+    vocabulary as the dot's rows, then transposed. Why: XLA:CPU's dot runs [V, D] x [D, B] about
+    twice as fast as [B, D] x [D, V] at a decoding batch (git log -- docs/performance-history.md);
+    the barrier keeps XLA from folding the transpose back into the dot."""
+    table_VD = table_VD.astype(x.dtype)
+    if x.ndim == 2:
+        logits_VB = jnp.einsum("vd,bd->vb", table_VD, x).astype(jnp.float32)
+        logits, axes = jax.lax.optimization_barrier(logits_VB).T, ("batch", "act_vocab")
+    else:
+        logits, axes = (
+            jnp.einsum("btd,vd->btv", x, table_VD).astype(jnp.float32),
+            ("batch", "seq", "act_vocab"),
+        )
+    return constrain(kernels.soft_cap(logits, softcap), axes, rules)

@@ -15,13 +15,13 @@ Layers whose parameters have the same shapes are stacked and scanned. Gemma 4 mi
 global layers have their own head dim; KV-sharing layers have no key/value weights), so its layers
 form `LayerGroup`s: a period of layers repeated, scanned over the repeats (docs/models.md).
 
-One file: the decoder, read top to bottom as the math.
+The layer is attention.py's Attention and block.py's MLP and Block; this file is the stack: the
+embeddings, the layers scanned or run by a LayerRunner, the output layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Protocol
 
 import jax
@@ -38,7 +38,8 @@ from tunix_train.config import (
     VisionEncoder,
 )
 from tunix_train.model import kernels
-from tunix_train.model.common import ACTIVATIONS, RMSNorm, param
+from tunix_train.model.block import Block, stacked_blocks
+from tunix_train.model.common import RMSNorm, output_logits, param
 from tunix_train.model.gemma4_vision import Gemma4VisionTower
 from tunix_train.model.layout import (
     GLOBAL_WINDOW,
@@ -49,8 +50,8 @@ from tunix_train.model.layout import (
     layer_windows,
     one_stack,
 )
-from tunix_train.model.lora import Adapt, Adapter, adapter, no_adapter
-from tunix_train.model.moe import Dispatch, LocalDispatch, MoE
+from tunix_train.model.lora import Adapter
+from tunix_train.model.moe import Dispatch, LocalDispatch
 from tunix_train.model.rope import rope_table
 from tunix_train.model.vision import VisionTower, image_slots, images_on_global, merged_embeddings
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
@@ -61,210 +62,6 @@ class LayerRunner(Protocol):
     the model hands it the function that applies a run of layers."""
 
     def run_layers(self, layers: Callable, layer_xs, x_BTD, rows: dict, make_attend: Callable): ...
-
-
-class Attention(nnx.Module):
-    """Grouped-query attention with optional QK-norm (Gemma 3), logit soft-capping (Gemma 2), and
-    Gemma 4's value norm, keys as values and keys/values shared from an earlier layer."""
-
-    def __init__(
-        self, cfg: ModelConfig, shape: LayerShape, rngs: nnx.Rngs, rules: Rules, adapt: Adapt = no_adapter
-    ):
-        D, N, K, H = cfg.embed_dim, cfg.num_heads, shape.num_kv_heads, shape.head_dim
-        self.q_DNH = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), D)
-        computes_kv = not shape.shares_kv
-        self.k_DKH = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D) if computes_kv else None
-        self.v_DKH = (
-            param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), D)
-            if computes_kv and not shape.k_eq_v
-            else None
-        )
-        self.o_NHD = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), N * H)
-        self.q_lora, self.k_lora, self.v_lora = (
-            None if w is None else adapt(name, w, 1)
-            for name, w in (("q", self.q_DNH), ("k", self.k_DKH), ("v", self.v_DKH))
-        )
-        self.o_lora = adapt("o", self.o_NHD, 2)
-        if cfg.qkv_bias:  # Qwen 2
-            self.q_bias_NH = nnx.Param(jnp.zeros((N, H), jnp.float32), axes=("heads", "head_dim"))
-            self.k_bias_KH, self.v_bias_KH = (
-                nnx.Param(jnp.zeros((K, H), jnp.float32), axes=("kv_heads", "head_dim"))
-                if computes_kv and (name == "k" or not shape.k_eq_v)
-                else None
-                for name in ("k", "v")
-            )
-        else:
-            self.q_bias_NH = self.k_bias_KH = self.v_bias_KH = None
-        norm = functools.partial(RMSNorm, H, cfg.rms_norm_eps, cfg.norm_weight_offset)
-        self.q_norm = norm() if cfg.use_qk_norm else None
-        self.k_norm = norm() if cfg.use_qk_norm and computes_kv else None
-        self.v_norm = norm(with_scale=False) if cfg.use_v_norm and computes_kv else None
-        self.query_scale = (cfg.query_pre_attn_scalar or H) ** -0.5
-        self.softcap = cfg.attn_logit_softcap
-        self.rules = rules
-
-    def __call__(self, x_BTD, rope, attend, shared_kv=None):
-        """`attend(q, k, v, softcap) -> (out, extra)`: attention over the keys this pass may see
-        (Decoder.hidden: the masked positions of the pass; the engine: its KV cache, returned as extra).
-        shared_kv: the keys and values of the layer this one reuses. Returns (out, extra, (k, v))."""
-
-        def adapted(y, lora, bias=None):
-            y = y if lora is None else y + lora(x_BTD)
-            return y if bias is None else y + bias[...].astype(y.dtype)
-
-        if self.k_DKH is not None and self.v_DKH is not None:
-            q_BTNH, k_BSKH, v_BSKH = kernels.qkv_projection(
-                x_BTD, self.q_DNH[...], self.k_DKH[...], self.v_DKH[...]
-            )
-            q_BTNH, k_BSKH, v_BSKH = (
-                adapted(y, lora, bias)
-                for y, lora, bias in (
-                    (q_BTNH, self.q_lora, self.q_bias_NH),
-                    (k_BSKH, self.k_lora, self.k_bias_KH),
-                    (v_BSKH, self.v_lora, self.v_bias_KH),
-                )
-            )
-        else:
-            q_BTNH = adapted(
-                kernels.dense("btd,dnh->btnh", x_BTD, self.q_DNH[...]), self.q_lora, self.q_bias_NH
-            )
-        if self.k_DKH is not None and self.v_DKH is None:  # keys as values
-            k_BSKH = adapted(
-                kernels.dense("bsd,dkh->bskh", x_BTD, self.k_DKH[...]), self.k_lora, self.k_bias_KH
-            )
-            v_BSKH = k_BSKH
-        if self.q_norm is not None:
-            q_BTNH = self.q_norm(q_BTNH)
-        q_BTNH = kernels.apply_rope(q_BTNH, *rope) * self.query_scale
-        if self.k_DKH is None:
-            k_BSKH, v_BSKH = shared_kv
-        else:
-            if self.v_norm is not None:
-                v_BSKH = self.v_norm(v_BSKH)
-            if self.k_norm is not None:
-                k_BSKH = self.k_norm(k_BSKH)
-            k_BSKH = kernels.apply_rope(k_BSKH, *rope)
-        q_BTNH = constrain(q_BTNH, ("batch", "seq", "act_heads", None), self.rules)
-
-        out_BTNH, extra = attend(q_BTNH, k_BSKH, v_BSKH, self.softcap)
-        y_BTD = kernels.output_projection(out_BTNH, self.o_NHD[...])
-        return (y_BTD if self.o_lora is None else y_BTD + self.o_lora(out_BTNH)), extra, (k_BSKH, v_BSKH)
-
-
-class MLP(nnx.Module):
-    """down(act(gate(x)) * up(x)): GeGLU (Gemma) or SwiGLU (Llama, Qwen), by model.mlp_activation."""
-
-    def __init__(self, cfg: ModelConfig, width: int, rngs: nnx.Rngs, rules: Rules, adapt: Adapt = no_adapter):
-        D, F = cfg.embed_dim, width
-        self.gate_DF = param(rngs, (D, F), ("embed", "mlp"), D)
-        self.up_DF = param(rngs, (D, F), ("embed", "mlp"), D)
-        self.down_FD = param(rngs, (F, D), ("mlp", "embed"), F)
-        self.gate_lora, self.up_lora, self.down_lora = (
-            adapt(name, w, 1)
-            for name, w in (("gate", self.gate_DF), ("up", self.up_DF), ("down", self.down_FD))
-        )
-        self.activation, self.rules = ACTIVATIONS[cfg.mlp_activation], rules
-
-    def __call__(self, x_BTD):
-        gate_BTF = kernels.dense("btd,df->btf", x_BTD, self.gate_DF[...])
-        up_BTF = kernels.dense("btd,df->btf", x_BTD, self.up_DF[...])
-        if self.gate_lora is not None:
-            gate_BTF = gate_BTF + self.gate_lora(x_BTD)
-        if self.up_lora is not None:
-            up_BTF = up_BTF + self.up_lora(x_BTD)
-        h_BTF = constrain(self.activation(gate_BTF) * up_BTF, ("batch", "seq", "act_mlp"), self.rules)
-        y_BTD = jnp.einsum("btf,fd->btd", h_BTF, self.down_FD[...])
-        return y_BTD if self.down_lora is None else y_BTD + self.down_lora(h_BTF)
-
-
-class Block(nnx.Module):
-    """Pre-norm attention and MLP, each optionally followed by a post-norm (Gemma 2 to 4); experts
-    beside the MLP (Gemma 4) or in its place (Qwen 3 MoE); Gemma 4's per-layer input and output
-    scalar."""
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        shape: LayerShape,
-        rngs: nnx.Rngs,
-        rules: Rules,
-        adapt: Adapt = no_adapter,
-        experts: Dispatch = LocalDispatch(),
-    ):
-        D, P = cfg.embed_dim, cfg.per_layer_input_dim
-        norm = functools.partial(RMSNorm, D, cfg.rms_norm_eps, cfg.norm_weight_offset)
-        self.pre_attn_norm = norm()
-        self.attn = Attention(cfg, shape, rngs, rules, adapt)
-        self.post_attn_norm = norm() if cfg.use_post_attn_norm else None
-        self.pre_ffw_norm = norm()
-        # experts beside the dense MLP (Gemma 4) or in its place (mlp_dim 0: Qwen 3 MoE)
-        self.mlp = MLP(cfg, shape.mlp_dim, rngs, rules, adapt) if shape.mlp_dim else None
-        self.post_ffw_norm = norm() if cfg.use_post_ffw_norm else None
-        self.moe = MoE(cfg, rngs, rules, experts) if cfg.num_experts else None
-        if self.mlp is not None and self.moe is not None:
-            self.pre_moe_norm, self.post_moe_norm, self.post_mlp_norm = norm(), norm(), norm()
-        if P:
-            self.per_layer_gate_DP = param(rngs, (D, P), ("embed", None), D)
-            self.per_layer_proj_PD = param(rngs, (P, D), (None, "embed"), P)
-            self.post_per_layer_norm = norm()
-        self.layer_scalar = (
-            nnx.Param(jnp.ones((1,), jnp.float32), axes=("norm",)) if cfg.use_layer_scalar else None
-        )
-        self.rules = rules
-
-    def __call__(self, x_BTD, rope, attend, per_layer_input_BTP=None, shared_kv=None, replay_BTK=None):
-        """The block's output, what `attend` returned beside attention's output, and side results:
-        "kv", this layer's keys and values; "moe", its experts' statistics and "routes", each token's
-        experts [B, T, k] (moe.MoE; replay_BTK: the experts to replay, moe.MoE.route)."""
-        h_BTD, extra, kv = self.attn(self.pre_attn_norm(x_BTD), rope, attend, shared_kv)
-        if self.post_attn_norm is not None:
-            h_BTD = self.post_attn_norm(h_BTD)
-        x_BTD = x_BTD + h_BTD
-        side = {"kv": kv}
-        if self.mlp is None:  # the experts in the MLP's place, routed on its normed input
-            normed_BTD = self.pre_ffw_norm(x_BTD)
-            h_BTD, side["moe"], side["routes"] = self.moe(normed_BTD, normed_BTD, replay_BTK)
-        else:
-            h_BTD = self.mlp(self.pre_ffw_norm(x_BTD))
-        if self.mlp is not None and self.moe is not None:
-            # routed on the residual stream itself, the experts reading it normed
-            experts_BTD, side["moe"], side["routes"] = self.moe(x_BTD, self.pre_moe_norm(x_BTD), replay_BTK)
-            h_BTD = self.post_mlp_norm(h_BTD) + self.post_moe_norm(experts_BTD)
-        if self.post_ffw_norm is not None:
-            h_BTD = self.post_ffw_norm(h_BTD)
-        x_BTD = x_BTD + h_BTD
-        if per_layer_input_BTP is not None:
-            gate_BTP = jax.nn.gelu(
-                kernels.dense("btd,dp->btp", x_BTD, self.per_layer_gate_DP[...]), approximate=True
-            )
-            h_BTD = jnp.einsum("btp,pd->btd", gate_BTP * per_layer_input_BTP, self.per_layer_proj_PD[...])
-            x_BTD = x_BTD + self.post_per_layer_norm(h_BTD)
-        if self.layer_scalar is not None:
-            x_BTD = x_BTD * self.layer_scalar[...].astype(x_BTD.dtype)
-        return constrain(x_BTD, ("batch", "seq", "act_embed"), self.rules), extra, side
-
-
-def _stacked_blocks(
-    cfg: ModelConfig,
-    shape: LayerShape,
-    keys,
-    adapter_keys,
-    rules: Rules,
-    lora: LoraConfig | None,
-    experts: Dispatch,
-) -> Block:
-    """One Block of `shape` whose parameters have a leading `layers` axis (one layer per key), for
-    jax.lax.scan; adapters draw from adapter_keys, so the base is the same with adapters or without."""
-
-    def block(key, adapter_key):
-        adapt = no_adapter if lora is None else functools.partial(adapter, lora, nnx.Rngs(adapter_key))
-        return Block(cfg, shape, nnx.Rngs(key), rules, adapt, experts)
-
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: block(jax.random.key(0), jax.random.key(0))))
-    state = jax.vmap(lambda key, adapter_key: nnx.state(block(key, adapter_key)))(keys, adapter_keys)
-    for variable in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-        variable.set_metadata(axes=("layers", *variable.get_metadata()["axes"]))
-    return nnx.merge(graphdef, state)
 
 
 class Decoder(nnx.Module):
@@ -301,7 +98,7 @@ class Decoder(nnx.Module):
         adapter_keys = keys if lora is None else jax.random.split(rngs.params(), L)
         stacks = [
             [
-                _stacked_blocks(
+                stacked_blocks(
                     cfg, shape, keys[group.layers(j)], adapter_keys[group.layers(j)], rules, lora, experts
                 )
                 for j, shape in enumerate(group.period)
@@ -685,23 +482,3 @@ def _with_latest_kv(shared: dict, shape: LayerShape, kv) -> dict:
     if shape.shares_kv or shape.layer_type not in shared:
         return shared
     return {**shared, shape.layer_type: kv}
-
-
-def output_logits(x, table_VD, softcap: float | None, rules: Rules = LOGICAL_RULES):
-    """float32 next-token logits from final hidden states and the output layer: the one place
-    logits are computed (the model, the step's chunked loss, the engine).
-
-    x [B, T, D] -> [B, T, V]; x [B, D] (the engine's one position per row) -> [B, V], with the
-    vocabulary as the dot's rows, then transposed. Why: XLA:CPU's dot runs [V, D] x [D, B] about
-    twice as fast as [B, D] x [D, V] at a decoding batch (git log -- docs/performance-history.md);
-    the barrier keeps XLA from folding the transpose back into the dot."""
-    table_VD = table_VD.astype(x.dtype)
-    if x.ndim == 2:
-        logits_VB = jnp.einsum("vd,bd->vb", table_VD, x).astype(jnp.float32)
-        logits, axes = jax.lax.optimization_barrier(logits_VB).T, ("batch", "act_vocab")
-    else:
-        logits, axes = (
-            jnp.einsum("btd,vd->btv", x, table_VD).astype(jnp.float32),
-            ("batch", "seq", "act_vocab"),
-        )
-    return constrain(kernels.soft_cap(logits, softcap), axes, rules)

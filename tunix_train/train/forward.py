@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tunix_train.model import quant
-from tunix_train.model.decoder import output_logits
+from tunix_train.model.common import output_logits
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:

@@ -171,7 +171,7 @@ def save_config(cfg: Config, overrides: list[str], run_dir: Path) -> None:
 
 def check_same_run(run_dir: Path, cfg: Config) -> None:
     """A run directory holding another run's config is never reused (its checkpoints are safe): a
-    key that differs from the saved config must be marked changeable on resume (config.py)."""
+    key that differs from the saved config must be marked changeable on resume (tunix_train/config/)."""
     saved_file = run_dir / ".hydra" / "config.yaml"
     if not saved_file.is_file():
         return

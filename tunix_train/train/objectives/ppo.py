@@ -26,7 +26,7 @@ completion tokens:
             pass's log pi (TRL's and OpenRLHF's old log-probabilities);
     value:  vf_coef * 0.5 * mean max((V - R)^2, (V_old + clip(V - V_old, +-value_clip) - R)^2).
 
-Settings: training.ppo (config_objectives.PpoConfig, TRL's defaults); training.grpo.iterations is
+Settings: training.ppo (config/objectives.py's PpoConfig, TRL's defaults); training.grpo.iterations is
 PPO's epochs over each rollout.
 """
 

@@ -1,4 +1,4 @@
-"""The schema's field marks (tunix_train/config.py): whether a resumed run may change a field."""
+"""The schema's field marks (tunix_train/config/): whether a resumed run may change a field."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The objectives' sections of the schema (training.dpo, training.grpo) and their choices; the
-schema's module (tunix_train/config.py) re-exports them."""
+schema's package (tunix_train/config/) re-exports them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import enum
 import math
 from typing import Any, List, Optional
 
-from tunix_train.config_fields import ConfigError, _changeable, _fixed
+from tunix_train.config.fields import ConfigError, _changeable, _fixed
 
 
 class PreferenceLoss(enum.Enum):  # training.dpo.loss (docs/objectives/dpo.md)

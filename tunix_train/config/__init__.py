@@ -1,0 +1,169 @@
+"""The typed configuration's schema: one dataclass per section, each field typed and marked.
+
+Every field says whether a resumed run may change it: `_changeable` (how the run executes, logs
+or saves) or `_fixed` (what it computes); `changeable_on_resume` reads the marks.
+
+A package by section: model.py, data.py, training.py (with objectives.py, the objectives' own
+sections) and here the run's: the checkpoints, distribution and the whole Config. Every name is
+importable from tunix_train.config; fields.py holds the marks and ConfigError.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import typing
+from typing import Optional
+
+from tunix_train.config.data import (  # noqa: F401  (re-exported)
+    CHAT_ROLES,
+    DataConfig,
+    DataSource,
+    TextUnit,
+)
+from tunix_train.config.fields import _RESUME, ConfigError, _changeable, _fixed  # noqa: F401
+from tunix_train.config.model import (  # noqa: F401  (re-exported)
+    LAYER_TYPES,
+    Activation,
+    ContextParallelStrategy,
+    ImageAttention,
+    ModelConfig,
+    MoeDispatch,
+    MoeRouter,
+    RopeScaling,
+    RopeScalingType,
+    VisionConfig,
+    VisionEncoder,
+)
+from tunix_train.config.objectives import (  # noqa: F401  (re-exported: the schema's one import)
+    AdvantageEstimator,
+    DistillConfig,
+    DpoConfig,
+    GrpoAggregation,
+    GrpoConfig,
+    ImportanceLevel,
+    KlEstimator,
+    Overlong,
+    PpoConfig,
+    PreferenceLoss,
+    RewardConfig,
+    RewardNormalization,
+    RolloutDtype,
+    ScaleRewards,
+)
+from tunix_train.config.training import (  # noqa: F401  (re-exported)
+    LORA_TARGETS,
+    VISION_LORA_TARGETS,
+    AttentionImpl,
+    BaseDtype,
+    BaseQuantization,
+    LoraConfig,
+    LrSchedule,
+    MixedPrecision,
+    NanPolicy,
+    Objective,
+    Remat,
+    ShardingStrategy,
+    TrainingConfig,
+)
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every_steps: int = _changeable(100)  # 0: only at the end and on preemption
+    # Also save when this much time has passed since the last save; 0: off.
+    every_seconds: float = _changeable(0.0)
+    keep: int = _changeable(3)  # the most recent checkpoints kept
+    # Start from this checkpoint (a run directory, its checkpoints/ folder, or one step's folder)
+    # instead of the run directory's own latest one.
+    resume_from: Optional[str] = _changeable(None)
+    # A run directory whose every checkpoint is damaged is an error (a run never silently starts over
+    # beside them); true: start over, the damaged ones kept as checkpoints/unreadable-<step>.
+    start_over_if_unreadable: bool = _changeable(False)
+
+
+@dataclasses.dataclass
+class DistributedConfig:
+    """Multi-process runs; see tunix_train/launch/distributed.py for how each source is tried."""
+
+    coordinator_address: Optional[str] = _changeable(None)  # host:port of process 0
+    num_processes: Optional[int] = _changeable(None)
+    process_id: Optional[int] = _changeable(None)
+    initialization_timeout_s: int = _changeable(300)  # give up reaching the coordinator after this long
+    # A process silent this long is declared dead by the coordinator.
+    heartbeat_timeout_s: int = _changeable(100)
+
+
+@dataclasses.dataclass
+class Config:
+    experiment: str = _fixed("default")
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+
+
+def changeable_on_resume(schema: type | None = None, prefix: str = "") -> dict[str, bool]:
+    """Every dotted key of `schema` (default: Config) -> whether a resumed run may change it, from
+    the fields' marks. Raises TypeError naming a field that has no mark."""
+    schema = schema or Config
+    marks, types = {}, typing.get_type_hints(schema)
+    for field in dataclasses.fields(schema):
+        key = f"{prefix}{field.name}"
+        if dataclasses.is_dataclass(types[field.name]):
+            marks.update(changeable_on_resume(types[field.name], f"{key}."))
+        elif _RESUME in field.metadata:
+            marks[key] = field.metadata[_RESUME]
+        else:
+            raise TypeError(
+                f"config field {key} says neither _changeable nor _fixed: mark whether a resumed "
+                f"run may change it"
+            )
+    return marks
+
+
+def reads_text(data: DataConfig) -> bool:
+    """Whether the run's data comes through a tokenizer (not synthetic, nor pre-tokenized without one)."""
+    return not (
+        data.source is DataSource.synthetic or (data.source is DataSource.array_record and not data.tokenizer)
+    )
+
+
+# Keys that no longer exist, each with the one value a run could have had: a saved run's config
+# holding them (.hydra/config.yaml) loads as before.
+RETIRED_KEYS = {"training.lora.dropout": 0.0}  # was refused unless 0; adapters take no dropout
+
+
+def _family_before_it_was_declared(model: dict) -> str:
+    """The family of a model saved before model.family existed (every one a Gemma), from its flags."""
+    if (
+        model.get("use_v_norm")
+        or model.get("use_layer_scalar")
+        or model.get("norm_weight_offset", 1.0) != 1.0
+    ):
+        return "gemma4"
+    if model.get("use_qk_norm"):
+        return "gemma3"
+    return "gemma2" if model.get("use_post_attn_norm") or model.get("use_post_ffw_norm") else "gemma"
+
+
+def without_retired_keys(saved: dict) -> dict:
+    """A saved config (nested dicts) without RETIRED_KEYS, and with model.family where it was saved
+    before the key existed."""
+    saved = copy.deepcopy(saved)
+    model = saved.get("model")
+    if isinstance(model, dict) and "family" not in model:
+        model["family"] = _family_before_it_was_declared(model)
+    for key, only_value in RETIRED_KEYS.items():
+        *path, last = key.split(".")
+        node = saved
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last in node:
+            if node[last] != only_value:
+                raise ConfigError(
+                    f"the saved config sets {key}={node[last]!r}, a key this version no longer has"
+                )
+            del node[last]
+    return saved
