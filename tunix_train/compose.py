@@ -37,6 +37,7 @@ from tunix_train.config import (
     VisionEncoder,
     reads_text,
 )
+from tunix_train.config.fields import require_positive
 from tunix_train.model.layout import validate_model
 
 CONFIG_DIR = resources.files("tunix_train") / "configs"
@@ -45,21 +46,18 @@ CONFIG_DIR = resources.files("tunix_train") / "configs"
 def validate(cfg: Config) -> None:
     """Checks that need no devices; mesh checks live in tunix_train.sharding."""
     m, t, d, c = cfg.model, cfg.training, cfg.data, cfg.checkpoint
-    positive = {
-        "data.seq_len": d.seq_len,
-        "training.micro_batch_size": t.micro_batch_size,
-        "training.gradient_accumulation_steps": t.gradient_accumulation_steps,
-        "training.max_steps": t.max_steps,
-        "training.log_every": t.log_every,
-        "training.profile_steps": t.profile_steps,
-        "training.scan_unroll": t.scan_unroll,
-        "training.sync_gradients_every": t.sync_gradients_every,
-        "training.pipeline_microbatches": t.pipeline_microbatches,
-        "training.pipeline_repeats": t.pipeline_repeats,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{key}={value} must be positive")
+    steps = (
+        "micro_batch_size",
+        "gradient_accumulation_steps",
+        "max_steps",
+        "log_every",
+        "profile_steps",
+        "scan_unroll",
+        "sync_gradients_every",
+        "pipeline_microbatches",
+        "pipeline_repeats",
+    )
+    require_positive({"data.seq_len": d.seq_len, **{f"training.{k}": getattr(t, k) for k in steps}})
     validate_model(m)
     if t.learning_rate < 0 or t.weight_decay < 0 or t.grad_clip_norm < 0:
         raise ConfigError("training.learning_rate, weight_decay and grad_clip_norm must be >= 0")

@@ -10,6 +10,13 @@ class ConfigError(ValueError):
     """A bad configuration; the message is one line that names the offending key."""
 
 
+def require_positive(values: dict[str, Any]) -> None:
+    """A ConfigError naming the first key (full name) whose value is not positive."""
+    for key, value in values.items():
+        if value <= 0:
+            raise ConfigError(f"{key}={value} must be positive")
+
+
 _RESUME = "changeable_on_resume"  # the field metadata that marks a field
 
 

@@ -75,18 +75,8 @@ class Data:
                 seed=seed,
                 rows=rows,
             )
-        if self.vision is not None:
-            return UnpackedBatches(
-                docs,
-                self.features,
-                seq_len=d.seq_len,
-                accumulation_steps=accumulation_steps,
-                global_micro_batch=global_micro_batch,
-                seed=seed if shuffle else None,
-                rows=rows,
-                prefetch=d.prefetch_batches,
-            )
-        return PackedBatches(
+        rows_of = PackedBatches if self.vision is None else UnpackedBatches  # rows with images: unpacked
+        return rows_of(
             docs,
             self.features,
             seq_len=d.seq_len,

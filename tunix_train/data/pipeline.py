@@ -12,7 +12,7 @@ Host batches are dicts of [A, B_local, T] arrays: inputs, targets, loss_mask, po
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import grain
 import numpy as np
@@ -223,36 +223,32 @@ class PackedBatches(_HostBatches):
         """rows: the micro-batch rows this process holds (default all); seed None keeps the document
         order (evaluation), otherwise it is reshuffled every epoch."""
         streams = _slot_streams(
-            _ordered(documents, seed), global_micro_batch, rows, lambda d: d.map(features)
+            _ordered(documents, seed), global_micro_batch, rows, self._prepared(features, seq_len)
         )
+        self._start(self._rows(streams, seq_len).batch(accumulation_steps), prefetch)
+
+    @staticmethod
+    def _prepared(features: DocumentFeatures, seq_len: int) -> Callable:
+        return lambda docs: docs.map(features)
+
+    @staticmethod
+    def _rows(streams: list, seq_len: int):
         slots = [ConcatThenSplitIterDataset(s, length_struct={f: seq_len for f in PACKED}) for s in streams]
-        self._start(ZipIterDataset(slots).map(_stack_rows).map(_as_row).batch(accumulation_steps), prefetch)
+        return ZipIterDataset(slots).map(_stack_rows).map(_as_row)
 
 
-class UnpackedBatches(_HostBatches):
+class UnpackedBatches(PackedBatches):
     """One document per row, padded to seq_len (positions past it a segment of their own, out of
     the loss), with its images padded to the features' images_per_row [I, C, H, W]: how rows with
     images are batched, so that no image is split between rows. Row slots as PackedBatches'."""
 
-    def __init__(
-        self,
-        documents: Sequence[dict[str, Any]],
-        features: DocumentFeatures,
-        *,
-        seq_len: int,
-        accumulation_steps: int,
-        global_micro_batch: int,
-        seed: int | None,
-        rows: range | None = None,
-        prefetch: int = 4,
-    ):
-        slots = _slot_streams(
-            _ordered(documents, seed),
-            global_micro_batch,
-            rows,
-            lambda docs: docs.map(features).map(lambda doc: _padded(doc, seq_len, features.images_per_row)),
-        )
-        self._start(ZipIterDataset(slots).map(_stack_rows).batch(accumulation_steps), prefetch)
+    @staticmethod
+    def _prepared(features: DocumentFeatures, seq_len: int) -> Callable:
+        return lambda docs: docs.map(features).map(lambda doc: _padded(doc, seq_len, features.images_per_row))
+
+    @staticmethod
+    def _rows(streams: list, seq_len: int):
+        return ZipIterDataset(streams).map(_stack_rows)
 
 
 def _slot_streams(ordered, per_micro_batch: int, slots: range | None, prepare=lambda items: items) -> list:

@@ -55,13 +55,12 @@ def gemma_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     theta = full.get("rope_theta", hf.get("rope_theta", 10_000.0))
     scaling = full if full.get("rope_type") == "linear" else (hf.get("rope_scaling") or {})
     return {
-        "num_layers": n_layers,
-        "embed_dim": hf["hidden_size"],
-        "hidden_dim": hf["intermediate_size"],
-        "num_heads": hf["num_attention_heads"],
-        "num_kv_heads": hf["num_key_value_heads"],
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-        "vocab_size": hf["vocab_size"],
+        **sizes_from_hf(
+            hf,
+            n_layers,
+            hf["num_key_value_heads"],
+            hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        ),
         "query_pre_attn_scalar": hf.get("query_pre_attn_scalar"),
         "attn_logit_softcap": hf.get("attn_logit_softcapping"),
         "final_logit_softcap": hf.get("final_logit_softcapping"),
@@ -132,13 +131,7 @@ def gemma4_from_hf(hf: dict[str, Any], family: str = "gemma4") -> dict[str, Any]
     ple = hf.get("hidden_size_per_layer_input", 256) or 0
     moe = bool(hf.get("enable_moe_block"))
     return {
-        "num_layers": n_layers,
-        "embed_dim": hf["hidden_size"],
-        "hidden_dim": hf["intermediate_size"],
-        "num_heads": hf["num_attention_heads"],
-        "num_kv_heads": hf["num_key_value_heads"],
-        "head_dim": hf.get("head_dim", 256),
-        "vocab_size": hf["vocab_size"],
+        **sizes_from_hf(hf, n_layers, hf["num_key_value_heads"], hf.get("head_dim", 256)),
         "attn_logit_softcap": None,
         "final_logit_softcap": hf.get("final_logit_softcapping"),
         "local_layers_per_global": 0,
@@ -168,6 +161,20 @@ def gemma4_from_hf(hf: dict[str, Any], family: str = "gemma4") -> dict[str, Any]
 
 # Gemma's special tokens and the dtype every exported config.json names
 _SPECIAL_IDS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "torch_dtype": "float32"}
+
+
+def sizes_from_hf(hf: dict[str, Any], layers: int, kv_heads: int, head_dim: int) -> dict[str, int]:
+    """hf_sizes's inverse: the dimensions every transformers text config names alike (the layers,
+    key/value heads and head dim as the family reads them)."""
+    return {
+        "num_layers": layers,
+        "embed_dim": hf["hidden_size"],
+        "hidden_dim": hf["intermediate_size"],
+        "num_heads": hf["num_attention_heads"],
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": hf["vocab_size"],
+    }
 
 
 def hf_sizes(cfg: ModelConfig) -> dict[str, int]:

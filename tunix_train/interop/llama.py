@@ -17,7 +17,7 @@ from tunix_train.config import (
     RopeScaling,
     RopeScalingType,
 )
-from tunix_train.interop.gemma import GEMMA4_ONLY_OFF, hf_sizes
+from tunix_train.interop.gemma import GEMMA4_ONLY_OFF, hf_sizes, sizes_from_hf
 
 # The decoder as Llama has it: pre-norms alone, weights around 1, unscaled embeddings, SwiGLU.
 LLAMA_DECODER = dict(
@@ -118,13 +118,12 @@ def llama_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
     moe = family == "qwen3_moe"
     return {
         **GEMMA4_ONLY_OFF,
-        "num_layers": hf["num_hidden_layers"],
-        "embed_dim": hf["hidden_size"],
-        "hidden_dim": hf["intermediate_size"],
-        "num_heads": hf["num_attention_heads"],
-        "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-        "vocab_size": hf["vocab_size"],
+        **sizes_from_hf(
+            hf,
+            hf["num_hidden_layers"],
+            hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        ),
         "rope_base_global": theta,
         "rope_base_local": theta,
         "rope_scale_global": linear,

@@ -18,6 +18,7 @@ from tunix_train.config import (
     RopeScalingType,
     VisionEncoder,
 )
+from tunix_train.config.fields import require_positive
 
 GLOBAL_WINDOW = np.iinfo(np.int32).max  # a global layer's "window" covers every position
 
@@ -131,18 +132,8 @@ def layer_types(m: ModelConfig) -> list[str]:
 
 def validate_model(m: ModelConfig) -> None:
     """The model keys' checks that need no devices (compose.validate asks for them)."""
-    positive = {
-        "num_layers": m.num_layers,
-        "embed_dim": m.embed_dim,
-        "hidden_dim": m.hidden_dim,
-        "num_heads": m.num_heads,
-        "num_kv_heads": m.num_kv_heads,
-        "head_dim": m.head_dim,
-        "vocab_size": m.vocab_size,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"model.{key}={value} must be positive")
+    keys = ("num_layers", "embed_dim", "hidden_dim", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
+    require_positive({f"model.{key}": getattr(m, key) for key in keys})
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
             f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}"
