@@ -36,6 +36,7 @@ from tunix_train.config import (
 )
 from tunix_train.interop import checkpoint_format, gguf, hf, importer
 from tunix_train.interop.config_file import checked_fields
+from tunix_train.model import quant
 from tunix_train.model.params import ParamsPlan, plan_params
 from tunix_train.model.weights import ByLayer, Weights
 
@@ -126,6 +127,16 @@ def load(src: Source, mesh: Mesh) -> Loaded:
     with jax.set_mesh(mesh):  # the base comes from where the run started
         base = frozen_as_recorded(cfg, record.get("frozen"), lambda: _starting_base(cfg, plan, weights))
         return Loaded(src, weights.merged(params, base), params, weights.lora)
+
+
+def load_like(path: str | Path, model: ModelConfig, abstract: Any, dtype: Any) -> nnx.State:
+    """The parameters of the checkpoint at `path` (any format) as a frozen model holds them: in
+    `dtype`, in `abstract`'s shapes and shardings (a teacher, a reward model; a LoRA run's merged)."""
+    src = source(path)
+    if src.kind != "run":  # read straight into the shapes, dtypes and shardings
+        return importer(src.path).load_params(src.path, model, abstract)
+    params = load(src, jax.tree.leaves(abstract)[0].sharding.mesh).params
+    return jax.device_put(quant.cast(params, dtype), jax.tree.map(lambda x: x.sharding, abstract))
 
 
 def _starting_base(cfg: Config, plan: ParamsPlan, weights: Weights) -> nnx.State:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -15,7 +14,6 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tunix_train.config import MixedPrecision, ModelConfig, ShardingStrategy, TrainingConfig
-from tunix_train.interop import checkpoint_format, importer
 from tunix_train.model import quant
 from tunix_train.model.lora import Adapter
 from tunix_train.model.params import abstract_of, model_params
@@ -212,16 +210,12 @@ def plan_frozen_models(specs: dict, mesh: Mesh, rules: Rules, graphdef_of) -> Fr
 
 
 def _load_frozen(spec, abstract) -> nnx.State:
-    if spec.source is not None and checkpoint_format(spec.source) == "run":  # its saved parameters
+    """An extra model's parameters: its checkpoint's, any format (the one loader), else fresh."""
+    dtype, shardings = COMPUTE_DTYPES[spec.precision], jax.tree.map(lambda x: x.sharding, abstract)
+    if spec.source is not None:
         from tunix_train.interop import loader  # (it imports this module's neighbours)
 
-        mesh = jax.tree.leaves(abstract)[0].sharding.mesh
-        params = loader.load(loader.source(spec.source), mesh).params  # a LoRA run's merged
-        shardings = jax.tree.map(lambda x: x.sharding, abstract)
-        return jax.device_put(quant.cast(params, COMPUTE_DTYPES[spec.precision]), shardings)
-    if spec.source is not None:
-        return importer(spec.source).load_params(Path(spec.source), spec.model, abstract)
-    dtype, shardings = COMPUTE_DTYPES[spec.precision], jax.tree.map(lambda x: x.sharding, abstract)
+        return loader.load_like(spec.source, spec.model, abstract, dtype)
     return jax.jit(
         lambda k: quant.cast(model_params(spec.model, k, FULL_FINE_TUNING), dtype), out_shardings=shardings
     )(jax.random.key(spec.seed))
