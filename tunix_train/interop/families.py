@@ -26,6 +26,10 @@ class Family:
     to_hf: Callable[[ModelConfig], dict]  # ModelConfig -> config.json after architectures and model_type
     fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # fields its checkpoints all have
     gguf_architecture: str | None = None  # llama.cpp's general.architecture; None: no GGUF export
+    # which GGUF conventions read and write it: "gemma" (gguf.py) or "llama" (gguf_llama.py: Llama, Qwen)
+    gguf_conventions: str | None = None
+    # llama.cpp holds its Q and K rows with each head's two halves interleaved (its Llama permute)
+    gguf_qk_interleaved: bool = False
     hf_names: Mapping[str, str] = dataclasses.field(default_factory=dict)  # our path -> transformers' name
     # checkpoints store each expert's gate, up and down as tensors of their own (hf._PerExpertFiles)
     split_experts: bool = False
@@ -138,6 +142,7 @@ for _name, _model_types, _architecture in (
             functools.partial(gemma.gemma_to_hf, family=_name),
             gemma.FIXED[_name],
             gguf_architecture=_name,
+            gguf_conventions="gemma",
             hf_sequence_classifier="Gemma3TextForSequenceClassification" if _name == "gemma3" else "",
             # Gemma 1 names its pre-MLP norm as the later ones name the norm after attention
             hf_names={"layers.pre_ffw_norm.scale": "post_attention_layernorm.weight"}
@@ -173,7 +178,9 @@ for _name, _architecture, _gguf in (
             functools.partial(llama.llama_from_hf, family=_name),
             functools.partial(llama.llama_to_hf, family=_name),
             llama.FIXED[_name],
-            gguf_architecture=_gguf,  # their conventions: interop/gguf_llama.py
+            gguf_architecture=_gguf,
+            gguf_conventions="llama",
+            gguf_qk_interleaved=_name == "llama",
             hf_names={
                 **_PRE_MLP_NORM,
                 "layers.moe.router_DE": "mlp.gate.weight",

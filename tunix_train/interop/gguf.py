@@ -36,8 +36,7 @@ from tunix_train.model.lora import INPUT_DIMS
 
 log = logging.getLogger("tunix_train")
 
-GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
-ARCHITECTURES = (*GEMMA_ARCHITECTURES, *gguf_llama.FAMILY_OF)
+ARCHITECTURES = tuple(families.gguf_architectures())  # what the registered families write
 # What transformers' config classes assume where a GGUF file is silent (Gemma2Config, Gemma3TextConfig);
 # the attention scale, which no key holds, as llama.cpp takes it (_query_pre_attn_scalar).
 _DEFAULTS = {
@@ -134,7 +133,7 @@ def model_fields(reader, path: Path) -> dict[str, Any]:
         "attention.head_count_kv x key_length": kv_heads * head_dim,
     }
     _check_sizes(reader, path, said, "blk.0.ffn_gate_exps.weight" if experts else "blk.0.ffn_gate.weight")
-    if arch in gguf_llama.FAMILY_OF:
+    if families.of_gguf(arch).gguf_conventions == "llama":
         names = {t.name for t in reader.tensors}
         rope_freqs = (
             _tensor(reader, gguf_llama.ROPE_FREQS, path).data if gguf_llama.ROPE_FREQS in names else None

@@ -55,7 +55,7 @@ def _arch(cfg: ModelConfig) -> str:
             f"{', '.join(families.gguf_architectures())}); export a Hugging Face checkpoint instead"
         )
     family.check(cfg)
-    if family.gguf_architecture in gguf_llama.FAMILY_OF:
+    if family.gguf_conventions == "llama":
         gguf_llama.check_exportable(cfg)
     return family.gguf_architecture
 
@@ -192,7 +192,7 @@ def _metadata(writer, cfg: ModelConfig, arch: str, dtype: str) -> None:
     if cfg.rope_scale_global != 1.0:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(cfg.rope_scale_global)
-    if arch in gguf_llama.FAMILY_OF:
+    if families.of_gguf(arch).gguf_conventions == "llama":
         gguf_llama.write_metadata(writer, cfg, arch)
         return
     if arch != "gemma":

@@ -23,8 +23,8 @@ from typing import Any, Callable
 import numpy as np
 
 from tunix_train.config import ConfigError, ModelConfig, RopeScaling, RopeScalingType
+from tunix_train.interop import families
 
-FAMILY_OF = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -49,7 +49,7 @@ def unpermute_qk(rows: np.ndarray, heads: int) -> np.ndarray:
 
 def qk_heads(hf_name: str, cfg: ModelConfig) -> int | None:
     """The heads a Llama Q or K tensor (or its LoRA B factor) is permuted over; None for any other."""
-    if cfg.family != "llama":
+    if not families.named(cfg.family).gguf_qk_interleaved:
         return None
     module = hf_name.removesuffix(".weight").removesuffix(".bias")
     if module.endswith(".self_attn.q_proj"):
@@ -67,7 +67,7 @@ def model_fields(
     tensor (or None); `fixed`: what the family fixes."""
     from tunix_train.interop.gemma import GEMMA4_ONLY_OFF
 
-    family = FAMILY_OF[arch]
+    family = families.of_gguf(arch).name
     embed, heads = key("embedding_length"), key("attention.head_count")
     head_dim = key("attention.key_length", embed // heads)
     theta = float(key("rope.freq_base", 10_000.0))
