@@ -357,10 +357,11 @@ class Sampler:
         )
 
     def sample(
-        self, order: np.ndarray, index: int, round_: int, params
+        self, order: np.ndarray, index: int, round_: int, params, engine=None
     ) -> tuple[list[dict[str, Any]], float]:
         """The G completions of each prompt of `order`, scored: one dict per group, and the seconds
-        spent generating. Round r of a rollout draws from the streams after round r - 1's."""
+        spent generating. Round r of a rollout draws from the streams after round r - 1's. `engine`:
+        the one that draws with `params` (default the policy's)."""
         from tunix_train.generate import Sampling
 
         G, order = self.grpo.num_generations, [int(i) for i in order]
@@ -373,6 +374,7 @@ class Sampler:
             Sampling(temperature=self.grpo.temperature),
             self.cfg.training.seed * 1_000_003 + index,
             round_ * len(docs) * self.grpo.max_turns,
+            engine,
         )
 
         def group(field, i):
@@ -389,14 +391,15 @@ class Sampler:
         ], out["sampling_s"]
 
     def complete(
-        self, docs: list[dict], prompts: list, params, sampling, seed: int, stream: int
+        self, docs: list[dict], prompts: list, params, sampling, seed: int, stream: int, engine=None
     ) -> dict[str, Any]:
-        """Each record's completion, scored: its prompt's ids continued by the engine (request i from
-        stream + i), or with turns its conversation (envs/rollout.py; streams from `stream` on); and
-        the seconds it took (`sampling_s`)."""
+        """Each record's completion, scored: its prompt's ids continued by `engine` (default the
+        policy's; request i from stream + i), or with turns its conversation (envs/rollout.py;
+        streams from `stream` on); and the seconds it took (`sampling_s`)."""
         from tunix_train.generate import Request
 
         T, start = self.cfg.data.seq_len, time.perf_counter()
+        engine = self.engine if engine is None else engine
 
         def request(ids, n, k):  # with turns, k is turn * N + the conversation's index
             images = self.images.get(id(docs[k % len(docs)]))
@@ -406,7 +409,7 @@ class Sampler:
             environments = [self.environment_class() for _ in docs]
             name = self.grpo.environment or "Environment"
             trajectories = self.turns.roll_out(
-                lambda requests: self.engine.generate(params, [request(*r) for r in requests], max_len=T),
+                lambda requests: engine.generate(params, [request(*r) for r in requests], max_len=T),
                 [self.turns.start(e, d, name, self.images.get(id(d))) for e, d in zip(environments, docs)],
                 environments,
             )
@@ -429,7 +432,7 @@ class Sampler:
             )
         else:
             requests = [request(p, self.grpo.max_new_tokens, i) for i, p in enumerate(prompts)]
-            done = self.engine.generate(params, requests, max_len=T)
+            done = engine.generate(params, requests, max_len=T)
             stopped = [c.stop_token is not None for c in done]  # then the stop token is trained on too
             out = {
                 "prompt_ids": None,
@@ -440,7 +443,7 @@ class Sampler:
                 **dict.fromkeys(("tool_calls", "tool_errors", "turns"), [0] * len(done)),
             }
             texts, extra = [self.tokenizer.decode(c.tokens) for c in done], {}
-        out["routes"] = [pack_routes(r) for r in out["routes"]] if self.engine.record_routes else None
+        out["routes"] = [pack_routes(r) for r in out["routes"]] if engine.record_routes else None
         out["sampling_s"] = time.perf_counter() - start  # the engine's time (and the tools')
         whole = [[*p, *c] for p, c in zip(out["prompt_ids"] or prompts, out["completions"])]
         out["rewards"] = self.rewards.score(

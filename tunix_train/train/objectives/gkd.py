@@ -86,13 +86,9 @@ class GkdSampler(Sampler):
         if self.on_policy(index):
             return super().sample(order, index, round_, params)
         if self.seq_kd:  # the student's sampling, with the teacher's engine and parameters
-            student, self.engine = self.engine, self.teacher_engine
-            try:  # an offloaded teacher is copied to the devices for the rollout
-                extras = self.link.program.extras
-                teacher = jax.device_put(extras.params()["teacher"], extras.device_shardings["teacher"])
-                return super().sample(order, index, round_, teacher)
-            finally:
-                self.engine = student
+            extras = self.link.program.extras  # an offloaded teacher is copied to the devices for it
+            teacher = jax.device_put(extras.params()["teacher"], extras.device_shardings["teacher"])
+            return super().sample(order, index, round_, teacher, self.teacher_engine)
         start, G = time.perf_counter(), self.grpo.num_generations
         order = [int(i) for i in order]
         rows = [i for i in order for _ in range(G)]
