@@ -26,8 +26,10 @@ from tunix_train.data.chat import GEMMA_TEMPLATE, ChatTemplate  # noqa: E402
 from tunix_train.data.images import ImageTokens  # noqa: E402
 from tunix_train.data.tokenizer import BUNDLED_TOKENIZER, load_tokenizer  # noqa: E402
 from tunix_train.generate.session import before_stop  # noqa: E402
-from tunix_train.serve.app import Access, Preparer, app_for  # noqa: E402
+from tunix_train.serve.access import Access  # noqa: E402
+from tunix_train.serve.app import app_for  # noqa: E402
 from tunix_train.serve.connections import header_deadline  # noqa: E402
+from tunix_train.serve.preparer import Preparer  # noqa: E402
 from tunix_train.serve.schema import BadRequest  # noqa: E402
 from tunix_train.serve.worker import Generator  # noqa: E402
 from tunix_train.sharding import make_mesh  # noqa: E402

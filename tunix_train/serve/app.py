@@ -1,184 +1,21 @@
-"""The HTTP side: who may call (Access, checked before a body is read), the requests' parsing and
-tokenizing off the event loop, and the responses' shapes, streamed or whole.
+"""The HTTP side: the routes (app_for) and the responses' shapes, streamed or whole (Api). Who may
+call is access.py's; reading and tokenizing a request off the event loop, preparer.py's.
 
-Every wait has a bound: a body is read within BODY_SECONDS, a reply within --request_timeout_s,
-and a request whose engine has stopped learns it within a second.
+Every wait has a bound: a body is read within preparer.BODY_SECONDS, a reply within
+--request_timeout_s, and a request whose engine has stopped learns it within a second.
 """
 
 import asyncio
-import dataclasses
-import hmac
 import json
-import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from urllib.parse import urlsplit
 
 from tunix_train.serve import schema
+from tunix_train.serve.access import Access, Guard
 from tunix_train.serve.images import Images
+from tunix_train.serve.preparer import Preparer
 from tunix_train.serve.schema import BadRequest
 from tunix_train.serve.worker import Generator
-
-BODY_SECONDS = 30.0
-LOOPBACK = ("localhost", "127.0.0.1", "::1")
-
-
-def _host_of(url: str) -> str:
-    """'//[::1]:8000' -> '::1', 'https://Example.com:80' -> 'example.com', 'null' -> ''."""
-    try:
-        return (urlsplit(url).hostname or "").lower()
-    except ValueError:
-        return ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Access:
-    """Who may call: the Host names the server answers to (DNS rebinding), the Origins a browser
-    may call from (cross-site requests), the API key, JSON bodies only, and their size."""
-
-    api_key: str | None = None
-    hosts: tuple[str, ...] = LOOPBACK  # "*": any
-    origins: tuple[str, ...] = LOOPBACK  # host names of allowed Origin headers; "*": any
-    max_body_bytes: int = 2 << 20
-
-    def refusal(self, method: str, path: str, headers: dict[str, str]) -> BadRequest | None:
-        if "*" not in self.hosts and _host_of(f"//{headers.get('host', '')}") not in self.hosts:
-            return BadRequest(
-                f"the Host header {headers.get('host', '')[:80]!r} is not one this server answers to "
-                f"(--allowed_hosts)",
-                status=403,
-                code="host_not_allowed",
-            )
-        origin = headers.get("origin")
-        if origin is not None and "*" not in self.origins and _host_of(origin) not in self.origins:
-            return BadRequest(
-                f"requests from the origin {origin[:80]!r} are not allowed (--allowed_origins)",
-                status=403,
-                code="origin_not_allowed",
-            )
-        if self.api_key is not None and path != "/health":
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return BadRequest(
-                    "Incorrect API key provided: send it as 'Authorization: Bearer KEY'",
-                    status=401,
-                    code="invalid_api_key",
-                )
-        if method == "POST":
-            if headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-                return BadRequest(
-                    "the body must be sent as Content-Type: application/json",
-                    status=415,
-                    code="unsupported_media_type",
-                )
-            declared = headers.get("content-length")
-            if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-                return BadRequest(
-                    f"the body is larger than this server's {self.max_body_bytes} bytes (--max_body_bytes)",
-                    status=413,
-                    code="body_too_large",
-                )
-        return None
-
-
-class Guard:
-    """ASGI middleware: a request Access refuses gets its error before the app sees it."""
-
-    def __init__(self, app, access: Access):
-        self.app, self.access = app, access
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-            refused = self.access.refusal(scope["method"], scope["path"], headers)
-            if refused is not None:
-                from fastapi.responses import JSONResponse
-
-                await JSONResponse(refused.body(), refused.status, refused.headers)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class Preparer:
-    """A request's body read (at most max_body_bytes within BODY_SECONDS, at most max_preparing at
-    once) and Api.prepare run on a pool of two threads, each call within the request's deadline (a
-    504 after it). A thread cannot be stopped: one still busy past its request's deadline is stuck,
-    which /health reports (503) so that a supervisor restarts the server."""
-
-    def __init__(
-        self,
-        prepare,
-        request_timeout_s: float,
-        max_body_bytes: int = Access.max_body_bytes,
-        max_preparing: int = 64,
-    ):
-        self.prepare, self.timeout_s = prepare, request_timeout_s
-        self.max_body_bytes, self.max_preparing = max_body_bytes, max_preparing
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
-        self.running: dict[int, tuple[float, float]] = {}  # calls running now: (began, their deadline)
-        self.preparing = 0  # requests being read and tokenized now
-
-    async def read(self, http, chat: bool, deadline: float):
-        """The request `http` read and prepared: Api.prepare's answer, or a BadRequest."""
-        if self.preparing >= self.max_preparing:
-            raise BadRequest(
-                f"{self.preparing} requests are being read; retry later",
-                status=429,
-                code="rate_limit_exceeded",
-                headers={"Retry-After": "1"},
-            )
-        self.preparing += 1
-        try:
-            try:
-                data = await asyncio.wait_for(self._body(http), BODY_SECONDS)
-            except asyncio.TimeoutError:
-                raise BadRequest(
-                    f"the body took more than {BODY_SECONDS:g} s to arrive",
-                    status=408,
-                    code="request_timeout",
-                ) from None
-            return await self(data, chat, deadline)
-        finally:
-            self.preparing -= 1
-
-    async def _body(self, http) -> bytes:
-        chunks, size = [], 0
-        async for chunk in http.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise BadRequest(
-                    f"the body is larger than this server's {self.max_body_bytes} bytes (--max_body_bytes)",
-                    status=413,
-                    code="body_too_large",
-                )
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    def _timed(self, data: bytes, chat: bool, deadline: float):
-        thread = threading.get_ident()  # one call at a time on each
-        self.running[thread] = (time.monotonic(), deadline)
-        try:
-            return self.prepare(data, chat)
-        finally:
-            del self.running[thread]
-
-    async def __call__(self, data: bytes, chat: bool, deadline: float):
-        call = asyncio.get_running_loop().run_in_executor(self.pool, self._timed, data, chat, deadline)
-        try:
-            return await asyncio.wait_for(call, max(deadline - time.monotonic(), 0.0))
-        except asyncio.TimeoutError:
-            raise BadRequest(
-                f"reading the request took more than {self.timeout_s:g} s (--request_timeout_s)",
-                status=504,
-                code="timeout",
-            ) from None
-
-    def stuck_s(self) -> float:
-        """How long the oldest call past its request's deadline (its 504 given) has run; else 0."""
-        now = time.monotonic()
-        calls = tuple(self.running.values())  # a copy: the pool's threads write it
-        return max((now - began for began, deadline in calls if now >= deadline), default=0.0)
 
 
 class Api:

@@ -86,7 +86,7 @@ def _arguments(argv):
 
 
 def _default_hosts(host: str) -> tuple[str, ...]:
-    from tunix_train.serve.app import LOOPBACK
+    from tunix_train.serve.access import LOOPBACK
 
     if host not in ("0.0.0.0", "::", ""):
         return (*LOOPBACK, host.lower().strip("[]"))
@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        from tunix_train.serve.app import Access, app_for
+        from tunix_train.serve.access import Access
+        from tunix_train.serve.app import app_for
         from tunix_train.serve.connections import header_deadline
         from tunix_train.serve.images import Images
         from tunix_train.serve.worker import Generator

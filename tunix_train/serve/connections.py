@@ -1,7 +1,7 @@
 """uvicorn's h11 connection with a deadline for each request's line and headers, which uvicorn
 itself lacks: a connection whose next request has not shown all its headers `header_seconds`
 after it opened (or after its last response) is closed, so clients that send headers a byte at a
-time cannot hold connections open. The body has its own deadline (app.BODY_SECONDS)."""
+time cannot hold connections open. The body has its own deadline (preparer.BODY_SECONDS)."""
 
 from __future__ import annotations
 
