@@ -24,8 +24,6 @@ def _defined(tree: ast.AST) -> set[str]:
             names.add(node.attr)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
-        elif isinstance(node, ast.alias) and node.asname is None:
-            pass  # an import brings another module's name: not this module's own
     return names
 
 

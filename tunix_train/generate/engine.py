@@ -38,7 +38,6 @@ from tunix_train.model.layout import kv_sources, layer_windows
 from tunix_train.model.vision import image_slots, images_on_global, token_counts
 from tunix_train.parallel import model_graphdef
 from tunix_train.sharding import LOGICAL_RULES, constrain, data_parallel_size
-from tunix_train.sharding import Rules as ShardingRules
 
 
 def _draw(logits_BV, rules: Rules, seeds_B, stream_B, count_B, kinds: Kinds):
@@ -57,7 +56,6 @@ class Engine:
         cfg: ModelConfig,
         mesh: Mesh,
         stop_ids: Sequence[int] = (),
-        rules: ShardingRules = LOGICAL_RULES,
         slots: Optional[int] = 16,
         chunk: int = 8,
         prefix_cache: int = 4,
@@ -72,7 +70,7 @@ class Engine:
         record_routes: each completion keeps the experts every layer chose for each of its
         positions (Completion.routes; a mixture-of-experts model), for routing replay."""
         # the engine keeps positions whole: a prompt or one decoded token is not split over cp
-        self.cfg, self.mesh, self.rules, self.chunk = cfg, mesh, rules.replace(seq=()), chunk
+        self.cfg, self.mesh, self.rules, self.chunk = cfg, mesh, LOGICAL_RULES.replace(seq=()), chunk
         self.stop_ids, self.decode = frozenset(int(i) for i in stop_ids), decode
         self.slots, self.prefix_cache = slots, prefix_cache
         self.record_routes = record_routes and bool(cfg.num_experts)

@@ -132,10 +132,9 @@ def load(src: Source, mesh: Mesh) -> Loaded:
 def load_like(path: str | Path, model: ModelConfig, abstract: Any, dtype: Any) -> nnx.State:
     """The parameters of the checkpoint at `path` (any format) as a frozen model holds them: in
     `dtype`, in `abstract`'s shapes and shardings (a teacher, a reward model; a LoRA run's merged)."""
-    src = source(path)
-    if src.kind != "run":  # read straight into the shapes, dtypes and shardings
-        return importer(src.path).load_params(src.path, model, abstract)
-    params = load(src, jax.tree.leaves(abstract)[0].sharding.mesh).params
+    if checkpoint_format(path) != "run":  # read straight into the shapes, dtypes and shardings
+        return importer(path).load_params(Path(path), model, abstract)
+    params = load(source(path), jax.tree.leaves(abstract)[0].sharding.mesh).params
     return jax.device_put(quant.cast(params, dtype), jax.tree.map(lambda x: x.sharding, abstract))
 
 

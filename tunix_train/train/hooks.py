@@ -112,8 +112,7 @@ class TrainMetrics(Hook):
         self.batch_figures = batch_figures if batch_figures is not None else {}
         self.interval, self.every, self.max_steps = interval, every, max_steps
         self.objective_metrics, self.say = objective_metrics, say
-        self.tokens_per_step, self.flops_per_token = work.tokens_per_step, work.flops_per_token
-        self.peak, self.devices = work.peak, work.devices
+        self.work = work
 
     def after_step(self, end: StepEnd) -> None:
         self.interval.steps += 1
@@ -121,9 +120,9 @@ class TrainMetrics(Hook):
             return
         metrics = {k: float(v) for k, v in jax.device_get(end.metrics).items()}
         elapsed = time.perf_counter() - self.interval.start
-        tokens_per_sec = self.tokens_per_step * self.interval.steps / elapsed
-        per_device = tokens_per_sec * self.flops_per_token / self.devices
-        if revised := self.peak.revise(per_device):
+        tokens_per_sec = self.work.tokens_per_step * self.interval.steps / elapsed
+        per_device = tokens_per_sec * self.work.flops_per_token / self.work.devices
+        if revised := self.work.peak.revise(per_device):
             self.say(revised)
         end.scalars.update(
             loss=metrics["loss"],
@@ -131,7 +130,7 @@ class TrainMetrics(Hook):
             grad_norm=metrics["grad_norm"],
             step_time_s=elapsed / self.interval.steps,
             tokens_per_sec=tokens_per_sec,
-            mfu=per_device / self.peak.value,
+            mfu=per_device / self.work.peak.value,
             nonfinite_steps=metrics["nonfinite_steps"],
             **{name: metrics[name] for name in self.objective_metrics},
             **self.batch_figures,

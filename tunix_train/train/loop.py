@@ -86,10 +86,10 @@ def train(
     """
     t = cfg.training
     check_same_run(run_dir, cfg)
-    start = _start(cfg, devices, run_dir / "checkpoints")
-    run, objective, data, train_batches = start.run, start.objective, start.data, start.train_batches
-    state, eval_batches, checkpoints, mesh = start.state, start.eval_batches, start.checkpoints, run.mesh
-    memory = MemoryErrors(cfg, mesh)
+    checkpoints = run_dir / "checkpoints"
+    start = _start(cfg, devices, checkpoints)
+    run, data, train_batches, state = start.run, start.data, start.train_batches, start.state
+    objective, eval_batches, mesh = run.objective, start.eval_batches, run.mesh
 
     run_dir.mkdir(parents=True, exist_ok=True)
     is_chief = jax.process_index() == 0
@@ -122,7 +122,7 @@ def train(
         checkpointer.save(state, data_state(train_batches, run, start.frozen))
 
     try:
-        with memory, jax.set_mesh(mesh), StopRequest() as stop:
+        with MemoryErrors(cfg, mesh) as memory, jax.set_mesh(mesh), StopRequest() as stop:
             began = time.perf_counter()
             batch_figures = {}  # of this process's rows of the step's batch
 
@@ -172,13 +172,12 @@ def train(
 
 @dataclasses.dataclass
 class _Start:
-    """What a run starts from: its objective, data, set-up and state, before anything is written."""
+    """What a run starts from: its data, set-up (the objective among it) and state, before anything
+    is written."""
 
-    objective: Any
     data: Data
     run: Setup
     train_batches: Any
-    checkpoints: Path
     state: TrainState
     origin: str  # where the state came from
     skipped: list[str]  # warnings about damaged checkpoints set aside
@@ -207,9 +206,7 @@ def _start(cfg: Config, devices: list[jax.Device] | None, checkpoints: Path) -> 
     except BaseException:
         train_batches.close()
         raise
-    return _Start(
-        objective, data, run, train_batches, checkpoints, state, origin, skipped, eval_batches, frozen
-    )
+    return _Start(data, run, train_batches, state, origin, skipped, eval_batches, frozen)
 
 
 def _describe(cfg: Config, run, data: Data, work: h.Work) -> list[str]:

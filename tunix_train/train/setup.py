@@ -60,7 +60,6 @@ class Connection:
 class Setup:
     """What a run is built from: the mesh, the planned state, and the jitted (uncompiled) steps."""
 
-    mesh: Mesh
     rollout_mesh: Mesh | None  # GRPO's engine's, on devices of its own (training.grpo.rollout_mesh_shape)
     plan: StatePlan
     program: Program  # what the steps trace: the model, the objective, the layout (train/program.py)
@@ -69,6 +68,10 @@ class Setup:
     score_fn: Any  # (params, frozen, batch) -> the objective's per-token figures (PPO's critic)
     micro_batch: int  # rows per micro-step, over all data-parallel shards
     plan_frozen: Any  # (ExtraModel specs, mesh) -> their FrozenModels (GRPO's reward models)
+
+    @property
+    def mesh(self) -> Mesh:  # the training mesh, the one the state is planned on
+        return self.plan.mesh
 
     @property
     def objective(self) -> Any:  # what the step minimizes (train/objectives/)
@@ -149,7 +152,6 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
         extras=extras,
     )
     return Setup(
-        mesh,
         rollout_mesh,
         plan,
         program,
