@@ -12,7 +12,7 @@ from conftest import config
 
 from tunix_train import platform
 from tunix_train.generate import Engine
-from tunix_train.generate.sampling import Kinds, Rules
+from tunix_train.generate.sampling import Draws, Kinds, Rules
 from tunix_train.generate.session import bucket
 from tunix_train.train.setup import setup
 from tunix_train.train.step import abstract_batch
@@ -86,9 +86,11 @@ def _lowered(target: str, *overrides: str) -> dict[str, str]:
                 logits,
                 two(jnp.int32),
                 two(jnp.int32),
-                Rules(two(jnp.float32), two(jnp.int32), two(jnp.float32)),
-                jax.ShapeDtypeStruct((2, 2), jnp.uint32),
-                two(jnp.uint32),
+                Draws(
+                    Rules(two(jnp.float32), two(jnp.int32), two(jnp.float32)),
+                    jax.ShapeDtypeStruct((2, 2), jnp.uint32),
+                    two(jnp.uint32),
+                ),
                 kinds=Kinds(True, True, True),
             ),
             "decode": lower(
@@ -99,9 +101,11 @@ def _lowered(target: str, *overrides: str) -> dict[str, str]:
                 i32(rows),
                 i32(rows),
                 i32(rows),
-                jax.ShapeDtypeStruct((rows, 2), jnp.uint32),
-                jax.ShapeDtypeStruct((rows,), jnp.uint32),
-                rules,
+                Draws(
+                    rules,
+                    jax.ShapeDtypeStruct((rows, 2), jnp.uint32),
+                    jax.ShapeDtypeStruct((rows,), jnp.uint32),
+                ),
                 kinds=Kinds(True, True, True),
             ),
         }

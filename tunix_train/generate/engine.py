@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 
 from tunix_train.config import ConfigError, LoraConfig, ModelConfig, Remat
 from tunix_train.generate import cache as kv
-from tunix_train.generate.sampling import Kinds, Rules, draw
+from tunix_train.generate.sampling import Draws, Kinds, draw
 from tunix_train.generate.session import Completion, Request, Session  # noqa: F401 (Completion: the API)
 from tunix_train.model.common import output_logits
 from tunix_train.model.layout import kv_sources, layer_windows
@@ -40,11 +40,11 @@ from tunix_train.parallel import model_graphdef
 from tunix_train.sharding import LOGICAL_RULES, constrain, data_parallel_size
 
 
-def _draw(logits_BV, rules: Rules, seeds_B, stream_B, count_B, kinds: Kinds):
-    """Token number count_B of each row, drawn with fold_in(fold_in(key(seed), stream), count)
-    (seeds_B: the raw data of each row's key(seed))."""
+def _draw(logits_BV, draws: Draws, count_B, kinds: Kinds):
+    """Token number count_B of each row, drawn with fold_in(fold_in(key(seed), stream), count)."""
     fold = jax.vmap(jax.random.fold_in)
-    return draw(logits_BV, rules, fold(fold(jax.random.wrap_key_data(seeds_B), stream_B), count_B), kinds)
+    keys_B = fold(fold(jax.random.wrap_key_data(draws.seeds), draws.stream), count_B)
+    return draw(logits_BV, draws.rules, keys_B, kinds)
 
 
 class Engine:
@@ -138,9 +138,7 @@ class Engine:
         )
         return entries, logits_NV, routes_NPLK
 
-    def _insert_fn(  # noqa: PLR0913 (waived: issue 71)
-        self, caches, entries, logits_NV, row_n, slot_n, rules: Rules, seeds_n, stream_n, *, kinds: Kinds
-    ):
+    def _insert_fn(self, caches, entries, logits_NV, row_n, slot_n, draws_n: Draws, *, kinds: Kinds):
         """The caches with prefill row row_n[i] of `entries` written over slot slot_n[i]'s rows, for
         each i, and each request's first token (number 0 of its stream) drawn from its row's logits."""
 
@@ -158,24 +156,11 @@ class Engine:
         caches = jax.lax.fori_loop(0, row_n.shape[0], put, caches)
         # the rows split over the data axes, as in decoding: a replicated draw would repeat on every device
         logits_nV = constrain(logits_NV[row_n], ("batch", "act_vocab"), self.rules)
-        token_n, logprob_n = _draw(
-            logits_nV, rules, seeds_n, stream_n, jnp.zeros_like(stream_n, jnp.int32), kinds
-        )
+        token_n, logprob_n = _draw(logits_nV, draws_n, jnp.zeros_like(draws_n.stream, jnp.int32), kinds)
         return kv.constrained(caches, self.cfg, self.mesh, self.rules), token_n, logprob_n
 
-    def _decode_fn(  # noqa: PLR0913 (waived: issue 71)
-        self,
-        params,
-        per_layer,
-        caches,
-        token_B,
-        position_B,
-        count_B,
-        seeds_B,
-        stream_B,
-        rules: Rules,
-        *,
-        kinds: Kinds,
+    def _decode_fn(
+        self, params, per_layer, caches, token_B, position_B, count_B, draws_B: Draws, *, kinds: Kinds
     ):
         """`chunk` steps: each feeds a row's token at its position and draws its token number
         count_B. Returns the caches, the next (token, position, count), the [B, chunk] tokens and
@@ -196,7 +181,7 @@ class Engine:
             logits_BV, caches, routes_B1LK = self._forward(
                 params, per_layer, token_B[:, None], position_B[:, None], attend_of_layer
             )
-            drawn_B, logprob_B = _draw(logits_BV, rules, seeds_B, stream_B, count_B, kinds)
+            drawn_B, logprob_B = _draw(logits_BV, draws_B, count_B, kinds)
             routes_BLK = None if routes_B1LK is None else routes_B1LK[:, 0]
             return (caches, drawn_B, position_B + 1, count_B + 1), (drawn_B, logprob_B, routes_BLK)
 

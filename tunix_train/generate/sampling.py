@@ -61,6 +61,15 @@ class Rules(NamedTuple):
     top_p: jax.Array
 
 
+class Draws(NamedTuple):
+    """How each row draws its tokens [B]: its sampling rules, the raw data of its key(seed), and
+    its stream (token number n of a row comes from fold_in(fold_in(key, stream), n))."""
+
+    rules: Rules
+    seeds: jax.Array
+    stream: jax.Array
+
+
 class Kinds(NamedTuple):
     """What some row of the batch needs (static: one compiled program per combination): a random
     draw at all, the top-k cut, the top-p cut. An all-greedy batch computes only an argmax."""

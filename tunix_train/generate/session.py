@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tunix_train.config import ConfigError
-from tunix_train.generate.sampling import Kinds, Rules, Sampling
+from tunix_train.generate.sampling import Draws, Kinds, Rules, Sampling
 from tunix_train.sharding import data_axes, data_parallel_size
 
 
@@ -317,9 +317,11 @@ class Session:
                 logits,
                 rows_n,
                 slots_n,
-                Rules(row["temperature"][slots_n], row["top_k"][slots_n], row["top_p"][slots_n]),
-                self.seeds[slots_n],
-                row["stream"][slots_n],
+                Draws(
+                    Rules(row["temperature"][slots_n], row["top_k"][slots_n], row["top_p"][slots_n]),
+                    self.seeds[slots_n],
+                    row["stream"][slots_n],
+                ),
                 kinds=self.kinds,
             )
             drawn.append((slots_n, token_n, logprob_n))
@@ -347,9 +349,7 @@ class Session:
             rows["token"],
             rows["position"],
             rows["count"],
-            seeds,
-            rows["stream"],
-            Rules(rows["temperature"], rows["top_k"], rows["top_p"]),
+            Draws(Rules(rows["temperature"], rows["top_k"], rows["top_p"]), seeds, rows["stream"]),
             kinds=self.kinds,
         )
         rows.update(token=token_B, position=position_B, count=count_B)  # the next chunk's, on the devices
