@@ -112,17 +112,15 @@ class Parallelism:
                 jnp.broadcast_to(a, x_BTD.shape[:2] + a.shape[2:]).reshape(-1, M, *a.shape[1:]).swapaxes(0, 1)
             )
 
-        x_MBTD, stats = pipeline.run(
+        stages = pipeline.Stages(
             self.schedule,
             apply,
             enter,
-            layer_xs,
-            reductions.float32(split(x_BTD)),
-            jax.tree.map(split, rows),
-            seq,
             x_dtype,
+            seq,
             per_layer=("replay",) if "replay" in rows else (),  # routing replay: [B, T, L, k]
         )
+        x_MBTD, stats = stages.run(layer_xs, reductions.float32(split(x_BTD)), jax.tree.map(split, rows))
         return x_MBTD.swapaxes(0, 1).reshape(x_BTD.shape).astype(x_dtype), stats
 
     def reorder(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
