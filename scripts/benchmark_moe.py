@@ -50,7 +50,7 @@ def dispatch_share(overrides: list[str], repeats: int = 20) -> dict:
     from tunix_train.compose import load_config
     from tunix_train.config import MoeDispatch
     from tunix_train.model import kernels
-    from tunix_train.model.moe import MoE, apply_experts, dropless_places, experts_in_places
+    from tunix_train.model.moe import Dispatching, MoE, apply_experts, dropless_places, experts_in_places
     from tunix_train.sharding import LOGICAL_RULES
 
     cfg = load_config(overrides)[0]
@@ -68,7 +68,7 @@ def dispatch_share(overrides: list[str], repeats: int = 20) -> dict:
     x_R = kernels.take_rows(jnp.repeat(x, K, axis=0), source, dest)
 
     def with_dispatch(x, g, d):
-        return jnp.sum(apply_experts(x, weights, experts, g, d, MoeDispatch.dropless, 1.0))
+        return jnp.sum(apply_experts(x, weights, experts, g, d, Dispatching(MoeDispatch.dropless, 1.0)))
 
     full = jax.jit(jax.grad(with_dispatch, argnums=(0, 1, 2)))
     matmuls_alone = jax.jit(

@@ -27,7 +27,7 @@ from tunix_train import api, platform
 from tunix_train.config import ConfigError, MoeDispatch, Remat
 from tunix_train.model.decoder import Decoder
 from tunix_train.model.layout import layer_groups
-from tunix_train.model.moe import MoE, apply_experts, dropless_places, load_balancing_loss
+from tunix_train.model.moe import Dispatching, MoE, apply_experts, dropless_places, load_balancing_loss
 from tunix_train.parallel import model_graphdef
 from tunix_train.parallel.experts import _expert_parallel
 from tunix_train.sharding import LOGICAL_RULES, data_axes, make_mesh, state_shardings, validate_model_for_mesh
@@ -224,10 +224,10 @@ def test_capacity_dispatch_equals_dropless_with_room_and_drops_without():
     dropless = _moe()
     weights, experts, _ = dropless.route(route)
     args = (x, weights, experts, dropless.gate_up_EDCM[...], dropless.down_EMD[...])
-    exact = apply_experts(*args, MoeDispatch.dropless, 1.0)
-    roomy = apply_experts(*args, MoeDispatch.capacity, 8.0)  # 8 x the even share: every expert fits all
+    exact = apply_experts(*args, Dispatching(MoeDispatch.dropless, 1.0))
+    roomy = apply_experts(*args, Dispatching(MoeDispatch.capacity, 8.0))  # 8 x the even share: all fit
     np.testing.assert_allclose(roomy, exact, atol=1e-5, rtol=0)
-    tight = np.asarray(apply_experts(*args, MoeDispatch.capacity, 0.5))
+    tight = np.asarray(apply_experts(*args, Dispatching(MoeDispatch.capacity, 0.5)))
     counts = np.bincount(np.asarray(experts).ravel(), minlength=8)
     capacity = int(np.ceil(0.5 * 96 / 8))
     assert counts.max() > capacity  # some expert overflows ...
@@ -360,10 +360,10 @@ def _assert_dropless_is_the_definition(experts_XK, ragged=False):
         )
 
     def one(x, w, g, d):
-        return apply_experts(x, w, experts, g, d, MoeDispatch.dropless, 1.0, ragged)
+        return apply_experts(x, w, experts, g, d, Dispatching(MoeDispatch.dropless, 1.0, ragged=ragged))
 
     def ep4(x, w, g, d):
-        return _expert_parallel(x, w, experts, g, d, MoeDispatch.dropless, 1.0, ragged)
+        return _expert_parallel(x, w, experts, g, d, Dispatching(MoeDispatch.dropless, 1.0, ragged=ragged))
 
     def value_and_grads(f):
         return jax.jit(

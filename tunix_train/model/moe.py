@@ -42,23 +42,27 @@ from tunix_train.model.common import ACTIVATIONS, RMSNorm, gelu_tanh, param
 from tunix_train.sharding import Rules, constrain
 
 
+@dataclasses.dataclass(frozen=True)
+class Dispatching:
+    """How a layer's copies reach their experts and run there: dropless or in capacity slots
+    (model.moe_dispatch, model.moe_capacity_factor), the experts' gate activation, and, for
+    dropless, whether ragged_dot runs the rows (ragged) and whether the place may be chosen by a
+    jax.lax.switch (may_choose; dropless_experts)."""
+
+    kind: MoeDispatch
+    capacity_factor: float
+    act: Callable = gelu_tanh
+    ragged: bool = False
+    may_choose: bool = True
+
+
 class Dispatch(Protocol):
     """How the router's top k is taken and the copies reach their experts (a static, hashable
     part of the model)."""
 
     def top_k(self, probs_XE, k: int): ...
 
-    def __call__(
-        self,
-        x_XD,
-        weights_XK,
-        experts_XK,
-        gate_up_EDCM,
-        down_EMD,
-        kind: MoeDispatch,
-        capacity_factor: float,
-        act: Callable,
-    ): ...
+    def __call__(self, x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, how: Dispatching): ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +74,9 @@ class LocalDispatch:
     def top_k(self, probs_XE, k: int):
         return jax.lax.top_k(probs_XE, k)
 
-    def __call__(self, x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, act):
-        return apply_experts(
-            x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, self.ragged, act=act
-        )
+    def __call__(self, x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, how: Dispatching):
+        how = dataclasses.replace(how, ragged=self.ragged)
+        return apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, how)
 
 
 class MoE(nnx.Module):
@@ -92,15 +95,11 @@ class MoE(nnx.Module):
         self.router_DE = param(rngs, (D, E), (None, None), D)
         self.expert_scale = nnx.Param(jnp.ones((E,), jnp.float32), axes=(None,)) if gemma4 else None
         self.norm_topk_prob = gemma4 or cfg.moe_norm_topk_prob
-        self.act = ACTIVATIONS[cfg.mlp_activation]
         # gate and up of each expert side by side (C = 2), one matmul for both
         self.gate_up_EDCM = param(rngs, (E, D, 2, M), ("experts", "embed", None, "moe_mlp"), D)
         self.down_EMD = param(rngs, (E, M, D), ("experts", "moe_mlp", "embed"), M)
-        self.top_k, self.kind, self.capacity_factor = (
-            cfg.num_experts_per_token,
-            cfg.moe_dispatch,
-            cfg.moe_capacity_factor,
-        )
+        self.top_k = cfg.num_experts_per_token
+        self.how = Dispatching(cfg.moe_dispatch, cfg.moe_capacity_factor, ACTIVATIONS[cfg.mlp_activation])
         self.rules, self.dispatch = rules, dispatch
 
     def route(self, route_XD, replay_XK=None):
@@ -141,9 +140,7 @@ class MoE(nnx.Module):
             experts_XK,
             self.gate_up_EDCM[...],
             self.down_EMD[...],
-            self.kind,
-            self.capacity_factor,
-            self.act,
+            self.how,
         )
         y_BTD = constrain(y_XD.reshape(B, T, D), ("batch", "seq", "act_embed"), self.rules)
         return y_BTD, stats, experts_XK.reshape(B, T, -1)
@@ -163,20 +160,16 @@ def _glu(h_AC2M, act):
     return act(h_AC2M[..., 0, :]) * h_AC2M[..., 1, :]
 
 
-def apply_experts(  # noqa: PLR0913 (waived: issue 71)
-    x_XD,
-    weights_XK,
-    experts_XK,
-    gate_up_EDCM,
-    down_EMD,
-    dispatch: MoeDispatch,
-    capacity_factor: float,
-    ragged: bool = False,
-    may_choose: bool = True,
-    act: Callable = gelu_tanh,
-):
-    """Σ_k weight_k · expert_k(x) for every token, the experts all held here (ragged, may_choose:
-    as for dropless_experts; act: the experts' gate activation, model.mlp_activation's)."""
+def apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, how: Dispatching):
+    """Σ_k weight_k · expert_k(x) for every token, the experts all held here, placed and run as
+    `how` says."""
+    dispatch, capacity_factor, act, ragged, may_choose = (
+        how.kind,
+        how.capacity_factor,
+        how.act,
+        how.ragged,
+        how.may_choose,
+    )
     X, K = experts_XK.shape
     x_AD, expert_A = jnp.repeat(x_XD, K, axis=0), experts_XK.reshape(-1)  # copy a is token a // K
     E = gate_up_EDCM.shape[0]

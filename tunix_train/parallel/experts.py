@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +25,7 @@ from jax.sharding import PartitionSpec as P
 from tunix_train import platform
 from tunix_train.config import MoeDispatch
 from tunix_train.model import kernels
-from tunix_train.model.common import gelu_tanh
-from tunix_train.model.moe import apply_experts, capacity_experts, dropless_experts, slots_for
+from tunix_train.model.moe import Dispatching, apply_experts, capacity_experts, dropless_experts, slots_for
 from tunix_train.sharding import BATCH_AXES, Rules, constrain, data_axes, manual_axes
 
 AXIS = "ep"
@@ -51,46 +49,25 @@ class MeshDispatch:
             partial(jax.lax.top_k, k=k), in_specs=P(data), out_specs=P(data), axis_names=set(data)
         )(probs_XE)
 
-    def __call__(
-        self,
-        x_XD,
-        weights_XK,
-        experts_XK,
-        gate_up_EDCM,
-        down_EMD,
-        kind: MoeDispatch,
-        capacity_factor: float,
-        act: Callable = gelu_tanh,
-    ):
+    def __call__(self, x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, how: Dispatching):
         mesh = jax.sharding.get_abstract_mesh()
-        ragged = platform.ragged_dot_is_native()
         manual = manual_axes()
+        how = dataclasses.replace(
+            how,
+            ragged=platform.ragged_dot_is_native(),
+            may_choose=not any(a not in BATCH_AXES for a in manual),
+        )
         if not manual and not mesh.empty and any(mesh.shape.get(a, 1) > 1 for a in BATCH_AXES):
-            return _expert_parallel(
-                x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, ragged, act
-            )
+            return _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, how)
         if manual:
             # the experts enter split over ep alone: split over fsdp or tp as well, they crashed jax
             # 0.12's partitioner (a failed check in spmd_partitioner_util.cc)
             gate_up_EDCM = constrain(gate_up_EDCM, ("experts", None, None, None), self.rules)
             down_EMD = constrain(down_EMD, ("experts", None, None), self.rules)
-        return apply_experts(
-            x_XD,
-            weights_XK,
-            experts_XK,
-            gate_up_EDCM,
-            down_EMD,
-            kind,
-            capacity_factor,
-            ragged,
-            may_choose=not any(a not in BATCH_AXES for a in manual),
-            act=act,
-        )
+        return apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, how)
 
 
-def _expert_parallel(  # noqa: PLR0913 (waived: issue 71)
-    x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, ragged=False, act=gelu_tanh
-):
+def _expert_parallel(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, how: Dispatching):
     """moe.apply_experts with the experts split over the ep mesh axis (and the tokens with them: ep
     is one of the batch's axes), in a shard_map manual over the data axes (dp, fsdp, ep).
 
@@ -100,15 +77,14 @@ def _expert_parallel(  # noqa: PLR0913 (waived: issue 71)
     Without ep (or ep=1) each data shard runs every expert on its own tokens, with no exchange."""
     mesh = jax.sharding.get_abstract_mesh()
     S = mesh.shape.get(AXIS, 1)
+    kind, capacity_factor, ragged, act = how.kind, how.capacity_factor, how.ragged, how.act
 
     def shard(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD):
         # the weights vary over the data axes as the tokens do (kernels.slotted_matmul's custom
         # gradient needs it); the cast's transpose sums their gradients over them
         gate_up_EDCM, down_EMD = jax.lax.pcast((gate_up_EDCM, down_EMD), whole, to="varying")
         if S == 1:  # every expert here: no exchange
-            return apply_experts(
-                x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, kind, capacity_factor, ragged, act=act
-            )
+            return apply_experts(x_XD, weights_XK, experts_XK, gate_up_EDCM, down_EMD, how)
         X, K = experts_XK.shape
         E_local, D = gate_up_EDCM.shape[0], x_XD.shape[1]
         expert_A = experts_XK.reshape(-1)  # copy a is token a // K
