@@ -196,7 +196,7 @@ def test_bad_gguf_files_are_one_line_errors(tmp_path):
         (
             falcon,
             f"{falcon}: a GGUF of architecture 'falcon'; tunix_train reads gemma, gemma2, gemma3, llama, "
-            "qwen2, qwen3, qwen3moe",
+            "phi3, qwen2, qwen3, qwen3moe",
         ),
         (llama, f"{llama}: the GGUF metadata lacks llama.block_count, embedding_length, feed_forward_length"),
         (odd, f"{odd}: tensor blk.0.attn_k.weight has type Q8_1, which gguf.quants cannot dequantize"),
@@ -233,10 +233,10 @@ def test_the_query_scale_a_gguf_leaves_out_is_llama_cpps_and_each_published_mode
     """llama.cpp's rule (head_dim, n_embd / n_head for the 27B models, which it knows by their layer
     count) gives every published Gemma 2 and 3 its config.json's query_pre_attn_scalar (our named
     configs hold those); transformers' GGUF loader's 256 misses the two 27B models."""
-    from tunix_train.interop.gguf import _query_pre_attn_scalar
+    from tunix_train.interop import families
 
     assert len(PUBLISHED_GEMMA) == 8  # 2B, 9B, 27B; 270M, 1B, 4B, 12B, 27B
     m = config(f"model={name}").model
-    scale = _query_pre_attn_scalar(m.family, m.num_layers, m.embed_dim, m.num_heads, m.head_dim)
+    scale = families.named(m.family).gguf.query_scale(m.num_layers, m.embed_dim, m.num_heads, m.head_dim)
     assert scale == m.query_pre_attn_scalar
     assert (scale != 256) == name.endswith("27b")

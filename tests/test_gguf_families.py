@@ -322,5 +322,11 @@ def test_a_damaged_rope_freqs_or_yarn_key_is_one_line(tmp_path):
             name, default
         )
 
+    from tunix_train.interop import families
+
+    def field(name, default=None):
+        return key(name.removeprefix("qwen3."), default)
+
+    file = families.GgufFile("qwen3", field, frozenset(), lambda n: (64, 320), None, tmp_path / "m.gguf")
     with pytest.raises(ConfigError, match="yarn RoPE scaling without qwen3.rope.scaling.factor"):
-        gguf_llama.model_fields("qwen3", key, lambda n: [64, 320], set(), None, {}, tmp_path / "m.gguf")
+        families.named("qwen3").gguf.fields(file)

@@ -95,8 +95,8 @@ def _config(**changes):
 def test_what_the_decoder_cannot_hold_is_one_line_naming_the_key():
     for changes, words in (
         (
-            {"model_type": "mistral"},
-            "model_type 'mistral' is not one this package reads .*llama, qwen2, qwen3",
+            {"model_type": "falcon"},
+            "model_type 'falcon' is not one this package reads .*llama, mistral, phi3, qwen2, qwen3",
         ),
         ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling type 'longrope'"),
         ({"attention_bias": True}, "attention_bias=True is not supported for llama"),

@@ -1,5 +1,6 @@
-"""GGUF import (llama.cpp, Ollama, LM Studio files): Gemma, Gemma 2 and Gemma 3 text weights, and
-Llama 3, Qwen 2.5, Qwen 3 and Qwen 3 MoE ones (their conventions: interop/gguf_llama.py).
+"""GGUF import (llama.cpp, Ollama, LM Studio files) of every registered family with GGUF
+conventions (families.Family.gguf: Gemma 1-3's in interop/gguf_gemma.py; Llama 3, Mistral, Qwen 2.5
+/ 3, Qwen 3 MoE and Phi-3's in interop/gguf_llama.py).
 
 The `gguf` package (llama.cpp's own reader) parses the file and dequantizes every type it knows
 (gguf.quants.dequantize); nothing here decodes a quantization format. transformers' GGUF loader
@@ -7,12 +8,11 @@ The `gguf` package (llama.cpp's own reader) parses the file and dequantizes ever
 
 - tensor names: llama.cpp's (token_embd, blk.N.attn_q, ..., output_norm), mapped to transformers'
   by gguf's own TensorNameMap, then to ours by interop.hf's table;
-- layouts: a dequantized tensor has transformers' [out, in] layout already; Gemma's Q and K rows
-  are not permuted by llama.cpp's converter (only Llama's are);
-- RMSNorm weights: llama.cpp stores 1 + w; w is restored by subtracting 1;
-- metadata the file leaves out takes the values transformers' config classes assume (Gemma 2:
-  soft-caps 50 and 30, query scale 256; Gemma 3: 5 local layers per global, local RoPE base 10k,
-  query scale 256).
+- layouts: a dequantized tensor has transformers' [out, in] layout already; the Q and K rows of
+  the families whose conventions interleave them (Llama's permute) are put back; fused tensors
+  (Phi-3's attn_qkv, ffn_up) are read as the family fuses them (Family.fused);
+- RMSNorm weights: llama.cpp stores Gemma's as 1 + w; w is restored by subtracting 1;
+- metadata the file leaves out takes the values the family's conventions give.
 
 Dequantized tensors go straight into their shardings: each device's block is cut from one
 dequantized tensor, and only the tensors of one parameter (all its layers) are held at a time.
@@ -31,40 +31,13 @@ from flax import nnx
 
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.interop import families, gguf_llama, hf, tensor_names
+from tunix_train.interop.families import GgufFile
 from tunix_train.model import quant
 from tunix_train.model.lora import INPUT_DIMS
 
 log = logging.getLogger("tunix_train")
 
 ARCHITECTURES = tuple(families.gguf_architectures())  # what the registered families write
-# What transformers' config classes assume where a GGUF file is silent (Gemma2Config, Gemma3TextConfig);
-# the attention scale, which no key holds, as llama.cpp takes it (_query_pre_attn_scalar).
-_DEFAULTS = {
-    "gemma": dict(
-        rope_base=10_000.0,
-        attn_softcap=None,
-        final_softcap=None,
-        local_per_global=0,
-        window=None,
-        local_rope_base=10_000.0,
-    ),
-    "gemma2": dict(
-        rope_base=10_000.0,
-        attn_softcap=50.0,
-        final_softcap=30.0,
-        local_per_global=1,
-        window=4096,
-        local_rope_base=10_000.0,
-    ),
-    "gemma3": dict(
-        rope_base=1_000_000.0,
-        attn_softcap=None,
-        final_softcap=None,
-        local_per_global=5,
-        window=4096,
-        local_rope_base=10_000.0,
-    ),
-}
 _VISION_PREFIXES = ("v.", "mm.")  # a multimodal file's vision tower and projector: not read
 
 
@@ -101,138 +74,87 @@ def _field(reader, key: str, default: Any = None) -> Any:
     return float(str(np.float32(value))) if isinstance(value, float) else value
 
 
-def architecture(reader, path: Path) -> str:
+def gguf_file(reader, path: Path) -> GgufFile:
+    """The file as families' GGUF conventions read it, or a one-line error for an architecture no
+    registered family writes."""
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(
             f"{path}: a GGUF of architecture {arch!r}; tunix_train reads {', '.join(ARCHITECTURES)}"
         )
-    return arch
+    return GgufFile(
+        arch,
+        functools.partial(_field, reader),
+        frozenset(t.name for t in reader.tensors),
+        lambda name: tuple(int(n) for n in _tensor(reader, name, path).shape),
+        lambda name: _tensor(reader, name, path).data,
+        path,
+    )
 
 
 def model_fields(reader, path: Path) -> dict[str, Any]:
-    """ModelConfig fields from the file's metadata ({arch}.* keys) and its embedding's shape."""
-    arch = architecture(reader, path)
-
-    def key(name, default=None):
-        return _field(reader, f"{arch}.{name}", default)
-
-    layers, embed, heads = key("block_count"), key("embedding_length"), key("attention.head_count")
-    if None in (layers, embed, heads, key("feed_forward_length")):
+    """ModelConfig fields from the file's metadata ({arch}.* keys) and its tensors' shapes, checked
+    against each other first."""
+    file = gguf_file(reader, path)
+    layers, embed, heads = (
+        file.key("block_count"),
+        file.key("embedding_length"),
+        file.key("attention.head_count"),
+    )
+    if None in (layers, embed, heads, file.key("feed_forward_length")):
         raise ConfigError(
-            f"{path}: the GGUF metadata lacks {arch}.block_count, embedding_length, "
+            f"{path}: the GGUF metadata lacks {file.architecture}.block_count, embedding_length, "
             f"feed_forward_length or attention.head_count"
         )
-    experts, head_dim = arch == "qwen3moe", key("attention.key_length", embed // heads)
-    kv_heads = key("attention.head_count_kv", heads)
-    said = {
-        "block_count": layers,
-        "embedding_length": embed,
-        "feed_forward_length": key("expert_feed_forward_length") if experts else key("feed_forward_length"),
-        "attention.head_count x key_length": heads * head_dim,
-        "attention.head_count_kv x key_length": kv_heads * head_dim,
-    }
-    _check_sizes(reader, path, said, "blk.0.ffn_gate_exps.weight" if experts else "blk.0.ffn_gate.weight")
-    if families.of_gguf(arch).gguf_conventions == "llama":
-        names = {t.name for t in reader.tensors}
-        rope_freqs = (
-            _tensor(reader, gguf_llama.ROPE_FREQS, path).data if gguf_llama.ROPE_FREQS in names else None
-        )
-        return gguf_llama.model_fields(
-            arch,
-            key,
-            lambda name: _tensor(reader, name, path).shape,
-            names,
-            rope_freqs,
-            families.of_gguf(arch).fixed,
-            path,
-        )
-    defaults = _DEFAULTS[arch]
-    per_global = _local_per_global(
-        key("attention.sliding_window_pattern"), defaults["local_per_global"], layers, path
-    )
-    scaling = key("rope.scaling.factor") if key("rope.scaling.type") == "linear" else None
-    return {
-        "family": families.of_gguf(arch).name,
-        "num_layers": layers,
-        "embed_dim": embed,
-        "hidden_dim": key("feed_forward_length"),
-        "num_heads": heads,
-        "num_kv_heads": key("attention.head_count_kv", heads),
-        "head_dim": head_dim,
-        "vocab_size": int(_tensor(reader, "token_embd.weight", path).shape[-1]),  # GGML order: [D, V]
-        "query_pre_attn_scalar": _query_pre_attn_scalar(arch, layers, embed, heads, head_dim),
-        "attn_logit_softcap": key("attn_logit_softcapping", defaults["attn_softcap"]),
-        "final_logit_softcap": key("final_logit_softcapping", defaults["final_softcap"]),
-        "use_post_attn_norm": arch != "gemma",
-        "use_post_ffw_norm": arch != "gemma",
-        "use_qk_norm": arch == "gemma3",
-        "local_layers_per_global": per_global,
-        "sliding_window": key("attention.sliding_window", defaults["window"]) if per_global else None,
-        "rope_base_global": float(key("rope.freq_base", defaults["rope_base"])),
-        "rope_base_local": float(
-            key(
-                "rope.freq_base_swa",
-                defaults["local_rope_base"] if per_global else key("rope.freq_base", defaults["rope_base"]),
-            )
+    family = families.of_gguf(file)
+    _check_sizes(file, family.gguf.stacked_experts)
+    return {"family": family.name, **family.gguf.fields(file), **family.fixed}
+
+
+def interleaved_heads(hf_name: str, cfg: ModelConfig) -> int | None:
+    """The heads a Q or K tensor is permuted over in the file (llama.cpp's Llama permute), for a
+    family whose conventions interleave them; None otherwise."""
+    conventions = families.named(cfg.family).gguf
+    return gguf_llama.qk_heads(hf_name, cfg) if conventions and conventions.qk_interleaved else None
+
+
+def _check_sizes(file: GgufFile, stacked_experts: bool) -> None:
+    """The sizes the metadata declares, held against the tensors the file holds (GGML order: [in,
+    out]) before anything is built from them: a file cannot ask for a model larger than itself.
+    Fused tensors (attn_qkv: q, k and v rows; a gate-less ffn_up: gate and up rows) hold their
+    parts' sums."""
+    key, shape, names = file.key, file.shape, file.names
+    heads, embed = key("attention.head_count"), key("embedding_length")
+    head_dim, kv_heads = key("attention.key_length", embed // heads), key("attention.head_count_kv", heads)
+    gate = "blk.0.ffn_gate_exps.weight" if stacked_experts else "blk.0.ffn_gate.weight"
+    checks = [  # (what the metadata says, its value, what the tensors hold)
+        ("block_count", key("block_count"), len({n.split(".")[1] for n in names if n.startswith("blk.")})),
+        ("embedding_length", embed, shape("token_embd.weight")[0]),
+        (
+            "feed_forward_length",
+            key("expert_feed_forward_length") if stacked_experts else key("feed_forward_length"),
+            shape(gate)[1] if gate in names else shape("blk.0.ffn_up.weight")[1] // 2,
         ),
-        "rope_scale_global": float(scaling or 1.0),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        "context_length": key("context_length"),
-        "tie_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
-    }
-
-
-# Gemma's 27B models, which llama.cpp knows by their layer count
-_LAYERS_OF_27B = {"gemma2": 46, "gemma3": 62}
-
-
-def _query_pre_attn_scalar(arch: str, layers: int, embed: int, heads: int, head_dim: int) -> int:
-    """The attention's query scale of a Gemma GGUF as llama.cpp computes it (src/llama-model.cpp,
-    LLM_ARCH_GEMMA2 and LLM_ARCH_GEMMA3: f_attention_scale), the file holding no key for it:
-    1/sqrt(n_embd / n_head) for the 27B models (46 and 62 layers: Gemma 2's 144, Gemma 3's 168),
-    1/sqrt(head_dim) otherwise (256 for every other published size). Transformers' GGUF loader
-    assumes 256, which is wrong for the 27B files."""
-    return embed // heads if _LAYERS_OF_27B.get(arch) == layers else head_dim
-
-
-def _check_sizes(reader, path: Path, said: dict[str, int], mlp: str) -> None:
-    """The sizes the metadata declares (`said`, by their keys), held against the tensors the file
-    holds (GGML order: [in, out]; `mlp`: the first layer's MLP input tensor) before anything is
-    built from them: a file cannot ask for a model larger than itself."""
-
-    def shape(name):
-        return [int(n) for n in _tensor(reader, name, path).shape]
-
-    blocks = {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")}
-    held = {
-        "block_count": len(blocks),
-        "embedding_length": shape("token_embd.weight")[0],
-        "feed_forward_length": shape(mlp)[1],
-        "attention.head_count x key_length": shape("blk.0.attn_q.weight")[-1],
-        "attention.head_count_kv x key_length": shape("blk.0.attn_k.weight")[-1],
-    }
-    declared = {name: (said[name], held[name]) for name in held}
-    for name, (said, held) in declared.items():
+    ]
+    if "blk.0.attn_qkv.weight" in names:
+        checks.append(
+            (
+                "attention.head_count + 2 head_count_kv x key_length",
+                (heads + 2 * kv_heads) * head_dim,
+                shape("blk.0.attn_qkv.weight")[-1],
+            )
+        )
+    else:
+        checks += [
+            ("attention.head_count x key_length", heads * head_dim, shape("blk.0.attn_q.weight")[-1]),
+            ("attention.head_count_kv x key_length", kv_heads * head_dim, shape("blk.0.attn_k.weight")[-1]),
+        ]
+    for name, said, held in checks:
         if said != held:
             raise ConfigError(
-                f"{path}: its metadata says {name}={said} but its tensors hold {held}: the file is "
+                f"{file.path}: its metadata says {name}={said} but its tensors hold {held}: the file is "
                 f"damaged or was not written for this architecture"
             )
-
-
-def _local_per_global(pattern: Any, default: int, layers: int, path: Path) -> int:
-    """Local layers before each global one, from {arch}.attention.sliding_window_pattern (a period,
-    or a per-layer list of 'is sliding'), else transformers' default."""
-    if pattern is None:
-        return default
-    if isinstance(pattern, (int, np.integer)):
-        return int(pattern) - 1
-    sliding = [bool(s) for s in pattern]
-    per_global = sliding.index(False) if False in sliding else layers
-    if sliding != [(i + 1) % (per_global + 1) != 0 for i in range(layers)]:
-        raise ConfigError(f"{path}: sliding_window_pattern {sliding} is not N local layers then a global one")
-    return per_global if per_global < layers else 0
 
 
 def _tensor(reader, name: str, path: Path):
@@ -283,7 +205,7 @@ class _GGUFTensors:
 
         self.path, self.cfg = path, cfg
         self._names = gguf.get_tensor_name_map(
-            gguf.MODEL_ARCH[architecture(reader, path).upper()], cfg.num_layers
+            gguf.MODEL_ARCH[gguf_file(reader, path).architecture.upper()], cfg.num_layers
         )
         self._by_name = {t.name: t for t in reader.tensors if not t.name.startswith(_VISION_PREFIXES)}
         skipped = len(reader.tensors) - len(self._by_name)
@@ -322,7 +244,7 @@ class _GGUFTensors:
     def _read_whole(self, hf_name: str) -> np.ndarray:
         parts = [self._dequantize(name) for name in self._parts(hf_name)]
         weights = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-        heads = gguf_llama.qk_heads(hf_name, self.cfg)
+        heads = interleaved_heads(hf_name, self.cfg)
         return weights if heads is None else gguf_llama.unpermute_qk(weights, heads)
 
     def read(self, hf_name: str, slices: list[slice]) -> np.ndarray:
@@ -408,7 +330,7 @@ def _blocks(tensors: _GGUFTensors, spec: str, q, cfg: ModelConfig):
 
     names = _projection_names(tensors, spec, cfg)
     width = q.data.shape[-1]
-    heads = gguf_llama.qk_heads(tensor_names.hf_name(spec, 0, cfg), cfg)  # Llama's Q and K: rows un-permuted
+    heads = interleaved_heads(tensor_names.hf_name(spec, 0, cfg), cfg)  # Llama's Q and K: rows un-permuted
 
     def rows(name: str, row_slice: slice, byte_slice: slice) -> np.ndarray:
         """One device's rows of one layer's tensor (read from the file's map: only those), padded."""

@@ -1,7 +1,8 @@
-"""GGUF export: a Gemma, Gemma 2 or Gemma 3 as llama.cpp's convert_hf_to_gguf.py writes one; a
-Llama 3, Qwen 2.5, Qwen 3 or Qwen 3 MoE as well, with the differences interop/gguf_llama.py holds
-(its metadata, Llama's permuted Q and K, stacked experts, llama3's rope_freqs, norms as they are)
-and its byte-level BPE vocabulary (data/byte_bpe.py).
+"""GGUF export: a model of any family with GGUF conventions (families.Family.gguf) as llama.cpp's
+convert_hf_to_gguf.py writes one: Gemma, Gemma 2 and Gemma 3 (interop/gguf_gemma.py); Llama 3,
+Mistral, Qwen 2.5, Qwen 3, Qwen 3 MoE and Phi-3 with the differences interop/gguf_llama.py holds
+(their metadata, Llama's permuted Q and K, stacked experts, llama3's rope_freqs, norms as they
+are) and a byte-level BPE vocabulary where the tokenizer has one (data/byte_bpe.py).
 
 What is written, as the converter's Gemma models write it:
 - metadata: general.architecture (gemma, gemma2, gemma3) and name, file_type; {arch}.context_length,
@@ -46,23 +47,26 @@ DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 ADAPTER_DTYPES = ("f32", "f16", "bf16", "q8_0")  # convert_lora_to_gguf.py's --outtype
 
 
-def _arch(cfg: ModelConfig) -> str:
-    """llama.cpp's architecture for cfg.family, the model checked against what the family fixes."""
+def _conventions(cfg: ModelConfig) -> families.GgufConventions:
+    """cfg.family's GGUF conventions, the model checked against what the family fixes and what its
+    files can hold."""
     family = families.named(cfg.family)
-    if family.gguf_architecture is None:
+    if family.gguf is None:
         raise ConfigError(
             f"GGUF export of {family.name} is not supported yet (this package writes "
             f"{', '.join(families.gguf_architectures())}); export a Hugging Face checkpoint instead"
         )
     family.check(cfg)
-    if family.gguf_conventions == "llama":
-        gguf_llama.check_exportable(cfg)
-    return family.gguf_architecture
+    family.gguf.check_exportable(cfg)
+    return family.gguf
 
 
-def _gguf_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """transformers' tensors as the converter turns them before naming them: Llama's Q and K rows
-    permuted, the experts' fused gate/up as two stacked tensors, llama3's rope_freqs added."""
+def _gguf_tensors(
+    params, cfg: ModelConfig, conventions
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(transformers' tensors as the converter turns them before naming them: Llama's Q and K rows
+    permuted, the experts' fused gate/up as two stacked tensors; the tensors the conventions add,
+    by their GGUF names: llama3's rope_freqs)."""
     tensors = {}
     for name, array in hf.hf_tensors(params, cfg, split_experts=False).items():  # every process gathers
         if name.endswith("mlp.experts.gate_up_proj"):
@@ -70,12 +74,9 @@ def _gguf_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
             gate, up = np.split(array, 2, axis=1)
             tensors[base + "gate_proj"], tensors[base + "up_proj"] = gate, up
             continue
-        heads = gguf_llama.qk_heads(name, cfg)
+        heads = gguf_import.interleaved_heads(name, cfg)
         tensors[name] = array if heads is None else gguf_llama.permute_qk(array, heads)
-    factors = gguf_llama.llama3_factors(cfg)
-    if factors is not None:
-        tensors[gguf_llama.ROPE_FREQS] = factors
-    return tensors
+    return tensors, conventions.extra_tensors(cfg)
 
 
 def export(
@@ -92,7 +93,7 @@ def export(
         raise ConfigError(f"--dtype {dtype}: GGUF export writes {', '.join(DTYPES)}")
     if path.exists() and not overwrite:
         raise ConfigError(f"{path} exists: pass --overwrite to replace it")
-    arch = _arch(cfg)
+    conventions = _conventions(cfg)
     if tokenizer is None:
         raise ConfigError("this checkpoint carries no tokenizer, and a GGUF file needs one")
     if cfg.vision is not None:  # llama.cpp reads an image tower from a file of its own (mmproj)
@@ -100,16 +101,23 @@ def export(
         params = nnx.State({k: v for k, v in params.items() if k != "vision"})
         cfg = dataclasses.replace(cfg, vision=None)
 
-    tensors = _gguf_tensors(params, cfg)
+    tensors, extra = _gguf_tensors(params, cfg, conventions)
 
     def write(writer, names):
-        _metadata(writer, cfg, arch, dtype)
+        _metadata(writer, cfg, conventions, dtype)
         _vocabulary(writer, tokenizer, cfg.vocab_size, chat_template)
         for name, array in tensors.items():
-            gguf_name = name if name == gguf_llama.ROPE_FREQS else gguf_import.gguf_name(names, name)
-            _add_tensor(writer, gguf_name, array, dtype, cfg.norm_weight_offset)
+            _add_tensor(writer, gguf_import.gguf_name(names, name), array, dtype, cfg.norm_weight_offset)
+        for name, array in extra.items():
+            _add_tensor(writer, name, array, dtype)
 
-    _write(path, arch, cfg, write, check=lambda partial: _check_readable_as(cfg, partial, path))
+    _write(
+        path,
+        conventions.architecture,
+        cfg,
+        write,
+        check=lambda partial: _check_readable_as(cfg, partial, path),
+    )
 
 
 def export_adapters(
@@ -122,7 +130,7 @@ def export_adapters(
         raise ConfigError(f"--dtype {dtype}: llama.cpp's LoRA adapters are {', '.join(ADAPTER_DTYPES)}")
     if path.exists() and not overwrite:
         raise ConfigError(f"{path} exists: pass --overwrite to replace it")
-    arch = _arch(cfg)
+    arch = _conventions(cfg).architecture
 
     tensors = peft.tensors(adapters, cfg, lora)  # every process gathers its shards
 
@@ -132,7 +140,7 @@ def export_adapters(
         writer.add_float32("adapter.lora.alpha", float(lora.alpha))
         for key, array in tensors.items():  # base_model.model.<name>.lora_A.weight
             name, factor = key.removeprefix("base_model.model.").rsplit(".lora_", 1)  # factor: "A.weight"
-            heads = gguf_llama.qk_heads(name, cfg) if factor[0] == "B" else None  # B's rows are W's
+            heads = gguf_import.interleaved_heads(name, cfg) if factor[0] == "B" else None  # B's rows are W's
             array = array if heads is None else gguf_llama.permute_qk(array, heads)
             _add_tensor(
                 writer,
@@ -166,7 +174,7 @@ def _write(path: Path, arch: str, cfg: ModelConfig, write, check=None) -> None:
     write_atomically(path, fill)
 
 
-def _metadata(writer, cfg: ModelConfig, arch: str, dtype: str) -> None:
+def _metadata(writer, cfg: ModelConfig, conventions, dtype: str) -> None:
     import gguf
 
     writer.add_name(cfg.name)
@@ -192,15 +200,7 @@ def _metadata(writer, cfg: ModelConfig, arch: str, dtype: str) -> None:
     if cfg.rope_scale_global != 1.0:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(cfg.rope_scale_global)
-    if families.of_gguf(arch).gguf_conventions == "llama":
-        gguf_llama.write_metadata(writer, cfg, arch)
-        return
-    if arch != "gemma":
-        writer.add_sliding_window(cfg.sliding_window or 4096)
-    if arch == "gemma2" and cfg.attn_logit_softcap is not None:
-        writer.add_attn_logit_softcapping(cfg.attn_logit_softcap)
-    if cfg.final_logit_softcap is not None:
-        writer.add_final_logit_softcapping(cfg.final_logit_softcap)
+    conventions.write_metadata(writer, cfg)
 
 
 def _vocabulary(writer, tokenizer, vocab_size: int, chat_template: str | None) -> None:

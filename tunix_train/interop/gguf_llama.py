@@ -1,29 +1,33 @@
-"""GGUF conventions of the Llama 3 and Qwen 2.5 / 3 families (llama, qwen2, qwen3, qwen3moe), as
-llama.cpp's convert_hf_to_gguf.py writes them (LlamaModel, Qwen2Model, Qwen3Model, Qwen3MoeModel)
-and transformers' GGUF loader reads them back; gguf.py and gguf_export.py hold what all families
-share.
+"""GGUF conventions of the families with Llama's decoder (Llama 3, Mistral, Qwen 2.5 / 3 and Qwen 3
+MoE, Phi-3), as llama.cpp's convert_hf_to_gguf.py writes them (LlamaModel, Qwen2Model, Qwen3Model,
+Qwen3MoeModel, Phi3MiniModel) and transformers' GGUF loader reads them back; gguf.py and
+gguf_export.py hold what all families share. Each family module holds one LlamaGguf saying which
+of these it uses.
 
 - metadata: {arch}.context_length, embedding_length, block_count, feed_forward_length,
   attention.head_count, head_count_kv, key_length, value_length, layer_norm_rms_epsilon,
-  rope.freq_base; llama: rope.dimension_count; qwen3moe: expert_count, expert_used_count,
-  expert_feed_forward_length (llama.cpp always renormalizes the chosen experts' weights);
+  rope.freq_base; rope.dimension_count (llama, phi3); expert_count, expert_used_count,
+  expert_feed_forward_length (qwen3moe: llama.cpp always renormalizes the chosen experts' weights);
+  attention.sliding_window (phi3: 0 for none; Mistral's, which llama.cpp's llama does not read) and
+  rope.scaling.original_context_length (phi3);
 - RoPE scaling: linear and yarn as rope.scaling.* keys; llama3 as the `rope_freqs.weight` tensor of
   per-frequency divisors (generate_extra_tensors), which the import turns back into the schedule
   and checks;
-- Llama's Q and K rows are permuted to interleaved rotary pairs (LlamaModel.permute); Qwen's are not;
+- Llama's (and Mistral's) Q and K rows are permuted to interleaved rotary pairs (LlamaModel.permute);
+  Qwen's and Phi-3's are not; Phi-3's fused qkv and gate/up stay fused (attn_qkv, ffn_up);
 - experts as three stacked tensors (ffn_gate_exps, ffn_up_exps [E, M, D]; ffn_down_exps [E, D, M]);
 - RMSNorm weights as they are (no 1 + w: these families' norms hold the weight itself).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 
 import numpy as np
 
 from tunix_train.config import ConfigError, ModelConfig, RopeScaling, RopeScalingType
-from tunix_train.interop import families
 
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -48,9 +52,7 @@ def unpermute_qk(rows: np.ndarray, heads: int) -> np.ndarray:
 
 
 def qk_heads(hf_name: str, cfg: ModelConfig) -> int | None:
-    """The heads a Llama Q or K tensor (or its LoRA B factor) is permuted over; None for any other."""
-    if not families.named(cfg.family).gguf_qk_interleaved:
-        return None
+    """The heads a Q or K tensor's rows (or its LoRA B factor's) hold; None for any other tensor."""
     module = hf_name.removesuffix(".weight").removesuffix(".bias")
     if module.endswith(".self_attn.q_proj"):
         return cfg.num_heads
@@ -59,52 +61,126 @@ def qk_heads(hf_name: str, cfg: ModelConfig) -> int | None:
     return None
 
 
-def model_fields(
-    arch: str, key: Callable, shape: Callable, names: set[str], rope_freqs, fixed: dict, path
-) -> dict[str, Any]:
-    """ModelConfig fields of a file of `arch` from its metadata (`key(name, default)` reads
-    {arch}.name), its tensors' shapes (`shape(name)`, GGML order) and names, and its rope_freqs
-    tensor (or None); `fixed`: what the family fixes."""
-    from tunix_train.interop.gemma import GEMMA4_ONLY_OFF
+@dataclasses.dataclass(frozen=True)
+class LlamaGguf:
+    """One family's choices among these conventions (families.GgufConventions)."""
 
-    family = families.of_gguf(arch).name
-    embed, heads = key("embedding_length"), key("attention.head_count")
-    head_dim = key("attention.key_length", embed // heads)
-    theta = float(key("rope.freq_base", 10_000.0))
-    moe = family == "qwen3_moe"
-    fields = {
-        **GEMMA4_ONLY_OFF,
-        "family": family,
-        "num_layers": key("block_count"),
-        "embed_dim": embed,
-        "hidden_dim": key("feed_forward_length"),
-        "num_heads": heads,
-        "num_kv_heads": key("attention.head_count_kv", heads),
-        "head_dim": head_dim,
-        "vocab_size": int(shape("token_embd.weight")[-1]),
-        "rope_base_global": theta,
-        "rope_base_local": theta,
-        "rope_scale_global": 1.0,
-        "rope_scaling": RopeScaling(),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        "context_length": key("context_length"),
-        "tie_embeddings": "output.weight" not in names,
-        "num_experts": key("expert_count", 0) if moe else 0,
-        "num_experts_per_token": key("expert_used_count", 0) if moe else 0,
-        "moe_hidden_dim": key("expert_feed_forward_length", 0) if moe else 0,
-        "moe_norm_topk_prob": True,
-        **fixed,
-    }
+    architecture: str
+    qk_interleaved: bool = False
+    stacked_experts: bool = False
+    rope_dimension_count: bool = False
+    windowed: bool = False  # all layers local when {arch}.attention.sliding_window is positive
+    original_context: bool = False  # rope.scaling.original_context_length: the pre-training context
+    # general.basename, written and recognised (a family that shares its architecture: Mistral)
+    basename: str | None = None
+
+    def claims(self, file) -> bool:
+        """A file of the architecture is this family's when its general.basename starts with ours,
+        or it has local layers and we read them."""
+        named = str(file.field("general.basename") or "").lower()
+        if self.basename and named.startswith(self.basename.lower()):
+            return True
+        return self.windowed and (file.key("attention.sliding_window") or 0) > 0
+
+    def fields(self, file) -> dict[str, Any]:
+        """ModelConfig fields of a file from its metadata, its tensors' shapes and names, and its
+        rope_freqs tensor."""
+        from tunix_train.interop.families.gemma_like import GEMMA4_ONLY_OFF
+
+        key = file.key
+        embed, heads = key("embedding_length"), key("attention.head_count")
+        head_dim = key("attention.key_length", embed // heads)
+        theta = float(key("rope.freq_base", 10_000.0))
+        moe = self.stacked_experts
+        fields = {
+            **GEMMA4_ONLY_OFF,
+            "num_layers": key("block_count"),
+            "embed_dim": embed,
+            "hidden_dim": key("feed_forward_length"),
+            "num_heads": heads,
+            "num_kv_heads": key("attention.head_count_kv", heads),
+            "head_dim": head_dim,
+            "vocab_size": int(file.shape("token_embd.weight")[-1]),
+            "rope_base_global": theta,
+            "rope_base_local": theta,
+            "rope_scale_global": 1.0,
+            "rope_scaling": _scaling(key, file),
+            "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            "context_length": key("context_length"),
+            "tie_embeddings": "output.weight" not in file.names,
+            "num_experts": key("expert_count", 0) if moe else 0,
+            "num_experts_per_token": key("expert_used_count", 0) if moe else 0,
+            "moe_hidden_dim": key("expert_feed_forward_length", 0) if moe else 0,
+            "moe_norm_topk_prob": True,
+        }
+        if key("rope.scaling.type") == "linear":
+            fields["rope_scale_global"] = float(key("rope.scaling.factor", 1.0))
+        if ROPE_FREQS in file.names:
+            fields["rope_scaling"] = llama3_scaling(
+                np.asarray(file.data(ROPE_FREQS), np.float64), theta, head_dim, file.path
+            )
+        if self.windowed:
+            window = key("attention.sliding_window") or 0
+            fields["local_layers_per_global"] = fields["num_layers"] if window > 0 else 0
+            fields["sliding_window"] = int(window) if window > 0 else None
+        return fields
+
+    def write_metadata(self, writer, cfg: ModelConfig) -> None:
+        """The {arch}.* keys the converter writes for this family beyond the sizes every family
+        writes (gguf_export._metadata): module docstring."""
+        import gguf
+
+        if self.basename:
+            writer.add_basename(self.basename)
+        if self.rope_dimension_count:
+            writer.add_rope_dimension_count(cfg.head_dim)
+        if self.original_context:
+            writer.add_rope_scaling_orig_ctx_len(cfg.context_length or 4096)
+        if self.windowed:
+            writer.add_sliding_window(cfg.sliding_window if cfg.local_layers_per_global else 0)
+        writer.add_vocab_size(cfg.vocab_size)
+        if self.stacked_experts:
+            writer.add_expert_count(cfg.num_experts)
+            writer.add_expert_used_count(cfg.num_experts_per_token)
+            writer.add_expert_feed_forward_length(cfg.moe_hidden_dim)
+        scaling = cfg.rope_scaling
+        if cfg.rope_scale_global == 1.0 and scaling.type is RopeScalingType.yarn:  # linear: written by all
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(scaling.factor)
+            writer.add_rope_scaling_orig_ctx_len(scaling.original_context)
+            writer.add_rope_scaling_yarn_beta_fast(scaling.beta_fast)
+            writer.add_rope_scaling_yarn_beta_slow(scaling.beta_slow)
+            if scaling.attention_factor is not None:
+                writer.add_rope_scaling_yarn_attn_factor(scaling.attention_factor)
+
+    def extra_tensors(self, cfg: ModelConfig) -> dict[str, np.ndarray]:
+        factors = llama3_factors(cfg)
+        return {} if factors is None else {ROPE_FREQS: factors}
+
+    def check_exportable(self, cfg: ModelConfig) -> None:
+        """What these files cannot say: a ConfigError naming it."""
+        if cfg.num_experts and not cfg.moe_norm_topk_prob:
+            raise ConfigError(
+                "model.moe_norm_topk_prob=false: llama.cpp's qwen3moe renormalizes the chosen experts' "
+                "weights; a GGUF cannot hold this model"
+            )
+        if cfg.rope_scaling.type is RopeScalingType.yarn and not cfg.rope_scaling.truncate:
+            raise ConfigError(
+                "model.rope_scaling.truncate=false: llama.cpp's yarn rounds the ramp's bounds outward; "
+                "a GGUF cannot hold this model"
+            )
+
+
+def _scaling(key: Callable, file) -> RopeScaling:
+    """The yarn schedule the rope.scaling.* keys give (linear is a factor, llama3 a tensor)."""
     kind = key("rope.scaling.type")
-    if kind == "linear":
-        fields["rope_scale_global"] = float(key("rope.scaling.factor", 1.0))
-    elif kind == "yarn":
+    if kind == "yarn":
         if key("rope.scaling.factor") is None or key("rope.scaling.original_context_length") is None:
             raise ConfigError(
-                f"{path}: yarn RoPE scaling without {arch}.rope.scaling.factor or "
+                f"{file.path}: yarn RoPE scaling without {file.architecture}.rope.scaling.factor or "
                 f"original_context_length; the file is damaged"
             )
-        fields["rope_scaling"] = RopeScaling(
+        return RopeScaling(
             type=RopeScalingType.yarn,
             factor=float(key("rope.scaling.factor")),
             original_context=int(key("rope.scaling.original_context_length")),
@@ -112,11 +188,9 @@ def model_fields(
             beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0)),
             attention_factor=key("rope.scaling.yarn_attn_factor"),
         )
-    elif kind not in (None, "none"):
-        raise ConfigError(f"{path}: rope.scaling.type {kind!r} is not supported (linear, yarn)")
-    if rope_freqs is not None:
-        fields["rope_scaling"] = llama3_scaling(np.asarray(rope_freqs, np.float64), theta, head_dim, path)
-    return fields
+    if kind not in (None, "none", "linear"):
+        raise ConfigError(f"{file.path}: rope.scaling.type {kind!r} is not supported (linear, yarn)")
+    return RopeScaling()
 
 
 def llama3_factors(cfg: ModelConfig) -> np.ndarray | None:
@@ -176,40 +250,3 @@ def llama3_scaling(factors: np.ndarray, base: float, head_dim: int, path) -> Rop
             f"load the Hugging Face checkpoint instead"
         )
     return candidate
-
-
-def write_metadata(writer, cfg: ModelConfig, arch: str) -> None:
-    """The {arch}.* keys the converter writes for these families beyond the sizes every family
-    writes (gguf_export._metadata): module docstring."""
-    import gguf
-
-    if arch == "llama":
-        writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_vocab_size(cfg.vocab_size)
-    if arch == "qwen3moe":
-        writer.add_expert_count(cfg.num_experts)
-        writer.add_expert_used_count(cfg.num_experts_per_token)
-        writer.add_expert_feed_forward_length(cfg.moe_hidden_dim)
-    scaling = cfg.rope_scaling
-    if cfg.rope_scale_global == 1.0 and scaling.type is RopeScalingType.yarn:  # linear: written by all
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(scaling.factor)
-        writer.add_rope_scaling_orig_ctx_len(scaling.original_context)
-        writer.add_rope_scaling_yarn_beta_fast(scaling.beta_fast)
-        writer.add_rope_scaling_yarn_beta_slow(scaling.beta_slow)
-        if scaling.attention_factor is not None:
-            writer.add_rope_scaling_yarn_attn_factor(scaling.attention_factor)
-
-
-def check_exportable(cfg: ModelConfig) -> None:
-    """What these files cannot say: a ConfigError naming it."""
-    if cfg.num_experts and not cfg.moe_norm_topk_prob:
-        raise ConfigError(
-            "model.moe_norm_topk_prob=false: llama.cpp's qwen3moe renormalizes the chosen experts' "
-            "weights; a GGUF cannot hold this model"
-        )
-    if cfg.rope_scaling.type is RopeScalingType.yarn and not cfg.rope_scaling.truncate:
-        raise ConfigError(
-            "model.rope_scaling.truncate=false: llama.cpp's yarn rounds the ramp's bounds outward; "
-            "a GGUF cannot hold this model"
-        )

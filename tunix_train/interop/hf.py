@@ -12,6 +12,7 @@ is the family's (families.py).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,54 @@ def per_expert_tensors(name: str, fused: np.ndarray) -> dict[str, np.ndarray]:
     }
 
 
+class _FusedFiles:
+    """transformers' per-part tensors (q_proj, gate_proj, ...) read from checkpoints that fuse them
+    (Family.fused: Phi-3's qkv_proj holds q's rows, then k's, then v's); a part the files hold
+    itself is read as it is."""
+
+    def __init__(self, files: Any, cfg: ModelConfig, fused: dict[str, tuple[str, ...]]):
+        self.files, self.cfg = files, cfg
+        self._parts = {  # a part's name -> (the fused name, the parts' paths, this part's place)
+            tensor_names.SPECS[spec][0]: (name, specs, i)
+            for name, specs in fused.items()
+            for i, spec in enumerate(specs)
+        }
+
+    def _fused(self, name: str) -> tuple[str, int, int] | None:
+        """(the fused tensor's name, this part's first row, its rows) of a part's name."""
+        base, _, tail = name.partition(".layers.")
+        layer, _, part = tail.partition(".")
+        if part not in self._parts or not layer.isdigit():
+            return None
+        fused, specs, place = self._parts[part]
+        rows = [math.prod(tensor_names.split_view(spec, self.cfg, int(layer))[0][0]) for spec in specs]
+        return f"{base}.layers.{layer}.{fused}", sum(rows[:place]), rows[place]
+
+    def has(self, name: str) -> bool:
+        fused = self._fused(name)
+        return self.files.has(name) or (fused is not None and self.files.has(fused[0]))
+
+    def read(self, name: str, slices: list[slice]) -> np.ndarray:
+        fused = self._fused(name)
+        if fused is None or self.files.has(name):
+            return self.files.read(name, slices)
+        fused_name, first, rows = fused
+        start, stop, _ = slices[0].indices(rows)
+        return self.files.read(fused_name, [slice(first + start, first + stop), *slices[1:]])
+
+
+def fuse(tensors: dict[str, np.ndarray], fused: dict[str, tuple[str, ...]]) -> dict[str, np.ndarray]:
+    """_FusedFiles' inverse: each layer's parts as the one tensor the family's checkpoints hold."""
+    out = dict(tensors)
+    for fused_name, specs in fused.items():
+        parts = [tensor_names.SPECS[spec][0] for spec in specs]
+        for name in [n for n in tensors if n.endswith("." + parts[0])]:
+            base = name.removesuffix(parts[0])
+            if all(base + part in out for part in parts):
+                out[base + fused_name] = np.concatenate([out.pop(base + part) for part in parts])
+    return out
+
+
 def model_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig fields equivalent to a transformers config.json (its text_config), by its family."""
     return families.of_hf(hf).fields_from_hf(hf)
@@ -201,6 +250,8 @@ def load_params_from(
     )
 
     tower = {}  # the image tower's parameters, read whole (at most a few hundred million)
+    if fused := families.named(cfg.family).fused:
+        files = _FusedFiles(files, cfg, fused)
 
     def load_tower_leaf(path: str, leaf: jax.ShapeDtypeStruct):
         if not tower:
@@ -289,7 +340,7 @@ def hf_tensors(
                 tensors[name] = np.ascontiguousarray(theirs)
     if tower:
         tensors.update(names.tower_tensors(cfg.vision, tower))
-    return tensors
+    return fuse(tensors, families.named(cfg.family).fused)
 
 
 def export(params: nnx.State, cfg: ModelConfig, directory: Path, special_ids: dict | None = None) -> None:

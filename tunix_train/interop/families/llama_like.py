@@ -1,8 +1,7 @@
-"""Llama 3 and Qwen 2.5 / 3 (dense and MoE) config.json, both ways: their transformers configs
-share Llama's keys, and each family fixes a few of the decoder's fields (families.py registers
-them). What the decoder cannot hold (biases on the output projection or the MLP, sliding windows,
-MoE layers between dense ones, RoPE types other than linear, llama3 and yarn) is refused in one
-line naming the key.
+"""What the families with Llama's decoder share in config.json (Llama 3, Mistral, Qwen 2.5 / 3,
+Qwen 3 MoE, Phi-3), both ways: their transformers configs share Llama's keys, and each family's
+module adds and refuses its own. What the decoder cannot hold (biases on the output projection or
+the MLP, RoPE types other than linear, llama3 and yarn) is refused in one line naming the key.
 """
 
 from __future__ import annotations
@@ -13,11 +12,10 @@ from tunix_train.config import (
     Activation,
     ConfigError,
     ModelConfig,
-    MoeRouter,
     RopeScaling,
     RopeScalingType,
 )
-from tunix_train.interop.gemma import GEMMA4_ONLY_OFF, hf_sizes, sizes_from_hf
+from tunix_train.interop.families.gemma_like import GEMMA4_ONLY_OFF, hf_sizes, sizes_from_hf
 
 # The decoder as Llama has it: pre-norms alone, weights around 1, unscaled embeddings, SwiGLU.
 LLAMA_DECODER = dict(
@@ -29,17 +27,9 @@ LLAMA_DECODER = dict(
     query_pre_attn_scalar=None,
     attn_logit_softcap=None,
     final_logit_softcap=None,
-    local_layers_per_global=0,
-    sliding_window=None,
 )
-FIXED = {
-    "llama": dict(LLAMA_DECODER, use_qk_norm=False, qkv_bias=False, num_experts=0),
-    "qwen2": dict(LLAMA_DECODER, use_qk_norm=False, qkv_bias=True, num_experts=0),
-    "qwen3": dict(LLAMA_DECODER, use_qk_norm=True, qkv_bias=False, num_experts=0),
-    "qwen3_moe": dict(
-        LLAMA_DECODER, use_qk_norm=True, qkv_bias=False, moe_router=MoeRouter.softmax, dense_mlp=False
-    ),
-}
+# every layer global (Llama, Qwen); Mistral and Phi-3 read their window from config.json
+NO_WINDOWS = dict(local_layers_per_global=0, sliding_window=None)
 _ROPE_KEYS = {  # ours -> transformers' rope_parameters key
     "factor": "factor",
     "original_context": "original_max_position_embeddings",
@@ -96,26 +86,24 @@ def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def llama_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
-    """ModelConfig fields of a transformers Llama, Qwen 2, Qwen 3 or Qwen 3 MoE config."""
-    refused = {
-        "attention_bias": family in ("llama", "qwen3", "qwen3_moe") and hf.get("attention_bias"),
-        "mlp_bias": hf.get("mlp_bias"),
-        "use_sliding_window": hf.get("use_sliding_window"),
-        "mlp_only_layers": family == "qwen3_moe" and hf.get("mlp_only_layers"),
-        "decoder_sparse_step": family == "qwen3_moe" and hf.get("decoder_sparse_step", 1) != 1,
-    }
+def refuse(hf: dict[str, Any], name: str, refused: dict[str, Any]) -> None:
+    """A ConfigError naming the first of `refused` (key -> whether its value is refused) that holds."""
     for key, value in refused.items():
         if value:
             raise ConfigError(
-                f"model.init_from: config.json's {key}={hf.get(key)!r} is not supported for {family} "
+                f"model.init_from: config.json's {key}={hf.get(key)!r} is not supported for {name} "
                 f"(the decoder holds every layer alike, biases on q, k and v alone)"
             )
+
+
+def llama_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
+    """ModelConfig fields of a transformers config with Llama's keys (a dense model, every layer
+    alike); `name`, the family's, in errors."""
+    refuse(hf, name, {"mlp_bias": hf.get("mlp_bias"), "use_sliding_window": hf.get("use_sliding_window")})
     activation = hf.get("hidden_act", "silu")
     if activation != "silu":
-        raise ConfigError(f"model.init_from: hidden_act {activation!r} is not supported for {family} (silu)")
+        raise ConfigError(f"model.init_from: hidden_act {activation!r} is not supported for {name} (silu)")
     theta, linear, scaling = rope_from_hf(hf)
-    moe = family == "qwen3_moe"
     return {
         **GEMMA4_ONLY_OFF,
         **sizes_from_hf(
@@ -129,23 +117,40 @@ def llama_from_hf(hf: dict[str, Any], family: str) -> dict[str, Any]:
         "rope_scale_global": linear,
         "rope_scaling": scaling,
         "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
-        # transformers 5 writes num_local_experts; published checkpoints, num_experts
-        "num_experts": (hf.get("num_experts") or hf["num_local_experts"]) if moe else 0,
-        "num_experts_per_token": hf["num_experts_per_tok"] if moe else 0,
-        "moe_hidden_dim": hf["moe_intermediate_size"] if moe else 0,
-        "moe_norm_topk_prob": bool(hf.get("norm_topk_prob", True)) if moe else True,
+        "moe_norm_topk_prob": True,
         "context_length": hf.get("max_position_embeddings"),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
 
 
-def llama_to_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
-    """config.json for transformers' model of `family` (after its architectures and model_type)."""
+def window_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """Every layer local when config.json's sliding_window is set (Mistral, Phi-3), else global."""
+    window = hf.get("sliding_window")
+    if not window:
+        return dict(NO_WINDOWS)
+    return {"local_layers_per_global": hf["num_hidden_layers"], "sliding_window": int(window)}
+
+
+def window_to_hf(cfg: ModelConfig, name: str) -> int | None:
+    """config.json's sliding_window: every layer local or none; a ConfigError for a mix."""
+    if cfg.local_layers_per_global == 0:
+        return None
+    if cfg.local_layers_per_global < cfg.num_layers or cfg.layer_types is not None:
+        raise ConfigError(
+            f"model.local_layers_per_global={cfg.local_layers_per_global}: {name} checkpoints have "
+            f"every layer local or none; set it to 0 or model.num_layers ({cfg.num_layers})"
+        )
+    return cfg.sliding_window
+
+
+def llama_to_hf(cfg: ModelConfig, name: str) -> dict[str, Any]:
+    """The config.json keys every family with Llama's keys writes (after its architectures and
+    model_type)."""
     if cfg.rope_base_local != cfg.rope_base_global:
         raise ConfigError(
-            f"model.rope_base_local: {family} checkpoints have one RoPE base; set it to rope_base_global"
+            f"model.rope_base_local: {name} checkpoints have one RoPE base; set it to rope_base_global"
         )
-    config = {
+    return {
         **hf_sizes(cfg),
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
@@ -155,19 +160,7 @@ def llama_to_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
         "tie_word_embeddings": cfg.tie_embeddings,
         "torch_dtype": "float32",
     }
-    if family != "qwen2":  # Qwen 2's q, k and v always have biases
-        config["attention_bias"] = False
-    if family == "llama":
-        config["mlp_bias"] = False
-    else:
-        config["use_sliding_window"] = False
-    if family == "qwen3_moe":
-        config.update(
-            num_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.num_experts_per_token,
-            moe_intermediate_size=cfg.moe_hidden_dim,
-            norm_topk_prob=cfg.moe_norm_topk_prob,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-        )
-    return config
+
+
+# Llama names its pre-MLP norm as Gemma 2-4 name the norm after attention
+HF_NAMES = {"layers.pre_ffw_norm.scale": "post_attention_layernorm.weight"}

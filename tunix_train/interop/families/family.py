@@ -1,20 +1,62 @@
-"""Model families as checkpoint files name them. The decoder reads only ModelConfig's fields; a
+"""A model family as checkpoint files know it. The decoder reads only ModelConfig's fields; a
 family is what the files need beside them: transformers' model_type and architecture, the
-translation of config.json both ways, the fields every checkpoint of the family fixes, llama.cpp's
-architecture name, and the tensor names where the family departs from the shared table (hf.py).
+translation of config.json both ways, the fields every checkpoint of the family fixes, its GGUF
+conventions (llama.cpp's architecture, metadata and Q/K layout: GgufConventions), the tensor names
+where it departs from the shared table (tensor_names.py) and the tensors its files fuse.
 
-A new family is a `register(Family(...))` call and its config translations: nothing else in the
-package changes (tests/test_families.py registers a toy one).
+Each family is one module of this package that calls `register(Family(...))`; the readers and
+writers ask the family and never compare its name (tests/test_house.py holds that).
+tests/test_families.py registers a toy one in the test alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Callable, Mapping
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol
 
 from tunix_train.config import ConfigError, ModelConfig
-from tunix_train.interop import gemma, llama
+
+
+@dataclasses.dataclass(frozen=True)
+class GgufFile:
+    """What a family's GGUF conventions read of a file: `field(key)` any metadata value (None if
+    absent), `key(name)` its {architecture}.name value, the tensors' names, `shape(name)` (GGML
+    order: [in, out]) and `data(name)` (dequantized, float32)."""
+
+    architecture: str
+    field: Callable[..., Any]
+    names: frozenset[str]
+    shape: Callable[[str], tuple[int, ...]]
+    data: Callable[[str], Any]
+    path: Path
+
+    def key(self, name: str, default: Any = None) -> Any:
+        return self.field(f"{self.architecture}.{name}", default)
+
+
+class GgufConventions(Protocol):
+    """How llama.cpp holds one family (interop/gguf_gemma.py, gguf_llama.py implement it)."""
+
+    architecture: str  # general.architecture
+    qk_interleaved: bool  # Q and K rows with each head's two halves interleaved (llama.cpp's Llama permute)
+    stacked_experts: bool  # the experts as three stacked tensors (ffn_gate_exps, ffn_up_exps, ffn_down_exps)
+
+    def fields(self, file: GgufFile) -> dict[str, Any]:
+        """ModelConfig fields of the file (before the family's fixed ones)."""
+
+    def write_metadata(self, writer, cfg: ModelConfig) -> None:
+        """The {arch}.* keys beyond the sizes every family writes (gguf_export._metadata)."""
+
+    def extra_tensors(self, cfg: ModelConfig) -> dict[str, Any]:
+        """Tensors the file holds beside the weights (llama3's rope_freqs), by their GGUF names."""
+
+    def check_exportable(self, cfg: ModelConfig) -> None:
+        """A ConfigError naming what a file of this architecture cannot hold."""
+
+    def claims(self, file: GgufFile) -> bool:
+        """Whether a file of this architecture is this family's rather than the architecture's
+        first family (Mistral's files say `llama`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,12 +67,11 @@ class Family:
     from_hf: Callable[[dict], dict]  # a config.json (its text_config) -> ModelConfig fields
     to_hf: Callable[[ModelConfig], dict]  # ModelConfig -> config.json after architectures and model_type
     fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # fields its checkpoints all have
-    gguf_architecture: str | None = None  # llama.cpp's general.architecture; None: no GGUF export
-    # which GGUF conventions read and write it: "gemma" (gguf.py) or "llama" (gguf_llama.py: Llama, Qwen)
-    gguf_conventions: str | None = None
-    # llama.cpp holds its Q and K rows with each head's two halves interleaved (its Llama permute)
-    gguf_qk_interleaved: bool = False
+    gguf: GgufConventions | None = None  # None: no GGUF in or out
     hf_names: Mapping[str, str] = dataclasses.field(default_factory=dict)  # our path -> transformers' name
+    # tensors its checkpoints fuse: transformers' per-layer name -> the paths (tensor_names.SPECS)
+    # whose rows it holds one after another (Phi-3's qkv_proj, gate_up_proj)
+    fused: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     # checkpoints store each expert's gate, up and down as tensors of their own (hf._PerExpertFiles)
     split_experts: bool = False
     # transformers' class of this family with a scalar head (model.score_head: a reward model);
@@ -120,73 +161,12 @@ def of_hf(hf: dict, source: str = "model.init_from") -> Family:
     raise ConfigError(f"{source}: model_type {model_type!r} is not one this package reads ({known})")
 
 
-def of_gguf(architecture: str) -> Family | None:
-    return next((f for f in _FAMILIES.values() if f.gguf_architecture == architecture), None)
+def of_gguf(file: GgufFile) -> Family | None:
+    """The family of a GGUF file: the one of its architecture that claims it, else the first
+    registered for the architecture."""
+    matching = [f for f in _FAMILIES.values() if f.gguf and f.gguf.architecture == file.architecture]
+    return next((f for f in matching[1:] if f.gguf.claims(file)), matching[0] if matching else None)
 
 
 def gguf_architectures() -> list[str]:
-    return [f.gguf_architecture for f in _FAMILIES.values() if f.gguf_architecture]
-
-
-for _name, _model_types, _architecture in (
-    ("gemma", ("gemma",), "GemmaForCausalLM"),
-    ("gemma2", ("gemma2",), "Gemma2ForCausalLM"),
-    ("gemma3", ("gemma3_text", "gemma3"), "Gemma3ForCausalLM"),
-):
-    register(
-        Family(
-            _name,
-            _model_types,
-            _architecture,
-            functools.partial(gemma.gemma_from_hf, family=_name),
-            functools.partial(gemma.gemma_to_hf, family=_name),
-            gemma.FIXED[_name],
-            gguf_architecture=_name,
-            gguf_conventions="gemma",
-            hf_sequence_classifier="Gemma3TextForSequenceClassification" if _name == "gemma3" else "",
-            # Gemma 1 names its pre-MLP norm as the later ones name the norm after attention
-            hf_names={"layers.pre_ffw_norm.scale": "post_attention_layernorm.weight"}
-            if _name == "gemma"
-            else {},
-        )
-    )
-register(
-    Family(
-        "gemma4",
-        ("gemma4_text", "gemma4"),
-        "Gemma4ForCausalLM",
-        gemma.gemma4_from_hf,
-        gemma.gemma4_to_hf,
-        gemma.FIXED["gemma4"],
-        hf_sequence_classifier=None,
-    )
-)
-
-# Llama names its pre-MLP norm as Gemma 2-4 name the norm after attention
-_PRE_MLP_NORM = {"layers.pre_ffw_norm.scale": "post_attention_layernorm.weight"}
-for _name, _architecture, _gguf in (
-    ("llama", "LlamaForCausalLM", "llama"),
-    ("qwen2", "Qwen2ForCausalLM", "qwen2"),
-    ("qwen3", "Qwen3ForCausalLM", "qwen3"),
-    ("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3moe"),
-):
-    register(
-        Family(
-            _name,
-            (_name,),
-            _architecture,
-            functools.partial(llama.llama_from_hf, family=_name),
-            functools.partial(llama.llama_to_hf, family=_name),
-            llama.FIXED[_name],
-            gguf_architecture=_gguf,
-            gguf_conventions="llama",
-            gguf_qk_interleaved=_name == "llama",
-            hf_names={
-                **_PRE_MLP_NORM,
-                "layers.moe.router_DE": "mlp.gate.weight",
-                "layers.moe.gate_up_EDCM": "mlp.experts.gate_up_proj",
-                "layers.moe.down_EMD": "mlp.experts.down_proj",
-            },
-            split_experts=True,
-        )
-    )
+    return list(dict.fromkeys(f.gguf.architecture for f in _FAMILIES.values() if f.gguf))
