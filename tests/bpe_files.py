@@ -10,6 +10,7 @@ from tunix_train.data.sources import BUNDLED_CORPUS
 
 SPECIAL = {
     "qwen": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    "phi3": ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
     "llama": [
         "<|begin_of_text|>",
         "<|end_of_text|>",
@@ -25,6 +26,12 @@ SETTINGS = {
         "pad_token": "<|endoftext|>",
         "add_bos_token": False,
         "tokenizer_class": "Qwen2Tokenizer",
+    },
+    "phi3": {  # Phi-3's tokens and ends (its own tokenizer is SentencePiece: a byte-level one stands in)
+        "bos_token": None,
+        "eos_token": "<|endoftext|>",
+        "add_bos_token": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
     },
     "llama": {
         "bos_token": "<|begin_of_text|>",

@@ -124,6 +124,14 @@ LLAMA_QWEN = {
         "Qwen3Moe",
         dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     ),
+    # every layer local past WINDOW (Mistral 7B v0.1's, Phi-3 mini's sliding_window), or none
+    "mistral": (
+        "Mistral",
+        dict(sliding_window=WINDOW, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    ),
+    "mistral_full": ("Mistral", dict(sliding_window=None)),
+    "phi3": ("Phi3", dict(sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "phi3_full": ("Phi3", dict(sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 REFERENCE_PYTHON = "TUNIX_TRAIN_REFERENCE_PYTHON"
 

@@ -28,6 +28,7 @@ CASES = {
     "qwen2_5": ("qwen", "qwen2_5", "qwen2_5_training", "<|im_end|>"),
     "qwen3": ("qwen", "qwen3_training", "qwen3_training", "<|im_end|>"),
     "llama3": ("llama", "llama3", "llama3_training", "<|eot_id|>"),
+    "phi3": ("phi3", "phi3_training", "phi3_training", "<|end|>"),  # its own appends EOS past the end
 }
 
 

@@ -110,6 +110,10 @@ SHIPPED = [
     "qwen2_tiny",
     "qwen3_tiny",
     "qwen3_moe_tiny",
+    "mistral_7b",
+    "mistral_tiny",
+    "phi3_mini",
+    "phi3_tiny",
 ]
 # Published parameter counts of the text decoders, within 1%: Hugging Face model cards / safetensors
 # metadata (gemma-2b 2,506,172,416; gemma-7b 8,537,680,896; gemma-2-2b 2,614,341,888; gemma-2-9b
@@ -136,6 +140,9 @@ PUBLISHED = {
     "qwen2_5_0_5b": 494_032_768,
     "qwen2_5_1_5b": 1_543_714_304,
     "qwen2_5_7b": 7_615_616_512,
+    # mistralai/Mistral-7B-v0.3 and microsoft/Phi-3-mini-4k-instruct on Hugging Face, likewise
+    "mistral_7b": 7_248_023_552,
+    "phi3_mini": 3_821_079_552,
 }
 # Gemma 4's model card gives counts rounded to 0.1B (so within 0.05B): 31B 30.7B; 26B A4B 25.2B in
 # all and 3.8B active per token; E2B 2.3B "effective" (without its per-layer embedding table).

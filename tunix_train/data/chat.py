@@ -190,12 +190,15 @@ class ChatTemplate:
 
     def end_of_turn(self) -> str:
         """The text the template writes after an assistant's message ('<end_of_turn>' in Gemma's
-        format): where a reply stops."""
+        format): where a reply stops. The end of sequence a template writes after the last message
+        (Phi-3's) ends the conversation, not the turn."""
         marker = "\u2063reply\u2063"  # no template writes it
         text, _ = self.render([{"role": "user", "content": "a"}, {"role": "assistant", "content": marker}])
         if marker not in text:
             raise ConfigError(f"{self.source} does not write an assistant's message")
-        return text[text.rindex(marker) + len(marker) :].strip()
+        end = text[text.rindex(marker) + len(marker) :].strip()
+        eos = self.variables.get("eos_token")
+        return end.removesuffix(eos).strip() if eos and end != eos and end.endswith(eos) else end
 
     def end_of_turn_id(self) -> int:
         """The end of turn's token id, where a generated reply stops; a ConfigError when it is not one

@@ -131,6 +131,11 @@ def export_adapters(
     if path.exists() and not overwrite:
         raise ConfigError(f"{path} exists: pass --overwrite to replace it")
     arch = _conventions(cfg).architecture
+    if families.named(cfg.family).fused:
+        raise ConfigError(
+            f"GGUF adapters of {cfg.family} are not written yet (its files fuse q, k, v and gate, up); "
+            f"export them for PEFT (--adapters --format hf) or the merged model instead"
+        )
 
     tensors = peft.tensors(adapters, cfg, lora)  # every process gathers its shards
 

@@ -113,8 +113,9 @@ def per_expert_tensors(name: str, fused: np.ndarray) -> dict[str, np.ndarray]:
 
 class _FusedFiles:
     """transformers' per-part tensors (q_proj, gate_proj, ...) read from checkpoints that fuse them
-    (Family.fused: Phi-3's qkv_proj holds q's rows, then k's, then v's); a part the files hold
-    itself is read as it is."""
+    (Family.fused: Phi-3's qkv_proj holds q's rows, then k's, then v's); where the fused tensor is
+    missing, the part's own (a GGUF's ffn_up is the fused gate/up under up's name: the fused one
+    is read first)."""
 
     def __init__(self, files: Any, cfg: ModelConfig, fused: dict[str, tuple[str, ...]]):
         self.files, self.cfg = files, cfg
@@ -140,7 +141,7 @@ class _FusedFiles:
 
     def read(self, name: str, slices: list[slice]) -> np.ndarray:
         fused = self._fused(name)
-        if fused is None or self.files.has(name):
+        if fused is None or not self.files.has(fused[0]):
             return self.files.read(name, slices)
         fused_name, first, rows = fused
         start, stop, _ = slices[0].indices(rows)

@@ -12,6 +12,7 @@ and lora_B = B.reshape(r, out).T.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from flax import nnx
 
 from tunix_train.config import LoraConfig, ModelConfig, VisionEncoder
 from tunix_train.files import write_atomically, write_text
-from tunix_train.interop import tensor_names
+from tunix_train.interop import families, tensor_names
 
 # our adapter -> transformers' module under model.layers.{i}.
 _MODULES = {
@@ -90,10 +91,49 @@ def tensors(adapters: nnx.State, cfg: ModelConfig, lora: LoraConfig) -> dict[str
     return tensors
 
 
+def fused_tensors(
+    tensors: dict[str, np.ndarray], cfg: ModelConfig, lora: LoraConfig
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """(the adapters of the parts a family's checkpoints fuse (Family.fused: Phi-3's q, k and v in
+    qkv_proj) as one adapter of the fused module, each fused module's rank). The parts share their
+    input, so stacking their lora_A ([r, in] each) and placing each lora_B in its own rows and
+    columns of one [out, n r] lora_B is the same update: of rank n r, with alpha n alpha keeping
+    the scale alpha / r. An untargeted part's rows stay zero."""
+    fused, ranks = families.named(cfg.family).fused, {}
+    out = dict(tensors)
+    for fused_name, specs in fused.items():
+        parts = [tensor_names.SPECS[spec][0].removesuffix(".weight") for spec in specs]
+        module = fused_name.removesuffix(".weight")
+        for name in [
+            n for n in tensors if n.endswith(".lora_A.weight") and any(f".{p}.lora_A" in n for p in parts)
+        ]:
+            base = name[: name.index(".layers.") + len(".layers.")]
+            layer = int(name[len(base) :].split(".")[0])
+            prefix = f"{base}{layer}."
+            if prefix + module + ".lora_A.weight" in out:
+                continue
+            rows = [math.prod(tensor_names.split_view(spec, cfg, layer)[0][0]) for spec in specs]
+            present = [i for i, p in enumerate(parts) if f"{prefix}{p}.lora_A.weight" in out]
+            a = np.concatenate([out.pop(f"{prefix}{parts[i]}.lora_A.weight") for i in present])
+            b = np.zeros((sum(rows), len(present) * lora.rank), np.float32)
+            for column, i in enumerate(present):
+                first = sum(rows[:i])
+                b[first : first + rows[i], column * lora.rank : (column + 1) * lora.rank] = out.pop(
+                    f"{prefix}{parts[i]}.lora_B.weight"
+                )
+            out[f"{prefix}{module}.lora_A.weight"], out[f"{prefix}{module}.lora_B.weight"] = a, b
+            ranks[module.split(".")[-1]] = a.shape[0]
+    return out, ranks
+
+
 def target_modules(cfg: ModelConfig, lora: LoraConfig):
     """adapter_config.json's target_modules: the modules' last names, or in a multimodal model (whose
     tower has modules of the same names) a regular expression PEFT matches whole against each name."""
     text = [_MODULES[f"{t}_lora"] for t in lora.targets if not t.startswith("vision_")]
+    for fused_name, specs in families.named(cfg.family).fused.items():  # Phi-3's qkv_proj, gate_up_proj
+        parts = {tensor_names.SPECS[spec][0].removesuffix(".weight") for spec in specs}
+        if parts & set(text):
+            text = [m for m in text if m not in parts] + [fused_name.removesuffix(".weight")]
     if cfg.vision is None:
         return sorted(m.split(".")[-1] for m in text)
     prefix, names = _TOWER_MODULES[cfg.vision.encoder]
@@ -113,7 +153,7 @@ def export(
     a ...ForSequenceClassification of one label: task SEQ_CLS, the head whole in modules_to_save."""
     from safetensors.numpy import save_file
 
-    weights = tensors(adapters, cfg, lora)
+    weights, ranks = fused_tensors(tensors(adapters, cfg, lora), cfg, lora)
     head = "score_DO" in adapters
     config = {
         "peft_type": "LORA",
@@ -129,6 +169,9 @@ def export(
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": [HEAD] if head else None,
+        # fused modules: their parts' adapters side by side (fused_tensors)
+        "rank_pattern": ranks,
+        "alpha_pattern": {m: lora.alpha * rank / lora.rank for m, rank in ranks.items()},
     }
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)

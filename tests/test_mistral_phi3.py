@@ -1,0 +1,182 @@
+"""Mistral and Phi-3, each one module of interop/families/ and nothing else in the package: tiny
+random transformers models (windowed and not) match transformers' logits on one device and fsdp2 x
+tp2 (test_llama_qwen.py's parity test runs them); our export loads back in transformers with the
+same logits (Phi-3's q, k, v and gate, up fused as its checkpoints hold them); a GGUF round trip
+writes what llama.cpp's converter writes (Mistral as `llama` with Llama's Q/K permutation, Phi-3's
+fused attn_qkv and ffn_up), transformers' GGUF loader reads the checkpoint's tensors back, and our
+reader gives the same logits and tells Mistral from Llama; LoRA adapters load in PEFT (Phi-3's as
+adapters of its fused modules) with our logits; the tiny configs train on fsdp2 x tp2 as on one
+device."""
+
+import json
+
+import gguf
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="these tests need torch: pip install -e '.[reference]'")
+transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[reference]'")
+
+import hf_reference  # noqa: E402
+from bpe_files import byte_level_bpe  # noqa: E402
+from hf_reference import SEQ, SIZES, WINDOW  # noqa: E402
+from test_gguf_families import converter_permute  # noqa: E402
+
+from tunix_train import api  # noqa: E402
+from tunix_train.interop import hf  # noqa: E402
+
+MESH = [[2, 2], ["fsdp", "tp"]]
+VOCAB = 320  # a byte-level BPE needs its 256 bytes; the tokenizer has 300 tokens, the rest is padding
+
+
+def _tokens(vocab=SIZES["vocab_size"]):
+    return np.random.default_rng(0).integers(0, vocab, (2, SEQ))
+
+
+def _load(path):
+    return api.load(path, mesh_shape=MESH, devices=jax.devices()[:4])
+
+
+@pytest.mark.parametrize("variant", ["mistral", "phi3"])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, variant):
+    reference = hf_reference.checkpoint_and_logits(variant, tmp_path / "checkpoint", _tokens())
+    model = _load(tmp_path / "checkpoint")
+    assert (model.config.local_layers_per_global, model.config.sliding_window) == (
+        SIZES["num_hidden_layers"],
+        WINDOW,
+    )
+    model.export(tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["model_type"], config["sliding_window"]) == (variant, WINDOW)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back).__name__ == {"mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}[variant]
+    np.testing.assert_allclose(hf_reference.logits(back, _tokens()), reference, atol=1e-5, rtol=0)
+    from safetensors import safe_open
+
+    names = set(safe_open(str(tmp_path / "out" / "model.safetensors"), "np").keys())
+    fused = variant == "phi3"  # as Phi-3's checkpoints hold them
+    assert ("model.layers.0.self_attn.qkv_proj.weight" in names) == fused
+    assert ("model.layers.0.mlp.gate_up_proj.weight" in names) == fused
+    assert ("model.layers.0.self_attn.q_proj.weight" in names) == (not fused)
+
+
+@pytest.fixture(scope="module", params=["mistral", "mistral_full", "phi3"])
+def exported(request, tmp_path_factory):
+    """(variant, directory, the transformers model, our model of it, the f32 GGUF we wrote)."""
+    variant, tmp = request.param, tmp_path_factory.mktemp(request.param)
+    reference = hf_reference.build(variant, tmp / "hf", vocab_size=VOCAB)
+    byte_level_bpe(tmp / "hf", "llama", vocab_size=300)
+    model = _load(tmp / "hf")
+    model.export_gguf(tmp / "model.gguf", "f32")
+    return variant, tmp, reference, model, tmp / "model.gguf"
+
+
+def test_the_gguf_is_the_converters_and_both_readers_get_the_model_back(exported):
+    variant, tmp, reference, model, path = exported
+    reader = gguf.GGUFReader(path)
+    field = {f: reader.get_field(f).contents() for f in reader.fields if not f.startswith("tokenizer.ggml.t")}
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    state = {k: v.numpy() for k, v in reference.state_dict().items()}
+    layer = "model.layers.1."
+    if variant.startswith("mistral"):  # llama.cpp's `llama`, Q and K permuted as its Llama's
+        assert (field["general.architecture"], field["general.basename"]) == ("llama", "Mistral")
+        assert field["llama.attention.sliding_window"] == (WINDOW if variant == "mistral" else 0)
+        heads, kv = reference.config.num_attention_heads, reference.config.num_key_value_heads
+        q, k = state[layer + "self_attn.q_proj.weight"], state[layer + "self_attn.k_proj.weight"]
+        np.testing.assert_array_equal(tensors["blk.1.attn_q.weight"], converter_permute(q, heads, heads))
+        np.testing.assert_array_equal(tensors["blk.1.attn_k.weight"], converter_permute(k, heads, kv))
+    else:  # Phi3MiniModel's keys; q, k, v and gate, up fused and not permuted
+        assert field["general.architecture"] == "phi3"
+        assert (field["phi3.attention.sliding_window"], field["phi3.rope.dimension_count"]) == (WINDOW, 16)
+        assert (
+            field["phi3.rope.scaling.original_context_length"]
+            == reference.config.original_max_position_embeddings
+        )
+        np.testing.assert_array_equal(
+            tensors["blk.1.attn_qkv.weight"], state[layer + "self_attn.qkv_proj.weight"]
+        )
+        np.testing.assert_array_equal(
+            tensors["blk.1.ffn_up.weight"], state[layer + "mlp.gate_up_proj.weight"]
+        )
+        assert "blk.1.attn_q.weight" not in tensors and "blk.1.ffn_gate.weight" not in tensors
+
+    # transformers' GGUF loader gets the checkpoint's tensors back (Mistral's as a Llama: its file says
+    # llama); Phi3Config's default pad id (32000) lies past this vocabulary
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp, gguf_file=path.name, dtype=torch.float32, pad_token_id=0
+    )
+    read = back.state_dict()
+    assert set(read) == set(state)
+    for name, tensor in read.items():
+        np.testing.assert_array_equal(tensor.numpy(), state[name], err_msg=name)
+
+    ours = _load(path)
+    assert ours.config.family == variant.removesuffix("_full")  # Mistral told from Llama
+    assert ours.config.sliding_window == model.config.sliding_window
+    tokens = _tokens(VOCAB)
+    np.testing.assert_allclose(ours.logits(tokens), model.logits(tokens), atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow  # a LoRA training each, checked with peft
+@pytest.mark.parametrize("variant", ["mistral", "phi3"])
+def test_lora_adapters_load_in_peft_with_our_logits(tmp_path, variant):
+    """LoRA on every projection over a transformers base; Phi-3's q, k, v (and gate, up) adapters
+    leave as one adapter of its fused module (peft.fused_tensors)."""
+    pytest.importorskip("peft")
+    from conftest import config
+    from peft import PeftModel
+    from test_hf import model_overrides
+
+    from tunix_train.train.loop import train
+
+    hf_reference.build(variant, tmp_path / "base")
+    fields = hf.model_fields_from_hf(hf.read_hf_config(tmp_path / "base"))
+    cfg = config(
+        f"model={variant}_tiny",
+        *model_overrides(fields),
+        f"model.init_from={tmp_path / 'base'}",
+        f"model.mesh_shape={json.dumps(MESH)}",
+        "training.lora.rank=4",
+        "training.lora.alpha=8",
+        "training.lora.targets=[q,k,v,o,gate,up,down]",
+        "training.max_steps=3",
+        "training.warmup_steps=0",
+        "training.learning_rate=1e-2",
+        "training.eval_every=0",
+    )
+    train(cfg, tmp_path / "run", devices=jax.devices()[:4])
+    model = _load(tmp_path / "run")
+    model.export_adapters(tmp_path / "adapters")
+    adapter = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
+    if variant == "phi3":
+        assert sorted(adapter["target_modules"]) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+        assert adapter["rank_pattern"] == {"qkv_proj": 12, "gate_up_proj": 8}
+    tokens = _tokens()
+    with torch.no_grad():
+        base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+        plain = hf_reference.logits(base, tokens)
+        theirs = hf_reference.logits(PeftModel.from_pretrained(base, tmp_path / "adapters").eval(), tokens)
+    assert np.abs(theirs - plain).max() > 1e-2  # the adapters change the model
+    np.testing.assert_allclose(model.logits(tokens), theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["mistral_tiny", "phi3_tiny"])
+def test_the_tiny_configs_train_on_fsdp2_tp2_as_on_one_device(tmp_path, name):
+    from conftest import config, train_losses
+
+    from tunix_train.train.loop import train
+
+    runs = {}
+    for run, shape, devices, rows in (("one", [[1], ["fsdp"]], 1, 8), ("fsdp2_tp2", MESH, 4, 4)):
+        cfg = config(
+            f"model={name}",
+            f"model.mesh_shape={json.dumps(shape)}",
+            f"training.micro_batch_size={rows}",  # the same 8 rows a step: rows per data shard
+            "training.max_steps=3",
+            "training.log_every=1",
+        )
+        train(cfg, tmp_path / run, devices=jax.devices()[:devices])
+        runs[run] = np.array(train_losses(tmp_path / run))
+    assert len(runs["one"]) == 3 and np.all(np.isfinite(runs["one"]))
+    np.testing.assert_allclose(runs["fsdp2_tp2"], runs["one"], rtol=1e-5)
