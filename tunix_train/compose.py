@@ -34,7 +34,6 @@ from tunix_train.config import (
     ModelConfig,
     Objective,
     TrainingConfig,
-    VisionEncoder,
     reads_text,
 )
 from tunix_train.config.fields import require_positive
@@ -145,7 +144,7 @@ def _validate_images(d: DataConfig, m: ModelConfig) -> None:
         raise ConfigError(f"data.images_per_row={d.images_per_row} must be positive")
     if d.pan_and_scan_crops < 0 or d.pan_and_scan_crops == 1:
         raise ConfigError(f"data.pan_and_scan_crops={d.pan_and_scan_crops} must be 0 (off) or at least 2")
-    if d.pan_and_scan_crops and (m.vision is None or m.vision.encoder is not VisionEncoder.siglip):
+    if d.pan_and_scan_crops and (m.vision is None or not m.vision.traits.pan_and_scan):
         raise ConfigError("data.pan_and_scan_crops is Gemma 3's (model.vision.encoder=siglip); set it to 0")
     if d.prefetch_batches < 0:
         raise ConfigError(f"data.prefetch_batches={d.prefetch_batches} must be >= 0")
@@ -208,7 +207,7 @@ def _validate_lora(lora: LoraConfig, m: ModelConfig) -> None:
                 f"{'unknown projection ' + repr(unknown[0]) if unknown else 'empty'}; "
                 f"choose from {', '.join(known)}"
             )
-        if "vision_gate" in lora.targets and m.vision.encoder is not VisionEncoder.gemma4:
+        if "vision_gate" in lora.targets and not m.vision.traits.gated_mlp:
             raise ConfigError(
                 "training.lora.targets: vision_gate is Gemma 4's tower's; SigLIP's MLP has no gate"
             )

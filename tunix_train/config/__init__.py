@@ -26,6 +26,7 @@ from tunix_train.config.model import (  # noqa: F401  (re-exported)
     LAYER_TYPES,
     Activation,
     ContextParallelStrategy,
+    EncoderTraits,
     ImageAttention,
     ModelConfig,
     MoeDispatch,

@@ -79,6 +79,36 @@ class VisionEncoder(enum.Enum):
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class EncoderTraits:
+    """What code outside an image tower's own modules asks of it (ENCODER_TRAITS: one per encoder;
+    its modules: model/vision.py or model/gemma4_vision.py, interop/vision.py's ENCODERS)."""
+
+    # an image enters as its patches and their grid places, at any aspect ratio, and becomes its own
+    # number of tokens (at most tokens_per_image); else as a fixed square, always tokens_per_image
+    patches: bool
+    pan_and_scan: bool  # data.pan_and_scan_crops cuts wide images into crops for it
+    gated_mlp: bool  # its MLP has a gate (training.lora.targets' vision_gate)
+    # the image's begin, end and soft tokens, what a template writes for it, and the text around it
+    markers: tuple[str, str, str, str, str]
+
+
+ENCODER_TRAITS = {
+    VisionEncoder.siglip: EncoderTraits(
+        patches=False,
+        pan_and_scan=True,
+        gated_mlp=False,
+        markers=("<start_of_image>", "<end_of_image>", "<image_soft_token>", "<start_of_image>", "\n\n"),
+    ),
+    VisionEncoder.gemma4: EncoderTraits(
+        patches=True,
+        pan_and_scan=False,
+        gated_mlp=True,
+        markers=("<|image>", "<image|>", "<|image|>", "<|image|>", ""),
+    ),
+}
+
+
 class ImageAttention(enum.Enum):
     """model.vision.image_attention: where an image's tokens see each other (all later tokens of the
     image too, not only the earlier ones)."""
@@ -117,6 +147,10 @@ class VisionConfig:
     standardize: bool = _fixed(False)  # gemma4: (x - bias) * scale after pooling (transformers' std_*)
 
     @property
+    def traits(self) -> EncoderTraits:
+        return ENCODER_TRAITS[self.encoder]
+
+    @property
     def patches_per_side(self) -> int:
         return self.image_size // self.patch_size
 
@@ -125,7 +159,7 @@ class VisionConfig:
         """One image as the model takes it: siglip's pixels [C, H, W]; gemma4's patches [S, C*P*P + 2],
         each patch's pixels (rows y, x, channel) and then its (x, y) place in the patch grid, -1 for
         the padding past an image's own (transformers' pixel_values beside image_position_ids)."""
-        if self.encoder is VisionEncoder.gemma4:
+        if self.traits.patches:
             return (
                 self.tokens_per_image * self.pooling_kernel**2,
                 self.num_channels * self.patch_size**2 + 2,

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tunix_train.config import ConfigError, VisionEncoder
+from tunix_train.config import ConfigError
 
 MAX_PIXELS = 64 * 1024 * 1024  # a larger image is refused before it is decoded
 # The formats decoded, each by Pillow's own code: never one that runs an external program (EPS and
@@ -125,7 +125,7 @@ def _rgb(image):
 
 def image_array(image, vision) -> np.ndarray:
     """A PIL image as the model's tower takes it (vision: its VisionConfig, image_shape)."""
-    if vision.encoder is VisionEncoder.gemma4:
+    if vision.traits.patches:
         return gemma4_patches(image, vision.patch_size, vision.tokens_per_image, vision.pooling_kernel)
     return pixel_values(image, vision.image_size)
 
@@ -338,7 +338,7 @@ def fewest_tokens(vision) -> int:
     are all tokens_per_image; a Gemma 4 image has at least one), counted before it is read."""
     if vision is None:
         raise ConfigError("this model reads no images (its model.vision is null)")
-    return 2 + (1 if vision.encoder is VisionEncoder.gemma4 else vision.tokens_per_image)
+    return 2 + (1 if vision.traits.patches else vision.tokens_per_image)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,10 +364,7 @@ class ImageTokens:
         """The markers of model.vision's family (Gemma 3's, or Gemma 4's: <|image> <|image|> <image|>,
         as its tokenizer_config.json names them), each one token of `tokenizer`, the image token
         model.vision's id."""
-        if vision.encoder is VisionEncoder.gemma4:
-            tokens = cls(vision, "<|image>", "<image|>", "<|image|>", "<|image|>", "")
-        else:
-            tokens = cls(vision)
+        tokens = cls(vision, *vision.traits.markers)
         for name in ("boi", "eoi", "image"):
             ids = tokenizer.encode_with_offsets(getattr(tokens, name))[0]
             if len(ids) != 1:
@@ -387,7 +384,7 @@ class ImageTokens:
         """The tokens of each of n images (images: their arrays as the tower takes them)."""
         from tunix_train.model.vision import token_counts
 
-        if self.vision.encoder is not VisionEncoder.gemma4:
+        if not self.vision.traits.patches:
             return [self.vision.tokens_per_image] * n
         if images is None or len(images) < n:
             raise ConfigError(f"{n} images placed but {0 if images is None else len(images)} given")

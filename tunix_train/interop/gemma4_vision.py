@@ -1,6 +1,7 @@
-"""Gemma 4's image tower as transformers names it: config.json's `vision_config` (model_type
-gemma4_vision) and the tensors of Gemma4VisionModel (`model.vision_tower.*`) and of the projector
-Gemma4MultimodalEmbedder (`model.embed_vision.*`), as model/gemma4_vision.py's tower holds them."""
+"""Gemma 4's image tower (model.vision.encoder=gemma4) as transformers and llama.cpp name it:
+config.json's `vision_config` (model_type gemma4_vision), the tensors of Gemma4VisionModel
+(`model.vision_tower.*`) and of the projector Gemma4MultimodalEmbedder (`model.embed_vision.*`), as
+model/gemma4_vision.py's tower holds them, and its mmproj file's conventions."""
 
 from __future__ import annotations
 
@@ -190,3 +191,34 @@ def multimodal_config(cfg: VisionConfig, text_config: Mapping[str, Any]) -> dict
         "audio_config": None,
         "image_token_id": cfg.image_token_id,
     }
+
+
+MODEL_TYPE = "gemma4"  # the multimodal config.json's (interop/vision.py's BY_MODEL_TYPE)
+tower_from_hf = vision_from_hf
+
+# llama.cpp's mmproj file (interop/gguf_mmproj.py): what its converter's Gemma4VisionAudioModel writes
+MMPROJ_F32, MMPROJ_F16 = (), ()  # the tensors it keeps in F32 and F16 beside the 1-D ones
+
+
+def mmproj_tensor(name: str, array: np.ndarray) -> tuple[str, np.ndarray]:
+    """A Gemma 4 tower tensor renamed as the converter's Gemma4VisionAudioModel renames it before
+    gguf's name map, the patch embedding's rows (y, x, channel) as a convolution [D, C, P, P]."""
+    name = name.replace("model.vision_tower.encoder.", "vision_model.model.").replace(
+        ".linear.weight", ".weight"
+    )
+    if name.endswith("position_embedding_table"):
+        name += ".weight"
+    if name.endswith("patch_embedder.input_proj.weight"):
+        patch = int(round((array.shape[1] // 3) ** 0.5))
+        array = array.reshape(array.shape[0], patch, patch, 3).transpose(0, 3, 1, 2)
+    return name, array
+
+
+def mmproj_metadata(writer, cfg: VisionConfig) -> None:
+    """The image size (224, unused), no normalization (mean 0, std 1), the gemma4v projector."""
+    import gguf
+
+    writer.add_vision_image_size(224)
+    writer.add_vision_image_mean([0.0] * 3)
+    writer.add_vision_image_std([1.0] * 3)
+    writer.add_clip_vision_projector_type(gguf.VisionProjectorType.GEMMA4V)

@@ -28,24 +28,11 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from tunix_train.config import ConfigError, ModelConfig, VisionEncoder
+from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.files import write_atomically
+from tunix_train.interop import vision
 
 DTYPES = ("f32", "f16")
-
-
-def _gemma4_tensor(name: str, array: np.ndarray) -> tuple[str, np.ndarray]:
-    """A Gemma 4 tower tensor renamed as the converter's Gemma4VisionAudioModel renames it before
-    gguf's name map, the patch embedding's rows (y, x, channel) as a convolution [D, C, P, P]."""
-    name = name.replace("model.vision_tower.encoder.", "vision_model.model.").replace(
-        ".linear.weight", ".weight"
-    )
-    if name.endswith("position_embedding_table"):
-        name += ".weight"
-    if name.endswith("patch_embedder.input_proj.weight"):
-        patch = int(round((array.shape[1] // 3) ** 0.5))
-        array = array.reshape(array.shape[0], patch, patch, 3).transpose(0, 3, 1, 2)
-    return name, array
 
 
 def mmproj_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -56,11 +43,10 @@ def mmproj_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
     from tunix_train.interop import hf
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, cfg.vision.num_layers)
-    gemma4 = cfg.vision.encoder is VisionEncoder.gemma4
+    encoder = vision.of(cfg.vision)
     out = {}
     for name, array in hf.hf_tensors(nnx.State({"vision": params["vision"]}), cfg).items():
-        if gemma4:
-            name, array = _gemma4_tensor(name, array)
+        name, array = encoder.mmproj_tensor(name, array)
         name = name.replace("mm_input_projection_weight", "mm_input_projection.weight")
         mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if mapped is None:
@@ -86,7 +72,7 @@ def export(params, cfg: ModelConfig, path: Path, dtype: str = "f16", overwrite: 
 
     check(cfg, path, dtype, overwrite)
     v = cfg.vision
-    gemma4 = v.encoder is VisionEncoder.gemma4
+    encoder = vision.of(v)
     tensors = mmproj_tensors(params, cfg)  # every process gathers
     if jax.process_index() != 0:
         return
@@ -98,29 +84,17 @@ def export(params, cfg: ModelConfig, path: Path, dtype: str = "f16", overwrite: 
         writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
         writer.add_clip_has_vision_encoder(True)
         writer.add_vision_projection_dim(cfg.embed_dim)
-        writer.add_vision_image_size(224 if gemma4 else v.image_size)  # Gemma 4's: unused (the converter's)
         writer.add_vision_patch_size(v.patch_size)
         writer.add_vision_embedding_length(v.embed_dim)
         writer.add_vision_feed_forward_length(v.hidden_dim)
         writer.add_vision_block_count(v.num_layers)
         writer.add_vision_head_count(v.num_heads)
-        # the image processors' normalization: Gemma 3's mean and std 0.5, Gemma 4's none (0 and 1)
-        writer.add_vision_image_mean([0.0] * 3 if gemma4 else [0.5] * 3)
-        writer.add_vision_image_std([1.0] * 3 if gemma4 else [0.5] * 3)
-        if gemma4:
-            writer.add_clip_vision_projector_type(gguf.VisionProjectorType.GEMMA4V)
-        else:
-            writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
         writer.add_vision_attention_layernorm_eps(v.layer_norm_eps)
-        if not gemma4:
-            writer.add_vision_use_gelu(True)
-            scale = v.patches_per_side // round(v.tokens_per_image**0.5)
-            if scale != 4:
-                writer.add_vision_projector_scale_factor(scale)
-        # F32: 1-D tensors, the position tables; Gemma 3's patch embedding too, while the input
-        # projection is always F16 (as its converter forces them); the rest in `dtype`
-        always_f32 = ("v.position_embd.weight",) + (() if gemma4 else ("v.patch_embd.weight",))
-        always_f16 = () if gemma4 else ("mm.input_projection.weight",)
+        encoder.mmproj_metadata(writer, v)  # the image size, normalization, projector
+        # F32: 1-D tensors, the position tables and what the encoder's converter keeps in F32; what
+        # it forces to F16 in F16; the rest in `dtype`
+        always_f32 = ("v.position_embd.weight", *encoder.MMPROJ_F32)
+        always_f16 = encoder.MMPROJ_F16
         for name, array in tensors.items():
             small = array.ndim == 1 or name in always_f32
             if small or (dtype == "f32" and name not in always_f16):

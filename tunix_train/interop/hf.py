@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_train.config import ConfigError, ModelConfig, VisionEncoder
+from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.files import write_atomically, write_text
 from tunix_train.interop import families, tensor_names, vision
 from tunix_train.interop.config_file import (
@@ -183,7 +183,7 @@ def check_matches(cfg: ModelConfig, directory: Path) -> None:
             )
         for key, value in vars(theirs).items():
             # trainable is the run's; Gemma 4's tokens_per_image is its image processor's budget
-            if key == "trainable" or (key == "tokens_per_image" and theirs.encoder is VisionEncoder.gemma4):
+            if key == "trainable" or (key == "tokens_per_image" and theirs.traits.patches):
                 continue
             if getattr(cfg.vision, key) != value:
                 raise ConfigError(

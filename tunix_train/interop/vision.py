@@ -1,8 +1,9 @@
-"""Gemma 3's image tower as transformers names it (Gemma 4's: gemma4_vision.py; `of` picks): the
-config.json keys (`vision_config`, `mm_tokens_per_image`, `image_token_index`) and the tensors of
-the SigLIP model (the published checkpoints' `vision_tower.vision_model.*`, transformers 5's
-save_pretrained's `vision_tower.*`) and of the multimodal projector (`multi_modal_projector.*`),
-as model/vision.py's VisionTower holds them."""
+"""Gemma 3's image tower (model.vision.encoder=siglip) as transformers and llama.cpp name it: the
+config.json keys (`vision_config`, `mm_tokens_per_image`, `image_token_index`), the tensors of the
+SigLIP model (the published checkpoints' `vision_tower.vision_model.*`, transformers 5's
+save_pretrained's `vision_tower.*`) and of the multimodal projector (`multi_modal_projector.*`) as
+model/vision.py's VisionTower holds them, and its mmproj file's conventions. Gemma 4's tower has a
+module of the same shape (gemma4_vision.py); ENCODERS and BY_MODEL_TYPE (at the end) pick one."""
 
 from __future__ import annotations
 
@@ -28,20 +29,25 @@ TEXT_PREFIX, OUTPUT_NAME = "language_model.model.", "language_model.lm_head.weig
 
 
 def of(cfg: VisionConfig):
-    """The module that names this tower's config and tensors as transformers does (this one for
-    SigLIP, gemma4_vision for Gemma 4's): its tower_prefixes, tower_arrays, tower_tensors,
-    multimodal_config, TEXT_PREFIX and OUTPUT_NAME."""
-    return gemma4_vision if cfg.encoder is VisionEncoder.gemma4 else sys.modules[__name__]
+    """The module that names this tower's config and tensors as transformers and llama.cpp do
+    (ENCODERS: this one for SigLIP, gemma4_vision for Gemma 4's): its tower_prefixes, tower_arrays,
+    tower_tensors, multimodal_config, vision_from_hf, TEXT_PREFIX, OUTPUT_NAME and mmproj_*."""
+    return ENCODERS[cfg.encoder]
 
 
 def vision_from_hf(config: Mapping[str, Any]) -> VisionConfig | None:
-    """model.vision from a Gemma 3 or 4 config.json (the whole file, not its text_config); None for
-    a text-only checkpoint, and for other families' towers."""
-    vision = config.get("vision_config")
-    if vision and config.get("model_type") == "gemma4":
-        return gemma4_vision.vision_from_hf(config)
-    if not vision or config.get("model_type") != "gemma3":
+    """model.vision from a multimodal config.json (the whole file, not its text_config) of a
+    model_type whose tower a module here reads (BY_MODEL_TYPE); None for a text-only checkpoint,
+    and for other families' towers."""
+    module = BY_MODEL_TYPE.get(config.get("model_type"))
+    if not config.get("vision_config") or module is None:
         return None
+    return module.tower_from_hf(config)
+
+
+def tower_from_hf(config: Mapping[str, Any]) -> VisionConfig:
+    """model.vision of Gemma 3's config.json."""
+    vision = config["vision_config"]
     return VisionConfig(
         image_size=vision["image_size"],
         patch_size=vision["patch_size"],
@@ -185,3 +191,32 @@ def multimodal_config(cfg: VisionConfig, text_config: Mapping[str, Any]) -> dict
         "mm_tokens_per_image": cfg.tokens_per_image,
         "image_token_index": cfg.image_token_id,
     }
+
+
+# llama.cpp's mmproj file (interop/gguf_mmproj.py): Gemma3VisionModel keeps the patch embedding in
+# F32 and forces the input projection to F16
+MMPROJ_F32, MMPROJ_F16 = ("v.patch_embd.weight",), ("mm.input_projection.weight",)
+
+
+def mmproj_tensor(name: str, array: np.ndarray) -> tuple[str, np.ndarray]:
+    return name, array
+
+
+def mmproj_metadata(writer, cfg: VisionConfig) -> None:
+    """The square's size, the processor's mean and std (0.5), the gemma3 projector and its scale."""
+    import gguf
+
+    writer.add_vision_image_size(cfg.image_size)
+    writer.add_vision_image_mean([0.5] * 3)
+    writer.add_vision_image_std([0.5] * 3)
+    writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
+    writer.add_vision_use_gelu(True)
+    scale = cfg.patches_per_side // round(cfg.tokens_per_image**0.5)
+    if scale != 4:
+        writer.add_vision_projector_scale_factor(scale)
+
+
+# The image towers by model.vision.encoder, and by the multimodal config.json's model_type
+ENCODERS = {VisionEncoder.siglip: sys.modules[__name__], VisionEncoder.gemma4: gemma4_vision}
+MODEL_TYPE = "gemma3"
+BY_MODEL_TYPE = {module.MODEL_TYPE: module for module in ENCODERS.values()}

@@ -56,6 +56,11 @@ from tunix_train.model.rope import rope_table
 from tunix_train.model.vision import VisionTower, image_slots, images_on_global, merged_embeddings
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
 
+TOWERS = {
+    VisionEncoder.siglip: VisionTower,
+    VisionEncoder.gemma4: Gemma4VisionTower,
+}  # by model.vision.encoder
+
 
 class LayerRunner(Protocol):
     """What runs the layer stack over the mesh's pp and cp axes (tunix_train.parallel.Parallelism):
@@ -125,7 +130,7 @@ class Decoder(nnx.Module):
         self.vision = (
             None
             if cfg.vision is None
-            else (Gemma4VisionTower if cfg.vision.encoder is VisionEncoder.gemma4 else VisionTower)(
+            else TOWERS[cfg.vision.encoder](
                 cfg.vision,
                 D,
                 nnx.Rngs(jax.random.fold_in(keys[0], 1)),

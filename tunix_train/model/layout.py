@@ -162,19 +162,7 @@ def validate_vision(m: ModelConfig) -> None:
     ):
         if getattr(v, key) <= 0:
             raise ConfigError(f"model.vision.{key}={getattr(v, key)} must be positive")
-    if v.encoder is VisionEncoder.gemma4:
-        _validate_gemma4_vision(m)
-    else:
-        side, tokens = v.patches_per_side, round(v.tokens_per_image**0.5)
-        if v.image_size % v.patch_size:
-            raise ConfigError(
-                f"model.vision.image_size={v.image_size} must be a multiple of patch_size={v.patch_size}"
-            )
-        if v.tokens_per_image <= 0 or tokens * tokens != v.tokens_per_image or side % tokens:
-            raise ConfigError(
-                f"model.vision.tokens_per_image={v.tokens_per_image} must be a square whose side divides "
-                f"the {side} patches a side"
-            )
+    _VALIDATE_ENCODER[v.encoder](m)
     if v.embed_dim % v.num_heads:
         raise ConfigError(
             f"model.vision.embed_dim={v.embed_dim} must be a multiple of model.vision.num_heads={v.num_heads}"
@@ -188,6 +176,20 @@ def validate_vision(m: ModelConfig) -> None:
         raise ConfigError(
             "model.vision.image_attention=sliding_layers needs sliding layers (model.layer_types or "
             "model.local_layers_per_global)"
+        )
+
+
+def _validate_siglip(m: ModelConfig) -> None:
+    v = m.vision
+    side, tokens = v.patches_per_side, round(v.tokens_per_image**0.5)
+    if v.image_size % v.patch_size:
+        raise ConfigError(
+            f"model.vision.image_size={v.image_size} must be a multiple of patch_size={v.patch_size}"
+        )
+    if v.tokens_per_image <= 0 or tokens * tokens != v.tokens_per_image or side % tokens:
+        raise ConfigError(
+            f"model.vision.tokens_per_image={v.tokens_per_image} must be a square whose side divides "
+            f"the {side} patches a side"
         )
 
 
@@ -293,3 +295,7 @@ def validate_rope_scaling(scaling: RopeScaling) -> None:
         raise ConfigError(
             f"{name}: needs beta_fast ({scaling.beta_fast}) > beta_slow ({scaling.beta_slow}) > 0"
         )
+
+
+# each image tower's own checks of model.vision
+_VALIDATE_ENCODER = {VisionEncoder.siglip: _validate_siglip, VisionEncoder.gemma4: _validate_gemma4_vision}

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_train.config import ImageAttention, LoraConfig, VisionConfig, VisionEncoder
+from tunix_train.config import ImageAttention, LoraConfig, VisionConfig
 from tunix_train.model.common import RMSNorm, gelu_tanh, param
 from tunix_train.model.lora import Adapt, adapter, no_adapter
 from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
@@ -184,7 +184,7 @@ def placeholder_counts(tokens_BT, image_token_id: int, token_index_BT=None):
 def token_counts(cfg: VisionConfig, images):
     """Each image's own tokens [..., I] of images [..., I, *image_shape] (numpy or jax): siglip's
     are all tokens_per_image; a gemma4 image's are its patches over k^2."""
-    if cfg.encoder is VisionEncoder.gemma4:
+    if cfg.traits.patches:
         return (images[..., -1] >= 0).sum(-1) // cfg.pooling_kernel**2
     return jnp.full(images.shape[: images.ndim - 3], cfg.tokens_per_image, jnp.int32)
 
