@@ -1,12 +1,12 @@
-"""Hugging Face interop: safetensors checkpoints of the registered families (Gemma 1 to 4 text
-decoders; interop/families.py), both directions.
+"""Hugging Face interop: safetensors checkpoints of the registered families (interop/families/),
+both directions.
 
 Import reads transformers' tensor names and layouts straight into the sharded parameters: every
 array is built with jax.make_array_from_callback, so each process reads from the safetensors files
 only the slices its devices hold. Export writes model.safetensors and config.json that
 transformers' *ForCausalLM of the model's family loads. No pickle is involved: safetensors and
 JSON only. The tensor names and layouts are one table for every family (tensor_names.py); config.json
-is the family's (families.py).
+is the family's (interop/families/).
 """
 
 from __future__ import annotations
