@@ -169,11 +169,11 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
     if t.objective in (Objective.lm, Objective.distill):  # both read the data's tokens
         return
     if d.source not in (DataSource.jsonl, DataSource.parquet):
-        fields = (
-            "prompt, chosen and rejected"
-            if t.objective in (Objective.dpo, Objective.reward)
-            else "prompt (and what the rewards read)"
-        )
+        fields = {
+            Objective.dpo: "prompt, chosen and rejected",
+            Objective.reward: "prompt, chosen and rejected",
+            Objective.kto: "prompt, completion and label",
+        }.get(t.objective, "prompt (and what the rewards read)")
         raise ConfigError(
             f"{name} reads records with {fields}: set data=jsonl (or parquet) data.train_files=[...]"
         )
@@ -182,14 +182,16 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
             f"data.prompt_field and data.completion_field are for training.objective=lm; {name} "
             f"reads the fields it names"
         )
-    if t.objective in (Objective.dpo, Objective.reward):  # preference pairs
+    if t.objective in (Objective.dpo, Objective.reward, Objective.kto):  # two rows a record
         if t.micro_batch_size % 2 and not d.padding_free:
             raise ConfigError(
-                f"training.micro_batch_size={t.micro_batch_size} must be even under {name}: each pair "
-                f"is two rows (chosen, rejected) kept on one device"
+                f"training.micro_batch_size={t.micro_batch_size} must be even under {name}: each "
+                f"{'record' if t.objective is Objective.kto else 'pair'} is two rows "
+                f"({'its own, a mismatched one' if t.objective is Objective.kto else 'chosen, rejected'}) "
+                f"kept on one device"
             )
-        if t.objective is Objective.dpo:
-            t.dpo.check()
+        if t.objective in (Objective.dpo, Objective.kto):
+            (t.dpo if t.objective is Objective.dpo else t.kto).check()
         return
     _validate_on_policy(t, m)  # GRPO and its family, the one objective left
 

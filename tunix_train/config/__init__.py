@@ -44,6 +44,7 @@ from tunix_train.config.objectives import (  # noqa: F401  (re-exported: the sch
     GrpoConfig,
     ImportanceLevel,
     KlEstimator,
+    KtoConfig,
     Overlong,
     PpoConfig,
     PreferenceLoss,

@@ -78,6 +78,21 @@ class RolloutDtype(enum.Enum):  # training.grpo.rollout_dtype: the engine's weig
 
 
 @dataclasses.dataclass
+class KtoConfig:
+    """training.kto: Kahneman-Tversky optimization on unpaired records (train/objectives/kto.py)."""
+
+    beta: float = _fixed(0.1)  # how far the policy may move from the reference (TRL's beta)
+    desirable_weight: float = _fixed(1.0)  # the desirable records' losses' weight (TRL's)
+    undesirable_weight: float = _fixed(1.0)
+
+    def check(self) -> None:
+        """A ConfigError naming the first bad key of training.kto."""
+        for key in ("beta", "desirable_weight", "undesirable_weight"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"training.kto.{key}={getattr(self, key)} must be positive")
+
+
+@dataclasses.dataclass
 class DpoConfig:
     loss: PreferenceLoss = _fixed(PreferenceLoss.sigmoid)
     # sigmoid: the strength of the implicit KL constraint to the reference; ipo: its tau; orpo: lambda,

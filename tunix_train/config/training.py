@@ -12,6 +12,7 @@ from tunix_train.config.objectives import (
     DistillConfig,
     DpoConfig,
     GrpoConfig,
+    KtoConfig,
     PpoConfig,
     RewardConfig,
 )
@@ -58,6 +59,7 @@ class Objective(enum.Enum):
 
     lm = "lm"  # next-token cross-entropy: pre-training and supervised fine-tuning
     dpo = "dpo"  # direct preference optimization on (prompt, chosen, rejected) pairs
+    kto = "kto"  # Kahneman-Tversky optimization on unpaired (prompt, completion, label) records
     grpo = "grpo"  # group relative policy optimization: sampled completions scored by reward functions
     distill = "distill"  # the trained model learns a frozen teacher's distributions on the data
     reward = "reward"  # a scalar head learns to score the chosen answer of each pair above the rejected
@@ -164,6 +166,7 @@ class TrainingConfig:
     profile_steps: int = _changeable(3)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     dpo: DpoConfig = dataclasses.field(default_factory=DpoConfig)
+    kto: KtoConfig = dataclasses.field(default_factory=KtoConfig)
     grpo: GrpoConfig = dataclasses.field(default_factory=GrpoConfig)
     distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)

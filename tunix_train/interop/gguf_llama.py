@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -73,6 +73,8 @@ class LlamaGguf:
     original_context: bool = False  # rope.scaling.original_context_length: the pre-training context
     # general.basename, written and recognised (a family that shares its architecture: Mistral)
     basename: str | None = None
+    # fields every file of the family implies before its keys say more (Gemma 4's, off)
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def claims(self, file) -> bool:
         """A file of the architecture is this family's when its general.basename starts with ours,
@@ -85,15 +87,13 @@ class LlamaGguf:
     def fields(self, file) -> dict[str, Any]:
         """ModelConfig fields of a file from its metadata, its tensors' shapes and names, and its
         rope_freqs tensor."""
-        from tunix_train.interop.families.gemma_like import GEMMA4_ONLY_OFF
-
         key = file.key
         embed, heads = key("embedding_length"), key("attention.head_count")
         head_dim = key("attention.key_length", embed // heads)
         theta = float(key("rope.freq_base", 10_000.0))
         moe = self.stacked_experts
         fields = {
-            **GEMMA4_ONLY_OFF,
+            **self.defaults,
             "num_layers": key("block_count"),
             "embed_dim": embed,
             "hidden_dim": key("feed_forward_length"),

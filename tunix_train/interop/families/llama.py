@@ -8,7 +8,6 @@ from typing import Any
 from tunix_train.config import ModelConfig
 from tunix_train.interop.families import llama_like
 from tunix_train.interop.families.family import Family, register
-from tunix_train.interop.gguf_llama import LlamaGguf
 
 FIXED = dict(
     llama_like.LLAMA_DECODER, **llama_like.NO_WINDOWS, use_qk_norm=False, qkv_bias=False, num_experts=0
@@ -32,7 +31,7 @@ FAMILY = register(
         from_hf,
         to_hf,
         FIXED,
-        gguf=LlamaGguf("llama", qk_interleaved=True, rope_dimension_count=True),
+        gguf=llama_like.gguf("llama", qk_interleaved=True, rope_dimension_count=True),
         hf_names=llama_like.HF_NAMES,
     )
 )

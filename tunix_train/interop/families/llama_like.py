@@ -16,6 +16,7 @@ from tunix_train.config import (
     RopeScalingType,
 )
 from tunix_train.interop.families.gemma_like import GEMMA4_ONLY_OFF, hf_sizes, sizes_from_hf
+from tunix_train.interop.gguf_llama import LlamaGguf
 
 # The decoder as Llama has it: pre-norms alone, weights around 1, unscaled embeddings, SwiGLU.
 LLAMA_DECODER = dict(
@@ -164,3 +165,8 @@ def llama_to_hf(cfg: ModelConfig, name: str) -> dict[str, Any]:
 
 # Llama names its pre-MLP norm as Gemma 2-4 name the norm after attention
 HF_NAMES = {"layers.pre_ffw_norm.scale": "post_attention_layernorm.weight"}
+
+
+def gguf(architecture: str, **choices) -> LlamaGguf:
+    """A family's LlamaGguf conventions (gguf_llama.py), Gemma 4's fields off."""
+    return LlamaGguf(architecture, defaults=GEMMA4_ONLY_OFF, **choices)

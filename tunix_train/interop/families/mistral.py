@@ -11,7 +11,6 @@ from typing import Any
 from tunix_train.config import ModelConfig
 from tunix_train.interop.families import llama_like
 from tunix_train.interop.families.family import Family, register
-from tunix_train.interop.gguf_llama import LlamaGguf
 
 FIXED = dict(llama_like.LLAMA_DECODER, use_qk_norm=False, qkv_bias=False, num_experts=0)
 
@@ -36,7 +35,7 @@ FAMILY = register(
         from_hf,
         to_hf,
         FIXED,
-        gguf=LlamaGguf(
+        gguf=llama_like.gguf(
             "llama", qk_interleaved=True, rope_dimension_count=True, windowed=True, basename="Mistral"
         ),
         hf_names=llama_like.HF_NAMES,

@@ -10,7 +10,6 @@ from typing import Any
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.interop.families import llama_like
 from tunix_train.interop.families.family import Family, register
-from tunix_train.interop.gguf_llama import LlamaGguf
 
 FIXED = dict(llama_like.LLAMA_DECODER, use_qk_norm=False, qkv_bias=False, num_experts=0)
 
@@ -44,7 +43,7 @@ FAMILY = register(
         from_hf,
         to_hf,
         FIXED,
-        gguf=LlamaGguf("phi3", rope_dimension_count=True, windowed=True, original_context=True),
+        gguf=llama_like.gguf("phi3", rope_dimension_count=True, windowed=True, original_context=True),
         hf_names=llama_like.HF_NAMES,
         fused={
             "self_attn.qkv_proj.weight": ("layers.attn.q_DNH", "layers.attn.k_DKH", "layers.attn.v_DKH"),

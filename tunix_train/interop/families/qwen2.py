@@ -7,7 +7,6 @@ from typing import Any
 from tunix_train.config import ModelConfig
 from tunix_train.interop.families import llama_like
 from tunix_train.interop.families.family import Family, register
-from tunix_train.interop.gguf_llama import LlamaGguf
 
 FIXED = dict(
     llama_like.LLAMA_DECODER, **llama_like.NO_WINDOWS, use_qk_norm=False, qkv_bias=True, num_experts=0
@@ -30,7 +29,7 @@ FAMILY = register(
         from_hf,
         to_hf,
         FIXED,
-        gguf=LlamaGguf("qwen2"),
+        gguf=llama_like.gguf("qwen2"),
         hf_names=llama_like.HF_NAMES,
     )
 )

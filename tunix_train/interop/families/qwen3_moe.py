@@ -9,7 +9,6 @@ from typing import Any
 from tunix_train.config import ModelConfig, MoeRouter
 from tunix_train.interop.families import llama_like
 from tunix_train.interop.families.family import Family, register
-from tunix_train.interop.gguf_llama import LlamaGguf
 
 FIXED = dict(
     llama_like.LLAMA_DECODER,
@@ -63,7 +62,7 @@ FAMILY = register(
         from_hf,
         to_hf,
         FIXED,
-        gguf=LlamaGguf("qwen3moe", stacked_experts=True),
+        gguf=llama_like.gguf("qwen3moe", stacked_experts=True),
         hf_names={
             **llama_like.HF_NAMES,
             "layers.moe.router_DE": "mlp.gate.weight",

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from tunix_train.config import AdvantageEstimator, Config
 from tunix_train.config import Objective as Kind
-from tunix_train.train.objectives import distill, dpo, gkd, grpo, lm, ppo, reward
+from tunix_train.train.objectives import distill, dpo, gkd, grpo, kto, lm, ppo, reward
 from tunix_train.train.objectives.base import Objective
 
 __all__ = ["Objective", "make_objective"]
@@ -56,6 +56,7 @@ def make_objective(cfg: Config, tokenizer=None):
     return {
         Kind.lm: lm.LanguageModeling,
         Kind.dpo: dpo.DirectPreference,
+        Kind.kto: kto.KahnemanTversky,
         Kind.grpo: grpo.GroupRelative,
         Kind.distill: distill.Distillation,
         Kind.reward: reward.RewardModeling,
