@@ -46,6 +46,7 @@ from tunix_train.config.objectives import (  # noqa: F401  (re-exported: the sch
     KlEstimator,
     KtoConfig,
     Overlong,
+    PolicyLoss,
     PpoConfig,
     PreferenceLoss,
     RewardConfig,

@@ -60,6 +60,13 @@ class ImportanceLevel(enum.Enum):
     sequence = "sequence"  # one per completion, exp of its mean log-ratio (GSPO)
 
 
+class PolicyLoss(enum.Enum):  # training.grpo.policy_loss: the per-token objective of the ratio r
+    clip = "clip"  # PPO's clipped surrogate min(r A, clip(r) A) (GRPO, DAPO, GSPO, RLOO, ...)
+    # the clipped importance weight, held constant, times A log pi: every token keeps its gradient
+    # (CISPO: MiniMax-M1, Chen et al. 2025, eq. 4)
+    cispo = "cispo"
+
+
 class Overlong(enum.Enum):
     none = "none"
     filter = "filter"  # a completion cut at max_new_tokens gets no loss
@@ -165,6 +172,7 @@ class GrpoConfig:
     multi_reward_normalization: RewardNormalization = _fixed(RewardNormalization.sum)
     epsilon_high: Optional[float] = _fixed(None)  # the clip's upper side, 1 + epsilon_high; null: epsilon
     importance_sampling_level: ImportanceLevel = _fixed(ImportanceLevel.token)
+    policy_loss: PolicyLoss = _fixed(PolicyLoss.clip)  # objective=cispo sets cispo
     overlong: Overlong = _fixed(Overlong.none)
     # soft: the penalized last tokens; null: max_new_tokens // 5
     overlong_buffer: Optional[int] = _fixed(None)
@@ -252,7 +260,11 @@ class GrpoConfig:
                 f"training.grpo.normalize_advantages is RLOO's; training.grpo.advantage="
                 f"{estimator.value} {own}"
             )
-        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+        if (
+            self.epsilon_high is not None
+            and self.epsilon_high < self.epsilon
+            and self.policy_loss is PolicyLoss.clip
+        ):
             raise ConfigError(
                 f"training.grpo.epsilon_high={self.epsilon_high} must be >= training.grpo.epsilon="
                 f"{self.epsilon} (clip-higher widens the upper side)"

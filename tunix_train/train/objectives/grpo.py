@@ -133,6 +133,7 @@ class GroupRelative(Objective):
                 g.epsilon if g.epsilon_high is None else g.epsilon_high,
                 g.importance_cap,
                 g.importance_sampling_level,
+                g.policy_loss,
             ),
             beta=g.beta,
             segment_ids=micro.get("segment_ids"),

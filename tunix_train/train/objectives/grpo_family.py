@@ -17,6 +17,9 @@ and its aggregation inside the compiled step, DAPO's overlong penalty, and pass@
 - importance_sampling_level: the ratio pi / pi_old per token (GRPO), or per sequence, exp of the
   mean log-ratio over its tokens (GSPO, Zheng et al. 2025);
 - the clip: [1 - epsilon, 1 + epsilon_high] (clip-higher, DAPO; TRL's epsilon, epsilon_high);
+- policy_loss: PPO's clipped surrogate min(r A, clip(r) A), or CISPO's (MiniMax-M1, Chen et al.
+  2025, eq. 4) sg(clip(r)) A log pi: the importance weight clipped and held constant, so that no
+  token's gradient is dropped (NeMo RL's and verl's "cispo" compute the same);
 - loss_aggregation: the masked per-token objective summed over the whole batch, divided by its
   tokens (token_mean; TRL "bnpo" with one micro-batch, "dapo" with any), by completions x
   max_new_tokens (dr_grpo), or each completion's token mean averaged over completions
@@ -40,6 +43,7 @@ from tunix_train.config import (
     AdvantageEstimator,
     GrpoAggregation,
     ImportanceLevel,
+    PolicyLoss,
     RewardNormalization,
     ScaleRewards,
 )
@@ -97,12 +101,14 @@ def whitened(returns_N: np.ndarray, tokens_N: np.ndarray) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class Clip:
     """The importance ratio's clip: per token, or its sequence's under GSPO (`level`), clipped to
-    [1 - epsilon, 1 + epsilon_high], and where it is not clipped, truncated at `cap` (TRL's `delta`)."""
+    [1 - epsilon, 1 + epsilon_high], and where it is not clipped, truncated at `cap` (TRL's
+    `delta`); `loss`: which objective reads it (PolicyLoss)."""
 
     epsilon: float
     epsilon_high: float
     cap: float = math.inf
     level: ImportanceLevel = ImportanceLevel.token
+    loss: PolicyLoss = PolicyLoss.clip
 
 
 def token_objective(logp, old_logp, ref_logp, advantages, mask, *, clip: Clip, beta: float, segment_ids=None):
@@ -115,8 +121,12 @@ def token_objective(logp, old_logp, ref_logp, advantages, mask, *, clip: Clip, b
         log_ratio = sequence_means(log_ratio, mask, segment_ids)
     ratio = jnp.exp(log_ratio)
     clipped_ratio = jnp.clip(ratio, 1 - epsilon, 1 + epsilon_high)
-    surrogate = jnp.minimum(jnp.minimum(ratio, cap) * advantages, clipped_ratio * advantages)
     kl = jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1 if ref_logp is not None else jnp.zeros_like(logp)
+    if clip.loss is PolicyLoss.cispo:  # the weight truncated on either side, whatever the advantage's sign
+        surrogate = jax.lax.stop_gradient(clipped_ratio) * advantages * logp
+        clipped = (ratio < 1 - epsilon) | (ratio > 1 + epsilon_high)
+        return surrogate - beta * kl, kl, jnp.broadcast_to(clipped, logp.shape)
+    surrogate = jnp.minimum(jnp.minimum(ratio, cap) * advantages, clipped_ratio * advantages)
     clipped = ((ratio < 1 - epsilon) & (advantages < 0)) | ((ratio > 1 + epsilon_high) & (advantages > 0))
     return surrogate - beta * kl, kl, jnp.broadcast_to(clipped, logp.shape)
 
