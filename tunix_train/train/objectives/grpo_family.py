@@ -19,7 +19,7 @@ and its aggregation inside the compiled step, DAPO's overlong penalty, and pass@
 - the clip: [1 - epsilon, 1 + epsilon_high] (clip-higher, DAPO; TRL's epsilon, epsilon_high);
 - policy_loss: PPO's clipped surrogate min(r A, clip(r) A), or CISPO's (MiniMax-M1, Chen et al.
   2025, eq. 4) sg(clip(r)) A log pi: the importance weight clipped and held constant, so that no
-  token's gradient is dropped (NeMo RL's and verl's "cispo" compute the same);
+  token's gradient is dropped (the paper did not bound it below: its epsilon_low "a large value");
 - loss_aggregation: the masked per-token objective summed over the whole batch, divided by its
   tokens (token_mean; TRL "bnpo" with one micro-batch, "dapo" with any), by completions x
   max_new_tokens (dr_grpo), or each completion's token mean averaged over completions
