@@ -517,3 +517,43 @@ def vision_tokenizer(directory, images=("<start_of_image>", "<end_of_image>", "<
         )
     )
     return directory
+
+
+def random_logits_and_labels(rows: int, positions: int, vocabulary: int, seed: int = 0):
+    """Random logits of a policy and a reference [rows, positions, vocabulary] and labels (-100
+    off each row's answer): a prompt of 2-3 positions, an answer of 2..7 tokens, padding."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0, 2, (rows, positions, vocabulary)).astype(np.float32)
+    ref_logits = rng.normal(0, 2, (rows, positions, vocabulary)).astype(np.float32)
+    labels = np.full((rows, positions), -100, np.int64)
+    for row in range(rows):
+        start, length = int(rng.integers(2, 4)), int(rng.integers(2, 8))
+        labels[row, start : start + length] = rng.integers(0, vocabulary, length)
+    return logits, ref_logits, labels
+
+
+def losses_on_one_device_and_fsdp2_tp2(tmp_path: Path, *overrides: str, steps: int = 3) -> dict:
+    """The logged losses of config(*overrides) trained `steps` steps on one device ("one") and on
+    fsdp2 x tp2 ("fsdp2_tp2"), the same 8 rows a step (micro_batch_size counts the rows of one
+    data-parallel shard)."""
+    import numpy as np
+
+    from tunix_train.train.loop import train
+
+    runs = {}
+    for name, mesh, n, rows in (
+        ("one", '[[1],["fsdp"]]', 1, 8),
+        ("fsdp2_tp2", '[[2,2],["fsdp","tp"]]', 4, 4),
+    ):
+        cfg = config(
+            *overrides,
+            f"model.mesh_shape={mesh}",
+            f"training.micro_batch_size={rows}",
+            f"training.max_steps={steps}",
+            "training.log_every=1",
+        )
+        train(cfg, tmp_path / name, devices=jax.devices()[:n])
+        runs[name] = np.array(train_losses(tmp_path / name))
+    return runs

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import config, train_losses
+from conftest import config, losses_on_one_device_and_fsdp2_tp2
 from flax import nnx
 
 from tunix_train import api
@@ -17,7 +17,6 @@ from tunix_train.config import ConfigError
 from tunix_train.interop import families
 from tunix_train.interop.families import gemma3
 from tunix_train.model.factory import build_model
-from tunix_train.train.loop import train
 
 TOY = families.register(
     families.Family(
@@ -48,20 +47,7 @@ def test_the_toy_family_has_its_own_output_layer_and_unscaled_embeddings():
 
 
 def test_the_toy_family_trains_on_fsdp2_tp2_as_on_one_device(tmp_path):
-    runs = {}
-    for name, mesh, n, rows in (
-        ("one", '[[1],["fsdp"]]', 1, 8),
-        ("fsdp2_tp2", '[[2,2],["fsdp","tp"]]', 4, 4),
-    ):
-        # the same 8 rows a step: micro_batch_size counts the rows of one data-parallel shard
-        cfg = _toy(
-            f"model.mesh_shape={mesh}",
-            f"training.micro_batch_size={rows}",
-            "training.max_steps=2",
-            "training.log_every=1",
-        )
-        train(cfg, tmp_path / name, devices=jax.devices()[:n])
-        runs[name] = np.array(train_losses(tmp_path / name))
+    runs = losses_on_one_device_and_fsdp2_tp2(tmp_path, *TOY_MODEL, "model.vocab_size=256", steps=2)
     assert len(runs["one"]) == 2 and np.all(np.isfinite(runs["one"]))
     np.testing.assert_allclose(runs["fsdp2_tp2"], runs["one"], rtol=1e-5)
 

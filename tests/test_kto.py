@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import config
+from conftest import config, random_logits_and_labels
 
 from tunix_train.config import Config, ConfigError, KtoConfig, TrainingConfig
 from tunix_train.train.objectives.kto import KahnemanTversky
@@ -23,15 +23,8 @@ LABELS = np.array([True, False, True, True, False, False])
 
 def _records(seed: int):
     """Random logits of the policy and the reference for R records, each its own row then its
-    mismatched one, and labels (-100 off the completion): a prompt, an answer of 2..7 tokens."""
-    rng = np.random.default_rng(seed)
-    logits = rng.normal(0, 2, (2 * R, T, V)).astype(np.float32)
-    ref_logits = rng.normal(0, 2, (2 * R, T, V)).astype(np.float32)
-    labels = np.full((2 * R, T), -100, np.int64)
-    for row in range(2 * R):
-        start, length = int(rng.integers(2, 4)), int(rng.integers(2, 8))
-        labels[row, start : start + length] = rng.integers(0, V, length)
-    return logits, ref_logits, labels
+    mismatched one, and labels (-100 off the completion)."""
+    return random_logits_and_labels(2 * R, T, V, seed)
 
 
 def _ours(cfg: KtoConfig, logits, ref_logits, labels, accumulation=1):

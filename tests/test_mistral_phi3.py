@@ -163,20 +163,8 @@ def test_lora_adapters_load_in_peft_with_our_logits(tmp_path, variant):
 
 @pytest.mark.parametrize("name", ["mistral_tiny", "phi3_tiny"])
 def test_the_tiny_configs_train_on_fsdp2_tp2_as_on_one_device(tmp_path, name):
-    from conftest import config, train_losses
+    from conftest import losses_on_one_device_and_fsdp2_tp2
 
-    from tunix_train.train.loop import train
-
-    runs = {}
-    for run, shape, devices, rows in (("one", [[1], ["fsdp"]], 1, 8), ("fsdp2_tp2", MESH, 4, 4)):
-        cfg = config(
-            f"model={name}",
-            f"model.mesh_shape={json.dumps(shape)}",
-            f"training.micro_batch_size={rows}",  # the same 8 rows a step: rows per data shard
-            "training.max_steps=3",
-            "training.log_every=1",
-        )
-        train(cfg, tmp_path / run, devices=jax.devices()[:devices])
-        runs[run] = np.array(train_losses(tmp_path / run))
+    runs = losses_on_one_device_and_fsdp2_tp2(tmp_path, f"model={name}")
     assert len(runs["one"]) == 3 and np.all(np.isfinite(runs["one"]))
     np.testing.assert_allclose(runs["fsdp2_tp2"], runs["one"], rtol=1e-5)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import random_logits_and_labels
 from test_cli import run_cli
 from test_dpo import _write_pairs, dpo_cli, dpo_on
 
@@ -22,16 +23,8 @@ BETA, GAMMA = 0.7, 0.3
 
 
 def _pairs(seed: int = 0):
-    """Random logits and labels of P pairs (rows chosen, rejected, ...): a prompt (-100), an
-    answer of 2..7 tokens, padding (-100)."""
-    rng = np.random.default_rng(seed)
-    logits = rng.normal(0, 2, (2 * P, T, V)).astype(np.float32)
-    ref_logits = rng.normal(0, 2, (2 * P, T, V)).astype(np.float32)
-    labels = np.full((2 * P, T), -100, np.int64)
-    for row in range(2 * P):
-        start, length = int(rng.integers(2, 4)), int(rng.integers(2, 8))
-        labels[row, start : start + length] = rng.integers(0, V, length)
-    return logits, ref_logits, labels
+    """Random logits and labels of P pairs (rows chosen, rejected, ...)."""
+    return random_logits_and_labels(2 * P, T, V, seed)
 
 
 def _ours(kind, logits, ref_logits, labels, label_smoothing=0.0, accumulation=1):

@@ -104,3 +104,22 @@ class Objective:
         """The models its loss reads beside the policy and the reference, by name: loss() then
         gets `models`, a Forward (train/forward.py) of each on the same micro-batch."""
         return {}
+
+
+class GroupedRecords(Objective):
+    """An objective whose records are groups of rows it read itself (DPO's pairs, KTO's record and
+    its mismatched row), batched by `batches(split, global_rows, rows, accumulation, seed)`."""
+
+    def batches(self, split: str, global_rows: int, rows: range, accumulation: int, seed):
+        raise NotImplementedError
+
+    def train_batches(self, data, global_rows: int, rows: range):
+        t = self.cfg.training
+        return self.batches("train", global_rows, rows, t.gradient_accumulation_steps, t.seed)
+
+    def eval_batches(self, data, global_rows: int, rows: range):
+        batches = self.batches("eval", global_rows, rows, 1, None)
+        try:
+            return [next(batches) for _ in range(self.cfg.training.eval_batches)]
+        finally:
+            batches.close()

@@ -31,7 +31,7 @@ from tunix_train.config import Config, ConfigError, DpoConfig, PreferenceLoss
 from tunix_train.data.chat import completion_ids, prompt_ids
 from tunix_train.data.images import has_images
 from tunix_train.data.pipeline import GroupBatches, PackedPairs, padded_row
-from tunix_train.train.objectives.base import Objective
+from tunix_train.train.objectives.base import GroupedRecords
 from tunix_train.train.objectives.lm import BATCH_DTYPES
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -79,7 +79,7 @@ def preference_losses(kind: PreferenceLoss, logp_P2, ref_logp_P2, tokens_P2, cfg
     return loss, beta * avg_P2[:, 0], beta * avg_P2[:, 1]
 
 
-class DirectPreference(Objective):
+class DirectPreference(GroupedRecords):
     batch_dtypes = BATCH_DTYPES
     record_fields = FIELDS
     metric_names = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
@@ -172,7 +172,7 @@ class DirectPreference(Objective):
             )
         }
 
-    def _batches(self, split: str, global_rows: int, rows: range, accumulation: int, seed):
+    def batches(self, split: str, global_rows: int, rows: range, accumulation: int, seed):
         if self.packed:
             return PackedPairs(
                 self._pairs[split],
@@ -241,14 +241,3 @@ class DirectPreference(Objective):
         prompt = doc["prompt"] if isinstance(doc["prompt"], list) else []
         per_row = self.cfg.data.images_per_row
         return conversation_pixels(prompt, doc.get("images") or [], vision, per_row, None, where)
-
-    def train_batches(self, data, global_rows: int, rows: range):
-        t = self.cfg.training
-        return self._batches("train", global_rows, rows, t.gradient_accumulation_steps, t.seed)
-
-    def eval_batches(self, data, global_rows: int, rows: range):
-        batches = self._batches("eval", global_rows, rows, 1, None)
-        try:
-            return [next(batches) for _ in range(self.cfg.training.eval_batches)]
-        finally:
-            batches.close()

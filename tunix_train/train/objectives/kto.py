@@ -23,7 +23,7 @@ import numpy as np
 from tunix_train.config import Config, ConfigError, KtoConfig
 from tunix_train.data.chat import completion_ids, prompt_ids
 from tunix_train.data.pipeline import GroupBatches, padded_row
-from tunix_train.train.objectives.base import Objective
+from tunix_train.train.objectives.base import GroupedRecords
 from tunix_train.train.objectives.lm import BATCH_DTYPES
 
 FIELDS = ("prompt", "completion")  # text or messages; and a label, true or false (read checks it)
@@ -38,7 +38,7 @@ def kto_losses(logratio_R, kl_logratio_R, desirable_R, cfg: KtoConfig):
     return jnp.where(desirable_R, desirable, undesirable), z, cfg.beta * logratio_R
 
 
-class KahnemanTversky(Objective):
+class KahnemanTversky(GroupedRecords):
     batch_dtypes = {**BATCH_DTYPES, "desirable": jnp.float32}
     record_fields = FIELDS
     needs_reference = True
@@ -112,7 +112,7 @@ class KahnemanTversky(Objective):
             records.append(record)
         return records
 
-    def _batches(self, split: str, global_rows: int, rows: range, accumulation: int, seed):
+    def batches(self, split: str, global_rows: int, rows: range, accumulation: int, seed):
         return GroupBatches(
             self._records[split],
             accumulation_steps=accumulation,
@@ -121,14 +121,3 @@ class KahnemanTversky(Objective):
             slots=range(rows.start // 2, rows.stop // 2),
             prefetch=self.cfg.data.prefetch_batches,
         )
-
-    def train_batches(self, data, global_rows: int, rows: range):
-        t = self.cfg.training
-        return self._batches("train", global_rows, rows, t.gradient_accumulation_steps, t.seed)
-
-    def eval_batches(self, data, global_rows: int, rows: range):
-        batches = self._batches("eval", global_rows, rows, 1, None)
-        try:
-            return [next(batches) for _ in range(self.cfg.training.eval_batches)]
-        finally:
-            batches.close()
