@@ -557,3 +557,32 @@ def losses_on_one_device_and_fsdp2_tp2(tmp_path: Path, *overrides: str, steps: i
         train(cfg, tmp_path / name, devices=jax.devices()[:n])
         runs[name] = np.array(train_losses(tmp_path / name))
     return runs
+
+
+def token_nlls(labels, *logits):
+    """The answer mask [rows, T - 1] of labels (-100 off it), and each logits' per-token negative
+    log-likelihood of the labels shifted by one (logits at t predict the label at t + 1)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    targets, mask = np.maximum(labels[:, 1:], 0), (labels[:, 1:] != -100).astype(np.float32)
+    return mask, *(
+        -np.take_along_axis(jax.nn.log_softmax(jnp.asarray(x[:, :-1]), axis=-1), targets[..., None], axis=-1)[
+            ..., 0
+        ]
+        for x in logits
+    )
+
+
+def accumulated_loss(objective, nll_BT, ref_nll_BT, micro: dict, weight, accumulation: int):
+    """objective.loss over `accumulation` equal micro-batches of the rows (micro: its fields by
+    row), summed as the step sums them: (the loss, each metric)."""
+    rows_in_all = len(nll_BT)
+    total, metrics = 0.0, []
+    for a in range(accumulation):
+        rows = slice(a * rows_in_all // accumulation, (a + 1) * rows_in_all // accumulation)
+        loss, m = objective.loss(
+            lambda: nll_BT[rows], lambda: ref_nll_BT[rows], {k: v[rows] for k, v in micro.items()}, weight
+        )
+        total, metrics = total + float(loss), metrics + [m]
+    return total, {k: sum(float(m[k]) for m in metrics) for k in metrics[0]}

@@ -9,10 +9,9 @@ import json
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import config, random_logits_and_labels
+from conftest import accumulated_loss, config, random_logits_and_labels, token_nlls
 
 from tunix_train.config import Config, ConfigError, KtoConfig, TrainingConfig
 from tunix_train.train.objectives.kto import KahnemanTversky
@@ -28,24 +27,12 @@ def _records(seed: int):
 
 
 def _ours(cfg: KtoConfig, logits, ref_logits, labels, accumulation=1):
-    targets, mask = np.maximum(labels[:, 1:], 0), (labels[:, 1:] != -100).astype(np.float32)
-
-    def nll(x):
-        return -np.take_along_axis(
-            jax.nn.log_softmax(jnp.asarray(x[:, :-1]), axis=-1), targets[..., None], axis=-1
-        )[..., 0]
-
-    nll_BT, ref_nll_BT = nll(logits), nll(ref_logits)
+    mask, nll_BT, ref_nll_BT = token_nlls(labels, logits, ref_logits)
     desirable = np.repeat(LABELS, 2)[:, None] * np.ones((1, T - 1), np.float32)
     objective = KahnemanTversky(Config(training=TrainingConfig(kto=cfg)))
     weight = objective.weight({"loss_mask": mask.reshape(accumulation, -1, T - 1)})
-    total, metrics = 0.0, []
-    for a in range(accumulation):
-        rows = slice(a * 2 * R // accumulation, (a + 1) * 2 * R // accumulation)
-        micro = {"loss_mask": mask[rows], "desirable": desirable[rows]}
-        loss, m = objective.loss(lambda: nll_BT[rows], lambda: ref_nll_BT[rows], micro, weight)
-        total, metrics = total + float(loss), metrics + [m]
-    return total, {k: sum(float(m[k]) for m in metrics) for k in metrics[0]}
+    micro = {"loss_mask": mask, "desirable": desirable}
+    return accumulated_loss(objective, nll_BT, ref_nll_BT, micro, weight, accumulation)
 
 
 def _trl(cfg: KtoConfig, logits, ref_logits, labels, records=slice(None)) -> tuple[float, float]:

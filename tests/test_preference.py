@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_logits_and_labels
+from conftest import accumulated_loss, random_logits_and_labels, token_nlls
 from test_cli import run_cli
 from test_dpo import _write_pairs, dpo_cli, dpo_on
 
@@ -29,14 +29,7 @@ def _pairs(seed: int = 0):
 
 def _ours(kind, logits, ref_logits, labels, label_smoothing=0.0, accumulation=1):
     """Our objective's loss on the per-token NLL of the same logits (targets are labels shifted by one)."""
-    targets, mask = np.maximum(labels[:, 1:], 0), (labels[:, 1:] != -100).astype(np.float32)
-
-    def nll(x):
-        return -np.take_along_axis(
-            jax.nn.log_softmax(jnp.asarray(x[:, :-1]), axis=-1), targets[..., None], axis=-1
-        )[..., 0]
-
-    nll_BT, ref_nll_BT = nll(logits), nll(ref_logits)
+    mask, nll_BT, ref_nll_BT = token_nlls(labels, logits, ref_logits)
     objective = DirectPreference(
         Config(
             training=TrainingConfig(
@@ -49,14 +42,7 @@ def _ours(kind, logits, ref_logits, labels, label_smoothing=0.0, accumulation=1)
         "loss_mask": mask.reshape(accumulation, -1, T - 1),
     }
     weight = jax.tree.map(lambda w: jnp.maximum(w, 1.0), objective.weight(batch))
-    total, metrics = 0.0, []
-    for a in range(accumulation):
-        rows = slice(a * 2 * P // accumulation, (a + 1) * 2 * P // accumulation)
-        loss, m = objective.loss(
-            lambda: nll_BT[rows], lambda: ref_nll_BT[rows], {"loss_mask": mask[rows]}, weight
-        )
-        total, metrics = total + float(loss), metrics + [m]
-    return total, {k: sum(float(m[k]) for m in metrics) for k in metrics[0]}
+    return accumulated_loss(objective, nll_BT, ref_nll_BT, {"loss_mask": mask}, weight, accumulation)
 
 
 def _cpo_trainer(kind, label_smoothing):
