@@ -118,6 +118,19 @@ def test_the_gguf_is_the_converters_and_both_readers_get_the_model_back(exported
     np.testing.assert_allclose(ours.logits(tokens), model.logits(tokens), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("window", ["4096", -5, 2.5, True])
+def test_a_sliding_window_key_that_is_no_count_is_one_line(tmp_path, window):
+    from tunix_train.config import ConfigError
+    from tunix_train.interop import families
+
+    def field(name, default=None):
+        return {"llama.attention.sliding_window": window}.get(name, default)
+
+    file = families.GgufFile("llama", field, frozenset(), lambda n: (64, 320), None, tmp_path / "m.gguf")
+    with pytest.raises(ConfigError, match="llama.attention.sliding_window is .* not a count of tokens"):
+        families.named("mistral").gguf.claims(file)
+
+
 @pytest.mark.slow  # a LoRA training each, checked with peft
 @pytest.mark.parametrize("variant", ["mistral", "phi3"])
 def test_lora_adapters_load_in_peft_with_our_logits(tmp_path, variant):

@@ -82,7 +82,7 @@ class LlamaGguf:
         named = str(file.field("general.basename") or "").lower()
         if self.basename and named.startswith(self.basename.lower()):
             return True
-        return self.windowed and (file.key("attention.sliding_window") or 0) > 0
+        return self.windowed and _window(file) > 0
 
     def fields(self, file) -> dict[str, Any]:
         """ModelConfig fields of a file from its metadata, its tensors' shapes and names, and its
@@ -120,9 +120,9 @@ class LlamaGguf:
                 np.asarray(file.data(ROPE_FREQS), np.float64), theta, head_dim, file.path
             )
         if self.windowed:
-            window = key("attention.sliding_window") or 0
-            fields["local_layers_per_global"] = fields["num_layers"] if window > 0 else 0
-            fields["sliding_window"] = int(window) if window > 0 else None
+            window = _window(file)
+            fields["local_layers_per_global"] = fields["num_layers"] if window else 0
+            fields["sliding_window"] = window or None
         return fields
 
     def write_metadata(self, writer, cfg: ModelConfig) -> None:
@@ -169,6 +169,17 @@ class LlamaGguf:
                 "model.rope_scaling.truncate=false: llama.cpp's yarn rounds the ramp's bounds outward; "
                 "a GGUF cannot hold this model"
             )
+
+
+def _window(file) -> int:
+    """{arch}.attention.sliding_window: 0 (or absent) for none; anything but a count is one line."""
+    window = file.key("attention.sliding_window") or 0
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+        raise ConfigError(
+            f"{file.path}: {file.architecture}.attention.sliding_window is {window!r}, not a count of "
+            f"tokens; the file is damaged"
+        )
+    return int(window)
 
 
 def _scaling(key: Callable, file) -> RopeScaling:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from tunix_train.config import Config, ConfigError, MixedPrecision, ModelConfig
+from tunix_train.data.pipeline import GroupBatches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +113,17 @@ class GroupedRecords(Objective):
 
     def batches(self, split: str, global_rows: int, rows: range, accumulation: int, seed):
         raise NotImplementedError
+
+    def row_pairs(self, groups: list, global_rows: int, rows: range, accumulation: int, seed):
+        """Batches of `groups` of two rows each, a group never split across devices."""
+        return GroupBatches(
+            groups,
+            accumulation_steps=accumulation,
+            groups_per_micro_batch=global_rows // 2,
+            seed=seed,
+            slots=range(rows.start // 2, rows.stop // 2),
+            prefetch=self.cfg.data.prefetch_batches,
+        )
 
     def train_batches(self, data, global_rows: int, rows: range):
         t = self.cfg.training

@@ -30,7 +30,7 @@ import numpy as np
 from tunix_train.config import Config, ConfigError, DpoConfig, PreferenceLoss
 from tunix_train.data.chat import completion_ids, prompt_ids
 from tunix_train.data.images import has_images
-from tunix_train.data.pipeline import GroupBatches, PackedPairs, padded_row
+from tunix_train.data.pipeline import PackedPairs, padded_row
 from tunix_train.train.objectives.base import GroupedRecords
 from tunix_train.train.objectives.lm import BATCH_DTYPES
 
@@ -183,14 +183,7 @@ class DirectPreference(GroupedRecords):
                 rows=rows,
                 prefetch=self.cfg.data.prefetch_batches,
             )
-        return GroupBatches(
-            self._pairs[split],
-            accumulation_steps=accumulation,
-            groups_per_micro_batch=global_rows // 2,
-            seed=seed,
-            slots=range(rows.start // 2, rows.stop // 2),
-            prefetch=self.cfg.data.prefetch_batches,
-        )
+        return self.row_pairs(self._pairs[split], global_rows, rows, accumulation, seed)
 
     def read_pair(self, data, doc, what: str, index: int):
         seq_len, tok = self.cfg.data.seq_len, data.tokenizer

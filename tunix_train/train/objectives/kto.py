@@ -22,7 +22,7 @@ import numpy as np
 
 from tunix_train.config import Config, ConfigError, KtoConfig
 from tunix_train.data.chat import completion_ids, prompt_ids
-from tunix_train.data.pipeline import GroupBatches, padded_row
+from tunix_train.data.pipeline import padded_row
 from tunix_train.train.objectives.base import GroupedRecords
 from tunix_train.train.objectives.lm import BATCH_DTYPES
 
@@ -113,11 +113,4 @@ class KahnemanTversky(GroupedRecords):
         return records
 
     def batches(self, split: str, global_rows: int, rows: range, accumulation: int, seed):
-        return GroupBatches(
-            self._records[split],
-            accumulation_steps=accumulation,
-            groups_per_micro_batch=global_rows // 2,
-            seed=seed,
-            slots=range(rows.start // 2, rows.stop // 2),
-            prefetch=self.cfg.data.prefetch_batches,
-        )
+        return self.row_pairs(self._records[split], global_rows, rows, accumulation, seed)
