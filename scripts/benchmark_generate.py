@@ -6,7 +6,7 @@ the same weights in the same run, and next to the memory-bandwidth limit of deco
         [--new-tokens 32] [--batches 1 8] [--repeats 3] [--dtype fp32|bf16] [--chunk 8] [--json out.json]
 
 Random weights of the named model config (or a GGUF file's), float32 or (--dtype bf16) the bf16
-engine of `training.grpo.rollout_dtype=bf16`, on one CPU device (or the accelerator). Each figure is
+engine of `training.rollout.dtype=bf16`, on one CPU device (or the accelerator). Each figure is
 the median of --repeats timed runs after a warm-up run that compiles. Prefill: prompt tokens / time
 to the first token. Decode: the other tokens / the rest of the time. The bandwidth limit of a decode
 step is the bytes it must read, parameters plus the KV cache, over the memory bandwidth measured in

@@ -107,7 +107,7 @@ def grpo_layout(overrides: list[str], packed: bool, steps: int, max_tokens: int)
 
     cfg, _ = load_config([*overrides, f"data.padding_free={str(packed).lower()}"])
     run = setup(cfg)
-    objective, G = run.objective, cfg.training.grpo.num_generations
+    objective, G = run.objective, cfg.training.rollout.num_generations
     objective_data(objective, cfg)
     objective.sampler.rows = range(run.micro_batch)
     A = cfg.training.gradient_accumulation_steps
@@ -164,8 +164,8 @@ def main() -> int:
         overrides = [
             *common,
             f"data.train_files=[{prompts}]",
-            "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match]",
-            f"training.grpo.max_new_tokens={args.max_words}",
+            "training.rollout.reward=[tunix_train.rewards.arithmetic:exact_match]",
+            f"training.rollout.max_new_tokens={args.max_words}",
             *args.overrides,
         ]
 

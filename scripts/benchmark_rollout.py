@@ -6,7 +6,7 @@ mixed lengths, and the prefill time of a GRPO rollout with and without shared pr
         [--fifo] [--dtype fp32|bf16]
 
 Random weights of the named model config, float32 or (--dtype bf16) the bf16 engine of
-`training.grpo.rollout_dtype=bf16`, on --devices fake CPU devices (or accelerators) along one mesh
+`training.rollout.dtype=bf16`, on --devices fake CPU devices (or accelerators) along one mesh
 axis: tp by default, the layout to decode with (each step reads every weight once, where fsdp
 gathers all of them onto every device; the rollout mesh's choice, docs/generation.md). Requests
 have prompt lengths and max_new_tokens drawn uniformly from the given ranges, and no stop token, so

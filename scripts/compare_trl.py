@@ -121,16 +121,16 @@ def run_ours(checkpoint: Path, prompts: Path, out: Path, args) -> list[float]:
             f"training.learning_rate={args.learning_rate}",
             "training.warmup_steps=0",
             "training.lr_schedule=constant",
-            f"training.grpo.num_generations={args.generations}",
-            f"training.grpo.max_new_tokens={args.max_new_tokens}",
+            f"training.rollout.num_generations={args.generations}",
+            f"training.rollout.max_new_tokens={args.max_new_tokens}",
             f"training.grpo.beta={args.beta}",
             f"training.grpo.epsilon={args.epsilon}",
-            f"training.grpo.reward=[{REWARD}]",
+            f"training.rollout.reward=[{REWARD}]",
             "checkpoint.every_steps=1000000",
             "training.eval_every=0",
             "data.eval_fraction=0",
             *(
-                ["training.mixed_precision=bf16", "training.grpo.rollout_dtype=bf16"]
+                ["training.mixed_precision=bf16", "training.rollout.dtype=bf16"]
                 if args.dtype == "bf16"
                 else []
             ),

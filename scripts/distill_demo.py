@@ -39,7 +39,7 @@ from grpo_demo import run  # noqa: E402  (a stage as the command line, its log i
 from tunix_train.rewards.arithmetic import write_task  # noqa: E402
 
 STUDENT = ["model=gemma3_tiny", "model.vocab_size=4096"]
-EXACT = "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match]"
+EXACT = "training.rollout.reward=[tunix_train.rewards.arithmetic:exact_match]"
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -128,7 +128,7 @@ def on_policy(out: Path, args) -> dict:
         f"data.train_files=[{prompts}]",
         "data.seq_len=16",
         "training.log_every=1",
-        "training.grpo.max_new_tokens=4",
+        "training.rollout.max_new_tokens=4",
         EXACT,
         "training.lr_schedule=constant",
         "checkpoint.every_steps=0",
@@ -144,7 +144,7 @@ def on_policy(out: Path, args) -> dict:
         "training.learning_rate=0",
         "training.eval_every=1",
         "training.micro_batch_size=16",
-        "training.grpo.num_generations=4",
+        "training.rollout.num_generations=4",
         f"hydra.run.dir={out / 'teacher_reward'}",
         log=out / "teacher_reward.log",
     )
@@ -160,7 +160,7 @@ def on_policy(out: Path, args) -> dict:
         f"training.eval_every={args.on_policy_steps}",
         f"training.learning_rate={args.learning_rate}",
         f"training.micro_batch_size={args.prompts_per_step * 8}",
-        f"training.grpo.num_generations={G}",
+        f"training.rollout.num_generations={G}",
         *(["training.distill.lmbda=1.0"] if G == 1 else []),  # GKD wholly on the student's samples
         f"hydra.run.dir={out / 'on_policy'}",
         log=out / "on_policy.log",

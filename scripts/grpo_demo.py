@@ -10,7 +10,7 @@
 3. Exports it (python -m tunix_train.export) and trains it with objective=grpo from there, the reward
    being exact_match of the sum; G completions per prompt at temperature 1.
    (--objective: another of the family, e.g. RLOO's or REINFORCE++'s advantages, or PPO's critic,
-   on the same task; OVERRIDEs go to this run, e.g. training.grpo.iterations=2.)
+   on the same task; OVERRIDEs go to this run, e.g. training.rollout.iterations=2.)
 4. Prints the mean reward per block of steps, and GRPO's time split between sampling and the step;
    its last line is JSON (the first and last blocks' mean reward).
 
@@ -93,9 +93,9 @@ def main() -> int:
         f"training.max_steps={args.grpo_steps}",
         "training.log_every=1",
         f"training.micro_batch_size={args.prompts_per_step * G}",
-        f"training.grpo.num_generations={G}",
-        "training.grpo.max_new_tokens=4",
-        "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match]",
+        f"training.rollout.num_generations={G}",
+        "training.rollout.max_new_tokens=4",
+        "training.rollout.reward=[tunix_train.rewards.arithmetic:exact_match]",
         "training.lr_schedule=constant",
         f"training.learning_rate={args.learning_rate}",
         # PPO's KL is in its reward (training.ppo.kl_coef), not a term of the loss

@@ -15,7 +15,7 @@ raises the rate of the answers it prefers.
    learned to copy (--sft-copy-rate 0, or too few steps) is one that GRPO does not teach in 40
    steps, even with the true reward (docs/objectives/reward.md).
 4. Trains it with objective=grpo for --grpo-steps, the reward model its only reward
-   (training.grpo.reward_models; reward_weights 0 for the function names_the_word, which is
+   (training.rollout.reward_models; reward_weights 0 for the function names_the_word, which is
    logged to measure the rate and adds nothing to the advantages). Reports, per block of steps,
    the rate of sampled answers that name the prompt's word and the reward model's mean score.
 
@@ -124,13 +124,13 @@ def main() -> int:
         f"training.max_steps={args.grpo_steps}",
         "training.log_every=1",
         "training.micro_batch_size=128",
-        "training.grpo.num_generations=8",
-        "training.grpo.max_new_tokens=12",
-        "training.grpo.reward=[tunix_train.rewards.words:names_the_word]",
-        f"training.grpo.reward_models=[{out / 'reward_model_hf'}]",
-        "training.grpo.reward_weights=[0,1]",  # the function measures; the reward model rewards
+        "training.rollout.num_generations=8",
+        "training.rollout.max_new_tokens=12",
+        "training.rollout.reward=[tunix_train.rewards.words:names_the_word]",
+        f"training.rollout.reward_models=[{out / 'reward_model_hf'}]",
+        "training.rollout.reward_weights=[0,1]",  # the function measures; the reward model rewards
         # the model reads a completion at its last token, trained on endings: not ending is penalized
-        f"training.grpo.missing_eos_penalty={args.missing_eos_penalty}",
+        f"training.rollout.missing_eos_penalty={args.missing_eos_penalty}",
         "training.lr_schedule=constant",
         f"training.learning_rate={args.learning_rate}",
         f"training.grpo.beta={args.beta}",

@@ -10,7 +10,7 @@ work out in its head, with a calculator it learns to rely on.
    with its result, the others answer at once with a guess (the product's first two digits, then
    zeros: always wrong). The model learns both habits, mostly the second, the call's format, and to
    copy numbers.
-3. Exports it and trains it with objective=grpo and training.grpo.tools=[...:multiply]: each of G
+3. Exports it and trains it with objective=grpo and training.rollout.tools=[...:multiply]: each of G
    conversations per prompt runs up to 3 turns, the tool's results appended between them, the
    reward exact_answer of the last turn, the loss on the model's own tokens.
 4. Prints the mean reward and tool-call rate per block of steps; its last line is one JSON object
@@ -94,11 +94,11 @@ def main() -> int:
         f"training.max_steps={args.grpo_steps}",
         "training.log_every=1",
         f"training.micro_batch_size={args.prompts_per_step * G}",
-        f"training.grpo.num_generations={G}",
-        "training.grpo.max_new_tokens=48",
-        "training.grpo.max_turns=3",
-        "training.grpo.tools=[tunix_train.rewards.calculator:multiply]",
-        "training.grpo.reward=[tunix_train.rewards.calculator:exact_answer]",
+        f"training.rollout.num_generations={G}",
+        "training.rollout.max_new_tokens=48",
+        "training.rollout.max_turns=3",
+        "training.rollout.tools=[tunix_train.rewards.calculator:multiply]",
+        "training.rollout.reward=[tunix_train.rewards.calculator:exact_answer]",
         "training.lr_schedule=constant",
         f"training.learning_rate={args.learning_rate}",
         "training.grpo.beta=0.0",

@@ -223,9 +223,9 @@ def grpo(out: Path, train_file: Path, overrides: list[str], env: dict, args) -> 
             f"training.eval_every={args.grpo_steps}",  # at the start and the end
             "training.eval_batches=30",  # 30 x 32 rows / 8 completions: the 120 held-out prompts
             f"model.init_from={runs['warmup_hf']}",
-            "training.grpo.num_generations=8",
-            "training.grpo.max_new_tokens=4",
-            "training.grpo.reward=[tunix_train.rewards.calculator:exact_answer]",
+            "training.rollout.num_generations=8",
+            "training.rollout.max_new_tokens=4",
+            "training.rollout.reward=[tunix_train.rewards.calculator:exact_answer]",
             "training.learning_rate=0.005",
             "training.warmup_steps=0",
             f"training.max_steps={args.grpo_steps}",

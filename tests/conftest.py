@@ -293,7 +293,7 @@ def rl_config(tmp_path: Path, *overrides: str, objective: str = "grpo"):
         f"data.train_files=[{prompts}]",
         "data.seq_len=16",
         "training.log_every=1",
-        "training.grpo.max_new_tokens=4",
+        "training.rollout.max_new_tokens=4",
         "training.learning_rate=1e-3",
         *overrides,
     )

@@ -1,4 +1,4 @@
-"""The critic-free advantages (training.grpo.advantage) against the code they transcribe: RLOO's as
+"""The critic-free advantages (objective=rloo, reinforce_pp) against the code they transcribe: RLOO's as
 TRL's RLOOTrainer computes it, REINFORCE++'s (with and without its group baseline) as OpenRLHF's
 experience maker does; and each trains the arithmetic task's rollouts through the GRPO loop."""
 
@@ -37,10 +37,8 @@ def test_rloo_equals_trls_rloo_trainer(normalize):
     np.testing.assert_allclose(ours, theirs.numpy(), atol=1e-12)
 
 
-@pytest.mark.parametrize(
-    "estimator", [AdvantageEstimator.reinforce_pp, AdvantageEstimator.reinforce_pp_baseline]
-)
-def test_reinforce_pp_equals_openrlhfs_experience_maker(estimator):
+@pytest.mark.parametrize("baseline", [False, True])
+def test_reinforce_pp_equals_openrlhfs_experience_maker(baseline):
     """Completions of different lengths (action masks [N, 7]): OpenRLHF's compute_advantages_and_
     returns (openrlhf/trainer/ppo_utils/experience_maker.py) for "reinforce" and
     "reinforce_baseline" without a KL in the reward: the group mean subtracted (baseline only), the
@@ -51,7 +49,7 @@ def test_reinforce_pp_equals_openrlhfs_experience_maker(estimator):
     lengths = np.random.default_rng(1).integers(1, T + 1, N)
     action_mask = torch.tensor(np.arange(T)[None] < lengths[:, None], dtype=torch.float64)
     rewards = torch.tensor(rewards_FN[0])
-    if estimator is AdvantageEstimator.reinforce_pp_baseline:
+    if baseline:
         grouped = rewards.reshape(-1, G)
         rewards = (grouped - grouped.mean(-1, keepdim=True)).reshape(-1)
     per_token = torch.zeros(N, T, dtype=torch.float64)
@@ -66,7 +64,8 @@ def test_reinforce_pp_equals_openrlhfs_experience_maker(estimator):
     var = ((returns - mean).pow(2) * action_mask).sum() / num_actions
     theirs = (returns - mean) * var.clamp(min=1e-8).rsqrt()
 
-    ours = family.whitened(family.advantages(rewards_FN, G, estimator=estimator), lengths)
+    estimator = AdvantageEstimator.reinforce_pp
+    ours = family.whitened(family.advantages(rewards_FN, G, estimator=estimator, baseline=baseline), lengths)
     ours_per_token = np.broadcast_to(ours[:, None], (N, T))
     mask = action_mask.numpy().astype(bool)
     np.testing.assert_allclose(ours_per_token[mask], theirs.numpy()[mask], atol=1e-12)
@@ -78,7 +77,7 @@ def _grpo(*overrides):
             "objective=grpo",
             "data=jsonl",
             "data.train_files=[x.jsonl]",
-            "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match]",
+            "training.rollout.reward=[tunix_train.rewards.arithmetic:exact_match]",
             *overrides,
         ]
     )[0]
@@ -87,13 +86,15 @@ def _grpo(*overrides):
 def test_the_presets_and_bad_settings():
     """objective=rloo and reinforce_pp set the advantage; GRPO's own scaling with another
     estimator, and RLOO's normalization with REINFORCE++, are one line each."""
-    assert _grpo("objective=rloo").training.grpo.advantage is AdvantageEstimator.rloo
-    assert _grpo("objective=reinforce_pp").training.grpo.advantage is AdvantageEstimator.reinforce_pp_baseline
+    assert _grpo("objective=rloo").training.objective.advantage is AdvantageEstimator.rloo
+    reinforce_pp = _grpo("objective=reinforce_pp").training
+    assert reinforce_pp.objective.advantage is AdvantageEstimator.reinforce_pp
+    assert reinforce_pp.reinforce_pp.baseline
     for overrides, message in [
         (["objective=rloo", "training.grpo.scale_rewards=none"], "are GRPO's advantage"),
         (
-            ["objective=reinforce_pp", "training.grpo.normalize_advantages=true"],
-            "normalize_advantages is RLOO's; training.grpo.advantage=reinforce_pp_baseline whitens",
+            ["objective=reinforce_pp", "training.rloo.normalize_advantages=true"],
+            "normalize_advantages is objective=rloo's; objective=reinforce_pp whitens",
         ),
     ]:
         with pytest.raises(ConfigError, match=message):
@@ -113,7 +114,7 @@ def test_the_rows_carry_reinforce_pp_advantages_whitened_over_their_loss_tokens(
         "objective=reinforce_pp",
         f"data.train_files=[{tmp_path}/p.jsonl]",
         "data.seq_len=16",
-        "training.grpo.num_generations=2",
+        "training.rollout.num_generations=2",
         "training.micro_batch_size=4",
     )
     objective = GroupRelative(cfg)
@@ -152,9 +153,9 @@ def test_under_lora_on_fsdp2_tp2_a_run_resumes_bit_identically(tmp_path, objecti
         tmp_path,
         "training.eval_every=0",
         "training.micro_batch_size=4",
-        "training.grpo.num_generations=4",
-        "training.grpo.temperature=1.5",
-        "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match,tests.rewards_for_tests:length]",
+        "training.rollout.num_generations=4",
+        "training.rollout.temperature=1.5",
+        "training.rollout.reward=[tunix_train.rewards.arithmetic:exact_match,tests.rewards_for_tests:length]",
         *LORA_RESUMED,
         objective=objective,
     )

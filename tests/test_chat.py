@@ -285,9 +285,9 @@ def test_dpo_pairs_and_grpo_prompts_in_messages_are_rendered_with_the_template(t
             f"data.tokenizer={hf}",
             "data.eval_fraction=0",
             "training.micro_batch_size=4",
-            "training.grpo.num_generations=4",
-            "training.grpo.max_new_tokens=6",
-            "training.grpo.reward=[test_chat:turn_reward]",
+            "training.rollout.num_generations=4",
+            "training.rollout.max_new_tokens=6",
+            "training.rollout.reward=[test_chat:turn_reward]",
             "training.max_steps=2",
             "training.log_every=1",
         ]

@@ -95,9 +95,9 @@ def test_twenty_steps_on_fsdp2_tp2_then_a_bit_identical_resume(tmp_path):
         c = rl_config(
             tmp_path,
             "training.micro_batch_size=4",
-            "training.grpo.num_generations=4",
-            f"training.grpo.reward=[{LENGTH}]",
-            "training.grpo.temperature=1.5",
+            "training.rollout.num_generations=4",
+            f"training.rollout.reward=[{LENGTH}]",
+            "training.rollout.temperature=1.5",
             "training.lr_schedule=constant",
             *overrides,
             objective="cispo",
@@ -106,12 +106,12 @@ def test_twenty_steps_on_fsdp2_tp2_then_a_bit_identical_resume(tmp_path):
         return c
 
     twenty = cfg("training.max_steps=20")
-    assert twenty.training.grpo.policy_loss is PolicyLoss.cispo
+    assert twenty.training.objective.policy_loss is PolicyLoss.cispo
     train(twenty, tmp_path / "twenty", devices=jax.devices()[:4])
     logged = [m for m in read_metrics(tmp_path / "twenty") if "loss" in m]
     assert len(logged) == 20 and np.all(np.isfinite([[m["loss"], m["grad_norm"]] for m in logged]))
     # on-policy (r = 1) CISPO's gradient is GRPO's, A grad log pi, while its loss is -mean(A log pi)
-    grpo = cfg("training.max_steps=1", "training.grpo.policy_loss=clip", "training.grpo.epsilon=0.2")
+    grpo = cfg("training.max_steps=1", "training.objective=grpo", "training.grpo.epsilon=0.2")
     train(grpo, tmp_path / "grpo", devices=jax.devices()[:4])
     first = [m for m in read_metrics(tmp_path / "grpo") if "loss" in m][0]
     assert first["grad_norm"] == pytest.approx(logged[0]["grad_norm"], rel=1e-5)

@@ -371,9 +371,9 @@ def _on_policy(tmp_path, *overrides):
         tmp_path,
         "training.eval_every=0",
         "checkpoint.every_steps=0",
-        "training.grpo.num_generations=4",
-        "training.grpo.temperature=1.5",
-        "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match]",
+        "training.rollout.num_generations=4",
+        "training.rollout.temperature=1.5",
+        "training.rollout.reward=[tunix_train.rewards.arithmetic:exact_match]",
         "training.learning_rate=3e-3",
         *overrides,
         objective="distill_on_policy",
@@ -396,7 +396,7 @@ def _on_policy_run(tmp_path, teacher, name, steps, *overrides, devices=1, model=
 
 
 def test_on_policy_distillation_from_the_students_own_weights_has_no_advantage(tmp_path):
-    """objective=distill_on_policy (GRPO's rollouts; training.grpo.advantage=distill): each sampled
+    """objective=distill_on_policy (GRPO's rollouts; its advantages the teacher's): each sampled
     token's advantage is the teacher's log-probability less the sampling policy's. With the student
     started from the teacher's own checkpoint, their reverse KL on the sampled tokens is 0 at the
     first step (the engine's and the trainer's float noise: < 1e-4), and so is the loss."""

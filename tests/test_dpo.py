@@ -44,7 +44,11 @@ def test_loss_equals_the_formula_on_a_hand_made_batch():
     ref_nll = rng.uniform(0.1, 5.0, (2 * P, T)).astype(np.float32)
     mask = (rng.random((2 * P, T)) < 0.6).astype(np.float32)
     objective = DirectPreference(
-        Config(training=TrainingConfig(dpo=DpoConfig(beta=BETA, label_smoothing=SMOOTHING)))
+        Config(
+            training=TrainingConfig(
+                objective=Objective.dpo, dpo=DpoConfig(beta=BETA, label_smoothing=SMOOTHING)
+            )
+        )
     )
     loss, metrics = objective.loss(lambda: nll, lambda: ref_nll, {"loss_mask": mask}, float(P))
 

@@ -22,7 +22,7 @@ def _gkd(tmp_path, *overrides, objective="gkd"):
         "training.eval_every=0",
         "checkpoint.every_steps=0",
         "training.micro_batch_size=8",
-        "training.grpo.reward=[tunix_train.rewards.arithmetic:exact_match]",
+        "training.rollout.reward=[tunix_train.rewards.arithmetic:exact_match]",
         "training.distill.completion_field=answer",
         "training.learning_rate=3e-3",
         *overrides,
@@ -129,7 +129,7 @@ def test_with_seq_kd_the_rollouts_not_the_students_are_the_teachers_samples(tmp_
     same = (
         f"training.distill.teacher={teacher}",
         "training.learning_rate=0",
-        "training.grpo.temperature=1.5",
+        "training.rollout.temperature=1.5",
     )
     seq_kd, by_teacher = _run(
         tmp_path,
@@ -201,7 +201,7 @@ def test_on_policy_distillation_under_lora_resumes_bit_identically(tmp_path, obj
         f"training.distill.teacher={tmp_path / 'teacher'}",
         "training.micro_batch_size=4",
         *LORA_RESUMED,
-        *(["training.grpo.num_generations=4"] if objective == "distill_on_policy" else []),
+        *(["training.rollout.num_generations=4"] if objective == "distill_on_policy" else []),
         objective=objective,
     )
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -221,7 +221,7 @@ def test_bad_gkd_settings_and_records_are_one_line(tmp_path):
     from tunix_train.data import Data
 
     for overrides, message in [
-        ([], "training.grpo.advantage=gkd needs training.distill.teacher"),
+        ([], "objective=gkd needs training.distill.teacher"),
         (["training.distill.teacher=x", "training.distill.lmbda=1.5"], r"lmbda=1.5 must be in \[0, 1\]"),
         (
             ["training.distill.teacher=x", "training.distill.lmbda=1", "training.distill.seq_kd=true"],
@@ -232,15 +232,18 @@ def test_bad_gkd_settings_and_records_are_one_line(tmp_path):
             "GKD's loss is the divergence alone",
         ),
         (["training.distill.teacher=x", "training.grpo.beta=0.1"], "GKD's loss has no KL to a reference"),
-        (["training.distill.teacher=x", "training.grpo.environment=m:E"], "GKD's completions are one turn"),
+        (
+            ["training.distill.teacher=x", "training.rollout.environment=m:E"],
+            "GKD's completions are one turn",
+        ),
         (
             ["training.distill.teacher=x", "training.distill.teacher_logits=y"],
-            "teacher_logits is objective=distill's stored teacher; training.grpo.advantage=gkd",
+            "teacher_logits is objective=distill's stored teacher; objective=gkd scores",
         ),
     ]:
         with pytest.raises(ConfigError, match=message):
             _gkd(tmp_path, *overrides)
-    with pytest.raises(ConfigError, match="advantage=distill scores the sampled tokens with the live"):
+    with pytest.raises(ConfigError, match="objective=distill_on_policy scores the sampled tokens with the"):
         _gkd(
             tmp_path,
             "training.distill.teacher=x",
@@ -252,7 +255,7 @@ def test_bad_gkd_settings_and_records_are_one_line(tmp_path):
     for overrides, message in [
         (["training.distill.completion_field=missing"], "record 1 has no string 'missing'"),
         (
-            ["training.grpo.max_new_tokens=1"],
+            ["training.rollout.max_new_tokens=1"],
             r"record 1's answer is \d+ tokens with its stop token, more than",
         ),
     ]:

@@ -76,7 +76,7 @@ def test_off_policy_ratios_use_the_recorded_logprobs(tmp_path):
     weight = {"tokens": mask.sum(), "sequences": 4.0, "sequences_x_max_new_tokens": 16.0}
     for staleness, ratio in ((0, np.ones_like(logp)), (1, np.minimum(np.exp(logp - behaviour), cap))):
         objective = GroupRelative(
-            _cfg(tmp_path, [[1], ["fsdp"]], 4, f"training.grpo.max_staleness={staleness}")
+            _cfg(tmp_path, [[1], ["fsdp"]], 4, f"training.rollout.max_staleness={staleness}")
         )
         loss, metrics = objective.loss(lambda: -jnp.asarray(logp), lambda: -jnp.asarray(ref), micro, weight)
         surrogate = np.minimum(ratio * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv) - beta * kl
@@ -93,8 +93,8 @@ def _cfg(tmp_path, mesh_shape, micro_batch, *overrides, reward=REWARD):
     cfg = rl_config(
         tmp_path,
         f"training.micro_batch_size={micro_batch}",
-        "training.grpo.num_generations=4",
-        f"training.grpo.reward=[{reward}]",
+        "training.rollout.num_generations=4",
+        f"training.rollout.reward=[{reward}]",
         *overrides,
     )
     cfg.model.mesh_shape = mesh_shape
@@ -124,7 +124,7 @@ def test_groups_are_the_same_on_every_mesh_and_kl_starts_at_zero(tmp_path):
             mesh_shape,
             micro_batch,
             "training.max_steps=3",
-            "training.grpo.temperature=1.5",
+            "training.rollout.temperature=1.5",
             "training.grpo.beta=0.5",
             reward=LENGTH,
         )
@@ -148,16 +148,16 @@ def test_a_rollout_mesh_of_its_own_trains_like_the_training_mesh(tmp_path, stale
     """[[4],["fsdp"]] training on devices 0-3 alone, and with a [[4],["fsdp"]] rollout mesh on
     devices 4-7 (the weights copied there for every rollout): the same completions and losses.
     With max_staleness 1 the rollout mesh draws the next rollout while the step runs."""
-    runs = {"on_mesh": ([], 4), "apart": (['training.grpo.rollout_mesh_shape=[[4],["fsdp"]]'], 8)}
+    runs = {"on_mesh": ([], 4), "apart": (['training.rollout.mesh_shape=[[4],["fsdp"]]'], 8)}
     for name, (extra, devices) in runs.items():
         cfg = _cfg(
             tmp_path,
             [[4], ["fsdp"]],
             4,
             "training.max_steps=3",
-            "training.grpo.temperature=1.5",
+            "training.rollout.temperature=1.5",
             "training.grpo.beta=0.5",
-            f"training.grpo.max_staleness={staleness}",
+            f"training.rollout.max_staleness={staleness}",
             *extra,
             reward=LENGTH,
         )
@@ -196,9 +196,9 @@ def lora_rollouts(tmp_path, *overrides):
         [[2, 2], ["fsdp", "tp"]],
         4,
         "training.max_steps=3",
-        "training.grpo.temperature=1.5",
+        "training.rollout.temperature=1.5",
         "training.lora.rank=4",
-        'training.grpo.rollout_mesh_shape=[[2,2],["fsdp","tp"]]',
+        'training.rollout.mesh_shape=[[2,2],["fsdp","tp"]]',
         "training.learning_rate=1e-2",
         *overrides,
         reward=LENGTH,
@@ -223,9 +223,9 @@ def test_a_resumed_run_draws_the_same_completions_and_losses(tmp_path, staleness
         4,
         "training.lr_schedule=constant",
         "checkpoint.every_steps=2",
-        "training.grpo.temperature=1.5",
-        f"training.grpo.max_staleness={staleness}",
-        f"training.grpo.iterations={iterations}",
+        "training.rollout.temperature=1.5",
+        f"training.rollout.max_staleness={staleness}",
+        f"training.rollout.iterations={iterations}",
         reward=LENGTH,
     )
     keys = ("loss", "grad_norm", "reward", "logprob_mismatch_max", "rollout_staleness")
@@ -251,8 +251,8 @@ def test_a_bf16_engine_samples_with_bf16_weights_and_logs_its_larger_mismatch(tm
             [[2, 2], ["fsdp", "tp"]],
             4,
             "training.max_steps=2",
-            "training.grpo.temperature=1.5",
-            f"training.grpo.rollout_dtype={dtype}",
+            "training.rollout.temperature=1.5",
+            f"training.rollout.dtype={dtype}",
             reward=LENGTH,
         )
         train(cfg, tmp_path / dtype, devices=jax.devices()[:4])
@@ -268,18 +268,18 @@ def test_a_bf16_engine_samples_with_bf16_weights_and_logs_its_larger_mismatch(tm
     "overrides, message",
     [
         (
-            ["training.grpo.reward=[no_such_module:f]"],
-            "training.grpo.reward: cannot import 'no_such_module:f'",
+            ["training.rollout.reward=[no_such_module:f]"],
+            "training.rollout.reward: cannot import 'no_such_module:f'",
         ),
         (
-            ["training.grpo.reward=[tests.rewards_for_tests:bad_length]"],
+            ["training.rollout.reward=[tests.rewards_for_tests:bad_length]"],
             "bad_length' returned 1 values for 8 completions",
         ),
-        (["training.grpo.reward=[tests.rewards_for_tests:not_a_number]"], "not_a_number' returned 'yes'"),
-        (["training.grpo.num_generations=1"], "training.grpo.num_generations=1 must be at least 2"),
+        (["training.rollout.reward=[tests.rewards_for_tests:not_a_number]"], "not_a_number' returned 'yes'"),
+        (["training.rollout.num_generations=1"], "training.rollout.num_generations=1 must be at least 2"),
         (
             ["training.micro_batch_size=6"],
-            "training.micro_batch_size=6 must be a multiple of training.grpo.num_generations=4",
+            "training.micro_batch_size=6 must be a multiple of training.rollout.num_generations=4",
         ),
         (
             ["data.train_files=[{tmp}/no_prompt.jsonl]"],
@@ -292,47 +292,47 @@ def test_a_bf16_engine_samples_with_bf16_weights_and_logs_its_larger_mismatch(tm
             "training.grpo.epsilon_high=0.1 must be >= training.grpo.epsilon=0.2",
         ),
         (
-            ["training.grpo.reward_weights=[1,2]"],
-            "training.grpo.reward_weights has 2 weights for 1 reward functions",
+            ["training.rollout.reward_weights=[1,2]"],
+            "training.rollout.reward_weights has 2 weights for 1 reward functions",
         ),
         (
-            ["training.grpo.overlong_buffer=8"],
-            "training.grpo.overlong_buffer=8 needs training.grpo.overlong=soft",
+            ["training.rollout.overlong_buffer=8"],
+            "training.rollout.overlong_buffer=8 needs training.rollout.overlong=soft",
         ),
         (
             ["training.grpo.multi_reward_normalization=per_reward", "training.grpo.scale_rewards=none"],
             "training.grpo.scale_rewards=none: under multi_reward_normalization=per_reward",
         ),
         (
-            ["training.eval_every=2", "training.grpo.eval_samples=2", "training.grpo.eval_k=4"],
-            "training.grpo.eval_samples=2 must be >= training.grpo.eval_k=4",
+            ["training.eval_every=2", "training.rollout.eval_samples=2", "training.rollout.eval_k=4"],
+            "training.rollout.eval_samples=2 must be >= training.rollout.eval_k=4",
         ),
         (
-            ["training.grpo.tools=[json:JSONDecoder]"],
-            "training.grpo.tools: 'json:JSONDecoder' is a type, not a function",
+            ["training.rollout.tools=[json:JSONDecoder]"],
+            "training.rollout.tools: 'json:JSONDecoder' is a type, not a function",
         ),
         (
-            ["training.grpo.tools=[tests.rewards_for_tests:undocumented_tool]"],
+            ["training.rollout.tools=[tests.rewards_for_tests:undocumented_tool]"],
             "'tests.rewards_for_tests:undocumented_tool' cannot make a tool schema",
         ),
         (
-            ["training.grpo.environment=no_such_module:Game"],
-            "training.grpo.environment: cannot import 'no_such_module:Game'",
+            ["training.rollout.environment=no_such_module:Game"],
+            "training.rollout.environment: cannot import 'no_such_module:Game'",
         ),
         (
-            ["training.grpo.environment=json:dumps"],
+            ["training.rollout.environment=json:dumps"],
             "'json:dumps' is not a class with reset(record) and step(messages)",
         ),
-        (["training.grpo.max_turns=0"], "training.grpo.max_turns=0 must be >= 1"),
+        (["training.rollout.max_turns=0"], "training.rollout.max_turns=0 must be >= 1"),
         pytest.param(  # named: pytest versions make different ids of this message
-            ["training.grpo.reward=[tests.rewards_for_tests:divides]"],
-            "training.grpo.reward 'tests.rewards_for_tests:divides' raised ZeroDivisionError: float "
+            ["training.rollout.reward=[tests.rewards_for_tests:divides]"],
+            "training.rollout.reward 'tests.rewards_for_tests:divides' raised ZeroDivisionError: float "
             "division by zero (on the "
             "record {'prompt': '",
             id="a_reward_raises",
         ),
-        (["training.grpo.max_staleness=-1"], "training.grpo.max_staleness=-1 must be >= 0"),
-        (["training.grpo.iterations=0"], "training.grpo.iterations=0 >= 1"),
+        (["training.rollout.max_staleness=-1"], "training.rollout.max_staleness=-1 must be >= 0"),
+        (["training.rollout.iterations=0"], "training.rollout.iterations=0 >= 1"),
         (["training.grpo.importance_cap=0.5"], "training.grpo.importance_cap=0.5 must be at least 1"),
     ],
 )
@@ -348,9 +348,9 @@ def test_bad_input_is_one_line(tmp_path, overrides, message):
         *data,
         "data.seq_len=16",
         "training.micro_batch_size=8",
-        "training.grpo.num_generations=4",
-        "training.grpo.max_new_tokens=4",
-        f"training.grpo.reward=[{REWARD}]",
+        "training.rollout.num_generations=4",
+        "training.rollout.max_new_tokens=4",
+        f"training.rollout.reward=[{REWARD}]",
         "training.max_steps=2",
         *overrides,
         f"hydra.run.dir={tmp_path}/run",
@@ -369,33 +369,33 @@ def test_bad_input_is_one_line(tmp_path, overrides, message):
         (
             [[8], ["fsdp"]],
             [[4], ["fsdp"]],
-            "model.mesh_shape takes 8 devices and training.grpo.rollout_mesh_shape 4 more; "
+            "model.mesh_shape takes 8 devices and training.rollout.mesh_shape 4 more; "
             "the two meshes must not share devices and together use the run's 8",
         ),
         (
             [[2], ["fsdp"]],
             [[4], ["fsdp"]],
-            "model.mesh_shape takes 2 devices and training.grpo.rollout_mesh_shape 4 more",
+            "model.mesh_shape takes 2 devices and training.rollout.mesh_shape 4 more",
         ),
         (
             [[-1], ["fsdp"]],
             [[8], ["fsdp"]],
-            "training.grpo.rollout_mesh_shape: its 8 devices must leave devices for "
+            "training.rollout.mesh_shape: its 8 devices must leave devices for "
             "training on each of the 1 processes",
         ),
         (
             [[-1], ["fsdp"]],
             [[-1], ["fsdp"]],
-            "training.grpo.rollout_mesh_shape: sizes [-1] must be given, not -1",
+            "training.rollout.mesh_shape: sizes [-1] must be given, not -1",
         ),
-        ([[-1], ["fsdp"]], [[2], ["sp"]], "training.grpo.rollout_mesh_shape: unknown mesh axis 'sp'"),
+        ([[-1], ["fsdp"]], [[2], ["sp"]], "training.rollout.mesh_shape: unknown mesh axis 'sp'"),
     ],
 )
 def test_a_rollout_mesh_that_does_not_fit_is_a_config_error(tmp_path, mesh, rollout_mesh, message):
     from tunix_train.config import ConfigError
 
     cfg = _cfg(tmp_path, mesh, 4)
-    cfg.training.grpo.rollout_mesh_shape = rollout_mesh
+    cfg.training.rollout.mesh_shape = rollout_mesh
     with pytest.raises(ConfigError) as error:
         setup(cfg, jax.devices()[:8])
     assert message in str(error.value), error.value
@@ -412,10 +412,10 @@ def _two_process_run(prompts) -> list[str]:
         "training.log_every=1",
         "training.max_steps=3",
         "training.micro_batch_size=4",
-        "training.grpo.num_generations=4",
-        "training.grpo.max_new_tokens=4",
-        "training.grpo.temperature=1.5",
-        f"training.grpo.reward=[{LENGTH}]",
+        "training.rollout.num_generations=4",
+        "training.rollout.max_new_tokens=4",
+        "training.rollout.temperature=1.5",
+        f"training.rollout.reward=[{LENGTH}]",
         "training.learning_rate=1e-3",
         'model.mesh_shape=[[4],["fsdp"]]',
         "distributed.initialization_timeout_s=60",
@@ -451,7 +451,7 @@ def test_two_processes_sample_and_train_like_one(tmp_path, rollout_mesh, one_pro
 
     one_dir, prompts = one_process_grpo
     run = _two_process_run(prompts)
-    apart = ['training.grpo.rollout_mesh_shape=[[4],["fsdp"]]'] if rollout_mesh else []
+    apart = ['training.rollout.mesh_shape=[[4],["fsdp"]]'] if rollout_mesh else []
     two = run_python(
         "-m",
         "tunix_train.launch",

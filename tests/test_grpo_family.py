@@ -44,10 +44,10 @@ def _cfg(*overrides):
             "objective=grpo",
             "data=jsonl",
             "data.train_files=[x.jsonl]",
-            f"training.grpo.reward=[{REWARD},{REWARD}]",
-            f"training.grpo.num_generations={G}",
-            f"training.grpo.max_new_tokens={MAX_NEW}",
-            "training.grpo.max_staleness=1",
+            f"training.rollout.reward=[{REWARD},{REWARD}]",
+            f"training.rollout.num_generations={G}",
+            f"training.rollout.max_new_tokens={MAX_NEW}",
+            "training.rollout.max_staleness=1",
             *overrides,
         ]
     )
@@ -176,8 +176,8 @@ SETTINGS = [
         "training.grpo.loss_aggregation=dr_grpo",
         "training.grpo.beta=0",
     ],
-    ["training.grpo.reward_weights=[0.3,2.0]"],
-    ["training.grpo.multi_reward_normalization=per_reward", "training.grpo.reward_weights=[1.0,0.5]"],
+    ["training.rollout.reward_weights=[0.3,2.0]"],
+    ["training.grpo.multi_reward_normalization=per_reward", "training.rollout.reward_weights=[1.0,0.5]"],
     ["objective=dapo"],
     ["objective=dr_grpo"],
     ["objective=gspo"],
@@ -196,7 +196,7 @@ def test_loss_equals_trl_grpo_trainer(overrides):
     g = cfg.training.grpo
     for seed in range(3):
         logp, old, ref, mask, rewards = _data(seed)
-        weights = list(g.reward_weights) or [1.0, 1.0]
+        weights = list(cfg.training.rollout.reward_weights) or [1.0, 1.0]
         trl_normalization = {
             RewardNormalization.sum: "sum_then_normalize",
             RewardNormalization.per_reward: "normalize_then_sum",
@@ -215,11 +215,12 @@ def test_loss_equals_trl_grpo_trainer(overrides):
 
 def test_the_presets_set_what_their_papers_do():
     g = {name: _cfg(f"objective={name}").training.grpo for name in ("dapo", "dr_grpo", "gspo")}
+    dapo_rollout = _cfg("objective=dapo").training.rollout
     assert (
         g["dapo"].loss_aggregation,
         g["dapo"].epsilon_high,
-        g["dapo"].dynamic_sampling,
-        g["dapo"].overlong.value,
+        dapo_rollout.dynamic_sampling,
+        dapo_rollout.overlong.value,
         g["dapo"].beta,
     ) == (GrpoAggregation.dapo, 0.28, True, "soft", 0.0)
     assert (g["dr_grpo"].loss_aggregation, g["dr_grpo"].scale_rewards) == (
@@ -258,9 +259,9 @@ def _run_cfg(tmp_path, *overrides, reward="tests.rewards_for_tests:length_for_ev
     cfg = rl_config(
         tmp_path,
         "training.micro_batch_size=8",
-        "training.grpo.num_generations=4",
-        f"training.grpo.reward=[{reward}]",
-        "training.grpo.temperature=1.5",
+        "training.rollout.num_generations=4",
+        f"training.rollout.reward=[{reward}]",
+        "training.rollout.temperature=1.5",
         *overrides,
     )
     cfg.model.mesh_shape = [[2, 2], ["fsdp", "tp"]]
@@ -275,7 +276,7 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path):
 
     from tunix_train.train.loop import train
 
-    cfg = _run_cfg(tmp_path, "training.max_steps=3", "training.grpo.dynamic_sampling=true")
+    cfg = _run_cfg(tmp_path, "training.max_steps=3", "training.rollout.dynamic_sampling=true")
     train(cfg, tmp_path / "run", devices=jax.devices()[:4])
     steps = [m for m in read_metrics(tmp_path / "run") if "loss" in m]
     assert all(m["groups_without_signal"] == 0 for m in steps), steps
@@ -296,8 +297,8 @@ def test_a_batch_without_signal_does_not_update_the_weights(tmp_path):
             tmp_path,
             "training.max_steps=2",
             "training.weight_decay=0.1",
-            f"training.grpo.dynamic_sampling={dynamic}",
-            "training.grpo.dynamic_sampling_rounds=2",
+            f"training.rollout.dynamic_sampling={dynamic}",
+            "training.rollout.dynamic_sampling_rounds=2",
             "training.eval_every=0",
             reward="tests.rewards_for_tests:constant",
         )
@@ -337,9 +338,9 @@ def test_evaluation_logs_reward_and_pass_at_k(tmp_path):
         "training.eval_every=2",
         "data.eval_fraction=0.25",
         "training.eval_batches=1",
-        "training.grpo.eval_samples=4",
-        "training.grpo.eval_k=2",
-        "training.grpo.eval_pass_reward=0.3",
+        "training.rollout.eval_samples=4",
+        "training.rollout.eval_k=2",
+        "training.rollout.eval_pass_reward=0.3",
     )
     train(cfg, tmp_path / "run", devices=jax.devices()[:4])
     evals = [m for m in read_metrics(tmp_path / "run") if "eval_reward" in m]
@@ -385,7 +386,7 @@ def test_the_compiled_step_is_exact_under_accumulation(tmp_path, overrides):
             tmp_path,
             f"training.gradient_accumulation_steps={accumulation}",
             f"training.micro_batch_size={16 // accumulation}",
-            "training.grpo.max_staleness=1",
+            "training.rollout.max_staleness=1",
             "training.grpo.beta=0.04",
             "training.adam_eps=1.0",
             "training.learning_rate=1.0",
@@ -419,7 +420,7 @@ def test_the_compiled_step_is_exact_under_accumulation(tmp_path, overrides):
 
 @pytest.mark.slow  # several training runs
 def test_a_rollout_in_few_slots_gives_the_same_completions_and_losses(tmp_path):
-    """training.grpo.rollout_slots=4: the 32 completions of a step go through 4 slots at a time
+    """training.rollout.slots=4: the 32 completions of a step go through 4 slots at a time
     (continuous batching) and are the ones of all at once, as are the losses."""
     from conftest import read_metrics
 
@@ -432,7 +433,7 @@ def test_a_rollout_in_few_slots_gives_the_same_completions_and_losses(tmp_path):
             "training.max_steps=2",
             "training.micro_batch_size=16",
             "training.eval_every=0",
-            f"training.grpo.rollout_slots={slots}",
+            f"training.rollout.slots={slots}",
         )
         train(cfg, tmp_path / slots, devices=jax.devices()[:4])
         runs[slots] = (
@@ -447,13 +448,13 @@ def test_a_rollout_in_few_slots_gives_the_same_completions_and_losses(tmp_path):
 
 
 def test_missing_eos_penalty_is_a_reward_row_for_completions_that_did_not_stop():
-    """training.grpo.missing_eos_penalty=2: a row `missing_eos` of weight 1 after the functions',
+    """training.rollout.missing_eos_penalty=2: a row `missing_eos` of weight 1 after the functions',
     -2 for each completion whose last token is not a stop token (TRL's missing_eos_penalty), 0
     for the others; the total subtracts it."""
     from tunix_train.train.objectives.grpo_rewards import Rewards
 
-    cfg = _cfg("training.grpo.missing_eos_penalty=2", f"training.grpo.reward=[{REWARD}]")
-    rewards = Rewards(cfg.training.grpo)
+    cfg = _cfg("training.rollout.missing_eos_penalty=2", f"training.rollout.reward=[{REWARD}]")
+    rewards = Rewards(cfg.training.rollout)
     rewards.stop_ids = [1]
     records = [{"prompt": "1+1=", "answer": "2"}] * 3
     scores = rewards.score(["1+1="] * 3, ["2", "2", "3"], records, [[5, 1], [5, 6], []])
@@ -463,7 +464,7 @@ def test_missing_eos_penalty_is_a_reward_row_for_completions_that_did_not_stop()
 
 
 def test_a_reward_that_hangs_raises_or_returns_nan_stops_the_run_with_one_line():
-    """A reward function that never answers stops after training.grpo.reward_timeout_s (its thread
+    """A reward function that never answers stops after training.rollout.reward_timeout_s (its thread
     left behind, a daemon's); one that raises or returns NaN stops at once; each a ConfigError
     naming it (docs/objectives/grpo.md: the run stops rather than train on a reward it lacks)."""
     import re
@@ -475,18 +476,18 @@ def test_a_reward_that_hangs_raises_or_returns_nan_stops_the_run_with_one_line()
     for name, overrides, words in [
         (
             "hangs",
-            ["training.grpo.reward_timeout_s=0.5"],
-            "gave no answer in 0.5 s (training.grpo.reward_timeout_s)",
+            ["training.rollout.reward_timeout_s=0.5"],
+            "gave no answer in 0.5 s (training.rollout.reward_timeout_s)",
         ),
         ("nan_for_long", [], "returned nan; it must return finite numbers"),
         ("divides", [], "raised ZeroDivisionError"),
     ]:
         rewards = Rewards(
-            _cfg(f"training.grpo.reward=[tests.rewards_for_tests:{name}]", *overrides).training.grpo
+            _cfg(f"training.rollout.reward=[tests.rewards_for_tests:{name}]", *overrides).training.rollout
         )
         start = time.perf_counter()
         with pytest.raises(
-            ConfigError, match=re.escape(f"training.grpo.reward 'tests.rewards_for_tests:{name}' {words}")
+            ConfigError, match=re.escape(f"training.rollout.reward 'tests.rewards_for_tests:{name}' {words}")
         ):
             rewards.score(["1+1="] * 2, ["2", "22"], records, [[5], [5, 5]])
         assert time.perf_counter() - start < 5

@@ -20,10 +20,10 @@ def _cfg(tmp_path, *overrides):
     return rl_config(
         tmp_path,
         "data.seq_len=64",
-        "training.grpo.num_generations=4",
-        "training.grpo.max_new_tokens=8",
-        "training.grpo.temperature=1.5",
-        f"training.grpo.reward=[{REWARD}]",
+        "training.rollout.num_generations=4",
+        "training.rollout.max_new_tokens=8",
+        "training.rollout.temperature=1.5",
+        f"training.rollout.reward=[{REWARD}]",
         *overrides,
     )
 
@@ -40,7 +40,7 @@ def test_a_rollouts_rows_pack_into_the_front_micro_batches_and_unpack_to_the_pad
             tmp_path,
             f"data.train_files=[{tmp_path}/p.jsonl]",
             "data.seq_len=16",
-            "training.grpo.num_generations=2",
+            "training.rollout.num_generations=2",
             "training.micro_batch_size=2",
             "training.gradient_accumulation_steps=2",
             f"data.padding_free={packed}",
@@ -85,7 +85,7 @@ def test_a_rollouts_rows_pack_into_the_front_micro_batches_and_unpack_to_the_pad
             ("training.grpo.loss_aggregation=sequence_mean", "training.grpo.beta=0.04"),
             marks=pytest.mark.slow,
         ),
-        pytest.param(("objective=ppo", "training.grpo.iterations=2"), marks=pytest.mark.slow),
+        pytest.param(("objective=ppo", "training.rollout.iterations=2"), marks=pytest.mark.slow),
     ],
     ids=["grpo", "ppo"],
 )

@@ -105,8 +105,8 @@ def _ppo_cfg(tmp_path, *overrides):
     return rl_config(
         tmp_path,
         "training.micro_batch_size=4",
-        "training.grpo.num_generations=2",
-        f"training.grpo.reward=[{REWARD}]",
+        "training.rollout.num_generations=2",
+        f"training.rollout.reward=[{REWARD}]",
         *overrides,
         objective="ppo",
     )
@@ -166,12 +166,12 @@ def test_the_loss_and_its_gradient_equal_openrlhfs_policy_and_value_losses(tmp_p
 def test_the_preset_and_bad_settings_are_one_line(tmp_path):
     """objective=ppo sets the value head, GAE and the KL in the reward; a gae_lambda outside [0, 1],
     no value head, dynamic sampling and a value clip of 0 are one line each."""
-    cfg = _ppo_cfg(tmp_path, "training.grpo.num_generations=1")
+    cfg = _ppo_cfg(tmp_path, "training.rollout.num_generations=1")
     assert cfg.model.score_head and cfg.training.grpo.beta == 0 and cfg.training.ppo.kl_coef == 0.05
     for override, message in [
         ("training.ppo.gae_lambda=1.5", r"training.ppo.gae_lambda=1.5 must be in \[0, 1\]"),
         ("model.score_head=false", "reads a critic: set model.score_head=true"),
-        ("training.grpo.dynamic_sampling=true", "PPO's critic learns from them"),
+        ("training.rollout.dynamic_sampling=true", "PPO's critic learns from them"),
         ("training.ppo.value_clip=0", "value_clip=0.0 positive"),
     ]:
         with pytest.raises(ConfigError, match=message):
@@ -200,7 +200,7 @@ def test_ppo_is_the_same_on_one_device_fsdp2_tp2_and_with_accumulation(tmp_path,
     ]:
         cfg = _ppo_cfg(
             tmp_path,
-            "training.grpo.num_generations=1",
+            "training.rollout.num_generations=1",
             f"training.micro_batch_size={micro}",
             f"training.gradient_accumulation_steps={accumulation}",
             "training.max_steps=2",
@@ -217,13 +217,13 @@ def test_ppo_is_the_same_on_one_device_fsdp2_tp2_and_with_accumulation(tmp_path,
 
 @pytest.mark.slow
 def test_ppo_resumes_bit_identically_within_a_rollouts_epochs_and_exports_without_its_critic(tmp_path):
-    """Two epochs per rollout (training.grpo.iterations=2), stopped after step 3, in the middle of
+    """Two epochs per rollout (training.rollout.iterations=2), stopped after step 3, in the middle of
     rollout 1: resumed, its critique comes from the checkpoint, and steps 4 and the parameters are
     bit-identical to a straight run's. The run exports as a causal LM that transformers loads,
     without the value head."""
     cfg = _ppo_cfg(
         tmp_path,
-        "training.grpo.iterations=2",
+        "training.rollout.iterations=2",
         "checkpoint.every_steps=1",
         "training.lr_schedule=constant",  # the schedule must not depend on max_steps, which changes
     )

@@ -1,4 +1,4 @@
-"""The preference losses beyond DPO (training.dpo.loss = ipo, orpo, simpo) against TRL 1.16's own
+"""The preference losses beyond DPO (objective=ipo, orpo, simpo) against TRL 1.16's own
 code on the same per-token log-probabilities, exact under accumulation, and trained end to end."""
 
 import collections
@@ -12,7 +12,7 @@ from conftest import accumulated_loss, random_logits_and_labels, token_nlls
 from test_cli import run_cli
 from test_dpo import _write_pairs, dpo_cli, dpo_on
 
-from tunix_train.config import Config, DpoConfig, PreferenceLoss, TrainingConfig
+from tunix_train.config import Config, DpoConfig, Objective, PreferenceLoss, TrainingConfig
 from tunix_train.train.objectives.dpo import DirectPreference
 
 torch = pytest.importorskip("torch")
@@ -33,7 +33,8 @@ def _ours(kind, logits, ref_logits, labels, label_smoothing=0.0, accumulation=1)
     objective = DirectPreference(
         Config(
             training=TrainingConfig(
-                dpo=DpoConfig(loss=kind, beta=BETA, label_smoothing=label_smoothing, simpo_gamma=GAMMA)
+                objective=Objective("dpo" if kind is PreferenceLoss.sigmoid else kind.value),
+                dpo=DpoConfig(beta=BETA, label_smoothing=label_smoothing, simpo_gamma=GAMMA),
             )
         )
     )
@@ -160,7 +161,7 @@ def test_ipo_and_sigmoid_equal_trl_dpo_trainer(kind):
 def test_each_loss_trains_and_the_reference_free_ones_keep_no_copy(tmp_path, loss):
     run_dir, metrics = dpo_cli(
         tmp_path,
-        f"training.dpo.loss={loss}",
+        f"training.objective={loss}",
         "training.dpo.beta=0.5",
         "training.eval_every=6",
         "training.eval_batches=1",
@@ -178,10 +179,10 @@ def test_label_smoothing_without_a_meaning_is_refused(tmp_path):
     _write_pairs(tmp_path / "pairs.jsonl")
     result = run_cli(
         *dpo_on(tmp_path / "pairs.jsonl"),
-        "training.dpo.loss=orpo",
+        "training.objective=orpo",
         "training.dpo.label_smoothing=0.1",
         f"hydra.run.dir={tmp_path}/run",
     )
     lines = result.stderr.strip().splitlines()
     assert result.returncode != 0 and len(lines) == 1, result.stderr
-    assert "training.dpo.label_smoothing=0.1: the orpo loss has none" in lines[0]
+    assert "training.dpo.label_smoothing=0.1: objective=orpo has none" in lines[0]

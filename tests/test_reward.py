@@ -278,9 +278,9 @@ def test_grpo_reward_models_score_as_transformers_does(tmp_path):
             f"data.train_files=[{prompts}]",
             "data.seq_len=16",
             "training.micro_batch_size=4",
-            "training.grpo.num_generations=4",
-            "training.grpo.reward=[]",
-            f"training.grpo.reward_models=[{model}]",
+            "training.rollout.num_generations=4",
+            "training.rollout.reward=[]",
+            f"training.rollout.reward_models=[{model}]",
             'model.mesh_shape=[[2,2],["fsdp","tp"]]',
         )
 
@@ -325,10 +325,10 @@ def test_grpo_trains_with_a_reward_model_as_its_only_reward(tmp_path):
         "training.micro_batch_size=8",
         "training.max_steps=2",
         "training.log_every=1",
-        "training.grpo.num_generations=4",
-        "training.grpo.max_new_tokens=4",
-        "training.grpo.reward=[]",
-        f"training.grpo.reward_models=[{tmp_path / 'rm'}]",
+        "training.rollout.num_generations=4",
+        "training.rollout.max_new_tokens=4",
+        "training.rollout.reward=[]",
+        f"training.rollout.reward_models=[{tmp_path / 'rm'}]",
         'model.mesh_shape=[[2],["fsdp"]]',
     )
     train(cfg, tmp_path / "grpo", devices=jax.devices()[:2])

@@ -2,7 +2,7 @@
 forward given them uses those experts (weighted by its own router) instead of its top k. Checked on
 Qwen 3 MoE's softmax router and Gemma 4's: the recorded experts are those a prefill of the whole
 sequence chooses, the replayed forward's log-probabilities equal the engine's, other experts change
-them; in GRPO (training.grpo.routing_replay) a bf16 engine's mismatch falls, and a resumed run
+them; in GRPO (training.rollout.routing_replay) a bf16 engine's mismatch falls, and a resumed run
 equals a straight one (the routes of a queued rollout in the checkpoint)."""
 
 import functools
@@ -124,10 +124,10 @@ def _grpo(tmp_path, *overrides, mesh=((2, 2), ("ep", "fsdp"))):
             "data.seq_len=24",
             "training.log_every=1",
             "training.micro_batch_size=8",
-            "training.grpo.num_generations=4",
-            "training.grpo.max_new_tokens=12",
-            "training.grpo.temperature=1.5",
-            "training.grpo.reward=[tests.rewards_for_tests:length]",
+            "training.rollout.num_generations=4",
+            "training.rollout.max_new_tokens=12",
+            "training.rollout.temperature=1.5",
+            "training.rollout.reward=[tests.rewards_for_tests:length]",
             "training.learning_rate=1e-3",
             *overrides,
         ]
@@ -151,8 +151,8 @@ def test_grpo_with_routing_replay_trains_on_the_engines_experts(tmp_path):
         cfg = _grpo(
             tmp_path,
             "training.max_steps=1",
-            "training.grpo.rollout_dtype=bf16",
-            f"training.grpo.routing_replay={str(replay).lower()}",
+            "training.rollout.dtype=bf16",
+            f"training.rollout.routing_replay={str(replay).lower()}",
             "training.micro_batch_size=16",
             "training.pipeline_microbatches=2",
             mesh=((2, 2), ("pp", "fsdp")),
@@ -178,9 +178,9 @@ def test_a_resumed_grpo_run_with_routing_replay_equals_the_straight_one(tmp_path
         tmp_path,
         "training.lr_schedule=constant",
         "checkpoint.every_steps=2",
-        "training.grpo.routing_replay=true",
-        "training.grpo.rollout_dtype=bf16",
-        "training.grpo.max_staleness=1",
+        "training.rollout.routing_replay=true",
+        "training.rollout.dtype=bf16",
+        "training.rollout.max_staleness=1",
     )
     keys = ("loss", "grad_norm", "reward", "logprob_mismatch_max")
     assert_resumes_alike(cfg, tmp_path, 4, 2, jax.devices()[:4], keys)
@@ -204,8 +204,8 @@ def test_routing_replay_where_it_cannot_run_is_one_line(tmp_path, model, mesh, m
                 "data=jsonl",
                 f"data.train_files=[{prompts}]",
                 "training.micro_batch_size=4",
-                "training.grpo.reward=[tests.rewards_for_tests:length]",
-                "training.grpo.routing_replay=true",
+                "training.rollout.reward=[tests.rewards_for_tests:length]",
+                "training.rollout.routing_replay=true",
             ]
         )
     assert "\n" not in str(err.value)

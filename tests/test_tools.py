@@ -64,7 +64,7 @@ def test_schemas_are_transformers_and_bad_tools_are_one_line():
         t.load_tools(["tests.test_tools:undocumented"])
     with pytest.raises(ConfigError, match="'json:JSONDecoder' is a type, not a function"):
         t.load_tools(["json:JSONDecoder"])
-    with pytest.raises(ConfigError, match="training.grpo.tools: cannot import 'no_such:thing'"):
+    with pytest.raises(ConfigError, match="training.rollout.tools: cannot import 'no_such:thing'"):
         t.load_tools(["no_such:thing"])
 
 
@@ -290,10 +290,10 @@ def test_the_loss_mask_covers_the_model_tokens_only(tmp_path):
             "data=jsonl",
             f"data.train_files=[{tmp_path}/p.jsonl]",
             "data.seq_len=16",
-            "training.grpo.num_generations=2",
+            "training.rollout.num_generations=2",
             "training.micro_batch_size=2",
-            "training.grpo.reward=[tunix_train.rewards.calculator:exact_answer]",
-            "training.grpo.tools=[tunix_train.rewards.calculator:multiply]",
+            "training.rollout.reward=[tunix_train.rewards.calculator:exact_answer]",
+            "training.rollout.tools=[tunix_train.rewards.calculator:multiply]",
         ]
     )
     objective = GroupRelative(cfg)
@@ -420,13 +420,13 @@ def test_grpo_with_tools_and_an_environment_trains_and_resumes_bit_identically(t
             f"data.train_files=[{prompts}]",
             f"model.init_from={tmp_path / 'sft_hf'}",
             "training.micro_batch_size=4",
-            "training.grpo.num_generations=4",
-            "training.grpo.max_new_tokens=48",
-            "training.grpo.max_turns=4",
-            "training.grpo.tools=[tunix_train.rewards.calculator:multiply]",
-            "training.grpo.environment=tests.test_tools:Checker",
+            "training.rollout.num_generations=4",
+            "training.rollout.max_new_tokens=48",
+            "training.rollout.max_turns=4",
+            "training.rollout.tools=[tunix_train.rewards.calculator:multiply]",
+            "training.rollout.environment=tests.test_tools:Checker",
             "training.log_every=1",
-            "training.grpo.reward=[tunix_train.rewards.calculator:exact_answer]",
+            "training.rollout.reward=[tunix_train.rewards.calculator:exact_answer]",
             "training.lr_schedule=constant",
             "checkpoint.every_steps=2",
             "training.learning_rate=1e-3",

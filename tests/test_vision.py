@@ -864,8 +864,8 @@ def _grpo_on_image_prompts(tmp_path, n: int, *overrides):
             "data=jsonl",
             f"data.train_files=[{tmp_path / 'prompts.jsonl'}]",
             f"data.tokenizer={vision_tokenizer(tmp_path / 'tok')}",
-            "training.grpo.max_new_tokens=6",
-            "training.grpo.reward=[test_vision:image_prompt_reward]",
+            "training.rollout.max_new_tokens=6",
+            "training.rollout.reward=[test_vision:image_prompt_reward]",
             *overrides,
         ]
     )
@@ -899,7 +899,7 @@ def test_grpo_samples_and_trains_on_prompts_with_images(tmp_path, images):
         8,
         'model.mesh_shape=[[2,2],["fsdp","tp"]]',
         "training.micro_batch_size=4",
-        "training.grpo.num_generations=4",
+        "training.rollout.num_generations=4",
         "training.max_steps=1",
         "training.log_every=1",
     )
@@ -1096,8 +1096,8 @@ def test_a_reward_model_on_images_learns_them_and_exports_as_transformers_gemma3
             "data=jsonl",
             "data.train_files=[x.jsonl]",
             f"data.tokenizer={tmp_path / 'tok'}",
-            "training.grpo.reward=[]",
-            f"training.grpo.reward_models=[{tmp_path / 'hf'}]",
+            "training.rollout.reward=[]",
+            f"training.rollout.reward_models=[{tmp_path / 'hf'}]",
         ]
     )
     with pytest.raises(
@@ -1203,9 +1203,9 @@ def test_grpo_turns_carry_the_prompts_images_in_every_request(tmp_path):
     cfg = _grpo_on_image_prompts(
         tmp_path,
         3,
-        "training.grpo.num_generations=2",
-        "training.grpo.environment=tests.test_tools:Checker",
-        "training.grpo.max_turns=3",
+        "training.rollout.num_generations=2",
+        "training.rollout.environment=tests.test_tools:Checker",
+        "training.rollout.max_turns=3",
     )
     objective = make_objective(cfg)
     data = Data(cfg, objective.record_fields)

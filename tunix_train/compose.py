@@ -22,7 +22,6 @@ from tunix_train.config import (
     CHAT_ROLES,
     LORA_TARGETS,
     VISION_LORA_TARGETS,
-    AdvantageEstimator,
     AttentionImpl,
     BaseQuantization,
     Config,
@@ -34,6 +33,7 @@ from tunix_train.config import (
     ModelConfig,
     Objective,
     TrainingConfig,
+    deprecated,
     reads_text,
 )
 from tunix_train.config.fields import require_positive
@@ -152,28 +152,32 @@ def _validate_images(d: DataConfig, m: ModelConfig) -> None:
 
 def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) -> None:
     """LoRA's settings, and what every objective but lm needs of the data; the objectives' own
-    sections check themselves (config/objectives.py: DpoConfig.check, GrpoConfig.check)."""
+    sections check themselves (config/objectives.py: DpoConfig.check, GrpoConfig.check, ...)."""
     _validate_lora(t.lora, m)
-    if t.objective is Objective.distill:
+    objective = t.objective
+    if objective is Objective.distill:
         t.distill.check(m.vocab_size)
-    name = f"training.objective={t.objective.value}"
+    name = f"training.objective={objective.value}"
+    paired = objective.preference_loss is not None or objective is Objective.reward
     if d.padding_free and m.vision is not None:
         raise ConfigError(
             "data.padding_free: rows with images are not packed (model.vision): set it to false"
         )
-    if d.padding_free and t.objective not in (Objective.dpo, Objective.reward, Objective.grpo):
+    if d.padding_free and not (paired or objective.on_policy):
         raise ConfigError(
-            f"data.padding_free packs preference pairs and rollouts (objective=dpo, reward, grpo and "
-            f"its family); {name} always packs its documents: set it to false"
+            f"data.padding_free packs preference pairs and rollouts (the preference, reward and "
+            f"on-policy objectives); {name} always packs its documents: set it to false"
         )
-    if t.objective in (Objective.lm, Objective.distill):  # both read the data's tokens
+    if objective in (Objective.lm, Objective.distill):  # both read the data's tokens
         return
     if d.source not in (DataSource.jsonl, DataSource.parquet):
-        fields = {
-            Objective.dpo: "prompt, chosen and rejected",
-            Objective.reward: "prompt, chosen and rejected",
-            Objective.kto: "prompt, completion and label",
-        }.get(t.objective, "prompt (and what the rewards read)")
+        fields = (
+            "prompt, chosen and rejected"
+            if paired
+            else "prompt, completion and label"
+            if objective is Objective.kto
+            else "prompt (and what the rewards read)"
+        )
         raise ConfigError(
             f"{name} reads records with {fields}: set data=jsonl (or parquet) data.train_files=[...]"
         )
@@ -182,18 +186,19 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
             f"data.prompt_field and data.completion_field are for training.objective=lm; {name} "
             f"reads the fields it names"
         )
-    if t.objective in (Objective.dpo, Objective.reward, Objective.kto):  # two rows a record
+    if paired or objective is Objective.kto:  # two rows a record
         if t.micro_batch_size % 2 and not d.padding_free:
             raise ConfigError(
                 f"training.micro_batch_size={t.micro_batch_size} must be even under {name}: each "
-                f"{'record' if t.objective is Objective.kto else 'pair'} is two rows "
-                f"({'its own, a mismatched one' if t.objective is Objective.kto else 'chosen, rejected'}) "
-                f"kept on one device"
+                f"{'pair' if paired else 'record'} is two rows "
+                f"({'chosen, rejected' if paired else 'its own, a mismatched one'}) kept on one device"
             )
-        if t.objective in (Objective.dpo, Objective.kto):
-            (t.dpo if t.objective is Objective.dpo else t.kto).check()
+        if objective.preference_loss is not None:
+            t.dpo.check(objective)
+        elif objective is Objective.kto:
+            t.kto.check()
         return
-    _validate_on_policy(t, m)  # GRPO and its family, the one objective left
+    _validate_on_policy(t, m)  # the on-policy objectives, the ones left
 
 
 def _validate_lora(lora: LoraConfig, m: ModelConfig) -> None:
@@ -239,68 +244,77 @@ def _validate_lora(lora: LoraConfig, m: ModelConfig) -> None:
 
 
 def _validate_on_policy(t: TrainingConfig, m: ModelConfig) -> None:
-    """GRPO's section, and what its family's advantages (on-policy distillation, GKD, PPO) need."""
-    t.grpo.check(t.micro_batch_size)
-    if t.grpo.advantage is AdvantageEstimator.distill and not t.distill.teacher:
+    """The rollout's and the policy loss's sections, and what on-policy distillation, GKD and PPO need."""
+    objective, r = t.objective, t.rollout
+    r.check(objective, t.micro_batch_size)
+    t.grpo.check(objective)
+    name = f"objective={objective.value}"
+    teaching = objective in (Objective.distill_on_policy, Objective.gkd)  # a live teacher
+    if objective is Objective.distill_on_policy and not t.distill.teacher:
         raise ConfigError(
-            "training.grpo.advantage=distill needs training.distill.teacher: the checkpoint whose "
-            "log-probabilities of the sampled tokens make the advantages"
+            f"{name} needs training.distill.teacher: the checkpoint whose log-probabilities of the "
+            f"sampled tokens make the advantages"
         )
-    teaching = t.grpo.advantage in (AdvantageEstimator.distill, AdvantageEstimator.gkd)  # a live teacher
     if teaching and t.distill.teacher_logits:
         raise ConfigError(
-            f"training.distill.teacher_logits is objective=distill's stored teacher; "
-            f"training.grpo.advantage={t.grpo.advantage.value} scores the sampled tokens with the live "
-            f"training.distill.teacher: unset teacher_logits"
+            f"training.distill.teacher_logits is objective=distill's stored teacher; {name} scores the "
+            f"sampled tokens with the live training.distill.teacher: unset teacher_logits"
         )
-    if t.grpo.advantage is AdvantageEstimator.gkd:
+    if objective is Objective.gkd:
         t.distill.check_gkd()
         t.distill.check(m.vocab_size)
         if t.grpo.beta:
             raise ConfigError(
                 f"training.grpo.beta={t.grpo.beta}: GKD's loss has no KL to a reference; set it to 0"
             )
-        if t.grpo.tools or t.grpo.environment is not None:
+        if r.tools or r.environment is not None:
             raise ConfigError(
-                "training.grpo.tools and environment: GKD's completions are one turn (the records' or "
-                "the student's); set them to [] and null"
+                "training.rollout.tools and environment: GKD's completions are one turn (the records' "
+                "or the student's); set them to [] and null"
             )
-    if teaching and (t.grpo.dynamic_sampling or t.grpo.routing_replay):
+    if teaching and (r.dynamic_sampling or r.routing_replay):
         raise ConfigError(
-            f"training.grpo.dynamic_sampling and routing_replay are for rewards and the student's "
-            f"experts; under training.grpo.advantage={t.grpo.advantage.value} set them to false"
+            f"training.rollout.dynamic_sampling and routing_replay are for rewards and the student's "
+            f"experts; under {name} set them to false"
         )
-    if t.grpo.advantage is AdvantageEstimator.gae:
+    if t.rloo.normalize_advantages and objective is not Objective.rloo:
+        raise ConfigError(
+            f"training.rloo.normalize_advantages is objective=rloo's; {name} "
+            f"{'whitens its advantages' if objective is Objective.reinforce_pp else 'has its own advantages'}"
+        )
+    if not t.reinforce_pp.baseline and objective is not Objective.reinforce_pp:
+        raise ConfigError(f"training.reinforce_pp.baseline is objective=reinforce_pp's; {name} has none")
+    if objective is Objective.ppo:
         _check_ppo(t, m)
-    if t.grpo.routing_replay:
+    if r.routing_replay:
         _check_routing_replay(m)
 
 
 def _check_ppo(t: TrainingConfig, m: ModelConfig) -> None:
-    """What PPO (training.grpo.advantage=gae) needs: its critic, the value head, trained with the policy."""
+    """What PPO needs: its critic, the value head, trained with the policy."""
     t.ppo.check()
     if not m.score_head:
         raise ConfigError(
-            "training.grpo.advantage=gae reads a critic: set model.score_head=true, the value head on the "
-            "policy's trunk (objective=ppo sets it)"
+            "objective=ppo reads a critic: set model.score_head=true, the value head on the policy's "
+            "trunk (the objective=ppo config sets it)"
         )
-    if t.grpo.dynamic_sampling:
+    if t.rollout.dynamic_sampling:
         raise ConfigError(
-            "training.grpo.dynamic_sampling replaces groups whose rewards are equal; PPO's critic "
-            "learns from them: set it to false under training.grpo.advantage=gae"
+            "training.rollout.dynamic_sampling replaces groups whose rewards are equal; PPO's critic "
+            "learns from them: set it to false under objective=ppo"
         )
 
 
 def _check_routing_replay(m: ModelConfig) -> None:
-    """What training.grpo.routing_replay needs: experts, each recorded in a byte."""
+    """What training.rollout.routing_replay needs: experts, each recorded in a byte."""
     if not m.num_experts:
         raise ConfigError(
-            f"training.grpo.routing_replay replays the experts the engine chose: model {m.name} has "
+            f"training.rollout.routing_replay replays the experts the engine chose: model {m.name} has "
             f"none (model.num_experts=0); set it to false"
         )
     if m.num_experts > 256:
         raise ConfigError(
-            f"training.grpo.routing_replay records each expert in a byte: model.num_experts="
+            f"training.rollout.routing_replay records each expert in a byte: model.num_experts="
             f"{m.num_experts} is more than 256"
         )
 
@@ -323,6 +337,8 @@ def _describe_omegaconf_error(exc: BaseException) -> str:
         if isinstance(err, OmegaConfBaseException) and getattr(err, "_initialized", True):
             key = getattr(err, "full_key", None)
             msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
+            if key in deprecated.MOVED:
+                return f"config key '{key}' moved to {deprecated.MOVED[key]}: set that instead"
             if "not in struct" in msg or "Key '" in msg and "not" in msg:
                 return f"unknown config key '{key}': check its spelling against tunix_train/configs/"
             return f"config key '{key}': {msg}" if key else msg
@@ -381,6 +397,7 @@ def load_config(args: list[str]) -> tuple[Config, dict[str, Any]]:
 
     _register_schema()
     user_dir, overrides = _user_config_dir(args)
+    overrides = deprecated.rewritten(overrides)
     try:
         with _hydra(user_dir):
             raw = compose("config", overrides=overrides, return_hydra_config=True)

@@ -227,7 +227,7 @@ def cross_mesh_copier(source: Mesh, target: Mesh) -> Callable[[Any, Any], Any]:
     sources, targets = local(source), local(target)
     if any(len(sources[p]) != len(targets[p]) for p in sources):
         raise ConfigError(
-            "training.grpo.rollout_mesh_shape: in a multi-process run the rollout mesh needs as many "
+            "training.rollout.mesh_shape: in a multi-process run the rollout mesh needs as many "
             "devices on each process as the training mesh (each process copies its own shards)"
         )
     stand_in = {t: s for p in sources for s, t in zip(sources[p], targets[p])}

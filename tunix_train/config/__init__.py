@@ -10,7 +10,6 @@ importable from tunix_train.config; fields.py holds the marks and ConfigError.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import typing
 from typing import Optional
@@ -21,6 +20,7 @@ from tunix_train.config.data import (  # noqa: F401  (re-exported)
     DataSource,
     TextUnit,
 )
+from tunix_train.config.deprecated import RETIRED_KEYS, upgraded  # noqa: F401
 from tunix_train.config.fields import _RESUME, ConfigError, _changeable, _fixed  # noqa: F401
 from tunix_train.config.model import (  # noqa: F401  (re-exported)
     LAYER_TYPES,
@@ -45,15 +45,17 @@ from tunix_train.config.objectives import (  # noqa: F401  (re-exported: the sch
     ImportanceLevel,
     KlEstimator,
     KtoConfig,
-    Overlong,
+    Objective,
     PolicyLoss,
     PpoConfig,
     PreferenceLoss,
+    ReinforcePpConfig,
     RewardConfig,
     RewardNormalization,
-    RolloutDtype,
+    RlooConfig,
     ScaleRewards,
 )
+from tunix_train.config.rollout import Overlong, RolloutConfig, RolloutDtype  # noqa: F401
 from tunix_train.config.training import (  # noqa: F401  (re-exported)
     LORA_TARGETS,
     VISION_LORA_TARGETS,
@@ -64,7 +66,6 @@ from tunix_train.config.training import (  # noqa: F401  (re-exported)
     LrSchedule,
     MixedPrecision,
     NanPolicy,
-    Objective,
     Remat,
     ShardingStrategy,
     TrainingConfig,
@@ -131,42 +132,3 @@ def reads_text(data: DataConfig) -> bool:
     return not (
         data.source is DataSource.synthetic or (data.source is DataSource.array_record and not data.tokenizer)
     )
-
-
-# Keys that no longer exist, each with the one value a run could have had: a saved run's config
-# holding them (.hydra/config.yaml) loads as before.
-RETIRED_KEYS = {"training.lora.dropout": 0.0}  # was refused unless 0; adapters take no dropout
-
-
-def _family_before_it_was_declared(model: dict) -> str:
-    """The family of a model saved before model.family existed (every one a Gemma), from its flags."""
-    if (
-        model.get("use_v_norm")
-        or model.get("use_layer_scalar")
-        or model.get("norm_weight_offset", 1.0) != 1.0
-    ):
-        return "gemma4"
-    if model.get("use_qk_norm"):
-        return "gemma3"
-    return "gemma2" if model.get("use_post_attn_norm") or model.get("use_post_ffw_norm") else "gemma"
-
-
-def without_retired_keys(saved: dict) -> dict:
-    """A saved config (nested dicts) without RETIRED_KEYS, and with model.family where it was saved
-    before the key existed."""
-    saved = copy.deepcopy(saved)
-    model = saved.get("model")
-    if isinstance(model, dict) and "family" not in model:
-        model["family"] = _family_before_it_was_declared(model)
-    for key, only_value in RETIRED_KEYS.items():
-        *path, last = key.split(".")
-        node = saved
-        for part in path:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and last in node:
-            if node[last] != only_value:
-                raise ConfigError(
-                    f"the saved config sets {key}={node[last]!r}, a key this version no longer has"
-                )
-            del node[last]
-    return saved

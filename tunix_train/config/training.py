@@ -1,5 +1,6 @@
 """The training section's schema (`training.*`): the step, the optimizer, precision, remat,
-parallel schedules, LoRA, and each objective's own section (objectives.py)."""
+parallel schedules, LoRA, each objective's own section (objectives.py) and the on-policy
+objectives' sampling (rollout.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ from tunix_train.config.objectives import (
     DpoConfig,
     GrpoConfig,
     KtoConfig,
+    Objective,
     PpoConfig,
+    ReinforcePpConfig,
     RewardConfig,
+    RlooConfig,
 )
+from tunix_train.config.rollout import RolloutConfig
 
 
 class MixedPrecision(enum.Enum):
@@ -52,17 +57,6 @@ class LrSchedule(enum.Enum):
 class NanPolicy(enum.Enum):
     skip = "skip"  # drop the update of a step with a non-finite loss or gradient, count it, go on
     stop = "stop"  # save the last good state and exit non-zero
-
-
-class Objective(enum.Enum):
-    """What training optimizes (tunix_train/train/objectives/)."""
-
-    lm = "lm"  # next-token cross-entropy: pre-training and supervised fine-tuning
-    dpo = "dpo"  # direct preference optimization on (prompt, chosen, rejected) pairs
-    kto = "kto"  # Kahneman-Tversky optimization on unpaired (prompt, completion, label) records
-    grpo = "grpo"  # group relative policy optimization: sampled completions scored by reward functions
-    distill = "distill"  # the trained model learns a frozen teacher's distributions on the data
-    reward = "reward"  # a scalar head learns to score the chosen answer of each pair above the rejected
 
 
 class BaseDtype(enum.Enum):
@@ -167,7 +161,10 @@ class TrainingConfig:
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     dpo: DpoConfig = dataclasses.field(default_factory=DpoConfig)
     kto: KtoConfig = dataclasses.field(default_factory=KtoConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     grpo: GrpoConfig = dataclasses.field(default_factory=GrpoConfig)
+    rloo: RlooConfig = dataclasses.field(default_factory=RlooConfig)
+    reinforce_pp: ReinforcePpConfig = dataclasses.field(default_factory=ReinforcePpConfig)
     distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     ppo: PpoConfig = dataclasses.field(default_factory=PpoConfig)

@@ -1,4 +1,4 @@
-"""Multi-turn environments for RL (training.grpo.environment, training.grpo.tools): the model talks
+"""Multi-turn environments for RL (training.rollout.environment, training.rollout.tools): the model talks
 with an environment over several turns, and the loss covers its own tokens only.
 
 - environment.py: `Environment`, reset(record) -> messages and step(messages) -> (observation

@@ -1,6 +1,6 @@
 """Environments: what the model talks with during a multi-turn rollout, beside its tools.
 
-An environment is a class (training.grpo.environment=module:Class) made once per trajectory,
+An environment is a class (training.rollout.environment=module:Class) made once per trajectory,
 G of them per task, with
 
     reset(record) -> messages                   the conversation's start (the record: a data row)
@@ -11,7 +11,7 @@ their results appended as tool messages; a turn without a call goes to `step`, w
 conversation so far, ending with that turn, and answers with the messages to append (a game's next
 state, a checker's verdict: role "user" or "tool"), a reward or None, and whether the
 conversation is over. A class may offer tools of its own as a `tools` dict {name: function}
-(joined to training.grpo.tools'). Without training.grpo.environment, `Environment` itself: the
+(joined to training.rollout.tools'). Without training.rollout.environment, `Environment` itself: the
 record's prompt, and done at the first turn without a tool call.
 """
 
@@ -40,13 +40,13 @@ class Environment:
 
 
 def environment_class(name: str | None) -> type:
-    """training.grpo.environment's class (Environment when null), checked."""
+    """training.rollout.environment's class (Environment when null), checked."""
     if name is None:
         return Environment
-    cls = t.import_object(name, "training.grpo.environment")
+    cls = t.import_object(name, "training.rollout.environment")
     if not inspect.isclass(cls) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
         raise ConfigError(
-            f"training.grpo.environment: {name!r} is not a class with reset(record) and step(messages)"
+            f"training.rollout.environment: {name!r} is not a class with reset(record) and step(messages)"
         )
     for tool_name, function in dict(getattr(cls, "tools", {}) or {}).items():
         t.schema(function, f"{name}.tools[{tool_name!r}]")

@@ -84,7 +84,7 @@ class Turns:
             raise
         except Exception as err:
             raise ConfigError(
-                f"training.grpo.environment {name}.reset failed on the record {str(record)[:80]} "
+                f"training.rollout.environment {name}.reset failed on the record {str(record)[:80]} "
                 f"({type(err).__name__}: {err})"
             ) from None
         plain = split_images(messages)[0]

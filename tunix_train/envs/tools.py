@@ -64,12 +64,14 @@ def import_object(name: str, key: str) -> Any:
 
 
 def load_tools(names: list[str]) -> dict[str, Callable]:
-    """training.grpo.tools -> {tool name: function}, each checked to make a schema."""
+    """training.rollout.tools -> {tool name: function}, each checked to make a schema."""
     tools = {}
     for name in names:
-        function = import_object(name, "training.grpo.tools")
+        function = import_object(name, "training.rollout.tools")
         if not inspect.isfunction(function):
-            raise ConfigError(f"training.grpo.tools: {name!r} is a {type(function).__name__}, not a function")
+            raise ConfigError(
+                f"training.rollout.tools: {name!r} is a {type(function).__name__}, not a function"
+            )
         tools[function.__name__] = function
         schema(function, name)
     return tools
@@ -82,13 +84,14 @@ def schema(function: Callable, name: str = "") -> dict:
         from transformers.utils import get_json_schema
     except ImportError:
         raise ConfigError(
-            "training.grpo.tools needs transformers for the tools' schemas: pip install 'tunix_train[tools]'"
+            "training.rollout.tools needs transformers for the tools' schemas: "
+            "pip install 'tunix_train[tools]'"
         ) from None
     try:
         return get_json_schema(function)
     except Exception as err:  # transformers' TypeHintParsingException, DocstringParsingException
         raise ConfigError(
-            f"training.grpo.tools: {name or function.__name__!r} cannot make a tool schema "
+            f"training.rollout.tools: {name or function.__name__!r} cannot make a tool schema "
             f"({' '.join(str(err).split())}); give every argument a type hint and a line under Args: "
             f"in its docstring"
         ) from None
@@ -206,7 +209,7 @@ class Toolbox:
         except ImportError:
             if tools:
                 raise ConfigError(
-                    "training.grpo.tools needs jsonschema to check the calls' arguments: "
+                    "training.rollout.tools needs jsonschema to check the calls' arguments: "
                     "pip install 'tunix_train[tools]'"
                 ) from None
         self.hung = 0  # calls that ran past the timeout

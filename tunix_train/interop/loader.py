@@ -25,14 +25,13 @@ from omegaconf import OmegaConf
 
 from tunix_train.checkpoint import frozen_as_recorded, resolve_resume_path, restore_params
 from tunix_train.config import (
-    AdvantageEstimator,
     BaseQuantization,
     Config,
     ConfigError,
     LoraConfig,
     ModelConfig,
     Objective,
-    without_retired_keys,
+    upgraded,
 )
 from tunix_train.interop import checkpoint_format, gguf, hf, importer
 from tunix_train.interop.config_file import checked_fields
@@ -70,7 +69,7 @@ def source(path: str | Path) -> Source:
         resolve_resume_path(str(path))
         cfg = run_config(path)
         t = cfg.training
-        if t.objective is Objective.grpo and t.grpo.advantage is AdvantageEstimator.gae:
+        if t.objective is Objective.ppo:
             model = dataclasses.replace(cfg.model, score_head=False)
             return Source(path, kind, dataclasses.replace(cfg, model=model), critic=True)
     return Source(path, kind, cfg)
@@ -81,7 +80,7 @@ def run_config(path: Path) -> Config:
     for folder in (path, *path.parents):
         saved = folder / ".hydra" / "config.yaml"
         if saved.is_file():
-            recorded = without_retired_keys(OmegaConf.to_container(OmegaConf.load(saved)))
+            recorded = upgraded(OmegaConf.to_container(OmegaConf.load(saved)))
             return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), recorded))
     raise ConfigError(f"{path}: no .hydra/config.yaml in it or above it; is it a tunix_train run?")
 

@@ -3,7 +3,7 @@ work out in its head, with a calculator (scripts/tool_demo.py, docs/objectives/t
 
     {"prompt": "What is 347 times 812?", "answer": "281764"}
 
-`multiply` is the tool (training.grpo.tools=[tunix_train.rewards.calculator:multiply]);
+`multiply` is the tool (training.rollout.tools=[tunix_train.rewards.calculator:multiply]);
 `exact_answer` gives 1.0 to a conversation whose last turn is the answer; `write_task` writes the
 prompts and, for a first supervised fine-tuning, conversations in Gemma's turn format with tool
 calls; `write_tokenizer` writes the bundled SentencePiece tokenizer with Gemma's turn tokens and

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from tunix_train.checkpoint import Checkpointer, frozen_record
-from tunix_train.config import BaseQuantization, Config, NanPolicy, Objective
+from tunix_train.config import BaseQuantization, Config, NanPolicy
 from tunix_train.data import Data
 from tunix_train.data.tokenizer import with_bos
 from tunix_train.generate import Engine, Request
@@ -212,7 +212,7 @@ def _start(cfg: Config, devices: list[jax.Device] | None, checkpoints: Path) -> 
 def _describe(cfg: Config, run, data: Data, work: h.Work) -> list[str]:
     """The log's lines on the objective, the batch, the layout, the MFU basis and the data."""
     t = cfg.training
-    family = f" (advantage {t.grpo.advantage.value})" if t.objective is Objective.grpo else ""
+    family = f" (advantage {t.objective.advantage.value})" if t.objective.on_policy else ""
     lines = [
         f"objective: {t.objective.value}{family}",
         f"global batch: {t.gradient_accumulation_steps * run.micro_batch} sequences "

@@ -114,7 +114,7 @@ class Sampler:
     """Completes and scores prompts for an on-policy objective (the module docstring); `rewards`
     scores completions (train/objectives/grpo_rewards.Rewards).
 
-    Routing replay (training.grpo.routing_replay, a mixture of experts): the engine records the
+    Routing replay (training.rollout.routing_replay, a mixture of experts): the engine records the
     experts each layer chose for every position it fed (Completion.routes), and the trainer's
     forward uses them in place of its router's top k, weighted by its own router's probabilities
     of them: the policy ratio is then computed on the experts that drew each token (R3, Ma et al.
@@ -124,16 +124,16 @@ class Sampler:
     never fed, and the padding route freely."""
 
     def __init__(self, cfg: Config, rewards):
-        self.cfg, self.grpo, self.rewards = cfg, cfg.training.grpo, rewards
-        self.multi_turn = bool(self.grpo.tools) or self.grpo.environment is not None
+        self.cfg, self.rollout, self.rewards = cfg, cfg.training.rollout, rewards
+        self.multi_turn = bool(self.rollout.tools) or self.rollout.environment is not None
         if self.multi_turn:  # conversations with tools or an environment (tunix_train/envs/)
             from tunix_train.envs.environment import environment_class
             from tunix_train.envs.tools import load_tools
 
-            self.environment_class = environment_class(self.grpo.environment)
+            self.environment_class = environment_class(self.rollout.environment)
             self.tools = {
                 **dict(getattr(self.environment_class, "tools", {}) or {}),
-                **load_tools(self.grpo.tools),
+                **load_tools(self.rollout.tools),
             }
         self.syncs: dict[str, float] = {}
         self.rows, self.global_rows = range(0), 0
@@ -147,7 +147,7 @@ class Sampler:
         if self.multi_turn:
             from tunix_train.envs.rollout import Turns
 
-            g = self.grpo
+            g = self.rollout
             self.turns = Turns(
                 data.chat,
                 self.tools,
@@ -188,21 +188,21 @@ class Sampler:
         if self.multi_turn:
             from tunix_train.envs.environment import Environment
 
-            if self.grpo.environment is not None:
+            if self.rollout.environment is not None:
                 return [None] * len(docs)
             return [
                 self.turns.start(Environment(), doc, "Environment", self.images.get(id(doc))).prompt
                 for doc in docs
             ]
-        limit, prompts = self.cfg.data.seq_len - self.grpo.max_new_tokens, []
+        limit, prompts = self.cfg.data.seq_len - self.rollout.max_new_tokens, []
         for number, doc in enumerate(docs, start=1):
             chat = data.chat if isinstance(doc["prompt"], list) else None
             ids = prompt_ids(doc["prompt"], data.tokenizer, chat, self.images.get(id(doc)))
             if len(ids) > limit:
                 raise ConfigError(
                     f"{what}: prompt {number} is {len(ids)} tokens; with "
-                    f"training.grpo.max_new_tokens={self.grpo.max_new_tokens} it needs "
-                    f"data.seq_len >= {len(ids) + self.grpo.max_new_tokens}"
+                    f"training.rollout.max_new_tokens={self.rollout.max_new_tokens} it needs "
+                    f"data.seq_len >= {len(ids) + self.rollout.max_new_tokens}"
                 )
             prompts.append(ids)
         return prompts
@@ -215,7 +215,7 @@ class Sampler:
 
         self.link, weights, plan = link, link.program.weights, link.program.plan
         to_engine = weights.for_engine
-        if self.grpo.rollout_dtype is RolloutDtype.bf16:  # the engine computes in bf16
+        if self.rollout.dtype is RolloutDtype.bf16:  # the engine computes in bf16
 
             def to_engine(p, f, merge=weights.for_engine):
                 return quant.cast(merge(p, f), jnp.bfloat16)
@@ -229,9 +229,9 @@ class Sampler:
             self.cfg.model,
             self.mesh,
             stop_ids=self.stop_ids,
-            slots=self.grpo.rollout_slots,
+            slots=self.rollout.slots,
             lora=weights.engine_lora,
-            record_routes=self.grpo.routing_replay,
+            record_routes=self.rollout.routing_replay,
         )
         if link.rollout_mesh is not None:
             self._copy = cross_mesh_copier(link.mesh, link.rollout_mesh)
@@ -270,7 +270,7 @@ class Sampler:
         step is running (the objective's hook calls rollouts.draw_deferred): their parameters are
         copied now, before the step takes the state."""
         step, start = int(state.step), time.perf_counter()
-        index = step // self.grpo.iterations
+        index = step // self.rollout.iterations
         self.syncs = (
             dict.fromkeys(("weight_sync_s", "weight_sync_bytes"), 0.0) if self.link.rollout_mesh else {}
         )
@@ -279,7 +279,7 @@ class Sampler:
             if rollouts.next_index is None:
                 rollouts.next_index = index
             params = None  # copied once for the rollouts this step draws
-            while rollouts.next_index <= index + self.grpo.max_staleness:
+            while rollouts.next_index <= index + self.rollout.max_staleness:
                 params = self.params(state) if params is None else params
 
                 def more_prompts():
@@ -319,10 +319,10 @@ class Sampler:
         wanted = indices.size
         groups, sampling_s = self.sample(indices.reshape(-1), index, 0, params)
         kept, spare, rounds = [], [], 1
-        while self.grpo.dynamic_sampling:
+        while self.rollout.dynamic_sampling:
             for group in groups:
                 (kept if self.rewards.informative(group["rewards"]) else spare).append(group)
-            if len(kept) >= wanted or rounds == self.grpo.dynamic_sampling_rounds:
+            if len(kept) >= wanted or rounds == self.rollout.dynamic_sampling_rounds:
                 groups = kept[:wanted] + spare[: wanted - len(kept)]
                 break
             (groups, seconds), rounds = (
@@ -347,7 +347,7 @@ class Sampler:
             np.concatenate([g["rewards"] for g in groups], 1).tolist(),
             sampling_s,
             rounds=rounds,
-            filler_groups=max(wanted - len(kept), 0) if self.grpo.dynamic_sampling else 0,
+            filler_groups=max(wanted - len(kept), 0) if self.rollout.dynamic_sampling else 0,
             prompt_ids=rows("prompt_ids"),
             own=rows("own"),
             tool_calls=total("tool_calls"),
@@ -364,16 +364,16 @@ class Sampler:
         the one that draws with `params` (default the policy's)."""
         from tunix_train.generate import Sampling
 
-        G, order = self.grpo.num_generations, [int(i) for i in order]
+        G, order = self.rollout.num_generations, [int(i) for i in order]
         docs = [self.docs[i] for i in order for _ in range(G)]
         prompts = [self.prompts[i] for i in order for _ in range(G)]
         out = self.complete(
             docs,
             prompts,
             params,
-            Sampling(temperature=self.grpo.temperature),
+            Sampling(temperature=self.rollout.temperature),
             self.cfg.training.seed * 1_000_003 + index,
-            round_ * len(docs) * self.grpo.max_turns,
+            round_ * len(docs) * self.rollout.max_turns,
             engine,
         )
 
@@ -407,7 +407,7 @@ class Sampler:
 
         if self.multi_turn:
             environments = [self.environment_class() for _ in docs]
-            name = self.grpo.environment or "Environment"
+            name = self.rollout.environment or "Environment"
             trajectories = self.turns.roll_out(
                 lambda requests: engine.generate(params, [request(*r) for r in requests], max_len=T),
                 [self.turns.start(e, d, name, self.images.get(id(d))) for e, d in zip(environments, docs)],
@@ -431,7 +431,7 @@ class Sampler:
                 },
             )
         else:
-            requests = [request(p, self.grpo.max_new_tokens, i) for i, p in enumerate(prompts)]
+            requests = [request(p, self.rollout.max_new_tokens, i) for i, p in enumerate(prompts)]
             done = engine.generate(params, requests, max_len=T)
             stopped = [c.stop_token is not None for c in done]  # then the stop token is trained on too
             out = {

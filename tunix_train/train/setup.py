@@ -14,15 +14,7 @@ from omegaconf import OmegaConf
 
 from tunix_train import parallel, platform
 from tunix_train.checkpoint import frozen_as_recorded, restore_from, restore_latest, set_aside, starting_point
-from tunix_train.config import (
-    Config,
-    ConfigError,
-    changeable_on_resume,
-    without_retired_keys,
-)
-from tunix_train.config import (
-    Objective as Kind,
-)
+from tunix_train.config import Config, ConfigError, Objective, changeable_on_resume, upgraded
 from tunix_train.files import write_text
 from tunix_train.interop import loader
 from tunix_train.model.weights import Weights
@@ -49,7 +41,7 @@ class Connection:
     frozen models planned on a mesh, the scoring pass, and where samples are written."""
 
     mesh: Mesh
-    rollout_mesh: Mesh | None  # the engine's, on devices of its own (training.grpo.rollout_mesh_shape)
+    rollout_mesh: Mesh | None  # the engine's, on devices of its own (training.rollout.mesh_shape)
     program: Program
     plan_frozen: Callable  # (ExtraModel specs, mesh) -> their FrozenModels (GRPO's reward models)
     score: Callable  # (params, frozen, batch) -> the objective's per-token figures (PPO's critic)
@@ -60,7 +52,7 @@ class Connection:
 class Setup:
     """What a run is built from: the mesh, the planned state, and the jitted (uncompiled) steps."""
 
-    rollout_mesh: Mesh | None  # GRPO's engine's, on devices of its own (training.grpo.rollout_mesh_shape)
+    rollout_mesh: Mesh | None  # GRPO's engine's, on devices of its own (training.rollout.mesh_shape)
     plan: StatePlan
     program: Program  # what the steps trace: the model, the objective, the layout (train/program.py)
     step_fn: Any
@@ -106,12 +98,10 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
     # reads a GGUF base's layout: before the devices start
     weights = loader.weights_for_run(cfg, objective.needs_reference)
     rollout_mesh = None
-    if t.objective is Kind.grpo and t.grpo.rollout_mesh_shape is not None:
-        key = "training.grpo.rollout_mesh_shape"
-        devices, rollout_devices = split_devices(
-            devices, cfg.model.mesh_shape, t.grpo.rollout_mesh_shape, key
-        )
-        rollout_mesh = make_mesh(t.grpo.rollout_mesh_shape, rollout_devices, key)
+    if t.objective.on_policy and t.rollout.mesh_shape is not None:
+        key = "training.rollout.mesh_shape"
+        devices, rollout_devices = split_devices(devices, cfg.model.mesh_shape, t.rollout.mesh_shape, key)
+        rollout_mesh = make_mesh(t.rollout.mesh_shape, rollout_devices, key)
         validate_model_for_mesh(cfg.model, rollout_mesh)
     mesh = make_mesh(cfg.model.mesh_shape, devices)
     validate_model_for_mesh(cfg.model, mesh)
@@ -177,18 +167,25 @@ def check_same_run(run_dir: Path, cfg: Config) -> None:
     saved_file = run_dir / ".hydra" / "config.yaml"
     if not saved_file.is_file():
         return
-    saved = _flatten(without_retired_keys(OmegaConf.to_container(OmegaConf.load(saved_file))))
+    saved = _flatten(upgraded(OmegaConf.to_container(OmegaConf.load(saved_file))))
     current = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
     defaults = _flatten(OmegaConf.to_container(OmegaConf.structured(Config), enum_to_str=True))
     changeable = changeable_on_resume()
     for key in sorted(saved.keys() | current.keys()):
         if key not in saved and current.get(key) == defaults.get(key):
             continue  # a key added since the run was saved, at its default: what the run did
+        if key == "training.objective" and _computes(saved.get(key)) == _computes(current.get(key)):
+            continue  # DAPO, Dr. GRPO, GSPO: GRPO's loss with their settings, compared key by key
         if saved.get(key) != current.get(key) and not changeable.get(key, False):
             raise ConfigError(
                 f"hydra.run.dir={run_dir} holds a run with {key}={saved.get(key)!r}, not "
                 f"{current.get(key)!r}; resume it with the same settings or choose a new hydra.run.dir"
             )
+
+
+def _computes(name: Any) -> Any:
+    """The objective an objective's name computes (Objective.computes), or the name if it is none."""
+    return Objective(name).computes if name in {o.value for o in Objective} else name
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -38,26 +38,27 @@ knows which one runs:
 
 from __future__ import annotations
 
-from tunix_train.config import AdvantageEstimator, Config
+from tunix_train.config import Config
 from tunix_train.config import Objective as Kind
 from tunix_train.train.objectives import distill, dpo, gkd, grpo, kto, lm, ppo, reward
 from tunix_train.train.objectives.base import Objective
 
-__all__ = ["Objective", "make_objective"]
+__all__ = ["ALGORITHMS", "Objective", "make_objective"]
+
+# training.objective -> its class; the on-policy ones but PPO and GKD differ by the advantage and
+# policy loss their name gives (config/objectives.py: Objective.advantage, policy_loss)
+ALGORITHMS: dict[Kind, type[Objective]] = {
+    Kind.lm: lm.LanguageModeling,
+    **dict.fromkeys((Kind.dpo, Kind.ipo, Kind.orpo, Kind.simpo), dpo.DirectPreference),
+    Kind.kto: kto.KahnemanTversky,
+    Kind.reward: reward.RewardModeling,
+    Kind.distill: distill.Distillation,
+    Kind.gkd: gkd.GeneralizedKnowledgeDistillation,
+    Kind.ppo: ppo.ProximalPolicy,
+    **{kind: grpo.GroupRelative for kind in Kind if kind.on_policy and kind not in (Kind.gkd, Kind.ppo)},
+}
 
 
 def make_objective(cfg: Config, tokenizer=None):
-    """The objective training.objective names (PPO: GRPO's with training.grpo.advantage=gae; GKD:
-    with gkd)."""
-    if cfg.training.objective is Kind.grpo and cfg.training.grpo.advantage is AdvantageEstimator.gae:
-        return ppo.ProximalPolicy(cfg)
-    if cfg.training.objective is Kind.grpo and cfg.training.grpo.advantage is AdvantageEstimator.gkd:
-        return gkd.GeneralizedKnowledgeDistillation(cfg)
-    return {
-        Kind.lm: lm.LanguageModeling,
-        Kind.dpo: dpo.DirectPreference,
-        Kind.kto: kto.KahnemanTversky,
-        Kind.grpo: grpo.GroupRelative,
-        Kind.distill: distill.Distillation,
-        Kind.reward: reward.RewardModeling,
-    }[cfg.training.objective](cfg)
+    """The objective training.objective names."""
+    return ALGORITHMS[cfg.training.objective](cfg)

@@ -1,8 +1,9 @@
 """Preference optimization on (prompt, chosen, rejected) pairs: DPO and its relatives, as TRL 1.16
-computes them (training.dpo.loss). With log pi(y) a completion's log-probability summed over its
-tokens (and its EOS), |y| its token count, and avg(y) = log pi(y) / |y|:
+computes them (objective=dpo, ipo, simpo, orpo; training.dpo). With log pi(y) a completion's
+log-probability summed over its tokens (and its EOS), |y| its token count, and avg(y) =
+log pi(y) / |y|:
 
-- sigmoid (DPO, Rafailov et al. 2023; TRL's "sigmoid" with cDPO's label smoothing s):
+- sigmoid (objective=dpo: DPO, Rafailov et al. 2023; TRL's "sigmoid" with cDPO's label smoothing s):
   z = beta [(log pi(c) - log ref(c)) - (log pi(r) - log ref(r))], loss -(1-s) log sig(z) - s log sig(-z);
 - ipo (Azar et al. 2023, eq. 17; TRL DPOTrainer "ipo"): the log-ratios per token,
   h = (log pi(c) - log ref(c)) / |c| - (log pi(r) - log ref(r)) / |r|, loss (h - 1 / (2 beta))^2;
@@ -85,9 +86,9 @@ class DirectPreference(GroupedRecords):
     metric_names = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
 
     def __init__(self, cfg: Config):
-        self.cfg, self.dpo = cfg, cfg.training.dpo
-        self.needs_reference = self.dpo.loss in (PreferenceLoss.sigmoid, PreferenceLoss.ipo)
-        if self.dpo.loss is PreferenceLoss.orpo:
+        self.cfg, self.dpo, self.kind = cfg, cfg.training.dpo, cfg.training.objective.preference_loss
+        self.needs_reference = self.kind in (PreferenceLoss.sigmoid, PreferenceLoss.ipo)
+        if self.kind is PreferenceLoss.orpo:
             self.metric_names += ("nll",)
 
     @property
@@ -110,7 +111,7 @@ class DirectPreference(GroupedRecords):
     def weight(self, batch):
         """The number of pairs; under ORPO also the chosen answers' tokens (its NLL's normalizer)."""
         pairs = self.pair_count(batch)
-        if self.dpo.loss is not PreferenceLoss.orpo:
+        if self.kind is not PreferenceLoss.orpo:
             return pairs
         return {"pairs": pairs, "chosen_tokens": jnp.sum(batch["loss_mask"] * self._chosen(batch))}
 
@@ -142,16 +143,14 @@ class DirectPreference(GroupedRecords):
         nll_BT = policy()
         logp_P2, tokens_P2 = -pair_sums(nll_BT, 1.0), pair_sums(jnp.ones_like(mask), 1.0)
         ref_logp_P2 = -pair_sums(reference(), 1.0) if self.needs_reference else None
-        loss_P, chosen_P, rejected_P = preference_losses(
-            self.dpo.loss, logp_P2, ref_logp_P2, tokens_P2, self.dpo
-        )
+        loss_P, chosen_P, rejected_P = preference_losses(self.kind, logp_P2, ref_logp_P2, tokens_P2, self.dpo)
         pairs = weight["pairs"] if isinstance(weight, dict) else weight
 
         def mean(x):
             return jnp.sum(jnp.where(held[:, 0], x, 0.0)) / pairs
 
         loss, metrics = mean(loss_P), {}
-        if self.dpo.loss is PreferenceLoss.orpo:
+        if self.kind is PreferenceLoss.orpo:
             metrics["nll"] = -jnp.sum(jnp.where(held[:, 0], logp_P2[:, 0], 0.0)) / weight["chosen_tokens"]
             loss = loss + metrics["nll"]
         return loss, {

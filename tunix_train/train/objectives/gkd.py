@@ -1,18 +1,18 @@
 """GKD (Agarwal et al. 2024, "On-Policy Distillation of Language Models"; TRL's GKDTrainer):
-objective=gkd, training.grpo.advantage=gkd.
+objective=gkd.
 
 On the records' prompts the student learns the teacher's next-token distributions over the
 completion tokens: training.distill's divergence (generalized Jensen-Shannon with beta, at its
 temperature, over the whole vocabulary in chunks or the teacher's top k; distill.py), its mean over
 the batch's completion tokens. The completions are the student's own samples (the rollout component,
-grpo.py: the engine at training.grpo.temperature, max_new_tokens) for a rollout with probability
+grpo.py: the engine at training.rollout.temperature, max_new_tokens) for a rollout with probability
 training.distill.lmbda (TRL's lmbda: the fraction of on-policy student outputs). The others are the
 records' training.distill.completion_field, ended by a stop token, or with training.distill.seq_kd
 the teacher's samples, drawn as the student's would be (an engine of the teacher's model on the
 training mesh, the same sampling settings and seeds; TRL's seq_kd). Rollout r's draw is seeded by
 training.seed and r, so a resumed run makes the same choice. The loss is supervised: its gradient
 flows through the student's distribution at every position, unlike on-policy distillation's
-advantages (training.grpo.advantage=distill). The reward functions score the completions for the
+advantages (objective=distill_on_policy). The reward functions score the completions for the
 log, and make no advantage.
 """
 
@@ -52,7 +52,7 @@ class GkdSampler(Sampler):
         self.completions = []
         if self.lmbda == 1 or self.seq_kd:
             return
-        limit = self.grpo.max_new_tokens
+        limit = self.rollout.max_new_tokens
         for number, doc in enumerate(self.docs, start=1):
             text = doc.get(self.field)
             if not isinstance(text, str):
@@ -64,7 +64,7 @@ class GkdSampler(Sampler):
             if len(ids) > limit:
                 raise ConfigError(
                     f"data.train_files: record {number}'s {self.field} is {len(ids)} tokens with its "
-                    f"stop token, more than training.grpo.max_new_tokens={limit}"
+                    f"stop token, more than training.rollout.max_new_tokens={limit}"
                 )
             self.completions.append(ids)
 
@@ -76,9 +76,7 @@ class GkdSampler(Sampler):
         super().connect(link)
         if self.seq_kd:
             teacher = link.program.extras.specs["teacher"].model
-            self.teacher_engine = Engine(
-                teacher, link.mesh, stop_ids=self.stop_ids, slots=self.grpo.rollout_slots
-            )
+            self.teacher_engine = Engine(teacher, link.mesh, stop_ids=self.stop_ids, slots=self.rollout.slots)
 
     def sample(
         self, order: np.ndarray, index: int, round_: int, params
@@ -89,7 +87,7 @@ class GkdSampler(Sampler):
             extras = self.link.program.extras  # an offloaded teacher is copied to the devices for it
             teacher = jax.device_put(extras.params()["teacher"], extras.device_shardings["teacher"])
             return super().sample(order, index, round_, teacher, self.teacher_engine)
-        start, G = time.perf_counter(), self.grpo.num_generations
+        start, G = time.perf_counter(), self.rollout.num_generations
         order = [int(i) for i in order]
         rows = [i for i in order for _ in range(G)]
         docs, completions = [self.docs[i] for i in rows], [self.completions[i] for i in rows]
@@ -137,9 +135,6 @@ class GeneralizedKnowledgeDistillation(GroupRelative):
         )
         divergence = jnp.sum(divergence * micro["loss_mask"]) / weight["tokens"]
         return divergence, {"divergence": divergence}
-
-    def _advantages(self, rollout: Rollout, full: dict[str, np.ndarray], state=None) -> dict[str, np.ndarray]:
-        return {"advantages": np.zeros_like(full["loss_mask"])}  # none: the loss is supervised
 
     def _figures(self, rollout: Rollout, step: int, rollout_s: float) -> dict[str, Any]:
         return {

@@ -2,7 +2,7 @@
 
 A rollout (`prepare`, before the compiled step runs; drawn by the rollout component,
 train/rollout.py's Sampler): every prompt of a batch is completed G times
-by the engine (generate/engine.py) on the training mesh, at training.grpo.temperature, each token
+by the engine (generate/engine.py) on the training mesh, at training.rollout.temperature, each token
 with its log-probability; the reward functions score each completion and their weighted rewards
 make its advantage, by default A = (r - mean of its group) / (std of its group + 1e-4), the standard
 deviation unbiased as TRL computes it. The rows of a group are consecutive and a micro-batch on one
@@ -52,7 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_train.config import AdvantageEstimator, Config, Overlong
+from tunix_train.config import Config, Overlong, RewardNormalization
+from tunix_train.config import Objective as Kind
 from tunix_train.data.packed_rows import Packing
 from tunix_train.data.pipeline import GroupBatches, padded_row
 from tunix_train.train.hooks import Hook
@@ -75,32 +76,33 @@ class GroupRelative(Objective):
     sampler_class = Sampler
 
     def __init__(self, cfg: Config):
-        self.cfg, self.grpo = cfg, cfg.training.grpo
+        self.cfg, self.grpo, self.rollout = cfg, cfg.training.grpo, cfg.training.rollout
         self.needs_reference = self.grpo.beta > 0
-        self.temperature = self.grpo.temperature
-        self.off_policy = self.grpo.max_staleness > 0 or self.grpo.iterations > 1
+        self.temperature = self.rollout.temperature
+        self.off_policy = self.rollout.max_staleness > 0 or self.rollout.iterations > 1
         self.packed = self.skips_empty_micro_batches = cfg.data.padding_free
-        models = RewardModels(cfg) if self.grpo.reward_models else None
-        self.rewards = Rewards(self.grpo, models)
+        models = RewardModels(cfg) if self.rollout.reward_models else None
+        each = self.grpo.multi_reward_normalization is RewardNormalization.per_reward
+        self.rewards = Rewards(self.rollout, models, each_normalized=each)
         self.sampler = self.sampler_class(cfg, self.rewards)  # the rollout component (train/rollout.py)
         self.metric_names = ("kl", "clip_fraction", "logprob_mismatch_mean", "logprob_mismatch_max")
-        self.distill = self.grpo.advantage is AdvantageEstimator.distill  # on-policy distillation
+        self.distill = cfg.training.objective is Kind.distill_on_policy
         if self.distill:
             self.metric_names += ("teacher_reverse_kl",)
         self.rollout_figures = None
         m = cfg.model
-        self.route_shape = (m.num_layers, m.num_experts_per_token) if self.grpo.routing_replay else None
+        self.route_shape = (m.num_layers, m.num_experts_per_token) if self.rollout.routing_replay else None
         if self.route_shape:  # the engine's experts of each position, replayed by the forward (rollout.py)
             self.batch_dtypes = {**self.batch_dtypes, "routes": (jnp.int32, self.route_shape)}
 
     # the loss, inside the compiled step
 
     def weight(self, batch):
-        return family.normalizers(batch, self.grpo.max_new_tokens)
+        return family.normalizers(batch, self.rollout.max_new_tokens)
 
     def updates(self, batch):
         """Under dynamic sampling, a batch without one informative group does not update the weights."""
-        if not self.grpo.dynamic_sampling:
+        if not self.rollout.dynamic_sampling:
             return True
         return jnp.any((batch["advantages"] != 0) & (batch["loss_mask"] > 0))
 
@@ -133,7 +135,7 @@ class GroupRelative(Objective):
                 g.epsilon if g.epsilon_high is None else g.epsilon_high,
                 g.importance_cap,
                 g.importance_sampling_level,
-                g.policy_loss,
+                self.cfg.training.objective.policy_loss,
             ),
             beta=g.beta,
             segment_ids=micro.get("segment_ids"),
@@ -166,7 +168,7 @@ class GroupRelative(Objective):
             check_tokenizer(self.teacher, getattr(data, "tokenizer", None), "training.distill.teacher")
 
     def train_batches(self, data, global_rows: int, rows: range) -> Rollouts:
-        G = self.grpo.num_generations
+        G = self.rollout.num_generations
         indices = [{"index": np.array([[i]], np.int32)} for i in range(len(self.sampler.prompts))]
         self.sampler.rows, self.sampler.global_rows = rows, global_rows
         return Rollouts(
@@ -216,8 +218,7 @@ class GroupRelative(Objective):
 
     def _rows(self, rollout: Rollout) -> dict[str, np.ndarray]:
         """Every process's rows of the rollout but their advantages, [A x rows, seq_len] each."""
-        g = self.grpo
-        G, T = g.num_generations, self.cfg.data.seq_len
+        G, T = self.rollout.num_generations, self.cfg.data.seq_len
         prompts = rollout.prompt_ids or [self.sampler.prompts[i] for i in rollout.order for _ in range(G)]
         rows = [padded_row(p, c, T) for p, c in zip(prompts, rollout.completions)]
         full = {name: np.stack([r[name] for r in rows]) for name in rows[0]}
@@ -239,7 +240,7 @@ class GroupRelative(Objective):
                 routes = unpack_routes(packed, *self.route_shape)
                 full["routes"][row, : len(routes)] = routes
         if (
-            g.overlong is Overlong.filter
+            self.rollout.overlong is Overlong.filter
         ):  # a completion cut at max_new_tokens: no loss (TRL mask_truncated_completions)
             cut = np.array([not c or c[-1] not in self.sampler.stop_ids for c in rollout.completions])
             full["loss_mask"][cut] = 0.0
@@ -247,30 +248,22 @@ class GroupRelative(Objective):
 
     def _advantages(self, rollout: Rollout, full: dict[str, np.ndarray], state=None) -> dict[str, np.ndarray]:
         """The rows' advantages [rows, seq_len] from the rollout's rewards (each row's on every position)."""
-        g = self.grpo
         rows, T = full["loss_mask"].shape
-        advantages = family.advantages(
-            np.asarray(rollout.rewards),
-            g.num_generations,
-            self.rewards.weights,
-            g.scale_rewards,
-            g.multi_reward_normalization,
-            g.advantage,
-            g.normalize_advantages,
-        )
+        G = self.rollout.num_generations
         teaching = np.ones(rows, bool)
         if rollout.filler_groups:  # the equal groups that filled the batch teach nothing
-            teaching[rows - rollout.filler_groups * g.num_generations :] = False
-        if g.advantage in (AdvantageEstimator.reinforce_pp, AdvantageEstimator.reinforce_pp_baseline):
-            advantages = family.whitened(advantages, full["loss_mask"].sum(axis=1) * teaching)
+            teaching[rows - rollout.filler_groups * G :] = False
+        estimate = family.ESTIMATORS[self.cfg.training.objective.advantage]
+        tokens = full["loss_mask"].sum(axis=1) * teaching
+        advantages = estimate(np.asarray(rollout.rewards), self.rewards.weights, G, self.cfg.training, tokens)
         advantages = np.where(teaching, advantages, 0.0)
         return {"advantages": np.broadcast_to(advantages[:, None], (rows, T)).astype(np.float32)}
 
     def _figures(self, rollout: Rollout, step: int, rollout_s: float) -> dict[str, Any]:
         """What the log shows of the step's rollout; its samples (the first group) at its first step."""
-        G, rewards = self.grpo.num_generations, np.asarray(rollout.rewards)
+        G, rewards = self.rollout.num_generations, np.asarray(rollout.rewards)
         weighted = self.rewards.total(rewards)
-        first_use = step == rollout.index * self.grpo.iterations
+        first_use = step == rollout.index * self.rollout.iterations
 
         def text(c):
             return self.sampler.tokenizer.decode(c[:-1] if c and c[-1] in self.sampler.stop_ids else c)
@@ -283,7 +276,7 @@ class GroupRelative(Objective):
             "reward": float(weighted.mean()),
             **(
                 {"dynamic_sampling_rounds": rollout.rounds, "groups_without_signal": rollout.filler_groups}
-                if self.grpo.dynamic_sampling
+                if self.rollout.dynamic_sampling
                 else {}
             ),
             **(

@@ -1,6 +1,6 @@
 """Evaluation during RL (training.eval_every under grpo): on held-out prompts (data.eval_files or
 data.eval_fraction), the mean reward of greedy completions (`eval_reward`) and pass@k over
-training.grpo.eval_samples completions at the training temperature (`eval_pass@k`, the unbiased
+training.rollout.eval_samples completions at the training temperature (`eval_pass@k`, the unbiased
 estimator of Chen et al. 2021), a completion passing when its reward reaches eval_pass_reward.
 At most training.eval_batches x (the batch's prompts) held-out prompts, the same ones each time,
 sampled with the same seeds each time: the figures move only with the weights."""
@@ -24,7 +24,7 @@ class RewardEvaluation(Hook):
     def evaluate(self, state) -> dict[str, float]:
         from tunix_train.generate import Sampling
 
-        o, g, sampler = self.objective, self.objective.grpo, self.objective.sampler
+        o, g, sampler = self.objective, self.objective.rollout, self.objective.sampler
         count = min(
             len(sampler.eval_prompts), o.cfg.training.eval_batches * sampler.global_rows // g.num_generations
         )

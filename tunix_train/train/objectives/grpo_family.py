@@ -2,24 +2,26 @@
 TRL 1.16's GRPOTrainer computes it: advantages from rewards on the host, the per-token objective
 and its aggregation inside the compiled step, DAPO's overlong penalty, and pass@k for evaluation.
 
-- scale_rewards: the advantage r - mean(group) divided by the group's std (GRPO), the whole
-  batch's (batch; Liu et al. 2025 note the group's biases toward easy and hard prompts) or not at
-  all (none; Dr. GRPO), each std unbiased, + 1e-4 (TRL's `scale_rewards`);
-- advantage: GRPO's (above); RLOO's leave-one-out baseline r - mean(the group's others), then
-  optionally normalized over the batch (TRL RLOOTrainer, `normalize_advantages`); REINFORCE++'s
-  return (gamma 1: the reward on every token of its completion), with or without its group's mean
-  subtracted first, whitened over the batch's completion tokens (OpenRLHF's "reinforce" and
-  "reinforce_baseline"). A KL to the reference (beta) stays a term of the loss, as GRPO's and
-  OpenRLHF's `use_kl_loss`: not subtracted from the reward as TRL's RLOO does;
+- scale_rewards: the advantage r - mean(group) divided by the group's std (GRPO), the whole batch's
+  (batch; Liu et al. 2025 note the group's biases toward easy and hard prompts) or not at all (none;
+  Dr. GRPO), each std unbiased, + 1e-4 (TRL's `scale_rewards`);
+- the advantage (ESTIMATORS, by the objective): GRPO's (above); RLOO's leave-one-out baseline r -
+  mean(the group's others), then optionally normalized over the batch (TRL RLOOTrainer,
+  training.rloo.normalize_advantages); REINFORCE++'s return (gamma 1: the reward on every token of
+  its completion), with or without its group's mean subtracted first, whitened over the batch's
+  completion tokens (OpenRLHF's "reinforce" and "reinforce_baseline"). A KL to the reference (beta)
+  stays a term of the loss, as GRPO's and OpenRLHF's `use_kl_loss`: not subtracted from the reward
+  as TRL's RLOO does;
 - multi_reward_normalization: the reward functions' weighted sum normalized as above (sum; TRL
-  "sum_then_normalize"), or each function normalized within its group first, their weighted sum
-  then over the batch (per_reward; GDPO, TRL "normalize_then_sum");
+  "sum_then_normalize"), or each function normalized within its group first, their weighted sum then
+  over the batch (per_reward; GDPO, TRL "normalize_then_sum");
 - importance_sampling_level: the ratio pi / pi_old per token (GRPO), or per sequence, exp of the
   mean log-ratio over its tokens (GSPO, Zheng et al. 2025);
 - the clip: [1 - epsilon, 1 + epsilon_high] (clip-higher, DAPO; TRL's epsilon, epsilon_high);
-- policy_loss: PPO's clipped surrogate min(r A, clip(r) A), or CISPO's (MiniMax-M1, Chen et al.
-  2025, eq. 4) sg(clip(r)) A log pi: the importance weight clipped and held constant, so that no
-  token's gradient is dropped (the paper did not bound it below: its epsilon_low "a large value");
+- the policy loss (by the objective: Objective.policy_loss): PPO's clipped surrogate min(r A,
+  clip(r) A), or CISPO's (MiniMax-M1, Chen et al. 2025, eq. 4) sg(clip(r)) A log pi: the importance
+  weight clipped and held constant, so that no token's gradient is dropped (the paper did not bound
+  it below: its epsilon_low "a large value");
 - loss_aggregation: the masked per-token objective summed over the whole batch, divided by its
   tokens (token_mean; TRL "bnpo" with one micro-batch, "dapo" with any), by completions x
   max_new_tokens (dr_grpo), or each completion's token mean averaged over completions
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +49,7 @@ from tunix_train.config import (
     PolicyLoss,
     RewardNormalization,
     ScaleRewards,
+    TrainingConfig,
 )
 
 STD_EPS = 1e-4
@@ -59,9 +63,11 @@ def advantages(
     normalization: RewardNormalization = RewardNormalization.sum,
     estimator: AdvantageEstimator = AdvantageEstimator.grpo,
     normalize: bool = False,
+    baseline: bool = True,
 ) -> np.ndarray:
     """Each completion's advantage [N] from every reward function's rewards [functions, N] (N = groups
-    of G consecutive completions); REINFORCE++'s still to be whitened over tokens (`whitened`)."""
+    of G consecutive completions); REINFORCE++'s (its group's mean subtracted if `baseline`) still
+    to be whitened over tokens (`whitened`)."""
     weights = np.ones(len(rewards_FN)) if weights is None else np.asarray(weights, np.float64)
     if normalization is RewardNormalization.per_reward:
         grouped = rewards_FN.T.reshape(-1, G, len(rewards_FN))
@@ -72,7 +78,7 @@ def advantages(
         return (total - total.mean()) / (total.std(ddof=1) + STD_EPS)
     total = (weights[:, None] * rewards_FN).sum(axis=0)
     grouped = total.reshape(-1, G)
-    if estimator is AdvantageEstimator.reinforce_pp:
+    if estimator is AdvantageEstimator.reinforce_pp and not baseline:
         return total
     if estimator is AdvantageEstimator.rloo:  # TRL RLOOTrainer: the others' mean, then optionally the batch's
         leave_one_out = grouped - (grouped.sum(axis=1, keepdims=True) - grouped) / (G - 1)
@@ -84,6 +90,49 @@ def advantages(
     elif scale is ScaleRewards.batch:
         centred = centred / (total.std(ddof=1) + STD_EPS)
     return centred.reshape(-1)
+
+
+# The advantage estimators from rewards, by Objective.advantage: each fn(rewards [functions, N],
+# weights, G, the training section, each completion's loss tokens [N] (0: it teaches nothing)) ->
+# each completion's advantage [N]. PPO's (gae) reads its critic: ppo.py.
+ESTIMATORS: dict[AdvantageEstimator, Callable[..., np.ndarray]] = {}
+
+
+def _estimator(kind: AdvantageEstimator):
+    def register(fn):
+        ESTIMATORS[kind] = fn
+        return fn
+
+    return register
+
+
+@_estimator(AdvantageEstimator.grpo)
+def group_relative(rewards_FN, weights, G: int, t: TrainingConfig, tokens_N) -> np.ndarray:
+    """GRPO's: r less its group's mean, scaled by training.grpo.scale_rewards."""
+    return advantages(rewards_FN, G, weights, t.grpo.scale_rewards, t.grpo.multi_reward_normalization)
+
+
+@_estimator(AdvantageEstimator.rloo)
+def leave_one_out(rewards_FN, weights, G: int, t: TrainingConfig, tokens_N) -> np.ndarray:
+    """RLOO's: r less the mean of its group's others (training.rloo)."""
+    return advantages(
+        rewards_FN, G, weights, estimator=AdvantageEstimator.rloo, normalize=t.rloo.normalize_advantages
+    )
+
+
+@_estimator(AdvantageEstimator.reinforce_pp)
+def reinforce_pp(rewards_FN, weights, G: int, t: TrainingConfig, tokens_N) -> np.ndarray:
+    """REINFORCE++'s: the return, whitened over the batch's tokens (training.reinforce_pp)."""
+    returns = advantages(
+        rewards_FN, G, weights, estimator=AdvantageEstimator.reinforce_pp, baseline=t.reinforce_pp.baseline
+    )
+    return whitened(returns, tokens_N)
+
+
+@_estimator(AdvantageEstimator.distill)  # each token's, from the teacher, in the step (grpo.py)
+@_estimator(AdvantageEstimator.none)  # GKD's loss is supervised
+def no_advantage(rewards_FN, weights, G: int, t: TrainingConfig, tokens_N) -> np.ndarray:
+    return np.zeros(rewards_FN.shape[1])
 
 
 def whitened(returns_N: np.ndarray, tokens_N: np.ndarray) -> np.ndarray:

@@ -1,8 +1,8 @@
-"""GRPO's rewards: the reward functions of training.grpo.reward (`fn(prompts, completions,
+"""GRPO's rewards: the reward functions of training.rollout.reward (`fn(prompts, completions,
 **fields) -> one number per completion`, fields being the records' other fields; with turns, also
-`trajectories`, each conversation's messages), the reward models of training.grpo.reward_models
+`trajectories`, each conversation's messages), the reward models of training.rollout.reward_models
 (train/reward_models.py), then DAPO's overlong penalty (overlong=soft) and
-the environment's reward (with training.grpo.environment), each a row of weight reward_weights'
+the environment's reward (with training.rollout.environment), each a row of weight reward_weights'
 (the added ones 1)."""
 
 from __future__ import annotations
@@ -12,31 +12,32 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tunix_train.config import ConfigError, GrpoConfig, Overlong, RewardNormalization
+from tunix_train.config import ConfigError, Overlong, RolloutConfig
 from tunix_train.envs.tools import import_object
 from tunix_train.train.objectives import grpo_family as family
 
 
 def load_reward(name: str) -> Callable:
     """`module:function` -> the function; a ConfigError naming it when it cannot be imported."""
-    function = import_object(name, "training.grpo.reward")
+    function = import_object(name, "training.rollout.reward")
     if not callable(function):
-        raise ConfigError(f"training.grpo.reward: {name!r} is not module:function naming a function")
+        raise ConfigError(f"training.rollout.reward: {name!r} is not module:function naming a function")
     return function
 
 
 class Rewards:
-    def __init__(self, grpo: GrpoConfig, models=None):
-        """models: the reward models (train/reward_models.RewardModels), scored after the functions."""
-        self.grpo, self.models = grpo, models
-        self.functions = {name: load_reward(name) for name in grpo.reward}
-        self.names = [name.rpartition(":")[2] for name in grpo.reward] + (models.names if models else [])
-        self.weights = list(grpo.reward_weights) or [1.0] * len(self.names)
+    def __init__(self, rollout: RolloutConfig, models=None, each_normalized: bool = False):
+        """models: the reward models (train/reward_models.RewardModels), scored after the functions;
+        each_normalized: each reward is normalized in its group (multi_reward_normalization=per_reward)."""
+        self.rollout, self.models, self.each_normalized = rollout, models, each_normalized
+        self.functions = {name: load_reward(name) for name in rollout.reward}
+        self.names = [name.rpartition(":")[2] for name in rollout.reward] + (models.names if models else [])
+        self.weights = list(rollout.reward_weights) or [1.0] * len(self.names)
         self.stop_ids: list[int] = []  # the sampler's (train/rollout.py), for missing_eos_penalty
         for added, wanted in (
-            ("overlong", grpo.overlong is Overlong.soft),
-            ("environment", grpo.environment),
-            ("missing_eos", grpo.missing_eos_penalty is not None),
+            ("overlong", rollout.overlong is Overlong.soft),
+            ("environment", rollout.environment),
+            ("missing_eos", rollout.missing_eos_penalty is not None),
         ):
             if wanted:
                 self.names.append(added)
@@ -61,7 +62,7 @@ class Rewards:
         ]
         if self.models:
             scores.extend(self.models.score(sequences))
-        g = self.grpo
+        g = self.rollout
         if g.overlong is Overlong.soft:
             buffer = g.overlong_buffer or max(g.max_new_tokens // 5, 1)
             scores.append(
@@ -76,11 +77,11 @@ class Rewards:
 
     def _call(self, name: str, function: Callable, prompts, completions, fields, records) -> np.ndarray:
         try:
-            values = _timed(function, self.grpo.reward_timeout_s, prompts, completions, **fields)
+            values = _timed(function, self.rollout.reward_timeout_s, prompts, completions, **fields)
         except _NoAnswer:
             raise ConfigError(
-                f"training.grpo.reward {name!r} gave no answer in {self.grpo.reward_timeout_s:g} s "
-                f"(training.grpo.reward_timeout_s) on a batch from the record {str(records[0])[:120]}; "
+                f"training.rollout.reward {name!r} gave no answer in {self.rollout.reward_timeout_s:g} s "
+                f"(training.rollout.reward_timeout_s) on a batch from the record {str(records[0])[:120]}; "
                 f"it may hang: the run stops"
             ) from None
         except Exception as err:  # the first record it fails on, found by calling it on each
@@ -90,7 +91,7 @@ class Rewards:
                     for i, r in enumerate(records)
                     if _fails(
                         function,
-                        self.grpo.reward_timeout_s,
+                        self.rollout.reward_timeout_s,
                         prompts[i : i + 1],
                         completions[i : i + 1],
                         {k: v[i : i + 1] for k, v in fields.items()},
@@ -104,11 +105,11 @@ class Rewards:
                 else f"a batch from the record {str(records[0])[:120]}"
             )
             raise ConfigError(
-                f"training.grpo.reward {name!r} raised {type(err).__name__}: {err} (on {where})"
+                f"training.rollout.reward {name!r} raised {type(err).__name__}: {err} (on {where})"
             ) from None
         if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != len(completions):
             raise ConfigError(
-                f"training.grpo.reward {name!r} returned "
+                f"training.rollout.reward {name!r} returned "
                 f"{len(values) if hasattr(values, '__len__') else type(values).__name__} values for "
                 f"{len(completions)} completions; it must return one number per completion"
             )
@@ -119,7 +120,7 @@ class Rewards:
         ]
         if bad:
             raise ConfigError(
-                f"training.grpo.reward {name!r} returned {bad[0]!r}; it must return finite numbers"
+                f"training.rollout.reward {name!r} returned {bad[0]!r}; it must return finite numbers"
             )
         return np.asarray(values, np.float64)
 
@@ -129,7 +130,7 @@ class Rewards:
 
     def informative(self, rewards: np.ndarray) -> bool:
         """Whether a group's rewards [rows, G] differ, so that its advantages do (per reward: any of them)."""
-        if self.grpo.multi_reward_normalization is RewardNormalization.sum:
+        if not self.each_normalized:
             rewards = self.total(rewards)[None]
         return bool(np.any(rewards != rewards[:, :1]))
 

@@ -26,7 +26,7 @@ completion tokens:
             pass's log pi (TRL's and OpenRLHF's old log-probabilities);
     value:  vf_coef * 0.5 * mean max((V - R)^2, (V_old + clip(V - V_old, +-value_clip) - R)^2).
 
-Settings: training.ppo (config/objectives.py's PpoConfig, TRL's defaults); training.grpo.iterations is
+Settings: training.ppo (config/objectives.py's PpoConfig, TRL's defaults); training.rollout.iterations is
 PPO's epochs over each rollout.
 """
 
@@ -194,7 +194,7 @@ class ProximalPolicy(GroupRelative):
 
     def _starts(self, rollout: Rollout) -> list[int]:
         """Each row's first completion position (where its first completion token is the target)."""
-        G = self.grpo.num_generations
+        G = self.rollout.num_generations
         prompts = rollout.prompt_ids or [self.sampler.prompts[i] for i in rollout.order for _ in range(G)]
         return [len(prompt) - 1 for prompt in prompts]
 

@@ -1,8 +1,8 @@
-"""GRPO's reward models (training.grpo.reward_models): checkpoints with a scalar head
+"""GRPO's reward models (training.rollout.reward_models): checkpoints with a scalar head
 (model.score_head: objective=reward's exports, transformers' ...ForSequenceClassification) that
 score each completion after a rollout, beside the reward functions.
 
-Each model is frozen on the rollout's mesh (the training mesh, or training.grpo.rollout_mesh_shape's),
+Each model is frozen on the rollout's mesh (the training mesh, or training.rollout.mesh_shape's),
 sharded by the same rules, and reads [BOS] prompt completion as the trained model does (the same
 vocabulary and tokenizer, checked): its head's value at the sequence's last token (the EOS where
 the completion stopped) is the reward, as objective=reward trained it and transformers pools it.
@@ -16,7 +16,7 @@ import numpy as np
 from tunix_train.config import Config, ConfigError, MixedPrecision
 from tunix_train.train.objectives.base import check_tokenizer, checkpoint_model
 
-KEY = "training.grpo.reward_models"
+KEY = "training.rollout.reward_models"
 
 
 class RewardModels:
@@ -24,7 +24,7 @@ class RewardModels:
 
     def __init__(self, cfg: Config):
         self.cfg, self.specs = cfg, {}
-        for i, path in enumerate(cfg.training.grpo.reward_models):
+        for i, path in enumerate(cfg.training.rollout.reward_models):
             spec = checkpoint_model(cfg, path, KEY, f"reward_model_{i}", MixedPrecision.fp32)
             if not spec.model.score_head:
                 raise ConfigError(

@@ -1,0 +1,169 @@
+"""training.rollout: what the on-policy objectives (Objective.on_policy: the GRPO family, RLOO,
+REINFORCE++, PPO, GKD, on-policy distillation) sample and how it is rewarded: the groups, the
+engine that samples them (train/rollout.py), the reward functions and models, tools and
+environments over turns, the off-policy schedule, and the held-out prompts' evaluation."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, List, Optional
+
+from tunix_train.config.fields import ConfigError, _changeable, _fixed
+from tunix_train.config.objectives import AdvantageEstimator, Objective
+
+
+class Overlong(enum.Enum):
+    none = "none"
+    filter = "filter"  # a completion cut at max_new_tokens gets no loss
+    soft = "soft"  # DAPO's soft punishment over the last overlong_buffer tokens, added as a reward
+
+
+class RolloutDtype(enum.Enum):  # training.rollout.dtype: the engine's weights, activations and KV cache
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    num_generations: int = _fixed(4)  # G completions sampled per prompt: one group
+    max_new_tokens: int = _fixed(32)
+    temperature: float = _fixed(1.0)
+    # Off-policy steps: rollouts drawn this many batches ahead, each trained on `iterations` times (mu);
+    # beyond (0, 1) pi_old is the engine's recorded log-probability, the ratio truncated at
+    # training.grpo.importance_cap.
+    max_staleness: int = _fixed(0)
+    iterations: int = _fixed(1)
+    # The engine's own mesh, [[sizes], [names]], on devices apart from the training mesh's (each
+    # process's last ones), the weights copied to it for every rollout; null: the training mesh.
+    mesh_shape: Any = _changeable(None)
+    # The engine's slots for a rollout: null, every completion at once; N, at most N (continuous batching).
+    slots: Optional[int] = _changeable(None)
+    # What the engine computes in (bf16: half the bytes a decoded token reads, and a larger train-
+    # inference mismatch, logged as logprob_mismatch_*); the trainer's forward is unchanged.
+    dtype: RolloutDtype = _fixed(RolloutDtype.fp32)
+    # Mixture of experts: the engine records the experts each layer chose for every token, and the
+    # trainer's forward uses them instead of its router's top k (routing replay, train/rollout.py).
+    routing_replay: bool = _fixed(False)
+    # Reward functions, `module:function`, each fn(prompts, completions, **fields) -> list of floats;
+    # the reward of a completion is their sum, weighted by reward_weights (empty: all 1).
+    reward: List[str] = _fixed(factory=list)
+    # A reward function's seconds for one batch, on a thread of its own; one that takes longer (hung)
+    # stops the run with a line naming it, as one that raises or returns NaN does. 0: no bound, on
+    # the run's own thread (for a function that needs the main thread, e.g. for signals)
+    reward_timeout_s: float = _changeable(300.0)
+    # Reward models (objective=reward's exports, or any ...ForSequenceClassification checkpoint the
+    # loader reads), each scoring [BOS] prompt completion at its last token; their rewards follow
+    # the functions', and reward_weights weighs functions then models.
+    reward_models: List[str] = _fixed(factory=list)
+    reward_weights: List[float] = _fixed(factory=list)
+    # Subtracted from the reward of a completion that did not stop (its EOS or end of turn), as an
+    # added reward row `missing_eos` (TRL's missing_eos_penalty): a reward model reads a completion
+    # at its last token, trained on endings, and a policy can find higher scores by never ending.
+    missing_eos_penalty: Optional[float] = _fixed(None)
+    overlong: Overlong = _fixed(Overlong.none)
+    # soft: the penalized last tokens; null: max_new_tokens // 5
+    overlong_buffer: Optional[int] = _fixed(None)
+    # Groups whose rewards are all equal are replaced by more prompts' (at most this many rollouts of a
+    # batch's prompts; short of that they fill it, and a batch without signal does not update: DAPO).
+    dynamic_sampling: bool = _fixed(False)
+    dynamic_sampling_rounds: int = _fixed(4)
+    # Conversations over turns (tunix_train/envs/, docs/objectives/tools.md): tools `module:function`,
+    # an environment `module:Class`; at most max_turns turns of max_new_tokens, data.seq_len in all.
+    tools: List[str] = _fixed(factory=list)
+    environment: Optional[str] = _fixed(None)
+    max_turns: int = _fixed(4)
+    tool_timeout_s: float = _changeable(10.0)
+    # a turn runs at most max_tool_calls calls; a result past max_tool_result_tokens is cut (and says so);
+    # tool_processes: each call in a process of its own, killed when it hangs (threads: left, counted)
+    max_tool_calls: int = _changeable(8)
+    max_tool_result_tokens: int = _changeable(1024)
+    tool_processes: bool = _changeable(False)
+    # training.eval_every: held-out prompts' greedy reward, and pass@eval_k of eval_samples samples (a
+    # sample passes when its reward reaches eval_pass_reward).
+    eval_samples: int = _changeable(4)
+    eval_k: int = _changeable(1)
+    eval_pass_reward: float = _changeable(1.0)
+
+    def check(self, objective: Objective, micro_batch_size: int) -> None:
+        """A ConfigError naming the first bad key of training.rollout (and the micro-batch it needs)."""
+        G = self.num_generations
+        if G < 2 and objective.advantage not in (AdvantageEstimator.gae, AdvantageEstimator.none):
+            raise ConfigError(
+                f"training.rollout.num_generations={G} must be at least 2 under objective="
+                f"{objective.value} (advantages compare a completion with the others of its group; "
+                f"PPO's critic and GKD need no group)"
+            )
+        if G < 1:
+            raise ConfigError(f"training.rollout.num_generations={G} must be at least 1")
+        if micro_batch_size % G:
+            raise ConfigError(
+                f"training.micro_batch_size={micro_batch_size} must be a multiple of "
+                f"training.rollout.num_generations={G}: a group never spans micro-batches or devices"
+            )
+        if not self.reward and not self.reward_models:
+            raise ConfigError(
+                "training.rollout.reward is empty: name at least one reward function, module:function "
+                "(or a reward model in training.rollout.reward_models)"
+            )
+        if not 0 < self.temperature < math.inf or self.max_new_tokens < 1:
+            raise ConfigError(
+                f"training.rollout.temperature={self.temperature} must be positive and finite and "
+                f"training.rollout.max_new_tokens={self.max_new_tokens} >= 1"
+            )
+        if not self.reward_timeout_s >= 0:
+            raise ConfigError(
+                f"training.rollout.reward_timeout_s={self.reward_timeout_s} must be >= 0 (0: no bound)"
+            )
+        if self.max_staleness < 0 or self.iterations < 1:
+            raise ConfigError(
+                f"training.rollout.max_staleness={self.max_staleness} must be >= 0 and "
+                f"training.rollout.iterations={self.iterations} >= 1"
+            )
+        scorers = len(self.reward) + len(self.reward_models)
+        if self.reward_weights and len(self.reward_weights) != scorers:
+            raise ConfigError(
+                f"training.rollout.reward_weights has {len(self.reward_weights)} weights for "
+                f"{len(self.reward)} reward functions and {len(self.reward_models)} reward models; give "
+                f"one per function then model, or none"
+            )
+        self._check_completions()
+
+    def _check_completions(self) -> None:
+        """How completions end, turn and are drawn again."""
+        if self.overlong_buffer is not None and (
+            self.overlong is not Overlong.soft or not 1 <= self.overlong_buffer <= self.max_new_tokens
+        ):
+            raise ConfigError(
+                f"training.rollout.overlong_buffer={self.overlong_buffer} needs training.rollout.overlong="
+                f"soft and a value in [1, max_new_tokens={self.max_new_tokens}]"
+            )
+        if self.slots is not None and self.slots < 1:
+            raise ConfigError(
+                f"training.rollout.slots={self.slots} must be >= 1 (null: every completion at once)"
+            )
+        if self.max_tool_calls < 1 or self.max_tool_result_tokens < 1:
+            raise ConfigError(
+                f"training.rollout.max_tool_calls={self.max_tool_calls} and "
+                f"training.rollout.max_tool_result_tokens={self.max_tool_result_tokens} must be positive"
+            )
+        if self.max_turns < 1 or self.tool_timeout_s <= 0:
+            raise ConfigError(
+                f"training.rollout.max_turns={self.max_turns} must be >= 1 and "
+                f"training.rollout.tool_timeout_s={self.tool_timeout_s} positive"
+            )
+        if (self.tools or self.environment) and self.overlong is Overlong.soft:
+            raise ConfigError(
+                "training.rollout.overlong=soft penalizes one completion's length; with tools or an "
+                "environment a trajectory has several turns: use overlong=filter or none"
+            )
+        if self.dynamic_sampling_rounds < 1:
+            raise ConfigError(
+                f"training.rollout.dynamic_sampling_rounds={self.dynamic_sampling_rounds} must be >= 1"
+            )
+        if not 1 <= self.eval_k <= self.eval_samples:
+            raise ConfigError(
+                f"training.rollout.eval_samples={self.eval_samples} must be >= training.rollout.eval_k="
+                f"{self.eval_k} >= 1 (pass@k needs at least k samples per prompt)"
+            )
