@@ -39,7 +39,6 @@ def main(argv: list[str]) -> None:
 
     from tunix_train.compose import load_config
     from tunix_train.platform import add_flags
-    from tunix_train.train.objectives import Objective
     from tunix_train.train.setup import setup
     from tunix_train.train.step import abstract_batch
 
@@ -64,7 +63,7 @@ def main(argv: list[str]) -> None:
             "train": run.step_fn.lower(run.plan.abstract, batch),
             "eval": run.eval_fn.lower(run.plan.abstract.params, run.plan.abstract.frozen, eval_batch),
         }
-        if type(run.objective).score is not Objective.score:  # a scoring pass (PPO's critic)
+        if run.objective.scores:  # a scoring pass (PPO's critic)
             programs["score"] = run.score_fn.lower(run.plan.abstract.params, run.plan.abstract.frozen, batch)
         for name, lowered in programs.items():
             text = _stripped(lowered.compile().as_text())

@@ -106,7 +106,7 @@ def test_the_rows_carry_reinforce_pp_advantages_whitened_over_their_loss_tokens(
     group filling the batch (dynamic sampling): the first group's returns 0.5 and -0.5 whiten over
     its 4 loss tokens to 0.25 / sqrt(0.1875) and -0.75 / sqrt(0.1875) on each of them; the filler's
     are 0 and do not count."""
-    from tunix_train.train.objectives.grpo import GroupRelative
+    from tunix_train.train.objectives.grpo import OnPolicy
     from tunix_train.train.rollout import Rollout
 
     (tmp_path / "p.jsonl").write_text('{"prompt": "x", "answer": "1"}\n{"prompt": "y", "answer": "2"}\n')
@@ -117,7 +117,7 @@ def test_the_rows_carry_reinforce_pp_advantages_whitened_over_their_loss_tokens(
         "training.rollout.num_generations=2",
         "training.micro_batch_size=4",
     )
-    objective = GroupRelative(cfg)
+    objective = OnPolicy(cfg)
     objective.sampler.rows = range(0, 4)
     completions = [[5, 6, 7], [5], [6, 7], [5, 6, 7, 8]]
     rollout = Rollout(

@@ -58,7 +58,7 @@ def test_off_policy_ratios_use_the_recorded_logprobs(tmp_path):
     """The loss of a hand-made micro-batch: on-policy, rho = 1 (pi_old is pi); off-policy, pi_old is
     the engine's recorded log-probability and rho is truncated at importance_cap, as numpy computes it.
     The mismatch metrics are |logp - recorded| over the loss mask."""
-    from tunix_train.train.objectives.grpo import GroupRelative
+    from tunix_train.train.objectives.grpo import OnPolicy
 
     rng = np.random.default_rng(1)
     logp, behaviour, ref = (rng.uniform(-3, -0.1, (4, 6)).astype(np.float32) for _ in range(3))
@@ -75,7 +75,7 @@ def test_off_policy_ratios_use_the_recorded_logprobs(tmp_path):
     kl = np.exp(ref - logp) - (ref - logp) - 1
     weight = {"tokens": mask.sum(), "sequences": 4.0, "sequences_x_max_new_tokens": 16.0}
     for staleness, ratio in ((0, np.ones_like(logp)), (1, np.minimum(np.exp(logp - behaviour), cap))):
-        objective = GroupRelative(
+        objective = OnPolicy(
             _cfg(tmp_path, [[1], ["fsdp"]], 4, f"training.rollout.max_staleness={staleness}")
         )
         loss, metrics = objective.loss(lambda: -jnp.asarray(logp), lambda: -jnp.asarray(ref), micro, weight)

@@ -22,7 +22,7 @@ from tunix_train.config import (
 )
 from tunix_train.data.packed_rows import Packing
 from tunix_train.train.objectives import grpo_family as family
-from tunix_train.train.objectives.grpo import GroupRelative
+from tunix_train.train.objectives.grpo import OnPolicy
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
@@ -142,7 +142,7 @@ def _data(seed):
 def _ours(cfg, logp, old, ref, mask, advantages, accumulation=1, packed=False) -> float:
     """Our loss over `accumulation` micro-batches of the rows (each a completion from position 0),
     padded, or packed as data.padding_free packs a rollout (data/packed_rows.py)."""
-    objective = GroupRelative(cfg)
+    objective = OnPolicy(cfg)
     A = accumulation
     rows = {
         "loss_mask": mask,
@@ -397,7 +397,7 @@ def test_the_compiled_step_is_exact_under_accumulation(tmp_path, overrides):
             *overrides,
         )
         cfg.model.mesh_shape = [[1], ["fsdp"]]
-        objective = GroupRelative(cfg)
+        objective = OnPolicy(cfg)
         run = setup(cfg, jax.devices()[:1], objective)
         state = run.plan.create()
         initial = [np.asarray(x) for x in jax.tree.leaves(state.params)]

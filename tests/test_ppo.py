@@ -117,7 +117,7 @@ def test_the_loss_and_its_gradient_equal_openrlhfs_policy_and_value_losses(tmp_p
     """A hand-made micro-batch (ratios inside the importance cap, some clipped): our loss and its
     gradient with respect to the log-probabilities and the values equal OpenRLHF's PolicyLoss
     (clip 0.2, token-level) + vf_coef x ValueLoss (value_clip) in torch (1e-6)."""
-    from tunix_train.train.objectives.ppo import ProximalPolicy
+    from tunix_train.train.objectives import make_objective
 
     mask, old_logp, _, old_values, _ = _batch(2, 4, 6)
     rng = np.random.default_rng(3)
@@ -126,7 +126,7 @@ def test_the_loss_and_its_gradient_equal_openrlhfs_policy_and_value_losses(tmp_p
     advantages, returns = rng.normal(size=(2, *mask.shape))
     f32 = {name: x.astype(np.float32) for name, x in locals().items() if isinstance(x, np.ndarray)}
     clip = "null" if value_clip is None else value_clip
-    objective = ProximalPolicy(_ppo_cfg(tmp_path, f"training.ppo.value_clip={clip}"))
+    objective = make_objective(_ppo_cfg(tmp_path, f"training.ppo.value_clip={clip}"))
     micro = {
         "loss_mask": f32["mask"],
         "advantages": f32["advantages"],

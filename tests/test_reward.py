@@ -264,7 +264,7 @@ def test_grpo_reward_models_score_as_transformers_does(tmp_path):
     from hf_reference import build
 
     from tunix_train.rewards.arithmetic import write_task
-    from tunix_train.train.objectives.grpo import GroupRelative
+    from tunix_train.train.objectives.grpo import OnPolicy
     from tunix_train.train.setup import setup
 
     theirs = _random_reward_model(tmp_path / "rm")
@@ -285,7 +285,7 @@ def test_grpo_reward_models_score_as_transformers_does(tmp_path):
         )
 
     cfg = grpo(tmp_path / "rm")
-    objective = GroupRelative(cfg)
+    objective = OnPolicy(cfg)
     run = setup(cfg, jax.devices()[:4], objective)
     models = objective.rewards.models
     models.connect(run.plan_frozen, run.mesh)
@@ -303,7 +303,7 @@ def test_grpo_reward_models_score_as_transformers_does(tmp_path):
         (tmp_path / "small", "has vocab_size 512 but the trained model's model.vocab_size=4096"),
     ]:
         with pytest.raises(ConfigError, match=message):
-            GroupRelative(grpo(model))
+            OnPolicy(grpo(model))
 
 
 @pytest.mark.slow  # a GRPO run (the scoring itself is checked above, in the first leg)

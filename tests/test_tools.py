@@ -280,7 +280,7 @@ def test_the_loss_mask_covers_the_model_tokens_only(tmp_path):
     """A rollout's rows: the tokens the model did not write (tool results) carry no loss, and the
     engine's log-probabilities sit under the model's tokens."""
     from tunix_train.compose import load_config
-    from tunix_train.train.objectives.grpo import GroupRelative
+    from tunix_train.train.objectives.grpo import OnPolicy
     from tunix_train.train.rollout import Rollout
 
     (tmp_path / "p.jsonl").write_text('{"prompt": "x", "answer": "1"}\n')
@@ -296,7 +296,7 @@ def test_the_loss_mask_covers_the_model_tokens_only(tmp_path):
             "training.rollout.tools=[tunix_train.rewards.calculator:multiply]",
         ]
     )
-    objective = GroupRelative(cfg)
+    objective = OnPolicy(cfg)
     objective.sampler.rows = range(0, 2)
     rollout = Rollout(
         0,

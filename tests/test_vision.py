@@ -904,7 +904,7 @@ def test_grpo_samples_and_trains_on_prompts_with_images(tmp_path, images):
         "training.log_every=1",
     )
     if not images:
-        real = grpo.GroupRelative._rows_of
+        real = grpo.OnPolicy._rows_of
 
         def without_images(self, rollout, state=None):
             rows = real(self, rollout, state)
@@ -913,7 +913,7 @@ def test_grpo_samples_and_trains_on_prompts_with_images(tmp_path, images):
 
         import unittest.mock
 
-        patch = unittest.mock.patch.object(grpo.GroupRelative, "_rows_of", without_images)
+        patch = unittest.mock.patch.object(grpo.OnPolicy, "_rows_of", without_images)
         patch.start()
     try:
         train(cfg, tmp_path / "run", devices=jax.devices()[:4])

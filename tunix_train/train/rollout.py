@@ -139,6 +139,10 @@ class Sampler:
         self.rows, self.global_rows = range(0), 0
         self.images: dict[int, np.ndarray] = {}  # each prompt's images, by id(doc) (read())
 
+    def figures(self, rollout: Rollout) -> dict[str, float]:
+        """What the log shows of a rollout beside its rewards (GKD's sampler: whose samples)."""
+        return {}
+
     def read(self, data) -> None:
         """Tokenizes the prompts once (the held-out ones too, for training.eval_every); a prompt with
         no room for max_new_tokens is a ConfigError."""

@@ -30,13 +30,17 @@ knows which one runs:
 - `prepare(batches, state)`: the next step's batch from the host batches (GRPO samples and scores
   here, and may reuse a batch or draw ahead);
 - `hooks()`: hooks it adds to the loop (GRPO: the rollout's rewards in the log);
-- `score(policy, reference, micro)`: per-token figures the run's scoring pass (`Setup.score_fn`,
-  without gradient) computes of a batch before the steps that train on it (PPO's critic values);
+- `score(policy, reference, micro)`: with `scores` true, per-token figures the run's scoring pass
+  (`Setup.score_fn`, without gradient) computes of a batch before the steps that train on it
+  (PPO's critic values);
 - `skips_empty_micro_batches`: whether its batches may end in micro-batches without a sequence
   (GRPO's packed rollouts), which the step and the scoring pass then skip by a cond.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 from tunix_train.config import Config
 from tunix_train.config import Objective as Kind
@@ -45,17 +49,25 @@ from tunix_train.train.objectives.base import Objective
 
 __all__ = ["ALGORITHMS", "Objective", "make_objective"]
 
-# training.objective -> its class; the on-policy ones but PPO and GKD differ by the advantage and
-# policy loss their name gives (config/objectives.py: Objective.advantage, policy_loss)
-ALGORITHMS: dict[Kind, type[Objective]] = {
+# The on-policy objectives' parts beside the defaults (grpo.OnPolicy: the rollout's Sampler, the
+# advantage FromRewards by the name's registered estimator, the ClippedSurrogate by the name's
+# policy loss)
+ON_POLICY_PARTS = {
+    Kind.ppo: dict(advantage=ppo.Critic, loss=ppo.WithValueLoss),
+    Kind.gkd: dict(sampler=gkd.GkdSampler, loss=gkd.TeacherDivergence),
+}
+# training.objective -> what builds its objective from the config
+ALGORITHMS: dict[Kind, Callable[[Config], Objective]] = {
     Kind.lm: lm.LanguageModeling,
     **dict.fromkeys((Kind.dpo, Kind.ipo, Kind.orpo, Kind.simpo), dpo.DirectPreference),
     Kind.kto: kto.KahnemanTversky,
     Kind.reward: reward.RewardModeling,
     Kind.distill: distill.Distillation,
-    Kind.gkd: gkd.GeneralizedKnowledgeDistillation,
-    Kind.ppo: ppo.ProximalPolicy,
-    **{kind: grpo.GroupRelative for kind in Kind if kind.on_policy and kind not in (Kind.gkd, Kind.ppo)},
+    **{
+        kind: functools.partial(grpo.OnPolicy, **ON_POLICY_PARTS.get(kind, {}))
+        for kind in Kind
+        if kind.on_policy
+    },
 }
 
 

@@ -74,6 +74,7 @@ class Objective:
     metric_names: tuple[str, ...] = ()
     temperature = 1.0  # the logits of policy() and reference() are divided by it
     skips_empty_micro_batches = False
+    scores = False  # whether it has a scoring pass (score(); PPO's critic)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

@@ -1,5 +1,6 @@
 """GKD (Agarwal et al. 2024, "On-Policy Distillation of Language Models"; TRL's GKDTrainer):
-objective=gkd.
+objective=gkd, the on-policy objective (grpo.py's OnPolicy) with a sampler (GkdSampler) and a
+loss (TeacherDivergence) of its own, and no advantage.
 
 On the records' prompts the student learns the teacher's next-token distributions over the
 completion tokens: training.distill's divergence (generalized Jensen-Shannon with beta, at its
@@ -27,8 +28,6 @@ import numpy as np
 
 from tunix_train.config import Config, ConfigError
 from tunix_train.train.objectives import distill
-from tunix_train.train.objectives.base import check_tokenizer
-from tunix_train.train.objectives.grpo import GroupRelative
 from tunix_train.train.rollout import Rollout, Sampler
 
 
@@ -40,6 +39,9 @@ class GkdSampler(Sampler):
         super().__init__(cfg, rewards)
         self.lmbda, self.field = cfg.training.distill.lmbda, cfg.training.distill.completion_field
         self.seq_kd = cfg.training.distill.seq_kd
+
+    def figures(self, rollout: Rollout) -> dict[str, float]:
+        return {"on_policy": float(self.on_policy(rollout.index))}
 
     def on_policy(self, index: int) -> bool:
         """Whether rollout `index` is sampled (seeded by training.seed and the rollout's number)."""
@@ -114,30 +116,19 @@ class GkdSampler(Sampler):
         )
 
 
-class GeneralizedKnowledgeDistillation(GroupRelative):
-    sampler_class = GkdSampler
+class TeacherDivergence:
+    """GKD's loss (OnPolicy's part, grpo.py): training.distill's divergence from the teacher,
+    its mean over the batch's completion tokens, the logits as they are."""
+
+    temperature = 1.0  # the divergence takes training.distill's
+    metric_names = ("divergence",)
+    needs_reference = False
+    reads_teacher = True
 
     def __init__(self, cfg: Config):
-        super().__init__(cfg)
-        self.temperature = 1.0  # the logits as they are: the divergence takes training.distill's
-        self.metric_names = ("divergence",)
+        self.distill = cfg.training.distill
 
-    def extra_models(self):
-        return {"teacher": self.teacher}
-
-    def read(self, data) -> None:
-        super().read(data)
-        check_tokenizer(self.teacher, getattr(data, "tokenizer", None), "training.distill.teacher")
-
-    def loss(self, policy, reference, micro, weight, models=None):
-        divergence = policy.per_token(
-            lambda s, t: distill.divergence(s, t, self.cfg.training.distill), models["teacher"]
-        )
+    def __call__(self, policy, reference, micro, weight, models=None):
+        divergence = policy.per_token(lambda s, t: distill.divergence(s, t, self.distill), models["teacher"])
         divergence = jnp.sum(divergence * micro["loss_mask"]) / weight["tokens"]
         return divergence, {"divergence": divergence}
-
-    def _figures(self, rollout: Rollout, step: int, rollout_s: float) -> dict[str, Any]:
-        return {
-            **super()._figures(rollout, step, rollout_s),
-            "on_policy": float(self.sampler.on_policy(rollout.index)),
-        }

@@ -66,67 +66,70 @@ from tunix_train.train.objectives.reward_models import RewardModels
 from tunix_train.train.rollout import Rollout, Rollouts, Sampler, unpack_routes
 
 
-class GroupRelative(Objective):
-    batch_dtypes = {
-        **BATCH_DTYPES,
-        "advantages": jnp.float32,  # each row's, on every position
-        "behaviour_logp": jnp.float32,
-    }  # the engine's log-probability of each target token
-    record_fields = ("prompt",)
-    sampler_class = Sampler
+class FromRewards:
+    """The advantage of every on-policy objective but PPO's: each completion's, from its rewards by
+    the objective's registered estimator (grpo_family.ESTIMATORS), on each of its positions."""
+
+    fields: dict = {}  # the batch fields it adds beside `advantages`
+    scores = False  # whether it reads the run's scoring pass (Objective.score)
 
     def __init__(self, cfg: Config):
-        self.cfg, self.grpo, self.rollout = cfg, cfg.training.grpo, cfg.training.rollout
+        self.cfg, self.estimate = cfg, family.ESTIMATORS[cfg.training.objective.advantage]
+
+    def connect(self, link) -> None:
+        pass
+
+    def __call__(self, objective, rollout: Rollout, full: dict[str, np.ndarray], state=None) -> dict:
+        """The rows' advantages [rows, seq_len] from the rollout's rewards (each row's on every position)."""
+        rows, T = full["loss_mask"].shape
+        G = self.cfg.training.rollout.num_generations
+        teaching = np.ones(rows, bool)
+        if rollout.filler_groups:  # the equal groups that filled the batch teach nothing
+            teaching[rows - rollout.filler_groups * G :] = False
+        tokens = full["loss_mask"].sum(axis=1) * teaching
+        rewards = np.asarray(rollout.rewards)
+        advantages = self.estimate(rewards, objective.rewards.weights, G, self.cfg.training, tokens)
+        advantages = np.where(teaching, advantages, 0.0)
+        return {"advantages": np.broadcast_to(advantages[:, None], (rows, T)).astype(np.float32)}
+
+
+class ClippedSurrogate:
+    """The policy loss of every on-policy objective but GKD's (PPO's adds its value loss to it):
+    the clipped surrogate, or CISPO's (Objective.policy_loss), less beta KL, aggregated as
+    training.grpo says; on-policy distillation's advantages are the teacher's log-ratios."""
+
+    def __init__(self, cfg: Config):
+        t = cfg.training
+        self.grpo, self.kind = t.grpo, t.objective
+        self.temperature = t.rollout.temperature
+        self.off_policy = t.rollout.max_staleness > 0 or t.rollout.iterations > 1
         self.needs_reference = self.grpo.beta > 0
-        self.temperature = self.rollout.temperature
-        self.off_policy = self.rollout.max_staleness > 0 or self.rollout.iterations > 1
-        self.packed = self.skips_empty_micro_batches = cfg.data.padding_free
-        models = RewardModels(cfg) if self.rollout.reward_models else None
-        each = self.grpo.multi_reward_normalization is RewardNormalization.per_reward
-        self.rewards = Rewards(self.rollout, models, each_normalized=each)
-        self.sampler = self.sampler_class(cfg, self.rewards)  # the rollout component (train/rollout.py)
+        self.reads_teacher = self.kind is Kind.distill_on_policy  # on-policy distillation
         self.metric_names = ("kl", "clip_fraction", "logprob_mismatch_mean", "logprob_mismatch_max")
-        self.distill = cfg.training.objective is Kind.distill_on_policy
-        if self.distill:
+        if self.reads_teacher:
             self.metric_names += ("teacher_reverse_kl",)
-        self.rollout_figures = None
-        m = cfg.model
-        self.route_shape = (m.num_layers, m.num_experts_per_token) if self.rollout.routing_replay else None
-        if self.route_shape:  # the engine's experts of each position, replayed by the forward (rollout.py)
-            self.batch_dtypes = {**self.batch_dtypes, "routes": (jnp.int32, self.route_shape)}
 
-    # the loss, inside the compiled step
+    def old_logp(self, micro, logp):
+        """pi_old: a scoring pass's (PPO's old_logp), off-policy the engine's, else the policy's
+        without gradient."""
+        if "old_logp" in micro:
+            return micro["old_logp"]
+        return micro["behaviour_logp"] if self.off_policy else jax.lax.stop_gradient(logp)
 
-    def weight(self, batch):
-        return family.normalizers(batch, self.rollout.max_new_tokens)
-
-    def updates(self, batch):
-        """Under dynamic sampling, a batch without one informative group does not update the weights."""
-        if not self.rollout.dynamic_sampling:
-            return True
-        return jnp.any((batch["advantages"] != 0) & (batch["loss_mask"] > 0))
-
-    @functools.cached_property
-    def teacher(self):
-        """On-policy distillation's teacher (distill.teacher_model), read once."""
-        return distill.teacher_model(self.cfg)
-
-    def extra_models(self):
-        return {"teacher": self.teacher} if self.distill else {}
-
-    def loss(self, policy, reference, micro, weight, models=None):
+    def __call__(self, policy, reference, micro, weight, models=None):
         g, mask = self.grpo, micro["loss_mask"]
         logp = -policy()
         ref_logp = -reference() if g.beta > 0 else None
         behaviour = micro["behaviour_logp"]
-        old_logp = self._old_logp(micro, logp)
         advantages, extra = micro["advantages"], {}
-        if self.distill:  # each token's: log p_teacher - log p_sampling, the negative reverse KL's sample
+        if (
+            self.reads_teacher
+        ):  # each token's log p_teacher - log p_sampling: the negative reverse KL's sample
             advantages = jax.lax.stop_gradient(-models["teacher"]() - behaviour)
             extra["teacher_reverse_kl"] = -jnp.sum(advantages * mask) / weight["tokens"]
         objective, kl, clipped = family.token_objective(
             logp,
-            old_logp,
+            self.old_logp(micro, logp),
             ref_logp,
             advantages,
             mask,
@@ -135,7 +138,7 @@ class GroupRelative(Objective):
                 g.epsilon if g.epsilon_high is None else g.epsilon_high,
                 g.importance_cap,
                 g.importance_sampling_level,
-                self.cfg.training.objective.policy_loss,
+                self.kind.policy_loss,
             ),
             beta=g.beta,
             segment_ids=micro.get("segment_ids"),
@@ -153,9 +156,63 @@ class GroupRelative(Objective):
             **extra,
         }
 
-    def _old_logp(self, micro, logp):
-        """pi_old: the engine's log-probabilities off-policy; on-policy, the policy's, without gradient."""
-        return micro["behaviour_logp"] if self.off_policy else jax.lax.stop_gradient(logp)
+
+class OnPolicy(Objective):
+    """An on-policy objective (Objective.on_policy): a sampler (the rollout component,
+    train/rollout.py), an advantage and a policy loss, composed by name (objectives/__init__.py's
+    ALGORITHMS): FromRewards and ClippedSurrogate by default, PPO's critic and value loss
+    (ppo.py), GKD's sampler and divergence (gkd.py)."""
+
+    record_fields = ("prompt",)
+
+    def __init__(self, cfg: Config, sampler=Sampler, advantage=FromRewards, loss=ClippedSurrogate):
+        self.cfg, self.grpo, self.rollout = cfg, cfg.training.grpo, cfg.training.rollout
+        self.advantage, self.policy_loss = advantage(cfg), loss(cfg)
+        self.needs_reference = self.policy_loss.needs_reference
+        self.temperature = self.policy_loss.temperature
+        self.metric_names = self.policy_loss.metric_names
+        self.scores = self.advantage.scores
+        self.packed = self.skips_empty_micro_batches = cfg.data.padding_free
+        models = RewardModels(cfg) if self.rollout.reward_models else None
+        each = self.grpo.multi_reward_normalization is RewardNormalization.per_reward
+        self.rewards = Rewards(self.rollout, models, each_normalized=each)
+        self.sampler = sampler(cfg, self.rewards)
+        self.rollout_figures = None
+        self.batch_dtypes = {
+            **BATCH_DTYPES,
+            "advantages": jnp.float32,  # each row's, on every position
+            "behaviour_logp": jnp.float32,  # the engine's log-probability of each target token
+            **self.advantage.fields,
+        }
+        m = cfg.model
+        self.route_shape = (m.num_layers, m.num_experts_per_token) if self.rollout.routing_replay else None
+        if self.route_shape:  # the engine's experts of each position, replayed by the forward (rollout.py)
+            self.batch_dtypes["routes"] = (jnp.int32, self.route_shape)
+
+    # the loss, inside the compiled step
+
+    def weight(self, batch):
+        return family.normalizers(batch, self.rollout.max_new_tokens)
+
+    def updates(self, batch):
+        """Under dynamic sampling, a batch without one informative group does not update the weights."""
+        if not self.rollout.dynamic_sampling:
+            return True
+        return jnp.any((batch["advantages"] != 0) & (batch["loss_mask"] > 0))
+
+    @functools.cached_property
+    def teacher(self):
+        """The teacher of on-policy distillation and GKD (distill.teacher_model), read once."""
+        return distill.teacher_model(self.cfg)
+
+    def extra_models(self):
+        return {"teacher": self.teacher} if self.policy_loss.reads_teacher else {}
+
+    def loss(self, policy, reference, micro, weight, models=None):
+        return self.policy_loss(policy, reference, micro, weight, models)
+
+    def score(self, policy, reference, micro) -> dict:
+        return self.advantage.score(policy, reference, micro)
 
     # the batches, on the host
 
@@ -164,7 +221,7 @@ class GroupRelative(Objective):
         self.sampler.read(data)
         if self.rewards.models:
             self.rewards.models.check_tokenizer(getattr(data, "tokenizer", None))
-        if self.distill:
+        if self.policy_loss.reads_teacher:
             check_tokenizer(self.teacher, getattr(data, "tokenizer", None), "training.distill.teacher")
 
     def train_batches(self, data, global_rows: int, rows: range) -> Rollouts:
@@ -184,6 +241,7 @@ class GroupRelative(Objective):
 
     def connect(self, link) -> None:
         self.sampler.connect(link)
+        self.advantage.connect(link)
         self.write_samples = link.write_samples
 
     def prepare(self, rollouts: Rollouts, state) -> dict[str, np.ndarray]:
@@ -196,7 +254,7 @@ class GroupRelative(Objective):
     def _rows_of(self, rollout: Rollout, state=None) -> dict[str, np.ndarray]:
         """The rollout's rows of this process, [A, rows, seq_len] each (`state`: the step's)."""
         full = self._rows(rollout)
-        full.update(self._advantages(rollout, full, state))
+        full.update(self.advantage(self, rollout, full, state))
         return self.local_rows(self._laid_out(full), rollout.accumulation)
 
     def packing_of(self, full: dict[str, np.ndarray]) -> Packing | None:
@@ -246,19 +304,6 @@ class GroupRelative(Objective):
             full["loss_mask"][cut] = 0.0
         return full
 
-    def _advantages(self, rollout: Rollout, full: dict[str, np.ndarray], state=None) -> dict[str, np.ndarray]:
-        """The rows' advantages [rows, seq_len] from the rollout's rewards (each row's on every position)."""
-        rows, T = full["loss_mask"].shape
-        G = self.rollout.num_generations
-        teaching = np.ones(rows, bool)
-        if rollout.filler_groups:  # the equal groups that filled the batch teach nothing
-            teaching[rows - rollout.filler_groups * G :] = False
-        estimate = family.ESTIMATORS[self.cfg.training.objective.advantage]
-        tokens = full["loss_mask"].sum(axis=1) * teaching
-        advantages = estimate(np.asarray(rollout.rewards), self.rewards.weights, G, self.cfg.training, tokens)
-        advantages = np.where(teaching, advantages, 0.0)
-        return {"advantages": np.broadcast_to(advantages[:, None], (rows, T)).astype(np.float32)}
-
     def _figures(self, rollout: Rollout, step: int, rollout_s: float) -> dict[str, Any]:
         """What the log shows of the step's rollout; its samples (the first group) at its first step."""
         G, rewards = self.rollout.num_generations, np.asarray(rollout.rewards)
@@ -293,6 +338,7 @@ class GroupRelative(Objective):
             "sampling_s": rollout.sampling_s,
             "rollout_s": rollout_s,
             "rollout_staleness": step - rollout.version,
+            **self.sampler.figures(rollout),
             **self.sampler.syncs,  # the weights copied to the rollout mesh for the rollouts this step drew
             "samples": [
                 (
@@ -332,10 +378,10 @@ class GroupRelative(Objective):
 
 
 class _RolloutMetrics(Hook):
-    """First of the hooks: the objective's after_step (GroupRelative.report: it draws the
+    """First of the hooks: the objective's after_step (OnPolicy.report: it draws the
     deferred rollouts while the step runs on the training mesh, before any hook waits for it)."""
 
-    def __init__(self, objective: GroupRelative):
+    def __init__(self, objective: OnPolicy):
         self.objective = objective
 
     def after_step(self, end) -> None:

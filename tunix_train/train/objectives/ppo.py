@@ -1,5 +1,6 @@
-"""PPO (Schulman et al. 2017) for language models, as RLHF runs it (Ouyang et al. 2022): GRPO's
-rollouts and rewards (grpo.py), each token's advantage from a critic by GAE (Schulman et al. 2016).
+"""PPO (Schulman et al. 2017) for language models, as RLHF runs it (Ouyang et al. 2022): the
+on-policy objective (grpo.py's OnPolicy) with two parts of its own, the advantage (Critic: each
+token's from a critic by GAE, Schulman et al. 2016) and the loss (WithValueLoss).
 
 The critic is a value head on the policy's own trunk (model.score_head: V(s_t) = w . h_t, the
 final hidden state at the position that predicts completion token t), trained with the policy by
@@ -39,7 +40,7 @@ from jax.experimental import multihost_utils
 
 from tunix_train.config import Config, KlEstimator
 from tunix_train.sharding import to_global_batch
-from tunix_train.train.objectives.grpo import GroupRelative
+from tunix_train.train.objectives.grpo import ClippedSurrogate
 from tunix_train.train.rollout import Rollout
 
 FIGURES = ("values", "logp", "ref_logp")  # what the scoring pass says of each completion token
@@ -103,21 +104,22 @@ def value_loss(values, old_values, returns, clip: float | None):
     return 0.5 * jnp.maximum(loss, clipped), clipped > loss
 
 
-class ProximalPolicy(GroupRelative):
-    batch_dtypes = {
-        **GroupRelative.batch_dtypes,
+class Critic:
+    """PPO's advantage (OnPolicy's part, grpo.py): GAE over the critic's values, which the scoring
+    pass computes at a rollout's first step with the policy's and the reference's log-probabilities."""
+
+    fields = {
         "returns": jnp.float32,  # each completion token's value target
         "old_values": jnp.float32,  # and the critic's value at the rollout's first step
         "old_logp": jnp.float32,  # the policy's log-probability then (pi_old)
     }
+    scores = True
 
     def __init__(self, cfg: Config):
-        super().__init__(cfg)
-        self.ppo = cfg.training.ppo
-        self.needs_reference = self.grpo.beta > 0 or self.ppo.kl_coef > 0
-        self.metric_names += ("policy_loss", "value_loss", "value_clip_fraction", "value_mean")
-        if self.grpo.beta == 0:
-            self.metric_names = tuple(m for m in self.metric_names if m != "kl")  # kl_reward instead
+        self.ppo, self.G = cfg.training.ppo, cfg.training.rollout.num_generations
+
+    def connect(self, link) -> None:
+        self.mesh, self.score_fn = link.mesh, link.score
 
     def score(self, policy, reference, micro) -> dict:
         """The scoring pass's figures of each position (train/scoring.py)."""
@@ -125,11 +127,86 @@ class ProximalPolicy(GroupRelative):
         figures["ref_logp"] = -reference() if self.ppo.kl_coef > 0 else figures["logp"]
         return figures
 
-    def _old_logp(self, micro, logp):
-        return micro["old_logp"]
+    def __call__(self, objective, rollout: Rollout, full: dict[str, np.ndarray], state=None) -> dict:
+        """Per token: GAE's advantages and returns, and the scoring pass's values and log-probabilities
+        (scored now when the rollout has not been)."""
+        if rollout.critique is None:
+            rollout.critique = self._critique(objective, rollout, full, state)
+        p, mask, starts = self.ppo, full["loss_mask"].astype(np.float64), self._starts(objective, rollout)
+        values, logp, ref_logp = (
+            self._spread(rollout.critique[name], starts, mask.shape) for name in FIGURES
+        )
+        kl = kl_samples(logp, ref_logp, p.kl_estimator) if p.kl_coef > 0 else np.zeros_like(logp)
+        rewards = token_rewards(objective.rewards.total(np.asarray(rollout.rewards)), kl, mask, p.kl_coef)
+        if objective.rollout_figures is not None:  # the log's: the KL in the reward, per completion token
+            objective.rollout_figures["kl_reward"] = float((kl * mask).sum() / max(mask.sum(), 1.0))
+        if p.whiten_rewards:
+            rewards = whitened_rewards(rewards, mask)
+        advantages, returns = gae(values, rewards, mask, p.gamma, p.gae_lambda)
+        if p.whiten_advantages:
+            advantages = whitened(advantages, mask)
+        fields = {"advantages": advantages * mask, "returns": returns, "old_values": values, "old_logp": logp}
+        return {name: x.astype(np.float32) for name, x in fields.items()}
 
-    def loss(self, policy, reference, micro, weight, models=None):
-        policy_loss, metrics = super().loss(policy, reference, micro, weight, models)
+    def _critique(self, objective, rollout: Rollout, full: dict[str, np.ndarray], state) -> dict:
+        """The scoring pass over the rollout's rows by `state`'s parameters: each row's FIGURES at its
+        completion's positions (those of behaviour_logp), as lists for the checkpoint's JSON."""
+        packing = objective.packing_of(full)
+        with jax.set_mesh(self.mesh):
+            rows = packing.pack(full) if packing else full
+            batch = to_global_batch(objective.local_rows(rows, rollout.accumulation), self.mesh)
+            figures = self.score_fn(state.params, state.frozen, batch)
+            figures = {
+                name: np.asarray(multihost_utils.process_allgather(x, tiled=True)).reshape(-1, x.shape[-1])
+                for name, x in figures.items()
+            }
+        if packing:  # back to each completion's padded row
+            figures = {name: packing.unpack(x) for name, x in figures.items()}
+        return {
+            name: [
+                figures[name][row, start : start + len(c)].tolist()
+                for row, (start, c) in enumerate(zip(self._starts(objective, rollout), rollout.completions))
+            ]
+            for name in FIGURES
+        }
+
+    def _starts(self, objective, rollout: Rollout) -> list[int]:
+        """Each row's first completion position (where its first completion token is the target)."""
+        prompts = rollout.prompt_ids or [
+            objective.sampler.prompts[i] for i in rollout.order for _ in range(self.G)
+        ]
+        return [len(prompt) - 1 for prompt in prompts]
+
+    @staticmethod
+    def _spread(per_row: list[list[float]], starts: list[int], shape) -> np.ndarray:
+        """A critique's figure (per row, its completion's) [rows, seq_len], float64, 0 elsewhere."""
+        out = np.zeros(shape)
+        for row, (start, values) in enumerate(zip(starts, per_row)):
+            out[row, start : start + len(values)] = values
+        return out
+
+
+class WithValueLoss:
+    """PPO's loss (OnPolicy's part): the clipped surrogate of the critic's advantages, with pi_old
+    the scoring pass's log-probability, plus vf_coef times the value loss."""
+
+    reads_teacher = False
+
+    def __init__(self, cfg: Config):
+        self.surrogate, self.ppo = ClippedSurrogate(cfg), cfg.training.ppo
+        self.temperature = self.surrogate.temperature
+        self.needs_reference = cfg.training.grpo.beta > 0 or self.ppo.kl_coef > 0
+        names = (
+            *self.surrogate.metric_names,
+            "policy_loss",
+            "value_loss",
+            "value_clip_fraction",
+            "value_mean",
+        )
+        self.metric_names = tuple(m for m in names if m != "kl" or cfg.training.grpo.beta > 0)  # kl_reward
+
+    def __call__(self, policy, reference, micro, weight, models=None):
+        policy_loss, metrics = self.surrogate(policy, reference, micro, weight, models)
         mask = micro["loss_mask"]
         values = policy.scores()
         per_token, clipped = value_loss(values, micro["old_values"], micro["returns"], self.ppo.value_clip)
@@ -144,64 +221,3 @@ class ProximalPolicy(GroupRelative):
             "value_clip_fraction": mean(clipped.astype(jnp.float32)),
             "value_mean": mean(jax.lax.stop_gradient(values)),
         }
-
-    def connect(self, link) -> None:
-        super().connect(link)
-        self._mesh, self._score = link.mesh, link.score
-
-    def _advantages(self, rollout: Rollout, full: dict[str, np.ndarray], state=None) -> dict[str, np.ndarray]:
-        """Per token: GAE's advantages and returns, and the scoring pass's values and log-probabilities
-        (scored now when the rollout has not been)."""
-        if rollout.critique is None:
-            rollout.critique = self._critique(rollout, full, state)
-        p, mask, starts = self.ppo, full["loss_mask"].astype(np.float64), self._starts(rollout)
-        values, logp, ref_logp = (
-            self._spread(rollout.critique[name], starts, mask.shape) for name in FIGURES
-        )
-        kl = kl_samples(logp, ref_logp, p.kl_estimator) if p.kl_coef > 0 else np.zeros_like(logp)
-        rewards = token_rewards(self.rewards.total(np.asarray(rollout.rewards)), kl, mask, p.kl_coef)
-        if self.rollout_figures is not None:  # the log's: the KL in the reward, per completion token
-            self.rollout_figures["kl_reward"] = float((kl * mask).sum() / max(mask.sum(), 1.0))
-        if p.whiten_rewards:
-            rewards = whitened_rewards(rewards, mask)
-        advantages, returns = gae(values, rewards, mask, p.gamma, p.gae_lambda)
-        if p.whiten_advantages:
-            advantages = whitened(advantages, mask)
-        fields = {"advantages": advantages * mask, "returns": returns, "old_values": values, "old_logp": logp}
-        return {name: x.astype(np.float32) for name, x in fields.items()}
-
-    def _critique(self, rollout: Rollout, full: dict[str, np.ndarray], state) -> dict[str, list[list[float]]]:
-        """The scoring pass over the rollout's rows by `state`'s parameters: each row's FIGURES at its
-        completion's positions (those of behaviour_logp), as lists for the checkpoint's JSON."""
-        packing = self.packing_of(full)
-        with jax.set_mesh(self._mesh):
-            rows = packing.pack(full) if packing else full
-            batch = to_global_batch(self.local_rows(rows, rollout.accumulation), self._mesh)
-            figures = self._score(state.params, state.frozen, batch)
-            figures = {
-                name: np.asarray(multihost_utils.process_allgather(x, tiled=True)).reshape(-1, x.shape[-1])
-                for name, x in figures.items()
-            }
-        if packing:  # back to each completion's padded row
-            figures = {name: packing.unpack(x) for name, x in figures.items()}
-        return {
-            name: [
-                figures[name][row, start : start + len(c)].tolist()
-                for row, (start, c) in enumerate(zip(self._starts(rollout), rollout.completions))
-            ]
-            for name in FIGURES
-        }
-
-    def _starts(self, rollout: Rollout) -> list[int]:
-        """Each row's first completion position (where its first completion token is the target)."""
-        G = self.rollout.num_generations
-        prompts = rollout.prompt_ids or [self.sampler.prompts[i] for i in rollout.order for _ in range(G)]
-        return [len(prompt) - 1 for prompt in prompts]
-
-    @staticmethod
-    def _spread(per_row: list[list[float]], starts: list[int], shape) -> np.ndarray:
-        """A critique's figure (per row, its completion's) [rows, seq_len], float64, 0 elsewhere."""
-        out = np.zeros(shape)
-        for row, (start, values) in enumerate(zip(starts, per_row)):
-            out[row, start : start + len(values)] = values
-        return out
