@@ -160,23 +160,47 @@ class Clip:
     loss: PolicyLoss = PolicyLoss.clip
 
 
+# The policy losses, by Objective.policy_loss: each fn(ratio, its clip, advantages, logp, Clip) ->
+# (the per-token surrogate to maximize, whether the clip bites), [B, T].
+POLICY_LOSSES: dict[PolicyLoss, Callable] = {}
+
+
+def _policy_loss(kind: PolicyLoss):
+    def register(fn):
+        POLICY_LOSSES[kind] = fn
+        return fn
+
+    return register
+
+
+@_policy_loss(PolicyLoss.clip)
+def clipped_surrogate(ratio, clipped_ratio, advantages, logp, clip: Clip):
+    """PPO's min(r A, clip(r) A), r truncated at the cap; the clip bites where it lowers the objective."""
+    surrogate = jnp.minimum(jnp.minimum(ratio, clip.cap) * advantages, clipped_ratio * advantages)
+    clipped = ((ratio < 1 - clip.epsilon) & (advantages < 0)) | (
+        (ratio > 1 + clip.epsilon_high) & (advantages > 0)
+    )
+    return surrogate, clipped
+
+
+@_policy_loss(PolicyLoss.cispo)
+def clipped_weight(ratio, clipped_ratio, advantages, logp, clip: Clip):
+    """CISPO's sg(clip(r)) A log pi: the weight truncated on either side, whatever A's sign."""
+    surrogate = jax.lax.stop_gradient(clipped_ratio) * advantages * logp
+    return surrogate, (ratio < 1 - clip.epsilon) | (ratio > 1 + clip.epsilon_high)
+
+
 def token_objective(logp, old_logp, ref_logp, advantages, mask, *, clip: Clip, beta: float, segment_ids=None):
-    """Per token [B, T]: the clipped surrogate minus beta KL (to maximize), the KL (k3, against the
-    reference; ref_logp None: none), and whether the clip bites (`clip`; `segment_ids` as
-    `sequence_means`)."""
-    epsilon, epsilon_high, cap, level = clip.epsilon, clip.epsilon_high, clip.cap, clip.level
+    """Per token [B, T]: the policy loss's surrogate (POLICY_LOSSES[clip.loss]) minus beta KL (to
+    maximize), the KL (k3, against the reference; ref_logp None: none), and whether the clip bites
+    (`segment_ids` as `sequence_means`)."""
     log_ratio = logp - old_logp
-    if level is ImportanceLevel.sequence:
+    if clip.level is ImportanceLevel.sequence:
         log_ratio = sequence_means(log_ratio, mask, segment_ids)
     ratio = jnp.exp(log_ratio)
-    clipped_ratio = jnp.clip(ratio, 1 - epsilon, 1 + epsilon_high)
+    clipped_ratio = jnp.clip(ratio, 1 - clip.epsilon, 1 + clip.epsilon_high)
     kl = jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1 if ref_logp is not None else jnp.zeros_like(logp)
-    if clip.loss is PolicyLoss.cispo:  # the weight truncated on either side, whatever the advantage's sign
-        surrogate = jax.lax.stop_gradient(clipped_ratio) * advantages * logp
-        clipped = (ratio < 1 - epsilon) | (ratio > 1 + epsilon_high)
-        return surrogate - beta * kl, kl, jnp.broadcast_to(clipped, logp.shape)
-    surrogate = jnp.minimum(jnp.minimum(ratio, cap) * advantages, clipped_ratio * advantages)
-    clipped = ((ratio < 1 - epsilon) & (advantages < 0)) | ((ratio > 1 + epsilon_high) & (advantages > 0))
+    surrogate, clipped = POLICY_LOSSES[clip.loss](ratio, clipped_ratio, advantages, logp, clip)
     return surrogate - beta * kl, kl, jnp.broadcast_to(clipped, logp.shape)
 
 
