@@ -1,4 +1,4 @@
-"""PPO (training.grpo.advantage=gae, objective=ppo; train/objectives/ppo.py) against the code it
+"""PPO (objective=ppo; train/objectives/ppo.py) against the code it
 transcribes: the KL in the reward, GAE, the returns and the whitening as OpenRLHF's experience maker
 computes them, the rewards' whitening as TRL's PPOTrainer, the policy and value losses (and their
 gradients) as OpenRLHF's PolicyLoss and ValueLoss; then runs: equal on one device, fsdp2 x tp2

@@ -107,63 +107,75 @@ class RolloutConfig:
                 "training.rollout.reward is empty: name at least one reward function, module:function "
                 "(or a reward model in training.rollout.reward_models)"
             )
-        if not 0 < self.temperature < math.inf or self.max_new_tokens < 1:
-            raise ConfigError(
+        _first_error(
+            (
+                not 0 < self.temperature < math.inf or self.max_new_tokens < 1,
                 f"training.rollout.temperature={self.temperature} must be positive and finite and "
-                f"training.rollout.max_new_tokens={self.max_new_tokens} >= 1"
-            )
-        if not self.reward_timeout_s >= 0:
-            raise ConfigError(
-                f"training.rollout.reward_timeout_s={self.reward_timeout_s} must be >= 0 (0: no bound)"
-            )
-        if self.max_staleness < 0 or self.iterations < 1:
-            raise ConfigError(
+                f"training.rollout.max_new_tokens={self.max_new_tokens} >= 1",
+            ),
+            (
+                not self.reward_timeout_s >= 0,
+                f"training.rollout.reward_timeout_s={self.reward_timeout_s} must be >= 0 (0: no bound)",
+            ),
+            (
+                self.max_staleness < 0 or self.iterations < 1,
                 f"training.rollout.max_staleness={self.max_staleness} must be >= 0 and "
-                f"training.rollout.iterations={self.iterations} >= 1"
-            )
-        scorers = len(self.reward) + len(self.reward_models)
-        if self.reward_weights and len(self.reward_weights) != scorers:
-            raise ConfigError(
+                f"training.rollout.iterations={self.iterations} >= 1",
+            ),
+            (
+                bool(self.reward_weights)
+                and len(self.reward_weights) != len(self.reward) + len(self.reward_models),
                 f"training.rollout.reward_weights has {len(self.reward_weights)} weights for "
                 f"{len(self.reward)} reward functions and {len(self.reward_models)} reward models; give "
-                f"one per function then model, or none"
-            )
+                f"one per function then model, or none",
+            ),
+        )
         self._check_completions()
 
     def _check_completions(self) -> None:
         """How completions end, turn and are drawn again."""
-        if self.overlong_buffer is not None and (
-            self.overlong is not Overlong.soft or not 1 <= self.overlong_buffer <= self.max_new_tokens
-        ):
-            raise ConfigError(
+        _first_error(
+            (
+                self.overlong_buffer is not None
+                and (
+                    self.overlong is not Overlong.soft or not 1 <= self.overlong_buffer <= self.max_new_tokens
+                ),
                 f"training.rollout.overlong_buffer={self.overlong_buffer} needs training.rollout.overlong="
-                f"soft and a value in [1, max_new_tokens={self.max_new_tokens}]"
-            )
-        if self.slots is not None and self.slots < 1:
-            raise ConfigError(
-                f"training.rollout.slots={self.slots} must be >= 1 (null: every completion at once)"
-            )
-        if self.max_tool_calls < 1 or self.max_tool_result_tokens < 1:
-            raise ConfigError(
+                f"soft and a value in [1, max_new_tokens={self.max_new_tokens}]",
+            ),
+            (
+                self.slots is not None and self.slots < 1,
+                f"training.rollout.slots={self.slots} must be >= 1 (null: every completion at once)",
+            ),
+            (
+                self.max_tool_calls < 1 or self.max_tool_result_tokens < 1,
                 f"training.rollout.max_tool_calls={self.max_tool_calls} and "
-                f"training.rollout.max_tool_result_tokens={self.max_tool_result_tokens} must be positive"
-            )
-        if self.max_turns < 1 or self.tool_timeout_s <= 0:
-            raise ConfigError(
+                f"training.rollout.max_tool_result_tokens={self.max_tool_result_tokens} must be positive",
+            ),
+            (
+                self.max_turns < 1 or self.tool_timeout_s <= 0,
                 f"training.rollout.max_turns={self.max_turns} must be >= 1 and "
-                f"training.rollout.tool_timeout_s={self.tool_timeout_s} positive"
-            )
-        if (self.tools or self.environment) and self.overlong is Overlong.soft:
-            raise ConfigError(
+                f"training.rollout.tool_timeout_s={self.tool_timeout_s} positive",
+            ),
+            (
+                bool(self.tools or self.environment) and self.overlong is Overlong.soft,
                 "training.rollout.overlong=soft penalizes one completion's length; with tools or an "
-                "environment a trajectory has several turns: use overlong=filter or none"
-            )
-        if self.dynamic_sampling_rounds < 1:
-            raise ConfigError(
-                f"training.rollout.dynamic_sampling_rounds={self.dynamic_sampling_rounds} must be >= 1"
-            )
-        if not 1 <= self.eval_k <= self.eval_samples:
-            raise ConfigError(
+                "environment a trajectory has several turns: use overlong=filter or none",
+            ),
+            (
+                self.dynamic_sampling_rounds < 1,
+                f"training.rollout.dynamic_sampling_rounds={self.dynamic_sampling_rounds} must be >= 1",
+            ),
+            (
+                not 1 <= self.eval_k <= self.eval_samples,
                 f"training.rollout.eval_samples={self.eval_samples} must be >= training.rollout.eval_k="
-                f"{self.eval_k} >= 1 (pass@k needs at least k samples per prompt)"
-            )
+                f"{self.eval_k} >= 1 (pass@k needs at least k samples per prompt)",
+            ),
+        )
+
+
+def _first_error(*checks: tuple[bool, str]) -> None:
+    """A ConfigError with the message of the first check that is bad."""
+    for bad, message in checks:
+        if bad:
+            raise ConfigError(message)

@@ -98,21 +98,23 @@ def advantages(
 ESTIMATORS: dict[AdvantageEstimator, Callable[..., np.ndarray]] = {}
 
 
-def _estimator(kind: AdvantageEstimator):
+def registered(table: dict, key):
+    """A decorator that enters the function it decorates in `table` under `key`."""
+
     def register(fn):
-        ESTIMATORS[kind] = fn
+        table[key] = fn
         return fn
 
     return register
 
 
-@_estimator(AdvantageEstimator.grpo)
+@registered(ESTIMATORS, AdvantageEstimator.grpo)
 def group_relative(rewards_FN, weights, G: int, t: TrainingConfig, tokens_N) -> np.ndarray:
     """GRPO's: r less its group's mean, scaled by training.grpo.scale_rewards."""
     return advantages(rewards_FN, G, weights, t.grpo.scale_rewards, t.grpo.multi_reward_normalization)
 
 
-@_estimator(AdvantageEstimator.rloo)
+@registered(ESTIMATORS, AdvantageEstimator.rloo)
 def leave_one_out(rewards_FN, weights, G: int, t: TrainingConfig, tokens_N) -> np.ndarray:
     """RLOO's: r less the mean of its group's others (training.rloo)."""
     return advantages(
@@ -120,7 +122,7 @@ def leave_one_out(rewards_FN, weights, G: int, t: TrainingConfig, tokens_N) -> n
     )
 
 
-@_estimator(AdvantageEstimator.reinforce_pp)
+@registered(ESTIMATORS, AdvantageEstimator.reinforce_pp)
 def reinforce_pp(rewards_FN, weights, G: int, t: TrainingConfig, tokens_N) -> np.ndarray:
     """REINFORCE++'s: the return, whitened over the batch's tokens (training.reinforce_pp)."""
     returns = advantages(
@@ -129,8 +131,9 @@ def reinforce_pp(rewards_FN, weights, G: int, t: TrainingConfig, tokens_N) -> np
     return whitened(returns, tokens_N)
 
 
-@_estimator(AdvantageEstimator.distill)  # each token's, from the teacher, in the step (grpo.py)
-@_estimator(AdvantageEstimator.none)  # GKD's loss is supervised
+# on-policy distillation's advantages are the teacher's, computed in the step (grpo.py); GKD has none
+@registered(ESTIMATORS, AdvantageEstimator.distill)
+@registered(ESTIMATORS, AdvantageEstimator.none)
 def no_advantage(rewards_FN, weights, G: int, t: TrainingConfig, tokens_N) -> np.ndarray:
     return np.zeros(rewards_FN.shape[1])
 
@@ -165,15 +168,7 @@ class Clip:
 POLICY_LOSSES: dict[PolicyLoss, Callable] = {}
 
 
-def _policy_loss(kind: PolicyLoss):
-    def register(fn):
-        POLICY_LOSSES[kind] = fn
-        return fn
-
-    return register
-
-
-@_policy_loss(PolicyLoss.clip)
+@registered(POLICY_LOSSES, PolicyLoss.clip)
 def clipped_surrogate(ratio, clipped_ratio, advantages, logp, clip: Clip):
     """PPO's min(r A, clip(r) A), r truncated at the cap; the clip bites where it lowers the objective."""
     surrogate = jnp.minimum(jnp.minimum(ratio, clip.cap) * advantages, clipped_ratio * advantages)
@@ -183,7 +178,7 @@ def clipped_surrogate(ratio, clipped_ratio, advantages, logp, clip: Clip):
     return surrogate, clipped
 
 
-@_policy_loss(PolicyLoss.cispo)
+@registered(POLICY_LOSSES, PolicyLoss.cispo)
 def clipped_weight(ratio, clipped_ratio, advantages, logp, clip: Clip):
     """CISPO's sg(clip(r)) A log pi: the weight truncated on either side, whatever A's sign."""
     surrogate = jax.lax.stop_gradient(clipped_ratio) * advantages * logp
