@@ -407,11 +407,10 @@ class Decoder(nnx.Module):
         and attend_of(window, layer) gives a layer's attention (layer: its index, given when unrolled)."""
         rope_global, rope_local = self.rope_tables(positions_BT)
 
-        def apply(graphdef, shape, layer, x_BTD, state, window, per_layer_BTP, shared_kv, replay_BTK):  # noqa: PLR0913 (waived: issue 71)
+        def apply(graphdef, shape, layer, x_BTD, state, window, inputs):
+            """One layer; inputs: its per-layer input, the keys and values it shares, its replayed experts."""
             rope = _layer_rope(shape, window, rope_global, rope_local)
-            x_BTD, extra, side = nnx.merge(graphdef, state)(
-                x_BTD, rope, attend_of(window, layer), per_layer_BTP, shared_kv, replay_BTK
-            )
+            x_BTD, extra, side = nnx.merge(graphdef, state)(x_BTD, rope, attend_of(window, layer), *inputs)
             return x_BTD, extra, side["kv"], side.get("moe", {}), side.get("routes")
 
         policy = kernels.remat_policy(self.remat, self.quantized_base)
@@ -429,9 +428,11 @@ class Decoder(nnx.Module):
                     x_BTD,
                     states[j],
                     windows if getattr(windows, "ndim", 1) == 0 else windows[j],
-                    None if per_layer is None else per_layer[j],
-                    shared[shape.layer_type] if shape.shares_kv else None,
-                    None if replay is None else replay[j],
+                    (
+                        None if per_layer is None else per_layer[j],
+                        shared[shape.layer_type] if shape.shares_kv else None,
+                        None if replay is None else replay[j],
+                    ),
                 )
                 shared = _with_latest_kv(shared, shape, kv)
                 layer_stats.append(moe)

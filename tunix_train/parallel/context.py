@@ -93,7 +93,7 @@ class ContextAttention:
             return kernels.attention(q, gather(k), gather(v), mask, softcap)
 
         def ring(q, k, v, softcap, window):
-            return _ring(q, k, v, q_index, q_segments, q_images, window, softcap, self.size)
+            return _ring(q, k, v, (q_index, q_segments, q_images), window, softcap, self.size)
 
         def windowed(q, k, v, softcap, window):  # never with images (parallel._context)
             mask = kernels.visible_keys(q_index, q_segments, near(q_index), near(q_segments))(window)
@@ -153,13 +153,13 @@ def _round_the_ring(x, cp):
     return jax.lax.ppermute(x, AXIS, [(i, (i + 1) % cp) for i in range(cp)])
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _ring(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, q_images, window, softcap, cp):  # noqa: PLR0913 (waived: issue 71)
-    """Attention of this shard's queries to every shard's keys, passed round the ring (q_images:
-    each token's image, or None without images).
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ring(q_BTNH, k_BSKH, v_BSKH, where, window, softcap, cp):
+    """Attention of this shard's queries to every shard's keys, passed round the ring (where: the
+    queries' (positions, segment ids, images), the images each token's, or None without images).
     Why its own backward pass: flash attention's, which keeps only the output and log-sum-exp of
     each query; autodiff of the forward ring kept every block's probabilities."""
-    return _ring_fwd(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, q_images, window, softcap, cp)[0]
+    return _ring_fwd(q_BTNH, k_BSKH, v_BSKH, where, window, softcap, cp)[0]
 
 
 def _block_mask(qi, qs, q_img, k_index, k_segments, k_img, window):
@@ -173,8 +173,9 @@ def _image_halves(images):
     return (None, None) if images is None else _halves(images)
 
 
-def _ring_fwd(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, q_images, window, softcap, cp):  # noqa: PLR0913 (waived: issue 71)
+def _ring_fwd(q_BTNH, k_BSKH, v_BSKH, where, window, softcap, cp):
     """Per query chunk, the output and log-sum-exp so far, merged as the key blocks come round."""
+    q_index, q_segments, q_images = where
     queries = list(zip(_halves(q_BTNH), _halves(q_index), _halves(q_segments), _image_halves(q_images)))
     acc = [_nothing(q) for q, *_ in queries]
     block = (k_BSKH, v_BSKH, q_index, q_segments, q_images)
@@ -194,14 +195,14 @@ def _ring_fwd(q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, q_images, window, sof
                 acc[i] = _merge(acc[i], (out, lse))
     out_BTNH = jnp.concatenate([out for out, _ in acc], axis=1)
     lse_BTN = jnp.concatenate([lse for _, lse in acc], axis=1)
-    residuals = (q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, q_images, window, out_BTNH, lse_BTN)
+    residuals = (q_BTNH, k_BSKH, v_BSKH, where, window, out_BTNH, lse_BTN)
     return out_BTNH.astype(q_BTNH.dtype), residuals
 
 
 def _ring_bwd(softcap, cp, residuals, d_out_BTNH):
     """The key blocks go round again, each with its key and value gradients, which every shard adds
     its queries' part to; one more step takes them home."""
-    q_BTNH, k_BSKH, v_BSKH, q_index, q_segments, q_images, window, out_BTNH, lse_BTN = residuals
+    q_BTNH, k_BSKH, v_BSKH, (q_index, q_segments, q_images), window, out_BTNH, lse_BTN = residuals
     rowsum_BTN = jnp.sum(d_out_BTNH.astype(jnp.float32) * out_BTNH, axis=-1)
     queries = list(
         zip(
@@ -253,9 +254,7 @@ def _ring_bwd(softcap, cp, residuals, d_out_BTNH):
         jnp.concatenate(d_q, axis=1).astype(q_BTNH.dtype),
         d_k_BSKH.astype(k_BSKH.dtype),
         d_v_BSKH.astype(v_BSKH.dtype),
-        None,
-        None,
-        None,
+        (None, None, None),
         None,
     )
 
