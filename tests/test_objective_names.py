@@ -170,3 +170,16 @@ def test_dapo_dr_grpo_and_gspo_are_grpo_with_their_settings_on_resume(tmp_path):
     check_same_run(run, _config(["objective=dapo", *NEW, "training.objective=grpo"]))
     with pytest.raises(ConfigError, match="holds a run with training.objective='grpo', not 'rloo'"):
         check_same_run(run, _config(["objective=dapo", *NEW, "training.objective=rloo"]))
+
+
+def test_an_old_key_in_a_users_config_file_names_its_new_key(tmp_path):
+    """The command line's old keys are rewritten; a config file's are not (it is the user's to
+    change), and the error says where the key went."""
+    (tmp_path / "objective").mkdir()
+    (tmp_path / "objective" / "mine.yaml").write_text(
+        "# @package training\ndefaults:\n  - grpo\n  - _self_\ngrpo:\n  num_generations: 8\n"
+    )
+    with pytest.raises(ConfigError) as refused:
+        _config(["--config-dir", str(tmp_path), "objective=mine", *NEW])
+    moved = "'training.grpo.num_generations' moved to training.rollout.num_generations: set that instead"
+    assert str(refused.value) == f"config key {moved}"

@@ -330,9 +330,9 @@ def _describe_omegaconf_error(exc: BaseException) -> str:
     coverage) or OC_CAUSE=1, OmegaConf chains its unformatted cause ('$VALUE', no key): skipped."""
     from omegaconf.errors import OmegaConfBaseException
 
-    causes = [exc]
-    while causes[-1].__cause__ is not None:
-        causes.append(causes[-1].__cause__)
+    causes = [exc]  # hydra raises a user config's error during its own handling (__context__)
+    while (causes[-1].__cause__ or causes[-1].__context__) is not None and len(causes) < 20:
+        causes.append(causes[-1].__cause__ or causes[-1].__context__)
     for err in reversed(causes):
         if isinstance(err, OmegaConfBaseException) and getattr(err, "_initialized", True):
             key = getattr(err, "full_key", None)
