@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers", reason="needs transformers: p
 
 import hf_reference  # noqa: E402
 from bpe_files import byte_level_bpe  # noqa: E402
+from conftest import config  # noqa: E402
 from hf_reference import SEQ, SIZES, WINDOW  # noqa: E402
 from test_gguf_families import converter_permute  # noqa: E402
 
@@ -129,6 +130,30 @@ def test_a_sliding_window_key_that_is_no_count_is_one_line(tmp_path, window):
     file = families.GgufFile("llama", field, frozenset(), lambda n: (64, 320), None, tmp_path / "m.gguf")
     with pytest.raises(ConfigError, match="llama.attention.sliding_window is .* not a count of tokens"):
         families.named("mistral").gguf.claims(file)
+
+
+@pytest.mark.parametrize(
+    "rope", [{"rope_type": "yarn", "factor": 4.0}, {"rope_type": "linear", "factor": 2.0}]
+)
+def test_a_window_with_a_scaled_rope_is_one_line_both_ways(tmp_path, rope):
+    """transformers' Mistral stretches every layer's RoPE; the decoder stretches only its global
+    layers': a config.json with both, or a windowed model with a scaled RoPE to export, is refused
+    rather than read with unscaled local layers."""
+    from tunix_train.config import ConfigError, RopeScaling, RopeScalingType
+    from tunix_train.interop import families
+
+    hf = {
+        **SIZES,
+        "sliding_window": 5,
+        "max_position_embeddings": 32,
+        "rope_scaling": {**rope, "original_max_position_embeddings": 8},
+    }
+    with pytest.raises(ConfigError, match=f"sliding_window=5 with a scaled RoPE \\({rope['rope_type']}\\)"):
+        families.named("mistral").from_hf(hf)
+    cfg = config("model=mistral_tiny").model
+    cfg.rope_scaling = RopeScaling(type=RopeScalingType.yarn, factor=4.0, original_context=8)
+    with pytest.raises(ConfigError, match="mistral checkpoints stretch every layer's RoPE"):
+        families.named("mistral").to_hf(cfg)
 
 
 @pytest.mark.slow  # a LoRA training each, checked with peft

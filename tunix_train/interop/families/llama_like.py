@@ -125,10 +125,19 @@ def llama_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def window_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """Every layer local when config.json's sliding_window is set (Mistral, Phi-3), else global."""
+    """Every layer local when config.json's sliding_window is set (Mistral, Phi-3), else global.
+    transformers stretches every layer's RoPE by rope_scaling, the decoder only its global
+    layers': a window with a scaled RoPE is refused."""
     window = hf.get("sliding_window")
     if not window:
         return dict(NO_WINDOWS)
+    _, linear, scaling = rope_from_hf(hf)
+    if linear != 1.0 or scaling.type is not RopeScalingType.none:
+        raise ConfigError(
+            f"model.init_from: config.json's sliding_window={window!r} with a scaled RoPE "
+            f"({'linear' if linear != 1.0 else scaling.type.value}) is not supported: the decoder "
+            f"scales only its global layers' RoPE"
+        )
     return {"local_layers_per_global": hf["num_hidden_layers"], "sliding_window": int(window)}
 
 
@@ -136,6 +145,11 @@ def window_to_hf(cfg: ModelConfig, name: str) -> int | None:
     """config.json's sliding_window: every layer local or none; a ConfigError for a mix."""
     if cfg.local_layers_per_global == 0:
         return None
+    if cfg.rope_scale_global != 1.0 or cfg.rope_scaling.type is not RopeScalingType.none:
+        raise ConfigError(
+            f"model.rope_scaling: {name} checkpoints stretch every layer's RoPE, this model only its "
+            f"global layers'; with model.local_layers_per_global set, leave the RoPE unscaled"
+        )
     if cfg.local_layers_per_global < cfg.num_layers or cfg.layer_types is not None:
         raise ConfigError(
             f"model.local_layers_per_global={cfg.local_layers_per_global}: {name} checkpoints have "
