@@ -132,6 +132,16 @@ def test_a_sliding_window_key_that_is_no_count_is_one_line(tmp_path, window):
         families.named("mistral").gguf.claims(file)
 
 
+GGUF_SIZES = {
+    "block_count": 2,
+    "embedding_length": 64,
+    "feed_forward_length": 96,
+    "attention.head_count": 4,
+    "attention.head_count_kv": 2,
+    "context_length": 32,
+}
+
+
 @pytest.mark.parametrize(
     "rope", [{"rope_type": "yarn", "factor": 4.0}, {"rope_type": "linear", "factor": 2.0}]
 )
@@ -154,6 +164,18 @@ def test_a_window_with_a_scaled_rope_is_one_line_both_ways(tmp_path, rope):
     cfg.rope_scaling = RopeScaling(type=RopeScalingType.yarn, factor=4.0, original_context=8)
     with pytest.raises(ConfigError, match="mistral checkpoints stretch every layer's RoPE"):
         families.named("mistral").to_hf(cfg)
+    values = {  # a Mistral GGUF (llama.cpp's `llama`) with both
+        **{f"llama.{key}": value for key, value in GGUF_SIZES.items()},
+        "llama.attention.sliding_window": 5,
+        "llama.rope.scaling.type": "yarn" if rope["rope_type"] == "yarn" else "linear",
+        "llama.rope.scaling.factor": rope["factor"],
+        "llama.rope.scaling.original_context_length": 8,
+    }
+    file = families.GgufFile(
+        "llama", values.get, frozenset({"token_embd.weight"}), lambda n: (64, 128), None, tmp_path / "m.gguf"
+    )
+    with pytest.raises(ConfigError, match="llama.attention.sliding_window=5 with a scaled RoPE"):
+        families.named("mistral").gguf.fields(file)
 
 
 @pytest.mark.slow  # a LoRA training each, checked with peft

@@ -121,6 +121,13 @@ class LlamaGguf:
             )
         if self.windowed:
             window = _window(file)
+            scaling = fields["rope_scaling"].type
+            scaled = fields["rope_scale_global"] != 1.0 or scaling is not RopeScalingType.none
+            if window and scaled:  # llama.cpp stretches every layer's RoPE, the decoder its global layers'
+                raise ConfigError(
+                    f"{file.path}: {file.architecture}.attention.sliding_window={window} with a scaled RoPE "
+                    f"is not supported: the decoder scales only its global layers' RoPE"
+                )
             fields["local_layers_per_global"] = fields["num_layers"] if window else 0
             fields["sliding_window"] = window or None
         return fields
