@@ -132,6 +132,24 @@ LLAMA_QWEN = {
     "mistral_full": ("Mistral", dict(sliding_window=None)),
     "phi3": ("Phi3", dict(sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "phi3_full": ("Phi3", dict(sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # LongRoPE past a pre-training context of 8 (Phi-3-mini-128k's, small): factors of each rotary pair
+    "phi3_longrope": (
+        "Phi3",
+        dict(
+            sliding_window=None,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            max_position_embeddings=32,
+            original_max_position_embeddings=8,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.3, 1.5, 1.7],
+                "long_factor": [1.0, 1.3, 1.8, 2.6, 4.0, 6.5, 9.0, 12.0],
+            },
+        ),
+    ),
 }
 REFERENCE_PYTHON = "TUNIX_TRAIN_REFERENCE_PYTHON"
 

@@ -41,7 +41,11 @@ def test_logits_match_transformers(tmp_path, variant):
     assert not cfg.scale_embeddings and cfg.norm_weight_offset == 0.0
     assert cfg.tie_embeddings == (variant in ("llama_tied", "qwen2"))
     assert cfg.qkv_bias == (variant == "qwen2") and cfg.use_qk_norm == variant.startswith("qwen3")
-    scaling = {"llama_rope": RopeScalingType.llama3, "qwen3_yarn": RopeScalingType.yarn}
+    scaling = {
+        "llama_rope": RopeScalingType.llama3,
+        "qwen3_yarn": RopeScalingType.yarn,
+        "phi3_longrope": RopeScalingType.longrope,
+    }
     assert cfg.rope_scaling.type is scaling.get(variant, RopeScalingType.none)
     if variant in scaling:  # SEQ runs past the pre-training context the schedule stretches
         assert cfg.rope_scaling.original_context < SEQ
@@ -98,7 +102,11 @@ def test_what_the_decoder_cannot_hold_is_one_line_naming_the_key():
             {"model_type": "falcon"},
             "model_type 'falcon' is not one this package reads .*llama, mistral, phi3, qwen2, qwen3",
         ),
-        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling type 'longrope'"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling type 'dynamic'"),
+        (
+            {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
+            "longrope needs config.json's original_max_position_embeddings",
+        ),
         ({"attention_bias": True}, "attention_bias=True is not supported for llama"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         (

@@ -119,6 +119,60 @@ def test_the_gguf_is_the_converters_and_both_readers_get_the_model_back(exported
     np.testing.assert_allclose(ours.logits(tokens), model.logits(tokens), atol=1e-6, rtol=0)
 
 
+def _cached_greedy(model, prompt, new_tokens):
+    """transformers' forward with a KV cache, greedily, a token at a time: each step's RoPE factors
+    are its own call's, the cached keys as they were rotated (the engine's semantics)."""
+    import torch
+
+    cache, ids, position, out = transformers.DynamicCache(config=model.config), torch.tensor(prompt), 0, []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            positions = torch.arange(position, position + ids.shape[1])[None]
+            logits = model(
+                input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True
+            ).logits
+            out.append(int(logits[0, -1].argmax()))
+            position, ids = position + ids.shape[1], torch.tensor([[out[-1]]])
+    return out
+
+
+def test_longrope_logits_short_and_long_and_greedy_tokens_equal_transformers(tmp_path):
+    """Phi-3's LongRoPE (tiny, a pre-training context of 8): on fsdp2 x tp2, the logits of 6 tokens
+    (short factors) and of 16 (long factors at every position) equal transformers' (1e-4). Greedy
+    tokens equal transformers' generate for a request that stays within the context or starts past
+    it; for one that crosses it while generating they equal transformers' forward with a KV cache
+    (each step's factors its own, the cached keys kept), which generate is not: Phi-3's generate
+    recomputes the whole cache with the long factors once (docs/models.md). The export reads back
+    in transformers with the same logits."""
+    from tunix_train.config import ConfigError, RopeScalingType
+
+    tokens = _tokens()
+    reference = {
+        n: hf_reference.checkpoint_and_logits("phi3_longrope", tmp_path / "checkpoint", tokens[:, :n])
+        for n in (6, SEQ)
+    }
+    assert np.abs(reference[SEQ][:, :6] - reference[6]).max() > 1e-2  # the two factor sets differ
+    model = _load(tmp_path / "checkpoint")
+    scaling = model.config.rope_scaling
+    assert (scaling.type, scaling.original_context, scaling.factor) == (RopeScalingType.longrope, 8, 4.0)
+    for n, expected in reference.items():
+        np.testing.assert_allclose(model.logits(tokens[:, :n]), expected, atol=1e-4, rtol=0, err_msg=str(n))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint").eval()
+    for length, new in ((3, 5), (10, 5)):  # within the context throughout; past it from the start
+        prompt = tokens[:1, :length]
+        assert model.generate(prompt.tolist(), max_new_tokens=new) == [
+            hf_reference.greedy(theirs, prompt, new).tolist()
+        ]
+    for length in (6, 8):  # crossing it while generating
+        prompt = tokens[:1, :length]
+        assert model.generate(prompt.tolist(), max_new_tokens=6) == [_cached_greedy(theirs, prompt, 6)]
+    model.export(tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    np.testing.assert_allclose(hf_reference.logits(back, tokens), reference[SEQ], atol=1e-5, rtol=0)
+    with pytest.raises(ConfigError, match="llama.cpp keeps LongRoPE's factors as tensors of its own"):
+        model.export_gguf(tmp_path / "model.gguf", "f32")
+
+
 @pytest.mark.parametrize("window", ["4096", -5, 2.5, True])
 def test_a_sliding_window_key_that_is_no_count_is_one_line(tmp_path, window):
     from tunix_train.config import ConfigError

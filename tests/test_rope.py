@@ -13,7 +13,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from tunix_train.config import ConfigError, RopeScaling, RopeScalingType  # noqa: E402
 from tunix_train.model.layout import validate_rope_scaling  # noqa: E402
-from tunix_train.model.rope import rope_table, scaled_frequencies  # noqa: E402
+from tunix_train.model.rope import longrope_frequencies, rope_table, scaled_frequencies  # noqa: E402
 
 # name -> (rope_theta, head_dim, transformers' rope_parameters, ours)
 CASES = {
@@ -109,6 +109,46 @@ def test_bad_rope_scaling_is_one_line_naming_the_key():
         (RopeScaling(RopeScalingType.yarn, 0.5, 4096), "factor=0.5 must be >= 1"),
         (RopeScaling(RopeScalingType.llama3, 8.0, 8192, low_freq_factor=4.0), "low_freq_factor"),
         (RopeScaling(RopeScalingType.yarn, 4.0, 4096, beta_fast=1.0, beta_slow=2.0), "beta_fast"),
+        (RopeScaling(RopeScalingType.longrope, 4.0, 8, short_factor=[1.0] * 8), "need 8 positive factors"),
+        (
+            RopeScaling(RopeScalingType.longrope, 4.0, 8, short_factor=[1.0] * 8, long_factor=[0.0] * 8),
+            "need 8 positive factors",
+        ),
+        (RopeScaling(RopeScalingType.yarn, 4.0, 8, short_factor=[1.0] * 8), "are longrope's"),
     ):
         with pytest.raises(ConfigError, match=f"model.rope_scaling .*{words}"):
-            validate_rope_scaling(scaling)
+            validate_rope_scaling(scaling, 16)
+
+
+def test_longrope_frequencies_and_tables_equal_transformers_short_and_long():
+    """Phi-3's LongRoPE (transformers' _compute_longrope_parameters, the factor from
+    max_position_embeddings / original_max_position_embeddings): each pair's frequency divided by
+    its short factor for a sequence up to the original context, by its long factor past it; a row
+    of the table picks by its own length, its every position alike."""
+    head_dim, theta, context = 16, 10_000.0, 8
+    rng = np.random.default_rng(0)
+    short, long = (list(1.0 + rng.uniform(0, f, head_dim // 2)) for f in (0.5, 8.0))
+    config = transformers.Phi3Config(
+        hidden_size=4 * head_dim,
+        num_attention_heads=4,
+        max_position_embeddings=4 * context,
+        original_max_position_embeddings=context,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": theta,
+            "short_factor": short,
+            "long_factor": long,
+        },
+    )
+    ours = RopeScaling(RopeScalingType.longrope, 4.0, context, short_factor=short, long_factor=long)
+    validate_rope_scaling(ours, head_dim)
+    our_short, our_long, our_factor = longrope_frequencies(theta, head_dim, ours)
+    for seq_len, our_freq in ((context, our_short), (context + 1, our_long)):
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=seq_len)
+        np.testing.assert_allclose(our_freq, inv_freq.numpy(), rtol=2e-6)
+        assert our_factor == pytest.approx(attention_factor, rel=1e-12)
+    positions = np.array([np.arange(context), np.arange(context) + 3])  # the second row runs past
+    sin, _ = rope_table(jnp.asarray(positions), theta, 1.0, head_dim, scaling=ours)
+    for row, freq in ((0, our_short), (1, our_long)):
+        expected = np.sin(positions[row][:, None] * freq.astype(np.float32)) * our_factor
+        np.testing.assert_allclose(sin[row, :, 0, 0], expected, atol=1e-5)

@@ -50,6 +50,9 @@ class RopeScalingType(enum.Enum):
     none = "none"
     llama3 = "llama3"  # Llama 3.1+: low frequencies divided by factor, a smooth band between
     yarn = "yarn"  # YaRN (arXiv 2309.00071): per-frequency interpolation ramp and an attention factor
+    # LongRoPE (arXiv 2402.13753; Phi-3's long-context models): each pair's frequency divided by a
+    # factor of its own, short_factor or, for a sequence past original_context, long_factor
+    longrope = "longrope"
 
 
 @dataclasses.dataclass
@@ -64,8 +67,13 @@ class RopeScaling:
     high_freq_factor: float = _fixed(4.0)  # llama3
     beta_fast: float = _fixed(32.0)  # yarn: the ramp's extrapolation bound, in rotations
     beta_slow: float = _fixed(1.0)  # yarn: the ramp's interpolation bound, in rotations
-    attention_factor: Optional[float] = _fixed(None)  # yarn: cos and sin scale; null: 0.1 ln(factor) + 1
+    # yarn, longrope: cos and sin scale; null: 0.1 ln(factor) + 1 (yarn), sqrt(1 + ln(factor) /
+    # ln(original_context)) (longrope)
+    attention_factor: Optional[float] = _fixed(None)
     truncate: bool = _fixed(True)  # yarn: the ramp's bounds rounded outward to whole dimensions
+    # longrope: each rotary pair's divisor [head_dim / 2] up to original_context, and past it
+    short_factor: List[float] = _fixed(factory=list)
+    long_factor: List[float] = _fixed(factory=list)
 
 
 class VisionEncoder(enum.Enum):

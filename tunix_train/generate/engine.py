@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from tunix_train.config import ConfigError, LoraConfig, ModelConfig, Remat
+from tunix_train.config import ConfigError, LoraConfig, ModelConfig, Remat, RopeScalingType
 from tunix_train.generate import cache as kv
 from tunix_train.generate.sampling import Draws, Kinds, draw
 from tunix_train.generate.session import Completion, Request, Session  # noqa: F401 (Completion: the API)
@@ -116,6 +116,8 @@ class Engine:
         P_ = tokens_NP.shape[1]
         slots = kv.slots_per_layer(self.cfg, max_len)
         positions_NP = jnp.broadcast_to(jnp.arange(P_), tokens_NP.shape)
+        if self.cfg.rope_scaling.type is RopeScalingType.longrope:  # it reads each row's last position:
+            positions_NP = jnp.where(positions_NP < length_N[:, None], positions_NP, 0)  # not the padding's
         slots_NP = ids_NP = None
         if images is not None:
             slots_NP, ids_NP = image_slots(tokens_NP, self.cfg.vision, images)

@@ -119,6 +119,11 @@ class LlamaGguf:
             fields["rope_scaling"] = llama3_scaling(
                 np.asarray(file.data(ROPE_FREQS), np.float64), theta, head_dim, file.path
             )
+        if {"rope_factors_long.weight", "rope_factors_short.weight"} & set(file.names):
+            raise ConfigError(
+                f"{file.path}: LongRoPE's factor tensors (rope_factors_long, rope_factors_short) are not "
+                f"read from a GGUF yet; load the Hugging Face checkpoint instead"
+            )
         if self.windowed:
             window = _window(file)
             scaling = fields["rope_scaling"].type
@@ -175,6 +180,12 @@ class LlamaGguf:
             raise ConfigError(
                 "model.rope_scaling.truncate=false: llama.cpp's yarn rounds the ramp's bounds outward; "
                 "a GGUF cannot hold this model"
+            )
+        if cfg.rope_scaling.type is RopeScalingType.longrope:
+            raise ConfigError(
+                "model.rope_scaling longrope: llama.cpp keeps LongRoPE's factors as tensors of its own "
+                "(rope_factors_long, rope_factors_short), which this export does not write yet; export to "
+                "Hugging Face instead"
             )
 
 

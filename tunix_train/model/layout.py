@@ -143,7 +143,7 @@ def validate_model(m: ModelConfig) -> None:
     if m.local_layers_per_global and not (m.sliding_window and m.sliding_window > 0):
         raise ConfigError("model.sliding_window must be positive when model.local_layers_per_global > 0")
     _validate_gemma4(m)
-    validate_rope_scaling(m.rope_scaling)
+    validate_rope_scaling(m.rope_scaling, m.global_head_dim or m.head_dim)
     if m.vision is not None:
         validate_vision(m)
 
@@ -274,7 +274,7 @@ def _validate_gemma4(m: ModelConfig) -> None:
             raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} must be positive")
 
 
-def validate_rope_scaling(scaling: RopeScaling) -> None:
+def validate_rope_scaling(scaling: RopeScaling, rotary_dim: int) -> None:
     """model.rope_scaling's checks."""
     if scaling.type is RopeScalingType.none:
         return
@@ -295,6 +295,17 @@ def validate_rope_scaling(scaling: RopeScaling) -> None:
         raise ConfigError(
             f"{name}: needs beta_fast ({scaling.beta_fast}) > beta_slow ({scaling.beta_slow}) > 0"
         )
+    pairs = rotary_dim // 2
+    factors = (scaling.short_factor, scaling.long_factor)
+    if scaling.type is RopeScalingType.longrope and not all(
+        len(f) == pairs and all(x > 0 for x in f) for f in factors
+    ):
+        raise ConfigError(
+            f"{name}: short_factor and long_factor need {pairs} positive factors each, one per rotary "
+            f"pair (they have {len(scaling.short_factor)} and {len(scaling.long_factor)})"
+        )
+    if scaling.type is not RopeScalingType.longrope and any(factors):
+        raise ConfigError(f"{name}: short_factor and long_factor are longrope's; leave them empty")
 
 
 # each image tower's own checks of model.vision

@@ -1,6 +1,7 @@
 """Rotary position embedding's tables: the angle of each rotary pair at each position, with the
 long-context frequency schedules (model.rope_scaling) transcribed from transformers'
-ROPE_INIT_FUNCTIONS (modeling_rope_utils.py: _compute_llama3_parameters, _compute_yarn_parameters),
+ROPE_INIT_FUNCTIONS (modeling_rope_utils.py: _compute_llama3_parameters, _compute_yarn_parameters,
+_compute_longrope_parameters),
 which tests/test_rope.py compares against. kernels.apply_rope turns the heads by them.
 """
 
@@ -28,7 +29,17 @@ def rope_table(
     are its schedule's, and yarn scales sin and cos by its attention factor. Computed once per
     forward pass, not per layer."""
     half = head_dim // 2
-    if scaling is None or scaling.type is RopeScalingType.none:
+    if scaling is not None and scaling.type is RopeScalingType.longrope:
+        short_h, long_h, magnitude = longrope_frequencies(base, head_dim, scaling)
+        # a row past original_context turns by long_factor's frequencies, every position of it
+        # (transformers picks by max(position_ids) + 1 of the whole call; here each row's, so that a
+        # request's tokens do not depend on the requests beside it)
+        long_B11 = (jnp.max(positions_BT, axis=-1) + 1 > scaling.original_context)[:, None, None]
+        inv_freq_B1h = jnp.where(
+            long_B11, jnp.asarray(long_h, jnp.float32), jnp.asarray(short_h, jnp.float32)
+        )
+        angle_BTh = positions_BT[..., None].astype(jnp.float32) / scale * inv_freq_B1h
+    elif scaling is None or scaling.type is RopeScalingType.none:
         timescale = base ** (2.0 * jnp.arange(half, dtype=jnp.float32) / head_dim)
         angle_BTh = positions_BT[..., None].astype(jnp.float32) / scale / timescale
         magnitude = 1.0
@@ -41,6 +52,20 @@ def rope_table(
     if magnitude != 1.0:
         sin, cos = sin * magnitude, cos * magnitude
     return sin[:, :, None, None, :], cos[:, :, None, None, :]
+
+
+def longrope_frequencies(
+    base: float, head_dim: int, scaling: RopeScaling
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """LongRoPE's (short and long angular frequencies [H/2], the factor on sin and cos), as
+    transformers' _compute_longrope_parameters: each pair's frequency divided by its factor."""
+    inv_freq = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    short, long = (inv_freq / np.asarray(f, np.float64) for f in (scaling.short_factor, scaling.long_factor))
+    attention = scaling.attention_factor
+    if attention is None:
+        factor, context = scaling.factor, scaling.original_context
+        attention = math.sqrt(1 + math.log(factor) / math.log(context)) if factor > 1 else 1.0
+    return short, long, float(attention)
 
 
 def scaled_frequencies(base: float, head_dim: int, scaling: RopeScaling) -> tuple[np.ndarray, float]:

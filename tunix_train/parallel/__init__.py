@@ -25,6 +25,7 @@ from tunix_train.config import (
     LoraConfig,
     ModelConfig,
     Remat,
+    RopeScalingType,
     TrainingConfig,
 )
 from tunix_train.model.factory import model_structure
@@ -219,6 +220,11 @@ def _schedule(pp: int, model: ModelConfig, training: TrainingConfig) -> pipeline
 
 
 def _context(cp: int, model: ModelConfig, training: TrainingConfig, seq_len: int) -> context.ContextAttention:
+    if model.rope_scaling.type is RopeScalingType.longrope:
+        raise ConfigError(
+            "model.rope_scaling longrope picks its factors by each sequence's length, which a cp shard "
+            "does not see whole: drop the cp mesh axis"
+        )
     if seq_len % (2 * cp):
         raise ConfigError(
             f"data.seq_len={seq_len} must be divisible by 2 x cp = {2 * cp}: each cp shard holds two "

@@ -6,6 +6,7 @@ the MLP, RoPE types other than linear, llama3 and yarn) is refused in one line n
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from tunix_train.config import (
@@ -40,6 +41,8 @@ _ROPE_KEYS = {  # ours -> transformers' rope_parameters key
     "beta_slow": "beta_slow",
     "attention_factor": "attention_factor",
     "truncate": "truncate",
+    "short_factor": "short_factor",
+    "long_factor": "long_factor",
 }
 
 
@@ -54,11 +57,22 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, float, RopeScaling]:
         return theta, 1.0, RopeScaling()
     if kind == "linear":
         return theta, float(rope["factor"]), RopeScaling()
-    if kind not in ("llama3", "yarn"):
+    if kind not in ("llama3", "yarn", "longrope"):
         raise ConfigError(
-            f"model.init_from: rope_scaling type {kind!r} is not supported (default, linear, llama3, yarn)"
+            f"model.init_from: rope_scaling type {kind!r} is not supported (default, linear, llama3, yarn, "
+            f"longrope)"
         )
     values = {ours: rope[theirs] for ours, theirs in _ROPE_KEYS.items() if rope.get(theirs) is not None}
+    if kind == "longrope":  # Phi-3: the pre-training context beside rope_scaling, the factor their ratio
+        values.setdefault("original_context", hf.get("original_max_position_embeddings"))
+        if not values.get("original_context"):
+            raise ConfigError(
+                "model.init_from: longrope needs config.json's original_max_position_embeddings"
+            )
+        values.setdefault("factor", hf.get("max_position_embeddings", 0) / values["original_context"])
+        values["short_factor"], values["long_factor"] = (
+            [float(x) for x in rope.get(key) or []] for key in ("short_factor", "long_factor")
+        )
     if "original_context" not in values and hf.get("max_position_embeddings") and kind == "yarn":
         values["original_context"] = hf["max_position_embeddings"] // int(values.get("factor", 1))
     return theta, 1.0, RopeScaling(type=RopeScalingType(kind), **values)
@@ -75,11 +89,11 @@ def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
                 "factor": cfg.rope_scale_global,
             }
         return {"rope_type": "default", "rope_theta": cfg.rope_base_global}
-    keys = ["factor", "original_context"] + (
-        ["low_freq_factor", "high_freq_factor"]
-        if scaling.type is RopeScalingType.llama3
-        else ["beta_fast", "beta_slow", "attention_factor", "truncate"]
-    )
+    keys = ["factor", "original_context"] + {
+        RopeScalingType.llama3: ["low_freq_factor", "high_freq_factor"],
+        RopeScalingType.yarn: ["beta_fast", "beta_slow", "attention_factor", "truncate"],
+        RopeScalingType.longrope: ["attention_factor", "short_factor", "long_factor"],
+    }[scaling.type]
     return {
         "rope_type": scaling.type.value,
         "rope_theta": cfg.rope_base_global,
@@ -129,7 +143,7 @@ def window_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     transformers stretches every layer's RoPE by rope_scaling, the decoder only its global
     layers': a window with a scaled RoPE is refused."""
     window = hf.get("sliding_window")
-    if not window:
+    if not window or window >= hf.get("max_position_embeddings", math.inf):  # none, or one never reached
         return dict(NO_WINDOWS)
     _, linear, scaling = rope_from_hf(hf)
     if linear != 1.0 or scaling.type is not RopeScalingType.none:

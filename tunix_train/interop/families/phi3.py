@@ -1,7 +1,8 @@
 """Phi-3: transformers' Phi3ForCausalLM, llama.cpp's `phi3`. Llama's decoder whose checkpoints fuse
 q, k and v into one `qkv_proj` and the MLP's gate and up into one `gate_up_proj` (rows one part
 after another; llama.cpp's attn_qkv and ffn_up alike), with every layer local where config.json's
-sliding_window is set. Rotary over every head dimension (partial_rotary_factor 1)."""
+sliding_window is set (and reached). Rotary over every head dimension (partial_rotary_factor 1);
+the long-context models' LongRoPE (model.rope_scaling type longrope)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     config = llama_like.llama_to_hf(cfg, "phi3")
+    scaling = cfg.rope_scaling  # LongRoPE's pre-training context sits beside rope_parameters
     return {
         **config,
-        "original_max_position_embeddings": config["max_position_embeddings"],
+        "original_max_position_embeddings": scaling.original_context or config["max_position_embeddings"],
         "sliding_window": llama_like.window_to_hf(cfg, "phi3"),
         "pad_token_id": None,  # transformers' default (32000) would sit past a smaller vocabulary
     }
