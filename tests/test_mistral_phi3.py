@@ -173,6 +173,34 @@ def test_longrope_logits_short_and_long_and_greedy_tokens_equal_transformers(tmp
         model.export_gguf(tmp_path / "model.gguf", "f32")
 
 
+def test_longrope_with_cp_is_one_line_and_a_window_never_reached_is_none():
+    """A cp shard does not see its sequence's length, which LongRoPE picks its factors by; and
+    Phi-3-mini-128k's sliding_window (262144, past its 131072 positions) is no window."""
+    from tunix_train.config import ConfigError
+    from tunix_train.interop import families
+    from tunix_train.train.setup import setup
+
+    factors = "[" + ",".join(["1.0"] * 8) + "]"
+    cfg = config(
+        "model=phi3_tiny",
+        "model.local_layers_per_global=0",
+        "model.sliding_window=null",
+        "model.rope_scaling.type=longrope",
+        "model.rope_scaling.factor=4.0",
+        "model.rope_scaling.original_context=8",
+        f"model.rope_scaling.short_factor={factors}",
+        f"model.rope_scaling.long_factor={factors}",
+        "model.mesh_shape=[[2,2],[fsdp,cp]]",
+    )
+    with pytest.raises(ConfigError, match="longrope picks its factors by each sequence's length"):
+        setup(cfg, jax.devices()[:4])
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    hf = {**SIZES, "sliding_window": 262144, "max_position_embeddings": 131072, "rope_scaling": rope}
+    fields = families.named("phi3").from_hf({**hf, "original_max_position_embeddings": 4096})
+    assert (fields["local_layers_per_global"], fields["sliding_window"]) == (0, None)
+    assert fields["rope_scaling"].factor == 32.0
+
+
 @pytest.mark.parametrize("window", ["4096", -5, 2.5, True])
 def test_a_sliding_window_key_that_is_no_count_is_one_line(tmp_path, window):
     from tunix_train.config import ConfigError
