@@ -86,6 +86,7 @@ GEMMA4 = {
 }
 # Tiny Llama 3 and Qwen 2.5 / 3 models: (transformers' config and model class, config values).
 # The rope variants rotate positions past a pre-training context shorter than SEQ.
+PHI3_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # Phi3Config's pad id (32000) is past ours
 LLAMA_QWEN = {
     "llama": ("Llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 5e5})),
     "llama_tied": ("Llama", dict(tie_word_embeddings=True)),
@@ -130,16 +131,14 @@ LLAMA_QWEN = {
         dict(sliding_window=WINDOW, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     ),
     "mistral_full": ("Mistral", dict(sliding_window=None)),
-    "phi3": ("Phi3", dict(sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
-    "phi3_full": ("Phi3", dict(sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "phi3": ("Phi3", dict(sliding_window=WINDOW, **PHI3_IDS)),
+    "phi3_full": ("Phi3", dict(sliding_window=None, **PHI3_IDS)),
     # LongRoPE past a pre-training context of 8 (Phi-3-mini-128k's, small): factors of each rotary pair
     "phi3_longrope": (
         "Phi3",
         dict(
             sliding_window=None,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
+            **PHI3_IDS,
             max_position_embeddings=32,
             original_max_position_embeddings=8,
             rope_parameters={
