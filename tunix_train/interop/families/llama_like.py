@@ -69,7 +69,8 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, float, RopeScaling]:
             raise ConfigError(
                 "model.init_from: longrope needs config.json's original_max_position_embeddings"
             )
-        values.setdefault("factor", hf.get("max_position_embeddings", 0) / values["original_context"])
+        positions = hf.get("max_position_embeddings") or values["original_context"]
+        values.setdefault("factor", positions / values["original_context"])
         values["short_factor"], values["long_factor"] = (
             [float(x) for x in rope.get(key) or []] for key in ("short_factor", "long_factor")
         )
@@ -143,7 +144,7 @@ def window_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     transformers stretches every layer's RoPE by rope_scaling, the decoder only its global
     layers': a window with a scaled RoPE is refused."""
     window = hf.get("sliding_window")
-    if not window or window >= hf.get("max_position_embeddings", math.inf):  # none, or one never reached
+    if not window or window >= (hf.get("max_position_embeddings") or math.inf):  # none, or one never reached
         return dict(NO_WINDOWS)
     _, linear, scaling = rope_from_hf(hf)
     if linear != 1.0 or scaling.type is not RopeScalingType.none:
