@@ -90,7 +90,7 @@ def main(argv: list[str]) -> int:
 
     from tunix_train import api
     from tunix_train.compose import load_config
-    from tunix_train.generate import Engine, Request
+    from tunix_train.generate import Engine, Request, Tuning
     from tunix_train.generate.cache import cache_bytes
     from tunix_train.interop import hf
     from tunix_train.model import quant
@@ -109,7 +109,7 @@ def main(argv: list[str]) -> int:
         params = plan_train_state(model_cfg, make_optimizer(cfg.training)[0], mesh, seed=0).create().params
     if args.dtype == "bf16":
         params = quant.cast(params, jax.numpy.bfloat16)
-    engine = Engine(model_cfg, mesh, slots=None, chunk=args.chunk)
+    engine = Engine(model_cfg, mesh, slots=None, tuning=Tuning(chunk=args.chunk))
     # one cache length for the first token and the whole run: one compiled program, whose decode the
     # difference times
     max_len = args.prompt_len + args.new_tokens

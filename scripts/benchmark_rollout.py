@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
     import numpy as np
 
     from tunix_train.compose import load_config
-    from tunix_train.generate import Engine, Request, Sampling
+    from tunix_train.generate import Engine, Request, Sampling, Tuning
     from tunix_train.model import quant
     from tunix_train.sharding import make_mesh
     from tunix_train.train.init import plan_train_state
@@ -182,7 +182,7 @@ def main(argv: list[str]) -> int:
         for i, p in enumerate(p for p in prompts for _ in range(args.group))
     ]
     for name, prefix_cache in (("shared", 4), ("separate", 0)):
-        rollout = Engine(cfg.model, mesh, slots=None, prefix_cache=prefix_cache)
+        rollout = Engine(cfg.model, mesh, slots=None, tuning=Tuning(prefix_cache=prefix_cache))
         timed(rollout, group, warm_whole=False)
         figures[f"prefill_s_{name}"] = rollout.stats["prefill_s"]
         figures[f"rollout_s_{name}"] = rollout.stats["prefill_s"] + rollout.stats["decode_s"]

@@ -13,7 +13,7 @@ from flax import nnx
 
 from tunix_train import api
 from tunix_train.config import ConfigError, Remat
-from tunix_train.generate import Engine, Request, Sampling
+from tunix_train.generate import Engine, Request, Sampling, Tuning
 from tunix_train.generate.sampling import Kinds, categorical, draw, top_p_threshold
 from tunix_train.generate.sampling import Rules as SamplingRules
 from tunix_train.observe.memory import OutOfMemory
@@ -162,7 +162,7 @@ def test_generate_starts_the_requests_with_the_most_new_tokens_first():
 def test_a_shared_prefix_is_prefilled_once_and_gives_the_tokens_of_separate_prefills():
     mesh, params = _on("fsdp4_tp2")
     group = [Request(tuple(PROMPTS[0]), 12, Sampling(1.0), seed=2, stream=i) for i in range(8)]
-    shared, separate = Engine(CFG, mesh), Engine(CFG, mesh, prefix_cache=0)
+    shared, separate = Engine(CFG, mesh), Engine(CFG, mesh, tuning=Tuning(prefix_cache=0))
     got, want = shared.generate(params, group), separate.generate(params, group)
     assert (shared.stats["prefills"], separate.stats["prefills"]) == (1, 8)
     # a session that lives on (a server's) reuses the prompt's kept prefill for a later request

@@ -468,14 +468,14 @@ def test_no_dequantized_layer_is_kept_for_the_backward_pass(remat, monkeypatch):
 
     from tunix_train.config import Remat
     from tunix_train.model import kernels
-    from tunix_train.model.decoder import Decoder
+    from tunix_train.model.decoder import Decoder, LayerLoop
     from tunix_train.model.weights import Weights
 
     def kept(kind):
         cfg = config(*QLORA, f"training.lora.base_quantization={kind}")
         weights = Weights.for_run(cfg, keeps_reference=False)
         graphdef, params = nnx.split(
-            Decoder(cfg.model, nnx.Rngs(0), Remat(remat), lora=weights.lora), nnx.Param
+            Decoder(cfg.model, nnx.Rngs(0), LayerLoop(Remat(remat)), lora=weights.lora), nnx.Param
         )
         adapters, frozen = weights.split(params)
         tokens = jnp.zeros((3, 16), jnp.int32)

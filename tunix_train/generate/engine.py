@@ -47,32 +47,40 @@ def _draw(logits_BV, draws: Draws, count_B, kinds: Kinds):
     return draw(logits_BV, draws.rules, keys_B, kinds)
 
 
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """What the engine trades memory and compile time for, never a token: `chunk` decode steps per
+    compiled call, and how many recent prompts' prefills `prefix_cache` keeps for reuse (0: every
+    request is prefilled on its own)."""
+
+    chunk: int = 8
+    prefix_cache: int = 4
+
+
 class Engine:
     """Generates from a Gemma of `cfg` whose parameters are sharded over `mesh`, `slots` requests
     at a time (rounded up to the data-parallel size; None: all of a generate call's at once)."""
 
-    def __init__(  # noqa: PLR0913 (waived: issue 71)
+    def __init__(
         self,
         cfg: ModelConfig,
         mesh: Mesh,
         stop_ids: Sequence[int] = (),
         slots: Optional[int] = 16,
-        chunk: int = 8,
-        prefix_cache: int = 4,
+        tuning: Tuning = Tuning(),
         decode: Optional[Callable[[list[int]], str]] = None,
         lora: Optional[LoraConfig] = None,
         record_routes: bool = False,
     ):
         """stop_ids: the tokens that end a request (EOS, end of turn), excluded from its tokens.
-        prefix_cache: how many recent prompts' prefills are kept for reuse (0: every request is
-        prefilled on its own). decode: token ids -> text, for requests with stop strings. lora: the
+        decode: token ids -> text, for requests with stop strings. lora: the
         model carries these adapters apart from its base (a quantized base, Weights.for_engine).
         record_routes: each completion keeps the experts every layer chose for each of its
         positions (Completion.routes; a mixture-of-experts model), for routing replay."""
         # the engine keeps positions whole: a prompt or one decoded token is not split over cp
-        self.cfg, self.mesh, self.rules, self.chunk = cfg, mesh, LOGICAL_RULES.replace(seq=()), chunk
+        self.cfg, self.mesh, self.rules = cfg, mesh, LOGICAL_RULES.replace(seq=())
         self.stop_ids, self.decode = frozenset(int(i) for i in stop_ids), decode
-        self.slots, self.prefix_cache = slots, prefix_cache
+        self.slots, self.chunk, self.prefix_cache = slots, tuning.chunk, tuning.prefix_cache
         self.record_routes = record_routes and bool(cfg.num_experts)
         self.graphdef = model_graphdef(cfg, Remat.none, rules=self.rules, lora=lora)
         self.windows = tuple(int(w) for w in layer_windows(cfg))

@@ -69,16 +69,24 @@ class LayerRunner(Protocol):
     def run_layers(self, layers: Callable, layer_xs, x_BTD, rows: dict, make_attend: Callable): ...
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerLoop:
+    """How a pass runs the stack of layers: what the backward pass recomputes, and how many layers
+    each iteration of the scan over them takes (training.remat, training.scan_unroll)."""
+
+    remat: Remat = Remat.none
+    unroll: int = 1
+
+
 class Decoder(nnx.Module):
     """Token ids [B, T] -> float32 next-token logits [B, T, V]; the output layer is the embedding
     table (tie_embeddings) or its own [V, D]."""
 
-    def __init__(  # noqa: PLR0913 (waived: issue 71)
+    def __init__(
         self,
         cfg: ModelConfig,
         rngs: nnx.Rngs,
-        remat: Remat = Remat.none,
-        scan_unroll: int = 1,
+        loop: LayerLoop = LayerLoop(),
         attention: AttentionImpl = AttentionImpl.xla,
         rules: Rules = LOGICAL_RULES,
         parallel: LayerRunner | None = None,
@@ -92,7 +100,7 @@ class Decoder(nnx.Module):
 
         Parameters: `layers` when every layer has one shape (Gemma 1-3), a stack of them all;
         otherwise `groups[g][j]`, the stack of position j of group g's period over its repeats."""
-        self.cfg, self.remat, self.scan_unroll, self.attention = cfg, remat, scan_unroll, attention
+        self.cfg, self.remat, self.scan_unroll, self.attention = cfg, loop.remat, loop.unroll, attention
         self.rules, self.parallel = rules, parallel
         self.quantized_base = lora is not None and lora.base_quantization is not BaseQuantization.none
         D, V, L = cfg.embed_dim, cfg.vocab_size, cfg.num_layers
@@ -135,7 +143,7 @@ class Decoder(nnx.Module):
                 D,
                 nnx.Rngs(jax.random.fold_in(keys[0], 1)),
                 rules,
-                kernels.remat_policy(remat, quantized_base=False),
+                kernels.remat_policy(loop.remat, quantized_base=False),
                 lora,
             )
         )

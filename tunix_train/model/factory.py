@@ -12,8 +12,8 @@ from tunix_train.model.decoder import Decoder
 
 
 def build_model(cfg: ModelConfig, rngs: nnx.Rngs, **options) -> Decoder:
-    """The model of `cfg` with fresh parameters from `rngs`; options as Decoder takes them (remat,
-    scan_unroll, attention, rules, parallel, lora, experts)."""
+    """The model of `cfg` with fresh parameters from `rngs`; options as Decoder takes them (loop,
+    attention, rules, parallel, lora, experts)."""
     return Decoder(cfg, rngs, **options)
 
 

@@ -28,6 +28,7 @@ from tunix_train.config import (
     RopeScalingType,
     TrainingConfig,
 )
+from tunix_train.model.decoder import LayerLoop
 from tunix_train.model.factory import model_structure
 from tunix_train.model.layout import layer_groups, layer_types
 from tunix_train.parallel import context, pipeline
@@ -49,8 +50,7 @@ def model_graphdef(
     experts.MeshDispatch), without allocating any parameter."""
     return model_structure(
         model_cfg,
-        remat=remat,
-        scan_unroll=scan_unroll,
+        loop=LayerLoop(remat, scan_unroll),
         attention=attention,
         rules=rules,
         parallel=parallel,
