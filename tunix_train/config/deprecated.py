@@ -15,7 +15,7 @@ import copy
 import sys
 
 from tunix_train.config.fields import ConfigError
-from tunix_train.config.objectives import Objective
+from tunix_train.config.objectives import AdvantageEstimator, Objective, PolicyLoss, PreferenceLoss
 
 _TO_ROLLOUT = (
     "num_generations max_new_tokens temperature max_staleness iterations routing_replay reward "
@@ -45,17 +45,20 @@ _NAMED_BY = {
     "training.grpo.policy_loss": {"clip": "grpo", "cispo": "cispo"},
     "training.dpo.loss": {"sigmoid": "dpo", "ipo": "ipo", "orpo": "orpo", "simpo": "simpo"},
 }
-# the objectives that set one of those keys to another value than its default (configs/objective/)
-_WAS_SET_BY = {
-    "training.grpo.advantage": {"rloo", "reinforce_pp", "distill_on_policy", "gkd", "ppo"},
-    "training.grpo.policy_loss": {"cispo"},
-    "training.dpo.loss": set(),
-}
 _DEFAULT_OF = {
     "training.grpo.advantage": "grpo",
     "training.grpo.policy_loss": "grpo",
     "training.dpo.loss": "dpo",
 }
+
+
+def _sets_otherwise(key: str, objective: Objective) -> bool:
+    """Whether `objective`'s name fixes `key` to another value than its default (its preset set it)."""
+    return {
+        "training.grpo.advantage": objective.advantage not in (None, AdvantageEstimator.grpo),
+        "training.grpo.policy_loss": objective.policy_loss is not PolicyLoss.clip,
+        "training.dpo.loss": objective.preference_loss not in (None, PreferenceLoss.sigmoid),
+    }[key]
 
 
 def _notice(old: str, new: str) -> None:
@@ -104,7 +107,7 @@ def _objective_named(overrides: list[str], named: list[tuple[str, str]]) -> list
         if current is not Objective.lm and (current.preference_loss is None) == (key == "training.dpo.loss"):
             _notice(f"{key}={value}", f"nothing: it has no effect under objective={chosen}")
             continue
-        if name == _DEFAULT_OF[key] and chosen not in _WAS_SET_BY[key]:
+        if name == _DEFAULT_OF[key] and not _sets_otherwise(key, current):
             name = chosen  # the default: the chosen objective's (objective=dapo training.grpo.advantage=grpo)
         kept = "policy_loss" if key == "training.grpo.advantage" else "advantage"
         if current.on_policy and getattr(Objective(name), kept) is not getattr(current, kept):
