@@ -206,12 +206,13 @@ class _HostBatches:
 
 
 class PackedBatches(_HostBatches):
-    """Packed rows of documents."""
+    """Packed rows of documents, each as `features` makes it (DocumentFeatures: tokens and loss
+    masks)."""
 
     def __init__(
         self,
         documents: Sequence[dict[str, Any]],
-        features: DocumentFeatures,
+        features: Callable[[dict[str, Any]], dict[str, np.ndarray]],
         *,
         seq_len: int,
         accumulation_steps: int,
@@ -227,12 +228,10 @@ class PackedBatches(_HostBatches):
         )
         self._start(self._rows(streams, seq_len).batch(accumulation_steps), prefetch)
 
-    @staticmethod
-    def _prepared(features: DocumentFeatures, seq_len: int) -> Callable:
+    def _prepared(self, features: Callable, seq_len: int) -> Callable:
         return lambda docs: docs.map(features)
 
-    @staticmethod
-    def _rows(streams: list, seq_len: int):
+    def _rows(self, streams: list, seq_len: int):
         slots = [ConcatThenSplitIterDataset(s, length_struct={f: seq_len for f in PACKED}) for s in streams]
         return ZipIterDataset(slots).map(_stack_rows).map(_as_row)
 
@@ -242,12 +241,10 @@ class UnpackedBatches(PackedBatches):
     the loss), with its images padded to the features' images_per_row [I, C, H, W]: how rows with
     images are batched, so that no image is split between rows. Row slots as PackedBatches'."""
 
-    @staticmethod
-    def _prepared(features: DocumentFeatures, seq_len: int) -> Callable:
+    def _prepared(self, features: DocumentFeatures, seq_len: int) -> Callable:
         return lambda docs: docs.map(features).map(lambda doc: _padded(doc, seq_len, features.images_per_row))
 
-    @staticmethod
-    def _rows(streams: list, seq_len: int):
+    def _rows(self, streams: list, seq_len: int):
         return ZipIterDataset(streams).map(_stack_rows)
 
 
@@ -312,7 +309,7 @@ class GroupBatches(_HostBatches):
         self._start(ZipIterDataset(streams).map(_concatenate_groups).batch(accumulation_steps), prefetch)
 
 
-class PackedPairs(_HostBatches):
+class PackedPairs(PackedBatches):
     """Preference pairs packed whole into rows of seq_len (data.padding_free): a pair (its two padded
     rows, chosen then rejected, as DirectPreference builds them) is one sequence of its rows' used
     positions, each row keeping its own positions; grain's first-fit packing fills `bins` rows at a
@@ -320,27 +317,19 @@ class PackedPairs(_HostBatches):
     and its rejected one 2j + 2 (so no answer attends to another, and segment - 1 is the answer's
     index in the row: even chosen, odd rejected)."""
 
-    def __init__(
-        self,
-        pairs: Sequence[dict[str, np.ndarray]],
-        *,
-        seq_len: int,
-        accumulation_steps: int,
-        global_micro_batch: int,
-        seed: int | None,
-        rows: range | None = None,
-        prefetch: int = 4,
-        bins: int = 4,
-    ):
-        examples = [pair_sequence(p) for p in pairs]
-        lengths = {name: seq_len for name in examples[0]}
+    def __init__(self, pairs: Sequence[dict[str, np.ndarray]], bins: int = 4, **slots: Any):
+        """slots: PackedBatches' keywords (seq_len, accumulation_steps, global_micro_batch, seed,
+        rows, prefetch)."""
+        self._bins, self._names = bins, list(pair_sequence(pairs[0]))
+        super().__init__(pairs, pair_sequence, **slots)
+
+    def _rows(self, streams: list, seq_len: int):
+        lengths = {name: seq_len for name in self._names}
         slots = [
-            FirstFitPackIterDataset(s, length_struct=lengths, num_packing_bins=bins, shuffle_bins=False).map(
-                _pair_row
-            )
-            for s in _slot_streams(_ordered(examples, seed), global_micro_batch, rows)
+            FirstFitPackIterDataset(s, length_struct=lengths, num_packing_bins=self._bins, shuffle_bins=False)
+            for s in streams
         ]
-        self._start(ZipIterDataset(slots).map(_stack_rows).batch(accumulation_steps), prefetch)
+        return ZipIterDataset([slot.map(_pair_row) for slot in slots]).map(_stack_rows)
 
 
 def pair_sequence(pair: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

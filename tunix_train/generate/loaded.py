@@ -67,24 +67,15 @@ class LoadedModel:
         self,
         prompts: Sequence[Sequence[int] | str],
         max_new_tokens: int,
-        temperature: float = 0.0,
-        top_k: Optional[int] = None,
-        top_p: Optional[float] = None,
-        seed: int = 0,
         on_tokens: Optional[Callable[[int, list[int]], None]] = None,
-        images: Optional[Sequence[Any]] = None,
+        **sampling: Any,
     ) -> list[list[int]]:
         """New token ids for each prompt (token ids, or text encoded with BOS by the tokenizer),
         without the stop token: greedy at temperature 0, else sampled (prompt i draws from
         fold_in(key(seed), i): same seed, same tokens on any mesh and beside any other prompt).
-        on_tokens(prompt index, new tokens) as they are produced. images: per prompt, its images'
-        pixel values [I, C, H, W] in the order of its placeholders, or None."""
-        return [
-            c.tokens
-            for c in self.complete(
-                self.requests(prompts, max_new_tokens, temperature, top_k, top_p, seed, images), on_tokens
-            )
-        ]
+        on_tokens(prompt index, new tokens) as they are produced. sampling: requests' keywords."""
+        requests = self.requests(prompts, max_new_tokens, **sampling)
+        return [c.tokens for c in self.complete(requests, on_tokens)]
 
     def requests(
         self,
@@ -96,7 +87,8 @@ class LoadedModel:
         seed: int = 0,
         images: Optional[Sequence[Any]] = None,
     ) -> list[Request]:
-        """The engine's requests for `prompts` (see generate)."""
+        """The engine's requests for `prompts` (see generate). images: per prompt, its images' pixel
+        values [I, C, H, W] in the order of its placeholders, or None."""
         sampling = Sampling(temperature, top_k, top_p)
         images = [None] * len(prompts) if images is None else images
         return [

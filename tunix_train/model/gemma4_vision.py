@@ -24,8 +24,8 @@ from flax import nnx
 from tunix_train.config import LoraConfig, VisionConfig
 from tunix_train.model.common import RMSNorm, gelu_tanh, param
 from tunix_train.model.lora import Adapt, no_adapter
-from tunix_train.model.vision import adapted, scan_layers, stacked_layers
-from tunix_train.sharding import LOGICAL_RULES, Rules, constrain
+from tunix_train.model.vision import Tower, adapted, scan_layers, stacked_layers
+from tunix_train.sharding import constrain
 
 # a masked score: finite, so that an image of no patches gives no NaN
 NEVER = float(jnp.finfo(jnp.float32).min)
@@ -98,22 +98,12 @@ class EncoderLayer(nnx.Module):
         return x_NSD + self.post_mlp_norm(h)
 
 
-class Gemma4VisionTower(nnx.Module):
+class Gemma4VisionTower(Tower):
     """Images [N, S, C*P*P + 2] -> their embeddings [N, tokens_per_image, text_dim] (an image's own
     tokens first, token_counts of them)."""
 
-    def __init__(
-        self,
-        cfg: VisionConfig,
-        text_dim: int,
-        rngs: nnx.Rngs,
-        rules: Rules = LOGICAL_RULES,
-        remat_policy=None,
-        lora: LoraConfig | None = None,
-    ):
-        """remat_policy, lora: as VisionTower's."""
+    def build(self, cfg: VisionConfig, text_dim: int, rngs: nnx.Rngs, lora: LoraConfig | None) -> None:
         D, patch = cfg.embed_dim, cfg.num_channels * cfg.patch_size**2
-        self.cfg, self.rules, self.remat_policy = cfg, rules, remat_policy
         self.patch = param(rngs, (patch, D), (None, "embed"), patch)
         self.position = param(rngs, (2, cfg.position_table_size, D), (None, None, "embed"), 1)
         self.layers = stacked_layers(EncoderLayer, cfg, jax.random.split(rngs.params(), cfg.num_layers), lora)

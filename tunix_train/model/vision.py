@@ -124,8 +124,9 @@ def adapted(x, weight, lora, spec: str):
     return y if lora is None else y + lora(x)
 
 
-class VisionTower(nnx.Module):
-    """Pixel values [N, C, H, W] -> the images' embeddings [N, tokens_per_image, text_dim]."""
+class Tower(nnx.Module):
+    """An image tower: images -> their embeddings [N, tokens_per_image, text_dim]. Each encoder
+    builds its parameters in `build`, in the order that fixes their random draws."""
 
     def __init__(
         self,
@@ -138,8 +139,19 @@ class VisionTower(nnx.Module):
     ):
         """remat_policy: what each encoder layer keeps for the backward pass (training.remat's, as
         the text layers'); None: everything. lora: adapters on its vision_* targets."""
-        P, C, D = cfg.patch_size, cfg.num_channels, cfg.embed_dim
         self.cfg, self.rules, self.remat_policy = cfg, rules, remat_policy
+        self.build(cfg, text_dim, rngs, lora)
+
+    def build(self, cfg: VisionConfig, text_dim: int, rngs: nnx.Rngs, lora: LoraConfig | None) -> None:
+        raise NotImplementedError
+
+
+class VisionTower(Tower):
+    """SigLIP (Gemma 3): pixel values [N, C, H, W] -> the images' embeddings [N, tokens_per_image,
+    text_dim]."""
+
+    def build(self, cfg: VisionConfig, text_dim: int, rngs: nnx.Rngs, lora: LoraConfig | None) -> None:
+        P, C, D = cfg.patch_size, cfg.num_channels, cfg.embed_dim
         self.patch = param(rngs, (P * P * C, D), (None, "embed"), P * P * C)  # rows: (y, x, channel)
         self.patch_bias = nnx.Param(jnp.zeros((D,), jnp.float32), axes=("norm",))
         self.position = param(rngs, (cfg.patches_per_side**2, D), (None, "embed"), 1)

@@ -13,6 +13,30 @@ from tunix_train import exit_codes
 from tunix_train.cpu_devices import mesh_shape_argument
 
 API_KEY_VARIABLE = "TUNIX_API_KEY"
+# What the server holds and what one request may take: flag, type, default, least value, help
+BOUNDS = (
+    ("--slots", int, 16, 1, "requests decoded at once"),
+    ("--max_len", int, 2048, 2, "prompt plus completion tokens of one request, at most"),
+    ("--max_queue", int, 256, 0, "requests waiting for a slot, at most (then 429)"),
+    ("--max_body_bytes", int, 2 << 20, 1, "a request body's size, at most (then 413)"),
+    ("--request_timeout_s", float, 600.0, 1e-3, "a reply's time, at most (then 504)"),
+    (
+        "--max_image_bytes",
+        int,
+        10 << 20,
+        1,
+        "an image's size in a chat request, at most (then 413; the body must fit --max_body_bytes too)",
+    ),
+    ("--max_images", int, 8, 0, "images in one chat request, at most (then 400)"),
+    (
+        "--max_image_pixels",
+        int,
+        32 << 20,
+        1,
+        "pixels of one request's images together, read from their headers before any is decoded, "
+        "at most (then 400)",
+    ),
+)
 
 
 def _arguments(argv):
@@ -26,10 +50,8 @@ def _arguments(argv):
     parser.add_argument(
         "--mesh_shape", default=None, help="JSON [[sizes], [axis names]] (default: all devices on fsdp)"
     )
-    parser.add_argument("--slots", type=int, default=16, help="requests decoded at once")
-    parser.add_argument(
-        "--max_len", type=int, default=2048, help="prompt plus completion tokens of one request, at most"
-    )
+    for flag, kind, default, _, text in BOUNDS:
+        parser.add_argument(flag, type=kind, default=default, help=text)
     parser.add_argument("--name", default=None, help="the model's name in the API (default: the path's)")
     parser.add_argument(
         "--drain_s", type=float, default=30.0, help="on SIGTERM, seconds for requests in flight"
@@ -39,31 +61,6 @@ def _arguments(argv):
         default=None,
         help=f"the key clients send as 'Authorization: Bearer KEY' (default: ${API_KEY_VARIABLE}; "
         f"none: no key asked)",
-    )
-    parser.add_argument(
-        "--max_queue", type=int, default=256, help="requests waiting for a slot, at most (then 429)"
-    )
-    parser.add_argument(
-        "--max_body_bytes", type=int, default=2 << 20, help="a request body's size, at most (then 413)"
-    )
-    parser.add_argument(
-        "--request_timeout_s", type=float, default=600.0, help="a reply's time, at most (then 504)"
-    )
-    parser.add_argument(
-        "--max_image_bytes",
-        type=int,
-        default=10 << 20,
-        help="an image's size in a chat request, at most (then 413; the body must fit --max_body_bytes too)",
-    )
-    parser.add_argument(
-        "--max_images", type=int, default=8, help="images in one chat request, at most (then 400)"
-    )
-    parser.add_argument(
-        "--max_image_pixels",
-        type=int,
-        default=32 << 20,
-        help="pixels of one request's images together, read from their headers before any is decoded, "
-        "at most (then 400)",
     )
     parser.add_argument(
         "--allow_remote_images",
@@ -117,19 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         mesh_shape = mesh_shape_argument(args.mesh_shape)
     except ValueError as err:
         return fail(err)
-    for flag, value in (
-        ("--slots", args.slots),
-        ("--max_queue", args.max_queue + 1),
-        ("--max_body_bytes", args.max_body_bytes),
-        ("--request_timeout_s", args.request_timeout_s),
-        ("--max_image_bytes", args.max_image_bytes),
-        ("--max_images", args.max_images + 1),
-        ("--max_image_pixels", args.max_image_pixels),
-    ):
-        if value <= 0:
-            return fail(f"{flag}={value} must be positive")
-    if args.max_len < 2:
-        return fail("--max_len must be >= 2")
+    for flag, _, _, least, _ in BOUNDS:
+        value = getattr(args, flag[2:])
+        if not value >= least:  # nan too
+            return fail(f"{flag}={value} must be at least {least}")
     try:
         import uvicorn
 

@@ -16,6 +16,7 @@ from tunix_train.config import (
     RopeScaling,
     RopeScalingType,
 )
+from tunix_train.interop.families.family import Family
 from tunix_train.interop.families.gemma_like import GEMMA4_ONLY_OFF, hf_sizes, sizes_from_hf
 from tunix_train.interop.gguf_llama import LlamaGguf
 
@@ -199,3 +200,46 @@ HF_NAMES = {"layers.pre_ffw_norm.scale": "post_attention_layernorm.weight"}
 def gguf(architecture: str, **choices) -> LlamaGguf:
     """A family's LlamaGguf conventions (gguf_llama.py), Gemma 4's fields off."""
     return LlamaGguf(architecture, defaults=GEMMA4_ONLY_OFF, **choices)
+
+
+def dense(
+    name: str,
+    hf_architecture: str,
+    gguf_conventions: LlamaGguf | None = None,
+    *,
+    use_qk_norm: bool = False,
+    qkv_bias: bool = False,
+    refused: tuple[str, ...] = (),
+    written: dict[str, Any] | None = None,
+    windowed: bool = False,
+) -> Family:
+    """A family whose config.json is Llama's keys and nothing else of its own: LLAMA_DECODER with
+    the Q/K norms and q/k/v biases given, no experts; the `refused` keys must be unset; `written`,
+    constant keys its config.json adds; windowed: a sliding window both ways (window_from_hf), else
+    every layer global. GGUF: llama.cpp's architecture of the family's name unless given."""
+
+    def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+        refuse(hf, name, {key: hf.get(key) for key in refused})
+        return {**llama_from_hf(hf, name), **(window_from_hf(hf) if windowed else {})}
+
+    def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+        window = {"sliding_window": window_to_hf(cfg, name)} if windowed else {}
+        return {**llama_to_hf(cfg, name), **(written or {}), **window}
+
+    fixed = dict(
+        LLAMA_DECODER,
+        **({} if windowed else NO_WINDOWS),
+        use_qk_norm=use_qk_norm,
+        qkv_bias=qkv_bias,
+        num_experts=0,
+    )
+    return Family(
+        name,
+        (name,),
+        hf_architecture,
+        from_hf,
+        to_hf,
+        fixed,
+        gguf=gguf_conventions or gguf(name),
+        hf_names=HF_NAMES,
+    )
