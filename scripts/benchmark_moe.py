@@ -38,8 +38,8 @@ def dense_twin(overrides: list[str]) -> list[str]:
     from tunix_train.compose import load_config
 
     m = load_config(overrides)[0].model
-    width = m.hidden_dim + m.num_experts_per_token * m.moe_hidden_dim
-    return overrides + ["model.num_experts=0", f"model.hidden_dim={width}"]
+    width = m.hidden_dim + m.moe.experts_per_token * m.moe.hidden_dim
+    return overrides + ["model.moe.experts=0", f"model.hidden_dim={width}"]
 
 
 def dispatch_share(overrides: list[str], repeats: int = 20) -> dict:
@@ -57,7 +57,7 @@ def dispatch_share(overrides: list[str], repeats: int = 20) -> dict:
     m = cfg.model
     moe = MoE(m, nnx.Rngs(0), LOGICAL_RULES)
     X = cfg.training.micro_batch_size * cfg.data.seq_len
-    E, K = m.num_experts, m.num_experts_per_token
+    E, K = m.moe.experts, m.moe.experts_per_token
     x = jax.random.normal(jax.random.key(1), (X, m.embed_dim))
     weights, experts, _ = moe.route(jax.random.normal(jax.random.key(2), (X, m.embed_dim)))
     gate_up, down = moe.gate_up_EDCM[...], moe.down_EMD[...]
@@ -106,7 +106,7 @@ def expert_kernels(overrides: list[str], tokens: int, repeats: int = 10) -> dict
     cfg = load_config(overrides)[0]
     m = cfg.model
     dtype = jnp.bfloat16 if cfg.training.mixed_precision.value == "bf16" else jnp.float32
-    E, K, D, M = m.num_experts, m.num_experts_per_token, m.embed_dim, m.moe_hidden_dim
+    E, K, D, M = m.moe.experts, m.moe.experts_per_token, m.embed_dim, m.moe.hidden_dim
     router = jax.random.normal(jax.random.key(0), (D, E)) * D**-0.5
     _, experts_XK = jax.lax.top_k(jax.random.normal(jax.random.key(1), (tokens, D)) @ router, K)
     ids_A = jnp.sort(experts_XK.reshape(-1))

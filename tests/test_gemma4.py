@@ -182,10 +182,10 @@ def test_a_multimodal_checkpoint_loads_with_its_tower_and_its_text_logits_equal(
 def _moe(dispatch=MoeDispatch.dropless, capacity_factor=1.25, experts=8, top_k=2):
     cfg = config(
         "model=gemma4_moe_tiny",
-        f"model.num_experts={experts}",
-        f"model.num_experts_per_token={top_k}",
-        f"model.moe_dispatch={dispatch.value}",
-        f"model.moe_capacity_factor={capacity_factor}",
+        f"model.moe.experts={experts}",
+        f"model.moe.experts_per_token={top_k}",
+        f"model.moe.dispatch={dispatch.value}",
+        f"model.moe.capacity_factor={capacity_factor}",
     ).model
     moe = MoE(cfg, nnx.Rngs(0), LOGICAL_RULES)
     moe.expert_scale[...] = jnp.linspace(0.5, 1.5, experts)  # make the per-expert scale matter
@@ -388,8 +388,8 @@ def _assert_dropless_is_the_definition(experts_XK, ragged=False):
     "overrides, message",
     [
         (
-            ("model.num_experts_per_token=9",),
-            "model.num_experts_per_token=9 must be between 1 and model.num_experts=8",
+            ("model.moe.experts_per_token=9",),
+            "model.moe.experts_per_token=9 must be between 1 and model.moe.experts=8",
         ),
         (
             (
@@ -417,8 +417,8 @@ def test_bad_gemma4_configs_are_one_line_errors(overrides, message):
 
 
 def test_experts_not_divisible_by_ep_is_a_one_line_error():
-    cfg = config("model=gemma4_moe_tiny", "model.num_experts=6")
-    with pytest.raises(ConfigError, match=r"model.num_experts=6 is not divisible by the ep mesh axis \(4\)"):
+    cfg = config("model=gemma4_moe_tiny", "model.moe.experts=6")
+    with pytest.raises(ConfigError, match=r"model.moe.experts=6 is not divisible by the ep mesh axis \(4\)"):
         validate_model_for_mesh(cfg.model, make_mesh([[4], ["ep"]], jax.devices()[:4]))
 
 

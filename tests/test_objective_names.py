@@ -183,3 +183,55 @@ def test_an_old_key_in_a_users_config_file_names_its_new_key(tmp_path):
         _config(["--config-dir", str(tmp_path), "objective=mine", *NEW])
     moved = "'training.grpo.num_generations' moved to training.rollout.num_generations: set that instead"
     assert str(refused.value) == f"config key {moved}"
+
+
+# the experts' flat model keys (9424640) and their model.moe names
+MOE_KEYS = {
+    "model.num_experts=4": "model.moe.experts=4",
+    "model.num_experts_per_token=1": "model.moe.experts_per_token=1",
+    "model.moe_hidden_dim=32": "model.moe.hidden_dim=32",
+    "model.moe_router=softmax": "model.moe.router=softmax",
+    "model.moe_norm_topk_prob=false": "model.moe.norm_topk_prob=false",
+    "model.dense_mlp=false": "model.moe.dense_mlp=false",
+    "model.moe_dispatch=capacity": "model.moe.dispatch=capacity",
+    "model.moe_capacity_factor=2.0": "model.moe.capacity_factor=2.0",
+}
+
+
+def test_the_experts_old_model_keys_run_as_model_moe_with_one_line_each(capsys):
+    was = _config(["model=gemma4_moe_tiny", *MOE_KEYS])
+    notices = capsys.readouterr().err.strip().splitlines()
+    assert was == _config(["model=gemma4_moe_tiny", *MOE_KEYS.values()])
+    assert len(notices) == len(MOE_KEYS)
+    for (old, new), notice in zip(MOE_KEYS.items(), notices):
+        assert notice == (
+            f"tunix_train: {old.partition('=')[0]} is deprecated and will be removed: use "
+            f"{new.partition('=')[0]}"
+        )
+
+
+MOE_RUNS = {  # saved by 9424640, before model.moe (tests/golden/saved_configs_9424640/)
+    "gemma4_moe": ["model=gemma4_moe_tiny", "model.moe.dispatch=capacity", "model.moe.capacity_factor=2.0"],
+    "qwen3_moe": [
+        "model=qwen3_moe_tiny",
+        "model.moe.experts=16",
+        "model.moe.experts_per_token=4",
+        "model.moe.norm_topk_prob=false",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", MOE_RUNS)
+def test_a_run_saved_with_the_experts_flat_keys_is_the_same_run(tmp_path, name):
+    """Its saved config against the same run's command line now: no key differs, a fixed expert
+    key changed still refuses, a changeable one (dispatch) does not; the run's config reads with
+    its experts in model.moe."""
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    shutil.copy(SAVED.parent / "saved_configs_9424640" / f"{name}.yaml", run / ".hydra" / "config.yaml")
+    now = [*MOE_RUNS[name], "data=synthetic"]
+    check_same_run(run, _config(now))
+    check_same_run(run, _config([*now, "model.moe.dispatch=dropless"]))
+    with pytest.raises(ConfigError, match="holds a run with model.moe.experts_per_token="):
+        check_same_run(run, _config([*now, "model.moe.experts_per_token=3"]))
+    assert loader.run_config(run).model.moe == _config(now).model.moe

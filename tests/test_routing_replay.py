@@ -26,7 +26,7 @@ from tunix_train.train.loop import train
 from tunix_train.train.optimizer import make_optimizer
 
 MODELS = {
-    "qwen3_moe": ("model=qwen3_moe_tiny", "model.num_experts=16", "model.num_experts_per_token=4"),
+    "qwen3_moe": ("model=qwen3_moe_tiny", "model.moe.experts=16", "model.moe.experts_per_token=4"),
     "gemma4_moe": ("model=gemma4_moe_tiny",),
 }
 
@@ -53,7 +53,7 @@ def _logprobs(cfg, params, sequences, prompt_len, replay=None):
 )
 def test_the_engine_records_the_experts_and_replaying_them_gives_its_logprobs(name):
     cfg, mesh, params = _model(name)
-    E, K = cfg.num_experts, cfg.num_experts_per_token
+    E, K = cfg.moe.experts, cfg.moe.experts_per_token
     engine = Engine(cfg, mesh, record_routes=True, slots=2)  # 3 requests in 2 slots: one inserted mid-run
     requests = [Request((1, 2, 3, 4 + i), 20, Sampling(temperature=1.0), 0, i) for i in range(3)]
     with jax.set_mesh(mesh):
@@ -89,7 +89,7 @@ def test_replayed_experts_reach_every_pipeline_stage_and_repeat():
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, m.vocab_size, (4, 17)))
     # each token's k distinct experts in each layer [4, 16, L, k]
-    routes = np.argsort(rng.random((4, 16, m.num_layers, m.num_experts)), -1)[..., : m.num_experts_per_token]
+    routes = np.argsort(rng.random((4, 16, m.num_layers, m.moe.experts)), -1)[..., : m.moe.experts_per_token]
 
     def logprobs(mesh_shape, routes):
         mesh = make_mesh(mesh_shape, jax.devices()[: np.prod(mesh_shape[0])])
@@ -108,7 +108,7 @@ def test_replayed_experts_reach_every_pipeline_stage_and_repeat():
 
     one = logprobs([[1], ["fsdp"]], routes)
     np.testing.assert_allclose(logprobs([[2], ["pp"]], routes), one, atol=1e-5, rtol=0)
-    other = logprobs([[2], ["pp"]], (routes + 1) % m.num_experts)
+    other = logprobs([[2], ["pp"]], (routes + 1) % m.moe.experts)
     assert np.abs(other - one).max() > 1e-3
 
 
@@ -190,7 +190,7 @@ def test_a_resumed_grpo_run_with_routing_replay_equals_the_straight_one(tmp_path
     "model, mesh, message",
     [
         (("model=gemma3_tiny",), "[[1], [fsdp]]", "model gemma3_tiny has none"),
-        ((*MODELS["qwen3_moe"], "model.num_experts=300"), "[[1], [fsdp]]", "more than 256"),
+        ((*MODELS["qwen3_moe"], "model.moe.experts=300"), "[[1], [fsdp]]", "more than 256"),
     ],
 )
 def test_routing_replay_where_it_cannot_run_is_one_line(tmp_path, model, mesh, message):

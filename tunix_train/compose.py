@@ -307,15 +307,15 @@ def _check_ppo(t: TrainingConfig, m: ModelConfig) -> None:
 
 def _check_routing_replay(m: ModelConfig) -> None:
     """What training.rollout.routing_replay needs: experts, each recorded in a byte."""
-    if not m.num_experts:
+    if not m.moe.experts:
         raise ConfigError(
             f"training.rollout.routing_replay replays the experts the engine chose: model {m.name} has "
-            f"none (model.num_experts=0); set it to false"
+            f"none (model.moe.experts=0); set it to false"
         )
-    if m.num_experts > 256:
+    if m.moe.experts > 256:
         raise ConfigError(
-            f"training.rollout.routing_replay records each expert in a byte: model.num_experts="
-            f"{m.num_experts} is more than 256"
+            f"training.rollout.routing_replay records each expert in a byte: model.moe.experts="
+            f"{m.moe.experts} is more than 256"
         )
 
 

@@ -104,7 +104,7 @@ def plan(overrides: list[str]):
             for b in batch.values()
         ),
     }
-    if cfg.model.num_experts:
+    if cfg.model.moe.experts:
         experts = _expert_leaves(run.plan.abstract.params)
         figures["experts (of the parameters)"] = _shard_bytes(
             experts, _expert_leaves(run.plan.shardings.params)
@@ -141,7 +141,7 @@ def parameter_counts(cfg, params) -> tuple[int, int]:
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     experts = sum(math.prod(x.shape) for x in _expert_leaves(params).values())
     m = cfg.model
-    active = total - experts + (experts * m.num_experts_per_token // m.num_experts if m.num_experts else 0)
+    active = total - experts + (experts * m.moe.experts_per_token // m.moe.experts if m.moe.experts else 0)
     return total, active
 
 
@@ -187,11 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     for line in run.parallel.describe() if run.parallel else ():
         print(line)
     total, active = parameter_counts(cfg, run.plan.abstract.params)
-    if cfg.model.num_experts:
+    if cfg.model.moe.experts:
         print(
             f"parameters: {total:,}, of which {active:,} active per token "
-            f"({cfg.model.num_experts_per_token} of "
-            f"{cfg.model.num_experts} experts); experts split over ep={run.mesh.shape.get('ep', 1)}"
+            f"({cfg.model.moe.experts_per_token} of "
+            f"{cfg.model.moe.experts} experts); experts split over ep={run.mesh.shape.get('ep', 1)}"
         )
     else:
         print(f"parameters: {total:,}")

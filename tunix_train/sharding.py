@@ -270,14 +270,14 @@ def validate_model_for_mesh(model: ModelConfig, mesh: Mesh) -> None:
             raise ConfigError(
                 f"{key}={value} is not divisible by the tp mesh axis ({tp}); choose a tp size that divides it"
             )
-    if model.num_experts and model.num_experts % ep:
+    if model.moe.experts and model.moe.experts % ep:
         raise ConfigError(
-            f"model.num_experts={model.num_experts} is not divisible by the ep mesh axis ({ep}); "
+            f"model.moe.experts={model.moe.experts} is not divisible by the ep mesh axis ({ep}); "
             f"choose an ep size that divides it"
         )
-    if model.num_experts and model.moe_hidden_dim % tp:
+    if model.moe.experts and model.moe.hidden_dim % tp:
         raise ConfigError(
-            f"model.moe_hidden_dim={model.moe_hidden_dim} is not divisible by the tp mesh axis ({tp})"
+            f"model.moe.hidden_dim={model.moe.hidden_dim} is not divisible by the tp mesh axis ({tp})"
         )
 
 

@@ -29,12 +29,15 @@ from tunix_train.config.model import (  # noqa: F401  (re-exported)
     EncoderTraits,
     ImageAttention,
     ModelConfig,
+    MoeConfig,
     MoeDispatch,
     MoeRouter,
     RopeScaling,
     RopeScalingType,
     VisionConfig,
     VisionEncoder,
+    field_of,
+    with_fields,
 )
 from tunix_train.config.objectives import (  # noqa: F401  (re-exported: the schema's one import)
     AdvantageEstimator,

@@ -6,7 +6,8 @@ run resumes.
 Since the objectives were named (2026-12): an algorithm is training.objective's value, not
 training.grpo.advantage, training.grpo.policy_loss or training.dpo.loss; what the on-policy
 objectives sample moved from training.grpo to training.rollout; RLOO's normalize_advantages to
-training.rloo. The old keys work for one release.
+training.rloo. The experts' model keys (model.num_experts, ...) moved to model.moe. The old keys
+work for one release.
 """
 
 from __future__ import annotations
@@ -23,12 +24,23 @@ _TO_ROLLOUT = (
     "dynamic_sampling dynamic_sampling_rounds tools environment max_turns tool_timeout_s max_tool_calls "
     "max_tool_result_tokens tool_processes eval_samples eval_k eval_pass_reward"
 ).split()
+_TO_MOE = {  # the experts' flat model keys -> their names in model.moe
+    "num_experts": "experts",
+    "num_experts_per_token": "experts_per_token",
+    "moe_hidden_dim": "hidden_dim",
+    "moe_router": "router",
+    "moe_norm_topk_prob": "norm_topk_prob",
+    "dense_mlp": "dense_mlp",
+    "moe_dispatch": "dispatch",
+    "moe_capacity_factor": "capacity_factor",
+}
 MOVED = {
     **{f"training.grpo.{name}": f"training.rollout.{name}" for name in _TO_ROLLOUT},
     "training.grpo.rollout_mesh_shape": "training.rollout.mesh_shape",
     "training.grpo.rollout_slots": "training.rollout.slots",
     "training.grpo.rollout_dtype": "training.rollout.dtype",
     "training.grpo.normalize_advantages": "training.rloo.normalize_advantages",
+    **{f"model.{old}": f"model.moe.{new}" for old, new in _TO_MOE.items()},
 }
 
 # the keys that chose an algorithm: each value -> the objective it names now
@@ -152,11 +164,6 @@ def _objective_before_it_was_named(training: dict) -> None:
     moved keys moved, the algorithm (objective=grpo or dpo with the key that chose it) named."""
     grpo, dpo = training.get("grpo"), training.get("dpo")
     if isinstance(grpo, dict):
-        for old, new in MOVED.items():
-            name = old.removeprefix("training.grpo.")
-            if name in grpo:
-                section, _, field = new.removeprefix("training.").partition(".")
-                training.setdefault(section, {})[field] = grpo.pop(name)
         advantage, policy_loss = grpo.pop("advantage", "grpo"), grpo.pop("policy_loss", "clip")
         if training.get("objective") == "grpo":
             named = _NAMED_BY["training.grpo.advantage"][advantage]
@@ -169,10 +176,28 @@ def _objective_before_it_was_named(training: dict) -> None:
             training["objective"] = _NAMED_BY["training.dpo.loss"][loss]
 
 
+def _moved(saved: dict) -> None:
+    """Each MOVED key that `saved` holds, moved to its new place."""
+    for old, new in MOVED.items():
+        *path, last = old.split(".")
+        node = saved
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last in node:
+            value = node.pop(last)
+            *path, last = new.split(".")
+            node = saved
+            for part in path:
+                node = node.setdefault(part, {})
+            node[last] = value
+
+
 def upgraded(saved: dict) -> dict:
-    """A saved config (nested dicts) as this version reads it: RETIRED_KEYS taken out, model.family
-    where it was saved before the key existed, and the objective named (_objective_before_it_was_named)."""
+    """A saved config (nested dicts) as this version reads it: RETIRED_KEYS taken out, the MOVED
+    keys moved, model.family where it was saved before the key existed, and the objective named
+    (_objective_before_it_was_named)."""
     saved = copy.deepcopy(saved)
+    _moved(saved)
     model, training = saved.get("model"), saved.get("training")
     if isinstance(model, dict) and "family" not in model:
         model["family"] = _family_before_it_was_declared(model)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, List, Optional
+import functools
+from typing import Any, List, Mapping, Optional
 
 from omegaconf import MISSING
 
@@ -33,7 +34,7 @@ class MoeRouter(enum.Enum):
     # multiplied by its expert's learned scale
     gemma4 = "gemma4"
     # Qwen 3 MoE, Mixtral: a linear gate on the layer's normed input; the top k renormalised where
-    # moe_norm_topk_prob
+    # norm_topk_prob
     softmax = "softmax"
 
 
@@ -175,6 +176,23 @@ class VisionConfig:
         return (self.num_channels, self.image_size, self.image_size)
 
 
+@dataclasses.dataclass
+class MoeConfig:
+    """model.moe: a mixture of experts in every layer, beside the dense MLP (Gemma 4) or in its place
+    (Qwen 3 MoE, Mixtral); experts 0: none (docs/models.md)."""
+
+    experts: int = _fixed(0)
+    experts_per_token: int = _fixed(0)  # top-k
+    hidden_dim: int = _fixed(0)  # each expert's MLP width
+    router: MoeRouter = _fixed(MoeRouter.gemma4)
+    norm_topk_prob: bool = _fixed(True)  # router=softmax: the top k weights renormalised to sum to 1
+    # Whether a layer with experts keeps its dense MLP beside them (Gemma 4); false: the experts
+    # take the MLP's place, reading its normed input (Qwen 3 MoE, Mixtral).
+    dense_mlp: bool = _fixed(True)
+    dispatch: MoeDispatch = _changeable(MoeDispatch.dropless)
+    capacity_factor: float = _changeable(1.25)  # dispatch=capacity: slots per expert over the even share
+
+
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names, as in layer_types
 
 
@@ -235,18 +253,8 @@ class ModelConfig:
     per_layer_input_dim: int = _fixed(0)
     per_layer_input_vocab_size: Optional[int] = _fixed(None)  # null: vocab_size
     use_layer_scalar: bool = _fixed(False)  # each layer's output is multiplied by a learned scalar
-    # Mixture of experts beside the dense MLP in every layer (0 experts: none).
-    num_experts: int = _fixed(0)
-    num_experts_per_token: int = _fixed(0)  # top-k
-    moe_hidden_dim: int = _fixed(0)  # each expert's MLP width
-    moe_router: MoeRouter = _fixed(MoeRouter.gemma4)
-    moe_norm_topk_prob: bool = _fixed(True)  # moe_router=softmax: the top k weights renormalised to sum to 1
-    # Whether a layer with experts keeps its dense MLP beside them (Gemma 4); false: the experts
-    # take the MLP's place, reading its normed input (Qwen 3 MoE, Mixtral).
-    dense_mlp: bool = _fixed(True)
-    moe_dispatch: MoeDispatch = _changeable(MoeDispatch.dropless)
-    # moe_dispatch=capacity: slots per expert over the even share
-    moe_capacity_factor: float = _changeable(1.25)
+    # A mixture of experts in every layer (model.moe.experts 0: none).
+    moe: MoeConfig = dataclasses.field(default_factory=MoeConfig)
     # With a cp mesh axis: how attention reaches the other shards' keys and values.
     context_parallel_strategy: ContextParallelStrategy = _changeable(ContextParallelStrategy.all_gather)
     # The longest sequence (prompt and generated tokens) the model was trained for; null: no limit.
@@ -260,3 +268,23 @@ class ModelConfig:
     # A Hugging Face Gemma checkpoint directory (config.json + safetensors) to start from; its sizes
     # must match this config's.
     init_from: Optional[str] = _fixed(None)
+
+
+def field_of(model: ModelConfig, key: str) -> Any:
+    """The value of `model` at a key as it is written under model. (moe.experts: a section's field)."""
+    return functools.reduce(getattr, key.split("."), model)
+
+
+def with_fields(model: ModelConfig, fields: Mapping[str, Any]) -> ModelConfig:
+    """`model` with `fields` set, each keyed as under model. (a section's field by its dotted key,
+    moe.experts; the other fields of that section kept)."""
+    flat, sections = {}, {}
+    for key, value in fields.items():
+        section, dot, name = key.partition(".")
+        if dot:
+            sections.setdefault(section, {})[name] = value
+        else:
+            flat[key] = value
+    for section, values in sections.items():
+        flat[section] = dataclasses.replace(flat.get(section, getattr(model, section)), **values)
+    return dataclasses.replace(model, **flat)

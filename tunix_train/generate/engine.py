@@ -81,7 +81,7 @@ class Engine:
         self.cfg, self.mesh, self.rules = cfg, mesh, LOGICAL_RULES.replace(seq=())
         self.stop_ids, self.decode = frozenset(int(i) for i in stop_ids), decode
         self.slots, self.chunk, self.prefix_cache = slots, tuning.chunk, tuning.prefix_cache
-        self.record_routes = record_routes and bool(cfg.num_experts)
+        self.record_routes = record_routes and bool(cfg.moe.experts)
         self.graphdef = model_graphdef(cfg, Remat.none, rules=self.rules, lora=lora)
         self.windows = tuple(int(w) for w in layer_windows(cfg))
         self.source = kv_sources(cfg)

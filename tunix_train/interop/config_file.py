@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from tunix_train.config import ConfigError, ModelConfig, VisionConfig
+from tunix_train.config import ConfigError, ModelConfig, MoeConfig, VisionConfig
 from tunix_train.interop import vision
 
 MAX_BYTES = 64 << 20  # a safetensors index of a very large model is a few MB
@@ -93,25 +93,30 @@ POSITIVE = {
 }
 
 
-def checked_fields(cfg: ModelConfig | VisionConfig, source: str) -> None:
-    """Each whole-number field of cfg (and of its model.vision) an int, at least 1 where it is a
-    size (POSITIVE) and 0 elsewhere; each number finite; the image token inside the vocabulary."""
+def checked_fields(
+    cfg: ModelConfig | VisionConfig | MoeConfig, source: str, section: str = "", positive=POSITIVE
+) -> None:
+    """Each whole-number field of cfg (and of its model.moe and model.vision) an int, at least 1
+    where it is a size (POSITIVE) and 0 elsewhere; each number finite; the image token inside the
+    vocabulary."""
     hints = typing.get_type_hints(type(cfg))
     for field in dataclasses.fields(cfg):
         value, kind = getattr(cfg, field.name), hints[field.name]
         if value is None or kind in (bool, typing.Optional[bool]):
             continue
-        where = f"{source}: {'vision ' if isinstance(cfg, VisionConfig) else ''}{field.name}={value!r}"
+        where = f"{source}: {section}{field.name}={value!r}"
         if kind in (int, typing.Optional[int]):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{where[:160]} must be a whole number")
-            if value < (1 if field.name in POSITIVE else 0):
-                raise ConfigError(f"{where} must be {'positive' if field.name in POSITIVE else 'at least 0'}")
+            if value < (1 if field.name in positive else 0):
+                raise ConfigError(f"{where} must be {'positive' if field.name in positive else 'at least 0'}")
         elif kind in (float, typing.Optional[float]):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"{where[:160]} must be a finite number")
+    if isinstance(cfg, ModelConfig):
+        checked_fields(cfg.moe, source, "moe.", positive=())  # 0 experts: none
     if isinstance(cfg, ModelConfig) and cfg.vision is not None:
-        checked_fields(cfg.vision, source)
+        checked_fields(cfg.vision, source, "vision ")
         if not 0 <= cfg.vision.image_token_id < cfg.vocab_size:
             raise ConfigError(
                 f"{source}: the image token {cfg.vision.image_token_id} lies outside the vocabulary of "

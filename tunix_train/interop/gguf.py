@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.config import ConfigError, ModelConfig, field_of
 from tunix_train.interop import families, gguf_llama, hf, tensor_names
 from tunix_train.interop.families import GgufFile
 from tunix_train.model import quant
@@ -167,7 +167,7 @@ def _tensor(reader, name: str, path: Path):
 def first_difference(cfg: ModelConfig, fields: dict[str, Any]) -> tuple[str, Any, Any] | None:
     """(key, ours, the file's) of the first model field that differs from the file's, or None."""
     for key, value in fields.items():
-        ours = getattr(cfg, key)
+        ours = field_of(cfg, key)
         if key == "context_length" or (
             key == "query_pre_attn_scalar" and (ours or cfg.head_dim) == (value or cfg.head_dim)
         ):
@@ -306,7 +306,7 @@ def projection_types(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple
     tensors = _GGUFTensors(reader, path, cfg)
     found = []
     for spec in _PROJECTIONS:
-        if spec.startswith("layers.mlp.") and not cfg.dense_mlp:
+        if spec.startswith("layers.mlp.") and not cfg.moe.dense_mlp:
             continue  # the experts take the MLP's place, dequantized
         types = []
         for name in _projection_names(tensors, spec, cfg):

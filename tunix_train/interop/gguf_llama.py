@@ -108,10 +108,10 @@ class LlamaGguf:
             "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
             "context_length": key("context_length"),
             "tie_embeddings": "output.weight" not in file.names,
-            "num_experts": key("expert_count", 0) if moe else 0,
-            "num_experts_per_token": key("expert_used_count", 0) if moe else 0,
-            "moe_hidden_dim": key("expert_feed_forward_length", 0) if moe else 0,
-            "moe_norm_topk_prob": True,
+            "moe.experts": key("expert_count", 0) if moe else 0,
+            "moe.experts_per_token": key("expert_used_count", 0) if moe else 0,
+            "moe.hidden_dim": key("expert_feed_forward_length", 0) if moe else 0,
+            "moe.norm_topk_prob": True,
         }
         if key("rope.scaling.type") == "linear":
             fields["rope_scale_global"] = float(key("rope.scaling.factor", 1.0))
@@ -152,9 +152,9 @@ class LlamaGguf:
             writer.add_sliding_window(cfg.sliding_window if cfg.local_layers_per_global else 0)
         writer.add_vocab_size(cfg.vocab_size)
         if self.stacked_experts:
-            writer.add_expert_count(cfg.num_experts)
-            writer.add_expert_used_count(cfg.num_experts_per_token)
-            writer.add_expert_feed_forward_length(cfg.moe_hidden_dim)
+            writer.add_expert_count(cfg.moe.experts)
+            writer.add_expert_used_count(cfg.moe.experts_per_token)
+            writer.add_expert_feed_forward_length(cfg.moe.hidden_dim)
         scaling = cfg.rope_scaling
         if cfg.rope_scale_global == 1.0 and scaling.type is RopeScalingType.yarn:  # linear: written by all
             writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -171,9 +171,9 @@ class LlamaGguf:
 
     def check_exportable(self, cfg: ModelConfig) -> None:
         """What these files cannot say: a ConfigError naming it."""
-        if cfg.num_experts and not cfg.moe_norm_topk_prob:
+        if cfg.moe.experts and not cfg.moe.norm_topk_prob:
             raise ConfigError(
-                "model.moe_norm_topk_prob=false: llama.cpp's qwen3moe renormalizes the chosen experts' "
+                "model.moe.norm_topk_prob=false: llama.cpp's qwen3moe renormalizes the chosen experts' "
                 "weights; a GGUF cannot hold this model"
             )
         if cfg.rope_scaling.type is RopeScalingType.yarn and not cfg.rope_scaling.truncate:

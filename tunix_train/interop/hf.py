@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.config import ConfigError, ModelConfig, field_of
 from tunix_train.files import write_atomically, write_text
 from tunix_train.interop import families, tensor_names, vision
 from tunix_train.interop.config_file import (
@@ -191,7 +191,7 @@ def check_matches(cfg: ModelConfig, directory: Path) -> None:
                     f"model.vision.{key}={getattr(cfg.vision, key)!r}; set model.vision.{key}={value!r}"
                 )
     for key, value in model_fields_from_hf(read_hf_config(directory)).items():
-        ours = getattr(cfg, key)
+        ours = field_of(cfg, key)
         if key == "context_length":  # what the engine allows, not what training computes
             continue
         if key == "rope_scaling" and ours != value:  # a context extension: said, not refused
@@ -226,8 +226,8 @@ def load_params(
             f"tower; loading the text decoder, ignoring the rest"
         )
     files = _SafetensorsFiles(directory)
-    if cfg.num_experts:
-        files = _PerExpertFiles(files, cfg.num_experts)
+    if cfg.moe.experts:
+        files = _PerExpertFiles(files, cfg.moe.experts)
     return load_params_from(files, cfg, abstract_params, str(directory), by_layer)
 
 

@@ -32,6 +32,7 @@ from tunix_train.config import (
     ModelConfig,
     Objective,
     upgraded,
+    with_fields,
 )
 from tunix_train.interop import checkpoint_format, gguf, hf, importer
 from tunix_train.interop.config_file import checked_fields
@@ -54,7 +55,9 @@ def source(path: str | Path) -> Source:
     path = Path(path).expanduser().resolve()
     kind = checkpoint_format(path)
     if kind == "gguf":
-        cfg = Config(model=ModelConfig(name=path.stem, **gguf.model_fields(gguf.open_gguf(path), path)))
+        cfg = Config(
+            model=with_fields(ModelConfig(name=path.stem), gguf.model_fields(gguf.open_gguf(path), path))
+        )
         checked_fields(cfg.model, str(path))
     elif kind == "hf":
         config = hf.read_hf_config(path)
@@ -63,7 +66,8 @@ def source(path: str | Path) -> Source:
         except (KeyError, TypeError, AttributeError, ValueError, ZeroDivisionError) as err:
             said = f"has no {err.args[0]!r}" if isinstance(err, KeyError) else f"cannot be read ({err})"
             raise ConfigError(f"model.init_from: {path / 'config.json'} {said}"[:300]) from None
-        cfg = Config(model=ModelConfig(name=path.name, vision=hf.vision_from_directory(path), **fields))
+        model = ModelConfig(name=path.name, vision=hf.vision_from_directory(path))
+        cfg = Config(model=with_fields(model, fields))
         checked_fields(cfg.model, str(path / "config.json"))
     else:
         resolve_resume_path(str(path))

@@ -76,8 +76,8 @@ def _sizes(cfg: ModelConfig, layer: int | None) -> dict[str, int]:
         "F": cfg.hidden_dim if shape is None else shape.mlp_dim,
         "P": cfg.per_layer_input_dim,
         "W": cfg.per_layer_input_vocab_size or cfg.vocab_size,
-        "E": cfg.num_experts,
-        "M": cfg.moe_hidden_dim,
+        "E": cfg.moe.experts,
+        "M": cfg.moe.hidden_dim,
         "C": 2,
         "O": 1,
     }

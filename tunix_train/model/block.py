@@ -70,7 +70,7 @@ class Block(nnx.Module):
         # experts beside the dense MLP (Gemma 4) or in its place (mlp_dim 0: Qwen 3 MoE)
         self.mlp = MLP(cfg, shape.mlp_dim, rngs, rules, adapt) if shape.mlp_dim else None
         self.post_ffw_norm = norm() if cfg.use_post_ffw_norm else None
-        self.moe = MoE(cfg, rngs, rules, experts) if cfg.num_experts else None
+        self.moe = MoE(cfg, rngs, rules, experts) if cfg.moe.experts else None
         if self.mlp is not None and self.moe is not None:
             self.pre_moe_norm, self.post_moe_norm, self.post_mlp_norm = norm(), norm(), norm()
         if P:

@@ -402,7 +402,7 @@ class Decoder(nnx.Module):
             if last_B is None
             else jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)[:, 0]
         )
-        routes_BTLK = jnp.stack([routes[i] for i in sorted(routes)], 2) if self.cfg.num_experts else None
+        routes_BTLK = jnp.stack([routes[i] for i in sorted(routes)], 2) if self.cfg.moe.experts else None
         return self.final_norm(x_BD), extras, routes_BTLK
 
     def _period_runner(self, positions_BT, attend_of: Callable):

@@ -58,7 +58,7 @@ def layer_shapes(cfg: ModelConfig) -> list[LayerShape]:
                 shares_kv=shares,
                 # 0: no dense MLP, the experts in its place
                 mlp_dim=0
-                if cfg.num_experts and not cfg.dense_mlp
+                if cfg.moe.experts and not cfg.moe.dense_mlp
                 else cfg.hidden_dim * (2 if cfg.double_wide_mlp and shares else 1),
                 layer_type=kind if static_type else None,
             )
@@ -260,18 +260,20 @@ def _validate_gemma4(m: ModelConfig) -> None:
         raise ConfigError(
             "model.per_layer_input_dim must be >= 0 and model.per_layer_input_vocab_size positive"
         )
-    if not m.dense_mlp and not m.num_experts:
-        raise ConfigError("model.dense_mlp=false leaves the layers no MLP: it needs model.num_experts > 0")
-    if m.num_experts:
-        E, k = m.num_experts, m.num_experts_per_token
-        if E < 0 or m.moe_hidden_dim <= 0:
+    if not m.moe.dense_mlp and not m.moe.experts:
+        raise ConfigError(
+            "model.moe.dense_mlp=false leaves the layers no MLP: it needs model.moe.experts > 0"
+        )
+    if m.moe.experts:
+        E, k = m.moe.experts, m.moe.experts_per_token
+        if E < 0 or m.moe.hidden_dim <= 0:
             raise ConfigError(
-                f"model.num_experts={E} and model.moe_hidden_dim={m.moe_hidden_dim} must be positive"
+                f"model.moe.experts={E} and model.moe.hidden_dim={m.moe.hidden_dim} must be positive"
             )
         if not 1 <= k <= E:
-            raise ConfigError(f"model.num_experts_per_token={k} must be between 1 and model.num_experts={E}")
-        if m.moe_capacity_factor <= 0:
-            raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} must be positive")
+            raise ConfigError(f"model.moe.experts_per_token={k} must be between 1 and model.moe.experts={E}")
+        if m.moe.capacity_factor <= 0:
+            raise ConfigError(f"model.moe.capacity_factor={m.moe.capacity_factor} must be positive")
 
 
 def validate_rope_scaling(scaling: RopeScaling, rotary_dim: int) -> None:

@@ -1,14 +1,14 @@
 """Mixture of experts: a router picks k of E gated experts (GeGLU or SwiGLU, model.mlp_activation)
 per token.
 
-Routers (model.moe_router):
+Routers (model.moe.router):
 - gemma4 (transformers' Gemma4TextRouter): the token's residual stream, RMS-normed without a
   weight, times a learned scale and 1/sqrt(D), projected to E logits; softmax in float32; the top
   k probabilities renormalised to sum to one, then each multiplied by its expert's learned scale.
 - softmax (Qwen 3 MoE's Qwen3MoeTopKRouter, Mixtral's): the layer's normed input projected to E
-  logits; softmax in float32; the top k, renormalised where model.moe_norm_topk_prob.
+  logits; softmax in float32; the top k, renormalised where model.moe.norm_topk_prob.
 
-Dispatch (model.moe_dispatch):
+Dispatch (model.moe.dispatch):
 - dropless: the token copies (X tokens x k choices) through their experts' matmuls, each
   expert's group whatever its size: no copy is dropped (dropless_experts). Where ragged_dot is
   native: jax.lax.ragged_dot on the copies sorted. Elsewhere batched matmuls of fixed shape
@@ -45,7 +45,7 @@ from tunix_train.sharding import Rules, constrain
 @dataclasses.dataclass(frozen=True)
 class Dispatching:
     """How a layer's copies reach their experts and run there: dropless or in capacity slots
-    (model.moe_dispatch, model.moe_capacity_factor), the experts' gate activation, and, for
+    (model.moe.dispatch, model.moe.capacity_factor), the experts' gate activation, and, for
     dropless, whether ragged_dot runs the rows (ragged) and whether the place may be chosen by a
     jax.lax.switch (may_choose; dropless_experts)."""
 
@@ -86,20 +86,20 @@ class MoE(nnx.Module):
     to it, and "router_probs" [E], its router probability summed; each token's experts."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, rules: Rules, dispatch: Dispatch = LocalDispatch()):
-        D, E, M = cfg.embed_dim, cfg.num_experts, cfg.moe_hidden_dim
-        gemma4 = cfg.moe_router is MoeRouter.gemma4
+        D, E, M = cfg.embed_dim, cfg.moe.experts, cfg.moe.hidden_dim
+        gemma4 = cfg.moe.router is MoeRouter.gemma4
         self.router_norm = RMSNorm(D, cfg.rms_norm_eps, with_scale=False) if gemma4 else None
         self.router_scale = nnx.Param(jnp.ones((D,), jnp.float32), axes=("norm",)) if gemma4 else None
         # small (D x E) and replicated: split over fsdp, its gradient made XLA reshard every token's
         # activations to meet it ("involuntary full rematerialization")
         self.router_DE = param(rngs, (D, E), (None, None), D)
         self.expert_scale = nnx.Param(jnp.ones((E,), jnp.float32), axes=(None,)) if gemma4 else None
-        self.norm_topk_prob = gemma4 or cfg.moe_norm_topk_prob
+        self.norm_topk_prob = gemma4 or cfg.moe.norm_topk_prob
         # gate and up of each expert side by side (C = 2), one matmul for both
         self.gate_up_EDCM = param(rngs, (E, D, 2, M), ("experts", "embed", None, "moe_mlp"), D)
         self.down_EMD = param(rngs, (E, M, D), ("experts", "moe_mlp", "embed"), M)
-        self.top_k = cfg.num_experts_per_token
-        self.how = Dispatching(cfg.moe_dispatch, cfg.moe_capacity_factor, ACTIVATIONS[cfg.mlp_activation])
+        self.top_k = cfg.moe.experts_per_token
+        self.how = Dispatching(cfg.moe.dispatch, cfg.moe.capacity_factor, ACTIVATIONS[cfg.mlp_activation])
         self.rules, self.dispatch = rules, dispatch
 
     def route(self, route_XD, replay_XK=None):

@@ -44,8 +44,8 @@ def advice(cfg, mesh, training: bool = True) -> list[str]:
         )
     if (
         cfg is not None
-        and cfg.model.num_experts
-        and cfg.model.num_experts % (2 * mesh.shape.get("ep", 1)) == 0
+        and cfg.model.moe.experts
+        and cfg.model.moe.experts % (2 * mesh.shape.get("ep", 1)) == 0
     ):
         tips.append("a larger ep mesh axis (the experts divide by it)")
     if training and mesh.shape.get("cp", 1) == 1 and cfg.data.seq_len % 4 == 0:

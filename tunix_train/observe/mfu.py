@@ -46,8 +46,8 @@ def active_matmul_params(cfg: ModelConfig) -> int:
         H, K = shape.head_dim, shape.num_kv_heads
         kv_projections = 0 if shape.shares_kv else 1 if shape.k_eq_v else 2
         total += 2 * D * N * H + kv_projections * D * K * H + 3 * D * shape.mlp_dim + 2 * D * P
-        if cfg.num_experts:
-            total += D * cfg.num_experts + cfg.num_experts_per_token * 3 * D * cfg.moe_hidden_dim
+        if cfg.moe.experts:
+            total += D * cfg.moe.experts + cfg.moe.experts_per_token * 3 * D * cfg.moe.hidden_dim
     return total
 
 

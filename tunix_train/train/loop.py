@@ -144,7 +144,7 @@ def train(
                     t.log_every,
                     t.max_steps,
                     work,
-                    objective.metric_names + (MOE_METRICS if cfg.model.num_experts else ()),
+                    objective.metric_names + (MOE_METRICS if cfg.model.moe.experts else ()),
                     say,
                     batch_figures,
                 ),

@@ -15,7 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
-from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.config import ConfigError, ModelConfig, field_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +100,9 @@ class Family:
     def check(self, cfg: ModelConfig) -> None:
         """A ConfigError naming the first field of `cfg` that this family's checkpoints cannot hold."""
         for key, value in self.fixed.items():
-            if getattr(cfg, key) != value:
+            if field_of(cfg, key) != value:
                 raise ConfigError(
-                    f"model.{key}={getattr(cfg, key)!r}: every {self.name} checkpoint (model.family) has "
+                    f"model.{key}={field_of(cfg, key)!r}: every {self.name} checkpoint (model.family) has "
                     f"{key}={value!r}; this model cannot be written as {self.name}"
                 )
 

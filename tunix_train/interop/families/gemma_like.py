@@ -28,8 +28,7 @@ GEMMA_FIXED = dict(
     qkv_bias=False,
     mlp_activation=Activation.gelu_tanh,
     rope_scaling=RopeScaling(),
-    moe_router=MoeRouter.gemma4,
-    dense_mlp=True,
+    **{"moe.router": MoeRouter.gemma4, "moe.dense_mlp": True},
 )
 GEMMA_1_TO_3_FIXED = dict(GEMMA_FIXED, norm_weight_offset=1.0, use_v_norm=False, use_layer_scalar=False)
 
@@ -87,9 +86,7 @@ GEMMA4_ONLY_OFF = dict(
     per_layer_input_dim=0,
     per_layer_input_vocab_size=None,
     use_layer_scalar=False,
-    num_experts=0,
-    num_experts_per_token=0,
-    moe_hidden_dim=0,
+    **{"moe.experts": 0, "moe.experts_per_token": 0, "moe.hidden_dim": 0},
 )
 
 

@@ -134,7 +134,7 @@ def llama_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
         "rope_scale_global": linear,
         "rope_scaling": scaling,
         "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "moe_norm_topk_prob": True,
+        "moe.norm_topk_prob": True,
         "context_length": hf.get("max_position_embeddings"),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
@@ -231,7 +231,7 @@ def dense(
         **({} if windowed else NO_WINDOWS),
         use_qk_norm=use_qk_norm,
         qkv_bias=qkv_bias,
-        num_experts=0,
+        **{"moe.experts": 0},
     )
     return Family(
         name,

@@ -12,7 +12,7 @@ from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.interop.families import llama_like
 from tunix_train.interop.families.family import Family, register
 
-FIXED = dict(llama_like.LLAMA_DECODER, use_qk_norm=False, qkv_bias=False, num_experts=0)
+FIXED = dict(llama_like.LLAMA_DECODER, use_qk_norm=False, qkv_bias=False, **{"moe.experts": 0})
 
 
 def from_hf(hf: dict[str, Any]) -> dict[str, Any]:

@@ -15,8 +15,7 @@ FIXED = dict(
     **llama_like.NO_WINDOWS,
     use_qk_norm=True,
     qkv_bias=False,
-    moe_router=MoeRouter.softmax,
-    dense_mlp=False,
+    **{"moe.router": MoeRouter.softmax, "moe.dense_mlp": False},
 )
 
 
@@ -33,10 +32,10 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     return {
         **llama_like.llama_from_hf(hf, "qwen3_moe"),
         # transformers 5 writes num_local_experts; published checkpoints, num_experts
-        "num_experts": hf.get("num_experts") or hf["num_local_experts"],
-        "num_experts_per_token": hf["num_experts_per_tok"],
-        "moe_hidden_dim": hf["moe_intermediate_size"],
-        "moe_norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+        "moe.experts": hf.get("num_experts") or hf["num_local_experts"],
+        "moe.experts_per_token": hf["num_experts_per_tok"],
+        "moe.hidden_dim": hf["moe_intermediate_size"],
+        "moe.norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
     }
 
 
@@ -45,10 +44,10 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         **llama_like.llama_to_hf(cfg, "qwen3_moe"),
         "attention_bias": False,
         "use_sliding_window": False,
-        "num_experts": cfg.num_experts,
-        "num_experts_per_tok": cfg.num_experts_per_token,
-        "moe_intermediate_size": cfg.moe_hidden_dim,
-        "norm_topk_prob": cfg.moe_norm_topk_prob,
+        "num_experts": cfg.moe.experts,
+        "num_experts_per_tok": cfg.moe.experts_per_token,
+        "moe_intermediate_size": cfg.moe.hidden_dim,
+        "norm_topk_prob": cfg.moe.norm_topk_prob,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     }

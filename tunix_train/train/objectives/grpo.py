@@ -185,7 +185,7 @@ class OnPolicy(Objective):
             **self.advantage.fields,
         }
         m = cfg.model
-        self.route_shape = (m.num_layers, m.num_experts_per_token) if self.rollout.routing_replay else None
+        self.route_shape = (m.num_layers, m.moe.experts_per_token) if self.rollout.routing_replay else None
         if self.route_shape:  # the engine's experts of each position, replayed by the forward (rollout.py)
             self.batch_dtypes["routes"] = (jnp.int32, self.route_shape)
 
