@@ -18,6 +18,7 @@ from tunix_train.config import (
     ModelConfig,
     Objective,
     TrainingConfig,
+    with_fields,
 )
 from tunix_train.data.pipeline import padded_row
 from tunix_train.interop import hf
@@ -139,10 +140,9 @@ def test_first_step_loss_matches_trl_on_any_mesh(tmp_path, mesh_shape, devices, 
     tokenized, trl_loss = _trl_reference(tmp_path, pairs)
 
     T = 16
-    model = ModelConfig(
-        name="policy",
-        mesh_shape=mesh_shape,
-        **hf.model_fields_from_hf(hf.read_hf_config(tmp_path / "policy")),
+    model = with_fields(
+        ModelConfig(name="policy", mesh_shape=mesh_shape),
+        hf.model_fields_from_hf(hf.read_hf_config(tmp_path / "policy")),
     )
     pairs_per_micro = len(pairs) // accumulation
     cfg = Config(

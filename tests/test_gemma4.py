@@ -3,7 +3,6 @@ per feature and per mesh (ep included), the export equal to the imported files, 
 equal to a dense reference, loss and gradients equal across ep, the experts really split, and
 one-line errors. transformers runs in this process or in TUNIX_TRAIN_REFERENCE_PYTHON's."""
 
-import dataclasses
 import json
 import re
 
@@ -24,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tunix_train import api, platform
-from tunix_train.config import ConfigError, MoeDispatch, Remat
+from tunix_train.config import ConfigError, MoeDispatch, Remat, with_fields
 from tunix_train.model.decoder import Decoder
 from tunix_train.model.layout import layer_groups
 from tunix_train.model.moe import Dispatching, MoE, apply_experts, dropless_places, load_balancing_loss
@@ -402,7 +401,7 @@ def _assert_dropless_is_the_definition(experts_XK, ragged=False):
             (
                 "model.layer_types=[full_attention,full_attention,full_attention,full_attention,full_attention,"
                 "sliding_attention]",
-                "model.num_kv_shared_layers=1",
+                "model.gemma4.num_kv_shared_layers=1",
             ),
             "layer 5 (sliding_attention) would reuse the keys",
         ),
@@ -426,11 +425,11 @@ def test_experts_not_divisible_by_ep_is_a_one_line_error():
     "overrides, message",
     [
         (
-            ["model.per_layer_input_dim=8"],
+            ["model.gemma4.per_layer_input_dim=8"],
             "model.mesh_shape: pp does not yet run per-layer inputs, nor layers other than",
         ),
         (
-            ["model.num_kv_shared_layers=2"],
+            ["model.gemma4.num_kv_shared_layers=2"],
             "model.mesh_shape: pp does not yet run per-layer inputs, nor layers other than",
         ),
         (
@@ -483,9 +482,9 @@ def test_context_parallel_gemma4_gives_the_losses_of_one_device(tmp_path):
     model = (
         "model=gemma4_moe_tiny",
         "model.num_layers=3",
-        "model.per_layer_input_dim=8",  # the last reuses the first's
+        "model.gemma4.per_layer_input_dim=8",  # the last reuses the first's
         "model.layer_types=[sliding_attention,full_attention,sliding_attention]",
-        "model.num_kv_shared_layers=1",
+        "model.gemma4.num_kv_shared_layers=1",
     )
     one = _three_step_losses(tmp_path / "one", [[1], ["fsdp"]], *model, "training.micro_batch_size=8")
     split = _three_step_losses(
@@ -576,7 +575,7 @@ def test_lora_on_gemma4_exports_adapters_that_peft_applies_with_our_logits(tmp_p
         f"model.init_from={tmp_path / 'base'}",
     )
     fields = hf.model_fields_from_hf(hf.read_hf_config(tmp_path / "base"))
-    cfg.model = dataclasses.replace(cfg.model, **fields, mesh_shape=MESHES["fsdp2_tp2"])
+    cfg.model = with_fields(cfg.model, {**fields, "mesh_shape": MESHES["fsdp2_tp2"]})
     train(cfg, tmp_path / "run", devices=jax.devices()[:4])
 
     model = api.load(tmp_path / "run", mesh_shape=MESHES["fsdp2_tp2"], devices=jax.devices()[:4])

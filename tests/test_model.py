@@ -191,7 +191,9 @@ def test_gemma4_sizes_have_their_published_parameter_counts(name):
     if name == "gemma4_e2b":
         m = cfg.model
         per_layer_table = (
-            (m.per_layer_input_vocab_size or m.vocab_size) * m.num_layers * m.per_layer_input_dim
+            (m.gemma4.per_layer_input_vocab_size or m.vocab_size)
+            * m.num_layers
+            * m.gemma4.per_layer_input_dim
         )
         assert abs(total - per_layer_table - GEMMA4_E2B_EFFECTIVE) <= 0.05e9, (
             f"{name}: {total - per_layer_table:,}"

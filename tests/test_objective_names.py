@@ -1,7 +1,8 @@
 """Every algorithm is a value of training.objective with its class and its config group; the keys
 that chose one before (training.grpo.advantage, policy_loss, training.dpo.loss) and the sampling
 keys that moved to training.rollout still run, each with a one-line notice, as the same config;
-and a run directory saved by 9a6a2c5 (tests/golden/saved_configs_9a6a2c5/) is the same run."""
+and a run directory saved by 9a6a2c5 (tests/golden/saved_configs_9a6a2c5/) is the same run. The
+model keys that moved into model.moe and model.gemma4 likewise (tests/golden/saved_configs_9424640/)."""
 
 import shutil
 from pathlib import Path
@@ -198,19 +199,38 @@ MOE_KEYS = {
 }
 
 
-def test_the_experts_old_model_keys_run_as_model_moe_with_one_line_each(capsys):
-    was = _config(["model=gemma4_moe_tiny", *MOE_KEYS])
+# Gemma 4's flat model keys (2b1c18f) and their model.gemma4 names
+GEMMA4_KEYS = {
+    f"model.{name}={value}": f"model.gemma4.{name}={value}"
+    for name, value in (
+        ("global_head_dim", 64),
+        ("num_global_kv_heads", 2),
+        ("attention_k_eq_v", "false"),
+        ("rope_partial_factor_global", 0.5),
+        ("use_v_norm", "false"),
+        ("num_kv_shared_layers", 2),
+        ("double_wide_mlp", "false"),
+        ("per_layer_input_dim", 4),
+        ("per_layer_input_vocab_size", 128),
+        ("use_layer_scalar", "false"),
+    )
+}
+
+
+@pytest.mark.parametrize("model, keys", [("gemma4_moe_tiny", MOE_KEYS), ("gemma4_tiny", GEMMA4_KEYS)])
+def test_the_old_model_keys_run_as_their_section_with_one_line_each(capsys, model, keys):
+    was = _config([f"model={model}", *keys])
     notices = capsys.readouterr().err.strip().splitlines()
-    assert was == _config(["model=gemma4_moe_tiny", *MOE_KEYS.values()])
-    assert len(notices) == len(MOE_KEYS)
-    for (old, new), notice in zip(MOE_KEYS.items(), notices):
+    assert was == _config([f"model={model}", *keys.values()])
+    assert len(notices) == len(keys)
+    for (old, new), notice in zip(keys.items(), notices):
         assert notice == (
             f"tunix_train: {old.partition('=')[0]} is deprecated and will be removed: use "
             f"{new.partition('=')[0]}"
         )
 
 
-MOE_RUNS = {  # saved by 9424640, before model.moe (tests/golden/saved_configs_9424640/)
+MOE_RUNS = {  # saved by 9424640, before model.moe and model.gemma4 (tests/golden/saved_configs_9424640/)
     "gemma4_moe": ["model=gemma4_moe_tiny", "model.moe.dispatch=capacity", "model.moe.capacity_factor=2.0"],
     "qwen3_moe": [
         "model=qwen3_moe_tiny",
@@ -225,7 +245,7 @@ MOE_RUNS = {  # saved by 9424640, before model.moe (tests/golden/saved_configs_9
 def test_a_run_saved_with_the_experts_flat_keys_is_the_same_run(tmp_path, name):
     """Its saved config against the same run's command line now: no key differs, a fixed expert
     key changed still refuses, a changeable one (dispatch) does not; the run's config reads with
-    its experts in model.moe."""
+    its experts in model.moe and Gemma 4's fields in model.gemma4."""
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
     shutil.copy(SAVED.parent / "saved_configs_9424640" / f"{name}.yaml", run / ".hydra" / "config.yaml")
@@ -234,4 +254,5 @@ def test_a_run_saved_with_the_experts_flat_keys_is_the_same_run(tmp_path, name):
     check_same_run(run, _config([*now, "model.moe.dispatch=dropless"]))
     with pytest.raises(ConfigError, match="holds a run with model.moe.experts_per_token="):
         check_same_run(run, _config([*now, "model.moe.experts_per_token=3"]))
-    assert loader.run_config(run).model.moe == _config(now).model.moe
+    saved = loader.run_config(run).model
+    assert (saved.moe, saved.gemma4) == (_config(now).model.moe, _config(now).model.gemma4)

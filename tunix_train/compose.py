@@ -234,7 +234,7 @@ def _validate_lora(lora: LoraConfig, m: ModelConfig) -> None:
         for name, axis, size in (
             ("layers.attn.q_DNH", "head_dim", m.head_dim),
             ("layers.mlp.gate_DF", "mlp", m.hidden_dim),
-            ("a global layer's q_DNH", "global_head_dim", m.global_head_dim or 64),
+            ("a global layer's q_DNH", "global_head_dim", m.gemma4.global_head_dim or 64),
         ):
             if size % 64:
                 raise ConfigError(

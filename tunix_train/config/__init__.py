@@ -27,6 +27,7 @@ from tunix_train.config.model import (  # noqa: F401  (re-exported)
     Activation,
     ContextParallelStrategy,
     EncoderTraits,
+    Gemma4Config,
     ImageAttention,
     ModelConfig,
     MoeConfig,

@@ -6,8 +6,8 @@ run resumes.
 Since the objectives were named (2026-12): an algorithm is training.objective's value, not
 training.grpo.advantage, training.grpo.policy_loss or training.dpo.loss; what the on-policy
 objectives sample moved from training.grpo to training.rollout; RLOO's normalize_advantages to
-training.rloo. The experts' model keys (model.num_experts, ...) moved to model.moe. The old keys
-work for one release.
+training.rloo. The experts' model keys (model.num_experts, ...) moved to model.moe, and what only
+Gemma 4 has (model.global_head_dim, ...) to model.gemma4. The old keys work for one release.
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ _TO_MOE = {  # the experts' flat model keys -> their names in model.moe
     "moe_dispatch": "dispatch",
     "moe_capacity_factor": "capacity_factor",
 }
+_TO_GEMMA4 = (  # Gemma 4's flat model keys, the same names in model.gemma4
+    "global_head_dim num_global_kv_heads attention_k_eq_v rope_partial_factor_global use_v_norm "
+    "num_kv_shared_layers double_wide_mlp per_layer_input_dim per_layer_input_vocab_size use_layer_scalar"
+).split()
 MOVED = {
     **{f"training.grpo.{name}": f"training.rollout.{name}" for name in _TO_ROLLOUT},
     "training.grpo.rollout_mesh_shape": "training.rollout.mesh_shape",
@@ -41,6 +45,7 @@ MOVED = {
     "training.grpo.rollout_dtype": "training.rollout.dtype",
     "training.grpo.normalize_advantages": "training.rloo.normalize_advantages",
     **{f"model.{old}": f"model.moe.{new}" for old, new in _TO_MOE.items()},
+    **{f"model.{name}": f"model.gemma4.{name}" for name in _TO_GEMMA4},
 }
 
 # the keys that chose an algorithm: each value -> the objective it names now
@@ -197,10 +202,10 @@ def upgraded(saved: dict) -> dict:
     keys moved, model.family where it was saved before the key existed, and the objective named
     (_objective_before_it_was_named)."""
     saved = copy.deepcopy(saved)
-    _moved(saved)
     model, training = saved.get("model"), saved.get("training")
-    if isinstance(model, dict) and "family" not in model:
+    if isinstance(model, dict) and "family" not in model:  # read from keys that had not moved then
         model["family"] = _family_before_it_was_declared(model)
+    _moved(saved)
     if isinstance(training, dict):
         _objective_before_it_was_named(training)
     for key, only_value in RETIRED_KEYS.items():

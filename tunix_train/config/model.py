@@ -177,6 +177,27 @@ class VisionConfig:
 
 
 @dataclasses.dataclass
+class Gemma4Config:
+    """model.gemma4: what only Gemma 4's decoder has (docs/models.md); each field off gives Gemma 1-3."""
+
+    global_head_dim: Optional[int] = _fixed(None)  # head dim of global layers; null: head_dim
+    num_global_kv_heads: Optional[int] = _fixed(None)  # key/value heads of global layers; null: num_kv_heads
+    attention_k_eq_v: bool = _fixed(False)  # global layers use their keys (before the k norm) as values
+    # Global layers rotate only this fraction of the rotary pairs (proportional RoPE); the rest stay put.
+    rope_partial_factor_global: float = _fixed(1.0)
+    use_v_norm: bool = _fixed(False)  # values RMS-normalised, without a weight
+    # The last this many layers compute no keys/values: each reuses those of the last earlier
+    # layer of its type.
+    num_kv_shared_layers: int = _fixed(0)
+    double_wide_mlp: bool = _fixed(False)  # the KV-sharing layers' MLP is 2 x hidden_dim wide
+    # Per-layer embeddings: a second table and a projection of the embeddings give every layer an
+    # input of this width (0: none), gated into the residual after the MLP.
+    per_layer_input_dim: int = _fixed(0)
+    per_layer_input_vocab_size: Optional[int] = _fixed(None)  # null: vocab_size
+    use_layer_scalar: bool = _fixed(False)  # each layer's output is multiplied by a learned scalar
+
+
+@dataclasses.dataclass
 class MoeConfig:
     """model.moe: a mixture of experts in every layer, beside the dense MLP (Gemma 4) or in its place
     (Qwen 3 MoE, Mixtral); experts 0: none (docs/models.md)."""
@@ -232,27 +253,13 @@ class ModelConfig:
     scale_embeddings: bool = _fixed(True)  # embeddings multiplied by sqrt(embed_dim), as Gemma does
     qkv_bias: bool = _fixed(False)  # the query, key and value projections add a bias (Qwen 2)
     mlp_activation: Activation = _fixed(Activation.gelu_tanh)
-    # Gemma 4 (docs/models.md). Each field off gives Gemma 1-3.
     # Per layer: sliding_attention or full_attention; null: from local_layers_per_global.
     layer_types: Optional[List[str]] = _fixed(None)
-    global_head_dim: Optional[int] = _fixed(None)  # head dim of global layers; null: head_dim
-    num_global_kv_heads: Optional[int] = _fixed(None)  # key/value heads of global layers; null: num_kv_heads
-    attention_k_eq_v: bool = _fixed(False)  # global layers use their keys (before the k norm) as values
-    # Global layers rotate only this fraction of the rotary pairs (proportional RoPE); the rest stay put.
-    rope_partial_factor_global: float = _fixed(1.0)
-    # RMSNorm multiplies by (offset + weight): Gemma 1-3 store w around 0 (offset 1), Gemma 4 around 1
-    # (offset 0).
+    # RMSNorm multiplies by (offset + weight): Gemma 1-3 store w around 0 (offset 1), Gemma 4 and
+    # Llama's kin around 1 (offset 0).
     norm_weight_offset: float = _fixed(1.0)
-    use_v_norm: bool = _fixed(False)  # values RMS-normalised, without a weight
-    # The last this many layers compute no keys/values: each reuses those of the last earlier
-    # layer of its type.
-    num_kv_shared_layers: int = _fixed(0)
-    double_wide_mlp: bool = _fixed(False)  # the KV-sharing layers' MLP is 2 x hidden_dim wide
-    # Per-layer embeddings: a second table and a projection of the embeddings give every layer an
-    # input of this width (0: none), gated into the residual after the MLP.
-    per_layer_input_dim: int = _fixed(0)
-    per_layer_input_vocab_size: Optional[int] = _fixed(None)  # null: vocab_size
-    use_layer_scalar: bool = _fixed(False)  # each layer's output is multiplied by a learned scalar
+    # What only Gemma 4 has (each field off: none of it).
+    gemma4: Gemma4Config = dataclasses.field(default_factory=Gemma4Config)
     # A mixture of experts in every layer (model.moe.experts 0: none).
     moe: MoeConfig = dataclasses.field(default_factory=MoeConfig)
     # With a cp mesh axis: how attention reaches the other shards' keys and values.

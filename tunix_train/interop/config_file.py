@@ -115,6 +115,7 @@ def checked_fields(
                 raise ConfigError(f"{where[:160]} must be a finite number")
     if isinstance(cfg, ModelConfig):
         checked_fields(cfg.moe, source, "moe.", positive=())  # 0 experts: none
+        checked_fields(cfg.gemma4, source, "gemma4.")
     if isinstance(cfg, ModelConfig) and cfg.vision is not None:
         checked_fields(cfg.vision, source, "vision ")
         if not 0 <= cfg.vision.image_token_id < cfg.vocab_size:

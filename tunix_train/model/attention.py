@@ -54,7 +54,7 @@ class Attention(nnx.Module):
         norm = functools.partial(RMSNorm, H, cfg.rms_norm_eps, cfg.norm_weight_offset)
         self.q_norm = norm() if cfg.use_qk_norm else None
         self.k_norm = norm() if cfg.use_qk_norm and computes_kv else None
-        self.v_norm = norm(with_scale=False) if cfg.use_v_norm and computes_kv else None
+        self.v_norm = norm(with_scale=False) if cfg.gemma4.use_v_norm and computes_kv else None
         self.query_scale = (cfg.query_pre_attn_scalar or H) ** -0.5
         self.softcap = cfg.attn_logit_softcap
         self.rules = rules

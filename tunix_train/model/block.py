@@ -61,7 +61,7 @@ class Block(nnx.Module):
         adapt: Adapt = no_adapter,
         experts: Dispatch = LocalDispatch(),
     ):
-        D, P = cfg.embed_dim, cfg.per_layer_input_dim
+        D, P = cfg.embed_dim, cfg.gemma4.per_layer_input_dim
         norm = functools.partial(RMSNorm, D, cfg.rms_norm_eps, cfg.norm_weight_offset)
         self.pre_attn_norm = norm()
         self.attn = Attention(cfg, shape, rngs, rules, adapt)
@@ -78,7 +78,7 @@ class Block(nnx.Module):
             self.per_layer_proj_PD = param(rngs, (P, D), (None, "embed"), P)
             self.post_per_layer_norm = norm()
         self.layer_scalar = (
-            nnx.Param(jnp.ones((1,), jnp.float32), axes=("norm",)) if cfg.use_layer_scalar else None
+            nnx.Param(jnp.ones((1,), jnp.float32), axes=("norm",)) if cfg.gemma4.use_layer_scalar else None
         )
         self.rules = rules
 

@@ -124,10 +124,10 @@ class Decoder(nnx.Module):
         else:
             self.layers, self.groups = None, nnx.List([nnx.List(blocks) for blocks in stacks])
         self.final_norm = RMSNorm(D, cfg.rms_norm_eps, cfg.norm_weight_offset)
-        P = cfg.per_layer_input_dim
+        P = cfg.gemma4.per_layer_input_dim
         if P:
             self.per_layer_embedding_VLP = param(
-                rngs, (cfg.per_layer_input_vocab_size or V, L, P), ("vocab", None, None), P
+                rngs, (cfg.gemma4.per_layer_input_vocab_size or V, L, P), ("vocab", None, None), P
             )
             self.per_layer_proj_DLP = param(rngs, (D, L, P), ("embed", None, None), D)
             self.per_layer_proj_norm = RMSNorm(P, cfg.rms_norm_eps, cfg.norm_weight_offset)
@@ -208,7 +208,7 @@ class Decoder(nnx.Module):
         token's per-layer table row is the padding token's (id 0; transformers' Gemma4Model), its
         projection the image embedding's."""
         x_BTD = self.embed(tokens_BT, images, slots_BT)
-        if not self.cfg.per_layer_input_dim:
+        if not self.cfg.gemma4.per_layer_input_dim:
             return x_BTD, None
         rows_BT = tokens_BT if images is None else jnp.where(slots_BT >= 0, 0, tokens_BT)
         return x_BTD, self.per_layer_inputs(rows_BT, x_BTD)
@@ -228,7 +228,7 @@ class Decoder(nnx.Module):
         sqrt(P)) and the normed projection of its embedding x (scaled by 1/sqrt(D)), averaged by 1/sqrt(2)."""
         cfg = self.cfg
         table_VLP = self.per_layer_embedding_VLP[...]
-        token_BTLP = table_VLP[tokens_BT] * jnp.sqrt(jnp.float32(cfg.per_layer_input_dim)).astype(
+        token_BTLP = table_VLP[tokens_BT] * jnp.sqrt(jnp.float32(cfg.gemma4.per_layer_input_dim)).astype(
             table_VLP.dtype
         )
         proj_BTLP = jnp.einsum("btd,dlp->btlp", x_BTD, self.per_layer_proj_DLP[...])
@@ -245,8 +245,8 @@ class Decoder(nnx.Module):
                 positions_BT,
                 cfg.rope_base_global,
                 cfg.rope_scale_global,
-                cfg.global_head_dim or cfg.head_dim,
-                cfg.rope_partial_factor_global,
+                cfg.gemma4.global_head_dim or cfg.head_dim,
+                cfg.gemma4.rope_partial_factor_global,
                 cfg.rope_scaling,
             ),
             rope_table(positions_BT, cfg.rope_base_local, 1.0, cfg.head_dim),
@@ -329,7 +329,7 @@ class Decoder(nnx.Module):
         # keys and values each KV-sharing layer reuses: the latest of each layer type so far
         shared = (
             {}
-            if not self.cfg.num_kv_shared_layers
+            if not self.cfg.gemma4.num_kv_shared_layers
             else {kind: self._empty_kv(x_BTD, shape) for kind, shape in self._kv_producers().items()}
         )
         stats = []

@@ -39,12 +39,12 @@ class LayerShape:
 
 def layer_shapes(cfg: ModelConfig) -> list[LayerShape]:
     types = layer_types(cfg)
-    first_shared = cfg.num_layers - cfg.num_kv_shared_layers
-    global_head_dim = cfg.global_head_dim or cfg.head_dim
-    global_kv_heads = cfg.num_global_kv_heads or cfg.num_kv_heads
+    first_shared = cfg.num_layers - cfg.gemma4.num_kv_shared_layers
+    global_head_dim = cfg.gemma4.global_head_dim or cfg.head_dim
+    global_kv_heads = cfg.gemma4.num_global_kv_heads or cfg.num_kv_heads
     static_type = (
-        cfg.num_kv_shared_layers > 0
-        or cfg.attention_k_eq_v
+        cfg.gemma4.num_kv_shared_layers > 0
+        or cfg.gemma4.attention_k_eq_v
         or ((global_head_dim, global_kv_heads) != (cfg.head_dim, cfg.num_kv_heads))
     )
     shapes = []
@@ -54,12 +54,12 @@ def layer_shapes(cfg: ModelConfig) -> list[LayerShape]:
             LayerShape(
                 head_dim=global_head_dim if is_global else cfg.head_dim,
                 num_kv_heads=global_kv_heads if is_global else cfg.num_kv_heads,
-                k_eq_v=cfg.attention_k_eq_v and is_global,
+                k_eq_v=cfg.gemma4.attention_k_eq_v and is_global,
                 shares_kv=shares,
                 # 0: no dense MLP, the experts in its place
                 mlp_dim=0
                 if cfg.moe.experts and not cfg.moe.dense_mlp
-                else cfg.hidden_dim * (2 if cfg.double_wide_mlp and shares else 1),
+                else cfg.hidden_dim * (2 if cfg.gemma4.double_wide_mlp and shares else 1),
                 layer_type=kind if static_type else None,
             )
         )
@@ -143,7 +143,7 @@ def validate_model(m: ModelConfig) -> None:
     if m.local_layers_per_global and not (m.sliding_window and m.sliding_window > 0):
         raise ConfigError("model.sliding_window must be positive when model.local_layers_per_global > 0")
     _validate_gemma4(m)
-    validate_rope_scaling(m.rope_scaling, m.global_head_dim or m.head_dim)
+    validate_rope_scaling(m.rope_scaling, m.gemma4.global_head_dim or m.head_dim)
     if m.vision is not None:
         validate_vision(m)
 
@@ -229,36 +229,38 @@ def _validate_gemma4(m: ModelConfig) -> None:
                 "model.sliding_window must be positive when model.layer_types has sliding_attention"
             )
     for key in ("global_head_dim", "num_global_kv_heads"):
-        if getattr(m, key) is not None and getattr(m, key) <= 0:
-            raise ConfigError(f"model.{key}={getattr(m, key)} must be positive (or null)")
-    if m.num_global_kv_heads and m.num_heads % m.num_global_kv_heads:
+        if getattr(m.gemma4, key) is not None and getattr(m.gemma4, key) <= 0:
+            raise ConfigError(f"model.gemma4.{key}={getattr(m.gemma4, key)} must be positive (or null)")
+    if m.gemma4.num_global_kv_heads and m.num_heads % m.gemma4.num_global_kv_heads:
         raise ConfigError(
             f"model.num_heads={m.num_heads} must be a multiple of "
-            f"model.num_global_kv_heads={m.num_global_kv_heads}"
+            f"model.gemma4.num_global_kv_heads={m.gemma4.num_global_kv_heads}"
         )
-    if not 0.0 <= m.rope_partial_factor_global <= 1.0:
+    if not 0.0 <= m.gemma4.rope_partial_factor_global <= 1.0:
         raise ConfigError(
-            f"model.rope_partial_factor_global={m.rope_partial_factor_global} must be in [0, 1]"
+            f"model.gemma4.rope_partial_factor_global={m.gemma4.rope_partial_factor_global} must be in [0, 1]"
         )
-    shared = m.num_kv_shared_layers
+    shared = m.gemma4.num_kv_shared_layers
     if not 0 <= shared < m.num_layers:
         raise ConfigError(
-            f"model.num_kv_shared_layers={shared} must be in [0, model.num_layers={m.num_layers})"
+            f"model.gemma4.num_kv_shared_layers={shared} must be in [0, model.num_layers={m.num_layers})"
         )
     first_shared = m.num_layers - shared
     for i in range(first_shared, m.num_layers):
         if types[i] not in types[:first_shared]:
             raise ConfigError(
-                f"model.num_kv_shared_layers={shared}: layer {i} ({types[i]}) would reuse the keys and "
-                f"values of an earlier {types[i]} layer, and there is none; lower it"
+                f"model.gemma4.num_kv_shared_layers={shared}: layer {i} ({types[i]}) would reuse the keys "
+                f"and values of an earlier {types[i]} layer, and there is none; lower it"
             )
-    if m.double_wide_mlp and not shared:
+    if m.gemma4.double_wide_mlp and not shared:
         raise ConfigError(
-            "model.double_wide_mlp widens the KV-sharing layers' MLP: set model.num_kv_shared_layers"
+            "model.gemma4.double_wide_mlp widens the KV-sharing layers' MLP: set "
+            "model.gemma4.num_kv_shared_layers"
         )
-    if m.per_layer_input_dim < 0 or (m.per_layer_input_vocab_size or 1) <= 0:
+    if m.gemma4.per_layer_input_dim < 0 or (m.gemma4.per_layer_input_vocab_size or 1) <= 0:
         raise ConfigError(
-            "model.per_layer_input_dim must be >= 0 and model.per_layer_input_vocab_size positive"
+            "model.gemma4.per_layer_input_dim must be >= 0 and model.gemma4.per_layer_input_vocab_size "
+            "positive"
         )
     if not m.moe.dense_mlp and not m.moe.experts:
         raise ConfigError(

@@ -40,7 +40,7 @@ def mean_keys_attended(seq_len: int, window: int) -> float:
 def active_matmul_params(cfg: ModelConfig) -> int:
     """Matmul parameters a token goes through: every layer's projections and MLP, its k experts and
     the router, the per-layer inputs' projections; not the embedding lookups."""
-    D, N, P = cfg.embed_dim, cfg.num_heads, cfg.per_layer_input_dim
+    D, N, P = cfg.embed_dim, cfg.num_heads, cfg.gemma4.per_layer_input_dim
     total = D * cfg.num_layers * P  # the projection of the embeddings to the per-layer inputs
     for shape in layer_shapes(cfg):
         H, K = shape.head_dim, shape.num_kv_heads

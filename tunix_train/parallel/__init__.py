@@ -157,7 +157,7 @@ class Parallelism:
 def pipelines(model: ModelConfig) -> bool:
     """Whether the pp schedules run this model: one group of layers (one stack, or Gemma 4's
     period of layer shapes repeated: the stages split the repeats), no per-layer inputs."""
-    return len(layer_groups(model)) == 1 and not model.per_layer_input_dim
+    return len(layer_groups(model)) == 1 and not model.gemma4.per_layer_input_dim
 
 
 def for_run(mesh: Mesh, model: ModelConfig, training: TrainingConfig, seq_len: int) -> Parallelism | None:

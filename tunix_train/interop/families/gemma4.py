@@ -52,20 +52,21 @@ def from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "local_layers_per_global": 0,
         "layer_types": types,
         "sliding_window": hf.get("sliding_window", 512) if "sliding_attention" in types else None,
-        "global_head_dim": global_head_dim,
-        "num_global_kv_heads": global_kv_heads,
-        "attention_k_eq_v": k_eq_v,
+        "gemma4.global_head_dim": global_head_dim,
+        "gemma4.num_global_kv_heads": global_kv_heads,
+        "gemma4.attention_k_eq_v": k_eq_v,
         "rope_base_global": float(full.get("rope_theta", 1e6)),
         "rope_base_local": float(sliding.get("rope_theta", 10_000.0)),
         "rope_scale_global": float(full.get("factor", 1.0)),
-        "rope_partial_factor_global": float(full.get("partial_rotary_factor", 1.0))
+        "gemma4.rope_partial_factor_global": float(full.get("partial_rotary_factor", 1.0))
         if full.get("rope_type") == "proportional"
         else 1.0,
         "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "num_kv_shared_layers": hf.get("num_kv_shared_layers", 0),
-        "double_wide_mlp": bool(hf.get("use_double_wide_mlp")) and hf.get("num_kv_shared_layers", 0) > 0,
-        "per_layer_input_dim": ple,
-        "per_layer_input_vocab_size": hf.get("vocab_size_per_layer_input", 262_144) if ple else None,
+        "gemma4.num_kv_shared_layers": hf.get("num_kv_shared_layers", 0),
+        "gemma4.double_wide_mlp": bool(hf.get("use_double_wide_mlp"))
+        and hf.get("num_kv_shared_layers", 0) > 0,
+        "gemma4.per_layer_input_dim": ple,
+        "gemma4.per_layer_input_vocab_size": hf.get("vocab_size_per_layer_input", 262_144) if ple else None,
         "moe.experts": hf.get("num_experts") or 0 if moe else 0,
         "moe.experts_per_token": hf.get("top_k_experts") or 0 if moe else 0,
         "moe.hidden_dim": hf.get("moe_intermediate_size") or 0 if moe else 0,
@@ -88,21 +89,21 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
             "model.layer_types: transformers' Gemma 4 makes the last layer full_attention; this model "
             "cannot be exported as gemma4"
         )
-    if cfg.num_global_kv_heads not in (None, cfg.num_kv_heads) and not cfg.attention_k_eq_v:
+    if cfg.gemma4.num_global_kv_heads not in (None, cfg.num_kv_heads) and not cfg.gemma4.attention_k_eq_v:
         raise ConfigError(
-            "model.num_global_kv_heads: transformers' Gemma 4 reads it only with attention_k_eq_v"
+            "model.gemma4.num_global_kv_heads: transformers' Gemma 4 reads it only with attention_k_eq_v"
         )
     full = {
         "rope_type": "proportional",
-        "partial_rotary_factor": cfg.rope_partial_factor_global,
+        "partial_rotary_factor": cfg.gemma4.rope_partial_factor_global,
         "rope_theta": cfg.rope_base_global,
         "factor": cfg.rope_scale_global,
     }
     return {
         **gemma_like.hf_sizes(cfg),
-        "global_head_dim": cfg.global_head_dim or cfg.head_dim,
-        "num_global_key_value_heads": cfg.num_global_kv_heads,
-        "attention_k_eq_v": cfg.attention_k_eq_v,
+        "global_head_dim": cfg.gemma4.global_head_dim or cfg.head_dim,
+        "num_global_key_value_heads": cfg.gemma4.num_global_kv_heads,
+        "attention_k_eq_v": cfg.gemma4.attention_k_eq_v,
         "layer_types": types,
         "sliding_window": cfg.sliding_window or 512,
         "rope_parameters": {
@@ -111,10 +112,10 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         },
         "final_logit_softcapping": cfg.final_logit_softcap,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "num_kv_shared_layers": cfg.num_kv_shared_layers,
-        "use_double_wide_mlp": cfg.double_wide_mlp,
-        "hidden_size_per_layer_input": cfg.per_layer_input_dim,
-        "vocab_size_per_layer_input": cfg.per_layer_input_vocab_size or cfg.vocab_size,
+        "num_kv_shared_layers": cfg.gemma4.num_kv_shared_layers,
+        "use_double_wide_mlp": cfg.gemma4.double_wide_mlp,
+        "hidden_size_per_layer_input": cfg.gemma4.per_layer_input_dim,
+        "vocab_size_per_layer_input": cfg.gemma4.per_layer_input_vocab_size or cfg.vocab_size,
         "enable_moe_block": bool(cfg.moe.experts),
         "num_experts": cfg.moe.experts or None,
         "top_k_experts": cfg.moe.experts_per_token or None,

@@ -6,20 +6,21 @@ names alike. Each family's module (gemma.py, gemma2.py, gemma3.py, gemma4.py) ad
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from tunix_train.config import Activation, ConfigError, ModelConfig, MoeRouter, RopeScaling
+from tunix_train.config import Activation, ConfigError, Gemma4Config, ModelConfig, MoeRouter, RopeScaling
 
 # as transformers' Gemma 4 has them
-GEMMA4_FIELDS = dict(
-    use_qk_norm=True,
-    use_v_norm=True,
-    norm_weight_offset=0.0,
-    query_pre_attn_scalar=1.0,
-    use_layer_scalar=True,
-    use_post_attn_norm=True,
-    use_post_ffw_norm=True,
-)
+GEMMA4_FIELDS = {
+    "use_qk_norm": True,
+    "gemma4.use_v_norm": True,
+    "norm_weight_offset": 0.0,
+    "query_pre_attn_scalar": 1.0,
+    "gemma4.use_layer_scalar": True,
+    "use_post_attn_norm": True,
+    "use_post_ffw_norm": True,
+}
 
 
 # What each family's checkpoints fix: set on import, checked on export (families.Family.fixed).
@@ -30,7 +31,12 @@ GEMMA_FIXED = dict(
     rope_scaling=RopeScaling(),
     **{"moe.router": MoeRouter.gemma4, "moe.dense_mlp": True},
 )
-GEMMA_1_TO_3_FIXED = dict(GEMMA_FIXED, norm_weight_offset=1.0, use_v_norm=False, use_layer_scalar=False)
+GEMMA_1_TO_3_FIXED = {
+    **GEMMA_FIXED,
+    "norm_weight_offset": 1.0,
+    "gemma4.use_v_norm": False,
+    "gemma4.use_layer_scalar": False,
+}
 
 
 def gemma_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -75,17 +81,8 @@ def gemma_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 # Gemma 4's fields as Gemma 1-3 have them: a config that sets one cannot load a Gemma 1-3 checkpoint
 GEMMA4_ONLY_OFF = dict(
     layer_types=None,
-    global_head_dim=None,
-    num_global_kv_heads=None,
-    attention_k_eq_v=False,
-    rope_partial_factor_global=1.0,
     norm_weight_offset=1.0,
-    use_v_norm=False,
-    num_kv_shared_layers=0,
-    double_wide_mlp=False,
-    per_layer_input_dim=0,
-    per_layer_input_vocab_size=None,
-    use_layer_scalar=False,
+    **{f"gemma4.{f.name}": f.default for f in dataclasses.fields(Gemma4Config)},
     **{"moe.experts": 0, "moe.experts_per_token": 0, "moe.hidden_dim": 0},
 )
 
