@@ -143,6 +143,7 @@ def validate_model(m: ModelConfig) -> None:
     if m.local_layers_per_global and not (m.sliding_window and m.sliding_window > 0):
         raise ConfigError("model.sliding_window must be positive when model.local_layers_per_global > 0")
     _validate_gemma4(m)
+    _validate_moe(m)
     validate_rope_scaling(m.rope_scaling, m.gemma4.global_head_dim or m.head_dim)
     if m.vision is not None:
         validate_vision(m)
@@ -207,7 +208,7 @@ def _validate_gemma4_vision(m: ModelConfig) -> None:
 
 
 def _validate_gemma4(m: ModelConfig) -> None:
-    """Layer types, KV sharing, per-layer inputs and experts."""
+    """Layer types, and model.gemma4: global layers, KV sharing, per-layer inputs."""
     types = layer_types(m)
     if m.layer_types is not None:
         unknown = [x for x in m.layer_types if x not in LAYER_TYPES]
@@ -262,6 +263,10 @@ def _validate_gemma4(m: ModelConfig) -> None:
             "model.gemma4.per_layer_input_dim must be >= 0 and model.gemma4.per_layer_input_vocab_size "
             "positive"
         )
+
+
+def _validate_moe(m: ModelConfig) -> None:
+    """model.moe's checks."""
     if not m.moe.dense_mlp and not m.moe.experts:
         raise ConfigError(
             "model.moe.dense_mlp=false leaves the layers no MLP: it needs model.moe.experts > 0"

@@ -54,12 +54,17 @@ def rope_table(
     return sin[:, :, None, None, :], cos[:, :, None, None, :]
 
 
+def _inverse_frequencies(base: float, head_dim: int) -> np.ndarray:
+    """Each rotary pair's unscaled angular frequency [H/2], base^(-2i/head_dim), in float64."""
+    return 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+
+
 def longrope_frequencies(
     base: float, head_dim: int, scaling: RopeScaling
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """LongRoPE's (short and long angular frequencies [H/2], the factor on sin and cos), as
     transformers' _compute_longrope_parameters: each pair's frequency divided by its factor."""
-    inv_freq = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    inv_freq = _inverse_frequencies(base, head_dim)
     short, long = (inv_freq / np.asarray(f, np.float64) for f in (scaling.short_factor, scaling.long_factor))
     attention = scaling.attention_factor
     if attention is None:
@@ -71,7 +76,7 @@ def longrope_frequencies(
 def scaled_frequencies(base: float, head_dim: int, scaling: RopeScaling) -> tuple[np.ndarray, float]:
     """(each rotary pair's angular frequency [H/2], the factor on sin and cos) of a llama3 or yarn
     schedule, in float64 from the config's numbers."""
-    inv_freq = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    inv_freq = _inverse_frequencies(base, head_dim)
     factor, context = scaling.factor, scaling.original_context
     if scaling.type is RopeScalingType.llama3:
         low_wavelen = context / scaling.low_freq_factor
