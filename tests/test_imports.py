@@ -15,7 +15,7 @@ LAYERS = (
     ("launch",),  # the launchers, and jax.distributed's set-up that run uses
     ("api",),  # the notebook surface
     ("train",),
-    ("rewards",),
+    ("rewards", "evaluate"),  # evaluate: lm-eval on a model (its CLI, and training.eval_tasks)
     ("generate", "envs"),
     ("data",),
     ("interop", "observe"),

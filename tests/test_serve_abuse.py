@@ -233,9 +233,38 @@ BAD = [  # (name, path, body, status, words in the error's message)
         400,
         "pass this server's 96 tokens",
     ),
-    ("prompt a list", TEXT, {"prompt": ["a", "b"]}, 400, "'prompt' must be a string"),
-    ("prompt a number", TEXT, {"prompt": 3}, 400, "'prompt' must be a string"),
-    ("no prompt", TEXT, {"max_tokens": 3}, 400, "'prompt' must be a string"),
+    ("prompts text and ids", TEXT, {"prompt": ["a", "b"], "max_tokens": 2}, 200, ""),
+    ("prompt token ids", TEXT, {"prompt": [2, 5, 6], "max_tokens": 2}, 200, ""),
+    ("prompt a mixed list", TEXT, {"prompt": ["a", 3]}, 400, "each prompt must be a string or"),
+    ("prompt a list holding []", TEXT, {"prompt": [[]]}, 400, "each prompt must be a string or"),
+    ("prompt an empty list", TEXT, {"prompt": []}, 400, "'prompt' must be a string, a list"),
+    ("65 prompts", TEXT, {"prompt": ["a"] * 65}, 400, "a list of 1 to 64 of either"),
+    ("prompt a number", TEXT, {"prompt": 3}, 400, "'prompt' must be a string, a list"),
+    ("prompt a token id true", TEXT, {"prompt": [2, True]}, 400, "each prompt must be"),
+    ("prompt a token id past the vocabulary", TEXT, {"prompt": [2, 4096]}, 400, "in [0, 4096)"),
+    ("prompt a negative token id", TEXT, {"prompt": [[2, -1]]}, 400, "in [0, 4096)"),
+    ("no prompt", TEXT, {"max_tokens": 3}, 400, "'prompt' must be a string, a list"),
+    ("logprobs 21", TEXT, {"prompt": "a", "logprobs": 21}, 400, "'logprobs'=21 is out of range"),
+    ("logprobs -1", TEXT, {"prompt": "a", "logprobs": -1}, 400, "'logprobs'=-1 is out of range"),
+    ("logprobs true", TEXT, {"prompt": "a", "logprobs": True}, 400, "'logprobs' must be an integer"),
+    ("logprobs a string", TEXT, {"prompt": "a", "logprobs": "5"}, 400, "'logprobs' must be an integer"),
+    ("echo a string", TEXT, {"prompt": "a", "echo": "yes"}, 400, "'echo' must be true or false"),
+    ("max_tokens 0 without echo", TEXT, {"prompt": "a", "max_tokens": 0}, 400, "0 only with echo"),
+    ("echo streamed", TEXT, {"prompt": "a", "echo": True, "stream": True}, 400, "answered whole"),
+    ("logprobs streamed", TEXT, {"prompt": "a", "logprobs": 2, "stream": True}, 400, "answered whole"),
+    ("echo scoring only", TEXT, {"prompt": "a b", "echo": True, "max_tokens": 0, "logprobs": 20}, 200, ""),
+    ("tokenize a number", "/tokenize", {"prompt": 3}, 400, "'prompt' must be a string"),
+    ("tokenize an unknown field", "/tokenize", {"prompt": "a", "x": 1}, 400, "Unrecognized request"),
+    (
+        "tokenize special a string",
+        "/tokenize",
+        {"prompt": "a", "add_special_tokens": "no"},
+        400,
+        "true or false",
+    ),
+    ("detokenize past the vocabulary", "/detokenize", {"tokens": [4096]}, 400, "in [0, 4096)"),
+    ("detokenize a string", "/detokenize", {"tokens": "abc"}, 400, "'tokens' must be a list"),
+    ("detokenize not JSON", "/detokenize", b"{", 400, "not valid JSON"),
     ("messages to /v1/completions", TEXT, {"messages": USER}, 400, "Unrecognized request argument"),
     ("not JSON", CHAT, b"{not json", 400, "not valid JSON"),
     ("an empty body", CHAT, b"", 400, "not valid JSON"),
@@ -655,11 +684,11 @@ def test_a_call_still_running_when_its_504_is_given_is_stuck_at_once():
     import asyncio
 
     release = threading.Event()
-    preparer = Preparer(lambda data, chat: release.wait(10), request_timeout_s=0.5)
+    preparer = Preparer(request_timeout_s=0.5)
     arrived = time.monotonic() - 0.4  # its body took 0.4 s to read
     try:
         with pytest.raises(BadRequest, match="more than 0.5 s"):
-            asyncio.run(preparer(b"{}", True, deadline=arrived + 0.5))
+            asyncio.run(preparer(b"{}", lambda data: release.wait(10), deadline=arrived + 0.5))
         assert 0.0 < preparer.stuck_s() < 0.5
     finally:
         release.set()

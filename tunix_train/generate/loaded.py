@@ -29,6 +29,7 @@ from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokeni
 from tunix_train.files import write_text
 from tunix_train.generate.engine import Completion, Engine, Request
 from tunix_train.generate.sampling import Sampling
+from tunix_train.generate.scoring import Scored, Scorer
 from tunix_train.generate.session import before_stop
 from tunix_train.interop import hf, loader, peft
 from tunix_train.observe.memory import MemoryErrors
@@ -62,6 +63,14 @@ class LoadedModel:
             self.stop_ids,
             decode=None if self.tokenizer is None else self.tokenizer.decode,
         )
+        self._scorer = Scorer(graphdef, self.mesh, self.config.vocab_size)
+
+    def score(self, rows: Sequence[Sequence[int]], top: int = 0, batch: int = 8) -> list[Scored]:
+        """Each row of token ids scored teacher-forced (scoring.py): log p(token | tokens before
+        it) for its tokens after the first, whether each was the most likely, and the `top` most
+        likely tokens at each position."""
+        with MemoryErrors(None, self.mesh, training=False, first_tips=[f"batch={max(batch // 2, 1)}"]):
+            return self._scorer(self.params, rows, top, batch)
 
     def generate(
         self,

@@ -14,25 +14,25 @@ BODY_SECONDS = 30.0
 
 class Preparer:
     """A request's body read (at most max_body_bytes within BODY_SECONDS, at most max_preparing at
-    once) and Api.prepare run on a pool of two threads, each call within the request's deadline (a
-    504 after it). A thread cannot be stopped: one still busy past its request's deadline is stuck,
-    which /health reports (503) so that a supervisor restarts the server."""
+    once) and work on it (Api.prepare, tokenizing, scoring) run on a pool of two threads, each call
+    within the request's deadline (a 504 after it). A thread cannot be stopped: one still busy past
+    its request's deadline is stuck, which /health reports (503) so that a supervisor restarts the
+    server."""
 
     def __init__(
-        self,
-        prepare,
-        request_timeout_s: float,
-        max_body_bytes: int = Access.max_body_bytes,
-        max_preparing: int = 64,
+        self, request_timeout_s: float, max_body_bytes: int = Access.max_body_bytes, max_preparing: int = 64
     ):
-        self.prepare, self.timeout_s = prepare, request_timeout_s
-        self.max_body_bytes, self.max_preparing = max_body_bytes, max_preparing
+        self.timeout_s, self.max_body_bytes, self.max_preparing = (
+            request_timeout_s,
+            max_body_bytes,
+            max_preparing,
+        )
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
         self.running: dict[int, tuple[float, float]] = {}  # calls running now: (began, their deadline)
         self.preparing = 0  # requests being read and tokenized now
 
-    async def read(self, http, chat: bool, deadline: float):
-        """The request `http` read and prepared: Api.prepare's answer, or a BadRequest."""
+    async def read(self, http, work, deadline: float):
+        """The request `http` read and prepared: work(body)'s answer, or a BadRequest."""
         if self.preparing >= self.max_preparing:
             raise BadRequest(
                 f"{self.preparing} requests are being read; retry later",
@@ -50,7 +50,7 @@ class Preparer:
                     status=408,
                     code="request_timeout",
                 ) from None
-            return await self(data, chat, deadline)
+            return await self(data, work, deadline)
         finally:
             self.preparing -= 1
 
@@ -67,21 +67,21 @@ class Preparer:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _timed(self, data: bytes, chat: bool, deadline: float):
+    def _timed(self, data: bytes, work, deadline: float):
         thread = threading.get_ident()  # one call at a time on each
         self.running[thread] = (time.monotonic(), deadline)
         try:
-            return self.prepare(data, chat)
+            return work(data)
         finally:
             del self.running[thread]
 
-    async def __call__(self, data: bytes, chat: bool, deadline: float):
-        call = asyncio.get_running_loop().run_in_executor(self.pool, self._timed, data, chat, deadline)
+    async def __call__(self, data: bytes, work, deadline: float):
+        call = asyncio.get_running_loop().run_in_executor(self.pool, self._timed, data, work, deadline)
         try:
             return await asyncio.wait_for(call, max(deadline - time.monotonic(), 0.0))
         except asyncio.TimeoutError:
             raise BadRequest(
-                f"reading the request took more than {self.timeout_s:g} s (--request_timeout_s)",
+                f"reading or scoring the request took more than {self.timeout_s:g} s (--request_timeout_s)",
                 status=504,
                 code="timeout",
             ) from None

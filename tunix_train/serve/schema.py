@@ -19,9 +19,12 @@ MAX_DEPTH = 16  # JSON nesting of a body (a conversation is 3 deep)
 MAX_MESSAGES = 1024
 MAX_STOPS, MAX_STOP_CHARS = 4, 256
 MAX_N = 16
+MAX_PROMPTS = 64  # prompts of one /v1/completions request (lm-eval sends a batch as one)
+MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs)
 SEED_RANGE = (-(1 << 63), 1 << 64)  # OpenAI's int64, and uint64; the engine keeps seed mod 2**32
 
-# Fields OpenAI defines that this server accepts only at the value that changes nothing
+# Fields OpenAI defines that this server accepts only at the value that changes nothing (chat's
+# logprobs; /v1/completions reads logprobs and echo)
 NEUTRAL = {
     "frequency_penalty": (0, 0.0),
     "presence_penalty": (0, 0.0),
@@ -49,7 +52,7 @@ CHAT_FIELDS = {
     "stream",
     "stream_options",
 }
-TEXT_FIELDS = (CHAT_FIELDS - {"messages", "max_completion_tokens"}) | {"prompt"}
+TEXT_FIELDS = (CHAT_FIELDS - {"messages", "max_completion_tokens"}) | {"prompt", "logprobs", "echo"}
 
 
 class BadRequest(Exception):
@@ -123,8 +126,8 @@ class Ask:
     """A checked request: the prompt (text, or a conversation) and how to continue it."""
 
     chat: bool
-    prompt: Any  # str, or a list of {role, content} messages
-    max_tokens: int | None  # None: as many as the context leaves
+    prompt: Any  # a list of {role, content} messages; /v1/completions: a tuple of texts and token-id tuples
+    max_tokens: int | None  # None: as many as the context leaves; 0: none (echo only)
     temperature: float
     top_k: int | None
     top_p: float | None
@@ -133,6 +136,8 @@ class Ask:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # alternatives reported per token; None: no log-probabilities
+    echo: bool = False  # the prompt's tokens come back before the completion's (and their logprobs)
 
 
 def read(body: dict, chat: bool, name: str) -> Ask:
@@ -166,9 +171,7 @@ def read(body: dict, chat: bool, name: str) -> Ask:
         except ConfigError as err:
             raise BadRequest(str(err), "messages") from None
     else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise BadRequest("'prompt' must be a string", "prompt")
+        prompt = _prompts(body.get("prompt"))
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if (
@@ -185,8 +188,12 @@ def read(body: dict, chat: bool, name: str) -> Ask:
         "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     )
     max_tokens = _number(body, field, int, None if chat else 16)
-    if max_tokens is not None and max_tokens <= 0:
-        raise BadRequest(f"'{field}'={max_tokens} must be positive", field)
+    echo = body.get("echo") if not chat else None
+    if echo is not None and not isinstance(echo, bool):
+        raise BadRequest("'echo' must be true or false", "echo")
+    if max_tokens is not None and (max_tokens < 0 or max_tokens == 0 and not echo):
+        raise BadRequest(f"'{field}'={max_tokens} must be positive (0 only with echo)", field)
+    logprobs = None if chat else _number(body, "logprobs", int, None, 0, MAX_LOGPROBS)
     options = body.get("stream_options")
     if options is not None and (
         not isinstance(options, dict)
@@ -199,6 +206,8 @@ def read(body: dict, chat: bool, name: str) -> Ask:
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", "stream")
+    if stream and (echo or logprobs is not None):
+        raise BadRequest("'logprobs' and 'echo' are answered whole: send them with 'stream': false", "stream")
     seed = _number(body, "seed", int, None, SEED_RANGE[0], SEED_RANGE[1] - 1)
     return Ask(
         chat,
@@ -212,7 +221,29 @@ def read(body: dict, chat: bool, name: str) -> Ask:
         tuple(stop),
         bool(stream),
         bool((options or {}).get("include_usage")),
+        logprobs,
+        bool(echo),
     )
+
+
+def _prompts(prompt) -> tuple:
+    """/v1/completions' prompt as OpenAI writes it (a text, token ids, or a list of either) as a
+    tuple of texts and token-id tuples; the ids' range is the tokenizer's (Api.prepare)."""
+
+    def ids(value) -> bool:
+        return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+    if isinstance(prompt, str) or ids(prompt) and prompt:
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not 0 < len(prompt) <= MAX_PROMPTS:
+        raise BadRequest(
+            f"'prompt' must be a string, a list of token ids, or a list of 1 to {MAX_PROMPTS} of either",
+            "prompt",
+        )
+    for one in prompt:
+        if not (isinstance(one, str) or ids(one) and one):
+            raise BadRequest("each prompt must be a string or a non-empty list of token ids", "prompt")
+    return tuple(p if isinstance(p, str) else tuple(p) for p in prompt)
 
 
 def longest_token_chars(tokenizer) -> int:
@@ -221,9 +252,10 @@ def longest_token_chars(tokenizer) -> int:
 
 
 def prompt_chars(ask: Ask) -> int:
-    """The prompt's characters of text (an image's tokens are counted when it is read)."""
-    if isinstance(ask.prompt, str):
-        return len(ask.prompt)
+    """The longest prompt's characters of text (an image's tokens are counted when it is read;
+    token ids are counted as tokens)."""
+    if not ask.chat:
+        return max(len(p) if isinstance(p, str) else 0 for p in ask.prompt)
     return sum(
         len(m["content"])
         if isinstance(m["content"], str)
