@@ -93,6 +93,15 @@ def _validate_data(d: DataConfig) -> None:
             "data.messages_field reads conversations from records (data.source=jsonl or parquet), "
             "without data.prompt_field"
         )
+    g = d.reasoning_gym
+    if d.source is DataSource.reasoning_gym and (not g.tasks or g.size < 1 or g.eval_size < 1):
+        raise ConfigError(
+            "data.reasoning_gym needs tasks (reasoning-gym dataset names) and a positive size and eval_size"
+        )
+    if unknown := sorted(set(g.settings) - set(g.tasks)):
+        raise ConfigError(
+            f"data.reasoning_gym.settings names {unknown[0]!r}, which is not in data.reasoning_gym.tasks"
+        )
     if not d.train_on_roles or not set(d.train_on_roles) <= set(CHAT_ROLES):
         raise ConfigError(
             f"data.train_on_roles={list(d.train_on_roles)} must name some of {', '.join(CHAT_ROLES)}"
@@ -170,7 +179,8 @@ def _validate_post_training(t: TrainingConfig, d: DataConfig, m: ModelConfig) ->
         )
     if objective in (Objective.lm, Objective.distill):  # both read the data's tokens
         return
-    if d.source not in (DataSource.jsonl, DataSource.parquet):
+    records = d.source in (DataSource.jsonl, DataSource.parquet)
+    if not (records or d.source is DataSource.reasoning_gym and objective.on_policy):
         fields = (
             "prompt, chosen and rejected"
             if paired

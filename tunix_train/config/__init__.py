@@ -18,6 +18,7 @@ from tunix_train.config.data import (  # noqa: F401  (re-exported)
     CHAT_ROLES,
     DataConfig,
     DataSource,
+    ReasoningGymConfig,
     TextUnit,
 )
 from tunix_train.config.deprecated import RETIRED_KEYS, upgraded  # noqa: F401

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from tunix_train.config.fields import _changeable, _fixed
 
@@ -17,6 +17,7 @@ class DataSource(enum.Enum):
     parquet = "parquet"
     array_record = "array_record"  # pre-tokenized documents (scripts/pretokenize.py writes them)
     synthetic = "synthetic"  # learnable random sequences, no tokenizer
+    reasoning_gym = "reasoning_gym"  # reasoning-gym's generated tasks (data.reasoning_gym)
 
 
 class TextUnit(enum.Enum):
@@ -25,6 +26,20 @@ class TextUnit(enum.Enum):
     line = "line"
     paragraph = "paragraph"  # separated by blank lines
     file = "file"
+
+
+@dataclasses.dataclass
+class ReasoningGymConfig:
+    """data.reasoning_gym (data.source=reasoning_gym, the `tasks` extra): prompts that reasoning-gym
+    generates from a seed, the same on every run, each record's `answer` and `entry` (the task's
+    own record) there for its verifier (rewards/verified.reasoning_gym)."""
+
+    tasks: List[str] = _fixed(factory=list)  # reasoning-gym dataset names, e.g. [basic_arithmetic]
+    # A task's generator settings, e.g. {basic_arithmetic: {min_terms: 2, max_terms: 2}}
+    settings: Dict[str, Dict[str, Any]] = _fixed(factory=dict)
+    size: int = _fixed(1000)  # training prompts of each task
+    eval_size: int = _fixed(100)  # held-out prompts of each task (generated from another seed)
+    seed: int = _fixed(0)
 
 
 @dataclasses.dataclass
@@ -66,6 +81,7 @@ class DataConfig:
     # Conversations whose messages' text may write the template's control tokens (<start_of_turn>,
     # <start_of_image>, BOS ...) and have them read as such; false: such a record is a one-line error
     control_tokens_in_messages: bool = _fixed(False)
+    reasoning_gym: ReasoningGymConfig = dataclasses.field(default_factory=ReasoningGymConfig)
     prefetch_batches: int = _changeable(4)  # batches prepared ahead of the train step by a background thread
 
 

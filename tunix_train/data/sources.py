@@ -275,7 +275,14 @@ class _Subset(Sequence):
 def train_and_eval_documents(
     data: DataConfig, required: Sequence[str] | None = None
 ) -> tuple[Sequence, Sequence]:
-    """The training documents and the held-out ones (eval_files, or a fixed eval_fraction)."""
+    """The training documents and the held-out ones (eval_files, or a fixed eval_fraction;
+    reasoning-gym's from their own seed)."""
+    if data.source is DataSource.reasoning_gym:
+        from tunix_train.data import reasoning_gym
+
+        return reasoning_gym.documents(data.reasoning_gym, False), reasoning_gym.documents(
+            data.reasoning_gym, True
+        )
     docs = read_documents(data.train_files, data, "data.train_files", required)
     if data.eval_files:
         return docs, read_documents(data.eval_files, data, "data.eval_files", required)
