@@ -1,7 +1,10 @@
 """GRPO on a verifiable task, end to end on a CPU: the reward rises.
 
     python scripts/grpo_demo.py [--out DIR] [--sft-steps 8] [--grpo-steps 150] [--largest 5]
-        [--objective grpo|rloo|reinforce_pp|dr_grpo|ppo|...] [OVERRIDE ...]
+        [--objective grpo|rloo|reinforce_pp|dr_grpo|ppo|...] [--task arithmetic|reasoning_gym] [OVERRIDE ...]
+
+--task reasoning_gym takes reasoning-gym's basic_arithmetic instead (sums of two terms of one digit,
+"Calculate 3 + 5.", data=reasoning_gym) with the task's own verifier as the reward (the `tasks` extra).
 
 1. Writes the bundled arithmetic task (tunix_train/rewards/arithmetic.py): sums a+b, 0 <= a, b <= --largest
 (5).
@@ -58,20 +61,43 @@ def main() -> int:
     parser.add_argument("--largest", type=int, default=5, help="the sums' terms go from 0 to this")
     parser.add_argument("--block", type=int, default=15, help="steps per row of the reward table")
     parser.add_argument("--objective", default="grpo", help="grpo or another of its family (rloo, ...)")
+    parser.add_argument("--task", choices=("arithmetic", "reasoning_gym"), default="arithmetic")
     parser.add_argument("overrides", nargs="*", help="more overrides of the RL run")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="grpo_demo_"))
     out.mkdir(parents=True, exist_ok=True)
-    prompts, sft = write_task(out / "task", count=2000, seed=0, largest=args.largest)
     print(f"runs in {out}")
+    if args.task == "arithmetic":
+        prompts, sft = write_task(out / "task", count=2000, seed=0, largest=args.largest)
+        sft_data = [
+            "data=jsonl",
+            f"data.train_files=[{sft}]",
+            "data.prompt_field=prompt",
+            "data.completion_field=completion",
+        ]
+        grpo_data = ["data=jsonl", f"data.train_files=[{prompts}]", "data.seq_len=16"]
+        reward = "tunix_train.rewards.arithmetic:exact_match"
+    else:
+        sums = "+data.reasoning_gym.settings.basic_arithmetic"
+        sft_data = grpo_data = [
+            "data=reasoning_gym",
+            "data.reasoning_gym.size=2000",
+            "data.reasoning_gym.eval_size=64",
+            f"{sums}.min_terms=2",
+            f"{sums}.max_terms=2",
+            f"{sums}.min_digits=1",
+            f"{sums}.max_digits=1",
+            f'{sums}.operators=["+"]',
+            f"{sums}.allow_negation=false",
+            f"{sums}.allow_parentheses=false",
+        ]
+        grpo_data = [*grpo_data, "data.seq_len=32"]
+        reward = "tunix_train.rewards.verified:reasoning_gym"
 
     run(
         "run_training.py",
         "model=gemma3_small",
-        "data=jsonl",
-        f"data.train_files=[{sft}]",
-        "data.prompt_field=prompt",
-        "data.completion_field=completion",
+        *sft_data,
         "data.seq_len=32",
         f"training.max_steps={args.sft_steps}",
         "training.micro_batch_size=16",
@@ -86,16 +112,14 @@ def main() -> int:
         "run_training.py",
         "model=gemma3_small",
         f"objective={args.objective}",
-        "data=jsonl",
-        f"data.train_files=[{prompts}]",
+        *grpo_data,
         f"model.init_from={out / 'sft_hf'}",
-        "data.seq_len=16",
         f"training.max_steps={args.grpo_steps}",
         "training.log_every=1",
         f"training.micro_batch_size={args.prompts_per_step * G}",
         f"training.rollout.num_generations={G}",
         "training.rollout.max_new_tokens=4",
-        "training.rollout.reward=[tunix_train.rewards.arithmetic:exact_match]",
+        f"training.rollout.reward=[{reward}]",
         "training.lr_schedule=constant",
         f"training.learning_rate={args.learning_rate}",
         # PPO's KL is in its reward (training.ppo.kl_coef), not a term of the loss
@@ -137,6 +161,7 @@ def main() -> int:
         json.dumps(
             {
                 "objective": args.objective,
+                "task": args.task,
                 "steps": len(steps),
                 "first_block_reward": rewards[0],
                 "last_block_reward": rewards[-1],

@@ -6,6 +6,7 @@ the model's logits and generate. The tasks are YAML and JSON lines written here 
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -148,3 +149,35 @@ def test_rolling_loglikelihood_is_the_sum_over_windows():
         logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
         want += sum(logp[j - 1, row[j]] for j in range(len(row) - new, len(row)))
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.slow  # a 20-step run with three lm-eval evaluations, about a minute
+def test_training_logs_lm_eval_metrics_at_its_evaluations(tmp_path):
+    """training.eval_tasks on a 20-step run of the default corpus: eval_local_mc_acc at the start
+    and at steps 10 and 20 beside the held-out loss, each equal to lm-eval's own accuracy of that
+    step's checkpoint (the native model on the same parameters)."""
+    from conftest import config, read_metrics
+
+    from tunix_train import api
+    from tunix_train.evaluate import run_tasks
+    from tunix_train.train.loop import train
+
+    folder = _tasks(tmp_path, [cs[a].strip() for _, cs, a in QUESTIONS])
+    cfg = config(
+        "model.vocab_size=4096",
+        "data=shakespeare",
+        "data.seq_len=32",
+        "training.max_steps=20",
+        "training.eval_every=10",
+        "training.log_every=10",
+        "training.learning_rate=3e-3",
+        "training.eval_tasks=[local_mc]",
+        f"training.eval_tasks_include_path={folder}",
+        "checkpoint.every_steps=10",
+    )
+    train(cfg, tmp_path / "run", devices=jax.devices()[:1])
+    logged = [m for m in read_metrics(tmp_path / "run") if "eval_local_mc_acc" in m]
+    assert [m["step"] for m in logged] == [0, 10, 20] and all("eval_loss" in m for m in logged[1:])
+    last = api.load(tmp_path / "run" / "checkpoints" / "20", devices=jax.devices()[:1])
+    accuracy = run_tasks(last, ["local_mc"], str(folder))["results"]["local_mc"]["acc,none"]
+    assert logged[-1]["eval_local_mc_acc"] == accuracy

@@ -140,6 +140,13 @@ def _validate_step(t: TrainingConfig, d: DataConfig, m: ModelConfig) -> None:
         )
     if t.sample_every < 0 or t.sample_max_new_tokens < 1:
         raise ConfigError("training.sample_every must be >= 0 and training.sample_max_new_tokens positive")
+    if t.eval_tasks and (
+        not t.eval_every or not reads_text(d) or t.eval_tasks_limit is not None and t.eval_tasks_limit < 1
+    ):
+        raise ConfigError(
+            "training.eval_tasks runs every training.eval_every steps (not 0) on text data with a tokenizer; "
+            "training.eval_tasks_limit must be positive or null"
+        )
     if t.sample_every and (not t.sample_prompts or not reads_text(d)):
         raise ConfigError(
             "training.sample_every needs training.sample_prompts and text data with a tokenizer "

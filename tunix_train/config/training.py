@@ -147,6 +147,12 @@ class TrainingConfig:
     log_every: int = _changeable(10)
     eval_every: int = _changeable(50)  # steps between evaluations on the held-out split; 0 disables
     eval_batches: int = _changeable(4)  # a fixed set of held-out batches per evaluation
+    # lm-eval tasks (names, or YAML files) run at the start, every eval_every steps and at the last, their
+    # metrics logged as eval_<task>_<metric> (the `eval` extra; tunix_train/evaluate/); a folder of task
+    # YAMLs; at most this many examples a task (null: all).
+    eval_tasks: List[str] = _changeable(factory=list)
+    eval_tasks_include_path: Optional[str] = _changeable(None)
+    eval_tasks_limit: Optional[int] = _changeable(None)
     nan_policy: NanPolicy = _changeable(NanPolicy.skip)
     # Every this many steps (and at the first and last), greedy continuations of sample_prompts go to the
     # log, samples.jsonl and TensorBoard; 0: off. Needs text data (a tokenizer).

@@ -49,6 +49,19 @@ def run_tasks(
     )
 
 
+def logged_metrics(results: dict) -> dict[str, float]:
+    """lm-eval's numbers as training logs them: eval_<task>_<metric> (its filter appended where it
+    is not "none"), the standard errors left out."""
+    out = {}
+    for task, metrics in results["results"].items():
+        for key, value in metrics.items():
+            metric, _, kept = key.partition(",")
+            if not kept or "_stderr" in metric or isinstance(value, (str, bool)) or value is None:
+                continue
+            out[f"eval_{task}_{metric}" + ("" if kept == "none" else f"_{kept}")] = float(value)
+    return out
+
+
 def headline(results: dict) -> dict:
     """lm-eval's results reduced to what JSON holds: {"results": {task: {metric: value}}, ...}."""
 

@@ -174,6 +174,21 @@ class Evaluate(Hook):
             end.scalars.update(self.evaluate(end.state))
 
 
+class Benchmarks(Hook):
+    """lm-eval tasks (training.eval_tasks) at the start, every `every` steps and at the last:
+    `evaluate(state)` -> {name: value}, logged with the step's scalars."""
+
+    def __init__(self, evaluate: Callable[[TrainState], dict[str, float]], every: int, max_steps: int):
+        self.evaluate, self.every, self.max_steps = evaluate, every, max_steps
+
+    def at_start(self, start: StepEnd) -> None:
+        start.scalars.update(self.evaluate(start.state))
+
+    def after_step(self, end: StepEnd) -> None:
+        if end.step % self.every == 0 or end.step == self.max_steps:
+            end.scalars.update(self.evaluate(end.state))
+
+
 class Samples(Hook):
     """The model's greedy continuations of `prompts` before the first step, every `every` steps and
     after the last: `generate(state, prompts)` -> texts, given to `write(step, [(prompt, text)])`.

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from tunix_train.checkpoint import Checkpointer, frozen_record
-from tunix_train.config import BaseQuantization, Config, NanPolicy
+from tunix_train.config import BaseQuantization, Config, ConfigError, NanPolicy
 from tunix_train.data import Data
 from tunix_train.data.tokenizer import with_bos
 from tunix_train.generate import Engine, Request
@@ -154,6 +154,7 @@ def train(
                     else []
                 ),
                 *_samples_hook(cfg, run, data, writer, say),
+                *_benchmarks_hook(cfg, run, data),
                 *extra_hooks,
                 h.Report(writer, log, interval, t.max_steps),
                 h.StopOnSignal(stop, save, checkpointer.wait, checkpoints, mesh),
@@ -285,6 +286,35 @@ def _samples_hook(cfg: Config, run, data: Data, writer: MetricsWriter | None, sa
             writer.write_samples(step, samples)
 
     return [h.Samples(generate, list(t.sample_prompts), t.sample_every, t.max_steps, write)]
+
+
+def _benchmarks_hook(cfg: Config, run, data: Data) -> list[h.Hook]:
+    """training.eval_tasks: lm-eval's tasks on the parameters as the engine reads them (LoRA's
+    merged), through one LoadedModel whose parameters each evaluation replaces."""
+    t = cfg.training
+    if not t.eval_tasks:
+        return []
+    from tunix_train.evaluate import lm_eval_module, logged_metrics, run_tasks
+    from tunix_train.generate.loaded import LoadedModel
+
+    lm_eval_module()  # not installed: a one-line error now, not at the first evaluation
+    if run.weights.engine_lora is not None:
+        raise ConfigError(
+            "training.eval_tasks reads merged parameters: it does not take a quantized LoRA base yet"
+        )
+    tokenizer, merged = data.tokenizer, jax.jit(run.weights.for_engine)
+    model = None
+
+    def evaluate(state) -> dict[str, float]:
+        nonlocal model
+        params = merged(jax.device_put(state.params, run.plan.on_device.params), state.frozen)
+        if model is None:
+            model = LoadedModel(cfg.model, run.mesh, params, tokenizer, (tokenizer.eos_id,))
+        model.params = params
+        results = run_tasks(model, t.eval_tasks, t.eval_tasks_include_path, None, t.eval_tasks_limit)
+        return logged_metrics(results)
+
+    return [h.Benchmarks(evaluate, t.eval_every, t.max_steps)]
 
 
 def _profile_hook(cfg: Config, run_dir: Path, start: int, step_fn, mesh, say, is_chief: bool) -> list[h.Hook]:
