@@ -60,7 +60,7 @@ from tunix_train.config.objectives import (  # noqa: F401  (re-exported: the sch
     RlooConfig,
     ScaleRewards,
 )
-from tunix_train.config.rollout import Overlong, RolloutConfig, RolloutDtype  # noqa: F401
+from tunix_train.config.rollout import OpenEnvConfig, Overlong, RolloutConfig, RolloutDtype  # noqa: F401
 from tunix_train.config.training import (  # noqa: F401  (re-exported)
     LORA_TARGETS,
     VISION_LORA_TARGETS,

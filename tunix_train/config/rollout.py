@@ -26,6 +26,21 @@ class RolloutDtype(enum.Enum):  # training.rollout.dtype: the engine's weights, 
 
 
 @dataclasses.dataclass
+class OpenEnvConfig:
+    """training.rollout.openenv, with training.rollout.environment=openenv: an OpenEnv environment
+    server (openenv-core's client; the `envs` extra), one session per trajectory (envs/openenv.py)."""
+
+    url: Optional[str] = _changeable(None)  # a running server's, e.g. http://127.0.0.1:8000
+    # or one started here for the run: uvicorn's module:app (a create_app of openenv's), from app_dir
+    app: Optional[str] = _changeable(None)
+    app_dir: Optional[str] = _changeable(None)
+    action_field: str = _fixed("message")  # the action's field that the model's turn fills
+    # the observation's field shown to the model as a user message; null: the observation as JSON
+    observation_field: Optional[str] = _fixed(None)
+    start_timeout_s: float = _changeable(60.0)  # for a started server to answer /health
+
+
+@dataclasses.dataclass
 class RolloutConfig:
     num_generations: int = _fixed(4)  # G completions sampled per prompt: one group
     max_new_tokens: int = _fixed(32)
@@ -72,7 +87,8 @@ class RolloutConfig:
     # Conversations over turns (tunix_train/envs/, docs/objectives/tools.md): tools `module:function`,
     # an environment `module:Class`; at most max_turns turns of max_new_tokens, data.seq_len in all.
     tools: List[str] = _fixed(factory=list)
-    environment: Optional[str] = _fixed(None)
+    environment: Optional[str] = _fixed(None)  # or `openenv`: an OpenEnv server (openenv below)
+    openenv: OpenEnvConfig = dataclasses.field(default_factory=OpenEnvConfig)
     max_turns: int = _fixed(4)
     tool_timeout_s: float = _changeable(10.0)
     # a turn runs at most max_tool_calls calls; a result past max_tool_result_tokens is cut (and says so);
@@ -161,6 +177,15 @@ class RolloutConfig:
                 bool(self.tools or self.environment) and self.overlong is Overlong.soft,
                 "training.rollout.overlong=soft penalizes one completion's length; with tools or an "
                 "environment a trajectory has several turns: use overlong=filter or none",
+            ),
+            (
+                self.environment == "openenv" and (self.openenv.url is None) == (self.openenv.app is None),
+                "training.rollout.environment=openenv needs one of training.rollout.openenv.url (a running "
+                "server) and training.rollout.openenv.app (module:app, started for the run)",
+            ),
+            (
+                self.openenv.url is not None and not self.openenv.url.startswith(("http://", "https://")),
+                f"training.rollout.openenv.url={self.openenv.url!r} must start with http:// or https://",
             ),
             (
                 self.dynamic_sampling_rounds < 1,

@@ -1,7 +1,7 @@
 """Environments: what the model talks with during a multi-turn rollout, beside its tools.
 
-An environment is a class (training.rollout.environment=module:Class) made once per trajectory,
-G of them per task, with
+An environment is a class (training.rollout.environment=module:Class, or openenv: an OpenEnv
+server's, envs/openenv.py) made once per trajectory, G of them per task, with
 
     reset(record) -> messages                   the conversation's start (the record: a data row)
     step(messages) -> (observation, reward, done)
@@ -10,9 +10,10 @@ After each of the model's turns, its tool calls (if it wrote any, and there are 
 their results appended as tool messages; a turn without a call goes to `step`, which receives the
 conversation so far, ending with that turn, and answers with the messages to append (a game's next
 state, a checker's verdict: role "user" or "tool"), a reward or None, and whether the
-conversation is over. A class may offer tools of its own as a `tools` dict {name: function}
-(joined to training.rollout.tools'). Without training.rollout.environment, `Environment` itself: the
-record's prompt, and done at the first turn without a tool call.
+conversation is over; close(), where the class has one, runs when the rollout is over. A class may
+offer tools of its own as a `tools` dict {name: function} (joined to training.rollout.tools').
+Without training.rollout.environment, `Environment` itself: the record's prompt, and done at the
+first turn without a tool call.
 """
 
 from __future__ import annotations
@@ -39,10 +40,16 @@ class Environment:
         return [], None, True
 
 
-def environment_class(name: str | None) -> type:
-    """training.rollout.environment's class (Environment when null), checked."""
+def environment_class(rollout) -> type:
+    """training.rollout.environment's class (Environment when null; openenv: an OpenEnv server's,
+    envs/openenv.py), checked."""
+    name = rollout.environment
     if name is None:
         return Environment
+    if name == "openenv":
+        from tunix_train.envs.openenv import bound_class
+
+        return bound_class(rollout.openenv, rollout.tool_timeout_s)
     cls = t.import_object(name, "training.rollout.environment")
     if not inspect.isclass(cls) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
         raise ConfigError(

@@ -130,7 +130,7 @@ class Sampler:
             from tunix_train.envs.environment import environment_class
             from tunix_train.envs.tools import load_tools
 
-            self.environment_class = environment_class(self.rollout.environment)
+            self.environment_class = environment_class(self.rollout)
             self.tools = {
                 **dict(getattr(self.environment_class, "tools", {}) or {}),
                 **load_tools(self.rollout.tools),
@@ -412,11 +412,18 @@ class Sampler:
         if self.multi_turn:
             environments = [self.environment_class() for _ in docs]
             name = self.rollout.environment or "Environment"
-            trajectories = self.turns.roll_out(
-                lambda requests: engine.generate(params, [request(*r) for r in requests], max_len=T),
-                [self.turns.start(e, d, name, self.images.get(id(d))) for e, d in zip(environments, docs)],
-                environments,
-            )
+            try:
+                trajectories = self.turns.roll_out(
+                    lambda requests: engine.generate(params, [request(*r) for r in requests], max_len=T),
+                    [
+                        self.turns.start(e, d, name, self.images.get(id(d)))
+                        for e, d in zip(environments, docs)
+                    ],
+                    environments,
+                )
+            finally:  # an environment holding a session (an OpenEnv server's) lets it go
+                for environment in environments:
+                    getattr(environment, "close", lambda: None)()
             out = {
                 "prompt_ids": [tr.prompt for tr in trajectories],
                 "completions": [tr.tokens for tr in trajectories],
