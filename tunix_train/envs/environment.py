@@ -40,16 +40,10 @@ class Environment:
         return [], None, True
 
 
-def environment_class(rollout) -> type:
-    """training.rollout.environment's class (Environment when null; openenv: an OpenEnv server's,
-    envs/openenv.py), checked."""
-    name = rollout.environment
+def environment_class(name: str | None) -> type:
+    """training.rollout.environment's class `module:Class` (Environment when null), checked."""
     if name is None:
         return Environment
-    if name == "openenv":
-        from tunix_train.envs.openenv import bound_class
-
-        return bound_class(rollout.openenv, rollout.tool_timeout_s)
     cls = t.import_object(name, "training.rollout.environment")
     if not inspect.isclass(cls) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
         raise ConfigError(

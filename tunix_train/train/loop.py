@@ -153,8 +153,7 @@ def train(
                     if eval_batches
                     else []
                 ),
-                *_samples_hook(cfg, run, data, writer, say),
-                *_benchmarks_hook(cfg, run, data),
+                *_reading_hooks(cfg, run, data, writer, say),
                 *extra_hooks,
                 h.Report(writer, log, interval, t.max_steps),
                 h.StopOnSignal(stop, save, checkpointer.wait, checkpoints, mesh),
@@ -256,6 +255,11 @@ def _describe_parameters(run, state: TrainState) -> str:
     if state.frozen is not None:
         return f"{trainable}, and a frozen reference copy of them"
     return trainable
+
+
+def _reading_hooks(cfg: Config, run, data: Data, writer: MetricsWriter | None, say) -> list[h.Hook]:
+    """The hooks that read the parameters only: samples and lm-eval's tasks."""
+    return [*_samples_hook(cfg, run, data, writer, say), *_benchmarks_hook(cfg, run, data)]
 
 
 def _samples_hook(cfg: Config, run, data: Data, writer: MetricsWriter | None, say) -> list[h.Hook]:

@@ -127,10 +127,10 @@ class Sampler:
         self.cfg, self.rollout, self.rewards = cfg, cfg.training.rollout, rewards
         self.multi_turn = bool(self.rollout.tools) or self.rollout.environment is not None
         if self.multi_turn:  # conversations with tools or an environment (tunix_train/envs/)
-            from tunix_train.envs.environment import environment_class
+            from tunix_train.envs import environment_for
             from tunix_train.envs.tools import load_tools
 
-            self.environment_class = environment_class(self.rollout)
+            self.environment_class = environment_for(self.rollout)
             self.tools = {
                 **dict(getattr(self.environment_class, "tools", {}) or {}),
                 **load_tools(self.rollout.tools),

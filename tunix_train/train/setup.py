@@ -189,7 +189,8 @@ def _computes(name: Any) -> Any:
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
+    """{dotted key: leaf}; an empty dict (data.reasoning_gym.settings' default) is a leaf."""
+    if isinstance(tree, dict) and tree:
         return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()}
     return {prefix[:-1]: tree}
 
