@@ -4,11 +4,8 @@ GRPO run of a tiny model for 10 steps, started for the run; a server that is gon
 observations and the run goes on."""
 
 import json
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import jax
 import pytest
@@ -16,6 +13,8 @@ from conftest import config, read_metrics, rl_config
 
 pytest.importorskip("openenv.core.generic_client", reason="needs openenv-core: pip install -e '.[envs]'")
 
+from tunix_train.config import OpenEnvConfig  # noqa: E402
+from tunix_train.envs.openenv import start_server  # noqa: E402
 from tunix_train.rewards.calculator import write_tokenizer  # noqa: E402
 from tunix_train.train.loop import train  # noqa: E402
 
@@ -116,24 +115,12 @@ def test_an_openenv_server_drives_a_multi_turn_grpo_run(tmp_path, echo, warm):
 
 
 def test_a_server_killed_mid_run_costs_error_observations_and_the_run_goes_on(tmp_path, echo, warm):
-    """A server the test runs, killed after step 2 of 4 (a hook of the loop): steps 3 and 4 meet
-    a closed port at every reset and step, as error observations, and the run finishes."""
+    """A server started as openenv.app starts one, killed after step 2 of 4 (a hook of the loop):
+    the later rollouts meet a closed port at every reset and step, as error observations, and the
+    run finishes."""
     from tunix_train.train.hooks import Hook
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "serve_echo:app", "--app-dir", str(echo), "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=1)
-            break
-        except OSError:
-            time.sleep(0.2)
+    url, server = start_server(OpenEnvConfig(app="serve_echo:app", app_dir=str(echo)))
 
     class KillAfterStep2(Hook):
         def after_step(self, end):

@@ -96,12 +96,13 @@ def bound_class(settings: OpenEnvConfig, timeout_s: float) -> type:
         raise ConfigError(
             "training.rollout.environment=openenv needs openenv-core: pip install -e '.[envs]'"
         ) from None
-    url = settings.url or _start(settings)
+    url = settings.url or start_server(settings)[0]
     return type("OpenEnv", (OpenEnv,), {"url": url, "settings": settings, "timeout_s": timeout_s})
 
 
-def _start(settings: OpenEnvConfig) -> str:
-    """settings.app served by uvicorn on a free local port until this process exits; its URL."""
+def start_server(settings: OpenEnvConfig) -> tuple[str, subprocess.Popen]:
+    """settings.app served by uvicorn on a free local port until this process exits: its URL and
+    its process."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -121,7 +122,7 @@ def _start(settings: OpenEnvConfig) -> str:
             )
         try:
             urllib.request.urlopen(f"{url}/health", timeout=1)
-            return url
+            return url, server
         except OSError:
             time.sleep(0.2)
     _stop(server)
