@@ -6,7 +6,7 @@ and after GRPO with the task's own verifier, and an lm-eval task before and afte
     python scripts/recipe_gemma270m.py [--out outputs/recipe_gemma270m] [--sft-steps 120] [--grpo-steps 60]
         [--held-out 128] [--mesh '[[1],["fsdp"]]']
 
-1. The task: sums of two terms of up to --digits digits ("Calculate 12 + 7."), --train prompts
+1. The task: sums of --terms terms (2) of up to --digits digits ("Calculate 12 + 7."), --train prompts
    and --held-out others, generated from the seed (data=reasoning_gym).
 2. Held-out accuracy of the base model: its greedy answer (up to 8 tokens) scored by the task's
    verifier, 1.0 counting as right; and lm-eval on a local generation task of the same held-out
@@ -37,8 +37,8 @@ def task_overrides(args) -> list[str]:
         "data=reasoning_gym",
         f"data.reasoning_gym.size={args.train}",
         f"data.reasoning_gym.eval_size={args.held_out}",
-        f"{SUMS}.min_terms=2",
-        f"{SUMS}.max_terms=2",
+        f"{SUMS}.min_terms={args.terms}",
+        f"{SUMS}.max_terms={args.terms}",
         f"{SUMS}.min_digits=1",
         f"{SUMS}.max_digits={args.digits}",
         f'{SUMS}.operators=["+"]',
@@ -89,6 +89,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--grpo-steps", type=int, default=60)
     parser.add_argument("--train", type=int, default=2000)
     parser.add_argument("--held-out", type=int, default=128)
+    parser.add_argument("--terms", type=int, default=2)
     parser.add_argument("--digits", type=int, default=2)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--prompts-per-step", type=int, default=4)

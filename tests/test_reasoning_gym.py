@@ -1,6 +1,6 @@
 """data=reasoning_gym: prompts generated from the seed (the same on every run, held-out ones from
 another seed), the reasoning_gym reward equal to each task's own verifier, bad settings as
-one-line errors, and a few GRPO steps rewarded by the verifier."""
+one-line errors, and GRPO with the verifier raising the held-out reward."""
 
 import json
 
@@ -10,6 +10,7 @@ from conftest import config, read_metrics
 
 reasoning_gym = pytest.importorskip("reasoning_gym", reason="needs reasoning-gym: pip install -e '.[tasks]'")
 
+from tunix_train import api  # noqa: E402
 from tunix_train.config import ConfigError  # noqa: E402
 from tunix_train.data.sources import train_and_eval_documents  # noqa: E402
 from tunix_train.rewards.verified import reasoning_gym as reward  # noqa: E402
@@ -82,30 +83,60 @@ def test_settings_of_a_task_not_listed_and_no_tasks_are_config_errors():
         config("data=reasoning_gym", "data.reasoning_gym.tasks=[]")
 
 
-@pytest.mark.slow  # 23 s: a GRPO run
-def test_grpo_steps_are_rewarded_by_the_verifier(tmp_path):
-    """2 GRPO steps on 1-digit sums: the reward is the verifier's, logged under its name (held-out
-    rewards as any GRPO run's: test_grpo_family.py)."""
+def test_a_prompt_longer_than_the_sequence_names_the_task(tmp_path):
     cfg = config(
-        "model.vocab_size=4096",
         "objective=grpo",
         "data=reasoning_gym",
-        "data.seq_len=32",
-        "data.reasoning_gym.size=16",
-        "data.reasoning_gym.eval_size=4",
-        "+data.reasoning_gym.settings.basic_arithmetic.min_terms=2",
-        "+data.reasoning_gym.settings.basic_arithmetic.max_terms=2",
-        "+data.reasoning_gym.settings.basic_arithmetic.min_digits=1",
-        "+data.reasoning_gym.settings.basic_arithmetic.max_digits=1",
+        TASKS,
+        "model.vocab_size=4096",
+        "data.seq_len=8",
         "training.rollout.reward=[tunix_train.rewards.verified:reasoning_gym]",
-        "training.rollout.max_new_tokens=4",
-        "training.max_steps=2",
-        "training.log_every=1",
-        "training.eval_every=0",
-        'model.mesh_shape=[[2],["fsdp"]]',
-        "training.micro_batch_size=8",
     )
-    train(cfg, tmp_path / "run", devices=jax.devices()[:2])
-    logged = read_metrics(tmp_path / "run")
+    with pytest.raises(
+        ConfigError, match=r"^data.reasoning_gym: prompt 1 is \d+ tokens; .* data.seq_len >= \d+$"
+    ):
+        train(cfg, tmp_path / "run", devices=jax.devices()[:1])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # about 55 s: 30 steps of SFT, 10 of GRPO and two held-out evaluations
+def test_grpo_with_the_verifier_raises_the_held_out_reward(tmp_path):
+    """The tiny model, fine-tuned 30 steps on syllogism's prompts and answers, samples Yes or No
+    without favouring the answer that is more often right (Yes, for about 70% of the prompts); 10
+    GRPO steps rewarded by the task's verifier (logged under its name) raise the held-out reward:
+    the mean verifier score of 8 samples (temperature 1) on each of 16 prompts drawn from the
+    held-out seed. What the tiny model learns is the likelier answer, not logic."""
+    task = ["data=reasoning_gym", "data.reasoning_gym.tasks=[syllogism]", "data.reasoning_gym.size=512"]
+    task += ["data.reasoning_gym.eval_size=16", "data.seq_len=96", "model.vocab_size=4096"]
+    sft = config(
+        *task,
+        "objective=lm",
+        "training.max_steps=30",
+        "training.micro_batch_size=16",
+        "training.learning_rate=3e-3",
+        "training.eval_every=0",
+    )
+    train(sft, tmp_path / "sft", devices=jax.devices()[:1])
+    api.load(tmp_path / "sft", devices=jax.devices()[:1]).export(tmp_path / "sft_hf")
+    cfg = config(
+        *task,
+        "objective=grpo",
+        f"model.init_from={tmp_path / 'sft_hf'}",
+        "training.rollout.reward=[tunix_train.rewards.verified:reasoning_gym]",
+        "training.rollout.max_new_tokens=2",
+        "training.rollout.num_generations=8",
+        "training.rollout.eval_samples=8",
+        "training.micro_batch_size=64",
+        "training.max_steps=10",
+        "training.eval_every=10",
+        "training.eval_batches=2",
+        "training.learning_rate=1e-3",
+        "training.lr_schedule=constant",
+        "training.log_every=1",
+    )
+    train(cfg, tmp_path / "grpo", devices=jax.devices()[:1])
+    logged = read_metrics(tmp_path / "grpo")
     steps = [m for m in logged if "reward" in m]
-    assert len(steps) == 2 and all(0 <= m["reward_reasoning_gym"] <= 1 for m in steps)
+    assert len(steps) == 10 and all(m["reward"] == m["reward_reasoning_gym"] for m in steps)
+    before, after = (m["eval_pass@1"] for m in logged if "eval_pass@1" in m)
+    assert after >= before + 0.1, (before, after)  # 0.41 -> 0.70 on the 2-core CPU runner

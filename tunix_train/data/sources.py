@@ -272,6 +272,13 @@ class _Subset(Sequence):
         return self._docs[int(self._indices[index])]
 
 
+def prompt_source(data: DataConfig) -> str:
+    """The config key that names where the training documents come from, for errors about them."""
+    if data.source is DataSource.reasoning_gym:
+        return "data.reasoning_gym"
+    return "data.hf_dataset" if data.hf_dataset else "data.train_files"
+
+
 def train_and_eval_documents(
     data: DataConfig, required: Sequence[str] | None = None
 ) -> tuple[Sequence, Sequence]:

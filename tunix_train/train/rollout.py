@@ -26,6 +26,7 @@ from tunix_train.config import Config, ConfigError, RolloutDtype
 from tunix_train.data.chat import prompt_ids
 from tunix_train.data.images import has_images
 from tunix_train.data.pipeline import GroupBatches
+from tunix_train.data.sources import prompt_source
 from tunix_train.model import quant
 from tunix_train.sharding import cross_mesh_copier, state_shardings
 
@@ -166,11 +167,12 @@ class Sampler:
         self.docs = data.train_docs
         self.eval_docs = data.eval_docs if self.cfg.training.eval_every else []
         # each prompt's images, opened now (a bad one stops the run before it starts)
-        for what, docs in (("data.train_files", self.docs), ("the held-out prompts", self.eval_docs)):
+        source = prompt_source(self.cfg.data)
+        for what, docs in ((source, self.docs), ("the held-out prompts", self.eval_docs)):
             for number, doc in enumerate(docs, start=1):
                 if isinstance(doc["prompt"], list) and has_images(doc["prompt"]):
                     self.images[id(doc)] = self._read_images(doc, f"{what}: prompt {number}")
-        self.prompts = self._tokenized(data, self.docs, "data.train_files")
+        self.prompts = self._tokenized(data, self.docs, source)
         self.eval_prompts = self._tokenized(data, self.eval_docs, "the held-out prompts")
         if self.multi_turn or any(isinstance(doc["prompt"], list) for doc in data.train_docs):
             self.stop_ids.append(data.chat.end_of_turn_id())  # answers in turns
