@@ -115,7 +115,7 @@ def test_native_and_local_completions_score_as_the_logits_do(live, tmp_path, mon
             "max_retries": 1,
         },
         tasks=["local_mc", "local_gen"],
-        task_manager=lm_eval.tasks.TaskManager(include_path=str(folder)),
+        task_manager=lm_eval.tasks.TaskManager(include_path=str(folder), include_defaults=False),
     )
     served = headline(served)
     for results in (native, served):
@@ -155,14 +155,38 @@ def test_rolling_loglikelihood_is_the_sum_over_windows():
 def test_training_logs_lm_eval_metrics_at_its_evaluations(tmp_path):
     """training.eval_tasks on a 20-step run of the default corpus: eval_local_mc_acc at the start
     and at steps 10 and 20 beside the held-out loss, each equal to lm-eval's own accuracy of that
-    step's checkpoint (the native model on the same parameters)."""
+    step's checkpoint (the native model on the same parameters). A task lm-eval does not know is
+    a one-line error before the run starts, and so is a quantized LoRA base (not taken yet)."""
     from conftest import config, read_metrics
 
     from tunix_train import api
+    from tunix_train.config import ConfigError
     from tunix_train.evaluate import run_tasks
     from tunix_train.train.loop import train
 
     folder = _tasks(tmp_path, [cs[a].strip() for _, cs, a in QUESTIONS])
+    unknown = config(
+        "model.vocab_size=4096",
+        "data=shakespeare",
+        "training.eval_tasks=[local_mc,no_such_task]",
+        f"training.eval_tasks_include_path={folder}",
+    )
+    with pytest.raises(ConfigError, match=f"^lm-eval knows no task 'no_such_task' \\(nor in {folder}\\)$"):
+        train(unknown, tmp_path / "unknown", devices=jax.devices()[:1])
+    assert not (tmp_path / "unknown").exists()
+    qlora = config(
+        "model.vocab_size=4096",
+        "data=shakespeare",
+        "training.eval_tasks=[local_mc]",
+        f"training.eval_tasks_include_path={folder}",
+        "training.lora.rank=4",
+        "training.lora.base_quantization=int8",
+    )
+    with pytest.raises(
+        ConfigError, match="^training.eval_tasks reads merged parameters: .* quantized LoRA base"
+    ):
+        train(qlora, tmp_path / "qlora", devices=jax.devices()[:1])
+    assert not (tmp_path / "qlora").exists()
     cfg = config(
         "model.vocab_size=4096",
         "data=shakespeare",

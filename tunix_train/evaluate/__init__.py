@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Sequence
 
 from tunix_train.config import ConfigError
@@ -29,16 +30,9 @@ def run_tasks(
     a LoadedModel), as simple_evaluate returns them; include_path: a folder of task YAMLs.
     model_args: lm.TunixLM's (mesh_shape, batch_size, max_length, add_bos_token, seed)."""
     lm_eval = lm_eval_module()
-    from lm_eval.tasks import TaskManager
-
     from tunix_train.evaluate.lm import TunixLM
 
-    manager = TaskManager(include_path=include_path)
-    if unknown := [t for t in tasks if not manager.match_tasks([t]) and not t.endswith((".yaml", ".yml"))]:
-        where = (
-            f" (nor in {include_path})" if include_path else " (--include_path adds a folder of task YAMLs)"
-        )
-        raise ConfigError(f"lm-eval knows no task {unknown[0]!r}{where}")
+    manager = task_manager(tuple(tasks), include_path)
     return lm_eval.simple_evaluate(
         model=TunixLM(model, **model_args),
         tasks=list(tasks),
@@ -47,6 +41,30 @@ def run_tasks(
         task_manager=manager,
         log_samples=False,
     )
+
+
+@functools.lru_cache(maxsize=8)
+def task_manager(tasks: tuple[str, ...], include_path: Optional[str]):
+    """lm-eval's index of the tasks it can build, made once per process for these `tasks` (lm-eval
+    reads its thousands of task YAMLs in about 15 s; training evaluates many times). The folder
+    `include_path` alone where it holds every one of `tasks`, else with lm-eval's own tasks. A name
+    neither knows is a ConfigError."""
+    from lm_eval.tasks import TaskManager
+
+    def knows(manager, task):
+        return task.endswith((".yaml", ".yml")) or bool(manager.match_tasks([task]))
+
+    if include_path:
+        own = TaskManager(include_path=include_path, include_defaults=False)
+        if all(knows(own, t) for t in tasks):
+            return own
+    manager = TaskManager(include_path=include_path)
+    if unknown := [t for t in tasks if not knows(manager, t)]:
+        where = (
+            f" (nor in {include_path})" if include_path else " (--include_path adds a folder of task YAMLs)"
+        )
+        raise ConfigError(f"lm-eval knows no task {unknown[0]!r}{where}")
+    return manager
 
 
 def logged_metrics(results: dict) -> dict[str, float]:

@@ -90,6 +90,7 @@ def train(
     start = _start(cfg, devices, checkpoints)
     run, data, train_batches, state = start.run, start.data, start.train_batches, start.state
     objective, eval_batches, mesh = run.objective, start.eval_batches, run.mesh
+    _check_benchmarks(t, run)
 
     run_dir.mkdir(parents=True, exist_ok=True)
     is_chief = jax.process_index() == 0
@@ -292,20 +293,30 @@ def _samples_hook(cfg: Config, run, data: Data, writer: MetricsWriter | None, sa
     return [h.Samples(generate, list(t.sample_prompts), t.sample_every, t.max_steps, write)]
 
 
+def _check_benchmarks(t, run) -> None:
+    """training.eval_tasks' one-line errors, before the run writes anything: lm-eval missing, a task
+    it does not know (its index, made here, serves the evaluations), a quantized LoRA base."""
+    if not t.eval_tasks:
+        return
+    from tunix_train.evaluate import lm_eval_module, task_manager
+
+    lm_eval_module()
+    task_manager(tuple(t.eval_tasks), t.eval_tasks_include_path)
+    if run.weights.engine_lora is not None:
+        raise ConfigError(
+            "training.eval_tasks reads merged parameters: it does not take a quantized LoRA base yet"
+        )
+
+
 def _benchmarks_hook(cfg: Config, run, data: Data) -> list[h.Hook]:
     """training.eval_tasks: lm-eval's tasks on the parameters as the engine reads them (LoRA's
     merged), through one LoadedModel whose parameters each evaluation replaces."""
     t = cfg.training
     if not t.eval_tasks:
         return []
-    from tunix_train.evaluate import lm_eval_module, logged_metrics, run_tasks
+    from tunix_train.evaluate import logged_metrics, run_tasks
     from tunix_train.generate.loaded import LoadedModel
 
-    lm_eval_module()  # not installed: a one-line error now, not at the first evaluation
-    if run.weights.engine_lora is not None:
-        raise ConfigError(
-            "training.eval_tasks reads merged parameters: it does not take a quantized LoRA base yet"
-        )
     tokenizer, merged = data.tokenizer, jax.jit(run.weights.for_engine)
     model = None
 
