@@ -90,7 +90,6 @@ def train(
     start = _start(cfg, devices, checkpoints)
     run, data, train_batches, state = start.run, start.data, start.train_batches, start.state
     objective, eval_batches, mesh = run.objective, start.eval_batches, run.mesh
-    _check_benchmarks(t, run)
 
     run_dir.mkdir(parents=True, exist_ok=True)
     is_chief = jax.process_index() == 0
@@ -193,6 +192,7 @@ def _start(cfg: Config, devices: list[jax.Device] | None, checkpoints: Path) -> 
     data = Data(cfg, objective.record_fields)
     objective.read(data)
     run = setup(cfg, devices, objective)
+    _check_benchmarks(cfg.training, run)
     rows = process_rows(run.mesh, run.micro_batch)
     train_batches = objective.train_batches(data, run.micro_batch, rows)
     try:
