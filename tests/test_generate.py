@@ -178,6 +178,43 @@ def test_a_shared_prefix_is_prefilled_once_and_gives_the_tokens_of_separate_pref
     assert len({tuple(c.tokens) for c in got}) > 1  # the group's streams differ
 
 
+def test_parameters_installed_mid_request_draw_its_next_tokens_and_each_token_records_its_version():
+    """An in-flight weight update (Session.install between two chunks, asynchronous RL's): the
+    tokens drawn before it are the old parameters' alone, every token records the version that
+    drew it, a request that starts after it is the new parameters' alone (the kept prefill of its
+    prompt, made by the old ones, is not reused), and installing the same parameters again changes
+    the recorded versions only."""
+    mesh, old = _on("1x1")
+    rng = np.random.default_rng(1)
+    new = jax.tree.map(lambda x: x * (1 + 0.3 * rng.normal(size=x.shape)).astype(np.float32), old)
+    engine = Engine(CFG, mesh, slots=2, tuning=Tuning(chunk=4))
+    request = Request(tuple(PROMPTS[0]), 16)
+    alone_old, alone_new = (engine.generate(p, [request])[0] for p in (old, new))
+    assert alone_old.tokens[5:] != alone_new.tokens[5:]
+
+    def run(session, then):
+        rid = session.add(request)
+        session.step()  # the first token (the prefill's) and a chunk of 4
+        then()
+        while session.busy:
+            session.step()
+        return session.completions[rid]
+
+    session = engine.session(old, engine.max_len_for([request]), 2, Kinds.of([request.sampling]))
+    swapped = run(session, lambda: session.install(new, 1))
+    assert swapped.versions == [0] * 5 + [1] * 11
+    assert swapped.tokens[:5] == alone_old.tokens[:5] and swapped.tokens != alone_old.tokens
+    np.testing.assert_allclose(swapped.logprobs[:5], alone_old.logprobs[:5], atol=1e-5, rtol=0)
+    later = run(session, lambda: None)
+    assert later.tokens == alone_new.tokens and later.versions == [1] * 16
+    np.testing.assert_allclose(later.logprobs, alone_new.logprobs, atol=1e-5, rtol=0)
+
+    session = engine.session(old, engine.max_len_for([request]), 2, Kinds.of([request.sampling]), version=3)
+    same = run(session, lambda: session.install(old, 4))
+    assert same.tokens == alone_old.tokens and same.versions == [3] * 5 + [4] * 11
+    np.testing.assert_allclose(same.logprobs, alone_old.logprobs, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_logprobs_equal_the_full_forward_pass(temperature):
     """Each token's log-probability equals log_softmax(logits / T) of the trainer's forward pass

@@ -307,9 +307,12 @@ class Engine:
         dp = data_parallel_size(self.mesh)
         return -(-min(requests, self.slots or requests) // dp) * dp
 
-    def session(self, params, max_len: int, slots: int, kinds: Kinds = Kinds(True, True, True)) -> "Session":
-        """`slots` slots and their caches for requests of at most max_len tokens with their completions."""
-        return Session(self, params, max_len, slots, kinds)
+    def session(
+        self, params, max_len: int, slots: int, kinds: Kinds = Kinds(True, True, True), version: int = 0
+    ) -> "Session":
+        """`slots` slots and their caches for requests of at most max_len tokens with their
+        completions; `version`: the parameters', recorded with each token (Session.install)."""
+        return Session(self, params, max_len, slots, kinds, version)
 
     def generate(
         self,

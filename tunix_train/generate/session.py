@@ -55,10 +55,13 @@ class Completion:
     log-probability of each (sampling.draw), why it ended: "stop" or "length", and the stop token
     that ended it, if one did, with its log-probability. With the engine's record_routes, `routes`
     [positions, L, k]: the experts each layer chose for every position whose token was fed to the
-    model, the prompt's and then each new token's but the last (whose successor was not drawn)."""
+    model, the prompt's and then each new token's but the last (whose successor was not drawn).
+    `versions`: the version of the parameters that drew each new token, the stop token's last
+    where one ended it (they change where Session.install swapped parameters mid-request)."""
 
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
     finish: Optional[str] = None
     stop_token: Optional[int] = None
     stop_logprob: Optional[float] = None
@@ -156,9 +159,11 @@ class Session:
     """One run of the engine's slots: requests wait in a queue, take a free slot, and leave when
     they stop. add() may be called while it runs; step() advances it by one chunk."""
 
-    def __init__(self, engine, params, max_len: int, slots: int, kinds: Kinds):
-        """engine: the Engine (engine.py) whose compiled pieces run the session."""
+    def __init__(self, engine, params, max_len: int, slots: int, kinds: Kinds, version: int = 0):
+        """engine: the Engine (engine.py) whose compiled pieces run the session. version: the
+        parameters' (a training step, for asynchronous RL), recorded with every token they draw."""
         self.engine, self.params, self.max_len, self.slots, self.kinds = engine, params, max_len, slots, kinds
+        self.version = version
         self.queue: collections.deque[tuple[int, Request]] = collections.deque()
         self.completions: dict[int, Completion] = {}
         self.running: list[Optional[tuple[int, Request]]] = [None] * slots
@@ -205,6 +210,17 @@ class Session:
         self.queue.append((rid, request))
         self.completions[rid] = Completion()
         return rid
+
+    def install(self, params, version: int) -> None:
+        """New parameters between two chunks, without draining the slots (an in-flight weight
+        update): the running requests draw their next tokens with them, over the keys and values
+        their earlier tokens cached under the old ones (a partial rollout: each token's recorded
+        log-probability and version are those of the parameters that drew it); the kept prefills
+        are dropped, so a request that starts later is prefilled with the new parameters."""
+        with jax.set_mesh(self.engine.mesh):
+            self.per_layer = self.engine.unstack(params)
+        self.params, self.version = params, version
+        self._prefixes.clear()
 
     def widen(self, sampling: Sampling) -> None:
         """Makes the session able to draw as `sampling` asks (a sampled or cut draw where it drew
@@ -387,6 +403,7 @@ class Session:
         taken, fed = [], 0
         for token, logprob in zip(tokens, logprobs):
             fed += 1
+            done.versions.append(self.version)
             if token in self.engine.stop_ids:
                 done.finish, done.stop_token, done.stop_logprob = "stop", token, logprob
                 break
