@@ -106,7 +106,7 @@ from tunix_train.cpu_devices import cpu_devices_env  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 
 
-# The slow suite's longest tests (50 to 110 s each on 2 cores, --durations), handed out first: the
+# The slow suite's longest tests (50 to 130 s each on 2 cores, --durations), handed out first: the
 # workers take tests in collection order, and one of these last would keep one worker busy alone
 # for a minute after the other has finished.
 LONGEST = (
@@ -117,6 +117,15 @@ LONGEST = (
     "test_checkpoint.py::test_kill_9_then_rerun",
     "test_grpo.py::test_groups_are_the_same_on_every_mesh",
     "test_checkpoint.py::test_sigterm_saves",
+    "test_distill.py::test_a_student_learns_its_teacher_on_any_mesh",
+    "test_cispo.py::test_twenty_steps_on_fsdp2_tp2",
+    "test_gkd.py::test_on_policy_distillation_under_lora_resumes",
+    "test_gkd.py::test_with_seq_kd_the_rollouts",
+    "test_objective_seam.py::test_a_teacher_kl_through_chunks",
+    "test_cli.py::test_generate_cli_streams",
+    "test_families.py::test_the_toy_family_trains_on_fsdp2_tp2",
+    "test_openenv.py::test_an_openenv_server_drives",
+    "test_reasoning_gym.py::test_grpo_with_the_verifier_raises",
 )
 
 
