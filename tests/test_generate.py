@@ -215,6 +215,46 @@ def test_parameters_installed_mid_request_draw_its_next_tokens_and_each_token_re
     np.testing.assert_allclose(same.logprobs, alone_old.logprobs, atol=1e-5, rtol=0)
 
 
+def test_streamed_groups_leave_whole_as_they_finish_within_their_bounds():
+    """12 prompts of 2 completions each, their lengths long-tailed (2 to 30 new tokens), through a
+    stream of 4 slots that admits 2 groups at a time and buffers at most 3: every prompt's group
+    comes out once and whole, each completion the tokens of its request generated alone, in the
+    order the groups finish (a short one passes a long one admitted before it), the buffer never
+    over its bound; parameters installed mid-stream show in the tokens' versions."""
+    from tunix_train.generate.groups import GroupStream
+
+    mesh, params = _on("1x1")
+    lengths = [30, 2, 3, 24, 2, 5, 30, 2, 8, 3, 16, 2]
+    engine = Engine(CFG, mesh, slots=4, tuning=Tuning(chunk=4))
+
+    def requests_for(key):
+        return [
+            Request(tuple(PROMPTS[key % 2]), lengths[key], Sampling(1.0), 7, 2 * key + i) for i in range(2)
+        ]
+
+    alone = {key: engine.generate(params, requests_for(key)) for key in range(12)}
+    session = engine.session(params, 64, 4, Kinds.of([Sampling(1.0)]))
+    stream = GroupStream(session, iter(range(12)), requests_for, in_flight=2, buffered=3)
+    order, seen_ready, drawn_before = [], [], 0
+    stream.advance()  # groups 0 (30 new tokens) and 1 admitted, their first 5 tokens drawn
+    stream.install(params, 1)  # the same values: the tokens stay those generated alone
+    while not stream.done:
+        for _ in range(8):
+            stream.advance()
+            seen_ready.append(len(stream.ready))
+        for group in stream.take(2):
+            order.append(group.key)
+            assert [c.tokens for c in group.completions] == [c.tokens for c in alone[group.key]]
+            versions = [c.versions for c in group.completions]
+            if group.key == 0:
+                assert versions == [[0] * 5 + [1] * 25] * 2
+            assert group.admitted == 1 or group.key in (0, 1)
+            drawn_before += any(0 in v for v in versions)
+    assert sorted(order) == list(range(12)) and order != list(range(12))
+    assert max(seen_ready) == 3 and order.index(1) < order.index(0)
+    assert drawn_before == 2  # groups 0 and 1 only: tokens drawn before the install
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_logprobs_equal_the_full_forward_pass(temperature):
     """Each token's log-probability equals log_softmax(logits / T) of the trainer's forward pass

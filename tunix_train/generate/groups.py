@@ -1,0 +1,93 @@
+"""Groups of completions streamed through one session, the rollout side of asynchronous RL
+(issue 73): prompts enter as slots free, a group (its prompt's n completions) leaves whole once all
+of them have stopped, in the order groups finish rather than the order they entered, and at most
+`buffered` finished groups wait for the trainer (admission pauses while they do). New parameters
+enter between two chunks (Session.install); each token records the version that drew it.
+
+The stream advances only when asked (take, advance): the caller interleaves it with training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator
+
+from tunix_train.generate.session import Completion, Request, Session
+
+
+@dataclasses.dataclass
+class Group:
+    """One prompt's completions: `key` is the caller's (a prompt's index), `admitted` the version of
+    the parameters when the group entered."""
+
+    key: Any
+    completions: list[Completion]
+    admitted: int
+
+
+class GroupStream:
+    """Feeds `session` the requests of the prompts `keys` yields (requests_for(key): a group's),
+    keeping up to `in_flight` groups admitted and not finished, and holds finished groups until
+    take() hands them out; groups admitted and not taken are at most `buffered`."""
+
+    def __init__(
+        self,
+        session: Session,
+        keys: Iterator[Any],
+        requests_for: Callable[[Any], list[Request]],
+        in_flight: int,
+        buffered: int,
+    ):
+        if in_flight < 1 or buffered < 1:
+            raise ValueError(f"in_flight={in_flight} and buffered={buffered} must be at least 1")
+        self.session, self.keys, self.requests_for = session, keys, requests_for
+        self.in_flight, self.buffered = in_flight, buffered
+        self.ready: list[Group] = []  # finished, in the order they finished
+        self._open: dict[Any, tuple[Group, list[int]]] = {}  # admitted: the group, its request ids
+        self._exhausted = False
+
+    @property
+    def done(self) -> bool:
+        """No group left to admit, run or hand out."""
+        return self._exhausted and not self._open and not self.ready
+
+    def install(self, params, version: int) -> None:
+        self.session.install(params, version)
+
+    def _admit(self) -> None:
+        # admitted and not taken stays within `buffered`: the groups in flight finish into room
+        while (
+            not self._exhausted
+            and len(self._open) < self.in_flight
+            and len(self.ready) + len(self._open) < self.buffered
+        ):
+            key = next(self.keys, None)
+            if key is None:
+                self._exhausted = True
+                break
+            ids = [self.session.add(r) for r in self.requests_for(key)]
+            self._open[key] = (Group(key, [], self.session.version), ids)
+
+    def advance(self) -> None:
+        """Admits what the bounds allow, decodes one chunk, and moves the groups it finished to
+        `ready`."""
+        self._admit()
+        if not self.session.busy:
+            return
+        self.session.step()
+        completions = self.session.completions
+        for key, (group, ids) in list(self._open.items()):
+            if all(completions[i].finish is not None for i in ids):
+                group.completions = [completions.pop(i) for i in ids]
+                self.ready.append(group)
+                del self._open[key]
+
+    def take(self, count: int) -> list[Group]:
+        """The first `count` groups to finish (fewer only where the prompts run out), advancing
+        the session until they have."""
+        if count > self.buffered:
+            raise ValueError(f"take({count}) asks for more than the {self.buffered} groups buffered")
+        while len(self.ready) < count and not (self._exhausted and not self._open):
+            self.advance()
+        taken, self.ready = self.ready[:count], self.ready[count:]
+        return taken
