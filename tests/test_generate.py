@@ -218,7 +218,7 @@ def test_parameters_installed_mid_request_draw_its_next_tokens_and_each_token_re
 def test_streamed_groups_leave_whole_as_they_finish_within_their_bounds():
     """12 prompts of 2 completions each, their lengths long-tailed (2 to 30 new tokens), through a
     stream of 4 slots that admits 2 groups at a time and buffers at most 3: every prompt's group
-    comes out once and whole, each completion the tokens of its request generated alone, in the
+    comes out once and whole, each completion the tokens of its request generated apart, in the
     order the groups finish (a short one passes a long one admitted before it), the buffer never
     over its bound; parameters installed mid-stream show in the tokens' versions."""
     from tunix_train.generate.groups import GroupStream
@@ -232,7 +232,9 @@ def test_streamed_groups_leave_whole_as_they_finish_within_their_bounds():
             Request(tuple(PROMPTS[key % 2]), lengths[key], Sampling(1.0), 7, 2 * key + i) for i in range(2)
         ]
 
-    alone = {key: engine.generate(params, requests_for(key)) for key in range(12)}
+    # a request's tokens depend on nothing but itself (test_requests_through_few_slots_...)
+    together = engine.generate(params, [r for key in range(12) for r in requests_for(key)])
+    alone = {key: together[2 * key : 2 * key + 2] for key in range(12)}
     session = engine.session(params, 64, 4, Kinds.of([Sampling(1.0)]))
     stream = GroupStream(session, iter(range(12)), requests_for, in_flight=2, buffered=3)
     order, seen_ready, drawn_before = [], [], 0
@@ -245,6 +247,7 @@ def test_streamed_groups_leave_whole_as_they_finish_within_their_bounds():
         for group in stream.take(2):
             order.append(group.key)
             assert [c.tokens for c in group.completions] == [c.tokens for c in alone[group.key]]
+            assert [c.finish for c in group.completions] == ["length"] * 2
             versions = [c.versions for c in group.completions]
             if group.key == 0:
                 assert versions == [[0] * 5 + [1] * 25] * 2

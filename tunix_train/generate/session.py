@@ -61,11 +61,11 @@ class Completion:
 
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
     finish: Optional[str] = None
     stop_token: Optional[int] = None
     stop_logprob: Optional[float] = None
     routes: Optional[np.ndarray] = None
+    versions: list[int] = dataclasses.field(default_factory=list)
 
 
 def bucket(length: int) -> int:
