@@ -214,6 +214,20 @@ def test_parameters_installed_mid_request_draw_its_next_tokens_and_each_token_re
     assert same.tokens == alone_old.tokens and same.versions == [3] * 5 + [4] * 11
     np.testing.assert_allclose(same.logprobs, alone_old.logprobs, atol=1e-5, rtol=0)
 
+    # parameters that cannot replace the session's are refused, and it goes on with its own
+    def bad_install(params, message):
+        with pytest.raises(ValueError, match=message):
+            session.install(params, 5)
+
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), old)
+    wrong = run(
+        session, lambda: bad_install(half, r"^the new parameters' .* is bfloat16\[.*the session's float32")
+    )
+    assert wrong.tokens == alone_old.tokens and wrong.versions == [4] * 16
+    fewer = dict(old)
+    fewer.pop(next(iter(fewer)))
+    bad_install(fewer, "tree differs from the session's")
+
 
 def test_streamed_groups_leave_whole_as_they_finish_within_their_bounds():
     """12 prompts of 2 completions each, their lengths long-tailed (2 to 30 new tokens), through a

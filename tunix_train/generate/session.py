@@ -155,6 +155,21 @@ def _seed_key(seed: int) -> np.ndarray:
     return np.asarray(jax.random.key_data(jax.random.key(int(seed) % WORD)))
 
 
+def _check_like(current, new) -> None:
+    """New parameters for a running session must be the current ones' tree, shapes and dtypes."""
+    have = jax.tree_util.tree_flatten_with_path(current)[0]
+    got, structure = jax.tree_util.tree_flatten_with_path(new)
+    if structure != jax.tree.structure(current):
+        missing = {jax.tree_util.keystr(p) for p, _ in have} ^ {jax.tree_util.keystr(p) for p, _ in got}
+        raise ValueError(f"the new parameters' tree differs from the session's at {sorted(missing)[:3]}")
+    for (path, a), (_, b) in zip(have, got):
+        if (a.shape, a.dtype) != (b.shape, b.dtype):
+            raise ValueError(
+                f"the new parameters' {jax.tree_util.keystr(path)} is {b.dtype}{list(b.shape)}, "
+                f"the session's {a.dtype}{list(a.shape)}"
+            )
+
+
 class Session:
     """One run of the engine's slots: requests wait in a queue, take a free slot, and leave when
     they stop. add() may be called while it runs; step() advances it by one chunk."""
@@ -216,7 +231,10 @@ class Session:
         update): the running requests draw their next tokens with them, over the keys and values
         their earlier tokens cached under the old ones (a partial rollout: each token's recorded
         log-probability and version are those of the parameters that drew it); the kept prefills
-        are dropped, so a request that starts later is prefilled with the new parameters."""
+        are dropped, so a request that starts later is prefilled with the new parameters.
+        Parameters of another structure, shape or dtype are a ValueError naming the first that
+        differs, and the session goes on with its own."""
+        _check_like(self.params, params)
         with jax.set_mesh(self.engine.mesh):
             self.per_layer = self.engine.unstack(params)
         self.params, self.version = params, version
