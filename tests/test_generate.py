@@ -231,17 +231,21 @@ def test_parameters_installed_mid_request_draw_its_next_tokens_and_each_token_re
 
 def test_streamed_groups_leave_whole_as_they_finish_within_their_bounds():
     """12 prompts of 2 completions each, their lengths long-tailed (2 to 30 new tokens), through a
-    stream of 4 slots that admits 2 groups at a time and buffers at most 3: every prompt's group
-    comes out once and whole, each completion the tokens of its request generated apart, in the
-    order the groups finish (a short one passes a long one admitted before it), the buffer never
-    over its bound; parameters installed mid-stream show in the tokens' versions."""
+        stream of 4 slots that admits 2 groups at a time and buffers at most 3: every prompt's group
+        comes out once and whole, each completion the tokens of its request generated apart, in the
+        order the groups finish (a short one passes a long one admitted before it), the buffer never
+        over its bound; parameters installed mid-stream show in the tokens' versions; the groups admitted
+    and not taken are known in the order they came (what a checkpoint keeps)."""
     from tunix_train.generate.groups import GroupStream
 
     mesh, params = _on("1x1")
     lengths = [30, 2, 3, 24, 2, 5, 30, 2, 8, 3, 16, 2]
     engine = Engine(CFG, mesh, slots=4, tuning=Tuning(chunk=4))
 
+    admitted = []
+
     def requests_for(key):
+        admitted.append(key)
         return [
             Request(tuple(PROMPTS[key % 2]), lengths[key], Sampling(1.0), 7, 2 * key + i) for i in range(2)
         ]
@@ -249,9 +253,10 @@ def test_streamed_groups_leave_whole_as_they_finish_within_their_bounds():
     # a request's tokens depend on nothing but itself (test_requests_through_few_slots_...)
     together = engine.generate(params, [r for key in range(12) for r in requests_for(key)])
     alone = {key: together[2 * key : 2 * key + 2] for key in range(12)}
+    admitted.clear()
     session = engine.session(params, 64, 4, Kinds.of([Sampling(1.0)]))
     stream = GroupStream(session, iter(range(12)), requests_for, in_flight=2, buffered=3)
-    order, seen_ready, drawn_before = [], [], 0
+    order, seen_ready, drawn_before, held = [], [], 0, 0
     stream.advance()  # groups 0 (30 new tokens) and 1 admitted, their first 5 tokens drawn
     stream.install(params, 1)  # the same values: the tokens stay those generated alone
     while not stream.done:
@@ -267,9 +272,13 @@ def test_streamed_groups_leave_whole_as_they_finish_within_their_bounds():
                 assert versions == [[0] * 5 + [1] * 25] * 2
             assert group.admitted == 1 or group.key in (0, 1)
             drawn_before += any(0 in v for v in versions)
+        # what a checkpoint would admit again whole: admitted, not taken, in admission order
+        assert stream.unfinished() == [k for k in admitted if k not in order]
+        held += bool(stream.unfinished())
     assert sorted(order) == list(range(12)) and order != list(range(12))
     assert max(seen_ready) == 3 and order.index(1) < order.index(0)
     assert drawn_before == 2  # groups 0 and 1 only: tokens drawn before the install
+    assert held >= 3 and stream.unfinished() == []
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

@@ -23,6 +23,7 @@ class Group:
     key: Any
     completions: list[Completion]
     admitted: int
+    number: int  # the order it was admitted in
 
 
 class GroupStream:
@@ -44,12 +45,18 @@ class GroupStream:
         self.in_flight, self.buffered = in_flight, buffered
         self.ready: list[Group] = []  # finished, in the order they finished
         self._open: dict[Any, tuple[Group, list[int]]] = {}  # admitted: the group, its request ids
-        self._exhausted = False
+        self._exhausted, self._admissions = False, 0
 
     @property
     def done(self) -> bool:
         """No group left to admit, run or hand out."""
         return self._exhausted and not self._open and not self.ready
+
+    def unfinished(self) -> list:
+        """The keys of the groups admitted and not taken (waiting, running or finished), in the
+        order they were admitted: what a checkpoint keeps, to admit them again whole on resume."""
+        groups = [g for g, _ in self._open.values()] + self.ready
+        return [g.key for g in sorted(groups, key=lambda g: g.number)]
 
     def install(self, params, version: int) -> None:
         self.session.install(params, version)
@@ -66,7 +73,8 @@ class GroupStream:
                 self._exhausted = True
                 break
             ids = [self.session.add(r) for r in self.requests_for(key)]
-            self._open[key] = (Group(key, [], self.session.version), ids)
+            self._open[key] = (Group(key, [], self.session.version, self._admissions), ids)
+            self._admissions += 1
 
     def advance(self) -> None:
         """Admits what the bounds allow, decodes one chunk, and moves the groups it finished to
