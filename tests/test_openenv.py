@@ -99,7 +99,13 @@ def _cfg(tmp_path, warm, *overrides):
     )
 
 
-def test_an_openenv_server_drives_a_multi_turn_grpo_run(tmp_path, echo, warm):
+def test_an_openenv_server_drives_a_multi_turn_grpo_run(tmp_path, echo, warm, monkeypatch):
+    """Ten multi-turn GRPO steps against the echo server started for the run (openenv.app): turns
+    and environment rewards in every step, and the server stopped when the run ends."""
+    from tunix_train.envs import openenv
+
+    started = []
+    monkeypatch.setattr(openenv, "start_server", lambda s: started.append(start_server(s)) or started[-1])
     cfg = _cfg(
         tmp_path,
         warm, "training.max_steps=10", "training.rollout.openenv.app=serve_echo:app",
@@ -112,6 +118,7 @@ def test_an_openenv_server_drives_a_multi_turn_grpo_run(tmp_path, echo, warm):
     assert all(m["tool_errors"] == 0 and m["turns"] > 1 for m in steps), steps[0]
     # the echo environment rewards 0.1 a character of each turn the model sends it
     assert all(m["reward_environment"] > 0 for m in steps)
+    assert len(started) == 1 and started[0][1].poll() is not None  # stopped, not left to atexit
 
 
 def test_a_server_killed_mid_run_costs_error_observations_and_the_run_goes_on(tmp_path, echo, warm):

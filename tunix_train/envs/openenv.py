@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Any
+from typing import Any, Optional
 
 from tunix_train.config import ConfigError, OpenEnvConfig
 from tunix_train.envs.environment import Environment
@@ -35,6 +35,13 @@ class OpenEnv(Environment):
     url: str = ""  # set by bound_class
     settings: OpenEnvConfig = OpenEnvConfig()
     timeout_s: float = 10.0
+    server: Optional[subprocess.Popen] = None  # the server bound_class started for the run
+
+    @classmethod
+    def stop_server(cls) -> None:
+        """Stops the server started for the run (the run's end calls it), if one was."""
+        if cls.server is not None:
+            _stop(cls.server)
 
     def __init__(self):
         self.client, self.error = None, None
@@ -96,8 +103,10 @@ def bound_class(settings: OpenEnvConfig, timeout_s: float) -> type:
         raise ConfigError(
             "training.rollout.environment=openenv needs openenv-core: pip install -e '.[envs]'"
         ) from None
-    url = settings.url or start_server(settings)[0]
-    return type("OpenEnv", (OpenEnv,), {"url": url, "settings": settings, "timeout_s": timeout_s})
+    url, server = (settings.url, None) if settings.url else start_server(settings)
+    return type(
+        "OpenEnv", (OpenEnv,), {"url": url, "settings": settings, "timeout_s": timeout_s, "server": server}
+    )
 
 
 def start_server(settings: OpenEnvConfig) -> tuple[str, subprocess.Popen]:

@@ -77,8 +77,9 @@ class Rollouts:
     been trained on for the last time (`current`, then `queued`), some of them perhaps still to be
     drawn (`deferred`: callables giving them). Checkpointed whole, the deferred ones drawn first."""
 
-    def __init__(self, prompts: GroupBatches):
-        self.prompts, self.next_index = prompts, 0
+    def __init__(self, prompts: GroupBatches, on_close: Callable[[], None] = lambda: None):
+        """on_close: what the run's end also stops (the sampler's environment server)."""
+        self.prompts, self.next_index, self.on_close = prompts, 0, on_close
         self.current: Rollout | None = None
         self.queued: collections.deque[Rollout] = collections.deque()
         self.deferred: list[Callable[[], Rollout]] = []
@@ -109,6 +110,7 @@ class Rollouts:
 
     def close(self) -> None:
         self.prompts.close()
+        self.on_close()
 
 
 class Sampler:
@@ -139,6 +141,10 @@ class Sampler:
         self.syncs: dict[str, float] = {}
         self.rows, self.global_rows = range(0), 0
         self.images: dict[int, np.ndarray] = {}  # each prompt's images, by id(doc) (read())
+
+    def close(self) -> None:
+        """Stops an environment server started for the run (training.rollout.openenv.app)."""
+        getattr(getattr(self, "environment_class", None), "stop_server", lambda: None)()
 
     def figures(self, rollout: Rollout) -> dict[str, float]:
         """What the log shows of a rollout beside its rewards (GKD's sampler: whose samples)."""

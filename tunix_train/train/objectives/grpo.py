@@ -236,7 +236,8 @@ class OnPolicy(Objective):
                 seed=self.cfg.training.seed,
                 slots=range(rows.start // G, rows.stop // G),
                 prefetch=self.cfg.data.prefetch_batches,
-            )
+            ),
+            on_close=self.sampler.close,
         )
 
     def connect(self, link) -> None:
