@@ -165,20 +165,14 @@ def test_training_logs_lm_eval_metrics_at_its_evaluations(tmp_path):
     from tunix_train.train.loop import train
 
     folder = _tasks(tmp_path, [cs[a].strip() for _, cs, a in QUESTIONS])
-    unknown = config(
-        "model.vocab_size=4096",
-        "data=shakespeare",
-        "training.eval_tasks=[local_mc,no_such_task]",
-        f"training.eval_tasks_include_path={folder}",
-    )
+    common = ["model.vocab_size=4096", "data=shakespeare", f"training.eval_tasks_include_path={folder}"]
+    unknown = config(*common, "training.eval_tasks=[local_mc,no_such_task]")
     with pytest.raises(ConfigError, match=f"^lm-eval knows no task 'no_such_task' \\(nor in {folder}\\)$"):
         train(unknown, tmp_path / "unknown", devices=jax.devices()[:1])
     assert not (tmp_path / "unknown").exists()
     qlora = config(
-        "model.vocab_size=4096",
-        "data=shakespeare",
+        *common,
         "training.eval_tasks=[local_mc]",
-        f"training.eval_tasks_include_path={folder}",
         "training.lora.rank=4",
         "training.lora.base_quantization=int8",
     )
@@ -188,15 +182,13 @@ def test_training_logs_lm_eval_metrics_at_its_evaluations(tmp_path):
         train(qlora, tmp_path / "qlora", devices=jax.devices()[:1])
     assert not (tmp_path / "qlora").exists()
     cfg = config(
-        "model.vocab_size=4096",
-        "data=shakespeare",
+        *common,
         "data.seq_len=32",
         "training.max_steps=20",
         "training.eval_every=10",
         "training.log_every=10",
         "training.learning_rate=3e-3",
         "training.eval_tasks=[local_mc]",
-        f"training.eval_tasks_include_path={folder}",
         "checkpoint.every_steps=10",
     )
     train(cfg, tmp_path / "run", devices=jax.devices()[:1])
