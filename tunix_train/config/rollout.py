@@ -50,6 +50,16 @@ class RolloutConfig:
     # training.grpo.importance_cap.
     max_staleness: int = _fixed(0)
     iterations: int = _fixed(1)
+    # Asynchronous RL (docs/objectives/async.md), on a rollout mesh of its own (mesh_shape): the
+    # engine runs on while the trainer steps, prompts entering as slots free; a step trains on the
+    # first groups to finish, whole. New weights enter the engine every weight_update_every steps
+    # between two decode chunks, the requests in flight going on under them; a group with a token
+    # drawn more than max_lag steps before the step that would train on it is drawn again. At most
+    # buffer_steps steps' worth of groups are admitted and not yet trained on. Not bit-reproducible.
+    asynchronous: bool = _fixed(False)
+    max_lag: int = _changeable(2)
+    weight_update_every: int = _changeable(1)
+    buffer_steps: int = _changeable(2)
     # The engine's own mesh, [[sizes], [names]], on devices apart from the training mesh's (each
     # process's last ones), the weights copied to it for every rollout; null: the training mesh.
     mesh_shape: Any = _changeable(None)
@@ -147,6 +157,39 @@ class RolloutConfig:
             ),
         )
         self._check_completions()
+        self._check_asynchronous(objective)
+
+    def _check_asynchronous(self, objective: Objective) -> None:
+        """What asynchronous rollouts need, and what they do not combine with (yet)."""
+        if not self.asynchronous:
+            return
+        _first_error(
+            (
+                self.mesh_shape is None,
+                "training.rollout.asynchronous=true needs training.rollout.mesh_shape: the engine runs "
+                "on devices of its own while the trainer steps",
+            ),
+            (
+                self.max_staleness != 0 or self.iterations != 1,
+                f"training.rollout.asynchronous=true replaces max_staleness={self.max_staleness} and "
+                f"iterations={self.iterations}: set them to 0 and 1 (max_lag bounds the staleness)",
+            ),
+            (
+                bool(self.tools) or self.environment is not None or objective is Objective.gkd,
+                "training.rollout.asynchronous=true streams one-turn completions of the policy: tools, "
+                "environments and objective=gkd run synchronously (set asynchronous=false)",
+            ),
+            (
+                self.weight_update_every < 1 or self.buffer_steps < 1,
+                f"training.rollout.weight_update_every={self.weight_update_every} and "
+                f"training.rollout.buffer_steps={self.buffer_steps} must be at least 1",
+            ),
+            (
+                self.max_lag < self.weight_update_every - 1,
+                f"training.rollout.max_lag={self.max_lag} must be >= weight_update_every - 1 = "
+                f"{self.weight_update_every - 1}: a group drawn wholly by the newest weights can be that old",
+            ),
+        )
 
     def _check_completions(self) -> None:
         """How completions end, turn and are drawn again."""

@@ -252,7 +252,7 @@ class Engine:
                 f"images of {tokens} tokens: render it with the chat template"
             )
 
-    def _checked(self, requests: Sequence[Request]) -> list[Request]:
+    def checked(self, requests: Sequence[Request]) -> list[Request]:
         """The requests with their prompts as tuples of ints, each checked."""
         requests = [
             dataclasses.replace(
@@ -326,7 +326,7 @@ class Engine:
         longest_first: the requests with the most max_new_tokens take slots first (longest
         processing time first: the last slots to free then free close together), ties in order;
         False: in the order given. A request's tokens do not depend on when it starts (session.py)."""
-        requests = self._checked(requests)
+        requests = self.checked(requests)
         if not requests:
             return []
         session = self.session(
@@ -349,7 +349,7 @@ class Engine:
 
     def stream(self, params, request: Request) -> Iterator[list[int]]:
         """The request's new tokens, a chunk at a time, as they are produced."""
-        (request,) = self._checked([request])
+        (request,) = self.checked([request])
         session = self.session(
             params, self.max_len_for([request]), self.slots_for(1), Kinds.of([request.sampling])
         )

@@ -53,10 +53,10 @@ class GroupStream:
         return self._exhausted and not self._open and not self.ready
 
     def unfinished(self) -> list:
-        """The keys of the groups admitted and not taken (waiting, running or finished), in the
-        order they were admitted: what a checkpoint keeps, to admit them again whole on resume."""
-        groups = [g for g, _ in self._open.values()] + self.ready
-        return [g.key for g in sorted(groups, key=lambda g: g.number)]
+        """The keys of the groups admitted and not finished (waiting or running), in the order
+        they were admitted: what a checkpoint keeps, to admit them again whole on resume (the
+        finished ones, `ready`, it keeps as they are)."""
+        return [g.key for g, _ in sorted(self._open.values(), key=lambda x: x[0].number)]
 
     def install(self, params, version: int) -> None:
         self.session.install(params, version)
@@ -90,12 +90,24 @@ class GroupStream:
                 self.ready.append(group)
                 del self._open[key]
 
+    def _advance_until(self, count: int) -> None:
+        while len(self.ready) < count and not (self._exhausted and not self._open):
+            self.advance()
+
+    def fill(self, count: int, more: Callable[[], bool] = lambda: False) -> None:
+        """Advances until `count` groups are ready (or the prompts run out) and admits what the
+        bounds allow, then advances for as long as more() says and there is work."""
+        self._advance_until(count)
+        self._admit()  # the room left is filled: what the engine runs next
+        while more() and self.session.busy:
+            self.advance()
+
     def take(self, count: int) -> list[Group]:
         """The first `count` groups to finish (fewer only where the prompts run out), advancing
         the session until they have."""
         if count > self.buffered:
             raise ValueError(f"take({count}) asks for more than the {self.buffered} groups buffered")
-        while len(self.ready) < count and not (self._exhausted and not self._open):
-            self.advance()
+        self._advance_until(count)
         taken, self.ready = self.ready[:count], self.ready[count:]
+        self._admit()  # into the room they leave
         return taken

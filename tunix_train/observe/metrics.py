@@ -92,6 +92,12 @@ class MetricsWriter:
             self._tensorboard.add_text(f"sample_{i}", f"{prompt}{text}", step)
         self._tensorboard.flush()
 
+    def write_rollout(self, step: int, record: dict) -> None:
+        """What an asynchronous step trained on (its prompts' tickets, streaming.py) to rollouts.jsonl."""
+        rollouts = LineLog(self._run_dir / "rollouts.jsonl")
+        rollouts.append(json.dumps({"step": step, **record}))
+        rollouts.close()
+
     def close(self) -> None:
         self._jsonl.close()
         self._tensorboard.close()

@@ -116,7 +116,7 @@ def train(
         say(line)
 
     checkpointer = Checkpointer(checkpoints, cfg.checkpoint)
-    objective.connect(run.connection(writer.write_samples if writer else lambda *_: None))
+    objective.connect(run.connection(writer))
 
     def save(state: TrainState) -> None:
         checkpointer.save(state, data_state(train_batches, run, start.frozen))

@@ -59,6 +59,10 @@ class Rollout:
     routes: list[str] | None = None  # routing_replay: per row, the experts the engine chose (pack_routes)
     # PPO: per row, its completion tokens' values, logp and ref_logp at its first step (ppo.py)
     critique: dict[str, list[list[float]]] | None = None
+    # asynchronous (streaming.py): per row, the version of the weights that drew each token; per
+    # group, its prompt's ticket
+    versions: list[list[int]] | None = None
+    tickets: list[int] | None = None
 
 
 def pack_routes(routes_PLK: np.ndarray) -> str:
@@ -83,6 +87,10 @@ class Rollouts:
         self.current: Rollout | None = None
         self.queued: collections.deque[Rollout] = collections.deque()
         self.deferred: list[Callable[[], Rollout]] = []
+
+    def while_step_runs(self, state) -> None:
+        """What the rollout side does while the step runs on the training mesh."""
+        self.draw_deferred()
 
     def draw_deferred(self) -> None:
         self.queued.extend(draw() for draw in self.deferred)
@@ -141,14 +149,20 @@ class Sampler:
         self.syncs: dict[str, float] = {}
         self.rows, self.global_rows = range(0), 0
         self.images: dict[int, np.ndarray] = {}  # each prompt's images, by id(doc) (read())
+        self.streaming = None
+        if self.rollout.asynchronous:  # the engine runs on while the trainer steps
+            from tunix_train.train.streaming import Streaming
+
+            self.streaming = Streaming(self)
 
     def close(self) -> None:
         """Stops an environment server started for the run (training.rollout.openenv.app)."""
         getattr(getattr(self, "environment_class", None), "stop_server", lambda: None)()
 
     def figures(self, rollout: Rollout) -> dict[str, float]:
-        """What the log shows of a rollout beside its rewards (GKD's sampler: whose samples)."""
-        return {}
+        """What the log shows of a rollout beside its rewards (GKD's sampler: whose samples;
+        asynchronous rollouts: lag, installs, buffer, idle time)."""
+        return dict(self.streaming.figures) if self.streaming else {}
 
     def read(self, data) -> None:
         """Tokenizes the prompts once (the held-out ones too, for training.eval_every); a prompt with
@@ -281,6 +295,8 @@ class Sampler:
         seconds it took. With a rollout mesh, those this step does not train on are drawn once the
         step is running (the objective's hook calls rollouts.draw_deferred): their parameters are
         copied now, before the step takes the state."""
+        if self.streaming:
+            return self.streaming.rollout_for(rollouts, state)
         step, start = int(state.step), time.perf_counter()
         index = step // self.rollout.iterations
         self.syncs = (

@@ -46,6 +46,7 @@ class Connection:
     plan_frozen: Callable  # (ExtraModel specs, mesh) -> their FrozenModels (GRPO's reward models)
     score: Callable  # (params, frozen, batch) -> the objective's per-token figures (PPO's critic)
     write_samples: Callable[[int, list[tuple[str, str]]], None]  # to the log, samples.jsonl, TensorBoard
+    write_rollout: Callable[[int, dict], None] = lambda *_: None  # a step's record in rollouts.jsonl
 
 
 @dataclasses.dataclass
@@ -81,9 +82,16 @@ class Setup:
     def extras(self) -> Any:  # the objective's extra models (FrozenModels: a teacher, ...), None without
         return self.program.extras
 
-    def connection(self, write_samples: Callable[[int, list[tuple[str, str]]], None]) -> Connection:
+    def connection(self, writer=None) -> Connection:
+        """writer: the chief's MetricsWriter (None: nothing is written)."""
         return Connection(
-            self.mesh, self.rollout_mesh, self.program, self.plan_frozen, self.score_fn, write_samples
+            self.mesh,
+            self.rollout_mesh,
+            self.program,
+            self.plan_frozen,
+            self.score_fn,
+            writer.write_samples if writer else lambda *_: None,
+            writer.write_rollout if writer else lambda *_: None,
         )
 
 

@@ -64,6 +64,7 @@ from tunix_train.train.objectives.grpo_rewards import Rewards
 from tunix_train.train.objectives.lm import BATCH_DTYPES
 from tunix_train.train.objectives.reward_models import RewardModels
 from tunix_train.train.rollout import Rollout, Rollouts, Sampler, unpack_routes
+from tunix_train.train.streaming import StreamedRollouts
 
 
 class FromRewards:
@@ -102,7 +103,8 @@ class ClippedSurrogate:
         t = cfg.training
         self.grpo, self.kind = t.grpo, t.objective
         self.temperature = t.rollout.temperature
-        self.off_policy = t.rollout.max_staleness > 0 or t.rollout.iterations > 1
+        r = t.rollout
+        self.off_policy = r.max_staleness > 0 or r.iterations > 1 or r.asynchronous
         self.needs_reference = self.grpo.beta > 0
         self.reads_teacher = self.kind is Kind.distill_on_policy  # on-policy distillation
         self.metric_names = ("kl", "clip_fraction", "logprob_mismatch_mean", "logprob_mismatch_max")
@@ -228,7 +230,10 @@ class OnPolicy(Objective):
         G = self.rollout.num_generations
         indices = [{"index": np.array([[i]], np.int32)} for i in range(len(self.sampler.prompts))]
         self.sampler.rows, self.sampler.global_rows = rows, global_rows
-        return Rollouts(
+        kind = Rollouts
+        if self.rollout.asynchronous:
+            kind = functools.partial(StreamedRollouts, gathered=self.sampler.gathered)
+        return kind(
             GroupBatches(
                 indices,
                 accumulation_steps=self.cfg.training.gradient_accumulation_steps,
@@ -243,7 +248,7 @@ class OnPolicy(Objective):
     def connect(self, link) -> None:
         self.sampler.connect(link)
         self.advantage.connect(link)
-        self.write_samples = link.write_samples
+        self.write_samples, self.write_rollout = link.write_samples, link.write_rollout
 
     def prepare(self, rollouts: Rollouts, state) -> dict[str, np.ndarray]:
         """The step's rows, from the sampler's rollout for it."""
@@ -356,7 +361,9 @@ class OnPolicy(Objective):
     def report(self, end) -> None:
         """After a step: the deferred rollouts drawn, then on a logged step the rollout's figures
         in the step's record and its samples written."""
-        self._rollouts.draw_deferred()
+        self._rollouts.while_step_runs(end.state)
+        if self.rollout.asynchronous:
+            self.write_rollout(end.step, self.sampler.streaming.record)
         t = self.cfg.training
         if end.step % t.log_every and end.step != t.max_steps:
             return

@@ -1,0 +1,304 @@
+"""Asynchronous rollouts (training.rollout.asynchronous; docs/objectives/async.md): the engine on
+the rollout mesh runs on while the trainer steps. Prompts enter its slots as they free; a group
+leaves whole once its G completions have stopped, in the order groups finish (generate/groups.py);
+a step trains on the first groups to finish. Every weight_update_every steps the trainer's new
+weights are installed between two decode chunks, the requests in flight going on under them, each
+token recording the version (the training step) of the weights that drew it; the loss's pi_old is
+each token's own recorded log-probability (objectives/grpo.py). A group with a token more than
+max_lag steps older than the step that would train on it is drawn again, its prompt first in line.
+
+Each prompt the data yields gets a ticket, its place in the data's order: a step's record
+(rollouts.jsonl) names the tickets it trained, and a checkpoint keeps the finished groups whole,
+and the tickets admitted and not finished, to be admitted again whole on resume, so that a
+resumed run trains on every ticket once. Which groups finish first depends on timing: an
+asynchronous run is not bit-reproducible (the synchronous default is).
+
+The engine advances while a step runs (OnPolicy.report): at least until the next step's groups
+are ready, and in a one-process run for as long as the step runs and the buffer has room. Every
+process drives the same engine program, so in a multi-process run it advances by count, not by
+time, and every process makes the same decisions.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from tunix_train.data.pipeline import GroupBatches
+from tunix_train.train.rollout import Rollout, Rollouts, pack_routes
+
+
+class PromptKeys:
+    """The groups to admit, as keys (ticket, prompt index, attempt): those handed back (drawn again
+    after max_lag, or in flight at a checkpoint) first, then the data's prompts in order, every
+    process's (`gathered`: Sampler.gathered)."""
+
+    def __init__(self, batches: GroupBatches, gathered):
+        self.batches, self.gathered = batches, gathered
+        self.returned: collections.deque[tuple[int, int, int]] = collections.deque()
+        self.pending: collections.deque[int] = collections.deque()  # the current batch's prompts
+        self.tickets = 0  # handed out from the data so far
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[int, int, int]:
+        if self.returned:
+            return self.returned.popleft()
+        if not self.pending:
+            self.pending.extend(
+                int(i) for i in self.gathered(next(self.batches)["index"][..., 0]).reshape(-1)
+            )
+        self.tickets += 1
+        return self.tickets - 1, self.pending.popleft(), 0
+
+    def hand_back(self, keys: list[tuple[int, int, int]]) -> None:
+        """Keys admitted first next, in the order given."""
+        self.returned.extendleft(reversed([(t, p, a) for t, p, a in keys]))
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "batches": self.batches.get_state(),
+            "returned": [list(k) for k in self.returned],
+            "pending": list(self.pending),
+            "tickets": self.tickets,
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.batches.set_state(state["batches"])
+        self.returned = collections.deque(tuple(k) for k in state["returned"])
+        self.pending = collections.deque(state["pending"])
+        self.tickets = state["tickets"]
+
+
+class StreamedRollouts(Rollouts):
+    """Asynchronous rollouts' host state: the prompt keys, the engine's stream (made at the first
+    step), and finished groups restored from a checkpoint, trained on first. Checkpointed as the
+    keys (with the groups in flight handed back) and the finished groups whole."""
+
+    def __init__(self, prompts: GroupBatches, gathered, on_close=lambda: None):
+        super().__init__(prompts, on_close)
+        self.keys = PromptKeys(prompts, gathered)
+        self.stream = None  # generate/groups.GroupStream, once the first step's parameters exist
+        self.finished: list[dict] = []  # groups as rows (Streaming.rows), restored, trained first
+        self.advance = lambda state: None  # Streaming.while_step_runs, once connected
+
+    def while_step_runs(self, state) -> None:
+        self.advance(state)
+
+    def get_state(self) -> dict[str, Any]:
+        keys = PromptKeys.get_state(self.keys)
+        finished = list(self.finished)
+        if self.stream is not None:
+            keys["returned"] = [list(k) for k in self.stream.unfinished()] + keys["returned"]
+            finished += [Streaming.rows(g) for g in self.stream.ready]
+        return {"asynchronous": True, "keys": keys, "finished": finished}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if "asynchronous" not in state:
+            raise ValueError(
+                "this checkpoint was written by a synchronous run; training.rollout.asynchronous cannot "
+                "change on resume"
+            )
+        self.keys.set_state(state["keys"])
+        self.finished = [dict(g, key=tuple(g["key"])) for g in state["finished"]]
+
+
+class Streaming:
+    """The sampler's asynchronous mode (the module docstring): its stream of groups, the weights
+    installed into it, and the figures of each step's rollout."""
+
+    def __init__(self, sampler):
+        from tunix_train.generate import Sampling
+        from tunix_train.generate.sampling import Kinds
+
+        self.sampler, self.r = sampler, sampler.rollout
+        self.sampling = Sampling(temperature=self.r.temperature)
+        self.kinds = Kinds.of([self.sampling])
+        self.figures: dict[str, float] = {}
+        self.record: dict[str, list] = {}  # the step's tickets, prompts and groups dropped (rollouts.jsonl)
+        self._last = None  # the previous step's start and the engine's busy seconds then
+
+    @property
+    def count(self) -> int:
+        """Groups per step: every process's, over the accumulation steps."""
+        s = self.sampler
+        return s.cfg.training.gradient_accumulation_steps * s.global_rows // self.r.num_generations
+
+    def requests_for(self, key: tuple[int, int, int]) -> list:
+        from tunix_train.generate import Request
+
+        s, G = self.sampler, self.r.num_generations
+        ticket, prompt, attempt = key
+        images = s.images.get(id(s.docs[prompt]))
+        return s.engine.checked(
+            [
+                Request(
+                    tuple(s.prompts[prompt]),
+                    self.r.max_new_tokens,
+                    self.sampling,
+                    s.cfg.training.seed * 1_000_003 + 500_009 + attempt,
+                    ticket * G + i,
+                    images=images,
+                )
+                for i in range(G)
+            ]
+        )
+
+    def _start(self, rollouts: StreamedRollouts, state) -> None:
+        from tunix_train.generate.groups import GroupStream
+
+        s, G = self.sampler, self.r.num_generations
+        slots = s.engine.slots_for(self.count * G)
+        session = s.engine.session(
+            s.params(state), s.cfg.data.seq_len, slots, self.kinds, version=int(state.step)
+        )
+        rollouts.stream = GroupStream(
+            session,
+            rollouts.keys,
+            self.requests_for,
+            in_flight=max(1, slots // G),
+            buffered=self.r.buffer_steps * self.count,
+        )
+        rollouts.advance = self.while_step_runs
+        self._rollouts = rollouts
+
+    def while_step_runs(self, state) -> None:
+        """Advances the engine while the step runs: until the next step's groups are ready, then
+        (one process) while the step has not finished and there is room."""
+        stream = self._rollouts.stream
+        wanted = max(0, self.count - len(self._rollouts.finished))
+        one_process = jax.process_count() == 1
+        step_done = jax.tree.leaves(state.params)[0]
+        stream.fill(min(wanted, stream.buffered), lambda: one_process and not step_done.is_ready())
+
+    def rollout_for(self, rollouts: StreamedRollouts, state) -> tuple[Rollout, float]:
+        """The step's rollout: the first `count` groups to finish, within max_lag of the step,
+        scored (under dynamic sampling, those with signal first); new weights installed first
+        when the step is due them."""
+        s, step, start = self.sampler, int(state.step), time.perf_counter()
+        engine_busy = s.engine.stats["decode_s"] + s.engine.stats["prefill_s"]
+        s.syncs = dict.fromkeys(("weight_sync_s", "weight_sync_bytes"), 0.0)
+        install_s = 0.0
+        if rollouts.stream is None:
+            self._start(rollouts, state)
+        elif step % self.r.weight_update_every == 0 and rollouts.stream.session.version != step:
+            rollouts.stream.install(s.params(state), step)
+            install_s = time.perf_counter() - start
+        stream = rollouts.stream
+        fill = (len(stream.ready) + len(rollouts.finished)) / stream.buffered
+        waited, count, dynamic = time.perf_counter(), self.count, self.r.dynamic_sampling
+        kept, spare, requeued, rounds = [], [], 0, 0
+        while len(kept) < count and not (
+            dynamic and rounds >= self.r.dynamic_sampling_rounds and len(kept) + len(spare) >= count
+        ):
+            rounds += 1
+            wanted = count - len(kept)
+            batch = [rollouts.finished.pop(0) for _ in range(min(len(rollouts.finished), wanted))]
+            batch += [self.rows(g) for g in stream.take(min(wanted - len(batch), stream.buffered))]
+            fresh = []
+            for g in batch:
+                if step - min(min(v) for v in g["versions"]) <= self.r.max_lag:
+                    fresh.append(g)
+                else:  # drawn again, first in line
+                    rollouts.keys.hand_back([(*g["key"][:2], g["key"][2] + 1)])
+                    requeued += 1
+            self._score(fresh)
+            for g in fresh:
+                informative = not dynamic or s.rewards.informative(np.asarray(g["rewards"]))
+                (kept if informative else spare).append(g)
+        filler = max(0, count - len(kept))  # dynamic sampling's rounds ran out: equal groups fill, last
+        groups = kept + spare[:filler]
+        waited = time.perf_counter() - waited
+        rollout = self._rollout(groups, step, filler, rounds)
+        self.record = {
+            "tickets": rollout.tickets,
+            "prompts": rollout.order,
+            "without_signal": [g["key"][0] for g in spare[filler:]],  # dynamic sampling set them aside
+        }
+        self._figure(rollout, step, start, engine_busy, install_s, waited, fill, requeued)
+        return rollout, time.perf_counter() - start
+
+    @staticmethod
+    def rows(group) -> dict:
+        """A finished group as plain lists (what a checkpoint keeps): its key, and per completion
+        its tokens (the stop token included where one ended it), their log-probabilities and
+        versions, and with routing replay its experts (pack_routes)."""
+        stopped = [c.stop_token is not None for c in group.completions]
+        return {
+            "key": group.key,
+            "completions": [c.tokens + [c.stop_token] * s for c, s in zip(group.completions, stopped)],
+            "logprobs": [c.logprobs + [c.stop_logprob] * s for c, s in zip(group.completions, stopped)],
+            "versions": [c.versions for c in group.completions],
+            "routes": None
+            if group.completions[0].routes is None
+            else [pack_routes(c.routes) for c in group.completions],
+        }
+
+    def _score(self, groups: list[dict]) -> None:
+        """Each group's rewards [functions][G], scored in one batch."""
+        if not groups:
+            return
+        s, G = self.sampler, self.r.num_generations
+        docs = [s.docs[g["key"][1]] for g in groups for _ in range(G)]
+        prompts = [s.prompts[g["key"][1]] for g in groups for _ in range(G)]
+        completions = [c for g in groups for c in g["completions"]]
+        texts = [s.tokenizer.decode([t for t in c if t not in s.stop_ids]) for c in completions]
+        rewards = s.rewards.score(
+            [d["prompt"] for d in docs],
+            texts,
+            docs,
+            completions,
+            sequences=[[*p, *c] for p, c in zip(prompts, completions)],
+        )
+        for i, g in enumerate(groups):
+            g["rewards"] = rewards[:, i * G : (i + 1) * G].tolist()
+
+    def _rollout(self, groups: list[dict], step: int, filler: int, rounds: int) -> Rollout:
+        def rows(field):
+            return None if groups[0][field] is None else [row for g in groups for row in g[field]]
+
+        versions = rows("versions")
+        return Rollout(
+            step,
+            min(min(v) for v in versions),
+            self.sampler.cfg.training.gradient_accumulation_steps,
+            [g["key"][1] for g in groups],
+            rows("completions"),
+            rows("logprobs"),
+            np.concatenate([np.asarray(g["rewards"]) for g in groups], 1).tolist(),
+            0.0,
+            rounds=rounds,
+            filler_groups=filler,
+            routes=rows("routes"),
+            versions=versions,
+            tickets=[g["key"][0] for g in groups],
+        )
+
+    def _figure(self, rollout, step, start, engine_busy, install_s, waited, fill, requeued) -> None:
+        """The step's asynchronous figures: the lag of its tokens (steps since the weights that drew
+        each), the tokens of completions drawn under more than one version, the install's seconds,
+        the buffer's fill before the step took from it, the groups drawn again past max_lag, and
+        since the previous step's start the fractions the trainer waited for groups and the
+        engine did not run."""
+        lags = np.concatenate([step - np.asarray(v) for v in rollout.versions])
+        mixed = sum(len(v) for v in rollout.versions if len(set(v)) > 1)
+        stats = self.sampler.engine.stats
+        self.figures = {
+            "lag_mean": float(lags.mean()),
+            "lag_max": int(lags.max()),
+            "mixed_version_tokens": mixed,
+            "weight_install_s": install_s,
+            "buffer_fill": fill,
+            "lag_requeued_groups": requeued,
+        }
+        if self._last is not None:
+            interval = start - self._last[0]
+            self.figures["trainer_idle"] = min(1.0, waited / interval)
+            self.figures["engine_idle"] = max(0.0, 1 - (engine_busy - self._last[1]) / interval)
+        self._last = (start, engine_busy)
+        rollout.sampling_s = stats["decode_s"] + stats["prefill_s"] - engine_busy
