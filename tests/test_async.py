@@ -50,6 +50,10 @@ def _async_run(tmp_path, *extra):
             ["training.rollout.tools=[tests.rewards_for_tests:undocumented_tool]"],
             "tools, environments and objective=gkd run synchronously",
         ),
+        (
+            ["training.rollout.asynchronous=false", "training.grpo.off_policy_correction=tis"],
+            "training.grpo.off_policy_correction=tis corrects tokens other weights drew",
+        ),
         (["training.rollout.buffer_steps=0"], "training.rollout.buffer_steps=0 must be at least 1"),
         (
             ["training.rollout.weight_update_every=4", "training.rollout.max_lag=2"],
@@ -111,3 +115,106 @@ def test_stopped_and_killed_runs_resume_training_on_every_prompt_once(tmp_path):
     held = data["iterator"]
     kept = [g["key"][0] for g in held["finished"]] + [k[0] for k in held["keys"]["returned"]]
     assert sorted(tickets + kept) == list(range(held["keys"]["tickets"]))
+
+
+def test_a_group_drawn_across_an_install_trains_with_each_tokens_own_behaviour_logprob(tmp_path):
+    """Two completions streamed (GroupStream) with new parameters installed after their first 5
+    tokens: their versions are [0] * 5 + [1] * 11; the step's rows (OnPolicy._rows) hold each
+    token's recorded log-probability as its behaviour log-probability, at its target position and
+    nowhere else; the loss's pi_old is exactly that, and the importance ratios and the loss equal
+    numpy's min(exp(logp - recorded), cap) surrogate within 1e-6, logp the trainer's forward
+    under the new parameters. The tokens before the install have ratios away from 1 (drawn by
+    the old parameters), as they should."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from conftest import rl_config
+    from flax import nnx
+    from test_generate import CFG, PROMPTS, _on
+
+    from tunix_train.config import OffPolicyCorrection, Remat
+    from tunix_train.generate import Engine, Request, Sampling, Tuning
+    from tunix_train.generate.groups import GroupStream
+    from tunix_train.generate.sampling import Kinds
+    from tunix_train.parallel import model_graphdef
+    from tunix_train.train.objectives.grpo import OnPolicy
+    from tunix_train.train.rollout import Rollout
+    from tunix_train.train.streaming import Streaming
+
+    mesh, old = _on("1x1")
+    rng = np.random.default_rng(1)
+    new = jax.tree.map(lambda x: x * (1 + 0.3 * rng.normal(size=x.shape)).astype(np.float32), old)
+    engine = Engine(CFG, mesh, slots=2, tuning=Tuning(chunk=4))
+    prompt, T = PROMPTS[0], 24
+    requests = [Request(tuple(prompt), 16, Sampling(1.0), 3, i) for i in range(2)]
+    stream = GroupStream(
+        engine.session(old, 64, 2, Kinds.of([Sampling(1.0)])), iter([(0, 0, 0)]), lambda k: requests, 1
+    )
+    stream.advance()  # the prefill's token and a chunk of 4
+    stream.install(new, 1)
+    (group,) = stream.take(1)
+    rows = Streaming.rows(group)
+    assert rows["versions"] == [[0] * 5 + [1] * 11] * 2
+
+    cfg = rl_config(
+        tmp_path,
+        "training.rollout.num_generations=2",
+        "training.rollout.reward=[tunix_train.rewards.arithmetic:exact_match]",
+        "training.grpo.beta=0",
+        f"data.seq_len={T}",
+        "training.rollout.asynchronous=true",
+        'training.rollout.mesh_shape=[[1],["fsdp"]]',
+    )
+    cfg.model = CFG
+    objective = OnPolicy(cfg)
+    objective.sampler.prompts, objective.sampler.stop_ids = [prompt], [1]
+    rollout = Rollout(
+        0, 0, 1, [0], rows["completions"], rows["logprobs"], [[1.0, 0.0]], 0.0, versions=rows["versions"]
+    )
+    full = objective._rows(rollout)
+    behaviour, mask = full["behaviour_logp"], full["loss_mask"]
+    start = len(prompt) - 1
+    for row, recorded in enumerate(rows["logprobs"]):
+        np.testing.assert_array_equal(behaviour[row, start : start + 16], np.float32(recorded))
+        assert not behaviour[row, :start].any() and not behaviour[row, start + 16 :].any()
+
+    forward = nnx.merge(model_graphdef(CFG, Remat.none), new)
+    logits = np.asarray(forward(jnp.asarray(full["inputs"])), np.float64)
+    log_softmax = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - logits.max(-1, keepdims=True)
+    )
+    logp = np.take_along_axis(log_softmax, full["targets"][..., None], -1)[..., 0] * mask
+    advantages = np.repeat(np.array([[0.7], [-0.7]]), T, axis=1)
+    micro = {
+        "advantages": jnp.asarray(advantages, jnp.float32),
+        "behaviour_logp": jnp.asarray(behaviour),
+        "loss_mask": jnp.asarray(mask),
+    }
+    logp32 = jnp.asarray(logp, jnp.float32)
+    weight = {"tokens": mask.sum(), "sequences": 2.0, "sequences_x_max_new_tokens": 2.0 * 16}
+    g, cap = cfg.training.grpo, cfg.training.grpo.importance_cap
+    ratio = np.where(mask > 0, np.exp(logp - behaviour), 1.0)  # pi / mu per token
+    sequence = np.exp((np.log(ratio) * mask).sum(1, keepdims=True) / mask.sum(1, keepdims=True))
+    clipped = np.minimum(  # behaviour_clip: the clip about mu, the ratio truncated at the cap
+        np.minimum(ratio, cap) * advantages, np.clip(ratio, 1 - g.epsilon, 1 + g.epsilon) * advantages
+    )
+    expected = {  # the per-token surrogate; decoupled: pi_old = pi, so A times the weight
+        "behaviour_clip": clipped,
+        "tis": np.minimum(ratio, cap) * advantages,
+        "sequence_mask": np.where((sequence >= 1 / cap) & (sequence <= cap), sequence, 0) * advantages,
+    }
+    for correction, surrogate in expected.items():
+        cfg.training.grpo.off_policy_correction = OffPolicyCorrection(correction)
+        objective = OnPolicy(cfg)
+        pi_old = np.asarray(objective.policy_loss.old_logp(micro, logp32))
+        assert np.array_equal(pi_old, behaviour if correction == "behaviour_clip" else logp32)
+        loss, metrics = objective.loss(lambda: -logp32, None, micro, weight)
+        np.testing.assert_allclose(float(loss), -(surrogate * mask).sum() / mask.sum(), atol=1e-6, rtol=0)
+        if correction != "behaviour_clip":
+            corrected = np.asarray(surrogate / advantages)
+            np.testing.assert_allclose(
+                float(metrics["importance_weight_mean"]), (corrected * mask).sum() / mask.sum(), atol=1e-6
+            )
+    assert 0 < sequence.min() and np.abs(np.log(ratio[:, start : start + 5])).max() > 0.05

@@ -231,7 +231,7 @@ def test_parameters_installed_mid_request_draw_its_next_tokens_and_each_token_re
 
 def test_streamed_groups_leave_whole_as_they_finish_within_their_bounds():
     """12 prompts of 2 completions each, their lengths long-tailed (2 to 30 new tokens), through a
-        stream of 4 slots that admits 2 groups at a time and buffers at most 3: every prompt's group
+        stream of 4 slots (a group admitted while a slot would be idle) that buffers at most 3: every prompt's group
         comes out once and whole, each completion the tokens of its request generated apart, in the
         order the groups finish (a short one passes a long one admitted before it), the buffer never
         over its bound; parameters installed mid-stream show in the tokens' versions; the groups admitted
@@ -255,7 +255,7 @@ def test_streamed_groups_leave_whole_as_they_finish_within_their_bounds():
     alone = {key: together[2 * key : 2 * key + 2] for key in range(12)}
     admitted.clear()
     session = engine.session(params, 64, 4, Kinds.of([Sampling(1.0)]))
-    stream = GroupStream(session, iter(range(12)), requests_for, in_flight=2, buffered=3)
+    stream = GroupStream(session, iter(range(12)), requests_for, buffered=3)
     order, seen_ready, drawn_before, held = [], [], 0, 0
     stream.advance()  # groups 0 (30 new tokens) and 1 admitted, their first 5 tokens drawn
     stream.install(params, 1)  # the same values: the tokens stay those generated alone

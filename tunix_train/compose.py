@@ -265,6 +265,12 @@ def _validate_on_policy(t: TrainingConfig, m: ModelConfig) -> None:
     objective, r = t.objective, t.rollout
     r.check(objective, t.micro_batch_size)
     t.grpo.check(objective)
+    correction = t.grpo.off_policy_correction
+    if correction is not None and not (r.asynchronous or r.max_staleness or r.iterations > 1):
+        raise ConfigError(
+            f"training.grpo.off_policy_correction={correction.value} corrects tokens other weights drew: "
+            f"set training.rollout.asynchronous, max_staleness or iterations, or leave it null"
+        )
     name = f"objective={objective.value}"
     teaching = objective in (Objective.distill_on_policy, Objective.gkd)  # a live teacher
     if objective is Objective.distill_on_policy and not t.distill.teacher:

@@ -51,6 +51,7 @@ from tunix_train.config.objectives import (  # noqa: F401  (re-exported: the sch
     KlEstimator,
     KtoConfig,
     Objective,
+    OffPolicyCorrection,
     PolicyLoss,
     PpoConfig,
     PreferenceLoss,

@@ -62,6 +62,20 @@ class ImportanceLevel(enum.Enum):
     sequence = "sequence"  # one per completion, exp of its mean log-ratio (GSPO)
 
 
+class OffPolicyCorrection(enum.Enum):  # training.grpo.off_policy_correction
+    # pi_old is the engine's recorded log-probability: the clip is about the policy that drew the
+    # tokens, the ratio truncated at importance_cap (TRL's two-sided clip `delta`)
+    behaviour_clip = "behaviour_clip"
+    # decoupled (Hilton et al. 2021; AReaL's for asynchronous RL): the clip is about the current
+    # policy and each token is weighted by its truncated importance ratio to the behaviour
+    # policy, min(pi / mu, importance_cap) (TIS, Yao et al. 2025; TRL's token_truncate)
+    tis = "tis"
+    # decoupled; a completion whose geometric-mean ratio pi / mu lies outside [1 / importance_cap,
+    # importance_cap] gets no loss, else it is weighted by that ratio (TRL's sequence_mask, per token
+    # mean rather than sum so that long completions do not underflow)
+    sequence_mask = "sequence_mask"
+
+
 class PolicyLoss(enum.Enum):  # an on-policy objective's per-token objective of the ratio r
     clip = "clip"  # PPO's clipped surrogate min(r A, clip(r) A) (every on-policy objective but cispo)
     # the clipped importance weight, held constant, times A log pi: every token keeps its gradient
@@ -197,6 +211,9 @@ class GrpoConfig:
     # log-probability and the ratio is truncated at importance_cap.
     importance_cap: float = _fixed(3.0)
     importance_sampling_level: ImportanceLevel = _fixed(ImportanceLevel.token)
+    # How off-policy tokens are corrected (OffPolicyCorrection); null: behaviour_clip, or tis under
+    # training.rollout.asynchronous (whose policy moves on while the engine draws)
+    off_policy_correction: Optional[OffPolicyCorrection] = _fixed(None)
     loss_aggregation: GrpoAggregation = _fixed(GrpoAggregation.token_mean)
     # GRPO's advantage (objective=grpo, dapo, dr_grpo, gspo, cispo): r less its group's mean, scaled
     scale_rewards: ScaleRewards = _fixed(ScaleRewards.group)

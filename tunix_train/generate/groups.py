@@ -1,5 +1,6 @@
 """Groups of completions streamed through one session, the rollout side of asynchronous RL
-(issue 73): prompts enter as slots free, a group (its prompt's n completions) leaves whole once all
+(issue 73): prompts enter as slots free (a group's requests are admitted while a slot would
+otherwise be idle), a group (its prompt's n completions) leaves whole once all
 of them have stopped, in the order groups finish rather than the order they entered, and at most
 `buffered` finished groups wait for the trainer (admission pauses while they do). New parameters
 enter between two chunks (Session.install); each token records the version that drew it.
@@ -27,8 +28,8 @@ class Group:
 
 
 class GroupStream:
-    """Feeds `session` the requests of the prompts `keys` yields (requests_for(key): a group's),
-    keeping up to `in_flight` groups admitted and not finished, and holds finished groups until
+    """Feeds `session` the requests of the prompts `keys` yields (requests_for(key): a group's)
+    whenever fewer of its requests wait or run than it has slots, and holds finished groups until
     take() hands them out; groups admitted and not taken are at most `buffered`."""
 
     def __init__(
@@ -36,13 +37,12 @@ class GroupStream:
         session: Session,
         keys: Iterator[Any],
         requests_for: Callable[[Any], list[Request]],
-        in_flight: int,
         buffered: int,
     ):
-        if in_flight < 1 or buffered < 1:
-            raise ValueError(f"in_flight={in_flight} and buffered={buffered} must be at least 1")
+        if buffered < 1:
+            raise ValueError(f"buffered={buffered} must be at least 1")
         self.session, self.keys, self.requests_for = session, keys, requests_for
-        self.in_flight, self.buffered = in_flight, buffered
+        self.buffered = buffered
         self.ready: list[Group] = []  # finished, in the order they finished
         self._open: dict[Any, tuple[Group, list[int]]] = {}  # admitted: the group, its request ids
         self._exhausted, self._admissions = False, 0
@@ -65,7 +65,7 @@ class GroupStream:
         # admitted and not taken stays within `buffered`: the groups in flight finish into room
         while (
             not self._exhausted
-            and len(self._open) < self.in_flight
+            and self.session.unfinished < self.session.slots
             and len(self.ready) + len(self._open) < self.buffered
         ):
             key = next(self.keys, None)

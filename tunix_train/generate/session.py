@@ -211,6 +211,11 @@ class Session:
         return any(r is not None for r in self.running)
 
     @property
+    def unfinished(self) -> int:
+        """Requests waiting or running."""
+        return len(self.queue) + sum(r is not None for r in self.running)
+
+    @property
     def busy(self) -> bool:
         return bool(self.queue) or self.busy_slots
 

@@ -161,7 +161,6 @@ class Streaming:
             session,
             rollouts.keys,
             self.requests_for,
-            in_flight=max(1, slots // G),
             buffered=self.r.buffer_steps * self.count,
         )
         rollouts.advance = self.while_step_runs

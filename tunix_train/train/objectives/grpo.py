@@ -54,6 +54,7 @@ import numpy as np
 
 from tunix_train.config import Config, Overlong, RewardNormalization
 from tunix_train.config import Objective as Kind
+from tunix_train.config import OffPolicyCorrection as Correction
 from tunix_train.data.packed_rows import Packing
 from tunix_train.data.pipeline import GroupBatches, padded_row
 from tunix_train.train.hooks import Hook
@@ -104,19 +105,29 @@ class ClippedSurrogate:
         self.grpo, self.kind = t.grpo, t.objective
         self.temperature = t.rollout.temperature
         r = t.rollout
-        self.off_policy = r.max_staleness > 0 or r.iterations > 1 or r.asynchronous
+        # off-policy, how tokens drawn by other parameters are corrected (OffPolicyCorrection)
+        self.correction = None
+        if r.max_staleness > 0 or r.iterations > 1 or r.asynchronous:
+            self.correction = t.grpo.off_policy_correction or (
+                Correction.tis if r.asynchronous else Correction.behaviour_clip
+            )
+        self.decoupled = self.correction in (Correction.tis, Correction.sequence_mask)
         self.needs_reference = self.grpo.beta > 0
         self.reads_teacher = self.kind is Kind.distill_on_policy  # on-policy distillation
         self.metric_names = ("kl", "clip_fraction", "logprob_mismatch_mean", "logprob_mismatch_max")
+        if self.decoupled:
+            self.metric_names += ("importance_weight_mean",)
         if self.reads_teacher:
             self.metric_names += ("teacher_reverse_kl",)
 
     def old_logp(self, micro, logp):
-        """pi_old: a scoring pass's (PPO's old_logp), off-policy the engine's, else the policy's
-        without gradient."""
+        """pi_old, about which the clip is: a scoring pass's (PPO's old_logp); under behaviour_clip
+        the engine's; else (on-policy, or the decoupled corrections) the policy's without gradient."""
         if "old_logp" in micro:
             return micro["old_logp"]
-        return micro["behaviour_logp"] if self.off_policy else jax.lax.stop_gradient(logp)
+        if self.correction is Correction.behaviour_clip:
+            return micro["behaviour_logp"]
+        return jax.lax.stop_gradient(logp)
 
     def __call__(self, policy, reference, micro, weight, models=None):
         g, mask = self.grpo, micro["loss_mask"]
@@ -129,6 +140,12 @@ class ClippedSurrogate:
         ):  # each token's log p_teacher - log p_sampling: the negative reverse KL's sample
             advantages = jax.lax.stop_gradient(-models["teacher"]() - behaviour)
             extra["teacher_reverse_kl"] = -jnp.sum(advantages * mask) / weight["tokens"]
+        if self.decoupled:  # pi_old is pi (ratio 1 in value), so weighing A weighs the surrogate
+            corrected = family.importance_weights(
+                logp, behaviour, mask, g.importance_cap, self.correction, micro.get("segment_ids")
+            )
+            extra["importance_weight_mean"] = jnp.sum(corrected * mask) / weight["tokens"]
+            advantages = advantages * corrected
         objective, kl, clipped = family.token_objective(
             logp,
             self.old_logp(micro, logp),

@@ -46,6 +46,7 @@ from tunix_train.config import (
     AdvantageEstimator,
     GrpoAggregation,
     ImportanceLevel,
+    OffPolicyCorrection,
     PolicyLoss,
     RewardNormalization,
     ScaleRewards,
@@ -183,6 +184,18 @@ def clipped_weight(ratio, clipped_ratio, advantages, logp, clip: Clip):
     """CISPO's sg(clip(r)) A log pi: the weight truncated on either side, whatever A's sign."""
     surrogate = jax.lax.stop_gradient(clipped_ratio) * advantages * logp
     return surrogate, (ratio < 1 - clip.epsilon) | (ratio > 1 + clip.epsilon_high)
+
+
+def importance_weights(logp, behaviour, mask, cap: float, correction: OffPolicyCorrection, segment_ids=None):
+    """The decoupled off-policy corrections' weights [B, T] (OffPolicyCorrection), without
+    gradient: tis, min(rho, cap) per token; sequence_mask, each completion's geometric-mean rho
+    where it lies in [1 / cap, cap], else 0; rho = pi / mu, mu the engine's recorded probability
+    (`segment_ids` as `sequence_means`)."""
+    log_ratio = jax.lax.stop_gradient(logp) - behaviour
+    if correction is OffPolicyCorrection.tis:
+        return jnp.minimum(jnp.exp(log_ratio), cap) * mask
+    ratio = jnp.exp(sequence_means(log_ratio, mask, segment_ids))
+    return jnp.where((ratio >= 1 / cap) & (ratio <= cap), ratio, 0.0) * mask
 
 
 def token_objective(logp, old_logp, ref_logp, advantages, mask, *, clip: Clip, beta: float, segment_ids=None):
