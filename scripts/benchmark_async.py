@@ -1,7 +1,8 @@
 """Asynchronous against synchronous GRPO (training.rollout.asynchronous, docs/objectives/async.md):
 tokens trained per second and the final held-out reward, side by side, alternating rounds.
 
-    python scripts/benchmark_async.py [--steps 16] [--rounds 2] [--mean-words 40] [--max-new 256]
+    python scripts/benchmark_async.py [--steps 12] [--warmup 4] [--rounds 3] [--lr 1e-3]
+        [--sft-steps 40] [--mean-words 40] [--max-new 256] [--sync-overrides ...] [--async-overrides ...]
 
 The task: prompts "Words about X:" whose completions are lists of words; the reward is the share
 of a completion's words that are "the". Its lengths are long-tailed: the tiny model is first
@@ -9,12 +10,15 @@ fine-tuned (--sft-steps) on completions of 8 + Geometric(1 / --mean-words) words
 --max-new tokens), so it samples lengths of about that spread, and a synchronous step waits for
 its longest completion while the slots of the others sit idle.
 
-Both modes start from that model, on 4 fake CPU devices (2 training, 2 generating: the same
-rollout mesh and the same slots, a step's 32 completions), and run --steps steps of 8 prompts x
-4 completions with the same seed per round (round r: training.seed=r); rounds alternate which
-mode goes first. Measured per run, after its first two steps (compilation): completion tokens
-trained per second of wall time. The held-out reward: the mean reward of 4 samples (temperature
-1, fixed seeds) on each of 32 held-out prompts, by the run's final weights.
+Both modes start from that model, on 4 fake CPU devices (2 training, 2 generating: the same rollout
+mesh and the same slots, a step's 32 completions), and run --steps steps of 8 prompts x 4
+completions with the same seed per round (round r: training.seed=r), at learning rate --lr
+(constant, no KL term); rounds alternate which mode goes first. Measured per run, after its first
+--warmup steps (compilation: the asynchronous engine meets new prefill shapes as its slots free at
+different times, for a few steps): completion tokens trained per second of the steps' wall time (the
+log's step_time_s: from one step's end to the next's, the rollout included; not the final save). The held-out
+reward: the mean reward of 4 samples (temperature 1, fixed seeds) on each of 32 held-out prompts,
+by the run's final weights.
 
 What the figures do not mean: the CPU's two cores are shared by the training and the rollout
 devices, so the overlap of training with generation is worth less here than on separate
@@ -29,13 +33,13 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 WORDS = ["the", "and", "of", "to", "in", "that", "is", "with"]
-TOPICS = "sea king night love war bread river stone horse crown field storm winter garden sword letter".split()
+TOPICS = "sea king night love war bread river stone horse crown field storm winter garden sword letter"
+TOPICS = TOPICS.split()
 
 
 def word_share(prompts, completions, **fields):
@@ -94,19 +98,6 @@ def _fine_tune(files, work: Path, args, devices) -> Path:
     return work / "sft_hf"
 
 
-def _clock():
-    """A hook that notes when each step's after_step ran."""
-    from tunix_train.train.hooks import Hook
-
-    class Clock(Hook):
-        at: dict[int, float] = {}
-
-        def after_step(self, end):
-            self.at[end.step] = time.perf_counter()
-
-    return Clock()
-
-
 def _run(mode: str, seed: int, start: Path, files, work: Path, args, devices) -> dict:
     from tunix_train.compose import load_config
     from tunix_train.train.loop import train
@@ -137,16 +128,16 @@ def _run(mode: str, seed: int, start: Path, files, work: Path, args, devices) ->
             "checkpoint.every_steps=0",
         ]
     )
-    clock, run_dir = _clock(), work / f"{mode}_{seed}"
-    train(cfg, run_dir, devices=devices[:4], extra_hooks=[clock])
-    end = time.perf_counter()
+    run_dir = work / f"{mode}_{seed}"
+    train(cfg, run_dir, devices=devices[:4])
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = {m["step"]: m for m in steps if "completion_tokens" in m}
     rows = 32
-    tokens = sum(steps[s]["completion_tokens"] * rows for s in range(3, args.steps + 1))
+    timed = range(args.warmup + 1, args.steps + 1)  # step_time_s: the wall time since the previous step
+    tokens = sum(steps[s]["completion_tokens"] * rows for s in timed)
     lengths = [steps[s]["completion_tokens"] for s in steps]
     return {
-        "tokens_per_s": tokens / (end - clock.at[2]),
+        "tokens_per_s": tokens / sum(steps[s]["step_time_s"] for s in timed),
         "held_out_reward": _held_out(run_dir, files, args, devices),
         "train_reward_last4": sum(steps[s]["reward"] for s in range(args.steps - 3, args.steps + 1)) / 4,
         "mean_completion_tokens": sum(lengths) / len(lengths),
@@ -175,12 +166,13 @@ def _held_out(run_dir: Path, files, args, devices) -> float:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--sft-steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4, help="steps before the timing starts")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sft-steps", type=int, default=40)
     parser.add_argument("--mean-words", type=int, default=40)
     parser.add_argument("--max-new", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--async-overrides", nargs="*", default=[], help="e.g. training.rollout.max_lag=1")
     parser.add_argument("--sync-overrides", nargs="*", default=[])
     parser.add_argument("--modes", nargs="+", default=["sync", "async"])
@@ -218,6 +210,8 @@ def main(argv: list[str]) -> int:
         "sync_reward_spread": spread("sync", "held_out_reward"),
         "async_reward_spread": spread("async", "held_out_reward"),
         "mean_lag": mean("async", "mean_lag"),
+        "sync_completion_tokens": mean("sync", "mean_completion_tokens"),
+        "async_completion_tokens": mean("async", "mean_completion_tokens"),
         "seeds": list(range(args.rounds)),
         "steps": args.steps,
         "runs": runs,

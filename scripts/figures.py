@@ -63,6 +63,12 @@ BENCHMARKS = {
         "Padding-free DPO pairs against padded ones: the train step's time per sequence.",
         ["scripts/benchmark_packing.py", "--rounds", "2"],
     ),
+    "async_rl": (
+        "Asynchronous against synchronous GRPO on long-tailed completions (the tiny model, 2 training "
+        "and 2 rollout CPU devices, alternating rounds): completion tokens trained per second and the "
+        "final held-out reward.",
+        ["scripts/benchmark_async.py"],
+    ),
     "compare_tunix": (
         "tunix_train against Tunix's PeftTrainer, alternating fresh processes: the ratio of median tokens/s.",
         ["scripts/compare_tunix.py", "--rounds", "3"],

@@ -218,3 +218,46 @@ def test_a_group_drawn_across_an_install_trains_with_each_tokens_own_behaviour_l
                 float(metrics["importance_weight_mean"]), (corrected * mask).sum() / mask.sum(), atol=1e-6
             )
     assert 0 < sequence.min() and np.abs(np.log(ratio[:, start : start + 5])).max() > 0.05
+
+
+@pytest.mark.slow  # two short runs, about 25 s
+def test_a_weight_install_that_fails_or_hangs_ends_the_run_in_one_line(tmp_path, monkeypatch):
+    """Weights the engine refuses (bf16 for its float32: Session.install's ValueError) and an install
+    that never returns each stop the run at the step's install with one line and exit code 1
+    (FAILED: a launcher restarts it from the last checkpoint, which stands), not a hang."""
+    import threading
+
+    import jax
+
+    from tunix_train.compose import load_config
+    from tunix_train.generate.groups import GroupStream
+    from tunix_train.train.loop import train
+    from tunix_train.train.signals import RunStopped
+
+    install = GroupStream.install
+    faults = {
+        "refused": (
+            lambda stream, params, version: install(
+                stream, jax.tree.map(lambda x: x.astype("bfloat16"), params), version
+            ),
+            "installing step 1's weights in the engine failed (ValueError: the new parameters' ",
+        ),
+        "hung": (
+            lambda stream, params, version: threading.Event().wait(120),
+            "installing step 1's weights in the engine took over weight_install_timeout_s=3 s",
+        ),
+    }
+    for name, (fault, message) in faults.items():
+        args = _async_run(tmp_path / name, "training.max_steps=4", "checkpoint.every_steps=1")
+        cfg, _ = load_config(
+            [a for a in args if not a.startswith("hydra.")] + ["training.rollout.weight_install_timeout_s=3"]
+        )
+        monkeypatch.setattr(GroupStream, "install", fault)
+        with pytest.raises(RunStopped) as stopped:
+            train(cfg, tmp_path / name / "run", devices=jax.devices()[:4])
+        assert stopped.value.exit_code == 1 and "\n" not in str(stopped.value)
+        assert str(stopped.value).startswith(f"training.rollout: {message}"), str(stopped.value)
+        assert str(stopped.value).endswith("stopped (the last checkpoint stands)")
+        assert sorted(
+            p.name for p in (tmp_path / name / "run" / "checkpoints").iterdir() if p.name.isdigit()
+        ) == ["1"]

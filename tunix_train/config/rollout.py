@@ -60,6 +60,8 @@ class RolloutConfig:
     max_lag: int = _changeable(2)
     weight_update_every: int = _changeable(1)
     buffer_steps: int = _changeable(2)
+    # An install that fails, or takes longer than this, ends the run with one line (exit 1).
+    weight_install_timeout_s: float = _changeable(600.0)
     # The engine's own mesh, [[sizes], [names]], on devices apart from the training mesh's (each
     # process's last ones), the weights copied to it for every rollout; null: the training mesh.
     mesh_shape: Any = _changeable(None)
@@ -178,6 +180,10 @@ class RolloutConfig:
                 bool(self.tools) or self.environment is not None or objective is Objective.gkd,
                 "training.rollout.asynchronous=true streams one-turn completions of the policy: tools, "
                 "environments and objective=gkd run synchronously (set asynchronous=false)",
+            ),
+            (
+                not self.weight_install_timeout_s > 0,
+                f"training.rollout.weight_install_timeout_s={self.weight_install_timeout_s} must be positive",
             ),
             (
                 self.weight_update_every < 1 or self.buffer_steps < 1,

@@ -22,14 +22,17 @@ time, and every process makes the same decisions.
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from typing import Any
 
 import jax
 import numpy as np
 
+from tunix_train import exit_codes
 from tunix_train.data.pipeline import GroupBatches
 from tunix_train.train.rollout import Rollout, Rollouts, pack_routes
+from tunix_train.train.signals import RunStopped
 
 
 class PromptKeys:
@@ -186,7 +189,7 @@ class Streaming:
         if rollouts.stream is None:
             self._start(rollouts, state)
         elif step % self.r.weight_update_every == 0 and rollouts.stream.session.version != step:
-            rollouts.stream.install(s.params(state), step)
+            self._install(rollouts.stream, state, step)
             install_s = time.perf_counter() - start
         stream = rollouts.stream
         fill = (len(stream.ready) + len(rollouts.finished)) / stream.buffered
@@ -221,6 +224,35 @@ class Streaming:
         }
         self._figure(rollout, step, start, engine_busy, install_s, waited, fill, requeued)
         return rollout, time.perf_counter() - start
+
+    def _install(self, stream, state, step: int) -> None:
+        """The step's weights copied to the engine and installed, on a thread of its own: one that
+        fails, or takes over weight_install_timeout_s, stops the run with one line (exit 1: a
+        restart resumes from the last checkpoint) rather than hang it."""
+        failed = []
+
+        def install():
+            try:
+                stream.install(self.sampler.params(state), step)
+            except Exception as err:  # noqa: BLE001 - reported below, in one line
+                failed.append(err)
+
+        worker = threading.Thread(target=install, name="weight-install", daemon=True)
+        worker.start()
+        worker.join(self.r.weight_install_timeout_s)
+        what = f"training.rollout: installing step {step}'s weights in the engine"
+        if worker.is_alive():
+            raise RunStopped(
+                f"{what} took over weight_install_timeout_s={self.r.weight_install_timeout_s:g} s; "
+                f"stopped (the last checkpoint stands)",
+                exit_codes.FAILED,
+            )
+        if failed:
+            raise RunStopped(
+                f"{what} failed ({type(failed[0]).__name__}: {failed[0]}); stopped (the last checkpoint "
+                f"stands)",
+                exit_codes.FAILED,
+            )
 
     @staticmethod
     def rows(group) -> dict:
