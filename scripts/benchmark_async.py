@@ -13,12 +13,12 @@ its longest completion while the slots of the others sit idle.
 Both modes start from that model, on 4 fake CPU devices (2 training, 2 generating: the same rollout
 mesh and the same slots, a step's 32 completions), and run --steps steps of 8 prompts x 4
 completions with the same seed per round (round r: training.seed=r), at learning rate --lr
-(constant, no KL term); rounds alternate which mode goes first. Measured per run, after its first
---warmup steps (compilation: the asynchronous engine meets new prefill shapes as its slots free at
-different times, for a few steps): completion tokens trained per second of the steps' wall time (the
-log's step_time_s: from one step's end to the next's, the rollout included; not the final save). The held-out
-reward: the mean reward of 4 samples (temperature 1, fixed seeds) on each of 32 held-out prompts,
-by the run's final weights.
+(constant, no KL term), the rollouts packed (data.padding_free); rounds alternate which mode goes
+first. Measured per run, after its first --warmup steps (compilation: the asynchronous engine meets
+new prefill shapes as its slots free at different times, for a few steps): completion tokens
+trained per second of the steps' wall time (the log's step_time_s: from one step's end to the
+next's, the rollout included; not the final save). The held-out reward: the mean reward of 4
+samples (temperature 1, fixed seeds) on each of 32 held-out prompts, by the run's final weights.
 
 What the figures do not mean: the CPU's two cores are shared by the training and the rollout
 devices, so the overlap of training with generation is worth less here than on separate
@@ -117,6 +117,7 @@ def _run(mode: str, seed: int, start: Path, files, work: Path, args, devices) ->
             "training.rollout.reward=[benchmark_async:word_share]",
             f"training.rollout.asynchronous={mode == 'async'}",
             *(args.async_overrides if mode == "async" else args.sync_overrides),
+            "data.padding_free=true",  # the step trains on the completions, not on padding to 288
             "training.grpo.beta=0",
             f"training.learning_rate={args.lr}",
             "training.lr_schedule=constant",

@@ -261,3 +261,40 @@ def test_a_weight_install_that_fails_or_hangs_ends_the_run_in_one_line(tmp_path,
         assert sorted(
             p.name for p in (tmp_path / name / "run" / "checkpoints").iterdir() if p.name.isdigit()
         ) == ["1"]
+
+
+@pytest.mark.slow  # one short run, about 20 s
+def test_dynamic_sampling_trains_on_groups_with_signal_and_names_those_set_aside(tmp_path):
+    """Under dynamic sampling a step takes the groups whose rewards differ (here: the prompts with
+    an even answer, the only ones the reward varies on) and sets the others aside, named in
+    rollouts.jsonl; no step needs filler groups."""
+    import jax
+    from conftest import read_metrics
+
+    from tunix_train.compose import load_config
+    from tunix_train.train.loop import train
+
+    args = _async_run(
+        tmp_path,
+        "training.max_steps=3",
+        "training.rollout.reward=[tests.rewards_for_tests:length_for_even_answers]",
+        "training.rollout.dynamic_sampling=true",
+        "training.rollout.dynamic_sampling_rounds=8",
+        "training.rollout.temperature=1.5",
+    )
+    cfg, _ = load_config([a for a in args if not a.startswith("hydra.")])
+    train(cfg, tmp_path / "run", devices=jax.devices()[:4])
+    answers = [
+        json.loads(line)["answer"] for line in (tmp_path / "task" / "prompts.jsonl").read_text().splitlines()
+    ]
+    from tunix_train.data import Data
+
+    docs = Data(cfg, ("prompt",)).train_docs
+    answer_of = {i: int(doc["answer"]) for i, doc in enumerate(docs)}
+    assert len(answers) == 33
+    trained = _trained(tmp_path / "run")
+    kept = [answer_of[p] for step in trained.values() for p in step["prompts"]]
+    aside = [t for step in trained.values() for t in step["without_signal"]]
+    assert len(kept) == 12 and all(a % 2 == 0 for a in kept), kept
+    assert aside and not set(aside) & {t for step in trained.values() for t in step["tickets"]}
+    assert all(m["groups_without_signal"] == 0 for m in read_metrics(tmp_path / "run") if "loss" in m)
