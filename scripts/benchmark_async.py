@@ -170,6 +170,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4, help="steps before the timing starts")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, nargs="*", help="one round each (default: 0 .. rounds - 1)")
     parser.add_argument("--sft-steps", type=int, default=40)
     parser.add_argument("--mean-words", type=int, default=40)
     parser.add_argument("--max-new", type=int, default=256)
@@ -191,9 +192,9 @@ def main(argv: list[str]) -> int:
         files = _write_task(work / "task", args.mean_words, args.max_new)
         start = _fine_tune(files, work, args, devices)
         runs = {"sync": [], "async": []}
-        for r in range(args.rounds):
+        for r, seed in enumerate(args.seeds or range(args.rounds)):
             for mode in args.modes if r % 2 == 0 else args.modes[::-1]:
-                runs[mode].append(_run(mode, r, start, files, work, args, devices))
+                runs[mode].append(_run(mode, seed, start, files, work, args, devices))
                 print(f"round {r} {mode}: {json.dumps(runs[mode][-1])}", flush=True)
 
     def mean(mode, key):
@@ -213,7 +214,7 @@ def main(argv: list[str]) -> int:
         "mean_lag": mean("async", "mean_lag"),
         "sync_completion_tokens": mean("sync", "mean_completion_tokens"),
         "async_completion_tokens": mean("async", "mean_completion_tokens"),
-        "seeds": list(range(args.rounds)),
+        "seeds": list(args.seeds or range(args.rounds)),
         "steps": args.steps,
         "runs": runs,
     }

@@ -327,9 +327,11 @@ class Streaming:
             "buffer_fill": fill,
             "lag_requeued_groups": requeued,
         }
+        busy_now = stats["decode_s"] + stats["prefill_s"]
+        # the engine's seconds since the previous step's rollout (since this one's start, the first)
+        rollout.sampling_s = busy_now - (engine_busy if self._last is None else self._last[1])
         if self._last is not None:
             interval = start - self._last[0]
             self.figures["trainer_idle"] = min(1.0, waited / interval)
             self.figures["engine_idle"] = max(0.0, 1 - (engine_busy - self._last[1]) / interval)
         self._last = (start, engine_busy)
-        rollout.sampling_s = stats["decode_s"] + stats["prefill_s"] - engine_busy
