@@ -117,6 +117,7 @@ def test_stopped_and_killed_runs_resume_training_on_every_prompt_once(tmp_path):
     assert sorted(tickets + kept) == list(range(held["keys"]["tickets"]))
 
 
+@pytest.mark.slow  # about 20 s: the engine's and the forward's compilations
 def test_a_group_drawn_across_an_install_trains_with_each_tokens_own_behaviour_logprob(tmp_path):
     """Two completions streamed (GroupStream) with new parameters installed after their first 5
     tokens: their versions are [0] * 5 + [1] * 11; the step's rows (OnPolicy._rows) hold each

@@ -149,11 +149,7 @@ class Sampler:
         self.syncs: dict[str, float] = {}
         self.rows, self.global_rows = range(0), 0
         self.images: dict[int, np.ndarray] = {}  # each prompt's images, by id(doc) (read())
-        self.streaming = None
-        if self.rollout.asynchronous:  # the engine runs on while the trainer steps
-            from tunix_train.train.streaming import Streaming
-
-            self.streaming = Streaming(self)
+        self.streaming = None  # asynchronous rollouts (streaming.Streaming), set by the objective
 
     def close(self) -> None:
         """Stops an environment server started for the run (training.rollout.openenv.app)."""

@@ -65,7 +65,7 @@ from tunix_train.train.objectives.grpo_rewards import Rewards
 from tunix_train.train.objectives.lm import BATCH_DTYPES
 from tunix_train.train.objectives.reward_models import RewardModels
 from tunix_train.train.rollout import Rollout, Rollouts, Sampler, unpack_routes
-from tunix_train.train.streaming import StreamedRollouts
+from tunix_train.train.streaming import StreamedRollouts, Streaming
 
 
 class FromRewards:
@@ -196,6 +196,8 @@ class OnPolicy(Objective):
         each = self.grpo.multi_reward_normalization is RewardNormalization.per_reward
         self.rewards = Rewards(self.rollout, models, each_normalized=each)
         self.sampler = sampler(cfg, self.rewards)
+        if self.rollout.asynchronous:  # the engine runs on while the trainer steps
+            self.sampler.streaming = Streaming(self.sampler)
         self.rollout_figures = None
         self.batch_dtypes = {
             **BATCH_DTYPES,
