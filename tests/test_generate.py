@@ -231,11 +231,11 @@ def test_parameters_installed_mid_request_draw_its_next_tokens_and_each_token_re
 
 def test_streamed_groups_leave_whole_as_they_finish_within_their_bounds():
     """12 prompts of 2 completions each, their lengths long-tailed (2 to 30 new tokens), through a
-        stream of 4 slots (a group admitted while a slot would be idle) that buffers at most 3: every prompt's group
-        comes out once and whole, each completion the tokens of its request generated apart, in the
-        order the groups finish (a short one passes a long one admitted before it), the buffer never
-        over its bound; parameters installed mid-stream show in the tokens' versions; the groups admitted
-    and not taken are known in the order they came (what a checkpoint keeps)."""
+    stream of 4 slots (a group admitted while a slot would be idle) that buffers at most 3: every
+    prompt's group comes out once and whole, each completion the tokens of its request generated
+    apart, in the order the groups finish (a short one passes a long one admitted before it), the
+    buffer never over its bound; parameters installed mid-stream show in the tokens' versions; the
+    groups admitted and not finished are known in the order they came (what a checkpoint keeps)."""
     from tunix_train.generate.groups import GroupStream
 
     mesh, params = _on("1x1")
