@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from tunix_train import exit_codes
+from tunix_train.config import ConfigError
 from tunix_train.data.pipeline import GroupBatches
 from tunix_train.train.rollout import Rollout, Rollouts, pack_routes
 from tunix_train.train.signals import RunStopped
@@ -103,7 +104,7 @@ class StreamedRollouts(Rollouts):
 
     def set_state(self, state: dict[str, Any]) -> None:
         if "asynchronous" not in state:
-            raise ValueError(
+            raise ConfigError(
                 "this checkpoint was written by a synchronous run; training.rollout.asynchronous cannot "
                 "change on resume"
             )
