@@ -295,7 +295,12 @@ def rl_config(tmp_path: Path, *overrides: str, objective: str = "grpo"):
     from tunix_train.rewards.arithmetic import write_task
 
     prompts, _ = write_task(tmp_path / "task", count=64, seed=0)
-    return config(
+    return config(*rl_overrides(prompts, objective), *overrides)
+
+
+def rl_overrides(prompts: Path, objective: str = "grpo") -> list[str]:
+    """rl_config's overrides beside the test-sized model, for the prompts file `prompts`."""
+    return [
         "model.vocab_size=4096",
         f"objective={objective}",
         "data=jsonl",
@@ -304,8 +309,7 @@ def rl_config(tmp_path: Path, *overrides: str, objective: str = "grpo"):
         "training.log_every=1",
         "training.rollout.max_new_tokens=4",
         "training.learning_rate=1e-3",
-        *overrides,
-    )
+    ]
 
 
 def wait_until_gone(pids, timeout: float = 60.0) -> list[int]:

@@ -6,7 +6,8 @@ import json
 import signal
 
 import pytest
-from conftest import REPO, run_training, start_python
+from conftest import REPO, rl_overrides, run_training, start_python
+from test_checkpoint import _wait_for_line
 
 from tunix_train.rewards.arithmetic import write_task
 
@@ -17,10 +18,7 @@ def _async_run(tmp_path, *extra):
     prompts, _ = write_task(tmp_path / "task", count=33, seed=0)  # 32 to train on, 1 held out
     return [
         "model=gemma3_tiny",
-        "model.vocab_size=4096",
-        "objective=grpo",
-        "data=jsonl",
-        f"data.train_files=[{prompts}]",
+        *rl_overrides(prompts),
         "data.seq_len=24",
         'model.mesh_shape=[[2],["fsdp"]]',
         "training.micro_batch_size=4",
@@ -29,8 +27,6 @@ def _async_run(tmp_path, *extra):
         f"training.rollout.reward=[{LENGTH}]",
         "training.rollout.asynchronous=true",
         'training.rollout.mesh_shape=[[2],["fsdp"]]',
-        "training.learning_rate=1e-3",
-        "training.log_every=1",
         "checkpoint.every_steps=3",
         "checkpoint.keep=10",
         f"hydra.run.dir={tmp_path / 'run'}",
@@ -75,15 +71,6 @@ def _trained(run_dir) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (run_dir / "rollouts.jsonl").read_text().splitlines())}
 
 
-def _wait_for(proc, text):
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if text in line:
-            return lines
-    raise AssertionError(f"{text!r} never printed:\n{''.join(lines)}")
-
-
 @pytest.mark.slow
 def test_stopped_and_killed_runs_resume_training_on_every_prompt_once(tmp_path):
     """SIGTERM after step 4 (a checkpoint of that step), kill -9 after step 8 (the checkpoint of step
@@ -93,12 +80,12 @@ def test_stopped_and_killed_runs_resume_training_on_every_prompt_once(tmp_path):
     every ticket handed out, none twice: nothing lost, nothing repeated."""
     args = _async_run(tmp_path, "training.max_steps=14")
     proc = start_python(REPO / "run_training.py", *args, devices=4)
-    _wait_for(proc, "step 4/")
+    _wait_for_line(proc, "step 4/")
     proc.send_signal(signal.SIGTERM)
     rest, _ = proc.communicate(timeout=120)
     assert proc.returncode == 75, rest
     proc = start_python(REPO / "run_training.py", *args, devices=4)
-    assert any("resumed from" in line for line in _wait_for(proc, "step 8/"))
+    assert any("resumed from" in line for line in _wait_for_line(proc, "step 8/"))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     out = run_training(*args, devices=4, timeout=300)

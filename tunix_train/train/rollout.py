@@ -76,6 +76,21 @@ def unpack_routes(text: str, layers: int, k: int) -> np.ndarray:
     return np.frombuffer(base64.b64decode(text), np.uint8).reshape(-1, layers, k).astype(np.int32)
 
 
+def with_stop_tokens(done) -> tuple[list[list[int]], list[list[float]]]:
+    """Each Completion's tokens and their log-probabilities, its stop token appended where one
+    ended it (then it is trained on too)."""
+    stopped = [c.stop_token is not None for c in done]
+    return (
+        [c.tokens + [c.stop_token] * s for c, s in zip(done, stopped)],
+        [c.logprobs + [c.stop_logprob] * s for c, s in zip(done, stopped)],
+    )
+
+
+def joined(groups: list[dict], field: str) -> list | None:
+    """The groups' rows of `field`, one list, in group order (None where the groups have none)."""
+    return None if groups[0][field] is None else [row for g in groups for row in g[field]]
+
+
 class Rollouts:
     """GRPO's host batches: the prompt batches, and the rollouts drawn from them that have not yet
     been trained on for the last time (`current`, then `queued`), some of them perhaps still to be
@@ -355,9 +370,6 @@ class Sampler:
             )
             sampling_s += seconds
 
-        def rows(field):
-            return None if groups[0][field] is None else [row for g in groups for row in g[field]]
-
         def total(field):
             return sum(g[field] for g in groups)
 
@@ -366,18 +378,18 @@ class Sampler:
             version,
             int(indices.shape[0]),
             [g["prompt"] for g in groups],
-            rows("completions"),
-            rows("logprobs"),
+            joined(groups, "completions"),
+            joined(groups, "logprobs"),
             np.concatenate([g["rewards"] for g in groups], 1).tolist(),
             sampling_s,
             rounds=rounds,
             filler_groups=max(wanted - len(kept), 0) if self.rollout.dynamic_sampling else 0,
-            prompt_ids=rows("prompt_ids"),
-            own=rows("own"),
+            prompt_ids=joined(groups, "prompt_ids"),
+            own=joined(groups, "own"),
             tool_calls=total("tool_calls"),
             tool_errors=total("tool_errors"),
             turns=total("turns"),
-            routes=rows("routes"),
+            routes=joined(groups, "routes"),
         )
 
     def sample(
@@ -464,20 +476,27 @@ class Sampler:
         else:
             requests = [request(p, self.rollout.max_new_tokens, i) for i, p in enumerate(prompts)]
             done = engine.generate(params, requests, max_len=T)
-            stopped = [c.stop_token is not None for c in done]  # then the stop token is trained on too
+            completions, logprobs = with_stop_tokens(done)
             out = {
                 "prompt_ids": None,
                 "own": None,
-                "completions": [c.tokens + [c.stop_token] * s for c, s in zip(done, stopped)],
-                "logprobs": [c.logprobs + [c.stop_logprob] * s for c, s in zip(done, stopped)],
+                "completions": completions,
+                "logprobs": logprobs,
                 "routes": [c.routes for c in done],
                 **dict.fromkeys(("tool_calls", "tool_errors", "turns"), [0] * len(done)),
             }
             texts, extra = [self.tokenizer.decode(c.tokens) for c in done], {}
         out["routes"] = [pack_routes(r) for r in out["routes"]] if engine.record_routes else None
         out["sampling_s"] = time.perf_counter() - start  # the engine's time (and the tools')
-        whole = [[*p, *c] for p, c in zip(out["prompt_ids"] or prompts, out["completions"])]
-        out["rewards"] = self.rewards.score(
-            [d["prompt"] for d in docs], texts, docs, out["completions"], sequences=whole, **extra
-        )
+        out["rewards"] = self.scored(docs, out["prompt_ids"] or prompts, texts, out["completions"], **extra)
         return out
+
+    def scored(
+        self, docs: list[dict], prompts: list, texts: list[str], completions: list, **extra
+    ) -> np.ndarray:
+        """The rewards [functions, rows] of each record's completion: `texts` as the reward
+        functions read them, and prompt + completion whole for the reward models."""
+        whole = [[*p, *c] for p, c in zip(prompts, completions)]
+        return self.rewards.score(
+            [d["prompt"] for d in docs], texts, docs, completions, sequences=whole, **extra
+        )

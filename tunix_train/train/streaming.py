@@ -22,6 +22,7 @@ time, and every process makes the same decisions.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from typing import Any
@@ -32,7 +33,7 @@ import numpy as np
 from tunix_train import exit_codes
 from tunix_train.config import ConfigError
 from tunix_train.data.pipeline import GroupBatches
-from tunix_train.train.rollout import Rollout, Rollouts, pack_routes
+from tunix_train.train.rollout import Rollout, Rollouts, joined, pack_routes, with_stop_tokens
 from tunix_train.train.signals import RunStopped
 
 
@@ -62,7 +63,7 @@ class PromptKeys:
 
     def hand_back(self, keys: list[tuple[int, int, int]]) -> None:
         """Keys admitted first next, in the order given."""
-        self.returned.extendleft(reversed([(t, p, a) for t, p, a in keys]))
+        self.returned.extendleft(reversed(keys))
 
     def get_state(self) -> dict[str, Any]:
         return {
@@ -95,7 +96,7 @@ class StreamedRollouts(Rollouts):
         self.advance(state)
 
     def get_state(self) -> dict[str, Any]:
-        keys = PromptKeys.get_state(self.keys)
+        keys = self.keys.get_state()
         finished = list(self.finished)
         if self.stream is not None:
             keys["returned"] = [list(k) for k in self.stream.unfinished()] + keys["returned"]
@@ -167,14 +168,13 @@ class Streaming:
             self.requests_for,
             buffered=self.r.buffer_steps * self.count,
         )
-        rollouts.advance = self.while_step_runs
-        self._rollouts = rollouts
+        rollouts.advance = functools.partial(self.while_step_runs, rollouts)
 
-    def while_step_runs(self, state) -> None:
+    def while_step_runs(self, rollouts: StreamedRollouts, state) -> None:
         """Advances the engine while the step runs: until the next step's groups are ready, then
         (one process) while the step has not finished and there is room."""
-        stream = self._rollouts.stream
-        wanted = max(0, self.count - len(self._rollouts.finished))
+        stream = rollouts.stream
+        wanted = max(0, self.count - len(rollouts.finished))
         one_process = jax.process_count() == 1
         step_done = jax.tree.leaves(state.params)[0]
         stream.fill(min(wanted, stream.buffered), lambda: one_process and not step_done.is_ready())
@@ -184,7 +184,7 @@ class Streaming:
         scored (under dynamic sampling, those with signal first); new weights installed first
         when the step is due them."""
         s, step, start = self.sampler, int(state.step), time.perf_counter()
-        engine_busy = s.engine.stats["decode_s"] + s.engine.stats["prefill_s"]
+        engine_busy = self._engine_busy()
         s.syncs = dict.fromkeys(("weight_sync_s", "weight_sync_bytes"), 0.0)
         install_s = 0.0
         if rollouts.stream is None:
@@ -226,6 +226,10 @@ class Streaming:
         self._figure(rollout, step, start, engine_busy, install_s, waited, fill, requeued)
         return rollout, time.perf_counter() - start
 
+    def _engine_busy(self) -> float:
+        """The engine's seconds of prefill and decode so far."""
+        return self.sampler.engine.stats["decode_s"] + self.sampler.engine.stats["prefill_s"]
+
     def _install(self, stream, state, step: int) -> None:
         """The step's weights copied to the engine and installed, on a thread of its own: one that
         fails, or takes over weight_install_timeout_s, stops the run with one line (exit 1: a
@@ -260,11 +264,11 @@ class Streaming:
         """A finished group as plain lists (what a checkpoint keeps): its key, and per completion
         its tokens (the stop token included where one ended it), their log-probabilities and
         versions, and with routing replay its experts (pack_routes)."""
-        stopped = [c.stop_token is not None for c in group.completions]
+        completions, logprobs = with_stop_tokens(group.completions)
         return {
             "key": group.key,
-            "completions": [c.tokens + [c.stop_token] * s for c, s in zip(group.completions, stopped)],
-            "logprobs": [c.logprobs + [c.stop_logprob] * s for c, s in zip(group.completions, stopped)],
+            "completions": completions,
+            "logprobs": logprobs,
             "versions": [c.versions for c in group.completions],
             "routes": None
             if group.completions[0].routes is None
@@ -278,35 +282,26 @@ class Streaming:
         s, G = self.sampler, self.r.num_generations
         docs = [s.docs[g["key"][1]] for g in groups for _ in range(G)]
         prompts = [s.prompts[g["key"][1]] for g in groups for _ in range(G)]
-        completions = [c for g in groups for c in g["completions"]]
+        completions = joined(groups, "completions")
         texts = [s.tokenizer.decode([t for t in c if t not in s.stop_ids]) for c in completions]
-        rewards = s.rewards.score(
-            [d["prompt"] for d in docs],
-            texts,
-            docs,
-            completions,
-            sequences=[[*p, *c] for p, c in zip(prompts, completions)],
-        )
+        rewards = s.scored(docs, prompts, texts, completions)
         for i, g in enumerate(groups):
             g["rewards"] = rewards[:, i * G : (i + 1) * G].tolist()
 
     def _rollout(self, groups: list[dict], step: int, filler: int, rounds: int) -> Rollout:
-        def rows(field):
-            return None if groups[0][field] is None else [row for g in groups for row in g[field]]
-
-        versions = rows("versions")
+        versions = joined(groups, "versions")
         return Rollout(
             step,
             min(min(v) for v in versions),
             self.sampler.cfg.training.gradient_accumulation_steps,
             [g["key"][1] for g in groups],
-            rows("completions"),
-            rows("logprobs"),
+            joined(groups, "completions"),
+            joined(groups, "logprobs"),
             np.concatenate([np.asarray(g["rewards"]) for g in groups], 1).tolist(),
             0.0,
             rounds=rounds,
             filler_groups=filler,
-            routes=rows("routes"),
+            routes=joined(groups, "routes"),
             versions=versions,
             tickets=[g["key"][0] for g in groups],
         )
@@ -319,7 +314,6 @@ class Streaming:
         engine did not run."""
         lags = np.concatenate([step - np.asarray(v) for v in rollout.versions])
         mixed = sum(len(v) for v in rollout.versions if len(set(v)) > 1)
-        stats = self.sampler.engine.stats
         self.figures = {
             "lag_mean": float(lags.mean()),
             "lag_max": int(lags.max()),
@@ -328,9 +322,8 @@ class Streaming:
             "buffer_fill": fill,
             "lag_requeued_groups": requeued,
         }
-        busy_now = stats["decode_s"] + stats["prefill_s"]
         # the engine's seconds since the previous step's rollout (since this one's start, the first)
-        rollout.sampling_s = busy_now - (engine_busy if self._last is None else self._last[1])
+        rollout.sampling_s = self._engine_busy() - (engine_busy if self._last is None else self._last[1])
         if self._last is not None:
             interval = start - self._last[0]
             self.figures["trainer_idle"] = min(1.0, waited / interval)
