@@ -102,7 +102,7 @@ def grpo_layout(overrides: list[str], packed: bool, steps: int, max_tokens: int)
     import numpy as np
 
     from tunix_train.compose import load_config
-    from tunix_train.train.rollout import Rollout
+    from tunix_train.train.rollouts import Rollout
     from tunix_train.train.setup import setup
 
     cfg, _ = load_config([*overrides, f"data.padding_free={str(packed).lower()}"])

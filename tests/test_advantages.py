@@ -107,7 +107,7 @@ def test_the_rows_carry_reinforce_pp_advantages_whitened_over_their_loss_tokens(
     its 4 loss tokens to 0.25 / sqrt(0.1875) and -0.75 / sqrt(0.1875) on each of them; the filler's
     are 0 and do not count."""
     from tunix_train.train.objectives.grpo import OnPolicy
-    from tunix_train.train.rollout import Rollout
+    from tunix_train.train.rollouts import Rollout
 
     (tmp_path / "p.jsonl").write_text('{"prompt": "x", "answer": "1"}\n{"prompt": "y", "answer": "2"}\n')
     cfg = _grpo(

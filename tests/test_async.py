@@ -126,7 +126,7 @@ def test_a_group_drawn_across_an_install_trains_with_each_tokens_own_behaviour_l
     from tunix_train.generate.sampling import Kinds
     from tunix_train.parallel import model_graphdef
     from tunix_train.train.objectives.grpo import OnPolicy
-    from tunix_train.train.rollout import Rollout
+    from tunix_train.train.rollouts import Rollout
     from tunix_train.train.streaming import Streaming
 
     mesh, old = _on("1x1")

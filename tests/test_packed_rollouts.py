@@ -11,7 +11,7 @@ from conftest import read_metrics, rl_config
 from tunix_train.data.packed_rows import Packing
 from tunix_train.train.loop import pad_fraction, train
 from tunix_train.train.objectives import make_objective
-from tunix_train.train.rollout import Rollout
+from tunix_train.train.rollouts import Rollout
 
 REWARD = "tests.rewards_for_tests:length"
 

@@ -281,7 +281,7 @@ def test_the_loss_mask_covers_the_model_tokens_only(tmp_path):
     engine's log-probabilities sit under the model's tokens."""
     from tunix_train.compose import load_config
     from tunix_train.train.objectives.grpo import OnPolicy
-    from tunix_train.train.rollout import Rollout
+    from tunix_train.train.rollouts import Rollout
 
     (tmp_path / "p.jsonl").write_text('{"prompt": "x", "answer": "1"}\n')
     cfg, _ = load_config(

@@ -33,7 +33,7 @@ import numpy as np
 from tunix_train import exit_codes
 from tunix_train.config import ConfigError
 from tunix_train.data.pipeline import GroupBatches
-from tunix_train.train.rollout import Rollout, Rollouts, joined, pack_routes, with_stop_tokens
+from tunix_train.train.rollouts import Rollout, Rollouts, joined, pack_routes, with_stop_tokens
 from tunix_train.train.signals import RunStopped
 
 

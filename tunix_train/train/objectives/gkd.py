@@ -28,7 +28,8 @@ import numpy as np
 
 from tunix_train.config import Config, ConfigError
 from tunix_train.train.objectives import distill
-from tunix_train.train.rollout import Rollout, Sampler
+from tunix_train.train.rollout import Sampler
+from tunix_train.train.rollouts import Rollout
 
 
 class GkdSampler(Sampler):

@@ -64,7 +64,8 @@ from tunix_train.train.objectives.base import Objective, check_tokenizer
 from tunix_train.train.objectives.grpo_rewards import Rewards
 from tunix_train.train.objectives.lm import BATCH_DTYPES
 from tunix_train.train.objectives.reward_models import RewardModels
-from tunix_train.train.rollout import Rollout, Rollouts, Sampler, unpack_routes
+from tunix_train.train.rollout import Sampler
+from tunix_train.train.rollouts import Rollout, Rollouts, unpack_routes
 from tunix_train.train.streaming import StreamedRollouts, Streaming
 
 

@@ -41,7 +41,7 @@ from jax.experimental import multihost_utils
 from tunix_train.config import Config, KlEstimator
 from tunix_train.sharding import to_global_batch
 from tunix_train.train.objectives.grpo import ClippedSurrogate
-from tunix_train.train.rollout import Rollout
+from tunix_train.train.rollouts import Rollout
 
 FIGURES = ("values", "logp", "ref_logp")  # what the scoring pass says of each completion token
 
