@@ -55,6 +55,14 @@ def _async_run(tmp_path, *extra):
             ["training.rollout.weight_update_every=4", "training.rollout.max_lag=2"],
             "training.rollout.max_lag=2 must be >= weight_update_every - 1 = 3",
         ),
+        (
+            ["training.rollout.asynchronous=false", "training.rollout.replicas=2"],
+            "training.rollout.replicas=2 needs asynchronous=true",
+        ),
+        (
+            ["training.rollout.replicas=2"],
+            "training.rollout.mesh_shape x 2 replicas: its 4 devices must leave devices for training",
+        ),
     ],
 )
 def test_impossible_settings_are_one_line(tmp_path, overrides, message):
@@ -218,21 +226,21 @@ def test_a_weight_install_that_fails_or_hangs_ends_the_run_in_one_line(tmp_path,
     import jax
 
     from tunix_train.compose import load_config
-    from tunix_train.generate.groups import GroupStream
+    from tunix_train.generate.session import Session
     from tunix_train.train.loop import train
     from tunix_train.train.signals import RunStopped
 
-    install = GroupStream.install
+    install = Session.install
     faults = {
         "refused": (
-            lambda stream, params, version: install(
-                stream, jax.tree.map(lambda x: x.astype("bfloat16"), params), version
+            lambda session, params, version: install(
+                session, jax.tree.map(lambda x: x.astype("bfloat16"), params), version
             ),
-            "installing step 1's weights in the engine failed (ValueError: the new parameters' ",
+            "installing version 1's weights failed (ValueError: the new parameters' ",
         ),
         "hung": (
-            lambda stream, params, version: threading.Event().wait(120),
-            "installing step 1's weights in the engine took over weight_install_timeout_s=3 s",
+            lambda session, params, version: threading.Event().wait(120),
+            "installing version 1's weights took over 3 s",
         ),
     }
     for name, (fault, message) in faults.items():
@@ -240,7 +248,7 @@ def test_a_weight_install_that_fails_or_hangs_ends_the_run_in_one_line(tmp_path,
         cfg, _ = load_config(
             [a for a in args if not a.startswith("hydra.")] + ["training.rollout.weight_install_timeout_s=3"]
         )
-        monkeypatch.setattr(GroupStream, "install", fault)
+        monkeypatch.setattr(Session, "install", fault)
         with pytest.raises(RunStopped) as stopped:
             train(cfg, tmp_path / name / "run", devices=jax.devices()[:4])
         assert stopped.value.exit_code == 1 and "\n" not in str(stopped.value)
@@ -286,3 +294,59 @@ def test_dynamic_sampling_trains_on_groups_with_signal_and_names_those_set_aside
     assert len(kept) == 12 and all(a % 2 == 0 for a in kept), kept
     assert aside and not set(aside) & {t for step in trained.values() for t in step["tickets"]}
     assert all(m["groups_without_signal"] == 0 for m in read_metrics(tmp_path / "run") if "loss" in m)
+
+
+@pytest.mark.slow  # two runs of 10 steps, about 60 s
+@pytest.mark.parametrize("fault", ["dies", "hangs"])
+def test_a_replica_that_dies_or_hangs_is_dropped_and_every_prompt_is_trained_once(
+    tmp_path, monkeypatch, fault
+):
+    """Two engine replicas (one device each); after its third decode chunk replica 1 raises (a lost
+    device) or never returns (replica_timeout_s=20): it is dropped with one warning, its groups in
+    flight are drawn again by replica 0, and the run's 10 steps train on 40 tickets, none twice,
+    the first epoch's 32 prompts each once."""
+    import threading
+
+    import jax
+    from conftest import read_metrics
+
+    from tunix_train.compose import load_config
+    from tunix_train.generate.session import Session
+    from tunix_train.train.loop import train
+
+    args = _async_run(
+        tmp_path,
+        "training.max_steps=10",
+        'training.rollout.mesh_shape=[[1],["fsdp"]]',
+        "training.rollout.replicas=2",
+        # a chunk's deadline covers the compilations of the engine's first chunks
+        f"training.rollout.replica_timeout_s={20 if fault == 'hangs' else 600}",
+    )
+    cfg, _ = load_config([a for a in args if not a.startswith("hydra.")])
+    devices = jax.devices()[:4]  # training on 0 and 1; replica 0 on 2, replica 1 on 3
+    step, chunks = Session.step, {0: 0, 1: 0}
+
+    def faulty(session):
+        replica = [d.id for d in session.engine.mesh.devices.flat] == [devices[3].id]
+        chunks[replica] += 1
+        if replica and chunks[1] > 3:
+            if fault == "dies":
+                raise RuntimeError("the device is gone (injected)")
+            threading.Event().wait(120)
+        return step(session)
+
+    monkeypatch.setattr(Session, "step", faulty)
+    train(cfg, tmp_path / "run", devices=devices)
+
+    log = (tmp_path / "run" / "train.log").read_text()
+    dropped = [line for line in log.splitlines() if "engine replica 1 is dropped" in line]
+    why = "failed (RuntimeError: the device is gone (injected))" if fault == "dies" else "took over 20 s"
+    assert len(dropped) == 1 and f"a decode chunk in engine replica 1 {why}" in dropped[0], dropped
+    assert chunks[0] > chunks[1] > 3
+    trained = _trained(tmp_path / "run")
+    tickets = [t for step in sorted(trained) for t in trained[step]["tickets"]]
+    prompts = {t: p for step in trained.values() for t, p in zip(step["tickets"], step["prompts"])}
+    assert sorted(trained) == list(range(1, 11)) and len(tickets) == 40 == len(set(tickets))
+    assert set(range(32)) <= set(tickets) and sorted(prompts[t] for t in range(32)) == list(range(32))
+    lost = [m["replicas_lost"] for m in read_metrics(tmp_path / "run") if "loss" in m]
+    assert lost[0] == 0 and lost[-1] == 1, lost

@@ -177,16 +177,17 @@ def make_mesh(
 
 
 def split_devices(
-    devices: Sequence[jax.Device], mesh_shape: Any, apart_shape: Any, key: str
+    devices: Sequence[jax.Device], mesh_shape: Any, apart_shape: Any, key: str, copies: int = 1
 ) -> tuple[list[jax.Device], list[jax.Device]]:
-    """The run's devices -> (those of model.mesh_shape, those set apart for the mesh `apart_shape`
-    names under `key`): each process gives its last devices (by id) to the second, as many each,
-    so both meshes span every process."""
+    """The run's devices -> (those of model.mesh_shape, those set apart for `copies` meshes of
+    `apart_shape`, named under `key`): each process gives its last devices (by id) to the second,
+    as many each, so both meshes span every process."""
     sizes, _ = _parse_mesh_shape(apart_shape, None, key)
-    apart, processes = math.prod(sizes), sorted({d.process_index for d in devices})
+    apart, processes = copies * math.prod(sizes), sorted({d.process_index for d in devices})
     if apart % len(processes) or apart // len(processes) >= len(devices) // len(processes):
+        times = f" x {copies} replicas" if copies > 1 else ""
         raise ConfigError(
-            f"{key}: its {apart} devices must leave devices for training on each of the "
+            f"{key}{times}: its {apart} devices must leave devices for training on each of the "
             f"{len(processes)} processes (with {len(devices)} devices in all), as many on each"
         )
     per_process = apart // len(processes)

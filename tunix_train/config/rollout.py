@@ -62,6 +62,12 @@ class RolloutConfig:
     buffer_steps: int = _changeable(2)
     # An install that fails, or takes longer than this, ends the run with one line (exit 1).
     weight_install_timeout_s: float = _changeable(600.0)
+    # Asynchronous: engines each on a mesh of mesh_shape, on devices apart, fed by one prompt queue,
+    # each given the new weights. One whose decode chunk fails or takes over replica_timeout_s (or
+    # whose install fails or times out) is dropped with a warning, the groups it had in flight drawn
+    # again by the others; the run stops with one line when none is left.
+    replicas: int = _changeable(1)
+    replica_timeout_s: float = _changeable(600.0)
     # The engine's own mesh, [[sizes], [names]], on devices apart from the training mesh's (each
     # process's last ones), the weights copied to it for every rollout; null: the training mesh.
     mesh_shape: Any = _changeable(None)
@@ -163,6 +169,14 @@ class RolloutConfig:
 
     def _check_asynchronous(self, objective: Objective) -> None:
         """What asynchronous rollouts need, and what they do not combine with (yet)."""
+        _first_error(
+            (self.replicas < 1, f"training.rollout.replicas={self.replicas} must be at least 1"),
+            (
+                self.replicas > 1 and not self.asynchronous,
+                f"training.rollout.replicas={self.replicas} needs asynchronous=true (a synchronous "
+                "rollout runs on one engine)",
+            ),
+        )
         if not self.asynchronous:
             return
         _first_error(
@@ -182,8 +196,9 @@ class RolloutConfig:
                 "environments and objective=gkd run synchronously (set asynchronous=false)",
             ),
             (
-                not self.weight_install_timeout_s > 0,
-                f"training.rollout.weight_install_timeout_s={self.weight_install_timeout_s} must be positive",
+                not (self.weight_install_timeout_s > 0 and self.replica_timeout_s > 0),
+                f"training.rollout.weight_install_timeout_s={self.weight_install_timeout_s} and "
+                f"replica_timeout_s={self.replica_timeout_s} must be positive",
             ),
             (
                 self.weight_update_every < 1 or self.buffer_steps < 1,

@@ -12,6 +12,7 @@ rows (GRPO: advantages, train/objectives/grpo.py; PPO: objectives/ppo.py).
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from typing import Any, Callable
 
@@ -150,47 +151,54 @@ class Sampler:
                 return quant.cast(merge(p, f), jnp.bfloat16)
 
         self._merged = jax.jit(to_engine)  # LoRA: the adapters merged into the base, compiled once
-        self.mesh = link.rollout_mesh or link.mesh
-        if self.rewards.models:  # GRPO's reward models, on the engine's mesh
+        self.meshes = link.rollout_meshes or (link.mesh,)  # one per replica (asynchronous)
+        self.mesh = self.meshes[0]
+        if self.rewards.models:  # GRPO's reward models, on the (first) engine's mesh
             self.rewards.models.connect(link.plan_frozen, self.mesh)
         # every completion of a rollout at once, in one batch of slots, or rollout_slots at a time
-        self.engine = Engine(
-            self.cfg.model,
-            self.mesh,
-            stop_ids=self.stop_ids,
-            slots=self.rollout.slots,
-            lora=weights.engine_lora,
-            record_routes=self.rollout.routing_replay,
-        )
+        self.engines = [
+            Engine(
+                self.cfg.model,
+                mesh,
+                stop_ids=self.stop_ids,
+                slots=self.rollout.slots,
+                lora=weights.engine_lora,
+                record_routes=self.rollout.routing_replay,
+            )
+            for mesh in self.meshes
+        ]
+        self.engine = self.engines[0]
         if link.rollout_mesh is not None:
+            # (several replicas run in one process, where the copier is the same for each mesh)
             self._copy = cross_mesh_copier(link.mesh, link.rollout_mesh)
             # full fine-tuning: the reference stays
             parts = ("params", "frozen") if weights.lora else ("params",)
-            self._rollout_shardings = {
-                part: state_shardings(getattr(plan.abstract, part), link.rollout_mesh) for part in parts
-            }
-            self._frozen_copy = None
+            self._rollout_shardings = [
+                {part: state_shardings(getattr(plan.abstract, part), mesh) for part in parts}
+                for mesh in self.meshes
+            ]
+            self._frozen_copies: list = [None] * len(self.meshes)
+            self._syncs_lock = threading.Lock()  # replicas copy on threads of their own
 
-    def params(self, state):
-        """The merged parameters the engine draws with, on its mesh (the time and bytes copied there
-        are added to the step's figures)."""
+    def params(self, state, replica: int = 0):
+        """The merged parameters engine `replica` draws with, on its mesh (the time and bytes
+        copied there are added to the step's figures)."""
         # from host memory if offloaded
         on_device = jax.device_put(state.params, self.link.program.plan.on_device.params)
         if self.link.rollout_mesh is None:
             return self._merged(on_device, state.frozen)
-        start = time.perf_counter()
-        params = jax.block_until_ready(self._copy(on_device, self._rollout_shardings["params"]))
+        start, shardings = time.perf_counter(), self._rollout_shardings[replica]
+        params = jax.block_until_ready(self._copy(on_device, shardings["params"]))
         moved = sum(x.nbytes for x in jax.tree.leaves(params))
-        if "frozen" in self._rollout_shardings and self._frozen_copy is None:  # LoRA's base, once per process
-            self._frozen_copy = jax.block_until_ready(
-                self._copy(state.frozen, self._rollout_shardings["frozen"])
-            )
-            moved += sum(x.nbytes for x in jax.tree.leaves(self._frozen_copy))
-        frozen = self._frozen_copy
-        self.syncs["weight_sync_s"] += time.perf_counter() - start
-        self.syncs["weight_sync_bytes"] += moved
-        with jax.set_mesh(self.mesh):
-            return self._merged(params, frozen)
+        if "frozen" in shardings and self._frozen_copies[replica] is None:  # LoRA's base, once per process
+            frozen = jax.block_until_ready(self._copy(state.frozen, shardings["frozen"]))
+            self._frozen_copies[replica] = frozen
+            moved += sum(x.nbytes for x in jax.tree.leaves(frozen))
+        with self._syncs_lock:
+            self.syncs["weight_sync_s"] += time.perf_counter() - start
+            self.syncs["weight_sync_bytes"] += moved
+        with jax.set_mesh(self.meshes[replica]):
+            return self._merged(params, self._frozen_copies[replica])
 
     def rollout_for(self, rollouts: Rollouts, state) -> tuple[Rollout, float]:
         """The rollout of `state`'s step, step // iterations, drawing the rollouts up to

@@ -41,19 +41,26 @@ class Connection:
     frozen models planned on a mesh, the scoring pass, and where samples are written."""
 
     mesh: Mesh
-    rollout_mesh: Mesh | None  # the engine's, on devices of its own (training.rollout.mesh_shape)
+    # the engines' meshes, on devices of their own (training.rollout.mesh_shape; one per replica)
+    rollout_meshes: tuple[Mesh, ...]
     program: Program
     plan_frozen: Callable  # (ExtraModel specs, mesh) -> their FrozenModels (GRPO's reward models)
     score: Callable  # (params, frozen, batch) -> the objective's per-token figures (PPO's critic)
     write_samples: Callable[[int, list[tuple[str, str]]], None]  # to the log, samples.jsonl, TensorBoard
     write_rollout: Callable[[int, dict], None] = lambda *_: None  # a step's record in rollouts.jsonl
 
+    @property
+    def rollout_mesh(self) -> Mesh | None:
+        """The first engine's mesh (the reward models'), None without one of its own."""
+        return self.rollout_meshes[0] if self.rollout_meshes else None
+
 
 @dataclasses.dataclass
 class Setup:
     """What a run is built from: the mesh, the planned state, and the jitted (uncompiled) steps."""
 
-    rollout_mesh: Mesh | None  # GRPO's engine's, on devices of its own (training.rollout.mesh_shape)
+    # the engines' meshes, on devices of their own (training.rollout.mesh_shape; one per replica)
+    rollout_meshes: tuple[Mesh, ...]
     plan: StatePlan
     program: Program  # what the steps trace: the model, the objective, the layout (train/program.py)
     step_fn: Any
@@ -86,13 +93,30 @@ class Setup:
         """writer: the chief's MetricsWriter (None: nothing is written)."""
         return Connection(
             self.mesh,
-            self.rollout_mesh,
+            self.rollout_meshes,
             self.program,
             self.plan_frozen,
             self.score_fn,
             writer.write_samples if writer else lambda *_: None,
             writer.write_rollout if writer else lambda *_: None,
         )
+
+
+def _rollout_meshes(cfg: Config, devices: list[jax.Device]) -> tuple[tuple[Mesh, ...], list[jax.Device]]:
+    """The engines' meshes (training.rollout.mesh_shape, one per replica) and the devices left to
+    train on."""
+    r, key = cfg.training.rollout, "training.rollout.mesh_shape"
+    if r.replicas > 1 and jax.process_count() > 1:
+        raise ConfigError(
+            f"training.rollout.replicas={r.replicas} runs in one process for now (this run has "
+            f"{jax.process_count()}): set replicas=1, whose mesh spans the processes"
+        )
+    devices, apart = split_devices(devices, cfg.model.mesh_shape, r.mesh_shape, key, r.replicas)
+    each = len(apart) // r.replicas
+    meshes = tuple(make_mesh(r.mesh_shape, apart[i * each : (i + 1) * each], key) for i in range(r.replicas))
+    for mesh in meshes:
+        validate_model_for_mesh(cfg.model, mesh)
+    return meshes, devices
 
 
 def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any = None) -> Setup:
@@ -105,12 +129,9 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
     objective = objective or make_objective(cfg)
     # reads a GGUF base's layout: before the devices start
     weights = loader.weights_for_run(cfg, objective.needs_reference)
-    rollout_mesh = None
+    rollout_meshes = ()
     if t.objective.on_policy and t.rollout.mesh_shape is not None:
-        key = "training.rollout.mesh_shape"
-        devices, rollout_devices = split_devices(devices, cfg.model.mesh_shape, t.rollout.mesh_shape, key)
-        rollout_mesh = make_mesh(t.rollout.mesh_shape, rollout_devices, key)
-        validate_model_for_mesh(cfg.model, rollout_mesh)
+        rollout_meshes, devices = _rollout_meshes(cfg, devices)
     mesh = make_mesh(cfg.model.mesh_shape, devices)
     validate_model_for_mesh(cfg.model, mesh)
     layout = parallel.for_run(mesh, cfg.model, t, cfg.data.seq_len)
@@ -150,7 +171,7 @@ def setup(cfg: Config, devices: list[jax.Device] | None = None, objective: Any =
         extras=extras,
     )
     return Setup(
-        rollout_mesh,
+        rollout_meshes,
         plan,
         program,
         compile_train_step(program),

@@ -22,8 +22,9 @@ time, and every process makes the same decisions.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
-import threading
+import logging
 import time
 from typing import Any
 
@@ -35,6 +36,8 @@ from tunix_train.config import ConfigError
 from tunix_train.data.pipeline import GroupBatches
 from tunix_train.train.rollouts import Rollout, Rollouts, joined, pack_routes, with_stop_tokens
 from tunix_train.train.signals import RunStopped
+
+log = logging.getLogger("tunix_train")
 
 
 class PromptKeys:
@@ -103,6 +106,11 @@ class StreamedRollouts(Rollouts):
             finished += [Streaming.rows(g) for g in self.stream.ready]
         return {"asynchronous": True, "keys": keys, "finished": finished}
 
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+        super().close()
+
     def set_state(self, state: dict[str, Any]) -> None:
         if "asynchronous" not in state:
             raise ConfigError(
@@ -127,6 +135,7 @@ class Streaming:
         self.figures: dict[str, float] = {}
         self.record: dict[str, list] = {}  # the step's tickets, prompts and groups dropped (rollouts.jsonl)
         self._last = None  # the previous step's start and the engine's busy seconds then
+        self.lost = 0  # replicas dropped
 
     @property
     def count(self) -> int:
@@ -155,20 +164,49 @@ class Streaming:
         )
 
     def _start(self, rollouts: StreamedRollouts, state) -> None:
+        """The stream, a session on each replica's engine (its parameters copied there)."""
         from tunix_train.generate.groups import GroupStream
 
         s, G = self.sampler, self.r.num_generations
         slots = s.engine.slots_for(self.count * G)
-        session = s.engine.session(
-            s.params(state), s.cfg.data.seq_len, slots, self.kinds, version=int(state.step)
-        )
+        sessions = [
+            engine.session(s.params(state, i), s.cfg.data.seq_len, slots, self.kinds, version=int(state.step))
+            for i, engine in enumerate(s.engines)
+        ]
         rollouts.stream = GroupStream(
-            session,
+            sessions,
             rollouts.keys,
             self.requests_for,
             buffered=self.r.buffer_steps * self.count,
+            timeout_s=self.r.replica_timeout_s,
+            install_timeout_s=self.r.weight_install_timeout_s,
+            on_lost=self._lost,
         )
         rollouts.advance = functools.partial(self.while_step_runs, rollouts)
+
+    def _lost(self, replica: int, why: str, groups: int) -> None:
+        """A replica dropped (GroupStream): said in one line while others are left (with none left
+        the stream raises ReplicasLost, and the run stops: `_stopped`)."""
+        self.lost += 1
+        left = len(self.sampler.engines) - self.lost
+        if left:
+            log.warning(
+                f"warning: training.rollout: {why}; engine replica {replica} is dropped and its {groups} "
+                f"groups in flight are drawn again by the {left} left"
+            )
+
+    @contextlib.contextmanager
+    def _stopped(self):
+        """Every replica lost: the run stops with one line (exit 1: a restart resumes from the
+        last checkpoint) rather than hang or fail with a traceback."""
+        from tunix_train.generate.groups import ReplicasLost
+
+        try:
+            yield
+        except ReplicasLost as lost:
+            raise RunStopped(
+                f"training.rollout: {lost}; stopped (the last checkpoint stands)", exit_codes.FAILED
+            ) from None
 
     def while_step_runs(self, rollouts: StreamedRollouts, state) -> None:
         """Advances the engine while the step runs: until the next step's groups are ready, then
@@ -177,12 +215,17 @@ class Streaming:
         wanted = max(0, self.count - len(rollouts.finished))
         one_process = jax.process_count() == 1
         step_done = jax.tree.leaves(state.params)[0]
-        stream.fill(min(wanted, stream.buffered), lambda: one_process and not step_done.is_ready())
+        with self._stopped():
+            stream.fill(min(wanted, stream.buffered), lambda: one_process and not step_done.is_ready())
 
     def rollout_for(self, rollouts: StreamedRollouts, state) -> tuple[Rollout, float]:
         """The step's rollout: the first `count` groups to finish, within max_lag of the step,
         scored (under dynamic sampling, those with signal first); new weights installed first
         when the step is due them."""
+        with self._stopped():
+            return self._rollout_for(rollouts, state)
+
+    def _rollout_for(self, rollouts: StreamedRollouts, state) -> tuple[Rollout, float]:
         s, step, start = self.sampler, int(state.step), time.perf_counter()
         engine_busy = self._engine_busy()
         s.syncs = dict.fromkeys(("weight_sync_s", "weight_sync_bytes"), 0.0)
@@ -227,37 +270,14 @@ class Streaming:
         return rollout, time.perf_counter() - start
 
     def _engine_busy(self) -> float:
-        """The engine's seconds of prefill and decode so far."""
-        return self.sampler.engine.stats["decode_s"] + self.sampler.engine.stats["prefill_s"]
+        """The engines' seconds of prefill and decode so far."""
+        return sum(e.stats["decode_s"] + e.stats["prefill_s"] for e in self.sampler.engines)
 
     def _install(self, stream, state, step: int) -> None:
-        """The step's weights copied to the engine and installed, on a thread of its own: one that
-        fails, or takes over weight_install_timeout_s, stops the run with one line (exit 1: a
-        restart resumes from the last checkpoint) rather than hang it."""
-        failed = []
-
-        def install():
-            try:
-                stream.install(self.sampler.params(state), step)
-            except Exception as err:  # noqa: BLE001 - reported below, in one line
-                failed.append(err)
-
-        worker = threading.Thread(target=install, name="weight-install", daemon=True)
-        worker.start()
-        worker.join(self.r.weight_install_timeout_s)
-        what = f"training.rollout: installing step {step}'s weights in the engine"
-        if worker.is_alive():
-            raise RunStopped(
-                f"{what} took over weight_install_timeout_s={self.r.weight_install_timeout_s:g} s; "
-                f"stopped (the last checkpoint stands)",
-                exit_codes.FAILED,
-            )
-        if failed:
-            raise RunStopped(
-                f"{what} failed ({type(failed[0]).__name__}: {failed[0]}); stopped (the last checkpoint "
-                f"stands)",
-                exit_codes.FAILED,
-            )
+        """The step's weights copied to each replica's engine and installed, on the replicas'
+        threads: one that fails, or takes over weight_install_timeout_s, is dropped (the last one:
+        the run stops)."""
+        stream.install(functools.partial(self.sampler.params, state), step)
 
     @staticmethod
     def rows(group) -> dict:
@@ -327,5 +347,8 @@ class Streaming:
         if self._last is not None:
             interval = start - self._last[0]
             self.figures["trainer_idle"] = min(1.0, waited / interval)
-            self.figures["engine_idle"] = max(0.0, 1 - (engine_busy - self._last[1]) / interval)
+            engines = len(self.sampler.engines) - self.lost
+            self.figures["engine_idle"] = max(0.0, 1 - (engine_busy - self._last[1]) / interval / engines)
+        if len(self.sampler.engines) > 1:
+            self.figures["replicas_lost"] = self.lost
         self._last = (start, engine_busy)
