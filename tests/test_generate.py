@@ -235,7 +235,9 @@ def test_streamed_groups_leave_whole_as_they_finish_within_their_bounds():
     prompt's group comes out once and whole, each completion the tokens of its request generated
     apart, in the order the groups finish (a short one passes a long one admitted before it), the
     buffer never over its bound; parameters installed mid-stream show in the tokens' versions; the
-    groups admitted and not finished are known in the order they came (what a checkpoint keeps)."""
+    groups admitted and not finished are known in the order they came (what a checkpoint keeps).
+    Warmed first (Session.warm), the stream compiles no prefill or insert, and its tokens are
+    unchanged by the slots the warm-up wrote."""
     from tunix_train.generate.groups import GroupStream
 
     mesh, params = _on("1x1")
@@ -255,6 +257,8 @@ def test_streamed_groups_leave_whole_as_they_finish_within_their_bounds():
     alone = {key: together[2 * key : 2 * key + 2] for key in range(12)}
     admitted.clear()
     session = engine.session(params, 64, 4, Kinds.of([Sampling(1.0)]))
+    session.warm([len(p) for p in PROMPTS])  # its admissions' programs: none compiles below
+    compiled = (engine.prefill_step._cache_size(), engine.insert_step._cache_size())
     stream = GroupStream(session, iter(range(12)), requests_for, buffered=3)
     order, seen_ready, drawn_before, held = [], [], 0, 0
     stream.advance()  # groups 0 (30 new tokens) and 1 admitted, their first 5 tokens drawn
@@ -280,6 +284,7 @@ def test_streamed_groups_leave_whole_as_they_finish_within_their_bounds():
     assert max(seen_ready) == 3 and order.index(1) < order.index(0)
     assert drawn_before == 2  # groups 0 and 1 only: tokens drawn before the install
     assert held >= 3 and stream.unfinished() == []
+    assert (engine.prefill_step._cache_size(), engine.insert_step._cache_size()) == compiled
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

@@ -205,6 +205,7 @@ class Session:
         # prompt -> (entries, logits, routes, row)
         self._prefixes: collections.OrderedDict = collections.OrderedDict()
         self._routes: dict[int, list[np.ndarray]] = {}  # record_routes: a running request's, in parts
+        self._warmed = False  # warm(): an insert has at least as many pairs as its prefill has rows
 
     @property
     def busy_slots(self) -> bool:
@@ -244,6 +245,53 @@ class Session:
             self.per_layer = self.engine.unstack(params)
         self.params, self.version = params, version
         self._prefixes.clear()
+
+    def warm(self, prompt_lengths: Sequence[int]) -> None:
+        """Runs the prefill and insert programs once for every batch an admission can make (prefill
+        rows: powers of two up to the slots; prompts: each length bucket of `prompt_lengths`), on
+        slots no request has used yet, so that they compile now rather than at the first admission
+        of each size: a stream (groups.py) admits as slots free, in batches of every size. Inserts
+        are then padded to at least their prefill's rows (a kept prefix's batch may serve fewer
+        requests later), which costs a few cache-row copies and no token. Before any request;
+        text prompts only (an image prompt's prefill compiles when it comes)."""
+        if self.busy_slots or self.queue:
+            raise RuntimeError("Session.warm runs before any request")
+        e, dp = self.engine, data_parallel_size(self.engine.mesh)
+        sizes = sorted({_batch_rows(count, dp) for count in range(1, self.slots + 1)})
+        self._warmed, start, token_n = True, time.perf_counter(), None
+        with jax.set_mesh(e.mesh):
+            for length in sorted({bucket(n) for n in prompt_lengths}):
+                for rows in sizes:
+                    entries, logits, _ = e.prefill_step(
+                        self.params,
+                        self.per_layer,
+                        self._rows(np.zeros((rows, length), np.int32)),
+                        self._rows(np.ones(rows, np.int32)),
+                        None,
+                        max_len=self.max_len,
+                    )
+                    for n in (n for n in sizes if n >= rows):
+                        slot_n = np.minimum(np.arange(n, dtype=np.int32), self.slots - 1)
+                        draws = Draws(
+                            Rules(
+                                np.ones(n, np.float32),
+                                np.full(n, e.cfg.vocab_size, np.int32),
+                                np.ones(n, np.float32),
+                            ),
+                            self.seeds[slot_n],
+                            self.row["stream"][slot_n],
+                        )
+                        self.caches, token_n, _ = e.insert_step(
+                            self.caches,
+                            entries,
+                            logits,
+                            np.minimum(np.arange(n, dtype=np.int32), rows - 1),
+                            slot_n,
+                            draws,
+                            kinds=self.kinds,
+                        )
+        jax.block_until_ready(token_n)
+        e.stats["warm_s"] += time.perf_counter() - start
 
     def widen(self, sampling: Sampling) -> None:
         """Makes the session able to draw as `sampling` asks (a sampled or cut draw where it drew
@@ -347,8 +395,11 @@ class Session:
             by_source.setdefault(id(logits), (entries, logits, []))[2].append((prefill_row, slot))
         drawn = []
         for entries, logits, pairs in by_source.values():
-            # padded with the last one repeated, which writes it again
-            pairs += [pairs[-1]] * (_batch_rows(len(pairs), data_parallel_size(e.mesh)) - len(pairs))
+            # padded with the last one repeated, which writes it again (and draws its token again,
+            # the same), to a power of two; once warmed, to at least the prefill's rows (warm())
+            rows = _batch_rows(len(pairs), data_parallel_size(e.mesh))
+            rows = max(rows, logits.shape[0]) if self._warmed else rows
+            pairs += [pairs[-1]] * (rows - len(pairs))
             rows_n, slots_n = (np.asarray(x, np.int32) for x in zip(*pairs))
             self.caches, token_n, logprob_n = e.insert_step(
                 self.caches,

@@ -17,6 +17,11 @@ The engine advances while a step runs (OnPolicy.report): at least until the next
 are ready, and in a one-process run for as long as the step runs and the buffer has room. Every
 process drives the same engine program, so in a multi-process run it advances by count, not by
 time, and every process makes the same decisions.
+
+With training.rollout.replicas = N (one process), N engines on meshes of their own draw from the
+one queue of prompt keys, each decode chunk and install on the replica's thread within a
+deadline; a replica that fails or misses it is dropped with a warning and its groups in flight
+are admitted again to the others (generate/groups.py); with none left the run stops in one line.
 """
 
 from __future__ import annotations
@@ -173,6 +178,9 @@ class Streaming:
             engine.session(s.params(state, i), s.cfg.data.seq_len, slots, self.kinds, version=int(state.step))
             for i, engine in enumerate(s.engines)
         ]
+        lengths = {len(p) for p in s.prompts}
+        for session in sessions:  # its admissions' programs compile now, not as slots free mid-run
+            session.warm(lengths)
         rollouts.stream = GroupStream(
             sessions,
             rollouts.keys,
