@@ -350,3 +350,61 @@ def test_a_replica_that_dies_or_hangs_is_dropped_and_every_prompt_is_trained_onc
     assert set(range(32)) <= set(tickets) and sorted(prompts[t] for t in range(32)) == list(range(32))
     lost = [m["replicas_lost"] for m in read_metrics(tmp_path / "run") if "loss" in m]
     assert lost[0] == 0 and lost[-1] == 1, lost
+
+
+@pytest.mark.slow  # a local Ray cluster, an actor's engine compiled: about 60 s
+@pytest.mark.xdist_group("ray")
+def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path, monkeypatch):
+    """A replica in a Ray actor (training.rollout.ray_replicas=1, one CPU device of its own process)
+    beside the local one: it finishes groups the run trains on until ray.kill ends it at its 12th
+    step; the stream drops it with one warning (the actor's death, named), and the run's 10 steps
+    train on 40 tickets, none twice, the first epoch's 32 prompts each once."""
+    import tempfile
+
+    import jax
+
+    from tunix_train.compose import load_config
+    from tunix_train.generate.remote import RemoteSession
+    from tunix_train.train.loop import train
+
+    ray = pytest.importorskip("ray", reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
+    args = _async_run(
+        tmp_path,
+        "training.max_steps=10",
+        'training.rollout.mesh_shape=[[1],["fsdp"]]',
+        "training.rollout.ray_replicas=1",
+        "training.rollout.replica_timeout_s=300",  # the actor's first chunks compile its engine
+    )
+    cfg, _ = load_config([a for a in args if not a.startswith("hydra.")])
+    step, calls, finished = RemoteSession.step, [0], set()
+
+    def killed_at_twelve(session):
+        calls[0] += 1
+        if calls[0] == 12:
+            ray.kill(session.actor)
+        step(session)
+        finished.update(rid for rid, c in session.completions.items() if c.finish is not None)
+
+    monkeypatch.setattr(RemoteSession, "step", killed_at_twelve)
+    ray.init(
+        num_cpus=2,
+        num_gpus=0,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),  # short: Ray's socket paths
+    )
+    try:
+        train(cfg, tmp_path / "run", devices=jax.devices()[:3])  # training on 2, the local replica on 1
+    finally:
+        ray.shutdown()
+
+    dropped = [
+        line for line in (tmp_path / "run" / "train.log").read_text().splitlines() if "dropped" in line
+    ]
+    assert len(dropped) == 1 and "a decode chunk in engine replica 1 failed (" in dropped[0], dropped
+    assert "Actor" in dropped[0] and calls[0] == 12 and len(finished) >= 2, (dropped, calls, finished)
+    trained = _trained(tmp_path / "run")
+    tickets = [t for step in sorted(trained) for t in trained[step]["tickets"]]
+    prompts = {t: p for step in trained.values() for t, p in zip(step["tickets"], step["prompts"])}
+    assert sorted(trained) == list(range(1, 11)) and len(tickets) == 40 == len(set(tickets))
+    assert set(range(32)) <= set(tickets) and sorted(prompts[t] for t in range(32)) == list(range(32))

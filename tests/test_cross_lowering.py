@@ -12,8 +12,8 @@ from conftest import config
 
 from tunix_train import platform
 from tunix_train.generate import Engine
+from tunix_train.generate.batching import bucket
 from tunix_train.generate.sampling import Draws, Kinds, Rules
-from tunix_train.generate.session import bucket
 from tunix_train.train.setup import setup
 from tunix_train.train.step import abstract_batch
 

@@ -68,6 +68,9 @@ class RolloutConfig:
     # again by the others; the run stops with one line when none is left.
     replicas: int = _changeable(1)
     replica_timeout_s: float = _changeable(600.0)
+    # Asynchronous: more replicas, each an engine in a Ray actor on the cluster this run is connected
+    # to (ray.init; a node's GPUs, or CPU devices), the weights sent as host arrays at each install.
+    ray_replicas: int = _changeable(0)
     # The engine's own mesh, [[sizes], [names]], on devices apart from the training mesh's (each
     # process's last ones), the weights copied to it for every rollout; null: the training mesh.
     mesh_shape: Any = _changeable(None)
@@ -170,11 +173,15 @@ class RolloutConfig:
     def _check_asynchronous(self, objective: Objective) -> None:
         """What asynchronous rollouts need, and what they do not combine with (yet)."""
         _first_error(
-            (self.replicas < 1, f"training.rollout.replicas={self.replicas} must be at least 1"),
             (
-                self.replicas > 1 and not self.asynchronous,
-                f"training.rollout.replicas={self.replicas} needs asynchronous=true (a synchronous "
-                "rollout runs on one engine)",
+                self.replicas < 1 or self.ray_replicas < 0,
+                f"training.rollout.replicas={self.replicas} must be at least 1 and ray_replicas="
+                f"{self.ray_replicas} at least 0",
+            ),
+            (
+                (self.replicas > 1 or self.ray_replicas > 0) and not self.asynchronous,
+                f"training.rollout.replicas={self.replicas} and ray_replicas={self.ray_replicas} need "
+                "asynchronous=true (a synchronous rollout runs on one engine)",
             ),
         )
         if not self.asynchronous:

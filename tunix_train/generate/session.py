@@ -14,7 +14,6 @@ import collections
 import dataclasses
 import functools
 import hashlib
-import math
 import time
 from typing import Optional, Sequence
 
@@ -24,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tunix_train.config import ConfigError
+from tunix_train.generate.batching import batch_rows, bucket, prefill_batches, prefill_images
 from tunix_train.generate.sampling import Draws, Kinds, Rules, Sampling
 from tunix_train.sharding import data_axes, data_parallel_size
 
@@ -66,59 +66,6 @@ class Completion:
     stop_logprob: Optional[float] = None
     routes: Optional[np.ndarray] = None
     versions: list[int] = dataclasses.field(default_factory=list)
-
-
-def bucket(length: int) -> int:
-    """Prompts are right-padded to a power of two (at least 16): few prefill compilations."""
-    return max(16, 1 << math.ceil(math.log2(max(length, 1))))
-
-
-def _batch_rows(count: int, dp: int) -> int:
-    """Rows of a prefill or insert batch of `count` requests: a power of two (few compilations),
-    rounded up to a multiple of the data-parallel size."""
-    return -(-(1 << math.ceil(math.log2(count))) // dp) * dp
-
-
-def _prefill_batches(prompts: list[tuple], dp: int) -> list[tuple[int, list[tuple]]]:
-    """(key, prompt)s in prefill batches (bucket length, members): runs of consecutive bucket
-    lengths, chosen to compute the fewest padded tokens (rows x length), fewer calls on a tie."""
-    by_length = collections.defaultdict(list)
-    for key, prompt in prompts:
-        by_length[bucket(len(prompt))].append((key, prompt))
-    lengths = sorted(by_length)
-    if not lengths:  # every prompt's prefill was kept
-        return []
-
-    def split(cuts: int) -> list[tuple[int, list[tuple]]]:  # bit i set: a batch ends after lengths[i]
-        batches, run = [], []
-        for i, length in enumerate(lengths):
-            run += by_length[length]
-            if cuts >> i & 1 or i == len(lengths) - 1:
-                batches, run = batches + [(length, run)], []
-        return batches
-
-    return min(
-        (split(cuts) for cuts in range(1 << (len(lengths) - 1))),
-        key=lambda batches: (
-            sum(_batch_rows(len(run), dp) * length for length, run in batches),
-            len(batches),
-        ),
-    )
-
-
-def _prefill_images(images: list[Optional[np.ndarray]], rows: int) -> Optional[np.ndarray]:
-    """A prefill batch's images [rows, I, C, H, W] (I: the most of any member; zeros past a row's
-    own), or None when no member has any (the text-only program)."""
-    if all(x is None for x in images):
-        return None
-    shape = next(x.shape[1:] for x in images if x is not None)
-    per_row = max(len(x) for x in images if x is not None)
-    batch = np.zeros((rows, per_row, *shape), np.float32)
-    for row in range(rows):
-        mine = images[min(row, len(images) - 1)]
-        if mine is not None:
-            batch[row, : len(mine)] = mine
-    return batch
 
 
 def before_stop(text: str, stops: Sequence[str], final: bool) -> tuple[str, bool]:
@@ -257,7 +204,7 @@ class Session:
         if self.busy_slots or self.queue:
             raise RuntimeError("Session.warm runs before any request")
         e, dp = self.engine, data_parallel_size(self.engine.mesh)
-        sizes = sorted({_batch_rows(count, dp) for count in range(1, self.slots + 1)})
+        sizes = sorted({batch_rows(count, dp) for count in range(1, self.slots + 1)})
         self._warmed, start, token_n = True, time.perf_counter(), None
         with jax.set_mesh(e.mesh):
             for length in sorted({bucket(n) for n in prompt_lengths}):
@@ -341,13 +288,13 @@ class Session:
                 found[key_of(i, r)] = self._prefixes[key_of(i, r)]
         todo = {key_of(i, r): r for i, (_, _, r) in enumerate(starting) if key_of(i, r) not in found}
         dp = data_parallel_size(e.mesh)
-        for length, group in _prefill_batches([(k, r.prompt) for k, r in todo.items()], dp):
-            N = _batch_rows(len(group), dp)
+        for length, group in prefill_batches([(k, r.prompt) for k, r in todo.items()], dp):
+            N = batch_rows(len(group), dp)
             tokens, lengths = np.zeros((N, length), np.int32), np.zeros(N, np.int32)
             for row in range(N):
                 prompt = group[min(row, len(group) - 1)][1]
                 tokens[row, : len(prompt)], lengths[row] = prompt, len(prompt)
-            images = _prefill_images([todo[k].images for k, _ in group], N)
+            images = prefill_images([todo[k].images for k, _ in group], N)
             entries, logits, routes = e.prefill_step(
                 self.params,
                 self.per_layer,
@@ -397,7 +344,7 @@ class Session:
         for entries, logits, pairs in by_source.values():
             # padded with the last one repeated, which writes it again (and draws its token again,
             # the same), to a power of two; once warmed, to at least the prefill's rows (warm())
-            rows = _batch_rows(len(pairs), data_parallel_size(e.mesh))
+            rows = batch_rows(len(pairs), data_parallel_size(e.mesh))
             rows = max(rows, logits.shape[0]) if self._warmed else rows
             pairs += [pairs[-1]] * (rows - len(pairs))
             rows_n, slots_n = (np.asarray(x, np.int32) for x in zip(*pairs))

@@ -141,6 +141,7 @@ class Streaming:
         self.record: dict[str, list] = {}  # the step's tickets, prompts and groups dropped (rollouts.jsonl)
         self._last = None  # the previous step's start and the engine's busy seconds then
         self.lost = 0  # replicas dropped
+        self.stats: list = []  # each engine's figures (Engine.stats), once started
 
     @property
     def count(self) -> int:
@@ -178,6 +179,24 @@ class Streaming:
             engine.session(s.params(state, i), s.cfg.data.seq_len, slots, self.kinds, version=int(state.step))
             for i, engine in enumerate(s.engines)
         ]
+        if self.r.ray_replicas:
+            from tunix_train.generate import remote
+
+            options = {"stop_ids": s.stop_ids, "slots": self.r.slots, "record_routes": self.r.routing_replay}
+            sessions += remote.start(
+                self.r.ray_replicas,
+                s.cfg.model,
+                self.r.mesh_shape,
+                options,
+                {
+                    "max_len": s.cfg.data.seq_len,
+                    "slots": slots,
+                    "kinds": self.kinds,
+                    "params": s.params(state),
+                    "version": int(state.step),
+                },
+            )
+        self.stats = [session.engine.stats for session in sessions]  # each engine's busy seconds
         lengths = {len(p) for p in s.prompts}
         for session in sessions:  # its admissions' programs compile now, not as slots free mid-run
             session.warm(lengths)
@@ -196,7 +215,7 @@ class Streaming:
         """A replica dropped (GroupStream): said in one line while others are left (with none left
         the stream raises ReplicasLost, and the run stops: `_stopped`)."""
         self.lost += 1
-        left = len(self.sampler.engines) - self.lost
+        left = len(self.stats) - self.lost
         if left:
             log.warning(
                 f"warning: training.rollout: {why}; engine replica {replica} is dropped and its {groups} "
@@ -279,7 +298,7 @@ class Streaming:
 
     def _engine_busy(self) -> float:
         """The engines' seconds of prefill and decode so far."""
-        return sum(e.stats["decode_s"] + e.stats["prefill_s"] for e in self.sampler.engines)
+        return sum(stats["decode_s"] + stats["prefill_s"] for stats in self.stats)
 
     def _install(self, stream, state, step: int) -> None:
         """The step's weights copied to each replica's engine and installed, on the replicas'
@@ -355,8 +374,8 @@ class Streaming:
         if self._last is not None:
             interval = start - self._last[0]
             self.figures["trainer_idle"] = min(1.0, waited / interval)
-            engines = len(self.sampler.engines) - self.lost
+            engines = len(self.stats) - self.lost
             self.figures["engine_idle"] = max(0.0, 1 - (engine_busy - self._last[1]) / interval / engines)
-        if len(self.sampler.engines) > 1:
+        if len(self.stats) > 1:
             self.figures["replicas_lost"] = self.lost
         self._last = (start, engine_busy)

@@ -1,0 +1,143 @@
+"""A session in a Ray actor: an engine on another process's devices (on a Ray cluster, perhaps
+another host's), driven by a GroupStream (groups.py) as a local Session is. Asynchronous RL's
+replicas beyond the training process (training.rollout.ray_replicas).
+
+The actor builds its Engine from the model's config on its own devices, a mesh of
+training.rollout.mesh_shape; the parameters travel as host arrays through Ray's object store when
+the session starts and at every install. A request goes with the next step; a completion comes
+back once it has finished (the stream reads nothing else of the ones running). An actor that dies
+makes its step raise (RayActorError) and one that hangs misses the stream's deadline: either way
+the stream drops the replica and admits its groups again to the others.
+"""
+
+from __future__ import annotations
+
+import collections
+import types
+from typing import Any, Sequence
+
+import jax
+
+from tunix_train.generate.session import Completion, Request
+
+
+class SessionActor:
+    """The actor's side (made a Ray actor by `start`): an Engine and one Session on the devices
+    its process sees."""
+
+    def __init__(self, model_cfg, mesh_shape, engine_options: dict, session: dict):
+        """session: Engine.session's arguments (max_len, slots, kinds, version) and the
+        parameters as host arrays (params)."""
+        from tunix_train.generate.engine import Engine
+        from tunix_train.model.params import plan_params
+        from tunix_train.sharding import make_mesh
+
+        mesh = make_mesh(mesh_shape, jax.devices(), "training.rollout.mesh_shape")
+        self.engine = Engine(model_cfg, mesh, **engine_options)
+        self.shardings = jax.tree.map(lambda x: x.sharding, plan_params(model_cfg, mesh, 0).abstract)
+        session = dict(session)
+        self.session = self.engine.session(self._placed(session.pop("params")), **session)
+        self.ids: dict[int, int] = {}  # the caller's request id -> the session's
+
+    def _placed(self, params):
+        return jax.device_put(params, self.shardings)
+
+    def warm(self, prompt_lengths: Sequence[int]) -> None:
+        self.session.warm(prompt_lengths)
+
+    def install(self, params, version: int) -> None:
+        self.session.install(self._placed(params), version)
+
+    def step(self, added: list[tuple[int, Request]]):
+        """Queues `added`, decodes one chunk; the completions that finished (caller's id,
+        Completion), the requests waiting or running, and the engine's busy seconds so far."""
+        for rid, request in added:
+            self.ids[rid] = self.session.add(request)
+        if self.session.busy:
+            self.session.step()
+        finished = []
+        for rid, sid in list(self.ids.items()):
+            if self.session.completions[sid].finish is not None:
+                finished.append((rid, self.session.completions.pop(sid)))
+                del self.ids[rid]
+        stats = self.engine.stats
+        return finished, self.session.unfinished, stats["decode_s"] + stats["prefill_s"]
+
+
+class RemoteSession:
+    """What GroupStream calls of a Session (slots, version, unfinished, busy, add, step, install,
+    warm, completions, engine.stats), each step one round trip to `actor` (a SessionActor)."""
+
+    def __init__(self, actor, slots: int, version: int):
+        self.actor, self.slots, self.version = actor, slots, version
+        self.completions: dict[int, Completion] = {}
+        self.engine = types.SimpleNamespace(stats=collections.Counter())  # the actor's busy seconds
+        self._added: list[tuple[int, Request]] = []
+        self._running, self._next_id = 0, 0  # requests the actor holds, waiting or running
+
+    @property
+    def unfinished(self) -> int:
+        return len(self._added) + self._running
+
+    @property
+    def busy(self) -> bool:
+        return self.unfinished > 0
+
+    def add(self, request: Request) -> int:
+        rid, self._next_id = self._next_id, self._next_id + 1
+        self._added.append((rid, request))
+        self.completions[rid] = Completion()
+        return rid
+
+    def step(self) -> None:
+        import ray
+
+        added, self._added = self._added, []
+        finished, self._running, busy_s = ray.get(self.actor.step.remote(added))
+        self.completions.update(finished)
+        self.engine.stats["decode_s"] = busy_s
+
+    def install(self, params, version: int) -> None:
+        import ray
+
+        ray.get(self.actor.install.remote(jax.device_get(params), version))
+        self.version = version
+
+    def warm(self, prompt_lengths: Sequence[int]) -> None:
+        import ray
+
+        ray.get(self.actor.warm.remote(list(prompt_lengths)))
+
+
+def start(count: int, model_cfg, mesh_shape, engine_options: dict, session: dict) -> list[RemoteSession]:
+    """`count` sessions in Ray actors on the cluster this process is connected to (ray.init; else
+    the one ray.init(address="auto") finds),
+    each with as many devices as mesh_shape takes: GPUs where the training runs on GPUs, else CPU
+    devices of a process of its own (XLA's host platform). session: Engine.session's arguments
+    (max_len, slots, kinds, version) and the parameters (params)."""
+    import math
+
+    from tunix_train.config import ConfigError
+    from tunix_train.sharding import _parse_mesh_shape
+
+    key = f"training.rollout.ray_replicas={count}"
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(f"{key} needs Ray: pip install -e '.[ray]'") from None
+    if not ray.is_initialized():  # a run on a Ray node (launch/ray.py's workers) finds its cluster
+        try:
+            ray.init(address="auto", log_to_driver=False)
+        except ConnectionError as err:
+            raise ConfigError(f"{key} needs a Ray cluster to connect to ({err})") from None
+
+    devices = math.prod(_parse_mesh_shape(mesh_shape, None, "training.rollout.mesh_shape")[0])
+    if jax.devices()[0].platform == "gpu":
+        options: dict[str, Any] = {"num_gpus": devices, "num_cpus": 1}
+    else:
+        flags = f"--xla_force_host_platform_device_count={devices}"
+        options = {"num_cpus": 1, "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}}}
+    actor_class = ray.remote(max_restarts=0, max_concurrency=1, **options)(SessionActor)
+    session = dict(session, params=jax.device_get(session["params"]))
+    actors = [actor_class.remote(model_cfg, mesh_shape, engine_options, session) for _ in range(count)]
+    return [RemoteSession(actor, session["slots"], session["version"]) for actor in actors]
