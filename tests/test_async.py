@@ -356,8 +356,8 @@ def test_a_replica_that_dies_or_hangs_is_dropped_and_every_prompt_is_trained_onc
 @pytest.mark.xdist_group("ray")
 def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path, monkeypatch):
     """A replica in a Ray actor (training.rollout.ray_replicas=1, one CPU device of its own process)
-    beside the local one: it finishes groups the run trains on until ray.kill ends it at its 12th
-    step; the stream drops it with one warning (the actor's death, named), and the run's 10 steps
+    beside the local one: it finishes groups the run trains on until ray.kill ends it at its sixth
+    decode chunk; the stream drops it with one warning (the actor's death, named), and the run's 10 steps
     train on 40 tickets, none twice, the first epoch's 32 prompts each once."""
     import tempfile
 
@@ -378,14 +378,14 @@ def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path,
     cfg, _ = load_config([a for a in args if not a.startswith("hydra.")])
     step, calls, finished = RemoteSession.step, [0], set()
 
-    def killed_at_twelve(session):
+    def killed_at_six(session):
         calls[0] += 1
-        if calls[0] == 12:
+        if calls[0] == 6:
             ray.kill(session.actor)
         step(session)
         finished.update(rid for rid, c in session.completions.items() if c.finish is not None)
 
-    monkeypatch.setattr(RemoteSession, "step", killed_at_twelve)
+    monkeypatch.setattr(RemoteSession, "step", killed_at_six)
     ray.init(
         num_cpus=2,
         num_gpus=0,
@@ -402,7 +402,7 @@ def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path,
         line for line in (tmp_path / "run" / "train.log").read_text().splitlines() if "dropped" in line
     ]
     assert len(dropped) == 1 and "a decode chunk in engine replica 1 failed (" in dropped[0], dropped
-    assert "Actor" in dropped[0] and calls[0] == 12 and len(finished) >= 2, (dropped, calls, finished)
+    assert "Actor" in dropped[0] and calls[0] == 6 and len(finished) >= 2, (dropped, calls, finished)
     trained = _trained(tmp_path / "run")
     tickets = [t for step in sorted(trained) for t in trained[step]["tickets"]]
     prompts = {t: p for step in trained.values() for t, p in zip(step["tickets"], step["prompts"])}

@@ -163,8 +163,9 @@ class GroupStream:
             where = f"{what} in engine replica {r.index}" if self.started_with > 1 else what
             if not f.done():
                 self._lose(r, f"{where} took over {timeout_s:g} s")
-            elif f.exception() is not None:
-                self._lose(r, f"{where} failed ({type(f.exception()).__name__}: {f.exception()})")
+            elif (err := f.exception()) is not None:  # its message's first line: the reason is one line
+                first = next((line for line in str(err).splitlines() if line.strip()), "")
+                self._lose(r, f"{where} failed ({type(err).__name__}: {first.strip()})")
             else:
                 done.append(r)
         return done

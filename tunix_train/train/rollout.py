@@ -58,6 +58,7 @@ class Sampler:
         self.rows, self.global_rows = range(0), 0
         self.images: dict[int, np.ndarray] = {}  # each prompt's images, by id(doc) (read())
         self.streaming = None  # asynchronous rollouts (streaming.Streaming), set by the objective
+        self._params_lock = threading.Lock()  # replicas' threads copy the weights (params) in turn
 
     def close(self) -> None:
         """Stops an environment server started for the run (training.rollout.openenv.app)."""
@@ -178,11 +179,14 @@ class Sampler:
                 for mesh in self.meshes
             ]
             self._frozen_copies: list = [None] * len(self.meshes)
-            self._syncs_lock = threading.Lock()  # replicas copy on threads of their own
 
     def params(self, state, replica: int = 0):
         """The merged parameters engine `replica` draws with, on its mesh (the time and bytes
-        copied there are added to the step's figures)."""
+        copied there are added to the step's figures). Replicas' threads call it one at a time."""
+        with self._params_lock:
+            return self._params(state, replica)
+
+    def _params(self, state, replica: int):
         # from host memory if offloaded
         on_device = jax.device_put(state.params, self.link.program.plan.on_device.params)
         if self.link.rollout_mesh is None:
@@ -194,9 +198,8 @@ class Sampler:
             frozen = jax.block_until_ready(self._copy(state.frozen, shardings["frozen"]))
             self._frozen_copies[replica] = frozen
             moved += sum(x.nbytes for x in jax.tree.leaves(frozen))
-        with self._syncs_lock:
-            self.syncs["weight_sync_s"] += time.perf_counter() - start
-            self.syncs["weight_sync_bytes"] += moved
+        self.syncs["weight_sync_s"] += time.perf_counter() - start
+        self.syncs["weight_sync_bytes"] += moved
         with jax.set_mesh(self.meshes[replica]):
             return self._merged(params, self._frozen_copies[replica])
 

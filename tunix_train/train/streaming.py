@@ -304,7 +304,12 @@ class Streaming:
         """The step's weights copied to each replica's engine and installed, on the replicas'
         threads: one that fails, or takes over weight_install_timeout_s, is dropped (the last one:
         the run stops)."""
-        stream.install(functools.partial(self.sampler.params, state), step)
+        local = len(self.sampler.engines)  # a Ray replica's (remote.py) go from the first local mesh
+
+        def params(replica: int):
+            return self.sampler.params(state, replica if replica < local else 0)
+
+        stream.install(params, step)
 
     @staticmethod
     def rows(group) -> dict:
