@@ -57,7 +57,7 @@ def _async_run(tmp_path, *extra):
         ),
         (
             ["training.rollout.asynchronous=false", "training.rollout.replicas=2"],
-            "training.rollout.replicas=2 needs asynchronous=true",
+            "training.rollout.replicas=2 and ray_replicas=0 need asynchronous=true",
         ),
         (
             ["training.rollout.replicas=2"],
