@@ -386,6 +386,9 @@ def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path,
         finished.update(rid for rid, c in session.completions.items() if c.finish is not None)
 
     monkeypatch.setattr(RemoteSession, "step", killed_at_six)
+    # unset, a local ray.init turns token authentication on for this process's environment and
+    # writes ~/.ray/auth_token, which later clusters of this machine (test_launch.py's) then read
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     ray.init(
         num_cpus=2,
         num_gpus=0,
