@@ -73,6 +73,24 @@ def test_impossible_settings_are_one_line(tmp_path, overrides, message):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def _async_config(tmp_path, *extra):
+    """_async_run's settings as a Config, for a run in this process (train/loop.train)."""
+    from tunix_train.compose import load_config
+
+    return load_config([a for a in _async_run(tmp_path, *extra) if not a.startswith("hydra.")])[0]
+
+
+def _each_prompt_trained_once(run_dir, steps: int) -> list[int]:
+    """Asserts that steps 1..steps each trained 4 groups, no ticket twice, and the first epoch's 32
+    prompts each once; returns the tickets trained, in step order."""
+    trained = _trained(run_dir)
+    tickets = [t for step in sorted(trained) for t in trained[step]["tickets"]]
+    prompts = {t: p for step in trained.values() for t, p in zip(step["tickets"], step["prompts"])}
+    assert sorted(trained) == list(range(1, steps + 1)) and len(tickets) == steps * 4 == len(set(tickets))
+    assert set(range(32)) <= set(tickets) and sorted(prompts[t] for t in range(32)) == list(range(32))
+    return tickets
+
+
 def _trained(run_dir) -> dict[int, dict]:
     """Each step's record in rollouts.jsonl, the last written for a step (a resumed run writes the
     steps after its checkpoint again)."""
@@ -100,12 +118,7 @@ def test_stopped_and_killed_runs_resume_training_on_every_prompt_once(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "resumed from" in out.stdout + out.stderr
 
-    trained = _trained(tmp_path / "run")
-    assert sorted(trained) == list(range(1, 15))
-    tickets = [t for step in sorted(trained) for t in trained[step]["tickets"]]
-    prompts = {t: p for step in trained.values() for t, p in zip(step["tickets"], step["prompts"])}
-    assert len(tickets) == 14 * 4 == len(set(tickets))
-    assert set(range(32)) <= set(tickets) and sorted(prompts[t] for t in range(32)) == list(range(32))
+    tickets = _each_prompt_trained_once(tmp_path / "run", 14)
     data = json.loads((tmp_path / "run" / "checkpoints" / "14" / "data" / "metadata").read_text())
     held = data["iterator"]
     kept = [g["key"][0] for g in held["finished"]] + [k[0] for k in held["keys"]["returned"]]
@@ -225,7 +238,6 @@ def test_a_weight_install_that_fails_or_hangs_ends_the_run_in_one_line(tmp_path,
 
     import jax
 
-    from tunix_train.compose import load_config
     from tunix_train.generate.session import Session
     from tunix_train.train.loop import train
     from tunix_train.train.signals import RunStopped
@@ -244,9 +256,11 @@ def test_a_weight_install_that_fails_or_hangs_ends_the_run_in_one_line(tmp_path,
         ),
     }
     for name, (fault, message) in faults.items():
-        args = _async_run(tmp_path / name, "training.max_steps=4", "checkpoint.every_steps=1")
-        cfg, _ = load_config(
-            [a for a in args if not a.startswith("hydra.")] + ["training.rollout.weight_install_timeout_s=3"]
+        cfg = _async_config(
+            tmp_path / name,
+            "training.max_steps=4",
+            "checkpoint.every_steps=1",
+            "training.rollout.weight_install_timeout_s=3",
         )
         monkeypatch.setattr(Session, "install", fault)
         with pytest.raises(RunStopped) as stopped:
@@ -267,10 +281,9 @@ def test_dynamic_sampling_trains_on_groups_with_signal_and_names_those_set_aside
     import jax
     from conftest import read_metrics
 
-    from tunix_train.compose import load_config
     from tunix_train.train.loop import train
 
-    args = _async_run(
+    cfg = _async_config(
         tmp_path,
         "training.max_steps=3",
         "training.rollout.reward=[tests.rewards_for_tests:length_for_even_answers]",
@@ -278,7 +291,6 @@ def test_dynamic_sampling_trains_on_groups_with_signal_and_names_those_set_aside
         "training.rollout.dynamic_sampling_rounds=8",
         "training.rollout.temperature=1.5",
     )
-    cfg, _ = load_config([a for a in args if not a.startswith("hydra.")])
     train(cfg, tmp_path / "run", devices=jax.devices()[:4])
     answers = [
         json.loads(line)["answer"] for line in (tmp_path / "task" / "prompts.jsonl").read_text().splitlines()
@@ -310,11 +322,10 @@ def test_a_replica_that_dies_or_hangs_is_dropped_and_every_prompt_is_trained_onc
     import jax
     from conftest import read_metrics
 
-    from tunix_train.compose import load_config
     from tunix_train.generate.session import Session
     from tunix_train.train.loop import train
 
-    args = _async_run(
+    cfg = _async_config(
         tmp_path,
         "training.max_steps=10",
         'training.rollout.mesh_shape=[[1],["fsdp"]]',
@@ -322,7 +333,6 @@ def test_a_replica_that_dies_or_hangs_is_dropped_and_every_prompt_is_trained_onc
         # a chunk's deadline covers the compilations of the engine's first chunks
         f"training.rollout.replica_timeout_s={20 if fault == 'hangs' else 600}",
     )
-    cfg, _ = load_config([a for a in args if not a.startswith("hydra.")])
     devices = jax.devices()[:4]  # training on 0 and 1; replica 0 on 2, replica 1 on 3
     step, chunks = Session.step, {0: 0, 1: 0}
 
@@ -343,11 +353,7 @@ def test_a_replica_that_dies_or_hangs_is_dropped_and_every_prompt_is_trained_onc
     why = "failed (RuntimeError: the device is gone (injected))" if fault == "dies" else "took over 20 s"
     assert len(dropped) == 1 and f"a decode chunk in engine replica 1 {why}" in dropped[0], dropped
     assert chunks[0] > chunks[1] > 3
-    trained = _trained(tmp_path / "run")
-    tickets = [t for step in sorted(trained) for t in trained[step]["tickets"]]
-    prompts = {t: p for step in trained.values() for t, p in zip(step["tickets"], step["prompts"])}
-    assert sorted(trained) == list(range(1, 11)) and len(tickets) == 40 == len(set(tickets))
-    assert set(range(32)) <= set(tickets) and sorted(prompts[t] for t in range(32)) == list(range(32))
+    _each_prompt_trained_once(tmp_path / "run", 10)
     lost = [m["replicas_lost"] for m in read_metrics(tmp_path / "run") if "loss" in m]
     assert lost[0] == 0 and lost[-1] == 1, lost
 
@@ -363,19 +369,17 @@ def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path,
 
     import jax
 
-    from tunix_train.compose import load_config
     from tunix_train.generate.remote import RemoteSession
     from tunix_train.train.loop import train
 
     ray = pytest.importorskip("ray", reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
-    args = _async_run(
+    cfg = _async_config(
         tmp_path,
         "training.max_steps=10",
         'training.rollout.mesh_shape=[[1],["fsdp"]]',
         "training.rollout.ray_replicas=1",
         "training.rollout.replica_timeout_s=300",  # the actor's first chunks compile its engine
     )
-    cfg, _ = load_config([a for a in args if not a.startswith("hydra.")])
     step, calls, finished = RemoteSession.step, [0], set()
 
     def killed_at_six(session):
@@ -406,8 +410,4 @@ def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path,
     ]
     assert len(dropped) == 1 and "a decode chunk in engine replica 1 failed (" in dropped[0], dropped
     assert "Actor" in dropped[0] and calls[0] == 6 and len(finished) >= 2, (dropped, calls, finished)
-    trained = _trained(tmp_path / "run")
-    tickets = [t for step in sorted(trained) for t in trained[step]["tickets"]]
-    prompts = {t: p for step in trained.values() for t, p in zip(step["tickets"], step["prompts"])}
-    assert sorted(trained) == list(range(1, 11)) and len(tickets) == 40 == len(set(tickets))
-    assert set(range(32)) <= set(tickets) and sorted(prompts[t] for t in range(32)) == list(range(32))
+    _each_prompt_trained_once(tmp_path / "run", 10)

@@ -90,7 +90,7 @@ class GroupStream:
         buffered: int,
         timeout_s: float | None = None,
         install_timeout_s: float | None = None,
-        on_lost: Callable[[int, str, int], None] = lambda replica, why, groups: None,
+        on_lost: Callable[[int, str, int, int], None] = lambda replica, why, groups, left: None,
     ):
         if buffered < 1:
             raise ValueError(f"buffered={buffered} must be at least 1")
@@ -117,9 +117,14 @@ class GroupStream:
         return sum(len(r.open) for r in self.replicas)
 
     @property
+    def _drained(self) -> bool:
+        """No group left to admit or run."""
+        return self._exhausted and not self._returned and not self._open
+
+    @property
     def done(self) -> bool:
         """No group left to admit, run or hand out."""
-        return self._exhausted and not self._returned and not self._open and not self.ready
+        return self._drained and not self.ready
 
     def unfinished(self) -> list:
         """The keys of the groups admitted and not finished (waiting or running), in the order
@@ -176,7 +181,7 @@ class GroupStream:
         replica.worker.stop()  # a hung one's thread is left to end (a daemon)
         lost = sorted((g for g, _ in replica.open.values()), key=lambda g: g.number)
         self._returned.extendleft(reversed([g.key for g in lost]))
-        self.on_lost(replica.index, why, len(lost))
+        self.on_lost(replica.index, why, len(lost), len(self.replicas))
         if not self.replicas:
             raise ReplicasLost(why)
 
@@ -211,7 +216,7 @@ class GroupStream:
                     del r.open[key]
 
     def _advance_until(self, count: int) -> None:
-        while len(self.ready) < count and not (self._exhausted and not self._returned and not self._open):
+        while len(self.ready) < count and not self._drained:
             self.advance()
 
     def fill(self, count: int, more: Callable[[], bool] = lambda: False) -> None:

@@ -152,7 +152,6 @@ class Session:
         # prompt -> (entries, logits, routes, row)
         self._prefixes: collections.OrderedDict = collections.OrderedDict()
         self._routes: dict[int, list[np.ndarray]] = {}  # record_routes: a running request's, in parts
-        self._warmed = False  # warm(): an insert has at least as many pairs as its prefill has rows
 
     @property
     def busy_slots(self) -> bool:
@@ -197,15 +196,14 @@ class Session:
         """Runs the prefill and insert programs once for every batch an admission can make (prefill
         rows: powers of two up to the slots; prompts: each length bucket of `prompt_lengths`), on
         slots no request has used yet, so that they compile now rather than at the first admission
-        of each size: a stream (groups.py) admits as slots free, in batches of every size. Inserts
-        are then padded to at least their prefill's rows (a kept prefix's batch may serve fewer
-        requests later), which costs a few cache-row copies and no token. Before any request;
+        of each size: a stream (groups.py) admits as slots free, in batches of every size. The slots'
+        sampling settings are unset then, so the tokens drawn are discarded. Before any request;
         text prompts only (an image prompt's prefill compiles when it comes)."""
         if self.busy_slots or self.queue:
             raise RuntimeError("Session.warm runs before any request")
         e, dp = self.engine, data_parallel_size(self.engine.mesh)
         sizes = sorted({batch_rows(count, dp) for count in range(1, self.slots + 1)})
-        self._warmed, start, token_n = True, time.perf_counter(), None
+        start, token_n = time.perf_counter(), None
         with jax.set_mesh(e.mesh):
             for length in sorted({bucket(n) for n in prompt_lengths}):
                 for rows in sizes:
@@ -217,25 +215,12 @@ class Session:
                         None,
                         max_len=self.max_len,
                     )
-                    for n in (n for n in sizes if n >= rows):
-                        slot_n = np.minimum(np.arange(n, dtype=np.int32), self.slots - 1)
-                        draws = Draws(
-                            Rules(
-                                np.ones(n, np.float32),
-                                np.full(n, e.cfg.vocab_size, np.int32),
-                                np.ones(n, np.float32),
-                            ),
-                            self.seeds[slot_n],
-                            self.row["stream"][slot_n],
-                        )
-                        self.caches, token_n, _ = e.insert_step(
-                            self.caches,
+                    for n in (n for n in sizes if n >= rows):  # as _start pads them
+                        token_n, _ = self._insert(
                             entries,
                             logits,
                             np.minimum(np.arange(n, dtype=np.int32), rows - 1),
-                            slot_n,
-                            draws,
-                            kinds=self.kinds,
+                            np.minimum(np.arange(n, dtype=np.int32), self.slots - 1),
                         )
         jax.block_until_ready(token_n)
         e.stats["warm_s"] += time.perf_counter() - start
@@ -343,25 +328,12 @@ class Session:
         drawn = []
         for entries, logits, pairs in by_source.values():
             # padded with the last one repeated, which writes it again (and draws its token again,
-            # the same), to a power of two; once warmed, to at least the prefill's rows (warm())
-            rows = batch_rows(len(pairs), data_parallel_size(e.mesh))
-            rows = max(rows, logits.shape[0]) if self._warmed else rows
+            # the same), to a power of two and at least the prefill's rows (a kept prefix's batch
+            # may serve fewer requests later): one program per prefill size and pair count above it
+            rows = max(batch_rows(len(pairs), data_parallel_size(e.mesh)), logits.shape[0])
             pairs += [pairs[-1]] * (rows - len(pairs))
             rows_n, slots_n = (np.asarray(x, np.int32) for x in zip(*pairs))
-            self.caches, token_n, logprob_n = e.insert_step(
-                self.caches,
-                entries,
-                logits,
-                rows_n,
-                slots_n,
-                Draws(
-                    Rules(row["temperature"][slots_n], row["top_k"][slots_n], row["top_p"][slots_n]),
-                    self.seeds[slots_n],
-                    row["stream"][slots_n],
-                ),
-                kinds=self.kinds,
-            )
-            drawn.append((slots_n, token_n, logprob_n))
+            drawn.append((slots_n, *self._insert(entries, logits, rows_n, slots_n)))
         new, done = [], set()
         for slots_n, token_n, logprob_n in drawn:
             token_n, logprob_n = _fetch(token_n, logprob_n)
@@ -372,6 +344,25 @@ class Session:
                     new.append((self.running[slot][0], self._take(slot, [token], [logprob])))
         e.stats["prefill_s"] += time.perf_counter() - start
         return new
+
+    def _insert(self, entries, logits, rows_n: np.ndarray, slots_n: np.ndarray) -> tuple:
+        """Writes prefill rows rows_n of `entries` over slots slots_n and draws each one's first
+        token by its slot's sampling settings: (tokens, log-probabilities), on the devices."""
+        row = self.row
+        self.caches, token_n, logprob_n = self.engine.insert_step(
+            self.caches,
+            entries,
+            logits,
+            rows_n,
+            slots_n,
+            Draws(
+                Rules(row["temperature"][slots_n], row["top_k"][slots_n], row["top_p"][slots_n]),
+                self.seeds[slots_n],
+                row["stream"][slots_n],
+            ),
+            kinds=self.kinds,
+        )
+        return token_n, logprob_n
 
     def _decode_chunk(self) -> list[tuple[int, list[int]]]:
         e, row = self.engine, self.row

@@ -30,8 +30,9 @@ import collections
 import contextlib
 import functools
 import logging
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -43,6 +44,19 @@ from tunix_train.train.rollouts import Rollout, Rollouts, joined, pack_routes, w
 from tunix_train.train.signals import RunStopped
 
 log = logging.getLogger("tunix_train")
+
+
+def _once(make: Callable[[], Any]) -> Callable[[], Any]:
+    """make(), computed by the first of the threads that ask and then shared."""
+    lock, made = threading.Lock(), []
+
+    def get():
+        with lock:
+            if not made:
+                made.append(make())
+        return made[0]
+
+    return get
 
 
 class PromptKeys:
@@ -140,7 +154,6 @@ class Streaming:
         self.figures: dict[str, float] = {}
         self.record: dict[str, list] = {}  # the step's tickets, prompts and groups dropped (rollouts.jsonl)
         self._last = None  # the previous step's start and the engine's busy seconds then
-        self.lost = 0  # replicas dropped
         self.stats: list = []  # each engine's figures (Engine.stats), once started
 
     @property
@@ -192,7 +205,7 @@ class Streaming:
                     "max_len": s.cfg.data.seq_len,
                     "slots": slots,
                     "kinds": self.kinds,
-                    "params": s.params(state),
+                    "params": sessions[0].params,  # the first local replica's copy
                     "version": int(state.step),
                 },
             )
@@ -211,11 +224,9 @@ class Streaming:
         )
         rollouts.advance = functools.partial(self.while_step_runs, rollouts)
 
-    def _lost(self, replica: int, why: str, groups: int) -> None:
+    def _lost(self, replica: int, why: str, groups: int, left: int) -> None:
         """A replica dropped (GroupStream): said in one line while others are left (with none left
         the stream raises ReplicasLost, and the run stops: `_stopped`)."""
-        self.lost += 1
-        left = len(self.stats) - self.lost
         if left:
             log.warning(
                 f"warning: training.rollout: {why}; engine replica {replica} is dropped and its {groups} "
@@ -293,7 +304,8 @@ class Streaming:
             "prompts": rollout.order,
             "without_signal": [g["key"][0] for g in spare[filler:]],  # dynamic sampling set them aside
         }
-        self._figure(rollout, step, start, engine_busy, install_s, waited, fill, requeued)
+        taking = {"weight_install_s": install_s, "buffer_fill": fill, "lag_requeued_groups": requeued}
+        self._figure(rollout, stream, step, start, engine_busy, waited, taking)
         return rollout, time.perf_counter() - start
 
     def _engine_busy(self) -> float:
@@ -304,10 +316,12 @@ class Streaming:
         """The step's weights copied to each replica's engine and installed, on the replicas'
         threads: one that fails, or takes over weight_install_timeout_s, is dropped (the last one:
         the run stops)."""
-        local = len(self.sampler.engines)  # a Ray replica's (remote.py) go from the first local mesh
+        s, local = self.sampler, len(self.sampler.engines)
+        first = _once(lambda: s.params(state, 0))
+        on_host = _once(lambda: jax.device_get(first()))  # the Ray replicas' (remote.py), fetched once
 
         def params(replica: int):
-            return self.sampler.params(state, replica if replica < local else 0)
+            return s.params(state, replica) if 0 < replica < local else first() if replica == 0 else on_host()
 
         stream.install(params, step)
 
@@ -358,29 +372,27 @@ class Streaming:
             tickets=[g["key"][0] for g in groups],
         )
 
-    def _figure(self, rollout, step, start, engine_busy, install_s, waited, fill, requeued) -> None:
+    def _figure(self, rollout, stream, step, start, engine_busy, waited, taking: dict) -> None:
         """The step's asynchronous figures: the lag of its tokens (steps since the weights that drew
-        each), the tokens of completions drawn under more than one version, the install's seconds,
-        the buffer's fill before the step took from it, the groups drawn again past max_lag, and
-        since the previous step's start the fractions the trainer waited for groups and the
-        engine did not run."""
+        each), the tokens of completions drawn under more than one version, those measured while
+        taking its groups (`taking`: the install's seconds, the buffer's fill before the step took
+        from it, the groups drawn again past max_lag), and since the previous step's start the
+        fractions the trainer waited for groups and the engines did not run."""
         lags = np.concatenate([step - np.asarray(v) for v in rollout.versions])
         mixed = sum(len(v) for v in rollout.versions if len(set(v)) > 1)
         self.figures = {
             "lag_mean": float(lags.mean()),
             "lag_max": int(lags.max()),
             "mixed_version_tokens": mixed,
-            "weight_install_s": install_s,
-            "buffer_fill": fill,
-            "lag_requeued_groups": requeued,
+            **taking,
         }
         # the engine's seconds since the previous step's rollout (since this one's start, the first)
         rollout.sampling_s = self._engine_busy() - (engine_busy if self._last is None else self._last[1])
         if self._last is not None:
             interval = start - self._last[0]
             self.figures["trainer_idle"] = min(1.0, waited / interval)
-            engines = len(self.stats) - self.lost
-            self.figures["engine_idle"] = max(0.0, 1 - (engine_busy - self._last[1]) / interval / engines)
-        if len(self.stats) > 1:
-            self.figures["replicas_lost"] = self.lost
+            busy = (engine_busy - self._last[1]) / interval / len(stream.replicas)
+            self.figures["engine_idle"] = max(0.0, 1 - busy)
+        if stream.started_with > 1:
+            self.figures["replicas_lost"] = stream.started_with - len(stream.replicas)
         self._last = (start, engine_busy)
