@@ -358,17 +358,19 @@ def test_a_replica_that_dies_or_hangs_is_dropped_and_every_prompt_is_trained_onc
     assert lost[0] == 0 and lost[-1] == 1, lost
 
 
-@pytest.mark.slow  # a local Ray cluster, an actor's engine compiled: about 60 s
+@pytest.mark.slow  # a local Ray cluster, an actor's engine compiled: about 90 s
 @pytest.mark.xdist_group("ray")
 def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path, monkeypatch):
     """A replica in a Ray actor (training.rollout.ray_replicas=1, one CPU device of its own process)
-    beside the local one: it finishes groups the run trains on until ray.kill ends it at its sixth
-    decode chunk; the stream drops it with one warning (the actor's death, named), and the run's 10 steps
+    beside the local one, under LoRA: the base goes to the actor once and each install sends the
+    adapters only; it finishes groups the run trains on until ray.kill ends it at its sixth decode
+    chunk; the stream drops it with one warning (the actor's death, named), and the run's 10 steps
     train on 40 tickets, none twice, the first epoch's 32 prompts each once."""
     import tempfile
 
     import jax
 
+    from tunix_train.config import ConfigError
     from tunix_train.generate.remote import RemoteSession
     from tunix_train.train.loop import train
 
@@ -379,8 +381,17 @@ def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path,
         'training.rollout.mesh_shape=[[1],["fsdp"]]',
         "training.rollout.ray_replicas=1",
         "training.rollout.replica_timeout_s=300",  # the actor's first chunks compile its engine
+        "training.lora.rank=4",
+        "training.learning_rate=1e-2",
     )
     step, calls, finished = RemoteSession.step, [0], set()
+    install, sent = RemoteSession.install, []
+
+    def counted(session, params, version):
+        sent.append(sorted(jax.tree_util.keystr(path) for path, _ in jax.tree.leaves_with_path(params)))
+        install(session, params, version)
+
+    monkeypatch.setattr(RemoteSession, "install", counted)
 
     def killed_at_six(session):
         calls[0] += 1
@@ -402,6 +413,23 @@ def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path,
     )
     try:
         train(cfg, tmp_path / "run", devices=jax.devices()[:3])  # training on 2, the local replica on 1
+
+        # a cluster without room for the actor (its 2 CPUs taken): one line within the deadline
+        @ray.remote(num_cpus=2)
+        class Idle:  # defined here: Ray sends it by value (its workers cannot import this file)
+            def ready(self) -> bool:
+                return True
+
+        taken = Idle.remote()
+        ray.get(taken.ready.remote())
+        cfg = _async_config(
+            tmp_path,
+            'training.rollout.mesh_shape=[[1],["fsdp"]]',
+            "training.rollout.ray_replicas=1",
+            "training.rollout.replica_timeout_s=5",
+        )
+        with pytest.raises(ConfigError, match="an actor replica did not start within replica_timeout_s=5 s"):
+            train(cfg, tmp_path / "no_room", devices=jax.devices()[:3])
     finally:
         ray.shutdown()
 
@@ -411,3 +439,7 @@ def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path,
     assert len(dropped) == 1 and "a decode chunk in engine replica 1 failed (" in dropped[0], dropped
     assert "Actor" in dropped[0] and calls[0] == 6 and len(finished) >= 2, (dropped, calls, finished)
     _each_prompt_trained_once(tmp_path / "run", 10)
+    # the installs before the actor died: LoRA's a and b matrices, nothing of the base
+    assert sent and all(
+        paths and all(p.endswith(("['a'].value", "['b'].value")) for p in paths) for paths in sent
+    ), sent

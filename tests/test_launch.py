@@ -356,6 +356,37 @@ def test_ray_two_workers_give_the_losses_of_one_process(tmp_path, ray_cluster):
 
 @pytest.mark.slow
 @RAY_TESTS
+def test_a_launched_asynchronous_run_finds_its_cluster_for_ray_actor_replicas(tmp_path, ray_cluster):
+    """training.rollout.ray_replicas under this launcher: the training process connects to the
+    launcher's cluster (RAY_ADDRESS, which ray.init(address="auto") reads), its actor replica starts
+    there within the deadline (warmed) beside the local one, and the run finishes its steps."""
+    from test_async import _async_run
+
+    run = _async_run(
+        tmp_path,
+        "training.max_steps=4",
+        'training.rollout.mesh_shape=[[1],["fsdp"]]',
+        "training.rollout.ray_replicas=1",
+        "training.rollout.replica_timeout_s=300",
+    )
+    proc = start_python(
+        "-m",
+        "tunix_train.launch.ray",
+        f"--address={ray_cluster}",
+        "--num_workers=1",
+        "--cpu_devices_per_worker=3",  # 2 training, 1 the local replica's
+        str(REPO / "run_training.py"),
+        *run,
+        env=LOOPBACK,
+    )
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out
+    assert f"training.rollout.ray_replicas=1: engine actors on the Ray cluster at {ray_cluster}" in out
+    assert sorted(losses_by_step(tmp_path / "run")) == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+@RAY_TESTS
 def test_ray_killing_a_worker_stops_the_job_and_names_its_rank(tmp_path, ray_cluster):
     proc = _ray_launcher(
         ray_cluster, tmp_path, run=[*RUN, "training.max_steps=100000", "checkpoint.every_steps=0"]

@@ -271,11 +271,6 @@ def _validate_on_policy(t: TrainingConfig, m: ModelConfig) -> None:
             f"training.grpo.off_policy_correction={correction.value} corrects tokens other weights drew: "
             f"set training.rollout.asynchronous, max_staleness or iterations, or leave it null"
         )
-    if r.ray_replicas and t.lora.rank:
-        raise ConfigError(
-            f"training.rollout.ray_replicas={r.ray_replicas} sends an actor the whole weights; under "
-            f"training.lora (rank {t.lora.rank}) use local replicas (training.rollout.replicas) for now"
-        )
     name = f"objective={objective.value}"
     teaching = objective in (Objective.distill_on_policy, Objective.gkd)  # a live teacher
     if objective is Objective.distill_on_policy and not t.distill.teacher:

@@ -13,6 +13,7 @@ the stream drops the replica and admits its groups again to the others.
 from __future__ import annotations
 
 import collections
+import logging
 import types
 from typing import Any, Sequence
 
@@ -25,28 +26,37 @@ class SessionActor:
     """The actor's side (made a Ray actor by `start`): an Engine and one Session on the devices
     its process sees."""
 
-    def __init__(self, model_cfg, mesh_shape, engine_options: dict, session: dict):
-        """session: Engine.session's arguments (max_len, slots, kinds, version) and the
-        parameters as host arrays (params)."""
+    def __init__(self, model_cfg, mesh_shape, engine_options: dict, session: dict, to_engine, frozen):
+        """session: Engine.session's arguments (max_len, slots, kinds, version) and the trainer's
+        parameters as host arrays (params; under LoRA its adapters); to_engine(params, frozen): what
+        the engine draws with (Sampler.to_engine: under LoRA the adapters merged into `frozen`, the
+        base, which comes once, here)."""
         from tunix_train.generate.engine import Engine
-        from tunix_train.model.params import plan_params
         from tunix_train.sharding import make_mesh
 
-        mesh = make_mesh(mesh_shape, jax.devices(), "training.rollout.mesh_shape")
-        self.engine = Engine(model_cfg, mesh, **engine_options)
-        self.shardings = jax.tree.map(lambda x: x.sharding, plan_params(model_cfg, mesh, 0).abstract)
+        self.mesh = make_mesh(mesh_shape, jax.devices(), "training.rollout.mesh_shape")
+        self.engine = Engine(model_cfg, self.mesh, **engine_options)
+        self.to_engine = jax.jit(to_engine)
+        self.frozen = None if frozen is None else self._placed(frozen)
         session = dict(session)
-        self.session = self.engine.session(self._placed(session.pop("params")), **session)
+        self.session = self.engine.session(self._for_engine(session.pop("params")), **session)
         self.ids: dict[int, int] = {}  # the caller's request id -> the session's
 
-    def _placed(self, params):
-        return jax.device_put(params, self.shardings)
+    def _placed(self, tree):
+        """Host arrays onto this mesh, sharded along their logical axes."""
+        from tunix_train.sharding import state_shardings
+
+        return jax.device_put(tree, state_shardings(tree, self.mesh))
+
+    def _for_engine(self, params):
+        with jax.set_mesh(self.mesh):
+            return self.to_engine(self._placed(params), self.frozen)
 
     def warm(self, prompt_lengths: Sequence[int]) -> None:
         self.session.warm(prompt_lengths)
 
     def install(self, params, version: int) -> None:
-        self.session.install(self._placed(params), version)
+        self.session.install(self._for_engine(params), version)
 
     def step(self, added: list[tuple[int, Request]]):
         """Queues `added`, decodes one chunk; the completions that finished (caller's id,
@@ -68,8 +78,9 @@ class RemoteSession:
     """What GroupStream calls of a Session (slots, version, unfinished, busy, add, step, install,
     warm, completions, engine.stats), each step one round trip to `actor` (a SessionActor)."""
 
-    def __init__(self, actor, slots: int, version: int):
+    def __init__(self, actor, slots: int, version: int, start_timeout_s: float):
         self.actor, self.slots, self.version = actor, slots, version
+        self.start_timeout_s = start_timeout_s
         self.completions: dict[int, Completion] = {}
         self.engine = types.SimpleNamespace(stats=collections.Counter())  # the actor's busy seconds
         self._added: list[tuple[int, Request]] = []
@@ -104,17 +115,40 @@ class RemoteSession:
         self.version = version
 
     def warm(self, prompt_lengths: Sequence[int]) -> None:
+        """The actor started (placed on the cluster, its engine made) and its admissions' programs
+        compiled, within start_timeout_s: else a one-line error (a cluster without the actor's
+        resources would leave it pending for ever)."""
         import ray
 
-        ray.get(self.actor.warm.remote(list(prompt_lengths)))
+        from tunix_train.config import ConfigError
+
+        try:
+            ray.get(self.actor.warm.remote(list(prompt_lengths)), timeout=self.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(self.actor)
+            raise ConfigError(
+                f"training.rollout.ray_replicas: an actor replica did not start within "
+                f"replica_timeout_s={self.start_timeout_s:g} s: does the Ray cluster have a node with "
+                f"the resources it asks ({ray.available_resources()} are free)?"
+            ) from None
 
 
-def start(count: int, model_cfg, mesh_shape, engine_options: dict, session: dict) -> list[RemoteSession]:
+def start(
+    count: int,
+    model_cfg,
+    mesh_shape,
+    engine_options: dict,
+    session: dict,
+    to_engine,
+    frozen,
+    timeout_s: float,
+) -> list[RemoteSession]:
     """`count` sessions in Ray actors on the cluster this process is connected to (ray.init; else
-    the one ray.init(address="auto") finds),
-    each with as many devices as mesh_shape takes: GPUs where the training runs on GPUs, else CPU
-    devices of a process of its own (XLA's host platform). session: Engine.session's arguments
-    (max_len, slots, kinds, version) and the parameters (params)."""
+    the one ray.init(address="auto") finds), each with as many devices as mesh_shape takes: GPUs
+    where the training runs on GPUs, else CPU devices of a process of its own (XLA's host
+    platform). session: Engine.session's arguments (max_len, slots, kinds, version) and the
+    trainer's parameters (params); to_engine and frozen: SessionActor's; timeout_s: each actor's
+    deadline to start."""
     import math
 
     from tunix_train.config import ConfigError
@@ -139,5 +173,8 @@ def start(count: int, model_cfg, mesh_shape, engine_options: dict, session: dict
         options = {"num_cpus": 1, "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}}}
     actor_class = ray.remote(max_restarts=0, max_concurrency=1, **options)(SessionActor)
     session = dict(session, params=jax.device_get(session["params"]))
-    actors = [actor_class.remote(model_cfg, mesh_shape, engine_options, session) for _ in range(count)]
-    return [RemoteSession(actor, session["slots"], session["version"]) for actor in actors]
+    args = (model_cfg, mesh_shape, engine_options, session, to_engine, jax.device_get(frozen))
+    actors = [actor_class.remote(*args) for _ in range(count)]
+    address = ray.get_runtime_context().gcs_address
+    logging.getLogger("tunix_train").info(f"{key}: engine actors on the Ray cluster at {address}")
+    return [RemoteSession(actor, session["slots"], session["version"], timeout_s) for actor in actors]

@@ -263,6 +263,8 @@ class _Job:
             RANK=str(rank),
             WORLD_SIZE=str(len(places)),
             PYTHONUNBUFFERED="1",
+            # the cluster, for the run's own actors (training.rollout.ray_replicas: ray.init("auto"))
+            RAY_ADDRESS=self.ray.get_runtime_context().gcs_address,
         )
         same_node = [r for r, p in enumerate(places) if p["node"] == place["node"]]
         if args.gpus_per_worker == 1:  # the node's job GPUs, LOCAL_RANK the index of this worker's

@@ -151,6 +151,7 @@ class Sampler:
             def to_engine(p, f, merge=weights.for_engine):
                 return quant.cast(merge(p, f), jnp.bfloat16)
 
+        self.to_engine = to_engine  # (params, frozen) -> what the engine draws with
         self._merged = jax.jit(to_engine)  # LoRA: the adapters merged into the base, compiled once
         self.meshes = link.rollout_meshes or (link.mesh,)  # one per replica (asynchronous)
         self.mesh = self.meshes[0]

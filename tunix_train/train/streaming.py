@@ -195,7 +195,13 @@ class Streaming:
         if self.r.ray_replicas:
             from tunix_train.generate import remote
 
-            options = {"stop_ids": s.stop_ids, "slots": self.r.slots, "record_routes": self.r.routing_replay}
+            weights = s.link.program.weights
+            options = {
+                "stop_ids": s.stop_ids,
+                "slots": self.r.slots,
+                "record_routes": self.r.routing_replay,
+                "lora": weights.engine_lora,
+            }
             sessions += remote.start(
                 self.r.ray_replicas,
                 s.cfg.model,
@@ -205,9 +211,12 @@ class Streaming:
                     "max_len": s.cfg.data.seq_len,
                     "slots": slots,
                     "kinds": self.kinds,
-                    "params": sessions[0].params,  # the first local replica's copy
+                    "params": state.params,  # under LoRA the adapters: the actor merges them
                     "version": int(state.step),
                 },
+                s.to_engine,
+                state.frozen if weights.lora else None,  # LoRA's base, sent once
+                self.r.replica_timeout_s,
             )
         self.stats = [session.engine.stats for session in sessions]  # each engine's busy seconds
         lengths = {len(p) for p in s.prompts}
@@ -318,7 +327,7 @@ class Streaming:
         the run stops)."""
         s, local = self.sampler, len(self.sampler.engines)
         first = _once(lambda: s.params(state, 0))
-        on_host = _once(lambda: jax.device_get(first()))  # the Ray replicas' (remote.py), fetched once
+        on_host = _once(lambda: jax.device_get(state.params))  # the Ray replicas' (remote.py), fetched once
 
         def params(replica: int):
             return s.params(state, replica) if 0 < replica < local else first() if replica == 0 else on_host()
