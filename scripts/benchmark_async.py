@@ -17,10 +17,12 @@ completions with the same seed per round (round r: training.seed=r), at learning
 (constant, no KL term). The rollouts are packed (data.padding_free) into micro-batches of
 2 x --micro-batch rows of 288 positions, accumulated to the step's 32 rows: the packed completions
 fill the first few, and the step skips the empty ones, so it trains on the completions rather
-than on padding (with one micro-batch of 32 rows, about 70% of it was padding). Rounds alternate
-which mode goes first. Measured per run, after its first --warmup steps (compilation; the asynchronous engine
-compiles its admissions' programs before its first step, Session.warm): completion tokens
-trained per second of the steps' wall time (the log's step_time_s: from one step's end to the
+than on padding (with one micro-batch of 32 rows, about 70% of it was padding). The asynchronous
+mode's max_lag is 4, above the steps its longest completions take (at the default 2 about a
+tenth of the groups were drawn again). Rounds alternate which mode goes first. Measured per
+run, after its first --warmup steps (compilation; the asynchronous engine compiles its
+admissions' programs before its first step, Session.warm): completion tokens trained per second
+of the steps' wall time (the log's step_time_s: from one step's end to the
 next's, the rollout included; not the final save). The held-out reward: the mean reward of 4
 samples (temperature 1, fixed seeds) on each of 32 held-out prompts, by the run's final weights.
 
@@ -122,6 +124,9 @@ def _run(mode: str, seed: int, start: Path, files, work: Path, args, devices) ->
             f"training.rollout.max_new_tokens={args.max_new}",
             "training.rollout.reward=[benchmark_async:word_share]",
             f"training.rollout.asynchronous={mode == 'async'}",
+            # above the steps a longest completion takes (about 3 here): at the default 2, about a
+            # tenth of the groups, the longest, were drawn again (docs/objectives/async.md)
+            *(["training.rollout.max_lag=4"] if mode == "async" else []),
             *(args.async_overrides if mode == "async" else args.sync_overrides),
             "data.padding_free=true",  # with accumulation: the micro-batches left empty are skipped
             "training.grpo.beta=0",
