@@ -42,10 +42,7 @@ def _async_run(tmp_path, *extra):
             "training.rollout.asynchronous=true needs training.rollout.mesh_shape",
         ),
         (["training.rollout.max_staleness=1"], "replaces max_staleness=1 and iterations=1"),
-        (
-            ["training.rollout.tools=[tests.rewards_for_tests:undocumented_tool]"],
-            "tools, environments and objective=gkd run synchronously",
-        ),
+        (["objective=gkd"], "objective=gkd runs synchronously"),
         (
             ["training.rollout.asynchronous=false", "training.grpo.off_policy_correction=tis"],
             "training.grpo.off_policy_correction=tis corrects tokens other weights drew",
@@ -162,7 +159,7 @@ def test_a_group_drawn_across_an_install_trains_with_each_tokens_own_behaviour_l
     stream.advance()  # the prefill's token and a chunk of 4
     stream.install(new, 1)
     (group,) = stream.take(1)
-    rows = Streaming.rows(group)
+    rows = Streaming.rows_of(group)
     assert rows["versions"] == [[0] * 5 + [1] * 11] * 2
 
     cfg = rl_config(

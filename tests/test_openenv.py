@@ -145,3 +145,38 @@ def test_a_server_killed_mid_run_costs_error_observations_and_the_run_goes_on(tm
     # GRPO samples step N+1's rollouts while step N trains: the first rollout after the kill is step 4's
     assert steps[0]["tool_errors"] == 0 and steps[0]["reward_environment"] > 0
     assert steps[-1]["tool_errors"] > 0 and steps[-1]["reward_environment"] == 0
+
+
+def test_an_asynchronous_run_continues_each_conversation_as_its_turn_ends(tmp_path, warm, monkeypatch):
+    """training.rollout.asynchronous with an environment (test_tools' Checker: one more turn after
+    the answer, rewarded 1 for a number): each conversation's next turn is queued as its last one
+    finishes (generate/groups.py's `after`); the trained rows keep each token's version and which
+    tokens the model wrote, the template's tokens between turns carry no log-probability, and the
+    steps train whole groups, none twice."""
+    from tunix_train.train import streaming
+
+    rollouts, rollout_of = [], streaming.Streaming._rollout
+
+    def kept(self, groups, *args):
+        rollouts.append(rollout_of(self, groups, *args))
+        return rollouts[-1]
+
+    monkeypatch.setattr(streaming.Streaming, "_rollout", kept)
+    cfg = _cfg(
+        tmp_path,
+        warm,
+        "training.max_steps=6",
+        "training.rollout.environment=tests.test_tools:Checker",
+        "training.rollout.asynchronous=true",
+        'training.rollout.mesh_shape=[[1],["fsdp"]]',
+    )
+    train(cfg, tmp_path / "run", devices=jax.devices()[:2])
+    steps = [m for m in read_metrics(tmp_path / "run") if "reward" in m]
+    assert len(steps) == 6 and all(m["tool_errors"] == 0 and m["turns"] > 1 for m in steps), steps
+    assert all(m["reward_environment"] > 0 for m in steps) and "lag_mean" in steps[-1]
+    rows = [row for r in rollouts for row in zip(r.completions, r.own, r.logprobs, r.versions)]
+    assert all(len(tokens) == len(own) == len(logp) == len(versions) for tokens, own, logp, versions in rows)
+    assert all(lp == 0.0 for _, own, logp, _ in rows for o, lp in zip(own, logp) if not o)
+    assert sum(0 in own and 1 in own for _, own, _, _ in rows) > len(rows) // 2  # the turns between
+    tickets = [t for r in rollouts for t in r.tickets]
+    assert len(tickets) == len(set(tickets)) == 6 * 2

@@ -198,9 +198,9 @@ class RolloutConfig:
                 f"iterations={self.iterations}: set them to 0 and 1 (max_lag bounds the staleness)",
             ),
             (
-                bool(self.tools) or self.environment is not None or objective is Objective.gkd,
-                "training.rollout.asynchronous=true streams one-turn completions of the policy: tools, "
-                "environments and objective=gkd run synchronously (set asynchronous=false)",
+                objective is Objective.gkd,
+                "training.rollout.asynchronous=true streams the policy's completions: objective=gkd "
+                "runs synchronously (set asynchronous=false)",
             ),
             (
                 not (self.weight_install_timeout_s > 0 and self.replica_timeout_s > 0),

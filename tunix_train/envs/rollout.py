@@ -121,12 +121,14 @@ class Turns:
                 for i in open_
             ]
             for i, completion in zip(open_, generate(requests)):
-                self._after_turn(trajectories[i], environments[i], completion, turn)
+                self.after_turn(trajectories[i], environments[i], completion, turn)
         for trajectory in trajectories:
             trajectory.open = False
         return trajectories
 
-    def _after_turn(self, tr: Trajectory, environment, completion, turn: int) -> None:
+    def after_turn(self, tr: Trajectory, environment, completion, turn: int) -> None:
+        """The turn's completion appended, its calls run or the environment's step taken, and the
+        observation appended; or the conversation closed."""
         tr.turns += 1
         stopped = completion.stop_token is not None
         tr.tokens += completion.tokens + [completion.stop_token] * stopped
@@ -201,6 +203,74 @@ class Turns:
         tr.tokens += between
         tr.own += [0] * len(between)
         tr.logprobs += [0.0] * len(between)
+
+
+class Conversations:
+    """Conversations continued one request at a time rather than a batch a turn (asynchronous
+    rollouts, train/streaming.py: a GroupStream's `after`): a group's conversations by its key,
+    each one's next turn asked for as soon as its last finished, the weights' version that drew
+    each of its tokens kept (the template's tokens between turns: the version of the turn before;
+    the loss does not cover them)."""
+
+    def __init__(self, turns: Turns, environment_class, name: str):
+        self.turns, self.environment_class, self.name = turns, environment_class, name
+        # key -> its conversations: (trajectory, environment, each token's version)
+        self.open: dict[Any, list[tuple[Trajectory, Any, list[int]]]] = {}
+
+    def start(self, key, record: dict[str, Any], count: int, images=None) -> list[tuple[list[int], int]]:
+        """`count` conversations of `record` for group `key` (replacing any earlier ones of that
+        key: it is drawn again); each one's first request (ids, max_new_tokens)."""
+        self.close(key)
+        self.open[key] = []
+        for _ in range(count):
+            environment = self.environment_class()
+            self.open[key].append((self.turns.start(environment, record, self.name, images), environment, []))
+        return [self._request(tr) for tr, _, _ in self.open[key]]
+
+    def _request(self, tr: Trajectory) -> tuple[list[int], int]:
+        ids = tr.prompt + tr.tokens
+        return ids, min(self.turns.max_new_tokens, self.turns.max_len - len(ids))
+
+    def after(self, key, member: int, completion) -> tuple[list[int], int, int] | None:
+        """Member `member` of group `key` after its request's `completion`: its next request (ids,
+        max_new_tokens, turn), or None where the conversation has closed."""
+        tr, environment, versions = self.open[key][member]
+        before, turn = len(tr.tokens), tr.turns
+        self.turns.after_turn(tr, environment, completion, turn)
+        versions += completion.versions
+        versions += versions[-1:] * (len(tr.tokens) - before - len(completion.versions))
+        return (*self._request(tr), turn + 1) if tr.open else None
+
+    def rows(self, key) -> dict[str, list]:
+        """Group `key`'s finished conversations, per member: the fields a rollout's rows take with
+        turns, and what the rewards read of them (texts: the last turn; messages; environment: its
+        reward)."""
+        conversations = self.open[key]
+        return {
+            "prompt_ids": [tr.prompt for tr, _, _ in conversations],
+            "completions": [tr.tokens for tr, _, _ in conversations],
+            "logprobs": [tr.logprobs for tr, _, _ in conversations],
+            "own": [tr.own for tr, _, _ in conversations],
+            "versions": [list(v) for _, _, v in conversations],
+            "routes": [tr.routes for tr, _, _ in conversations],
+            **{
+                f: [getattr(tr, f) for tr, _, _ in conversations]
+                for f in ("tool_calls", "tool_errors", "turns")
+            },
+            "texts": [tr.last_turn for tr, _, _ in conversations],
+            "messages": [tr.messages for tr, _, _ in conversations],
+            "environment": [tr.reward for tr, _, _ in conversations],
+        }
+
+    def close(self, key) -> None:
+        """Group `key`'s environments let go (an OpenEnv server's session), its conversations
+        forgotten."""
+        for _, environment, _ in self.open.pop(key, []):
+            getattr(environment, "close", lambda: None)()
+
+    def close_all(self) -> None:
+        for key in list(self.open):
+            self.close(key)
 
 
 def _is_step_answer(answer) -> bool:

@@ -40,6 +40,7 @@ class Group:
     completions: list[Completion]
     admitted: int
     number: int  # the order it was admitted in
+    settled: set[int] = dataclasses.field(default_factory=set)  # members done (over turns: `after`)
 
 
 class _Worker:
@@ -80,7 +81,9 @@ class GroupStream:
     (requests_for(key): a group's) whenever fewer of a session's requests wait or run than it has
     slots, and holds finished groups until take() hands them out; groups admitted and not taken
     are at most `buffered`. timeout_s: the module docstring (None: in the caller's thread, no
-    deadline)."""
+    deadline). after(key, member, completion), for requests over turns: the request that
+    continues member `member` of group `key` once its request finished, or None where it is done
+    (its completion then the group's); without it every member is done at its first request's end."""
 
     def __init__(
         self,
@@ -91,6 +94,7 @@ class GroupStream:
         timeout_s: float | None = None,
         install_timeout_s: float | None = None,
         on_lost: Callable[[int, str, int, int], None] = lambda replica, why, groups, left: None,
+        after: Callable[[Any, int, Completion], Request | None] | None = None,
     ):
         if buffered < 1:
             raise ValueError(f"buffered={buffered} must be at least 1")
@@ -98,7 +102,7 @@ class GroupStream:
         self.replicas = [_Replica(i, s) for i, s in enumerate(sessions)]
         self.started_with = len(self.replicas)
         self.keys, self.requests_for, self.buffered = keys, requests_for, buffered
-        self.timeout_s, self.on_lost = timeout_s, on_lost
+        self.timeout_s, self.on_lost, self.after = timeout_s, on_lost, after
         self.install_timeout_s = timeout_s if install_timeout_s is None else install_timeout_s
         if timeout_s is not None:
             for r in self.replicas:
@@ -210,10 +214,26 @@ class GroupStream:
         for r in self._on_each(busy, lambda r: r.session.step(), "a decode chunk", self.timeout_s):
             completions = r.session.completions
             for key, (group, ids) in list(r.open.items()):
+                if self.after is not None:
+                    self._continue(r.session, group, ids)
                 if all(completions[i].finish is not None for i in ids):
                     group.completions = [completions.pop(i) for i in ids]
                     self.ready.append(group)
                     del r.open[key]
+
+    def _continue(self, session: Session, group: Group, ids: list[int]) -> None:
+        """Each member whose request finished: its next request (`after`) queued in its place, in
+        the same session, or it is settled."""
+        for member, i in enumerate(ids):
+            completion = session.completions[i]
+            if member in group.settled or completion.finish is None:
+                continue
+            following = self.after(group.key, member, completion)
+            if following is None:
+                group.settled.add(member)
+            else:
+                del session.completions[i]
+                ids[member] = session.add(following)
 
     def _advance_until(self, count: int) -> None:
         while len(self.ready) < count and not self._drained:

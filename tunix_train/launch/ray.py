@@ -8,8 +8,9 @@ The placement group holds one bundle per worker (--gpus_per_worker GPUs, --cpus_
 packed onto few nodes, or one per node with --spread (STRICT_SPREAD). In each bundle a Ray actor
 starts the training process with MASTER_ADDR (worker 0's node IP), MASTER_PORT (a free port found on
 that node), RANK, WORLD_SIZE and LOCAL_RANK, which launch/distributed.py reads as it reads the local
-launcher's, and RAY_ADDRESS (the cluster, for the run's own actors: training.rollout.ray_replicas). One-GPU workers of a node all see that node's job GPUs (CUDA_VISIBLE_DEVICES) and
-LOCAL_RANK picks each one's, as under the local launcher; a worker with several GPUs drives all its
+launcher's, and RAY_ADDRESS (the cluster, for the run's own actors: training.rollout.ray_replicas).
+One-GPU workers of a node all see that node's job GPUs (CUDA_VISIBLE_DEVICES) and LOCAL_RANK picks
+each one's, as under the local launcher; a worker with several GPUs drives all its
 own and gets no LOCAL_RANK (it would pin the process to one). The process runs the command with the
 node's own Python in the launcher's working directory, with the launcher's JAX_*, XLA_*, NCCL_* and
 PYTHONPATH variables: nodes need the code at the same path, and the run directory on storage they all

@@ -113,6 +113,8 @@ class StreamedRollouts(Rollouts):
         self.stream = None  # generate/groups.GroupStream, once the first step's parameters exist
         self.finished: list[dict] = []  # groups as rows (Streaming.rows), restored, trained first
         self.advance = lambda state: None  # Streaming.while_step_runs, once connected
+        self.rows: Callable[[Any], dict] = Streaming.rows_of  # Streaming.rows, once connected
+        self.conversations = None  # with turns: envs/rollout.Conversations, once connected
 
     def while_step_runs(self, state) -> None:
         self.advance(state)
@@ -122,12 +124,14 @@ class StreamedRollouts(Rollouts):
         finished = list(self.finished)
         if self.stream is not None:
             keys["returned"] = [list(k) for k in self.stream.unfinished()] + keys["returned"]
-            finished += [Streaming.rows(g) for g in self.stream.ready]
+            finished += [self.rows(g) for g in self.stream.ready]
         return {"asynchronous": True, "keys": keys, "finished": finished}
 
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()
+        if self.conversations is not None:
+            self.conversations.close_all()
         super().close()
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -155,6 +159,7 @@ class Streaming:
         self.record: dict[str, list] = {}  # the step's tickets, prompts and groups dropped (rollouts.jsonl)
         self._last = None  # the previous step's start and the engine's busy seconds then
         self.stats: list = []  # each engine's figures (Engine.stats), once started
+        self.conversations = None  # with turns: envs/rollout.Conversations, once started
 
     @property
     def count(self) -> int:
@@ -163,30 +168,50 @@ class Streaming:
         return s.cfg.training.gradient_accumulation_steps * s.global_rows // self.r.num_generations
 
     def requests_for(self, key: tuple[int, int, int]) -> list:
+        """Group `key`'s G requests (with turns: its conversations' first)."""
+        s, G = self.sampler, self.r.num_generations
+        doc = s.docs[key[1]]
+        if self.conversations is None:
+            starts = [(s.prompts[key[1]], self.r.max_new_tokens)] * G
+        else:
+            starts = self.conversations.start(key, doc, G, s.images.get(id(doc)))
+        return s.engine.checked([self._request(key, i, 0, *start) for i, start in enumerate(starts)])
+
+    def _request(self, key: tuple[int, int, int], member: int, turn: int, ids, max_new_tokens: int):
+        """Member `member`'s request of group `key`, turn `turn`: its own stream of draws."""
         from tunix_train.generate import Request
 
         s, G = self.sampler, self.r.num_generations
         ticket, prompt, attempt = key
-        images = s.images.get(id(s.docs[prompt]))
-        return s.engine.checked(
-            [
-                Request(
-                    tuple(s.prompts[prompt]),
-                    self.r.max_new_tokens,
-                    self.sampling,
-                    s.cfg.training.seed * 1_000_003 + 500_009 + attempt,
-                    ticket * G + i,
-                    images=images,
-                )
-                for i in range(G)
-            ]
+        return Request(
+            tuple(ids),
+            max_new_tokens,
+            self.sampling,
+            s.cfg.training.seed * 1_000_003 + 500_009 + attempt,
+            (ticket * G + member) * (self.r.max_turns if self.conversations else 1) + turn,
+            images=s.images.get(id(s.docs[prompt])),
         )
+
+    def after(self, key: tuple[int, int, int], member: int, completion):
+        """With turns (GroupStream's `after`): the request that continues a conversation whose
+        turn finished, or None where it closed."""
+        following = self.conversations.after(key, member, completion)
+        if following is None:
+            return None
+        ids, max_new_tokens, turn = following
+        return self.sampler.engine.checked([self._request(key, member, turn, ids, max_new_tokens)])[0]
 
     def _start(self, rollouts: StreamedRollouts, state) -> None:
         """The stream, a session on each replica's engine (its parameters copied there)."""
         from tunix_train.generate.groups import GroupStream
 
         s, G = self.sampler, self.r.num_generations
+        if s.multi_turn:  # the conversations of the groups in flight
+            from tunix_train.envs.rollout import Conversations
+
+            self.conversations = Conversations(
+                s.turns, s.environment_class, self.r.environment or "Environment"
+            )
         slots = s.engine.slots_for(self.count * G)
         sessions = [
             engine.session(s.params(state, i), s.cfg.data.seq_len, slots, self.kinds, version=int(state.step))
@@ -219,7 +244,8 @@ class Streaming:
                 self.r.replica_timeout_s,
             )
         self.stats = [session.engine.stats for session in sessions]  # each engine's busy seconds
-        lengths = {len(p) for p in s.prompts}
+        # (with turns the prompts' lengths come as the conversations go: compiled as they come)
+        lengths = {len(p) for p in s.prompts} if self.conversations is None else ()
         for session in sessions:  # its admissions' programs compile now, not as slots free mid-run
             session.warm(lengths)
         rollouts.stream = GroupStream(
@@ -230,8 +256,10 @@ class Streaming:
             timeout_s=self.r.replica_timeout_s,
             install_timeout_s=self.r.weight_install_timeout_s,
             on_lost=self._lost,
+            after=self.after if self.conversations else None,
         )
         rollouts.advance = functools.partial(self.while_step_runs, rollouts)
+        rollouts.rows, rollouts.conversations = self.rows, self.conversations
 
     def _lost(self, replica: int, why: str, groups: int, left: int) -> None:
         """A replica dropped (GroupStream): said in one line while others are left (with none left
@@ -292,7 +320,7 @@ class Streaming:
             rounds += 1
             wanted = count - len(kept)
             batch = [rollouts.finished.pop(0) for _ in range(min(len(rollouts.finished), wanted))]
-            batch += [self.rows(g) for g in stream.take(min(wanted - len(batch), stream.buffered))]
+            batch += [self._taken(g) for g in stream.take(min(wanted - len(batch), stream.buffered))]
             fresh = []
             for g in batch:
                 if step - min(min(v) for v in g["versions"]) <= self.r.max_lag:
@@ -334,8 +362,25 @@ class Streaming:
 
         stream.install(params, step)
 
+    def _taken(self, group) -> dict:
+        """A group handed out: its rows, its conversations (with turns) let go."""
+        rows = self.rows(group)
+        if self.conversations is not None:
+            self.conversations.close(group.key)
+        return rows
+
+    def rows(self, group) -> dict:
+        """A finished group as plain lists (rows_of); with turns, its conversations' (envs/rollout.py:
+        each one's first prompt, the tokens after it, which the model wrote, tool counts, and what
+        the rewards read)."""
+        if self.conversations is None:
+            return self.rows_of(group)
+        rows = self.conversations.rows(group.key)
+        packed = None if rows["routes"][0] is None else [pack_routes(r) for r in rows["routes"]]
+        return {"key": group.key, **rows, "routes": packed}
+
     @staticmethod
-    def rows(group) -> dict:
+    def rows_of(group) -> dict:
         """A finished group as plain lists (what a checkpoint keeps): its key, and per completion
         its tokens (the stop token included where one ended it), their log-probabilities and
         versions, and with routing replay its experts (pack_routes)."""
@@ -356,10 +401,16 @@ class Streaming:
             return
         s, G = self.sampler, self.r.num_generations
         docs = [s.docs[g["key"][1]] for g in groups for _ in range(G)]
-        prompts = [s.prompts[g["key"][1]] for g in groups for _ in range(G)]
         completions = joined(groups, "completions")
-        texts = [s.tokenizer.decode([t for t in c if t not in s.stop_ids]) for c in completions]
-        rewards = s.scored(docs, prompts, texts, completions)
+        if "texts" in groups[0]:  # with turns
+            extra = {"trajectories": joined(groups, "messages"), "environment": joined(groups, "environment")}
+            rewards = s.scored(
+                docs, joined(groups, "prompt_ids"), joined(groups, "texts"), completions, **extra
+            )
+        else:
+            prompts = [s.prompts[g["key"][1]] for g in groups for _ in range(G)]
+            texts = [s.tokenizer.decode([t for t in c if t not in s.stop_ids]) for c in completions]
+            rewards = s.scored(docs, prompts, texts, completions)
         for i, g in enumerate(groups):
             g["rewards"] = rewards[:, i * G : (i + 1) * G].tolist()
 
@@ -379,6 +430,15 @@ class Streaming:
             routes=joined(groups, "routes"),
             versions=versions,
             tickets=[g["key"][0] for g in groups],
+            **(
+                {
+                    "prompt_ids": joined(groups, "prompt_ids"),
+                    "own": joined(groups, "own"),
+                    **{f: sum(joined(groups, f)) for f in ("tool_calls", "tool_errors", "turns")},
+                }
+                if "texts" in groups[0]
+                else {}
+            ),
         )
 
     def _figure(self, rollout, stream, step, start, engine_busy, waited, taking: dict) -> None:
