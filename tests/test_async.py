@@ -6,7 +6,7 @@ import json
 import signal
 
 import pytest
-from conftest import REPO, rl_overrides, run_training, start_python
+from conftest import REPO, rl_overrides, run_python, run_training, start_python
 from test_checkpoint import _wait_for_line
 
 from tunix_train.rewards.arithmetic import write_task
@@ -92,6 +92,30 @@ def _trained(run_dir) -> dict[int, dict]:
     """Each step's record in rollouts.jsonl, the last written for a step (a resumed run writes the
     steps after its checkpoint again)."""
     return {r["step"]: r for r in map(json.loads, (run_dir / "rollouts.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.slow
+def test_several_processes_are_refused_in_one_line_for_now(tmp_path):
+    """2 processes x 2 CPU devices (the launcher): asynchronous rollouts run in one process for now
+    (streamed across two, the engine's collectives went out of step between the processes and the
+    run died in gloo): one line, before anything is written."""
+    import os
+
+    run = _async_run(tmp_path, "training.max_steps=10", "distributed.initialization_timeout_s=60")
+    two = run_python(
+        "-m",
+        "tunix_train.launch",
+        "--nprocs=2",
+        "--cpu_devices_per_process=2",
+        str(REPO / "run_training.py"),
+        *run,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+    )
+    assert two.returncode != 0
+    assert "training.rollout.asynchronous=true runs in one process for now (this run has 2)" in two.stdout
+    assert "Traceback" not in two.stdout, two.stdout[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.slow

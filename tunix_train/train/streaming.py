@@ -14,9 +14,9 @@ resumed run trains on every ticket once. Which groups finish first depends on ti
 asynchronous run is not bit-reproducible (the synchronous default is).
 
 The engine advances while a step runs (OnPolicy.report): at least until the next step's groups
-are ready, and in a one-process run for as long as the step runs and the buffer has room. Every
-process drives the same engine program, so in a multi-process run it advances by count, not by
-time, and every process makes the same decisions.
+are ready, then for as long as the step runs and the buffer has room. One process for now
+(train/setup.py refuses several: streamed across two, the engine's collectives went out of step);
+engines on other hosts are Ray actors (generate/remote.py).
 
 With training.rollout.replicas = N (one process), N engines on meshes of their own draw from the
 one queue of prompt keys, each decode chunk and install on the replica's thread within a
@@ -285,13 +285,12 @@ class Streaming:
 
     def while_step_runs(self, rollouts: StreamedRollouts, state) -> None:
         """Advances the engine while the step runs: until the next step's groups are ready, then
-        (one process) while the step has not finished and there is room."""
+        while the step has not finished and there is room."""
         stream = rollouts.stream
         wanted = max(0, self.count - len(rollouts.finished))
-        one_process = jax.process_count() == 1
         step_done = jax.tree.leaves(state.params)[0]
         with self._stopped():
-            stream.fill(min(wanted, stream.buffered), lambda: one_process and not step_done.is_ready())
+            stream.fill(min(wanted, stream.buffered), lambda: not step_done.is_ready())
 
     def rollout_for(self, rollouts: StreamedRollouts, state) -> tuple[Rollout, float]:
         """The step's rollout: the first `count` groups to finish, within max_lag of the step,
