@@ -78,9 +78,10 @@ class RemoteSession:
     """What GroupStream calls of a Session (slots, version, unfinished, busy, add, step, install,
     warm, completions, engine.stats), each step one round trip to `actor` (a SessionActor)."""
 
-    def __init__(self, actor, slots: int, version: int, start_timeout_s: float):
+    def __init__(self, actor, slots: int, version: int, start_timeout_s: float, asks: dict):
+        """start_timeout_s: the actor's deadline to start (warm); asks: the resources it asked."""
         self.actor, self.slots, self.version = actor, slots, version
-        self.start_timeout_s = start_timeout_s
+        self.start_timeout_s, self.asks = start_timeout_s, asks
         self.completions: dict[int, Completion] = {}
         self.engine = types.SimpleNamespace(stats=collections.Counter())  # the actor's busy seconds
         self._added: list[tuple[int, Request]] = []
@@ -128,8 +129,9 @@ class RemoteSession:
             ray.kill(self.actor)
             raise ConfigError(
                 f"training.rollout.ray_replicas: an actor replica did not start within "
-                f"replica_timeout_s={self.start_timeout_s:g} s: does the Ray cluster have a node with "
-                f"the resources it asks ({ray.available_resources()} are free)?"
+                f"replica_timeout_s={self.start_timeout_s:g} s (placed, its engine built and compiled): "
+                f"does the Ray cluster have room for {self.asks} (free: {ray.available_resources()})? "
+                f"Else raise replica_timeout_s"
             ) from None
 
 
@@ -177,4 +179,5 @@ def start(
     actors = [actor_class.remote(*args) for _ in range(count)]
     address = ray.get_runtime_context().gcs_address
     logging.getLogger("tunix_train").info(f"{key}: engine actors on the Ray cluster at {address}")
-    return [RemoteSession(actor, session["slots"], session["version"], timeout_s) for actor in actors]
+    asks = {k: v for k, v in options.items() if k.startswith("num_")}
+    return [RemoteSession(actor, session["slots"], session["version"], timeout_s, asks) for actor in actors]
