@@ -18,10 +18,13 @@ import jax  # noqa: E402
 # (tunix_train/platform.py: jaxlib 0.10.2 loses their order in a cached executable, and the
 # devices deadlock), and so does this process, whose tests compile multi-device programs directly.
 jax.config.update("jax_enable_compilation_cache", False)
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # made by this session (xdist's workers inherit it)
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tunix_train_jax_cache_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def _reuse_identical_compilations(capacity: int = 64) -> None:
