@@ -118,6 +118,7 @@ class Done:  # what the engine returns for a request
     stop_token: int | None
     stop_logprob: float = -0.5
     routes: object = None  # record_routes: [positions fed, layers, k]
+    versions: list = dataclasses.field(default_factory=list)  # the weights' of each token
 
 
 def test_calls_run_and_their_results_continue_the_conversation(tokenizer):

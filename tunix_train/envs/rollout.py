@@ -43,6 +43,8 @@ class Trajectory:
     tool_errors: int = 0  # tool calls and environment steps that raised, timed out or were written wrong
     open: bool = True
     routes: np.ndarray | None = None  # the engine's experts per position fed (its record_routes)
+    # the weights' version that drew each token (the template's tokens: the turn's before them)
+    versions: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def last_turn(self) -> str:
@@ -134,6 +136,7 @@ class Turns:
         tr.tokens += completion.tokens + [completion.stop_token] * stopped
         tr.own += [1] * (len(completion.tokens) + stopped)
         tr.logprobs += completion.logprobs + [completion.stop_logprob] * stopped
+        tr.versions += completion.versions  # the stop token's included
         if completion.routes is not None:  # each position keeps the experts of the turn that first fed it
             known = 0 if tr.routes is None else len(tr.routes)
             tr.routes = np.concatenate([tr.routes, completion.routes[known:]]) if known else completion.routes
@@ -203,29 +206,25 @@ class Turns:
         tr.tokens += between
         tr.own += [0] * len(between)
         tr.logprobs += [0.0] * len(between)
+        tr.versions += tr.versions[-1:] * len(between)
 
 
 class Conversations:
     """Conversations continued one request at a time rather than a batch a turn (asynchronous
     rollouts, train/streaming.py: a GroupStream's `after`): a group's conversations by its key,
-    each one's next turn asked for as soon as its last finished, the weights' version that drew
-    each of its tokens kept (the template's tokens between turns: the version of the turn before;
-    the loss does not cover them)."""
+    each one's next turn asked for as soon as its last finished."""
 
     def __init__(self, turns: Turns, environment_class, name: str):
         self.turns, self.environment_class, self.name = turns, environment_class, name
-        # key -> its conversations: (trajectory, environment, each token's version)
-        self.open: dict[Any, list[tuple[Trajectory, Any, list[int]]]] = {}
+        self.open: dict[Any, list[tuple[Trajectory, Any]]] = {}  # key -> (trajectory, environment)s
 
     def start(self, key, record: dict[str, Any], count: int, images=None) -> list[tuple[list[int], int]]:
         """`count` conversations of `record` for group `key` (replacing any earlier ones of that
         key: it is drawn again); each one's first request (ids, max_new_tokens)."""
         self.close(key)
-        self.open[key] = []
-        for _ in range(count):
-            environment = self.environment_class()
-            self.open[key].append((self.turns.start(environment, record, self.name, images), environment, []))
-        return [self._request(tr) for tr, _, _ in self.open[key]]
+        environments = [self.environment_class() for _ in range(count)]
+        self.open[key] = [(self.turns.start(e, record, self.name, images), e) for e in environments]
+        return [self._request(tr) for tr, _ in self.open[key]]
 
     def _request(self, tr: Trajectory) -> tuple[list[int], int]:
         ids = tr.prompt + tr.tokens
@@ -234,38 +233,30 @@ class Conversations:
     def after(self, key, member: int, completion) -> tuple[list[int], int, int] | None:
         """Member `member` of group `key` after its request's `completion`: its next request (ids,
         max_new_tokens, turn), or None where the conversation has closed."""
-        tr, environment, versions = self.open[key][member]
-        before, turn = len(tr.tokens), tr.turns
+        tr, environment = self.open[key][member]
+        turn = tr.turns
         self.turns.after_turn(tr, environment, completion, turn)
-        versions += completion.versions
-        versions += versions[-1:] * (len(tr.tokens) - before - len(completion.versions))
         return (*self._request(tr), turn + 1) if tr.open else None
 
     def rows(self, key) -> dict[str, list]:
         """Group `key`'s finished conversations, per member: the fields a rollout's rows take with
         turns, and what the rewards read of them (texts: the last turn; messages; environment: its
         reward)."""
-        conversations = self.open[key]
+        trajectories = [tr for tr, _ in self.open[key]]
+        fields = ("logprobs", "own", "versions", "routes", "tool_calls", "tool_errors", "turns")
         return {
-            "prompt_ids": [tr.prompt for tr, _, _ in conversations],
-            "completions": [tr.tokens for tr, _, _ in conversations],
-            "logprobs": [tr.logprobs for tr, _, _ in conversations],
-            "own": [tr.own for tr, _, _ in conversations],
-            "versions": [list(v) for _, _, v in conversations],
-            "routes": [tr.routes for tr, _, _ in conversations],
-            **{
-                f: [getattr(tr, f) for tr, _, _ in conversations]
-                for f in ("tool_calls", "tool_errors", "turns")
-            },
-            "texts": [tr.last_turn for tr, _, _ in conversations],
-            "messages": [tr.messages for tr, _, _ in conversations],
-            "environment": [tr.reward for tr, _, _ in conversations],
+            "prompt_ids": [tr.prompt for tr in trajectories],
+            "completions": [tr.tokens for tr in trajectories],
+            **{f: [getattr(tr, f) for tr in trajectories] for f in fields},
+            "texts": [tr.last_turn for tr in trajectories],
+            "messages": [tr.messages for tr in trajectories],
+            "environment": [tr.reward for tr in trajectories],
         }
 
     def close(self, key) -> None:
         """Group `key`'s environments let go (an OpenEnv server's session), its conversations
         forgotten."""
-        for _, environment, _ in self.open.pop(key, []):
+        for _, environment in self.open.pop(key, []):
             getattr(environment, "close", lambda: None)()
 
     def close_all(self) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -112,26 +111,25 @@ class StreamedRollouts(Rollouts):
         self.keys = PromptKeys(prompts, gathered)
         self.stream = None  # generate/groups.GroupStream, once the first step's parameters exist
         self.finished: list[dict] = []  # groups as rows (Streaming.rows), restored, trained first
-        self.advance = lambda state: None  # Streaming.while_step_runs, once connected
-        self.rows: Callable[[Any], dict] = Streaming.rows_of  # Streaming.rows, once connected
-        self.conversations = None  # with turns: envs/rollout.Conversations, once connected
+        self.streaming: Streaming | None = None  # what drives the stream, once it started
 
     def while_step_runs(self, state) -> None:
-        self.advance(state)
+        if self.streaming is not None:
+            self.streaming.while_step_runs(self, state)
 
     def get_state(self) -> dict[str, Any]:
         keys = self.keys.get_state()
         finished = list(self.finished)
         if self.stream is not None:
             keys["returned"] = [list(k) for k in self.stream.unfinished()] + keys["returned"]
-            finished += [self.rows(g) for g in self.stream.ready]
+            finished += [self.streaming.rows(g) for g in self.stream.ready]
         return {"asynchronous": True, "keys": keys, "finished": finished}
 
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()
-        if self.conversations is not None:
-            self.conversations.close_all()
+        if self.streaming is not None and self.streaming.conversations is not None:
+            self.streaming.conversations.close_all()
         super().close()
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -258,8 +256,7 @@ class Streaming:
             on_lost=self._lost,
             after=self.after if self.conversations else None,
         )
-        rollouts.advance = functools.partial(self.while_step_runs, rollouts)
-        rollouts.rows, rollouts.conversations = self.rows, self.conversations
+        rollouts.streaming = self
 
     def _lost(self, replica: int, why: str, groups: int, left: int) -> None:
         """A replica dropped (GroupStream): said in one line while others are left (with none left
