@@ -28,9 +28,11 @@ from tunix_train.sharding import Rules, logical_to_spec
 CACHE_AXES = ("batch", "kv_heads", None, "head_dim")  # of [B, K, S, H], whose first two merge
 
 
-def slots_per_layer(cfg: ModelConfig, max_len: int) -> tuple[int, ...]:
-    """Cache slots of each layer for `max_len` time steps: its window where that is shorter."""
-    return tuple(int(min(window, max_len)) for window in layer_windows(cfg))
+def slots_per_layer(cfg: ModelConfig, max_len: int, lookahead: int = 0) -> tuple[int, ...]:
+    """Cache slots of each layer for `max_len` time steps: its window where that is shorter, plus
+    `lookahead` where a step writes that many positions past the row's last kept one (speculative
+    decoding's drafts): a rejected draft's key then never overwrites a position still in the window."""
+    return tuple(min(int(window) + lookahead, max_len) for window in layer_windows(cfg))
 
 
 def constrained(caches: list, cfg: ModelConfig, mesh: Mesh, rules: Rules) -> list:
@@ -118,67 +120,74 @@ def decode_attend(
     position_B: jax.Array,
     write: bool = True,
     on_write=lambda new: None,
+    positions: int = 1,
 ):
-    """For Attention, one new position per row: its key and value written to slot position % S
-    (on_write sees the new cache), then attention over the slots that hold the row's own positions
-    within the window. write=False: a KV-sharing layer reads `cache`, already holding the position."""
+    """For Attention, `positions` T new positions per row, from position_B on (one in decoding, a
+    draft's k+1 in verifying it): their keys and values written to slots position % S (on_write
+    sees the new cache), then attention of each over the slots that hold the row's own positions
+    up to it, within the window. write=False: a KV-sharing layer reads `cache`, already holding
+    them. Positions written past those kept later (rejected drafts) are overwritten before they
+    are read: a slot counts as holding the most recent position at or before the query's."""
     X, slots, _ = cache["k"].shape
-    B = position_B.shape[0]
-    held_BS = stored_positions(position_B, slots)
-    mask_B1S = kernels.visible_keys(position_B[:, None], jnp.ones((B, 1), bool), held_BS, held_BS >= 0)(
-        window
-    )
+    B, T = position_B.shape[0], positions
+    positions_BT = position_B[:, None] + jnp.arange(T)
+    held_BS = stored_positions(positions_BT[:, -1], slots)
+    mask_BTS = kernels.visible_keys(positions_BT, jnp.ones((B, T), bool), held_BS, held_BS >= 0)(window)
 
-    def attend(q_B1NH, k_B1KH, v_B1KH, softcap):
+    def attend(q_BTNH, k_BTKH, v_BTKH, softcap):
         if not write:
-            return cached_attention(q_B1NH, cache["k"], cache["v"], mask_B1S, softcap), None
-        slot_X = jnp.repeat(jnp.mod(position_B, slots), X // B)
-        new = {
-            name: _write(cache[name], slot_X, _rows(x)[:, 0]) for name, x in (("k", k_B1KH), ("v", v_B1KH))
-        }
+            return cached_attention(q_BTNH, cache["k"], cache["v"], mask_BTS, softcap), None
+        slot_XT = jnp.repeat(jnp.mod(positions_BT, slots), X // B, axis=0)
+        new = {name: _write(cache[name], slot_XT, _rows(x)) for name, x in (("k", k_BTKH), ("v", v_BTKH))}
         on_write(new)
-        return cached_attention(q_B1NH, new["k"], new["v"], mask_B1S, softcap), new
+        return cached_attention(q_BTNH, new["k"], new["v"], mask_BTS, softcap), new
 
     return attend
 
 
-def _write(cache_XSH: jax.Array, slot_X: jax.Array, new_XH: jax.Array) -> jax.Array:
-    """The cache with row x's slot slot_X[x] set to new_XH[x]: a scatter, except on XLA:CPU, where
-    the scatter in the decode loop fails to compile under xla_cpu_use_multi_output_fusion (jaxlib
-    0.10.2: "symbolic_map.cc Check failed"), so a select over the whole cache writes it there."""
-    new_XH = new_XH.astype(cache_XSH.dtype)
+def _write(cache_XSH: jax.Array, slot_XT: jax.Array, new_XTH: jax.Array) -> jax.Array:
+    """The cache with row x's slot slot_XT[x, t] set to new_XTH[x, t]: a scatter, except on
+    XLA:CPU, where the scatter in the decode loop fails to compile under
+    xla_cpu_use_multi_output_fusion (jaxlib 0.10.2: "symbolic_map.cc Check failed"), so a select
+    over the whole cache writes it there."""
+    new_XTH = new_XTH.astype(cache_XSH.dtype)
 
-    def select(cache_XSH, slot_X, new_XH):
-        hit_XS1 = (jnp.arange(cache_XSH.shape[1])[None] == slot_X[:, None])[:, :, None]
-        return jnp.where(hit_XS1, new_XH[:, None], cache_XSH)
+    def select(cache_XSH, slot_XT, new_XTH):
+        if slot_XT.shape[1] == 1:
+            hit_XS1 = (jnp.arange(cache_XSH.shape[1])[None] == slot_XT)[:, :, None]
+            return jnp.where(hit_XS1, new_XTH, cache_XSH)
+        hit_XTS = jnp.arange(cache_XSH.shape[1])[None, None] == slot_XT[:, :, None]
+        written_XSH = jnp.einsum("xts,xth->xsh", hit_XTS.astype(new_XTH.dtype), new_XTH)
+        return jnp.where(jnp.any(hit_XTS, axis=1)[:, :, None], written_XSH, cache_XSH)
 
-    def scatter(cache_XSH, slot_X, new_XH):
-        return cache_XSH.at[jnp.arange(cache_XSH.shape[0]), slot_X].set(new_XH, unique_indices=True)
+    def scatter(cache_XSH, slot_XT, new_XTH):
+        rows_XT = jnp.broadcast_to(jnp.arange(cache_XSH.shape[0])[:, None], slot_XT.shape)
+        return cache_XSH.at[rows_XT, slot_XT].set(new_XTH, unique_indices=True)
 
-    return jax.lax.platform_dependent(cache_XSH, slot_X, new_XH, cpu=select, default=scatter)
+    return jax.lax.platform_dependent(cache_XSH, slot_XT, new_XTH, cpu=select, default=scatter)
 
 
-def cached_attention(q_B1NH, k_XSH, v_XSH, mask_B1S, softcap: float | None):
-    """One query position against the cache rows X = B*K (kernels.softmax_attention: [B*K, S, H]
-    is [B, K, S, H], and one position's G queries per kv head are its [B, K, G, H])."""
-    B, _, N, H = q_B1NH.shape
+def cached_attention(q_BTNH, k_XSH, v_XSH, mask_BTS, softcap: float | None):
+    """T query positions against the cache rows X = B*K (kernels.softmax_attention: [B*K, S, H]
+    is [B, K, S, H], and the G queries per kv head of T positions are its [B, K, G*T, H])."""
+    B, T, N, H = q_BTNH.shape
     K = k_XSH.shape[0] // B
 
     def by_head(c_XSH):
         return c_XSH.reshape(B, K, -1, H)
 
-    out_BKGH, _ = kernels.softmax_attention(
-        q_B1NH.reshape(B, K, N // K, H), by_head(k_XSH), by_head(v_XSH), mask_B1S, softcap
+    out_BKXH, _ = kernels.softmax_attention(
+        kernels.grouped(q_BTNH, K), by_head(k_XSH), by_head(v_XSH), mask_BTS, softcap
     )
-    return out_BKGH.reshape(B, 1, N, H)
+    return kernels.ungrouped(out_BKXH, T)
 
 
-def cache_bytes(cfg: ModelConfig, rows: int, max_len: int, itemsize: int) -> int:
+def cache_bytes(cfg: ModelConfig, rows: int, max_len: int, itemsize: int, lookahead: int = 0) -> int:
     """Bytes of the whole cache (keys and values of every layer), before sharding."""
     return int(
         sum(
             2 * rows * shape.num_kv_heads * slots * shape.head_dim * itemsize
-            for slots, shape in zip(slots_per_layer(cfg, max_len), layer_shapes(cfg))
+            for slots, shape in zip(slots_per_layer(cfg, max_len, lookahead), layer_shapes(cfg))
             if not shape.shares_kv
         )
     )

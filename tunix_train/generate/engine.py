@@ -31,12 +31,15 @@ from jax.sharding import Mesh
 
 from tunix_train.config import ConfigError, LoraConfig, ModelConfig, Remat, RopeScalingType
 from tunix_train.generate import cache as kv
+from tunix_train.generate import speculative
 from tunix_train.generate.sampling import Draws, Kinds, draw
 from tunix_train.generate.session import Completion, Request, Session  # noqa: F401 (Completion: the API)
+from tunix_train.generate.speculative import Speculation
 from tunix_train.model.common import output_logits
-from tunix_train.model.layout import kv_sources, layer_windows
+from tunix_train.model.layout import kv_sources, layer_shapes, layer_windows
 from tunix_train.model.vision import image_slots, images_on_global, token_counts
 from tunix_train.parallel import model_graphdef
+from tunix_train.platform import small_dot_options
 from tunix_train.sharding import LOGICAL_RULES, constrain, data_parallel_size
 
 
@@ -49,12 +52,15 @@ def _draw(logits_BV, draws: Draws, count_B, kinds: Kinds):
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """What the engine trades memory and compile time for, never a token: `chunk` decode steps per
-    compiled call, and how many recent prompts' prefills `prefix_cache` keeps for reuse (0: every
-    request is prefilled on its own)."""
+    """What the engine trades memory and compile time for, never a token's distribution: `chunk`
+    decode steps per compiled call, how many recent prompts' prefills `prefix_cache` keeps for
+    reuse (0: every request is prefilled on its own), and `speculation`: drafted tokens the model
+    verifies (speculative.py; greedy output is the same token for token, sampled output the same
+    distribution, not the same draws of a seed)."""
 
     chunk: int = 8
     prefix_cache: int = 4
+    speculation: Optional[Speculation] = None
 
 
 class Engine:
@@ -87,11 +93,34 @@ class Engine:
         self.source = kv_sources(cfg)
         self.prefill_step = jax.jit(self._prefill_fn, static_argnames=("max_len",))
         self.insert_step = jax.jit(self._insert_fn, static_argnames=("kinds",), donate_argnums=(0,))
-        self.decode_step = jax.jit(self._decode_fn, static_argnames=("kinds",), donate_argnums=(2,))
+        self.put_step = jax.jit(self._put, donate_argnums=(0,))
+        self.speculation, self.draft, self.lookahead = tuning.speculation, None, 0
+        if self.speculation is None:
+            self.decode_step = jax.jit(self._decode_fn, static_argnames=("kinds",), donate_argnums=(2,))
+        else:
+            self._speculative(self.speculation, record_routes)
         self.unstack = jax.jit(lambda params: nnx.merge(self.graphdef, params).layer_states())
         self._empty_caches: dict = {}
         # prefill_s, prefills, prefix_hits, decode_s, steps, tokens, and the last session's cache_bytes
         self.stats = collections.Counter()
+
+    def _speculative(self, speculation: Speculation, record_routes: bool) -> None:
+        """Decoding by speculation: a round writes k positions past a row's last kept one, so the
+        caches keep k more slots (cache.slots_per_layer), the draft model's too (an engine of its
+        own, used for its compiled pieces)."""
+        speculation.check(self.cfg)
+        if record_routes:
+            raise ConfigError("routing replay records no experts under speculative decoding: turn one off")
+        self.lookahead = speculation.tokens
+        if speculation.draft is not None:
+            self.draft = Engine(speculation.draft, self.mesh, slots=self.slots, tuning=Tuning(prefix_cache=0))
+            self.draft.lookahead = self.lookahead
+        self.decode_step = jax.jit(
+            functools.partial(speculative.chunk, self),
+            static_argnames=("kinds",),
+            donate_argnums=(2,),
+            compiler_options=small_dot_options(self.mesh),
+        )
 
     # -- the compiled pieces -------------------------------------------------------------------
 
@@ -106,14 +135,19 @@ class Engine:
         images=None,
         slots_BT=None,
     ):
-        """Next-token logits [B, V] at index last_B (default the last), each layer's cache (None for
-        a layer that reuses an earlier one's keys and values), and with record_routes each token's
-        experts in each layer [B, T, L, k] (else None). images, slots_BT: Decoder.embed's."""
+        """Next-token logits [B, V] at index last_B (None: after every position, [B, T, V], or [B, V]
+        for one), each layer's cache (None for a layer that reuses an earlier one's keys and
+        values), and with record_routes each token's experts in each layer [B, T, L, k] (else
+        None). images, slots_BT: Decoder.embed's."""
         model = nnx.merge(self.graphdef, params)
+        every = last_B is None and tokens_BT.shape[1] > 1
         x_BD, caches, routes_BTLK = model.unrolled_layers(
-            per_layer, tokens_BT, positions_BT, attend_of_layer, last_B, images, slots_BT
+            per_layer, tokens_BT, positions_BT, attend_of_layer, last_B, images, slots_BT, every
         )
-        logits_BV = output_logits(x_BD, model.output_table(), self.cfg.final_logit_softcap, self.rules)
+        # every position's as rows of one batch: output_logits' faster layout for a decode step's
+        x_XD = x_BD.reshape(-1, x_BD.shape[-1])
+        logits_XV = output_logits(x_XD, model.output_table(), self.cfg.final_logit_softcap, self.rules)
+        logits_BV = logits_XV.reshape(*x_BD.shape[:-1], -1)
         routes_BTLK = routes_BTLK if self.record_routes else None
         return logits_BV, kv.constrained(caches, self.cfg, self.mesh, self.rules), routes_BTLK
 
@@ -122,7 +156,7 @@ class Engine:
         [N, V] after each prompt's last token, and the experts of their tokens (_forward). images:
         each prompt's [I, C, H, W] (model.vision; zeros past a prompt's own), or None."""
         P_ = tokens_NP.shape[1]
-        slots = kv.slots_per_layer(self.cfg, max_len)
+        slots = kv.slots_per_layer(self.cfg, max_len, self.lookahead)
         positions_NP = jnp.broadcast_to(jnp.arange(P_), tokens_NP.shape)
         if self.cfg.rope_scaling.type is RopeScalingType.longrope:  # it reads each row's last position:
             positions_NP = jnp.where(positions_NP < length_N[:, None], positions_NP, 0)  # not the padding's
@@ -152,22 +186,46 @@ class Engine:
         """The caches with prefill row row_n[i] of `entries` written over slot slot_n[i]'s rows, for
         each i, and each request's first token (number 0 of its stream) drawn from its row's logits."""
 
+        caches = self._put(caches, entries, row_n, slot_n)
+        # the rows split over the data axes, as in decoding: a replicated draw would repeat on every device
+        logits_nV = constrain(logits_NV[row_n], ("batch", "act_vocab"), self.rules)
+        token_n, logprob_n = _draw(logits_nV, draws_n, jnp.zeros_like(draws_n.stream, jnp.int32), kinds)
+        return caches, token_n, logprob_n
+
+    def _put(self, caches, entries, row_n, slot_n):
+        """The caches with prefill row row_n[i] of `entries` written over slot slot_n[i]'s rows."""
+
         def put(i, caches):
-            def one(cache, entry):
-                K = entry.shape[0] // logits_NV.shape[0]
+            def one(cache, entry, K):
                 mine = jax.lax.dynamic_slice_in_dim(entry, row_n[i] * K, K, 0)
                 return jax.lax.dynamic_update_slice_in_dim(cache, mine.astype(cache.dtype), slot_n[i] * K, 0)
 
             return [
-                None if c is None else {name: one(c[name], e[name]) for name in c}
-                for c, e in zip(caches, entries)
+                None if c is None else {name: one(c[name], e[name], shape.num_kv_heads) for name in c}
+                for c, e, shape in zip(caches, entries, layer_shapes(self.cfg))
             ]
 
         caches = jax.lax.fori_loop(0, row_n.shape[0], put, caches)
-        # the rows split over the data axes, as in decoding: a replicated draw would repeat on every device
-        logits_nV = constrain(logits_NV[row_n], ("batch", "act_vocab"), self.rules)
-        token_n, logprob_n = _draw(logits_nV, draws_n, jnp.zeros_like(draws_n.stream, jnp.int32), kinds)
-        return kv.constrained(caches, self.cfg, self.mesh, self.rules), token_n, logprob_n
+        return kv.constrained(caches, self.cfg, self.mesh, self.rules)
+
+    def extend(self, params, per_layer, caches, tokens_BT, position_B):
+        """Feeds each row's T tokens at positions position_B, position_B + 1, ... over its cache:
+        the logits after each ([B, V] for one token, [B, T, V] for more), the caches, and the
+        experts chosen (_forward)."""
+        T = tokens_BT.shape[1]
+        updated = list(caches)  # the KV-sharing layers read their source's cache after its update
+
+        def attend_of_layer(i):
+            window = self.windows[i]
+            if self.source[i] != i:
+                return kv.decode_attend(updated[self.source[i]], window, position_B, False, positions=T)
+            return kv.decode_attend(
+                caches[i], window, position_B, on_write=lambda c: updated.__setitem__(i, c), positions=T
+            )
+
+        return self._forward(
+            params, per_layer, tokens_BT, position_B[:, None] + jnp.arange(T), attend_of_layer
+        )
 
     def _decode_fn(
         self, params, per_layer, caches, token_B, position_B, count_B, draws_B: Draws, *, kinds: Kinds
@@ -179,17 +237,8 @@ class Engine:
 
         def step(carry, _):
             caches, token_B, position_B, count_B = carry
-            updated = list(caches)  # the KV-sharing layers read their source's cache after its update
-
-            def attend_of_layer(i):
-                if self.source[i] != i:
-                    return kv.decode_attend(updated[self.source[i]], self.windows[i], position_B, write=False)
-                return kv.decode_attend(
-                    caches[i], self.windows[i], position_B, on_write=lambda c: updated.__setitem__(i, c)
-                )
-
-            logits_BV, caches, routes_B1LK = self._forward(
-                params, per_layer, token_B[:, None], position_B[:, None], attend_of_layer
+            logits_BV, caches, routes_B1LK = self.extend(
+                params, per_layer, caches, token_B[:, None], position_B
             )
             drawn_B, logprob_B = _draw(logits_BV, draws_B, count_B, kinds)
             routes_BLK = None if routes_B1LK is None else routes_B1LK[:, 0]
@@ -268,9 +317,9 @@ class Engine:
 
     def max_len_for(self, requests: Sequence[Request]) -> int:
         """Cache slots of a global layer that serve every request: a multiple of 64, within the context."""
-        needed = max(len(r.prompt) + r.max_new_tokens for r in requests)
+        needed = max(len(r.prompt) + r.max_new_tokens for r in requests) + self.lookahead
         rounded = -(-needed // 64) * 64
-        return min(rounded, self.cfg.context_length or rounded)
+        return min(rounded, (self.cfg.context_length or rounded) + self.lookahead)
 
     def empty_caches(self, params, per_layer, max_len: int, slots: int) -> list:
         """Every slot's cache, zeros: a prefill entry's layout (and dtype) with `slots` times its
@@ -308,11 +357,18 @@ class Engine:
         return -(-min(requests, self.slots or requests) // dp) * dp
 
     def session(
-        self, params, max_len: int, slots: int, kinds: Kinds = Kinds(True, True, True), version: int = 0
+        self,
+        params,
+        max_len: int,
+        slots: int,
+        kinds: Kinds = Kinds(True, True, True),
+        version: int = 0,
+        draft_params=None,
     ) -> "Session":
         """`slots` slots and their caches for requests of at most max_len tokens with their
-        completions; `version`: the parameters', recorded with each token (Session.install)."""
-        return Session(self, params, max_len, slots, kinds, version)
+        completions; `version`: the parameters', recorded with each token (Session.install);
+        draft_params: the draft model's, where the engine speculates with one."""
+        return Session(self, params, max_len, slots, kinds, version, draft_params)
 
     def generate(
         self,
@@ -321,11 +377,13 @@ class Engine:
         max_len: Optional[int] = None,
         on_tokens: Optional[Callable[[int, list[int]], None]] = None,
         longest_first: bool = True,
+        draft_params=None,
     ) -> list[Completion]:
         """Every request's completion, in order; on_tokens(request index, new tokens) as they come.
         longest_first: the requests with the most max_new_tokens take slots first (longest
         processing time first: the last slots to free then free close together), ties in order;
-        False: in the order given. A request's tokens do not depend on when it starts (session.py)."""
+        False: in the order given. A request's tokens do not depend on when it starts (session.py).
+        draft_params: the draft model's, where the engine speculates with one."""
         requests = self.checked(requests)
         if not requests:
             return []
@@ -334,6 +392,7 @@ class Engine:
             max_len or self.max_len_for(requests),
             self.slots_for(len(requests)),
             Kinds.of(r.sampling for r in requests),
+            draft_params=draft_params,
         )
         ids = [None] * len(requests)
         for i in sorted(
@@ -347,11 +406,15 @@ class Engine:
                     on_tokens(index[rid], tokens)
         return [session.completions.pop(rid) for rid in ids]
 
-    def stream(self, params, request: Request) -> Iterator[list[int]]:
+    def stream(self, params, request: Request, draft_params=None) -> Iterator[list[int]]:
         """The request's new tokens, a chunk at a time, as they are produced."""
         (request,) = self.checked([request])
         session = self.session(
-            params, self.max_len_for([request]), self.slots_for(1), Kinds.of([request.sampling])
+            params,
+            self.max_len_for([request]),
+            self.slots_for(1),
+            Kinds.of([request.sampling]),
+            draft_params=draft_params,
         )
         rid = session.add(request)
         while session.busy:

@@ -27,10 +27,11 @@ from tunix_train.data.chat import ChatTemplate, check_messages, find_template
 from tunix_train.data.images import ImageTokens, split_images
 from tunix_train.data.tokenizer import Tokenizer, carries_tokenizer, load_tokenizer, run_tokenizer, with_bos
 from tunix_train.files import write_text
-from tunix_train.generate.engine import Completion, Engine, Request
+from tunix_train.generate.engine import Completion, Engine, Request, Tuning
 from tunix_train.generate.sampling import Sampling
 from tunix_train.generate.scoring import Scored, Scorer
 from tunix_train.generate.session import before_stop
+from tunix_train.generate.speculative import Speculation
 from tunix_train.interop import hf, loader, peft
 from tunix_train.observe.memory import MemoryErrors
 from tunix_train.parallel import model_graphdef
@@ -64,6 +65,7 @@ class LoadedModel:
             decode=None if self.tokenizer is None else self.tokenizer.decode,
         )
         self._scorer = Scorer(graphdef, self.mesh, self.config.vocab_size)
+        self._drafts: dict = {}  # engine_for's: the engines of speculative decoding, loaded drafts
 
     def score(self, rows: Sequence[Sequence[int]], top: int = 0, batch: int = 8) -> list[Scored]:
         """Each row of token ids scored teacher-forced (scoring.py): log p(token | tokens before
@@ -77,14 +79,19 @@ class LoadedModel:
         prompts: Sequence[Sequence[int] | str],
         max_new_tokens: int,
         on_tokens: Optional[Callable[[int, list[int]], None]] = None,
+        draft: Any = None,
+        speculative_tokens: int = 4,
         **sampling: Any,
     ) -> list[list[int]]:
         """New token ids for each prompt (token ids, or text encoded with BOS by the tokenizer),
         without the stop token: greedy at temperature 0, else sampled (prompt i draws from
         fold_in(key(seed), i): same seed, same tokens on any mesh and beside any other prompt).
-        on_tokens(prompt index, new tokens) as they are produced. sampling: requests' keywords."""
+        on_tokens(prompt index, new tokens) as they are produced. draft: speculative decoding with
+        a draft model (a LoadedModel on this mesh, or a checkpoint's path), speculative_tokens
+        drafted a round, or as a Speculation says (speculative.py: prompt lookup); the same tokens
+        greedily, the same distribution sampled. sampling: requests' keywords."""
         requests = self.requests(prompts, max_new_tokens, **sampling)
-        return [c.tokens for c in self.complete(requests, on_tokens)]
+        return [c.tokens for c in self.complete(requests, on_tokens, draft, speculative_tokens)]
 
     def requests(
         self,
@@ -113,20 +120,69 @@ class LoadedModel:
         ]
 
     def complete(
-        self, requests: Sequence[Request], on_tokens: Optional[Callable[[int, list[int]], None]] = None
+        self,
+        requests: Sequence[Request],
+        on_tokens: Optional[Callable[[int, list[int]], None]] = None,
+        draft: Any = None,
+        speculative_tokens: int = 4,
     ) -> list[Completion]:
-        """Each request's completion: its tokens, their log-probabilities, why it ended."""
+        """Each request's completion: its tokens, their log-probabilities, why it ended (draft,
+        speculative_tokens: as generate takes them)."""
+        engine, draft_params = self.engine_for(draft, speculative_tokens)
         with MemoryErrors(None, self.mesh, training=False, first_tips=self._memory_tips(requests)):
-            return self.engine.generate(self.params, requests, on_tokens=on_tokens)
+            return engine.generate(self.params, requests, on_tokens=on_tokens, draft_params=draft_params)
 
     def stream(
-        self, prompt: Sequence[int] | str, max_new_tokens: int, images: Any = None, **sampling: Any
+        self,
+        prompt: Sequence[int] | str,
+        max_new_tokens: int,
+        images: Any = None,
+        draft: Any = None,
+        speculative_tokens: int = 4,
+        **sampling: Any,
     ) -> Iterator[list[int]]:
         """The new tokens of one prompt, a chunk at a time, as they are produced (images: its
-        pixel values [n, C, H, W], as generate takes them)."""
+        pixel values [n, C, H, W]; draft, speculative_tokens: as generate takes them)."""
         (request,) = self.requests([prompt], max_new_tokens, images=[images], **sampling)
+        engine, draft_params = self.engine_for(draft, speculative_tokens)
         with MemoryErrors(None, self.mesh, training=False, first_tips=self._memory_tips([request])):
-            yield from self.engine.stream(self.params, request)
+            yield from engine.stream(self.params, request, draft_params)
+
+    def engine_for(self, draft: Any, tokens: int = 4) -> tuple[Engine, Any]:
+        """The engine for `draft` (None: the plain one; a LoadedModel or a path, drafting `tokens` a
+        round, or a Speculation, as generate takes them), made once per draft, and the draft
+        model's parameters (or None)."""
+        if draft is None:
+            return self.engine, None
+        if isinstance(draft, (str, Path)):
+            key = ("path", str(draft))
+            if key not in self._drafts:
+                self._drafts[key] = load(draft, _mesh_shape(self.mesh), list(self.mesh.devices.flat))
+            draft = self._drafts[key]
+        if isinstance(draft, LoadedModel):
+            if draft.mesh != self.mesh:
+                raise ConfigError(
+                    "a draft model must be loaded on the model's mesh: load it with its mesh_shape"
+                )
+            speculation, draft_params = Speculation(tokens, draft.config), draft.params
+        elif isinstance(draft, Speculation):
+            speculation, draft_params = draft, None
+        else:
+            raise ConfigError(f"draft={draft!r}: give a loaded model, a checkpoint's path or a Speculation")
+        if speculation.draft is not None and draft_params is None:
+            raise ConfigError(
+                "a Speculation with a draft model's config: pass the loaded draft model instead"
+            )
+        key = (speculation.tokens, speculation.lookup, speculation.rounds, id(speculation.draft))
+        if key not in self._drafts:
+            self._drafts[key] = Engine(
+                self.config,
+                self.mesh,
+                self.stop_ids,
+                decode=None if self.tokenizer is None else self.tokenizer.decode,
+                tuning=Tuning(speculation=speculation),
+            )
+        return self._drafts[key], draft_params
 
     def _memory_tips(self, requests: Sequence[Request]) -> list[str]:
         return [
@@ -140,6 +196,8 @@ class LoadedModel:
         messages: Sequence[dict],
         max_new_tokens: int,
         images_from: Optional[Path] = None,
+        draft: Any = None,
+        speculative_tokens: int = 4,
         **sampling: Any,
     ) -> Iterator[str]:
         """The assistant's reply to a conversation ([{role, content}], rendered with the chat
@@ -156,8 +214,9 @@ class LoadedModel:
         if end and len(self.tokenizer.encode(end)) > 1:  # not one token: the engine stops at its text
             request = dataclasses.replace(request, stop_strings=(end,))
         ids, shown = [], ""
+        engine, draft_params = self.engine_for(draft, speculative_tokens)
         with MemoryErrors(None, self.mesh, training=False, first_tips=self._memory_tips([request])):
-            for new in self.engine.stream(self.params, request):
+            for new in engine.stream(self.params, request, draft_params):
                 ids.extend(new)
                 text, _ = before_stop(self.tokenizer.decode(ids), [end] if end else [], final=False)
                 if len(text) > len(shown):
@@ -323,6 +382,11 @@ def load(path: str | Path, mesh_shape: Any = None, devices: list[jax.Device] | N
     return LoadedModel(
         cfg.model, mesh, loaded.params, tokenizer, stop_ids, loaded.adapters, loaded.lora, chat
     )
+
+
+def _mesh_shape(mesh: Mesh) -> list:
+    """A mesh's mesh_shape: [[sizes], [axis names]]."""
+    return [list(mesh.shape.values()), list(mesh.shape.keys())]
 
 
 def _image_tokens(model: ModelConfig, tokenizer: Tokenizer) -> Optional[ImageTokens]:

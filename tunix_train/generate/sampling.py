@@ -91,21 +91,33 @@ def draw(logits_BV: jax.Array, rules: Rules, keys_B: jax.Array, kinds: Kinds):
     distribution before the top-k and top-p cuts (as vLLM reports them; T = 1 for a greedy row)."""
     logits_BV = logits_BV.astype(jnp.float32)
     greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    temperature_B1 = rules.temperature[:, None]
-    logp_BV = jax.nn.log_softmax(logits_BV / jnp.where(temperature_B1 > 0, temperature_B1, 1.0), axis=-1)
+    logp_BV, kept_BV = cut(logits_BV, rules, kinds)
     token_B = greedy_B
     if kinds.sample:
-        kept_BV = logp_BV
-        if kinds.top_k or kinds.top_p:
-            sorted_BV = jnp.sort(logp_BV, axis=-1)[:, ::-1]
-            if kinds.top_k:
-                kth_B1 = jnp.take_along_axis(sorted_BV, rules.top_k[:, None] - 1, axis=-1)
-                kept_BV = jnp.where(logp_BV >= kth_B1, kept_BV, -jnp.inf)
-            if kinds.top_p:
-                kept_BV = jnp.where(logp_BV >= top_p_threshold(sorted_BV, rules.top_p), kept_BV, -jnp.inf)
-        drawn_B = categorical(keys_B, kept_BV)
-        token_B = jnp.where((rules.temperature > 0) & (rules.top_k != 1), drawn_B, greedy_B)
+        token_B = jnp.where(sampled(rules), categorical(keys_B, kept_BV), greedy_B)
     return token_B, jnp.take_along_axis(logp_BV, token_B[:, None], axis=-1)[:, 0]
+
+
+def sampled(rules: Rules) -> jax.Array:
+    """[B]: the rows that draw at random (the others take the most likely token)."""
+    return (rules.temperature > 0) & (rules.top_k != 1)
+
+
+def cut(logits_BV: jax.Array, rules: Rules, kinds: Kinds) -> tuple[jax.Array, jax.Array]:
+    """float32 (log softmax(logits / T), the same less the tokens the top-k and top-p cuts remove,
+    -inf there, not renormalized): what a row reports, and what it draws from."""
+    logits_BV = logits_BV.astype(jnp.float32)
+    temperature_B1 = rules.temperature[:, None]
+    logp_BV = jax.nn.log_softmax(logits_BV / jnp.where(temperature_B1 > 0, temperature_B1, 1.0), axis=-1)
+    kept_BV = logp_BV
+    if kinds.sample and (kinds.top_k or kinds.top_p):
+        sorted_BV = jnp.sort(logp_BV, axis=-1)[:, ::-1]
+        if kinds.top_k:
+            kth_B1 = jnp.take_along_axis(sorted_BV, rules.top_k[:, None] - 1, axis=-1)
+            kept_BV = jnp.where(logp_BV >= kth_B1, kept_BV, -jnp.inf)
+        if kinds.top_p:
+            kept_BV = jnp.where(logp_BV >= top_p_threshold(sorted_BV, rules.top_p), kept_BV, -jnp.inf)
+    return logp_BV, kept_BV
 
 
 def top_p_threshold(sorted_BV: jax.Array, top_p_B: jax.Array) -> jax.Array:

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tunix_train.config import ConfigError
+from tunix_train.generate import speculative
 from tunix_train.generate.batching import batch_rows, bucket, prefill_batches, prefill_images
 from tunix_train.generate.sampling import Draws, Kinds, Rules, Sampling
 from tunix_train.sharding import data_axes, data_parallel_size
@@ -121,9 +122,12 @@ class Session:
     """One run of the engine's slots: requests wait in a queue, take a free slot, and leave when
     they stop. add() may be called while it runs; step() advances it by one chunk."""
 
-    def __init__(self, engine, params, max_len: int, slots: int, kinds: Kinds, version: int = 0):
+    def __init__(
+        self, engine, params, max_len: int, slots: int, kinds: Kinds, version: int = 0, draft_params=None
+    ):
         """engine: the Engine (engine.py) whose compiled pieces run the session. version: the
-        parameters' (a training step, for asynchronous RL), recorded with every token they draw."""
+        parameters' (a training step, for asynchronous RL), recorded with every token they draw.
+        draft_params: the draft model's, where the engine speculates with one."""
         self.engine, self.params, self.max_len, self.slots, self.kinds = engine, params, max_len, slots, kinds
         self.version = version
         self.queue: collections.deque[tuple[int, Request]] = collections.deque()
@@ -148,6 +152,7 @@ class Session:
         }
         self.seeds = np.zeros((slots, *_seed_key(0).shape), np.uint32)
         self._on_device = None  # the rows' arrays on the devices, while the host has not changed them
+        self.drafter = speculative.drafter(e, draft_params, max_len, slots)
         e.stats["cache_bytes"] = sum(x.nbytes for c in self.caches if c is not None for x in c.values())
         # prompt -> (entries, logits, routes, row)
         self._prefixes: collections.OrderedDict = collections.OrderedDict()
@@ -168,10 +173,11 @@ class Session:
 
     def add(self, request: Request) -> int:
         """Queues a request; returns its id (the key of its completion)."""
-        if len(request.prompt) + request.max_new_tokens > self.max_len:
+        if len(request.prompt) + request.max_new_tokens + self.engine.lookahead > self.max_len:
+            drafts = f" plus {self.engine.lookahead} drafted" if self.engine.lookahead else ""
             raise ConfigError(
-                f"a prompt of {len(request.prompt)} tokens plus max_new_tokens={request.max_new_tokens} "
-                f"is longer than this session's {self.max_len} tokens"
+                f"a prompt of {len(request.prompt)} tokens plus max_new_tokens={request.max_new_tokens}"
+                f"{drafts} is longer than this session's {self.max_len} tokens"
             )
         rid, self._next_id = self._next_id, self._next_id + 1
         self.queue.append((rid, request))
@@ -289,6 +295,16 @@ class Session:
                 max_len=self.max_len,
             )
             routes = None if routes is None else _fetch(routes)[0]
+            if isinstance(self.drafter, speculative.DraftModel):  # the draft reads the prompt too
+                draft = e.draft.prefill_step(
+                    self.drafter.params,
+                    self.drafter.per_layer,
+                    self._rows(tokens),
+                    self._rows(lengths),
+                    None if images is None or e.draft.cfg.vision is None else self._rows(images),
+                    max_len=self.max_len,
+                )[0]
+                entries = (entries, draft)
             found.update({k: (entries, logits, routes, row) for row, (k, _) in enumerate(group)})
             e.stats["prefills"] += len(group)
         e.stats["prefix_hits"] += len(starting) - len(todo)
@@ -324,6 +340,9 @@ class Session:
                 row[name][slot] = value
             self.seeds[slot] = _seed_key(request.seed)
             self.running[slot] = (rid, request)
+            if isinstance(self.drafter, np.ndarray):  # prompt lookup's history: the prompt, for now
+                self.drafter[slot] = 0
+                self.drafter[slot, : len(request.prompt)] = request.prompt
             by_source.setdefault(id(logits), (entries, logits, []))[2].append((prefill_row, slot))
         drawn = []
         for entries, logits, pairs in by_source.values():
@@ -333,6 +352,11 @@ class Session:
             rows = max(batch_rows(len(pairs), data_parallel_size(e.mesh)), logits.shape[0])
             pairs += [pairs[-1]] * (rows - len(pairs))
             rows_n, slots_n = (np.asarray(x, np.int32) for x in zip(*pairs))
+            if isinstance(self.drafter, speculative.DraftModel):
+                entries, draft = entries
+                self.drafter = self.drafter._replace(
+                    caches=e.draft.put_step(self.drafter.caches, draft, rows_n, slots_n)
+                )
             drawn.append((slots_n, *self._insert(entries, logits, rows_n, slots_n)))
         new, done = [], set()
         for slots_n, token_n, logprob_n in drawn:
@@ -341,6 +365,8 @@ class Session:
                 if slot not in done:
                     done.add(slot)
                     row["token"][slot] = token
+                    if isinstance(self.drafter, np.ndarray):
+                        self.drafter[slot, row["position"][slot]] = token
                     new.append((self.running[slot][0], self._take(slot, [token], [logprob])))
         e.stats["prefill_s"] += time.perf_counter() - start
         return new
@@ -369,6 +395,10 @@ class Session:
         start = time.perf_counter()
         if self._on_device is None:  # the rows changed on the host (a request started): upload them
             self._on_device = ({name: self._rows(x) for name, x in row.items()}, self._rows(self.seeds))
+        if e.speculation is not None:
+            new = speculative.decode_chunk(self)
+            e.stats["decode_s"] += time.perf_counter() - start
+            return new
         rows, seeds = self._on_device
         self.caches, token_B, position_B, count_B, drawn_BC, logprob_BC, routes_BC = e.decode_step(
             self.params,

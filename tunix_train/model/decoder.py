@@ -368,10 +368,12 @@ class Decoder(nnx.Module):
         last_B=None,
         images=None,
         slots_BT=None,
+        every_position: bool = False,
     ):
-        """The final normed hidden state at index last_B of each row (default: the last) [B, D],
-        what each layer's attend returned beside its output (the engine: the layer's KV cache), and
-        each token's experts in each layer [B, T, L, k] (None without experts). The
+        """The final normed hidden state at index last_B of each row (default: the last) [B, D]
+        (every_position: at each position, [B, T, D]), what each layer's attend returned beside
+        its output (the engine: the layer's KV cache), and each token's experts in each layer
+        [B, T, L, k] (None without experts). The
         periods of _layers run one after another instead of scanned, each layer with its own
         parameters (layer_states) and attend_of_layer(i): how the engine runs them, each layer
         reading and writing its own cache. images, slots_BT: as embed takes them."""
@@ -398,7 +400,9 @@ class Decoder(nnx.Module):
                 routes.update(zip(layers, period_routes))
         x_BTD = carry[0]
         x_BD = (
-            x_BTD[:, -1]
+            x_BTD
+            if every_position
+            else x_BTD[:, -1]
             if last_B is None
             else jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)[:, 0]
         )

@@ -1,0 +1,193 @@
+"""Speculative decoding against the plain engine, on the same model and prompts in the same run.
+
+    python scripts/benchmark_speculative.py [--out DIR] [--teacher-steps 600] [--draft-steps 600]
+        [--tokens 4] [--new-tokens 96] [--rounds 3]
+
+The model: gemma3_small (4 x 256) trained on the bundled corpus for --teacher-steps. The draft:
+gemma3_tiny at the corpus's 4096 tokens (2 x 64: about a twelfth of the model's parameters),
+distilled from it with this project's objective=distill for --draft-steps. Both are trained by the
+real command line into DIR (default outputs/speculative), or reused when DIR already holds them.
+
+Figures, each tokens per second of generated tokens over the wall time of a whole generate call
+(prefill included), alternating plain and speculative calls, `--rounds` of each after a warm-up
+that compiles, the median taken:
+- the draft model at batch 1 and 8, greedy and at temperature 1, on held-out lines of the corpus;
+- prompt lookup on a copying task: a passage of the corpus, then its first words again, which the
+  model continues by quoting it.
+Greedy outputs of the two engines are compared token for token (greedy_equal). The acceptance rate
+is accepted drafts over drafted ones; the mean accepted length is the tokens a verify round emits
+(accepted drafts plus the model's own), counted for the rounds of unfinished requests.
+
+On a CPU the model's decode step is mostly per-operation overhead rather than arithmetic, so a
+verify round of k + 1 positions costs little more than one step and a draft step of a 2-layer model
+about a seventh of it; on an accelerator the balance differs (docs/performance.md lists the GPU run).
+The last line is JSON of every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from grpo_demo import run  # noqa: E402  (a stage as the command line, its log in DIR)
+
+DRAFT = ["model=gemma3_tiny", "model.vocab_size=4096"]
+
+
+def train(out: Path, args) -> None:
+    """The model and its distilled draft, unless DIR holds them already."""
+    if not (out / "model" / "config.yaml").exists() and not any((out / "model").glob("checkpoints/*")):
+        run(
+            "run_training.py",
+            "model=gemma3_small",
+            f"training.max_steps={args.teacher_steps}",
+            f"training.eval_every={args.teacher_steps}",
+            f"hydra.run.dir={out / 'model'}",
+            log=out / "model.log",
+        )
+    if not any((out / "draft").glob("checkpoints/*")):
+        run(
+            "run_training.py",
+            *DRAFT,
+            "objective=distill",
+            f"training.distill.teacher={out / 'model'}",
+            "training.distill.ce_weight=1.0",
+            f"training.max_steps={args.draft_steps}",
+            f"training.eval_every={args.draft_steps}",
+            f"hydra.run.dir={out / 'draft'}",
+            log=out / "draft.log",
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "speculative")
+    parser.add_argument("--teacher-steps", type=int, default=600)
+    parser.add_argument("--draft-steps", type=int, default=600)
+    parser.add_argument("--tokens", type=int, default=4, help="drafted tokens per round (k)")
+    parser.add_argument("--lookup", type=int, default=3, help="prompt lookup's longest n-gram")
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=3, help="timed calls of each engine")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--train-only", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    train(args.out, args)
+    if args.train_only:
+        return 0
+    figures = measure(args)
+    print(json.dumps(figures))
+    return 0
+
+
+def measure(args) -> dict:
+    import jax
+
+    from tunix_train import api
+    from tunix_train.generate import Engine, Request, Sampling, Tuning
+    from tunix_train.generate.speculative import Speculation
+
+    devices = jax.devices()[:1]
+    model = api.load(args.out / "model", [[1], ["fsdp"]], devices)
+    draft = api.load(args.out / "draft", [[1], ["fsdp"]], devices)
+    tokenizer = model.tokenizer
+    with lzma.open(REPO / "tunix_train" / "data" / "corpus" / "shakespeare.jsonl.xz", "rt") as corpus:
+        documents = [json.loads(line)["text"] for line in corpus]
+    held_out = ["\n".join(d.splitlines()[:4]) for d in documents[-8:]]  # the corpus's last documents
+    passage = "\n".join(documents[-20].splitlines()[:12])
+    copying = [f"{passage}\n\n{passage[: 40 + 10 * i]}" for i in range(8)]  # continued by quoting it
+
+    def requests(texts, batch, sampling):
+        return [
+            Request(tuple(tokenizer.encode(t)), args.new_tokens, sampling, seed=i, stream=i)
+            for i, t in enumerate((texts * batch)[:batch])
+        ]
+
+    plain = Engine(model.config, model.mesh, model.stop_ids, slots=None)
+    drafted = Engine(
+        model.config,
+        model.mesh,
+        model.stop_ids,
+        slots=None,
+        tuning=Tuning(speculation=Speculation(tokens=args.tokens, draft=draft.config)),
+    )
+    lookup = Engine(
+        model.config,
+        model.mesh,
+        model.stop_ids,
+        slots=None,
+        tuning=Tuning(speculation=Speculation(tokens=args.tokens, lookup=args.lookup)),
+    )
+
+    def timed(engine, reqs, **kw):
+        engine.stats.clear()
+        start = time.perf_counter()
+        done = engine.generate(model.params, reqs, **kw)
+        return time.perf_counter() - start, done, dict(engine.stats)
+
+    def compare(name, engine, texts, batch, sampling, **kw):
+        reqs = requests(texts, batch, sampling)
+        timed(plain, reqs)  # compiles
+        timed(engine, reqs, **kw)
+        base, spec, stats = [], [], []
+        for _ in range(args.rounds):  # alternating
+            t, plain_done, _ = timed(plain, reqs)
+            base.append((t, plain_done))
+            t, spec_done, s = timed(engine, reqs, **kw)
+            spec.append((t, spec_done))
+            stats.append(s)
+        tokens = sum(len(c.tokens) for c in base[0][1])
+        spec_tokens = sum(len(c.tokens) for c in spec[0][1])
+        result = {
+            "case": name,
+            "batch": batch,
+            "temperature": sampling.temperature,
+            "baseline_tokens_per_s": tokens / statistics.median(t for t, _ in base),
+            "speculative_tokens_per_s": spec_tokens / statistics.median(t for t, _ in spec),
+            "acceptance_rate": sum(s["accepted"] for s in stats) / max(sum(s["drafted"] for s in stats), 1),
+            "mean_accepted_length": sum(s["accepted"] + s["rounds"] for s in stats)
+            / max(sum(s["rounds"] for s in stats), 1),
+        }
+        result["speedup"] = result["speculative_tokens_per_s"] / result["baseline_tokens_per_s"]
+        if sampling.temperature == 0:
+            result["greedy_equal"] = [c.tokens for c in base[0][1]] == [c.tokens for c in spec[0][1]]
+        print(json.dumps(result), flush=True)
+        return result
+
+    runs = []
+    for batch in args.batches:
+        for temperature in (0.0, 1.0):
+            runs.append(
+                compare("draft", drafted, held_out, batch, Sampling(temperature), draft_params=draft.params)
+            )
+    runs.append(compare("prompt_lookup", lookup, copying, 1, Sampling()))
+    by = {(r["case"], r["batch"], r["temperature"]): r for r in runs}
+    figures = {
+        "tokens": args.tokens,
+        "new_tokens": args.new_tokens,
+        "runs": runs,
+        "baseline_tokens_per_s": by[("draft", 1, 0.0)]["baseline_tokens_per_s"],
+        "speculative_tokens_per_s": by[("draft", 1, 0.0)]["speculative_tokens_per_s"],
+        "acceptance_rate": by[("draft", 1, 0.0)]["acceptance_rate"],
+        "mean_accepted_length": by[("draft", 1, 0.0)]["mean_accepted_length"],
+        "speedup_batch1": by[("draft", 1, 0.0)]["speedup"],
+        "speedup_batch8": by.get(("draft", 8, 0.0), {}).get("speedup"),
+        "speedup_prompt_lookup": by[("prompt_lookup", 1, 0.0)]["speedup"],
+        "greedy_equal": all(r.get("greedy_equal", True) for r in runs),
+    }
+    return figures
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""Speculative decoding (generate/speculative.py) against the plain engine: greedy output token for
+token on 100 prompts (a close draft, a random one, prompt lookup; a sliding window that wraps,
+shared prefixes, stop tokens, few slots), the sampled distribution of the first three tokens
+against the model's own by a chi-square test, the rejection rule against its formula, errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import config
+from flax import nnx
+from scipy import stats
+from test_generate import CFG, _on
+
+from tunix_train.config import ConfigError, Remat
+from tunix_train.generate import Engine, Request, Sampling, Tuning
+from tunix_train.generate.sampling import Draws, Kinds, Rules
+from tunix_train.generate.speculative import Speculation, accept, lookup_drafts
+from tunix_train.parallel import model_graphdef
+from tunix_train.sharding import make_mesh
+from tunix_train.train.init import plan_train_state
+from tunix_train.train.optimizer import make_optimizer
+
+
+def _perturbed(params, scale, seed):
+    """A draft: the model's parameters plus noise (scale 0.3: a draft that agrees often, 3: rarely)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: x + scale * rng.normal(size=x.shape).astype(x.dtype) * np.std(x), params)
+
+
+def _engine(mesh, drafter, **kw):
+    spec = (
+        Speculation(tokens=3, draft=CFG, rounds=2) if drafter != "lookup" else Speculation(tokens=3, lookup=3)
+    )
+    return Engine(CFG, mesh, tuning=Tuning(speculation=spec), **kw)
+
+
+@pytest.mark.parametrize(
+    "drafter, scale",
+    [
+        pytest.param("close draft", 0.05, marks=pytest.mark.slow),  # two models' programs compile
+        pytest.param("random draft", 3.0, marks=pytest.mark.slow),
+        ("lookup", None),
+    ],
+)
+def test_greedy_output_is_the_plain_engines_on_100_prompts(drafter, scale):
+    """100 prompts (a fifth of them repeated: kept prefills; lengths 1 to 40; each its own
+    max_new_tokens up to 40, past the sliding window of 6, whose ring buffer wraps) through 8
+    slots, each slot keeping its own number of drafts a round: the same tokens, finish and stop
+    token as the plain engine, log-probabilities within float32's rounding (a verify round is a
+    matmul over k + 1 positions, a decode step over one)."""
+    mesh, params = _on("1x1")
+    rng = np.random.default_rng(1)
+    prompts = [tuple(rng.integers(1, CFG.vocab_size, rng.integers(1, 40)).tolist()) for _ in range(80)]
+    new = rng.integers(1, 40, 80).tolist()
+    prompts, new = prompts + prompts[:20], new + new[:20]  # repeats: next to their first in the queue
+    requests = [Request(p, n, stream=i) for i, (p, n) in enumerate(zip(prompts, new))]
+    plain = Engine(CFG, mesh, stop_ids=[7], slots=8).generate(params, requests)
+    engine = _engine(mesh, drafter, stop_ids=[7], slots=8)
+    draft = None if scale is None else _perturbed(params, scale, 0)
+    ours = engine.generate(params, requests, draft_params=draft)
+    assert [c.tokens for c in ours] == [c.tokens for c in plain]
+    assert [(c.finish, c.stop_token) for c in ours] == [(c.finish, c.stop_token) for c in plain]
+    assert sum(c.finish == "stop" for c in plain) > 5
+    for a, b in zip(ours, plain):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5, rtol=0)
+    rate = engine.stats["accepted"] / engine.stats["drafted"]
+    assert engine.stats["prefix_hits"] >= 15  # most repeats reused their first prefill
+    assert {"close draft": rate > 0.5, "random draft": rate < 0.1, "lookup": 0.05 < rate < 0.9}[drafter], rate
+
+
+# -- the sampled distribution ---------------------------------------------------------------------
+
+SMALL = config("model.sliding_window=6", "model.vocab_size=8").model
+PROMPT = (1, 2, 3, 1, 2, 3, 4, 1, 2)
+
+
+@functools.cache
+def _small():
+    mesh = make_mesh([[1, 1], ["fsdp", "tp"]], jax.devices()[:1])
+    params = plan_train_state(SMALL, make_optimizer(config().training)[0], mesh, seed=3).create().params
+    rng = np.random.default_rng(3)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: (
+            np.asarray(x) + (1 + rng.normal(size=x.shape) if "post" in jax.tree_util.keystr(path) else 0)
+        ),
+        params,
+    )
+    return mesh, jax.tree.map(jnp.asarray, params)
+
+
+def _exact(params, sampling: Sampling) -> np.ndarray:
+    """[V, V, V]: the model's probability of each first three tokens after PROMPT, from full forward
+    passes, each token drawn from softmax(logits / T) cut to top_k and top_p."""
+    V = SMALL.vocab_size
+    forward = jax.jit(nnx.merge(model_graphdef(SMALL, Remat.none), params).__call__)
+    rows = np.array([PROMPT + (a, b) for a in range(V) for b in range(V)])
+    logits = np.asarray(forward(jnp.asarray(rows)), np.float64)[:, len(PROMPT) - 1 :]  # [V*V, 3, V]
+
+    def probs(x):
+        p = np.exp((x - x.max(-1, keepdims=True)) / sampling.temperature)
+        p /= p.sum(-1, keepdims=True)
+        order = np.argsort(-p, axis=-1)
+        ranked = np.take_along_axis(p, order, -1)
+        keep = np.ones_like(p, bool)
+        if sampling.top_k:
+            keep &= np.arange(V) < sampling.top_k
+        if sampling.top_p:
+            keep &= np.cumsum(ranked, -1) - ranked < sampling.top_p
+        kept = np.zeros_like(p)
+        np.put_along_axis(kept, order, ranked * keep, -1)
+        return kept / kept.sum(-1, keepdims=True)
+
+    P = probs(logits).reshape(V, V, 3, V)  # [t1, t2, position, next token]
+    return P[0, 0, 0][:, None, None] * P[:, 0, 1, :][:, :, None] * P[:, :, 2, :]
+
+
+def _counts(engine, params, sampling, n, **kw):
+    V = SMALL.vocab_size
+    requests = [Request(PROMPT, 3, sampling, seed=7, stream=i) for i in range(n)]
+    done = engine.generate(params, requests, **kw)
+    codes = [c.tokens[0] * V * V + c.tokens[1] * V + c.tokens[2] for c in done]
+    return np.bincount(codes, minlength=V**3)
+
+
+def _p_value(counts, expected_probs):
+    """Chi-square goodness of fit, the cells of fewer than 5 expected draws pooled into one."""
+    expected = expected_probs.ravel() * counts.sum()
+    small = expected < 5
+    observed = np.append(counts[~small], counts[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    return stats.chisquare(observed, expected).pvalue
+
+
+@pytest.mark.parametrize(
+    "drafter, sampling",
+    [
+        pytest.param("draft", Sampling(1.0), marks=pytest.mark.slow),  # 60,000 draws and two models
+        pytest.param("draft", Sampling(0.8, top_k=5, top_p=0.9), marks=pytest.mark.slow),
+        pytest.param("lookup", Sampling(1.0), marks=pytest.mark.slow),
+    ],
+)
+def test_sampled_tokens_have_the_models_distribution(drafter, sampling):
+    """20,000 samples of the first three tokens (512 outcomes): the speculative engine's, and the
+    plain engine's, both fit the model's exact distribution (chi-square, p > 0.001), while drafts
+    taken without the rejection rule (the draft model's own samples) do not (p < 1e-6): the test
+    can tell."""
+    mesh, params = _small()
+    draft = _perturbed(params, 1.0, 1)
+    spec = Speculation(tokens=2, rounds=1, **({"draft": SMALL} if drafter == "draft" else {"lookup": 2}))
+    n, slots = 20_000, 2_000
+    exact = _exact(params, sampling)
+    plain = _counts(Engine(SMALL, mesh, slots=slots, tuning=Tuning(chunk=2)), params, sampling, n)
+    engine = Engine(SMALL, mesh, slots=slots, tuning=Tuning(speculation=spec))
+    ours = _counts(engine, params, sampling, n, draft_params=draft if drafter == "draft" else None)
+    assert 0.2 < engine.stats["accepted"] / engine.stats["drafted"] < 0.95  # drafts both kept and not
+    p_plain, p_ours = _p_value(plain, exact), _p_value(ours, exact)
+    assert p_plain > 1e-3 and p_ours > 1e-3, (p_plain, p_ours)
+    drafts_alone = _counts(Engine(SMALL, mesh, slots=slots, tuning=Tuning(chunk=2)), draft, sampling, n)
+    assert _p_value(drafts_alone, exact) < 1e-6
+
+
+def test_the_rejection_rule_keeps_a_draft_with_probability_min_1_p_over_q():
+    """One position, many keys: a draft token kept with probability min(1, p/q), and the token
+    emitted (kept draft or replacement from the residual) distributed as p (Leviathan et al., 2023,
+    theorem 1), checked against the formula over 200,000 draws."""
+    V, n = 5, 200_000
+    p = np.array([0.4, 0.3, 0.15, 0.1, 0.05])
+    q = np.array([0.1, 0.5, 0.1, 0.2, 0.1])
+    rng = np.random.default_rng(0)
+    drafts = rng.choice(V, size=n, p=q).astype(np.int32)
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(p, jnp.float32)), (n, 2, V))
+    rules = Rules(jnp.ones(n), jnp.full(n, V, jnp.int32), jnp.ones(n))
+    draws = Draws(rules, jnp.zeros((n, 2), jnp.uint32), jnp.arange(n, dtype=jnp.uint32))
+    keys = jax.vmap(lambda k: jax.random.split(k, 6).reshape(2, 3))(jax.random.split(jax.random.key(0), n))
+    emitted, _, kept = jax.jit(accept, static_argnames="kinds")(
+        logits,
+        jnp.asarray(drafts)[:, None],
+        jnp.broadcast_to(jnp.asarray(q, jnp.float32), (n, 1, V)),
+        draws,
+        keys,
+        kinds=Kinds(True, False, False),
+    )
+    kept, first = np.asarray(kept), np.asarray(emitted)[:, 0]
+    for token in range(V):
+        rate = kept[drafts == token].mean()
+        assert abs(rate - min(1, p[token] / q[token])) < 0.01, token
+    frequencies = np.bincount(first, minlength=V) / n
+    assert np.all(np.abs(frequencies - p) <= 5 * np.sqrt(p * (1 - p) / n))
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_recent_match():
+    history = jnp.asarray(
+        [
+            [5, 6, 7, 8, 9, 5, 6, 7, 0, 0, 0, 0],  # "6 7" then 8 9 ... : at p=7 (token 7) -> 8 9 5
+            [1, 2, 3, 4, 2, 3, 9, 3, 0, 0, 0, 0],  # "3" last seen at 5 -> 9 3 ...; no "9 3" earlier
+            [1, 2, 3, 4, 5, 0, 0, 0, 0, 0, 0, 0],  # no match: the current token repeated
+        ]
+    )
+    drafts = lookup_drafts(history, jnp.asarray([7, 7, 4]), 3, 3)
+    assert np.asarray(drafts).tolist() == [[8, 9, 5], [9, 3, 0], [5, 5, 5]]
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Speculation(tokens=0, lookup=3), "speculative tokens=0 must be an integer >= 1"),
+        (lambda: Speculation(tokens=4), "speculative decoding takes one drafter"),
+        (lambda: Speculation(tokens=4, lookup=2, draft=CFG), "speculative decoding takes one drafter"),
+        (
+            lambda: Engine(CFG, _on("1x1")[0], tuning=Tuning(speculation=Speculation(draft=SMALL))),
+            "the draft model's vocabulary has 8 tokens, the model's 256: a draft must share",
+        ),
+        (
+            lambda: _engine(_on("1x1")[0], "draft").generate(_on("1x1")[1], [Request((1, 2), 4)]),
+            "this engine speculates with a draft model: pass the draft's parameters",
+        ),
+    ],
+)
+def test_bad_settings_are_one_line_errors(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()

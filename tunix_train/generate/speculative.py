@@ -1,0 +1,251 @@
+"""Speculative decoding: a cheap drafter proposes k tokens per row, the model scores all k + 1
+positions in one forward pass over its cache, and the standard rejection rule keeps a prefix of
+them plus one token of its own (Leviathan et al. 2023, Chen et al. 2023): greedy rows emit exactly
+the model's argmax tokens, sampled rows exactly its distribution (temperature, top-k, top-p), and
+the log-probabilities reported are the model's. Each row keeps its own number of drafts a round.
+
+Drafters: a smaller model sharing the tokenizer (its own KV cache, k + 1 one-token steps a round),
+or prompt lookup (the k tokens that followed the most recent earlier occurrence of the row's last
+n tokens in its own context, n from `lookup` down to 1: no model, for copying-heavy tasks).
+
+Rejected positions need no rollback: both caches hold position p at slot p % S, a slot counts as
+holding the most recent position at or before the query's, and the next round writes over them
+before any read (cache.py; sliding-window layers keep k more slots for it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.generate.sampling import Draws, Kinds, Rules, categorical, cut, sampled
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """`tokens` k drafted per round; the drafter: `draft`, a model's config (its parameters go to
+    the session), or `lookup` > 0, the longest n-gram prompt lookup matches. `rounds`: verify
+    rounds per compiled call (the engine's chunk of decode steps)."""
+
+    tokens: int = 4
+    draft: Optional[ModelConfig] = None
+    lookup: int = 0
+    rounds: int = 2
+
+    def __post_init__(self):
+        for name in ("tokens", "lookup", "rounds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (name != "lookup"):
+                raise ConfigError(
+                    f"speculative {name}={value!r} must be an integer >= {int(name != 'lookup')}"
+                )
+        if (self.draft is None) == (self.lookup == 0):
+            raise ConfigError(
+                "speculative decoding takes one drafter: a draft model or prompt lookup (lookup=N)"
+            )
+
+    def check(self, cfg: ModelConfig) -> None:
+        """A one-line error where the draft cannot serve a model of `cfg`."""
+        if self.draft is not None and self.draft.vocab_size != cfg.vocab_size:
+            raise ConfigError(
+                f"the draft model's vocabulary has {self.draft.vocab_size} tokens, the model's "
+                f"{cfg.vocab_size}: a draft must share the model's tokenizer"
+            )
+
+
+class DraftModel(NamedTuple):
+    """A draft model's side of a session on the devices: its parameters, their layers, its caches."""
+
+    params: object
+    per_layer: object
+    caches: list
+
+
+def drafter(engine, draft_params, max_len: int, slots: int):
+    """A session's drafter state: None without speculation, the rows' tokens by position on the
+    host [slots, max_len] for prompt lookup, or a DraftModel (its caches empty)."""
+    if engine.speculation is None:
+        if draft_params is not None:
+            raise ConfigError("draft parameters were given to an engine that does not speculate")
+        return None
+    if engine.draft is None:
+        return np.zeros((slots, max_len), np.int32)
+    if draft_params is None:
+        raise ConfigError("this engine speculates with a draft model: pass the draft's parameters")
+    with jax.set_mesh(engine.mesh):
+        per_layer = engine.draft.unstack(draft_params)
+        return DraftModel(
+            draft_params, per_layer, engine.draft.empty_caches(draft_params, per_layer, max_len, slots)
+        )
+
+
+def _keys(draws: Draws, count_BT: jax.Array) -> jax.Array:
+    """[B, T, 3] keys of token numbers count_BT: to draft, to accept, to draw the replacement."""
+    fold = jax.vmap(jax.vmap(jax.random.fold_in, (None, 0)), (0, 0))
+    stream_B = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(draws.seeds), draws.stream)
+    return jax.vmap(jax.vmap(lambda key: jax.random.split(key, 3)))(fold(stream_B, count_BT))
+
+
+def _flat(rules: Rules, T: int) -> Rules:
+    """Each row's rules repeated for its T positions, as B*T rows."""
+    return Rules(*(jnp.repeat(x, T) for x in rules))
+
+
+def propose(logits_BV, rules: Rules, keys_B, kinds: Kinds):
+    """A draft model's token per row, and (sampled rows) the distribution it came from [B, V]: the
+    row's own temperature and cuts applied to the draft's logits; argmax for greedy rows."""
+    greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    if not kinds.sample:
+        return greedy_B, None
+    _, kept_BV = cut(logits_BV, rules, kinds)
+    token_B = jnp.where(sampled(rules), categorical(keys_B, kept_BV), greedy_B)
+    return token_B, jax.nn.softmax(kept_BV, axis=-1)
+
+
+def lookup_drafts(history_BL, position_B, k: int, longest: int) -> jax.Array:
+    """[B, k]: the tokens after the most recent earlier end e < p of the row's last n tokens
+    (history up to position p, the current token's), for the largest n <= longest that occurs;
+    the current token repeated where none does."""
+    B, L = history_BL.shape
+    index_L = jnp.arange(L)
+    best_B = jnp.full((B,), -1, jnp.int32)
+    matched_BL = jnp.ones((B, L), bool)
+    for back in range(longest):  # n = back + 1: history[e - back] == history[p - back]
+        tail_B1 = jnp.take_along_axis(history_BL, jnp.maximum(position_B - back, 0)[:, None], axis=1)
+        matched_BL &= (jnp.roll(history_BL, back, axis=1) == tail_B1) & (index_L >= back)
+        found_BL = matched_BL & (index_L < position_B[:, None]) & (position_B[:, None] >= back)
+        last_B = jnp.max(jnp.where(found_BL, index_L, -1), axis=1)
+        best_B = jnp.where(last_B >= 0, last_B, best_B)
+    at_BK = jnp.where(best_B[:, None] >= 0, best_B[:, None] + 1 + jnp.arange(k), position_B[:, None])
+    return jnp.take_along_axis(history_BL, jnp.minimum(at_BK, L - 1), axis=1)
+
+
+def accept(logits_BTV, drafts_BK, draft_probs_BKV, draws: Draws, keys_BT3, kinds: Kinds):
+    """The rejection rule over a round: (the tokens emitted [B, k+1], valid up to and with index
+    n, their log-probabilities under softmax(logits / T), n [B] the drafts kept). draft_probs:
+    the distribution each draft came from (None: a certain one, as prompt lookup's)."""
+    B, T, V = logits_BTV.shape
+    k = T - 1
+    greedy_BT = jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
+    rules = _flat(draws.rules, T)
+    logp_XV, kept_XV = cut(logits_BTV.reshape(B * T, V), rules, kinds)
+    ok_BK = drafts_BK == greedy_BT[:, :k]
+    replacement_BT = greedy_BT
+    if kinds.sample:
+        p_BTV = jax.nn.softmax(kept_XV, axis=-1).reshape(B, T, V)
+        q_BTV = (
+            jax.nn.one_hot(drafts_BK, V, dtype=p_BTV.dtype) if draft_probs_BKV is None else draft_probs_BKV
+        )
+        q_BTV = jnp.concatenate([q_BTV, jnp.zeros((B, 1, V), q_BTV.dtype)], axis=1)  # none at k: all kept
+        p_draft_BK = jnp.take_along_axis(p_BTV[:, :k], drafts_BK[..., None], axis=-1)[..., 0]
+        q_draft_BK = jnp.take_along_axis(q_BTV[:, :k], drafts_BK[..., None], axis=-1)[..., 0]
+        u_BK = jax.vmap(jax.vmap(jax.random.uniform))(keys_BT3[:, :k, 1])
+        residual_XV = jnp.log(jnp.maximum(p_BTV - q_BTV, 0.0)).reshape(B * T, V)
+        drawn_BT = categorical(keys_BT3[:, :, 2].reshape(B * T), residual_XV).reshape(B, T)
+        rows_sampled_B1 = sampled(draws.rules)[:, None]
+        ok_BK = jnp.where(rows_sampled_B1, u_BK * q_draft_BK < p_draft_BK, ok_BK)
+        replacement_BT = jnp.where(rows_sampled_B1, drawn_BT, greedy_BT)
+    kept_B = jnp.sum(jnp.cumprod(ok_BK, axis=1), axis=1).astype(jnp.int32)
+    index_T = jnp.arange(T)
+    drafts_BT = jnp.concatenate([drafts_BK, drafts_BK[:, :1]], axis=1)
+    emitted_BT = jnp.where(index_T < kept_B[:, None], drafts_BT, replacement_BT)
+    logprob_BT = jnp.take_along_axis(logp_XV.reshape(B, T, V), emitted_BT[..., None], axis=-1)[..., 0]
+    return emitted_BT, logprob_BT, kept_B
+
+
+def chunk(engine, params, per_layer, caches, draft, rows, draws: Draws, *, kinds: Kinds):
+    """`rounds` rounds of speculation for every row (the engine's speculative decode_step).
+    caches: the model's and the drafter's state, both donated: the draft model's caches, or with
+    prompt lookup each row's tokens by position [B, L]. draft: the draft model's (params,
+    per_layer), else None. rows: each row's (token, position, count), as the plain decode step
+    takes them. Returns the caches, the next (token, position, count), the tokens emitted [B,
+    rounds, k+1] with their log-probabilities, and the drafts each round kept [B, rounds]."""
+    spec = engine.speculation
+    k = spec.tokens
+
+    def draft_tokens(state, token_B, position_B, keys_BT3):
+        if draft is None:
+            return state, lookup_drafts(state, position_B, k, spec.lookup), None
+
+        def step(carry, j):  # feeds t0, d1, ..., dk: the last one's cache entry, for the next round
+            caches, token_B = carry
+            logits_BV, caches, _ = engine.draft.extend(*draft, caches, token_B[:, None], position_B + j)
+            keys_B = keys_BT3[:, jnp.minimum(j, k - 1), 0]
+            proposed_B, probs_BV = propose(logits_BV, draws.rules, keys_B, kinds)
+            return (caches, proposed_B), (proposed_B, probs_BV)
+
+        (state, _), (drafts_JB, probs_JBV) = jax.lax.scan(step, (state, token_B), jnp.arange(k + 1))
+        probs_BKV = None if probs_JBV is None else jnp.swapaxes(probs_JBV[:k], 0, 1)
+        return state, drafts_JB[:k].T, probs_BKV
+
+    def one_round(carry, _):
+        (caches, state), token_B, position_B, count_B = carry
+        keys_BT3 = _keys(draws, count_B[:, None] + jnp.arange(k + 1))
+        state, drafts_BK, probs_BKV = draft_tokens(state, token_B, position_B, keys_BT3)
+        tokens_BT = jnp.concatenate([token_B[:, None], drafts_BK], axis=1)
+        logits_BTV, caches, _ = engine.extend(params, per_layer, caches, tokens_BT, position_B)
+        emitted_BT, logprob_BT, kept_B = accept(logits_BTV, drafts_BK, probs_BKV, draws, keys_BT3, kinds)
+        if draft is None:  # the emitted tokens join the row's history, at the positions after p
+            after_BT = position_B[:, None] + 1 + jnp.arange(k + 1)
+            at_BT = jnp.where(jnp.arange(k + 1) <= kept_B[:, None], after_BT, state.shape[1])  # past: dropped
+            state = jax.vmap(lambda h, at, x: h.at[at].set(x, mode="drop"))(state, at_BT, emitted_BT)
+        advance_B = kept_B + 1
+        token_B = jnp.take_along_axis(emitted_BT, kept_B[:, None], axis=1)[:, 0]
+        carry = ((caches, state), token_B, position_B + advance_B, count_B + advance_B)
+        return carry, (emitted_BT, logprob_BT, kept_B)
+
+    (caches, *rows), (emitted_RBT, logprob_RBT, kept_RB) = jax.lax.scan(
+        one_round, (caches, *rows), None, length=spec.rounds
+    )
+    swap = functools.partial(jnp.swapaxes, axis1=0, axis2=1)
+    return caches, tuple(rows), swap(emitted_RBT), swap(logprob_RBT), kept_RB.T
+
+
+def decode_chunk(session) -> list[tuple[int, list[int]]]:
+    """Session._decode_chunk under speculation: one call of `chunk`, then each running slot's
+    emitted tokens (from 1 to k+1 a round) taken in order, and the rounds, drafts and accepted
+    drafts counted in the engine's stats up to where each request stopped."""
+    e, row, lookup = session.engine, session.row, isinstance(session.drafter, np.ndarray)
+    rows, seeds = session._on_device
+    state = session._rows(session.drafter) if lookup else session.drafter.caches
+    draft = None if lookup else session.drafter[:2]
+    (session.caches, state), next_rows, emitted_BRT, logprob_BRT, kept_BR = e.decode_step(
+        session.params,
+        session.per_layer,
+        (session.caches, state),
+        draft,
+        (rows["token"], rows["position"], rows["count"]),
+        Draws(Rules(rows["temperature"], rows["top_k"], rows["top_p"]), seeds, rows["stream"]),
+        kinds=session.kinds,
+    )
+    rows.update(zip(("token", "position", "count"), next_rows))  # the next chunk's, on the devices
+    from tunix_train.generate.session import _fetch  # session.py imports this module
+
+    fetched = _fetch(*next_rows, emitted_BRT, logprob_BRT, kept_BR, *([state] if lookup else []))
+    fetched = [np.array(x) for x in fetched]  # writable: a request that starts sets its slot's
+    row["token"], row["position"], row["count"], emitted_BRT, logprob_BRT, kept_BR = fetched[:6]
+    session.drafter = fetched[6] if lookup else session.drafter._replace(caches=state)
+    e.stats["steps"] += e.speculation.rounds
+    new = []
+    for slot, running in enumerate(session.running):
+        if running is None:
+            continue
+        done, lengths = session.completions[running[0]], kept_BR[slot] + 1
+        fed_before = len(done.versions)
+        taken = session._take(
+            slot,
+            [t for r, n in enumerate(lengths) for t in emitted_BRT[slot, r, :n].tolist()],
+            [x for r, n in enumerate(lengths) for x in logprob_BRT[slot, r, :n].tolist()],
+        )
+        rounds = int(np.searchsorted(np.cumsum(lengths), len(done.versions) - fed_before)) + 1
+        e.stats["rounds"] += rounds
+        e.stats["drafted"] += rounds * e.speculation.tokens
+        e.stats["accepted"] += int(np.sum(kept_BR[slot, :rounds]))
+        new.append((running[0], taken))
+    return new
