@@ -34,9 +34,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A 2-step run of gemma3_tiny on the bundled corpus, served with 8 slots on 2 devices."""
+@pytest.fixture(scope="module", params=["plain", "draft"])
+def server(tmp_path_factory, request):
+    """A 2-step run of gemma3_tiny on the bundled corpus, served with 8 slots on 2 devices; and
+    again decoding speculatively, with the run itself as its draft model (--draft): every test
+    holds for both."""
     tmp = tmp_path_factory.mktemp("serve")
     run_dir = tmp / "run"
     trained = run_training(
@@ -67,6 +69,7 @@ def server(tmp_path_factory):
             "tiny",
             "--mesh_shape",
             '[[2],["fsdp"]]',
+            *(["--draft", str(run_dir), "--speculative_tokens", "3"] if request.param == "draft" else []),
         ],
         cwd=REPO,
         env=cpu_env(2),

@@ -46,15 +46,15 @@ def _engine(mesh, drafter, **kw):
     ],
 )
 def test_greedy_output_is_the_plain_engines_on_100_prompts(drafter, scale):
-    """100 prompts (a fifth of them repeated: kept prefills; lengths 1 to 40; each its own
-    max_new_tokens up to 40, past the sliding window of 6, whose ring buffer wraps) through 8
+    """100 prompts (a fifth of them repeated: kept prefills; lengths 1 to 29; each its own
+    max_new_tokens up to 23, past the sliding window of 6, whose ring buffer wraps) through 8
     slots, each slot keeping its own number of drafts a round: the same tokens, finish and stop
     token as the plain engine, log-probabilities within float32's rounding (a verify round is a
     matmul over k + 1 positions, a decode step over one)."""
     mesh, params = _on("1x1")
     rng = np.random.default_rng(1)
-    prompts = [tuple(rng.integers(1, CFG.vocab_size, rng.integers(1, 40)).tolist()) for _ in range(80)]
-    new = rng.integers(1, 40, 80).tolist()
+    prompts = [tuple(rng.integers(1, CFG.vocab_size, rng.integers(1, 30)).tolist()) for _ in range(80)]
+    new = rng.integers(1, 24, 80).tolist()
     prompts, new = prompts + prompts[:20], new + new[:20]  # repeats: next to their first in the queue
     requests = [Request(p, n, stream=i) for i, (p, n) in enumerate(zip(prompts, new))]
     plain = Engine(CFG, mesh, stop_ids=[7], slots=8).generate(params, requests)
@@ -222,3 +222,43 @@ def test_prompt_lookup_proposes_what_followed_the_longest_recent_match():
 def test_bad_settings_are_one_line_errors(make, message):
     with pytest.raises(ConfigError, match=message):
         make()
+
+
+@pytest.mark.slow  # two GRPO runs
+def test_grpo_with_a_draft_trains_as_without_and_logs_its_acceptance(tmp_path):
+    """GRPO on the arithmetic task, 3 steps of 8 prompts x 4 completions, at temperature 1e-4 (each
+    draw is the argmax, with or without drafts): with the first run's final checkpoint as the
+    draft model, the same completions, rewards and losses within 1e-5 (the log-probabilities come
+    from a verify pass over k + 1 positions instead of one), and each step logs its acceptance."""
+    from conftest import read_metrics, rl_config
+
+    from tunix_train.train.loop import train
+
+    def run(name, *overrides):
+        cfg = rl_config(
+            tmp_path,
+            "training.micro_batch_size=8",
+            "training.rollout.num_generations=4",
+            "training.rollout.reward=[tunix_train.rewards.arithmetic:exact_match]",
+            "training.max_steps=3",
+            "training.rollout.temperature=1e-4",
+            *overrides,
+        )
+        cfg.model.mesh_shape = [[2], ["fsdp"]]
+        train(cfg, tmp_path / name, devices=jax.devices()[:2])
+        return [m for m in read_metrics(tmp_path / name) if "loss" in m]
+
+    plain = run("plain")
+    drafted = run(
+        "drafted", f"training.rollout.draft={tmp_path / 'plain'}", "training.rollout.num_speculative_tokens=3"
+    )
+    for key in ("loss", "reward", "completion_tokens", "grad_norm"):
+        np.testing.assert_allclose(
+            [m[key] for m in drafted], [m[key] for m in plain], rtol=1e-5, atol=1e-6, err_msg=key
+        )
+    # at T = 1e-4 a near-tie's log-probability moves by 1e4 times the logits' rounding (about 1e-7)
+    assert all(m["logprob_mismatch_max"] < 5e-3 for m in drafted)
+    assert all(0 < m["acceptance_rate"] <= 1 and 1 <= m["mean_accepted_length"] <= 4 for m in drafted), (
+        drafted
+    )
+    assert "acceptance_rate" not in plain[0]

@@ -79,6 +79,13 @@ class RolloutConfig:
     # What the engine computes in (bf16: half the bytes a decoded token reads, and a larger train-
     # inference mismatch, logged as logprob_mismatch_*); the trainer's forward is unchanged.
     dtype: RolloutDtype = _fixed(RolloutDtype.fp32)
+    # Speculative decoding of the rollouts (docs/generation.md): a draft model's checkpoint sharing
+    # the tokenizer (fixed: the policy moves away from it, watch acceptance_rate), or prompt lookup
+    # of n-grams up to prompt_lookup; num_speculative_tokens drafted a round. The completions are
+    # the policy's distribution (greedy: its tokens) and their log-probabilities its own.
+    draft: Optional[str] = _fixed(None)
+    prompt_lookup: int = _fixed(0)
+    num_speculative_tokens: int = _changeable(4)
     # Mixture of experts: the engine records the experts each layer chose for every token, and the
     # trainer's forward uses them instead of its router's top k (routing replay, train/rollout.py).
     routing_replay: bool = _fixed(False)
@@ -169,6 +176,23 @@ class RolloutConfig:
         )
         self._check_completions()
         self._check_asynchronous(objective)
+        _first_error(
+            (
+                self.draft is not None and self.prompt_lookup > 0,
+                "training.rollout.draft and training.rollout.prompt_lookup: give one drafter",
+            ),
+            (
+                (self.draft is not None or self.prompt_lookup > 0)
+                and (self.asynchronous or self.routing_replay),
+                "training.rollout.draft / prompt_lookup run with synchronous rollouts without "
+                "routing_replay for now: turn one off",
+            ),
+            (
+                self.num_speculative_tokens < 1 or self.prompt_lookup < 0,
+                f"training.rollout.num_speculative_tokens={self.num_speculative_tokens} must be >= 1 and "
+                f"prompt_lookup={self.prompt_lookup} >= 0",
+            ),
+        )
 
     def _check_asynchronous(self, objective: Objective) -> None:
         """What asynchronous rollouts need, and what they do not combine with (yet)."""

@@ -4,13 +4,17 @@
         [--temperature 0.7 --top_k 64 --top_p 0.95 --seed 0] [--mesh_shape '[[2,2],["fsdp","tp"]]']
     python -m tunix_train.generate PATH --prompt "<start_of_image>What is it?" --image cat.png
     python -m tunix_train.generate PATH --chat [--system "..."] [sampling flags]
+    python -m tunix_train.generate PATH --prompt "..." --draft DRAFT_PATH [--speculative_tokens 4]
+    python -m tunix_train.generate PATH --prompt "..." --prompt_lookup 3 [--speculative_tokens 4]
 
 One prompt streams its continuation as it is produced; several print each continuation when all are
 done. --image (repeatable, a model with an image tower): each <start_of_image> of the one prompt
 takes an image in order (with none, the images go in front). --chat talks with the model in its chat
 template: each line read is a user turn, the reply streams, the conversation is kept (/image PATH
-adds an image to the next turn, /reset forgets it, /exit or end of input ends). Bad input is a
-one-line error and exit status 2.
+adds an image to the next turn, /reset forgets it, /exit or end of input ends). --draft (a smaller
+model sharing the tokenizer) or --prompt_lookup (n-grams of the prompt) decodes speculatively: the
+same tokens greedily, the same distribution sampled (docs/generation.md); the acceptance is printed
+to stderr at the end. Bad input is a one-line error and exit status 2.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--top_k", type=int, default=None)
     parser.add_argument("--top_p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--draft", default=None, help="a draft model's checkpoint: speculative decoding")
+    parser.add_argument(
+        "--prompt_lookup", type=int, default=0, help="speculative decoding by n-grams up to N of the context"
+    )
+    parser.add_argument("--speculative_tokens", type=int, default=4, help="tokens drafted a round")
     parser.add_argument(
         "--mesh_shape",
         default=None,
@@ -52,6 +61,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
         parser.error("give --prompt (one or more) or --chat")
     if args.image and (args.chat or len(args.prompt) != 1):
         parser.error("--image goes with one --prompt (in --chat, /image PATH)")
+    if args.draft and args.prompt_lookup:
+        parser.error("give --draft or --prompt_lookup, not both")
     return args
 
 
@@ -64,11 +75,17 @@ def main(argv: list[str] | None = None) -> int:
         return exit_codes.CONFIG_ERROR
 
     from tunix_train.config import ConfigError
-    from tunix_train.generate import loaded
+    from tunix_train.generate import loaded, speculative
+    from tunix_train.generate.speculative import Speculation
 
     try:
         model = loaded.load(args.path, mesh_shape)
         sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        draft = args.draft
+        if args.prompt_lookup:
+            draft = Speculation(args.speculative_tokens, lookup=args.prompt_lookup)
+        sampling.update(draft=draft, speculative_tokens=args.speculative_tokens)
+        engine = model.engine_for(draft, args.speculative_tokens)[0]
         if args.chat:
             _chat(model, args.system, args.max_new_tokens, sampling)
         elif len(args.prompt) == 1:
@@ -76,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for i, text in enumerate(model.generate_text(args.prompt, args.max_new_tokens, **sampling)):
                 print(f"[{i}] {args.prompt[i]}{text}")
+        if engine.speculation is not None:
+            print(f"tunix_train.generate: {speculative.summary(engine.stats)}", file=sys.stderr)
     except ConfigError as err:
         print(f"tunix_train.generate: error: {err}", file=sys.stderr)
         return exit_codes.CONFIG_ERROR

@@ -149,31 +149,12 @@ class LoadedModel:
             yield from engine.stream(self.params, request, draft_params)
 
     def engine_for(self, draft: Any, tokens: int = 4) -> tuple[Engine, Any]:
-        """The engine for `draft` (None: the plain one; a LoadedModel or a path, drafting `tokens` a
-        round, or a Speculation, as generate takes them), made once per draft, and the draft
-        model's parameters (or None)."""
-        if draft is None:
+        """The engine for `draft` (as speculation_for takes it; None: the plain one), made once
+        per draft, and the draft model's parameters (or None)."""
+        speculation, draft_params = self.speculation_for(draft, tokens)
+        if speculation is None:
             return self.engine, None
-        if isinstance(draft, (str, Path)):
-            key = ("path", str(draft))
-            if key not in self._drafts:
-                self._drafts[key] = load(draft, _mesh_shape(self.mesh), list(self.mesh.devices.flat))
-            draft = self._drafts[key]
-        if isinstance(draft, LoadedModel):
-            if draft.mesh != self.mesh:
-                raise ConfigError(
-                    "a draft model must be loaded on the model's mesh: load it with its mesh_shape"
-                )
-            speculation, draft_params = Speculation(tokens, draft.config), draft.params
-        elif isinstance(draft, Speculation):
-            speculation, draft_params = draft, None
-        else:
-            raise ConfigError(f"draft={draft!r}: give a loaded model, a checkpoint's path or a Speculation")
-        if speculation.draft is not None and draft_params is None:
-            raise ConfigError(
-                "a Speculation with a draft model's config: pass the loaded draft model instead"
-            )
-        key = (speculation.tokens, speculation.lookup, speculation.rounds, id(speculation.draft))
+        key = (speculation.tokens, speculation.lookup, id(speculation.draft))
         if key not in self._drafts:
             self._drafts[key] = Engine(
                 self.config,
@@ -183,6 +164,24 @@ class LoadedModel:
                 tuning=Tuning(speculation=speculation),
             )
         return self._drafts[key], draft_params
+
+    def speculation_for(self, draft: Any, tokens: int = 4) -> tuple[Optional[Speculation], Any]:
+        """How to speculate with `draft`: a LoadedModel on this mesh or a checkpoint's path (loaded
+        once, on this mesh), drafting `tokens` a round, or a Speculation (prompt lookup); None: no
+        speculation. Returns it and the draft model's parameters (or None)."""
+        if draft is None or isinstance(draft, Speculation):
+            if draft is not None and draft.draft is not None:
+                raise ConfigError("a Speculation with a draft model: pass the loaded draft model instead")
+            return draft, None
+        if isinstance(draft, (str, Path)):
+            if str(draft) not in self._drafts:
+                self._drafts[str(draft)] = load(draft, _mesh_shape(self.mesh), list(self.mesh.devices.flat))
+            draft = self._drafts[str(draft)]
+        if not isinstance(draft, LoadedModel):
+            raise ConfigError(f"draft={draft!r}: give a loaded model, a checkpoint's path or a Speculation")
+        if draft.mesh != self.mesh:
+            raise ConfigError("a draft model must be loaded on the model's mesh: load it with its mesh_shape")
+        return Speculation(tokens, draft.config), draft.params
 
     def _memory_tips(self, requests: Sequence[Request]) -> list[str]:
         return [

@@ -340,7 +340,9 @@ class Session:
                 row[name][slot] = value
             self.seeds[slot] = _seed_key(request.seed)
             self.running[slot] = (rid, request)
-            if isinstance(self.drafter, np.ndarray):  # prompt lookup's history: the prompt, for now
+            if speculative.looks_up(self.drafter):  # prompt lookup's history: the prompt, for now
+                if isinstance(self.drafter, jax.Array):  # on the devices since the last chunk
+                    self.drafter = np.array(_fetch(self.drafter)[0])
                 self.drafter[slot] = 0
                 self.drafter[slot, : len(request.prompt)] = request.prompt
             by_source.setdefault(id(logits), (entries, logits, []))[2].append((prefill_row, slot))
@@ -365,7 +367,7 @@ class Session:
                 if slot not in done:
                     done.add(slot)
                     row["token"][slot] = token
-                    if isinstance(self.drafter, np.ndarray):
+                    if speculative.looks_up(self.drafter):
                         self.drafter[slot, row["position"][slot]] = token
                     new.append((self.running[slot][0], self._take(slot, [token], [logprob])))
         e.stats["prefill_s"] += time.perf_counter() - start

@@ -85,6 +85,31 @@ def drafter(engine, draft_params, max_len: int, slots: int):
         )
 
 
+def summary(stats) -> str:
+    """An engine's speculation so far, in words: its acceptance rate and mean accepted length."""
+    rate = stats["accepted"] / max(stats["drafted"], 1)
+    length = (stats["accepted"] + stats["rounds"]) / max(stats["rounds"], 1)
+    return (
+        f"speculative decoding accepted {rate:.1%} of {stats['drafted']} drafted tokens: "
+        f"{length:.2f} tokens a verify round over {stats['rounds']} rounds"
+    )
+
+
+def figures(stats) -> dict:
+    """An engine's speculation figures: acceptance_rate, mean_accepted_length, rounds, drafted."""
+    return {
+        "acceptance_rate": stats["accepted"] / max(stats["drafted"], 1),
+        "mean_accepted_length": (stats["accepted"] + stats["rounds"]) / max(stats["rounds"], 1),
+        "rounds": stats["rounds"],
+        "drafted": stats["drafted"],
+    }
+
+
+def looks_up(drafter) -> bool:
+    """Whether a session's drafter state is prompt lookup's histories (on the host or the devices)."""
+    return drafter is not None and not isinstance(drafter, DraftModel)
+
+
 def _keys(draws: Draws, count_BT: jax.Array) -> jax.Array:
     """[B, T, 3] keys of token numbers count_BT: to draft, to accept, to draw the replacement."""
     fold = jax.vmap(jax.vmap(jax.random.fold_in, (None, 0)), (0, 0))
@@ -211,9 +236,11 @@ def decode_chunk(session) -> list[tuple[int, list[int]]]:
     """Session._decode_chunk under speculation: one call of `chunk`, then each running slot's
     emitted tokens (from 1 to k+1 a round) taken in order, and the rounds, drafts and accepted
     drafts counted in the engine's stats up to where each request stopped."""
-    e, row, lookup = session.engine, session.row, isinstance(session.drafter, np.ndarray)
+    e, row, lookup = session.engine, session.row, looks_up(session.drafter)
     rows, seeds = session._on_device
-    state = session._rows(session.drafter) if lookup else session.drafter.caches
+    state = session.drafter.caches if not lookup else session.drafter
+    if isinstance(state, np.ndarray):  # the histories changed on the host (a request started)
+        state = session._rows(state)
     draft = None if lookup else session.drafter[:2]
     (session.caches, state), next_rows, emitted_BRT, logprob_BRT, kept_BR = e.decode_step(
         session.params,
@@ -227,10 +254,9 @@ def decode_chunk(session) -> list[tuple[int, list[int]]]:
     rows.update(zip(("token", "position", "count"), next_rows))  # the next chunk's, on the devices
     from tunix_train.generate.session import _fetch  # session.py imports this module
 
-    fetched = _fetch(*next_rows, emitted_BRT, logprob_BRT, kept_BR, *([state] if lookup else []))
-    fetched = [np.array(x) for x in fetched]  # writable: a request that starts sets its slot's
-    row["token"], row["position"], row["count"], emitted_BRT, logprob_BRT, kept_BR = fetched[:6]
-    session.drafter = fetched[6] if lookup else session.drafter._replace(caches=state)
+    fetched = [np.array(x) for x in _fetch(*next_rows, emitted_BRT, logprob_BRT, kept_BR)]  # writable
+    row["token"], row["position"], row["count"], emitted_BRT, logprob_BRT, kept_BR = fetched
+    session.drafter = state if lookup else session.drafter._replace(caches=state)  # stays on the devices
     e.stats["steps"] += e.speculation.rounds
     new = []
     for slot, running in enumerate(session.running):

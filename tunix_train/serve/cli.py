@@ -53,6 +53,11 @@ def _arguments(argv):
     for flag, kind, default, _, text in BOUNDS:
         parser.add_argument(flag, type=kind, default=default, help=text)
     parser.add_argument("--name", default=None, help="the model's name in the API (default: the path's)")
+    parser.add_argument("--draft", default=None, help="a draft model's checkpoint: speculative decoding")
+    parser.add_argument(
+        "--prompt_lookup", type=int, default=0, help="speculative decoding by n-grams up to N of the context"
+    )
+    parser.add_argument("--speculative_tokens", type=int, default=4, help="tokens drafted a round")
     parser.add_argument(
         "--drain_s", type=float, default=30.0, help="on SIGTERM, seconds for requests in flight"
     )
@@ -132,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tunix_train import api
     from tunix_train.config import ConfigError
+    from tunix_train.generate.speculative import Speculation
 
     server = None
 
@@ -144,8 +150,18 @@ def main(argv: list[str] | None = None) -> int:
         if model.tokenizer is None:
             raise ConfigError(f"{args.path} carries no tokenizer: a server needs one")
         limit = model.config.context_length
+        if args.draft and args.prompt_lookup:
+            raise ConfigError("give --draft or --prompt_lookup, not both")
         generator = Generator(
-            model, args.slots, min(args.max_len, limit or args.max_len), args.max_queue, on_death
+            model,
+            args.slots,
+            min(args.max_len, limit or args.max_len),
+            args.max_queue,
+            on_death,
+            Speculation(args.speculative_tokens, lookup=args.prompt_lookup)
+            if args.prompt_lookup
+            else args.draft,
+            args.speculative_tokens,
         )
     except ConfigError as err:
         return fail(err)

@@ -26,16 +26,27 @@ def _why(err: BaseException) -> str:
 
 class Generator:
     def __init__(
-        self, model, slots: int, max_len: int, max_queue: int, on_death: Callable[[], None] = lambda: None
+        self,
+        model,
+        slots: int,
+        max_len: int,
+        max_queue: int,
+        on_death: Callable[[], None] = lambda: None,
+        draft=None,
+        speculative_tokens: int = 4,
     ):
-        from tunix_train.generate import Engine
+        """draft, speculative_tokens: speculative decoding of every request, as
+        LoadedModel.speculation_for takes them (a draft model's path, or a Speculation)."""
+        from tunix_train.generate import Engine, Tuning
 
         self.model, self.max_len, self.max_queue, self.on_death = model, max_len, max_queue, on_death
+        speculation, self.draft_params = model.speculation_for(draft, speculative_tokens)
         self.engine = Engine(
             model.config,
             model.mesh,
             model.stop_ids,
             slots=slots,
+            tuning=Tuning(speculation=speculation),
             decode=model.tokenizer.decode if model.tokenizer else None,
         )
         self.slots = self.engine.slots_for(slots)
@@ -52,7 +63,13 @@ class Generator:
     def _new_session(self):
         from tunix_train.generate.sampling import Kinds
 
-        return self.engine.session(self.model.params, self.max_len, self.slots, Kinds(False, False, False))
+        return self.engine.session(
+            self.model.params,
+            self.max_len + self.engine.lookahead,  # a request's drafts may run k positions past it
+            self.slots,
+            Kinds(False, False, False),
+            draft_params=self.draft_params,
+        )
 
     @property
     def alive(self) -> bool:
@@ -120,8 +137,14 @@ class Generator:
         return {"running": min(in_flight, self.slots), "queued": max(in_flight - self.slots, 0)}
 
     def stats(self) -> dict[str, float]:
-        """The engine's counters, less prefix_hits (which would tell one client another's prompts)."""
-        return {k: round(v, 3) for k, v in dict(self.engine.stats).items() if k != "prefix_hits"}
+        """The engine's counters, less prefix_hits (which would tell one client another's prompts),
+        and with speculative decoding its acceptance rate and mean accepted length."""
+        from tunix_train.generate import speculative
+
+        stats = dict(self.engine.stats)
+        if self.engine.speculation is not None:
+            stats.update(speculative.figures(self.engine.stats))
+        return {k: round(v, 3) for k, v in stats.items() if k != "prefix_hits"}
 
     def _run(self) -> None:
         try:

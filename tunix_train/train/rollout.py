@@ -11,6 +11,7 @@ rows (GRPO: advantages, train/objectives/grpo.py; PPO: objectives/ppo.py).
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 import time
@@ -24,6 +25,7 @@ from tunix_train.config import Config, ConfigError, RolloutDtype
 from tunix_train.data.chat import prompt_ids
 from tunix_train.data.images import has_images
 from tunix_train.data.sources import prompt_source
+from tunix_train.generate import speculative
 from tunix_train.model import quant
 from tunix_train.sharding import cross_mesh_copier, state_shardings
 from tunix_train.train.rollouts import Rollout, Rollouts, joined, pack_routes, with_stop_tokens
@@ -55,6 +57,7 @@ class Sampler:
                 **load_tools(self.rollout.tools),
             }
         self.syncs: dict[str, float] = {}
+        self.speculated: collections.Counter = collections.Counter()  # this rollout's drafts (complete)
         self.rows, self.global_rows = range(0), 0
         self.images: dict[int, np.ndarray] = {}  # each prompt's images, by id(doc) (read())
         self.streaming = None  # asynchronous rollouts (streaming.Streaming), set by the objective
@@ -67,7 +70,7 @@ class Sampler:
     def figures(self, rollout: Rollout) -> dict[str, float]:
         """What the log shows of a rollout beside its rewards (GKD's sampler: whose samples;
         asynchronous rollouts: lag, installs, buffer, idle time)."""
-        return dict(self.streaming.figures) if self.streaming else {}
+        return {**(self.streaming.figures if self.streaming else {}), **(rollout.speculation or {})}
 
     def read(self, data) -> None:
         """Tokenizes the prompts once (the held-out ones too, for training.eval_every); a prompt with
@@ -142,7 +145,7 @@ class Sampler:
         """What sampling needs of the run (train/setup.Connection): the engine on its mesh (the
         rollout mesh, else the training mesh), and the parameters there: under LoRA the base is
         copied once and only the adapters for each rollout, merged on the rollout side."""
-        from tunix_train.generate import Engine
+        from tunix_train.generate import Engine, Tuning
 
         self.link, weights, plan = link, link.program.weights, link.program.plan
         to_engine = weights.for_engine
@@ -158,12 +161,14 @@ class Sampler:
         if self.rewards.models:  # GRPO's reward models, on the (first) engine's mesh
             self.rewards.models.connect(link.plan_frozen, self.mesh)
         # every completion of a rollout at once, in one batch of slots, or rollout_slots at a time
+        speculation, self.draft_params = self._speculation()
         self.engines = [
             Engine(
                 self.cfg.model,
                 mesh,
                 stop_ids=self.stop_ids,
                 slots=self.rollout.slots,
+                tuning=Tuning(speculation=speculation),
                 lora=weights.engine_lora,
                 record_routes=self.rollout.routing_replay,
             )
@@ -180,6 +185,21 @@ class Sampler:
                 for mesh in self.meshes
             ]
             self._frozen_copies: list = [None] * len(self.meshes)
+
+    def _speculation(self):
+        """training.rollout's speculative decoding (a Speculation or None) and the draft model's
+        parameters on the engine's mesh (or None). The draft stays as loaded."""
+        from tunix_train.generate.speculative import Speculation
+
+        g = self.rollout
+        if g.prompt_lookup:
+            return Speculation(g.num_speculative_tokens, lookup=g.prompt_lookup), None
+        if g.draft is None:
+            return None, None
+        from tunix_train.interop import loader
+
+        source = loader.source(g.draft)
+        return Speculation(g.num_speculative_tokens, source.cfg.model), loader.load(source, self.mesh).params
 
     def params(self, state, replica: int = 0):
         """The merged parameters engine `replica` draws with, on its mesh (the time and bytes
@@ -259,7 +279,7 @@ class Sampler:
         """Rollout number `index` of the prompts `indices` [A, prompts], drawn with `params` (those
         of step `version`, on the engine's mesh), scored. Under dynamic sampling, the groups without
         signal are set aside and more_prompts() are rolled out in their place."""
-        wanted = indices.size
+        wanted, self.speculated = indices.size, collections.Counter()
         groups, sampling_s = self.sample(indices.reshape(-1), index, 0, params)
         kept, spare, rounds = [], [], 1
         while self.rollout.dynamic_sampling:
@@ -294,6 +314,7 @@ class Sampler:
             tool_errors=total("tool_errors"),
             turns=total("turns"),
             routes=joined(groups, "routes"),
+            speculation=speculative.figures(self.speculated) if self.engine.speculation else None,
         )
 
     def sample(
@@ -340,6 +361,8 @@ class Sampler:
 
         T, start = self.cfg.data.seq_len, time.perf_counter()
         engine = self.engine if engine is None else engine
+        drafted = self.draft_params if engine.speculation is not None else None
+        counted = {k: engine.stats[k] for k in ("accepted", "drafted", "rounds")}
 
         def request(ids, n, k):  # with turns, k is turn * N + the conversation's index
             images = self.images.get(id(docs[k % len(docs)]))
@@ -350,7 +373,9 @@ class Sampler:
             name = self.rollout.environment or "Environment"
             try:
                 trajectories = self.turns.roll_out(
-                    lambda requests: engine.generate(params, [request(*r) for r in requests], max_len=T),
+                    lambda requests: engine.generate(
+                        params, [request(*r) for r in requests], T + engine.lookahead, draft_params=drafted
+                    ),
                     [
                         self.turns.start(e, d, name, self.images.get(id(d)))
                         for e, d in zip(environments, docs)
@@ -379,7 +404,7 @@ class Sampler:
             )
         else:
             requests = [request(p, self.rollout.max_new_tokens, i) for i, p in enumerate(prompts)]
-            done = engine.generate(params, requests, max_len=T)
+            done = engine.generate(params, requests, T + engine.lookahead, draft_params=drafted)
             completions, logprobs = with_stop_tokens(done)
             out = {
                 "prompt_ids": None,
@@ -392,6 +417,7 @@ class Sampler:
             texts, extra = [self.tokenizer.decode(c.tokens) for c in done], {}
         out["routes"] = [pack_routes(r) for r in out["routes"]] if engine.record_routes else None
         out["sampling_s"] = time.perf_counter() - start  # the engine's time (and the tools')
+        self.speculated.update({k: engine.stats[k] - v for k, v in counted.items()})  # this call's
         out["rewards"] = self.scored(docs, out["prompt_ids"] or prompts, texts, out["completions"], **extra)
         return out
 

@@ -48,6 +48,8 @@ class Rollout:
     # group, its prompt's ticket
     versions: list[list[int]] | None = None
     tickets: list[int] | None = None
+    # speculative decoding (training.rollout.draft, prompt_lookup): its acceptance in this rollout
+    speculation: dict[str, float] | None = None
 
 
 def pack_routes(routes_PLK: np.ndarray) -> str:
