@@ -69,6 +69,12 @@ BENCHMARKS = {
         "final held-out reward.",
         ["scripts/benchmark_async.py"],
     ),
+    "speculative": (
+        "Speculative decoding against the plain engine, alternating calls: a distilled 2 x 64 draft of "
+        "gemma3_small at batch 1 and 8, greedy and sampled; prompt lookup on a copying task with the "
+        "real gemma3_270m (the `examples` extra); acceptance and greedy equality.",
+        ["scripts/benchmark_speculative.py"],
+    ),
     "compare_tunix": (
         "tunix_train against Tunix's PeftTrainer, alternating fresh processes: the ratio of median tokens/s.",
         ["scripts/compare_tunix.py", "--rounds", "3"],

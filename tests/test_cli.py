@@ -372,6 +372,11 @@ def test_generate_cli_streams_the_continuation_and_rejects_bad_requests(tmp_path
     model = api.load(run_dir, mesh_shape=[[1], ["fsdp"]], devices=jax.devices()[:1])
     expected = model.generate_text([prompt], max_new_tokens=12)[0]
     assert len(expected) > 0 and result.stdout == prompt + expected + "\n"
+    for speculation in (["--draft", str(run_dir)], ["--prompt_lookup", "3", "--speculative_tokens", "6"]):
+        result = generate("--prompt", prompt, "--max_new_tokens", "12", *speculation)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout == prompt + expected + "\n"  # greedy: the same tokens
+        assert "speculative decoding accepted" in result.stderr.strip().splitlines()[-1]
 
     for args, message in (
         (["--max_new_tokens", "0"], "max_new_tokens=0 must be positive"),

@@ -99,7 +99,7 @@ def _health(base):
 
 
 def test_answers_equal_the_engines_and_streams_equal_answers(server):
-    run_dir, base, _ = server
+    run_dir, base, process = server
     client = _client(base)
     assert [m.id for m in client.models.list().data] == ["tiny"]
     model = api.load(run_dir, mesh_shape=[[1], ["fsdp"]], devices=jax.devices()[:1])
@@ -113,6 +113,11 @@ def test_answers_equal_the_engines_and_streams_equal_answers(server):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
     text = client.completions.create(model="tiny", prompt="To be, or not", max_tokens=10, temperature=0)
     assert text.choices[0].text == model.generate_text(["To be, or not"], 10)[0]
+    metrics = json.loads(urllib.request.urlopen(f"{base}/metrics", timeout=5).read())
+    speculating = "--draft" in process.args
+    assert ("acceptance_rate" in metrics) == speculating
+    if speculating:  # the model is its own draft: every draft is kept
+        assert metrics["acceptance_rate"] == 1.0 and metrics["mean_accepted_length"] == 4.0, metrics
 
 
 def test_concurrent_streams_each_get_their_tokens_alone(server):
