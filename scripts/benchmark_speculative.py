@@ -16,7 +16,9 @@ that compiles, the median taken:
   first words, which the model continues by quoting it. The real google/gemma-3-270m (its Q4_K_M
   GGUF dequantized, from the `examples` extra's package) answers it; without the package, the
   trained gemma3_small, which mostly does not copy (prompt_lookup_model says which).
-Greedy outputs of the two engines are compared token for token (greedy_equal). The acceptance rate
+Greedy outputs of the two engines are compared token for token (greedy_equal). Each case prints a
+JSON line as it ends; the last line has each case's speedup, acceptance rate and mean accepted
+length, and the first case's (the draft at batch 1, greedy) tokens/s. The acceptance rate
 is accepted drafts over drafted ones; the mean accepted length is the tokens a verify round emits
 (accepted drafts plus the model's own), counted for the rounds of unfinished requests.
 
@@ -165,20 +167,17 @@ def measure(args) -> dict:
             runs.append(compare("draft", model, drafted, reqs, draft.params))
     lookup = engine(copier, Speculation(tokens=args.lookup_tokens, lookup=args.lookup))
     runs.append(compare("prompt_lookup", copier, lookup, requests(copier, [copying], Sampling(), 64)))
-    by = {(r["case"], r["batch"], r["temperature"]): r for r in runs}
-    first = by[("draft", args.batches[0], 0.0)]
+    figures = {"tokens": args.tokens, "lookup_tokens": args.lookup_tokens, "new_tokens": args.new_tokens}
+    for r in runs:  # one row of each figure per case: docs/figures.md stays short
+        name = f"{r['case']}_batch{r['batch']}_{'greedy' if r['temperature'] == 0 else 'sampled'}"
+        figures.update({f"{name}_{k}": r[k] for k in ("speedup", "acceptance_rate", "mean_accepted_length")})
+    first = runs[0]
     return {
-        "tokens": args.tokens,
-        "lookup_tokens": args.lookup_tokens,
-        "new_tokens": args.new_tokens,
-        "runs": runs,
+        **figures,
         "baseline_tokens_per_s": first["baseline_tokens_per_s"],
         "speculative_tokens_per_s": first["speculative_tokens_per_s"],
         "acceptance_rate": first["acceptance_rate"],
         "mean_accepted_length": first["mean_accepted_length"],
-        "speedup_batch1": by.get(("draft", 1, 0.0), {}).get("speedup"),
-        "speedup_batch8": by.get(("draft", 8, 0.0), {}).get("speedup"),
-        "speedup_prompt_lookup": runs[-1]["speedup"],
         "prompt_lookup_model": copier.config.name,
         "greedy_equal": all(r.get("greedy_equal", True) for r in runs),
     }
