@@ -3,6 +3,7 @@ against transformers: a random tiny Gemma3ForConditionalGeneration's SigLIP enco
 projected image features and whole-model logits on conversations with images, read into ours, on
 one device and sharded (fsdp2 x tp2, dp2 x fsdp2); the image processor against transformers'."""
 
+import collections
 import dataclasses
 import io
 
@@ -1214,9 +1215,9 @@ def test_grpo_turns_carry_the_prompts_images_in_every_request(tmp_path):
     end_of_turn = data.chat.end_of_turn_id()
 
     class Engine:
-        record_routes = False
+        record_routes, speculation, lookahead, stats = False, None, 0, collections.Counter()
 
-        def generate(self, params, requests, max_len):
+        def generate(self, params, requests, max_len, draft_params=None):
             seen.extend(requests)
             return [Completion([7, 8], [-1.0, -1.0], "stop", end_of_turn, -1.0) for _ in requests]
 

@@ -216,8 +216,8 @@ class Session:
                     entries, logits, _ = e.prefill_step(
                         self.params,
                         self.per_layer,
-                        self._rows(np.zeros((rows, length), np.int32)),
-                        self._rows(np.ones(rows, np.int32)),
+                        self.to_devices(np.zeros((rows, length), np.int32)),
+                        self.to_devices(np.ones(rows, np.int32)),
                         None,
                         max_len=self.max_len,
                     )
@@ -259,7 +259,8 @@ class Session:
                 new += self._decode_chunk()
         return new
 
-    def _rows(self, x: np.ndarray) -> jax.Array:
+    def to_devices(self, x: np.ndarray) -> jax.Array:
+        """A host array of the slots' rows on the mesh, split like a batch over the data axes."""
         mesh = self.engine.mesh
         return jax.device_put(x, NamedSharding(mesh, P(data_axes(mesh) or None, *[None] * (x.ndim - 1))))
 
@@ -289,9 +290,9 @@ class Session:
             entries, logits, routes = e.prefill_step(
                 self.params,
                 self.per_layer,
-                self._rows(tokens),
-                self._rows(lengths),
-                None if images is None else self._rows(images),
+                self.to_devices(tokens),
+                self.to_devices(lengths),
+                None if images is None else self.to_devices(images),
                 max_len=self.max_len,
             )
             routes = None if routes is None else _fetch(routes)[0]
@@ -299,9 +300,9 @@ class Session:
                 draft = e.draft.prefill_step(
                     self.drafter.params,
                     self.drafter.per_layer,
-                    self._rows(tokens),
-                    self._rows(lengths),
-                    None if images is None or e.draft.cfg.vision is None else self._rows(images),
+                    self.to_devices(tokens),
+                    self.to_devices(lengths),
+                    None if images is None or e.draft.cfg.vision is None else self.to_devices(images),
                     max_len=self.max_len,
                 )[0]
                 entries = (entries, draft)
@@ -356,9 +357,8 @@ class Session:
             rows_n, slots_n = (np.asarray(x, np.int32) for x in zip(*pairs))
             if isinstance(self.drafter, speculative.DraftModel):
                 entries, draft = entries
-                self.drafter = self.drafter._replace(
-                    caches=e.draft.put_step(self.drafter.caches, draft, rows_n, slots_n)
-                )
+                caches = e.draft.put_step(self.drafter.caches, draft, rows_n, slots_n)
+                self.drafter = dataclasses.replace(self.drafter, caches=caches)
             drawn.append((slots_n, *self._insert(entries, logits, rows_n, slots_n)))
         new, done = [], set()
         for slots_n, token_n, logprob_n in drawn:
@@ -369,7 +369,7 @@ class Session:
                     row["token"][slot] = token
                     if speculative.looks_up(self.drafter):
                         self.drafter[slot, row["position"][slot]] = token
-                    new.append((self.running[slot][0], self._take(slot, [token], [logprob])))
+                    new.append((self.running[slot][0], self.take(slot, [token], [logprob])))
         e.stats["prefill_s"] += time.perf_counter() - start
         return new
 
@@ -392,16 +392,27 @@ class Session:
         )
         return token_n, logprob_n
 
+    def rows_on_devices(self) -> tuple[dict, jax.Array]:
+        """The slots' rows (token, position, count, sampling settings) and seeds on the devices,
+        uploaded again when the host changed them (a request started); a decode chunk updates the
+        token, position and count there."""
+        if self._on_device is None:
+            self._on_device = (
+                {name: self.to_devices(x) for name, x in self.row.items()},
+                self.to_devices(self.seeds),
+            )
+        return self._on_device
+
+    fetch = staticmethod(_fetch)  # for speculative.py, which session.py imports
+
     def _decode_chunk(self) -> list[tuple[int, list[int]]]:
         e, row = self.engine, self.row
         start = time.perf_counter()
-        if self._on_device is None:  # the rows changed on the host (a request started): upload them
-            self._on_device = ({name: self._rows(x) for name, x in row.items()}, self._rows(self.seeds))
         if e.speculation is not None:
             new = speculative.decode_chunk(self)
             e.stats["decode_s"] += time.perf_counter() - start
             return new
-        rows, seeds = self._on_device
+        rows, seeds = self.rows_on_devices()
         self.caches, token_B, position_B, count_B, drawn_BC, logprob_BC, routes_BC = e.decode_step(
             self.params,
             self.per_layer,
@@ -427,7 +438,7 @@ class Session:
         return [
             (
                 self.running[slot][0],
-                self._take(
+                self.take(
                     slot,
                     drawn_BC[slot].tolist(),
                     logprob_BC[slot].tolist(),
@@ -438,7 +449,7 @@ class Session:
             if self.running[slot] is not None
         ]
 
-    def _take(self, slot: int, tokens: list[int], logprobs: list[float], routes=None) -> list[int]:
+    def take(self, slot: int, tokens: list[int], logprobs: list[float], routes=None) -> list[int]:
         """Appends a slot's new tokens to its completion up to where the request stops; frees the
         slot when it does. Returns the tokens taken. routes [C, L, k]: the experts of the token fed
         at each decode step, that drew tokens[c] (record_routes)."""

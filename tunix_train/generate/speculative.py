@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +59,8 @@ class Speculation:
             )
 
 
-class DraftModel(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class DraftModel:
     """A draft model's side of a session on the devices: its parameters, their layers, its caches."""
 
     params: object
@@ -237,11 +238,11 @@ def decode_chunk(session) -> list[tuple[int, list[int]]]:
     emitted tokens (from 1 to k+1 a round) taken in order, and the rounds, drafts and accepted
     drafts counted in the engine's stats up to where each request stopped."""
     e, row, lookup = session.engine, session.row, looks_up(session.drafter)
-    rows, seeds = session._on_device
+    rows, seeds = session.rows_on_devices()
     state = session.drafter.caches if not lookup else session.drafter
     if isinstance(state, np.ndarray):  # the histories changed on the host (a request started)
-        state = session._rows(state)
-    draft = None if lookup else session.drafter[:2]
+        state = session.to_devices(state)
+    draft = None if lookup else (session.drafter.params, session.drafter.per_layer)
     (session.caches, state), next_rows, emitted_BRT, logprob_BRT, kept_BR = e.decode_step(
         session.params,
         session.per_layer,
@@ -252,11 +253,11 @@ def decode_chunk(session) -> list[tuple[int, list[int]]]:
         kinds=session.kinds,
     )
     rows.update(zip(("token", "position", "count"), next_rows))  # the next chunk's, on the devices
-    from tunix_train.generate.session import _fetch  # session.py imports this module
-
-    fetched = [np.array(x) for x in _fetch(*next_rows, emitted_BRT, logprob_BRT, kept_BR)]  # writable
+    fetched = [np.array(x) for x in session.fetch(*next_rows, emitted_BRT, logprob_BRT, kept_BR)]  # writable
     row["token"], row["position"], row["count"], emitted_BRT, logprob_BRT, kept_BR = fetched
-    session.drafter = state if lookup else session.drafter._replace(caches=state)  # stays on the devices
+    session.drafter = (
+        state if lookup else dataclasses.replace(session.drafter, caches=state)
+    )  # on the devices
     e.stats["steps"] += e.speculation.rounds
     new = []
     for slot, running in enumerate(session.running):
@@ -264,7 +265,7 @@ def decode_chunk(session) -> list[tuple[int, list[int]]]:
             continue
         done, lengths = session.completions[running[0]], kept_BR[slot] + 1
         fed_before = len(done.versions)
-        taken = session._take(
+        taken = session.take(
             slot,
             [t for r, n in enumerate(lengths) for t in emitted_BRT[slot, r, :n].tolist()],
             [x for r, n in enumerate(lengths) for x in logprob_BRT[slot, r, :n].tolist()],

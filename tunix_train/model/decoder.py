@@ -399,15 +399,11 @@ class Decoder(nnx.Module):
                 extras += period_extras
                 routes.update(zip(layers, period_routes))
         x_BTD = carry[0]
-        x_BD = (
-            x_BTD
-            if every_position
-            else x_BTD[:, -1]
-            if last_B is None
-            else jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)[:, 0]
-        )
+        if not every_position:
+            x_BTD = x_BTD[:, -1:] if last_B is None else jnp.take_along_axis(x_BTD, last_B[:, None, None], 1)
+            x_BTD = x_BTD[:, 0]  # [B, D]
         routes_BTLK = jnp.stack([routes[i] for i in sorted(routes)], 2) if self.cfg.moe.experts else None
-        return self.final_norm(x_BD), extras, routes_BTLK
+        return self.final_norm(x_BTD), extras, routes_BTLK
 
     def _period_runner(self, positions_BT, attend_of: Callable):
         """The one layer loop, over the positions of a group's period; _layers scans it over the
