@@ -60,6 +60,14 @@ def _async_run(tmp_path, *extra):
             ["training.rollout.replicas=2"],
             "training.rollout.mesh_shape x 2 replicas: its 4 devices must leave devices for training",
         ),
+        (
+            ["training.rollout.prompt_lookup=3", "training.rollout.routing_replay=true"],
+            "training.rollout.draft / prompt_lookup run without ray_replicas and routing_replay for now",
+        ),
+        (
+            ["training.rollout.prompt_lookup=3", "training.rollout.draft=run"],
+            "training.rollout.draft and training.rollout.prompt_lookup: give one drafter",
+        ),
     ],
 )
 def test_impossible_settings_are_one_line(tmp_path, overrides, message):

@@ -262,3 +262,32 @@ def test_grpo_with_a_draft_trains_as_without_and_logs_its_acceptance(tmp_path):
         drafted
     )
     assert "acceptance_rate" not in plain[0]
+
+
+@pytest.mark.slow  # a draft's run and an asynchronous GRPO run
+def test_an_asynchronous_run_speculates_with_a_draft_and_logs_its_acceptance_each_step(tmp_path):
+    """Asynchronous GRPO (the rollout engine on devices of its own, its programs warmed before the
+    stream, the draft model's prefill too) with a draft model: every step trains, logs the drafts'
+    acceptance since the step before (the draft is one step from the policy's initial weights: near
+    1, then lower as the policy moves), and its tokens' lags as without a draft."""
+    from conftest import read_metrics
+    from test_async import _async_config
+
+    from tunix_train.train.loop import train
+
+    draft = config(
+        "model.vocab_size=4096", "data.seq_len=16", "training.max_steps=1", "checkpoint.every_steps=1"
+    )
+    draft.model.mesh_shape = [[1], ["fsdp"]]
+    train(draft, tmp_path / "draft", devices=jax.devices()[:1])
+    cfg = _async_config(
+        tmp_path,
+        "training.max_steps=3",
+        f"training.rollout.draft={tmp_path / 'draft'}",
+        "training.rollout.temperature=1.0",
+    )
+    train(cfg, tmp_path / "run", devices=jax.devices()[:4])
+    steps = [m for m in read_metrics(tmp_path / "run") if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(0 < m["acceptance_rate"] <= 1 and "lag_mean" in m and np.isfinite(m["loss"]) for m in steps)
+    assert min(m["acceptance_rate"] for m in steps) < 1  # the policy moves away from the draft

@@ -183,9 +183,9 @@ class RolloutConfig:
             ),
             (
                 (self.draft is not None or self.prompt_lookup > 0)
-                and (self.asynchronous or self.routing_replay),
-                "training.rollout.draft / prompt_lookup run with synchronous rollouts without "
-                "routing_replay for now: turn one off",
+                and (self.ray_replicas > 0 or self.routing_replay),
+                "training.rollout.draft / prompt_lookup run without ray_replicas and routing_replay "
+                "for now: turn one off",
             ),
             (
                 self.num_speculative_tokens < 1 or self.prompt_lookup < 0,

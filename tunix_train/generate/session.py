@@ -213,21 +213,21 @@ class Session:
         with jax.set_mesh(e.mesh):
             for length in sorted({bucket(n) for n in prompt_lengths}):
                 for rows in sizes:
+                    tokens, lengths = np.zeros((rows, length), np.int32), np.ones(rows, np.int32)
+                    prefill = (self.to_devices(tokens), self.to_devices(lengths), None)
                     entries, logits, _ = e.prefill_step(
-                        self.params,
-                        self.per_layer,
-                        self.to_devices(np.zeros((rows, length), np.int32)),
-                        self.to_devices(np.ones(rows, np.int32)),
-                        None,
-                        max_len=self.max_len,
+                        self.params, self.per_layer, *prefill, max_len=self.max_len
                     )
+                    if isinstance(self.drafter, speculative.DraftModel):  # and the draft model's
+                        d = self.drafter
+                        draft = e.draft.prefill_step(d.params, d.per_layer, *prefill, max_len=self.max_len)[0]
                     for n in (n for n in sizes if n >= rows):  # as _start pads them
-                        token_n, _ = self._insert(
-                            entries,
-                            logits,
-                            np.minimum(np.arange(n, dtype=np.int32), rows - 1),
-                            np.minimum(np.arange(n, dtype=np.int32), self.slots - 1),
-                        )
+                        rows_n = np.minimum(np.arange(n, dtype=np.int32), rows - 1)
+                        slots_n = np.minimum(np.arange(n, dtype=np.int32), self.slots - 1)
+                        if isinstance(self.drafter, speculative.DraftModel):
+                            caches = e.draft.put_step(self.drafter.caches, draft, rows_n, slots_n)
+                            self.drafter = dataclasses.replace(self.drafter, caches=caches)
+                        token_n, _ = self._insert(entries, logits, rows_n, slots_n)
         jax.block_until_ready(token_n)
         e.stats["warm_s"] += time.perf_counter() - start
 

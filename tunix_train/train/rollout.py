@@ -161,7 +161,7 @@ class Sampler:
         if self.rewards.models:  # GRPO's reward models, on the (first) engine's mesh
             self.rewards.models.connect(link.plan_frozen, self.mesh)
         # every completion of a rollout at once, in one batch of slots, or rollout_slots at a time
-        speculation, self.draft_params = self._speculation()
+        speculation, self.draft_params = self._speculation()  # the draft's, one per mesh
         self.engines = [
             Engine(
                 self.cfg.model,
@@ -188,18 +188,23 @@ class Sampler:
 
     def _speculation(self):
         """training.rollout's speculative decoding (a Speculation or None) and the draft model's
-        parameters on the engine's mesh (or None). The draft stays as loaded."""
+        parameters on each engine's mesh (Nones without one). The draft stays as loaded."""
         from tunix_train.generate.speculative import Speculation
 
-        g = self.rollout
+        g, none = self.rollout, [None] * len(self.meshes)
         if g.prompt_lookup:
-            return Speculation(g.num_speculative_tokens, lookup=g.prompt_lookup), None
+            return Speculation(g.num_speculative_tokens, lookup=g.prompt_lookup), none
         if g.draft is None:
-            return None, None
+            return None, none
         from tunix_train.interop import loader
 
         source = loader.source(g.draft)
-        return Speculation(g.num_speculative_tokens, source.cfg.model), loader.load(source, self.mesh).params
+        params = [loader.load(source, mesh).params for mesh in self.meshes]
+        return Speculation(g.num_speculative_tokens, source.cfg.model), params
+
+    def draft_for(self, engine):
+        """The draft model's parameters for `engine` (one of the policy's), else None."""
+        return next((p for e, p in zip(self.engines, self.draft_params) if e is engine), None)
 
     def params(self, state, replica: int = 0):
         """The merged parameters engine `replica` draws with, on its mesh (the time and bytes
@@ -361,7 +366,7 @@ class Sampler:
 
         T, start = self.cfg.data.seq_len, time.perf_counter()
         engine = self.engine if engine is None else engine
-        drafted = self.draft_params if engine.speculation is not None else None
+        drafted = self.draft_for(engine)
         counted = {k: engine.stats[k] for k in ("accepted", "drafted", "rounds")}
 
         def request(ids, n, k):  # with turns, k is turn * N + the conversation's index

@@ -39,6 +39,7 @@ import numpy as np
 from tunix_train import exit_codes
 from tunix_train.config import ConfigError
 from tunix_train.data.pipeline import GroupBatches
+from tunix_train.generate import speculative
 from tunix_train.train.rollouts import Rollout, Rollouts, joined, pack_routes, with_stop_tokens
 from tunix_train.train.signals import RunStopped
 
@@ -156,6 +157,7 @@ class Streaming:
         self.figures: dict[str, float] = {}
         self.record: dict[str, list] = {}  # the step's tickets, prompts and groups dropped (rollouts.jsonl)
         self._last = None  # the previous step's start and the engine's busy seconds then
+        self._drafts = collections.Counter()  # speculative decoding's counts at the previous step
         self.stats: list = []  # each engine's figures (Engine.stats), once started
         self.conversations = None  # with turns: envs/rollout.Conversations, once started
 
@@ -212,7 +214,14 @@ class Streaming:
             )
         slots = s.engine.slots_for(self.count * G)
         sessions = [
-            engine.session(s.params(state, i), s.cfg.data.seq_len, slots, self.kinds, version=int(state.step))
+            engine.session(
+                s.params(state, i),
+                s.cfg.data.seq_len + engine.lookahead,  # speculation's drafts run past a request
+                slots,
+                self.kinds,
+                int(state.step),
+                s.draft_for(engine),
+            )
             for i, engine in enumerate(s.engines)
         ]
         if self.r.ray_replicas:
@@ -460,4 +469,8 @@ class Streaming:
             self.figures["engine_idle"] = max(0.0, 1 - busy)
         if stream.started_with > 1:
             self.figures["replicas_lost"] = stream.started_with - len(stream.replicas)
+        if self.sampler.engine.speculation is not None:  # the drafts since the previous step's
+            drafts = sum((collections.Counter(dict(stats)) for stats in self.stats), collections.Counter())
+            self.figures.update(speculative.figures(drafts - self._drafts))
+            self._drafts = drafts
         self._last = (start, engine_busy)
