@@ -113,10 +113,21 @@ def test_answers_equal_the_engines_and_streams_equal_answers(server):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
     text = client.completions.create(model="tiny", prompt="To be, or not", max_tokens=10, temperature=0)
     assert text.choices[0].text == model.generate_text(["To be, or not"], 10)[0]
+    # sampled, with the server's speculation turned off for the request: the engine's own draws of its seed
+    sampled = "".join(model.reply(QUESTION, 12, temperature=1.0, seed=5))
+    got = client.chat.completions.create(
+        model="tiny",
+        messages=QUESTION,
+        max_tokens=12,
+        temperature=1.0,
+        seed=5,
+        extra_body={"speculative": False},
+    )
+    assert got.choices[0].message.content == sampled
     metrics = json.loads(urllib.request.urlopen(f"{base}/metrics", timeout=5).read())
     speculating = "--draft" in process.args
     assert ("acceptance_rate" in metrics) == speculating
-    if speculating:  # the model is its own draft: every draft is kept
+    if speculating:  # the model is its own draft: every draft is kept (opted-out requests uncounted)
         assert metrics["acceptance_rate"] == 1.0 and metrics["mean_accepted_length"] == 4.0, metrics
 
 

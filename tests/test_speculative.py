@@ -291,3 +291,18 @@ def test_an_asynchronous_run_speculates_with_a_draft_and_logs_its_acceptance_eac
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert all(0 < m["acceptance_rate"] <= 1 and "lag_mean" in m and np.isfinite(m["loss"]) for m in steps)
     assert min(m["acceptance_rate"] for m in steps) < 1  # the policy moves away from the draft
+
+
+def test_a_request_that_opts_out_draws_the_plain_engines_tokens_for_its_seed():
+    """Request(speculative=False) on a speculative engine: sampled at temperature 1 beside requests
+    that speculate, it gets the plain engine's tokens for its seed (one a round, no draft kept),
+    while the others get tokens of the same distribution but other draws."""
+    mesh, params = _on("1x1")
+    requests = [
+        Request((5, 6, 7, 8), 16, Sampling(1.0), seed=3, stream=i, speculative=i % 2 == 0) for i in range(8)
+    ]
+    plain = Engine(CFG, mesh, slots=8).generate(params, requests)
+    ours = _engine(mesh, "lookup", slots=8).generate(params, requests)
+    alone = [i for i, r in enumerate(requests) if not r.speculative]
+    assert [ours[i].tokens for i in alone] == [plain[i].tokens for i in alone]
+    assert [ours[i].tokens for i in range(0, 8, 2)] != [plain[i].tokens for i in range(0, 8, 2)]

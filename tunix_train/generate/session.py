@@ -42,6 +42,9 @@ class Request:
     stop_strings: tuple[str, ...] = ()  # needs the engine's `decode`
     # the prompt's images' pixel values [I, C, H, W] (model.vision), in the order of its placeholders
     images: Optional[np.ndarray] = dataclasses.field(default=None, compare=False)
+    # under a speculative engine, False: drawn as without speculation (the plain engine's draws of
+    # its seed), one token a round, whatever the drafts
+    speculative: bool = True
 
     def prefix_key(self) -> tuple:
         """What makes two requests' prefills the same: the prompt, and its images' bytes."""
@@ -148,6 +151,7 @@ class Session:
                 ("temperature", np.float32),
                 ("top_k", np.int32),
                 ("top_p", np.float32),
+                ("speculate", np.bool_),
             )
         }
         self.seeds = np.zeros((slots, *_seed_key(0).shape), np.uint32)
@@ -336,6 +340,7 @@ class Session:
                 "temperature": s.temperature,
                 "top_k": s.top_k or e.cfg.vocab_size,
                 "top_p": s.top_p or 1.0,
+                "speculate": request.speculative,
             }
             for name, value in settings.items():
                 row[name][slot] = value

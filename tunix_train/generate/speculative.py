@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_train.config import ConfigError, ModelConfig
-from tunix_train.generate.sampling import Draws, Kinds, Rules, categorical, cut, sampled
+from tunix_train.generate.sampling import Draws, Kinds, Rules, categorical, cut, draw, sampled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,11 +111,13 @@ def looks_up(drafter) -> bool:
     return drafter is not None and not isinstance(drafter, DraftModel)
 
 
-def _keys(draws: Draws, count_BT: jax.Array) -> jax.Array:
-    """[B, T, 3] keys of token numbers count_BT: to draft, to accept, to draw the replacement."""
+def _keys(draws: Draws, count_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[B, T, 3] keys of token numbers count_BT: to draft, to accept, to draw the replacement; and
+    [B] the plain engine's key of each row's first token number (a row that does not speculate)."""
     fold = jax.vmap(jax.vmap(jax.random.fold_in, (None, 0)), (0, 0))
     stream_B = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(draws.seeds), draws.stream)
-    return jax.vmap(jax.vmap(lambda key: jax.random.split(key, 3)))(fold(stream_B, count_BT))
+    keys_BT = fold(stream_B, count_BT)
+    return jax.vmap(jax.vmap(lambda key: jax.random.split(key, 3)))(keys_BT), keys_BT[:, 0]
 
 
 def _flat(rules: Rules, T: int) -> Rules:
@@ -152,10 +154,12 @@ def lookup_drafts(history_BL, position_B, k: int, longest: int) -> jax.Array:
     return jnp.take_along_axis(history_BL, jnp.minimum(at_BK, L - 1), axis=1)
 
 
-def accept(logits_BTV, drafts_BK, draft_probs_BKV, draws: Draws, keys_BT3, kinds: Kinds):
+def accept(logits_BTV, drafts_BK, draft_probs_BKV, draws: Draws, keys_BT3, kinds: Kinds, alone=None):
     """The rejection rule over a round: (the tokens emitted [B, k+1], valid up to and with index
     n, their log-probabilities under softmax(logits / T), n [B] the drafts kept). draft_probs:
-    the distribution each draft came from (None: a certain one, as prompt lookup's)."""
+    the distribution each draft came from (None: a certain one, as prompt lookup's). alone:
+    (speculate_B, keys_B): the rows that do not speculate keep no draft and draw their token as
+    the plain engine does, with its key of the token's number (sampling.draw)."""
     B, T, V = logits_BTV.shape
     k = T - 1
     greedy_BT = jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
@@ -177,6 +181,11 @@ def accept(logits_BTV, drafts_BK, draft_probs_BKV, draws: Draws, keys_BT3, kinds
         rows_sampled_B1 = sampled(draws.rules)[:, None]
         ok_BK = jnp.where(rows_sampled_B1, u_BK * q_draft_BK < p_draft_BK, ok_BK)
         replacement_BT = jnp.where(rows_sampled_B1, drawn_BT, greedy_BT)
+    if alone is not None:
+        speculate_B, keys_B = alone
+        plain_B, _ = draw(logits_BTV[:, 0], draws.rules, keys_B, kinds)
+        ok_BK = ok_BK & speculate_B[:, None]
+        replacement_BT = replacement_BT.at[:, 0].set(jnp.where(speculate_B, replacement_BT[:, 0], plain_B))
     kept_B = jnp.sum(jnp.cumprod(ok_BK, axis=1), axis=1).astype(jnp.int32)
     index_T = jnp.arange(T)
     drafts_BT = jnp.concatenate([drafts_BK, drafts_BK[:, :1]], axis=1)
@@ -190,10 +199,12 @@ def chunk(engine, params, per_layer, caches, draft, rows, draws: Draws, *, kinds
     caches: the model's and the drafter's state, both donated: the draft model's caches, or with
     prompt lookup each row's tokens by position [B, L]. draft: the draft model's (params,
     per_layer), else None. rows: each row's (token, position, count), as the plain decode step
-    takes them. Returns the caches, the next (token, position, count), the tokens emitted [B,
-    rounds, k+1] with their log-probabilities, and the drafts each round kept [B, rounds]."""
+    takes them, and whether it speculates (Request.speculative). Returns the caches, the next
+    (token, position, count), the tokens emitted [B, rounds, k+1] with their log-probabilities,
+    and the drafts each round kept [B, rounds]."""
     spec = engine.speculation
     k = spec.tokens
+    *rows, speculate_B = rows
 
     def draft_tokens(state, token_B, position_B, keys_BT3):
         if draft is None:
@@ -212,11 +223,14 @@ def chunk(engine, params, per_layer, caches, draft, rows, draws: Draws, *, kinds
 
     def one_round(carry, _):
         (caches, state), token_B, position_B, count_B = carry
-        keys_BT3 = _keys(draws, count_B[:, None] + jnp.arange(k + 1))
+        keys_BT3, plain_keys_B = _keys(draws, count_B[:, None] + jnp.arange(k + 1))
         state, drafts_BK, probs_BKV = draft_tokens(state, token_B, position_B, keys_BT3)
         tokens_BT = jnp.concatenate([token_B[:, None], drafts_BK], axis=1)
         logits_BTV, caches, _ = engine.extend(params, per_layer, caches, tokens_BT, position_B)
-        emitted_BT, logprob_BT, kept_B = accept(logits_BTV, drafts_BK, probs_BKV, draws, keys_BT3, kinds)
+        alone = (speculate_B, plain_keys_B)
+        emitted_BT, logprob_BT, kept_B = accept(
+            logits_BTV, drafts_BK, probs_BKV, draws, keys_BT3, kinds, alone
+        )
         if draft is None:  # the emitted tokens join the row's history, at the positions after p
             after_BT = position_B[:, None] + 1 + jnp.arange(k + 1)
             at_BT = jnp.where(jnp.arange(k + 1) <= kept_B[:, None], after_BT, state.shape[1])  # past: dropped
@@ -248,7 +262,7 @@ def decode_chunk(session) -> list[tuple[int, list[int]]]:
         session.per_layer,
         (session.caches, state),
         draft,
-        (rows["token"], rows["position"], rows["count"]),
+        (rows["token"], rows["position"], rows["count"], rows["speculate"]),
         Draws(Rules(rows["temperature"], rows["top_k"], rows["top_p"]), seeds, rows["stream"]),
         kinds=session.kinds,
     )
@@ -271,6 +285,7 @@ def decode_chunk(session) -> list[tuple[int, list[int]]]:
             [x for r, n in enumerate(lengths) for x in logprob_BRT[slot, r, :n].tolist()],
         )
         rounds = int(np.searchsorted(np.cumsum(lengths), len(done.versions) - fed_before)) + 1
+        rounds *= running[1].speculative  # a request that opted out drafts nothing of its own
         e.stats["rounds"] += rounds
         e.stats["drafted"] += rounds * e.speculation.tokens
         e.stats["accepted"] += int(np.sum(kept_BR[slot, :rounds]))

@@ -66,7 +66,16 @@ class Api:
         longest = max(len(p) for p in prompts)
         max_tokens = max(limit - longest, 1) if ask.max_tokens is None else ask.max_tokens
         requests = [
-            Request(tuple(p), max_tokens, sampling, ask.seed, j * ask.n + i, ask.stop + tuple(ends), pixels)
+            Request(
+                tuple(p),
+                max_tokens,
+                sampling,
+                ask.seed,
+                j * ask.n + i,
+                ask.stop + tuple(ends),
+                pixels,
+                ask.speculative,
+            )
             for j, p in enumerate(prompts)
             for i in range(ask.n)
         ]

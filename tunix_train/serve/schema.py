@@ -51,6 +51,7 @@ CHAT_FIELDS = {
     "n",
     "stream",
     "stream_options",
+    "speculative",  # ours: false draws as without speculative decoding (--draft, --prompt_lookup)
 }
 TEXT_FIELDS = (CHAT_FIELDS - {"messages", "max_completion_tokens"}) | {"prompt", "logprobs", "echo"}
 
@@ -138,6 +139,7 @@ class Ask:
     include_usage: bool
     logprobs: int | None = None  # alternatives reported per token; None: no log-probabilities
     echo: bool = False  # the prompt's tokens come back before the completion's (and their logprobs)
+    speculative: bool = True  # false: drawn as without the server's speculative decoding
 
 
 def read(body: dict, chat: bool, name: str) -> Ask:
@@ -209,6 +211,9 @@ def read(body: dict, chat: bool, name: str) -> Ask:
     if stream and (echo or logprobs is not None):
         raise BadRequest("'logprobs' and 'echo' are answered whole: send them with 'stream': false", "stream")
     seed = _number(body, "seed", int, None, SEED_RANGE[0], SEED_RANGE[1] - 1)
+    speculative = body.get("speculative", True)
+    if not isinstance(speculative, bool):
+        raise BadRequest("'speculative' must be true or false", "speculative")
     return Ask(
         chat,
         prompt,
@@ -223,6 +228,7 @@ def read(body: dict, chat: bool, name: str) -> Ask:
         bool((options or {}).get("include_usage")),
         logprobs,
         bool(echo),
+        speculative,
     )
 
 
