@@ -157,6 +157,7 @@ BAD = [  # (body, status, words in the message)
     (json.dumps({"model": "tiny"}).encode(), 400, "'messages' is a required property"),
     (json.dumps({"model": "gpt-9", "messages": QUESTION}).encode(), 404, "does not exist"),
     (json.dumps({"model": "tiny", "messages": QUESTION, "max_tokens": 0}).encode(), 400, "must be positive"),
+    (json.dumps({"model": "tiny", "messages": QUESTION, "speculative": "no"}).encode(), 400, "true or false"),
     (
         json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Speak. " * 80}]}).encode(),
         400,

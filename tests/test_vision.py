@@ -707,6 +707,27 @@ def test_generate_image_and_chat_image_give_transformers_tokens(tmp_path, monkey
     assert capsys.readouterr().out == ours.decode(expected) + "\n"
 
 
+@pytest.mark.slow  # three generations of the CLI
+def test_speculative_generation_of_an_image_prompt_gives_the_plain_tokens(tmp_path, monkeypatch, capsys):
+    """`generate --image` with --prompt_lookup and with --draft (the model as its own draft, which
+    prefills the image too) prints what it prints without them (greedy: the same tokens)."""
+    from PIL import Image
+
+    from tunix_train.generate.__main__ import main
+
+    _vision_checkpoint(tmp_path / "ckpt")
+    picture = tmp_path / "pic.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (40, 24, 3), dtype=np.uint8)).save(picture)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    args = [str(tmp_path / "ckpt"), "--max_new_tokens", "12", "--prompt", "<start_of_image>What is it?"]
+    assert main([*args, "--image", str(picture)]) == 0
+    plain = capsys.readouterr().out
+    for speculation in (["--prompt_lookup", "2"], ["--draft", str(tmp_path / "ckpt")]):
+        assert main([*args, "--image", str(picture), *speculation]) == 0
+        out = capsys.readouterr()
+        assert out.out == plain and "speculative decoding accepted" in out.err
+
+
 @pytest.mark.slow
 def test_the_server_answers_an_image_as_the_chat_does_and_refuses_remote_files_and_large_ones(tmp_path):
     """The official openai client sends an image as a data: URI: the reply is the text the chat
