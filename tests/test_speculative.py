@@ -306,3 +306,34 @@ def test_a_request_that_opts_out_draws_the_plain_engines_tokens_for_its_seed():
     alone = [i for i, r in enumerate(requests) if not r.speculative]
     assert [ours[i].tokens for i in alone] == [plain[i].tokens for i in alone]
     assert [ours[i].tokens for i in range(0, 8, 2)] != [plain[i].tokens for i in range(0, 8, 2)]
+
+
+@pytest.mark.slow  # another family's three engines compile
+def test_gemma4s_shared_kv_layers_speculate_to_the_plain_tokens():
+    """Gemma 4's layers that reuse an earlier layer's keys and values (num_kv_shared_layers), keys
+    equal to values and wider global heads, a window of 8: a verify round reads the shared cache
+    after its source wrote k + 1 positions, and greedy output is the plain engine's with either
+    drafter."""
+    cfg = config("model=gemma4_tiny").model
+    assert cfg.gemma4.num_kv_shared_layers > 0
+    mesh = make_mesh([[1], ["fsdp"]], jax.devices()[:1])
+    params = plan_train_state(cfg, make_optimizer(config().training)[0], mesh, seed=0).create().params
+    rng = np.random.default_rng(0)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: (
+            np.asarray(x) + (4 + rng.normal(size=x.shape) if "post" in jax.tree_util.keystr(path) else 0)
+        ).astype(np.asarray(x).dtype),
+        params,
+    )
+    requests = [
+        Request(tuple(rng.integers(1, cfg.vocab_size, n).tolist()), 30, stream=i)
+        for i, n in enumerate([3, 9, 17, 5])
+    ]
+    plain = [c.tokens for c in Engine(cfg, mesh, slots=4).generate(params, requests)]
+    assert len(set(plain[0])) > 5
+    for spec, draft in (
+        (Speculation(3, lookup=2), None),
+        (Speculation(3, draft=cfg), _perturbed(params, 0.05, 1)),
+    ):
+        engine = Engine(cfg, mesh, slots=4, tuning=Tuning(speculation=spec))
+        assert [c.tokens for c in engine.generate(params, requests, draft_params=draft)] == plain
