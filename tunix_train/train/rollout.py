@@ -204,7 +204,9 @@ class Sampler:
 
     def draft_for(self, engine):
         """The draft model's parameters for `engine` (one of the policy's), else None."""
-        return next((p for e, p in zip(self.engines, self.draft_params) if e is engine), None)
+        if engine.speculation is None or engine.draft is None:
+            return None
+        return next(p for e, p in zip(self.engines, self.draft_params) if e is engine)
 
     def params(self, state, replica: int = 0):
         """The merged parameters engine `replica` draws with, on its mesh (the time and bytes
