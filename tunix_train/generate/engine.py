@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from tunix_train.config import ConfigError, LoraConfig, ModelConfig, Remat, RopeScalingType
 from tunix_train.generate import cache as kv
 from tunix_train.generate import speculative
-from tunix_train.generate.sampling import Draws, Kinds, draw
+from tunix_train.generate.sampling import Draws, Kinds, draw, token_keys
 from tunix_train.generate.session import Completion, Request, Session  # noqa: F401 (Completion: the API)
 from tunix_train.generate.speculative import Speculation
 from tunix_train.model.common import output_logits
@@ -45,9 +45,7 @@ from tunix_train.sharding import LOGICAL_RULES, constrain, data_parallel_size
 
 def _draw(logits_BV, draws: Draws, count_B, kinds: Kinds):
     """Token number count_B of each row, drawn with fold_in(fold_in(key(seed), stream), count)."""
-    fold = jax.vmap(jax.random.fold_in)
-    keys_B = fold(fold(jax.random.wrap_key_data(draws.seeds), draws.stream), count_B)
-    return draw(logits_BV, draws.rules, keys_B, kinds)
+    return draw(logits_BV, draws.rules, token_keys(draws, count_B), kinds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +183,6 @@ class Engine:
     def _insert_fn(self, caches, entries, logits_NV, row_n, slot_n, draws_n: Draws, *, kinds: Kinds):
         """The caches with prefill row row_n[i] of `entries` written over slot slot_n[i]'s rows, for
         each i, and each request's first token (number 0 of its stream) drawn from its row's logits."""
-
         caches = self._put(caches, entries, row_n, slot_n)
         # the rows split over the data axes, as in decoding: a replicated draw would repeat on every device
         logits_nV = constrain(logits_NV[row_n], ("batch", "act_vocab"), self.rules)
@@ -317,9 +314,9 @@ class Engine:
 
     def max_len_for(self, requests: Sequence[Request]) -> int:
         """Cache slots of a global layer that serve every request: a multiple of 64, within the context."""
-        needed = max(len(r.prompt) + r.max_new_tokens for r in requests) + self.lookahead
+        needed = max(len(r.prompt) + r.max_new_tokens for r in requests)
         rounded = -(-needed // 64) * 64
-        return min(rounded, (self.cfg.context_length or rounded) + self.lookahead)
+        return min(rounded, self.cfg.context_length or rounded)
 
     def empty_caches(self, params, per_layer, max_len: int, slots: int) -> list:
         """Every slot's cache, zeros: a prefill entry's layout (and dtype) with `slots` times its
@@ -366,7 +363,8 @@ class Engine:
         draft_params=None,
     ) -> "Session":
         """`slots` slots and their caches for requests of at most max_len tokens with their
-        completions; `version`: the parameters', recorded with each token (Session.install);
+        completions (and room for speculation's drafts past them); `version`: the parameters',
+        recorded with each token (Session.install);
         draft_params: the draft model's, where the engine speculates with one."""
         return Session(self, params, max_len, slots, kinds, version, draft_params)
 

@@ -65,7 +65,8 @@ class LoadedModel:
             decode=None if self.tokenizer is None else self.tokenizer.decode,
         )
         self._scorer = Scorer(graphdef, self.mesh, self.config.vocab_size)
-        self._drafts: dict = {}  # engine_for's: the engines of speculative decoding, loaded drafts
+        self._speculating: dict = {}  # engine_for's engines, by (k, lookup, draft)
+        self._drafts: dict[str, LoadedModel] = {}  # speculation_for's draft models, by path
 
     def score(self, rows: Sequence[Sequence[int]], top: int = 0, batch: int = 8) -> list[Scored]:
         """Each row of token ids scored teacher-forced (scoring.py): log p(token | tokens before
@@ -155,15 +156,15 @@ class LoadedModel:
         if speculation is None:
             return self.engine, None
         key = (speculation.tokens, speculation.lookup, id(speculation.draft))
-        if key not in self._drafts:
-            self._drafts[key] = Engine(
+        if key not in self._speculating:
+            self._speculating[key] = Engine(
                 self.config,
                 self.mesh,
                 self.stop_ids,
                 decode=None if self.tokenizer is None else self.tokenizer.decode,
                 tuning=Tuning(speculation=speculation),
             )
-        return self._drafts[key], draft_params
+        return self._speculating[key], draft_params
 
     def speculation_for(self, draft: Any, tokens: int = 4) -> tuple[Optional[Speculation], Any]:
         """How to speculate with `draft`: a LoadedModel on this mesh or a checkpoint's path (loaded

@@ -86,6 +86,15 @@ class Kinds(NamedTuple):
         )
 
 
+def token_keys(draws: Draws, count: jax.Array) -> jax.Array:
+    """The keys of token numbers `count` [B, ...] of each row: fold_in(fold_in(key(seed), stream), n)."""
+    stream_B = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(draws.seeds), draws.stream)
+    fold = jax.random.fold_in
+    for _ in range(count.ndim - 1):  # over each row's further axes
+        fold = jax.vmap(fold, (None, 0))
+    return jax.vmap(fold)(stream_B, count)
+
+
 def draw(logits_BV: jax.Array, rules: Rules, keys_B: jax.Array, kinds: Kinds):
     """The next token of each row and its log-probability under softmax(logits / T), the
     distribution before the top-k and top-p cuts (as vLLM reports them; T = 1 for a greedy row)."""

@@ -132,6 +132,8 @@ class Session:
         parameters' (a training step, for asynchronous RL), recorded with every token they draw.
         draft_params: the draft model's, where the engine speculates with one."""
         self.engine, self.params, self.max_len, self.slots, self.kinds = engine, params, max_len, slots, kinds
+        # the caches' positions: a speculative round writes k past a request's last (Engine.lookahead)
+        self.cache_len = max_len + engine.lookahead
         self.version = version
         self.queue: collections.deque[tuple[int, Request]] = collections.deque()
         self.completions: dict[int, Completion] = {}
@@ -140,7 +142,7 @@ class Session:
         e = engine
         with jax.set_mesh(e.mesh):
             self.per_layer = e.unstack(params)
-            self.caches = e.empty_caches(params, self.per_layer, max_len, slots)
+            self.caches = e.empty_caches(params, self.per_layer, self.cache_len, slots)
         self.row = {
             name: np.zeros(slots, dtype)
             for name, dtype in (
@@ -156,7 +158,7 @@ class Session:
         }
         self.seeds = np.zeros((slots, *_seed_key(0).shape), np.uint32)
         self._on_device = None  # the rows' arrays on the devices, while the host has not changed them
-        self.drafter = speculative.drafter(e, draft_params, max_len, slots)
+        self.drafter = speculative.drafter(e, draft_params, self.cache_len, slots)
         e.stats["cache_bytes"] = sum(x.nbytes for c in self.caches if c is not None for x in c.values())
         # prompt -> (entries, logits, routes, row)
         self._prefixes: collections.OrderedDict = collections.OrderedDict()
@@ -177,11 +179,10 @@ class Session:
 
     def add(self, request: Request) -> int:
         """Queues a request; returns its id (the key of its completion)."""
-        if len(request.prompt) + request.max_new_tokens + self.engine.lookahead > self.max_len:
-            drafts = f" plus {self.engine.lookahead} drafted" if self.engine.lookahead else ""
+        if len(request.prompt) + request.max_new_tokens > self.max_len:
             raise ConfigError(
-                f"a prompt of {len(request.prompt)} tokens plus max_new_tokens={request.max_new_tokens}"
-                f"{drafts} is longer than this session's {self.max_len} tokens"
+                f"a prompt of {len(request.prompt)} tokens plus max_new_tokens={request.max_new_tokens} "
+                f"is longer than this session's {self.max_len} tokens"
             )
         rid, self._next_id = self._next_id, self._next_id + 1
         self.queue.append((rid, request))
@@ -220,17 +221,12 @@ class Session:
                     tokens, lengths = np.zeros((rows, length), np.int32), np.ones(rows, np.int32)
                     prefill = (self.to_devices(tokens), self.to_devices(lengths), None)
                     entries, logits, _ = e.prefill_step(
-                        self.params, self.per_layer, *prefill, max_len=self.max_len
+                        self.params, self.per_layer, *prefill, max_len=self.cache_len
                     )
-                    if isinstance(self.drafter, speculative.DraftModel):  # and the draft model's
-                        d = self.drafter
-                        draft = e.draft.prefill_step(d.params, d.per_layer, *prefill, max_len=self.max_len)[0]
+                    entries = self._with_draft(entries, prefill)
                     for n in (n for n in sizes if n >= rows):  # as _start pads them
                         rows_n = np.minimum(np.arange(n, dtype=np.int32), rows - 1)
                         slots_n = np.minimum(np.arange(n, dtype=np.int32), self.slots - 1)
-                        if isinstance(self.drafter, speculative.DraftModel):
-                            caches = e.draft.put_step(self.drafter.caches, draft, rows_n, slots_n)
-                            self.drafter = dataclasses.replace(self.drafter, caches=caches)
                         token_n, _ = self._insert(entries, logits, rows_n, slots_n)
         jax.block_until_ready(token_n)
         e.stats["warm_s"] += time.perf_counter() - start
@@ -291,25 +287,12 @@ class Session:
                 prompt = group[min(row, len(group) - 1)][1]
                 tokens[row, : len(prompt)], lengths[row] = prompt, len(prompt)
             images = prefill_images([todo[k].images for k, _ in group], N)
+            prefill = tuple(None if x is None else self.to_devices(x) for x in (tokens, lengths, images))
             entries, logits, routes = e.prefill_step(
-                self.params,
-                self.per_layer,
-                self.to_devices(tokens),
-                self.to_devices(lengths),
-                None if images is None else self.to_devices(images),
-                max_len=self.max_len,
+                self.params, self.per_layer, *prefill, max_len=self.cache_len
             )
             routes = None if routes is None else _fetch(routes)[0]
-            if isinstance(self.drafter, speculative.DraftModel):  # the draft reads the prompt too
-                draft = e.draft.prefill_step(
-                    self.drafter.params,
-                    self.drafter.per_layer,
-                    self.to_devices(tokens),
-                    self.to_devices(lengths),
-                    None if images is None or e.draft.cfg.vision is None else self.to_devices(images),
-                    max_len=self.max_len,
-                )[0]
-                entries = (entries, draft)
+            entries = self._with_draft(entries, prefill)
             found.update({k: (entries, logits, routes, row) for row, (k, _) in enumerate(group)})
             e.stats["prefills"] += len(group)
         e.stats["prefix_hits"] += len(starting) - len(todo)
@@ -360,10 +343,6 @@ class Session:
             rows = max(batch_rows(len(pairs), data_parallel_size(e.mesh)), logits.shape[0])
             pairs += [pairs[-1]] * (rows - len(pairs))
             rows_n, slots_n = (np.asarray(x, np.int32) for x in zip(*pairs))
-            if isinstance(self.drafter, speculative.DraftModel):
-                entries, draft = entries
-                caches = e.draft.put_step(self.drafter.caches, draft, rows_n, slots_n)
-                self.drafter = dataclasses.replace(self.drafter, caches=caches)
             drawn.append((slots_n, *self._insert(entries, logits, rows_n, slots_n)))
         new, done = [], set()
         for slots_n, token_n, logprob_n in drawn:
@@ -378,10 +357,26 @@ class Session:
         e.stats["prefill_s"] += time.perf_counter() - start
         return new
 
+    def _with_draft(self, entries, prefill: tuple):
+        """A prefill's entries; with a draft model, (entries, the draft's of the same prompts, with
+        the images where the draft reads them), as _insert takes them."""
+        if not isinstance(self.drafter, speculative.DraftModel):
+            return entries
+        d, (tokens, lengths, images) = self.drafter, prefill
+        images = images if self.engine.draft.cfg.vision is not None else None
+        return entries, self.engine.draft.prefill_step(
+            d.params, d.per_layer, tokens, lengths, images, max_len=self.cache_len
+        )[0]
+
     def _insert(self, entries, logits, rows_n: np.ndarray, slots_n: np.ndarray) -> tuple:
-        """Writes prefill rows rows_n of `entries` over slots slots_n and draws each one's first
-        token by its slot's sampling settings: (tokens, log-probabilities), on the devices."""
+        """Writes prefill rows rows_n of `entries` (and the draft's, _with_draft) over slots
+        slots_n and draws each one's first token by its slot's sampling settings: (tokens,
+        log-probabilities), on the devices."""
         row = self.row
+        if isinstance(self.drafter, speculative.DraftModel):
+            entries, draft = entries
+            caches = self.engine.draft.put_step(self.drafter.caches, draft, rows_n, slots_n)
+            self.drafter = dataclasses.replace(self.drafter, caches=caches)
         self.caches, token_n, logprob_n = self.engine.insert_step(
             self.caches,
             entries,

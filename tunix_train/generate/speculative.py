@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_train.config import ConfigError, ModelConfig
-from tunix_train.generate.sampling import Draws, Kinds, Rules, categorical, cut, draw, sampled
+from tunix_train.generate.sampling import Draws, Kinds, Rules, categorical, cut, draw, sampled, token_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +88,10 @@ def drafter(engine, draft_params, max_len: int, slots: int):
 
 def summary(stats) -> str:
     """An engine's speculation so far, in words: its acceptance rate and mean accepted length."""
-    rate = stats["accepted"] / max(stats["drafted"], 1)
-    length = (stats["accepted"] + stats["rounds"]) / max(stats["rounds"], 1)
+    f = figures(stats)
     return (
-        f"speculative decoding accepted {rate:.1%} of {stats['drafted']} drafted tokens: "
-        f"{length:.2f} tokens a verify round over {stats['rounds']} rounds"
+        f"speculative decoding accepted {f['acceptance_rate']:.1%} of {f['drafted']} drafted tokens: "
+        f"{f['mean_accepted_length']:.2f} tokens a verify round over {f['rounds']} rounds"
     )
 
 
@@ -114,9 +113,7 @@ def looks_up(drafter) -> bool:
 def _keys(draws: Draws, count_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """[B, T, 3] keys of token numbers count_BT: to draft, to accept, to draw the replacement; and
     [B] the plain engine's key of each row's first token number (a row that does not speculate)."""
-    fold = jax.vmap(jax.vmap(jax.random.fold_in, (None, 0)), (0, 0))
-    stream_B = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(draws.seeds), draws.stream)
-    keys_BT = fold(stream_B, count_BT)
+    keys_BT = token_keys(draws, count_BT)
     return jax.vmap(jax.vmap(lambda key: jax.random.split(key, 3)))(keys_BT), keys_BT[:, 0]
 
 

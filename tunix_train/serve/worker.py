@@ -65,7 +65,7 @@ class Generator:
 
         return self.engine.session(
             self.model.params,
-            self.max_len + self.engine.lookahead,  # a request's drafts may run k positions past it
+            self.max_len,
             self.slots,
             Kinds(False, False, False),
             draft_params=self.draft_params,

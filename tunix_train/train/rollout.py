@@ -381,7 +381,7 @@ class Sampler:
             try:
                 trajectories = self.turns.roll_out(
                     lambda requests: engine.generate(
-                        params, [request(*r) for r in requests], T + engine.lookahead, draft_params=drafted
+                        params, [request(*r) for r in requests], max_len=T, draft_params=drafted
                     ),
                     [
                         self.turns.start(e, d, name, self.images.get(id(d)))
@@ -411,7 +411,7 @@ class Sampler:
             )
         else:
             requests = [request(p, self.rollout.max_new_tokens, i) for i, p in enumerate(prompts)]
-            done = engine.generate(params, requests, T + engine.lookahead, draft_params=drafted)
+            done = engine.generate(params, requests, max_len=T, draft_params=drafted)
             completions, logprobs = with_stop_tokens(done)
             out = {
                 "prompt_ids": None,

@@ -216,7 +216,7 @@ class Streaming:
         sessions = [
             engine.session(
                 s.params(state, i),
-                s.cfg.data.seq_len + engine.lookahead,  # speculation's drafts run past a request
+                s.cfg.data.seq_len,
                 slots,
                 self.kinds,
                 int(state.step),
