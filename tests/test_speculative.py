@@ -206,7 +206,11 @@ def test_prompt_lookup_proposes_what_followed_the_longest_recent_match():
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: Speculation(tokens=0, lookup=3), "speculative tokens=0 must be an integer >= 1"),
+        (lambda: Speculation(tokens=0, lookup=3), "speculative tokens=0 must be an integer from 1 to 64"),
+        (
+            lambda: Speculation(tokens=100_000, lookup=3),
+            "speculative tokens=100000 must be an integer from 1 to 64",
+        ),
         (lambda: Speculation(tokens=4), "speculative decoding takes one drafter"),
         (lambda: Speculation(tokens=4, lookup=2, draft=CFG), "speculative decoding takes one drafter"),
         (

@@ -188,9 +188,9 @@ class RolloutConfig:
                 "for now: turn one off",
             ),
             (
-                self.num_speculative_tokens < 1 or self.prompt_lookup < 0,
-                f"training.rollout.num_speculative_tokens={self.num_speculative_tokens} must be >= 1 and "
-                f"prompt_lookup={self.prompt_lookup} >= 0",
+                not 1 <= self.num_speculative_tokens <= 64 or not 0 <= self.prompt_lookup <= 64,
+                f"training.rollout.num_speculative_tokens={self.num_speculative_tokens} must be from 1 to 64 "
+                f"and prompt_lookup={self.prompt_lookup} from 0 to 64",
             ),
         )
 

@@ -176,7 +176,12 @@ class LoadedModel:
             return draft, None
         if isinstance(draft, (str, Path)):
             if str(draft) not in self._drafts:
-                self._drafts[str(draft)] = load(draft, _mesh_shape(self.mesh), list(self.mesh.devices.flat))
+                try:
+                    self._drafts[str(draft)] = load(
+                        draft, _mesh_shape(self.mesh), list(self.mesh.devices.flat)
+                    )
+                except ConfigError as err:
+                    raise ConfigError(f"the draft {draft}: {err}") from None
             draft = self._drafts[str(draft)]
         if not isinstance(draft, LoadedModel):
             raise ConfigError(f"draft={draft!r}: give a loaded model, a checkpoint's path or a Speculation")

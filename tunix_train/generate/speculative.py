@@ -26,6 +26,8 @@ import numpy as np
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.generate.sampling import Draws, Kinds, Rules, categorical, cut, draw, sampled, token_keys
 
+MOST = 64  # drafted tokens, n-gram length, rounds: a round's k + 1 positions are every row's memory
+
 
 @dataclasses.dataclass(frozen=True)
 class Speculation:
@@ -40,11 +42,9 @@ class Speculation:
 
     def __post_init__(self):
         for name in ("tokens", "lookup", "rounds"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (name != "lookup"):
-                raise ConfigError(
-                    f"speculative {name}={value!r} must be an integer >= {int(name != 'lookup')}"
-                )
+            value, least = getattr(self, name), int(name != "lookup")
+            if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MOST:
+                raise ConfigError(f"speculative {name}={value!r} must be an integer from {least} to {MOST}")
         if (self.draft is None) == (self.lookup == 0):
             raise ConfigError(
                 "speculative decoding takes one drafter: a draft model or prompt lookup (lookup=N)"

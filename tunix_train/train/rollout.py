@@ -198,8 +198,11 @@ class Sampler:
             return None, none
         from tunix_train.interop import loader
 
-        source = loader.source(g.draft)
-        params = [loader.load(source, mesh).params for mesh in self.meshes]
+        try:
+            source = loader.source(g.draft)
+            params = [loader.load(source, mesh).params for mesh in self.meshes]
+        except ConfigError as err:
+            raise ConfigError(f"training.rollout.draft={g.draft}: {err}") from None
         return Speculation(g.num_speculative_tokens, source.cfg.model), params
 
     def draft_for(self, engine):
