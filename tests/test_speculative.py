@@ -17,7 +17,8 @@ from test_generate import CFG, _on
 from tunix_train.config import ConfigError, Remat
 from tunix_train.generate import Engine, Request, Sampling, Tuning
 from tunix_train.generate.sampling import Draws, Kinds, Rules
-from tunix_train.generate.speculative import Speculation, accept, lookup_drafts
+from tunix_train.generate.adaptive import Adaptive
+from tunix_train.generate.speculative import Speculation, accept, first_kept, lookup_drafts
 from tunix_train.parallel import model_graphdef
 from tunix_train.sharding import make_mesh
 from tunix_train.train.init import plan_train_state
@@ -30,9 +31,11 @@ def _perturbed(params, scale, seed):
     return jax.tree.map(lambda x: x + scale * rng.normal(size=x.shape).astype(x.dtype) * np.std(x), params)
 
 
-def _engine(mesh, drafter, **kw):
+def _engine(mesh, drafter, adaptive=False, **kw):
     spec = (
-        Speculation(tokens=3, draft=CFG, rounds=2) if drafter != "lookup" else Speculation(tokens=3, lookup=3)
+        Speculation(tokens=3, draft=CFG, rounds=2, adaptive=adaptive)
+        if "lookup" not in drafter
+        else Speculation(tokens=3, lookup=3, adaptive=adaptive)
     )
     return Engine(CFG, mesh, tuning=Tuning(speculation=spec), **kw)
 
@@ -43,6 +46,8 @@ def _engine(mesh, drafter, **kw):
         pytest.param("close draft", 0.05, marks=pytest.mark.slow),  # two models' programs compile
         pytest.param("random draft", 3.0, marks=pytest.mark.slow),
         ("lookup", None),
+        pytest.param("random draft, adaptive", 3.0, marks=pytest.mark.slow),
+        pytest.param("lookup, adaptive", None, marks=pytest.mark.slow),
     ],
 )
 def test_greedy_output_is_the_plain_engines_on_100_prompts(drafter, scale):
@@ -50,7 +55,8 @@ def test_greedy_output_is_the_plain_engines_on_100_prompts(drafter, scale):
     max_new_tokens up to 23, past the sliding window of 6, whose ring buffer wraps) through 8
     slots, each slot keeping its own number of drafts a round: the same tokens, finish and stop
     token as the plain engine, log-probabilities within float32's rounding (a verify round is a
-    matmul over k + 1 positions, a decode step over one)."""
+    matmul over k + 1 positions, a decode step over one). Adaptively (adaptive.py) the k changes
+    from chunk to chunk, mid-request, and the same tokens come; a random draft turns itself off."""
     mesh, params = _on("1x1")
     rng = np.random.default_rng(1)
     prompts = [tuple(rng.integers(1, CFG.vocab_size, rng.integers(1, 16)).tolist()) for _ in range(80)]
@@ -58,7 +64,7 @@ def test_greedy_output_is_the_plain_engines_on_100_prompts(drafter, scale):
     prompts, new = prompts + prompts[:20], new + new[:20]  # repeats: next to their first in the queue
     requests = [Request(p, n, stream=i) for i, (p, n) in enumerate(zip(prompts, new))]
     plain = Engine(CFG, mesh, stop_ids=[7], slots=8).generate(params, requests)
-    engine = _engine(mesh, drafter, stop_ids=[7], slots=8)
+    engine = _engine(mesh, drafter, "adaptive" in drafter, stop_ids=[7], slots=8)
     draft = None if scale is None else _perturbed(params, scale, 0)
     ours = engine.generate(params, requests, draft_params=draft)
     assert [c.tokens for c in ours] == [c.tokens for c in plain]
@@ -68,7 +74,13 @@ def test_greedy_output_is_the_plain_engines_on_100_prompts(drafter, scale):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5, rtol=0)
     rate = engine.stats["accepted"] / engine.stats["drafted"]
     assert engine.stats["prefix_hits"] >= 15  # most repeats reused their first prefill
-    assert {"close draft": rate > 0.5, "random draft": rate < 0.1, "lookup": 0.05 < rate < 0.9}[drafter], rate
+    assert {"close draft": rate > 0.5, "random draft": rate < 0.1, "lookup": 0.05 < rate < 0.9}[
+        drafter.split(",")[0]
+    ], rate
+    if "adaptive" in drafter:
+        assert sum(n > 0 for n in engine.adaptive.calls.values()) >= 2  # k changed
+        if "random" in drafter:  # a draft almost never kept: most rounds draft nothing
+            assert engine.stats["plain_rounds"] > engine.stats["rounds"], engine.stats
 
 
 # -- the sampled distribution ---------------------------------------------------------------------
@@ -140,24 +152,29 @@ def _p_value(counts, expected_probs):
         pytest.param("draft", Sampling(1.0), marks=pytest.mark.slow),  # 60,000 draws and two models
         pytest.param("draft", Sampling(0.8, top_k=5, top_p=0.9), marks=pytest.mark.slow),
         pytest.param("lookup", Sampling(1.0), marks=pytest.mark.slow),
+        pytest.param("draft, adaptive", Sampling(1.0), marks=pytest.mark.slow),
     ],
 )
 def test_sampled_tokens_have_the_models_distribution(drafter, sampling):
     """20,000 samples of the first three tokens (512 outcomes): the speculative engine's, and the
     plain engine's, both fit the model's exact distribution (chi-square, p > 0.001), while drafts
     taken without the rejection rule (the draft model's own samples) do not (p < 1e-6): the test
-    can tell."""
+    can tell. Adaptively, the k of each chunk (0, 1 or 2) depends on the acceptance so far."""
     mesh, params = _small()
     draft = _perturbed(params, 1.0, 1)
-    spec = Speculation(tokens=2, rounds=1, **({"draft": SMALL} if drafter == "draft" else {"lookup": 2}))
+    drafting = {"draft": SMALL} if drafter.startswith("draft") else {"lookup": 2}
+    spec = Speculation(tokens=2, rounds=1, adaptive="adaptive" in drafter, **drafting)
     n, slots = 20_000, 2_000
     exact = _exact(params, sampling)
     plain = _counts(Engine(SMALL, mesh, slots=slots, tuning=Tuning(chunk=2)), params, sampling, n)
     engine = Engine(SMALL, mesh, slots=slots, tuning=Tuning(speculation=spec))
-    ours = _counts(engine, params, sampling, n, draft_params=draft if drafter == "draft" else None)
+    ours = _counts(engine, params, sampling, n, draft_params=draft if "draft" in drafting else None)
     assert 0.2 < engine.stats["accepted"] / engine.stats["drafted"] < 0.95  # drafts both kept and not
+    if spec.adaptive:
+        assert sum(n > 0 for n in engine.adaptive.calls.values()) >= 2, engine.adaptive.calls
     p_plain, p_ours = _p_value(plain, exact), _p_value(ours, exact)
     assert p_plain > 1e-3 and p_ours > 1e-3, (p_plain, p_ours)
+    print(f"chi-square p: plain {p_plain:.3f}, speculative {p_ours:.3f}")
     drafts_alone = _counts(Engine(SMALL, mesh, slots=slots, tuning=Tuning(chunk=2)), draft, sampling, n)
     assert _p_value(drafts_alone, exact) < 1e-6
 
@@ -175,13 +192,14 @@ def test_the_rejection_rule_keeps_a_draft_with_probability_min_1_p_over_q():
     rules = Rules(jnp.ones(n), jnp.full(n, V, jnp.int32), jnp.ones(n))
     draws = Draws(rules, jnp.zeros((n, 2), jnp.uint32), jnp.arange(n, dtype=jnp.uint32))
     keys = jax.vmap(lambda k: jax.random.split(k, 6).reshape(2, 3))(jax.random.split(jax.random.key(0), n))
+    kinds = Kinds(True, False, False)
     emitted, _, kept = jax.jit(accept, static_argnames="kinds")(
         logits,
         jnp.asarray(drafts)[:, None],
         jnp.broadcast_to(jnp.asarray(q, jnp.float32), (n, 1, V)),
         draws,
         keys,
-        kinds=Kinds(True, False, False),
+        kinds=kinds,
     )
     kept, first = np.asarray(kept), np.asarray(emitted)[:, 0]
     for token in range(V):
@@ -189,6 +207,36 @@ def test_the_rejection_rule_keeps_a_draft_with_probability_min_1_p_over_q():
         assert abs(rate - min(1, p[token] / q[token])) < 0.01, token
     frequencies = np.bincount(first, minlength=V) / n
     assert np.all(np.abs(frequencies - p) <= 5 * np.sqrt(p * (1 - p) / n))
+    # the chance of keeping a first draft that adaptive.py reads: sum_v min(p_v, q_v), the keep rate
+    two = Rules(*(x[:2] for x in rules))
+    chance = first_kept(logits[:2, 0], jnp.asarray(drafts[:2]), jnp.asarray([q, q], jnp.float32), two, kinds)
+    np.testing.assert_allclose(chance, np.minimum(p, q).sum(), rtol=1e-5)
+    assert abs(kept.mean() - np.minimum(p, q).sum()) < 0.005
+
+
+def test_adaptive_speculation_drafts_the_k_that_emits_most_tokens_a_second():
+    """Adaptive k (adaptive.py): the largest and smallest k are measured first, each program's
+    first call (its compilation) is not timed, and then the k is argmax E[tokens]/cost, with
+    E[tokens] = (1 - a^(k+1)) / (1 - a) a round (Leviathan et al., 2023, eq. 1) checked here
+    against a simulation of rounds, and the cost of an unmeasured k interpolated."""
+    adaptive = Adaptive(Speculation(tokens=4, lookup=2, adaptive=True).choices)
+    assert adaptive.choices == (0, 1, 2, 4)
+    assert adaptive.choose([0.5]) == 4
+    adaptive.record(4, 2, 100.0)  # compiling: not a measurement
+    assert adaptive.choose([0.5]) == 4
+    adaptive.record(4, 2, 4.0)  # 2 s a round
+    assert adaptive.choose([0.5]) == 0
+    adaptive.record(0, 8, 100.0)
+    adaptive.record(0, 8, 8.0)  # 1 s a round; 1.25, 1.5 s interpolated for k = 1, 2
+    assert adaptive.round_s == {4: 2.0, 0: 1.0}
+    rng = np.random.default_rng(0)
+    for a in (0.1, 0.5, 0.7, 0.95):  # E[tokens] by simulation: 1 + the drafts kept before the first miss
+        kept = np.cumprod(rng.random((100_000, 4)) < a, axis=1).sum(1)
+        simulated = {k: 1 + np.minimum(kept, k).mean() for k in adaptive.choices}
+        best = max(adaptive.choices, key=lambda k: simulated[k] / {0: 1, 1: 1.25, 2: 1.5, 4: 2}[k])
+        assert adaptive.choose([a, a]) == best, a
+    assert [adaptive.choose([a]) for a in (0.1, 0.5, 0.7, 0.95)] == [0, 1, 2, 4]
+    assert adaptive.choose([0.95] + [0.0] * 4) == 0  # rows that do not speculate count as 0: 8.5 / 2 < 5 / 1
 
 
 def test_prompt_lookup_proposes_what_followed_the_longest_recent_match():

@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 from tunix_train.config import ConfigError, LoraConfig, ModelConfig, Remat, RopeScalingType
 from tunix_train.generate import cache as kv
 from tunix_train.generate import speculative
+from tunix_train.generate.adaptive import Adaptive
 from tunix_train.generate.sampling import Draws, Kinds, draw, token_keys
 from tunix_train.generate.session import Completion, Request, Session  # noqa: F401 (Completion: the API)
 from tunix_train.generate.speculative import Speculation
@@ -92,7 +93,7 @@ class Engine:
         self.prefill_step = jax.jit(self._prefill_fn, static_argnames=("max_len",))
         self.insert_step = jax.jit(self._insert_fn, static_argnames=("kinds",), donate_argnums=(0,))
         self.put_step = jax.jit(self._put, donate_argnums=(0,))
-        self.speculation, self.draft, self.lookahead = tuning.speculation, None, 0
+        self.speculation, self.draft, self.lookahead, self.adaptive = tuning.speculation, None, 0, None
         if self.speculation is None:
             self.decode_step = jax.jit(self._decode_fn, static_argnames=("kinds",), donate_argnums=(2,))
         else:
@@ -113,9 +114,11 @@ class Engine:
         if speculation.draft is not None:
             self.draft = Engine(speculation.draft, self.mesh, slots=self.slots, tuning=Tuning(prefix_cache=0))
             self.draft.lookahead = self.lookahead
+        if speculation.adaptive:
+            self.adaptive = Adaptive(speculation.choices)
         self.decode_step = jax.jit(
             functools.partial(speculative.chunk, self),
-            static_argnames=("kinds",),
+            static_argnames=("kinds", "k", "rounds"),
             donate_argnums=(2,),
             compiler_options=small_dot_options(self.mesh),
         )

@@ -159,6 +159,7 @@ class Session:
         self.seeds = np.zeros((slots, *_seed_key(0).shape), np.uint32)
         self._on_device = None  # the rows' arrays on the devices, while the host has not changed them
         self.drafter = speculative.drafter(e, draft_params, self.cache_len, slots)
+        self.acceptance: dict[int, float] = {}  # adaptive speculation's: each running request's
         e.stats["cache_bytes"] = sum(x.nbytes for c in self.caches if c is not None for x in c.values())
         # prompt -> (entries, logits, routes, row)
         self._prefixes: collections.OrderedDict = collections.OrderedDict()

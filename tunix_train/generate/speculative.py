@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Optional
 
 import jax
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_train.config import ConfigError, ModelConfig
+from tunix_train.generate.adaptive import PRIOR, Adaptive
 from tunix_train.generate.sampling import Draws, Kinds, Rules, categorical, cut, draw, sampled, token_keys
 
 MOST = 64  # drafted tokens, n-gram length, rounds: a round's k + 1 positions are every row's memory
@@ -33,14 +35,19 @@ MOST = 64  # drafted tokens, n-gram length, rounds: a round's k + 1 positions ar
 class Speculation:
     """`tokens` k drafted per round; the drafter: `draft`, a model's config (its parameters go to
     the session), or `lookup` > 0, the longest n-gram prompt lookup matches. `rounds`: verify
-    rounds per compiled call (the engine's chunk of decode steps)."""
+    rounds per compiled call (the engine's chunk of decode steps). `adaptive`: each chunk drafts
+    the k of `choices` (at most `tokens`; 0: none) that emits the most tokens a second at the rows'
+    recent acceptance (adaptive.py)."""
 
     tokens: int = 4
     draft: Optional[ModelConfig] = None
     lookup: int = 0
     rounds: int = 2
+    adaptive: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"speculative adaptive={self.adaptive!r} must be true or false")
         for name in ("tokens", "lookup", "rounds"):
             value, least = getattr(self, name), int(name != "lookup")
             if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MOST:
@@ -49,6 +56,13 @@ class Speculation:
             raise ConfigError(
                 "speculative decoding takes one drafter: a draft model or prompt lookup (lookup=N)"
             )
+
+    @property
+    def choices(self) -> tuple[int, ...]:
+        """The k a chunk may draft: `tokens`, and adaptively 0 and the powers of two below it."""
+        if not self.adaptive:
+            return (self.tokens,)
+        return (0, *(2**i for i in range(self.tokens.bit_length()) if 2**i < self.tokens), self.tokens)
 
     def check(self, cfg: ModelConfig) -> None:
         """A one-line error where the draft cannot serve a model of `cfg`."""
@@ -87,21 +101,29 @@ def drafter(engine, draft_params, max_len: int, slots: int):
 
 
 def summary(stats) -> str:
-    """An engine's speculation so far, in words: its acceptance rate and mean accepted length."""
+    """An engine's speculation so far, in words: its acceptance rate and mean accepted length (and
+    under adaptive speculation the tokens drafted a round, on average)."""
     f = figures(stats)
-    return (
+    words = (
         f"speculative decoding accepted {f['acceptance_rate']:.1%} of {f['drafted']} drafted tokens: "
         f"{f['mean_accepted_length']:.2f} tokens a verify round over {f['rounds']} rounds"
     )
+    if stats["plain_rounds"]:
+        words += f", and {f['plain_rounds']} rounds drafted nothing ({f['drafted_per_round']:.2f} a round)"
+    return words
 
 
 def figures(stats) -> dict:
-    """An engine's speculation figures: acceptance_rate, mean_accepted_length, rounds, drafted."""
+    """An engine's speculation figures: acceptance_rate, mean_accepted_length (of the rounds that
+    drafted), rounds, drafted, plain_rounds (drafting nothing: adaptive.py) and drafted_per_round."""
+    rounds = stats["rounds"]
     return {
         "acceptance_rate": stats["accepted"] / max(stats["drafted"], 1),
-        "mean_accepted_length": (stats["accepted"] + stats["rounds"]) / max(stats["rounds"], 1),
-        "rounds": stats["rounds"],
+        "mean_accepted_length": (stats["accepted"] + rounds) / max(rounds, 1),
+        "rounds": rounds,
         "drafted": stats["drafted"],
+        "plain_rounds": stats["plain_rounds"],
+        "drafted_per_round": stats["drafted"] / max(rounds + stats["plain_rounds"], 1),
     }
 
 
@@ -185,49 +207,68 @@ def accept(logits_BTV, drafts_BK, draft_probs_BKV, draws: Draws, keys_BT3, kinds
         replacement_BT = replacement_BT.at[:, 0].set(jnp.where(speculate_B, replacement_BT[:, 0], plain_B))
     kept_B = jnp.sum(jnp.cumprod(ok_BK, axis=1), axis=1).astype(jnp.int32)
     index_T = jnp.arange(T)
-    drafts_BT = jnp.concatenate([drafts_BK, drafts_BK[:, :1]], axis=1)
+    drafts_BT = jnp.pad(drafts_BK, ((0, 0), (0, 1)))  # none kept at k: the model's own
     emitted_BT = jnp.where(index_T < kept_B[:, None], drafts_BT, replacement_BT)
     logprob_BT = jnp.take_along_axis(logp_XV.reshape(B, T, V), emitted_BT[..., None], axis=-1)[..., 0]
     return emitted_BT, logprob_BT, kept_B
 
 
-def chunk(engine, params, per_layer, caches, draft, rows, draws: Draws, *, kinds: Kinds):
-    """`rounds` rounds of speculation for every row (the engine's speculative decode_step).
-    caches: the model's and the drafter's state, both donated: the draft model's caches, or with
-    prompt lookup each row's tokens by position [B, L]. draft: the draft model's (params,
-    per_layer), else None. rows: each row's (token, position, count), as the plain decode step
-    takes them, and whether it speculates (Request.speculative). Returns the caches, the next
-    (token, position, count), the tokens emitted [B, rounds, k+1] with their log-probabilities,
-    and the drafts each round kept [B, rounds]."""
+def first_kept(logits_BV, draft_B, probs_BV, rules: Rules, kinds: Kinds) -> jax.Array:
+    """[B] the chance the rejection rule keeps a round's first draft, drawn from probs_BV (None: a
+    certain one, as prompt lookup's): whether it is the argmax on greedy rows, else sum_v min(p_v,
+    q_v), p(draft) for a certain one, p the model's distribution after the row's cuts."""
+    equal_B = (jnp.argmax(logits_BV, axis=-1) == draft_B).astype(jnp.float32)
+    if not kinds.sample:
+        return equal_B
+    p_BV = jax.nn.softmax(cut(logits_BV, rules, kinds)[1], axis=-1)
+    if probs_BV is None:
+        chance_B = jnp.take_along_axis(p_BV, draft_B[:, None], axis=-1)[:, 0]
+    else:
+        chance_B = jnp.sum(jnp.minimum(p_BV, probs_BV), axis=-1)
+    return jnp.where(sampled(rules), chance_B, equal_B)
+
+
+def chunk(engine, params, per_layer, caches, draft, rows, draws: Draws, *, kinds: Kinds, k: int, rounds: int):
+    """`rounds` rounds of speculation drafting k tokens (0: none) for every row (the engine's
+    speculative decode_step). caches: the model's and the drafter's state, both donated: the
+    draft model's caches, or with prompt lookup each row's tokens by position [B, L]. draft: the
+    draft model's (params, per_layer), else None. rows: each row's (token, position, count), as
+    the plain decode step takes them, and whether it speculates (Request.speculative). Returns
+    the caches, the next (token, position, count), the tokens emitted [B, rounds, k+1] with their
+    log-probabilities, the drafts each round kept [B, rounds], and each round's chance of keeping
+    a first draft [B, rounds] (first_kept; drafted at k = 0 too, for adaptive.py)."""
     spec = engine.speculation
-    k = spec.tokens
     *rows, speculate_B = rows
 
     def draft_tokens(state, token_B, position_B, keys_BT3):
         if draft is None:
-            return state, lookup_drafts(state, position_B, k, spec.lookup), None
+            drafts_BK = lookup_drafts(state, position_B, max(k, 1), spec.lookup)
+            return state, drafts_BK[:, :k], None, (drafts_BK[:, 0], None)
 
         def step(carry, j):  # feeds t0, d1, ..., dk: the last one's cache entry, for the next round
             caches, token_B = carry
             logits_BV, caches, _ = engine.draft.extend(*draft, caches, token_B[:, None], position_B + j)
-            keys_B = keys_BT3[:, jnp.minimum(j, k - 1), 0]
+            keys_B = keys_BT3[:, jnp.minimum(j, max(k - 1, 0)), 0]
             proposed_B, probs_BV = propose(logits_BV, draws.rules, keys_B, kinds)
             return (caches, proposed_B), (proposed_B, probs_BV)
 
         (state, _), (drafts_JB, probs_JBV) = jax.lax.scan(step, (state, token_B), jnp.arange(k + 1))
+        first = (drafts_JB[0], None if probs_JBV is None else probs_JBV[0])
         probs_BKV = None if probs_JBV is None else jnp.swapaxes(probs_JBV[:k], 0, 1)
-        return state, drafts_JB[:k].T, probs_BKV
+        return state, drafts_JB[:k].T, probs_BKV, first
 
     def one_round(carry, _):
         (caches, state), token_B, position_B, count_B = carry
         keys_BT3, plain_keys_B = _keys(draws, count_B[:, None] + jnp.arange(k + 1))
-        state, drafts_BK, probs_BKV = draft_tokens(state, token_B, position_B, keys_BT3)
+        state, drafts_BK, probs_BKV, first = draft_tokens(state, token_B, position_B, keys_BT3)
         tokens_BT = jnp.concatenate([token_B[:, None], drafts_BK], axis=1)
-        logits_BTV, caches, _ = engine.extend(params, per_layer, caches, tokens_BT, position_B)
+        logits, caches, _ = engine.extend(params, per_layer, caches, tokens_BT, position_B)
+        logits_BTV = logits.reshape(*tokens_BT.shape, -1)  # [B, V] for one position
         alone = (speculate_B, plain_keys_B)
         emitted_BT, logprob_BT, kept_B = accept(
             logits_BTV, drafts_BK, probs_BKV, draws, keys_BT3, kinds, alone
         )
+        chance_B = first_kept(logits_BTV[:, 0], *first, draws.rules, kinds)
         if draft is None:  # the emitted tokens join the row's history, at the positions after p
             after_BT = position_B[:, None] + 1 + jnp.arange(k + 1)
             at_BT = jnp.where(jnp.arange(k + 1) <= kept_B[:, None], after_BT, state.shape[1])  # past: dropped
@@ -235,26 +276,33 @@ def chunk(engine, params, per_layer, caches, draft, rows, draws: Draws, *, kinds
         advance_B = kept_B + 1
         token_B = jnp.take_along_axis(emitted_BT, kept_B[:, None], axis=1)[:, 0]
         carry = ((caches, state), token_B, position_B + advance_B, count_B + advance_B)
-        return carry, (emitted_BT, logprob_BT, kept_B)
+        return carry, (emitted_BT, logprob_BT, kept_B, chance_B)
 
-    (caches, *rows), (emitted_RBT, logprob_RBT, kept_RB) = jax.lax.scan(
-        one_round, (caches, *rows), None, length=spec.rounds
+    (caches, *rows), (emitted_RBT, logprob_RBT, kept_RB, chance_RB) = jax.lax.scan(
+        one_round, (caches, *rows), None, length=rounds
     )
     swap = functools.partial(jnp.swapaxes, axis1=0, axis2=1)
-    return caches, tuple(rows), swap(emitted_RBT), swap(logprob_RBT), kept_RB.T
+    return caches, tuple(rows), swap(emitted_RBT), swap(logprob_RBT), kept_RB.T, chance_RB.T
 
 
 def decode_chunk(session) -> list[tuple[int, list[int]]]:
-    """Session._decode_chunk under speculation: one call of `chunk`, then each running slot's
-    emitted tokens (from 1 to k+1 a round) taken in order, and the rounds, drafts and accepted
-    drafts counted in the engine's stats up to where each request stopped."""
-    e, row, lookup = session.engine, session.row, looks_up(session.drafter)
+    """Session._decode_chunk under speculation: one call of `chunk` at the engine's k (adaptive.py
+    chooses it from session.acceptance, each running request's), then each running slot's emitted
+    tokens (from 1 to k+1 a round) taken in order, and the rounds, drafts and accepted drafts
+    counted in the engine's stats up to where each request stopped."""
+    e, row, lookup, start = session.engine, session.row, looks_up(session.drafter), time.perf_counter()
+    k, rounds = e.speculation.tokens, e.speculation.rounds
+    if e.adaptive is not None:
+        k = e.adaptive.choose(
+            [session.acceptance.get(r[0], PRIOR) * r[1].speculative for r in session.running if r]
+        )
+        rounds = rounds if k else e.chunk  # no drafts: as many rounds as the plain engine's steps
     rows, seeds = session.rows_on_devices()
     state = session.drafter.caches if not lookup else session.drafter
     if isinstance(state, np.ndarray):  # the histories changed on the host (a request started)
         state = session.to_devices(state)
     draft = None if lookup else (session.drafter.params, session.drafter.per_layer)
-    (session.caches, state), next_rows, emitted_BRT, logprob_BRT, kept_BR = e.decode_step(
+    (session.caches, state), next_rows, *out = e.decode_step(
         session.params,
         session.per_layer,
         (session.caches, state),
@@ -262,29 +310,38 @@ def decode_chunk(session) -> list[tuple[int, list[int]]]:
         (rows["token"], rows["position"], rows["count"], rows["speculate"]),
         Draws(Rules(rows["temperature"], rows["top_k"], rows["top_p"]), seeds, rows["stream"]),
         kinds=session.kinds,
+        k=k,
+        rounds=rounds,
     )
     rows.update(zip(("token", "position", "count"), next_rows))  # the next chunk's, on the devices
-    fetched = [np.array(x) for x in session.fetch(*next_rows, emitted_BRT, logprob_BRT, kept_BR)]  # writable
-    row["token"], row["position"], row["count"], emitted_BRT, logprob_BRT, kept_BR = fetched
+    fetched = [np.array(x) for x in session.fetch(*next_rows, *out)]  # writable
+    row["token"], row["position"], row["count"], emitted_BRT, logprob_BRT, kept_BR, chance_BR = fetched
     session.drafter = (
         state if lookup else dataclasses.replace(session.drafter, caches=state)
     )  # on the devices
-    e.stats["steps"] += e.speculation.rounds
+    if e.adaptive is not None:
+        e.adaptive.record(k, rounds, time.perf_counter() - start)
+    e.stats["steps"] += rounds
     new = []
     for slot, running in enumerate(session.running):
         if running is None:
             continue
-        done, lengths = session.completions[running[0]], kept_BR[slot] + 1
+        (rid, request), lengths = running, kept_BR[slot] + 1
+        done = session.completions[rid]
         fed_before = len(done.versions)
         taken = session.take(
             slot,
             [t for r, n in enumerate(lengths) for t in emitted_BRT[slot, r, :n].tolist()],
             [x for r, n in enumerate(lengths) for x in logprob_BRT[slot, r, :n].tolist()],
         )
-        rounds = int(np.searchsorted(np.cumsum(lengths), len(done.versions) - fed_before)) + 1
-        rounds *= running[1].speculative  # a request that opted out drafts nothing of its own
-        e.stats["rounds"] += rounds
-        e.stats["drafted"] += rounds * e.speculation.tokens
-        e.stats["accepted"] += int(np.sum(kept_BR[slot, :rounds]))
-        new.append((running[0], taken))
+        ran = int(np.searchsorted(np.cumsum(lengths), len(done.versions) - fed_before)) + 1
+        if request.speculative:  # a request that opted out drafts nothing of its own
+            e.stats["rounds" if k else "plain_rounds"] += ran
+            e.stats["drafted"] += ran * k
+            e.stats["accepted"] += int(np.sum(kept_BR[slot, :ran]))
+            previous = session.acceptance.get(rid, PRIOR)
+            session.acceptance[rid] = Adaptive.updated(previous, chance_BR[slot, :ran])
+        new.append((rid, taken))
+    running = {r[0] for r in session.running if r}
+    session.acceptance = {rid: a for rid, a in session.acceptance.items() if rid in running}
     return new

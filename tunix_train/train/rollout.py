@@ -372,7 +372,7 @@ class Sampler:
         T, start = self.cfg.data.seq_len, time.perf_counter()
         engine = self.engine if engine is None else engine
         drafted = self.draft_for(engine)
-        counted = {k: engine.stats[k] for k in ("accepted", "drafted", "rounds")}
+        counted = {k: engine.stats[k] for k in ("accepted", "drafted", "rounds", "plain_rounds")}
 
         def request(ids, n, k):  # with turns, k is turn * N + the conversation's index
             images = self.images.get(id(docs[k % len(docs)]))
