@@ -372,7 +372,11 @@ def test_generate_cli_streams_the_continuation_and_rejects_bad_requests(tmp_path
     model = api.load(run_dir, mesh_shape=[[1], ["fsdp"]], devices=jax.devices()[:1])
     expected = model.generate_text([prompt], max_new_tokens=12)[0]
     assert len(expected) > 0 and result.stdout == prompt + expected + "\n"
-    for speculation in (["--draft", str(run_dir)], ["--prompt_lookup", "3", "--speculative_tokens", "6"]):
+    for speculation in (
+        ["--draft", str(run_dir)],
+        ["--prompt_lookup", "3", "--speculative_tokens", "6"],
+        ["--draft", str(run_dir), "--adaptive_speculation"],
+    ):
         result = generate("--prompt", prompt, "--max_new_tokens", "12", *speculation)
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout == prompt + expected + "\n"  # greedy: the same tokens

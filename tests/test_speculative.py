@@ -16,8 +16,8 @@ from test_generate import CFG, _on
 
 from tunix_train.config import ConfigError, Remat
 from tunix_train.generate import Engine, Request, Sampling, Tuning
-from tunix_train.generate.sampling import Draws, Kinds, Rules
 from tunix_train.generate.adaptive import Adaptive
+from tunix_train.generate.sampling import Draws, Kinds, Rules
 from tunix_train.generate.speculative import Speculation, accept, first_kept, lookup_drafts
 from tunix_train.parallel import model_graphdef
 from tunix_train.sharding import make_mesh
@@ -274,6 +274,17 @@ def test_prompt_lookup_proposes_what_followed_the_longest_recent_match():
 def test_bad_settings_are_one_line_errors(make, message):
     with pytest.raises(ConfigError, match=message):
         make()
+
+
+def test_adaptive_speculation_in_a_rollout_needs_a_drafter(tmp_path):
+    from conftest import rl_config
+
+    reward = "training.rollout.reward=[tunix_train.rewards.arithmetic:exact_match]"
+    with pytest.raises(ConfigError, match="training.rollout.adaptive_speculation needs a drafter"):
+        rl_config(tmp_path, reward, "training.rollout.adaptive_speculation=true")
+    assert rl_config(
+        tmp_path, reward, "training.rollout.adaptive_speculation=true", "training.rollout.prompt_lookup=2"
+    )
 
 
 @pytest.mark.slow  # two GRPO runs

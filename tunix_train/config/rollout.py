@@ -86,6 +86,10 @@ class RolloutConfig:
     draft: Optional[str] = _fixed(None)
     prompt_lookup: int = _fixed(0)
     num_speculative_tokens: int = _changeable(4)
+    # Each chunk drafts as many of up to num_speculative_tokens as pay at the rows' acceptance, none
+    # when none do (generate/adaptive.py). The choice reads timings, so a rollout's sampled tokens
+    # are not repeated from run to run (a resumed run's differ from an uninterrupted one's).
+    adaptive_speculation: bool = _changeable(False)
     # Mixture of experts: the engine records the experts each layer chose for every token, and the
     # trainer's forward uses them instead of its router's top k (routing replay, train/rollout.py).
     routing_replay: bool = _fixed(False)
@@ -186,6 +190,11 @@ class RolloutConfig:
                 and (self.ray_replicas > 0 or self.routing_replay),
                 "training.rollout.draft / prompt_lookup run without ray_replicas and routing_replay "
                 "for now: turn one off",
+            ),
+            (
+                self.adaptive_speculation and self.draft is None and self.prompt_lookup == 0,
+                "training.rollout.adaptive_speculation needs a drafter: set training.rollout.draft or "
+                "prompt_lookup",
             ),
             (
                 not 1 <= self.num_speculative_tokens <= 64 or not 0 <= self.prompt_lookup <= 64,

@@ -6,6 +6,7 @@
     python -m tunix_train.generate PATH --chat [--system "..."] [sampling flags]
     python -m tunix_train.generate PATH --prompt "..." --draft DRAFT_PATH [--speculative_tokens 4]
     python -m tunix_train.generate PATH --prompt "..." --prompt_lookup 3 [--speculative_tokens 4]
+        [--adaptive_speculation]
 
 One prompt streams its continuation as it is produced; several print each continuation when all are
 done. --image (repeatable, a model with an image tower): each <start_of_image> of the one prompt
@@ -13,8 +14,9 @@ takes an image in order (with none, the images go in front). --chat talks with t
 template: each line read is a user turn, the reply streams, the conversation is kept (/image PATH
 adds an image to the next turn, /reset forgets it, /exit or end of input ends). --draft (a smaller
 model sharing the tokenizer) or --prompt_lookup (n-grams of the prompt) decodes speculatively: the
-same tokens greedily, the same distribution sampled (docs/generation.md); the acceptance is printed
-to stderr at the end. Bad input is a one-line error and exit status 2.
+same tokens greedily, the same distribution sampled (docs/generation.md); --adaptive_speculation
+drafts only as many as pay; the acceptance is printed to stderr at the end. Bad input is a one-line
+error and exit status 2.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--speculative_tokens", type=int, default=4, help="tokens drafted a round")
     parser.add_argument(
+        "--adaptive_speculation",
+        action="store_true",
+        help="each chunk drafts as many of up to --speculative_tokens as pay (none when none do)",
+    )
+    parser.add_argument(
         "--mesh_shape",
         default=None,
         help='JSON [[sizes], [axis names]], e.g. \'[[2,2],["fsdp","tp"]]\' (default: all devices on fsdp)',
@@ -83,9 +90,15 @@ def main(argv: list[str] | None = None) -> int:
         sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         draft = args.draft
         if args.prompt_lookup:
-            draft = Speculation(args.speculative_tokens, lookup=args.prompt_lookup)
-        sampling.update(draft=draft, speculative_tokens=args.speculative_tokens)
-        engine = model.engine_for(draft, args.speculative_tokens)[0]
+            draft = Speculation(
+                args.speculative_tokens, lookup=args.prompt_lookup, adaptive=args.adaptive_speculation
+            )
+        sampling.update(
+            draft=draft,
+            speculative_tokens=args.speculative_tokens,
+            adaptive_speculation=args.adaptive_speculation,
+        )
+        engine = model.engine_for(draft, args.speculative_tokens, args.adaptive_speculation)[0]
         if args.chat:
             _chat(model, args.system, args.max_new_tokens, sampling)
         elif len(args.prompt) == 1:

@@ -53,8 +53,8 @@ class Adaptive:
         if self.calls[k] == 1:
             return
         per_round = seconds / rounds
-        self.round_s[k] = per_round if k not in self.round_s else (
-            (1 - RECENT) * self.round_s[k] + RECENT * per_round
+        self.round_s[k] = (
+            per_round if k not in self.round_s else ((1 - RECENT) * self.round_s[k] + RECENT * per_round)
         )
 
     @staticmethod

@@ -118,8 +118,8 @@ class Engine:
             self.adaptive = Adaptive(speculation.choices)
         self.decode_step = jax.jit(
             functools.partial(speculative.chunk, self),
-            static_argnames=("kinds", "k", "rounds"),
-            donate_argnums=(2,),
+            static_argnames=("kinds", "plan"),
+            donate_argnums=(1,),
             compiler_options=small_dot_options(self.mesh),
         )
 

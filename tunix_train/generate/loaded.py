@@ -82,6 +82,7 @@ class LoadedModel:
         on_tokens: Optional[Callable[[int, list[int]], None]] = None,
         draft: Any = None,
         speculative_tokens: int = 4,
+        adaptive_speculation: bool = False,
         **sampling: Any,
     ) -> list[list[int]]:
         """New token ids for each prompt (token ids, or text encoded with BOS by the tokenizer),
@@ -89,10 +90,13 @@ class LoadedModel:
         fold_in(key(seed), i): same seed, same tokens on any mesh and beside any other prompt).
         on_tokens(prompt index, new tokens) as they are produced. draft: speculative decoding with
         a draft model (a LoadedModel on this mesh, or a checkpoint's path), speculative_tokens
-        drafted a round, or as a Speculation says (speculative.py: prompt lookup); the same tokens
-        greedily, the same distribution sampled. sampling: requests' keywords."""
+        drafted a round (adaptive_speculation: as many of up to speculative_tokens as pay, the
+        rows' acceptance and the programs' speed measured as they run: adaptive.py), or as a
+        Speculation says (speculative.py: prompt lookup); the same tokens greedily, the same
+        distribution sampled. sampling: requests' keywords."""
         requests = self.requests(prompts, max_new_tokens, **sampling)
-        return [c.tokens for c in self.complete(requests, on_tokens, draft, speculative_tokens)]
+        done = self.complete(requests, on_tokens, draft, speculative_tokens, adaptive_speculation)
+        return [c.tokens for c in done]
 
     def requests(
         self,
@@ -126,10 +130,11 @@ class LoadedModel:
         on_tokens: Optional[Callable[[int, list[int]], None]] = None,
         draft: Any = None,
         speculative_tokens: int = 4,
+        adaptive_speculation: bool = False,
     ) -> list[Completion]:
         """Each request's completion: its tokens, their log-probabilities, why it ended (draft,
         speculative_tokens: as generate takes them)."""
-        engine, draft_params = self.engine_for(draft, speculative_tokens)
+        engine, draft_params = self.engine_for(draft, speculative_tokens, adaptive_speculation)
         with MemoryErrors(None, self.mesh, training=False, first_tips=self._memory_tips(requests)):
             return engine.generate(self.params, requests, on_tokens=on_tokens, draft_params=draft_params)
 
@@ -140,22 +145,23 @@ class LoadedModel:
         images: Any = None,
         draft: Any = None,
         speculative_tokens: int = 4,
+        adaptive_speculation: bool = False,
         **sampling: Any,
     ) -> Iterator[list[int]]:
         """The new tokens of one prompt, a chunk at a time, as they are produced (images: its
         pixel values [n, C, H, W]; draft, speculative_tokens: as generate takes them)."""
         (request,) = self.requests([prompt], max_new_tokens, images=[images], **sampling)
-        engine, draft_params = self.engine_for(draft, speculative_tokens)
+        engine, draft_params = self.engine_for(draft, speculative_tokens, adaptive_speculation)
         with MemoryErrors(None, self.mesh, training=False, first_tips=self._memory_tips([request])):
             yield from engine.stream(self.params, request, draft_params)
 
-    def engine_for(self, draft: Any, tokens: int = 4) -> tuple[Engine, Any]:
+    def engine_for(self, draft: Any, tokens: int = 4, adaptive: bool = False) -> tuple[Engine, Any]:
         """The engine for `draft` (as speculation_for takes it; None: the plain one), made once
         per draft, and the draft model's parameters (or None)."""
-        speculation, draft_params = self.speculation_for(draft, tokens)
+        speculation, draft_params = self.speculation_for(draft, tokens, adaptive)
         if speculation is None:
             return self.engine, None
-        key = (speculation.tokens, speculation.lookup, id(speculation.draft))
+        key = (speculation.tokens, speculation.lookup, id(speculation.draft), speculation.adaptive)
         if key not in self._speculating:
             self._speculating[key] = Engine(
                 self.config,
@@ -166,10 +172,12 @@ class LoadedModel:
             )
         return self._speculating[key], draft_params
 
-    def speculation_for(self, draft: Any, tokens: int = 4) -> tuple[Optional[Speculation], Any]:
+    def speculation_for(
+        self, draft: Any, tokens: int = 4, adaptive: bool = False
+    ) -> tuple[Optional[Speculation], Any]:
         """How to speculate with `draft`: a LoadedModel on this mesh or a checkpoint's path (loaded
-        once, on this mesh), drafting `tokens` a round, or a Speculation (prompt lookup); None: no
-        speculation. Returns it and the draft model's parameters (or None)."""
+        once, on this mesh), drafting `tokens` a round (adaptive: up to), or a Speculation (prompt
+        lookup); None: no speculation. Returns it and the draft model's parameters (or None)."""
         if draft is None or isinstance(draft, Speculation):
             if draft is not None and draft.draft is not None:
                 raise ConfigError("a Speculation with a draft model: pass the loaded draft model instead")
@@ -187,7 +195,7 @@ class LoadedModel:
             raise ConfigError(f"draft={draft!r}: give a loaded model, a checkpoint's path or a Speculation")
         if draft.mesh != self.mesh:
             raise ConfigError("a draft model must be loaded on the model's mesh: load it with its mesh_shape")
-        return Speculation(tokens, draft.config), draft.params
+        return Speculation(tokens, draft.config, adaptive=adaptive), draft.params
 
     def _memory_tips(self, requests: Sequence[Request]) -> list[str]:
         return [
@@ -203,6 +211,7 @@ class LoadedModel:
         images_from: Optional[Path] = None,
         draft: Any = None,
         speculative_tokens: int = 4,
+        adaptive_speculation: bool = False,
         **sampling: Any,
     ) -> Iterator[str]:
         """The assistant's reply to a conversation ([{role, content}], rendered with the chat
@@ -219,7 +228,7 @@ class LoadedModel:
         if end and len(self.tokenizer.encode(end)) > 1:  # not one token: the engine stops at its text
             request = dataclasses.replace(request, stop_strings=(end,))
         ids, shown = [], ""
-        engine, draft_params = self.engine_for(draft, speculative_tokens)
+        engine, draft_params = self.engine_for(draft, speculative_tokens, adaptive_speculation)
         with MemoryErrors(None, self.mesh, training=False, first_tips=self._memory_tips([request])):
             for new in engine.stream(self.params, request, draft_params):
                 ids.extend(new)

@@ -228,16 +228,17 @@ def first_kept(logits_BV, draft_B, probs_BV, rules: Rules, kinds: Kinds) -> jax.
     return jnp.where(sampled(rules), chance_B, equal_B)
 
 
-def chunk(engine, params, per_layer, caches, draft, rows, draws: Draws, *, kinds: Kinds, k: int, rounds: int):
-    """`rounds` rounds of speculation drafting k tokens (0: none) for every row (the engine's
-    speculative decode_step). caches: the model's and the drafter's state, both donated: the
+def chunk(engine, model, caches, draft, rows, draws: Draws, *, kinds: Kinds, plan: tuple):
+    """plan (k, rounds): `rounds` rounds drafting k tokens (0: none) for every row (the engine's
+    speculative decode_step). model: its (params, per_layer). caches: the model's and the
+    drafter's state, both donated: the
     draft model's caches, or with prompt lookup each row's tokens by position [B, L]. draft: the
     draft model's (params, per_layer), else None. rows: each row's (token, position, count), as
     the plain decode step takes them, and whether it speculates (Request.speculative). Returns
     the caches, the next (token, position, count), the tokens emitted [B, rounds, k+1] with their
     log-probabilities, the drafts each round kept [B, rounds], and each round's chance of keeping
     a first draft [B, rounds] (first_kept; drafted at k = 0 too, for adaptive.py)."""
-    spec = engine.speculation
+    spec, (k, rounds) = engine.speculation, plan
     *rows, speculate_B = rows
 
     def draft_tokens(state, token_B, position_B, keys_BT3):
@@ -262,7 +263,7 @@ def chunk(engine, params, per_layer, caches, draft, rows, draws: Draws, *, kinds
         keys_BT3, plain_keys_B = _keys(draws, count_B[:, None] + jnp.arange(k + 1))
         state, drafts_BK, probs_BKV, first = draft_tokens(state, token_B, position_B, keys_BT3)
         tokens_BT = jnp.concatenate([token_B[:, None], drafts_BK], axis=1)
-        logits, caches, _ = engine.extend(params, per_layer, caches, tokens_BT, position_B)
+        logits, caches, _ = engine.extend(*model, caches, tokens_BT, position_B)
         logits_BTV = logits.reshape(*tokens_BT.shape, -1)  # [B, V] for one position
         alone = (speculate_B, plain_keys_B)
         emitted_BT, logprob_BT, kept_B = accept(
@@ -303,15 +304,13 @@ def decode_chunk(session) -> list[tuple[int, list[int]]]:
         state = session.to_devices(state)
     draft = None if lookup else (session.drafter.params, session.drafter.per_layer)
     (session.caches, state), next_rows, *out = e.decode_step(
-        session.params,
-        session.per_layer,
+        (session.params, session.per_layer),
         (session.caches, state),
         draft,
         (rows["token"], rows["position"], rows["count"], rows["speculate"]),
         Draws(Rules(rows["temperature"], rows["top_k"], rows["top_p"]), seeds, rows["stream"]),
         kinds=session.kinds,
-        k=k,
-        rounds=rounds,
+        plan=(k, rounds),
     )
     rows.update(zip(("token", "position", "count"), next_rows))  # the next chunk's, on the devices
     fetched = [np.array(x) for x in session.fetch(*next_rows, *out)]  # writable

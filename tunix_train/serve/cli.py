@@ -59,6 +59,11 @@ def _arguments(argv):
     )
     parser.add_argument("--speculative_tokens", type=int, default=4, help="tokens drafted a round")
     parser.add_argument(
+        "--adaptive_speculation",
+        action="store_true",
+        help="each chunk drafts as many of up to --speculative_tokens as pay (none when none do)",
+    )
+    parser.add_argument(
         "--drain_s", type=float, default=30.0, help="on SIGTERM, seconds for requests in flight"
     )
     parser.add_argument(
@@ -158,10 +163,13 @@ def main(argv: list[str] | None = None) -> int:
             min(args.max_len, limit or args.max_len),
             args.max_queue,
             on_death,
-            Speculation(args.speculative_tokens, lookup=args.prompt_lookup)
+            Speculation(
+                args.speculative_tokens, lookup=args.prompt_lookup, adaptive=args.adaptive_speculation
+            )
             if args.prompt_lookup
             else args.draft,
             args.speculative_tokens,
+            args.adaptive_speculation,
         )
     except ConfigError as err:
         return fail(err)

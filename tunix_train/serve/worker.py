@@ -34,13 +34,16 @@ class Generator:
         on_death: Callable[[], None] = lambda: None,
         draft=None,
         speculative_tokens: int = 4,
+        adaptive_speculation: bool = False,
     ):
-        """draft, speculative_tokens: speculative decoding of every request, as
+        """draft, speculative_tokens, adaptive_speculation: speculative decoding of every request, as
         LoadedModel.speculation_for takes them (a draft model's path, or a Speculation)."""
         from tunix_train.generate import Engine, Tuning
 
         self.model, self.max_len, self.max_queue, self.on_death = model, max_len, max_queue, on_death
-        speculation, self.draft_params = model.speculation_for(draft, speculative_tokens)
+        speculation, self.draft_params = model.speculation_for(
+            draft, speculative_tokens, adaptive_speculation
+        )
         self.engine = Engine(
             model.config,
             model.mesh,

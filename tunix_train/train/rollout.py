@@ -192,8 +192,9 @@ class Sampler:
         from tunix_train.generate.speculative import Speculation
 
         g, none = self.rollout, [None] * len(self.meshes)
+        adaptive = g.adaptive_speculation
         if g.prompt_lookup:
-            return Speculation(g.num_speculative_tokens, lookup=g.prompt_lookup), none
+            return Speculation(g.num_speculative_tokens, lookup=g.prompt_lookup, adaptive=adaptive), none
         if g.draft is None:
             return None, none
         from tunix_train.interop import loader
@@ -203,7 +204,7 @@ class Sampler:
             params = [loader.load(source, mesh).params for mesh in self.meshes]
         except ConfigError as err:
             raise ConfigError(f"training.rollout.draft={g.draft}: {err}") from None
-        return Speculation(g.num_speculative_tokens, source.cfg.model), params
+        return Speculation(g.num_speculative_tokens, source.cfg.model, adaptive=adaptive), params
 
     def draft_for(self, engine):
         """The draft model's parameters for `engine` (one of the policy's), else None."""
