@@ -10,22 +10,30 @@ real command line into DIR (default outputs/speculative), or reused when DIR alr
 
 Figures, each tokens per second of generated tokens over the wall time of a whole generate call
 (prefill included), alternating plain and speculative calls, `--rounds` of each after a warm-up
-that compiles, the median taken:
-- the draft model at batch 1 and 8, greedy and at temperature 1, on held-out lines of the corpus;
+of two calls each that compile, the median taken:
+- the draft model at batch 1 and 8, greedy and at temperature 1, on held-out lines of the corpus,
+  with k fixed and adaptive (`draft_adaptive`: each chunk drafts as many of up to k as pay, none
+  when none do; generate/adaptive.py);
 - prompt lookup on a copying task: a passage of the corpus, an instruction to repeat it, and its
   first words, which the model continues by quoting it. The real google/gemma-3-270m (its Q4_K_M
   GGUF dequantized, from the `examples` extra's package) answers it; without the package, the
-  trained gemma3_small, which mostly does not copy (prompt_lookup_model says which).
+  trained gemma3_small, which mostly does not copy (prompt_lookup_model says which). Fixed and
+  adaptive; and the same model sampling at temperature 1 after a held-out line, which it does not
+  copy (`prompt_lookup_prose`): where lookup does not pay, fixed and adaptive.
+- A round's pieces, each compiled and timed alone (median of 20 calls) at each batch: the model's
+  decode step (one position), its verify pass over k + 1 positions, and the draft's k + 1
+  one-token steps (round_parts_*_ms): why the draft model does or does not pay.
 Greedy outputs of the two engines are compared token for token (greedy_equal). Each case prints a
 JSON line as it ends; the last line has each case's speedup, acceptance rate and mean accepted
 length, and the first case's (the draft at batch 1, greedy) tokens/s. The acceptance rate
 is accepted drafts over drafted ones; the mean accepted length is the tokens a verify round emits
 (accepted drafts plus the model's own), counted for the rounds of unfinished requests.
 
-On a CPU the model's decode step is mostly per-operation overhead rather than arithmetic, so a
-verify round of k + 1 positions costs little more than one step and a draft step of a 2-layer model
-about a seventh of it; on an accelerator the balance differs (docs/performance.md lists the GPU run).
-The last line is JSON of every figure.
+On this CPU a verify pass over k + 1 positions costs about k / 3 + 1 decode steps (XLA:CPU's dots
+with a few rows are slower per row than its dots with one; round_parts), so a draft model has to be
+kept far more often than a small distilled one is; on an accelerator, where a decode step is bound
+by reading the weights, the balance differs (docs/performance.md lists the GPU run). The last line
+is JSON of every figure.
 """
 
 from __future__ import annotations
@@ -122,12 +130,13 @@ def measure(args) -> dict:
         engine.stats.clear()
         start = time.perf_counter()
         done = engine.generate(params, reqs, draft_params=draft_params)
-        return time.perf_counter() - start, done, dict(engine.stats)
+        return time.perf_counter() - start, done, engine.stats.copy()  # a Counter: 0 where none
 
     def compare(name, loaded, speculative, reqs, draft_params=None):
         plain = engine(loaded)
-        timed(plain, loaded.params, reqs, None)  # compiles
-        timed(speculative, loaded.params, reqs, draft_params)
+        for _ in range(2):  # compiles (adaptively, each k once it is chosen)
+            timed(plain, loaded.params, reqs, None)
+            timed(speculative, loaded.params, reqs, draft_params)
         base, spec, stats = [], [], []
         for _ in range(args.rounds):  # alternating
             base.append(timed(plain, loaded.params, reqs, None)[:2])
@@ -159,18 +168,30 @@ def measure(args) -> dict:
             for i, t in enumerate(texts)
         ]
 
-    drafted = engine(model, Speculation(tokens=args.tokens, draft=draft.config))
     runs = []
-    for batch in args.batches:
-        for temperature in (0.0, 1.0):
-            reqs = requests(model, (held_out * batch)[:batch], Sampling(temperature), args.new_tokens)
-            runs.append(compare("draft", model, drafted, reqs, draft.params))
-    lookup = engine(copier, Speculation(tokens=args.lookup_tokens, lookup=args.lookup))
-    runs.append(compare("prompt_lookup", copier, lookup, requests(copier, [copying], Sampling(), 64)))
+    for adaptive in (False, True):
+        drafted = engine(model, Speculation(tokens=args.tokens, draft=draft.config, adaptive=adaptive))
+        for batch in args.batches:
+            for temperature in (0.0, 1.0):
+                reqs = requests(model, (held_out * batch)[:batch], Sampling(temperature), args.new_tokens)
+                name = "draft_adaptive" if adaptive else "draft"
+                runs.append(compare(name, model, drafted, reqs, draft.params))
+    for adaptive in (False, True):
+        lookup = engine(copier, Speculation(tokens=args.lookup_tokens, lookup=args.lookup, adaptive=adaptive))
+        suffix = "_adaptive" if adaptive else ""
+        runs.append(
+            compare(f"prompt_lookup{suffix}", copier, lookup, requests(copier, [copying], Sampling(), 64))
+        )
+        prose = requests(copier, held_out[:1], Sampling(1.0), 64)
+        runs.append(compare(f"prompt_lookup_prose{suffix}", copier, lookup, prose))
     figures = {"tokens": args.tokens, "lookup_tokens": args.lookup_tokens, "new_tokens": args.new_tokens}
-    for r in runs:  # one row of each figure per case: docs/figures.md stays short
+    for r in runs:  # the speedup of each case, and acceptance of the fixed k: docs/figures.md stays short
         name = f"{r['case']}_batch{r['batch']}_{'greedy' if r['temperature'] == 0 else 'sampled'}"
-        figures.update({f"{name}_{k}": r[k] for k in ("speedup", "acceptance_rate", "mean_accepted_length")})
+        figures[f"{name}_speedup"] = r["speedup"]
+        if "adaptive" not in r["case"]:
+            figures[f"{name}_acceptance_rate"] = r["acceptance_rate"]
+    for batch in args.batches:
+        figures |= round_parts(model, draft, batch, args.tokens)
     first = runs[0]
     return {
         **figures,
@@ -181,6 +202,66 @@ def measure(args) -> dict:
         "prompt_lookup_model": copier.config.name,
         "greedy_equal": all(r.get("greedy_equal", True) for r in runs),
     }
+
+
+def round_parts(model, draft, batch: int, k: int, repeats: int = 20) -> dict:
+    """Milliseconds of a round's pieces at `batch` rows, each compiled and timed alone (the median
+    of `repeats` calls): the model's decode step (one position, compiled as the plain engine's),
+    its verify pass over k + 1 positions and the draft's k + 1 one-token steps (both compiled as
+    the speculative chunk, platform.small_dot_options)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tunix_train.generate import Engine, Tuning
+    from tunix_train.generate.sampling import Kinds
+    from tunix_train.generate.speculative import Speculation
+    from tunix_train.platform import small_dot_options
+
+    spec = Speculation(tokens=k, draft=draft.config)
+    engine = Engine(model.config, model.mesh, slots=batch, tuning=Tuning(speculation=spec))
+    session = engine.session(model.params, 256, batch, Kinds(False, False, False), draft_params=draft.params)
+    d, options = session.drafter, small_dot_options(model.mesh)
+    position_B = jnp.full((batch,), 128, jnp.int32)
+
+    def forward(params, per_layer, caches, tokens_BT, position_B):
+        return engine.extend(params, per_layer, caches, tokens_BT, position_B)[0]
+
+    def draft_steps(params, per_layer, caches, token_B, position_B):
+        def step(carry, j):
+            caches, token_B = carry
+            logits_BV, caches, _ = engine.draft.extend(
+                params, per_layer, caches, token_B[:, None], position_B + j
+            )
+            return (caches, jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)), None
+
+        return jax.lax.scan(step, (caches, token_B), jnp.arange(k + 1))[0][1]
+
+    pieces = {
+        "step": (
+            jax.jit(forward),
+            (model.params, session.per_layer, session.caches, jnp.ones((batch, 1), jnp.int32)),
+        ),
+        "verify": (
+            jax.jit(forward, compiler_options=options),
+            (model.params, session.per_layer, session.caches, jnp.ones((batch, k + 1), jnp.int32)),
+        ),
+        "draft": (
+            jax.jit(draft_steps, compiler_options=options),
+            (d.params, d.per_layer, d.caches, jnp.ones((batch,), jnp.int32)),
+        ),
+    }
+    figures = {}
+    with jax.set_mesh(model.mesh):
+        for name, (program, arguments) in pieces.items():
+            jax.block_until_ready(program(*arguments, position_B))  # compiles
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                jax.block_until_ready(program(*arguments, position_B))
+                times.append(time.perf_counter() - start)
+            figures[f"round_parts_batch{batch}_{name}_ms"] = 1000 * statistics.median(times)
+    print(json.dumps(figures), flush=True)
+    return figures
 
 
 def _copier(devices):
