@@ -10,7 +10,7 @@ real command line into DIR (default outputs/speculative), or reused when DIR alr
 
 Figures, each tokens per second of generated tokens over the wall time of a whole generate call
 (prefill included), alternating plain and speculative calls, `--rounds` of each after a warm-up
-of two calls each that compile, the median taken:
+of two calls each that compile, the median of each call's tokens/s taken:
 - the draft model at batch 1 and 8, greedy and at temperature 1, on held-out lines of the corpus,
   with k fixed and adaptive (`draft_adaptive`: each chunk drafts as many of up to k as pay, none
   when none do; generate/adaptive.py);
@@ -132,6 +132,9 @@ def measure(args) -> dict:
         done = engine.generate(params, reqs, draft_params=draft_params)
         return time.perf_counter() - start, done, engine.stats.copy()  # a Counter: 0 where none
 
+    def tokens_per_s(seconds, done):  # sampled calls may stop early, each at its own length
+        return sum(len(c.tokens) for c in done) / seconds
+
     def compare(name, loaded, speculative, reqs, draft_params=None):
         plain = engine(loaded)
         for _ in range(2):  # compiles (adaptively, each k once it is chosen)
@@ -149,10 +152,8 @@ def measure(args) -> dict:
             "model": loaded.config.name,
             "batch": len(reqs),
             "temperature": reqs[0].sampling.temperature,
-            "baseline_tokens_per_s": sum(len(c.tokens) for c in base[0][1])
-            / statistics.median(t for t, _ in base),
-            "speculative_tokens_per_s": sum(len(c.tokens) for c in spec[0][1])
-            / statistics.median(t for t, _ in spec),
+            "baseline_tokens_per_s": statistics.median(tokens_per_s(t, done) for t, done in base),
+            "speculative_tokens_per_s": statistics.median(tokens_per_s(t, done) for t, done in spec),
             "acceptance_rate": sum(s["accepted"] for s in stats) / max(sum(s["drafted"] for s in stats), 1),
             "mean_accepted_length": sum(s["accepted"] + s["rounds"] for s in stats) / rounds,
         }

@@ -237,6 +237,11 @@ def test_adaptive_speculation_drafts_the_k_that_emits_most_tokens_a_second():
         assert adaptive.choose([a, a]) == best, a
     assert [adaptive.choose([a]) for a in (0.1, 0.5, 0.7, 0.95)] == [0, 1, 2, 4]
     assert adaptive.choose([0.95] + [0.0] * 4) == 0  # rows that do not speculate count as 0: 8.5 / 2 < 5 / 1
+    # a row's acceptance: kept / (kept + refused) in a chunk that drafted (7 kept, 2 rounds refused
+    # one), else the mean chance of a first draft; a new row starts from the prior, 0.5 at first
+    first = adaptive.observed(None, 4, np.array([2, 4, 1]), np.array([0.1, 0.1, 0.1]))
+    assert first == pytest.approx((0.5 + 7 / 9) / 2) and adaptive.prior == pytest.approx((0.5 + 7 / 9) / 2)
+    assert adaptive.observed(first, 0, np.zeros(8), np.full(8, 0.2)) == pytest.approx((first + 0.2) / 2)
 
 
 def test_prompt_lookup_proposes_what_followed_the_longest_recent_match():
@@ -369,6 +374,28 @@ def test_a_request_that_opts_out_draws_the_plain_engines_tokens_for_its_seed():
     alone = [i for i, r in enumerate(requests) if not r.speculative]
     assert [ours[i].tokens for i in alone] == [plain[i].tokens for i in alone]
     assert [ours[i].tokens for i in range(0, 8, 2)] != [plain[i].tokens for i in range(0, 8, 2)]
+
+
+@pytest.mark.slow  # three models load, two speculative engines compile
+def test_a_draft_loads_from_a_transformers_directory_or_a_gguf_file(tmp_path):
+    """Drafts as a user has them (LoadedModel.generate(draft=PATH)): the model's own weights
+    exported in transformers' layout and written to a float32 GGUF file. Each is the model, so
+    greedy output is the plain tokens and nearly every draft is kept (the GGUF's norms are
+    (1 + w) - 1 in float32)."""
+    import gguf_files
+    from test_gguf import _exported
+
+    from tunix_train import api
+
+    _, _, tensors, hf_config = _exported(tmp_path)
+    path = gguf_files.write(tmp_path / "m.gguf", "gemma3", hf_config, tensors)
+    model = api.load(tmp_path / "hf", mesh_shape=[[1], ["fsdp"]], devices=jax.devices()[:1])
+    prompts = [[1, 5, 9, 2], [3, 3, 8]]
+    plain = model.generate(prompts, 12)
+    for draft in (tmp_path / "hf", path):
+        assert model.generate(prompts, 12, draft=draft, speculative_tokens=3) == plain, draft
+        engine = model.engine_for(draft, 3)[0]
+        assert engine.stats["accepted"] / engine.stats["drafted"] > 0.9, (draft, engine.stats)
 
 
 @pytest.mark.slow  # another family's three engines compile

@@ -6,8 +6,13 @@ for the whole batch, so k is the batch's: the k of `choices` (0 included: no dra
 round) that emits the most tokens a second over the running rows, each row at its own recent
 acceptance. Speculation that does not pay, for a weak draft, text that does not repeat, or a
 policy that moved away from its draft, so turns itself off, and on again when the acceptance
-rises: every round measures the chance a row's first draft would be kept, whatever its k
-(speculative.first_kept).
+rises.
+
+A row's acceptance a is a moving average over its chunks: in a chunk that drafted, of the drafts
+it kept over those kept and those refused (the maximum-likelihood a of its rounds); in a chunk
+that drafted nothing, of the chance its first draft would have been kept, which every round
+measures whatever its k (speculative.first_kept). A new row starts at the moving average of all
+rows' chunks.
 
 A round's cost at each k is measured: seconds a round, a moving average over the chunks that ran
 it, leaving out each program's first call (its compilation). The largest and the smallest k are
@@ -24,7 +29,10 @@ from typing import Sequence
 import numpy as np
 
 RECENT = 0.5  # weight of a chunk's figure in a moving average (a row's acceptance, a round's seconds)
-PRIOR = 0.5  # a new row's acceptance, until its first chunk
+
+
+def _averaged(previous: float | None, figure: float) -> float:
+    return figure if previous is None else (1 - RECENT) * previous + RECENT * figure
 
 
 class Adaptive:
@@ -34,10 +42,11 @@ class Adaptive:
         self.choices = tuple(sorted(set(choices)))
         self.round_s: dict[int, float] = {}  # k -> seconds a round
         self.calls: dict[int, int] = dict.fromkeys(self.choices, 0)
+        self.prior = 0.5  # a new row's acceptance: the moving average of all rows' chunks
 
     def choose(self, acceptance: Sequence[float]) -> int:
-        """The k for rows whose first drafts are kept with chances `acceptance` (1 row each; a row
-        that does not speculate counts as 0)."""
+        """The k for rows whose drafts are kept with chances `acceptance` (1 row each; a row that
+        does not speculate counts as 0)."""
         for k in (self.choices[-1], self.choices[0]):  # the ends are measured first
             if k not in self.round_s:
                 return k
@@ -50,14 +59,17 @@ class Adaptive:
     def record(self, k: int, rounds: int, seconds: float) -> None:
         """A chunk of `rounds` rounds at k took `seconds` (the first call of k compiled: left out)."""
         self.calls[k] += 1
-        if self.calls[k] == 1:
-            return
-        per_round = seconds / rounds
-        self.round_s[k] = (
-            per_round if k not in self.round_s else ((1 - RECENT) * self.round_s[k] + RECENT * per_round)
-        )
+        if self.calls[k] > 1:
+            self.round_s[k] = _averaged(self.round_s.get(k), seconds / rounds)
 
-    @staticmethod
-    def updated(previous: float, chances: np.ndarray) -> float:
-        """A row's acceptance after a chunk whose rounds measured `chances` of keeping a first draft."""
-        return (1 - RECENT) * previous + RECENT * float(np.mean(chances))
+    def observed(self, previous: float | None, k: int, kept: np.ndarray, chances: np.ndarray) -> float:
+        """A row's acceptance after a chunk whose rounds at k kept `kept` drafts each, and measured
+        `chances` of keeping a first draft; previous: the row's before (None: a new row)."""
+        if k:
+            refused = np.sum(kept < k)
+            figure = float(np.sum(kept) / max(np.sum(kept) + refused, 1))
+        else:
+            figure = float(np.mean(chances))
+        row = _averaged(self.prior if previous is None else previous, figure)
+        self.prior = _averaged(self.prior, figure)
+        return row

@@ -8,6 +8,9 @@ Drafters: a smaller model sharing the tokenizer (its own KV cache, k + 1 one-tok
 or prompt lookup (the k tokens that followed the most recent earlier occurrence of the row's last
 n tokens in its own context, n from `lookup` down to 1: no model, for copying-heavy tasks).
 
+Speculation(adaptive=True) drafts, chunk by chunk, as many of up to k as pay at the rows' recent
+acceptance, none when none do (adaptive.py).
+
 Rejected positions need no rollback: both caches hold position p at slot p % S, a slot counts as
 holding the most recent position at or before the query's, and the next round writes over them
 before any read (cache.py; sliding-window layers keep k more slots for it).
@@ -25,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from tunix_train.config import ConfigError, ModelConfig
-from tunix_train.generate.adaptive import PRIOR, Adaptive
 from tunix_train.generate.sampling import Draws, Kinds, Rules, categorical, cut, draw, sampled, token_keys
 
 MOST = 64  # drafted tokens, n-gram length, rounds: a round's k + 1 positions are every row's memory
@@ -231,13 +233,13 @@ def first_kept(logits_BV, draft_B, probs_BV, rules: Rules, kinds: Kinds) -> jax.
 def chunk(engine, model, caches, draft, rows, draws: Draws, *, kinds: Kinds, plan: tuple):
     """plan (k, rounds): `rounds` rounds drafting k tokens (0: none) for every row (the engine's
     speculative decode_step). model: its (params, per_layer). caches: the model's and the
-    drafter's state, both donated: the
-    draft model's caches, or with prompt lookup each row's tokens by position [B, L]. draft: the
-    draft model's (params, per_layer), else None. rows: each row's (token, position, count), as
-    the plain decode step takes them, and whether it speculates (Request.speculative). Returns
-    the caches, the next (token, position, count), the tokens emitted [B, rounds, k+1] with their
-    log-probabilities, the drafts each round kept [B, rounds], and each round's chance of keeping
-    a first draft [B, rounds] (first_kept; drafted at k = 0 too, for adaptive.py)."""
+    drafter's state, both donated: the draft model's caches, or with prompt lookup each row's
+    tokens by position [B, L]. draft: the draft model's (params, per_layer), else None. rows: each
+    row's (token, position, count), as the plain decode step takes them, and whether it
+    speculates (Request.speculative). Returns the caches, the next (token, position, count), the
+    tokens emitted [B, rounds, k+1] with their log-probabilities, the drafts each round kept [B,
+    rounds], and each round's chance of keeping a first draft [B, rounds] (first_kept; a first
+    draft is drafted at k = 0 too, for adaptive.py)."""
     spec, (k, rounds) = engine.speculation, plan
     *rows, speculate_B = rows
 
@@ -295,7 +297,7 @@ def decode_chunk(session) -> list[tuple[int, list[int]]]:
     k, rounds = e.speculation.tokens, e.speculation.rounds
     if e.adaptive is not None:
         k = e.adaptive.choose(
-            [session.acceptance.get(r[0], PRIOR) * r[1].speculative for r in session.running if r]
+            [session.acceptance.get(r[0], e.adaptive.prior) * r[1].speculative for r in session.running if r]
         )
         rounds = rounds if k else e.chunk  # no drafts: as many rounds as the plain engine's steps
     rows, seeds = session.rows_on_devices()
@@ -338,8 +340,11 @@ def decode_chunk(session) -> list[tuple[int, list[int]]]:
             e.stats["rounds" if k else "plain_rounds"] += ran
             e.stats["drafted"] += ran * k
             e.stats["accepted"] += int(np.sum(kept_BR[slot, :ran]))
-            previous = session.acceptance.get(rid, PRIOR)
-            session.acceptance[rid] = Adaptive.updated(previous, chance_BR[slot, :ran])
+            if e.adaptive is not None:
+                previous = session.acceptance.get(rid)
+                session.acceptance[rid] = e.adaptive.observed(
+                    previous, k, kept_BR[slot, :ran], chance_BR[slot, :ran]
+                )
         new.append((rid, taken))
     running = {r[0] for r in session.running if r}
     session.acceptance = {rid: a for rid, a in session.acceptance.items() if rid in running}
