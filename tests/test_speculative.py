@@ -16,7 +16,7 @@ from test_generate import CFG, _on
 
 from tunix_train.config import ConfigError, Remat
 from tunix_train.generate import Engine, Request, Sampling, Tuning
-from tunix_train.generate.adaptive import Adaptive
+from tunix_train.generate.adaptive import RECENT, Adaptive
 from tunix_train.generate.sampling import Draws, Kinds, Rules
 from tunix_train.generate.speculative import Speculation, accept, first_kept, lookup_drafts
 from tunix_train.parallel import model_graphdef
@@ -239,9 +239,12 @@ def test_adaptive_speculation_drafts_the_k_that_emits_most_tokens_a_second():
     assert adaptive.choose([0.95] + [0.0] * 4) == 0  # rows that do not speculate count as 0: 8.5 / 2 < 5 / 1
     # a row's acceptance: kept / (kept + refused) in a chunk that drafted (7 kept, 2 rounds refused
     # one), else the mean chance of a first draft; a new row starts from the prior, 0.5 at first
+    w = RECENT  # a chunk's weight in the moving averages
     first = adaptive.observed(None, 4, np.array([2, 4, 1]), np.array([0.1, 0.1, 0.1]))
-    assert first == pytest.approx((0.5 + 7 / 9) / 2) and adaptive.prior == pytest.approx((0.5 + 7 / 9) / 2)
-    assert adaptive.observed(first, 0, np.zeros(8), np.full(8, 0.2)) == pytest.approx((first + 0.2) / 2)
+    assert first == pytest.approx((1 - w) * 0.5 + w * 7 / 9) and adaptive.prior == pytest.approx(first)
+    assert adaptive.observed(first, 0, np.zeros(8), np.full(8, 0.2)) == pytest.approx(
+        (1 - w) * first + w * 0.2
+    )
 
 
 def test_prompt_lookup_proposes_what_followed_the_longest_recent_match():

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-RECENT = 0.5  # weight of a chunk's figure in a moving average (a row's acceptance, a round's seconds)
+RECENT = 0.25  # weight of a chunk's figure in a moving average (a row's acceptance, a round's seconds)
 
 
 def _averaged(previous: float | None, figure: float) -> float:
