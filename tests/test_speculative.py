@@ -73,7 +73,8 @@ def test_greedy_output_is_the_plain_engines_on_100_prompts(drafter, scale):
     for a, b in zip(ours, plain):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5, rtol=0)
     rate = engine.stats["accepted"] / engine.stats["drafted"]
-    assert engine.stats["prefix_hits"] >= 15  # most repeats reused their first prefill
+    if "adaptive" not in drafter:  # adaptively, which slot frees when depends on timings (the k)
+        assert engine.stats["prefix_hits"] >= 15  # most repeats reused their first prefill
     assert {"close draft": rate > 0.5, "random draft": rate < 0.1, "lookup": 0.05 < rate < 0.9}[
         drafter.split(",")[0]
     ], rate
