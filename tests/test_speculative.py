@@ -4,6 +4,7 @@ shared prefixes, stop tokens, few slots), the sampled distribution of the first 
 against the model's own by a chi-square test, the rejection rule against its formula, errors."""
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -378,6 +379,31 @@ def test_a_request_that_opts_out_draws_the_plain_engines_tokens_for_its_seed():
     alone = [i for i, r in enumerate(requests) if not r.speculative]
     assert [ours[i].tokens for i in alone] == [plain[i].tokens for i in alone]
     assert [ours[i].tokens for i in range(0, 8, 2)] != [plain[i].tokens for i in range(0, 8, 2)]
+
+
+@pytest.mark.slow  # two speculative programs and the plain one compile
+def test_a_draft_that_skipped_chunks_catches_up_before_it_drafts_again():
+    """Adaptively, a chunk that drafts nothing leaves the draft model out of its rounds and feeds
+    it the chunk's tokens after (speculative.catch_up, lookahead + 1 positions a pass). With the
+    model as its own draft and chunks alternating k = 0 and k = 3, its caches are right when it
+    drafts again: nearly every draft is kept, greedy rows and rows sampled at temperature 1 (a
+    draft with a stale or misplaced cache entry is refused), past a sliding window of 6."""
+    mesh, params = _on("1x1")
+    rng = np.random.default_rng(2)
+    requests = [
+        Request(
+            tuple(rng.integers(1, CFG.vocab_size, 5).tolist()), 23, Sampling(float(i % 2)), seed=1, stream=i
+        )
+        for i in range(6)
+    ]
+    engine = _engine(mesh, "draft", adaptive=True, slots=6)
+    chunks = itertools.count()
+    engine.adaptive.choose = lambda acceptance: (0, 3)[next(chunks) % 2]
+    ours = engine.generate(params, requests, draft_params=params)
+    plain = Engine(CFG, mesh, slots=6).generate(params, requests)
+    assert [c.tokens for c in ours[::2]] == [c.tokens for c in plain[::2]]  # greedy
+    assert engine.stats["plain_rounds"] > 0 and engine.stats["rounds"] > 0
+    assert engine.stats["accepted"] / engine.stats["drafted"] > 0.99, engine.stats
 
 
 @pytest.mark.slow  # three models load, two speculative engines compile

@@ -242,6 +242,7 @@ def chunk(engine, model, caches, draft, rows, draws: Draws, *, kinds: Kinds, pla
     draft is drafted at k = 0 too, for adaptive.py)."""
     spec, (k, rounds) = engine.speculation, plan
     *rows, speculate_B = rows
+    lagging = draft is not None and k == 0  # the draft reads the chunk's tokens after it: catch_up
 
     def draft_tokens(state, token_B, position_B, keys_BT3):
         if draft is None:
@@ -263,7 +264,10 @@ def chunk(engine, model, caches, draft, rows, draws: Draws, *, kinds: Kinds, pla
     def one_round(carry, _):
         (caches, state), token_B, position_B, count_B = carry
         keys_BT3, plain_keys_B = _keys(draws, count_B[:, None] + jnp.arange(k + 1))
-        state, drafts_BK, probs_BKV, first = draft_tokens(state, token_B, position_B, keys_BT3)
+        if lagging:
+            drafts_BK, probs_BKV = jnp.zeros((token_B.shape[0], 0), jnp.int32), None
+        else:
+            state, drafts_BK, probs_BKV, first = draft_tokens(state, token_B, position_B, keys_BT3)
         tokens_BT = jnp.concatenate([token_B[:, None], drafts_BK], axis=1)
         logits, caches, _ = engine.extend(*model, caches, tokens_BT, position_B)
         logits_BTV = logits.reshape(*tokens_BT.shape, -1)  # [B, V] for one position
@@ -271,21 +275,58 @@ def chunk(engine, model, caches, draft, rows, draws: Draws, *, kinds: Kinds, pla
         emitted_BT, logprob_BT, kept_B = accept(
             logits_BTV, drafts_BK, probs_BKV, draws, keys_BT3, kinds, alone
         )
-        chance_B = first_kept(logits_BTV[:, 0], *first, draws.rules, kinds)
+        if lagging:  # log p(x) of the token emitted, after the row's cuts (catch_up reads it)
+            kept_BV = jax.nn.log_softmax(cut(logits_BTV[:, 0], draws.rules, kinds)[1], axis=-1)
+            chance_B = jnp.take_along_axis(kept_BV, emitted_BT[:, :1], axis=-1)[:, 0]
+        else:
+            chance_B = first_kept(logits_BTV[:, 0], *first, draws.rules, kinds)
         if draft is None:  # the emitted tokens join the row's history, at the positions after p
             after_BT = position_B[:, None] + 1 + jnp.arange(k + 1)
             at_BT = jnp.where(jnp.arange(k + 1) <= kept_B[:, None], after_BT, state.shape[1])  # past: dropped
             state = jax.vmap(lambda h, at, x: h.at[at].set(x, mode="drop"))(state, at_BT, emitted_BT)
         advance_B = kept_B + 1
-        token_B = jnp.take_along_axis(emitted_BT, kept_B[:, None], axis=1)[:, 0]
+        fed_B, token_B = token_B, jnp.take_along_axis(emitted_BT, kept_B[:, None], axis=1)[:, 0]
         carry = ((caches, state), token_B, position_B + advance_B, count_B + advance_B)
-        return carry, (emitted_BT, logprob_BT, kept_B, chance_B)
+        return carry, (emitted_BT, logprob_BT, kept_B, chance_B, fed_B)
 
-    (caches, *rows), (emitted_RBT, logprob_RBT, kept_RB, chance_RB) = jax.lax.scan(
+    start_B = rows[1]
+    ((caches, state), *rows), (emitted_RBT, logprob_RBT, kept_RB, chance_RB, fed_RB) = jax.lax.scan(
         one_round, (caches, *rows), None, length=rounds
     )
+    if lagging:
+        state, chance_RB = catch_up(
+            engine, draft, state, (fed_RB, start_B), emitted_RBT[..., 0], chance_RB, draws.rules, kinds
+        )
+    caches = (caches, state)
     swap = functools.partial(jnp.swapaxes, axis1=0, axis2=1)
     return caches, tuple(rows), swap(emitted_RBT), swap(logprob_RBT), kept_RB.T, chance_RB.T
+
+
+def catch_up(engine, draft, caches, fed, emitted_RB, logp_RB, rules: Rules, kinds: Kinds):
+    """After a chunk that drafted nothing (one token a round for every row), the draft model reads
+    the tokens it fed the model: fed = (fed_RB, the rows' positions at its start), lookahead + 1
+    positions a forward pass (its sliding-window caches keep that many more slots than the
+    window). Returns its caches and each round's chance of keeping a first draft, estimated from
+    the token x the round emitted, of log-probability logp_RB after the row's cuts: whether x is
+    the draft's argmax on greedy rows, else min(1, q(x) / p(x)), whose mean over x ~ p is
+    sum_v min(p_v, q_v) (first_kept's)."""
+    fed_RB, position_B = fed
+    R, B = fed_RB.shape
+    chances = []
+    for start in range(0, R, engine.lookahead + 1):
+        x_BT, fed_BT = emitted_RB[start:].T, fed_RB[start:].T
+        x_BT, fed_BT = x_BT[:, : engine.lookahead + 1], fed_BT[:, : engine.lookahead + 1]
+        T = x_BT.shape[1]
+        logits, caches, _ = engine.draft.extend(*draft, caches, fed_BT, position_B + start)
+        logits_XV = logits.reshape(B * T, -1)
+        chance_BT = (jnp.argmax(logits_XV, axis=-1).reshape(B, T) == x_BT).astype(jnp.float32)
+        if kinds.sample:
+            logq_XV = jax.nn.log_softmax(cut(logits_XV, _flat(rules, T), kinds)[1], axis=-1)
+            logq_BT = jnp.take_along_axis(logq_XV, x_BT.reshape(-1, 1), axis=-1).reshape(B, T)
+            ratio_BT = jnp.minimum(1.0, jnp.exp(logq_BT - logp_RB[start : start + T].T))
+            chance_BT = jnp.where(sampled(rules)[:, None], ratio_BT, chance_BT)
+        chances.append(chance_BT)
+    return caches, jnp.concatenate(chances, axis=1).T
 
 
 def decode_chunk(session) -> list[tuple[int, list[int]]]:
