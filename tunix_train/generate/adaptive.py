@@ -10,8 +10,9 @@ rises.
 
 A row's acceptance a is a moving average over its chunks: in a chunk that drafted, of the drafts
 it kept over those kept and those refused (the maximum-likelihood a of its rounds); in a chunk
-that drafted nothing, of the chance its first draft would have been kept, which every round
-measures whatever its k (speculative.first_kept). A new row starts at the moving average of all
+that drafted nothing, of the chance its first draft would have been kept (prompt lookup: computed
+each round, speculative.first_kept; a draft model: estimated from the tokens emitted when it
+reads them after the chunk, speculative.catch_up). A new row starts at the moving average of all
 rows' chunks.
 
 A round's cost at each k is measured: seconds a round, a moving average over the chunks that ran
