@@ -195,7 +195,7 @@ def test_the_rejection_rule_keeps_a_draft_with_probability_min_1_p_over_q():
     draws = Draws(rules, jnp.zeros((n, 2), jnp.uint32), jnp.arange(n, dtype=jnp.uint32))
     keys = jax.vmap(lambda k: jax.random.split(k, 6).reshape(2, 3))(jax.random.split(jax.random.key(0), n))
     kinds = Kinds(True, False, False)
-    emitted, _, kept = jax.jit(accept, static_argnames="kinds")(
+    emitted, _, kept, _ = jax.jit(accept, static_argnames="kinds")(
         logits,
         jnp.asarray(drafts)[:, None],
         jnp.broadcast_to(jnp.asarray(q, jnp.float32), (n, 1, V)),

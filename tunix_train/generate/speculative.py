@@ -177,7 +177,9 @@ def lookup_drafts(history_BL, position_B, k: int, longest: int) -> jax.Array:
 
 def accept(logits_BTV, drafts_BK, draft_probs_BKV, draws: Draws, keys_BT3, kinds: Kinds, alone=None):
     """The rejection rule over a round: (the tokens emitted [B, k+1], valid up to and with index
-    n, their log-probabilities under softmax(logits / T), n [B] the drafts kept). draft_probs:
+    n, their log-probabilities under softmax(logits / T), n [B] the drafts kept, and the first
+    position's log softmax(logits / T) after the row's cuts, unnormalized [B, V], as sampling.cut
+    gives it: first_kept's). draft_probs:
     the distribution each draft came from (None: a certain one, as prompt lookup's). alone:
     (speculate_B, keys_B): the rows that do not speculate keep no draft and draw their token as
     the plain engine does, with its key of the token's number (sampling.draw)."""
@@ -212,17 +214,18 @@ def accept(logits_BTV, drafts_BK, draft_probs_BKV, draws: Draws, keys_BT3, kinds
     drafts_BT = jnp.pad(drafts_BK, ((0, 0), (0, 1)))  # none kept at k: the model's own
     emitted_BT = jnp.where(index_T < kept_B[:, None], drafts_BT, replacement_BT)
     logprob_BT = jnp.take_along_axis(logp_XV.reshape(B, T, V), emitted_BT[..., None], axis=-1)[..., 0]
-    return emitted_BT, logprob_BT, kept_B
+    return emitted_BT, logprob_BT, kept_B, kept_XV.reshape(B, T, V)[:, 0]
 
 
-def first_kept(logits_BV, draft_B, probs_BV, rules: Rules, kinds: Kinds) -> jax.Array:
+def first_kept(kept_BV, draft_B, probs_BV, rules: Rules, kinds: Kinds) -> jax.Array:
     """[B] the chance the rejection rule keeps a round's first draft, drawn from probs_BV (None: a
     certain one, as prompt lookup's): whether it is the argmax on greedy rows, else sum_v min(p_v,
-    q_v), p(draft) for a certain one, p the model's distribution after the row's cuts."""
-    equal_B = (jnp.argmax(logits_BV, axis=-1) == draft_B).astype(jnp.float32)
+    q_v), p(draft) for a certain one, p = softmax(kept_BV), the model's log-probabilities after the
+    row's cuts (accept's; the cuts keep the argmax)."""
+    equal_B = (jnp.argmax(kept_BV, axis=-1) == draft_B).astype(jnp.float32)
     if not kinds.sample:
         return equal_B
-    p_BV = jax.nn.softmax(cut(logits_BV, rules, kinds)[1], axis=-1)
+    p_BV = jax.nn.softmax(kept_BV, axis=-1)
     if probs_BV is None:
         chance_B = jnp.take_along_axis(p_BV, draft_B[:, None], axis=-1)[:, 0]
     else:
@@ -272,14 +275,14 @@ def chunk(engine, model, caches, draft, rows, draws: Draws, *, kinds: Kinds, pla
         logits, caches, _ = engine.extend(*model, caches, tokens_BT, position_B)
         logits_BTV = logits.reshape(*tokens_BT.shape, -1)  # [B, V] for one position
         alone = (speculate_B, plain_keys_B)
-        emitted_BT, logprob_BT, kept_B = accept(
+        emitted_BT, logprob_BT, kept_B, cut_BV = accept(
             logits_BTV, drafts_BK, probs_BKV, draws, keys_BT3, kinds, alone
         )
         if lagging:  # log p(x) of the token emitted, after the row's cuts (catch_up reads it)
-            kept_BV = jax.nn.log_softmax(cut(logits_BTV[:, 0], draws.rules, kinds)[1], axis=-1)
-            chance_B = jnp.take_along_axis(kept_BV, emitted_BT[:, :1], axis=-1)[:, 0]
+            logp_BV = jax.nn.log_softmax(cut_BV, axis=-1)
+            chance_B = jnp.take_along_axis(logp_BV, emitted_BT[:, :1], axis=-1)[:, 0]
         else:
-            chance_B = first_kept(logits_BTV[:, 0], *first, draws.rules, kinds)
+            chance_B = first_kept(cut_BV, *first, draws.rules, kinds)
         if draft is None:  # the emitted tokens join the row's history, at the positions after p
             after_BT = position_B[:, None] + 1 + jnp.arange(k + 1)
             at_BT = jnp.where(jnp.arange(k + 1) <= kept_B[:, None], after_BT, state.shape[1])  # past: dropped
