@@ -70,6 +70,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
         parser.error("--image goes with one --prompt (in --chat, /image PATH)")
     if args.draft and args.prompt_lookup:
         parser.error("give --draft or --prompt_lookup, not both")
+    if args.adaptive_speculation and not (args.draft or args.prompt_lookup):
+        parser.error("--adaptive_speculation needs a drafter: give --draft or --prompt_lookup")
     return args
 
 

@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         limit = model.config.context_length
         if args.draft and args.prompt_lookup:
             raise ConfigError("give --draft or --prompt_lookup, not both")
+        if args.adaptive_speculation and not (args.draft or args.prompt_lookup):
+            raise ConfigError("--adaptive_speculation needs a drafter: give --draft or --prompt_lookup")
         generator = Generator(
             model,
             args.slots,
