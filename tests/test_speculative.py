@@ -297,6 +297,21 @@ def test_adaptive_speculation_in_a_rollout_needs_a_drafter(tmp_path):
     )
 
 
+def test_the_command_lines_refuse_adaptive_speculation_without_a_drafter(capsys, tmp_path):
+    from tunix_train.generate.__main__ import _arguments
+    from tunix_train.serve.cli import main as serve
+
+    with pytest.raises(SystemExit) as exited:
+        _arguments([str(tmp_path), "--prompt", "hi", "--adaptive_speculation"])
+    assert exited.value.code == 2
+    assert "--adaptive_speculation needs a drafter" in capsys.readouterr().err
+    assert serve([str(tmp_path / "no_model"), "--adaptive_speculation"]) == 2  # before loading the model
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        "tunix_train.serve: error: --adaptive_speculation needs a drafter: give --draft or --prompt_lookup"
+    ]
+
+
 @pytest.mark.slow  # two GRPO runs
 def test_grpo_with_a_draft_trains_as_without_and_logs_its_acceptance(tmp_path):
     """GRPO on the arithmetic task, 3 steps of 8 prompts x 4 completions, at temperature 1e-4 (each

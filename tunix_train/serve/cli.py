@@ -151,14 +151,14 @@ def main(argv: list[str] | None = None) -> int:
             server.should_exit = True
 
     try:
+        if args.draft and args.prompt_lookup:  # before the model loads
+            raise ConfigError("give --draft or --prompt_lookup, not both")
+        if args.adaptive_speculation and not (args.draft or args.prompt_lookup):
+            raise ConfigError("--adaptive_speculation needs a drafter: give --draft or --prompt_lookup")
         model = api.load(args.path, mesh_shape)
         if model.tokenizer is None:
             raise ConfigError(f"{args.path} carries no tokenizer: a server needs one")
         limit = model.config.context_length
-        if args.draft and args.prompt_lookup:
-            raise ConfigError("give --draft or --prompt_lookup, not both")
-        if args.adaptive_speculation and not (args.draft or args.prompt_lookup):
-            raise ConfigError("--adaptive_speculation needs a drafter: give --draft or --prompt_lookup")
         generator = Generator(
             model,
             args.slots,
