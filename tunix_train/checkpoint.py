@@ -21,7 +21,9 @@ import functools
 import logging
 import math
 import os
+import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -170,7 +172,40 @@ def _restore_step(manager: ocp.CheckpointManager, step: int, target: TrainState)
 
 
 def _reader(directory: Path) -> ocp.CheckpointManager:
+    _ReadsLeftInFlight.folders.add(str(directory))
+    if not getattr(sys.unraisablehook, "drops_reads_left_in_flight", False):
+        sys.unraisablehook = _ReadsLeftInFlight.unraisable(sys.unraisablehook)
     return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
+
+
+class _ReadsLeftInFlight(logging.Filter):
+    """A restore that fails leaves tensorstore reads in flight: orbax closes the event loop they
+    report to without waiting for them (asyncio_utils._run_sync_via_new_loop). Each read, as it
+    ends, raises "Event loop is closed" in tensorstore's thread, which prints it through
+    sys.unraisablehook; the tasks of the reads that failed log "exception was never retrieved" on
+    the asyncio logger when collected. Both come with tracebacks, after restore_latest said why in
+    one line; those, and only those (their errors name a folder read here), are dropped."""
+
+    folders: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "exception was never retrieved" not in record.getMessage() or not record.exc_info:
+            return True
+        return not any(folder in str(record.exc_info[1]) for folder in self.folders)
+
+    @staticmethod
+    def unraisable(previous):
+        def hook(unraisable):
+            error, frames = unraisable.exc_value, traceback.extract_tb(unraisable.exc_traceback)
+            closed = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+            if not (closed and any(frame.name == "call_soon_threadsafe" for frame in frames)):
+                previous(unraisable)
+
+        hook.drops_reads_left_in_flight = True
+        return hook
+
+
+logging.getLogger("asyncio").addFilter(_ReadsLeftInFlight())
 
 
 TRIES = 3  # reads of a checkpoint that fails with a transient error
