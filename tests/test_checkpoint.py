@@ -153,6 +153,58 @@ def test_start_over_if_unreadable_keeps_them_aside_and_trains_as_a_fresh_run(tmp
     _assert_bit_identical(run_dir, reference)
 
 
+def test_the_reads_a_failed_restore_leaves_in_flight_are_dropped_and_nothing_else(
+    tmp_path, monkeypatch, caplog
+):
+    """A tensorstore read that ends after orbax closed its event loop raises "Event loop is closed"
+    through sys.unraisablehook, and a failed read's task logs "exception was never retrieved" on
+    the asyncio logger: once a checkpoint reader has opened, those are dropped when they name its
+    folder; any other unraisable error or asyncio record still comes through."""
+    import asyncio
+    import gc
+    import logging
+
+    import tensorstore as ts
+
+    from tunix_train import checkpoint
+
+    seen = []
+    monkeypatch.setattr(
+        sys, "unraisablehook", lambda u: seen.append(f"{type(u.exc_value).__name__}: {u.exc_value}")
+    )
+    checkpoint._reader(tmp_path).close()
+
+    def left_in_flight():
+        promise, future = ts.Promise.new()
+        loop = asyncio.new_event_loop()
+
+        async def awaiting():
+            asyncio.ensure_future(future)
+            await asyncio.sleep(0)
+
+        loop.run_until_complete(awaiting())
+        loop.close()
+        promise.set_result(1)  # its callback calls loop.call_soon_threadsafe on the closed loop
+
+    class Other:
+        def __del__(self):
+            raise ValueError("another error")
+
+    left_in_flight()
+    Other()
+    gc.collect()
+    assert seen == ["ValueError: another error"]
+    asyncio_log = logging.getLogger("asyncio")
+    for folder in (tmp_path / "3" / "state", "/elsewhere"):
+        error = ValueError(f'DATA_LOSS: Error reading local file "{folder}/manifest.ocdbt"')
+        asyncio_log.error(
+            "Task exception was never retrieved\nfuture: <Task>", exc_info=(ValueError, error, None)
+        )
+    assert [r.exc_info[1].args[0] for r in caplog.records if "never retrieved" in r.getMessage()] == [
+        'DATA_LOSS: Error reading local file "/elsewhere/manifest.ocdbt"'
+    ]
+
+
 def test_restore_retries_transient_errors_and_skips_damaged_checkpoints(monkeypatch, reference):
     """Reads of the reference's checkpoints (3, 6, 9, 12), failing as told: a timeout once is
     retried and the latest restored; a timeout every time is an error (the checkpoint may be fine),
