@@ -20,25 +20,29 @@ of two calls each that compile, the median of each call's tokens/s taken:
   trained gemma3_small, which mostly does not copy (prompt_lookup_model says which). Fixed and
   adaptive; and the same model sampling at temperature 1 after a held-out line, which it does not
   copy (`prompt_lookup_prose`): where lookup does not pay, fixed and adaptive.
-- A round's pieces, each compiled and timed alone (median of 20 calls) at each batch: the model's
-  decode step (one position), its verify pass over k + 1 positions, and the draft's k + 1
-  one-token steps (round_parts_*_ms): why the draft model does or does not pay.
+- A round's pieces at each batch, as they run inside a compiled chunk (each repeated in one
+  compiled loop, a call's dispatch left out): the model's decode step (one position), its verify
+  pass over k + 1 positions, and the draft's k + 1 one-token steps (round_parts_*_ms): why the
+  draft model does or does not pay. `--parts-only` measures these alone.
 Greedy outputs of the two engines are compared token for token (greedy_equal). Each case prints a
 JSON line as it ends; the last line has each case's speedup, acceptance rate and mean accepted
 length, and the first case's (the draft at batch 1, greedy) tokens/s. The acceptance rate
 is accepted drafts over drafted ones; the mean accepted length is the tokens a verify round emits
 (accepted drafts plus the model's own), counted for the rounds of unfinished requests.
 
-On this CPU a verify pass over k + 1 positions costs about k / 3 + 1 decode steps (XLA:CPU's dots
-with a few rows are slower per row than its dots with one; round_parts), so a draft model has to be
-kept far more often than a small distilled one is; on an accelerator, where a decode step is bound
-by reading the weights, the balance differs (docs/performance.md lists the GPU run). The last line
-is JSON of every figure.
+On this CPU a verify pass of gemma3_small over k + 1 = 5 positions costs about 3 of its decode
+steps at batch 1 (round_parts: its cost grows with the positions computed, as arithmetic's does,
+where reading the weights would cost the same for 1 or 5): even a round that keeps every draft
+emits 5 tokens for about 3.2 steps of time (the draft's steps included), so no draft reaches 1.6
+times here; on an accelerator, or a model large for its machine, a decode step is bound by
+reading the weights and a verify pass costs little more than one (docs/performance.md lists the
+GPU run). The last line is JSON of every figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import lzma
 import statistics
@@ -94,26 +98,39 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="timed calls of each engine")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--train-only", action="store_true")
+    parser.add_argument("--parts-only", action="store_true", help="only the round's pieces (round_parts)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     train(args.out, args)
     if args.train_only:
         return 0
-    figures = measure(args)
+    figures = measure(args) if not args.parts_only else parts(args)
     print(json.dumps(figures))
     return 0
+
+
+def _models(args):
+    """The model and its draft, loaded on one device."""
+    import jax
+
+    from tunix_train import api
+
+    return tuple(api.load(args.out / name, [[1], ["fsdp"]], jax.devices()[:1]) for name in ("model", "draft"))
+
+
+def parts(args) -> dict:
+    model, draft = _models(args)
+    return {k: v for batch in args.batches for k, v in round_parts(model, draft, batch, args.tokens).items()}
 
 
 def measure(args) -> dict:
     import jax
 
-    from tunix_train import api
     from tunix_train.generate import Engine, Request, Sampling, Tuning
     from tunix_train.generate.speculative import Speculation
 
     devices = jax.devices()[:1]
-    model = api.load(args.out / "model", [[1], ["fsdp"]], devices)
-    draft = api.load(args.out / "draft", [[1], ["fsdp"]], devices)
+    model, draft = _models(args)
     copier = _copier(devices) or model  # the real gemma3_270m where its package is installed
     with lzma.open(REPO / "tunix_train" / "data" / "corpus" / "shakespeare.jsonl.xz", "rt") as corpus:
         documents = [json.loads(line)["text"] for line in corpus]
@@ -205,11 +222,14 @@ def measure(args) -> dict:
     }
 
 
-def round_parts(model, draft, batch: int, k: int, repeats: int = 20) -> dict:
-    """Milliseconds of a round's pieces at `batch` rows, each compiled and timed alone (the median
-    of `repeats` calls): the model's decode step (one position, compiled as the plain engine's),
-    its verify pass over k + 1 positions and the draft's k + 1 one-token steps (both compiled as
-    the speculative chunk, platform.small_dot_options)."""
+def round_parts(model, draft, batch: int, k: int, repeats: int = 9, short: int = 8, long: int = 40) -> dict:
+    """Milliseconds of a round's pieces at `batch` rows as they run inside a compiled chunk: each
+    piece repeated `short` and `long` times in one compiled loop, the figure the difference of the
+    two calls' medians (of `repeats`, alternating) over long - short, so that a call's dispatch
+    and argument handling, which a chunk pays once, are left out. The pieces: the model's decode
+    step (one position, compiled as the plain engine's), its verify pass over k + 1 positions and
+    the draft's k + 1 one-token steps (both compiled as the speculative chunk,
+    platform.small_dot_options)."""
     import jax
     import jax.numpy as jnp
 
@@ -220,47 +240,52 @@ def round_parts(model, draft, batch: int, k: int, repeats: int = 20) -> dict:
 
     spec = Speculation(tokens=k, draft=draft.config)
     engine = Engine(model.config, model.mesh, slots=batch, tuning=Tuning(speculation=spec))
-    session = engine.session(model.params, 256, batch, Kinds(False, False, False), draft_params=draft.params)
+    session = engine.session(model.params, 512, batch, Kinds(False, False, False), draft_params=draft.params)
     d, options = session.drafter, small_dot_options(model.mesh)
     position_B = jnp.full((batch,), 128, jnp.int32)
 
-    def forward(params, per_layer, caches, tokens_BT, position_B):
-        return engine.extend(params, per_layer, caches, tokens_BT, position_B)[0]
+    def repeated(which, positions: int, times: int):
+        """`times` forwards of `positions` tokens a row, each fed the last one's argmax."""
 
-    def draft_steps(params, per_layer, caches, token_B, position_B):
-        def step(carry, j):
-            caches, token_B = carry
-            logits_BV, caches, _ = engine.draft.extend(
-                params, per_layer, caches, token_B[:, None], position_B + j
-            )
-            return (caches, jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)), None
+        def run(params, per_layer, caches, position_B):
+            def body(carry, i):
+                caches, token_B = carry
+                tokens_BT = jnp.broadcast_to(token_B[:, None], (batch, positions))
+                logits, caches, _ = which.extend(
+                    params, per_layer, caches, tokens_BT, position_B + i * positions
+                )
+                last_BV = logits.reshape(batch, positions, -1)[:, -1]
+                return (caches, jnp.argmax(last_BV, axis=-1).astype(jnp.int32)), None
 
-        return jax.lax.scan(step, (caches, token_B), jnp.arange(k + 1))[0][1]
+            start = (caches, jnp.ones((batch,), jnp.int32))
+            return jax.lax.scan(body, start, jnp.arange(times))[0][1]
 
-    pieces = {
-        "step": (
-            jax.jit(forward),
-            (model.params, session.per_layer, session.caches, jnp.ones((batch, 1), jnp.int32)),
-        ),
-        "verify": (
-            jax.jit(forward, compiler_options=options),
-            (model.params, session.per_layer, session.caches, jnp.ones((batch, k + 1), jnp.int32)),
-        ),
-        "draft": (
-            jax.jit(draft_steps, compiler_options=options),
-            (d.params, d.per_layer, d.caches, jnp.ones((batch,), jnp.int32)),
-        ),
+        return run
+
+    pieces = {  # name: (engine, its arguments, positions a forward, forwards a round, compile options)
+        "step": (engine, (model.params, session.per_layer, session.caches), 1, 1, None),
+        "verify": (engine, (model.params, session.per_layer, session.caches), k + 1, 1, options),
+        "draft": (engine.draft, (d.params, d.per_layer, d.caches), 1, k + 1, options),
     }
-    figures = {}
+    calls = {}
     with jax.set_mesh(model.mesh):
-        for name, (program, arguments) in pieces.items():
-            jax.block_until_ready(program(*arguments, position_B))  # compiles
-            times = []
-            for _ in range(repeats):
+        for name, (which, arguments, positions, per_round, opts) in pieces.items():
+            for times in (short, long):
+                program = jax.jit(repeated(which, positions, times * per_round), compiler_options=opts)
+                calls[name, times] = functools.partial(program, *arguments, position_B)
+                jax.block_until_ready(calls[name, times]())  # compiles
+        elapsed = {key: [] for key in calls}
+        for _ in range(repeats):
+            for key, call in calls.items():
                 start = time.perf_counter()
-                jax.block_until_ready(program(*arguments, position_B))
-                times.append(time.perf_counter() - start)
-            figures[f"round_parts_batch{batch}_{name}_ms"] = 1000 * statistics.median(times)
+                jax.block_until_ready(call())
+                elapsed[key].append(time.perf_counter() - start)
+    figures = {
+        f"round_parts_batch{batch}_{name}_ms": 1000
+        * (statistics.median(elapsed[name, long]) - statistics.median(elapsed[name, short]))
+        / (long - short)
+        for name in pieces
+    }
     print(json.dumps(figures), flush=True)
     return figures
 

@@ -73,7 +73,7 @@ BENCHMARKS = {
         "Speculative decoding against the plain engine, alternating calls: a distilled 2 x 64 draft of "
         "gemma3_small at batch 1 and 8, greedy and sampled; prompt lookup with the real gemma3_270m "
         "(the `examples` extra) on a copying task and on sampled prose; each with k fixed and adaptive; "
-        "acceptance, greedy equality, and a round's pieces timed alone (round_parts).",
+        "acceptance, greedy equality, and a round's pieces timed inside a compiled loop (round_parts).",
         ["scripts/benchmark_speculative.py"],
     ),
     "compare_tunix": (
