@@ -24,6 +24,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -206,6 +207,10 @@ class _ReadsLeftInFlight(logging.Filter):
 
 
 logging.getLogger("asyncio").addFilter(_ReadsLeftInFlight())
+# and the metadata read a failed restore never awaited (orbax's array_metadata_store.Store)
+warnings.filterwarnings(
+    "ignore", message=r"coroutine 'Store\._get_array_metadatas' was never awaited", category=RuntimeWarning
+)
 
 
 TRIES = 3  # reads of a checkpoint that fails with a transient error
