@@ -90,6 +90,10 @@ class RolloutConfig:
     # when none do (generate/adaptive.py). The choice reads timings, so a rollout's sampled tokens
     # are not repeated from run to run (a resumed run's differ from an uninterrupted one's).
     adaptive_speculation: bool = _changeable(False)
+    # Every draft_distill_every-th rollout, one Adam step of the draft toward the policy that drew it
+    # (forward KL on the completion positions, train/draft_distill.py; 0: the draft stays fixed).
+    draft_distill_every: int = _fixed(0)
+    draft_learning_rate: float = _fixed(1e-4)
     # Mixture of experts: the engine records the experts each layer chose for every token, and the
     # trainer's forward uses them instead of its router's top k (routing replay, train/rollout.py).
     routing_replay: bool = _fixed(False)
@@ -190,6 +194,16 @@ class RolloutConfig:
                 and (self.ray_replicas > 0 or self.routing_replay),
                 "training.rollout.draft / prompt_lookup run without ray_replicas and routing_replay "
                 "for now: turn one off",
+            ),
+            (
+                self.draft_distill_every and (self.draft is None or self.asynchronous),
+                "training.rollout.draft_distill_every needs training.rollout.draft and a synchronous "
+                "run for now",
+            ),
+            (
+                self.draft_distill_every < 0 or not self.draft_learning_rate > 0,
+                f"training.rollout.draft_distill_every={self.draft_distill_every} must be 0 or more and "
+                f"draft_learning_rate={self.draft_learning_rate} positive",
             ),
             (
                 self.adaptive_speculation and self.draft is None and self.prompt_lookup == 0,

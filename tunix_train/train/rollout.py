@@ -162,6 +162,7 @@ class Sampler:
             self.rewards.models.connect(link.plan_frozen, self.mesh)
         # every completion of a rollout at once, in one batch of slots, or rollout_slots at a time
         speculation, self.draft_params = self._speculation()  # the draft's, one per mesh
+        self._distiller = None  # draft_distill_every: the draft's training (train/draft_distill.py)
         self.engines = [
             Engine(
                 self.cfg.model,
@@ -308,6 +309,9 @@ class Sampler:
         def total(field):
             return sum(g[field] for g in groups)
 
+        speculation = speculative.figures(self.speculated) if self.engine.speculation else None
+        if self.rollout.draft_distill_every and (index + 1) % self.rollout.draft_distill_every == 0:
+            speculation["draft_divergence"] = self._distill_draft(groups, params)
         return Rollout(
             index,
             version,
@@ -325,8 +329,31 @@ class Sampler:
             tool_errors=total("tool_errors"),
             turns=total("turns"),
             routes=joined(groups, "routes"),
-            speculation=speculative.figures(self.speculated) if self.engine.speculation else None,
+            speculation=speculation,
         )
+
+    def _distill_draft(self, groups, params) -> float:
+        """One step of the draft toward `params` (the policy that drew `groups`) on their sequences
+        (train/draft_distill.py); the engine drafts with the new draft from the next rollout on.
+        Returns the divergence before the step."""
+        from tunix_train.train.draft_distill import DraftDistiller, completion_rows
+
+        if self._distiller is None:
+            self._distiller = DraftDistiller(
+                self.engine.draft.graphdef,
+                self.engine.graphdef,
+                self.draft_params[0],
+                self.rollout.draft_learning_rate,
+            )
+        G = self.rollout.num_generations
+        prompts = joined(groups, "prompt_ids") or [
+            self.prompts[g["prompt"]] for g in groups for _ in range(G)
+        ]
+        tokens, mask = completion_rows(prompts, joined(groups, "completions"), self.cfg.data.seq_len)
+        with jax.set_mesh(self.mesh):
+            divergence = self._distiller.step(params, tokens, mask)
+        self.draft_params[0] = self._distiller.params
+        return divergence
 
     def sample(
         self, order: np.ndarray, index: int, round_: int, params, engine=None
