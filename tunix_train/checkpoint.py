@@ -85,9 +85,9 @@ class Checkpointer:
             or (c.every_seconds and time.monotonic() - self._last_save_time >= c.every_seconds)
         )
 
-    def save(self, state: TrainState, data_state: dict[str, Any]) -> int:
-        """Starts an asynchronous save of `state` at its step; returns the step. Returns once the
-        arrays are copied off the devices, so the caller may donate them to the next step."""
+    def save(self, state: TrainState, data_state: dict[str, Any], items: dict[str, Any] | None = None) -> int:
+        """Starts an asynchronous save of `state` at its step and of `items` (restore_item's);
+        returns the step, once the arrays are copied off the devices (the caller may donate them)."""
         step = int(state.step)
         if step == self._last_saved_step:
             return step  # e.g. the final save right after a periodic one
@@ -101,7 +101,9 @@ class Checkpointer:
             saved = self._manager.save(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(_saved(state)), data=ocp.args.JsonSave(data_state)
+                    state=ocp.args.StandardSave(_saved(state)),
+                    data=ocp.args.JsonSave(data_state),
+                    **{name: ocp.args.StandardSave(tree) for name, tree in (items or {}).items()},
                 ),
             )
         if not saved:
@@ -180,19 +182,16 @@ def _reader(directory: Path) -> ocp.CheckpointManager:
 
 
 class _ReadsLeftInFlight(logging.Filter):
-    """A restore that fails leaves tensorstore reads in flight: orbax closes the event loop they
-    report to without waiting for them (asyncio_utils._run_sync_via_new_loop). Each read, as it
-    ends, raises "Event loop is closed" in tensorstore's thread, which prints it through
-    sys.unraisablehook; the tasks of the reads that failed log "exception was never retrieved" on
-    the asyncio logger when collected. Both come with tracebacks, after restore_latest said why in
-    one line; those, and only those (their errors name a folder read here), are dropped."""
+    """A failed restore leaves tensorstore reads in flight: orbax closes their event loop without
+    waiting (asyncio_utils._run_sync_via_new_loop), so each, as it ends, raises "Event loop is
+    closed" through sys.unraisablehook, and the failed ones log "exception was never retrieved"
+    (asyncio), with tracebacks over restore_latest's one line: those alone are dropped."""
 
     folders: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "exception was never retrieved" not in record.getMessage() or not record.exc_info:
-            return True
-        return not any(folder in str(record.exc_info[1]) for folder in self.folders)
+        named = record.exc_info and any(folder in str(record.exc_info[1]) for folder in self.folders)
+        return not (named and "exception was never retrieved" in record.getMessage())
 
     @staticmethod
     def unraisable(previous):
@@ -208,9 +207,7 @@ class _ReadsLeftInFlight(logging.Filter):
 
 logging.getLogger("asyncio").addFilter(_ReadsLeftInFlight())
 # and the metadata read a failed restore never awaited (orbax's array_metadata_store.Store)
-warnings.filterwarnings(
-    "ignore", message=r"coroutine 'Store\._get_array_metadatas' was never awaited", category=RuntimeWarning
-)
+warnings.filterwarnings("ignore", r"coroutine 'Store\._get_array_metadatas' was never", RuntimeWarning)
 
 
 TRIES = 3  # reads of a checkpoint that fails with a transient error
@@ -376,6 +373,21 @@ def set_aside(directory: Path, damaged: dict[int, str]) -> list[str]:
 
         multihost_utils.sync_global_devices("tunix_train: damaged checkpoints set aside")
     return warnings
+
+
+def restore_item(checkpoint: tuple[Path, int], name: str, target: Any) -> Any | None:
+    """Item `name` of checkpoint (folder, step) restored into `target`'s shapes and shardings, or
+    None where that checkpoint has none (written without it)."""
+    directory, step = checkpoint
+    if not (directory / str(step) / name).is_dir():
+        return None
+    manager, args = _reader(directory), ocp.args.Composite(**{name: ocp.args.StandardRestore(target)})
+    try:
+        return manager.restore(step, args=args)[name]
+    except Exception as err:  # noqa: BLE001 - orbax/tensorstore raise many types
+        raise ConfigError(f"checkpoint {directory / str(step)}: its {name} ({_root_line(err)})") from None
+    finally:
+        manager.close()
 
 
 def resolve_resume_path(path: str) -> tuple[Path, int | None]:

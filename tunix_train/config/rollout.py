@@ -80,7 +80,7 @@ class RolloutConfig:
     # inference mismatch, logged as logprob_mismatch_*); the trainer's forward is unchanged.
     dtype: RolloutDtype = _fixed(RolloutDtype.fp32)
     # Speculative decoding of the rollouts (docs/generation.md): a draft model's checkpoint sharing
-    # the tokenizer (fixed: the policy moves away from it, watch acceptance_rate), or prompt lookup
+    # the tokenizer (the policy moves away from it: watch acceptance_rate, or distill it), or prompt lookup
     # of n-grams up to prompt_lookup; num_speculative_tokens drafted a round. The completions are
     # the policy's distribution (greedy: its tokens) and their log-probabilities its own.
     draft: Optional[str] = _fixed(None)

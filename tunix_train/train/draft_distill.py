@@ -1,8 +1,9 @@
-"""Keeping a draft model close to a policy that moves (a spike for training.rollout.draft_distill_every,
-not wired in): the draft learns, on a rollout's sequences, the next-token distributions of the
-policy parameters that drew them, by the forward KL of objectives/distill.generalized_jsd (beta 0)
-over the completion positions, one Adam step a call. The rows run one at a time under
-jax.checkpoint, so no [rows, positions, vocab] array exists."""
+"""Keeping a draft model close to a policy that moves (training.rollout.draft_distill_every): after
+every n-th rollout the draft learns, on the rollout's sequences, the next-token distributions of the
+policy parameters that drew them, by the forward KL (objectives/distill.generalized_jsd at beta 0)
+over the completion positions, one Adam step at a time. The rows run one at a time under
+jax.checkpoint, so no [rows, positions, vocab] array exists. The sampler (train/rollout.py) holds
+it and saves its state in each checkpoint."""
 
 from __future__ import annotations
 
@@ -11,8 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
-from tunix_train.train.objectives.distill import generalized_jsd
+
+def forward_kl(draft_TV, policy_TV):
+    """KL(policy || draft) at each position: objectives/distill.generalized_jsd with beta 0, here
+    without importing the objectives (which import the rollout, which imports this)."""
+    s = jax.nn.log_softmax(draft_TV.astype(jnp.float32), axis=-1)
+    t = jax.nn.log_softmax(policy_TV.astype(jnp.float32), axis=-1)
+    return jnp.sum(jnp.exp(t) * (t - s), axis=-1)
 
 
 def completion_rows(prompts, completions, length: int):
@@ -34,8 +42,18 @@ class DraftDistiller:
     def __init__(self, draft_graphdef, policy_graphdef, params, learning_rate: float):
         self.draft_graphdef, self.policy_graphdef = draft_graphdef, policy_graphdef
         self.optimizer = optax.adam(learning_rate)
-        self.params, self.opt_state = params, jax.jit(self.optimizer.init)(params)
+        # the Adam state on the draft's mesh (its step count, a scalar, replicated there)
+        replicated = NamedSharding(jax.tree.leaves(params)[0].sharding.mesh, PartitionSpec())
+        opt_state = jax.jit(self.optimizer.init)(params)
+        self.params = params
+        self.opt_state = jax.tree.map(
+            lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), opt_state
+        )
         self._step = jax.jit(self._update)
+
+    def state(self) -> dict:
+        """What a checkpoint keeps: the draft's parameters and Adam state."""
+        return {"params": self.params, "opt_state": self.opt_state}
 
     def loss(self, params, policy_params, tokens_NT, mask_NT):
         """The mean over the masked positions of KL(policy || draft)."""
@@ -44,7 +62,7 @@ class DraftDistiller:
             tokens_T, mask_T = inputs
             draft_TV = nnx.merge(self.draft_graphdef, params)(tokens_T[None])[0]
             policy_TV = nnx.merge(self.policy_graphdef, policy_params)(tokens_T[None])[0]
-            return jnp.sum(generalized_jsd(draft_TV, jax.lax.stop_gradient(policy_TV), 0.0) * mask_T)
+            return jnp.sum(forward_kl(draft_TV, jax.lax.stop_gradient(policy_TV)) * mask_T)
 
         per_row = jax.lax.map(jax.checkpoint(row), (tokens_NT, mask_NT))
         return jnp.sum(per_row) / jnp.maximum(jnp.sum(mask_NT), 1.0)

@@ -116,10 +116,10 @@ def train(
         say(line)
 
     checkpointer = Checkpointer(checkpoints, cfg.checkpoint)
-    objective.connect(run.connection(writer))
+    objective.connect(dataclasses.replace(run.connection(writer), resumed_from=start.restored_from))
 
-    def save(state: TrainState) -> None:
-        checkpointer.save(state, data_state(train_batches, run, start.frozen))
+    def save(state: TrainState) -> None:  # data_state first: its deferred rollouts may change the items
+        checkpointer.save(state, data_state(train_batches, run, start.frozen), objective.checkpoint_items())
 
     try:
         with MemoryErrors(cfg, mesh) as memory, jax.set_mesh(mesh), StopRequest() as stop:
@@ -183,6 +183,7 @@ class _Start:
     skipped: list[str]  # warnings about damaged checkpoints set aside
     eval_batches: list
     frozen: Any  # the record of the frozen weights a checkpoint keeps
+    restored_from: tuple | None  # the checkpoint (folder, step) the state came from
 
 
 def _start(cfg: Config, devices: list[jax.Device] | None, checkpoints: Path) -> _Start:
@@ -197,7 +198,7 @@ def _start(cfg: Config, devices: list[jax.Device] | None, checkpoints: Path) -> 
     train_batches = objective.train_batches(data, run.micro_batch, rows)
     try:
         with MemoryErrors(cfg, run.mesh):
-            state, origin, skipped = initial_state(cfg, run, checkpoints, train_batches)
+            state, origin, skipped, restored_from = initial_state(cfg, run, checkpoints, train_batches)
             eval_batches = (
                 [to_global_batch(b, run.mesh) for b in objective.eval_batches(data, run.micro_batch, rows)]
                 if cfg.training.eval_every
@@ -207,7 +208,7 @@ def _start(cfg: Config, devices: list[jax.Device] | None, checkpoints: Path) -> 
     except BaseException:
         train_batches.close()
         raise
-    return _Start(data, run, train_batches, state, origin, skipped, eval_batches, frozen)
+    return _Start(data, run, train_batches, state, origin, skipped, eval_batches, frozen, restored_from)
 
 
 def _describe(cfg: Config, run, data: Data, work: h.Work) -> list[str]:

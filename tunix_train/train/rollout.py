@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import threading
 import time
 from typing import Any, Callable
@@ -162,7 +163,6 @@ class Sampler:
             self.rewards.models.connect(link.plan_frozen, self.mesh)
         # every completion of a rollout at once, in one batch of slots, or rollout_slots at a time
         speculation, self.draft_params = self._speculation()  # the draft's, one per mesh
-        self._distiller = None  # draft_distill_every: the draft's training (train/draft_distill.py)
         self.engines = [
             Engine(
                 self.cfg.model,
@@ -176,6 +176,7 @@ class Sampler:
             for mesh in self.meshes
         ]
         self.engine = self.engines[0]
+        self._distiller = self._draft_distiller(link.resumed_from)
         if link.rollout_mesh is not None:
             # (several replicas run in one process, where the copier is the same for each mesh)
             self._copy = cross_mesh_copier(link.mesh, link.rollout_mesh)
@@ -332,19 +333,45 @@ class Sampler:
             speculation=speculation,
         )
 
+    def _draft_distiller(self, resumed_from):
+        """training.rollout.draft_distill_every's DraftDistiller (else None), its draft and Adam
+        state read back from the checkpoint the run resumed from where that one holds them."""
+        if not self.rollout.draft_distill_every:
+            return None
+        from tunix_train.checkpoint import restore_item
+        from tunix_train.train.draft_distill import DraftDistiller
+
+        if jax.process_count() > 1 or len(self.engines) > 1:
+            raise ConfigError(
+                "training.rollout.draft_distill_every runs in one process with one engine for now"
+            )
+        distiller = DraftDistiller(
+            self.engine.draft.graphdef,
+            self.engine.graphdef,
+            self.draft_params[0],
+            self.rollout.draft_learning_rate,
+        )
+        saved = None if resumed_from is None else restore_item(resumed_from, "draft", distiller.state())
+        if saved is not None:
+            distiller.params, distiller.opt_state = saved["params"], saved["opt_state"]
+            self.draft_params[0] = distiller.params
+        elif resumed_from is not None:
+            logging.getLogger("tunix_train").warning(
+                f"warning: checkpoint {resumed_from[0] / str(resumed_from[1])} holds no distilled draft: "
+                f"the draft starts again from training.rollout.draft={self.rollout.draft}"
+            )
+        return distiller
+
+    def checkpoint_items(self) -> dict:
+        """The distilled draft and its Adam state (draft_distill_every), for the checkpoint."""
+        return {} if self._distiller is None else {"draft": self._distiller.state()}
+
     def _distill_draft(self, groups, params) -> float:
         """One step of the draft toward `params` (the policy that drew `groups`) on their sequences
         (train/draft_distill.py); the engine drafts with the new draft from the next rollout on.
         Returns the divergence before the step."""
-        from tunix_train.train.draft_distill import DraftDistiller, completion_rows
+        from tunix_train.train.draft_distill import completion_rows
 
-        if self._distiller is None:
-            self._distiller = DraftDistiller(
-                self.engine.draft.graphdef,
-                self.engine.graphdef,
-                self.draft_params[0],
-                self.rollout.draft_learning_rate,
-            )
         G = self.rollout.num_generations
         prompts = joined(groups, "prompt_ids") or [
             self.prompts[g["prompt"]] for g in groups for _ in range(G)

@@ -13,7 +13,14 @@ from jax.sharding import Mesh
 from omegaconf import OmegaConf
 
 from tunix_train import parallel, platform
-from tunix_train.checkpoint import frozen_as_recorded, restore_from, restore_latest, set_aside, starting_point
+from tunix_train.checkpoint import (
+    frozen_as_recorded,
+    resolve_resume_path,
+    restore_from,
+    restore_latest,
+    set_aside,
+    starting_point,
+)
 from tunix_train.config import Config, ConfigError, Objective, changeable_on_resume, upgraded
 from tunix_train.files import write_text
 from tunix_train.interop import loader
@@ -48,6 +55,9 @@ class Connection:
     score: Callable  # (params, frozen, batch) -> the objective's per-token figures (PPO's critic)
     write_samples: Callable[[int, list[tuple[str, str]]], None]  # to the log, samples.jsonl, TensorBoard
     write_rollout: Callable[[int, dict], None] = lambda *_: None  # a step's record in rollouts.jsonl
+    # the checkpoint (folder, step) the state was restored from, None for a fresh start: where an
+    # objective's own checkpoint items are read back (checkpoint.restore_item)
+    resumed_from: tuple | None = None
 
     @property
     def rollout_mesh(self) -> Mesh | None:
@@ -245,7 +255,8 @@ def initial_state(
     iterator's position into `train_batches`; frozen weights (LoRA's base, a reference model) are
     rebuilt from where the run started and checked against the checkpoint's record of them.
 
-    Returns the state, where it came from, and warnings about damaged checkpoints skipped."""
+    Returns the state, where it came from, warnings about damaged checkpoints skipped, and the
+    checkpoint (folder, step) it was restored from (None: not restored)."""
     restored, damaged = restore_latest(checkpoints, run.plan.abstract)
     if damaged and restored is None and not cfg.checkpoint.start_over_if_unreadable:
         steps = ", ".join(map(str, sorted(damaged)))
@@ -256,13 +267,14 @@ def initial_state(
             f"as unreadable-<step>)"
         )
     skipped = set_aside(checkpoints, damaged)
-    origin = f"resumed from {checkpoints}"
+    origin, folder = f"resumed from {checkpoints}", checkpoints
     if restored is None and cfg.checkpoint.resume_from:
         restored = restore_from(cfg.checkpoint.resume_from, run.plan.abstract)
         origin = f"started from checkpoint.resume_from={cfg.checkpoint.resume_from}"
+        folder = resolve_resume_path(cfg.checkpoint.resume_from)[0]
     if restored is None:
         state, source = starting_state(cfg, run)
-        return state, f"initialized from {source}", skipped
+        return state, f"initialized from {source}", skipped, None
     state, data_state = restored
     if data_state["global_micro_batch"] != run.micro_batch:
         raise ConfigError(
@@ -277,7 +289,7 @@ def initial_state(
             )
         )
     train_batches.set_state(data_state["iterator"])
-    return state, f"{origin} at step {int(state.step)}", skipped
+    return state, f"{origin} at step {int(state.step)}", skipped, (folder.resolve(), int(state.step))
 
 
 def data_state(train_batches, run: Setup, frozen: dict[str, Any] | None = None) -> dict[str, Any]:

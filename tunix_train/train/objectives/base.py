@@ -95,6 +95,11 @@ class Objective:
     def prepare(self, batches, state):
         return next(batches)
 
+    def checkpoint_items(self) -> dict:
+        """Trees of arrays a checkpoint keeps beside the state (name: tree), read back through
+        Connection.resumed_from (GRPO's distilled draft)."""
+        return {}
+
     def hooks(self) -> list:
         return []
 

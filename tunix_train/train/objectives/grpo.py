@@ -265,6 +265,9 @@ class OnPolicy(Objective):
             on_close=self.sampler.close,
         )
 
+    def checkpoint_items(self) -> dict:
+        return self.sampler.checkpoint_items()
+
     def connect(self, link) -> None:
         self.sampler.connect(link)
         self.advantage.connect(link)
