@@ -13,9 +13,8 @@ from flax import nnx
 from tunix_train.generate import Engine, Tuning
 from tunix_train.generate.speculative import Speculation
 from tunix_train.sharding import make_mesh
-from tunix_train.train.draft_distill import DraftDistiller, completion_rows, forward_kl
+from tunix_train.train.draft_distill import DraftDistiller, completion_rows
 from tunix_train.train.init import plan_train_state
-from tunix_train.train.objectives.distill import generalized_jsd
 from tunix_train.train.optimizer import make_optimizer
 
 POLICY = config("model.vocab_size=64").model
@@ -42,10 +41,6 @@ def test_a_distillation_step_equals_the_direct_transcription_and_steps_lower_the
         t = jax.nn.log_softmax(nnx.merge(engine.graphdef, policy)(tokens), -1)
         return jnp.sum(jnp.sum(jnp.exp(t) * (t - s), -1) * mask) / mask.sum()
 
-    logits = jax.random.normal(jax.random.key(0), (2, 3, 64))
-    np.testing.assert_allclose(
-        forward_kl(logits[0], logits[1]), generalized_jsd(logits[0], logits[1], 0.0), rtol=1e-6
-    )
     value, grads = jax.value_and_grad(direct)(draft)
     optimizer = optax.adam(1e-2)
     updates, _ = optimizer.update(grads, optimizer.init(draft), draft)

@@ -1,6 +1,6 @@
 """Keeping a draft model close to a policy that moves (training.rollout.draft_distill_every): after
 every n-th rollout the draft learns, on the rollout's sequences, the next-token distributions of the
-policy parameters that drew them, by the forward KL (objectives/distill.generalized_jsd at beta 0)
+policy parameters that drew them, by the forward KL (divergence.generalized_jsd at beta 0)
 over the completion positions, one Adam step at a time. The rows run one at a time under
 jax.checkpoint, so no [rows, positions, vocab] array exists. The sampler (train/rollout.py) holds
 it and saves its state in each checkpoint."""
@@ -14,13 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-
-def forward_kl(draft_TV, policy_TV):
-    """KL(policy || draft) at each position: objectives/distill.generalized_jsd with beta 0, here
-    without importing the objectives (which import the rollout, which imports this)."""
-    s = jax.nn.log_softmax(draft_TV.astype(jnp.float32), axis=-1)
-    t = jax.nn.log_softmax(policy_TV.astype(jnp.float32), axis=-1)
-    return jnp.sum(jnp.exp(t) * (t - s), axis=-1)
+from tunix_train.train.divergence import generalized_jsd
 
 
 def completion_rows(prompts, completions, length: int):
@@ -62,7 +56,7 @@ class DraftDistiller:
             tokens_T, mask_T = inputs
             draft_TV = nnx.merge(self.draft_graphdef, params)(tokens_T[None])[0]
             policy_TV = nnx.merge(self.policy_graphdef, policy_params)(tokens_T[None])[0]
-            return jnp.sum(forward_kl(draft_TV, jax.lax.stop_gradient(policy_TV)) * mask_T)
+            return jnp.sum(generalized_jsd(draft_TV, jax.lax.stop_gradient(policy_TV), 0.0) * mask_T)
 
         per_row = jax.lax.map(jax.checkpoint(row), (tokens_NT, mask_NT))
         return jnp.sum(per_row) / jnp.maximum(jnp.sum(mask_NT), 1.0)
