@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from conftest import config
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from scipy import stats
 from test_generate import CFG, _on
 
@@ -21,7 +23,7 @@ from tunix_train.generate.adaptive import RECENT, Adaptive
 from tunix_train.generate.sampling import Draws, Kinds, Rules
 from tunix_train.generate.speculative import Speculation, accept, first_kept, lookup_drafts
 from tunix_train.parallel import model_graphdef
-from tunix_train.sharding import make_mesh
+from tunix_train.sharding import data_axes, make_mesh
 from tunix_train.train.init import plan_train_state
 from tunix_train.train.optimizer import make_optimizer
 
@@ -472,3 +474,46 @@ def test_gemma4s_shared_kv_layers_speculate_to_the_plain_tokens():
     ):
         engine = Engine(cfg, mesh, slots=4, tuning=Tuning(speculation=spec))
         assert [c.tokens for c in engine.generate(params, requests, draft_params=draft)] == plain
+
+
+def test_a_draft_on_its_own_split_of_the_devices_speculates_to_the_plain_tokens():
+    """A model split over fsdp=4 x tp=2, its draft (the model plus noise) whole on each of the 8
+    devices with the rows split 8 ways (draft_mesh_shape [[8], ["dp"]]): the plain engine's greedy
+    tokens, the slots a multiple of 8, the draft's caches on its own mesh, and its forward pass free
+    of collectives (each device drafts for its own rows), where on the model's mesh it has some."""
+    mesh, params = _on("fsdp4_tp2")
+    spec = Speculation(tokens=3, draft=CFG, draft_mesh_shape=[[8], ["dp"]])
+    draft_mesh = spec.draft_mesh(mesh)
+    assert list(draft_mesh.devices.flat) == list(mesh.devices.flat) and draft_mesh.shape == {"dp": 8}
+    shardings = plan_train_state(CFG, make_optimizer(config().training)[0], draft_mesh, seed=0).shardings
+    leaves, treedef = jax.tree.flatten(_perturbed(params, 0.05, 0))
+    draft = jax.tree.unflatten(
+        treedef, [jax.device_put(x, s) for x, s in zip(leaves, jax.tree.leaves(shardings.params))]
+    )
+    rng = np.random.default_rng(4)
+    requests = [
+        Request(tuple(rng.integers(1, CFG.vocab_size, rng.integers(1, 16)).tolist()), int(n), stream=i)
+        for i, n in enumerate(rng.integers(1, 24, 12))
+    ]
+    plain = Engine(CFG, mesh, stop_ids=[7], slots=4).generate(params, requests)
+    engine = Engine(CFG, mesh, stop_ids=[7], slots=4, tuning=Tuning(speculation=spec))
+    ours = engine.generate(params, requests, draft_params=draft)
+    assert [c.tokens for c in ours] == [c.tokens for c in plain]
+    assert engine.batch_multiple == 8 and engine.slots_for(3) == 8 and engine.draft.mesh == draft_mesh
+    assert engine.stats["accepted"] / engine.stats["drafted"] > 0.3, engine.stats
+    session = engine.session(params, 64, 8, draft_params=draft)
+    assert {x.sharding.mesh for c in session.drafter.caches if c for x in c.values()} == {draft_mesh}
+
+    def collectives(on_mesh, draft_params):
+        drafting = Engine(CFG, on_mesh, slots=8)
+        with jax.set_mesh(on_mesh):
+            per_layer = drafting.unstack(draft_params)
+            caches = drafting.empty_caches(draft_params, per_layer, 64, 8)
+            rows = NamedSharding(on_mesh, P(data_axes(on_mesh)))
+            token_B1, position_B = (jax.device_put(np.ones(s, np.int32), rows) for s in ((8, 1), (8,)))
+            text = jax.jit(drafting.extend).lower(draft_params, per_layer, caches, token_B1, position_B)
+            text = text.compile().as_text()
+        return [op for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute") if op in text]
+
+    assert collectives(draft_mesh, draft) == []
+    assert collectives(mesh, params) != []  # tp=2: the check sees them where they are

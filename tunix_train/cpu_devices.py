@@ -24,14 +24,14 @@ def use_cpu_devices(count: int) -> None:
     os.environ.update(cpu_devices_env(count))
 
 
-def mesh_shape_argument(text: str | None) -> Any:
+def mesh_shape_argument(text: str | None, flag: str = "--mesh_shape") -> Any:
     """A command's --mesh_shape (JSON [[sizes], [axis names]]; None: the default mesh), parsed. On
     CPUs, before JAX starts and unless XLA_FLAGS names a device count, the process gets as many
     fake devices as the mesh holds. A ValueError says why the text is not JSON."""
     try:
         mesh_shape = json.loads(text) if text else None
     except json.JSONDecodeError as err:
-        raise ValueError(f"--mesh_shape is not JSON ({err})") from None
+        raise ValueError(f"{flag} is not JSON ({err})") from None
     flags = os.environ.get("XLA_FLAGS", "")
     if mesh_shape and "jax" not in sys.modules and "device_count" not in flags:
         sizes = [s for s in mesh_shape[0] if isinstance(s, int) and s > 0]

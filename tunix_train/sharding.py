@@ -176,6 +176,15 @@ def make_mesh(
     return Mesh(device_array, names, axis_types=(AxisType.Auto,) * len(names))
 
 
+def mesh_over(mesh_shape: Any, mesh: Mesh, key: str) -> Mesh:
+    """A mesh of mesh_shape over `mesh`'s devices in their order (its own split of the same
+    devices): one compiled program takes arrays on both, as jit needs every argument's devices in
+    one order. `key`: the setting errors name."""
+    sizes, names = _parse_mesh_shape(mesh_shape, mesh.devices.size, key)
+    devices = np.array(list(mesh.devices.flat), dtype=object).reshape(sizes)
+    return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+
+
 def split_devices(
     devices: Sequence[jax.Device], mesh_shape: Any, apart_shape: Any, key: str, copies: int = 1
 ) -> tuple[list[jax.Device], list[jax.Device]]:

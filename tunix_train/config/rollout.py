@@ -84,6 +84,9 @@ class RolloutConfig:
     # of n-grams up to prompt_lookup; num_speculative_tokens drafted a round. The completions are
     # the policy's distribution (greedy: its tokens) and their log-probabilities its own.
     draft: Optional[str] = _fixed(None)
+    # The draft's own split of each engine's devices, [[sizes], [names]] (e.g. [[8], ["dp"]]: each
+    # device drafts for its rows with the whole draft, no collectives); null: the engine's mesh.
+    draft_mesh_shape: Any = _fixed(None)
     prompt_lookup: int = _fixed(0)
     num_speculative_tokens: int = _changeable(4)
     # Each chunk drafts as many of up to num_speculative_tokens as pay at the rows' acceptance, none
@@ -194,6 +197,10 @@ class RolloutConfig:
                 and (self.ray_replicas > 0 or self.routing_replay),
                 "training.rollout.draft / prompt_lookup run without ray_replicas and routing_replay "
                 "for now: turn one off",
+            ),
+            (
+                self.draft_mesh_shape is not None and self.draft is None,
+                "training.rollout.draft_mesh_shape is the draft model's: set training.rollout.draft",
             ),
             (
                 self.draft_distill_every and (self.draft is None or self.asynchronous),

@@ -52,6 +52,11 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--prompt_lookup", type=int, default=0, help="speculative decoding by n-grams up to N of the context"
     )
+    parser.add_argument(
+        "--draft_mesh_shape",
+        default=None,
+        help="the draft's own split of the devices, JSON [[sizes], [axis names]] (default: the model's mesh)",
+    )
     parser.add_argument("--speculative_tokens", type=int, default=4, help="tokens drafted a round")
     parser.add_argument(
         "--adaptive_speculation",
@@ -72,6 +77,8 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
         parser.error("give --draft or --prompt_lookup, not both")
     if args.adaptive_speculation and not (args.draft or args.prompt_lookup):
         parser.error("--adaptive_speculation needs a drafter: give --draft or --prompt_lookup")
+    if args.draft_mesh_shape and not args.draft:
+        parser.error("--draft_mesh_shape is a draft model's: give --draft")
     return args
 
 
@@ -79,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     try:
         mesh_shape = mesh_shape_argument(args.mesh_shape)
+        draft_mesh_shape = mesh_shape_argument(args.draft_mesh_shape, "--draft_mesh_shape")
     except ValueError as err:
         print(f"tunix_train.generate: error: {err}", file=sys.stderr)
         return exit_codes.CONFIG_ERROR
@@ -90,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = loaded.load(args.path, mesh_shape)
         sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-        draft = args.draft
+        draft = model.load_draft(args.draft, draft_mesh_shape) if args.draft else None
         if args.prompt_lookup:
             draft = Speculation(
                 args.speculative_tokens, lookup=args.prompt_lookup, adaptive=args.adaptive_speculation

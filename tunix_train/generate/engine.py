@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 from typing import Callable, Iterator, Optional, Sequence
 
 import jax
@@ -94,6 +95,8 @@ class Engine:
         self.insert_step = jax.jit(self._insert_fn, static_argnames=("kinds",), donate_argnums=(0,))
         self.put_step = jax.jit(self._put, donate_argnums=(0,))
         self.speculation, self.draft, self.lookahead, self.adaptive = tuning.speculation, None, 0, None
+        # a batch of rows (slots, a prefill's prompts) is a multiple of it: split over the data axes
+        self.batch_multiple = data_parallel_size(mesh)
         if self.speculation is None:
             self.decode_step = jax.jit(self._decode_fn, static_argnames=("kinds",), donate_argnums=(2,))
         else:
@@ -106,14 +109,17 @@ class Engine:
     def _speculative(self, speculation: Speculation, record_routes: bool) -> None:
         """Decoding by speculation: a round writes k positions past a row's last kept one, so the
         caches keep k more slots (cache.slots_per_layer), the draft model's too (an engine of its
-        own, used for its compiled pieces)."""
+        own, used for its compiled pieces, on the model's mesh or its own split of the same devices:
+        Speculation.draft_mesh), whose batches of rows are the model's."""
         speculation.check(self.cfg)
         if record_routes:
             raise ConfigError("routing replay records no experts under speculative decoding: turn one off")
         self.lookahead = speculation.tokens
         if speculation.draft is not None:
-            self.draft = Engine(speculation.draft, self.mesh, slots=self.slots, tuning=Tuning(prefix_cache=0))
+            mesh = speculation.draft_mesh(self.mesh)
+            self.draft = Engine(speculation.draft, mesh, slots=self.slots, tuning=Tuning(prefix_cache=0))
             self.draft.lookahead = self.lookahead
+            self.batch_multiple = math.lcm(self.batch_multiple, self.draft.batch_multiple)
         if speculation.adaptive:
             self.adaptive = Adaptive(speculation.choices)
         self.decode_step = jax.jit(
@@ -142,12 +148,14 @@ class Engine:
         None). images, slots_BT: Decoder.embed's."""
         model = nnx.merge(self.graphdef, params)
         every = last_B is None and tokens_BT.shape[1] > 1
-        x_BD, caches, routes_BTLK = model.unrolled_layers(
-            per_layer, tokens_BT, positions_BT, attend_of_layer, last_B, images, slots_BT, every
-        )
-        # every position's as rows of one batch: output_logits' faster layout for a decode step's
-        x_XD = x_BD.reshape(-1, x_BD.shape[-1])
-        logits_XV = output_logits(x_XD, model.output_table(), self.cfg.final_logit_softcap, self.rules)
+        # the activations' constraints name this engine's mesh: a draft's own inside the model's programs
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            x_BD, caches, routes_BTLK = model.unrolled_layers(
+                per_layer, tokens_BT, positions_BT, attend_of_layer, last_B, images, slots_BT, every
+            )
+            # every position's as rows of one batch: output_logits' faster layout for a decode step's
+            x_XD = x_BD.reshape(-1, x_BD.shape[-1])
+            logits_XV = output_logits(x_XD, model.output_table(), self.cfg.final_logit_softcap, self.rules)
         logits_BV = logits_XV.reshape(*x_BD.shape[:-1], -1)
         routes_BTLK = routes_BTLK if self.record_routes else None
         return logits_BV, kv.constrained(caches, self.cfg, self.mesh, self.rules), routes_BTLK
@@ -326,7 +334,7 @@ class Engine:
         rows, made by one compiled call (traced once per layout)."""
         layout = (max_len, slots, tuple((x.shape, x.dtype) for x in jax.tree.leaves(params)))
         if layout not in self._empty_caches:
-            dp = data_parallel_size(self.mesh)  # the fewest prefill rows
+            dp = self.batch_multiple  # the fewest prefill rows
             prefill = functools.partial(self._prefill_fn, max_len=max_len)
             entries = jax.eval_shape(
                 prefill, params, per_layer, jnp.zeros((dp, 16), jnp.int32), jnp.ones((dp,), jnp.int32)
@@ -352,8 +360,8 @@ class Engine:
         return self._empty_caches[layout]()
 
     def slots_for(self, requests: int) -> int:
-        """Slots for `requests` at once: the engine's number at most, a multiple of the data-parallel size."""
-        dp = data_parallel_size(self.mesh)
+        """Slots for `requests` at once: the engine's number at most, a multiple of batch_multiple."""
+        dp = self.batch_multiple
         return -(-min(requests, self.slots or requests) // dp) * dp
 
     def session(

@@ -35,7 +35,7 @@ from tunix_train.generate.speculative import Speculation
 from tunix_train.interop import hf, loader, peft
 from tunix_train.observe.memory import MemoryErrors
 from tunix_train.parallel import model_graphdef
-from tunix_train.sharding import LOGICAL_RULES, make_mesh, validate_model_for_mesh
+from tunix_train.sharding import LOGICAL_RULES, make_mesh, mesh_over, validate_model_for_mesh
 
 
 @dataclasses.dataclass
@@ -66,7 +66,7 @@ class LoadedModel:
         )
         self._scorer = Scorer(graphdef, self.mesh, self.config.vocab_size)
         self._speculating: dict = {}  # engine_for's engines, by (k, lookup, draft)
-        self._drafts: dict[str, LoadedModel] = {}  # speculation_for's draft models, by path
+        self._drafts: dict[tuple, LoadedModel] = {}  # load_draft's draft models, by (path, mesh)
 
     def score(self, rows: Sequence[Sequence[int]], top: int = 0, batch: int = 8) -> list[Scored]:
         """Each row of token ids scored teacher-forced (scoring.py): log p(token | tokens before
@@ -89,11 +89,11 @@ class LoadedModel:
         without the stop token: greedy at temperature 0, else sampled (prompt i draws from
         fold_in(key(seed), i): same seed, same tokens on any mesh and beside any other prompt).
         on_tokens(prompt index, new tokens) as they are produced. draft: speculative decoding with
-        a draft model (a LoadedModel on this mesh, or a checkpoint's path), speculative_tokens
-        drafted a round (adaptive_speculation: as many of up to speculative_tokens as pay, the
-        rows' acceptance and the programs' speed measured as they run: adaptive.py), or as a
-        Speculation says (speculative.py: prompt lookup); the same tokens greedily, the same
-        distribution sampled. sampling: requests' keywords."""
+        a draft model (a checkpoint's path, or a LoadedModel on these devices: load_draft),
+        speculative_tokens drafted a round (adaptive_speculation: as many of up to
+        speculative_tokens as pay, the rows' acceptance and the programs' speed measured as they
+        run: adaptive.py), or as a Speculation says (speculative.py: prompt lookup); the same
+        tokens greedily, the same distribution sampled. sampling: requests' keywords."""
         requests = self.requests(prompts, max_new_tokens, **sampling)
         done = self.complete(requests, on_tokens, draft, speculative_tokens, adaptive_speculation)
         return [c.tokens for c in done]
@@ -162,6 +162,7 @@ class LoadedModel:
         if speculation is None:
             return self.engine, None
         key = (speculation.tokens, speculation.lookup, id(speculation.draft), speculation.adaptive)
+        key += (speculation.draft_mesh_shape,)
         if key not in self._speculating:
             self._speculating[key] = Engine(
                 self.config,
@@ -175,27 +176,38 @@ class LoadedModel:
     def speculation_for(
         self, draft: Any, tokens: int = 4, adaptive: bool = False
     ) -> tuple[Optional[Speculation], Any]:
-        """How to speculate with `draft`: a LoadedModel on this mesh or a checkpoint's path (loaded
-        once, on this mesh), drafting `tokens` a round (adaptive: up to), or a Speculation (prompt
-        lookup); None: no speculation. Returns it and the draft model's parameters (or None)."""
+        """How to speculate with `draft`: a LoadedModel on this model's devices (load_draft) or a
+        checkpoint's path (loaded once, on this mesh), drafting `tokens` a round (adaptive: up to),
+        or a Speculation (prompt lookup); None: no speculation. Returns it and the draft model's
+        parameters (or None)."""
         if draft is None or isinstance(draft, Speculation):
             if draft is not None and draft.draft is not None:
                 raise ConfigError("a Speculation with a draft model: pass the loaded draft model instead")
             return draft, None
         if isinstance(draft, (str, Path)):
-            if str(draft) not in self._drafts:
-                try:
-                    self._drafts[str(draft)] = load(
-                        draft, _mesh_shape(self.mesh), list(self.mesh.devices.flat)
-                    )
-                except ConfigError as err:
-                    raise ConfigError(f"the draft {draft}: {err}") from None
-            draft = self._drafts[str(draft)]
+            draft = self.load_draft(draft)
         if not isinstance(draft, LoadedModel):
             raise ConfigError(f"draft={draft!r}: give a loaded model, a checkpoint's path or a Speculation")
-        if draft.mesh != self.mesh:
-            raise ConfigError("a draft model must be loaded on the model's mesh: load it with its mesh_shape")
-        return Speculation(tokens, draft.config, adaptive=adaptive), draft.params
+        if list(draft.mesh.devices.flat) != list(self.mesh.devices.flat):
+            raise ConfigError(
+                "a draft model must be loaded on the model's devices, in their order: load it with "
+                "LoadedModel.load_draft"
+            )
+        shape = None if draft.mesh == self.mesh else _mesh_shape(draft.mesh)
+        return Speculation(tokens, draft.config, adaptive=adaptive, draft_mesh_shape=shape), draft.params
+
+    def load_draft(self, path: str | Path, mesh_shape: Any = None) -> LoadedModel:
+        """A draft model for this one from a checkpoint's path (loaded once), on this model's
+        devices: on its mesh, or split by `mesh_shape` (Speculation.draft_mesh: e.g. [[8], ["dp"]]
+        puts the whole draft on each device beside a model split over tp)."""
+        mesh = self.mesh if mesh_shape is None else mesh_over(mesh_shape, self.mesh, "draft_mesh_shape")
+        key = (str(path), mesh)
+        if key not in self._drafts:
+            try:
+                self._drafts[key] = _load_on(loader.source(path), mesh)
+            except ConfigError as err:
+                raise ConfigError(f"the draft {path}: {err}") from None
+        return self._drafts[key]
 
     def _memory_tips(self, requests: Sequence[Request]) -> list[str]:
         return [
@@ -376,8 +388,11 @@ def load(path: str | Path, mesh_shape: Any = None, devices: list[jax.Device] | N
     """Parameters of a Hugging Face, GGUF or native checkpoint (interop/loader.py), sharded over
     `mesh_shape` (default: all devices on fsdp), with the checkpoint's tokenizer and chat template."""
     src = loader.source(path)
+    return _load_on(src, make_mesh(mesh_shape or [[-1], ["fsdp"]], devices))
+
+
+def _load_on(src: loader.Source, mesh: Mesh) -> LoadedModel:
     cfg = src.cfg
-    mesh = make_mesh(mesh_shape or [[-1], ["fsdp"]], devices)
     validate_model_for_mesh(cfg.model, mesh)
     with MemoryErrors(cfg, mesh, training=False):
         loaded = loader.load(src, mesh)

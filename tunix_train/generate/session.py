@@ -26,7 +26,7 @@ from tunix_train.config import ConfigError
 from tunix_train.generate import speculative
 from tunix_train.generate.batching import batch_rows, bucket, prefill_batches, prefill_images
 from tunix_train.generate.sampling import Draws, Kinds, Rules, Sampling
-from tunix_train.sharding import data_axes, data_parallel_size
+from tunix_train.sharding import data_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +213,7 @@ class Session:
         text prompts only (an image prompt's prefill compiles when it comes)."""
         if self.busy_slots or self.queue:
             raise RuntimeError("Session.warm runs before any request")
-        e, dp = self.engine, data_parallel_size(self.engine.mesh)
+        e, dp = self.engine, self.engine.batch_multiple
         sizes = sorted({batch_rows(count, dp) for count in range(1, self.slots + 1)})
         start, token_n = time.perf_counter(), None
         with jax.set_mesh(e.mesh):
@@ -253,7 +253,7 @@ class Session:
             # a prefill's rows are split over the data axes: wait for that many free slots rather
             # than prefill padding rows (unless fewer requests wait, or no slot is running)
             if free and (
-                len(free) >= min(data_parallel_size(self.engine.mesh), len(self.queue)) or not self.busy_slots
+                len(free) >= min(self.engine.batch_multiple, len(self.queue)) or not self.busy_slots
             ):
                 new += self._start([(slot, *self.queue.popleft()) for slot in free])
             if self.busy_slots:
@@ -280,7 +280,7 @@ class Session:
                 self._prefixes.move_to_end(key_of(i, r))
                 found[key_of(i, r)] = self._prefixes[key_of(i, r)]
         todo = {key_of(i, r): r for i, (_, _, r) in enumerate(starting) if key_of(i, r) not in found}
-        dp = data_parallel_size(e.mesh)
+        dp = e.batch_multiple
         for length, group in prefill_batches([(k, r.prompt) for k, r in todo.items()], dp):
             N = batch_rows(len(group), dp)
             tokens, lengths = np.zeros((N, length), np.int32), np.zeros(N, np.int32)
@@ -341,7 +341,7 @@ class Session:
             # padded with the last one repeated, which writes it again (and draws its token again,
             # the same), to a power of two and at least the prefill's rows (a kept prefix's batch
             # may serve fewer requests later): one program per prefill size and pair count above it
-            rows = max(batch_rows(len(pairs), data_parallel_size(e.mesh)), logits.shape[0])
+            rows = max(batch_rows(len(pairs), e.batch_multiple), logits.shape[0])
             pairs += [pairs[-1]] * (rows - len(pairs))
             rows_n, slots_n = (np.asarray(x, np.int32) for x in zip(*pairs))
             drawn.append((slots_n, *self._insert(entries, logits, rows_n, slots_n)))

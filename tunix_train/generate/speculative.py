@@ -21,14 +21,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from tunix_train.config import ConfigError, ModelConfig
 from tunix_train.generate.sampling import Draws, Kinds, Rules, categorical, cut, draw, sampled, token_keys
+from tunix_train.sharding import mesh_over
 
 MOST = 64  # drafted tokens, n-gram length, rounds: a round's k + 1 positions are every row's memory
 
@@ -39,15 +41,21 @@ class Speculation:
     the session), or `lookup` > 0, the longest n-gram prompt lookup matches. `rounds`: verify
     rounds per compiled call (the engine's chunk of decode steps). `adaptive`: each chunk drafts
     the k of `choices` (at most `tokens`; 0: none) that emits the most tokens a second at the rows'
-    recent acceptance (adaptive.py)."""
+    recent acceptance (adaptive.py). `draft_mesh_shape`: the draft model's own split of the model's
+    devices (draft_mesh), None: the model's mesh."""
 
     tokens: int = 4
     draft: Optional[ModelConfig] = None
     lookup: int = 0
     rounds: int = 2
     adaptive: bool = False
+    draft_mesh_shape: Any = None
 
     def __post_init__(self):
+        if self.draft_mesh_shape is not None:
+            if self.draft is None:
+                raise ConfigError("speculative draft_mesh_shape is a draft model's: prompt lookup has none")
+            object.__setattr__(self, "draft_mesh_shape", _frozen(self.draft_mesh_shape))  # hashable
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"speculative adaptive={self.adaptive!r} must be true or false")
         for name in ("tokens", "lookup", "rounds"):
@@ -66,6 +74,13 @@ class Speculation:
             return (self.tokens,)
         return (0, *(2**i for i in range(self.tokens.bit_length()) if 2**i < self.tokens), self.tokens)
 
+    def draft_mesh(self, mesh: Mesh, key: str = "draft_mesh_shape") -> Mesh:
+        """The draft model's mesh beside a model on `mesh`: that one, or draft_mesh_shape's split of
+        its devices (e.g. a small draft whole on every device of a model split over tp: no collectives)."""
+        if self.draft_mesh_shape is None:
+            return mesh
+        return mesh_over(self.draft_mesh_shape, mesh, key)
+
     def check(self, cfg: ModelConfig) -> None:
         """A one-line error where the draft cannot serve a model of `cfg`."""
         if self.draft is not None and self.draft.vocab_size != cfg.vocab_size:
@@ -73,6 +88,13 @@ class Speculation:
                 f"the draft model's vocabulary has {self.draft.vocab_size} tokens, the model's "
                 f"{cfg.vocab_size}: a draft must share the model's tokenizer"
             )
+
+
+def _frozen(value):
+    """Nested sequences (a mesh shape) as tuples."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return tuple(_frozen(x) for x in value)
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

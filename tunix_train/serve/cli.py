@@ -57,6 +57,11 @@ def _arguments(argv):
     parser.add_argument(
         "--prompt_lookup", type=int, default=0, help="speculative decoding by n-grams up to N of the context"
     )
+    parser.add_argument(
+        "--draft_mesh_shape",
+        default=None,
+        help="the draft's own split of the devices, JSON [[sizes], [axis names]] (default: the model's mesh)",
+    )
     parser.add_argument("--speculative_tokens", type=int, default=4, help="tokens drafted a round")
     parser.add_argument(
         "--adaptive_speculation",
@@ -122,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     try:
         mesh_shape = mesh_shape_argument(args.mesh_shape)
+        draft_mesh_shape = mesh_shape_argument(args.draft_mesh_shape, "--draft_mesh_shape")
     except ValueError as err:
         return fail(err)
     for flag, _, _, least, _ in BOUNDS:
@@ -155,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("give --draft or --prompt_lookup, not both")
         if args.adaptive_speculation and not (args.draft or args.prompt_lookup):
             raise ConfigError("--adaptive_speculation needs a drafter: give --draft or --prompt_lookup")
+        if draft_mesh_shape and not args.draft:
+            raise ConfigError("--draft_mesh_shape is a draft model's: give --draft")
         model = api.load(args.path, mesh_shape)
         if model.tokenizer is None:
             raise ConfigError(f"{args.path} carries no tokenizer: a server needs one")
@@ -169,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.speculative_tokens, lookup=args.prompt_lookup, adaptive=args.adaptive_speculation
             )
             if args.prompt_lookup
-            else args.draft,
+            else args.draft and model.load_draft(args.draft, draft_mesh_shape),
             args.speculative_tokens,
             args.adaptive_speculation,
         )

@@ -36,8 +36,9 @@ class DraftDistiller:
     def __init__(self, draft_graphdef, policy_graphdef, params, learning_rate: float):
         self.draft_graphdef, self.policy_graphdef = draft_graphdef, policy_graphdef
         self.optimizer = optax.adam(learning_rate)
+        self.mesh = jax.tree.leaves(params)[0].sharding.mesh  # the draft's (Speculation.draft_mesh)
         # the Adam state on the draft's mesh (its step count, a scalar, replicated there)
-        replicated = NamedSharding(jax.tree.leaves(params)[0].sharding.mesh, PartitionSpec())
+        replicated = NamedSharding(self.mesh, PartitionSpec())
         opt_state = jax.jit(self.optimizer.init)(params)
         self.params = params
         self.opt_state = jax.tree.map(
@@ -54,7 +55,8 @@ class DraftDistiller:
 
         def row(inputs):
             tokens_T, mask_T = inputs
-            draft_TV = nnx.merge(self.draft_graphdef, params)(tokens_T[None])[0]
+            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+                draft_TV = nnx.merge(self.draft_graphdef, params)(tokens_T[None])[0]
             policy_TV = nnx.merge(self.policy_graphdef, policy_params)(tokens_T[None])[0]
             return jnp.sum(generalized_jsd(draft_TV, jax.lax.stop_gradient(policy_TV), 0.0) * mask_T)
 

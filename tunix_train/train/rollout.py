@@ -203,10 +203,17 @@ class Sampler:
 
         try:
             source = loader.source(g.draft)
-            params = [loader.load(source, mesh).params for mesh in self.meshes]
         except ConfigError as err:
             raise ConfigError(f"training.rollout.draft={g.draft}: {err}") from None
-        return Speculation(g.num_speculative_tokens, source.cfg.model, adaptive=adaptive), params
+        speculation = Speculation(
+            g.num_speculative_tokens, source.cfg.model, adaptive=adaptive, draft_mesh_shape=g.draft_mesh_shape
+        )
+        meshes = [speculation.draft_mesh(m, "training.rollout.draft_mesh_shape") for m in self.meshes]
+        try:
+            params = [loader.load(source, mesh).params for mesh in meshes]
+        except ConfigError as err:
+            raise ConfigError(f"training.rollout.draft={g.draft}: {err}") from None
+        return speculation, params
 
     def draft_for(self, engine):
         """The draft model's parameters for `engine` (one of the policy's), else None."""
