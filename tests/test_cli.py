@@ -8,7 +8,7 @@ import sys
 
 import jax
 import pytest
-from conftest import REPO, cpu_env, run_python, run_training
+from conftest import FAST_COMPILE, REPO, cpu_env, run_python, run_training
 from tensorboardX.proto import event_pb2
 
 from tunix_train import api
@@ -361,23 +361,25 @@ def test_generate_cli_streams_the_continuation_and_rejects_bad_requests(tmp_path
     )
     assert trained.returncode == 0, trained.stderr[-2000:]
 
-    def generate(*args, devices=1):
-        return run_python("-m", "tunix_train.generate", run_dir, *args, devices=devices)
+    def generate(*args, devices=1, env=None):
+        return run_python("-m", "tunix_train.generate", run_dir, *args, devices=devices, env=env)
 
     prompt = "To be, or not"
-    result = generate(
-        "--prompt", prompt, "--max_new_tokens", "12", "--mesh_shape", '[[2,2],["fsdp","tp"]]', devices=4
-    )
+    # no device count in XLA_FLAGS: --mesh_shape gives the process its 4 fake devices before JAX starts
+    env = {**cpu_env(1), "XLA_FLAGS": FAST_COMPILE}
+    on_4 = ["--mesh_shape", '[[2,2],["fsdp","tp"]]']
+    result = generate("--prompt", prompt, "--max_new_tokens", "12", *on_4, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     model = api.load(run_dir, mesh_shape=[[1], ["fsdp"]], devices=jax.devices()[:1])
     expected = model.generate_text([prompt], max_new_tokens=12)[0]
     assert len(expected) > 0 and result.stdout == prompt + expected + "\n"
-    for speculation in (
-        ["--draft", str(run_dir)],
-        ["--prompt_lookup", "3", "--speculative_tokens", "6"],
-        ["--draft", str(run_dir), "--adaptive_speculation"],
+    for speculation, kw in (
+        (["--draft", str(run_dir)], {}),
+        (["--prompt_lookup", "3", "--speculative_tokens", "6"], {}),
+        (["--draft", str(run_dir), "--adaptive_speculation"], {}),
+        (["--draft", str(run_dir), "--draft_mesh_shape", '[[4],["dp"]]', *on_4], {"env": env}),
     ):
-        result = generate("--prompt", prompt, "--max_new_tokens", "12", *speculation)
+        result = generate("--prompt", prompt, "--max_new_tokens", "12", *speculation, **kw)
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout == prompt + expected + "\n"  # greedy: the same tokens
         assert "speculative decoding accepted" in result.stderr.strip().splitlines()[-1]

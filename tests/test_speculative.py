@@ -299,6 +299,36 @@ def test_adaptive_speculation_in_a_rollout_needs_a_drafter(tmp_path):
     )
 
 
+def test_a_draft_mesh_without_a_draft_model_is_a_one_line_error(capsys, tmp_path):
+    from conftest import rl_config
+
+    from tunix_train.generate.__main__ import main as generate
+    from tunix_train.serve.cli import main as serve
+
+    reward = "training.rollout.reward=[tunix_train.rewards.arithmetic:exact_match]"
+    with pytest.raises(ConfigError, match="training.rollout.draft_mesh_shape is the draft model's: set"):
+        rl_config(
+            tmp_path,
+            reward,
+            "training.rollout.prompt_lookup=2",
+            "training.rollout.draft_mesh_shape=[[8],[dp]]",
+        )
+    with pytest.raises(ConfigError, match="speculative draft_mesh_shape is a draft model's"):
+        Speculation(lookup=2, draft_mesh_shape=[[8], ["dp"]])
+    with pytest.raises(ConfigError, match=r"draft_mesh_shape: mesh \{'dp': 3\} has 3 devices but 8 are"):
+        Speculation(draft=CFG, draft_mesh_shape=[[3], ["dp"]]).draft_mesh(_on("fsdp4_tp2")[0])
+    assert serve([str(tmp_path / "no_model"), "--draft_mesh_shape", '[[8],["dp"]]']) == 2
+    assert (
+        generate([str(tmp_path / "no_model"), "--prompt", "hi", "--draft", "x", "--draft_mesh_shape", "[["])
+        == 2
+    )
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "tunix_train.serve: error: --draft_mesh_shape is a draft model's: give --draft",
+        "tunix_train.generate: error: --draft_mesh_shape is not JSON (Expecting value: line 1 column 3 "
+        "(char 2))",
+    ]
+
+
 def test_the_command_lines_refuse_adaptive_speculation_without_a_drafter(capsys, tmp_path):
     from tunix_train.generate.__main__ import _arguments
     from tunix_train.serve.cli import main as serve
@@ -318,8 +348,9 @@ def test_the_command_lines_refuse_adaptive_speculation_without_a_drafter(capsys,
 def test_grpo_with_a_draft_trains_as_without_and_logs_its_acceptance(tmp_path):
     """GRPO on the arithmetic task, 3 steps of 8 prompts x 4 completions, at temperature 1e-4 (each
     draw is the argmax, with or without drafts): with the first run's final checkpoint as the
-    draft model, the same completions, rewards and losses within 1e-5 (the log-probabilities come
-    from a verify pass over k + 1 positions instead of one), and each step logs its acceptance."""
+    draft model (on a mesh of its own, draft_mesh_shape), the same completions, rewards and losses
+    within 1e-5 (the log-probabilities come from a verify pass over k + 1 positions instead of
+    one), and each step logs its acceptance."""
     from conftest import read_metrics, rl_config
 
     from tunix_train.train.loop import train
@@ -339,8 +370,11 @@ def test_grpo_with_a_draft_trains_as_without_and_logs_its_acceptance(tmp_path):
         return [m for m in read_metrics(tmp_path / name) if "loss" in m]
 
     plain = run("plain")
-    drafted = run(
-        "drafted", f"training.rollout.draft={tmp_path / 'plain'}", "training.rollout.num_speculative_tokens=3"
+    drafted = run(  # the draft whole on each device, the rows split: its own mesh (the async test: the same)
+        "drafted",
+        f"training.rollout.draft={tmp_path / 'plain'}",
+        "training.rollout.num_speculative_tokens=3",
+        "training.rollout.draft_mesh_shape=[[2],[dp]]",
     )
     for key in ("loss", "reward", "completion_tokens", "grad_norm"):
         np.testing.assert_allclose(
@@ -443,6 +477,31 @@ def test_a_draft_loads_from_a_transformers_directory_or_a_gguf_file(tmp_path):
         assert model.generate(prompts, 12, draft=draft, speculative_tokens=3) == plain, draft
         engine = model.engine_for(draft, 3)[0]
         assert engine.stats["accepted"] / engine.stats["drafted"] > 0.9, (draft, engine.stats)
+
+
+@pytest.mark.slow  # a model on 4 devices and two engines compile
+def test_load_draft_puts_a_draft_on_its_own_split_of_the_models_devices(tmp_path):
+    """LoadedModel.load_draft(PATH, [[4], ["dp"]]) beside a model on fsdp=2 x tp=2: the whole draft
+    on each device (every parameter replicated), loaded once, and the plain greedy tokens with it;
+    a draft loaded on other devices is a one-line error."""
+    from test_gguf import _exported
+
+    from tunix_train import api
+
+    _exported(tmp_path)
+    model = api.load(tmp_path / "hf", mesh_shape=[[2, 2], ["fsdp", "tp"]], devices=jax.devices()[:4])
+    draft = model.load_draft(tmp_path / "hf", [[4], ["dp"]])
+    assert model.load_draft(tmp_path / "hf", [[4], ["dp"]]) is draft
+    assert list(draft.mesh.devices.flat) == list(model.mesh.devices.flat) and draft.mesh.shape == {"dp": 4}
+    assert all(all(axis is None for axis in x.sharding.spec) for x in jax.tree.leaves(draft.params))
+    prompts = [[1, 5, 9, 2], [3, 3, 8]]
+    assert model.generate(prompts, 12, draft=draft, speculative_tokens=3) == model.generate(prompts, 12)
+    assert model.engine_for(draft, 3)[0].draft.mesh == draft.mesh
+    elsewhere = api.load(tmp_path / "hf", mesh_shape=[[4], ["dp"]], devices=jax.devices()[4:])
+    with pytest.raises(
+        ConfigError, match="a draft model must be loaded on the model's devices, in their order"
+    ):
+        model.generate(prompts, 4, draft=elsewhere)
 
 
 @pytest.mark.slow  # another family's three engines compile

@@ -192,28 +192,21 @@ class Sampler:
         """training.rollout's speculative decoding (a Speculation or None) and the draft model's
         parameters on each engine's mesh (Nones without one). The draft stays as loaded."""
         from tunix_train.generate.speculative import Speculation
-
-        g, none = self.rollout, [None] * len(self.meshes)
-        adaptive = g.adaptive_speculation
-        if g.prompt_lookup:
-            return Speculation(g.num_speculative_tokens, lookup=g.prompt_lookup, adaptive=adaptive), none
-        if g.draft is None:
-            return None, none
         from tunix_train.interop import loader
 
-        try:
+        g, none = self.rollout, [None] * len(self.meshes)
+        k, adaptive = g.num_speculative_tokens, g.adaptive_speculation
+        if g.draft is None:
+            return (
+                Speculation(k, lookup=g.prompt_lookup, adaptive=adaptive) if g.prompt_lookup else None
+            ), none
+        try:  # the draft on each engine's mesh, or on draft_mesh_shape's split of its devices
             source = loader.source(g.draft)
+            spec = Speculation(k, source.cfg.model, adaptive=adaptive, draft_mesh_shape=g.draft_mesh_shape)
+            meshes = [spec.draft_mesh(m, "training.rollout.draft_mesh_shape") for m in self.meshes]
+            return spec, [loader.load(source, mesh).params for mesh in meshes]
         except ConfigError as err:
             raise ConfigError(f"training.rollout.draft={g.draft}: {err}") from None
-        speculation = Speculation(
-            g.num_speculative_tokens, source.cfg.model, adaptive=adaptive, draft_mesh_shape=g.draft_mesh_shape
-        )
-        meshes = [speculation.draft_mesh(m, "training.rollout.draft_mesh_shape") for m in self.meshes]
-        try:
-            params = [loader.load(source, mesh).params for mesh in meshes]
-        except ConfigError as err:
-            raise ConfigError(f"training.rollout.draft={g.draft}: {err}") from None
-        return speculation, params
 
     def draft_for(self, engine):
         """The draft model's parameters for `engine` (one of the policy's), else None."""
