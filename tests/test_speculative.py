@@ -389,11 +389,13 @@ def test_grpo_with_a_draft_trains_as_without_and_logs_its_acceptance(tmp_path):
 
 
 @pytest.mark.slow  # a draft's run and an asynchronous GRPO run
-def test_an_asynchronous_run_speculates_with_a_draft_and_logs_its_acceptance_each_step(tmp_path):
+def test_an_asynchronous_run_speculates_with_a_draft_distilled_each_step(tmp_path):
     """Asynchronous GRPO (the rollout engine on devices of its own, its programs warmed before the
     stream, the draft model's prefill too) with a draft model: every step trains, logs the drafts'
-    acceptance since the step before (the draft is one step from the policy's initial weights: near
-    1, then lower as the policy moves), and its tokens' lags as without a draft."""
+    acceptance since the step before (the draft is the policy's initial weights, its run's one step
+    having had a learning rate of 0: near 1, then lower as the policy moves), and its tokens' lags
+    as without a draft. The draft is distilled after every step (draft_distill_every=1, installed
+    with the next weights): each step logs its divergence, and the checkpoint holds it."""
     from conftest import read_metrics
     from test_async import _async_config
 
@@ -409,12 +411,18 @@ def test_an_asynchronous_run_speculates_with_a_draft_and_logs_its_acceptance_eac
         "training.max_steps=3",
         f"training.rollout.draft={tmp_path / 'draft'}",
         "training.rollout.temperature=1.0",
+        "training.rollout.draft_distill_every=1",
+        "training.rollout.draft_learning_rate=1e-3",
     )
     train(cfg, tmp_path / "run", devices=jax.devices()[:4])
     steps = [m for m in read_metrics(tmp_path / "run") if "loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert all(0 < m["acceptance_rate"] <= 1 and "lag_mean" in m and np.isfinite(m["loss"]) for m in steps)
     assert min(m["acceptance_rate"] for m in steps) < 1  # the policy moves away from the draft
+    # the draft starts as the policy, which then moves away from it
+    assert [m["draft_divergence"] == 0 for m in steps] == [True, False, False], steps
+    assert all(0 <= m["draft_divergence"] < 1 for m in steps), steps
+    assert (tmp_path / "run" / "checkpoints" / "3" / "draft").is_dir()
 
 
 def test_a_request_that_opts_out_draws_the_plain_engines_tokens_for_its_seed():
@@ -430,6 +438,38 @@ def test_a_request_that_opts_out_draws_the_plain_engines_tokens_for_its_seed():
     alone = [i for i, r in enumerate(requests) if not r.speculative]
     assert [ours[i].tokens for i in alone] == [plain[i].tokens for i in alone]
     assert [ours[i].tokens for i in range(0, 8, 2)] != [plain[i].tokens for i in range(0, 8, 2)]
+
+
+@pytest.mark.slow  # the speculative program and the plain one compile: the asynchronous path's
+def test_a_draft_installed_mid_stream_drafts_for_the_requests_after_it():
+    """Session.install with draft parameters (a distilled draft reaching asynchronous rollouts): a
+    random draft, almost never kept, replaced after two chunks by the model itself. The requests
+    in flight go on over the old draft's cache entries (a draft only proposes: their tokens stay
+    the plain engine's); those that start after it are prefilled by the new draft, and nearly
+    every draft is kept. A draft of another shape is a ValueError, and the session keeps its own."""
+    mesh, params = _on("1x1")
+    first, later = ([Request((5 + i, 6, 7, 8), 20, stream=i) for i in range(k, k + 4)] for k in (0, 4))
+    plain = Engine(CFG, mesh, slots=4).generate(params, first + later)
+    engine = _engine(mesh, "draft", slots=4)
+    random_draft = _perturbed(params, 3.0, 0)
+    session = engine.session(params, 64, 4, Kinds(True, False, False), draft_params=random_draft)
+    ids = [session.add(r) for r in first]
+    session.step()
+    session.step()
+    with pytest.raises(ValueError):
+        session.install(params, 1, draft_params=jax.tree.map(lambda x: x[..., :1], params))
+    assert session.drafter.params is random_draft
+    assert engine.stats["accepted"] < 0.2 * engine.stats["drafted"], engine.stats
+    session.install(params, 1, draft_params=params)
+    while session.busy:
+        session.step()
+    before = dict(engine.stats)
+    ids += [session.add(r) for r in later]
+    while session.busy:
+        session.step()
+    assert [session.completions[i].tokens for i in ids] == [c.tokens for c in plain]
+    after = {k: engine.stats[k] - before[k] for k in ("accepted", "drafted")}
+    assert after["accepted"] > 0.9 * after["drafted"] > 0, after
 
 
 @pytest.mark.slow  # two speculative programs and the plain one compile

@@ -203,9 +203,8 @@ class RolloutConfig:
                 "training.rollout.draft_mesh_shape is the draft model's: set training.rollout.draft",
             ),
             (
-                self.draft_distill_every and (self.draft is None or self.asynchronous),
-                "training.rollout.draft_distill_every needs training.rollout.draft and a synchronous "
-                "run for now",
+                self.draft_distill_every and self.draft is None,
+                "training.rollout.draft_distill_every needs training.rollout.draft",
             ),
             (
                 self.draft_distill_every < 0 or not self.draft_learning_rate > 0,

@@ -195,12 +195,13 @@ class GroupStream:
             if r.worker is not None:
                 r.worker.stop()
 
-    def install(self, params, version: int) -> None:
+    def install(self, params, version: int, draft_params=None) -> None:
         """New parameters in every replica between two chunks: `params` (each replica's the same)
-        or params(replica index), called on the replica's thread within the deadline."""
+        or params(replica index), called on the replica's thread within the deadline; the draft
+        model's new ones too where given (Session.install)."""
 
         def install(r: _Replica) -> None:
-            r.session.install(params(r.index) if callable(params) else params, version)
+            r.session.install(params(r.index) if callable(params) else params, version, draft_params)
 
         self._on_each(
             list(self.replicas), install, f"installing version {version}'s weights", self.install_timeout_s

@@ -190,17 +190,26 @@ class Session:
         self.completions[rid] = Completion()
         return rid
 
-    def install(self, params, version: int) -> None:
+    def install(self, params, version: int, draft_params=None) -> None:
         """New parameters between two chunks, without draining the slots (an in-flight weight
         update): the running requests draw their next tokens with them, over the keys and values
         their earlier tokens cached under the old ones (a partial rollout: each token's recorded
         log-probability and version are those of the parameters that drew it); the kept prefills
         are dropped, so a request that starts later is prefilled with the new parameters.
+        draft_params: the draft model's new ones too (a distilled draft), drafting over its cache
+        of the old ones (a draft only proposes: the tokens keep the model's distribution).
         Parameters of another structure, shape or dtype are a ValueError naming the first that
         differs, and the session goes on with its own."""
         _check_like(self.params, params)
+        if draft_params is not None:
+            if not isinstance(self.drafter, speculative.DraftModel):
+                raise ValueError("draft parameters were given to a session without a draft model")
+            _check_like(self.drafter.params, draft_params)
         with jax.set_mesh(self.engine.mesh):
             self.per_layer = self.engine.unstack(params)
+            if draft_params is not None:
+                layers = self.engine.draft.unstack(draft_params)
+                self.drafter = dataclasses.replace(self.drafter, params=draft_params, per_layer=layers)
         self.params, self.version = params, version
         self._prefixes.clear()
 

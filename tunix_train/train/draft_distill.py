@@ -1,11 +1,14 @@
 """Keeping a draft model close to a policy that moves (training.rollout.draft_distill_every): after
 every n-th rollout the draft learns, on the rollout's sequences, the next-token distributions of the
-policy parameters that drew them, by the forward KL (divergence.generalized_jsd at beta 0)
-over the completion positions, one Adam step at a time. The rows run one at a time under
-jax.checkpoint, so no [rows, positions, vocab] array exists. The sampler (train/rollout.py) holds
-it and saves its state in each checkpoint."""
+policy parameters of its step, by the forward KL (divergence.generalized_jsd at beta 0) over the
+completion positions, one Adam step at a time. The rows run one at a time under jax.checkpoint, so
+no [rows, positions, vocab] array exists. The sampler (train/rollout.py) holds it (OnRollouts) and
+saves its state in each checkpoint; the engine drafts with the new draft from the next rollout on
+(asynchronously: from the next weight install, train/streaming.py)."""
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from tunix_train.config import ConfigError
 from tunix_train.train.divergence import generalized_jsd
 
 
@@ -74,3 +78,48 @@ class DraftDistiller:
             self.params, self.opt_state, policy_params, tokens_NT, mask_NT
         )
         return float(value)
+
+
+class OnRollouts:
+    """A sampler's draft distillation: the DraftDistiller of its engine's draft (read back from the
+    checkpoint the run resumed from, where that one holds it), stepped after every n-th rollout."""
+
+    def __init__(self, sampler, resumed_from):
+        from tunix_train.checkpoint import restore_item
+
+        if jax.process_count() > 1 or len(sampler.engines) > 1:
+            raise ConfigError(
+                "training.rollout.draft_distill_every runs in one process with one engine for now"
+            )
+        g, engine = sampler.rollout, sampler.engine
+        self.sampler, self.every = sampler, g.draft_distill_every
+        self.distiller = DraftDistiller(
+            engine.draft.graphdef, engine.graphdef, sampler.draft_params[0], g.draft_learning_rate
+        )
+        saved = None if resumed_from is None else restore_item(resumed_from, "draft", self.distiller.state())
+        if saved is not None:
+            self.distiller.params, self.distiller.opt_state = saved["params"], saved["opt_state"]
+            sampler.draft_params[0] = self.distiller.params
+        elif resumed_from is not None:
+            logging.getLogger("tunix_train").warning(
+                f"warning: checkpoint {resumed_from[0] / str(resumed_from[1])} holds no distilled draft: "
+                f"the draft starts again from training.rollout.draft={g.draft}"
+            )
+
+    def state(self) -> dict:
+        return self.distiller.state()
+
+    def after(self, rollout, index: int, params) -> None:
+        """After rollout number `index`, where it is an n-th: one step of the draft toward `params`
+        (the policy's of its step, on the engine's mesh) on its sequences; the divergence before the
+        step joins the rollout's speculation figures, and the new draft the sampler's draft_params."""
+        if (index + 1) % self.every:
+            return
+        s = self.sampler
+        G = s.rollout.num_generations
+        prompts = rollout.prompt_ids or [s.prompts[p] for p in rollout.order for _ in range(G)]
+        tokens, mask = completion_rows(prompts, rollout.completions, s.cfg.data.seq_len)
+        with jax.set_mesh(s.mesh):
+            divergence = self.distiller.step(params, tokens, mask)
+        s.draft_params[0] = self.distiller.params
+        rollout.speculation = {**(rollout.speculation or {}), "draft_divergence": divergence}

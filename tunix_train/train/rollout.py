@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import logging
 import threading
 import time
 from typing import Any, Callable
@@ -176,7 +175,11 @@ class Sampler:
             for mesh in self.meshes
         ]
         self.engine = self.engines[0]
-        self._distiller = self._draft_distiller(link.resumed_from)
+        self.distillation = None  # training.rollout.draft_distill_every's (train/draft_distill.py)
+        if self.rollout.draft_distill_every:
+            from tunix_train.train.draft_distill import OnRollouts
+
+            self.distillation = OnRollouts(self, link.resumed_from)
         if link.rollout_mesh is not None:
             # (several replicas run in one process, where the copier is the same for each mesh)
             self._copy = cross_mesh_copier(link.mesh, link.rollout_mesh)
@@ -311,9 +314,7 @@ class Sampler:
             return sum(g[field] for g in groups)
 
         speculation = speculative.figures(self.speculated) if self.engine.speculation else None
-        if self.rollout.draft_distill_every and (index + 1) % self.rollout.draft_distill_every == 0:
-            speculation["draft_divergence"] = self._distill_draft(groups, params)
-        return Rollout(
+        rollout = Rollout(
             index,
             version,
             int(indices.shape[0]),
@@ -332,55 +333,13 @@ class Sampler:
             routes=joined(groups, "routes"),
             speculation=speculation,
         )
-
-    def _draft_distiller(self, resumed_from):
-        """training.rollout.draft_distill_every's DraftDistiller (else None), its draft and Adam
-        state read back from the checkpoint the run resumed from where that one holds them."""
-        if not self.rollout.draft_distill_every:
-            return None
-        from tunix_train.checkpoint import restore_item
-        from tunix_train.train.draft_distill import DraftDistiller
-
-        if jax.process_count() > 1 or len(self.engines) > 1:
-            raise ConfigError(
-                "training.rollout.draft_distill_every runs in one process with one engine for now"
-            )
-        distiller = DraftDistiller(
-            self.engine.draft.graphdef,
-            self.engine.graphdef,
-            self.draft_params[0],
-            self.rollout.draft_learning_rate,
-        )
-        saved = None if resumed_from is None else restore_item(resumed_from, "draft", distiller.state())
-        if saved is not None:
-            distiller.params, distiller.opt_state = saved["params"], saved["opt_state"]
-            self.draft_params[0] = distiller.params
-        elif resumed_from is not None:
-            logging.getLogger("tunix_train").warning(
-                f"warning: checkpoint {resumed_from[0] / str(resumed_from[1])} holds no distilled draft: "
-                f"the draft starts again from training.rollout.draft={self.rollout.draft}"
-            )
-        return distiller
+        if self.distillation is not None:
+            self.distillation.after(rollout, index, params)
+        return rollout
 
     def checkpoint_items(self) -> dict:
         """The distilled draft and its Adam state (draft_distill_every), for the checkpoint."""
-        return {} if self._distiller is None else {"draft": self._distiller.state()}
-
-    def _distill_draft(self, groups, params) -> float:
-        """One step of the draft toward `params` (the policy that drew `groups`) on their sequences
-        (train/draft_distill.py); the engine drafts with the new draft from the next rollout on.
-        Returns the divergence before the step."""
-        from tunix_train.train.draft_distill import completion_rows
-
-        G = self.rollout.num_generations
-        prompts = joined(groups, "prompt_ids") or [
-            self.prompts[g["prompt"]] for g in groups for _ in range(G)
-        ]
-        tokens, mask = completion_rows(prompts, joined(groups, "completions"), self.cfg.data.seq_len)
-        with jax.set_mesh(self.mesh):
-            divergence = self._distiller.step(params, tokens, mask)
-        self.draft_params[0] = self._distiller.params
-        return divergence
+        return {} if self.distillation is None else {"draft": self.distillation.state()}
 
     def sample(
         self, order: np.ndarray, index: int, round_: int, params, engine=None

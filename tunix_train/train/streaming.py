@@ -309,11 +309,11 @@ class Streaming:
         s, step, start = self.sampler, int(state.step), time.perf_counter()
         engine_busy = self._engine_busy()
         s.syncs = dict.fromkeys(("weight_sync_s", "weight_sync_bytes"), 0.0)
-        install_s = 0.0
+        install_s, policy = 0.0, _once(lambda: s.params(state, 0))  # the first engine's, copied once
         if rollouts.stream is None:
             self._start(rollouts, state)
         elif step % self.r.weight_update_every == 0 and rollouts.stream.session.version != step:
-            self._install(rollouts.stream, state, step)
+            self._install(rollouts.stream, state, step, policy)
             install_s = time.perf_counter() - start
         stream = rollouts.stream
         fill = (len(stream.ready) + len(rollouts.finished)) / stream.buffered
@@ -341,6 +341,8 @@ class Streaming:
         groups = kept + spare[:filler]
         waited = time.perf_counter() - waited
         rollout = self._rollout(groups, step, filler, rounds)
+        if s.distillation is not None:  # the draft a step toward this step's policy (installed next)
+            s.distillation.after(rollout, step, policy())
         self.record = {
             "tickets": rollout.tickets,
             "prompts": rollout.order,
@@ -354,18 +356,17 @@ class Streaming:
         """The engines' seconds of prefill and decode so far."""
         return sum(stats["decode_s"] + stats["prefill_s"] for stats in self.stats)
 
-    def _install(self, stream, state, step: int) -> None:
-        """The step's weights copied to each replica's engine and installed, on the replicas'
-        threads: one that fails, or takes over weight_install_timeout_s, is dropped (the last one:
-        the run stops)."""
+    def _install(self, stream, state, step: int, first: Callable) -> None:
+        """The step's weights copied to each replica's engine (first(): the first one's) and
+        installed, with the distilled draft (draft_distill_every), on the replicas' threads: one
+        that fails, or takes over weight_install_timeout_s, is dropped (the last one: the run stops)."""
         s, local = self.sampler, len(self.sampler.engines)
-        first = _once(lambda: s.params(state, 0))
         on_host = _once(lambda: jax.device_get(state.params))  # the Ray replicas' (remote.py), fetched once
 
         def params(replica: int):
             return s.params(state, replica) if 0 < replica < local else first() if replica == 0 else on_host()
 
-        stream.install(params, step)
+        stream.install(params, step, None if s.distillation is None else s.draft_params[0])
 
     def _taken(self, group) -> dict:
         """A group handed out: its rows, its conversations (with turns) let go."""
