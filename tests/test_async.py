@@ -6,7 +6,7 @@ import json
 import signal
 
 import pytest
-from conftest import REPO, rl_overrides, run_python, run_training, start_python
+from conftest import REPO, config, read_metrics, rl_overrides, run_python, run_training, start_python
 from test_checkpoint import _wait_for_line
 
 from tunix_train.rewards.arithmetic import write_task
@@ -62,7 +62,7 @@ def _async_run(tmp_path, *extra):
         ),
         (
             ["training.rollout.prompt_lookup=3", "training.rollout.routing_replay=true"],
-            "training.rollout.draft / prompt_lookup run without ray_replicas and routing_replay for now",
+            "training.rollout.draft / prompt_lookup run without routing_replay: turn one off",
         ),
         (
             ["training.rollout.prompt_lookup=3", "training.rollout.draft=run"],
@@ -394,7 +394,9 @@ def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path,
     beside the local one, under LoRA: the base goes to the actor once and each install sends the
     adapters only; it finishes groups the run trains on until ray.kill ends it at its sixth decode
     chunk; the stream drops it with one warning (the actor's death, named), and the run's 10 steps
-    train on 40 tickets, none twice, the first epoch's 32 prompts each once."""
+    train on 40 tickets, none twice, the first epoch's 32 prompts each once. Both replicas
+    speculate with a draft model (the actor gets its parameters with the session's): the actor's
+    drafts come back with its figures."""
     import tempfile
 
     import jax
@@ -404,6 +406,11 @@ def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path,
     from tunix_train.train.loop import train
 
     ray = pytest.importorskip("ray", reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
+    draft = config(
+        "model.vocab_size=4096", "data.seq_len=16", "training.max_steps=1", "checkpoint.every_steps=1"
+    )
+    draft.model.mesh_shape = [[1], ["fsdp"]]
+    train(draft, tmp_path / "draft", devices=jax.devices()[:1])
     cfg = _async_config(
         tmp_path,
         "training.max_steps=10",
@@ -412,13 +419,14 @@ def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path,
         "training.rollout.replica_timeout_s=300",  # the actor's first chunks compile its engine
         "training.lora.rank=4",
         "training.learning_rate=1e-2",
+        f"training.rollout.draft={tmp_path / 'draft'}",
     )
-    step, calls, finished = RemoteSession.step, [0], set()
+    step, calls, finished, drafted = RemoteSession.step, [0], set(), [0]
     install, sent = RemoteSession.install, []
 
-    def counted(session, params, version):
+    def counted(session, params, version, draft_params=None):
         sent.append(sorted(jax.tree_util.keystr(path) for path, _ in jax.tree.leaves_with_path(params)))
-        install(session, params, version)
+        install(session, params, version, draft_params)
 
     monkeypatch.setattr(RemoteSession, "install", counted)
 
@@ -428,6 +436,7 @@ def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path,
             ray.kill(session.actor)
         step(session)
         finished.update(rid for rid, c in session.completions.items() if c.finish is not None)
+        drafted[0] = max(drafted[0], session.engine.stats["drafted"])
 
     monkeypatch.setattr(RemoteSession, "step", killed_at_six)
     # unset, a local ray.init turns token authentication on for this process's environment and
@@ -467,6 +476,9 @@ def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path,
     ]
     assert len(dropped) == 1 and "a decode chunk in engine replica 1 failed (" in dropped[0], dropped
     assert "Actor" in dropped[0] and calls[0] == 6 and len(finished) >= 2, (dropped, calls, finished)
+    assert drafted[0] > 0 and all(
+        0 < m["acceptance_rate"] <= 1 for m in read_metrics(tmp_path / "run") if "loss" in m
+    )
     _each_prompt_trained_once(tmp_path / "run", 10)
     # the installs before the actor died: LoRA's a and b matrices, nothing of the base
     assert sent and all(

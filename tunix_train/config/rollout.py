@@ -193,10 +193,8 @@ class RolloutConfig:
                 "training.rollout.draft and training.rollout.prompt_lookup: give one drafter",
             ),
             (
-                (self.draft is not None or self.prompt_lookup > 0)
-                and (self.ray_replicas > 0 or self.routing_replay),
-                "training.rollout.draft / prompt_lookup run without ray_replicas and routing_replay "
-                "for now: turn one off",
+                (self.draft is not None or self.prompt_lookup > 0) and self.routing_replay,
+                "training.rollout.draft / prompt_lookup run without routing_replay: turn one off",
             ),
             (
                 self.draft_mesh_shape is not None and self.draft is None,

@@ -28,8 +28,9 @@ class SessionActor:
 
     def __init__(self, model_cfg, mesh_shape, engine_options: dict, session: dict, to_engine, frozen):
         """session: Engine.session's arguments (max_len, slots, kinds, version) and the trainer's
-        parameters as host arrays (params; under LoRA its adapters); to_engine(params, frozen): what
-        the engine draws with (Sampler.to_engine: under LoRA the adapters merged into `frozen`, the
+        parameters as host arrays (params; under LoRA its adapters; draft_params: a draft model's,
+        where engine_options' tuning speculates with one); to_engine(params, frozen): what the
+        engine draws with (Sampler.to_engine: under LoRA the adapters merged into `frozen`, the
         base, which comes once, here)."""
         from tunix_train.generate.engine import Engine
         from tunix_train.sharding import make_mesh
@@ -39,14 +40,21 @@ class SessionActor:
         self.to_engine = jax.jit(to_engine)
         self.frozen = None if frozen is None else self._placed(frozen)
         session = dict(session)
-        self.session = self.engine.session(self._for_engine(session.pop("params")), **session)
+        draft = self._placed_draft(session.pop("draft_params", None))
+        self.session = self.engine.session(
+            self._for_engine(session.pop("params")), **session, draft_params=draft
+        )
         self.ids: dict[int, int] = {}  # the caller's request id -> the session's
 
-    def _placed(self, tree):
-        """Host arrays onto this mesh, sharded along their logical axes."""
+    def _placed(self, tree, mesh=None):
+        """Host arrays onto `mesh` (default this one), sharded along their logical axes."""
         from tunix_train.sharding import state_shardings
 
-        return jax.device_put(tree, state_shardings(tree, self.mesh))
+        return jax.device_put(tree, state_shardings(tree, mesh or self.mesh))
+
+    def _placed_draft(self, draft_params):
+        """A draft model's host arrays onto its mesh (Speculation.draft_mesh), or None."""
+        return None if draft_params is None else self._placed(draft_params, self.engine.draft.mesh)
 
     def _for_engine(self, params):
         with jax.set_mesh(self.mesh):
@@ -55,12 +63,13 @@ class SessionActor:
     def warm(self, prompt_lengths: Sequence[int]) -> None:
         self.session.warm(prompt_lengths)
 
-    def install(self, params, version: int) -> None:
-        self.session.install(self._for_engine(params), version)
+    def install(self, params, version: int, draft_params=None) -> None:
+        self.session.install(self._for_engine(params), version, self._placed_draft(draft_params))
 
     def step(self, added: list[tuple[int, Request]]):
         """Queues `added`, decodes one chunk; the completions that finished (caller's id,
-        Completion), the requests waiting or running, and the engine's busy seconds so far."""
+        Completion), the requests waiting or running, and the engine's figures so far (its busy
+        seconds as decode_s, and speculative decoding's counts)."""
         for rid, request in added:
             self.ids[rid] = self.session.add(request)
         if self.session.busy:
@@ -71,19 +80,25 @@ class SessionActor:
                 finished.append((rid, self.session.completions.pop(sid)))
                 del self.ids[rid]
         stats = self.engine.stats
-        return finished, self.session.unfinished, stats["decode_s"] + stats["prefill_s"]
+        figures = {k: stats[k] for k in ("accepted", "drafted", "rounds", "plain_rounds") if k in stats}
+        return (
+            finished,
+            self.session.unfinished,
+            {**figures, "decode_s": stats["decode_s"] + stats["prefill_s"]},
+        )
 
 
 class RemoteSession:
     """What GroupStream calls of a Session (slots, version, unfinished, busy, add, step, install,
-    warm, completions, engine.stats), each step one round trip to `actor` (a SessionActor)."""
+    warm, completions, engine.stats: the actor's busy seconds and drafts), each step one round trip
+    to `actor` (a SessionActor)."""
 
     def __init__(self, actor, slots: int, version: int, start_timeout_s: float, asks: dict):
         """start_timeout_s: the actor's deadline to start (warm); asks: the resources it asked."""
         self.actor, self.slots, self.version = actor, slots, version
         self.start_timeout_s, self.asks = start_timeout_s, asks
         self.completions: dict[int, Completion] = {}
-        self.engine = types.SimpleNamespace(stats=collections.Counter())  # the actor's busy seconds
+        self.engine = types.SimpleNamespace(stats=collections.Counter())  # SessionActor.step's figures
         self._added: list[tuple[int, Request]] = []
         self._running, self._next_id = 0, 0  # requests the actor holds, waiting or running
 
@@ -105,14 +120,14 @@ class RemoteSession:
         import ray
 
         added, self._added = self._added, []
-        finished, self._running, busy_s = ray.get(self.actor.step.remote(added))
+        finished, self._running, figures = ray.get(self.actor.step.remote(added))
         self.completions.update(finished)
-        self.engine.stats["decode_s"] = busy_s
+        self.engine.stats.update(figures)
 
-    def install(self, params, version: int) -> None:
+    def install(self, params, version: int, draft_params=None) -> None:
         import ray
 
-        ray.get(self.actor.install.remote(jax.device_get(params), version))
+        ray.get(self.actor.install.remote(jax.device_get(params), version, jax.device_get(draft_params)))
         self.version = version
 
     def warm(self, prompt_lengths: Sequence[int]) -> None:
@@ -149,8 +164,8 @@ def start(
     the one ray.init(address="auto") finds), each with as many devices as mesh_shape takes: GPUs
     where the training runs on GPUs, else CPU devices of a process of its own (XLA's host
     platform). session: Engine.session's arguments (max_len, slots, kinds, version) and the
-    trainer's parameters (params); to_engine and frozen: SessionActor's; timeout_s: each actor's
-    deadline to start."""
+    trainer's parameters (params; draft_params, with a draft model); to_engine and frozen:
+    SessionActor's; timeout_s: each actor's deadline to start."""
     import math
 
     from tunix_train.config import ConfigError
@@ -174,7 +189,9 @@ def start(
         flags = f"--xla_force_host_platform_device_count={devices}"
         options = {"num_cpus": 1, "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}}}
     actor_class = ray.remote(max_restarts=0, max_concurrency=1, **options)(SessionActor)
-    session = dict(session, params=jax.device_get(session["params"]))
+    session = {**session, "params": jax.device_get(session["params"])}
+    if session.get("draft_params") is not None:
+        session["draft_params"] = jax.device_get(session["draft_params"])
     args = (model_cfg, mesh_shape, engine_options, session, to_engine, jax.device_get(frozen))
     actors = [actor_class.remote(*args) for _ in range(count)]
     address = ray.get_runtime_context().gcs_address

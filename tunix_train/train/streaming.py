@@ -225,12 +225,13 @@ class Streaming:
             for i, engine in enumerate(s.engines)
         ]
         if self.r.ray_replicas:
-            from tunix_train.generate import remote
+            from tunix_train.generate import Tuning, remote
 
             weights = s.link.program.weights
             options = {
                 "stop_ids": s.stop_ids,
                 "slots": self.r.slots,
+                "tuning": Tuning(speculation=s.engine.speculation),  # the draft's params: the session's
                 "record_routes": self.r.routing_replay,
                 "lora": weights.engine_lora,
             }
@@ -245,6 +246,7 @@ class Streaming:
                     "kinds": self.kinds,
                     "params": state.params,  # under LoRA the adapters: the actor merges them
                     "version": int(state.step),
+                    "draft_params": s.draft_params[0],
                 },
                 s.to_engine,
                 state.frozen if weights.lora else None,  # LoRA's base, sent once
