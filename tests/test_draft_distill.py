@@ -59,7 +59,8 @@ def test_a_distillation_step_equals_the_direct_transcription_and_steps_lower_the
 def test_grpo_distills_its_draft_and_a_resumed_run_continues_with_the_saved_draft(tmp_path):
     """GRPO with draft_distill_every=1 logs each step's draft_divergence; stopped after step 2 and
     resumed, it logs the uninterrupted run's losses, acceptance and divergences bit for bit (the
-    draft and its Adam state come back from the checkpoint), and the checkpoint holds the draft."""
+    draft and its Adam state come back from the checkpoint), and the checkpoint holds the draft.
+    The draft lives on a mesh of its own (draft_mesh_shape), where it is distilled and restored."""
     from conftest import assert_resumes_alike
 
     from tunix_train.train.loop import train
@@ -79,6 +80,7 @@ def test_grpo_distills_its_draft_and_a_resumed_run_continues_with_the_saved_draf
         "training.rollout.num_speculative_tokens=3",
         "training.rollout.draft_distill_every=1",
         "training.rollout.draft_learning_rate=3e-3",
+        "training.rollout.draft_mesh_shape=[[2],[dp]]",  # the draft whole on each device
         "training.learning_rate=2e-2",
         "checkpoint.every_steps=2",
         "training.lr_schedule=constant",  # as in one run: the cosine's length is max_steps
