@@ -1,7 +1,7 @@
 """Speculative decoding against the plain engine, on the same model and prompts in the same run.
 
     python scripts/benchmark_speculative.py [--out DIR] [--teacher-steps 600] [--draft-steps 600]
-        [--tokens 4] [--lookup-tokens 8] [--new-tokens 96] [--rounds 3]
+        [--tokens 4] [--lookup-tokens 8] [--new-tokens 96] [--rounds 3] [--parts-only [--parts-model M]]
 
 The model: gemma3_small (4 x 256) trained on the bundled corpus for --teacher-steps. The draft:
 gemma3_tiny at the corpus's 4096 tokens (2 x 64: about a twelfth of the model's parameters),
@@ -23,7 +23,10 @@ of two calls each that compile, the median of each call's tokens/s taken:
 - A round's pieces at each batch, as they run inside a compiled chunk (each repeated in one
   compiled loop, a call's dispatch left out): the model's decode step (one position), its verify
   pass over k + 1 positions, and the draft's k + 1 one-token steps (round_parts_*_ms): why the
-  draft model does or does not pay. `--parts-only` measures these alone.
+  draft model does or does not pay. `--parts-only` measures these alone, with what they bound
+  (the speedup of a round keeping every draft, the acceptance 1.6 times needs); `--parts-model
+  gemma3_270m` does it for that config's random weights (as costly as the real ones) and a 2 x 64
+  draft at its 262,144-token vocabulary, nothing trained.
 Greedy outputs of the two engines are compared token for token (greedy_equal). Each case prints a
 JSON line as it ends; the last line has each case's speedup, acceptance rate and mean accepted
 length, and the first case's (the draft at batch 1, greedy) tokens/s. The acceptance rate
@@ -99,9 +102,16 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--train-only", action="store_true")
     parser.add_argument("--parts-only", action="store_true", help="only the round's pieces (round_parts)")
+    parser.add_argument(
+        "--parts-model",
+        default=None,
+        help="with --parts-only: this model config's random weights (e.g. gemma3_270m, as costly as the real "
+        "ones) and a 2 x 64 draft at its vocabulary, nothing trained",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    train(args.out, args)
+    if args.parts_model is None:
+        train(args.out, args)
     if args.train_only:
         return 0
     figures = measure(args) if not args.parts_only else parts(args)
@@ -119,8 +129,44 @@ def _models(args):
 
 
 def parts(args) -> dict:
-    model, draft = _models(args)
-    return {k: v for batch in args.batches for k, v in round_parts(model, draft, batch, args.tokens).items()}
+    """round_parts at each batch, and what they bound: the speedup of a round that keeps every draft
+    (k + 1 tokens for a verify pass and the draft's steps), and the chance a that each draft is
+    kept for 1.6 times plain decoding, a round emitting (1 - a^(k+1)) / (1 - a) tokens."""
+    model, draft = _models(args) if args.parts_model is None else _random_models(args.parts_model)
+    figures = {"parts_model": args.parts_model or "gemma3_small"}
+    for batch in args.batches:
+        found = round_parts(model, draft, batch, args.tokens)
+        step, verify, drafting = (
+            found[f"round_parts_batch{batch}_{n}_ms"] for n in ("step", "verify", "draft")
+        )
+        k, needed = args.tokens, 1.6 * (verify + drafting) / step  # tokens a round for 1.6 times
+        chances = [a / 1000 for a in range(1000) if (1 - (a / 1000) ** (k + 1)) / (1 - a / 1000) >= needed]
+        found[f"round_parts_batch{batch}_all_kept_speedup"] = (k + 1) * step / (verify + drafting)
+        found[f"round_parts_batch{batch}_acceptance_for_1.6x"] = chances[0] if chances else None
+        figures |= found
+    return figures
+
+
+def _random_models(name: str):
+    """Random weights of model config `name` and of a 2 x 64 draft at its vocabulary, on one device."""
+    import types
+
+    import jax
+
+    from tunix_train.compose import load_config
+    from tunix_train.sharding import make_mesh
+    from tunix_train.train.init import plan_train_state
+    from tunix_train.train.optimizer import make_optimizer
+
+    mesh = make_mesh([[1], ["fsdp"]], jax.devices()[:1])
+
+    def random(*overrides):
+        cfg = load_config(list(overrides))[0]
+        params = plan_train_state(cfg.model, make_optimizer(cfg.training)[0], mesh, seed=0).create().params
+        return types.SimpleNamespace(config=cfg.model, mesh=mesh, params=params)
+
+    model = random(f"model={name}")
+    return model, random(DRAFT[0], f"model.vocab_size={model.config.vocab_size}")
 
 
 def measure(args) -> dict:

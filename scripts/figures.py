@@ -76,6 +76,12 @@ BENCHMARKS = {
         "acceptance, greedy equality, and a round's pieces timed inside a compiled loop (round_parts).",
         ["scripts/benchmark_speculative.py"],
     ),
+    "speculative_parts_270m": (
+        "A speculative round's pieces with gemma3_270m's random weights (as costly as the real ones) and "
+        "a 2 x 64 draft at its vocabulary, timed inside a compiled loop: the speedup of a round keeping "
+        "every draft, and the acceptance 1.6 times needs.",
+        ["scripts/benchmark_speculative.py", "--parts-only", "--parts-model", "gemma3_270m"],
+    ),
     "compare_tunix": (
         "tunix_train against Tunix's PeftTrainer, alternating fresh processes: the ratio of median tokens/s.",
         ["scripts/compare_tunix.py", "--rounds", "3"],

@@ -274,13 +274,13 @@ def test_a_weight_install_that_fails_or_hangs_ends_the_run_in_one_line(tmp_path,
     install = Session.install
     faults = {
         "refused": (
-            lambda session, params, version: install(
-                session, jax.tree.map(lambda x: x.astype("bfloat16"), params), version
+            lambda session, params, version, draft_params=None: install(
+                session, jax.tree.map(lambda x: x.astype("bfloat16"), params), version, draft_params
             ),
             "installing version 1's weights failed (ValueError: the new parameters' ",
         ),
         "hung": (
-            lambda session, params, version: threading.Event().wait(120),
+            lambda session, params, version, draft_params=None: threading.Event().wait(120),
             "installing version 1's weights took over 3 s",
         ),
     }
