@@ -24,7 +24,7 @@ of two calls each that compile, the median of each call's tokens/s taken:
   compiled loop, a call's dispatch left out): the model's decode step (one position), its verify
   pass over k + 1 positions, and the draft's k + 1 one-token steps (round_parts_*_ms): why the
   draft model does or does not pay. `--parts-only` measures these alone, with what they bound
-  (the speedup of a round keeping every draft, the acceptance 1.6 times needs); `--parts-model
+  (the speedup of a round keeping every draft, the acceptance 1.2 and 1.6 times need); `--parts-model
   gemma3_270m` does it for that config's random weights (as costly as the real ones) and a 2 x 64
   draft at its 262,144-token vocabulary, nothing trained.
 Greedy outputs of the two engines are compared token for token (greedy_equal). Each case prints a
@@ -131,7 +131,7 @@ def _models(args):
 def parts(args) -> dict:
     """round_parts at each batch, and what they bound: the speedup of a round that keeps every draft
     (k + 1 tokens for a verify pass and the draft's steps), and the chance a that each draft is
-    kept for 1.6 times plain decoding, a round emitting (1 - a^(k+1)) / (1 - a) tokens."""
+    kept for 1.2 and 1.6 times plain decoding, a round emitting (1 - a^(k+1)) / (1 - a) tokens."""
     model, draft = _models(args) if args.parts_model is None else _random_models(args.parts_model)
     figures = {"parts_model": args.parts_model or "gemma3_small"}
     for batch in args.batches:
@@ -139,10 +139,14 @@ def parts(args) -> dict:
         step, verify, drafting = (
             found[f"round_parts_batch{batch}_{n}_ms"] for n in ("step", "verify", "draft")
         )
-        k, needed = args.tokens, 1.6 * (verify + drafting) / step  # tokens a round for 1.6 times
-        chances = [a / 1000 for a in range(1000) if (1 - (a / 1000) ** (k + 1)) / (1 - a / 1000) >= needed]
+        k = args.tokens
         found[f"round_parts_batch{batch}_all_kept_speedup"] = (k + 1) * step / (verify + drafting)
-        found[f"round_parts_batch{batch}_acceptance_for_1.6x"] = chances[0] if chances else None
+        for speedup in (1.2, 1.6):
+            needed = speedup * (verify + drafting) / step  # tokens a round
+            chances = [
+                a / 1000 for a in range(1000) if (1 - (a / 1000) ** (k + 1)) / (1 - a / 1000) >= needed
+            ]
+            found[f"round_parts_batch{batch}_acceptance_for_{speedup}x"] = chances[0] if chances else None
         figures |= found
     return figures
 

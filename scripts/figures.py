@@ -79,7 +79,7 @@ BENCHMARKS = {
     "speculative_parts_270m": (
         "A speculative round's pieces with gemma3_270m's random weights (as costly as the real ones) and "
         "a 2 x 64 draft at its vocabulary, timed inside a compiled loop: the speedup of a round keeping "
-        "every draft, and the acceptance 1.6 times needs.",
+        "every draft, and the acceptance 1.2 and 1.6 times need.",
         ["scripts/benchmark_speculative.py", "--parts-only", "--parts-model", "gemma3_270m"],
     ),
     "compare_tunix": (
