@@ -133,7 +133,7 @@ def parts(args) -> dict:
     (k + 1 tokens for a verify pass and the draft's steps), and the chance a that each draft is
     kept for 1.2 and 1.6 times plain decoding, a round emitting (1 - a^(k+1)) / (1 - a) tokens."""
     model, draft = _models(args) if args.parts_model is None else _random_models(args.parts_model)
-    figures = {"parts_model": args.parts_model or "gemma3_small"}
+    figures = {}
     for batch in args.batches:
         found = round_parts(model, draft, batch, args.tokens)
         step, verify, drafting = (
