@@ -477,3 +477,45 @@ def test_two_processes_sample_and_train_like_one(tmp_path, rollout_mesh, one_pro
             atol=1e-7,
             err_msg=key,
         )
+
+
+@pytest.mark.slow  # a one-process and a two-process run
+@pytest.mark.xdist_group("one_process_grpo")
+def test_two_processes_distill_a_draft_like_one(tmp_path, one_process_grpo):
+    """GRPO drafting with the reference run's final checkpoint and distilling it every step
+    (draft_distill_every=1): 2 processes x 2 devices log the losses, acceptance and draft
+    divergences of 1 process x 4 (the divergence to float32 rounding: another device layout), and
+    save the distilled draft in their checkpoint."""
+    import os
+
+    from conftest import REPO
+
+    one_dir, prompts = one_process_grpo
+    run = [
+        *_two_process_run(prompts),
+        f"training.rollout.draft={one_dir}",
+        "training.rollout.draft_distill_every=1",
+        "training.rollout.draft_learning_rate=1e-3",
+    ]
+    one = run_training(*run, f"hydra.run.dir={tmp_path / 'one'}", devices=4, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = run_python(
+        "-m",
+        "tunix_train.launch",
+        "--nprocs=2",
+        "--cpu_devices_per_process=2",
+        str(REPO / "run_training.py"),
+        *run,
+        f"hydra.run.dir={tmp_path / 'two'}",
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+    )
+    assert two.returncode == 0, two.stdout[-2000:]
+    steps = {name: [m for m in read_metrics(tmp_path / name) if "loss" in m] for name in ("one", "two")}
+    assert [m["step"] for m in steps["two"]] == [1, 2, 3]
+    for key, rtol in (("loss", 1e-5), ("acceptance_rate", 0), ("draft_divergence", 1e-5)):
+        np.testing.assert_allclose(
+            [m[key] for m in steps["two"]], [m[key] for m in steps["one"]], rtol=rtol, atol=1e-7, err_msg=key
+        )
+    assert all(m["draft_divergence"] > 0 for m in steps["two"])
+    assert (tmp_path / "two" / "checkpoints" / "3" / "draft").is_dir()

@@ -87,10 +87,8 @@ class OnRollouts:
     def __init__(self, sampler, resumed_from):
         from tunix_train.checkpoint import restore_item
 
-        if jax.process_count() > 1 or len(sampler.engines) > 1:
-            raise ConfigError(
-                "training.rollout.draft_distill_every runs in one process with one engine for now"
-            )
+        if len(sampler.engines) > 1:
+            raise ConfigError("training.rollout.draft_distill_every runs with one engine for now: replicas=1")
         g, engine = sampler.rollout, sampler.engine
         self.sampler, self.every = sampler, g.draft_distill_every
         self.distiller = DraftDistiller(
