@@ -575,6 +575,7 @@ def test_gemma4s_shared_kv_layers_speculate_to_the_plain_tokens():
         assert [c.tokens for c in engine.generate(params, requests, draft_params=draft)] == plain
 
 
+@pytest.mark.slow  # three engines on 8 devices compile (about 20 s)
 def test_a_draft_on_its_own_split_of_the_devices_speculates_to_the_plain_tokens():
     """A model split over fsdp=4 x tp=2, its draft (the model plus noise) whole on each of the 8
     devices with the rows split 8 ways (draft_mesh_shape [[8], ["dp"]]): the plain engine's greedy
