@@ -395,8 +395,8 @@ def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path,
     adapters only; it finishes groups the run trains on until ray.kill ends it at its sixth decode
     chunk; the stream drops it with one warning (the actor's death, named), and the run's 10 steps
     train on 40 tickets, none twice, the first epoch's 32 prompts each once. Both replicas
-    speculate with a draft model (the actor gets its parameters with the session's): the actor's
-    drafts come back with its figures."""
+    speculate with a draft model (the actor gets its parameters with the session's), distilled
+    every step and sent with every install: the actor's drafts come back with its figures."""
     import tempfile
 
     import jax
@@ -420,12 +420,14 @@ def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path,
         "training.lora.rank=4",
         "training.learning_rate=1e-2",
         f"training.rollout.draft={tmp_path / 'draft'}",
+        "training.rollout.draft_distill_every=1",
     )
     step, calls, finished, drafted = RemoteSession.step, [0], set(), [0]
-    install, sent = RemoteSession.install, []
+    install, sent, drafts_sent = RemoteSession.install, [], []
 
     def counted(session, params, version, draft_params=None):
         sent.append(sorted(jax.tree_util.keystr(path) for path, _ in jax.tree.leaves_with_path(params)))
+        drafts_sent.append(draft_params is not None)
         install(session, params, version, draft_params)
 
     monkeypatch.setattr(RemoteSession, "install", counted)
@@ -476,9 +478,10 @@ def test_a_ray_actor_replica_draws_groups_and_a_killed_one_is_survived(tmp_path,
     ]
     assert len(dropped) == 1 and "a decode chunk in engine replica 1 failed (" in dropped[0], dropped
     assert "Actor" in dropped[0] and calls[0] == 6 and len(finished) >= 2, (dropped, calls, finished)
-    assert drafted[0] > 0 and all(
-        0 < m["acceptance_rate"] <= 1 for m in read_metrics(tmp_path / "run") if "loss" in m
-    )
+    assert drafts_sent and all(drafts_sent)  # the distilled draft goes with every install
+    # a step after which no chunk ran (the buffer full) has no acceptance: nothing was drafted
+    rates = [m["acceptance_rate"] for m in read_metrics(tmp_path / "run") if "acceptance_rate" in m]
+    assert drafted[0] > 0 and rates and all(0 < r <= 1 for r in rates), rates
     _each_prompt_trained_once(tmp_path / "run", 10)
     # the installs before the actor died: LoRA's a and b matrices, nothing of the base
     assert sent and all(

@@ -417,8 +417,11 @@ def test_an_asynchronous_run_speculates_with_a_draft_distilled_each_step(tmp_pat
     train(cfg, tmp_path / "run", devices=jax.devices()[:4])
     steps = [m for m in read_metrics(tmp_path / "run") if "loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]
-    assert all(0 < m["acceptance_rate"] <= 1 and "lag_mean" in m and np.isfinite(m["loss"]) for m in steps)
-    assert min(m["acceptance_rate"] for m in steps) < 1  # the policy moves away from the draft
+    assert all("lag_mean" in m and np.isfinite(m["loss"]) for m in steps)
+    # a step after which no chunk ran (the buffer full) has no acceptance: nothing was drafted
+    rates = [m["acceptance_rate"] for m in steps if "acceptance_rate" in m]
+    assert "acceptance_rate" in steps[0] and all(0 < r <= 1 for r in rates), steps
+    assert min(rates) < 1  # the policy moves away from the draft
     # the draft starts as the policy, which then moves away from it
     assert [m["draft_divergence"] == 0 for m in steps] == [True, False, False], steps
     assert all(0 <= m["draft_divergence"] < 1 for m in steps), steps

@@ -474,6 +474,7 @@ class Streaming:
             self.figures["replicas_lost"] = stream.started_with - len(stream.replicas)
         if self.sampler.engine.speculation is not None:  # the drafts since the previous step's
             drafts = sum((collections.Counter(dict(stats)) for stats in self.stats), collections.Counter())
-            self.figures.update(speculative.figures(drafts - self._drafts))
-            self._drafts = drafts
+            new, self._drafts = drafts - self._drafts, drafts
+            if new["rounds"] or new["plain_rounds"]:  # none where no chunk ran since (a full buffer)
+                self.figures.update(speculative.figures(new))
         self._last = (start, engine_busy)
