@@ -422,6 +422,25 @@ def _two_process_run(prompts) -> list[str]:
     ]
 
 
+def _launched_on_two_processes(run_dir, *overrides, devices: int):
+    """run_training.py with `overrides` by the launcher: 2 processes of `devices` CPU devices each."""
+    import os
+
+    from conftest import REPO
+
+    return run_python(
+        "-m",
+        "tunix_train.launch",
+        "--nprocs=2",
+        f"--cpu_devices_per_process={devices}",
+        str(REPO / "run_training.py"),
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+    )
+
+
 @pytest.fixture(scope="module")
 def one_process_grpo(tmp_path_factory):
     """The run both two-process tests compare with: 1 process x 4 devices; (its directory, prompts)."""
@@ -445,25 +464,10 @@ def test_two_processes_sample_and_train_like_one(tmp_path, rollout_mesh, one_pro
     """Every process samples the step's prompts and keeps its own rows: 2 processes x 2 devices give
     the completions and losses of 1 process x 4. With a rollout mesh, 2 processes x 4 devices, each
     giving 2 to a [[4],["fsdp"]] rollout mesh, each copying its own shards of the weights there."""
-    import os
-
-    from conftest import REPO
-
     one_dir, prompts = one_process_grpo
     run = _two_process_run(prompts)
     apart = ['training.rollout.mesh_shape=[[4],["fsdp"]]'] if rollout_mesh else []
-    two = run_python(
-        "-m",
-        "tunix_train.launch",
-        "--nprocs=2",
-        f"--cpu_devices_per_process={4 if rollout_mesh else 2}",
-        str(REPO / "run_training.py"),
-        *run,
-        *apart,
-        f"hydra.run.dir={tmp_path / 'two'}",
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        timeout=300,
-    )
+    two = _launched_on_two_processes(tmp_path / "two", *run, *apart, devices=4 if rollout_mesh else 2)
     assert two.returncode == 0, two.stdout
     assert _samples(tmp_path / "two") == _samples(one_dir)
     assert all(
@@ -486,10 +490,6 @@ def test_two_processes_distill_a_draft_like_one(tmp_path, one_process_grpo):
     (draft_distill_every=1): 2 processes x 2 devices log the losses, acceptance and draft
     divergences of 1 process x 4 (the divergence to float32 rounding: another device layout), and
     save the distilled draft in their checkpoint."""
-    import os
-
-    from conftest import REPO
-
     one_dir, prompts = one_process_grpo
     run = [
         *_two_process_run(prompts),
@@ -499,17 +499,7 @@ def test_two_processes_distill_a_draft_like_one(tmp_path, one_process_grpo):
     ]
     one = run_training(*run, f"hydra.run.dir={tmp_path / 'one'}", devices=4, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
-    two = run_python(
-        "-m",
-        "tunix_train.launch",
-        "--nprocs=2",
-        "--cpu_devices_per_process=2",
-        str(REPO / "run_training.py"),
-        *run,
-        f"hydra.run.dir={tmp_path / 'two'}",
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        timeout=300,
-    )
+    two = _launched_on_two_processes(tmp_path / "two", *run, devices=2)
     assert two.returncode == 0, two.stdout[-2000:]
     steps = {name: [m for m in read_metrics(tmp_path / name) if "loss" in m] for name in ("one", "two")}
     assert [m["step"] for m in steps["two"]] == [1, 2, 3]
