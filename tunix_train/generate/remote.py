@@ -122,7 +122,8 @@ class RemoteSession:
         added, self._added = self._added, []
         finished, self._running, figures = ray.get(self.actor.step.remote(added))
         self.completions.update(finished)
-        self.engine.stats.update(figures)
+        for name, value in figures.items():  # the actor's totals so far (Counter.update would add them)
+            self.engine.stats[name] = value
 
     def install(self, params, version: int, draft_params=None) -> None:
         import ray
@@ -189,9 +190,8 @@ def start(
         flags = f"--xla_force_host_platform_device_count={devices}"
         options = {"num_cpus": 1, "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}}}
     actor_class = ray.remote(max_restarts=0, max_concurrency=1, **options)(SessionActor)
-    session = {**session, "params": jax.device_get(session["params"])}
-    if session.get("draft_params") is not None:
-        session["draft_params"] = jax.device_get(session["draft_params"])
+    on_host = {name: jax.device_get(session.get(name)) for name in ("params", "draft_params")}
+    session = {**session, **on_host}
     args = (model_cfg, mesh_shape, engine_options, session, to_engine, jax.device_get(frozen))
     actors = [actor_class.remote(*args) for _ in range(count)]
     address = ray.get_runtime_context().gcs_address
